@@ -1,0 +1,162 @@
+/*
+ * kvcache core API: status codes, error messages, versions, dtypes, the tensor
+ * description used by every operator, CPU ISA selection and the thread pool.
+ *
+ * Conventions used by every kvcache header:
+ *   - Fallible functions return kvc_status (KVC_OK == 0, errors negative) and,
+ *     on error, set a per-thread message readable with kvc_last_error().
+ *   - A call that fails leaves every caller buffer (caches included) unchanged.
+ *   - Shapes are written (d0, d1, ...), row-major; strides are in elements.
+ *   - The caller owns every buffer; the library keeps no pointer past a call.
+ *   - Objects are not internally locked; kernels are reentrant.
+ */
+#ifndef KVCACHE_CORE_H
+#define KVCACHE_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvcache/version.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32) && defined(KVC_BUILDING_SHARED)
+#define KVC_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#define KVC_API __attribute__((visibility("default")))
+#else
+#define KVC_API
+#endif
+
+/* ---- status ------------------------------------------------------------ */
+
+typedef enum kvc_status {
+    KVC_OK = 0,
+    KVC_ERR_NOMEM = -1,       /* an allocation failed */
+    KVC_ERR_INVALID_ARG = -2, /* bad shape, dtype, attribute, index or value */
+    KVC_ERR_NO_SPACE = -3,    /* a cache has no free pages left */
+    KVC_ERR_NOT_FOUND = -4,   /* unknown or freed handle/id */
+    KVC_ERR_UNSUPPORTED = -5, /* valid request this build/CPU cannot serve */
+    KVC_ERR_IO = -6,          /* file read/write failed */
+    KVC_ERR_CORRUPT = -7,     /* malformed file or broken invariant */
+    KVC_ERR_INTERNAL = -8     /* a bug in kvcache: please report it */
+} kvc_status;
+
+/* Static name of a status, e.g. "invalid argument". Never NULL. */
+KVC_API const char *kvc_status_str(kvc_status status);
+
+/* Detail message of the last failed call on this thread ("" if none). The
+ * pointer stays valid until the next kvcache call on this thread. */
+KVC_API const char *kvc_last_error(void);
+
+/* Clears this thread's last error message. */
+KVC_API void kvc_clear_error(void);
+
+/* ---- version ----------------------------------------------------------- */
+
+KVC_API unsigned kvc_version_number(void); /* KVC_VERSION_NUMBER of the library */
+KVC_API const char *kvc_version_string(void);
+
+/* ---- dtypes ------------------------------------------------------------ */
+
+typedef enum kvc_dtype {
+    KVC_F32 = 0,
+    KVC_F16 = 1,  /* IEEE binary16 */
+    KVC_BF16 = 2, /* bfloat16 (upper half of a float32) */
+    KVC_I8 = 3,
+    KVC_I4 = 4, /* packed: element 2i in the low nibble of byte i, 2i+1 high */
+    KVC_FP8_E4M3 = 5, /* reserved: no operator accepts it yet */
+    KVC_I32 = 6,
+    KVC_I64 = 7,
+    KVC_U8 = 8,
+    KVC_DTYPE_COUNT
+} kvc_dtype;
+
+/* "float32", "float16", "bfloat16", "int8", "int4", "float8_e4m3", "int32",
+ * "int64", "uint8"; "?" for an invalid value. */
+KVC_API const char *kvc_dtype_name(kvc_dtype dtype);
+
+/* Storage bits per element: 32, 16, 16, 8, 4, 8, 32, 64, 8; 0 if invalid. */
+KVC_API int kvc_dtype_bits(kvc_dtype dtype);
+
+/* Scalar conversions, round to nearest even; NaN stays NaN (quieted). */
+KVC_API uint16_t kvc_f32_to_f16(float x);
+KVC_API float kvc_f16_to_f32(uint16_t h);
+KVC_API uint16_t kvc_f32_to_bf16(float x);
+KVC_API float kvc_bf16_to_f32(uint16_t h);
+
+/* ---- tensors ----------------------------------------------------------- */
+
+#define KVC_MAX_DIMS 8
+
+/*
+ * A view of caller memory. shape[i] >= 0; stride[i] is in elements (for
+ * KVC_I4, in 4-bit elements, so every stride but the last must be even and
+ * data points at the byte holding element 0 in its low nibble). Operators
+ * require stride[ndim-1] == 1 unless they say otherwise; other strides may be
+ * anything non-negative, so slices of larger arrays can be passed. A 0-d
+ * tensor (ndim == 0) holds one element.
+ */
+typedef struct kvc_tensor {
+    void *data;
+    kvc_dtype dtype;
+    int32_t ndim;
+    int64_t shape[KVC_MAX_DIMS];
+    int64_t stride[KVC_MAX_DIMS];
+} kvc_tensor;
+
+/* A contiguous row-major tensor over data. ndim in [0, KVC_MAX_DIMS]. */
+KVC_API kvc_tensor kvc_tensor_make(void *data, kvc_dtype dtype, int32_t ndim,
+                                   const int64_t *shape);
+
+/* Number of elements (product of shape; 1 for ndim 0). */
+KVC_API int64_t kvc_tensor_numel(const kvc_tensor *t);
+
+/* ---- CPU ISA dispatch -------------------------------------------------- */
+
+typedef enum kvc_isa {
+    KVC_ISA_SCALAR = 0, /* portable C reference kernels */
+    KVC_ISA_AVX2 = 1,   /* AVX2 + FMA + F16C */
+    KVC_ISA_AVX512 = 2, /* AVX-512 F/BW/VL/DQ */
+    KVC_ISA_COUNT
+} kvc_isa;
+
+/* The ISA kernels run with now. Chosen once from cpuid + xgetbv, capped by
+ * the environment variable KVC_ISA=scalar|avx2|avx512 if set. */
+KVC_API kvc_isa kvc_get_isa(void);
+
+/* Best ISA this CPU and OS support (ignores KVC_ISA). */
+KVC_API kvc_isa kvc_best_isa(void);
+
+/* 1 if the CPU/OS can run isa, else 0. */
+KVC_API int kvc_isa_supported(kvc_isa isa);
+
+/* "scalar", "avx2", "avx512". */
+KVC_API const char *kvc_isa_name(kvc_isa isa);
+
+/* Selects the kernels used from now on (tests, benchmarks). Fails with
+ * KVC_ERR_UNSUPPORTED if the CPU cannot run isa. Not thread-safe with
+ * respect to calls running concurrently. */
+KVC_API kvc_status kvc_set_isa(kvc_isa isa);
+
+/* ---- thread pool ------------------------------------------------------- */
+
+/*
+ * A fixed set of n_threads - 1 worker threads plus the calling thread. Work
+ * is always split into fixed chunks independent of n_threads, so results are
+ * bitwise identical for any thread count. Operators accept a NULL pool and
+ * then run on the calling thread only. One operator at a time per pool.
+ */
+typedef struct kvc_threadpool kvc_threadpool;
+
+/* n_threads >= 1 (n_threads <= 0 means all online CPUs). */
+KVC_API kvc_status kvc_threadpool_create(int n_threads, kvc_threadpool **out);
+KVC_API void kvc_threadpool_destroy(kvc_threadpool *pool); /* NULL is a no-op */
+KVC_API int kvc_threadpool_n_threads(const kvc_threadpool *pool); /* 1 for NULL */
+
+#ifdef __cplusplus
+}
+#endif
+#endif

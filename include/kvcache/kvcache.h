@@ -1,0 +1,25 @@
+/*
+ * kvcache: a key/value cache library for LLM inference engines.
+ *
+ * Umbrella header. Modules:
+ *   kvcache/core.h   status codes, dtypes, tensors, ISA dispatch, threads
+ *   kvcache/quant.h  float16/bfloat16 conversion, int8/int4 group quantization
+ *   kvcache/pmx.h    OpenPPL pmx KeyValueCache operators
+ *
+ * Minimal use (store one token of a float16 batch into an int8 cache):
+ *
+ *   kvc_pmx_kv_params p = kvc_pmx_kv_default_params();
+ *   p.quant_bit = 8;
+ *   kvc_status st = kvc_pmx_key_value_cache(&k, &v, &start_pos, &cache, &scale,
+ *                                           &p, &key_out, &value_out, NULL);
+ *   if (st != KVC_OK) fprintf(stderr, "%s\n", kvc_last_error());
+ */
+#ifndef KVCACHE_KVCACHE_H
+#define KVCACHE_KVCACHE_H
+
+#include "kvcache/version.h"
+#include "kvcache/core.h"
+#include "kvcache/quant.h"
+#include "kvcache/pmx.h"
+
+#endif

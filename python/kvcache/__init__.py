@@ -1,0 +1,68 @@
+"""kvcache: Python binding (ctypes + numpy) of the kvcache C library.
+
+Modules:
+    kvcache.pmx    OpenPPL KeyValueCache operators (static and dynamic batching)
+    kvcache.quant  convert / quantize / dequantize (also re-exported here)
+
+The shared library is found through the environment variable
+``KVCACHE_LIBRARY``, else the repository's ``build/libkvcache.so``, else the
+system library path. C errors are raised as :class:`KvcacheError` subclasses
+carrying the library's message (``InvalidArgumentError`` is also a
+``ValueError``).
+"""
+
+from __future__ import annotations
+
+from . import _lib
+from .core import (
+    ISA_NAMES,
+    best_isa,
+    get_isa,
+    isa_supported,
+    set_isa,
+    supported_isas,
+    version,
+    version_number,
+)
+from .errors import (
+    CorruptError,
+    InternalError,
+    InvalidArgumentError,
+    KvcacheError,
+    KvcacheIOError,
+    NoSpaceError,
+    NotFoundError,
+    OutOfMemoryError,
+    UnsupportedError,
+)
+from .quant import convert, dequantize, quantize
+from . import pmx  # noqa: E402  (re-exported submodule)
+
+__version__ = version()
+library_path = _lib.library_path
+
+__all__ = [
+    "__version__",
+    "library_path",
+    "ISA_NAMES",
+    "best_isa",
+    "get_isa",
+    "isa_supported",
+    "set_isa",
+    "supported_isas",
+    "version",
+    "version_number",
+    "convert",
+    "quantize",
+    "dequantize",
+    "pmx",
+    "KvcacheError",
+    "InvalidArgumentError",
+    "UnsupportedError",
+    "OutOfMemoryError",
+    "NoSpaceError",
+    "NotFoundError",
+    "KvcacheIOError",
+    "CorruptError",
+    "InternalError",
+]

@@ -1,0 +1,432 @@
+"""Low-level ctypes layer: loading libkvcache, C prototypes, status checking,
+numpy <-> ``kvc_tensor`` conversion and the thread-pool cache.
+
+Library lookup order:
+
+1. the environment variable ``KVCACHE_LIBRARY`` (a path; if it is set and
+   cannot be loaded, import fails: there is no silent fallback),
+2. the repository's build tree, ``python/../build/libkvcache.so``,
+3. the system (``ctypes.util.find_library("kvcache")``).
+
+Nothing here is public API; use the functions re-exported by ``kvcache``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import ctypes.util
+import operator
+import os
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from .errors import (
+    STATUS_INTERNAL,
+    InternalError,
+    InvalidArgumentError,
+    error_for_status,
+)
+
+# ---------------------------------------------------------------------------
+# Loading
+
+_ENV_VAR = "KVCACHE_LIBRARY"
+
+
+def _library_file_names() -> list[str]:
+    if sys.platform == "darwin":
+        return ["libkvcache.dylib"]
+    if sys.platform == "win32":
+        return ["kvcache.dll", "libkvcache.dll"]
+    return ["libkvcache.so"]
+
+
+def _load_library() -> tuple[ctypes.CDLL, str]:
+    """Finds and loads libkvcache; returns (handle, path). Raises ImportError."""
+    env = os.environ.get(_ENV_VAR)
+    if env:
+        if not os.path.exists(env):
+            raise ImportError(
+                f"kvcache: {_ENV_VAR}={env!r} does not exist; point it at a built "
+                f"libkvcache shared library or unset it to search the build tree and the system"
+            )
+        try:
+            return ctypes.CDLL(env), env
+        except OSError as exc:
+            raise ImportError(f"kvcache: cannot load {_ENV_VAR}={env!r}: {exc}") from exc
+
+    tried = []
+    build_dir = Path(__file__).resolve().parent.parent.parent / "build"
+    for name in _library_file_names():
+        candidate = build_dir / name
+        tried.append(str(candidate))
+        if candidate.exists():
+            try:
+                return ctypes.CDLL(str(candidate)), str(candidate)
+            except OSError as exc:
+                raise ImportError(f"kvcache: cannot load {str(candidate)!r}: {exc}") from exc
+
+    found = ctypes.util.find_library("kvcache")
+    tried.append('ctypes.util.find_library("kvcache")')
+    if found:
+        try:
+            return ctypes.CDLL(found), found
+        except OSError as exc:
+            raise ImportError(f"kvcache: cannot load system library {found!r}: {exc}") from exc
+
+    raise ImportError(
+        "kvcache: libkvcache shared library not found (tried: "
+        + ", ".join(tried)
+        + f"). Build it (cmake -S . -B build -G Ninja && cmake --build build) "
+        f"or set {_ENV_VAR} to its path."
+    )
+
+
+lib, library_path = _load_library()
+
+# ---------------------------------------------------------------------------
+# C types
+
+KVC_MAX_DIMS = 8
+
+# kvc_dtype
+KVC_F32, KVC_F16, KVC_BF16, KVC_I8, KVC_I4, KVC_FP8_E4M3, KVC_I32, KVC_I64, KVC_U8 = range(9)
+
+# kvc_isa
+ISA_NAMES = ("scalar", "avx2", "avx512")
+
+
+class Tensor(ctypes.Structure):
+    """ctypes mirror of ``kvc_tensor`` (strides in elements, nibbles for int4)."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("dtype", ctypes.c_int),
+        ("ndim", ctypes.c_int32),
+        ("shape", ctypes.c_int64 * KVC_MAX_DIMS),
+        ("stride", ctypes.c_int64 * KVC_MAX_DIMS),
+    ]
+
+
+class PmxKvParams(ctypes.Structure):
+    """ctypes mirror of ``kvc_pmx_kv_params``."""
+
+    _fields_ = [
+        ("num_layer", ctypes.c_int32),
+        ("layer_idx", ctypes.c_int32),
+        ("quant_bit", ctypes.c_int32),
+        ("quant_group", ctypes.c_int32),
+        ("num_repeat", ctypes.c_int32),
+        ("cache_layout", ctypes.c_int32),
+        ("cache_mode", ctypes.c_int32),
+        ("page_size", ctypes.c_int32),
+    ]
+
+
+_c_int = ctypes.c_int
+_vp = ctypes.c_void_p
+_TP = ctypes.POINTER(Tensor)
+
+
+def _proto(name, restype, *argtypes):
+    fn = getattr(lib, name)
+    fn.restype = restype
+    fn.argtypes = list(argtypes)
+    return fn
+
+
+kvc_status_str = _proto("kvc_status_str", ctypes.c_char_p, _c_int)
+kvc_last_error = _proto("kvc_last_error", ctypes.c_char_p)
+kvc_clear_error = _proto("kvc_clear_error", None)
+kvc_version_number = _proto("kvc_version_number", ctypes.c_uint)
+kvc_version_string = _proto("kvc_version_string", ctypes.c_char_p)
+kvc_dtype_name = _proto("kvc_dtype_name", ctypes.c_char_p, _c_int)
+kvc_get_isa = _proto("kvc_get_isa", _c_int)
+kvc_best_isa = _proto("kvc_best_isa", _c_int)
+kvc_isa_supported = _proto("kvc_isa_supported", _c_int, _c_int)
+kvc_isa_name = _proto("kvc_isa_name", ctypes.c_char_p, _c_int)
+kvc_set_isa = _proto("kvc_set_isa", _c_int, _c_int)
+kvc_threadpool_create = _proto("kvc_threadpool_create", _c_int, _c_int, ctypes.POINTER(_vp))
+kvc_threadpool_destroy = _proto("kvc_threadpool_destroy", None, _vp)
+kvc_threadpool_n_threads = _proto("kvc_threadpool_n_threads", _c_int, _vp)
+kvc_convert = _proto("kvc_convert", _c_int, _vp, _c_int, _vp, _c_int, ctypes.c_int64)
+kvc_quantize = _proto(
+    "kvc_quantize", _c_int, _vp, _c_int, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, _vp,
+    _vp, _c_int,
+)
+kvc_dequantize = _proto(
+    "kvc_dequantize", _c_int, _vp, ctypes.c_int32, _vp, _c_int, ctypes.c_int64,
+    ctypes.c_int32, _vp, _c_int,
+)
+kvc_pmx_kv_default_params = _proto("kvc_pmx_kv_default_params", PmxKvParams)
+kvc_pmx_key_value_cache = _proto(
+    "kvc_pmx_key_value_cache", _c_int, _TP, _TP, _TP, _TP, _TP,
+    ctypes.POINTER(PmxKvParams), _TP, _TP, _vp,
+)
+kvc_pmx_dynamic_key_value_cache = _proto(
+    "kvc_pmx_dynamic_key_value_cache", _c_int, _TP, _TP, _TP, _TP, _TP, _TP, _TP, _TP, _TP,
+    _TP, ctypes.POINTER(PmxKvParams), _TP, _TP, _vp,
+)
+
+
+def check(status: int) -> None:
+    """Raises the exception matching a negative kvc_status, with kvc_last_error()."""
+    if status == 0:
+        return
+    if status > 0:  # not a kvc_status value at all
+        raise InternalError(f"kvcache returned unexpected status {status}", STATUS_INTERNAL)
+    raw = kvc_last_error()
+    message = raw.decode("utf-8", "replace") if raw else ""
+    if not message:
+        name = kvc_status_str(status)
+        message = name.decode() if name else f"status {status}"
+    raise error_for_status(status, message)
+
+
+# ---------------------------------------------------------------------------
+# dtypes
+
+_bf16_dtype = None
+_bf16_tried = False
+
+
+def bfloat16_dtype():
+    """numpy dtype of ml_dtypes.bfloat16, or None if ml_dtypes is not installed."""
+    global _bf16_dtype, _bf16_tried
+    if not _bf16_tried:
+        _bf16_tried = True
+        try:
+            import ml_dtypes  # noqa: PLC0415 (optional dependency, imported lazily)
+
+            _bf16_dtype = np.dtype(ml_dtypes.bfloat16)
+        except ImportError:
+            _bf16_dtype = None
+    return _bf16_dtype
+
+
+_NUMPY_CODES = {
+    np.dtype(np.float32): KVC_F32,
+    np.dtype(np.float16): KVC_F16,
+    np.dtype(np.int8): KVC_I8,
+    np.dtype(np.int32): KVC_I32,
+    np.dtype(np.int64): KVC_I64,
+    np.dtype(np.uint8): KVC_U8,
+}
+
+FLOAT_CODES = (KVC_F32, KVC_F16, KVC_BF16)
+
+
+def resolve_dtype(dtype) -> np.dtype:
+    """numpy dtype from a numpy dtype/type or a name ("float32", "bfloat16", ...)."""
+    if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
+        bf = bfloat16_dtype()
+        if bf is None:
+            raise InvalidArgumentError("bfloat16 needs the ml_dtypes package")
+        return bf
+    try:
+        return np.dtype(dtype)
+    except TypeError as exc:
+        raise InvalidArgumentError(f"not a dtype: {dtype!r}") from exc
+
+
+def dtype_code(dtype: np.dtype) -> int | None:
+    """kvc_dtype code of a numpy dtype, or None if kvcache has no such dtype."""
+    dtype = np.dtype(dtype)
+    code = _NUMPY_CODES.get(dtype)
+    if code is not None:
+        return code
+    bf = bfloat16_dtype()
+    if bf is not None and dtype == bf:
+        return KVC_BF16
+    return None
+
+
+def dtype_str(dtype) -> str:
+    return str(np.dtype(dtype))
+
+
+# ---------------------------------------------------------------------------
+# numpy -> kvc_tensor
+
+
+def _element_strides(arr: np.ndarray) -> list[int] | None:
+    """Strides of arr in elements, or None if they cannot be expressed as
+    non-negative element strides with a contiguous last dimension. Strides of
+    dimensions of size <= 1 are irrelevant and are normalised (0, or 1 for the
+    last dimension); an empty array gets contiguous strides."""
+    n = arr.ndim
+    if n == 0:
+        return []
+    item = arr.itemsize
+    if arr.size == 0:
+        out = [0] * n
+        acc = 1
+        for d in range(n - 1, -1, -1):
+            out[d] = acc
+            acc *= max(arr.shape[d], 1)
+        return out
+    out = []
+    for d in range(n):
+        size, s = arr.shape[d], arr.strides[d]
+        if size <= 1:
+            out.append(1 if d == n - 1 else 0)
+            continue
+        if s < 0 or s % item:
+            return None
+        out.append(s // item)
+    if arr.shape[-1] > 1 and out[-1] != 1:
+        return None
+    return out
+
+
+def make_tensor(arr: np.ndarray, code: int | None = None, int4: bool = False) -> Tensor:
+    """kvc_tensor describing arr's memory (arr must be valid for _element_strides).
+
+    With int4=True, arr is a uint8 array whose bytes hold two 4-bit elements
+    each: the tensor's last dimension is doubled and every stride is counted in
+    nibbles (doubled)."""
+    if arr.ndim > KVC_MAX_DIMS:
+        raise InvalidArgumentError(f"array has {arr.ndim} dimensions; kvcache supports at most "
+                                   f"{KVC_MAX_DIMS}")
+    strides = _element_strides(arr)
+    if strides is None:
+        raise InternalError("make_tensor: array layout not representable")
+    t = Tensor()
+    t.data = arr.ctypes.data
+    if code is None:
+        code = dtype_code(arr.dtype)
+        if code is None:
+            raise InvalidArgumentError(f"unsupported dtype {arr.dtype}")
+    t.dtype = KVC_I4 if int4 else code
+    t.ndim = arr.ndim
+    for d in range(arr.ndim):
+        if int4:
+            last = d == arr.ndim - 1
+            t.shape[d] = arr.shape[d] * 2 if last else arr.shape[d]
+            t.stride[d] = 1 if last else strides[d] * 2
+        else:
+            t.shape[d] = arr.shape[d]
+            t.stride[d] = strides[d]
+    return t
+
+
+def input_array(x, name: str, allowed=None) -> np.ndarray:
+    """A numpy array for a read-only operator input, copied only when its
+    strides cannot be passed as they are (last dim not contiguous, negative or
+    misaligned strides). allowed: tuple of kvc_dtype codes, or None for any
+    dtype kvcache knows."""
+    arr = np.asarray(x)
+    code = dtype_code(arr.dtype)
+    if code is None or (allowed is not None and code not in allowed):
+        raise InvalidArgumentError(f"{name}: unsupported dtype {arr.dtype}")
+    if arr.ndim > KVC_MAX_DIMS:
+        raise InvalidArgumentError(f"{name}: {arr.ndim} dimensions, at most {KVC_MAX_DIMS}")
+    if _element_strides(arr) is None:
+        arr = arr.copy(order="C")
+    return arr
+
+
+def inplace_array(x, name: str) -> np.ndarray:
+    """Checks that x can be updated in place by C (a writeable numpy array with
+    a contiguous last dimension and non-negative, element-aligned strides);
+    never copies."""
+    if not isinstance(x, np.ndarray):
+        raise InvalidArgumentError(f"{name} must be a numpy.ndarray (it is updated in place), "
+                                   f"got {type(x).__name__}")
+    if dtype_code(x.dtype) is None:
+        raise InvalidArgumentError(f"{name}: unsupported dtype {x.dtype}")
+    if x.ndim > KVC_MAX_DIMS:
+        raise InvalidArgumentError(f"{name}: {x.ndim} dimensions, at most {KVC_MAX_DIMS}")
+    if not x.flags.writeable:
+        raise InvalidArgumentError(f"{name} is not writeable (it is updated in place)")
+    if _element_strides(x) is None:
+        raise InvalidArgumentError(
+            f"{name} must have a contiguous last dimension and non-negative strides "
+            f"(got strides {x.strides} bytes for dtype {x.dtype}); it is updated in place, "
+            f"so it cannot be copied"
+        )
+    for size, s in zip(x.shape, x.strides):
+        if size > 1 and s == 0:
+            raise InvalidArgumentError(f"{name} has a zero stride (a broadcast view); it is "
+                                       f"updated in place, so its elements must not overlap")
+    return x
+
+
+def int64_array(x, name: str) -> np.ndarray:
+    """A C-contiguous int64 copy (or view) of an index input (ints, lists, any
+    integer array). Refuses non-integer data rather than truncating it."""
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "iu":
+        if arr.dtype.kind == "f" and arr.size == 0:
+            arr = arr.astype(np.int64)
+        else:
+            raise InvalidArgumentError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise InvalidArgumentError(f"{name} has values beyond int64")
+    if arr.ndim > KVC_MAX_DIMS:
+        raise InvalidArgumentError(f"{name}: {arr.ndim} dimensions, at most {KVC_MAX_DIMS}")
+    return np.array(arr, dtype=np.int64, order="C", copy=not (
+        arr.dtype == np.int64 and arr.flags.c_contiguous))
+
+
+def scalar_int64(x, name: str) -> np.ndarray:
+    """A 0-d int64 array from an int or a one-element integer array."""
+    arr = int64_array(x, name)
+    if arr.size != 1:
+        raise InvalidArgumentError(f"{name} must be a single integer, got shape {arr.shape}")
+    return arr.reshape(())
+
+
+def int32_attr(value, name: str) -> int:
+    """An integer attribute that must fit the C int32_t it is passed as."""
+    try:
+        v = operator.index(value)
+    except TypeError as exc:
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}") from exc
+    if not -(2**31) <= v < 2**31:
+        raise InvalidArgumentError(f"{name} = {v} does not fit in int32")
+    return v
+
+
+# ---------------------------------------------------------------------------
+# Thread pools: one per thread count, kept for the life of the process.
+
+_pools: dict[int, tuple[int, threading.Lock]] = {}
+_pools_lock = threading.Lock()
+
+
+def threadpool(n_threads: int | None) -> tuple[int, threading.Lock]:
+    """(kvc_threadpool pointer, lock) for n_threads (None: os.cpu_count()).
+
+    A kvc_threadpool runs one operator at a time; callers hold the lock for
+    the duration of the C call (ctypes releases the GIL)."""
+    if n_threads is None:
+        n = os.cpu_count() or 1
+    else:
+        try:
+            n = operator.index(n_threads)
+        except TypeError as exc:
+            raise InvalidArgumentError(f"n_threads must be an integer or None, "
+                                       f"got {n_threads!r}") from exc
+        if n < 1 or n > 4096:
+            raise InvalidArgumentError(f"n_threads must be in [1, 4096] or None, got {n}")
+    with _pools_lock:
+        entry = _pools.get(n)
+        if entry is None:
+            ptr = ctypes.c_void_p()
+            check(kvc_threadpool_create(n, ctypes.byref(ptr)))
+            entry = (ptr.value, threading.Lock())
+            _pools[n] = entry
+        return entry
+
+
+@atexit.register
+def _destroy_pools() -> None:
+    with _pools_lock:
+        for ptr, _lock in _pools.values():
+            kvc_threadpool_destroy(ptr)
+        _pools.clear()

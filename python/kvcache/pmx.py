@@ -1,0 +1,197 @@
+"""OpenPPL pmx KV-cache operators (SEMANTICS sections 2 and 3).
+
+Both operators store new tokens' K/V into a multi-layer cache (quantizing to
+int8/int4 with group scales when ``quant_bit != 0``), then read back every
+position of each sequence, dequantized, with each KV head repeated
+``num_repeat`` times consecutively, into two new arrays ``(key, value)``.
+
+Dtypes (T1 = inputs/outputs, T2 = cache, T3 = scale):
+
+- T1: float32, float16, ``ml_dtypes.bfloat16``; int8 only as a plain copy into
+  an int8 cache with ``quant_bit == 0``.
+- T2: float32/float16/bfloat16 (``quant_bit == 0``, converted on store), int8
+  (``quant_bit == 8``), int4 (``quant_bit == 4``) given as a **uint8** array
+  whose last dimension is ``Dh / 2`` bytes (element ``2i`` in the low nibble).
+- T3: float32 or float16, the cache's shape with last dim ``Dh / quant_group``.
+
+``cache`` and ``scale`` are updated in place and therefore never copied: they
+must be writeable numpy arrays with a contiguous last dimension (other strides
+are free, so slices of larger arrays work). Inputs may be any array-like; they
+are copied only if their layout cannot be passed as is. Every argument is
+validated by the C library before anything is written: a failing call raises
+:class:`kvcache.InvalidArgumentError` and leaves cache and scale unchanged.
+
+``n_threads=None`` runs on ``os.cpu_count()`` threads; results are bitwise
+identical for any thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from . import _lib
+from .errors import InvalidArgumentError
+
+__all__ = ["key_value_cache", "dynamic_key_value_cache"]
+
+_T1_CODES = (_lib.KVC_F32, _lib.KVC_F16, _lib.KVC_BF16, _lib.KVC_I8)
+
+# Outputs larger than this many elements beyond what the cache could ever
+# produce are refused in Python (the arguments are inconsistent anyway, and
+# allocating them could exhaust memory before C gets to report the error).
+_OUTPUT_SLACK = 1 << 20
+
+
+def _params(**kw) -> _lib.PmxKvParams:
+    p = _lib.kvc_pmx_kv_default_params()
+    for name, value in kw.items():
+        setattr(p, name, _lib.int32_attr(value, name))
+    return p
+
+
+def _cache_tensors(cache, scale, quant_bit: int):
+    """(cache array, cache tensor, scale array|None, scale tensor|None)."""
+    cache = _lib.inplace_array(cache, "cache")
+    int4 = quant_bit == 4 and cache.dtype == np.dtype(np.uint8)
+    cache_t = _lib.make_tensor(cache, int4=int4)
+    scale_t = None
+    if scale is not None:
+        scale = _lib.inplace_array(scale, "scale")
+        scale_t = _lib.make_tensor(scale)
+    return cache, cache_t, scale, scale_t
+
+
+def _cache_elements(cache: np.ndarray, cache_t: _lib.Tensor) -> int:
+    return cache.size * (2 if cache_t.dtype == _lib.KVC_I4 else 1)
+
+
+def _outputs(shape, dtype, cache_elems: int, num_repeat: int, what: str):
+    """Allocates (key, value) of shape (negative dims clamped to 0); refuses
+    absurd sizes that no valid call could produce."""
+    shape = tuple(max(0, int(d)) for d in shape)
+    n = 1
+    for d in shape:
+        n *= d
+    if n > 2 * cache_elems * max(num_repeat, 1) + _OUTPUT_SLACK:
+        raise InvalidArgumentError(
+            f"{what}: the output shape {shape} is larger than anything the cache "
+            f"({cache_elems} elements) can hold; check the positions/starts")
+    return np.empty(shape, dtype), np.empty(shape, dtype)
+
+
+def _ptr(t):
+    return ctypes.byref(t) if t is not None else None
+
+
+def _call(fn, args, n_threads):
+    pool, lock = _lib.threadpool(n_threads)
+    with lock:
+        status = fn(*args, pool)
+    _lib.check(status)
+
+
+def key_value_cache(current_key, current_value, start_pos, cache, scale=None, num_layer=1,
+                    layer_idx=0, quant_bit=0, quant_group=8, num_repeat=1, cache_layout=0,
+                    n_threads=None):
+    """Static-batching KeyValueCache (opmx::KeyValueCache).
+
+    Args:
+        current_key, current_value: (B, S, H, Dh) of T1.
+        start_pos: int (or one-element integer array): first position to store.
+        cache: T2, layout 0 ``(MaxB, L, 2, MaxS, H, Dh)``, layout 1
+            ``(L, MaxB, 2, H, MaxS, Dh)`` (int4: uint8 with last dim Dh/2);
+            index 0 of the ``2`` axis is K, 1 is V. Updated in place.
+        scale: T3, cache's shape with last dim Dh/quant_group; required when
+            quant_bit != 0. Updated in place.
+        num_layer, layer_idx, quant_bit (0/8/4), quant_group, num_repeat,
+        cache_layout (0/1): the operator's attributes.
+        n_threads: worker threads (None: all CPUs).
+
+    Returns:
+        (key, value): new arrays (B, start_pos + S, H * num_repeat, Dh) of
+        current_key's dtype: positions [0, start_pos + S) read back.
+    """
+    params = _params(num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit,
+                     quant_group=quant_group, num_repeat=num_repeat, cache_layout=cache_layout)
+    ck = _lib.input_array(current_key, "current_key", _T1_CODES)
+    cv = _lib.input_array(current_value, "current_value", _T1_CODES)
+    sp = _lib.scalar_int64(start_pos, "start_pos")
+    cache, cache_t, scale, scale_t = _cache_tensors(cache, scale, params.quant_bit)
+    ck_t, cv_t, sp_t = _lib.make_tensor(ck), _lib.make_tensor(cv), _lib.make_tensor(sp)
+
+    if ck.ndim == 4:
+        b, s, h, dh = ck.shape
+        shape = (b, int(sp) + s, h * params.num_repeat, dh)
+    else:  # C reports the bad input shape
+        shape = (0, 0, 0, 0)
+    key, value = _outputs(shape, ck.dtype, _cache_elements(cache, cache_t), params.num_repeat,
+                          "key_value_cache")
+    key_t, value_t = _lib.make_tensor(key), _lib.make_tensor(value)
+    _call(_lib.kvc_pmx_key_value_cache,
+          (ctypes.byref(ck_t), ctypes.byref(cv_t), ctypes.byref(sp_t), ctypes.byref(cache_t),
+           _ptr(scale_t), ctypes.byref(params), ctypes.byref(key_t), ctypes.byref(value_t)),
+          n_threads)
+    return key, value
+
+
+def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts,
+                            start_pos, max_seqlen, max_kvlen, cache, scale=None, num_layer=1,
+                            layer_idx=0, quant_bit=0, quant_group=8, num_repeat=1, cache_mode=0,
+                            cache_layout=0, page_size=128, n_threads=None):
+    """dynamic_batching.KeyValueCache (ragged batches, offset or paged cache).
+
+    Args:
+        current_key, current_value: (seqstarts[B], H, Dh) of T1.
+        seqstarts: (B+1) ints, seqstarts[0] == 0, non-decreasing: new tokens
+            of batch b are rows [seqstarts[b], seqstarts[b+1]).
+        kvstarts: (B+1) ints, kvstarts[0] == 0, non-decreasing: output rows of
+            batch b; kvstarts[b+1]-kvstarts[b] must equal start_pos[b] + S_b.
+        cachestarts: cache_mode 0: (B) ints, slot of position 0 of batch b;
+            cache_mode 1: (B, MaxP) ints, token offset inside MaxT of each
+            page start of batch b (-1 for unused entries).
+        start_pos: (B) ints, first position stored for each batch.
+        max_seqlen, max_kvlen: ints, at least the largest S_b / kvlen_b.
+        cache: T2, layout 0 ``(MaxT, L, 2, H, Dh)``, 1 ``(L, MaxT, 2, H, Dh)``,
+            2 ``(L, 2, MaxT, H, Dh)``, 3 ``(L, 2, H, MaxT, Dh)`` (int4: uint8
+            with last dim Dh/2). Updated in place.
+        scale: T3, cache's shape with last dim Dh/quant_group; required when
+            quant_bit != 0. Updated in place.
+        num_layer, layer_idx, quant_bit (0/8/4), quant_group, num_repeat,
+        cache_mode (0/1), cache_layout (0..3), page_size (>= 1): attributes.
+        n_threads: worker threads (None: all CPUs).
+
+    Returns:
+        (key, value): new arrays (kvstarts[B], H * num_repeat, Dh) of
+        current_key's dtype; rows [kvstarts[b], kvstarts[b+1]) hold positions
+        [0, kvlen_b) of batch b.
+    """
+    params = _params(num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit,
+                     quant_group=quant_group, num_repeat=num_repeat, cache_layout=cache_layout,
+                     cache_mode=cache_mode, page_size=page_size)
+    ck = _lib.input_array(current_key, "current_key", _T1_CODES)
+    cv = _lib.input_array(current_value, "current_value", _T1_CODES)
+    seq = _lib.int64_array(seqstarts, "seqstarts")
+    kvs = _lib.int64_array(kvstarts, "kvstarts")
+    cst = _lib.int64_array(cachestarts, "cachestarts")
+    spos = _lib.int64_array(start_pos, "start_pos")
+    msl = _lib.scalar_int64(max_seqlen, "max_seqlen")
+    mkl = _lib.scalar_int64(max_kvlen, "max_kvlen")
+    cache, cache_t, scale, scale_t = _cache_tensors(cache, scale, params.quant_bit)
+    ts = [_lib.make_tensor(a) for a in (ck, cv, seq, kvs, cst, spos, msl, mkl)]
+
+    rows = int(kvs[-1]) if kvs.ndim == 1 and kvs.size else 0
+    if ck.ndim == 3:
+        shape = (rows, ck.shape[1] * params.num_repeat, ck.shape[2])
+    else:  # C reports the bad input shape
+        shape = (0, 0, 0)
+    key, value = _outputs(shape, ck.dtype, _cache_elements(cache, cache_t), params.num_repeat,
+                          "dynamic_key_value_cache")
+    key_t, value_t = _lib.make_tensor(key), _lib.make_tensor(value)
+    _call(_lib.kvc_pmx_dynamic_key_value_cache,
+          tuple(ctypes.byref(t) for t in ts)
+          + (ctypes.byref(cache_t), _ptr(scale_t), ctypes.byref(params), ctypes.byref(key_t),
+             ctypes.byref(value_t)),
+          n_threads)
+    return key, value

@@ -1,0 +1,66 @@
+/* Internal helpers shared by all modules: error reporting, tensor checks,
+ * parallel loops. Nothing here is exported. */
+#ifndef KVC_INTERNAL_H
+#define KVC_INTERNAL_H
+
+#include <stdint.h>
+
+#include "kvcache/core.h"
+
+#if defined(__GNUC__)
+#define KVC_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#define KVC_HIDDEN __attribute__((visibility("hidden")))
+#else
+#define KVC_PRINTF(a, b)
+#define KVC_HIDDEN
+#endif
+
+/* Records a formatted message for kvc_last_error() and returns status. */
+kvc_status kvc__error(kvc_status status, const char *fmt, ...) KVC_PRINTF(2, 3);
+
+/* Returns st from the enclosing function if it is an error. */
+#define KVC_TRY(expr)                                                                              \
+    do {                                                                                           \
+        kvc_status kvc__st = (expr);                                                               \
+        if (kvc__st != KVC_OK) return kvc__st;                                                     \
+    } while (0)
+
+/* Fails with KVC_ERR_INVALID_ARG and a message unless cond holds. */
+#define KVC_CHECK(cond, ...)                                                                       \
+    do {                                                                                           \
+        if (!(cond)) return kvc__error(KVC_ERR_INVALID_ARG, __VA_ARGS__);                          \
+    } while (0)
+
+/* Size in bytes of n elements (n even for int4). */
+static inline int64_t kvc__bytes(kvc_dtype dt, int64_t n) {
+    return n * kvc_dtype_bits(dt) / 8;
+}
+
+/* Pointer to element at elem offset (even for int4). */
+static inline void *kvc__at(const kvc_tensor *t, int64_t elem) {
+    return (char *)t->data + kvc__bytes(t->dtype, elem);
+}
+
+/*
+ * Validates a tensor argument: non-NULL, valid dtype, ndim in range, shapes
+ * >= 0, strides >= 0, last stride 1 (if need_contig_last and ndim > 0),
+ * data non-NULL when it has elements, int4 strides even. name is used in
+ * messages.
+ */
+kvc_status kvc__check_tensor(const kvc_tensor *t, const char *name, int need_contig_last);
+
+/* Formats t's shape as "(a, b, c)" into buf. */
+const char *kvc__shape_str(const kvc_tensor *t, char *buf, size_t n);
+
+/* Reads element i (row-major logical index into a 1-D/2-D view via strides)
+ * of an int64 tensor; callers validate shape first. */
+static inline int64_t kvc__i64_at(const kvc_tensor *t, int64_t offset_elems) {
+    return ((const int64_t *)t->data)[offset_elems];
+}
+
+/* Runs fn(ctx, task) for task in [0, n_tasks) on the pool (NULL: inline).
+ * Returns after all tasks finished. Tasks must write disjoint memory. */
+typedef void (*kvc__task_fn)(void *ctx, int64_t task);
+void kvc__parallel_for(kvc_threadpool *pool, int64_t n_tasks, kvc__task_fn fn, void *ctx);
+
+#endif

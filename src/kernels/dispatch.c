@@ -1,0 +1,99 @@
+/*
+ * Run-time ISA selection: cpuid feature bits plus xgetbv (the OS must save
+ * YMM/ZMM state, not just the CPU support the instructions), capped by the
+ * KVC_ISA environment variable. Selected once, on first use.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../core/internal.h"
+#include "kernels.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#define KVC_X86 1
+
+static uint64_t xgetbv0(void) {
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((uint64_t)hi << 32) | lo;
+}
+
+static kvc_isa detect(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return KVC_ISA_SCALAR;
+    const unsigned need1 = (1u << 12) | (1u << 27) | (1u << 28) | (1u << 29); /* FMA OSXSAVE AVX F16C */
+    if ((c & need1) != need1) return KVC_ISA_SCALAR;
+    uint64_t xcr0 = xgetbv0();
+    if ((xcr0 & 0x6) != 0x6) return KVC_ISA_SCALAR; /* XMM+YMM state */
+    if (__get_cpuid_max(0, NULL) < 7) return KVC_ISA_SCALAR;
+    __cpuid_count(7, 0, a, b, c, d);
+    if (!(b & (1u << 5))) return KVC_ISA_SCALAR; /* AVX2 */
+    const unsigned need7 = (1u << 16) | (1u << 17) | (1u << 30) | (1u << 31); /* F DQ BW VL */
+    if ((b & need7) == need7 && (xcr0 & 0xe6) == 0xe6) return KVC_ISA_AVX512;
+    return KVC_ISA_AVX2;
+}
+#else
+static kvc_isa detect(void) { return KVC_ISA_SCALAR; }
+#endif
+
+static kvc_isa g_best;
+static _Atomic(const kvc_kernels *) g_table;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+
+static const kvc_kernels *table_for(kvc_isa isa) {
+#ifdef KVC_X86
+    if (isa == KVC_ISA_AVX512) return kvc__kernels_avx512();
+    if (isa == KVC_ISA_AVX2) return kvc__kernels_avx2();
+#endif
+    (void)isa;
+    return kvc__kernels_scalar();
+}
+
+static void init_once(void) {
+    g_best = detect();
+    kvc_isa isa = g_best;
+    const char *env = getenv("KVC_ISA");
+    if (env && *env) {
+        /* A cap, not a demand: asking for more than the CPU has gives the best it has. */
+        for (int i = 0; i < KVC_ISA_COUNT; i++)
+            if (strcmp(env, kvc_isa_name((kvc_isa)i)) == 0 && (kvc_isa)i < isa) isa = (kvc_isa)i;
+    }
+    atomic_store(&g_table, table_for(isa));
+}
+
+const kvc_kernels *kvc__kernels(void) {
+    pthread_once(&g_once, init_once);
+    return atomic_load_explicit(&g_table, memory_order_acquire);
+}
+
+kvc_isa kvc_get_isa(void) { return kvc__kernels()->isa; }
+
+kvc_isa kvc_best_isa(void) {
+    pthread_once(&g_once, init_once);
+    return g_best;
+}
+
+int kvc_isa_supported(kvc_isa isa) { return (unsigned)isa < KVC_ISA_COUNT && isa <= kvc_best_isa(); }
+
+const char *kvc_isa_name(kvc_isa isa) {
+    switch (isa) {
+    case KVC_ISA_SCALAR: return "scalar";
+    case KVC_ISA_AVX2: return "avx2";
+    case KVC_ISA_AVX512: return "avx512";
+    default: return "?";
+    }
+}
+
+kvc_status kvc_set_isa(kvc_isa isa) {
+    if ((unsigned)isa >= KVC_ISA_COUNT)
+        return kvc__error(KVC_ERR_INVALID_ARG, "kvc_set_isa: invalid isa %d", (int)isa);
+    if (!kvc_isa_supported(isa))
+        return kvc__error(KVC_ERR_UNSUPPORTED, "kvc_set_isa: this CPU cannot run %s (best: %s)",
+                          kvc_isa_name(isa), kvc_isa_name(kvc_best_isa()));
+    atomic_store(&g_table, table_for(isa));
+    return KVC_OK;
+}

@@ -1,0 +1,338 @@
+/*
+ * AVX2 + FMA + F16C kernels: 8 float32 lanes per ymm. This file is compiled
+ * with -mavx2 -mfma -mf16c and only called after dispatch.c has checked the
+ * CPU. Every result is bit-identical to kernels_scalar.c:
+ *   - f32 <-> f16 uses F16C with round-to-nearest-even (MXCSR default: no
+ *     FTZ/DAZ, so subnormals convert exactly, like the scalar code);
+ *   - f32 -> bf16 is the scalar integer rounding done on 8 lanes;
+ *   - x / scale and absmax / qmax are true divisions (vdivps), never a
+ *     reciprocal; rounding is vroundps to nearest even, like nearbyintf;
+ *   - only intrinsics do float math here, so nothing gets contracted to FMA.
+ *
+ * Fast paths: convert and all_finite for any n (a scalar tail below 8
+ * elements); quantize and dequantize when the group size g is a multiple of
+ * 8, which covers every cache shape that matters (Dh = 64/128 rows with
+ * g = 8..Dh, and runs of many rows: n = heads * Dh). Other g go to the
+ * scalar table, correct by definition.
+ *
+ * Inner loops are instantiated per dtype combination (always_inline helpers
+ * called with constant dtypes), so no dtype switch runs per element.
+ */
+#include <immintrin.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define KVC_INLINE static inline __attribute__((always_inline))
+
+/* Round to nearest even, no precision exception: the F16C / vroundps mode. */
+#define RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
+/* ---- pointers ------------------------------------------------------------ */
+
+KVC_INLINE size_t float_size(kvc_dtype d) { return d == KVC_F32 ? 4u : 2u; }
+
+KVC_INLINE const void *cat(const void *p, kvc_dtype d, int64_t i) {
+    return (const char *)p + (size_t)i * float_size(d);
+}
+
+KVC_INLINE void *at(void *p, kvc_dtype d, int64_t i) {
+    return (char *)p + (size_t)i * float_size(d);
+}
+
+/* ---- 8-lane element conversions ------------------------------------------ */
+
+/*
+ * 8 f16 -> 8 f32, exactly as kvc_f16_to_f32. vcvtph2ps quiets signalling
+ * NaNs (sets the top mantissa bit) while the scalar keeps the payload as it
+ * is, so NaN lanes, rare, are rebuilt from the f16 bits:
+ * sign << 16 | 0x7f800000 | mant << 13.
+ */
+KVC_INLINE __m256 f16x8_to_f32(__m128i h) {
+    __m256 f = _mm256_cvtph_ps(h);
+    const __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
+    if (__builtin_expect(_mm256_movemask_ps(nan) != 0, 0)) {
+        const __m256i h32 = _mm256_cvtepu16_epi32(h);
+        const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(h32, _mm256_set1_epi32(0x8000)), 16);
+        const __m256i mant = _mm256_slli_epi32(_mm256_and_si256(h32, _mm256_set1_epi32(0x3ff)), 13);
+        const __m256i fix =
+            _mm256_or_si256(_mm256_or_si256(sign, mant), _mm256_set1_epi32(0x7f800000));
+        f = _mm256_blendv_ps(f, _mm256_castsi256_ps(fix), nan);
+    }
+    return f;
+}
+
+/* 8 f32 -> 8 f16. F16C already matches the scalar on NaN:
+ * sign | 0x7c00 | 0x200 | mant >> 13. */
+KVC_INLINE __m128i f32x8_to_f16(__m256 f) { return _mm256_cvtps_ph(f, RNE); }
+
+KVC_INLINE __m256 bf16x8_to_f32(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/*
+ * 8 f32 -> 8 bf16, the scalar rule on each lane: NaN -> (u >> 16) | 0x40,
+ * else (u + 0x7fff + ((u >> 16) & 1)) >> 16 (nearest even; subnormals kept,
+ * overflow carries into Inf). The 32-bit results fit in 16 bits, so the
+ * unsigned saturating pack is a plain narrowing.
+ */
+KVC_INLINE __m128i f32x8_to_bf16(__m256 f) {
+    const __m256i u = _mm256_castps_si256(f);
+    const __m256i hi = _mm256_srli_epi32(u, 16);
+    const __m256i bias = _mm256_add_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(1)),
+                                          _mm256_set1_epi32(0x7fff));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+    /* |u| > Inf as signed ints (both sides positive) <=> NaN. */
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* Loads 8 elements x[i..i+8) of dtype d as f32. */
+KVC_INLINE __m256 load8(const void *x, kvc_dtype d, int64_t i) {
+    if (d == KVC_F32) return _mm256_loadu_ps((const float *)x + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+    return d == KVC_F16 ? f16x8_to_f32(h) : bf16x8_to_f32(h);
+}
+
+/* Stores 8 f32 as y[i..i+8) of dtype d. */
+KVC_INLINE void store8(void *y, kvc_dtype d, int64_t i, __m256 v) {
+    if (d == KVC_F32) {
+        _mm256_storeu_ps((float *)y + i, v);
+        return;
+    }
+    const __m128i h = d == KVC_F16 ? f32x8_to_f16(v) : f32x8_to_bf16(v);
+    _mm_storeu_si128((__m128i *)((uint16_t *)y + i), h);
+}
+
+/* ---- convert ------------------------------------------------------------- */
+
+KVC_INLINE void convert_run(const void *src, kvc_dtype sd, void *dst, kvc_dtype dd, int64_t n) {
+    int64_t i = 0;
+    /* Two vectors per iteration: enough loads in flight to stay memory bound. */
+    for (; i + 16 <= n; i += 16) {
+        const __m256 a = load8(src, sd, i), b = load8(src, sd, i + 8);
+        store8(dst, dd, i, a);
+        store8(dst, dd, i + 8, b);
+    }
+    for (; i + 8 <= n; i += 8) store8(dst, dd, i, load8(src, sd, i));
+    if (i < n) kvc__kernels_scalar()->convert(cat(src, sd, i), sd, at(dst, dd, i), dd, n - i);
+}
+
+static void convert_avx2(const void *src, kvc_dtype sd, void *dst, kvc_dtype dd, int64_t n) {
+    if (sd == dd) {
+        memcpy(dst, src, (size_t)n * float_size(sd));
+        return;
+    }
+    /* One loop per dtype pair: the dtype tests fold away inside each. */
+#define PAIR(a, b)                                                                                 \
+    if (sd == (a) && dd == (b)) {                                                                  \
+        convert_run(src, (a), dst, (b), n);                                                        \
+        return;                                                                                    \
+    }
+    PAIR(KVC_F32, KVC_F16)
+    PAIR(KVC_F32, KVC_BF16)
+    PAIR(KVC_F16, KVC_F32)
+    PAIR(KVC_F16, KVC_BF16)
+    PAIR(KVC_BF16, KVC_F32)
+    PAIR(KVC_BF16, KVC_F16)
+#undef PAIR
+    kvc__kernels_scalar()->convert(src, sd, dst, dd, n); /* not reached for valid dtypes */
+}
+
+/* ---- all_finite ---------------------------------------------------------- */
+
+/* A value is Inf/NaN iff its exponent field is all ones: 0x7f800000 (f32),
+ * 0x7c00 (f16), 0x7f80 (bf16). Checked 32 elements (f32) or 64 (16-bit) per
+ * early-exit test. */
+static int all_finite_avx2(const void *x, kvc_dtype xd, int64_t n) {
+    int64_t i = 0;
+    if (xd == KVC_F32) {
+        const __m256i e = _mm256_set1_epi32(0x7f800000);
+        const __m256i *p = (const __m256i *)x;
+        for (; i + 32 <= n; i += 32, p += 4) {
+            __m256i bad = _mm256_setzero_si256();
+            for (int k = 0; k < 4; k++) {
+                const __m256i v = _mm256_and_si256(_mm256_loadu_si256(p + k), e);
+                bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(v, e));
+            }
+            if (!_mm256_testz_si256(bad, bad)) return 0;
+        }
+    } else {
+        const __m256i e = _mm256_set1_epi16(xd == KVC_F16 ? 0x7c00 : 0x7f80);
+        const __m256i *p = (const __m256i *)x;
+        for (; i + 64 <= n; i += 64, p += 4) {
+            __m256i bad = _mm256_setzero_si256();
+            for (int k = 0; k < 4; k++) {
+                const __m256i v = _mm256_and_si256(_mm256_loadu_si256(p + k), e);
+                bad = _mm256_or_si256(bad, _mm256_cmpeq_epi16(v, e));
+            }
+            if (!_mm256_testz_si256(bad, bad)) return 0;
+        }
+    }
+    return i == n ? 1 : kvc__kernels_scalar()->all_finite(cat(x, xd, i), xd, n - i);
+}
+
+/* ---- int8 / int4 lanes --------------------------------------------------- */
+
+/* 8 int8 q[0..8) sign-extended to 8 int32. */
+KVC_INLINE __m256i i8x8_load(const int8_t *q) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q));
+}
+
+/*
+ * 8 int4 from 4 bytes (element k in bits 4k..4k+3 of the little-endian
+ * word): broadcast the word, shift nibble k to the top (left by 28 - 4k),
+ * then an arithmetic shift right by 28 sign-extends it.
+ */
+KVC_INLINE __m256i i4x8_load(const uint8_t *q) {
+    int32_t w;
+    memcpy(&w, q, 4);
+    const __m256i sh = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
+    return _mm256_srai_epi32(_mm256_sllv_epi32(_mm256_set1_epi32(w), sh), 28);
+}
+
+/* 8 int32 in [-127, 127] -> 8 int8 in the low half (saturating packs are
+ * plain narrowing here). */
+KVC_INLINE __m128i i32x8_to_i8(__m256i v) {
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    return _mm_packs_epi16(w, w);
+}
+
+KVC_INLINE void i8x8_store(int8_t *q, __m256i v) { _mm_storel_epi64((__m128i *)q, i32x8_to_i8(v)); }
+
+/*
+ * 8 int32 in [-7, 7] -> 4 bytes of int4. After narrowing to int8, each
+ * 16-bit lane holds elements (2i, 2i+1) as (low, high) byte; the packed
+ * byte is low & 0x0f | (lane >> 4) & 0xf0, then narrowed to 8 bits.
+ */
+KVC_INLINE void i4x8_store(uint8_t *q, __m256i v) {
+    const __m128i b = i32x8_to_i8(v);
+    const __m128i nib = _mm_or_si128(_mm_and_si128(b, _mm_set1_epi16(0x0f)),
+                                     _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi16(0xf0)));
+    const int32_t w = _mm_cvtsi128_si32(_mm_packus_epi16(nib, nib));
+    memcpy(q, &w, 4);
+}
+
+/* Scale i of a scale tensor as f32. vcvtph2ps quiets a signalling NaN where
+ * kvc_f16_to_f32 does not, but the product with q quiets it the same way,
+ * so dequantized values are identical. */
+KVC_INLINE float scale_load(const void *scale, kvc_dtype sd, int64_t i) {
+    return sd == KVC_F16 ? _cvtsh_ss(((const uint16_t *)scale)[i]) : ((const float *)scale)[i];
+}
+
+/* ---- dequantize ---------------------------------------------------------- */
+
+/* g % 8 == 0: per group, broadcast the scale, then 8 elements per step:
+ * y = (float)q * scale. */
+KVC_INLINE void dequant_run(const void *q, int bits, const void *scale, kvc_dtype sd, int64_t n,
+                            int g, void *y, kvc_dtype yd) {
+    int64_t e = 0;
+    for (int64_t gi = 0; e < n; gi++) {
+        const __m256 s = _mm256_set1_ps(scale_load(scale, sd, gi));
+        const int64_t end = e + g;
+        for (; e < end; e += 8) {
+            const __m256i v = bits == 8 ? i8x8_load((const int8_t *)q + e)
+                                        : i4x8_load((const uint8_t *)q + e / 2);
+            store8(y, yd, e, _mm256_mul_ps(_mm256_cvtepi32_ps(v), s));
+        }
+    }
+}
+
+static void dequantize_avx2(const void *q, int bits, const void *scale, kvc_dtype sd, int64_t n,
+                            int g, void *y, kvc_dtype yd) {
+    if (g % 8 != 0) {
+        kvc__kernels_scalar()->dequantize(q, bits, scale, sd, n, g, y, yd);
+        return;
+    }
+#define DQ(b, s, o)                                                                                \
+    if (bits == (b) && sd == (s) && yd == (o)) {                                                   \
+        dequant_run(q, (b), scale, (s), n, g, y, (o));                                             \
+        return;                                                                                    \
+    }
+#define DQ_Y(b, s) DQ(b, s, KVC_F32) DQ(b, s, KVC_F16) DQ(b, s, KVC_BF16)
+    DQ_Y(8, KVC_F32)
+    DQ_Y(8, KVC_F16)
+    DQ_Y(4, KVC_F32)
+    DQ_Y(4, KVC_F16)
+#undef DQ_Y
+#undef DQ
+    kvc__kernels_scalar()->dequantize(q, bits, scale, sd, n, g, y, yd);
+}
+
+/* ---- quantize ------------------------------------------------------------ */
+
+KVC_INLINE float hmax8(__m256 m) {
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_max_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+
+/*
+ * scale = max(absmax / qmax, 1e-5f) with a true division; maxss returns its
+ * first operand only if it is greater, exactly the scalar's
+ * "if (!(s > 1e-5f)) s = 1e-5f". Stores it in dtype sd and returns the
+ * stored (rounded) value, which is the one quantization uses.
+ */
+KVC_INLINE float scale_store(float absmax, float qmax, void *scale, kvc_dtype sd, int64_t gi) {
+    __m128 s = _mm_div_ss(_mm_set_ss(absmax), _mm_set_ss(qmax));
+    s = _mm_max_ss(s, _mm_set_ss(1e-5f));
+    if (sd == KVC_F16) {
+        const uint16_t h = (uint16_t)_mm_extract_epi16(_mm_cvtps_ph(s, RNE), 0);
+        ((uint16_t *)scale)[gi] = h;
+        return _cvtsh_ss(h);
+    }
+    const float f = _mm_cvtss_f32(s);
+    ((float *)scale)[gi] = f;
+    return f;
+}
+
+/* g % 8 == 0: per group, pass 1 finds absmax, pass 2 computes
+ * q = clamp(rne(x / scale), -qmax, qmax) 8 lanes at a time. */
+KVC_INLINE void quant_run(const void *x, kvc_dtype xd, int64_t n, int bits, int g, void *q,
+                          void *scale, kvc_dtype sd) {
+    const float qmax = bits == 8 ? 127.0f : 7.0f;
+    const __m256 hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t g0 = 0, gi = 0; g0 < n; g0 += g, gi++) {
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < g; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(load8(x, xd, g0 + i), absmask));
+        const __m256 s = _mm256_set1_ps(scale_store(hmax8(m), qmax, scale, sd, gi));
+        for (int i = 0; i < g; i += 8) {
+            __m256 v = _mm256_round_ps(_mm256_div_ps(load8(x, xd, g0 + i), s), RNE);
+            v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+            const __m256i iv = _mm256_cvttps_epi32(v);
+            if (bits == 8) i8x8_store((int8_t *)q + g0 + i, iv);
+            else i4x8_store((uint8_t *)q + (g0 + i) / 2, iv);
+        }
+    }
+}
+
+static void quantize_avx2(const void *x, kvc_dtype xd, int64_t n, int bits, int g, void *q,
+                          void *scale, kvc_dtype sd) {
+    if (g % 8 != 0) {
+        kvc__kernels_scalar()->quantize(x, xd, n, bits, g, q, scale, sd);
+        return;
+    }
+#define QZ(b, in, s)                                                                               \
+    if (bits == (b) && xd == (in) && sd == (s)) {                                                  \
+        quant_run(x, (in), n, (b), g, q, scale, (s));                                              \
+        return;                                                                                    \
+    }
+#define QZ_X(b, s) QZ(b, KVC_F32, s) QZ(b, KVC_F16, s) QZ(b, KVC_BF16, s)
+    QZ_X(8, KVC_F32)
+    QZ_X(8, KVC_F16)
+    QZ_X(4, KVC_F32)
+    QZ_X(4, KVC_F16)
+#undef QZ_X
+#undef QZ
+    kvc__kernels_scalar()->quantize(x, xd, n, bits, g, q, scale, sd);
+}
+
+static const kvc_kernels table = {
+    KVC_ISA_AVX2, convert_avx2, all_finite_avx2, quantize_avx2, dequantize_avx2,
+};
+
+const kvc_kernels *kvc__kernels_avx2(void) { return &table; }

@@ -1,0 +1,453 @@
+/*
+ * AVX-512 (F/BW/VL/DQ) kernels: 16 float32 lanes per zmm. Compiled with
+ * -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx2 -mfma -mf16c and only
+ * called after dispatch.c has checked the CPU and the OS (ZMM state).
+ * Every result is bit-identical to kernels_scalar.c:
+ *   - f32 <-> f16 uses vcvtps2ph / vcvtph2ps with round-to-nearest-even
+ *     (MXCSR default: no FTZ/DAZ, so subnormals convert exactly);
+ *   - f32 -> bf16 is the scalar integer rounding on 16 lanes. VCVTNEPS2BF16
+ *     (AVX512-BF16) is deliberately not used: it flushes denormals;
+ *   - x / scale and absmax / qmax are true divisions (vdivps), never a
+ *     reciprocal; rounding is vrndscaleps to nearest even, like nearbyintf;
+ *   - only intrinsics do float math here, so nothing gets contracted to FMA.
+ *
+ * Tails use masked loads/stores (masked-off lanes neither fault nor write),
+ * so any n is handled in vector code. Quantize/dequantize fast paths:
+ *   - g == 8: two groups per zmm (lanes 0-7 and 8-15), the two scales put in
+ *     place by one permute;
+ *   - any other g >= 8 (g % 16 == 0 being the common case): per group,
+ *     16 lanes per step and one masked step for g % 16.
+ * g < 8 (2, 4, 6: under half a vector per group) goes to the scalar table.
+ *
+ * Inner loops are instantiated per dtype combination (always_inline helpers
+ * called with constant dtypes), so no dtype switch runs per element.
+ */
+#include <immintrin.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define KVC_INLINE static inline __attribute__((always_inline))
+
+/* Round to nearest even, no precision exception (F16C and vrndscaleps). */
+#define RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
+#define ALL16 ((__mmask16)0xffff)
+
+/* Mask of the low r lanes, 0 <= r <= 16. */
+KVC_INLINE __mmask16 lanes(int64_t r) { return (__mmask16)((1u << r) - 1u); }
+
+/* ---- pointers ------------------------------------------------------------ */
+
+KVC_INLINE size_t float_size(kvc_dtype d) { return d == KVC_F32 ? 4u : 2u; }
+
+/* ---- 16-lane element conversions ----------------------------------------- */
+
+/*
+ * 16 f16 -> 16 f32, exactly as kvc_f16_to_f32. vcvtph2ps quiets signalling
+ * NaNs (sets the top mantissa bit) while the scalar keeps the payload as it
+ * is, so NaN lanes, rare, are rebuilt from the f16 bits:
+ * sign << 16 | 0x7f800000 | mant << 13.
+ */
+KVC_INLINE __m512 f16x16_to_f32(__m256i h) {
+    __m512 f = _mm512_cvtph_ps(h);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    if (__builtin_expect(nan != 0, 0)) {
+        const __m512i h32 = _mm512_cvtepu16_epi32(h);
+        const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(h32, _mm512_set1_epi32(0x8000)), 16);
+        const __m512i mant = _mm512_slli_epi32(_mm512_and_si512(h32, _mm512_set1_epi32(0x3ff)), 13);
+        const __m512i fix =
+            _mm512_or_si512(_mm512_or_si512(sign, mant), _mm512_set1_epi32(0x7f800000));
+        f = _mm512_mask_mov_ps(f, nan, _mm512_castsi512_ps(fix));
+    }
+    return f;
+}
+
+/* 16 f32 -> 16 f16. The hardware already matches the scalar on NaN:
+ * sign | 0x7c00 | 0x200 | mant >> 13. */
+KVC_INLINE __m256i f32x16_to_f16(__m512 f) { return _mm512_cvtps_ph(f, RNE); }
+
+KVC_INLINE __m512 bf16x16_to_f32(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/*
+ * 16 f32 -> 16 bf16, the scalar rule on each lane: NaN -> (u >> 16) | 0x40,
+ * else (u + 0x7fff + ((u >> 16) & 1)) >> 16 (nearest even; subnormals kept,
+ * overflow carries into Inf); vpmovdw narrows to 16 bits.
+ */
+KVC_INLINE __m256i f32x16_to_bf16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i hi = _mm512_srli_epi32(u, 16);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)),
+                                          _mm512_set1_epi32(0x7fff));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    /* |u| > Inf as signed ints (both sides positive) <=> NaN. */
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* Loads the lanes m of x[i..i+16) (dtype d) as f32; other lanes are 0. A
+ * constant ALL16 folds to the plain unaligned load. */
+KVC_INLINE __m512 load16(const void *x, kvc_dtype d, int64_t i, __mmask16 m) {
+    if (d == KVC_F32) {
+        const float *p = (const float *)x + i;
+        return m == ALL16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
+    }
+    const uint16_t *p = (const uint16_t *)x + i;
+    const __m256i h = m == ALL16 ? _mm256_loadu_si256((const __m256i *)p)
+                                 : _mm256_maskz_loadu_epi16(m, p);
+    return d == KVC_F16 ? f16x16_to_f32(h) : bf16x16_to_f32(h);
+}
+
+/* Stores the lanes m of v as y[i..i+16) of dtype d. */
+KVC_INLINE void store16(void *y, kvc_dtype d, int64_t i, __m512 v, __mmask16 m) {
+    if (d == KVC_F32) {
+        float *p = (float *)y + i;
+        if (m == ALL16) _mm512_storeu_ps(p, v);
+        else _mm512_mask_storeu_ps(p, m, v);
+        return;
+    }
+    uint16_t *p = (uint16_t *)y + i;
+    const __m256i h = d == KVC_F16 ? f32x16_to_f16(v) : f32x16_to_bf16(v);
+    if (m == ALL16) _mm256_storeu_si256((__m256i *)p, h);
+    else _mm256_mask_storeu_epi16(p, m, h);
+}
+
+/* ---- convert ------------------------------------------------------------- */
+
+KVC_INLINE void convert_run(const void *src, kvc_dtype sd, void *dst, kvc_dtype dd, int64_t n) {
+    int64_t i = 0;
+    /* Two vectors per iteration: enough loads in flight to stay memory bound. */
+    for (; i + 32 <= n; i += 32) {
+        const __m512 a = load16(src, sd, i, ALL16), b = load16(src, sd, i + 16, ALL16);
+        store16(dst, dd, i, a, ALL16);
+        store16(dst, dd, i + 16, b, ALL16);
+    }
+    for (; i + 16 <= n; i += 16) store16(dst, dd, i, load16(src, sd, i, ALL16), ALL16);
+    if (i < n) {
+        const __mmask16 m = lanes(n - i);
+        store16(dst, dd, i, load16(src, sd, i, m), m);
+    }
+}
+
+static void convert_avx512(const void *src, kvc_dtype sd, void *dst, kvc_dtype dd, int64_t n) {
+    if (sd == dd) {
+        memcpy(dst, src, (size_t)n * float_size(sd));
+        return;
+    }
+    /* One loop per dtype pair: the dtype tests fold away inside each. */
+#define PAIR(a, b)                                                                                 \
+    if (sd == (a) && dd == (b)) {                                                                  \
+        convert_run(src, (a), dst, (b), n);                                                        \
+        return;                                                                                    \
+    }
+    PAIR(KVC_F32, KVC_F16)
+    PAIR(KVC_F32, KVC_BF16)
+    PAIR(KVC_F16, KVC_F32)
+    PAIR(KVC_F16, KVC_BF16)
+    PAIR(KVC_BF16, KVC_F32)
+    PAIR(KVC_BF16, KVC_F16)
+#undef PAIR
+    kvc__kernels_scalar()->convert(src, sd, dst, dd, n); /* not reached for valid dtypes */
+}
+
+/* ---- all_finite ---------------------------------------------------------- */
+
+/* A value is Inf/NaN iff its exponent field is all ones: 0x7f800000 (f32),
+ * 0x7c00 (f16), 0x7f80 (bf16). One early-exit test per 64 bytes; the tail
+ * is a masked load (masked-off lanes read as 0, which is finite). */
+static int all_finite_avx512(const void *x, kvc_dtype xd, int64_t n) {
+    if (xd == KVC_F32) {
+        const __m512i e = _mm512_set1_epi32(0x7f800000);
+        const float *p = x;
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16)
+            if (_mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_loadu_si512(p + i), e), e)) return 0;
+        if (i < n) {
+            const __m512i v = _mm512_maskz_loadu_epi32(lanes(n - i), p + i);
+            if (_mm512_cmpeq_epi32_mask(_mm512_and_si512(v, e), e)) return 0;
+        }
+        return 1;
+    }
+    const __m512i e = _mm512_set1_epi16(xd == KVC_F16 ? 0x7c00 : 0x7f80);
+    const uint16_t *p = x;
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        if (_mm512_cmpeq_epi16_mask(_mm512_and_si512(_mm512_loadu_si512(p + i), e), e)) return 0;
+    if (i < n) {
+        const __mmask32 m = (__mmask32)((1ull << (n - i)) - 1u);
+        const __m512i v = _mm512_maskz_loadu_epi16(m, p + i);
+        if (_mm512_cmpeq_epi16_mask(_mm512_and_si512(v, e), e)) return 0;
+    }
+    return 1;
+}
+
+/* ---- int8 / int4 lanes --------------------------------------------------- */
+
+/* The lanes m of 16 int8 q[0..16) sign-extended to int32 (others 0). */
+KVC_INLINE __m512i i8x16_load(const int8_t *q, __mmask16 m) {
+    const __m128i b = m == ALL16 ? _mm_loadu_si128((const __m128i *)q) : _mm_maskz_loadu_epi8(m, q);
+    return _mm512_cvtepi8_epi32(b);
+}
+
+/*
+ * 16 int4 from 8 bytes (element k in bits 4k..4k+3 of the little-endian
+ * qword), m the element lanes (an even count). Dword 0 (elements 0-7) goes
+ * to lanes 0-7 and dword 1 to lanes 8-15; lane k then shifts its nibble to
+ * the top (left by 28 - 4(k % 8)) and an arithmetic shift right by 28
+ * sign-extends it.
+ */
+KVC_INLINE __m512i i4x16_load(const uint8_t *q, __mmask16 m) {
+    __m128i b;
+    if (m == ALL16) {
+        b = _mm_loadl_epi64((const __m128i *)q);
+    } else {
+        const int nbytes = (__builtin_popcount(m) + 1) / 2; /* m = low lanes */
+        b = _mm_maskz_loadu_epi8(lanes(nbytes), q);
+    }
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i sh = _mm512_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
+    const __m512i v = _mm512_permutexvar_epi32(idx, _mm512_castsi128_si512(b));
+    return _mm512_srai_epi32(_mm512_sllv_epi32(v, sh), 28);
+}
+
+/* 16 int32 in [-127, 127] -> 16 int8 (vpmovdb truncation is exact here). */
+KVC_INLINE void i8x16_store(int8_t *q, __m512i v, __mmask16 m) {
+    const __m128i b = _mm512_cvtepi32_epi8(v);
+    if (m == ALL16) _mm_storeu_si128((__m128i *)q, b);
+    else _mm_mask_storeu_epi8(q, m, b);
+}
+
+/*
+ * 16 int32 in [-7, 7] -> 8 bytes of int4. Seen as 8 qwords, qword j holds
+ * elements 2j (low dword) and 2j+1 (high dword): keep each dword's nibble,
+ * move the high one from bit 32 to bit 4, and vpmovqb keeps the low byte.
+ */
+KVC_INLINE void i4x16_store(uint8_t *q, __m512i v, __mmask16 m) {
+    const __m512i t = _mm512_and_si512(v, _mm512_set1_epi32(0xf));
+    const __m128i b = _mm512_cvtepi64_epi8(_mm512_or_si512(t, _mm512_srli_epi64(t, 28)));
+    if (m == ALL16) _mm_storel_epi64((__m128i *)q, b);
+    else _mm_mask_storeu_epi8(q, lanes((__builtin_popcount(m) + 1) / 2), b);
+}
+
+/* Loads lanes m of elements [e, e+16) of q as int32. */
+KVC_INLINE __m512i q16_load(const void *q, int bits, int64_t e, __mmask16 m) {
+    return bits == 8 ? i8x16_load((const int8_t *)q + e, m)
+                     : i4x16_load((const uint8_t *)q + e / 2, m);
+}
+
+KVC_INLINE void q16_store(void *q, int bits, int64_t e, __m512i v, __mmask16 m) {
+    if (bits == 8) i8x16_store((int8_t *)q + e, v, m);
+    else i4x16_store((uint8_t *)q + e / 2, v, m);
+}
+
+/* Scale i of a scale tensor as f32. vcvtph2ps quiets a signalling NaN where
+ * kvc_f16_to_f32 does not, but the product with q quiets it the same way,
+ * so dequantized values are identical. */
+KVC_INLINE float scale_load(const void *scale, kvc_dtype sd, int64_t i) {
+    return sd == KVC_F16 ? _cvtsh_ss(((const uint16_t *)scale)[i]) : ((const float *)scale)[i];
+}
+
+/* Scales i..i+16 (lanes m) as f32. */
+KVC_INLINE __m512 scale16_load(const void *scale, kvc_dtype sd, int64_t i, __mmask16 m) {
+    if (sd == KVC_F32) return _mm512_maskz_loadu_ps(m, (const float *)scale + i);
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)scale + i));
+}
+
+/* ---- dequantize ---------------------------------------------------------- */
+
+/* Lanes m of y[e..e+16) = (float)q * s. */
+KVC_INLINE void dequant16(const void *q, int bits, int64_t e, __m512 s, void *y, kvc_dtype yd,
+                          __mmask16 m) {
+    const __m512i v = q16_load(q, bits, e, m);
+    store16(y, yd, e, _mm512_mul_ps(_mm512_cvtepi32_ps(v), s), m);
+}
+
+/*
+ * g == 8, two groups per zmm. Blocks of 16 groups (128 elements): one load
+ * of 16 scales, then for the pair (2j, 2j+1) a permute with indices
+ * {2j x8, 2j+1 x8} lays scale 2j over lanes 0-7 and 2j+1 over lanes 8-15.
+ * The last block may be short: its scale load is masked, and an odd last
+ * group is a half (8-lane) step.
+ */
+KVC_INLINE void dequant_g8(const void *q, int bits, const void *scale, kvc_dtype sd, int64_t n,
+                           void *y, kvc_dtype yd) {
+    const int64_t ng = n / 8;
+    const __m512i pair0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i two = _mm512_set1_epi32(2);
+    for (int64_t gb = 0; gb < ng; gb += 16) {
+        const int64_t nb = ng - gb < 16 ? ng - gb : 16; /* groups in this block */
+        const __m512 s16 = scale16_load(scale, sd, gb, lanes(nb));
+        __m512i idx = pair0;
+        int64_t j = 0;
+        for (; j + 2 <= nb; j += 2, idx = _mm512_add_epi32(idx, two))
+            dequant16(q, bits, (gb + j) * 8, _mm512_permutexvar_ps(idx, s16), y, yd, ALL16);
+        if (j < nb) dequant16(q, bits, (gb + j) * 8, _mm512_permutexvar_ps(idx, s16), y, yd, 0xff);
+    }
+}
+
+/* Any g >= 8: per group, broadcast the scale; 16 lanes per step, then one
+ * masked step for the g % 16 left. */
+KVC_INLINE void dequant_groups(const void *q, int bits, const void *scale, kvc_dtype sd,
+                               int64_t n, int g, void *y, kvc_dtype yd) {
+    const __mmask16 tail = lanes(g % 16);
+    for (int64_t g0 = 0, gi = 0; g0 < n; g0 += g, gi++) {
+        const __m512 s = _mm512_set1_ps(scale_load(scale, sd, gi));
+        int64_t e = g0;
+        const int64_t full = g0 + g - g % 16;
+        for (; e < full; e += 16) dequant16(q, bits, e, s, y, yd, ALL16);
+        if (tail) dequant16(q, bits, e, s, y, yd, tail);
+    }
+}
+
+KVC_INLINE void dequant_run(const void *q, int bits, const void *scale, kvc_dtype sd, int64_t n,
+                            int g, void *y, kvc_dtype yd) {
+    if (g == 8) dequant_g8(q, bits, scale, sd, n, y, yd);
+    else dequant_groups(q, bits, scale, sd, n, g, y, yd);
+}
+
+static void dequantize_avx512(const void *q, int bits, const void *scale, kvc_dtype sd, int64_t n,
+                              int g, void *y, kvc_dtype yd) {
+    if (g < 8) {
+        kvc__kernels_scalar()->dequantize(q, bits, scale, sd, n, g, y, yd);
+        return;
+    }
+#define DQ(b, s, o)                                                                                \
+    if (bits == (b) && sd == (s) && yd == (o)) {                                                   \
+        dequant_run(q, (b), scale, (s), n, g, y, (o));                                             \
+        return;                                                                                    \
+    }
+#define DQ_Y(b, s) DQ(b, s, KVC_F32) DQ(b, s, KVC_F16) DQ(b, s, KVC_BF16)
+    DQ_Y(8, KVC_F32)
+    DQ_Y(8, KVC_F16)
+    DQ_Y(4, KVC_F32)
+    DQ_Y(4, KVC_F16)
+#undef DQ_Y
+#undef DQ
+    kvc__kernels_scalar()->dequantize(q, bits, scale, sd, n, g, y, yd);
+}
+
+/* ---- quantize ------------------------------------------------------------ */
+
+/*
+ * scale = max(absmax / qmax, 1e-5f) on every lane, with a true division;
+ * vmaxps returns its first operand only if it is greater, exactly the
+ * scalar's "if (!(s > 1e-5f)) s = 1e-5f". For f16 scales, also rounds
+ * through f16 (returned in *h) since the stored value is the one used.
+ */
+KVC_INLINE __m512 scale_calc(__m512 absmax, float qmax, kvc_dtype sd, __m256i *h) {
+    __m512 s = _mm512_div_ps(absmax, _mm512_set1_ps(qmax));
+    s = _mm512_max_ps(s, _mm512_set1_ps(1e-5f));
+    if (sd == KVC_F16) {
+        *h = _mm512_cvtps_ph(s, RNE);
+        s = _mm512_cvtph_ps(*h);
+    }
+    return s;
+}
+
+/* Stores lane `lane` (0 or 8) of the scale vector s (or of its f16 form h)
+ * as scale gi. */
+KVC_INLINE void scale_put(void *scale, kvc_dtype sd, int64_t gi, __m512 s, __m256i h, int lane) {
+    if (sd == KVC_F16) {
+        const __m128i part = lane ? _mm256_extracti128_si256(h, 1) : _mm256_castsi256_si128(h);
+        ((uint16_t *)scale)[gi] = (uint16_t)_mm_extract_epi16(part, 0);
+    } else {
+        const __m128 part = lane ? _mm512_extractf32x4_ps(s, 2) : _mm512_castps512_ps128(s);
+        ((float *)scale)[gi] = _mm_cvtss_f32(part);
+    }
+}
+
+/* Lanes m of q[e..e+16) = clamp(rne(x / s), -qmax, qmax). */
+KVC_INLINE void quant16(__m512 x, __m512 s, float qmax, void *q, int bits, int64_t e,
+                        __mmask16 m) {
+    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(x, s), RNE);
+    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-qmax)), _mm512_set1_ps(qmax));
+    q16_store(q, bits, e, _mm512_cvttps_epi32(v), m);
+}
+
+KVC_INLINE __m512 abs16(__m512 v) {
+    return _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)));
+}
+
+/* Any g >= 8: per group, pass 1 finds absmax (masked tail lanes read 0),
+ * pass 2 quantizes 16 lanes per step. */
+KVC_INLINE void quant_groups(const void *x, kvc_dtype xd, int64_t n, int bits, int g, void *q,
+                             void *scale, kvc_dtype sd, int64_t g0) {
+    const float qmax = bits == 8 ? 127.0f : 7.0f;
+    const __mmask16 tail = lanes(g % 16);
+    for (int64_t gi = g0 / g; g0 < n; g0 += g, gi++) {
+        const int64_t full = g0 + g - g % 16;
+        __m512 m = _mm512_setzero_ps();
+        int64_t e = g0;
+        for (; e < full; e += 16) m = _mm512_max_ps(m, abs16(load16(x, xd, e, ALL16)));
+        if (tail) m = _mm512_max_ps(m, abs16(load16(x, xd, e, tail)));
+        __m256i h = _mm256_setzero_si256();
+        const __m512 s = scale_calc(_mm512_set1_ps(_mm512_reduce_max_ps(m)), qmax, sd, &h);
+        scale_put(scale, sd, gi, s, h, 0);
+        for (e = g0; e < full; e += 16) quant16(load16(x, xd, e, ALL16), s, qmax, q, bits, e, ALL16);
+        if (tail) quant16(load16(x, xd, e, tail), s, qmax, q, bits, e, tail);
+    }
+}
+
+/*
+ * g == 8, two groups per zmm: the absmax of each 8-lane half is reduced in
+ * place (swap neighbours, pairs, then 128-bit blocks within each 256-bit
+ * half), so the scale vector holds the scale of group 2j on lanes 0-7 and of
+ * 2j+1 on lanes 8-15 with no broadcast. An odd last group is quantized by
+ * the generic path.
+ */
+KVC_INLINE void quant_g8(const void *x, kvc_dtype xd, int64_t n, int bits, void *q, void *scale,
+                         kvc_dtype sd) {
+    const float qmax = bits == 8 ? 127.0f : 7.0f;
+    int64_t e = 0;
+    for (; e + 16 <= n; e += 16) {
+        const __m512 v = load16(x, xd, e, ALL16);
+        __m512 a = abs16(v);
+        a = _mm512_max_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
+        a = _mm512_max_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2)));
+        a = _mm512_max_ps(a, _mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(2, 3, 0, 1)));
+        __m256i h = _mm256_setzero_si256();
+        const __m512 s = scale_calc(a, qmax, sd, &h);
+        scale_put(scale, sd, e / 8, s, h, 0);
+        scale_put(scale, sd, e / 8 + 1, s, h, 8);
+        quant16(v, s, qmax, q, bits, e, ALL16);
+    }
+    if (e < n) quant_groups(x, xd, n, bits, 8, q, scale, sd, e);
+}
+
+KVC_INLINE void quant_run(const void *x, kvc_dtype xd, int64_t n, int bits, int g, void *q,
+                          void *scale, kvc_dtype sd) {
+    if (g == 8) quant_g8(x, xd, n, bits, q, scale, sd);
+    else quant_groups(x, xd, n, bits, g, q, scale, sd, 0);
+}
+
+static void quantize_avx512(const void *x, kvc_dtype xd, int64_t n, int bits, int g, void *q,
+                            void *scale, kvc_dtype sd) {
+    if (g < 8) {
+        kvc__kernels_scalar()->quantize(x, xd, n, bits, g, q, scale, sd);
+        return;
+    }
+#define QZ(b, in, s)                                                                               \
+    if (bits == (b) && xd == (in) && sd == (s)) {                                                  \
+        quant_run(x, (in), n, (b), g, q, scale, (s));                                              \
+        return;                                                                                    \
+    }
+#define QZ_X(b, s) QZ(b, KVC_F32, s) QZ(b, KVC_F16, s) QZ(b, KVC_BF16, s)
+    QZ_X(8, KVC_F32)
+    QZ_X(8, KVC_F16)
+    QZ_X(4, KVC_F32)
+    QZ_X(4, KVC_F16)
+#undef QZ_X
+#undef QZ
+    kvc__kernels_scalar()->quantize(x, xd, n, bits, g, q, scale, sd);
+}
+
+static const kvc_kernels table = {
+    KVC_ISA_AVX512, convert_avx512, all_finite_avx512, quantize_avx512, dequantize_avx512,
+};
+
+const kvc_kernels *kvc__kernels_avx512(void) { return &table; }

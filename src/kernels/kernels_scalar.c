@@ -1,0 +1,94 @@
+/*
+ * Scalar reference kernels: portable C that reads like SEMANTICS section 1.
+ * The SIMD kernels must match these bit for bit; tests compare them.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "kernels.h"
+
+static inline float load_f32(const void *x, kvc_dtype dt, int64_t i) {
+    switch (dt) {
+    case KVC_F16: return kvc_f16_to_f32(((const uint16_t *)x)[i]);
+    case KVC_BF16: return kvc_bf16_to_f32(((const uint16_t *)x)[i]);
+    default: return ((const float *)x)[i];
+    }
+}
+
+static inline void store_f32(void *y, kvc_dtype dt, int64_t i, float v) {
+    switch (dt) {
+    case KVC_F16: ((uint16_t *)y)[i] = kvc_f32_to_f16(v); break;
+    case KVC_BF16: ((uint16_t *)y)[i] = kvc_f32_to_bf16(v); break;
+    default: ((float *)y)[i] = v; break;
+    }
+}
+
+static void convert_ref(const void *src, kvc_dtype sd, void *dst, kvc_dtype dd, int64_t n) {
+    if (sd == dd) {
+        memcpy(dst, src, (size_t)(n * (sd == KVC_F32 ? 4 : 2)));
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) store_f32(dst, dd, i, load_f32(src, sd, i));
+}
+
+static int all_finite_ref(const void *x, kvc_dtype xd, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(load_f32(x, xd, i))) return 0;
+    return 1;
+}
+
+float kvc__scale_round(float s, kvc_dtype sd) {
+    return sd == KVC_F16 ? kvc_f16_to_f32(kvc_f32_to_f16(s)) : s;
+}
+
+static void quantize_ref(const void *x, kvc_dtype xd, int64_t n, int bits, int g, void *q,
+                         void *scale, kvc_dtype sd) {
+    const float qmax = bits == 8 ? 127.0f : 7.0f;
+    uint8_t *qb = q;
+    for (int64_t g0 = 0; g0 < n; g0 += g) {
+        float absmax = 0.0f;
+        for (int i = 0; i < g; i++) {
+            float a = fabsf(load_f32(x, xd, g0 + i));
+            if (a > absmax) absmax = a;
+        }
+        float s = absmax / qmax;
+        if (!(s > 1e-5f)) s = 1e-5f;
+        store_f32(scale, sd, g0 / g, s);
+        s = load_f32(scale, sd, g0 / g); /* the stored value is the one used */
+        for (int i = 0; i < g; i++) {
+            float v = nearbyintf(load_f32(x, xd, g0 + i) / s);
+            if (v > qmax) v = qmax;
+            if (v < -qmax) v = -qmax;
+            int iv = (int)v;
+            int64_t e = g0 + i;
+            if (bits == 8) {
+                ((int8_t *)qb)[e] = (int8_t)iv;
+            } else if (e & 1) {
+                qb[e >> 1] = (uint8_t)((qb[e >> 1] & 0x0f) | ((unsigned)(iv & 0xf) << 4));
+            } else {
+                qb[e >> 1] = (uint8_t)(iv & 0xf); /* high nibble written by e+1 */
+            }
+        }
+    }
+}
+
+static void dequantize_ref(const void *q, int bits, const void *scale, kvc_dtype sd, int64_t n,
+                           int g, void *y, kvc_dtype yd) {
+    const uint8_t *qb = q;
+    for (int64_t e = 0; e < n; e++) {
+        int iv;
+        if (bits == 8) {
+            iv = ((const int8_t *)q)[e];
+        } else {
+            unsigned nib = (e & 1) ? (qb[e >> 1] >> 4) : (qb[e >> 1] & 0xf);
+            iv = (int)nib - ((nib & 8) ? 16 : 0);
+        }
+        store_f32(y, yd, e, (float)iv * load_f32(scale, sd, e / g));
+    }
+}
+
+static const kvc_kernels table = {
+    KVC_ISA_SCALAR, convert_ref, all_finite_ref, quantize_ref, dequantize_ref,
+};
+
+const kvc_kernels *kvc__kernels_scalar(void) { return &table; }

@@ -1,0 +1,125 @@
+/* Core API: status strings, error messages, versions, dtypes, tensors, ISA
+ * selection and the thread pool. */
+#include <pthread.h>
+#include <stdlib.h>
+
+#include "test.h"
+
+static void *fail_in_thread(void *arg) {
+    float x = 0;
+    *(int *)arg = kvc_convert(&x, KVC_I64, &x, KVC_F32, 1) == KVC_ERR_INVALID_ARG &&
+                  strstr(kvc_last_error(), "int64") != NULL;
+    return NULL;
+}
+
+TEST(status_strings) {
+    const kvc_status all[] = {KVC_OK, KVC_ERR_NOMEM, KVC_ERR_INVALID_ARG, KVC_ERR_NO_SPACE,
+                              KVC_ERR_NOT_FOUND, KVC_ERR_UNSUPPORTED, KVC_ERR_IO,
+                              KVC_ERR_CORRUPT, KVC_ERR_INTERNAL};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
+        ASSERT_TRUE(kvc_status_str(all[i]) != NULL);
+        for (size_t j = 0; j < i; j++) ASSERT_TRUE(strcmp(kvc_status_str(all[i]), kvc_status_str(all[j])));
+        if (i) ASSERT_TRUE(all[i] < 0);
+    }
+    ASSERT_STR_CONTAINS(kvc_status_str((kvc_status)-999), "unknown");
+    return 0;
+}
+
+TEST(version) {
+    ASSERT_EQ_I64(kvc_version_number(), KVC_VERSION_NUMBER);
+    ASSERT_TRUE(strcmp(kvc_version_string(), KVC_VERSION_STRING) == 0);
+    char buf[32];
+    snprintf(buf, sizeof buf, "%d.%d.%d", KVC_VERSION_MAJOR, KVC_VERSION_MINOR, KVC_VERSION_PATCH);
+    ASSERT_TRUE(strcmp(buf, kvc_version_string()) == 0);
+    return 0;
+}
+
+TEST(dtypes) {
+    ASSERT_TRUE(strcmp(kvc_dtype_name(KVC_BF16), "bfloat16") == 0);
+    ASSERT_TRUE(strcmp(kvc_dtype_name(KVC_I4), "int4") == 0);
+    ASSERT_TRUE(strcmp(kvc_dtype_name((kvc_dtype)99), "?") == 0);
+    ASSERT_EQ_I64(kvc_dtype_bits(KVC_F32), 32);
+    ASSERT_EQ_I64(kvc_dtype_bits(KVC_F16), 16);
+    ASSERT_EQ_I64(kvc_dtype_bits(KVC_I4), 4);
+    ASSERT_EQ_I64(kvc_dtype_bits(KVC_I64), 64);
+    ASSERT_EQ_I64(kvc_dtype_bits((kvc_dtype)-1), 0);
+    return 0;
+}
+
+TEST(tensor_make) {
+    int64_t shape[3] = {2, 3, 4};
+    kvc_tensor t = kvc_tensor_make(NULL, KVC_F16, 3, shape);
+    ASSERT_EQ_I64(t.ndim, 3);
+    ASSERT_EQ_I64(t.stride[0], 12);
+    ASSERT_EQ_I64(t.stride[1], 4);
+    ASSERT_EQ_I64(t.stride[2], 1);
+    ASSERT_EQ_I64(kvc_tensor_numel(&t), 24);
+    kvc_tensor s = kvc_tensor_make(NULL, KVC_I64, 0, NULL);
+    ASSERT_EQ_I64(kvc_tensor_numel(&s), 1);
+    return 0;
+}
+
+TEST(errors_are_per_thread_messages) {
+    kvc_clear_error();
+    ASSERT_TRUE(kvc_last_error()[0] == '\0');
+    float x[4] = {0};
+    ASSERT_STATUS(kvc_convert(x, KVC_F32, x, KVC_I8, 4), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "kvc_convert");
+    ASSERT_STR_CONTAINS(kvc_last_error(), "int8");
+    /* Another thread's failure does not touch this thread's message. */
+    pthread_t th;
+    int other_ok = 0;
+    ASSERT_TRUE(pthread_create(&th, NULL, fail_in_thread, &other_ok) == 0);
+    pthread_join(th, NULL);
+    ASSERT_TRUE(other_ok);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "int8");
+    kvc_clear_error();
+    ASSERT_TRUE(kvc_last_error()[0] == '\0');
+    return 0;
+}
+
+TEST(isa_selection) {
+    kvc_isa best = kvc_best_isa();
+    ASSERT_TRUE(kvc_isa_supported(KVC_ISA_SCALAR));
+    ASSERT_TRUE(kvc_isa_supported(best));
+    ASSERT_TRUE(kvc_get_isa() <= best);
+    printf("  best isa: %s, in use: %s\n", kvc_isa_name(best), kvc_isa_name(kvc_get_isa()));
+    for (int i = 0; i < KVC_ISA_COUNT; i++) {
+        if (kvc_isa_supported((kvc_isa)i)) {
+            ASSERT_OK(kvc_set_isa((kvc_isa)i));
+            ASSERT_EQ_I64(kvc_get_isa(), i);
+        } else {
+            ASSERT_STATUS(kvc_set_isa((kvc_isa)i), KVC_ERR_UNSUPPORTED);
+            ASSERT_EQ_I64(kvc_get_isa(), i - 1); /* unchanged */
+        }
+    }
+    ASSERT_STATUS(kvc_set_isa((kvc_isa)7), KVC_ERR_INVALID_ARG);
+    ASSERT_TRUE(strcmp(kvc_isa_name(KVC_ISA_AVX512), "avx512") == 0);
+    ASSERT_OK(kvc_set_isa(best));
+    return 0;
+}
+
+TEST(threadpool) {
+    kvc_threadpool *p = NULL;
+    ASSERT_STATUS(kvc_threadpool_create(1, NULL), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_threadpool_create(100000, &p), KVC_ERR_INVALID_ARG);
+    ASSERT_TRUE(p == NULL);
+    for (int n = 1; n <= 4; n++) {
+        ASSERT_OK(kvc_threadpool_create(n, &p));
+        ASSERT_EQ_I64(kvc_threadpool_n_threads(p), n);
+        kvc_threadpool_destroy(p);
+    }
+    ASSERT_OK(kvc_threadpool_create(0, &p)); /* all CPUs */
+    ASSERT_TRUE(kvc_threadpool_n_threads(p) >= 1);
+    kvc_threadpool_destroy(p);
+    kvc_threadpool_destroy(NULL);
+    ASSERT_EQ_I64(kvc_threadpool_n_threads(NULL), 1);
+    return 0;
+}
+
+const char *test_suite_name = "core";
+const test_case test_suite[] = {
+    TEST_ENTRY(status_strings), TEST_ENTRY(version), TEST_ENTRY(dtypes),
+    TEST_ENTRY(tensor_make), TEST_ENTRY(errors_are_per_thread_messages),
+    TEST_ENTRY(isa_selection), TEST_ENTRY(threadpool), {0, 0},
+};

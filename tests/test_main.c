@@ -1,0 +1,35 @@
+/* Runner shared by every C suite: filters, seeds, counts. */
+#include <stdlib.h>
+
+#include "test.h"
+
+uint64_t test_seed = 20261122;
+
+int main(int argc, char **argv) {
+    const char *filter = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--filter") && i + 1 < argc) filter = argv[++i];
+        else if (!strcmp(argv[i], "--seed") && i + 1 < argc)
+            test_seed = strtoull(argv[++i], NULL, 10);
+        else {
+            fprintf(stderr, "usage: %s [--filter SUBSTR] [--seed N]\n", argv[0]);
+            return 2;
+        }
+    }
+    int passed = 0, failed = 0, skipped = 0;
+    for (const test_case *t = test_suite; t->name; t++) {
+        if (filter && !strstr(t->name, filter)) continue;
+        kvc_clear_error();
+        int r = t->fn();
+        printf("%s %s.%s\n", r == 0 ? "ok  " : r == 2 ? "skip" : "FAIL", test_suite_name, t->name);
+        fflush(stdout);
+        if (r == 0) passed++;
+        else if (r == 2) skipped++;
+        else {
+            failed++;
+            fprintf(stderr, "  (seed %llu)\n", (unsigned long long)test_seed);
+        }
+    }
+    printf("%s: %d passed, %d failed, %d skipped\n", test_suite_name, passed, failed, skipped);
+    return failed ? 1 : 0;
+}

@@ -1,0 +1,2 @@
+/* placeholder */
+typedef int kvc__placeholder;

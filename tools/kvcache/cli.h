@@ -1,0 +1,52 @@
+/*
+ * Shared declarations of the kvcache command-line tool (tools/kvcache).
+ *
+ * Every subcommand is a function taking the argument vector that starts at
+ * its own name (argv[0] == "info", "bench", ...) and returning the process
+ * exit status: CLI_EXIT_OK, CLI_EXIT_FAIL (the work failed) or
+ * CLI_EXIT_USAGE (bad command line; a message was printed to stderr).
+ * The tool uses the public API only (kvcache/kvcache.h).
+ */
+#ifndef KVCACHE_TOOLS_CLI_H
+#define KVCACHE_TOOLS_CLI_H
+
+#include <stdint.h>
+
+#define CLI_EXIT_OK 0
+#define CLI_EXIT_FAIL 1
+#define CLI_EXIT_USAGE 2
+
+#if defined(__GNUC__)
+#define CLI_PRINTF(fmt_idx, arg_idx) __attribute__((format(printf, fmt_idx, arg_idx)))
+#else
+#define CLI_PRINTF(fmt_idx, arg_idx)
+#endif
+
+/* ---- subcommands ------------------------------------------------------- */
+
+int cmd_info(int argc, char **argv);
+int cmd_bench(int argc, char **argv);
+
+/* ---- helpers (main.c) -------------------------------------------------- */
+
+/* 1 if arg is "-h" or "--help". */
+int cli_is_help(const char *arg);
+
+/* Prints "kvcache: <message>" and a hint to run "kvcache <cmd> --help" on
+ * stderr; returns CLI_EXIT_USAGE so callers can `return cli_usage_error(...)`. */
+int cli_usage_error(const char *cmd, const char *fmt, ...) CLI_PRINTF(2, 3);
+
+/* Parses a whole decimal integer in [lo, hi] into *out; 0 on success, -1 on
+ * garbage, trailing characters or out-of-range values. */
+int cli_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out);
+
+/* Parses a positive decimal number (e.g. "0.3") in (0, hi]; 0 or -1. */
+int cli_parse_seconds(const char *s, double hi, double *out);
+
+/* Number of online CPUs (>= 1). */
+int cli_online_cpus(void);
+
+/* CPU model name from /proc/cpuinfo ("unknown" if unreadable) into buf. */
+const char *cli_cpu_model(char *buf, int n);
+
+#endif

@@ -1,0 +1,145 @@
+/*
+ * kvcache command-line tool: entry point, top-level usage and the small
+ * helpers every subcommand shares (option values, CPU facts).
+ *
+ *   kvcache info            library version, ISA, CPUs
+ *   kvcache bench [TARGET]  micro-benchmarks (TARGET: pmx)
+ *
+ * Exit status: 0 success, 1 the work failed, 2 bad command line.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cli.h"
+#include "kvcache/kvcache.h"
+
+static const char usage_text[] =
+    "usage: kvcache <command> [options]\n"
+    "\n"
+    "commands:\n"
+    "  info             library version, ISA in use and supported, CPUs\n"
+    "  bench [TARGET]   micro-benchmarks; TARGET: pmx (default)\n"
+    "  help [COMMAND]   this text, or the help of COMMAND\n"
+    "  version          print the library version\n"
+    "\n"
+    "Run 'kvcache <command> --help' for the options of a command.\n";
+
+/* ---- shared helpers ---------------------------------------------------- */
+
+int cli_is_help(const char *arg) {
+    return strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0;
+}
+
+int cli_usage_error(const char *cmd, const char *fmt, ...) {
+    va_list ap;
+    fputs("kvcache: ", stderr);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    if (cmd != NULL)
+        fprintf(stderr, "\nRun 'kvcache %s --help' for usage.\n", cmd);
+    else
+        fputs("\nRun 'kvcache --help' for usage.\n", stderr);
+    return CLI_EXIT_USAGE;
+}
+
+int cli_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
+    if (s == NULL || *s == '\0') return -1;
+    char *end = NULL;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno != 0 || end == s || *end != '\0') return -1;
+    if (v < lo || v > hi) return -1;
+    *out = (int64_t)v;
+    return 0;
+}
+
+int cli_parse_seconds(const char *s, double hi, double *out) {
+    if (s == NULL || *s == '\0') return -1;
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno != 0 || end == s || *end != '\0') return -1;
+    if (!(v > 0.0) || !(v <= hi)) return -1; /* also rejects NaN */
+    *out = v;
+    return 0;
+}
+
+int cli_online_cpus(void) {
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n >= 1 ? (int)n : 1;
+}
+
+const char *cli_cpu_model(char *buf, int n) {
+    snprintf(buf, (size_t)n, "unknown");
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (f == NULL) return buf;
+    char line[512];
+    while (fgets(line, sizeof line, f) != NULL) {
+        if (strncmp(line, "model name", 10) != 0) continue;
+        const char *v = strchr(line, ':');
+        if (v == NULL) continue;
+        v++;
+        while (*v == ' ' || *v == '\t') v++;
+        size_t len = strcspn(v, "\r\n");
+        while (len > 0 && (v[len - 1] == ' ' || v[len - 1] == '\t')) len--;
+        if (len > 0) snprintf(buf, (size_t)n, "%.*s", (int)len, v);
+        break;
+    }
+    fclose(f);
+    return buf;
+}
+
+/* ---- dispatch ---------------------------------------------------------- */
+
+static int run_command(int argc, char **argv) {
+    const char *cmd = argv[0];
+    if (strcmp(cmd, "info") == 0) return cmd_info(argc, argv);
+    if (strcmp(cmd, "bench") == 0) return cmd_bench(argc, argv);
+    if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {
+        if (argc > 1) return cli_usage_error(NULL, "'version' takes no arguments");
+        printf("kvcache %s\n", kvc_version_string());
+        return CLI_EXIT_OK;
+    }
+    if (strcmp(cmd, "help") == 0 || cli_is_help(cmd)) {
+        if (argc > 2) return cli_usage_error(NULL, "'help' takes at most one command");
+        if (argc == 2) {
+            const char *sub = argv[1];
+            if (strcmp(sub, "info") == 0 || strcmp(sub, "bench") == 0) {
+                char help[] = "--help";
+                char *sub_argv[3] = {argv[1], help, NULL};
+                return run_command(2, sub_argv);
+            }
+            if (strcmp(sub, "help") != 0 && strcmp(sub, "version") != 0) {
+                fprintf(stderr, "kvcache: unknown command '%s'\n\n%s", sub, usage_text);
+                return CLI_EXIT_USAGE;
+            }
+        }
+        fputs(usage_text, stdout);
+        return CLI_EXIT_OK;
+    }
+    if (cmd[0] == '-')
+        fprintf(stderr, "kvcache: unknown option '%s'\n\n%s", cmd, usage_text);
+    else
+        fprintf(stderr, "kvcache: unknown command '%s'\n\n%s", cmd, usage_text);
+    return CLI_EXIT_USAGE;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fputs(usage_text, stderr);
+        return CLI_EXIT_USAGE;
+    }
+    int rc = run_command(argc - 1, argv + 1);
+    /* A full disk or closed pipe on stdout must not pass silently. */
+    if (fflush(stdout) != 0 && rc == CLI_EXIT_OK) {
+        fprintf(stderr, "kvcache: error writing to stdout\n");
+        rc = CLI_EXIT_FAIL;
+    }
+    return rc;
+}
