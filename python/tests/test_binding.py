@@ -1,0 +1,198 @@
+"""Library loading, version, ISA selection, error mapping and the binding's
+own argument checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvcache
+from kvcache import _lib
+
+PYTHON_DIR = Path(kvcache.__file__).resolve().parent.parent
+
+
+def _run_import(env_updates, code="import kvcache; print(kvcache.library_path)"):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(PYTHON_DIR)
+    for k, v in env_updates.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_missing_library_env_gives_clear_import_error(tmp_path):
+    missing = tmp_path / "nope" / "libkvcache.so"
+    r = _run_import({"KVCACHE_LIBRARY": str(missing)})
+    assert r.returncode != 0
+    assert "ImportError" in r.stderr
+    assert "KVCACHE_LIBRARY" in r.stderr and str(missing) in r.stderr
+
+
+def test_unloadable_library_env_gives_import_error(tmp_path):
+    bogus = tmp_path / "libkvcache.so"
+    bogus.write_text("not a shared library")
+    r = _run_import({"KVCACHE_LIBRARY": str(bogus)})
+    assert r.returncode != 0
+    assert "ImportError" in r.stderr and str(bogus) in r.stderr
+
+
+def test_env_library_is_used():
+    r = _run_import({"KVCACHE_LIBRARY": kvcache.library_path})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == kvcache.library_path
+
+
+def test_build_tree_fallback():
+    build_lib = PYTHON_DIR.parent / "build" / "libkvcache.so"
+    if not build_lib.exists():
+        pytest.skip("no build/libkvcache.so in this checkout")
+    r = _run_import({"KVCACHE_LIBRARY": None})
+    assert r.returncode == 0, r.stderr
+    assert Path(r.stdout.strip()).resolve() == build_lib.resolve()
+
+
+def test_version():
+    assert kvcache.__version__ == kvcache.version()
+    parts = kvcache.__version__.split(".")
+    assert len(parts) >= 3 and all(p.isdigit() for p in parts[:3])
+    major, minor, patch = (int(p) for p in parts[:3])
+    # KVC_VERSION_NUMBER is MAJOR*10000 + MINOR*100 + PATCH (version.h).
+    assert kvcache.version_number() == major * 10000 + minor * 100 + patch
+
+
+def test_isa_queries():
+    isas = kvcache.supported_isas()
+    assert isas[0] == "scalar"
+    assert set(isas) <= {"scalar", "avx2", "avx512"}
+    assert kvcache.best_isa() == isas[-1]
+    assert kvcache.get_isa() in isas
+    for name in ("scalar", "avx2", "avx512"):
+        assert kvcache.isa_supported(name) == (name in isas)
+
+
+def test_set_isa_roundtrip():
+    old = kvcache.get_isa()
+    try:
+        for name in kvcache.supported_isas():
+            kvcache.set_isa(name)
+            assert kvcache.get_isa() == name
+    finally:
+        kvcache.set_isa(old)
+    assert kvcache.get_isa() == old
+
+
+def test_set_isa_errors():
+    with pytest.raises(kvcache.InvalidArgumentError, match="unknown ISA"):
+        kvcache.set_isa("sse9")
+    with pytest.raises(ValueError):
+        kvcache.isa_supported("neon")
+    unsupported = [n for n in ("avx2", "avx512") if not kvcache.isa_supported(n)]
+    if not unsupported:
+        pytest.skip("this CPU supports every ISA")
+    old = kvcache.get_isa()
+    with pytest.raises(kvcache.UnsupportedError) as ei:
+        kvcache.set_isa(unsupported[0])
+    assert ei.value.status == -5
+    assert kvcache.get_isa() == old
+
+
+def test_error_classes():
+    assert issubclass(kvcache.KvcacheError, RuntimeError)
+    assert issubclass(kvcache.InvalidArgumentError, kvcache.KvcacheError)
+    assert issubclass(kvcache.InvalidArgumentError, ValueError)
+    assert issubclass(kvcache.UnsupportedError, kvcache.KvcacheError)
+    with pytest.raises(kvcache.InvalidArgumentError) as ei:
+        # kvc_convert rejects int8: a C-side error with C's message.
+        _lib.check(_lib.kvc_convert(None, _lib.KVC_I8, None, _lib.KVC_F32, 4))
+    assert ei.value.status == -2
+    assert "kvc_convert" in str(ei.value)
+
+
+def test_thread_pool_cache():
+    p1, _ = _lib.threadpool(1)
+    p2, _ = _lib.threadpool(2)
+    assert p1 and p2 and p1 != p2
+    assert _lib.threadpool(2)[0] == p2
+    assert _lib.kvc_threadpool_n_threads(p2) == 2
+    with pytest.raises(kvcache.InvalidArgumentError):
+        _lib.threadpool(0)
+
+
+# ---------------------------------------------------------------------------
+# numpy -> kvc_tensor
+
+
+def test_tensor_strides_in_elements():
+    a = np.zeros((4, 6, 8), np.float16)[1:, ::2, :5]
+    t = _lib.make_tensor(a)
+    assert t.dtype == _lib.KVC_F16 and t.ndim == 3
+    assert list(t.shape[:3]) == [3, 3, 5]
+    assert list(t.stride[:3]) == [48, 16, 1]
+    assert t.data == a.ctypes.data
+
+
+def test_tensor_int4_doubles_last_dim_and_strides():
+    a = np.zeros((3, 5, 4), np.uint8)[:, 1:4]
+    t = _lib.make_tensor(a, int4=True)
+    assert t.dtype == _lib.KVC_I4
+    assert list(t.shape[:3]) == [3, 3, 8]
+    assert list(t.stride[:3]) == [40, 8, 1]
+
+
+def test_tensor_bfloat16_and_scalars():
+    import ml_dtypes
+
+    t = _lib.make_tensor(np.zeros((2, 2), ml_dtypes.bfloat16))
+    assert t.dtype == _lib.KVC_BF16
+    s = _lib.scalar_int64(7, "x")
+    assert s.shape == () and s.dtype == np.int64
+    ts = _lib.make_tensor(s)
+    assert ts.ndim == 0 and ts.dtype == _lib.KVC_I64
+
+
+def test_index_inputs_are_converted_to_int64():
+    a = _lib.int64_array([0, 3, 5], "seqstarts")
+    assert a.dtype == np.int64 and a.flags.c_contiguous
+    b = _lib.int64_array(np.array([[1, 2], [3, 4]], np.int32).T, "cachestarts")
+    assert b.dtype == np.int64 and b.flags.c_contiguous and b.tolist() == [[1, 3], [2, 4]]
+    with pytest.raises(kvcache.InvalidArgumentError, match="integers"):
+        _lib.int64_array([0.5, 1.0], "seqstarts")
+    with pytest.raises(kvcache.InvalidArgumentError, match="single integer"):
+        _lib.scalar_int64([1, 2], "max_seqlen")
+
+
+def test_inplace_rules():
+    c = np.zeros((2, 8), np.float32)
+    assert _lib.inplace_array(c, "cache") is c
+    with pytest.raises(kvcache.InvalidArgumentError, match="contiguous last"):
+        _lib.inplace_array(np.zeros((2, 8), np.float32)[:, ::2], "cache")
+    ro = np.zeros((2, 8), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(kvcache.InvalidArgumentError, match="writeable"):
+        _lib.inplace_array(ro, "cache")
+    with pytest.raises(kvcache.InvalidArgumentError, match="numpy"):
+        _lib.inplace_array([[0.0] * 8], "cache")
+    with pytest.raises(kvcache.InvalidArgumentError, match="dtype"):
+        _lib.inplace_array(np.zeros((2, 8)), "cache")
+    # Reversed leading dim: negative stride cannot be passed and must not be copied.
+    with pytest.raises(kvcache.InvalidArgumentError):
+        _lib.inplace_array(np.zeros((2, 8), np.float32)[::-1], "cache")
+
+
+def test_input_copied_only_when_needed():
+    x = np.zeros((3, 4, 8), np.float32)[:, ::2]
+    assert _lib.input_array(x, "x") is x
+    y = np.zeros((3, 8), np.float32)[:, ::2]
+    z = _lib.input_array(y, "x")
+    assert z is not y and z.flags.c_contiguous
+    with pytest.raises(kvcache.InvalidArgumentError, match="dtype"):
+        _lib.input_array(np.zeros(3), "x")

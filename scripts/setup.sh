@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs what kvcache needs (only what is missing) and builds it into
+# build/ (Release). Safe to run again: it does nothing that is already done.
+#   BUILD_DIR=dir  build somewhere else     CMAKE_ARGS="..."  extra cmake flags
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR=${BUILD_DIR:-build}
+
+need_apt=()
+command -v cmake >/dev/null || need_apt+=(cmake)
+command -v ninja >/dev/null || need_apt+=(ninja-build)
+command -v cc >/dev/null || need_apt+=(gcc libc6-dev)
+command -v python3 >/dev/null || need_apt+=(python3 python3-pip)
+if [ ${#need_apt[@]} -gt 0 ]; then
+    echo "setup: installing ${need_apt[*]} with apt-get"
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}"
+fi
+
+PY=$(command -v python3)
+if ! "$PY" -c 'import numpy, ml_dtypes, pytest' 2>/dev/null; then
+    echo "setup: installing Python packages from python/requirements.txt"
+    "$PY" -m pip install -q --disable-pip-version-check -r python/requirements.txt
+fi
+
+gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
+    cmake -S . -B "$BUILD_DIR" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release \
+        -DPython3_EXECUTABLE="$PY" ${CMAKE_ARGS:-} >/dev/null
+fi
+cmake --build "$BUILD_DIR" -j "$(nproc)"

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs the build into a temporary prefix and builds a consumer with
+# pkg-config, statically and dynamically: the install rules and kvcache.pc work.
+set -euo pipefail
+build=$1; src=$2
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+cmake --install "$build" --prefix "$tmp/prefix" >/dev/null
+pcdir=$(dirname "$(find "$tmp/prefix" -name kvcache.pc | head -1)")
+cat > "$tmp/use.c" <<'C'
+#include <stdio.h>
+#include <kvcache/kvcache.h>
+int main(void) {
+    float x = 1.5f; uint16_t h;
+    if (kvc_convert(&x, KVC_F32, &h, KVC_F16, 1) != KVC_OK || h != 0x3e00) return 1;
+    printf("kvcache %s isa %s\n", kvc_version_string(), kvc_isa_name(kvc_get_isa()));
+    return 0;
+}
+C
+flags=$(PKG_CONFIG_PATH="$pcdir" pkg-config --cflags --libs kvcache)
+libdir=$(PKG_CONFIG_PATH="$pcdir" pkg-config --variable=libdir kvcache)
+cc -std=c11 "$tmp/use.c" -o "$tmp/use_shared" $flags -Wl,-rpath,"$libdir"
+"$tmp/use_shared"
+cc -std=c11 "$tmp/use.c" -o "$tmp/use_static" $(PKG_CONFIG_PATH="$pcdir" pkg-config --cflags kvcache) \
+    "$libdir/libkvcache.a" -lpthread -lm
+"$tmp/use_static"
+test -x "$tmp/prefix/bin/kvcache"
+echo "install: 1 passed, 0 failed"
