@@ -314,12 +314,21 @@ def make_tensor(arr: np.ndarray, code: int | None = None, int4: bool = False) ->
     return t
 
 
+def as_array(x, name: str) -> np.ndarray:
+    """np.asarray(x), with numpy's conversion errors (ragged lists, objects)
+    reported as InvalidArgumentError naming the argument."""
+    try:
+        return np.asarray(x)
+    except (ValueError, TypeError) as exc:
+        raise InvalidArgumentError(f"{name}: cannot convert to an array: {exc}") from exc
+
+
 def input_array(x, name: str, allowed=None) -> np.ndarray:
     """A numpy array for a read-only operator input, copied only when its
     strides cannot be passed as they are (last dim not contiguous, negative or
     misaligned strides). allowed: tuple of kvc_dtype codes, or None for any
     dtype kvcache knows."""
-    arr = np.asarray(x)
+    arr = as_array(x, name)
     code = dtype_code(arr.dtype)
     if code is None or (allowed is not None and code not in allowed):
         raise InvalidArgumentError(f"{name}: unsupported dtype {arr.dtype}")
@@ -349,7 +358,7 @@ def inplace_array(x, name: str) -> np.ndarray:
             f"(got strides {x.strides} bytes for dtype {x.dtype}); it is updated in place, "
             f"so it cannot be copied"
         )
-    for size, s in zip(x.shape, x.strides):
+    for size, s in zip(x.shape, x.strides, strict=True):
         if size > 1 and s == 0:
             raise InvalidArgumentError(f"{name} has a zero stride (a broadcast view); it is "
                                        f"updated in place, so its elements must not overlap")
@@ -359,7 +368,7 @@ def inplace_array(x, name: str) -> np.ndarray:
 def int64_array(x, name: str) -> np.ndarray:
     """A C-contiguous int64 copy (or view) of an index input (ints, lists, any
     integer array). Refuses non-integer data rather than truncating it."""
-    arr = np.asarray(x)
+    arr = as_array(x, name)
     if arr.dtype.kind not in "iu":
         if arr.dtype.kind == "f" and arr.size == 0:
             arr = arr.astype(np.int64)

@@ -67,17 +67,18 @@ def _cache_elements(cache: np.ndarray, cache_t: _lib.Tensor) -> int:
     return cache.size * (2 if cache_t.dtype == _lib.KVC_I4 else 1)
 
 
-def _outputs(shape, dtype, cache_elems: int, num_repeat: int, what: str):
+def _outputs(shape, dtype, cache_elems: int, num_repeat: int, what: str, hint: str):
     """Allocates (key, value) of shape (negative dims clamped to 0); refuses
-    absurd sizes that no valid call could produce."""
+    absurd sizes that no valid call could produce (hint names the inputs the
+    length came from)."""
     shape = tuple(max(0, int(d)) for d in shape)
     n = 1
     for d in shape:
         n *= d
     if n > 2 * cache_elems * max(num_repeat, 1) + _OUTPUT_SLACK:
         raise InvalidArgumentError(
-            f"{what}: the output shape {shape} is larger than anything the cache "
-            f"({cache_elems} elements) can hold; check the positions/starts")
+            f"{what}: {hint} gives an output of shape {shape}, larger than anything the "
+            f"cache ({cache_elems} elements) can hold")
     return np.empty(shape, dtype), np.empty(shape, dtype)
 
 
@@ -124,10 +125,11 @@ def key_value_cache(current_key, current_value, start_pos, cache, scale=None, nu
     if ck.ndim == 4:
         b, s, h, dh = ck.shape
         shape = (b, int(sp) + s, h * params.num_repeat, dh)
+        hint = f"start_pos {int(sp)} + S {s}"
     else:  # C reports the bad input shape
-        shape = (0, 0, 0, 0)
+        shape, hint = (0, 0, 0, 0), ""
     key, value = _outputs(shape, ck.dtype, _cache_elements(cache, cache_t), params.num_repeat,
-                          "key_value_cache")
+                          "key_value_cache", hint)
     key_t, value_t = _lib.make_tensor(key), _lib.make_tensor(value)
     _call(_lib.kvc_pmx_key_value_cache,
           (ctypes.byref(ck_t), ctypes.byref(cv_t), ctypes.byref(sp_t), ctypes.byref(cache_t),
@@ -187,7 +189,7 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
     else:  # C reports the bad input shape
         shape = (0, 0, 0)
     key, value = _outputs(shape, ck.dtype, _cache_elements(cache, cache_t), params.num_repeat,
-                          "dynamic_key_value_cache")
+                          "dynamic_key_value_cache", f"kvstarts[B] = {rows}")
     key_t, value_t = _lib.make_tensor(key), _lib.make_tensor(value)
     _call(_lib.kvc_pmx_dynamic_key_value_cache,
           tuple(ctypes.byref(t) for t in ts)

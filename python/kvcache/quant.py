@@ -22,7 +22,7 @@ __all__ = ["convert", "quantize", "dequantize"]
 
 
 def _float_input(x, name: str) -> np.ndarray:
-    arr = np.asarray(x)
+    arr = _lib.as_array(x, name)
     code = _lib.dtype_code(arr.dtype)
     if code not in _lib.FLOAT_CODES:
         raise InvalidArgumentError(
@@ -136,7 +136,7 @@ def dequantize(q, scale, quant_bit: int = 8, quant_group: int = 8, dtype=np.floa
     """
     quant_bit = _lib.int32_attr(quant_bit, "quant_bit")
     quant_group = _lib.int32_attr(quant_group, "quant_group")
-    qa = np.asarray(q)
+    qa = _lib.as_array(q, "q")
     if qa.ndim == 0:
         qa = qa.reshape(1)
     if quant_bit == 4:
@@ -152,7 +152,7 @@ def dequantize(q, scale, quant_bit: int = 8, quant_group: int = 8, dtype=np.floa
             qa = qa.copy(order="C")
         n = qa.size
         d = qa.shape[-1]
-    sa = np.asarray(scale)
+    sa = _lib.as_array(scale, "scale")
     scode = _lib.dtype_code(sa.dtype)
     if scode not in (_lib.KVC_F32, _lib.KVC_F16):
         raise InvalidArgumentError(f"dequantize: scale dtype must be float32 or float16, "

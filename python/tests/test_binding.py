@@ -45,6 +45,26 @@ def test_unloadable_library_env_gives_import_error(tmp_path):
     assert "ImportError" in r.stderr and str(bogus) in r.stderr
 
 
+def test_no_library_anywhere_gives_clear_import_error(tmp_path):
+    """Without KVCACHE_LIBRARY and without a build tree next to the package,
+    only the system is searched; if it has no libkvcache, import fails with a
+    message saying what was tried and how to fix it."""
+    import ctypes.util
+    import shutil
+
+    if ctypes.util.find_library("kvcache"):
+        pytest.skip("a system libkvcache is installed")
+    shutil.copytree(PYTHON_DIR / "kvcache", tmp_path / "python" / "kvcache",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "KVCACHE_LIBRARY"}
+    env["PYTHONPATH"] = str(tmp_path / "python")
+    r = subprocess.run([sys.executable, "-c", "import kvcache"], env=env, capture_output=True,
+                       text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode != 0
+    assert "ImportError" in r.stderr and "not found" in r.stderr
+    assert "KVCACHE_LIBRARY" in r.stderr and str(tmp_path / "build") in r.stderr
+
+
 def test_env_library_is_used():
     r = _run_import({"KVCACHE_LIBRARY": kvcache.library_path})
     assert r.returncode == 0, r.stderr

@@ -63,7 +63,7 @@ def test_convert_shapes_and_names():
 # quantize / dequantize
 
 QUANT_SHAPES = [((4, 64), 8), ((3, 40), 8), ((2, 3, 32), 32), ((5, 2), 2), ((1, 128), 16),
-                ((7, 24), 4), ((2, 96), 96)]
+                ((7, 24), 4), ((2, 96), 96), ((3, 1024), 128), ((2, 256), 64), ((9, 6), 6)]
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -55,9 +55,32 @@ typedef struct bench_timing {
     int samples;
 } bench_timing;
 
-/* Warms up (2 calls), then times samples of k calls each, k chosen so that a
- * sample lasts about budget_s / 16, until budget_s has passed (at least 3
- * samples, at most 256). Returns 0, or the first non-zero value of fn. */
+#define BENCH_MAX_SAMPLES 512
+
+/* Samples of one piece of code, collectable in several rounds so that two
+ * timers can be interleaved (operator and memcpy then see the same machine
+ * conditions on a shared, noisy box). */
+typedef struct bench_timer {
+    bench_fn fn;
+    void *ctx;
+    int64_t k; /* calls per sample */
+    int64_t calls;
+    int n;     /* samples taken */
+    double samples[BENCH_MAX_SAMPLES]; /* seconds per call */
+} bench_timer;
+
+/* Warms up (2 calls) and picks the calls per sample so that a sample lasts
+ * about sample_s. Returns 0, or the first non-zero value of fn. */
+int bench_timer_start(bench_timer *t, bench_fn fn, void *ctx, double sample_s);
+
+/* Takes samples until seconds have passed and at least min_samples were
+ * taken in this round (or the sample array is full). 0 or fn's failure. */
+int bench_timer_run(bench_timer *t, double seconds, int min_samples);
+
+/* Median and minimum of the samples so far. */
+void bench_timer_result(const bench_timer *t, bench_timing *out);
+
+/* Start + one round of budget_s (at least 3 samples) + result. */
 int bench_time(bench_fn fn, void *ctx, double budget_s, bench_timing *out);
 
 /* ---- memory bandwidth reference ---------------------------------------- */
@@ -66,13 +89,31 @@ typedef struct bench_membw {
     int threads;
     size_t bytes;    /* bytes copied per memcpy call (all threads together) */
     double copy_gbs; /* 2 * bytes / time: read + write, 1e9 bytes/s */
-    double read_gbs; /* bytes / time of a vectorizable sum over the buffer */
+    double read_gbs; /* bytes / time of a vectorizable sum over the buffer; 0
+                      * when not measured */
 } bench_membw;
 
-/* Measures memcpy of `bytes` split over n_threads pthreads (the calling
- * thread included), and a plain read (sum) of the same buffer. 0 on success,
- * -1 if memory or threads could not be had (message on stderr). */
-int bench_membw_measure(int n_threads, size_t bytes, double budget_s, bench_membw *out);
+/* Source and destination buffers of the reference, allocated once per run so
+ * the reference can be taken again next to every case. */
+typedef struct bench_membw_ctx bench_membw_ctx;
+
+/* Allocates and touches 2 x bytes; NULL (message on stderr) on failure. */
+bench_membw_ctx *bench_membw_create(size_t bytes);
+void bench_membw_destroy(bench_membw_ctx *ctx); /* NULL is a no-op */
+
+/* Sets what bench_membw_pass does: memcpy of the buffer (read_only 0) or a
+ * vectorizable sum of it (read_only 1), split over n_threads pthreads, the
+ * calling thread included. Returns the bytes copied or read per pass. */
+size_t bench_membw_prepare(bench_membw_ctx *ctx, int n_threads, int read_only);
+
+/* One pass, as a bench_fn (ctx is the bench_membw_ctx); non-zero if a thread
+ * could not be started. */
+int bench_membw_pass(void *ctx);
+
+/* Copy (and, with_read, read) bandwidth with n_threads: median of passes for
+ * about budget_s each. 0, or -1 with a message on stderr. */
+int bench_membw_measure(bench_membw_ctx *ctx, int n_threads, double budget_s, int with_read,
+                        bench_membw *out);
 
 /* ---- memory ------------------------------------------------------------ */
 

@@ -491,9 +491,31 @@ typedef struct pmx_totals {
     int have_ref[N_CACHETYPES];
 } pmx_totals;
 
+/* Times the operator and the memcpy reference (with as many threads) in
+ * alternating rounds, so that both see the same machine conditions: the CI
+ * box is shared and its bandwidth drifts during a run. Returns 0, 1 if the
+ * operator failed, -1 if the reference did (message printed). */
+#define PMX_ROUNDS 4
+static int time_interleaved(const bench_opts *o, pmx_case *c, bench_membw_ctx *mb,
+                            double membw_budget, pmx_row *r) {
+    /* static: two 4 KiB sample arrays; the CLI is single-threaded */
+    static bench_timer t_op, t_mc;
+    if (bench_timer_start(&t_op, pmx_call, c, o->time_s / 16.0) != 0) return 1;
+    if (bench_timer_start(&t_mc, bench_membw_pass, mb, membw_budget / 8.0) != 0) return -1;
+    for (int round = 0; round < PMX_ROUNDS; round++) {
+        if (bench_timer_run(&t_mc, membw_budget / PMX_ROUNDS, 1) != 0) return -1;
+        if (bench_timer_run(&t_op, o->time_s / PMX_ROUNDS, 2) != 0) return 1;
+    }
+    bench_timing mc;
+    bench_timer_result(&t_op, &r->tm);
+    bench_timer_result(&t_mc, &mc);
+    r->memcpy_gbs = 2.0 * (double)bench_membw_prepare(mb, r->threads, 0) / mc.median_s * 1e-9;
+    return 0;
+}
+
 /* Runs one set-up case with each thread count. */
-static void run_case(const bench_opts *o, pmx_case *c, int ct_idx, const bench_membw *bw,
-                     pmx_totals *tot) {
+static void run_case(const bench_opts *o, pmx_case *c, int ct_idx, bench_membw_ctx *mb,
+                     double membw_budget, pmx_totals *tot) {
     char label[128];
     for (int ti = 0; ti < o->n_thread_counts; ti++) {
         int nt = o->threads[ti];
@@ -511,9 +533,14 @@ static void run_case(const bench_opts *o, pmx_case *c, int ct_idx, const bench_m
         memset(&r, 0, sizeof r);
         r.c = c;
         r.threads = nt;
-        int rc = bench_time(pmx_call, c, o->time_s, &r.tm);
+        bench_membw_prepare(mb, nt, 0);
+        int rc = time_interleaved(o, c, mb, membw_budget, &r);
         kvc_threadpool_destroy(c->pool);
         c->pool = NULL;
+        if (rc < 0) {
+            tot->failed++;
+            continue;
+        }
         if (rc != 0) {
             fprintf(stderr, "kvcache: bench pmx: %s: %s: %s\n", label, kvc_status_str(c->last),
                     kvc_last_error());
@@ -540,7 +567,6 @@ static void run_case(const bench_opts *o, pmx_case *c, int ct_idx, const bench_m
         }
         r.bytes = bytes_per_call(&c->d, c->ct);
         r.gbs = r.bytes / r.tm.median_s * 1e-9;
-        r.memcpy_gbs = bw[ti].copy_gbs;
         r.ratio = r.gbs / r.memcpy_gbs;
         if (r.ratio >= c->ct->goal) tot->goals_met++;
         print_row(o, &r);
@@ -548,15 +574,18 @@ static void run_case(const bench_opts *o, pmx_case *c, int ct_idx, const bench_m
     }
 }
 
-static void print_membw(const bench_opts *o, const bench_membw *bw) {
+/* when: "start" or "end" of the run (each case also takes its own). */
+static void print_membw(const bench_opts *o, const bench_membw *bw, const char *when) {
     if (o->json) {
-        printf("{\"type\":\"membw\",\"threads\":%d,\"bytes\":%zu,\"memcpy_gbs\":%.3f,"
-               "\"read_gbs\":%.3f}\n",
-               bw->threads, bw->bytes, bw->copy_gbs, bw->read_gbs);
+        printf("{\"type\":\"membw\",\"when\":\"%s\",\"threads\":%d,\"bytes\":%zu,"
+               "\"memcpy_gbs\":%.3f,\"read_gbs\":%.3f}\n",
+               when, bw->threads, bw->bytes, bw->copy_gbs, bw->read_gbs);
         return;
     }
-    printf("# reference, %d thread%s: memcpy %.2f GB/s (read + write of %zu MiB), read %.2f GB/s\n",
-           bw->threads, bw->threads == 1 ? "" : "s", bw->copy_gbs, bw->bytes >> 20, bw->read_gbs);
+    printf("# reference (%s), %d thread%s: memcpy %.2f GB/s (read + write of %zu MiB), "
+           "read %.2f GB/s\n",
+           when, bw->threads, bw->threads == 1 ? "" : "s", bw->copy_gbs, bw->bytes >> 20,
+           bw->read_gbs);
 }
 
 int bench_pmx(const bench_opts *o) {
@@ -568,20 +597,22 @@ int bench_pmx(const bench_opts *o) {
     d.S = 1;
     d.P = d.N - 1;
 
-    /* The largest case must fit (sizes are capped by the option parser, so
-     * these products cannot overflow int64). */
-    size_t need = 0;
-    for (int vi = 0; vi < N_VARIANTS; vi++)
-        for (int ci = 0; ci < N_CACHETYPES; ci++) {
-            size_t b = case_bytes(&d, &pmx_variants[vi], &pmx_cachetypes[ci]);
-            if (b > need) need = b;
-        }
-    double need_d = (double)d.B * (double)d.N * (double)d.H * (double)d.D * 8.0;
-    if (need_d > (double)PMX_MEM_LIMIT || need > PMX_MEM_LIMIT) {
+    /* The largest case must fit. Sizes are capped by the option parser, but
+     * their product can still exceed int64: estimate in double first (8 bytes
+     * per element: float16 K and V outputs and cache), then count exactly. */
+    double need = (double)d.B * (double)d.N * (double)d.H * (double)d.D * 8.0;
+    if (need <= (double)PMX_MEM_LIMIT) {
+        for (int vi = 0; vi < N_VARIANTS; vi++)
+            for (int ci = 0; ci < N_CACHETYPES; ci++) {
+                size_t b = case_bytes(&d, &pmx_variants[vi], &pmx_cachetypes[ci]);
+                if ((double)b > need) need = (double)b;
+            }
+    }
+    if (need > (double)PMX_MEM_LIMIT) {
         fprintf(stderr,
                 "kvcache: bench pmx: these sizes need about %.1f GiB per case (limit %.0f GiB); "
                 "lower --batch, --kvlen, --heads or --head-dim\n",
-                need_d / (1 << 30), (double)(PMX_MEM_LIMIT >> 30));
+                need / (1 << 30), (double)(PMX_MEM_LIMIT >> 30));
         return CLI_EXIT_USAGE;
     }
 
@@ -593,13 +624,19 @@ int bench_pmx(const bench_opts *o) {
                (long long)d.B, (long long)d.N, (long long)d.P, (long long)d.H, (long long)d.D,
                PMX_GROUP, PMX_PAGE_SIZE, o->time_s);
 
-    /* Memory bandwidth reference first, while nothing else is allocated. */
-    bench_membw bw[BENCH_MAX_THREAD_COUNTS];
+    /* Memory bandwidth reference: copy and read at the start and the end of
+     * the run (drift), copy again next to every case (the ratio). */
+    const double membw_budget = o->quick ? 0.02 : 0.5;
+    const double case_membw_budget = o->quick ? 0.005 : 0.15;
+    bench_membw_ctx *mb = bench_membw_create(o->membw_bytes);
+    if (mb == NULL) return CLI_EXIT_FAIL;
     for (int ti = 0; ti < o->n_thread_counts; ti++) {
-        if (bench_membw_measure(o->threads[ti], o->membw_bytes, o->quick ? 0.02 : 0.3, &bw[ti]) !=
-            0)
+        bench_membw bw;
+        if (bench_membw_measure(mb, o->threads[ti], membw_budget, 1, &bw) != 0) {
+            bench_membw_destroy(mb);
             return CLI_EXIT_FAIL;
-        print_membw(o, &bw[ti]);
+        }
+        print_membw(o, &bw, "start");
     }
     if (!o->json) print_table_header();
     fflush(stdout);
@@ -611,12 +648,23 @@ int bench_pmx(const bench_opts *o) {
         for (int vi = 0; vi < N_VARIANTS; vi++) {
             if (!(o->ops & pmx_variants[vi].op)) continue;
             pmx_case c;
-            if (setup_case(&c, &d, &pmx_variants[vi], &pmx_cachetypes[ci]) != 0)
+            if (setup_case(&c, &d, &pmx_variants[vi], &pmx_cachetypes[ci]) != 0) {
+                bench_membw_destroy(mb);
                 return CLI_EXIT_FAIL;
-            run_case(o, &c, ci, bw, &tot);
+            }
+            run_case(o, &c, ci, mb, case_membw_budget, &tot);
             free_case(&c);
         }
     }
+    for (int ti = 0; ti < o->n_thread_counts; ti++) {
+        bench_membw bw;
+        if (bench_membw_measure(mb, o->threads[ti], membw_budget, 1, &bw) != 0) {
+            tot.failed++;
+            break;
+        }
+        print_membw(o, &bw, "end");
+    }
+    bench_membw_destroy(mb);
     if (o->json) {
         printf("{\"type\":\"summary\",\"cases\":%d,\"failed\":%d,\"goals_met\":%d}\n", tot.cases,
                tot.failed, tot.goals_met);

@@ -34,10 +34,11 @@ static double median_sorted(const double *v, int n) {
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-#define BENCH_MAX_SAMPLES 256
-
-int bench_time(bench_fn fn, void *ctx, double budget_s, bench_timing *out) {
-    memset(out, 0, sizeof *out);
+int bench_timer_start(bench_timer *t, bench_fn fn, void *ctx, double sample_s) {
+    memset(t, 0, sizeof *t);
+    t->fn = fn;
+    t->ctx = ctx;
+    t->k = 1;
     /* Warm-up: the first call takes page faults and cold caches; the second
      * gives the per-call estimate used to size the samples. */
     int rc = fn(ctx);
@@ -46,32 +47,53 @@ int bench_time(bench_fn fn, void *ctx, double budget_s, bench_timing *out) {
     rc = fn(ctx);
     if (rc != 0) return rc;
     double est = bench_now() - t0;
-    double target = budget_s / 16.0;
-    int64_t k = 1;
-    if (est < target) {
-        double kk = target / (est > 1e-8 ? est : 1e-8);
-        k = kk > 1e7 ? 10000000 : (int64_t)kk;
-        if (k < 1) k = 1;
+    if (est < sample_s) {
+        double kk = sample_s / (est > 1e-8 ? est : 1e-8);
+        t->k = kk > 1e7 ? 10000000 : (int64_t)kk;
+        if (t->k < 1) t->k = 1;
     }
-    double samples[BENCH_MAX_SAMPLES];
-    int n = 0;
+    return 0;
+}
+
+int bench_timer_run(bench_timer *t, double seconds, int min_samples) {
     double start = bench_now();
-    while (n < BENCH_MAX_SAMPLES) {
+    int taken = 0;
+    while (t->n < BENCH_MAX_SAMPLES) {
         double s0 = bench_now();
-        for (int64_t i = 0; i < k; i++) {
-            rc = fn(ctx);
+        for (int64_t i = 0; i < t->k; i++) {
+            int rc = t->fn(t->ctx);
             if (rc != 0) return rc;
         }
         double s1 = bench_now();
-        samples[n++] = (s1 - s0) / (double)k;
-        out->calls += k;
-        if (n >= 3 && s1 - start >= budget_s) break;
+        t->samples[t->n++] = (s1 - s0) / (double)t->k;
+        t->calls += t->k;
+        taken++;
+        if (taken >= min_samples && s1 - start >= seconds) break;
     }
-    qsort(samples, (size_t)n, sizeof samples[0], cmp_double);
-    out->samples = n;
-    out->min_s = samples[0];
-    out->median_s = median_sorted(samples, n);
     return 0;
+}
+
+void bench_timer_result(const bench_timer *t, bench_timing *out) {
+    memset(out, 0, sizeof *out);
+    if (t->n == 0) return;
+    double v[BENCH_MAX_SAMPLES];
+    memcpy(v, t->samples, (size_t)t->n * sizeof v[0]);
+    qsort(v, (size_t)t->n, sizeof v[0], cmp_double);
+    out->samples = t->n;
+    out->calls = t->calls;
+    out->min_s = v[0];
+    out->median_s = median_sorted(v, t->n);
+}
+
+int bench_time(bench_fn fn, void *ctx, double budget_s, bench_timing *out) {
+    /* A static timer keeps the 4 KiB sample array off the stack; the CLI is
+     * single-threaded. */
+    static bench_timer t;
+    memset(out, 0, sizeof *out);
+    int rc = bench_timer_start(&t, fn, ctx, budget_s / 16.0);
+    if (rc == 0) rc = bench_timer_run(&t, budget_s, 3);
+    if (rc == 0) bench_timer_result(&t, out);
+    return rc;
 }
 
 /* ---- memory ------------------------------------------------------------ */
@@ -126,10 +148,17 @@ typedef struct membw_task {
     uint64_t sum;
 } membw_task;
 
+struct bench_membw_ctx {
+    unsigned char *src, *dst;
+    size_t bytes;
+    int n_threads;
+    membw_task tasks[BENCH_MAX_THREADS];
+};
+
 /* Sum of n bytes as 64-bit words; independent accumulators let the compiler
  * vectorize and keep several loads in flight. */
 static uint64_t sum_words(const unsigned char *p, size_t n) {
-    const uint64_t *w = (const uint64_t *)(const void *)p; /* p is 64-byte aligned */
+    const uint64_t *w = (const uint64_t *)(const void *)p; /* p is page-aligned */
     size_t nw = n / 8;
     uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, a4 = 0, a5 = 0, a6 = 0, a7 = 0;
     size_t i = 0;
@@ -159,83 +188,80 @@ static void *membw_thread(void *arg) {
     return NULL;
 }
 
-/* One timed pass of all tasks: tasks[1..n) on new pthreads, tasks[0] here.
- * Returns seconds, or -1 if a thread could not be started. */
-static double membw_pass(membw_task *tasks, int n) {
+int bench_membw_pass(void *ctx) {
+    bench_membw_ctx *c = ctx;
     pthread_t tid[BENCH_MAX_THREADS];
-    double t0 = bench_now();
-    int started = 1;
+    int n = c->n_threads, started = 1;
     for (; started < n; started++)
-        if (pthread_create(&tid[started], NULL, membw_thread, &tasks[started]) != 0) break;
-    membw_run(&tasks[0]);
+        if (pthread_create(&tid[started], NULL, membw_thread, &c->tasks[started]) != 0) break;
+    membw_run(&c->tasks[0]);
     for (int i = 1; i < started; i++) pthread_join(tid[i], NULL);
-    double dt = bench_now() - t0;
     if (started < n) {
-        /* Finish the work the missing threads left so buffers stay valid. */
-        for (int i = started; i < n; i++) membw_run(&tasks[i]);
-        return -1.0;
+        fprintf(stderr, "kvcache: bench: cannot start %d threads for the memcpy reference\n", n);
+        return 1;
     }
-    return dt;
+    uint64_t sum = 0;
+    for (int i = 0; i < n; i++) sum += c->tasks[i].sum;
+    bench_sink(sum ^ c->dst[c->bytes / 2]);
+    return 0;
 }
 
-/* Median seconds of passes over the tasks, for about budget_s (>= 3). */
-static double membw_time(membw_task *tasks, int n, double budget_s) {
-    double s[64];
-    int k = 0;
-    if (membw_pass(tasks, n) < 0) return -1.0; /* warm-up */
-    double start = bench_now();
-    while (k < 64) {
-        double dt = membw_pass(tasks, n);
-        if (dt < 0) return -1.0;
-        s[k++] = dt;
-        if (k >= 3 && bench_now() - start >= budget_s) break;
+bench_membw_ctx *bench_membw_create(size_t bytes) {
+    bench_membw_ctx *c = calloc(1, sizeof *c);
+    if (c != NULL) {
+        c->bytes = bytes;
+        c->src = bench_alloc(bytes);
+        c->dst = bench_alloc(bytes);
     }
-    qsort(s, (size_t)k, sizeof s[0], cmp_double);
-    return median_sorted(s, k);
-}
-
-int bench_membw_measure(int n_threads, size_t bytes, double budget_s, bench_membw *out) {
-    memset(out, 0, sizeof *out);
-    if (n_threads < 1 || n_threads > BENCH_MAX_THREADS) return -1;
-    /* Chunks are multiples of 4 KiB so every thread starts page-aligned. */
-    size_t chunk = bytes / (size_t)n_threads / 4096 * 4096;
-    if (chunk == 0) chunk = 4096;
-    bytes = chunk * (size_t)n_threads;
-    unsigned char *src = bench_alloc(bytes);
-    unsigned char *dst = bench_alloc(bytes);
-    membw_task *tasks = calloc((size_t)n_threads, sizeof *tasks);
-    if (src == NULL || dst == NULL || tasks == NULL) {
+    if (c == NULL || c->src == NULL || c->dst == NULL) {
         fprintf(stderr, "kvcache: bench: cannot allocate 2 x %zu bytes for the memcpy reference\n",
                 bytes);
-        bench_free(src);
-        bench_free(dst);
-        free(tasks);
-        return -1;
+        bench_membw_destroy(c);
+        return NULL;
     }
-    for (size_t i = 0; i < bytes; i += 64) src[i] = (unsigned char)(i >> 6);
+    for (size_t i = 0; i < bytes; i += 64) c->src[i] = (unsigned char)(i >> 6);
+    return c;
+}
+
+void bench_membw_destroy(bench_membw_ctx *c) {
+    if (c == NULL) return;
+    bench_free(c->src);
+    bench_free(c->dst);
+    free(c);
+}
+
+size_t bench_membw_prepare(bench_membw_ctx *c, int n_threads, int read_only) {
+    if (n_threads < 1) n_threads = 1;
+    if (n_threads > BENCH_MAX_THREADS) n_threads = BENCH_MAX_THREADS;
+    /* Chunks are multiples of 4 KiB so every thread starts page-aligned. */
+    size_t chunk = c->bytes / (size_t)n_threads / 4096 * 4096;
+    if (chunk == 0) chunk = c->bytes / (size_t)n_threads;
+    c->n_threads = n_threads;
     for (int i = 0; i < n_threads; i++) {
-        tasks[i].src = src + (size_t)i * chunk;
-        tasks[i].dst = dst + (size_t)i * chunk;
-        tasks[i].n = chunk;
+        membw_task *t = &c->tasks[i];
+        t->src = c->src + (size_t)i * chunk;
+        t->dst = c->dst + (size_t)i * chunk;
+        t->n = chunk;
+        t->read_only = read_only;
+        t->sum = 0;
     }
-    double t_copy = membw_time(tasks, n_threads, budget_s);
-    for (int i = 0; i < n_threads; i++) tasks[i].read_only = 1;
-    double t_read = membw_time(tasks, n_threads, budget_s);
-    uint64_t sum = bench_checksum(0, dst + bytes / 2, 4096);
-    for (int i = 0; i < n_threads; i++) sum += tasks[i].sum;
-    bench_sink(sum);
-    bench_free(src);
-    bench_free(dst);
-    free(tasks);
-    if (t_copy <= 0 || t_read <= 0) {
-        fprintf(stderr, "kvcache: bench: cannot start %d threads for the memcpy reference\n",
-                n_threads);
-        return -1;
-    }
-    out->threads = n_threads;
+    return chunk * (size_t)n_threads;
+}
+
+int bench_membw_measure(bench_membw_ctx *c, int n_threads, double budget_s, int with_read,
+                        bench_membw *out) {
+    memset(out, 0, sizeof *out);
+    bench_timing tm;
+    size_t bytes = bench_membw_prepare(c, n_threads, 0);
+    if (bench_time(bench_membw_pass, c, budget_s, &tm) != 0) return -1;
+    out->threads = c->n_threads;
     out->bytes = bytes;
-    out->copy_gbs = 2.0 * (double)bytes / t_copy * 1e-9;
-    out->read_gbs = (double)bytes / t_read * 1e-9;
+    out->copy_gbs = 2.0 * (double)bytes / tm.median_s * 1e-9;
+    if (with_read) {
+        bench_membw_prepare(c, n_threads, 1);
+        if (bench_time(bench_membw_pass, c, budget_s, &tm) != 0) return -1;
+        out->read_gbs = (double)bytes / tm.median_s * 1e-9;
+    }
     return 0;
 }
 
@@ -255,12 +281,22 @@ void bench_json_str(FILE *f, const char *s) {
 }
 
 void bench_print_machine(const bench_opts *o, const char *target, FILE *f) {
-    char model[256];
+    char model[256], family[32], cpumodel[32];
     cli_cpu_model(model, (int)sizeof model);
+    cli_cpuinfo("cpu family", family, (int)sizeof family);
+    cli_cpuinfo("model", cpumodel, (int)sizeof cpumodel);
     char date[64] = "?";
     time_t now = time(NULL);
     struct tm tmv;
     if (gmtime_r(&now, &tmv) != NULL) strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &tmv);
+    char load[64] = "?";
+    FILE *lf = fopen("/proc/loadavg", "r");
+    if (lf != NULL) {
+        double l1, l5, l15;
+        if (fscanf(lf, "%lf %lf %lf", &l1, &l5, &l15) == 3)
+            snprintf(load, sizeof load, "%.2f %.2f %.2f", l1, l5, l15);
+        fclose(lf);
+    }
     const char *isa = kvc_isa_name(kvc_get_isa());
     const char *best = kvc_isa_name(kvc_best_isa());
     if (o->json) {
@@ -270,14 +306,19 @@ void bench_print_machine(const bench_opts *o, const char *target, FILE *f) {
         bench_json_str(f, kvc_version_string());
         fprintf(f, ",\"cpu\":");
         bench_json_str(f, model);
+        fprintf(f, ",\"cpu_family\":");
+        bench_json_str(f, family);
+        fprintf(f, ",\"cpu_model\":");
+        bench_json_str(f, cpumodel);
         fprintf(f, ",\"cpus\":%d,\"isa\":\"%s\",\"best_isa\":\"%s\",\"date\":\"%s\","
-                   "\"quick\":%s}\n",
-                cli_online_cpus(), isa, best, date, o->quick ? "true" : "false");
+                   "\"loadavg\":\"%s\",\"quick\":%s}\n",
+                cli_online_cpus(), isa, best, date, load, o->quick ? "true" : "false");
         return;
     }
     fprintf(f, "# kvcache %s bench %s%s\n", kvc_version_string(), target,
             o->quick ? " (--quick: smoke-test sizes, figures not meaningful)" : "");
-    fprintf(f, "# cpu: %s, %d online CPUs\n", model, cli_online_cpus());
+    fprintf(f, "# cpu: %s (family %s, model %s), %d online CPUs\n", model,
+            family[0] ? family : "?", cpumodel[0] ? cpumodel : "?", cli_online_cpus());
     fprintf(f, "# isa: %s (best supported: %s)\n", isa, best);
-    fprintf(f, "# date: %s\n", date);
+    fprintf(f, "# date: %s, load average %s\n", date, load);
 }

@@ -46,6 +46,10 @@ int cli_parse_seconds(const char *s, double hi, double *out);
 /* Number of online CPUs (>= 1). */
 int cli_online_cpus(void);
 
+/* Value of the first "key : value" line of /proc/cpuinfo into buf ("" if
+ * absent or unreadable); returns buf. */
+const char *cli_cpuinfo(const char *key, char *buf, int n);
+
 /* CPU model name from /proc/cpuinfo ("unknown" if unreadable) into buf. */
 const char *cli_cpu_model(char *buf, int n);
 

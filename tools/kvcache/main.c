@@ -75,23 +75,32 @@ int cli_online_cpus(void) {
     return n >= 1 ? (int)n : 1;
 }
 
-const char *cli_cpu_model(char *buf, int n) {
-    snprintf(buf, (size_t)n, "unknown");
+const char *cli_cpuinfo(const char *key, char *buf, int n) {
+    buf[0] = '\0';
     FILE *f = fopen("/proc/cpuinfo", "r");
     if (f == NULL) return buf;
     char line[512];
+    size_t klen = strlen(key);
     while (fgets(line, sizeof line, f) != NULL) {
-        if (strncmp(line, "model name", 10) != 0) continue;
-        const char *v = strchr(line, ':');
-        if (v == NULL) continue;
+        /* "key<tabs>: value" */
+        if (strncmp(line, key, klen) != 0) continue;
+        const char *v = line + klen;
+        while (*v == ' ' || *v == '\t') v++;
+        if (*v != ':') continue; /* a longer key: "model" vs "model name" */
         v++;
         while (*v == ' ' || *v == '\t') v++;
         size_t len = strcspn(v, "\r\n");
         while (len > 0 && (v[len - 1] == ' ' || v[len - 1] == '\t')) len--;
-        if (len > 0) snprintf(buf, (size_t)n, "%.*s", (int)len, v);
+        snprintf(buf, (size_t)n, "%.*s", (int)len, v);
         break;
     }
     fclose(f);
+    return buf;
+}
+
+const char *cli_cpu_model(char *buf, int n) {
+    cli_cpuinfo("model name", buf, n);
+    if (buf[0] == '\0') snprintf(buf, (size_t)n, "unknown");
     return buf;
 }
 
