@@ -81,7 +81,8 @@ KVC_API const char *kvc_dtype_name(kvc_dtype dtype);
 /* Storage bits per element: 32, 16, 16, 8, 4, 8, 32, 64, 8; 0 if invalid. */
 KVC_API int kvc_dtype_bits(kvc_dtype dtype);
 
-/* Scalar conversions, round to nearest even; NaN stays NaN (quieted). */
+/* Scalar conversions, round to nearest even. Narrowing keeps NaN a NaN
+ * (quieted, top payload bits kept); widening is exact, payload included. */
 KVC_API uint16_t kvc_f32_to_f16(float x);
 KVC_API float kvc_f16_to_f32(uint16_t h);
 KVC_API uint16_t kvc_f32_to_bf16(float x);
