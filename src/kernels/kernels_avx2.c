@@ -120,9 +120,26 @@ KVC_INLINE void convert_run(const void *src, kvc_dtype sd, void *dst, kvc_dtype 
     if (i < n) kvc__kernels_scalar()->convert(cat(src, sd, i), sd, at(dst, dd, i), dd, n - i);
 }
 
+/* Four vectors per iteration, then one at a time, then bytes. */
+static void copy_avx2(void *dst, const void *src, size_t n) {
+    char *d = dst;
+    const char *s = src;
+    size_t i = 0;
+    for (; i + 4 * 32 <= n; i += 4 * 32) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(s + i)), b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(s + i + 2 * 32)), e = _mm256_loadu_si256((const __m256i *)(s + i + 3 * 32));
+        _mm256_storeu_si256((__m256i *)(d + i), a);
+        _mm256_storeu_si256((__m256i *)(d + i + 32), b);
+        _mm256_storeu_si256((__m256i *)(d + i + 2 * 32), c);
+        _mm256_storeu_si256((__m256i *)(d + i + 3 * 32), e);
+    }
+    for (; i + 32 <= n; i += 32) _mm256_storeu_si256((__m256i *)(d + i), _mm256_loadu_si256((const __m256i *)(s + i)));
+    if (i < n) memcpy(d + i, s + i, n - i);
+}
+
 static void convert_avx2(const void *src, kvc_dtype sd, void *dst, kvc_dtype dd, int64_t n) {
     if (sd == dd) {
-        memcpy(dst, src, (size_t)n * float_size(sd));
+        copy_avx2(dst, src, (size_t)n * float_size(sd));
         return;
     }
     /* One loop per dtype pair: the dtype tests fold away inside each. */
@@ -332,7 +349,7 @@ static void quantize_avx2(const void *x, kvc_dtype xd, int64_t n, int bits, int 
 }
 
 static const kvc_kernels table = {
-    KVC_ISA_AVX2, convert_avx2, all_finite_avx2, quantize_avx2, dequantize_avx2,
+    KVC_ISA_AVX2, copy_avx2, convert_avx2, all_finite_avx2, quantize_avx2, dequantize_avx2,
 };
 
 const kvc_kernels *kvc__kernels_avx2(void) { return &table; }

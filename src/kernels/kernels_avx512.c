@@ -153,9 +153,26 @@ KVC_INLINE void convert_run(const void *src, kvc_dtype sd, void *dst, kvc_dtype 
     }
 }
 
+/* Four vectors per iteration, then one at a time, then bytes. */
+static void copy_avx512(void *dst, const void *src, size_t n) {
+    char *d = dst;
+    const char *s = src;
+    size_t i = 0;
+    for (; i + 4 * 64 <= n; i += 4 * 64) {
+        __m512i a = _mm512_loadu_si512((const void *)(s + i)), b = _mm512_loadu_si512((const void *)(s + i + 64));
+        __m512i c = _mm512_loadu_si512((const void *)(s + i + 2 * 64)), e = _mm512_loadu_si512((const void *)(s + i + 3 * 64));
+        _mm512_storeu_si512((void *)(d + i), a);
+        _mm512_storeu_si512((void *)(d + i + 64), b);
+        _mm512_storeu_si512((void *)(d + i + 2 * 64), c);
+        _mm512_storeu_si512((void *)(d + i + 3 * 64), e);
+    }
+    for (; i + 64 <= n; i += 64) _mm512_storeu_si512((void *)(d + i), _mm512_loadu_si512((const void *)(s + i)));
+    if (i < n) memcpy(d + i, s + i, n - i);
+}
+
 static void convert_avx512(const void *src, kvc_dtype sd, void *dst, kvc_dtype dd, int64_t n) {
     if (sd == dd) {
-        memcpy(dst, src, (size_t)n * float_size(sd));
+        copy_avx512(dst, src, (size_t)n * float_size(sd));
         return;
     }
     /* One loop per dtype pair: the dtype tests fold away inside each. */
@@ -483,7 +500,7 @@ static void quantize_avx512(const void *x, kvc_dtype xd, int64_t n, int bits, in
 }
 
 static const kvc_kernels table = {
-    KVC_ISA_AVX512, convert_avx512, all_finite_avx512, quantize_avx512, dequantize_avx512,
+    KVC_ISA_AVX512, copy_avx512, convert_avx512, all_finite_avx512, quantize_avx512, dequantize_avx512,
 };
 
 const kvc_kernels *kvc__kernels_avx512(void) { return &table; }

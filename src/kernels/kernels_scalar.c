@@ -23,6 +23,8 @@ static inline void store_f32(void *y, kvc_dtype dt, int64_t i, float v) {
     }
 }
 
+static void copy_ref(void *dst, const void *src, size_t n) { memcpy(dst, src, n); }
+
 static void convert_ref(const void *src, kvc_dtype sd, void *dst, kvc_dtype dd, int64_t n) {
     if (sd == dd) {
         memcpy(dst, src, (size_t)(n * (sd == KVC_F32 ? 4 : 2)));
@@ -88,7 +90,7 @@ static void dequantize_ref(const void *q, int bits, const void *scale, kvc_dtype
 }
 
 static const kvc_kernels table = {
-    KVC_ISA_SCALAR, convert_ref, all_finite_ref, quantize_ref, dequantize_ref,
+    KVC_ISA_SCALAR, copy_ref, convert_ref, all_finite_ref, quantize_ref, dequantize_ref,
 };
 
 const kvc_kernels *kvc__kernels_scalar(void) { return &table; }

@@ -47,11 +47,15 @@ static inline pmx_rows pmx_rows_offset(const pmx_rows *r, int64_t t, int64_t h) 
     return o;
 }
 
-/* Stores ntok tokens (all H heads) of float/int8 input rows into cache rows. */
-void kvc__pmx_store(const pmx_op *op, const pmx_rows *in, const pmx_rows *cache, int64_t ntok);
+/* Stores ntok tokens (all H heads) of input rows into cache rows, for K
+ * (index 0) and V (index 1). */
+void kvc__pmx_store(const pmx_op *op, const pmx_rows in[2], const pmx_rows cache[2],
+                    int64_t ntok);
 
-/* Reads ntok cached tokens into output rows (H*repeat heads each). */
-void kvc__pmx_load(const pmx_op *op, const pmx_rows *cache, const pmx_rows *out, int64_t ntok);
+/* Reads ntok cached tokens of K and V into output rows (H*repeat heads
+ * each); an output whose ptr is NULL is skipped. */
+void kvc__pmx_load(const pmx_op *op, const pmx_rows cache[2], const pmx_rows out[2],
+                   int64_t ntok);
 
 /* Validates attributes common to both operators and fills op (all but H/Dh
  * come from params and dtypes). max_layout: 1 static, 3 dynamic. */

@@ -7,7 +7,8 @@
  * Sequences are packed: batch b owns input rows [seqstarts[b], seqstarts[b+1])
  * and output rows [kvstarts[b], kvstarts[b+1]). Position t of b lives at slot
  * cachestarts[b] + t (mode 0) or cachestarts[b, t / P] + t % P (mode 1, P =
- * page_size). Work is split over packed rows in 64-row chunks; a chunk is
+ * page_size). Work is split over packed rows in 64-row chunks (K and V of a
+ * chunk in one task); a chunk is
  * cut further at batch and page boundaries, where slots stop being
  * consecutive.
  */
@@ -58,7 +59,8 @@ static int64_t batch_of(const int64_t *starts, int64_t B, int64_t r) {
     return lo;
 }
 
-static pmx_rows input_rows(const kvc_tensor *t, int64_t row) {
+/* Rows of a packed (rows, heads, Dh) input or output tensor from row `row`. */
+static pmx_rows packed_rows(const kvc_tensor *t, int64_t row) {
     pmx_rows r = {0};
     r.ptr = kvc__at(t, row * t->stride[0]);
     r.dtype = t->dtype;
@@ -67,10 +69,9 @@ static pmx_rows input_rows(const kvc_tensor *t, int64_t row) {
     return r;
 }
 
-/* Moves packed rows [r0, r1) of one half; store != 0: inputs -> cache. */
-static void move_rows(const dyn_call *c, int kv, int64_t r0, int64_t r1, int store) {
+/* Moves packed rows [r0, r1) of K and V; store != 0: inputs -> cache. */
+static void move_rows(const dyn_call *c, int64_t r0, int64_t r1, int store) {
     const int64_t *starts = store ? c->seqstarts : c->kvstarts;
-    const kvc_tensor *packed = store ? c->in[kv] : c->out[kv];
     int64_t b = batch_of(starts, c->B, r0);
     for (int64_t r = r0; r < r1;) {
         while (starts[b + 1] <= r) b++; /* skip finished (and empty) batches */
@@ -78,26 +79,29 @@ static void move_rows(const dyn_call *c, int kv, int64_t r0, int64_t r1, int sto
         /* Stored rows start at start_pos; read rows at position 0. */
         int64_t pos = r - starts[b] + (store ? c->start_pos[b] : 0), run;
         int64_t slot = slot_of(c, b, pos, end - r, &run);
-        pmx_rows cache = pmx_rows_offset(&c->half[kv], slot, 0);
-        pmx_rows rows = input_rows(packed, r);
-        if (store) kvc__pmx_store(&c->op, &rows, &cache, run);
-        else kvc__pmx_load(&c->op, &cache, &rows, run);
+        pmx_rows cache[2], rows[2] = {{0}, {0}};
+        for (int kv = 0; kv < 2; kv++) {
+            cache[kv] = pmx_rows_offset(&c->half[kv], slot, 0);
+            const kvc_tensor *t = store ? c->in[kv] : c->out[kv];
+            if (t) rows[kv] = packed_rows(t, r);
+        }
+        if (store) kvc__pmx_store(&c->op, rows, cache, run);
+        else kvc__pmx_load(&c->op, cache, rows, run);
         r += run;
     }
 }
 
+/* A task moves one 64-row chunk of packed rows, K and V together. */
 static void store_task(void *ctx, int64_t task) {
     const dyn_call *c = ctx;
-    int64_t r0 = (task / 2) * KVC_PMX_CHUNK, r1 = r0 + KVC_PMX_CHUNK;
-    move_rows(c, (int)(task % 2), r0, r1 < c->n_rows_in ? r1 : c->n_rows_in, 1);
+    int64_t r0 = task * KVC_PMX_CHUNK, r1 = r0 + KVC_PMX_CHUNK;
+    move_rows(c, r0, r1 < c->n_rows_in ? r1 : c->n_rows_in, 1);
 }
 
 static void load_task(void *ctx, int64_t task) {
     const dyn_call *c = ctx;
-    int kv = (int)(task % 2);
-    if (!c->out[kv]) return;
-    int64_t r0 = (task / 2) * KVC_PMX_CHUNK, r1 = r0 + KVC_PMX_CHUNK;
-    move_rows(c, kv, r0, r1 < c->n_rows_out ? r1 : c->n_rows_out, 0);
+    int64_t r0 = task * KVC_PMX_CHUNK, r1 = r0 + KVC_PMX_CHUNK;
+    move_rows(c, r0, r1 < c->n_rows_out ? r1 : c->n_rows_out, 0);
 }
 
 /* Which cache dimension holds tokens, heads, layers and K|V, per layout. */
@@ -283,7 +287,7 @@ kvc_status kvc_pmx_dynamic_key_value_cache(
     c.out[1] = value;
     if (st == KVC_OK && c.op.bits) {
         for (int kv = 0; kv < 2 && st == KVC_OK; kv++) {
-            pmx_rows in = input_rows(c.in[kv], 0);
+            pmx_rows in = packed_rows(c.in[kv], 0);
             st = kvc__pmx_check_finite(fn, &c.op, &in, n_in, kv ? "current_value" : "current_key");
         }
     }
@@ -294,9 +298,9 @@ kvc_status kvc_pmx_dynamic_key_value_cache(
         c.half[1] = half_rows(layout, params->layer_idx, 1, cache, sc);
         c.n_rows_in = n_in;
         c.n_rows_out = n_out;
-        kvc__parallel_for(pool, 2 * ((n_in + KVC_PMX_CHUNK - 1) / KVC_PMX_CHUNK), store_task, &c);
+        kvc__parallel_for(pool, (n_in + KVC_PMX_CHUNK - 1) / KVC_PMX_CHUNK, store_task, &c);
         if (key || value)
-            kvc__parallel_for(pool, 2 * ((n_out + KVC_PMX_CHUNK - 1) / KVC_PMX_CHUNK), load_task,
+            kvc__parallel_for(pool, (n_out + KVC_PMX_CHUNK - 1) / KVC_PMX_CHUNK, load_task,
                               &c);
     }
     free(buf);

@@ -6,7 +6,7 @@
  * Phase 1 stores current_key/value (B, S, H, Dh) at positions
  * [start_pos, start_pos + S) of batches [0, B); phase 2 reads positions
  * [0, start_pos + S) into key/value (B, start_pos + S, H * num_repeat, Dh).
- * Both phases are split into (batch, K|V, 64-token chunk) tasks.
+ * Both phases are split into (batch, 64-token chunk) tasks.
  */
 #include "pmx_common.h"
 
@@ -59,29 +59,35 @@ static pmx_rows tensor_rows(const kvc_tensor *t, int64_t b) {
     return r;
 }
 
+/* Task = (batch, 64-token chunk), K and V together. */
 static void store_task(void *ctx, int64_t task) {
     const static_call *c = ctx;
-    int64_t chunk = task % c->n_chunks_store, rest = task / c->n_chunks_store;
-    int kv = (int)(rest % 2);
-    int64_t b = rest / 2;
-    int64_t t0 = chunk * KVC_PMX_CHUNK, n = c->S - t0 < KVC_PMX_CHUNK ? c->S - t0 : KVC_PMX_CHUNK;
-    pmx_rows in = tensor_rows(c->in[kv], b), dst = cache_rows(c, b, kv);
-    in = pmx_rows_offset(&in, t0, 0);
-    dst = pmx_rows_offset(&dst, c->start_pos + t0, 0);
-    kvc__pmx_store(&c->op, &in, &dst, n);
+    int64_t b = task / c->n_chunks_store, t0 = (task % c->n_chunks_store) * KVC_PMX_CHUNK;
+    int64_t n = c->S - t0 < KVC_PMX_CHUNK ? c->S - t0 : KVC_PMX_CHUNK;
+    pmx_rows in[2], dst[2];
+    for (int kv = 0; kv < 2; kv++) {
+        in[kv] = tensor_rows(c->in[kv], b);
+        in[kv] = pmx_rows_offset(&in[kv], t0, 0);
+        dst[kv] = cache_rows(c, b, kv);
+        dst[kv] = pmx_rows_offset(&dst[kv], c->start_pos + t0, 0);
+    }
+    kvc__pmx_store(&c->op, in, dst, n);
 }
 
 static void load_task(void *ctx, int64_t task) {
     const static_call *c = ctx;
-    int64_t chunk = task % c->n_chunks_load, rest = task / c->n_chunks_load;
-    int kv = (int)(rest % 2);
-    int64_t b = rest / 2;
-    if (!c->out[kv]) return;
-    int64_t t0 = chunk * KVC_PMX_CHUNK, n = c->T - t0 < KVC_PMX_CHUNK ? c->T - t0 : KVC_PMX_CHUNK;
-    pmx_rows src = cache_rows(c, b, kv), out = tensor_rows(c->out[kv], b);
-    src = pmx_rows_offset(&src, t0, 0);
-    out = pmx_rows_offset(&out, t0, 0);
-    kvc__pmx_load(&c->op, &src, &out, n);
+    int64_t b = task / c->n_chunks_load, t0 = (task % c->n_chunks_load) * KVC_PMX_CHUNK;
+    int64_t n = c->T - t0 < KVC_PMX_CHUNK ? c->T - t0 : KVC_PMX_CHUNK;
+    pmx_rows src[2], out[2] = {{0}, {0}};
+    for (int kv = 0; kv < 2; kv++) {
+        src[kv] = cache_rows(c, b, kv);
+        src[kv] = pmx_rows_offset(&src[kv], t0, 0);
+        if (c->out[kv]) {
+            out[kv] = tensor_rows(c->out[kv], b);
+            out[kv] = pmx_rows_offset(&out[kv], t0, 0);
+        }
+    }
+    kvc__pmx_load(&c->op, src, out, n);
 }
 
 kvc_status kvc_pmx_key_value_cache(const kvc_tensor *current_key, const kvc_tensor *current_value,
@@ -147,7 +153,7 @@ kvc_status kvc_pmx_key_value_cache(const kvc_tensor *current_key, const kvc_tens
     /* Everything is valid: from here on nothing can fail. */
     c.n_chunks_store = (c.S + KVC_PMX_CHUNK - 1) / KVC_PMX_CHUNK;
     c.n_chunks_load = (c.T + KVC_PMX_CHUNK - 1) / KVC_PMX_CHUNK;
-    kvc__parallel_for(pool, c.B * 2 * c.n_chunks_store, store_task, &c);
-    if (key || value) kvc__parallel_for(pool, c.B * 2 * c.n_chunks_load, load_task, &c);
+    kvc__parallel_for(pool, c.B * c.n_chunks_store, store_task, &c);
+    if (key || value) kvc__parallel_for(pool, c.B * c.n_chunks_load, load_task, &c);
     return KVC_OK;
 }
