@@ -37,6 +37,8 @@ typedef struct bench_opts {
     int json;        /* one JSON object per line instead of a table */
     unsigned caches; /* BENCH_CACHE_* */
     unsigned ops;    /* BENCH_OP_* */
+    unsigned layouts; /* bit l: cache_layout l (pmx) */
+    unsigned modes;   /* bit m: cache_mode m (pmx dynamic: 0 offset, 1 paged) */
 } bench_opts;
 
 /* ---- timing ------------------------------------------------------------ */

@@ -6,7 +6,8 @@
  * (float16 outputs, num_repeat 1), through
  *   kvc_pmx_key_value_cache          layouts 0 and 1, and
  *   kvc_pmx_dynamic_key_value_cache  cache_mode 0 (offset) and 1 (paged,
- *                                    page_size 128, pages shuffled), layouts 0 and 3,
+ *                                    page_size 128, pages shuffled), layouts 0 and 3
+ *                                    (1 and 2 on request: --layout),
  * with a float16, int8 or int4 cache (group 8, float16 scales), for every
  * thread count asked for.
  *
@@ -37,12 +38,23 @@ typedef struct pmx_variant {
     unsigned op;  /* BENCH_OP_STATIC or BENCH_OP_DYNAMIC */
     int layout;   /* cache_layout */
     int mode;     /* cache_mode (dynamic only) */
+    int by_default; /* run without --layout */
 } pmx_variant;
 
 static const pmx_variant pmx_variants[] = {
-    {BENCH_OP_STATIC, 0, 0},  {BENCH_OP_STATIC, 1, 0},  {BENCH_OP_DYNAMIC, 0, 0},
-    {BENCH_OP_DYNAMIC, 3, 0}, {BENCH_OP_DYNAMIC, 0, 1}, {BENCH_OP_DYNAMIC, 3, 1},
+    {BENCH_OP_STATIC, 0, 0, 1},  {BENCH_OP_STATIC, 1, 0, 1},  {BENCH_OP_DYNAMIC, 0, 0, 1},
+    {BENCH_OP_DYNAMIC, 1, 0, 0}, {BENCH_OP_DYNAMIC, 2, 0, 0}, {BENCH_OP_DYNAMIC, 3, 0, 1},
+    {BENCH_OP_DYNAMIC, 0, 1, 1}, {BENCH_OP_DYNAMIC, 1, 1, 0}, {BENCH_OP_DYNAMIC, 2, 1, 0},
+    {BENCH_OP_DYNAMIC, 3, 1, 1},
 };
+
+/* Without --layout: static layouts 0 and 1, dynamic 0 and 3; --layout picks
+ * among all (static 0..1, dynamic 0..3). */
+static int variant_selected(const bench_opts *o, const pmx_variant *v) {
+    if (!(o->ops & v->op)) return 0;
+    if (v->op == BENCH_OP_DYNAMIC && !(o->modes & (1u << v->mode))) return 0;
+    return o->layouts == 0 ? v->by_default : (o->layouts & (1u << v->layout)) != 0;
+}
 
 typedef struct pmx_cachetype {
     unsigned bit; /* BENCH_CACHE_* */
@@ -181,8 +193,12 @@ static int64_t row_offset(const pmx_case *c, const kvc_tensor *t, int kv, int64_
     int64_t slot = c->v.mode == 0
                        ? c->cachestarts[b] + pos
                        : c->cachestarts[b * c->max_pages + pos / PMX_PAGE_SIZE] + pos % PMX_PAGE_SIZE;
-    if (c->v.layout == 0) return slot * st[0] + kv * st[2] + h * st[3];
-    return kv * st[1] + h * st[2] + slot * st[3];
+    switch (c->v.layout) {
+    case 0: return slot * st[0] + kv * st[2] + h * st[3]; /* (MaxT, L, 2, H, Dh) */
+    case 1: return slot * st[1] + kv * st[2] + h * st[3]; /* (L, MaxT, 2, H, Dh) */
+    case 2: return kv * st[1] + slot * st[2] + h * st[3]; /* (L, 2, MaxT, H, Dh) */
+    default: return kv * st[1] + h * st[2] + slot * st[3]; /* (L, 2, H, MaxT, Dh) */
+    }
 }
 
 static unsigned char *cache_row(const pmx_case *c, int kv, int64_t b, int64_t pos, int64_t h) {
@@ -196,7 +212,7 @@ static uint16_t *scale_row(const pmx_case *c, int kv, int64_t b, int64_t pos, in
 
 static void fill_cache(pmx_case *c) {
     const pmx_dims *d = &c->d;
-    uint16_t dummy[1];
+    uint16_t dummy[1] = {0};
     for (int kv = 0; kv < 2; kv++)
         for (int64_t b = 0; b < d->B; b++)
             for (int64_t t = 0; t < d->N; t++)
@@ -279,13 +295,13 @@ static int setup_case(pmx_case *c, const pmx_dims *d, const pmx_variant *v,
         }
     } else {
         nd = 5;
-        if (v->layout == 0) { /* (MaxT, L, 2, H, Dh) */
-            int64_t s[5] = {max_t, 1, 2, H, D};
-            memcpy(cshape, s, sizeof s);
-        } else { /* (L, 2, H, MaxT, Dh) */
-            int64_t s[5] = {1, 2, H, max_t, D};
-            memcpy(cshape, s, sizeof s);
-        }
+        const int64_t dyn_shapes[4][5] = {
+            {max_t, 1, 2, H, D}, /* 0: (MaxT, L, 2, H, Dh) */
+            {1, max_t, 2, H, D}, /* 1: (L, MaxT, 2, H, Dh) */
+            {1, 2, max_t, H, D}, /* 2: (L, 2, MaxT, H, Dh) */
+            {1, 2, H, max_t, D}, /* 3: (L, 2, H, MaxT, Dh) */
+        };
+        memcpy(cshape, dyn_shapes[v->layout], sizeof dyn_shapes[0]);
     }
     int64_t cache_elems = 1;
     for (int i = 0; i < nd; i++) cache_elems *= cshape[i];
@@ -616,6 +632,17 @@ int bench_pmx(const bench_opts *o) {
         return CLI_EXIT_USAGE;
     }
 
+    int selected = 0;
+    for (int vi = 0; vi < N_VARIANTS; vi++)
+        for (int ci = 0; ci < N_CACHETYPES; ci++)
+            if ((o->caches & pmx_cachetypes[ci].bit) && variant_selected(o, &pmx_variants[vi]))
+                selected++;
+    if (selected == 0) {
+        fprintf(stderr, "kvcache: bench pmx: no case matches --op/--layout/--mode/--cache "
+                        "(static layouts are 0 and 1)\n");
+        return CLI_EXIT_USAGE;
+    }
+
     bench_print_machine(o, "pmx", stdout);
     if (!o->json)
         printf("# B=%lld sequences, kvlen=%lld (start_pos %lld, 1 new token each), H=%lld, "
@@ -646,7 +673,7 @@ int bench_pmx(const bench_opts *o) {
     for (int ci = 0; ci < N_CACHETYPES; ci++) {
         if (!(o->caches & pmx_cachetypes[ci].bit)) continue;
         for (int vi = 0; vi < N_VARIANTS; vi++) {
-            if (!(o->ops & pmx_variants[vi].op)) continue;
+            if (!variant_selected(o, &pmx_variants[vi])) continue;
             pmx_case c;
             if (setup_case(&c, &d, &pmx_variants[vi], &pmx_cachetypes[ci]) != 0) {
                 bench_membw_destroy(mb);

@@ -27,6 +27,8 @@ static const char bench_usage[] =
     "  --head-dim N      head dimension Dh, a multiple of 8 (default 128)\n"
     "  --cache LIST      cache types among f16,int8,int4 (default all)\n"
     "  --op LIST         operators among static,dynamic (default both)\n"
+    "  --layout LIST     cache layouts among 0,1,2,3 (default: static 0,1; dynamic 0,3)\n"
+    "  --mode LIST       dynamic cache modes among offset,paged (default both)\n"
     "  --time SECONDS    time budget per case (default 0.3)\n"
     "  --quick           tiny sizes and budgets: a smoke test, not a measurement\n"
     "  --isa NAME        run the kernels with NAME: scalar, avx2, avx512\n"
@@ -103,6 +105,8 @@ static int opt_value(int argc, char **argv, int *i, const char *name, const char
 int cmd_bench(int argc, char **argv) {
     static const char *const cache_names[] = {"f16", "int8", "int4"};
     static const char *const op_names[] = {"static", "dynamic"};
+    static const char *const layout_names[] = {"0", "1", "2", "3"};
+    static const char *const mode_names[] = {"offset", "paged"};
     bench_opts o;
     memset(&o, 0, sizeof o);
     o.threads[0] = 1;
@@ -110,6 +114,8 @@ int cmd_bench(int argc, char **argv) {
     o.n_thread_counts = 2;
     o.caches = BENCH_CACHE_ALL;
     o.ops = BENCH_OP_ALL;
+    o.layouts = 0; /* 0: the target's default set */
+    o.modes = 3;
     const char *target = "pmx";
     const char *isa_name = NULL;
     int first = 1;
@@ -165,6 +171,12 @@ int cmd_bench(int argc, char **argv) {
         } else if ((r = opt_value(argc, argv, &i, "--op", &v)) != 0) {
             if (r < 0 || parse_names(v, op_names, 2, &o.ops) != 0)
                 return cli_usage_error(cmd, "bench: --op expects a list of static,dynamic");
+        } else if ((r = opt_value(argc, argv, &i, "--layout", &v)) != 0) {
+            if (r < 0 || parse_names(v, layout_names, 4, &o.layouts) != 0)
+                return cli_usage_error(cmd, "bench: --layout expects a list of 0,1,2,3");
+        } else if ((r = opt_value(argc, argv, &i, "--mode", &v)) != 0) {
+            if (r < 0 || parse_names(v, mode_names, 2, &o.modes) != 0)
+                return cli_usage_error(cmd, "bench: --mode expects a list of offset,paged");
         } else if ((r = opt_value(argc, argv, &i, "--time", &v)) != 0) {
             if (r < 0 || cli_parse_seconds(v, 60.0, &o.time_s) != 0)
                 return cli_usage_error(cmd, "bench: --time expects seconds in (0, 60]");
