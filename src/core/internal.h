@@ -31,9 +31,18 @@ kvc_status kvc__error(kvc_status status, const char *fmt, ...) KVC_PRINTF(2, 3);
         if (!(cond)) return kvc__error(KVC_ERR_INVALID_ARG, __VA_ARGS__);                          \
     } while (0)
 
-/* Size in bytes of n elements (n even for int4). */
+/* Size in bytes of n elements (n even for int4). Inline: it sits in the
+ * per-row address arithmetic of every operator. */
 static inline int64_t kvc__bytes(kvc_dtype dt, int64_t n) {
-    return n * kvc_dtype_bits(dt) / 8;
+    switch (dt) {
+    case KVC_F32:
+    case KVC_I32: return n * 4;
+    case KVC_F16:
+    case KVC_BF16: return n * 2;
+    case KVC_I64: return n * 8;
+    case KVC_I4: return n / 2;
+    default: return n;
+    }
 }
 
 /* Pointer to element at elem offset (even for int4). */

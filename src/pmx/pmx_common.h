@@ -48,9 +48,13 @@ static inline pmx_rows pmx_rows_offset(const pmx_rows *r, int64_t t, int64_t h) 
 }
 
 /* Stores ntok tokens (all H heads) of input rows into cache rows, for K
- * (index 0) and V (index 1). */
+ * (index 0) and V (index 1); a half whose in[kv].ptr is NULL is skipped. */
 void kvc__pmx_store(const pmx_op *op, const pmx_rows in[2], const pmx_rows cache[2],
                     int64_t ntok);
+
+/* 1 if a token's heads are not back to back in the cache (head-major
+ * layouts): callers then run K and V as separate tasks. */
+int kvc__pmx_head_major(const pmx_op *op, const pmx_rows cache[2]);
 
 /* Reads ntok cached tokens of K and V into output rows (H*repeat heads
  * each); an output whose ptr is NULL is skipped. */

@@ -25,6 +25,7 @@ typedef struct dyn_call {
     int64_t B, mode, page_size;
     pmx_rows half[2]; /* slot 0 of K and V in layer layer_idx */
     int64_t n_rows_in, n_rows_out;
+    int halves; /* 1: K and V in one task; 2: separate tasks (head-major) */
 } dyn_call;
 
 static int64_t i64_1d(const kvc_tensor *t, int64_t i) {
@@ -69,8 +70,9 @@ static pmx_rows packed_rows(const kvc_tensor *t, int64_t row) {
     return r;
 }
 
-/* Moves packed rows [r0, r1) of K and V; store != 0: inputs -> cache. */
-static void move_rows(const dyn_call *c, int64_t r0, int64_t r1, int store) {
+/* Moves packed rows [r0, r1) of K and V (only half `only` if >= 0);
+ * store != 0: inputs -> cache. */
+static void move_rows(const dyn_call *c, int64_t r0, int64_t r1, int store, int only) {
     const int64_t *starts = store ? c->seqstarts : c->kvstarts;
     int64_t b = batch_of(starts, c->B, r0);
     for (int64_t r = r0; r < r1;) {
@@ -83,7 +85,7 @@ static void move_rows(const dyn_call *c, int64_t r0, int64_t r1, int store) {
         for (int kv = 0; kv < 2; kv++) {
             cache[kv] = pmx_rows_offset(&c->half[kv], slot, 0);
             const kvc_tensor *t = store ? c->in[kv] : c->out[kv];
-            if (t) rows[kv] = packed_rows(t, r);
+            if (t && (only < 0 || kv == only)) rows[kv] = packed_rows(t, r);
         }
         if (store) kvc__pmx_store(&c->op, rows, cache, run);
         else kvc__pmx_load(&c->op, cache, rows, run);
@@ -91,17 +93,23 @@ static void move_rows(const dyn_call *c, int64_t r0, int64_t r1, int store) {
     }
 }
 
-/* A task moves one 64-row chunk of packed rows, K and V together. */
+/* A task moves one 64-row chunk of packed rows, K and V together, or in
+ * head-major caches one half (all K chunks first, then all V chunks). */
+static void run_task(const dyn_call *c, int64_t task, int64_t n_rows, int store) {
+    int64_t n_chunks = (n_rows + KVC_PMX_CHUNK - 1) / KVC_PMX_CHUNK;
+    int only = c->halves == 2 ? (int)(task / n_chunks) : -1;
+    int64_t r0 = (task % n_chunks) * KVC_PMX_CHUNK, r1 = r0 + KVC_PMX_CHUNK;
+    move_rows(c, r0, r1 < n_rows ? r1 : n_rows, store, only);
+}
+
 static void store_task(void *ctx, int64_t task) {
     const dyn_call *c = ctx;
-    int64_t r0 = task * KVC_PMX_CHUNK, r1 = r0 + KVC_PMX_CHUNK;
-    move_rows(c, r0, r1 < c->n_rows_in ? r1 : c->n_rows_in, 1);
+    run_task(c, task, c->n_rows_in, 1);
 }
 
 static void load_task(void *ctx, int64_t task) {
     const dyn_call *c = ctx;
-    int64_t r0 = task * KVC_PMX_CHUNK, r1 = r0 + KVC_PMX_CHUNK;
-    move_rows(c, r0, r1 < c->n_rows_out ? r1 : c->n_rows_out, 0);
+    run_task(c, task, c->n_rows_out, 0);
 }
 
 /* Which cache dimension holds tokens, heads, layers and K|V, per layout. */
@@ -298,10 +306,12 @@ kvc_status kvc_pmx_dynamic_key_value_cache(
         c.half[1] = half_rows(layout, params->layer_idx, 1, cache, sc);
         c.n_rows_in = n_in;
         c.n_rows_out = n_out;
-        kvc__parallel_for(pool, (n_in + KVC_PMX_CHUNK - 1) / KVC_PMX_CHUNK, store_task, &c);
+        c.halves = kvc__pmx_head_major(&c.op, c.half) ? 2 : 1;
+        kvc__parallel_for(pool, c.halves * ((n_in + KVC_PMX_CHUNK - 1) / KVC_PMX_CHUNK),
+                          store_task, &c);
         if (key || value)
-            kvc__parallel_for(pool, (n_out + KVC_PMX_CHUNK - 1) / KVC_PMX_CHUNK, load_task,
-                              &c);
+            kvc__parallel_for(pool, c.halves * ((n_out + KVC_PMX_CHUNK - 1) / KVC_PMX_CHUNK),
+                              load_task, &c);
     }
     free(buf);
     return st;

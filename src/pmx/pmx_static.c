@@ -6,7 +6,8 @@
  * Phase 1 stores current_key/value (B, S, H, Dh) at positions
  * [start_pos, start_pos + S) of batches [0, B); phase 2 reads positions
  * [0, start_pos + S) into key/value (B, start_pos + S, H * num_repeat, Dh).
- * Both phases are split into (batch, 64-token chunk) tasks.
+ * Both phases are split into (batch, 64-token chunk) tasks, per K/V half in
+ * head-major caches.
  */
 #include "pmx_common.h"
 
@@ -17,7 +18,8 @@ typedef struct static_call {
     const kvc_tensor *cache, *scale;
     int layout, layer;
     int64_t B, S, T, start_pos;
-    int64_t n_chunks_store, n_chunks_load; /* per (batch, kv) */
+    int64_t n_chunks_store, n_chunks_load; /* per batch */
+    int halves;                             /* 1: K and V in one task; 2: separate */
 } static_call;
 
 /* Rows of batch b, half kv (0 K, 1 V) of the cache, starting at position 0. */
@@ -59,33 +61,44 @@ static pmx_rows tensor_rows(const kvc_tensor *t, int64_t b) {
     return r;
 }
 
-/* Task = (batch, 64-token chunk), K and V together. */
+/* Task -> (batch, half, first token). With K and V together (halves == 1)
+ * a task covers both; otherwise K tasks of a batch precede its V tasks. */
+static int64_t task_unit(const static_call *c, int64_t task, int64_t n_chunks, int *kv,
+                         int64_t *t0) {
+    int64_t chunk = task % n_chunks, rest = task / n_chunks;
+    *kv = c->halves == 2 ? (int)(rest % 2) : -1;
+    *t0 = chunk * KVC_PMX_CHUNK;
+    return rest / c->halves;
+}
+
 static void store_task(void *ctx, int64_t task) {
     const static_call *c = ctx;
-    int64_t b = task / c->n_chunks_store, t0 = (task % c->n_chunks_store) * KVC_PMX_CHUNK;
+    int only;
+    int64_t t0, b = task_unit(c, task, c->n_chunks_store, &only, &t0);
     int64_t n = c->S - t0 < KVC_PMX_CHUNK ? c->S - t0 : KVC_PMX_CHUNK;
-    pmx_rows in[2], dst[2];
+    pmx_rows in[2] = {{0}, {0}}, dst[2];
     for (int kv = 0; kv < 2; kv++) {
-        in[kv] = tensor_rows(c->in[kv], b);
-        in[kv] = pmx_rows_offset(&in[kv], t0, 0);
         dst[kv] = cache_rows(c, b, kv);
         dst[kv] = pmx_rows_offset(&dst[kv], c->start_pos + t0, 0);
+        if (only >= 0 && kv != only) continue;
+        in[kv] = tensor_rows(c->in[kv], b);
+        in[kv] = pmx_rows_offset(&in[kv], t0, 0);
     }
     kvc__pmx_store(&c->op, in, dst, n);
 }
 
 static void load_task(void *ctx, int64_t task) {
     const static_call *c = ctx;
-    int64_t b = task / c->n_chunks_load, t0 = (task % c->n_chunks_load) * KVC_PMX_CHUNK;
+    int only;
+    int64_t t0, b = task_unit(c, task, c->n_chunks_load, &only, &t0);
     int64_t n = c->T - t0 < KVC_PMX_CHUNK ? c->T - t0 : KVC_PMX_CHUNK;
     pmx_rows src[2], out[2] = {{0}, {0}};
     for (int kv = 0; kv < 2; kv++) {
         src[kv] = cache_rows(c, b, kv);
         src[kv] = pmx_rows_offset(&src[kv], t0, 0);
-        if (c->out[kv]) {
-            out[kv] = tensor_rows(c->out[kv], b);
-            out[kv] = pmx_rows_offset(&out[kv], t0, 0);
-        }
+        if (!c->out[kv] || (only >= 0 && kv != only)) continue;
+        out[kv] = tensor_rows(c->out[kv], b);
+        out[kv] = pmx_rows_offset(&out[kv], t0, 0);
     }
     kvc__pmx_load(&c->op, src, out, n);
 }
@@ -153,7 +166,9 @@ kvc_status kvc_pmx_key_value_cache(const kvc_tensor *current_key, const kvc_tens
     /* Everything is valid: from here on nothing can fail. */
     c.n_chunks_store = (c.S + KVC_PMX_CHUNK - 1) / KVC_PMX_CHUNK;
     c.n_chunks_load = (c.T + KVC_PMX_CHUNK - 1) / KVC_PMX_CHUNK;
-    kvc__parallel_for(pool, c.B * c.n_chunks_store, store_task, &c);
-    if (key || value) kvc__parallel_for(pool, c.B * c.n_chunks_load, load_task, &c);
+    pmx_rows halves[2] = {cache_rows(&c, 0, 0), cache_rows(&c, 0, 1)};
+    c.halves = kvc__pmx_head_major(&c.op, halves) ? 2 : 1;
+    kvc__parallel_for(pool, c.B * c.halves * c.n_chunks_store, store_task, &c);
+    if (key || value) kvc__parallel_for(pool, c.B * c.halves * c.n_chunks_load, load_task, &c);
     return KVC_OK;
 }
