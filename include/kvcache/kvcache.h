@@ -5,6 +5,8 @@
  *   kvcache/core.h   status codes, dtypes, tensors, ISA dispatch, threads
  *   kvcache/quant.h  float16/bfloat16 conversion, int8/int4 group quantization
  *   kvcache/pmx.h    OpenPPL pmx KeyValueCache operators
+ *   kvcache/paged.h  FlashInfer-compatible paged caches: page tables, appends
+ *   kvcache/mask.h   packbits / segment_packbits, packed custom masks
  *
  * Minimal use (store one token of a float16 batch into an int8 cache):
  *
@@ -21,5 +23,7 @@
 #include "kvcache/core.h"
 #include "kvcache/quant.h"
 #include "kvcache/pmx.h"
+#include "kvcache/paged.h"
+#include "kvcache/mask.h"
 
 #endif

@@ -3,6 +3,8 @@
 Modules:
     kvcache.pmx    OpenPPL KeyValueCache operators (static and dynamic batching)
     kvcache.quant  convert / quantize / dequantize (also re-exported here)
+    kvcache.paged  FlashInfer-compatible paged caches (re-exported here)
+    kvcache.mask   packbits / segment_packbits / packed custom masks (re-exported)
 
 The shared library is found through the environment variable
 ``KVCACHE_LIBRARY``, else the repository's ``build/libkvcache.so``, else the
@@ -36,6 +38,15 @@ from .errors import (
     UnsupportedError,
 )
 from .quant import convert, dequantize, quantize
+from .paged import (
+    append_paged_kv_cache,
+    append_paged_mla_kv_cache,
+    get_batch_indices_positions,
+    get_seq_lens,
+    page_table_to_pmx,
+    pmx_to_page_table,
+)
+from .mask import build_packed_custom_mask, packbits, segment_packbits
 from . import pmx  # noqa: E402  (re-exported submodule)
 
 __version__ = version()
@@ -56,6 +67,15 @@ __all__ = [
     "quantize",
     "dequantize",
     "pmx",
+    "get_seq_lens",
+    "get_batch_indices_positions",
+    "append_paged_kv_cache",
+    "append_paged_mla_kv_cache",
+    "page_table_to_pmx",
+    "pmx_to_page_table",
+    "packbits",
+    "segment_packbits",
+    "build_packed_custom_mask",
     "KvcacheError",
     "InvalidArgumentError",
     "UnsupportedError",

@@ -1,0 +1,2 @@
+/* being written */
+typedef int kvc__placeholder_mask;
