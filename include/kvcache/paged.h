@@ -17,7 +17,7 @@
  *
  * Page tables are CSR, int32, for a batch of B requests:
  *   kv_indptr (B+1), kv_indptr[0] == 0, non-decreasing
- *   kv_indices (kv_indptr[B]), page ids in [0, max_pages)
+ *   kv_indices (kv_indptr[B]) exactly, page ids in [0, max_pages)
  *   kv_last_page_len (B), 1..page_size for a request with pages, 0 without
  * and request b holds page_size * (pages_b - 1) + kv_last_page_len[b] tokens.
  * Every function validates the page tables it reads (FlashInfer does not).
@@ -97,10 +97,15 @@ KVC_API kvc_status kvc_get_batch_indices_positions(const kvc_tensor *append_indp
  *   batch_indices, positions  (nnz) int32
  *   cache                     paged cache; page tables must already include
  *                             the appended tokens
+ * An input of the cache's own dtype is copied as is (int8 into int8 and int4
+ * into int4 too, scales untouched and not required). k_scale and v_scale
+ * may differ in dtype and strides, as may k and v.
  * Errors (KVC_ERR_INVALID_ARG, nothing written): bad page table,
  * batch_indices[j] outside [0, B), positions[j] outside [0, seq_len_b),
  * shape/dtype mismatch, missing scales, NaN/Inf into an int8/int4 cache.
  * If two rows name the same slot, which one is stored is unspecified.
+ * Rows are split into fixed chunks, so the bytes written do not depend on
+ * the pool's thread count.
  */
 KVC_API kvc_status kvc_append_paged_kv_cache(const kvc_tensor *append_key,
                                              const kvc_tensor *append_value,
@@ -115,7 +120,10 @@ KVC_API kvc_status kvc_append_paged_kv_cache(const kvc_tensor *append_key,
  * MLA form: no head axis, any D_ckv / D_kpe (DeepSeek: 512 / 64).
  *   append_ckv (nnz, D_ckv), append_kpe (nnz, D_kpe)
  *   ckv_cache (max_pages, page_size, D_ckv), kpe_cache (max_pages, page_size, D_kpe)
- * float32/float16/bfloat16 storage (inputs converted); same rules as above.
+ * float32/float16/bfloat16 storage (inputs converted; ckv and kpe may differ
+ * in dtype); same rules as above. ckv_cache and kpe_cache must agree on
+ * max_pages and page_size (they may be slices of one (max_pages, page_size,
+ * D_ckv + D_kpe) tensor).
  */
 KVC_API kvc_status kvc_append_paged_mla_kv_cache(
     const kvc_tensor *append_ckv, const kvc_tensor *append_kpe, const kvc_tensor *batch_indices,
@@ -142,7 +150,8 @@ KVC_API kvc_status kvc_page_table_to_pmx(const kvc_tensor *kv_indptr,
  * a non-negative multiple of page_size.
  *   cachestarts (B, MaxP) int64, seq_lens (B) int32 or int64
  *   kv_indptr (B+1), kv_last_page_len (B) int32 out; kv_indices (cap) int32
- *   out with cap >= total pages; *n_indices receives the total.
+ *   out with cap >= total pages; *n_indices receives the total (n_indices
+ *   may be NULL). Entries after the total are left as they were.
  */
 KVC_API kvc_status kvc_pmx_to_page_table(const kvc_tensor *cachestarts,
                                          const kvc_tensor *seq_lens, int32_t page_size,

@@ -28,6 +28,7 @@ from .errors import (
     STATUS_INTERNAL,
     InternalError,
     InvalidArgumentError,
+    UnsupportedError,
     error_for_status,
 )
 
@@ -170,6 +171,65 @@ kvc_pmx_key_value_cache = _proto(
 kvc_pmx_dynamic_key_value_cache = _proto(
     "kvc_pmx_dynamic_key_value_cache", _c_int, _TP, _TP, _TP, _TP, _TP, _TP, _TP, _TP, _TP,
     _TP, ctypes.POINTER(PmxKvParams), _TP, _TP, _vp,
+)
+
+
+class PagedCache(ctypes.Structure):
+    """ctypes mirror of ``kvc_paged_cache`` (include/kvcache/paged.h)."""
+
+    _fields_ = [
+        ("k", Tensor),
+        ("v", Tensor),
+        ("k_scale", Tensor),
+        ("v_scale", Tensor),
+        ("layout", ctypes.c_int),
+        ("quant_group", ctypes.c_int32),
+    ]
+
+
+# kvc_kv_layout
+KVC_NHD, KVC_HND = 0, 1
+
+
+def optional_proto(name, restype, *argtypes):
+    """Like _proto, for functions an older libkvcache may lack: import still
+    works, and calling the missing function raises UnsupportedError naming the
+    library and the symbol."""
+    if hasattr(lib, name):
+        return _proto(name, restype, *argtypes)
+
+    def missing(*_args, **_kwargs):
+        raise UnsupportedError(f"{library_path} has no {name}(); rebuild libkvcache from this "
+                               f"source tree")
+
+    missing.__name__ = name
+    return missing
+
+
+kvc_paged_cache_from_combined = optional_proto(
+    "kvc_paged_cache_from_combined", _c_int, _TP, _TP, _c_int, ctypes.c_int32,
+    ctypes.POINTER(PagedCache),
+)
+kvc_page_table_check = optional_proto(
+    "kvc_page_table_check", _c_int, _TP, _TP, _TP, ctypes.c_int64, ctypes.c_int64,
+)
+kvc_get_seq_lens = optional_proto("kvc_get_seq_lens", _c_int, _TP, _TP, ctypes.c_int32, _TP)
+kvc_get_batch_indices_positions = optional_proto(
+    "kvc_get_batch_indices_positions", _c_int, _TP, _TP, ctypes.c_int64, _TP, _TP,
+)
+kvc_append_paged_kv_cache = optional_proto(
+    "kvc_append_paged_kv_cache", _c_int, _TP, _TP, _TP, _TP, ctypes.POINTER(PagedCache), _TP,
+    _TP, _TP, _vp,
+)
+kvc_append_paged_mla_kv_cache = optional_proto(
+    "kvc_append_paged_mla_kv_cache", _c_int, _TP, _TP, _TP, _TP, _TP, _TP, _TP, _TP, _TP, _vp,
+)
+kvc_page_table_to_pmx = optional_proto(
+    "kvc_page_table_to_pmx", _c_int, _TP, _TP, ctypes.c_int32, _TP,
+)
+kvc_pmx_to_page_table = optional_proto(
+    "kvc_pmx_to_page_table", _c_int, _TP, _TP, ctypes.c_int32, _TP, _TP, _TP,
+    ctypes.POINTER(ctypes.c_int64),
 )
 
 
@@ -382,6 +442,27 @@ def int64_array(x, name: str) -> np.ndarray:
         arr.dtype == np.int64 and arr.flags.c_contiguous))
 
 
+def int32_array(x, name: str) -> np.ndarray:
+    """A C-contiguous int32 copy (or view) of an index input (ints, lists, any
+    integer array). Refuses non-integer data and values outside int32 rather
+    than truncating them."""
+    arr = as_array(x, name)
+    if arr.dtype.kind not in "iu":
+        if arr.dtype.kind == "f" and arr.size == 0:
+            arr = arr.astype(np.int32)
+        else:
+            raise InvalidArgumentError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.ndim > KVC_MAX_DIMS:
+        raise InvalidArgumentError(f"{name}: {arr.ndim} dimensions, at most {KVC_MAX_DIMS}")
+    if arr.dtype != np.int32 and arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < -(2**31) or hi >= 2**31:
+            bad = lo if lo < -(2**31) else hi
+            raise InvalidArgumentError(f"{name} holds {bad}, which does not fit in int32")
+    return np.array(arr, dtype=np.int32, order="C", copy=not (
+        arr.dtype == np.int32 and arr.flags.c_contiguous))
+
+
 def scalar_int64(x, name: str) -> np.ndarray:
     """A 0-d int64 array from an int or a one-element integer array."""
     arr = int64_array(x, name)
@@ -431,6 +512,15 @@ def threadpool(n_threads: int | None) -> tuple[int, threading.Lock]:
             entry = (ptr.value, threading.Lock())
             _pools[n] = entry
         return entry
+
+
+def call_pooled(fn, args, n_threads) -> None:
+    """fn(*args, pool) on the pool for n_threads, holding its lock; raises the
+    C error if the status is not KVC_OK."""
+    pool, lock = threadpool(n_threads)
+    with lock:
+        status = fn(*args, pool)
+    check(status)
 
 
 @atexit.register

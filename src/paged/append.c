@@ -1,2 +1,406 @@
-/* being written */
-typedef int kvc__placeholder_append;
+/*
+ * append_paged_kv_cache and append_paged_mla_kv_cache, SEMANTICS section 4.
+ *
+ * Row j of the ragged input goes to page kv_indices[kv_indptr[b] + pos / P],
+ * slot pos % P (b = batch_indices[j], pos = positions[j], P = page_size).
+ * The rows are moved by the pmx block mover (kvc__pmx_store: copy, convert
+ * or quantize, scale rows mirrored), which only needs where a block of
+ * tokens starts and its token/head strides; here a block is a run of rows of
+ * one request at consecutive positions inside one page, so a prefill moves
+ * up to a page per kernel call (NHD, contiguous) and a decode step one row
+ * of H*Dh per K|V.
+ *
+ * A call validates everything first (shapes, dtypes, page table, every row's
+ * destination, finiteness for quantized caches), then writes; work is split
+ * into fixed 64-row chunks (never derived from the thread count), so the
+ * bytes written do not depend on n_threads.
+ */
+#include <stdlib.h>
+
+#include "paged_internal.h"
+#include "../pmx/pmx_common.h"
+
+#define PAGED_CHUNK 64 /* input rows per task */
+
+/* One half (K, V, ckv or kpe): its input and where page 0, slot 0 is. */
+typedef struct paged_half {
+    pmx_op op;            /* H, Dh, dtypes, quantization */
+    const kvc_tensor *in; /* (nnz, H, Dh), or (nnz, D) for MLA (H = 1) */
+    pmx_rows slot0;       /* tok_stride: slot stride inside a page */
+    int64_t page_stride, spage_stride;
+} paged_half;
+
+typedef struct append_call {
+    paged_half half[2];
+    int shared_op; /* K/V: both halves have one op, one kvc__pmx_store moves both */
+    int halves;    /* 1: both halves in one task; 2: separate tasks (head-major caches) */
+    const kvc_tensor *bi, *pos, *indices, *indptr; /* validated 1-D int32 */
+    int64_t nnz, page_size, n_chunks;
+    unsigned char *bad; /* finiteness pass: one flag per chunk */
+} append_call;
+
+/* ---- row movement ----------------------------------------------------------- */
+
+static pmx_rows input_rows(const kvc_tensor *t, int64_t j) {
+    pmx_rows r = {0};
+    r.ptr = kvc__at(t, j * t->stride[0]);
+    r.dtype = t->dtype;
+    r.tok_stride = t->stride[0];
+    r.head_stride = t->ndim == 3 ? t->stride[1] : 0;
+    return r;
+}
+
+static pmx_rows page_rows(const paged_half *h, int64_t page, int64_t slot) {
+    pmx_rows r = h->slot0;
+    r.ptr += kvc__bytes(r.dtype, page * h->page_stride + slot * r.tok_stride);
+    if (r.sptr) r.sptr += kvc__bytes(r.sdtype, page * h->spage_stride + slot * r.stok_stride);
+    return r;
+}
+
+/* Stores input rows [j0, j1) (half `only` if >= 0), cut into runs of one
+ * request at consecutive positions inside one page. */
+static void store_rows(const append_call *c, int64_t j0, int64_t j1, int only) {
+    const int64_t P = c->page_size;
+    for (int64_t j = j0; j < j1;) {
+        const int32_t b = kvc__i32_1d(c->bi, j), p = kvc__i32_1d(c->pos, j);
+        const int64_t slot = p % P;
+        const int64_t page = kvc__i32_1d(c->indices, kvc__i32_1d(c->indptr, b) + p / P);
+        int64_t run = 1;
+        while (j + run < j1 && run < P - slot && kvc__i32_1d(c->bi, j + run) == b &&
+               kvc__i32_1d(c->pos, j + run) == p + run)
+            run++;
+        pmx_rows in[2] = {{0}, {0}}, cache[2];
+        for (int kv = 0; kv < 2; kv++) {
+            cache[kv] = page_rows(&c->half[kv], page, slot);
+            if (only < 0 || only == kv) in[kv] = input_rows(c->half[kv].in, j);
+        }
+        if (c->shared_op) {
+            kvc__pmx_store(&c->half[0].op, in, cache, run);
+        } else {
+            for (int kv = 0; kv < 2; kv++) {
+                if (!in[kv].ptr) continue;
+                pmx_rows one[2] = {in[kv], {0}}, dst[2] = {cache[kv], cache[kv]};
+                kvc__pmx_store(&c->half[kv].op, one, dst, run);
+            }
+        }
+        j += run;
+    }
+}
+
+/* Rows [chunk * PAGED_CHUNK, chunk_end) form one task's chunk. */
+static int64_t chunk_end(const append_call *c, int64_t chunk) {
+    const int64_t end = (chunk + 1) * PAGED_CHUNK;
+    return end < c->nnz ? end : c->nnz;
+}
+
+static void store_task(void *ctx, int64_t task) {
+    const append_call *c = ctx;
+    const int only = c->halves == 2 ? (int)(task / c->n_chunks) : -1;
+    const int64_t chunk = task % c->n_chunks;
+    store_rows(c, chunk * PAGED_CHUNK, chunk_end(c, chunk), only);
+}
+
+/* ---- finiteness (quantized halves) --------------------------------------------- */
+
+/* 1 if input rows [j0, j1) of a half are all finite; *bad_j / *bad_h get the
+ * first offending row and head when report is set (row by row then). */
+static int rows_finite(const paged_half *h, int64_t j0, int64_t j1, int report, int64_t *bad_j,
+                       int64_t *bad_h) {
+    const kvc_tensor *t = h->in;
+    const pmx_op *op = &h->op;
+    const int packed = op->H == 1 || t->stride[1] == op->Dh;
+    if (!report && packed && (j1 - j0 == 1 || t->stride[0] == op->H * op->Dh))
+        return op->k->all_finite(kvc__at(t, j0 * t->stride[0]), op->t1, (j1 - j0) * op->H * op->Dh);
+    for (int64_t j = j0; j < j1; j++) {
+        if (!report && packed) {
+            if (!op->k->all_finite(kvc__at(t, j * t->stride[0]), op->t1, op->H * op->Dh)) return 0;
+            continue;
+        }
+        for (int64_t hh = 0; hh < op->H; hh++) {
+            const int64_t off = j * t->stride[0] + (op->H > 1 ? hh * t->stride[1] : 0);
+            if (!op->k->all_finite(kvc__at(t, off), op->t1, op->Dh)) {
+                *bad_j = j;
+                *bad_h = hh;
+                return 0;
+            }
+        }
+    }
+    return 1;
+}
+
+static void finite_task(void *ctx, int64_t task) {
+    append_call *c = ctx;
+    const int64_t j0 = task * PAGED_CHUNK, j1 = chunk_end(c, task);
+    int64_t bj, bh;
+    for (int kv = 0; kv < 2; kv++)
+        if (c->half[kv].op.bits && !rows_finite(&c->half[kv], j0, j1, 0, &bj, &bh))
+            c->bad[task] = 1;
+}
+
+/* Fails if a row stored into a quantized half holds NaN or Inf; chunks are
+ * checked in parallel, the first bad one is then scanned for the message. */
+static kvc_status check_finite(const char *fn, append_call *c, const char *const names[2],
+                               kvc_threadpool *pool) {
+    if (!c->half[0].op.bits && !c->half[1].op.bits) return KVC_OK;
+    if (c->nnz == 0) return KVC_OK;
+    c->bad = calloc((size_t)c->n_chunks, 1);
+    if (!c->bad) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+    kvc__parallel_for(pool, c->n_chunks, finite_task, c);
+    kvc_status st = KVC_OK;
+    for (int64_t t = 0; t < c->n_chunks && st == KVC_OK; t++) {
+        if (!c->bad[t]) continue;
+        const int64_t j0 = t * PAGED_CHUNK, j1 = chunk_end(c, t);
+        for (int kv = 0; kv < 2 && st == KVC_OK; kv++) {
+            int64_t bj = -1, bh = -1;
+            if (c->half[kv].op.bits && !rows_finite(&c->half[kv], j0, j1, 1, &bj, &bh))
+                st = kvc__error(KVC_ERR_INVALID_ARG, "%s: %s has a NaN or Inf value (row %lld, "
+                                "head %lld); int8/int4 caches cannot store it", fn, names[kv],
+                                (long long)bj, (long long)bh);
+        }
+    }
+    free(c->bad);
+    c->bad = NULL;
+    return st;
+}
+
+/* ---- validation ------------------------------------------------------------------ */
+
+static int is_float(kvc_dtype d) { return d == KVC_F32 || d == KVC_F16 || d == KVC_BF16; }
+
+/* Input dtype t1 into cache dtype t2: a copy (same dtype), a conversion
+ * (float -> float) or quantization (float -> int8/int4; *bits 8 or 4). */
+static kvc_status check_dtypes(const char *fn, const char *in_name, kvc_dtype t1, kvc_dtype t2,
+                               int allow_quant, int *bits) {
+    *bits = 0;
+    if (allow_quant)
+        KVC_CHECK(is_float(t2) || t2 == KVC_I8 || t2 == KVC_I4,
+                  "%s: cache dtype must be float32, float16, bfloat16, int8 or int4, got %s", fn,
+                  kvc_dtype_name(t2));
+    else
+        KVC_CHECK(is_float(t2), "%s: cache dtype must be float32, float16 or bfloat16, got %s", fn,
+                  kvc_dtype_name(t2));
+    if (t1 == t2) return KVC_OK;
+    KVC_CHECK(is_float(t1), "%s: %s dtype %s cannot be stored into a %s cache (inputs must be "
+              "float32, float16, bfloat16 or the cache's dtype)", fn, in_name,
+              kvc_dtype_name(t1), kvc_dtype_name(t2));
+    if (t2 == KVC_I8) *bits = 8;
+    if (t2 == KVC_I4) *bits = 4;
+    return KVC_OK;
+}
+
+/* Two input tensors of one call: same rank, shape and dtype. */
+static kvc_status check_pair(const char *fn, const char *n1, const kvc_tensor *a, const char *n2,
+                             const kvc_tensor *b) {
+    char b1[96], b2[96];
+    int same = a->ndim == b->ndim && a->dtype == b->dtype;
+    for (int i = 0; same && i < a->ndim; i++) same = a->shape[i] == b->shape[i];
+    KVC_CHECK(same, "%s: %s %s %s and %s %s %s must have the same shape and dtype", fn, n1,
+              kvc__shape_str(a, b1, sizeof b1), kvc_dtype_name(a->dtype), n2,
+              kvc__shape_str(b, b2, sizeof b2), kvc_dtype_name(b->dtype));
+    return KVC_OK;
+}
+
+/* Scale tensor of a quantized cache: float32/float16, the cache's shape with
+ * last dim Dh / group. */
+static kvc_status check_scale(const char *fn, const char *name, const kvc_tensor *s,
+                              const kvc_tensor *cache, int64_t groups) {
+    char b1[96], b2[96];
+    KVC_TRY(kvc__check_tensor(s, name, 1));
+    KVC_CHECK(s->dtype == KVC_F32 || s->dtype == KVC_F16,
+              "%s: %s must be float32 or float16, got %s", fn, name, kvc_dtype_name(s->dtype));
+    int ok = s->ndim == cache->ndim;
+    for (int i = 0; ok && i < cache->ndim - 1; i++) ok = s->shape[i] == cache->shape[i];
+    ok = ok && s->shape[s->ndim - 1] == groups;
+    KVC_CHECK(ok, "%s: %s %s must be the cache shape %s with last dim Dh / quant_group = %lld "
+              "(missing scales for an int8/int4 cache?)", fn, name,
+              kvc__shape_str(s, b1, sizeof b1), kvc__shape_str(cache, b2, sizeof b2),
+              (long long)groups);
+    return KVC_OK;
+}
+
+/* Page table and every row's destination: batch_indices[j] in [0, B),
+ * positions[j] in [0, seq_len_b). */
+static kvc_status check_rows(const char *fn, append_call *c, const kvc_tensor *kv_last_page_len,
+                             int64_t max_pages) {
+    int64_t B;
+    KVC_TRY(kvc__paged_check_table(fn, c->indptr, c->indices, kv_last_page_len, c->page_size,
+                                   max_pages, 1, &B));
+    KVC_TRY(kvc__paged_check_i32(fn, "batch_indices", c->bi, c->nnz));
+    KVC_TRY(kvc__paged_check_i32(fn, "positions", c->pos, c->nnz));
+    for (int64_t j = 0; j < c->nnz; j++) {
+        const int32_t b = kvc__i32_1d(c->bi, j), p = kvc__i32_1d(c->pos, j);
+        KVC_CHECK(b >= 0 && b < B, "%s: batch_indices[%lld] = %d outside [0, B=%lld)", fn,
+                  (long long)j, (int)b, (long long)B);
+        KVC_CHECK(p >= 0 && kvc__paged_pos_ok(c->indptr, kv_last_page_len, c->page_size, b, p),
+                  "%s: positions[%lld] = %d outside [0, seq_len) of request %d (its pages and "
+                  "kv_last_page_len must already include the appended tokens)", fn,
+                  (long long)j, (int)p, (int)b);
+    }
+    return KVC_OK;
+}
+
+/* Validation done: checks finiteness, then moves every row. */
+static kvc_status run_append(const char *fn, append_call *c, const char *const names[2],
+                             kvc_threadpool *pool) {
+    c->n_chunks = (c->nnz + PAGED_CHUNK - 1) / PAGED_CHUNK;
+    KVC_TRY(check_finite(fn, c, names, pool));
+    /* Everything is valid: from here on nothing can fail. */
+    if (c->nnz > 0) kvc__parallel_for(pool, c->halves * c->n_chunks, store_task, c);
+    return KVC_OK;
+}
+
+/* ---- public functions ----------------------------------------------------------- */
+
+kvc_status kvc_append_paged_kv_cache(const kvc_tensor *append_key, const kvc_tensor *append_value,
+                                     const kvc_tensor *batch_indices, const kvc_tensor *positions,
+                                     kvc_paged_cache *cache, const kvc_tensor *kv_indices,
+                                     const kvc_tensor *kv_indptr,
+                                     const kvc_tensor *kv_last_page_len, kvc_threadpool *pool) {
+    static const char fn[] = "kvc_append_paged_kv_cache";
+    static const char *const names[2] = {"append_key", "append_value"};
+    char b1[96], b2[96];
+    KVC_CHECK(cache != NULL, "%s: cache is NULL", fn);
+    KVC_CHECK(append_key != NULL && append_value != NULL, "%s: append_key/append_value is NULL",
+              fn);
+    KVC_TRY(kvc__check_tensor(append_key, "append_key", 1));
+    KVC_TRY(kvc__check_tensor(append_value, "append_value", 1));
+    KVC_TRY(kvc__check_tensor(&cache->k, "cache->k", 1));
+    KVC_TRY(kvc__check_tensor(&cache->v, "cache->v", 1));
+    KVC_CHECK(cache->layout == KVC_NHD || cache->layout == KVC_HND,
+              "%s: cache->layout must be KVC_NHD (0) or KVC_HND (1), got %d", fn,
+              (int)cache->layout);
+    const int hnd = cache->layout == KVC_HND;
+    const kvc_tensor *k = &cache->k, *v = &cache->v;
+    KVC_CHECK(k->ndim == 4, "%s: cache->k must be %s, got %s", fn,
+              hnd ? "(max_pages, H, page_size, Dh) (HND)" : "(max_pages, page_size, H, Dh) (NHD)",
+              kvc__shape_str(k, b1, sizeof b1));
+    KVC_TRY(check_pair(fn, "cache->k", k, "cache->v", v));
+    KVC_CHECK(append_key->ndim == 3, "%s: append_key must be (nnz, H, Dh), got %s", fn,
+              kvc__shape_str(append_key, b1, sizeof b1));
+    KVC_TRY(check_pair(fn, "append_key", append_key, "append_value", append_value));
+
+    const int64_t max_pages = k->shape[0], P = k->shape[hnd ? 2 : 1], H = k->shape[hnd ? 1 : 2],
+                  Dh = k->shape[3];
+    KVC_CHECK(P >= 1 && H >= 1 && Dh >= 1, "%s: cache shape %s has page_size %lld, H %lld, "
+              "Dh %lld; each must be >= 1", fn, kvc__shape_str(k, b1, sizeof b1), (long long)P,
+              (long long)H, (long long)Dh);
+    KVC_CHECK(append_key->shape[1] == H && append_key->shape[2] == Dh,
+              "%s: append_key %s must be (nnz, H=%lld, Dh=%lld) to match cache %s", fn,
+              kvc__shape_str(append_key, b1, sizeof b1), (long long)H, (long long)Dh,
+              kvc__shape_str(k, b2, sizeof b2));
+
+    append_call c = {0};
+    pmx_op op = {0};
+    KVC_TRY(check_dtypes(fn, "append_key", append_key->dtype, k->dtype, 1, &op.bits));
+    KVC_CHECK(k->dtype != KVC_I4 || Dh % 2 == 0, "%s: an int4 cache needs an even Dh, got %lld",
+              fn, (long long)Dh);
+    op.group = 1;
+    if (op.bits) {
+        const int32_t g = cache->quant_group;
+        KVC_CHECK(g >= 1 && Dh % g == 0, "%s: cache->quant_group %d must divide Dh %lld", fn,
+                  (int)g, (long long)Dh);
+        KVC_CHECK(op.bits != 4 || g % 2 == 0, "%s: cache->quant_group must be even for int4, got "
+                  "%d", fn, (int)g);
+        KVC_TRY(check_scale(fn, "cache->k_scale", &cache->k_scale, k, Dh / g));
+        KVC_TRY(check_scale(fn, "cache->v_scale", &cache->v_scale, v, Dh / g));
+        op.group = g;
+    }
+    op.k = kvc__kernels();
+    op.H = H;
+    op.Dh = Dh;
+    op.repeat = 1;
+    op.t1 = append_key->dtype;
+    op.t2 = k->dtype;
+
+    c.nnz = append_key->shape[0];
+    c.page_size = P;
+    c.bi = batch_indices;
+    c.pos = positions;
+    c.indices = kv_indices;
+    c.indptr = kv_indptr;
+    KVC_TRY(check_rows(fn, &c, kv_last_page_len, max_pages));
+
+    const int tok = hnd ? 2 : 1, head = hnd ? 1 : 2;
+    for (int kv = 0; kv < 2; kv++) {
+        const kvc_tensor *t = kv ? v : k, *s = kv ? &cache->v_scale : &cache->k_scale;
+        paged_half *h = &c.half[kv];
+        h->op = op;
+        h->in = kv ? append_value : append_key;
+        h->slot0.ptr = t->data;
+        h->slot0.dtype = t->dtype;
+        h->slot0.tok_stride = t->stride[tok];
+        h->slot0.head_stride = t->stride[head];
+        h->page_stride = t->stride[0];
+        if (op.bits) {
+            h->slot0.sptr = s->data;
+            h->slot0.sdtype = s->dtype;
+            h->slot0.stok_stride = s->stride[tok];
+            h->slot0.shead_stride = s->stride[head];
+            h->spage_stride = s->stride[0];
+        }
+    }
+    c.shared_op = 1;
+    pmx_rows slot0[2] = {c.half[0].slot0, c.half[1].slot0};
+    c.halves = kvc__pmx_head_major(&op, slot0) ? 2 : 1;
+    return run_append(fn, &c, names, pool);
+}
+
+/* One MLA half: input (nnz, D) into cache (max_pages, page_size, D). */
+static kvc_status mla_half(const char *fn, const char *in_name, const kvc_tensor *in,
+                           const char *cache_name, const kvc_tensor *cache, paged_half *h) {
+    char b1[96], b2[96];
+    KVC_TRY(kvc__check_tensor(in, in_name, 1));
+    KVC_TRY(kvc__check_tensor(cache, cache_name, 1));
+    KVC_CHECK(cache->ndim == 3 && cache->shape[1] >= 1 && cache->shape[2] >= 1,
+              "%s: %s must be (max_pages, page_size >= 1, D >= 1), got %s", fn, cache_name,
+              kvc__shape_str(cache, b1, sizeof b1));
+    KVC_CHECK(in->ndim == 2 && in->shape[1] == cache->shape[2],
+              "%s: %s must be (nnz, D=%lld) to match %s %s, got %s", fn, in_name,
+              (long long)cache->shape[2], cache_name, kvc__shape_str(cache, b2, sizeof b2),
+              kvc__shape_str(in, b1, sizeof b1));
+    int bits;
+    KVC_TRY(check_dtypes(fn, in_name, in->dtype, cache->dtype, 0, &bits));
+    h->op.k = kvc__kernels();
+    h->op.H = 1;
+    h->op.Dh = cache->shape[2];
+    h->op.repeat = 1;
+    h->op.group = 1;
+    h->op.t1 = in->dtype;
+    h->op.t2 = cache->dtype;
+    h->in = in;
+    h->slot0.ptr = cache->data;
+    h->slot0.dtype = cache->dtype;
+    h->slot0.tok_stride = cache->stride[1];
+    h->page_stride = cache->stride[0];
+    return KVC_OK;
+}
+
+kvc_status kvc_append_paged_mla_kv_cache(
+    const kvc_tensor *append_ckv, const kvc_tensor *append_kpe, const kvc_tensor *batch_indices,
+    const kvc_tensor *positions, kvc_tensor *ckv_cache, kvc_tensor *kpe_cache,
+    const kvc_tensor *kv_indices, const kvc_tensor *kv_indptr,
+    const kvc_tensor *kv_last_page_len, kvc_threadpool *pool) {
+    static const char fn[] = "kvc_append_paged_mla_kv_cache";
+    static const char *const names[2] = {"append_ckv", "append_kpe"};
+    char b1[96], b2[96];
+    append_call c = {0};
+    KVC_TRY(mla_half(fn, "append_ckv", append_ckv, "ckv_cache", ckv_cache, &c.half[0]));
+    KVC_TRY(mla_half(fn, "append_kpe", append_kpe, "kpe_cache", kpe_cache, &c.half[1]));
+    KVC_CHECK(ckv_cache->shape[0] == kpe_cache->shape[0] &&
+                  ckv_cache->shape[1] == kpe_cache->shape[1],
+              "%s: ckv_cache %s and kpe_cache %s must have the same max_pages and page_size", fn,
+              kvc__shape_str(ckv_cache, b1, sizeof b1), kvc__shape_str(kpe_cache, b2, sizeof b2));
+    KVC_CHECK(append_ckv->shape[0] == append_kpe->shape[0],
+              "%s: append_ckv has %lld rows but append_kpe %lld", fn,
+              (long long)append_ckv->shape[0], (long long)append_kpe->shape[0]);
+    c.nnz = append_ckv->shape[0];
+    c.page_size = ckv_cache->shape[1];
+    c.bi = batch_indices;
+    c.pos = positions;
+    c.indices = kv_indices;
+    c.indptr = kv_indptr;
+    KVC_TRY(check_rows(fn, &c, kv_last_page_len, ckv_cache->shape[0]));
+    c.shared_op = 0;
+    c.halves = 1;
+    return run_append(fn, &c, names, pool);
+}

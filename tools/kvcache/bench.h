@@ -143,4 +143,8 @@ void bench_print_machine(const bench_opts *o, const char *target, FILE *f);
 /* `kvcache bench pmx`: returns a CLI exit status. */
 int bench_pmx(const bench_opts *o);
 
+/* `kvcache bench append` (paged appends, decode- and prefill-like): returns
+ * a CLI exit status. */
+int bench_append(const bench_opts *o);
+
 #endif

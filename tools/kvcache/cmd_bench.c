@@ -15,20 +15,26 @@ static const char bench_usage[] =
     "usage: kvcache bench [TARGET] [options]\n"
     "\n"
     "targets:\n"
-    "  pmx   OpenPPL KeyValueCache operators (static and dynamic batching): store\n"
-    "        one new token per sequence and read the whole cache back (default)\n"
+    "  pmx     OpenPPL KeyValueCache operators (static and dynamic batching): store\n"
+    "          one new token per sequence and read the whole cache back (default)\n"
+    "  append  kvc_append_paged_kv_cache (FlashInfer paged layout, NHD, page_size 16):\n"
+    "          decode-like (--batch requests x 1 token, default 256) and prefill-like\n"
+    "          (4 requests x --kvlen tokens, default 2048) appends, f16 and int8\n"
+    "          caches by default\n"
     "\n"
     "options:\n"
     "  --threads LIST    comma-separated thread counts, each run in turn (default 1,2)\n"
-    "  --batch N         sequences B (default 16)\n"
+    "  --batch N         sequences B (default 16; append: decode requests, 256)\n"
     "  --kvlen N         positions per sequence after the step, new token included\n"
-    "                    (default 2048)\n"
+    "                    (default 2048; append: prefill tokens per request, 2048)\n"
     "  --heads N         KV heads H (default 8)\n"
     "  --head-dim N      head dimension Dh, a multiple of 8 (default 128)\n"
-    "  --cache LIST      cache types among f16,int8,int4 (default all)\n"
-    "  --op LIST         operators among static,dynamic (default both)\n"
-    "  --layout LIST     cache layouts among 0,1,2,3 (default: static 0,1; dynamic 0,3)\n"
-    "  --mode LIST       dynamic cache modes among offset,paged (default both)\n"
+    "  --cache LIST      cache types among f16,int8,int4 (default: pmx all, append\n"
+    "                    f16,int8)\n"
+    "  --op LIST         pmx operators among static,dynamic (default both)\n"
+    "  --layout LIST     pmx cache layouts among 0,1,2,3 (default: static 0,1;\n"
+    "                    dynamic 0,3)\n"
+    "  --mode LIST       pmx dynamic cache modes among offset,paged (default both)\n"
     "  --time SECONDS    time budget per case (default 0.3)\n"
     "  --quick           tiny sizes and budgets: a smoke test, not a measurement\n"
     "  --isa NAME        run the kernels with NAME: scalar, avx2, avx512\n"
@@ -112,7 +118,7 @@ int cmd_bench(int argc, char **argv) {
     o.threads[0] = 1;
     o.threads[1] = 2;
     o.n_thread_counts = 2;
-    o.caches = BENCH_CACHE_ALL;
+    o.caches = 0; /* 0: the target's default set */
     o.ops = BENCH_OP_ALL;
     o.layouts = 0; /* 0: the target's default set */
     o.modes = 3;
@@ -122,9 +128,9 @@ int cmd_bench(int argc, char **argv) {
     if (argc > 1 && argv[1][0] != '-') {
         target = argv[1];
         first = 2;
-        if (strcmp(target, "pmx") != 0) {
-            fprintf(stderr, "kvcache: bench: unknown target '%s' (known: pmx)\n\n%s", target,
-                    bench_usage);
+        if (strcmp(target, "pmx") != 0 && strcmp(target, "append") != 0) {
+            fprintf(stderr, "kvcache: bench: unknown target '%s' (known: pmx, append)\n\n%s",
+                    target, bench_usage);
             return CLI_EXIT_USAGE;
         }
     }
@@ -201,5 +207,10 @@ int cmd_bench(int argc, char **argv) {
     }
     if (o.time_s == 0) o.time_s = o.quick ? 0.01 : 0.3;
     o.membw_bytes = (size_t)(o.quick ? 64 : 256) << 20;
+    if (strcmp(target, "append") == 0) {
+        if (o.caches == 0) o.caches = BENCH_CACHE_F16 | BENCH_CACHE_INT8;
+        return bench_append(&o);
+    }
+    if (o.caches == 0) o.caches = BENCH_CACHE_ALL;
     return bench_pmx(&o);
 }
