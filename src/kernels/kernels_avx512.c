@@ -446,25 +446,50 @@ KVC_INLINE void quant_groups(const void *x, kvc_dtype xd, int64_t n, int bits, i
     }
 }
 
+/* absmax of each 8-lane half, on every lane of that half: swap neighbours,
+ * pairs, then 128-bit blocks within each 256-bit half. */
+KVC_INLINE __m512 absmax_halves(__m512 v) {
+    __m512 a = abs16(v);
+    a = _mm512_max_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
+    a = _mm512_max_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm512_max_ps(a, _mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
 /*
- * g == 8, two groups per zmm: the absmax of each 8-lane half is reduced in
- * place (swap neighbours, pairs, then 128-bit blocks within each 256-bit
- * half), so the scale vector holds the scale of group 2j on lanes 0-7 and of
- * 2j+1 on lanes 8-15 with no broadcast. An odd last group is quantized by
- * the generic path.
+ * g == 8, two groups per zmm. Blocks of 128 elements (16 groups) first: the
+ * 16 group maxima are gathered into one vector (a masked permute per input
+ * vector drops its two maxima on lanes 2i, 2i+1), so the scale division, the
+ * f16 rounding and the scale store happen once per block instead of once
+ * per vector. Each vector then takes its two scales back with a permute
+ * ({2i x8, 2i+1 x8}, as in dequant_g8). Leftover vectors go one at a time;
+ * an odd last group takes the generic path.
  */
 KVC_INLINE void quant_g8(const void *x, kvc_dtype xd, int64_t n, int bits, void *q, void *scale,
                          kvc_dtype sd) {
     const float qmax = bits == 8 ? 127.0f : 7.0f;
+    const __m512i from_halves = _mm512_setr_epi32(0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8);
+    const __m512i pair0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i two = _mm512_set1_epi32(2);
     int64_t e = 0;
+    for (; e + 128 <= n; e += 128) {
+        __m512 v[8], m = _mm512_setzero_ps();
+        for (int i = 0; i < 8; i++) {
+            v[i] = load16(x, xd, e + 16 * i, ALL16);
+            m = _mm512_mask_permutexvar_ps(m, (__mmask16)(3u << (2 * i)), from_halves,
+                                           absmax_halves(v[i]));
+        }
+        __m256i h = _mm256_setzero_si256();
+        const __m512 s16 = scale_calc(m, qmax, sd, &h);
+        if (sd == KVC_F16) _mm256_storeu_si256((__m256i *)((uint16_t *)scale + e / 8), h);
+        else _mm512_storeu_ps((float *)scale + e / 8, s16);
+        __m512i idx = pair0;
+        for (int i = 0; i < 8; i++, idx = _mm512_add_epi32(idx, two))
+            quant16(v[i], _mm512_permutexvar_ps(idx, s16), qmax, q, bits, e + 16 * i, ALL16);
+    }
     for (; e + 16 <= n; e += 16) {
         const __m512 v = load16(x, xd, e, ALL16);
-        __m512 a = abs16(v);
-        a = _mm512_max_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(2, 3, 0, 1)));
-        a = _mm512_max_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2)));
-        a = _mm512_max_ps(a, _mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(2, 3, 0, 1)));
         __m256i h = _mm256_setzero_si256();
-        const __m512 s = scale_calc(a, qmax, sd, &h);
+        const __m512 s = scale_calc(absmax_halves(v), qmax, sd, &h);
         scale_put(scale, sd, e / 8, s, h, 0);
         scale_put(scale, sd, e / 8 + 1, s, h, 8);
         quant16(v, s, qmax, q, bits, e, ALL16);
