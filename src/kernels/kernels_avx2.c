@@ -125,15 +125,18 @@ static void copy_avx2(void *dst, const void *src, size_t n) {
     char *d = dst;
     const char *s = src;
     size_t i = 0;
-    for (; i + 4 * 32 <= n; i += 4 * 32) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(s + i)), b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(s + i + 2 * 32)), e = _mm256_loadu_si256((const __m256i *)(s + i + 3 * 32));
+    for (; i + 128 <= n; i += 128) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(s + i));
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
+        const __m256i c = _mm256_loadu_si256((const __m256i *)(s + i + 64));
+        const __m256i e = _mm256_loadu_si256((const __m256i *)(s + i + 96));
         _mm256_storeu_si256((__m256i *)(d + i), a);
         _mm256_storeu_si256((__m256i *)(d + i + 32), b);
-        _mm256_storeu_si256((__m256i *)(d + i + 2 * 32), c);
-        _mm256_storeu_si256((__m256i *)(d + i + 3 * 32), e);
+        _mm256_storeu_si256((__m256i *)(d + i + 64), c);
+        _mm256_storeu_si256((__m256i *)(d + i + 96), e);
     }
-    for (; i + 32 <= n; i += 32) _mm256_storeu_si256((__m256i *)(d + i), _mm256_loadu_si256((const __m256i *)(s + i)));
+    for (; i + 32 <= n; i += 32)
+        _mm256_storeu_si256((__m256i *)(d + i), _mm256_loadu_si256((const __m256i *)(s + i)));
     if (i < n) memcpy(d + i, s + i, n - i);
 }
 

@@ -158,15 +158,15 @@ static void copy_avx512(void *dst, const void *src, size_t n) {
     char *d = dst;
     const char *s = src;
     size_t i = 0;
-    for (; i + 4 * 64 <= n; i += 4 * 64) {
-        __m512i a = _mm512_loadu_si512((const void *)(s + i)), b = _mm512_loadu_si512((const void *)(s + i + 64));
-        __m512i c = _mm512_loadu_si512((const void *)(s + i + 2 * 64)), e = _mm512_loadu_si512((const void *)(s + i + 3 * 64));
-        _mm512_storeu_si512((void *)(d + i), a);
-        _mm512_storeu_si512((void *)(d + i + 64), b);
-        _mm512_storeu_si512((void *)(d + i + 2 * 64), c);
-        _mm512_storeu_si512((void *)(d + i + 3 * 64), e);
+    for (; i + 256 <= n; i += 256) {
+        const __m512i a = _mm512_loadu_si512(s + i), b = _mm512_loadu_si512(s + i + 64);
+        const __m512i c = _mm512_loadu_si512(s + i + 128), e = _mm512_loadu_si512(s + i + 192);
+        _mm512_storeu_si512(d + i, a);
+        _mm512_storeu_si512(d + i + 64, b);
+        _mm512_storeu_si512(d + i + 128, c);
+        _mm512_storeu_si512(d + i + 192, e);
     }
-    for (; i + 64 <= n; i += 64) _mm512_storeu_si512((void *)(d + i), _mm512_loadu_si512((const void *)(s + i)));
+    for (; i + 64 <= n; i += 64) _mm512_storeu_si512(d + i, _mm512_loadu_si512(s + i));
     if (i < n) memcpy(d + i, s + i, n - i);
 }
 

@@ -39,6 +39,18 @@ typedef struct pmx_op {
     kvc_dtype t1, t2; /* input/output dtype, cache dtype */
 } pmx_op;
 
+/* Rows of a float/int8 tensor (no scales) whose tokens lie along dimension
+ * tok_dim and heads along head_dim, from element offset off. */
+static inline pmx_rows pmx_tensor_rows(const kvc_tensor *t, int64_t off, int tok_dim,
+                                       int head_dim) {
+    pmx_rows r = {0};
+    r.ptr = kvc__at(t, off);
+    r.dtype = t->dtype;
+    r.tok_stride = t->stride[tok_dim];
+    r.head_stride = t->stride[head_dim];
+    return r;
+}
+
 /* Rows moved from element offsets: dst = src + t*tok + h*head (bytes). */
 static inline pmx_rows pmx_rows_offset(const pmx_rows *r, int64_t t, int64_t h) {
     pmx_rows o = *r;

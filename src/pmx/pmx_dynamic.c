@@ -62,12 +62,7 @@ static int64_t batch_of(const int64_t *starts, int64_t B, int64_t r) {
 
 /* Rows of a packed (rows, heads, Dh) input or output tensor from row `row`. */
 static pmx_rows packed_rows(const kvc_tensor *t, int64_t row) {
-    pmx_rows r = {0};
-    r.ptr = kvc__at(t, row * t->stride[0]);
-    r.dtype = t->dtype;
-    r.tok_stride = t->stride[0];
-    r.head_stride = t->stride[1];
-    return r;
+    return pmx_tensor_rows(t, row * t->stride[0], 0, 1);
 }
 
 /* Moves packed rows [r0, r1) of K and V (only half `only` if >= 0);

@@ -53,12 +53,7 @@ static pmx_rows cache_rows(const static_call *c, int64_t b, int kv) {
 
 /* Rows of a (B, S, H, Dh) input or (B, T, H*R, Dh) output tensor, batch b. */
 static pmx_rows tensor_rows(const kvc_tensor *t, int64_t b) {
-    pmx_rows r = {0};
-    r.ptr = kvc__at(t, b * t->stride[0]);
-    r.dtype = t->dtype;
-    r.tok_stride = t->stride[1];
-    r.head_stride = t->stride[2];
-    return r;
+    return pmx_tensor_rows(t, b * t->stride[0], 1, 2);
 }
 
 /* Task -> (batch, half, first token). With K and V together (halves == 1)

@@ -117,6 +117,18 @@ int bench_membw_pass(void *ctx);
 int bench_membw_measure(bench_membw_ctx *ctx, int n_threads, double budget_s, int with_read,
                         bench_membw *out);
 
+/*
+ * Times op (fn, ctx) and the memcpy reference (mb, prepared for n_threads) in
+ * alternating rounds, so that both see the same machine conditions: the box
+ * is shared and its bandwidth drifts during a run. op_s / membw_s: time
+ * budgets. Returns 0, 1 if the operator failed, -1 if the reference did
+ * (message printed); fills the operator's timing and the reference's GB/s
+ * (read + write).
+ */
+int bench_time_interleaved(bench_fn fn, void *ctx, double op_s, bench_membw_ctx *mb,
+                           double membw_s, int n_threads, bench_timing *op,
+                           double *memcpy_gbs);
+
 /* ---- memory ------------------------------------------------------------ */
 
 /* Page-aligned allocation with every page touched (zeroed), so that page

@@ -28,7 +28,6 @@
 #define APP_PAGE 16
 #define APP_GROUP 8
 #define APP_MEM_LIMIT ((size_t)6 << 30)
-#define APP_ROUNDS 4
 
 typedef struct app_cachetype {
     unsigned bit; /* BENCH_CACHE_* */
@@ -280,22 +279,6 @@ static void print_row(const bench_opts *o, const app_row *r) {
            goal_str(c), r->met ? "ok" : "MISSED");
 }
 
-/* Operator and memcpy samples in alternating rounds (same machine state). */
-static int time_interleaved(const bench_opts *o, app_case *c, bench_membw_ctx *mb,
-                            double membw_budget, app_row *r) {
-    static bench_timer t_op, t_mc;
-    if (bench_timer_start(&t_op, app_call, c, o->time_s / 16.0) != 0) return 1;
-    if (bench_timer_start(&t_mc, bench_membw_pass, mb, membw_budget / 8.0) != 0) return -1;
-    for (int round = 0; round < APP_ROUNDS; round++) {
-        if (bench_timer_run(&t_mc, membw_budget / APP_ROUNDS, 1) != 0) return -1;
-        if (bench_timer_run(&t_op, o->time_s / APP_ROUNDS, 2) != 0) return 1;
-    }
-    bench_timing mc;
-    bench_timer_result(&t_op, &r->tm);
-    bench_timer_result(&t_mc, &mc);
-    r->memcpy_gbs = 2.0 * (double)bench_membw_prepare(mb, r->threads, 0) / mc.median_s * 1e-9;
-    return 0;
-}
 
 /* Runs one case with each thread count; returns the number of failures. */
 static int run_case(const bench_opts *o, app_case *c, bench_membw_ctx *mb, double membw_budget,
@@ -318,7 +301,8 @@ static int run_case(const bench_opts *o, app_case *c, bench_membw_ctx *mb, doubl
         r.c = c;
         r.threads = nt;
         bench_membw_prepare(mb, nt, 0);
-        int rc = time_interleaved(o, c, mb, membw_budget, &r);
+        int rc = bench_time_interleaved(app_call, c, o->time_s, mb, membw_budget, r.threads,
+                                        &r.tm, &r.memcpy_gbs);
         kvc_threadpool_destroy(c->pool);
         c->pool = NULL;
         if (rc != 0) {

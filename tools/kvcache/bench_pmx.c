@@ -507,28 +507,6 @@ typedef struct pmx_totals {
     int have_ref[N_CACHETYPES];
 } pmx_totals;
 
-/* Times the operator and the memcpy reference (with as many threads) in
- * alternating rounds, so that both see the same machine conditions: the CI
- * box is shared and its bandwidth drifts during a run. Returns 0, 1 if the
- * operator failed, -1 if the reference did (message printed). */
-#define PMX_ROUNDS 4
-static int time_interleaved(const bench_opts *o, pmx_case *c, bench_membw_ctx *mb,
-                            double membw_budget, pmx_row *r) {
-    /* static: two 4 KiB sample arrays; the CLI is single-threaded */
-    static bench_timer t_op, t_mc;
-    if (bench_timer_start(&t_op, pmx_call, c, o->time_s / 16.0) != 0) return 1;
-    if (bench_timer_start(&t_mc, bench_membw_pass, mb, membw_budget / 8.0) != 0) return -1;
-    for (int round = 0; round < PMX_ROUNDS; round++) {
-        if (bench_timer_run(&t_mc, membw_budget / PMX_ROUNDS, 1) != 0) return -1;
-        if (bench_timer_run(&t_op, o->time_s / PMX_ROUNDS, 2) != 0) return 1;
-    }
-    bench_timing mc;
-    bench_timer_result(&t_op, &r->tm);
-    bench_timer_result(&t_mc, &mc);
-    r->memcpy_gbs = 2.0 * (double)bench_membw_prepare(mb, r->threads, 0) / mc.median_s * 1e-9;
-    return 0;
-}
-
 /* Runs one set-up case with each thread count. */
 static void run_case(const bench_opts *o, pmx_case *c, int ct_idx, bench_membw_ctx *mb,
                      double membw_budget, pmx_totals *tot) {
@@ -550,7 +528,8 @@ static void run_case(const bench_opts *o, pmx_case *c, int ct_idx, bench_membw_c
         r.c = c;
         r.threads = nt;
         bench_membw_prepare(mb, nt, 0);
-        int rc = time_interleaved(o, c, mb, membw_budget, &r);
+        int rc = bench_time_interleaved(pmx_call, c, o->time_s, mb, membw_budget, r.threads,
+                                        &r.tm, &r.memcpy_gbs);
         kvc_threadpool_destroy(c->pool);
         c->pool = NULL;
         if (rc < 0) {

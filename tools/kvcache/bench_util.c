@@ -322,3 +322,23 @@ void bench_print_machine(const bench_opts *o, const char *target, FILE *f) {
     fprintf(f, "# isa: %s (best supported: %s)\n", isa, best);
     fprintf(f, "# date: %s, load average %s\n", date, load);
 }
+
+#define BENCH_ROUNDS 4
+
+int bench_time_interleaved(bench_fn fn, void *ctx, double op_s, bench_membw_ctx *mb,
+                           double membw_s, int n_threads, bench_timing *op,
+                           double *memcpy_gbs) {
+    /* static: two sample arrays of a few KiB; the CLI is single-threaded */
+    static bench_timer t_op, t_mc;
+    if (bench_timer_start(&t_op, fn, ctx, op_s / 16.0) != 0) return 1;
+    if (bench_timer_start(&t_mc, bench_membw_pass, mb, membw_s / 8.0) != 0) return -1;
+    for (int round = 0; round < BENCH_ROUNDS; round++) {
+        if (bench_timer_run(&t_mc, membw_s / BENCH_ROUNDS, 1) != 0) return -1;
+        if (bench_timer_run(&t_op, op_s / BENCH_ROUNDS, 2) != 0) return 1;
+    }
+    bench_timing mc;
+    bench_timer_result(&t_op, op);
+    bench_timer_result(&t_mc, &mc);
+    *memcpy_gbs = 2.0 * (double)bench_membw_prepare(mb, n_threads, 0) / mc.median_s * 1e-9;
+    return 0;
+}
