@@ -98,6 +98,25 @@ extern uint64_t test_seed;
         return 2;                                                                                  \
     } while (0)
 
+/* A thread pool of n_threads (1..4), created on first use and destroyed
+ * when the suite ends (test_main.c); NULL if it cannot be created. */
+kvc_threadpool *test_pool(int n_threads);
+
+/* Runs the body for every ISA the CPU supports (notes the others) and
+ * restores the best one after. */
+#define FOR_EACH_ISA(...)                                                                          \
+    do {                                                                                           \
+        for (int isa_ = 0; isa_ < KVC_ISA_COUNT; isa_++) {                                         \
+            if (!kvc_isa_supported((kvc_isa)isa_)) {                                               \
+                printf("  note: isa %s not supported here\n", kvc_isa_name((kvc_isa)isa_));       \
+                continue;                                                                          \
+            }                                                                                      \
+            ASSERT_OK(kvc_set_isa((kvc_isa)isa_));                                                 \
+            __VA_ARGS__;                                                                           \
+        }                                                                                          \
+        kvc_set_isa(kvc_best_isa());                                                               \
+    } while (0)
+
 /* splitmix64: small, seedable, identical on every platform. */
 static inline uint64_t test_rng_next(uint64_t *s) {
     uint64_t z = (*s += 0x9e3779b97f4a7c15ull);

@@ -5,6 +5,15 @@
 
 uint64_t test_seed = 20261122;
 
+static kvc_threadpool *pools[5];
+
+kvc_threadpool *test_pool(int n_threads) {
+    if (n_threads < 1 || n_threads > 4) return NULL;
+    if (!pools[n_threads] && kvc_threadpool_create(n_threads, &pools[n_threads]) != KVC_OK)
+        return NULL;
+    return pools[n_threads];
+}
+
 int main(int argc, char **argv) {
     const char *filter = NULL;
     for (int i = 1; i < argc; i++) {
@@ -30,6 +39,7 @@ int main(int argc, char **argv) {
             fprintf(stderr, "  (seed %llu)\n", (unsigned long long)test_seed);
         }
     }
+    for (int i = 0; i < 5; i++) kvc_threadpool_destroy(pools[i]);
     printf("%s: %d passed, %d failed, %d skipped\n", test_suite_name, passed, failed, skipped);
     return failed ? 1 : 0;
 }

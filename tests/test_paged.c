@@ -11,7 +11,6 @@
 
 #include "test_elems.h"
 
-
 static void fill_bytes(void *p, size_t n, uint64_t *rng) {
     for (size_t i = 0; i < n; i++) ((unsigned char *)p)[i] = (unsigned char)test_rng_next(rng);
 }
@@ -34,28 +33,6 @@ static int64_t make_view(kvc_tensor *t, void *data, kvc_dtype dt, int ndim, cons
         t->stride[i] = shape[i + 1] * t->stride[i + 1] + (pad ? 8 : 0);
     return ndim ? shape[0] * t->stride[0] + (pad ? 8 : 0) : 1;
 }
-
-static kvc_threadpool *g_pools[3];
-
-static int ensure_pools(void) {
-    if (!g_pools[1] && kvc_threadpool_create(1, &g_pools[1]) != KVC_OK) return 1;
-    if (!g_pools[2] && kvc_threadpool_create(2, &g_pools[2]) != KVC_OK) return 1;
-    return 0;
-}
-
-/* Runs the body for every ISA the CPU supports; restores the best one after. */
-#define FOR_EACH_ISA(...)                                                                          \
-    do {                                                                                           \
-        for (int isa_ = 0; isa_ < KVC_ISA_COUNT; isa_++) {                                         \
-            if (!kvc_isa_supported((kvc_isa)isa_)) {                                               \
-                printf("  note: isa %s not supported here\n", kvc_isa_name((kvc_isa)isa_));        \
-                continue;                                                                          \
-            }                                                                                      \
-            ASSERT_OK(kvc_set_isa((kvc_isa)isa_));                                                 \
-            __VA_ARGS__;                                                                           \
-        }                                                                                          \
-        kvc_set_isa(kvc_best_isa());                                                               \
-    } while (0)
 
 /* ---- a batch of requests and its page table ---------------------------------------- */
 
@@ -233,7 +210,7 @@ static int run_append(const append_case *k, const batch *bt, int n_threads, uint
 
     int bad = 0;
     kvc_status st = kvc_append_paged_kv_cache(&tk, &tv, &t_bi, &t_pos, &pc, &t_ind, &t_indptr,
-                                              &t_last, g_pools[n_threads]);
+                                              &t_last, test_pool(n_threads));
     if (st != KVC_OK) {
         fprintf(stderr, "  append failed: %s\n", kvc_last_error());
         bad = 5;
@@ -288,7 +265,6 @@ static void grid_batch(int64_t P, int32_t *seq, int32_t *app) {
 }
 
 TEST(append_grid) {
-    ASSERT_TRUE(ensure_pools() == 0);
     static const int64_t pages[4] = {1, 5, 16, 128};
     static const kvc_dtype stores[5] = {KVC_F32, KVC_F16, KVC_BF16, KVC_I8, KVC_I4};
     static const kvc_dtype floats[3] = {KVC_F32, KVC_F16, KVC_BF16};
@@ -327,7 +303,6 @@ TEST(append_grid) {
 /* Decode-like: many requests with one token each (chunks of 64 rows hold many
  * requests), and H = 1. */
 TEST(append_decode_many) {
-    ASSERT_TRUE(ensure_pools() == 0);
     int32_t seq[150], app[150];
     uint64_t rng = test_seed;
     for (int b = 0; b < 150; b++) {
@@ -391,7 +366,7 @@ static int run_mla(int64_t P, kvc_dtype t_in, kvc_dtype t_ckv, kvc_dtype t_kpe, 
     kvc_tensor t_last = kvc_tensor_make(bt.last, KVC_I32, 1, &nb);
     int bad = 0;
     if (kvc_append_paged_mla_kv_cache(&a_ckv, &a_kpe, &t_bi, &t_pos, &tc, &tk, &t_ind, &t_indptr,
-                                      &t_last, g_pools[n_threads]) != KVC_OK) {
+                                      &t_last, test_pool(n_threads)) != KVC_OK) {
         fprintf(stderr, "  mla append failed: %s\n", kvc_last_error());
         bad = 3;
     }
@@ -416,7 +391,6 @@ static int run_mla(int64_t P, kvc_dtype t_in, kvc_dtype t_ckv, kvc_dtype t_kpe, 
 }
 
 TEST(append_mla) {
-    ASSERT_TRUE(ensure_pools() == 0);
     int fails = 0;
     FOR_EACH_ISA({
         for (int th = 1; th <= 2; th++) {
@@ -647,7 +621,7 @@ static int run_e2e(int quant, int n_threads) {
                t_last = kvc_tensor_make(bt.last, KVC_I32, 1, &nb);
     int bad = 0;
     if (kvc_append_paged_kv_cache(&tk, &tv, &t_bi, &t_pos, &pc, &t_ind, &t_indptr, &t_last,
-                                  g_pools[n_threads]) != KVC_OK)
+                                  test_pool(n_threads)) != KVC_OK)
         bad = 1;
     /* The pmx view and table. */
     int64_t maxp = 0;
@@ -685,7 +659,7 @@ static int run_e2e(int quant, int n_threads) {
     p.quant_group = (int32_t)g;
     if (!bad && kvc_pmx_dynamic_key_value_cache(&tnk, &tnk, &tss, &tks, &tcs, &tsp, &tms, &tmk, &lc,
                                                 quant ? &ls : NULL, &p, &tok, &tov,
-                                                g_pools[n_threads]) != KVC_OK)
+                                                test_pool(n_threads)) != KVC_OK)
         bad = 3;
     if (bad) fprintf(stderr, "  e2e call %d failed: %s\n", bad, kvc_last_error());
     /* Row j of the input must come back at kvstarts[b] + pos. */
@@ -717,7 +691,6 @@ static int run_e2e(int quant, int n_threads) {
 }
 
 TEST(end_to_end_pmx_read) {
-    ASSERT_TRUE(ensure_pools() == 0);
     for (int th = 1; th <= 2; th++) {
         ASSERT_EQ_I64(run_e2e(0, th), 0);
         ASSERT_EQ_I64(run_e2e(1, th), 0);
@@ -772,11 +745,10 @@ static void fixture_init(fixture *f) {
 
 static kvc_status fixture_call(fixture *f) {
     return kvc_append_paged_kv_cache(&f->txk, &f->txv, &f->tbi, &f->tpos, &f->pc, &f->tind,
-                                     &f->tindptr, &f->tlast, g_pools[2]);
+                                     &f->tindptr, &f->tlast, test_pool(2));
 }
 
 TEST(append_rejects_leave_cache_unchanged) {
-    ASSERT_TRUE(ensure_pools() == 0);
     static fixture f, orig;
     fixture_init(&f);
     memcpy(&orig, &f, sizeof f);
@@ -976,15 +948,8 @@ TEST(empty_append) {
     kvc_tensor tx = kvc_tensor_make(NULL, KVC_F32, 3, ish),
                te = kvc_tensor_make(NULL, KVC_I32, 1, &z);
     kvc_tensor tindptr = kvc_tensor_make(indptr, KVC_I32, 1, &one);
-    ASSERT_OK(kvc_append_paged_kv_cache(&tx, &tx, &te, &te, &pc, &te, &tindptr, &te, g_pools[2]));
+    ASSERT_OK(kvc_append_paged_kv_cache(&tx, &tx, &te, &te, &pc, &te, &tindptr, &te, test_pool(2)));
     for (size_t i = 0; i < sizeof cache / 2; i++) ASSERT_EQ_I64(cache[i], 0x1111);
-    return 0;
-}
-
-TEST(cleanup) {
-    kvc_threadpool_destroy(g_pools[1]);
-    kvc_threadpool_destroy(g_pools[2]);
-    g_pools[1] = g_pools[2] = NULL;
     return 0;
 }
 
@@ -1000,6 +965,5 @@ const test_case test_suite[] = {
     TEST_ENTRY(append_rejects_leave_cache_unchanged),
     TEST_ENTRY(mla_and_helpers_reject_garbage),
     TEST_ENTRY(empty_append),
-    TEST_ENTRY(cleanup),
     {0, 0},
 };

@@ -56,7 +56,6 @@ static void ref_load_row(const ref_cfg *c, const void *cache, int64_t co, const 
 
 /* ---- helpers ---------------------------------------------------------------- */
 
-
 static void *xcalloc(size_t n) { return calloc(n ? n : 1, 1); }
 
 static int64_t strides_off(const kvc_tensor *t, const int64_t *idx) {
@@ -64,8 +63,6 @@ static int64_t strides_off(const kvc_tensor *t, const int64_t *idx) {
     for (int i = 0; i < t->ndim; i++) o += idx[i] * t->stride[i];
     return o;
 }
-
-static kvc_threadpool *g_pools[3];
 
 static const kvc_dtype float_types[3] = {KVC_F32, KVC_F16, KVC_BF16};
 
@@ -122,7 +119,7 @@ static int run_static(const static_case *k, int n_threads) {
     p.num_repeat = k->repeat;
     p.cache_layout = k->layout;
     kvc_status st = kvc_pmx_key_value_cache(&tk, &tv, &tsp, &tc, k->bits ? &ts : NULL, &p, &tok,
-                                            &tov, g_pools[n_threads]);
+                                            &tov, test_pool(n_threads));
     if (st != KVC_OK) {
         fprintf(stderr, "  call failed: %s\n", kvc_last_error());
         return 1;
@@ -165,28 +162,7 @@ static int run_static(const static_case *k, int n_threads) {
     return bad;
 }
 
-/* Calls fn for every ISA the CPU supports; restores the best one after. */
-#define FOR_EACH_ISA(...)                                                                          \
-    do {                                                                                           \
-        for (int isa_ = 0; isa_ < KVC_ISA_COUNT; isa_++) {                                         \
-            if (!kvc_isa_supported((kvc_isa)isa_)) {                                               \
-                printf("  note: isa %s not supported here\n", kvc_isa_name((kvc_isa)isa_));        \
-                continue;                                                                          \
-            }                                                                                      \
-            ASSERT_OK(kvc_set_isa((kvc_isa)isa_));                                                 \
-            __VA_ARGS__;                                                                            \
-        }                                                                                          \
-        kvc_set_isa(kvc_best_isa());                                                               \
-    } while (0)
-
-static int ensure_pools(void) {
-    if (!g_pools[1] && kvc_threadpool_create(1, &g_pools[1]) != KVC_OK) return 1;
-    if (!g_pools[2] && kvc_threadpool_create(2, &g_pools[2]) != KVC_OK) return 1;
-    return 0;
-}
-
 TEST(static_grid) {
-    ASSERT_TRUE(ensure_pools() == 0);
     int n_cases = 0;
     FOR_EACH_ISA({
         for (int layout = 0; layout < 2; layout++)
@@ -315,7 +291,7 @@ static int run_dynamic(const dyn_case *k, int n_threads) {
     p.page_size = k->page;
     kvc_status st = kvc_pmx_dynamic_key_value_cache(&tk, &tv, &tss, &tks, &tcs, &tsp, &tms, &tmk,
                                                     &tc, k->bits ? &ts : NULL, &p, &tok, &tov,
-                                                    g_pools[n_threads]);
+                                                    test_pool(n_threads));
     int bad = 0;
     if (st != KVC_OK) {
         fprintf(stderr, "  call failed: %s\n", kvc_last_error());
@@ -357,7 +333,6 @@ static int run_dynamic(const dyn_case *k, int n_threads) {
 }
 
 TEST(dynamic_grid) {
-    ASSERT_TRUE(ensure_pools() == 0);
     /* Ragged batch: a decode step, a prefill, an empty sequence, an empty
      * history, and a long one crossing task chunks. */
     static const int64_t seqlen[5] = {1, 9, 0, 0, 70}, start[5] = {20, 0, 5, 0, 3};
@@ -564,14 +539,6 @@ TEST(zero_sizes) {
     return 0;
 }
 
-TEST(cleanup) {
-    kvc_threadpool_destroy(g_pools[1]);
-    kvc_threadpool_destroy(g_pools[2]);
-    g_pools[1] = g_pools[2] = NULL;
-    kvc_threadpool_destroy(NULL);
-    return 0;
-}
-
 const char *test_suite_name = "pmx";
 const test_case test_suite[] = {
     TEST_ENTRY(static_grid),
@@ -579,6 +546,5 @@ const test_case test_suite[] = {
     TEST_ENTRY(dynamic_rejects_leave_cache_unchanged),
     TEST_ENTRY(static_rejects_leave_cache_unchanged),
     TEST_ENTRY(zero_sizes),
-    TEST_ENTRY(cleanup),
     {0, 0},
 };
