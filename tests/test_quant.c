@@ -823,20 +823,20 @@ ISA_TEST(quant_ties) {
                 const int *want = c == 0 ? q8 : c == 1 ? q4 : qh;
                 const int bits = c == 1 ? 4 : 8;
                 const float want_scale = c == 2 ? 0.5f : 1.0f;
-                /* 64 elements: the 8 values, then zeros, repeated per group of g (g = 6
+                /* 256 elements (so the 128-element block paths run too): the 8 values, then zeros, repeated per group of g (g = 6
                  * sees the first 6 values, whose absmax sets the same scale). */
-                float x[64];
-                int wq[64];
-                for (int i = 0; i < 64; i++) {
+                float x[256];
+                int wq[256];
+                for (int i = 0; i < 256; i++) {
                     const int k = i % g;
                     x[i] = k < 8 ? src[k] : 0.0f;
                     wq[i] = k < 8 ? want[k] : 0;
                 }
-                const int n = 64 - 64 % g;
+                const int n = 256 - 256 % g;
                 for (int xi = 0; xi < 3; xi++) {
                     for (int si = 0; si < 2; si++) {
-                        int q[64];
-                        float s[64];
+                        int q[256];
+                        float s[256];
                         ASSERT_OK(quant_simple(x, float_dtypes[xi], n, bits, g, scale_dtypes[si], q, s));
                         for (int k = 0; k < n / g; k++) ASSERT_EQ_I64(f2u(s[k]), f2u(want_scale));
                         for (int i = 0; i < n; i++)
@@ -845,6 +845,73 @@ ISA_TEST(quant_ties) {
                                            kvc_isa_name((kvc_isa)isa), g, c,
                                            kvc_dtype_name(float_dtypes[xi]), i, q[i], wq[i],
                                            (double)x[i]);
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/*
+ * Exact ties and their neighbours at scale: every group gets absmax
+ * 127 * m * 2^e (or 7 * m * 2^e), so the scale is exactly m * 2^e in every
+ * dtype, and the other values are (k + 1/2) * m * 2^e, one ulp either side of
+ * it, or random. Each ISA
+ * must match the scalar kernel bit for bit: fast paths that multiply by a
+ * reciprocal have to notice these and divide.
+ */
+ISA_TEST(isa_quant_ties_random) {
+    enum { N = 1024 };
+    static float xf[N];
+    static unsigned char xs[N * 4], ref_q[N], out_q[N], ref_s[N * 4], out_s[N * 4];
+    uint64_t rng = test_seed ^ 0x71e5;
+    static const int gs[] = {8, 16, 32, 128};
+    for (int bits = 8; bits >= 4; bits -= 4) {
+        const int qmax = bits == 8 ? 127 : 7;
+        for (size_t gi = 0; gi < sizeof gs / sizeof gs[0]; gi++) {
+            const int g = gs[gi];
+            for (int xi = 0; xi < 3; xi++) {
+                const kvc_dtype xd = float_dtypes[xi];
+                /* Scale m * 2^e with m odd, as many bits as the input dtype leaves
+                 * for exact ties (8 go to 2k + 1): any m for float32 (capped so a
+                 * float16 scale holds it), m <= 7 for float16, 1 for bfloat16. A
+                 * power-of-two scale alone would hide reciprocal errors. */
+                const uint64_t m_max = xd == KVC_F32 ? 2047 : xd == KVC_F16 ? 7 : 1;
+                for (int i = 0; i < N; i += g) {
+                    const int e = (int)(test_rng_next(&rng) % 15) - 10; /* f16-safe range */
+                    const float m = (float)(2 * (test_rng_next(&rng) % ((m_max + 1) / 2)) + 1);
+                    const float unit = m * ldexpf(1.0f, e);
+                    for (int k = 0; k < g; k++) {
+                        const uint64_t r = test_rng_next(&rng);
+                        const int kq = (int)(r % (uint64_t)(2 * qmax)) - qmax; /* -qmax..qmax-1 */
+                        float v = ((float)kq + 0.5f) * unit;
+                        if (r % 5 == 1) v = nextafterf(v, INFINITY);
+                        if (r % 5 == 2) v = nextafterf(v, -INFINITY);
+                        if (r % 5 == 3) v = test_rng_f32(&rng) * (float)qmax * unit;
+                        xf[i + k] = v;
+                    }
+                    xf[i + (int)(test_rng_next(&rng) % (uint64_t)g)] = (float)qmax * unit;
+                }
+                /* In the input dtype: exact for the ties (<= 8 significant bits). */
+                ASSERT_TRUE(use_isa(KVC_ISA_SCALAR));
+                ASSERT_OK(kvc_convert(xf, KVC_F32, xs, xd, N));
+                for (int si = 0; si < 2; si++) {
+                    const kvc_dtype sd = scale_dtypes[si];
+                    ASSERT_TRUE(use_isa(KVC_ISA_SCALAR));
+                    ASSERT_OK(kvc_quantize(xs, xd, N, bits, g, ref_q, ref_s, sd));
+                    for (int isa = 1; isa < KVC_ISA_COUNT; isa++) {
+                        if (!use_isa((kvc_isa)isa)) continue;
+                        memset(out_q, 0xcd, sizeof out_q);
+                        ASSERT_OK(kvc_quantize(xs, xd, N, bits, g, out_q, out_s, sd));
+                        const size_t qb = bits == 8 ? N : N / 2;
+                        for (size_t b = 0; b < qb; b++)
+                            if (out_q[b] != ref_q[b])
+                                TEST_FAIL_("%s bits %d g %d x %s scale %s: q byte %zu = 0x%02x, "
+                                           "scalar 0x%02x", kvc_isa_name((kvc_isa)isa), bits, g,
+                                           kvc_dtype_name(xd), kvc_dtype_name(sd), b, out_q[b],
+                                           ref_q[b]);
+                        ASSERT_MEM_EQ(out_s, ref_s, (size_t)(N / g) * esize(sd));
                     }
                 }
             }
@@ -1037,6 +1104,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(isa_quant_vs_reference),
     TEST_ENTRY(quant_zero_groups),
     TEST_ENTRY(quant_ties),
+    TEST_ENTRY(isa_quant_ties_random),
     TEST_ENTRY(quant_extremes),
     TEST_ENTRY(int4_nibble_order),
     TEST_ENTRY(quant_rejects_nonfinite),
