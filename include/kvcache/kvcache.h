@@ -7,6 +7,7 @@
  *   kvcache/pmx.h    OpenPPL pmx KeyValueCache operators
  *   kvcache/paged.h  FlashInfer-compatible paged caches: page tables, appends
  *   kvcache/mask.h   packbits / segment_packbits, packed custom masks
+ *   kvcache/cache.h  cache manager: page pool, sequences, forks, prefix caching
  *
  * Minimal use (store one token of a float16 batch into an int8 cache):
  *
@@ -25,5 +26,6 @@
 #include "kvcache/pmx.h"
 #include "kvcache/paged.h"
 #include "kvcache/mask.h"
+#include "kvcache/cache.h"
 
 #endif

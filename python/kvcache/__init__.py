@@ -5,6 +5,8 @@ Modules:
     kvcache.quant  convert / quantize / dequantize (also re-exported here)
     kvcache.paged  FlashInfer-compatible paged caches (re-exported here)
     kvcache.mask   packbits / segment_packbits / packed custom masks (re-exported)
+    kvcache.cache  PagedKVCache: page pool, sequences, forks, prefix caching
+                   (re-exported)
 
 The shared library is found through the environment variable
 ``KVCACHE_LIBRARY``, else the repository's ``build/libkvcache.so``, else the
@@ -47,6 +49,7 @@ from .paged import (
     pmx_to_page_table,
 )
 from .mask import build_packed_custom_mask, packbits, segment_packbits
+from .cache import PagedKVCache
 from . import pmx  # noqa: E402  (re-exported submodule)
 
 __version__ = version()
@@ -76,6 +79,7 @@ __all__ = [
     "packbits",
     "segment_packbits",
     "build_packed_custom_mask",
+    "PagedKVCache",
     "KvcacheError",
     "InvalidArgumentError",
     "UnsupportedError",

@@ -233,6 +233,97 @@ kvc_pmx_to_page_table = optional_proto(
 )
 
 
+# ---------------------------------------------------------------------------
+# Cache manager (include/kvcache/cache.h)
+
+
+class CacheAllocator(ctypes.Structure):
+    """ctypes mirror of ``kvc_allocator`` (the binding always passes NULLs:
+    the library's malloc)."""
+
+    _fields_ = [
+        ("alloc", ctypes.c_void_p),
+        ("free", ctypes.c_void_p),
+        ("user", ctypes.c_void_p),
+    ]
+
+
+class CacheParams(ctypes.Structure):
+    """ctypes mirror of ``kvc_cache_params``."""
+
+    _fields_ = [
+        ("num_layers", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("page_size", ctypes.c_int32),
+        ("num_pages", ctypes.c_int64),
+        ("max_bytes", ctypes.c_int64),
+        ("dtype", ctypes.c_int),
+        ("scale_dtype", ctypes.c_int),
+        ("quant_group", ctypes.c_int32),
+        ("layout", ctypes.c_int),
+        ("allocator", CacheAllocator),
+        ("enable_prefix_caching", ctypes.c_int32),
+    ]
+
+
+class CacheStats(ctypes.Structure):
+    """ctypes mirror of ``kvc_cache_stats``."""
+
+    _fields_ = [
+        ("free_pages", ctypes.c_int64),
+        ("cached_pages", ctypes.c_int64),
+        ("used_pages", ctypes.c_int64),
+        ("hit_tokens", ctypes.c_int64),
+        ("miss_tokens", ctypes.c_int64),
+        ("evictions", ctypes.c_int64),
+        ("cow_copies", ctypes.c_int64),
+        ("failed_allocs", ctypes.c_int64),
+    ]
+
+
+_i32p = ctypes.POINTER(ctypes.c_int32)
+_i64p = ctypes.POINTER(ctypes.c_int64)
+_seq = ctypes.c_int64  # kvc_seq_id
+
+kvc_cache_default_params = optional_proto("kvc_cache_default_params", CacheParams)
+kvc_cache_create = optional_proto(
+    "kvc_cache_create", _c_int, ctypes.POINTER(CacheParams), ctypes.POINTER(_vp),
+)
+kvc_cache_destroy = optional_proto("kvc_cache_destroy", None, _vp)
+kvc_cache_bytes_per_token = optional_proto("kvc_cache_bytes_per_token", ctypes.c_size_t, _vp)
+kvc_cache_capacity_tokens = optional_proto("kvc_cache_capacity_tokens", ctypes.c_int64, _vp)
+kvc_cache_num_pages = optional_proto("kvc_cache_num_pages", ctypes.c_int64, _vp)
+kvc_cache_layer = optional_proto(
+    "kvc_cache_layer", _c_int, _vp, ctypes.c_int32, ctypes.POINTER(PagedCache),
+)
+kvc_cache_layer_tensors = optional_proto(
+    "kvc_cache_layer_tensors", _c_int, _vp, ctypes.c_int32, _TP, _TP,
+)
+kvc_cache_add_sequence = optional_proto(
+    "kvc_cache_add_sequence", _c_int, _vp, _i32p, ctypes.c_int64, ctypes.c_uint64,
+    ctypes.POINTER(_seq), _i64p,
+)
+kvc_cache_append = optional_proto(
+    "kvc_cache_append", _c_int, _vp, _seq, _i32p, ctypes.c_int64, _i32p,
+)
+kvc_cache_fork = optional_proto("kvc_cache_fork", _c_int, _vp, _seq, ctypes.POINTER(_seq))
+kvc_cache_truncate = optional_proto("kvc_cache_truncate", _c_int, _vp, _seq, ctypes.c_int64)
+kvc_cache_free_sequence = optional_proto("kvc_cache_free_sequence", _c_int, _vp, _seq)
+kvc_cache_seq_len = optional_proto("kvc_cache_seq_len", _c_int, _vp, _seq, _i64p)
+kvc_cache_page_table = optional_proto(
+    "kvc_cache_page_table", _c_int, _vp, _i64p, ctypes.c_int64, _i32p, _i32p, ctypes.c_int64,
+    _i32p, _i64p,
+)
+kvc_cache_cachestarts = optional_proto(
+    "kvc_cache_cachestarts", _c_int, _vp, _i64p, ctypes.c_int64, _i64p, ctypes.c_int64,
+)
+kvc_cache_get_stats = optional_proto(
+    "kvc_cache_get_stats", _c_int, _vp, ctypes.POINTER(CacheStats),
+)
+kvc_cache_check = optional_proto("kvc_cache_check", _c_int, _vp)
+
+
 def check(status: int) -> None:
     """Raises the exception matching a negative kvc_status, with kvc_last_error()."""
     if status == 0:

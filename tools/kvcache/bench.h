@@ -159,4 +159,8 @@ int bench_pmx(const bench_opts *o);
  * a CLI exit status. */
 int bench_append(const bench_opts *o);
 
+/* `kvcache bench cache` (cache manager bookkeeping, trace memory use):
+ * returns a CLI exit status. */
+int bench_cache(const bench_opts *o);
+
 #endif

@@ -21,6 +21,10 @@ static const char bench_usage[] =
     "          decode-like (--batch requests x 1 token, default 256) and prefill-like\n"
     "          (4 requests x --kvlen tokens, default 2048) appends, f16 and int8\n"
     "          caches by default\n"
+    "  cache   cache manager (kvcache/cache.h): add/append/fork/free ops per second,\n"
+    "          prefix lookup tokens per second, KV slot use on a synthetic serving\n"
+    "          trace vs reserving max length, decode-step bookkeeping (B = 64) vs\n"
+    "          the time to read the batch's K/V (uses --quick, --json, --threads)\n"
     "\n"
     "options:\n"
     "  --threads LIST    comma-separated thread counts, each run in turn (default 1,2)\n"
@@ -128,8 +132,10 @@ int cmd_bench(int argc, char **argv) {
     if (argc > 1 && argv[1][0] != '-') {
         target = argv[1];
         first = 2;
-        if (strcmp(target, "pmx") != 0 && strcmp(target, "append") != 0) {
-            fprintf(stderr, "kvcache: bench: unknown target '%s' (known: pmx, append)\n\n%s",
+        if (strcmp(target, "pmx") != 0 && strcmp(target, "append") != 0 &&
+            strcmp(target, "cache") != 0) {
+            fprintf(stderr,
+                    "kvcache: bench: unknown target '%s' (known: pmx, append, cache)\n\n%s",
                     target, bench_usage);
             return CLI_EXIT_USAGE;
         }
@@ -207,6 +213,7 @@ int cmd_bench(int argc, char **argv) {
     }
     if (o.time_s == 0) o.time_s = o.quick ? 0.01 : 0.3;
     o.membw_bytes = (size_t)(o.quick ? 64 : 256) << 20;
+    if (strcmp(target, "cache") == 0) return bench_cache(&o);
     if (strcmp(target, "append") == 0) {
         if (o.caches == 0) o.caches = BENCH_CACHE_F16 | BENCH_CACHE_INT8;
         return bench_append(&o);

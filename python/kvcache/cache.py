@@ -1,0 +1,588 @@
+"""Cache manager: a pool of KV pages shared by all layers, sequences with page
+tables, copy-on-write forks and prefix caching (include/kvcache/cache.h).
+
+:class:`PagedKVCache` owns the K/V storage of every layer; it only reserves
+slots and keeps page tables. K/V are written with
+:func:`kvcache.append_paged_kv_cache` (or the pmx operators) into the
+writable numpy views returned by :meth:`PagedKVCache.kv_cache`, addressed by
+the positions that :meth:`~PagedKVCache.add_sequence` /
+:meth:`~PagedKVCache.append` reserve and the page tables of
+:meth:`~PagedKVCache.page_table`::
+
+    pc = kvcache.PagedKVCache(num_layers=2, num_kv_heads=4, head_dim=64,
+                              page_size=16, num_pages=256)
+    seq, n_cached = pc.add_sequence(prompt_ids)      # slots 0..len-1
+    rows = np.arange(n_cached, len(prompt_ids))      # only these need K/V
+    indptr, indices, last = pc.page_table([seq])
+    for layer in range(2):
+        kvcache.append_paged_kv_cache(k[layer][rows], v[layer][rows],
+                                      np.zeros(len(rows), np.int32), rows,
+                                      pc.kv_cache(layer), indices, indptr, last)
+    pos = pc.append(seq, [next_id])                  # one decode slot
+
+Storage per layer is FlashInfer's combined paged cache: ``(num_pages, 2,
+page_size, H, Dh)`` for ``kv_layout="NHD"``, ``(num_pages, 2, H, page_size,
+Dh)`` for ``"HND"`` (index 0 of the ``2`` axis is K, 1 is V); int8 storage is
+int8, int4 storage is uint8 with last dimension ``Dh / 2`` (element ``2i`` in
+the low nibble), bfloat16 is ``ml_dtypes.bfloat16``. int8/int4 caches also
+have scales (:meth:`PagedKVCache.kv_scale`), the same shape with last
+dimension ``Dh / quant_group``. One page id names the same slots in every
+layer.
+
+Lifetime: the views returned by :meth:`~PagedKVCache.kv_cache` and
+:meth:`~PagedKVCache.kv_scale` are never copies; each holds a reference to
+the cache (through its ``base``), so the storage stays valid for as long as
+any view is alive. :meth:`~PagedKVCache.close` (also called by ``with`` and
+when the object is collected) makes the cache refuse every further call at
+once, but the C cache and its storage are destroyed only when the last view
+is gone as well: a view never dangles. Without live views, ``close()``
+frees the storage immediately.
+
+Errors: failing calls change nothing and raise :class:`kvcache.NoSpaceError`
+(out of pages), :class:`kvcache.NotFoundError` (unknown or freed sequence
+id), :class:`kvcache.InvalidArgumentError` (bad arguments, or a closed cache)
+or :class:`kvcache.CorruptError` (:meth:`~PagedKVCache.check`). A
+``PagedKVCache`` serializes its own calls with a lock, so it may be shared
+between threads (the C object is not thread-safe by itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import operator
+import threading
+
+import numpy as np
+
+from . import _lib
+from .errors import InternalError, InvalidArgumentError
+
+__all__ = ["PagedKVCache", "salt_hash"]
+
+_DTYPE_NAMES = {
+    _lib.KVC_F32: "float32",
+    _lib.KVC_F16: "float16",
+    _lib.KVC_BF16: "bfloat16",
+    _lib.KVC_I8: "int8",
+    _lib.KVC_I4: "int4",
+}
+_DTYPE_ALIASES = {
+    "float32": _lib.KVC_F32, "f32": _lib.KVC_F32, "fp32": _lib.KVC_F32, "float": _lib.KVC_F32,
+    "float16": _lib.KVC_F16, "f16": _lib.KVC_F16, "fp16": _lib.KVC_F16, "half": _lib.KVC_F16,
+    "bfloat16": _lib.KVC_BF16, "bf16": _lib.KVC_BF16,
+    "int8": _lib.KVC_I8, "i8": _lib.KVC_I8,
+    "int4": _lib.KVC_I4, "i4": _lib.KVC_I4,
+}
+_QUANT_CODES = (_lib.KVC_I8, _lib.KVC_I4)
+_INT64_MAX = 2**63 - 1
+
+
+def _dtype_code(dtype, name: str, allowed) -> int:
+    """kvc_dtype code of a storage/scale dtype given by name or numpy dtype."""
+    if isinstance(dtype, str):
+        code = _DTYPE_ALIASES.get(dtype.strip().lower())
+    else:
+        try:
+            code = _lib.dtype_code(np.dtype(dtype))
+        except TypeError:
+            code = None
+    if code is None or code not in allowed:
+        names = ", ".join(repr(_DTYPE_NAMES[c]) for c in allowed)
+        raise InvalidArgumentError(f"{name} must be one of {names}, got {dtype!r}")
+    return code
+
+
+def _layout_code(kv_layout) -> int:
+    if isinstance(kv_layout, str):
+        key = kv_layout.strip().upper()
+        if key == "NHD":
+            return _lib.KVC_NHD
+        if key == "HND":
+            return _lib.KVC_HND
+    raise InvalidArgumentError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+
+
+def _int(value, name: str, lo: int = 0, hi: int = _INT64_MAX) -> int:
+    """A Python int in [lo, hi] (anything operator.index accepts)."""
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError as exc:
+        raise InvalidArgumentError(f"{name} must be an integer, got {value!r}") from exc
+    if not lo <= v <= hi:
+        raise InvalidArgumentError(f"{name} = {v} is outside [{lo}, {hi}]")
+    return v
+
+
+def _seq_id(seq_id) -> int:
+    """A sequence id as an int64 (ids are >= 0; negative ones are passed to C,
+    which reports them as unknown)."""
+    return _int(seq_id, "seq_id", -(2**63), _INT64_MAX)
+
+
+def salt_hash(salt) -> int:
+    """The 64-bit salt passed to C for a salt argument.
+
+    ``None`` -> 0; an int in ``[0, 2**64)`` -> itself; ``str`` (UTF-8) or
+    bytes-like -> the little-endian value of its 8-byte BLAKE2b digest
+    (``hashlib.blake2b(data, digest_size=8)``), deterministic across runs
+    and processes.
+    """
+    if salt is None:
+        return 0
+    if isinstance(salt, str):
+        salt = salt.encode("utf-8")
+    if isinstance(salt, (bytes, bytearray, memoryview)):
+        digest = hashlib.blake2b(bytes(salt), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+    return _int(salt, "salt", 0, 2**64 - 1)
+
+
+def _i32p(arr):
+    return arr.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)) if arr is not None else None
+
+
+def _i64p(arr):
+    return arr.ctypes.data_as(ctypes.POINTER(ctypes.c_int64))
+
+
+def _token_ids(x, name: str):
+    """(n_tokens, int32 token-id array or None) for an int count or a 1-D
+    sequence of token ids."""
+    if x is None:
+        return 0, None
+    if not isinstance(x, (np.ndarray, list, tuple)) or (isinstance(x, np.ndarray)
+                                                       and x.ndim == 0):
+        try:
+            n = operator.index(x)
+        except TypeError:
+            pass
+        else:
+            return _int(n, name), None
+    ids = _lib.int32_array(x, name)
+    if ids.ndim != 1:
+        raise InvalidArgumentError(f"{name} must be 1-D token ids, got shape {ids.shape}")
+    return ids.shape[0], ids
+
+
+def _seq_ids(seq_ids) -> np.ndarray:
+    arr = _lib.int64_array(seq_ids, "seq_ids")
+    if arr.ndim == 0:
+        arr = arr.reshape(1)
+    if arr.ndim != 1:
+        raise InvalidArgumentError(f"seq_ids must be 1-D, got shape {arr.shape}")
+    return arr
+
+
+class _Handle:
+    """Owns the kvc_cache pointer; destroys it when the last reference (the
+    PagedKVCache or any view of its storage) goes away."""
+
+    __slots__ = ("__weakref__", "ptr")
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __del__(self):
+        ptr, self.ptr = self.ptr, None
+        if ptr:
+            with contextlib.suppress(Exception):  # interpreter shutdown
+                _lib.kvc_cache_destroy(ptr)
+
+
+class _Memory:
+    """A byte range of the cache's storage exposed through
+    ``__array_interface__``; the numpy arrays built on it keep it (and so the
+    cache and its handle) alive through their ``base``."""
+
+    __slots__ = ("__array_interface__", "cache", "handle")
+
+    def __init__(self, address: int, nbytes: int, cache, handle):
+        self.__array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),  # writable
+            "version": 3,
+        }
+        self.cache = cache
+        self.handle = handle
+
+
+_NP_DTYPES = {
+    _lib.KVC_F32: np.dtype(np.float32),
+    _lib.KVC_F16: np.dtype(np.float16),
+    _lib.KVC_I8: np.dtype(np.int8),
+}
+
+
+def _tensor_dtype(code: int) -> np.dtype:
+    if code == _lib.KVC_BF16:
+        return _lib.resolve_dtype("bfloat16")  # InvalidArgumentError without ml_dtypes
+    if code == _lib.KVC_I4:
+        return np.dtype(np.uint8)
+    dt = _NP_DTYPES.get(code)
+    if dt is None:
+        raise InternalError(f"kvc_cache_layer_tensors returned dtype code {code}")
+    return dt
+
+
+def _view(t: _lib.Tensor, cache, handle) -> np.ndarray:
+    """A writable numpy array over the memory a kvc_tensor describes (int4 as
+    uint8 with the last dimension halved)."""
+    if not t.data:
+        raise InternalError("kvc_cache_layer_tensors returned a NULL tensor")
+    dtype = _tensor_dtype(t.dtype)
+    nd = t.ndim
+    shape = [int(t.shape[d]) for d in range(nd)]
+    if t.dtype == _lib.KVC_I4:
+        if shape[-1] % 2 or any(t.stride[d] % 2 for d in range(nd - 1)):
+            raise InternalError("kvc_cache_layer_tensors returned an odd int4 shape/stride")
+        shape[-1] //= 2
+        strides = [int(t.stride[d]) // 2 for d in range(nd - 1)] + [1]
+    else:
+        strides = [int(t.stride[d]) * dtype.itemsize for d in range(nd)]
+    if any(s < 0 for s in strides):
+        raise InternalError("kvc_cache_layer_tensors returned negative strides")
+    if 0 in shape:
+        nbytes = 0
+    else:
+        nbytes = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + dtype.itemsize
+    raw = np.asarray(_Memory(t.data, nbytes, cache, handle))
+    return np.ndarray(tuple(shape), dtype=dtype, buffer=raw, offset=0, strides=tuple(strides))
+
+
+class PagedKVCache:
+    """A multi-layer paged KV cache with sequences, forks and prefix caching.
+
+    Args:
+        num_layers, num_kv_heads, head_dim, page_size: ints >= 1 (head_dim
+            even for int4).
+        num_pages: pages in the pool (> 0), or None to derive it from
+            max_bytes.
+        dtype: storage: "float32", "float16", "bfloat16", "int8" or "int4"
+            (or a numpy dtype for the first four).
+        kv_layout: "NHD" or "HND".
+        enable_prefix_caching: look up / register full pages by their token
+            ids (needs token ids in add_sequence/append).
+        quant_group: int8/int4 only: group size dividing head_dim (even for
+            int4).
+        scale_dtype: int8/int4 only: "float16" (default) or "float32".
+        max_bytes: storage budget (data + scales, all layers) when num_pages
+            is None.
+
+    Raises:
+        InvalidArgumentError: a bad parameter (or both/neither of num_pages
+            and max_bytes, or a budget below one page).
+        OutOfMemoryError: the storage could not be allocated.
+    """
+
+    def __init__(self, num_layers, num_kv_heads, head_dim, page_size, num_pages=None,
+                 dtype="float16", kv_layout="NHD", enable_prefix_caching=True, quant_group=8,
+                 *, scale_dtype="float16", max_bytes=None):
+        self._handle = None
+        self._lock = threading.Lock()
+        p = _lib.kvc_cache_default_params()
+        p.num_layers = _lib.int32_attr(num_layers, "num_layers")
+        p.num_kv_heads = _lib.int32_attr(num_kv_heads, "num_kv_heads")
+        p.head_dim = _lib.int32_attr(head_dim, "head_dim")
+        p.page_size = _lib.int32_attr(page_size, "page_size")
+        if (num_pages is None) == (max_bytes is None):
+            raise InvalidArgumentError("give exactly one of num_pages and max_bytes")
+        if num_pages is not None:
+            p.num_pages = _int(num_pages, "num_pages", 1)
+            p.max_bytes = 0
+        else:
+            p.num_pages = 0
+            p.max_bytes = _int(max_bytes, "max_bytes", 1)
+        p.dtype = _dtype_code(dtype, "dtype", tuple(_DTYPE_NAMES))
+        p.scale_dtype = _dtype_code(scale_dtype, "scale_dtype", (_lib.KVC_F32, _lib.KVC_F16))
+        p.quant_group = _lib.int32_attr(quant_group, "quant_group")
+        p.layout = _layout_code(kv_layout)
+        p.enable_prefix_caching = 1 if enable_prefix_caching else 0
+        ptr = ctypes.c_void_p()
+        _lib.check(_lib.kvc_cache_create(ctypes.byref(p), ctypes.byref(ptr)))
+        if not ptr.value:
+            raise InternalError("kvc_cache_create returned OK and a NULL cache")
+        self._handle = _Handle(ptr.value)
+        self._num_layers = p.num_layers
+        self._num_kv_heads = p.num_kv_heads
+        self._head_dim = p.head_dim
+        self._page_size = p.page_size
+        self._dtype = _DTYPE_NAMES[p.dtype]
+        self._scale_dtype = _DTYPE_NAMES[p.scale_dtype] if p.dtype in _QUANT_CODES else None
+        self._quant_group = p.quant_group if p.dtype in _QUANT_CODES else None
+        self._kv_layout = "NHD" if p.layout == _lib.KVC_NHD else "HND"
+        self._prefix_caching = bool(p.enable_prefix_caching)
+        self._num_pages = int(_lib.kvc_cache_num_pages(ptr.value))
+        self._capacity = int(_lib.kvc_cache_capacity_tokens(ptr.value))
+        self._bytes_per_token = int(_lib.kvc_cache_bytes_per_token(ptr.value))
+
+    # -- lifetime -----------------------------------------------------------
+
+    def _ptr(self) -> int:
+        h = self._handle
+        if h is None:
+            raise InvalidArgumentError("PagedKVCache is closed")
+        return h.ptr
+
+    def _call(self, fn, *args) -> None:
+        with self._lock:
+            _lib.check(fn(self._ptr(), *args))
+
+    def close(self) -> None:
+        """Closes the cache: every later call raises InvalidArgumentError.
+        The storage is freed now, or when the last kv_cache/kv_scale view
+        is collected if some are still alive. Idempotent."""
+        lock = getattr(self, "_lock", None)
+        if lock is None:
+            return
+        with lock:
+            self._handle = None  # _Handle.__del__ destroys once unreferenced
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def __enter__(self):
+        self._ptr()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"num_pages={self._num_pages}"
+        return (f"PagedKVCache(num_layers={self._num_layers}, num_kv_heads={self._num_kv_heads}, "
+                f"head_dim={self._head_dim}, page_size={self._page_size}, {state}, "
+                f"dtype={self._dtype!r}, kv_layout={self._kv_layout!r})")
+
+    # -- properties ---------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return self._num_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self._head_dim
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    @property
+    def capacity_tokens(self) -> int:
+        """num_pages * page_size."""
+        return self._capacity
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of storage (data + scales, all layers) per token slot."""
+        return self._bytes_per_token
+
+    @property
+    def dtype(self) -> str:
+        """Storage dtype name: "float32", "float16", "bfloat16", "int8", "int4"."""
+        return self._dtype
+
+    @property
+    def scale_dtype(self) -> str | None:
+        """"float16"/"float32" for int8/int4 storage, else None."""
+        return self._scale_dtype
+
+    @property
+    def quant_group(self) -> int | None:
+        """Quantization group for int8/int4 storage, else None."""
+        return self._quant_group
+
+    @property
+    def kv_layout(self) -> str:
+        return self._kv_layout
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self._prefix_caching
+
+    # -- sequences ----------------------------------------------------------
+
+    def add_sequence(self, token_ids=None, salt=None) -> tuple[int, int]:
+        """Creates a sequence holding a prompt and reserves its slots
+        (positions ``0 .. n-1``).
+
+        Args:
+            token_ids: the prompt's token ids (1-D ints, int32 range), or an
+                int n to reserve n slots without ids (nothing is then looked
+                up or registered in the prefix cache), or None for an empty
+                sequence.
+            salt: separates tenants/adapters in the prefix cache: None (0), an
+                int in [0, 2**64), or str/bytes hashed by :func:`salt_hash`.
+
+        Returns:
+            (seq_id, num_cached_tokens): the leading tokens found in the
+            prefix cache (whole pages within the first n - 1 tokens), whose
+            K/V are already stored and must not be written again.
+
+        Raises:
+            NoSpaceError: not enough pages (nothing changes).
+        """
+        n, ids = _token_ids(token_ids, "token_ids")
+        s = salt_hash(salt)
+        seq = ctypes.c_int64(-1)
+        cached = ctypes.c_int64(0)
+        self._call(_lib.kvc_cache_add_sequence, _i32p(ids), n, s, ctypes.byref(seq),
+                   ctypes.byref(cached))
+        return seq.value, cached.value
+
+    def append(self, seq_id, n_or_token_ids) -> np.ndarray:
+        """Reserves slots for new tokens at the end of a sequence.
+
+        Args:
+            seq_id: the sequence.
+            n_or_token_ids: an int n (slots without token ids) or the new
+                tokens' ids (1-D ints; pages they fill are registered in the
+                prefix cache).
+
+        Returns:
+            int32 (n): the positions of the reserved slots (the old length
+            and up), to pass to append_paged_kv_cache with page_table([seq]).
+
+        Raises:
+            NoSpaceError, NotFoundError: nothing changes.
+        """
+        sid = _seq_id(seq_id)
+        n, ids = _token_ids(n_or_token_ids, "n_or_token_ids")
+        if n > self._capacity:
+            # cannot fit; let C report it without allocating a huge output
+            self._call(_lib.kvc_cache_append, sid, _i32p(ids), n, None)
+            raise InternalError(f"kvc_cache_append reserved {n} slots in a cache of "
+                                f"{self._capacity}")
+        positions = np.empty(n, np.int32)
+        self._call(_lib.kvc_cache_append, sid, _i32p(ids), n, _i32p(positions))
+        return positions
+
+    def fork(self, seq_id) -> int:
+        """A new sequence sharing every page of seq_id (copy on write).
+        Returns its id."""
+        child = ctypes.c_int64(-1)
+        self._call(_lib.kvc_cache_fork, _seq_id(seq_id), ctypes.byref(child))
+        return child.value
+
+    def truncate(self, seq_id, n_tokens) -> None:
+        """Keeps the first n_tokens (0 <= n_tokens <= seq_len) of a sequence."""
+        self._call(_lib.kvc_cache_truncate, _seq_id(seq_id), _int(n_tokens, "n_tokens"))
+
+    def free(self, seq_id) -> None:
+        """Releases a sequence (its full pages stay findable while cached)."""
+        self._call(_lib.kvc_cache_free_sequence, _seq_id(seq_id))
+
+    def seq_len(self, seq_id) -> int:
+        """Number of tokens (reserved slots) of a sequence."""
+        n = ctypes.c_int64(0)
+        self._call(_lib.kvc_cache_seq_len, _seq_id(seq_id), ctypes.byref(n))
+        return n.value
+
+    def _pages(self, seqs: np.ndarray) -> list[int]:
+        ps = self._page_size
+        return [(self.seq_len(int(s)) + ps - 1) // ps for s in seqs]
+
+    # -- page tables --------------------------------------------------------
+
+    def page_table(self, seq_ids):
+        """FlashInfer CSR page table of a batch of sequences.
+
+        Args:
+            seq_ids: 1-D ints (an int is a batch of one).
+
+        Returns:
+            (kv_indptr (B+1), kv_indices (kv_indptr[B]), kv_last_page_len
+            (B)), int32. Note append_paged_kv_cache takes them in
+            FlashInfer's order (kv_indices, kv_indptr, kv_last_page_len).
+        """
+        seqs = _seq_ids(seq_ids)
+        total = sum(self._pages(seqs))
+        b = seqs.shape[0]
+        indptr = np.empty(b + 1, np.int32)
+        indices = np.empty(max(total, 1), np.int32)
+        last = np.empty(b, np.int32)
+        n = ctypes.c_int64(0)
+        self._call(_lib.kvc_cache_page_table, _i64p(seqs), b, _i32p(indptr), _i32p(indices),
+                   total, _i32p(last), ctypes.byref(n))
+        if n.value != total:
+            raise InternalError(f"kvc_cache_page_table wrote {n.value} indices, expected {total}")
+        return indptr, indices[:total].copy(), last
+
+    def cachestarts(self, seq_ids, max_pages=None) -> np.ndarray:
+        """pmx page-mode table: int64 (B, max_pages), ``page id * page_size``
+        of each page of each sequence, -1 after its last page.
+
+        max_pages: columns; None = the most pages of any sequence (at least
+        1). Must be >= the pages of every sequence.
+        """
+        seqs = _seq_ids(seq_ids)
+        pages = self._pages(seqs)
+        if max_pages is None:
+            max_p = max([1] + pages)
+        else:
+            max_p = _int(max_pages, "max_pages", 0, max(self._num_pages, 1))
+        out = np.empty((seqs.shape[0], max_p), np.int64)
+        self._call(_lib.kvc_cache_cachestarts, _i64p(seqs), seqs.shape[0], _i64p(out), max_p)
+        return out
+
+    # -- storage ------------------------------------------------------------
+
+    def _layer_tensors(self, layer):
+        layer = _lib.int32_attr(layer, "layer")
+        kv = _lib.Tensor()
+        scale = _lib.Tensor()
+        with self._lock:
+            ptr = self._ptr()
+            _lib.check(_lib.kvc_cache_layer_tensors(ptr, layer, ctypes.byref(kv),
+                                                    ctypes.byref(scale)))
+            return kv, scale, self._handle
+
+    def kv_cache(self, layer) -> np.ndarray:
+        """Layer ``layer``'s storage as a writable numpy view (no copy):
+        ``(num_pages, 2, page_size, H, Dh)`` NHD or ``(num_pages, 2, H,
+        page_size, Dh)`` HND; float32/float16/bfloat16/int8, or uint8 with
+        last dimension Dh / 2 for int4. Valid while it is alive (it keeps the
+        storage alive, even past close())."""
+        kv, _scale, handle = self._layer_tensors(layer)
+        return _view(kv, self, handle)
+
+    def kv_scale(self, layer) -> np.ndarray | None:
+        """Layer ``layer``'s scales (int8/int4 storage) as a writable numpy
+        view of kv_cache's shape with last dimension Dh / quant_group; None
+        for float storage (so it can always be passed as kv_scale=)."""
+        _kv, scale, handle = self._layer_tensors(layer)
+        if self._dtype not in ("int8", "int4"):
+            return None
+        return _view(scale, self, handle)
+
+    # -- introspection ------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Counters: free_pages, cached_pages, used_pages (pages by state) and
+        hit_tokens, miss_tokens, evictions, cow_copies, failed_allocs."""
+        st = _lib.CacheStats()
+        self._call(_lib.kvc_cache_get_stats, ctypes.byref(st))
+        return {name: int(getattr(st, name)) for name, _t in _lib.CacheStats._fields_}
+
+    def check(self) -> None:
+        """Verifies every invariant of the C cache; raises CorruptError
+        naming the first broken one."""
+        self._call(_lib.kvc_cache_check)

@@ -1,0 +1,321 @@
+/*
+ * Sequence operations of the cache manager: add (with prefix lookup),
+ * append, fork, truncate, free.
+ *
+ * Every mutating call validates, then makes every allocation it may need
+ * (sequence tables, the id array) and checks page availability, and only
+ * then commits; so a call that fails changes nothing (except the
+ * failed_allocs counter for KVC_ERR_NO_SPACE).
+ *
+ * Token ids and hashing: a sequence knows the ids of its first `known`
+ * tokens (they live in the token slots of its pages). A page is hashed and
+ * registered in the index when it is full and all its ids are known. An
+ * append without ids (token_ids NULL) stops the sequence being hashable from
+ * that page on (until a truncate back below it).
+ *
+ * Copy-on-write: a sequence writes only into its partly filled last page.
+ * Before an append writes there, a page held by other sequences too is
+ * copied (every layer's data and scales, and the token ids); an unshared
+ * page that is still in the index (possible after a truncate into a full,
+ * cached page) leaves the index instead. truncate itself never allocates.
+ */
+#include <string.h>
+
+#include "cache_internal.h"
+
+static size_t seq_bytes(int64_t cap) {
+    return sizeof(kvc__seq) + (size_t)cap * (sizeof(uint64_t) + sizeof(int64_t) + sizeof(int32_t));
+}
+
+static kvc__seq *seq_alloc(kvc_cache *c, int64_t cap) {
+    if (cap < 4) cap = 4;
+    kvc__seq *s = kvc__cache_alloc(c, seq_bytes(cap));
+    if (!s) return NULL;
+    memset(s, 0, sizeof *s);
+    s->cap = cap;
+    s->hashes = (uint64_t *)(void *)(s + 1);
+    s->chain = (int64_t *)(void *)(s->hashes + cap);
+    s->pages = (int32_t *)(void *)(s->chain + cap);
+    return s;
+}
+
+/* Copies header and arrays of src into dst (dst->cap >= src->n_pages). */
+static void seq_copy(kvc__seq *dst, const kvc__seq *src) {
+    int64_t cap = dst->cap;
+    uint64_t *h = dst->hashes;
+    int64_t *ch = dst->chain;
+    int32_t *pg = dst->pages;
+    *dst = *src;
+    dst->cap = cap;
+    dst->hashes = h;
+    dst->chain = ch;
+    dst->pages = pg;
+    memcpy(h, src->hashes, (size_t)src->nh * sizeof(uint64_t));
+    memcpy(ch, src->chain, (size_t)src->nh * sizeof(int64_t));
+    memcpy(pg, src->pages, (size_t)src->n_pages * sizeof(int32_t));
+}
+
+/* A bigger id array if one more sequence does not fit (*out NULL if it does). */
+static kvc_status reserve_seqs(kvc_cache *c, const char *fn, kvc__seq ***out) {
+    *out = NULL;
+    if (c->n_seqs < c->seqs_cap) return KVC_OK;
+    int64_t cap = c->seqs_cap ? c->seqs_cap * 2 : 16;
+    kvc__seq **a = kvc__cache_alloc(c, (size_t)cap * sizeof(*a));
+    if (!a) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory (sequence array)", fn);
+    if (c->n_seqs) memcpy(a, c->seqs, (size_t)c->n_seqs * sizeof(*a));
+    *out = a;
+    return KVC_OK;
+}
+
+static void commit_seqs(kvc_cache *c, kvc__seq **grown, kvc__seq *s) {
+    if (grown) {
+        kvc__cache_free(c, c->seqs);
+        c->seqs = grown;
+        c->seqs_cap = c->seqs_cap ? c->seqs_cap * 2 : 16;
+    }
+    c->seqs[c->n_seqs++] = s; /* ids increase: stays sorted */
+}
+
+static kvc_status no_space(kvc_cache *c, const char *fn, int64_t need) {
+    c->st.failed_allocs++;
+    return kvc__error(KVC_ERR_NO_SPACE, "%s: needs %lld pages, %lld free or cached", fn,
+                      (long long)need, (long long)kvc__available(c));
+}
+
+static kvc_status find(const kvc_cache *c, const char *fn, kvc_seq_id id, kvc__seq **s,
+                       int64_t *pos) {
+    *s = kvc__find_seq(c, id, pos);
+    if (!*s) return kvc__error(KVC_ERR_NOT_FOUND, "%s: unknown or freed sequence %lld", fn,
+                               (long long)id);
+    return KVC_OK;
+}
+
+/* Makes chain[j] name the index page for chunk j of s (j < s->nh) when the
+ * one it named left the index: chunks from the first stale one on are looked
+ * up again, and where the index has none, the sequence's own page is
+ * registered (re-keyed if it sits in the index under a stale parent). So a
+ * page that duplicated an evicted one takes its place. Returns whether
+ * chain[j] is valid. O(1) when it already is. */
+static int resolve_chain(kvc_cache *c, kvc__seq *s, int64_t j) {
+    if (kvc__chain_valid(c, s->chain[j])) return 1;
+    int64_t i = j;
+    while (i > 0 && !kvc__chain_valid(c, s->chain[i - 1])) i--;
+    for (; i <= j; i++) {
+        int32_t p = s->pages[i];
+        const int32_t *tk = c->tokens + (int64_t)p * c->ps;
+        int64_t parent = i ? s->chain[i - 1] : KVC__NO_PARENT;
+        uint64_t ph = i ? s->hashes[i - 1] : kvc__chain_seed(s->salt);
+        int32_t q = kvc__index_find(c, s->hashes[i], parent, s->salt, tk);
+        if (q == KVC__NO_PAGE) {
+            kvc__page *pg = &c->pages[p];
+            if (pg->in_index) {
+                if (kvc__chain_valid(c, pg->parent) || pg->parent == KVC__NO_PARENT) return 0;
+                kvc__index_remove(c, p); /* stale parent: re-key under the live one */
+            }
+            kvc__index_insert(c, p, s->hashes[i], ph, parent, s->salt);
+            q = p;
+        }
+        s->chain[i] = kvc__pack(q, c->pages[q].gen);
+    }
+    return 1;
+}
+
+/* Hashes (and registers where possible) the pages of s that are full and
+ * whose token ids are all known, from page s->nh on. */
+static void register_pages(kvc_cache *c, kvc__seq *s) {
+    if (!c->tokens) return;
+    const int64_t full = s->known / c->ps;
+    for (int64_t j = s->nh; j < full; j++) {
+        int32_t p = s->pages[j];
+        const int32_t *tk = c->tokens + (int64_t)p * c->ps;
+        uint64_t ph = j ? s->hashes[j - 1] : kvc__chain_seed(s->salt);
+        s->hashes[j] = kvc__chain_hash(c, ph, tk, c->ps);
+        s->chain[j] = -1;
+        s->nh = j + 1;
+        resolve_chain(c, s, j);
+    }
+}
+
+/* Releases pages [from, n_pages) deepest first: cached ones enter the LRU
+ * list in that order, so the deepest is evicted first. */
+static void release_tail(kvc_cache *c, kvc__seq *s, int64_t from) {
+    for (int64_t j = s->n_pages - 1; j >= from; j--) kvc__unref_page(c, s->pages[j]);
+    s->n_pages = from;
+}
+
+kvc_status kvc_cache_add_sequence(kvc_cache *c, const int32_t *token_ids, int64_t n_tokens,
+                                  uint64_t salt, kvc_seq_id *seq, int64_t *n_cached) {
+    static const char fn[] = "kvc_cache_add_sequence";
+    KVC_CHECK(c != NULL && seq != NULL, "%s: cache and seq must not be NULL", fn);
+    KVC_CHECK(n_tokens >= 0 && n_tokens <= c->num_pages * c->ps,
+              "%s: n_tokens %lld outside [0, capacity %lld]", fn, (long long)n_tokens,
+              (long long)(c->num_pages * c->ps));
+    const int32_t ps = c->ps;
+    const int64_t np = (n_tokens + ps - 1) / ps;
+    kvc__seq **grown;
+    KVC_TRY(reserve_seqs(c, fn, &grown));
+    kvc__seq *s = seq_alloc(c, np);
+    if (!s) {
+        kvc__cache_free(c, grown);
+        return kvc__error(KVC_ERR_NOMEM, "%s: out of memory (page table)", fn);
+    }
+    s->salt = salt;
+    const int hashing = c->tokens != NULL && token_ids != NULL;
+    /* prefix lookup: whole pages within the first n_tokens - 1 tokens */
+    int64_t hits = 0, hits_cached = 0;
+    if (hashing && n_tokens > 0) {
+        const int64_t max_hits = (n_tokens - 1) / ps;
+        uint64_t h = kvc__chain_seed(salt);
+        int64_t parent = KVC__NO_PARENT;
+        for (; hits < max_hits; hits++) {
+            const int32_t *tk = token_ids + hits * ps;
+            uint64_t hh = kvc__chain_hash(c, h, tk, ps);
+            int32_t q = kvc__index_find(c, hh, parent, salt, tk);
+            if (q == KVC__NO_PAGE) break;
+            h = hh;
+            parent = kvc__pack(q, c->pages[q].gen);
+            s->pages[hits] = q;
+            s->hashes[hits] = hh;
+            s->chain[hits] = parent;
+            if (c->pages[q].ref == 0) hits_cached++;
+        }
+    }
+    const int64_t need = np - hits;
+    if (need > kvc__available(c) - hits_cached) {
+        kvc__cache_free(c, s);
+        kvc__cache_free(c, grown);
+        return no_space(c, fn, need);
+    }
+    /* commit */
+    s->id = c->next_id++;
+    for (int64_t j = 0; j < hits; j++) kvc__ref_page(c, s->pages[j]);
+    for (int64_t j = hits; j < np; j++) s->pages[j] = kvc__take_page(c);
+    s->len = n_tokens;
+    s->n_pages = np;
+    s->nh = hits;
+    if (hashing) {
+        for (int64_t j = hits; j < np; j++) {
+            int64_t t0 = j * ps, nt = n_tokens - t0 < ps ? n_tokens - t0 : ps;
+            memcpy(c->tokens + (int64_t)s->pages[j] * ps, token_ids + t0,
+                   (size_t)nt * sizeof(int32_t));
+        }
+        s->known = n_tokens;
+        register_pages(c, s);
+    }
+    commit_seqs(c, grown, s);
+    c->st.hit_tokens += hits * ps;
+    c->st.miss_tokens += n_tokens - hits * ps;
+    *seq = s->id;
+    if (n_cached) *n_cached = hits * ps;
+    return KVC_OK;
+}
+
+kvc_status kvc_cache_append(kvc_cache *c, kvc_seq_id seq, const int32_t *token_ids, int64_t n,
+                            int32_t *positions) {
+    static const char fn[] = "kvc_cache_append";
+    KVC_CHECK(c != NULL, "%s: cache is NULL", fn);
+    kvc__seq *s;
+    int64_t pos;
+    KVC_TRY(find(c, fn, seq, &s, &pos));
+    KVC_CHECK(n >= 0 && n <= c->num_pages * c->ps - s->len,
+              "%s: n %lld outside [0, %lld] (capacity %lld, length %lld)", fn, (long long)n,
+              (long long)(c->num_pages * c->ps - s->len), (long long)(c->num_pages * c->ps),
+              (long long)s->len);
+    if (n == 0) return KVC_OK;
+    const int32_t ps = c->ps;
+    const int64_t len = s->len, np = (len + n + ps - 1) / ps;
+    const int partial = len % ps != 0;
+    const int cow = partial && c->pages[s->pages[s->n_pages - 1]].ref > 1;
+    const int64_t need = np - s->n_pages + cow;
+    if (need > kvc__available(c)) return no_space(c, fn, need);
+    if (np > s->cap) {
+        int64_t cap = s->cap * 2 > np ? s->cap * 2 : np;
+        kvc__seq *g = seq_alloc(c, cap);
+        if (!g) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory (page table)", fn);
+        seq_copy(g, s);
+        kvc__cache_free(c, s);
+        c->seqs[pos] = s = g;
+    }
+    /* commit */
+    if (partial) {
+        int32_t last = s->pages[s->n_pages - 1];
+        if (cow) {
+            int32_t q = kvc__take_page(c);
+            kvc__copy_page(c, q, last);
+            kvc__unref_page(c, last);
+            s->pages[s->n_pages - 1] = q;
+        } else if (c->pages[last].in_index) {
+            kvc__index_remove(c, last); /* about to be overwritten */
+        }
+    }
+    for (int64_t j = s->n_pages; j < np; j++) s->pages[j] = kvc__take_page(c);
+    s->n_pages = np;
+    if (c->tokens && token_ids && s->known == len) {
+        for (int64_t i = 0; i < n; i++) {
+            int64_t t = len + i;
+            c->tokens[(int64_t)s->pages[t / ps] * ps + t % ps] = token_ids[i];
+        }
+        s->known = len + n;
+    }
+    s->len = len + n;
+    if (positions)
+        for (int64_t i = 0; i < n; i++) positions[i] = (int32_t)(len + i);
+    register_pages(c, s);
+    return KVC_OK;
+}
+
+kvc_status kvc_cache_fork(kvc_cache *c, kvc_seq_id seq, kvc_seq_id *child) {
+    static const char fn[] = "kvc_cache_fork";
+    KVC_CHECK(c != NULL && child != NULL, "%s: cache and child must not be NULL", fn);
+    kvc__seq *s;
+    int64_t pos;
+    KVC_TRY(find(c, fn, seq, &s, &pos));
+    kvc__seq **grown;
+    KVC_TRY(reserve_seqs(c, fn, &grown));
+    kvc__seq *d = seq_alloc(c, s->n_pages);
+    if (!d) {
+        kvc__cache_free(c, grown);
+        return kvc__error(KVC_ERR_NOMEM, "%s: out of memory (page table)", fn);
+    }
+    seq_copy(d, s);
+    d->id = c->next_id++;
+    for (int64_t j = 0; j < d->n_pages; j++) kvc__ref_page(c, d->pages[j]);
+    commit_seqs(c, grown, d);
+    *child = d->id;
+    return KVC_OK;
+}
+
+kvc_status kvc_cache_truncate(kvc_cache *c, kvc_seq_id seq, int64_t n_tokens) {
+    static const char fn[] = "kvc_cache_truncate";
+    KVC_CHECK(c != NULL, "%s: cache is NULL", fn);
+    kvc__seq *s;
+    int64_t pos;
+    KVC_TRY(find(c, fn, seq, &s, &pos));
+    KVC_CHECK(n_tokens >= 0 && n_tokens <= s->len, "%s: n_tokens %lld outside [0, %lld]", fn,
+              (long long)n_tokens, (long long)s->len);
+    const int32_t ps = c->ps;
+    release_tail(c, s, (n_tokens + ps - 1) / ps);
+    if (n_tokens % ps != 0) {
+        int32_t last = s->pages[s->n_pages - 1];
+        /* unshared: it will be written in place, so it stops being findable now;
+         * shared: the next append copies it */
+        if (c->pages[last].ref == 1 && c->pages[last].in_index) kvc__index_remove(c, last);
+    }
+    s->len = n_tokens;
+    if (s->known > n_tokens) s->known = n_tokens;
+    if (s->nh > n_tokens / ps) s->nh = n_tokens / ps;
+    return KVC_OK;
+}
+
+kvc_status kvc_cache_free_sequence(kvc_cache *c, kvc_seq_id seq) {
+    static const char fn[] = "kvc_cache_free_sequence";
+    KVC_CHECK(c != NULL, "%s: cache is NULL", fn);
+    kvc__seq *s;
+    int64_t pos;
+    KVC_TRY(find(c, fn, seq, &s, &pos));
+    release_tail(c, s, 0);
+    memmove(c->seqs + pos, c->seqs + pos + 1, (size_t)(c->n_seqs - pos - 1) * sizeof(*c->seqs));
+    c->n_seqs--;
+    kvc__cache_free(c, s);
+    return KVC_OK;
+}

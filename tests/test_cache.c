@@ -1,0 +1,883 @@
+/*
+ * Cache manager (include/kvcache/cache.h): a randomized run of add / append /
+ * fork / truncate / free against a plain model of each sequence, with
+ * kvc_cache_check after every step and the K/V of every sequence read back
+ * through its page table (values derived from the token prefix, so cached
+ * prefix pages must hold exactly those tokens' K/V); exact hit lengths and
+ * eviction order; copy-on-write of data and scales (NHD/HND, int8/int4);
+ * out-of-pages and out-of-memory failures (every allocation site) leaving
+ * everything unchanged; unknown ids and bad parameters.
+ */
+#include <stdlib.h>
+
+#include "test.h"
+#include "cache/cache_internal.h" /* kvc__cache_set_hash_mask */
+
+/* ---- helpers ------------------------------------------------------------------------------- */
+
+static kvc_cache_params small_params(int32_t ps, int64_t pages) {
+    kvc_cache_params p = kvc_cache_default_params();
+    p.num_layers = 2;
+    p.num_kv_heads = 1;
+    p.head_dim = 2;
+    p.page_size = ps;
+    p.num_pages = pages;
+    p.dtype = KVC_F32;
+    return p;
+}
+
+/* Element offset of (page, kv, slot, head, 0) in a combined 5-D layer tensor. */
+static int64_t slot_off(const kvc_tensor *t, kvc_kv_layout lay, int64_t page, int kv,
+                        int64_t slot, int64_t h) {
+    if (lay == KVC_NHD)
+        return page * t->stride[0] + kv * t->stride[1] + slot * t->stride[2] + h * t->stride[3];
+    return page * t->stride[0] + kv * t->stride[1] + h * t->stride[2] + slot * t->stride[3];
+}
+
+/* Page id holding position t of seq (via the CSR page table). */
+static int32_t page_of(kvc_cache *c, kvc_seq_id s, int64_t t, int32_t ps) {
+    int32_t indptr[2], idx[4096], last;
+    int64_t n;
+    if (kvc_cache_page_table(c, &s, 1, indptr, idx, 4096, &last, &n) != KVC_OK) return -1;
+    return idx[t / ps];
+}
+
+static uint64_t mixv(uint64_t h, int32_t tok) {
+    uint64_t z = h ^ ((uint64_t)(uint32_t)tok * 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 31)) * 0xbf58476d1ce4e5b9ull;
+    return z ^ (z >> 29);
+}
+
+/* ---- a counting allocator that can fail the N-th call ---------------------------------------- */
+
+typedef struct counting {
+    int64_t calls, fail_at, live;
+} counting;
+
+static void *c_alloc(size_t size, size_t align, void *user) {
+    counting *k = user;
+    k->calls++;
+    if (k->fail_at && k->calls == k->fail_at) return NULL;
+    size = (size + align - 1) / align * align;
+    void *p = aligned_alloc(align, size);
+    if (p) k->live++;
+    return p;
+}
+static void c_free(void *p, void *user) {
+    counting *k = user;
+    if (p) k->live--;
+    free(p);
+}
+
+/* ---- parameters -------------------------------------------------------------------------------- */
+
+TEST(params) {
+    kvc_cache *c = NULL;
+    kvc_cache_params p = small_params(4, 8);
+    ASSERT_STATUS(kvc_cache_create(NULL, &c), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_cache_create(&p, NULL), KVC_ERR_INVALID_ARG);
+    kvc_cache_params b = p;
+    b.num_layers = 0;
+    ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
+    b = p; b.num_kv_heads = 0;
+    ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
+    b = p; b.head_dim = 0;
+    ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
+    b = p; b.page_size = 0;
+    ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
+    b = p; b.num_pages = -1;
+    ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
+    b = p; b.num_pages = 0; b.max_bytes = 0;
+    ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
+    b = p; b.num_pages = 0; b.max_bytes = 10; /* less than a page */
+    ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
+    b = p; b.dtype = KVC_I32;
+    ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
+    b = p; b.layout = (kvc_kv_layout)2;
+    ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
+    b = p; b.dtype = KVC_I8; b.quant_group = 3;
+    ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
+    b = p; b.dtype = KVC_I4; b.quant_group = 1;
+    ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
+    b = p; b.dtype = KVC_I8; b.scale_dtype = KVC_BF16;
+    ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
+    b = p; b.enable_prefix_caching = 2;
+    ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
+    b = p; b.num_pages = (int64_t)1 << 40;
+    ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
+    ASSERT_TRUE(c == NULL);
+
+    /* sizes: f16, 3 layers, H 2, Dh 8: 3 * 2 * 2 * 8 * 2 bytes per token */
+    b = kvc_cache_default_params();
+    b.num_layers = 3; b.num_kv_heads = 2; b.head_dim = 8; b.page_size = 16;
+    b.num_pages = 0; b.max_bytes = 192 * 16 * 10 + 100;
+    ASSERT_OK(kvc_cache_create(&b, &c));
+    ASSERT_EQ_I64(kvc_cache_bytes_per_token(c), 192);
+    ASSERT_EQ_I64(kvc_cache_num_pages(c), 10);
+    ASSERT_EQ_I64(kvc_cache_capacity_tokens(c), 160);
+    for (int l = 0; l < 3; l++) {
+        kvc_tensor kv, sc;
+        ASSERT_OK(kvc_cache_layer_tensors(c, l, &kv, &sc));
+        ASSERT_EQ_I64(((uintptr_t)kv.data) % 64, 0);
+        ASSERT_EQ_I64(kv.ndim, 5);
+        ASSERT_EQ_I64(kv.shape[0], 10);
+        ASSERT_EQ_I64(kv.shape[1], 2);
+        kvc_paged_cache pc;
+        ASSERT_OK(kvc_cache_layer(c, l, &pc));
+        ASSERT_EQ_I64(pc.k.shape[1], 16);
+    }
+    kvc_tensor kv;
+    ASSERT_STATUS(kvc_cache_layer_tensors(c, 3, &kv, NULL), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_cache_layer_tensors(c, -1, &kv, NULL), KVC_ERR_INVALID_ARG);
+    kvc_cache_destroy(c);
+    /* int4, HND, f32 scales: data 2*H*Dh/2, scales 2*H*(Dh/qg)*4 per layer */
+    b.dtype = KVC_I4; b.layout = KVC_HND; b.scale_dtype = KVC_F32; b.quant_group = 4;
+    b.num_pages = 5;
+    ASSERT_OK(kvc_cache_create(&b, &c));
+    ASSERT_EQ_I64(kvc_cache_bytes_per_token(c), 3 * (2 * 2 * 4 + 2 * 2 * 2 * 4));
+    kvc_tensor sc;
+    ASSERT_OK(kvc_cache_layer_tensors(c, 1, &kv, &sc));
+    ASSERT_EQ_I64(kv.shape[2], 2); /* H before page_size in HND */
+    ASSERT_EQ_I64(kv.shape[3], 16);
+    ASSERT_EQ_I64(sc.shape[4], 2);
+    ASSERT_EQ_I64(((uintptr_t)sc.data) % 64, 0);
+    kvc_cache_destroy(c);
+    kvc_cache_destroy(NULL);
+    return 0;
+}
+
+TEST(bad_args_and_unknown_ids) {
+    kvc_cache *c;
+    kvc_cache_params p = small_params(4, 8);
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    int32_t toks[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    kvc_seq_id s, t;
+    int64_t hit, n;
+    ASSERT_STATUS(kvc_cache_add_sequence(c, toks, -1, 0, &s, &hit), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_cache_add_sequence(c, toks, 8, 0, NULL, &hit), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_cache_add_sequence(c, toks, 33, 0, &s, &hit), KVC_ERR_INVALID_ARG);
+    ASSERT_OK(kvc_cache_add_sequence(c, toks, 5, 0, &s, &hit));
+    ASSERT_STATUS(kvc_cache_append(c, s, toks, -1, NULL), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_cache_append(c, s, toks, 28, NULL), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_cache_truncate(c, s, 6), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_cache_truncate(c, s, -1), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_cache_fork(c, s, NULL), KVC_ERR_INVALID_ARG);
+    int32_t indptr[3], idx[8], last[2];
+    kvc_seq_id two[2] = {s, s};
+    ASSERT_STATUS(kvc_cache_page_table(c, two, 2, indptr, idx, 3, last, &n), KVC_ERR_INVALID_ARG);
+    ASSERT_EQ_I64(n, 4); /* tells the size it needs */
+    int64_t cs[2];
+    ASSERT_STATUS(kvc_cache_cachestarts(c, &s, 1, cs, 1), KVC_ERR_INVALID_ARG);
+    /* unknown and freed ids */
+    kvc_seq_id bad[3] = {s + 1, -1, 12345};
+    for (int i = 0; i < 3; i++) {
+        ASSERT_STATUS(kvc_cache_append(c, bad[i], toks, 1, NULL), KVC_ERR_NOT_FOUND);
+        ASSERT_STATUS(kvc_cache_fork(c, bad[i], &t), KVC_ERR_NOT_FOUND);
+        ASSERT_STATUS(kvc_cache_truncate(c, bad[i], 0), KVC_ERR_NOT_FOUND);
+        ASSERT_STATUS(kvc_cache_free_sequence(c, bad[i]), KVC_ERR_NOT_FOUND);
+        ASSERT_STATUS(kvc_cache_seq_len(c, bad[i], &n), KVC_ERR_NOT_FOUND);
+        ASSERT_STATUS(kvc_cache_page_table(c, &bad[i], 1, indptr, idx, 8, last, &n),
+                      KVC_ERR_NOT_FOUND);
+        ASSERT_STATUS(kvc_cache_cachestarts(c, &bad[i], 1, cs, 2), KVC_ERR_NOT_FOUND);
+    }
+    ASSERT_OK(kvc_cache_free_sequence(c, s));
+    ASSERT_STATUS(kvc_cache_free_sequence(c, s), KVC_ERR_NOT_FOUND);
+    ASSERT_STATUS(kvc_cache_append(c, s, toks, 1, NULL), KVC_ERR_NOT_FOUND);
+    ASSERT_STATUS(kvc_cache_seq_len(c, s, &n), KVC_ERR_NOT_FOUND);
+    /* ids are never reused */
+    ASSERT_OK(kvc_cache_add_sequence(c, toks, 1, 0, &t, NULL));
+    ASSERT_TRUE(t > s);
+    ASSERT_OK(kvc_cache_check(c));
+    kvc_cache_destroy(c);
+    return 0;
+}
+
+/* ---- tables, positions ------------------------------------------------------------------------ */
+
+TEST(page_tables) {
+    kvc_cache *c;
+    kvc_cache_params p = small_params(4, 16);
+    p.enable_prefix_caching = 0;
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    kvc_seq_id a, b, e;
+    int64_t hit = -1;
+    ASSERT_OK(kvc_cache_add_sequence(c, NULL, 6, 0, &a, &hit));
+    ASSERT_EQ_I64(hit, 0);
+    ASSERT_OK(kvc_cache_add_sequence(c, NULL, 0, 0, &e, &hit));
+    ASSERT_OK(kvc_cache_add_sequence(c, NULL, 8, 0, &b, &hit));
+    int32_t pos[8];
+    ASSERT_OK(kvc_cache_append(c, a, NULL, 3, pos)); /* 6 -> 9: one new page */
+    ASSERT_EQ_I64(pos[0], 6);
+    ASSERT_EQ_I64(pos[2], 8);
+    kvc_cache_stats st;
+    ASSERT_OK(kvc_cache_get_stats(c, &st));
+    ASSERT_EQ_I64(st.used_pages, 5);
+    kvc_seq_id q[3] = {a, e, b};
+    int32_t indptr[4], idx[16], last[3];
+    int64_t n;
+    ASSERT_OK(kvc_cache_page_table(c, q, 3, indptr, idx, 16, last, &n));
+    ASSERT_EQ_I64(n, 5);
+    ASSERT_EQ_I64(indptr[1], 3);
+    ASSERT_EQ_I64(indptr[2], 3);
+    ASSERT_EQ_I64(indptr[3], 5);
+    ASSERT_EQ_I64(last[0], 1);
+    ASSERT_EQ_I64(last[1], 0);
+    ASSERT_EQ_I64(last[2], 4);
+    int64_t cs[3 * 4];
+    ASSERT_OK(kvc_cache_cachestarts(c, q, 3, cs, 4));
+    for (int j = 0; j < 3; j++) ASSERT_EQ_I64(cs[j], (int64_t)idx[j] * 4);
+    ASSERT_EQ_I64(cs[3], -1);
+    ASSERT_EQ_I64(cs[4], -1);
+    ASSERT_EQ_I64(cs[8], (int64_t)idx[3] * 4);
+    ASSERT_EQ_I64(cs[11], -1);
+    /* the same table passes the paged-cache validator */
+    kvc_tensor ti = kvc_tensor_make(indptr, KVC_I32, 1, (int64_t[]){4});
+    kvc_tensor tx = kvc_tensor_make(idx, KVC_I32, 1, (int64_t[]){5});
+    kvc_tensor tl = kvc_tensor_make(last, KVC_I32, 1, (int64_t[]){3});
+    ASSERT_OK(kvc_page_table_check(&ti, &tx, &tl, 4, 16));
+    /* without prefix caching nothing is cached after free */
+    ASSERT_OK(kvc_cache_free_sequence(c, b));
+    ASSERT_OK(kvc_cache_get_stats(c, &st));
+    ASSERT_EQ_I64(st.cached_pages, 0);
+    ASSERT_EQ_I64(st.free_pages, 13);
+    ASSERT_OK(kvc_cache_check(c));
+    kvc_cache_destroy(c);
+    return 0;
+}
+
+/* ---- prefix hits -------------------------------------------------------------------------------- */
+
+TEST(prefix_hits) {
+    kvc_cache *c;
+    kvc_cache_params p = small_params(4, 32);
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    int32_t P[12] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+    kvc_seq_id a, s;
+    int64_t hit;
+    ASSERT_OK(kvc_cache_add_sequence(c, P, 10, 0, &a, &hit));
+    ASSERT_EQ_I64(hit, 0);
+    ASSERT_OK(kvc_cache_add_sequence(c, P, 10, 0, &s, &hit));
+    ASSERT_EQ_I64(hit, 8); /* two full pages, not the partial one */
+    ASSERT_EQ_I64(page_of(c, s, 0, 4), page_of(c, a, 0, 4));
+    ASSERT_EQ_I64(page_of(c, s, 5, 4), page_of(c, a, 5, 4));
+    ASSERT_TRUE(page_of(c, s, 9, 4) != page_of(c, a, 9, 4));
+    ASSERT_OK(kvc_cache_add_sequence(c, P, 8, 0, &s, &hit));
+    ASSERT_EQ_I64(hit, 4); /* never the whole prompt */
+    ASSERT_OK(kvc_cache_add_sequence(c, P, 9, 0, &s, &hit));
+    ASSERT_EQ_I64(hit, 8);
+    ASSERT_OK(kvc_cache_add_sequence(c, P, 4, 0, &s, &hit));
+    ASSERT_EQ_I64(hit, 0);
+    ASSERT_OK(kvc_cache_add_sequence(c, P, 10, 7, &s, &hit));
+    ASSERT_EQ_I64(hit, 0); /* other salt */
+    ASSERT_OK(kvc_cache_add_sequence(c, P, 10, 7, &s, &hit));
+    ASSERT_EQ_I64(hit, 8);
+    int32_t Q[10] = {1, 2, 3, 4, 5, 99, 7, 8, 9, 10};
+    ASSERT_OK(kvc_cache_add_sequence(c, Q, 10, 0, &s, &hit));
+    ASSERT_EQ_I64(hit, 4);
+    int32_t R[10] = {2, 2, 3, 4, 5, 6, 7, 8, 9, 10}; /* same second page, other parent */
+    ASSERT_OK(kvc_cache_add_sequence(c, R, 10, 0, &s, &hit));
+    ASSERT_EQ_I64(hit, 0);
+    ASSERT_OK(kvc_cache_add_sequence(c, NULL, 10, 0, &s, &hit)); /* no ids: no lookup */
+    ASSERT_EQ_I64(hit, 0);
+    kvc_cache_stats st;
+    ASSERT_OK(kvc_cache_get_stats(c, &st));
+    ASSERT_EQ_I64(st.hit_tokens, 8 + 4 + 8 + 8 + 4);
+    ASSERT_EQ_I64(st.hit_tokens + st.miss_tokens, 10 + 10 + 8 + 9 + 4 + 10 + 10 + 10 + 10 + 10);
+    /* pages filled by append become findable; append without ids stops that */
+    kvc_seq_id b;
+    ASSERT_OK(kvc_cache_add_sequence(c, P, 2, 3, &b, &hit));
+    ASSERT_OK(kvc_cache_append(c, b, P + 2, 3, NULL)); /* page 0 full */
+    ASSERT_OK(kvc_cache_append(c, b, P + 5, 3, NULL)); /* page 1 full */
+    ASSERT_OK(kvc_cache_append(c, b, NULL, 4, NULL));  /* page 2 unknown */
+    ASSERT_OK(kvc_cache_append(c, b, P, 4, NULL));     /* still unknown */
+    int32_t P2[17] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3, 4, 0};
+    ASSERT_OK(kvc_cache_add_sequence(c, P2, 17, 3, &s, &hit));
+    ASSERT_EQ_I64(hit, 8);
+    /* truncating back below the unknown page makes it hashable again */
+    ASSERT_OK(kvc_cache_truncate(c, b, 8));
+    ASSERT_OK(kvc_cache_free_sequence(c, s));
+    ASSERT_OK(kvc_cache_append(c, b, P + 8, 4, NULL));
+    int32_t P3[13] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 50};
+    ASSERT_OK(kvc_cache_add_sequence(c, P3, 13, 3, &s, &hit));
+    ASSERT_EQ_I64(hit, 12);
+    ASSERT_OK(kvc_cache_check(c));
+    kvc_cache_destroy(c);
+    return 0;
+}
+
+/* ---- eviction order -------------------------------------------------------------------------- */
+
+TEST(eviction_order) {
+    kvc_cache *c;
+    kvc_cache_params p = small_params(2, 8);
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    int32_t A[7] = {1, 2, 3, 4, 5, 6, 7}, B[5] = {9, 8, 7, 6, 5}, X[16];
+    for (int i = 0; i < 16; i++) X[i] = 100 + i;
+    kvc_seq_id a, b, x, y;
+    int64_t hit;
+    ASSERT_OK(kvc_cache_add_sequence(c, A, 7, 0, &a, &hit)); /* 3 full + 1 partial */
+    ASSERT_OK(kvc_cache_add_sequence(c, B, 5, 0, &b, &hit)); /* 2 full + 1 partial */
+    int32_t pa[4], pb[3];
+    for (int j = 0; j < 4; j++) pa[j] = page_of(c, a, 2 * j, 2);
+    for (int j = 0; j < 3; j++) pb[j] = page_of(c, b, 2 * j, 2);
+    ASSERT_OK(kvc_cache_free_sequence(c, a)); /* LRU: a2 a1 a0 */
+    ASSERT_OK(kvc_cache_free_sequence(c, b)); /* LRU: a2 a1 a0 b1 b0 */
+    kvc_cache_stats st;
+    ASSERT_OK(kvc_cache_get_stats(c, &st));
+    ASSERT_EQ_I64(st.cached_pages, 5);
+    ASSERT_EQ_I64(st.free_pages, 3); /* 1 never used + 2 partial pages */
+    /* 4 pages: 3 free ones, then the deepest page of the older sequence */
+    ASSERT_OK(kvc_cache_add_sequence(c, X, 8, 0, &x, &hit));
+    ASSERT_OK(kvc_cache_get_stats(c, &st));
+    ASSERT_EQ_I64(st.evictions, 1);
+    ASSERT_EQ_I64(page_of(c, x, 6, 2), pa[2]);
+    /* A's prompt now hits its first two pages only, which become recent */
+    ASSERT_OK(kvc_cache_add_sequence(c, A, 5, 0, &y, &hit));
+    ASSERT_EQ_I64(hit, 4);
+    ASSERT_EQ_I64(page_of(c, y, 0, 2), pa[0]);
+    ASSERT_OK(kvc_cache_get_stats(c, &st));
+    ASSERT_EQ_I64(st.evictions, 2); /* its third page evicted b1 (LRU: a1 a0 gone: b1 b0) */
+    ASSERT_EQ_I64(page_of(c, y, 4, 2), pb[1]);
+    ASSERT_OK(kvc_cache_free_sequence(c, y)); /* LRU: b0 y1(=a1) y0(=a0); y2 was partial */
+    ASSERT_OK(kvc_cache_free_sequence(c, x)); /* ... x3 x2 x1 x0 */
+    ASSERT_OK(kvc_cache_check(c));
+    /* take pages one by one and see the order: the free page first (y's partial
+     * page), then b0, a1, a0, then x's deepest first */
+    ASSERT_OK(kvc_cache_add_sequence(c, NULL, 0, 0, &y, &hit));
+    int32_t seen[8];
+    for (int i = 0; i < 8; i++) {
+        ASSERT_OK(kvc_cache_append(c, y, NULL, 2, NULL));
+        seen[i] = page_of(c, y, 2 * i, 2);
+    }
+    ASSERT_EQ_I64(seen[1], pb[0]);
+    ASSERT_EQ_I64(seen[2], pa[1]);
+    ASSERT_EQ_I64(seen[3], pa[0]);
+    ASSERT_EQ_I64(seen[4], pa[2]); /* x3 */
+    ASSERT_STATUS(kvc_cache_append(c, y, NULL, 1, NULL), KVC_ERR_INVALID_ARG); /* > capacity */
+    ASSERT_STATUS(kvc_cache_add_sequence(c, NULL, 1, 0, &x, NULL), KVC_ERR_NO_SPACE);
+    ASSERT_OK(kvc_cache_check(c));
+    kvc_cache_destroy(c);
+    return 0;
+}
+
+/* ---- copy-on-write of data and scales --------------------------------------------------------- */
+
+static int cow_case(kvc_dtype dt, kvc_kv_layout lay) {
+    kvc_cache *c;
+    kvc_cache_params p = kvc_cache_default_params();
+    p.num_layers = 2; p.num_kv_heads = 2; p.head_dim = 8; p.page_size = 4; p.num_pages = 8;
+    p.dtype = dt; p.layout = lay; p.quant_group = 4;
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    int32_t toks[6] = {1, 2, 3, 4, 5, 6};
+    kvc_seq_id a, b;
+    ASSERT_OK(kvc_cache_add_sequence(c, toks, 6, 0, &a, NULL));
+    /* fill the whole storage with a pattern */
+    uint64_t rng = 7;
+    for (int l = 0; l < 2; l++) {
+        kvc_tensor kv, sc;
+        ASSERT_OK(kvc_cache_layer_tensors(c, l, &kv, &sc));
+        size_t nb = (size_t)(kvc_tensor_numel(&kv) * kvc_dtype_bits(dt) / 8);
+        for (size_t i = 0; i < nb; i++) ((unsigned char *)kv.data)[i] = (unsigned char)test_rng_next(&rng);
+        if (dt == KVC_I8 || dt == KVC_I4) {
+            size_t ns = (size_t)kvc_tensor_numel(&sc) * 2;
+            for (size_t i = 0; i < ns; i++) ((unsigned char *)sc.data)[i] = (unsigned char)test_rng_next(&rng);
+        }
+    }
+    ASSERT_OK(kvc_cache_fork(c, a, &b));
+    int32_t shared = page_of(c, a, 4, 4);
+    ASSERT_EQ_I64(page_of(c, b, 4, 4), shared);
+    int32_t t7 = 7;
+    ASSERT_OK(kvc_cache_append(c, b, &t7, 1, NULL));
+    int32_t mine = page_of(c, b, 4, 4);
+    ASSERT_TRUE(mine != shared);
+    ASSERT_EQ_I64(page_of(c, a, 4, 4), shared);
+    ASSERT_EQ_I64(page_of(c, b, 0, 4), page_of(c, a, 0, 4)); /* full page still shared */
+    kvc_cache_stats st;
+    ASSERT_OK(kvc_cache_get_stats(c, &st));
+    ASSERT_EQ_I64(st.cow_copies, 1);
+    for (int l = 0; l < 2; l++) {
+        kvc_tensor kv, sc;
+        ASSERT_OK(kvc_cache_layer_tensors(c, l, &kv, &sc));
+        size_t pb = (size_t)(kv.stride[0] * kvc_dtype_bits(dt) / 8);
+        ASSERT_MEM_EQ((char *)kv.data + pb * (size_t)mine, (char *)kv.data + pb * (size_t)shared, pb);
+        if (dt == KVC_I8 || dt == KVC_I4) {
+            size_t sb = (size_t)sc.stride[0] * 2;
+            ASSERT_TRUE(sc.dtype == KVC_F16);
+            ASSERT_MEM_EQ((char *)sc.data + sb * (size_t)mine, (char *)sc.data + sb * (size_t)shared, sb);
+        }
+    }
+    /* a's next append writes in place (no longer shared) */
+    ASSERT_OK(kvc_cache_append(c, a, &t7, 1, NULL));
+    ASSERT_EQ_I64(page_of(c, a, 4, 4), shared);
+    ASSERT_OK(kvc_cache_get_stats(c, &st));
+    ASSERT_EQ_I64(st.cow_copies, 1);
+    ASSERT_OK(kvc_cache_check(c));
+    kvc_cache_destroy(c);
+    return 0;
+}
+
+TEST(cow_copies_data_and_scales) {
+    kvc_dtype dts[4] = {KVC_F16, KVC_BF16, KVC_I8, KVC_I4};
+    for (int d = 0; d < 4; d++)
+        for (int lay = 0; lay < 2; lay++)
+            if (cow_case(dts[d], (kvc_kv_layout)lay)) {
+                fprintf(stderr, "  (dtype %s, layout %d)\n", kvc_dtype_name(dts[d]), lay);
+                return 1;
+            }
+    return 0;
+}
+
+TEST(truncate_and_cow) {
+    kvc_cache *c;
+    kvc_cache_params p = small_params(4, 16);
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    int32_t P[13] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13};
+    int32_t Z[4] = {70, 71, 72, 73};
+    kvc_seq_id a, b, s;
+    int64_t hit;
+    /* unshared: the page becomes partial and leaves the index */
+    ASSERT_OK(kvc_cache_add_sequence(c, P, 9, 0, &a, &hit));
+    ASSERT_OK(kvc_cache_truncate(c, a, 6));
+    ASSERT_OK(kvc_cache_check(c));
+    ASSERT_OK(kvc_cache_add_sequence(c, P, 9, 0, &s, &hit));
+    ASSERT_EQ_I64(hit, 4);
+    ASSERT_OK(kvc_cache_free_sequence(c, s));
+    ASSERT_OK(kvc_cache_append(c, a, Z, 2, NULL)); /* refills page 1 with other tokens */
+    int32_t PZ[9] = {1, 2, 3, 4, 5, 6, 70, 71, 0};
+    ASSERT_OK(kvc_cache_add_sequence(c, PZ, 9, 0, &s, &hit));
+    ASSERT_EQ_I64(hit, 8);
+    ASSERT_OK(kvc_cache_free_sequence(c, s));
+    ASSERT_OK(kvc_cache_free_sequence(c, a));
+    /* shared via fork: the truncated side copies on its next append; the full
+     * cached page stays intact and findable */
+    kvc_cache_stats st0, st;
+    ASSERT_OK(kvc_cache_add_sequence(c, P, 9, 0, &a, &hit));
+    ASSERT_OK(kvc_cache_fork(c, a, &b));
+    ASSERT_OK(kvc_cache_truncate(c, b, 6));
+    ASSERT_OK(kvc_cache_check(c));
+    ASSERT_OK(kvc_cache_get_stats(c, &st0));
+    int32_t shared = page_of(c, a, 4, 4);
+    ASSERT_OK(kvc_cache_append(c, b, Z, 3, NULL));
+    ASSERT_OK(kvc_cache_get_stats(c, &st));
+    ASSERT_EQ_I64(st.cow_copies, st0.cow_copies + 1);
+    ASSERT_TRUE(page_of(c, b, 4, 4) != shared);
+    ASSERT_EQ_I64(page_of(c, a, 4, 4), shared);
+    ASSERT_OK(kvc_cache_add_sequence(c, P, 13, 0, &s, &hit));
+    ASSERT_EQ_I64(hit, 8);
+    ASSERT_OK(kvc_cache_free_sequence(c, s));
+    /* shared via fork, then the other holder goes: the page is in the index and
+     * unshared; appending leaves the index instead of copying */
+    ASSERT_OK(kvc_cache_truncate(c, b, 5));
+    ASSERT_OK(kvc_cache_fork(c, a, &s));
+    ASSERT_OK(kvc_cache_truncate(c, s, 7));
+    ASSERT_OK(kvc_cache_free_sequence(c, a));
+    ASSERT_OK(kvc_cache_check(c));
+    ASSERT_OK(kvc_cache_get_stats(c, &st0));
+    ASSERT_OK(kvc_cache_append(c, s, Z, 1, NULL));
+    ASSERT_OK(kvc_cache_get_stats(c, &st));
+    ASSERT_EQ_I64(st.cow_copies, st0.cow_copies);
+    ASSERT_EQ_I64(page_of(c, s, 4, 4), shared);
+    ASSERT_OK(kvc_cache_check(c));
+    kvc_seq_id u;
+    ASSERT_OK(kvc_cache_add_sequence(c, P, 13, 0, &u, &hit));
+    ASSERT_EQ_I64(hit, 4);
+    /* shared via a prefix hit */
+    ASSERT_OK(kvc_cache_truncate(c, u, 2));
+    ASSERT_OK(kvc_cache_get_stats(c, &st0));
+    ASSERT_OK(kvc_cache_append(c, u, Z, 1, NULL));
+    ASSERT_OK(kvc_cache_get_stats(c, &st));
+    ASSERT_EQ_I64(st.cow_copies, st0.cow_copies + 1);
+    ASSERT_OK(kvc_cache_truncate(c, u, 0));
+    ASSERT_OK(kvc_cache_seq_len(c, u, &hit));
+    ASSERT_EQ_I64(hit, 0);
+    ASSERT_OK(kvc_cache_check(c));
+    kvc_cache_destroy(c);
+    return 0;
+}
+
+/* ---- failures leave everything unchanged -------------------------------------------------------- */
+
+#define SNAP_MAX 64
+typedef struct snap {
+    kvc_cache_stats st;
+    int64_t n;
+    int32_t indptr[SNAP_MAX + 1], idx[1024], last[SNAP_MAX];
+} snap;
+
+static int take_snap(kvc_cache *c, const kvc_seq_id *ids, int64_t n, snap *s) {
+    memset(s, 0, sizeof *s);
+    if (kvc_cache_get_stats(c, &s->st) != KVC_OK) return 1;
+    s->st.failed_allocs = 0;
+    return kvc_cache_page_table(c, ids, n, s->indptr, s->idx, 1024, s->last, &s->n) != KVC_OK;
+}
+
+TEST(no_space_changes_nothing) {
+    kvc_cache *c;
+    kvc_cache_params p = small_params(4, 6);
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    int32_t P[24];
+    for (int i = 0; i < 24; i++) P[i] = i;
+    kvc_seq_id ids[3];
+    int64_t hit;
+    ASSERT_OK(kvc_cache_add_sequence(c, P, 9, 0, &ids[0], &hit)); /* 3 pages */
+    ASSERT_OK(kvc_cache_fork(c, ids[0], &ids[1]));
+    ASSERT_OK(kvc_cache_add_sequence(c, P + 12, 8, 0, &ids[2], &hit)); /* 2 pages */
+    ASSERT_OK(kvc_cache_free_sequence(c, ids[2]));                   /* 2 cached */
+    ASSERT_OK(kvc_cache_add_sequence(c, P + 12, 8, 0, &ids[2], &hit)); /* hits 1 */
+    ASSERT_EQ_I64(hit, 4); /* its second page duplicates the cached one */
+    /* 0 free + 1 cached page left */
+    snap a, b;
+    ASSERT_TRUE(take_snap(c, ids, 3, &a) == 0);
+    kvc_seq_id s;
+    ASSERT_STATUS(kvc_cache_add_sequence(c, P, 24, 1, &s, &hit), KVC_ERR_NO_SPACE);
+    ASSERT_STATUS(kvc_cache_append(c, ids[0], P, 8, NULL), KVC_ERR_NO_SPACE);
+    ASSERT_OK(kvc_cache_append(c, ids[2], P, 4, NULL)); /* evicts the cached page */
+    ASSERT_TRUE(take_snap(c, ids, 3, &a) == 0);
+    /* CoW needs a page too */
+    ASSERT_STATUS(kvc_cache_append(c, ids[1], P, 1, NULL), KVC_ERR_NO_SPACE);
+    ASSERT_STATUS(kvc_cache_add_sequence(c, P, 1, 0, &s, &hit), KVC_ERR_NO_SPACE);
+    ASSERT_TRUE(take_snap(c, ids, 3, &b) == 0);
+    ASSERT_MEM_EQ(&a, &b, sizeof a);
+    kvc_cache_stats st;
+    ASSERT_OK(kvc_cache_get_stats(c, &st));
+    ASSERT_EQ_I64(st.failed_allocs, 4);
+    ASSERT_OK(kvc_cache_check(c));
+    /* a hit on a cached page must count against what is available */
+    /* (the duplicate took the evicted page's place in the index) */
+    ASSERT_OK(kvc_cache_free_sequence(c, ids[2])); /* 3 pages cached */
+    ASSERT_OK(kvc_cache_get_stats(c, &st));
+    ASSERT_EQ_I64(st.cached_pages, 3);
+    ASSERT_EQ_I64(st.free_pages, 0);
+    int32_t Q[13] = {12, 13, 14, 15, 16, 17, 18, 19, 0, 1, 2, 3, 4};
+    ASSERT_STATUS(kvc_cache_add_sequence(c, Q, 13, 0, &s, &hit), KVC_ERR_NO_SPACE);
+    ASSERT_OK(kvc_cache_add_sequence(c, Q, 12, 0, &s, &hit)); /* 2 hits + 1 new */
+    ASSERT_EQ_I64(hit, 8);
+    ASSERT_OK(kvc_cache_check(c));
+    kvc_cache_destroy(c);
+    return 0;
+}
+
+TEST(nomem_every_allocation_site) {
+    counting k = {0, 0, 0};
+    kvc_cache_params p = small_params(2, 1024);
+    p.allocator.alloc = c_alloc;
+    p.allocator.free = c_free;
+    p.allocator.user = &k;
+    kvc_cache *c = NULL;
+    int n;
+    for (n = 1;; n++) {
+        k.calls = 0;
+        k.fail_at = n;
+        kvc_status st = kvc_cache_create(&p, &c);
+        if (st == KVC_OK) break;
+        ASSERT_EQ_I64(st, KVC_ERR_NOMEM);
+        ASSERT_EQ_I64(k.live, 0);
+        ASSERT_TRUE(n < 100);
+    }
+    ASSERT_TRUE(n > 5); /* struct, storage, pages, free stack, tokens, buckets */
+    k.fail_at = 0;
+    int32_t P[64];
+    for (int i = 0; i < 64; i++) P[i] = i % 7;
+    kvc_seq_id ids[SNAP_MAX];
+    int64_t nids = 0, hit;
+    int sites = 0;
+    /* ops: 0 add, 1 append (grows the table), 2 fork; many sequences grow the id array */
+    for (int round = 0; round < 40; round++) {
+        int op = round % 3;
+        if (nids == 0) op = 0;
+        for (n = 1;; n++) {
+            snap a, b;
+            k.fail_at = 0;
+            ASSERT_TRUE(take_snap(c, ids, nids, &a) == 0);
+            k.calls = 0;
+            k.fail_at = n;
+            kvc_status st;
+            kvc_seq_id s = -1;
+            if (op == 0) st = kvc_cache_add_sequence(c, P, 3 + round % 5, 0, &s, &hit);
+            else if (op == 1) st = kvc_cache_append(c, ids[round % nids], P, 9, NULL);
+            else st = kvc_cache_fork(c, ids[round % nids], &s);
+            k.fail_at = 0;
+            if (st == KVC_OK) {
+                if (s >= 0) ids[nids++] = s;
+                break;
+            }
+            ASSERT_EQ_I64(st, KVC_ERR_NOMEM);
+            sites++;
+            ASSERT_TRUE(take_snap(c, ids, nids, &b) == 0);
+            ASSERT_MEM_EQ(&a, &b, sizeof a);
+            ASSERT_OK(kvc_cache_check(c));
+            ASSERT_TRUE(n < 10);
+        }
+        ASSERT_OK(kvc_cache_check(c));
+    }
+    ASSERT_TRUE(sites >= 20);
+    /* check itself reports NOMEM */
+    k.calls = 0;
+    k.fail_at = 1;
+    ASSERT_STATUS(kvc_cache_check(c), KVC_ERR_NOMEM);
+    k.fail_at = 0;
+    kvc_cache_destroy(c);
+    ASSERT_EQ_I64(k.live, 0);
+    return 0;
+}
+
+/* ---- randomized run against a model ------------------------------------------------------------- */
+
+#define RMAX_SEQ 24
+#define RMAX_LEN 96
+
+typedef struct mseq {
+    kvc_seq_id id;
+    int64_t len;
+    int32_t tok[RMAX_LEN];
+    uint64_t val[RMAX_LEN]; /* prefix hash up to and including token t */
+} mseq;
+
+typedef struct rt {
+    kvc_cache *c;
+    kvc_cache_params p;
+    mseq s[RMAX_SEQ];
+    int n;
+    uint64_t rng;
+} rt;
+
+static uint32_t kv_value(uint64_t v, int layer, int kv, int d) {
+    return (uint32_t)(mixv(v, layer * 4 + kv * 2 + d) >> 16);
+}
+
+/* Writes positions [from, len) of m's K/V (every layer) through its page table. */
+static int write_kv(rt *r, const mseq *m, int64_t from) {
+    int32_t ps = r->p.page_size;
+    int32_t indptr[2], idx[RMAX_LEN], last;
+    int64_t n;
+    ASSERT_OK(kvc_cache_page_table(r->c, &m->id, 1, indptr, idx, RMAX_LEN, &last, &n));
+    for (int l = 0; l < r->p.num_layers; l++) {
+        kvc_tensor kv;
+        ASSERT_OK(kvc_cache_layer_tensors(r->c, l, &kv, NULL));
+        uint32_t *d = kv.data;
+        for (int64_t t = from; t < m->len; t++)
+            for (int x = 0; x < 2; x++)
+                for (int e = 0; e < 2; e++)
+                    d[slot_off(&kv, r->p.layout, idx[t / ps], x, t % ps, 0) + e] =
+                        kv_value(m->val[t], l, x, e);
+    }
+    return 0;
+}
+
+static int verify_all(rt *r) {
+    int32_t ps = r->p.page_size;
+    for (int i = 0; i < r->n; i++) {
+        const mseq *m = &r->s[i];
+        int32_t indptr[2], idx[RMAX_LEN], last;
+        int64_t n, len;
+        ASSERT_OK(kvc_cache_seq_len(r->c, m->id, &len));
+        ASSERT_EQ_I64(len, m->len);
+        ASSERT_OK(kvc_cache_page_table(r->c, &m->id, 1, indptr, idx, RMAX_LEN, &last, &n));
+        ASSERT_EQ_I64(n, (m->len + ps - 1) / ps);
+        for (int l = 0; l < r->p.num_layers; l++) {
+            kvc_tensor kv;
+            ASSERT_OK(kvc_cache_layer_tensors(r->c, l, &kv, NULL));
+            const uint32_t *d = kv.data;
+            for (int64_t t = 0; t < m->len; t++)
+                for (int x = 0; x < 2; x++)
+                    for (int e = 0; e < 2; e++)
+                        if (d[slot_off(&kv, r->p.layout, idx[t / ps], x, t % ps, 0) + e] !=
+                            kv_value(m->val[t], l, x, e))
+                            TEST_FAIL_("seq %lld token %lld layer %d: wrong K/V",
+                                       (long long)m->id, (long long)t, l);
+        }
+    }
+    return 0;
+}
+
+static void fill_vals(mseq *m, int64_t from) {
+    for (int64_t t = from; t < m->len; t++)
+        m->val[t] = mixv(t ? m->val[t - 1] : 0x1234, m->tok[t]);
+}
+
+/* Hash bits kept by random_run's caches (narrowed to force collisions). */
+static uint64_t g_hash_mask = ~(uint64_t)0;
+
+static int random_run(int32_t ps, int64_t pages, int prefix, kvc_kv_layout lay, int steps,
+                      uint64_t seed) {
+    rt r;
+    memset(&r, 0, sizeof r);
+    r.p = small_params(ps, pages);
+    r.p.layout = lay;
+    r.p.enable_prefix_caching = prefix;
+    r.rng = seed;
+    ASSERT_OK(kvc_cache_create(&r.p, &r.c));
+    kvc__cache_set_hash_mask(r.c, g_hash_mask);
+    /* a few shared stems so that prompts repeat */
+    int32_t stems[4][RMAX_LEN];
+    for (int s = 0; s < 4; s++)
+        for (int t = 0; t < RMAX_LEN; t++) stems[s][t] = (int32_t)(test_rng_next(&r.rng) % 3);
+    int64_t hits = 0, nospace = 0;
+    for (int step = 0; step < steps; step++) {
+        uint64_t u = test_rng_next(&r.rng);
+        int op = (int)(u % 100);
+        snap a, b;
+        kvc_seq_id ids[RMAX_SEQ];
+        for (int i = 0; i < r.n; i++) ids[i] = r.s[i].id;
+        ASSERT_TRUE(take_snap(r.c, ids, r.n, &a) == 0);
+        kvc_status st = KVC_OK;
+        if (r.n == 0 || (op < 25 && r.n < RMAX_SEQ)) {
+            mseq *m = &r.s[r.n];
+            m->len = 1 + (int64_t)(test_rng_next(&r.rng) % 40);
+            const int32_t *stem = stems[test_rng_next(&r.rng) % 4];
+            int64_t keep = (int64_t)(test_rng_next(&r.rng) % (uint64_t)(m->len + 1));
+            for (int64_t t = 0; t < m->len; t++)
+                m->tok[t] = t < keep ? stem[t] : (int32_t)(test_rng_next(&r.rng) % 3);
+            fill_vals(m, 0);
+            int64_t hit = -1;
+            int with_ids = test_rng_next(&r.rng) % 8 != 0;
+            st = kvc_cache_add_sequence(r.c, with_ids ? m->tok : NULL, m->len, 0, &m->id, &hit);
+            if (st == KVC_OK) {
+                ASSERT_TRUE(hit >= 0 && hit < m->len && hit % ps == 0);
+                if (!prefix || !with_ids) ASSERT_EQ_I64(hit, 0);
+                hits += hit;
+                if (write_kv(&r, m, hit)) return 1;
+                r.n++;
+            }
+        } else {
+            int i = (int)(test_rng_next(&r.rng) % (uint64_t)r.n);
+            mseq *m = &r.s[i];
+            if (op < 65) { /* append */
+                int64_t k = 1 + (int64_t)(test_rng_next(&r.rng) % (uint64_t)(2 * ps));
+                if (m->len + k > RMAX_LEN) k = RMAX_LEN - m->len;
+                int32_t tk[RMAX_LEN], posn[RMAX_LEN];
+                for (int64_t j = 0; j < k; j++) tk[j] = (int32_t)(test_rng_next(&r.rng) % 3);
+                int with_ids = test_rng_next(&r.rng) % 10 != 0;
+                st = kvc_cache_append(r.c, m->id, with_ids ? tk : NULL, k, posn);
+                if (st == KVC_OK) {
+                    for (int64_t j = 0; j < k; j++) {
+                        ASSERT_EQ_I64(posn[j], m->len + j);
+                        m->tok[m->len + j] = tk[j];
+                    }
+                    int64_t from = m->len;
+                    m->len += k;
+                    fill_vals(m, from);
+                    if (write_kv(&r, m, from)) return 1;
+                }
+            } else if (op < 75 && r.n < RMAX_SEQ) { /* fork */
+                mseq *d = &r.s[r.n];
+                st = kvc_cache_fork(r.c, m->id, &d->id);
+                if (st == KVC_OK) {
+                    kvc_seq_id id = d->id;
+                    *d = *m;
+                    d->id = id;
+                    r.n++;
+                }
+            } else if (op < 88) { /* truncate */
+                int64_t n = (int64_t)(test_rng_next(&r.rng) % (uint64_t)(m->len + 1));
+                st = kvc_cache_truncate(r.c, m->id, n);
+                if (st == KVC_OK) m->len = n;
+            } else { /* free */
+                st = kvc_cache_free_sequence(r.c, m->id);
+                if (st == KVC_OK) {
+                    ASSERT_STATUS(kvc_cache_free_sequence(r.c, m->id), KVC_ERR_NOT_FOUND);
+                    r.s[i] = r.s[--r.n];
+                }
+            }
+        }
+        if (st == KVC_ERR_NO_SPACE) {
+            nospace++;
+            ASSERT_TRUE(take_snap(r.c, ids, r.n, &b) == 0);
+            ASSERT_MEM_EQ(&a, &b, sizeof a);
+            /* make room */
+            int i = (int)(test_rng_next(&r.rng) % (uint64_t)r.n);
+            ASSERT_OK(kvc_cache_free_sequence(r.c, r.s[i].id));
+            r.s[i] = r.s[--r.n];
+        } else {
+            ASSERT_OK(st);
+        }
+        ASSERT_OK(kvc_cache_check(r.c));
+        if (verify_all(&r)) {
+            fprintf(stderr, "  at step %d\n", step);
+            return 1;
+        }
+    }
+    kvc_cache_stats st;
+    ASSERT_OK(kvc_cache_get_stats(r.c, &st));
+    printf("  page_size %d: %d sequences live, hit %lld, evictions %lld, cow %lld, no-space %lld, used %lld\n",
+           (int)ps, r.n, (long long)hits, (long long)st.evictions, (long long)st.cow_copies,
+           (long long)nospace, (long long)st.used_pages);
+    if (prefix) {
+        ASSERT_TRUE(hits > 0);
+        ASSERT_TRUE(st.evictions > 0);
+    }
+    if (ps > 1) ASSERT_TRUE(st.cow_copies > 0);
+    ASSERT_EQ_I64(st.failed_allocs, nospace);
+    ASSERT_EQ_I64(st.hit_tokens, hits);
+    kvc_cache_destroy(r.c);
+    return 0;
+}
+
+TEST(randomized_against_model) {
+    struct { int32_t ps; int64_t pages; int prefix; kvc_kv_layout lay; } cfg[] = {
+        {4, 48, 1, KVC_NHD}, {1, 160, 1, KVC_HND}, {5, 40, 1, KVC_HND},
+        {16, 14, 1, KVC_NHD}, {4, 48, 0, KVC_NHD}, {3, 30, 1, KVC_NHD},
+    };
+    for (size_t i = 0; i < sizeof cfg / sizeof cfg[0]; i++) {
+        uint64_t seed = test_seed * 1000 + i;
+        if (random_run(cfg[i].ps, cfg[i].pages, cfg[i].prefix, cfg[i].lay, 2500, seed)) {
+            fprintf(stderr, "  (config %zu: page_size %d, seed %llu)\n", i, (int)cfg[i].ps,
+                    (unsigned long long)seed);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/*
+ * Hash collisions: with the hash narrowed to 0 or 2 bits every lookup meets
+ * pages of other prompts, so hits must be confirmed by tokens, parent and
+ * salt. Different prompts never share pages; the model run then reads every
+ * sequence's K/V back as with full hashes.
+ */
+TEST(hash_collisions_are_confirmed) {
+    kvc_cache *c;
+    kvc_cache_params p = small_params(4, 32);
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    kvc__cache_set_hash_mask(c, 0);
+    int32_t P[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9}, Q[9] = {9, 8, 7, 6, 5, 4, 3, 2, 1};
+    int32_t R[9] = {1, 2, 3, 4, 5, 6, 7, 9, 9}; /* shares P's first page only */
+    kvc_seq_id a, b;
+    int64_t hit;
+    ASSERT_OK(kvc_cache_add_sequence(c, P, 9, 0, &a, &hit));
+    ASSERT_EQ_I64(hit, 0);
+    ASSERT_OK(kvc_cache_add_sequence(c, Q, 9, 0, &b, &hit));
+    ASSERT_EQ_I64(hit, 0); /* same (zero) hash as P's pages, other tokens */
+    ASSERT_OK(kvc_cache_add_sequence(c, R, 9, 0, &b, &hit));
+    ASSERT_EQ_I64(hit, 4);
+    ASSERT_OK(kvc_cache_add_sequence(c, P, 9, 1, &b, &hit));
+    ASSERT_EQ_I64(hit, 0); /* same tokens, other salt */
+    ASSERT_OK(kvc_cache_add_sequence(c, P, 9, 0, &b, &hit));
+    ASSERT_EQ_I64(hit, 8);
+    ASSERT_OK(kvc_cache_check(c));
+    kvc_cache_destroy(c);
+    static const uint64_t masks[2] = {0, 3};
+    for (int m = 0; m < 2; m++) {
+        g_hash_mask = masks[m];
+        int bad = random_run(4, 48, 1, KVC_NHD, 1500, test_seed * 77 + (uint64_t)m);
+        g_hash_mask = ~(uint64_t)0;
+        if (bad) TEST_FAIL_("random run with hash mask %llu failed", (unsigned long long)masks[m]);
+    }
+    return 0;
+}
+
+const char *test_suite_name = "cache";
+const test_case test_suite[] = {
+    TEST_ENTRY(params),
+    TEST_ENTRY(bad_args_and_unknown_ids),
+    TEST_ENTRY(page_tables),
+    TEST_ENTRY(prefix_hits),
+    TEST_ENTRY(eviction_order),
+    TEST_ENTRY(cow_copies_data_and_scales),
+    TEST_ENTRY(truncate_and_cow),
+    TEST_ENTRY(no_space_changes_nothing),
+    TEST_ENTRY(nomem_every_allocation_site),
+    TEST_ENTRY(randomized_against_model),
+    TEST_ENTRY(hash_collisions_are_confirmed),
+    {0, 0},
+};
