@@ -8,6 +8,7 @@
  *   kvcache/paged.h  FlashInfer-compatible paged caches: page tables, appends
  *   kvcache/mask.h   packbits / segment_packbits, packed custom masks
  *   kvcache/cache.h  cache manager: page pool, sequences, forks, prefix caching
+ *   kvcache/attention.h  decode attention over the caches, state merging
  *
  * Minimal use (store one token of a float16 batch into an int8 cache):
  *
@@ -27,5 +28,6 @@
 #include "kvcache/paged.h"
 #include "kvcache/mask.h"
 #include "kvcache/cache.h"
+#include "kvcache/attention.h"
 
 #endif

@@ -7,6 +7,9 @@ Modules:
     kvcache.mask   packbits / segment_packbits / packed custom masks (re-exported)
     kvcache.cache  PagedKVCache: page pool, sequences, forks, prefix caching
                    (re-exported)
+    kvcache.attention  decode attention over the caches (single request and
+                   BatchDecodeWithPagedKVCacheWrapper), merge_state(s)
+                   (re-exported)
 
 The shared library is found through the environment variable
 ``KVCACHE_LIBRARY``, else the repository's ``build/libkvcache.so``, else the
@@ -50,6 +53,13 @@ from .paged import (
 )
 from .mask import build_packed_custom_mask, packbits, segment_packbits
 from .cache import PagedKVCache
+from .attention import (
+    BatchDecodeWithPagedKVCacheWrapper,
+    merge_state,
+    merge_state_in_place,
+    merge_states,
+    single_decode_with_kv_cache,
+)
 from . import pmx  # noqa: E402  (re-exported submodule)
 
 __version__ = version()
@@ -80,6 +90,11 @@ __all__ = [
     "segment_packbits",
     "build_packed_custom_mask",
     "PagedKVCache",
+    "merge_state",
+    "merge_state_in_place",
+    "merge_states",
+    "single_decode_with_kv_cache",
+    "BatchDecodeWithPagedKVCacheWrapper",
     "KvcacheError",
     "InvalidArgumentError",
     "UnsupportedError",

@@ -620,3 +620,38 @@ def _destroy_pools() -> None:
         for ptr, _lock in _pools.values():
             kvc_threadpool_destroy(ptr)
         _pools.clear()
+
+
+# ---------------------------------------------------------------------------
+# Attention (include/kvcache/attention.h)
+
+
+class AttnParams(ctypes.Structure):
+    """ctypes mirror of ``kvc_attn_params``."""
+
+    _fields_ = [
+        ("sm_scale", ctypes.c_float),         # 0: 1/sqrt(Dh)
+        ("logits_soft_cap", ctypes.c_float),  # > 0 enables cap * tanh(s / cap)
+        ("window_left", ctypes.c_int32),      # -1: no window
+    ]
+
+
+kvc_attn_default_params = optional_proto("kvc_attn_default_params", AttnParams)
+kvc_single_decode = optional_proto(
+    "kvc_single_decode", _c_int, _TP, _TP, _TP, _TP, _TP, ctypes.c_int32, _c_int,
+    ctypes.POINTER(AttnParams), _TP, _TP, _vp,
+)
+kvc_decode_plan_create = optional_proto(
+    "kvc_decode_plan_create", _c_int, _TP, _TP, _TP, ctypes.c_int32, ctypes.c_int32,
+    ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.POINTER(_vp),
+)
+kvc_decode_plan_destroy = optional_proto("kvc_decode_plan_destroy", None, _vp)
+kvc_decode_run = optional_proto(
+    "kvc_decode_run", _c_int, _vp, _TP, ctypes.POINTER(PagedCache), ctypes.POINTER(AttnParams),
+    _TP, _TP, _vp,
+)
+kvc_merge_state = optional_proto("kvc_merge_state", _c_int, _TP, _TP, _TP, _TP, _TP, _TP)
+kvc_merge_state_in_place = optional_proto(
+    "kvc_merge_state_in_place", _c_int, _TP, _TP, _TP, _TP, _TP,
+)
+kvc_merge_states = optional_proto("kvc_merge_states", _c_int, _TP, _TP, _TP, _TP)

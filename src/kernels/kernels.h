@@ -13,6 +13,31 @@
 
 #include "kvcache/core.h"
 
+/* Limits of one attn_decode call: head dimension (padded) and query heads. */
+#define KVC_ATTN_MAX_DIM 512
+#define KVC_ATTN_MAX_G 16
+
+/*
+ * K/V rows of one KV head for attn_decode: n consecutive keys, key i at
+ * k + i * k_stride bytes (likewise v), each row D elements of dt (F32, F16,
+ * BF16, I8 or I4); for I8/I4 the row's D / group scales (ksd: F32 or F16) at
+ * ks + i * ks_stride bytes (likewise vs, vsd).
+ *
+ * attn_decode(q, G, D, Dp, r, n, cap, m, l, acc): q (G, Dp) float32 with
+ * zeros in [D, Dp), Dp a multiple of 16 <= KVC_ATTN_MAX_DIM, G <=
+ * KVC_ATTN_MAX_G. Scores are base 2: s = q . k when cap == 0 (q already
+ * carries sm_scale * log2 e), else s = cap * tanh(q . k / cap) * log2 e (q
+ * carries sm_scale). State per head g: running max m[g] (-inf initially),
+ * sum l[g] of 2^(s - m[g]) and acc (G, Dp) of 2^(s - m[g]) * v (tail zeros
+ * kept).
+ */
+typedef struct kvc_attn_rows {
+    const void *k, *v, *ks, *vs;
+    int64_t k_stride, v_stride, ks_stride, vs_stride; /* bytes */
+    kvc_dtype dt, ksd, vsd;
+    int group;
+} kvc_attn_rows;
+
 typedef struct kvc_kernels {
     kvc_isa isa;
     /* Copies n bytes (no overlap). A plain vector loop: glibc's memcpy takes
@@ -30,6 +55,13 @@ typedef struct kvc_kernels {
     /* Inverse: y = (float)q * scale converted to yd. */
     void (*dequantize)(const void *q, int bits, const void *scale, kvc_dtype sd, int64_t n,
                        int g, void *y, kvc_dtype yd);
+    /* Decode attention over n keys for G query heads sharing one KV head
+     * (src/kernels/attn_body.h): continues the online-softmax state (m, l,
+     * acc) of those heads. Unlike the kernels above, ISAs are not bitwise
+     * identical here (float sums in vector order, polynomial exp2); each ISA
+     * is deterministic and matches the scalar one to float32 rounding. */
+    void (*attn_decode)(const float *q, int G, int D, int Dp, const struct kvc_attn_rows *r,
+                        int64_t n, float cap, float *m, float *l, float *acc);
 } kvc_kernels;
 
 /* The table for the current ISA (kvc_get_isa()). */

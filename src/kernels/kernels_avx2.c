@@ -19,6 +19,7 @@
  * called with constant dtypes), so no dtype switch runs per element.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -351,8 +352,99 @@ static void quantize_avx2(const void *x, kvc_dtype xd, int64_t n, int bits, int 
     kvc__kernels_scalar()->quantize(x, xd, n, bits, g, q, scale, sd);
 }
 
+/* ---- decode attention (attn_body.h, 8 lanes) ----------------------------- */
+
+/* One K/V row -> D floats. Float rows: plain widening (a NaN stays a NaN, its
+ * payload does not matter here). Quantized rows with group % 8 == 0: one
+ * scale per 8 lanes; other groups go element by element. */
+static void ab_row_to_f32(const void *src, kvc_dtype dt, const void *sc, kvc_dtype sd, int g,
+                          int D, float *dst) {
+    int e = 0;
+    switch (dt) {
+    case KVC_F32:
+        for (; e + 8 <= D; e += 8) _mm256_storeu_ps(dst + e, _mm256_loadu_ps((const float *)src + e));
+        for (; e < D; e++) dst[e] = ((const float *)src)[e];
+        return;
+    case KVC_F16:
+        for (; e + 8 <= D; e += 8)
+            _mm256_storeu_ps(dst + e, _mm256_cvtph_ps(_mm_loadu_si128(
+                                          (const __m128i *)((const uint16_t *)src + e))));
+        for (; e < D; e++) dst[e] = kvc_f16_to_f32(((const uint16_t *)src)[e]);
+        return;
+    case KVC_BF16:
+        for (; e + 8 <= D; e += 8)
+            _mm256_storeu_ps(dst + e, bf16x8_to_f32(_mm_loadu_si128(
+                                          (const __m128i *)((const uint16_t *)src + e))));
+        for (; e < D; e++) dst[e] = kvc_bf16_to_f32(((const uint16_t *)src)[e]);
+        return;
+    default: break;
+    }
+    const uint8_t *qb = src;
+    if (g % 8 == 0) {
+        for (; e + 8 <= D; e += 8) {
+            const __m256i v = dt == KVC_I8 ? i8x8_load((const int8_t *)src + e) : i4x8_load(qb + e / 2);
+            _mm256_storeu_ps(dst + e, _mm256_mul_ps(_mm256_cvtepi32_ps(v),
+                                                    _mm256_set1_ps(scale_load(sc, sd, e / g))));
+        }
+    }
+    for (; e < D; e++) {
+        int iv;
+        if (dt == KVC_I8) {
+            iv = ((const int8_t *)src)[e];
+        } else {
+            unsigned nib = (e & 1) ? (qb[e >> 1] >> 4) : (qb[e >> 1] & 0xf);
+            iv = (int)nib - ((nib & 8) ? 16 : 0);
+        }
+        dst[e] = (float)iv * scale_load(sc, sd, e / g);
+    }
+}
+
+KVC_INLINE float hsum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+
+/* 2^x for x <= 0: x = n + f, |f| <= 1/2, Cephes' degree-6 polynomial for
+ * 2^f (relative error ~2e-7) times 2^n built in the exponent bits; exactly
+ * 0 below -126 (and for -inf). */
+KVC_INLINE __m256 exp2_8(__m256 x) {
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+    const __m256 n = _mm256_round_ps(x, RNE);
+    const __m256 f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+
+typedef __m256 ab_vec;
+#define AB_VL 8
+#define AB_LOAD(p) _mm256_load_ps(p)
+#define AB_STORE(p, v) _mm256_store_ps((p), (v))
+#define AB_ZERO() _mm256_setzero_ps()
+#define AB_SET1(x) _mm256_set1_ps(x)
+#define AB_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define AB_MUL(a, b) _mm256_mul_ps((a), (b))
+#define AB_ADD(a, b) _mm256_add_ps((a), (b))
+#define AB_SUB(a, b) _mm256_sub_ps((a), (b))
+#define AB_MAX(a, b) _mm256_max_ps((a), (b))
+#define AB_HSUM(v) hsum8(v)
+#define AB_HMAX(v) hmax8(v)
+#define AB_EXP2(v) exp2_8(v)
+#define AB_NAME attn_decode_avx2
+#include "attn_body.h"
+
 static const kvc_kernels table = {
     KVC_ISA_AVX2, copy_avx2, convert_avx2, all_finite_avx2, quantize_avx2, dequantize_avx2,
+    attn_decode_avx2,
 };
 
 const kvc_kernels *kvc__kernels_avx2(void) { return &table; }

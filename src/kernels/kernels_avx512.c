@@ -23,6 +23,7 @@
  * called with constant dtypes), so no dtype switch runs per element.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -524,8 +525,101 @@ static void quantize_avx512(const void *x, kvc_dtype xd, int64_t n, int bits, in
     kvc__kernels_scalar()->quantize(x, xd, n, bits, g, q, scale, sd);
 }
 
+/* ---- decode attention (attn_body.h, 16 lanes) ---------------------------- */
+
+/* One K/V row -> D floats (dst padded to a multiple of 16: the last step
+ * stores 16 lanes, zeros past D). Float rows: plain widening (a NaN stays a
+ * NaN). Quantized rows with group % 8 == 0: scales per 8-lane half; other
+ * groups element by element. */
+static void ab_row_to_f32(const void *src, kvc_dtype dt, const void *sc, kvc_dtype sd, int g,
+                          int D, float *dst) {
+    int e = 0;
+    switch (dt) {
+    case KVC_F32:
+        for (; e < D; e += 16)
+            _mm512_store_ps(dst + e, _mm512_maskz_loadu_ps(D - e >= 16 ? ALL16 : lanes(D - e),
+                                                           (const float *)src + e));
+        return;
+    case KVC_F16:
+        for (; e + 16 <= D; e += 16)
+            _mm512_store_ps(dst + e, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                         (const __m256i *)((const uint16_t *)src + e))));
+        if (e < D)
+            _mm512_store_ps(dst + e, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                                         lanes(D - e), (const uint16_t *)src + e)));
+        return;
+    case KVC_BF16:
+        for (; e < D; e += 16) {
+            const __m256i h = _mm256_maskz_loadu_epi16(D - e >= 16 ? ALL16 : lanes(D - e),
+                                                       (const uint16_t *)src + e);
+            _mm512_store_ps(dst + e, bf16x16_to_f32(h));
+        }
+        return;
+    default: break;
+    }
+    const int bits = dt == KVC_I8 ? 8 : 4;
+    const uint8_t *qb = src;
+    if (g % 8 == 0) {
+        for (; e < D; e += 16) {
+            const __mmask16 m = D - e >= 16 ? ALL16 : lanes(D - e);
+            const float s0 = scale_load(sc, sd, e / g);
+            const float s1 = e + 8 < D ? scale_load(sc, sd, (e + 8) / g) : s0;
+            const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1);
+            const __m512 v = _mm512_cvtepi32_ps(q16_load(src, bits, e, m));
+            _mm512_store_ps(dst + e, _mm512_mul_ps(v, sv));
+        }
+        return;
+    }
+    for (; e < D; e++) {
+        int iv;
+        if (dt == KVC_I8) {
+            iv = ((const int8_t *)src)[e];
+        } else {
+            unsigned nib = (e & 1) ? (qb[e >> 1] >> 4) : (qb[e >> 1] & 0xf);
+            iv = (int)nib - ((nib & 8) ? 16 : 0);
+        }
+        dst[e] = (float)iv * scale_load(sc, sd, e / g);
+    }
+}
+
+/* 2^x for x <= 0 (see kernels_avx2.c exp2_8): exactly 0 below -126. */
+KVC_INLINE __m512 exp2_16(__m512 x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, RNE);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i e =
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
+}
+
+typedef __m512 ab_vec;
+#define AB_VL 16
+#define AB_LOAD(p) _mm512_load_ps(p)
+#define AB_STORE(p, v) _mm512_store_ps((p), (v))
+#define AB_ZERO() _mm512_setzero_ps()
+#define AB_SET1(x) _mm512_set1_ps(x)
+#define AB_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define AB_MUL(a, b) _mm512_mul_ps((a), (b))
+#define AB_ADD(a, b) _mm512_add_ps((a), (b))
+#define AB_SUB(a, b) _mm512_sub_ps((a), (b))
+#define AB_MAX(a, b) _mm512_max_ps((a), (b))
+#define AB_HSUM(v) _mm512_reduce_add_ps(v)
+#define AB_HMAX(v) _mm512_reduce_max_ps(v)
+#define AB_EXP2(v) exp2_16(v)
+#define AB_NAME attn_decode_avx512
+#include "attn_body.h"
+
 static const kvc_kernels table = {
     KVC_ISA_AVX512, copy_avx512, convert_avx512, all_finite_avx512, quantize_avx512, dequantize_avx512,
+    attn_decode_avx512,
 };
 
 const kvc_kernels *kvc__kernels_avx512(void) { return &table; }

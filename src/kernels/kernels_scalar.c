@@ -89,8 +89,50 @@ static void dequantize_ref(const void *q, int bits, const void *scale, kvc_dtype
     }
 }
 
+/* ---- decode attention (attn_body.h with 1-lane "vectors") ---------------- */
+
+static inline float ab_elem(const void *src, kvc_dtype dt, int64_t e) {
+    const uint8_t *qb = src;
+    switch (dt) {
+    case KVC_I8: return (float)((const int8_t *)src)[e];
+    case KVC_I4: {
+        unsigned nib = (e & 1) ? (qb[e >> 1] >> 4) : (qb[e >> 1] & 0xf);
+        return (float)((int)nib - ((nib & 8) ? 16 : 0));
+    }
+    default: return load_f32(src, dt, e);
+    }
+}
+
+static void ab_row_to_f32(const void *src, kvc_dtype dt, const void *sc, kvc_dtype sd, int g,
+                          int D, float *dst) {
+    if (dt == KVC_I8 || dt == KVC_I4) {
+        for (int e = 0; e < D; e++) dst[e] = ab_elem(src, dt, e) * load_f32(sc, sd, e / g);
+    } else {
+        for (int e = 0; e < D; e++) dst[e] = load_f32(src, dt, e);
+    }
+}
+
+typedef float ab_vec;
+#define AB_VL 1
+#define AB_LOAD(p) (*(p))
+#define AB_STORE(p, v) (*(p) = (v))
+#define AB_ZERO() 0.0f
+#define AB_SET1(x) (x)
+#define AB_FMA(a, b, c) ((a) * (b) + (c))
+#define AB_MUL(a, b) ((a) * (b))
+#define AB_ADD(a, b) ((a) + (b))
+#define AB_SUB(a, b) ((a) - (b))
+#define AB_MAX(a, b) ((a) > (b) ? (a) : (b))
+#define AB_HSUM(v) (v)
+#define AB_HMAX(v) (v)
+#define AB_EXP2(v) ab_exp2(v)
+static inline float ab_exp2(float x) { return x < -126.0f ? 0.0f : exp2f(x); }
+#define AB_NAME attn_decode_ref
+#include "attn_body.h"
+
 static const kvc_kernels table = {
     KVC_ISA_SCALAR, copy_ref, convert_ref, all_finite_ref, quantize_ref, dequantize_ref,
+    attn_decode_ref,
 };
 
 const kvc_kernels *kvc__kernels_scalar(void) { return &table; }

@@ -163,4 +163,8 @@ int bench_append(const bench_opts *o);
  * returns a CLI exit status. */
 int bench_cache(const bench_opts *o);
 
+/* `kvcache bench attention` (kvc_decode_run per layer, K/V read bandwidth
+ * vs a plain read): returns a CLI exit status. */
+int bench_attention(const bench_opts *o);
+
 #endif

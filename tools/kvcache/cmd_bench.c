@@ -133,9 +133,9 @@ int cmd_bench(int argc, char **argv) {
         target = argv[1];
         first = 2;
         if (strcmp(target, "pmx") != 0 && strcmp(target, "append") != 0 &&
-            strcmp(target, "cache") != 0) {
+            strcmp(target, "cache") != 0 && strcmp(target, "attention") != 0) {
             fprintf(stderr,
-                    "kvcache: bench: unknown target '%s' (known: pmx, append, cache)\n\n%s",
+                    "kvcache: bench: unknown target '%s' (known: pmx, append, cache, attention)\n\n%s",
                     target, bench_usage);
             return CLI_EXIT_USAGE;
         }
@@ -214,6 +214,7 @@ int cmd_bench(int argc, char **argv) {
     if (o.time_s == 0) o.time_s = o.quick ? 0.01 : 0.3;
     o.membw_bytes = (size_t)(o.quick ? 64 : 256) << 20;
     if (strcmp(target, "cache") == 0) return bench_cache(&o);
+    if (strcmp(target, "attention") == 0) return bench_attention(&o);
     if (strcmp(target, "append") == 0) {
         if (o.caches == 0) o.caches = BENCH_CACHE_F16 | BENCH_CACHE_INT8;
         return bench_append(&o);

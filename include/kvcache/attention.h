@@ -1,0 +1,106 @@
+/*
+ * Attention over kvcache storage (SEMANTICS section 5): decode (one query
+ * token per request) reading K/V in place from float32/float16/bfloat16 or
+ * int8/int4 caches (dequantized on the fly, never copied), and merging of
+ * attention states by log-sum-exp.
+ *
+ *   s_j = sm_scale * q . k_j           (sm_scale 0 means 1/sqrt(Dh))
+ *   s_j = cap * tanh(s_j / cap)        when logits_soft_cap > 0
+ *   o   = sum_j softmax(s)_j v_j       softmax in float32
+ *   lse = log2(sum_j 2^(s_j * log2 e))  (base 2, FlashInfer's convention)
+ * Query head h reads KV head h / (Hq / H) (Hq % H == 0). window_left = w >= 0
+ * keeps keys j >= kv_len - 1 - w (the query is the last position). A request
+ * with no visible key gives o = 0 and lse = -inf, never NaN.
+ *
+ * Every call validates first and writes nothing on error. Results do not
+ * depend on the thread count (work is split in fixed chunks of keys). Unlike
+ * the storage kernels, decode results differ in the last bits between ISAs
+ * (summation order, polynomial exp2); each ISA is deterministic. Head
+ * dimensions up to 512 are supported (KVC_ERR_UNSUPPORTED above).
+ */
+#ifndef KVCACHE_ATTENTION_H
+#define KVCACHE_ATTENTION_H
+
+#include "kvcache/core.h"
+#include "kvcache/paged.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kvc_attn_params {
+    float sm_scale;        /* 0: 1/sqrt(Dh) */
+    float logits_soft_cap; /* > 0 enables cap * tanh(s / cap) */
+    int32_t window_left;   /* -1: no window */
+} kvc_attn_params;
+
+KVC_API kvc_attn_params kvc_attn_default_params(void);
+
+/*
+ * One request, one query token.
+ *   q         (Hq, Dh) float32/float16/bfloat16
+ *   k, v      NHD (kv_len, H, Dh) or HND (H, kv_len, Dh): float32, float16,
+ *             bfloat16, int8 or int4 (then k_scale/v_scale of the same shape
+ *             with last dim Dh / quant_group, float32 or float16)
+ *   out       (Hq, Dh) float32/float16/bfloat16; lse (Hq) float32 or NULL
+ */
+KVC_API kvc_status kvc_single_decode(const kvc_tensor *q, const kvc_tensor *k,
+                                     const kvc_tensor *v, const kvc_tensor *k_scale,
+                                     const kvc_tensor *v_scale, int32_t quant_group,
+                                     kvc_kv_layout layout, const kvc_attn_params *params,
+                                     kvc_tensor *out, kvc_tensor *lse, kvc_threadpool *pool);
+
+/*
+ * Batched decode over a paged cache, split like FlashInfer's wrapper: a plan
+ * per batch composition (validates the page table, partitions work: long
+ * requests are split into chunks of keys that threads process separately and
+ * merge by log-sum-exp), then run per layer with no allocation.
+ */
+typedef struct kvc_decode_plan kvc_decode_plan;
+
+/* kv_indptr (B+1), kv_indices, kv_last_page_len (B): int32 CSR page table
+ * (copied into the plan). n_threads: the pool size run will be called with
+ * (work is partitioned for it; results do not depend on it). */
+KVC_API kvc_status kvc_decode_plan_create(const kvc_tensor *kv_indptr,
+                                          const kvc_tensor *kv_indices,
+                                          const kvc_tensor *kv_last_page_len,
+                                          int32_t num_qo_heads, int32_t num_kv_heads,
+                                          int32_t head_dim, int32_t page_size, int32_t n_threads,
+                                          kvc_decode_plan **out);
+KVC_API void kvc_decode_plan_destroy(kvc_decode_plan *plan); /* NULL is a no-op */
+
+/*
+ *   q      (B, Hq, Dh) float32/float16/bfloat16
+ *   cache  paged cache (kvc_paged_cache: NHD/HND, any storage dtype, with
+ *          scales for int8/int4); page ids must lie inside it
+ *   out    (B, Hq, Dh); lse (B, Hq) float32 or NULL
+ */
+KVC_API kvc_status kvc_decode_run(kvc_decode_plan *plan, const kvc_tensor *q,
+                                  const kvc_paged_cache *cache, const kvc_attn_params *params,
+                                  kvc_tensor *out, kvc_tensor *lse, kvc_threadpool *pool);
+
+/*
+ * Attention-state merging (SEMANTICS section 5): with m = max(s_a, s_b),
+ * w_a = 2^(s_a - m), w_b = 2^(s_b - m): v = (w_a v_a + w_b v_b) / (w_a + w_b),
+ * s = m + log2(w_a + w_b); two empty states (-inf) give v = 0, s = -inf.
+ *   v_a, v_b, v_out  (N, H, D) float32/float16/bfloat16 (same dtype)
+ *   s_a, s_b, s_out  (N, H) float32
+ */
+KVC_API kvc_status kvc_merge_state(const kvc_tensor *v_a, const kvc_tensor *s_a,
+                                   const kvc_tensor *v_b, const kvc_tensor *s_b,
+                                   kvc_tensor *v_out, kvc_tensor *s_out);
+
+/* v, s updated with (v_other, s_other); mask (N) uint8 or NULL: rows with
+ * mask 0 are left unchanged. */
+KVC_API kvc_status kvc_merge_state_in_place(kvc_tensor *v, kvc_tensor *s,
+                                            const kvc_tensor *v_other,
+                                            const kvc_tensor *s_other, const kvc_tensor *mask);
+
+/* Folds n states: v (N, n, H, D), s (N, n, H) -> v_out (N, H, D), s_out (N, H). */
+KVC_API kvc_status kvc_merge_states(const kvc_tensor *v, const kvc_tensor *s, kvc_tensor *v_out,
+                                    kvc_tensor *s_out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

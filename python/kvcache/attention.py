@@ -1,0 +1,431 @@
+"""Decode attention over kvcache storage and attention-state merging
+(SEMANTICS section 5), mirroring FlashInfer's Python API:
+
+- :func:`merge_state`, :func:`merge_state_in_place`, :func:`merge_states`
+  (``flashinfer.cascade``);
+- :func:`single_decode_with_kv_cache` (``flashinfer.decode``);
+- :class:`BatchDecodeWithPagedKVCacheWrapper` (plan once per batch
+  composition, run once per layer).
+
+Math (float32 inside, whatever the storage dtype)::
+
+    s_j = sm_scale * q . k_j              sm_scale defaults to 1/sqrt(Dh)
+    s_j = cap * tanh(s_j / cap)           when logits_soft_cap > 0
+    o   = sum_j softmax(s)_j v_j
+    lse = log2(sum_j exp(s_j))            base 2 (FlashInfer's convention)
+
+Query head ``h`` reads KV head ``h // (Hq // H)``. ``window_left = w >= 0``
+keeps the last ``w + 1`` keys. A request with no key gives ``o = 0`` and
+``lse = -inf``, never NaN. Outputs have q's dtype; lse is float32.
+
+KV storage: float32, float16, ``ml_dtypes.bfloat16``, int8, or int4 given as
+a **uint8** array with last dimension ``Dh / 2`` (element ``2i`` in the low
+nibble); int8/int4 need scales (float32 or float16, the cache's shape with
+last dimension ``Dh / quant_group``) and are dequantized on the fly
+(SEMANTICS section 1).
+
+Every call validates its arguments before writing anything and raises
+:class:`kvcache.InvalidArgumentError` on bad input (outputs, and for
+:func:`merge_state_in_place` ``v``/``s``, are then untouched).
+``num_threads=None`` uses every CPU; results do not depend on the thread
+count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+
+from . import _lib
+from .errors import InvalidArgumentError
+from .paged import _layout_code, _paged_cache
+
+__all__ = [
+    "merge_state",
+    "merge_state_in_place",
+    "merge_states",
+    "single_decode_with_kv_cache",
+    "BatchDecodeWithPagedKVCacheWrapper",
+]
+
+_F32 = np.dtype(np.float32)
+_U8 = np.dtype(np.uint8)
+_KV_CODES = (_lib.KVC_F32, _lib.KVC_F16, _lib.KVC_BF16, _lib.KVC_I8, _lib.KVC_U8)
+_SCALE_CODES = (_lib.KVC_F32, _lib.KVC_F16)
+
+
+def _ref(t):
+    return ctypes.byref(t) if t is not None else None
+
+
+# ---------------------------------------------------------------------------
+# Attention-state merging
+
+
+def _v_array(x, name: str) -> np.ndarray:
+    return _lib.input_array(x, name, _lib.FLOAT_CODES)
+
+
+def _s_array(x, name: str) -> np.ndarray:
+    """A read-only lse input as float32 (FlashInfer casts s to float32)."""
+    arr = _lib.as_array(x, name)
+    if arr.dtype.kind not in "fiu" and _lib.dtype_code(arr.dtype) not in _lib.FLOAT_CODES:
+        raise InvalidArgumentError(f"{name}: unsupported dtype {arr.dtype}")
+    if arr.dtype != _F32:
+        arr = arr.astype(_F32)
+    return _lib.input_array(arr, name, (_lib.KVC_F32,))
+
+
+def _ndim(arr: np.ndarray, name: str, ndim: int, what: str) -> None:
+    if arr.ndim != ndim:
+        raise InvalidArgumentError(f"{name} must be {what}, got shape {arr.shape}")
+
+
+def merge_state(v_a, s_a, v_b, s_b):
+    """Merges two attention states (flashinfer.merge_state).
+
+    With ``m = max(s_a, s_b)``, ``w_a = 2^(s_a - m)``, ``w_b = 2^(s_b - m)``:
+    ``v = (w_a v_a + w_b v_b) / (w_a + w_b)``, ``s = m + log2(w_a + w_b)``;
+    two empty states (``-inf``) give ``v = 0``, ``s = -inf``.
+
+    Args:
+        v_a, v_b: (N, H, D), same dtype: float32, float16 or bfloat16.
+        s_a, s_b: (N, H) base-2 log-sum-exps (cast to float32), finite or -inf.
+
+    Returns:
+        (v (N, H, D) of v_a's dtype, s (N, H) float32).
+    """
+    va = _v_array(v_a, "v_a")
+    vb = _v_array(v_b, "v_b")
+    sa = _s_array(s_a, "s_a")
+    sb = _s_array(s_b, "s_b")
+    _ndim(va, "v_a", 3, "(N, H, D)")
+    v = np.empty(va.shape, va.dtype)
+    s = np.empty(va.shape[:2], _F32)
+    ts = [_lib.make_tensor(a) for a in (va, sa, vb, sb, v, s)]
+    _lib.check(_lib.kvc_merge_state(*(ctypes.byref(t) for t in ts)))
+    return v, s
+
+
+def merge_state_in_place(v, s, v_other, s_other, mask=None) -> None:
+    """Merges (v_other, s_other) into (v, s) in place
+    (flashinfer.merge_state_in_place).
+
+    Args:
+        v: (N, H, D) float32/float16/bfloat16 numpy array, updated in place.
+        s: (N, H) float32 numpy array, updated in place.
+        v_other: (N, H, D), v's dtype.
+        s_other: (N, H) (cast to float32).
+        mask: optional (N) booleans (or integers, nonzero = merge): rows with
+            mask False are left unchanged (and not read).
+    """
+    v = _lib.inplace_array(v, "v")
+    s = _lib.inplace_array(s, "s")
+    if s.dtype != _F32:
+        raise InvalidArgumentError(f"s must be float32 (it is updated in place), got {s.dtype}")
+    vo = _v_array(v_other, "v_other")
+    so = _s_array(s_other, "s_other")
+    mask_t = None
+    if mask is not None:
+        m = _lib.as_array(mask, "mask")
+        if m.dtype.kind not in "biu":
+            raise InvalidArgumentError(f"mask must hold booleans or integers, got {m.dtype}")
+        m = np.ascontiguousarray(m != 0, dtype=np.uint8)
+        mask_t = _lib.make_tensor(m)
+    ts = [_lib.make_tensor(a) for a in (v, s, vo, so)]
+    _lib.check(_lib.kvc_merge_state_in_place(*(ctypes.byref(t) for t in ts), _ref(mask_t)))
+
+
+def merge_states(v, s):
+    """Folds n attention states per row (flashinfer.merge_states).
+
+    Args:
+        v: (N, n, H, D) float32/float16/bfloat16.
+        s: (N, n, H) (cast to float32), finite or -inf.
+
+    Returns:
+        (v (N, H, D) of v's dtype, s (N, H) float32); rows whose states are
+        all empty (or n == 0) give v = 0, s = -inf.
+    """
+    va = _v_array(v, "v")
+    sa = _s_array(s, "s")
+    _ndim(va, "v", 4, "(N, n, H, D)")
+    vo = np.empty((va.shape[0], va.shape[2], va.shape[3]), va.dtype)
+    so = np.empty((va.shape[0], va.shape[2]), _F32)
+    ts = [_lib.make_tensor(a) for a in (va, sa, vo, so)]
+    _lib.check(_lib.kvc_merge_states(*(ctypes.byref(t) for t in ts)))
+    return vo, so
+
+
+# ---------------------------------------------------------------------------
+# Parameters
+
+
+def _attn_params(sm_scale, logits_soft_cap, window_left) -> _lib.AttnParams:
+    p = _lib.AttnParams()
+    if sm_scale is None:
+        p.sm_scale = 0.0  # C: 1/sqrt(Dh)
+    else:
+        try:
+            x = float(sm_scale)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"sm_scale must be a number or None, got "
+                                       f"{sm_scale!r}") from exc
+        if not math.isfinite(x) or x == 0.0:
+            raise InvalidArgumentError(f"sm_scale must be finite and nonzero (None: "
+                                       f"1/sqrt(head_dim)), got {sm_scale!r}")
+        p.sm_scale = x
+    if logits_soft_cap is None:
+        p.logits_soft_cap = 0.0
+    else:
+        try:
+            c = float(logits_soft_cap)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"logits_soft_cap must be a number or None, got "
+                                       f"{logits_soft_cap!r}") from exc
+        if not math.isfinite(c) or c < 0.0:
+            raise InvalidArgumentError(f"logits_soft_cap must be finite and >= 0 (0 or None: "
+                                       f"no cap), got {logits_soft_cap!r}")
+        p.logits_soft_cap = c
+    w = _lib.int32_attr(window_left, "window_left")
+    if w < -1:
+        raise InvalidArgumentError(f"window_left must be -1 (no window) or >= 0, got {w}")
+    p.window_left = w
+    return p
+
+
+def _kv_array(x, name: str):
+    """(array, tensor) for a read-only K or V input; uint8 means packed int4."""
+    arr = _lib.input_array(x, name, _KV_CODES)
+    return arr, _lib.make_tensor(arr, int4=arr.dtype == _U8)
+
+
+def _threads(num_threads) -> int:
+    pool, _lock = _lib.threadpool(num_threads)
+    return int(_lib.kvc_threadpool_n_threads(pool))
+
+
+# ---------------------------------------------------------------------------
+# Single request
+
+
+def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", sm_scale=None, logits_soft_cap=None,
+                                window_left=-1, return_lse=False, k_scale=None, v_scale=None,
+                                quant_group=8, num_threads=None):
+    """Decode attention of one query token over one request's K/V
+    (flashinfer.single_decode_with_kv_cache).
+
+    Args:
+        q: (Hq, Dh) float32/float16/bfloat16.
+        k, v: (kv_len, H, Dh) for "NHD" or (H, kv_len, Dh) for "HND":
+            float32, float16, bfloat16, int8, or uint8 (packed int4, last
+            dimension Dh / 2). Hq % H == 0.
+        kv_layout: "NHD" or "HND".
+        sm_scale: None for 1/sqrt(Dh).
+        logits_soft_cap: None/0 for none, else cap * tanh(s / cap).
+        window_left: -1 for none, else only the last window_left + 1 keys.
+        return_lse: also return the base-2 log-sum-exp.
+        k_scale, v_scale: int8/int4 k/v only: float32/float16 scales, k's
+            shape with last dimension Dh / quant_group.
+        quant_group: int8/int4 group size (divides Dh, even for int4).
+        num_threads: worker threads (None: all CPUs).
+
+    Returns:
+        o (Hq, Dh) of q's dtype, or (o, lse (Hq) float32) with return_lse.
+    """
+    layout = _layout_code(kv_layout)
+    params = _attn_params(sm_scale, logits_soft_cap, window_left)
+    quant_group = _lib.int32_attr(quant_group, "quant_group")
+    qa = _lib.input_array(q, "q", _lib.FLOAT_CODES)
+    ka, k_t = _kv_array(k, "k")
+    va, v_t = _kv_array(v, "v")
+    quantized = [a.dtype in (np.dtype(np.int8), _U8) for a in (ka, va)]
+    scales = []
+    for name, sc, quant, arr in (("k_scale", k_scale, quantized[0], ka),
+                                 ("v_scale", v_scale, quantized[1], va)):
+        if sc is None:
+            if quant:
+                raise InvalidArgumentError(
+                    f"{name} is required for an int8/int4 {name[0]} (float32 or float16 "
+                    f"scales, last dimension Dh / quant_group)")
+            scales.append((None, None))
+        else:
+            if not quant:
+                raise InvalidArgumentError(
+                    f"{name} is only for int8/int4 {name[0]}; {name[0]} is {arr.dtype}")
+            sa = _lib.input_array(sc, name, _SCALE_CODES)
+            scales.append((sa, _lib.make_tensor(sa)))
+    _ndim(qa, "q", 2, "(num_qo_heads, head_dim)")
+    o = np.empty(qa.shape, qa.dtype)
+    lse = np.empty(qa.shape[:1], _F32) if return_lse else None
+    q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(o)
+    lse_t = _lib.make_tensor(lse) if lse is not None else None
+    _lib.call_pooled(
+        _lib.kvc_single_decode,
+        (ctypes.byref(q_t), ctypes.byref(k_t), ctypes.byref(v_t), _ref(scales[0][1]),
+         _ref(scales[1][1]), quant_group, layout, ctypes.byref(params), ctypes.byref(o_t),
+         _ref(lse_t)),
+        num_threads)
+    del ka, va, scales
+    return (o, lse) if return_lse else o
+
+
+# ---------------------------------------------------------------------------
+# Batched decode over a paged cache
+
+_KV_TYPE_NAMES = {
+    "float32": np.dtype(np.float32), "fp32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16), "fp16": np.dtype(np.float16),
+    "half": np.dtype(np.float16), "int8": np.dtype(np.int8), "int4": _U8, "uint8": _U8,
+}
+
+
+def _data_type(x, name: str, allow_quant: bool):
+    """numpy dtype for a plan's q_data_type / kv_data_type (None: any)."""
+    if x is None:
+        return None
+    if isinstance(x, str):
+        key = x.strip().lower()
+        if key in ("bfloat16", "bf16"):
+            dt = _lib.resolve_dtype("bfloat16")
+        elif key in _KV_TYPE_NAMES:
+            dt = _KV_TYPE_NAMES[key]
+        else:
+            raise InvalidArgumentError(f"{name}: unknown dtype {x!r}")
+    else:
+        dt = _lib.resolve_dtype(x)
+    code = _lib.dtype_code(dt)
+    allowed = _KV_CODES if allow_quant else _lib.FLOAT_CODES
+    if code not in allowed:
+        raise InvalidArgumentError(f"{name}: unsupported dtype {dt}")
+    return dt
+
+
+class BatchDecodeWithPagedKVCacheWrapper:
+    """Batched decode (one query token per request) over a paged cache
+    (flashinfer.BatchDecodeWithPagedKVCacheWrapper).
+
+    ``plan`` validates and copies the page table and partitions the work (do
+    it once per batch composition); ``run`` computes attention for one layer
+    and may be called any number of times after it.
+
+    Args:
+        workspace_buffer: accepted for FlashInfer compatibility and ignored
+            (the plan owns its memory).
+        kv_layout: "NHD" or "HND".
+        num_threads: worker threads (None: all CPUs); fixed for the wrapper
+            because plan partitions work for it.
+    """
+
+    def __init__(self, workspace_buffer=None, kv_layout="NHD", *, num_threads=None):
+        self._layout_name = kv_layout
+        self._layout = _layout_code(kv_layout)
+        self._num_threads = _threads(num_threads)
+        self._plan = None  # kvc_decode_plan pointer
+        self._info = None
+
+    @property
+    def kv_layout(self) -> str:
+        return "NHD" if self._layout == _lib.KVC_NHD else "HND"
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+             page_size, kv_data_type=None, quant_group=8, q_data_type=None, sm_scale=None,
+             logits_soft_cap=None, window_left=-1) -> None:
+        """Plans decode for one batch composition.
+
+        Args:
+            indptr (B+1), indices (indptr[B]), last_page_len (B): the CSR page
+                table (int32 after conversion; validated).
+            num_qo_heads, num_kv_heads, head_dim, page_size: ints
+                (num_qo_heads % num_kv_heads == 0).
+            kv_data_type: optional cache dtype that run checks ("float32",
+                "float16", "bfloat16", "int8", "int4" (uint8 arrays), or a
+                numpy dtype).
+            quant_group: int8/int4 caches: group size of the scales.
+            q_data_type: optional q dtype that run checks.
+            sm_scale, logits_soft_cap, window_left: as
+                single_decode_with_kv_cache.
+        """
+        params = _attn_params(sm_scale, logits_soft_cap, window_left)
+        kv_dt = _data_type(kv_data_type, "kv_data_type", True)
+        q_dt = _data_type(q_data_type, "q_data_type", False)
+        quant_group = _lib.int32_attr(quant_group, "quant_group")
+        ints = [_lib.int32_attr(x, n) for x, n in (
+            (num_qo_heads, "num_qo_heads"), (num_kv_heads, "num_kv_heads"),
+            (head_dim, "head_dim"), (page_size, "page_size"))]
+        idx = [_lib.int32_array(x, n) for x, n in (
+            (indptr, "indptr"), (indices, "indices"), (last_page_len, "last_page_len"))]
+        ts = [_lib.make_tensor(a) for a in idx]
+        ptr = ctypes.c_void_p()
+        _lib.check(_lib.kvc_decode_plan_create(
+            ctypes.byref(ts[0]), ctypes.byref(ts[1]), ctypes.byref(ts[2]), *ints,
+            self._num_threads, ctypes.byref(ptr)))
+        self._free_plan()
+        self._plan = ptr.value
+        batch = idx[0].shape[0] - 1 if idx[0].ndim == 1 and idx[0].size else 0
+        self._info = {
+            "batch_size": batch, "num_qo_heads": ints[0], "num_kv_heads": ints[1],
+            "head_dim": ints[2], "page_size": ints[3], "kv_data_type": kv_dt,
+            "q_data_type": q_dt, "quant_group": quant_group, "params": params,
+        }
+
+    def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False):
+        """Decode attention for one layer.
+
+        Args:
+            q: (B, num_qo_heads, head_dim) float32/float16/bfloat16.
+            paged_kv_cache: one array (max_pages, 2, page_size, H, Dh) (NHD)
+                / (max_pages, 2, H, page_size, Dh) (HND), or a (k_cache,
+                v_cache) pair of (max_pages, page_size, H, Dh) /
+                (max_pages, H, page_size, Dh) arrays, as for
+                append_paged_kv_cache; uint8 means int4.
+            kv_scale: int8/int4 caches only (required there): scales
+                mirroring the cache (one array or a pair), last dimension
+                Dh / quant_group.
+            return_lse: also return the base-2 log-sum-exp.
+
+        Returns:
+            o (B, num_qo_heads, head_dim) of q's dtype, or (o, lse (B,
+            num_qo_heads) float32) with return_lse.
+        """
+        if self._plan is None:
+            raise InvalidArgumentError("BatchDecodeWithPagedKVCacheWrapper.run: call plan() first")
+        info = self._info
+        qa = _lib.input_array(q, "q", _lib.FLOAT_CODES)
+        if info["q_data_type"] is not None and qa.dtype != info["q_data_type"]:
+            raise InvalidArgumentError(f"q is {qa.dtype} but plan() was given q_data_type "
+                                       f"{info['q_data_type']}")
+        pc, keep = _paged_cache(paged_kv_cache, kv_scale, self._layout_name,
+                                info["quant_group"], True)
+        kv_dt = info["kv_data_type"]
+        if kv_dt is not None:
+            arrays = keep[:1] if isinstance(paged_kv_cache, np.ndarray) else keep[:2]
+            for a in arrays:
+                if a.dtype != kv_dt:
+                    raise InvalidArgumentError(f"paged_kv_cache is {a.dtype} but plan() was "
+                                               f"given kv_data_type {kv_dt}")
+        _ndim(qa, "q", 3, "(batch_size, num_qo_heads, head_dim)")
+        o = np.empty(qa.shape, qa.dtype)
+        lse = np.empty(qa.shape[:2], _F32) if return_lse else None
+        q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(o)
+        lse_t = _lib.make_tensor(lse) if lse is not None else None
+        _lib.call_pooled(
+            _lib.kvc_decode_run,
+            (self._plan, ctypes.byref(q_t), ctypes.byref(pc), ctypes.byref(info["params"]),
+             ctypes.byref(o_t), _ref(lse_t)),
+            self._num_threads)
+        del keep
+        return (o, lse) if return_lse else o
+
+    def _free_plan(self) -> None:
+        if self._plan is not None:
+            _lib.kvc_decode_plan_destroy(self._plan)
+            self._plan = None
+
+    def __del__(self):
+        try:
+            self._free_plan()
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass

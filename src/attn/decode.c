@@ -1,0 +1,569 @@
+/*
+ * Decode attention (attention.h, SEMANTICS section 5): one query token per
+ * request over a contiguous (single) or paged KV cache.
+ *
+ * Work is split into tasks (request, KV head, chunk of ATTN_CHUNK key
+ * positions). A task converts the G = Hq / H query heads of its group to
+ * float32 (pre-scaled so the softmax runs in base 2), walks its chunk's keys
+ * as runs of consecutive slots (a page at most) and hands each run to the
+ * kernel table's attn_decode, which reads K/V in place (dequantizing on the
+ * fly) and carries an online-softmax state (max, sum, accumulators). A
+ * request with one chunk writes its output directly; longer ones write
+ * partial states that a second pass merges by log-sum-exp in chunk order.
+ * Chunks are fixed positions, so the output does not depend on n_threads.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvcache/attention.h"
+#include "../core/internal.h"
+#include "../kernels/kernels.h"
+#include "../paged/paged_internal.h"
+
+#define ATTN_CHUNK 256 /* key positions per task: fixed, never from n_threads */
+#define LOG2E 1.4426950408889634f
+
+/* ---- shared engine -------------------------------------------------------- */
+
+/* Strides (elements) of one K/V-like tensor: page (0 for single), token, head. */
+typedef struct attn_view {
+    const char *data;
+    kvc_dtype dt;
+    int64_t page_st, tok_st, head_st;
+} attn_view;
+
+typedef struct attn_ctx {
+    int64_t B, Hq, H, G, D, Dp;
+    attn_view k, v, ks, vs;
+    int quant, group;
+    /* pages: request b's page j is indices[indptr[b] + j]; single: one page */
+    const int32_t *indptr, *indices;
+    int64_t page_size;
+    const int64_t *len;    /* (B) tokens per request */
+    const int64_t *nch;    /* (B) chunks per request (>= 1) */
+    const int64_t *task0;  /* (B + 1) first task of request b (H tasks per chunk) */
+    const int64_t *part0;  /* (B) float offset of request b's partials (multi-chunk) */
+    float *part;           /* partial states: [chunk][head] x (D + 2): m, l, acc */
+    /* q (B, Hq, D), out (B, Hq, D), lse (B, Hq): strides in elements */
+    const char *q;
+    kvc_dtype qd;
+    int64_t q_sb, q_sh;
+    char *out;
+    kvc_dtype od;
+    int64_t o_sb, o_sh;
+    float *lse;
+    int64_t l_sb, l_sh;
+    float qscale, cap;
+    int32_t window;
+    const kvc_kernels *kern;
+} attn_ctx;
+
+static float load_elem(const char *p, kvc_dtype dt, int64_t i) {
+    switch (dt) {
+    case KVC_F16: return kvc_f16_to_f32(((const uint16_t *)(const void *)p)[i]);
+    case KVC_BF16: return kvc_bf16_to_f32(((const uint16_t *)(const void *)p)[i]);
+    default: return ((const float *)(const void *)p)[i];
+    }
+}
+
+static void store_elem(char *p, kvc_dtype dt, int64_t i, float x) {
+    switch (dt) {
+    case KVC_F16: ((uint16_t *)(void *)p)[i] = kvc_f32_to_f16(x); break;
+    case KVC_BF16: ((uint16_t *)(void *)p)[i] = kvc_f32_to_bf16(x); break;
+    default: ((float *)(void *)p)[i] = x; break;
+    }
+}
+
+/* Final output of query head hq of request b from a state (m, l, acc). */
+static void finish_head(const attn_ctx *c, int64_t b, int64_t hq, float m, float l,
+                        const float *acc) {
+    char *o = c->out + kvc__bytes(c->od, b * c->o_sb + hq * c->o_sh);
+    const int empty = !(l > 0.0f);
+    const float inv = empty ? 0.0f : 1.0f / l;
+    for (int64_t d = 0; d < c->D; d++) store_elem(o, c->od, d, empty ? 0.0f : acc[d] * inv);
+    if (c->lse) c->lse[b * c->l_sb + hq * c->l_sh] = empty ? -INFINITY : m + log2f(l);
+}
+
+/* First visible key of request b (window_left). */
+static int64_t first_key(const attn_ctx *c, int64_t b) {
+    int64_t L = c->len[b];
+    if (c->window < 0 || L - 1 - c->window <= 0) return 0;
+    return L - 1 - c->window;
+}
+
+/* Request of task t: the last b with task0[b] <= t. */
+static int64_t task_request(const attn_ctx *c, int64_t t) {
+    int64_t lo = 0, hi = c->B - 1;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo + 1) / 2;
+        if (c->task0[mid] <= t) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+static const char *view_at(const attn_view *v, int64_t page, int64_t slot, int64_t h) {
+    return v->data + kvc__bytes(v->dt, page * v->page_st + slot * v->tok_st + h * v->head_st);
+}
+
+static void prefetch_rows(const char *p, int64_t stride, int64_t n, int64_t bytes) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + i * stride + o, 0, 3);
+}
+
+/* Prefetches the K/V rows (and scales) of the run starting at key j. */
+static void prefetch_run(const attn_ctx *c, int64_t b, int64_t h, int64_t j, int64_t j1) {
+    const int64_t pj = j / c->page_size, slot = j % c->page_size;
+    int64_t n = c->page_size - slot;
+    if (n > j1 - j) n = j1 - j;
+    if (n > 32) n = 32;
+    const int64_t page = c->indices ? c->indices[c->indptr[b] + pj] : 0;
+    const int64_t rb = kvc__bytes(c->k.dt, c->D);
+    prefetch_rows(view_at(&c->k, page, slot, h), kvc__bytes(c->k.dt, c->k.tok_st), n, rb);
+    prefetch_rows(view_at(&c->v, page, slot, h), kvc__bytes(c->v.dt, c->v.tok_st), n, rb);
+    if (c->quant) {
+        const int64_t sb = kvc__bytes(c->ks.dt, c->D / c->group);
+        prefetch_rows(view_at(&c->ks, page, slot, h), kvc__bytes(c->ks.dt, c->ks.tok_st), n, sb);
+        prefetch_rows(view_at(&c->vs, page, slot, h), kvc__bytes(c->vs.dt, c->vs.tok_st), n, sb);
+    }
+}
+
+static void chunk_task(void *ctx, int64_t t) {
+    const attn_ctx *c = ctx;
+    const int64_t b = task_request(c, t), r = t - c->task0[b];
+    const int64_t nch = c->nch[b], h = r / nch, ch = r % nch;
+    const int64_t a = first_key(c, b), L = c->len[b];
+    int64_t j0 = ch * ATTN_CHUNK, j1 = j0 + ATTN_CHUNK;
+    if (j0 < a) j0 = a;
+    if (j1 > L) j1 = L;
+    float qb[KVC_ATTN_MAX_G * KVC_ATTN_MAX_DIM] __attribute__((aligned(64)));
+    float acc[KVC_ATTN_MAX_G * KVC_ATTN_MAX_DIM] __attribute__((aligned(64)));
+    float m[KVC_ATTN_MAX_G], l[KVC_ATTN_MAX_G];
+    const int64_t Dp = c->Dp, D = c->D;
+    for (int64_t g0 = 0; g0 < c->G; g0 += KVC_ATTN_MAX_G) {
+        const int ng = (int)(c->G - g0 < KVC_ATTN_MAX_G ? c->G - g0 : KVC_ATTN_MAX_G);
+        for (int g = 0; g < ng; g++) {
+            const int64_t hq = h * c->G + g0 + g;
+            const char *qr = c->q + kvc__bytes(c->qd, b * c->q_sb + hq * c->q_sh);
+            for (int64_t d = 0; d < D; d++) qb[g * Dp + d] = load_elem(qr, c->qd, d) * c->qscale;
+            for (int64_t d = D; d < Dp; d++) qb[g * Dp + d] = 0.0f;
+            memset(acc + g * Dp, 0, (size_t)Dp * sizeof(float));
+            m[g] = -INFINITY;
+            l[g] = 0.0f;
+        }
+        /* runs of consecutive slots inside one page */
+        for (int64_t j = j0; j < j1;) {
+            const int64_t pj = j / c->page_size, slot = j % c->page_size;
+            int64_t n = c->page_size - slot;
+            if (n > j1 - j) n = j1 - j;
+            const int64_t page = c->indices ? c->indices[c->indptr[b] + pj] : 0;
+            kvc_attn_rows rows;
+            rows.k = view_at(&c->k, page, slot, h);
+            rows.v = view_at(&c->v, page, slot, h);
+            rows.k_stride = kvc__bytes(c->k.dt, c->k.tok_st);
+            rows.v_stride = kvc__bytes(c->v.dt, c->v.tok_st);
+            rows.dt = c->k.dt;
+            rows.group = c->group;
+            if (c->quant) {
+                rows.ks = view_at(&c->ks, page, slot, h);
+                rows.vs = view_at(&c->vs, page, slot, h);
+                rows.ks_stride = kvc__bytes(c->ks.dt, c->ks.tok_st);
+                rows.vs_stride = kvc__bytes(c->vs.dt, c->vs.tok_st);
+                rows.ksd = c->ks.dt;
+                rows.vsd = c->vs.dt;
+            } else {
+                rows.ks = rows.vs = NULL;
+                rows.ks_stride = rows.vs_stride = 0;
+                rows.ksd = rows.vsd = KVC_F32;
+            }
+            /* The next run is on another page: prefetch its rows so the
+             * kernel does not wait on one page's latency at a time. */
+            if (j + n < j1) prefetch_run(c, b, h, j + n, j1);
+            c->kern->attn_decode(qb, ng, (int)D, (int)Dp, &rows, n, c->cap, m, l, acc);
+            j += n;
+        }
+        for (int g = 0; g < ng; g++) {
+            const int64_t hq = h * c->G + g0 + g;
+            if (nch == 1) {
+                finish_head(c, b, hq, m[g], l[g], acc + g * Dp);
+            } else {
+                float *p = c->part + c->part0[b] + (ch * c->Hq + hq) * (D + 2);
+                p[0] = m[g];
+                p[1] = l[g];
+                memcpy(p + 2, acc + g * Dp, (size_t)D * sizeof(float));
+            }
+        }
+    }
+}
+
+/* Merges the chunks of request b, KV head h (multi-chunk requests only),
+ * in chunk order. */
+static void merge_task(void *ctx, int64_t t) {
+    const attn_ctx *c = ctx;
+    const int64_t b = t / c->H, h = t % c->H, nch = c->nch[b], D = c->D;
+    if (nch == 1) return;
+    float acc[KVC_ATTN_MAX_DIM];
+    for (int64_t g = 0; g < c->G; g++) {
+        const int64_t hq = h * c->G + g;
+        const float *p0 = c->part + c->part0[b] + hq * (D + 2);
+        const int64_t cst = c->Hq * (D + 2);
+        float M = -INFINITY;
+        for (int64_t ch = 0; ch < nch; ch++) {
+            const float *p = p0 + ch * cst;
+            if (p[1] > 0.0f && p[0] > M) M = p[0];
+        }
+        float Ls = 0.0f;
+        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+        if (M != -INFINITY) {
+            for (int64_t ch = 0; ch < nch; ch++) {
+                const float *p = p0 + ch * cst;
+                if (!(p[1] > 0.0f)) continue;
+                const float w = exp2f(p[0] - M);
+                Ls += w * p[1];
+                for (int64_t d = 0; d < D; d++) acc[d] += w * p[2 + d];
+            }
+        }
+        finish_head(c, b, hq, M, Ls, acc);
+    }
+}
+
+static void attn_execute(attn_ctx *c, kvc_threadpool *pool) {
+    c->kern = kvc__kernels();
+    kvc__parallel_for(pool, c->task0[c->B], chunk_task, c);
+    int multi = 0;
+    for (int64_t b = 0; b < c->B && !multi; b++) multi = c->nch[b] > 1;
+    if (multi) kvc__parallel_for(pool, c->B * c->H, merge_task, c);
+}
+
+static int64_t chunks_of(int64_t L) { return L <= ATTN_CHUNK ? 1 : (L + ATTN_CHUNK - 1) / ATTN_CHUNK; }
+
+/* ---- validation ------------------------------------------------------------ */
+
+static int is_float(kvc_dtype d) { return d == KVC_F32 || d == KVC_F16 || d == KVC_BF16; }
+
+static kvc_status check_params(const char *fn, const kvc_attn_params *p, int64_t D,
+                               kvc_attn_params *out) {
+    *out = p ? *p : kvc_attn_default_params();
+    KVC_CHECK(isfinite(out->sm_scale), "%s: sm_scale must be finite", fn);
+    KVC_CHECK(isfinite(out->logits_soft_cap) && out->logits_soft_cap >= 0.0f,
+              "%s: logits_soft_cap must be finite and >= 0 (0 disables it)", fn);
+    KVC_CHECK(out->window_left >= -1, "%s: window_left %d must be >= -1", fn,
+              (int)out->window_left);
+    if (out->sm_scale == 0.0f) out->sm_scale = (float)(1.0 / sqrt((double)D));
+    return KVC_OK;
+}
+
+static kvc_status check_shape(const char *fn, const char *name, const kvc_tensor *t, int ndim,
+                              const int64_t *shape) {
+    char buf[128];
+    KVC_TRY(kvc__check_tensor(t, name, 1));
+    int ok = t->ndim == ndim;
+    for (int i = 0; ok && i < ndim; i++) ok = t->shape[i] == shape[i];
+    if (!ok) {
+        char want[128];
+        int n = 0;
+        want[0] = '\0';
+        for (int i = 0; i < ndim; i++)
+            n += snprintf(want + n, sizeof want - (size_t)n, "%s%lld", i ? ", " : "",
+                          (long long)shape[i]);
+        return kvc__error(KVC_ERR_INVALID_ARG, "%s: %s has shape %s, expected (%s)", fn, name,
+                          kvc__shape_str(t, buf, sizeof buf), want);
+    }
+    return KVC_OK;
+}
+
+/* q/out/lse: q and out of shape qshape (ndim 2 or 3) float dtypes, lse of
+ * qshape without the last dim, float32. */
+static kvc_status check_io(const char *fn, const kvc_tensor *q, kvc_tensor *out, kvc_tensor *lse,
+                           int ndim, const int64_t *qshape) {
+    KVC_TRY(check_shape(fn, "q", q, ndim, qshape));
+    KVC_CHECK(is_float(q->dtype), "%s: q must be float32, float16 or bfloat16, not %s", fn,
+              kvc_dtype_name(q->dtype));
+    KVC_CHECK(out != NULL, "%s: out is NULL", fn);
+    KVC_TRY(check_shape(fn, "out", out, ndim, qshape));
+    KVC_CHECK(is_float(out->dtype), "%s: out must be float32, float16 or bfloat16, not %s", fn,
+              kvc_dtype_name(out->dtype));
+    if (lse) {
+        KVC_TRY(check_shape(fn, "lse", lse, ndim - 1, qshape));
+        KVC_CHECK(lse->dtype == KVC_F32, "%s: lse must be float32, not %s", fn,
+                  kvc_dtype_name(lse->dtype));
+    }
+    return KVC_OK;
+}
+
+/* K/V pair of the same shape and a storage dtype; scales for int8/int4. */
+static kvc_status check_kv(const char *fn, const kvc_tensor *k, const kvc_tensor *v,
+                           const kvc_tensor *ks, const kvc_tensor *vs, int32_t group, int ndim) {
+    char b1[128], b2[128];
+    KVC_CHECK(k != NULL && v != NULL, "%s: k and v must not be NULL", fn);
+    KVC_TRY(kvc__check_tensor(k, "k", 1));
+    KVC_TRY(kvc__check_tensor(v, "v", 1));
+    KVC_CHECK(k->ndim == ndim, "%s: k must be %d-D, not %d-D", fn, ndim, (int)k->ndim);
+    int same = v->ndim == k->ndim && v->dtype == k->dtype;
+    for (int i = 0; same && i < ndim; i++) same = k->shape[i] == v->shape[i];
+    KVC_CHECK(same, "%s: k %s %s and v %s %s must match in shape and dtype", fn,
+              kvc_dtype_name(k->dtype), kvc__shape_str(k, b1, sizeof b1), kvc_dtype_name(v->dtype),
+              kvc__shape_str(v, b2, sizeof b2));
+    const kvc_dtype dt = k->dtype;
+    KVC_CHECK(is_float(dt) || dt == KVC_I8 || dt == KVC_I4,
+              "%s: k/v dtype %s is not a cache storage dtype (float32, float16, bfloat16, int8, "
+              "int4)",
+              fn, kvc_dtype_name(dt));
+    if (dt != KVC_I8 && dt != KVC_I4) return KVC_OK;
+    const int64_t D = k->shape[ndim - 1];
+    KVC_CHECK(group > 0 && D % group == 0 && (dt != KVC_I4 || group % 2 == 0),
+              "%s: quant_group %d must divide Dh %lld (and be even for int4)", fn, (int)group,
+              (long long)D);
+    int64_t sshape[KVC_MAX_DIMS];
+    for (int i = 0; i < ndim; i++) sshape[i] = k->shape[i];
+    sshape[ndim - 1] = D / group;
+    const kvc_tensor *sc[2] = {ks, vs};
+    const char *names[2] = {"k_scale", "v_scale"};
+    for (int i = 0; i < 2; i++) {
+        KVC_CHECK(sc[i] != NULL, "%s: a %s cache needs %s", fn, kvc_dtype_name(dt), names[i]);
+        KVC_TRY(check_shape(fn, names[i], sc[i], ndim, sshape));
+        KVC_CHECK(sc[i]->dtype == KVC_F32 || sc[i]->dtype == KVC_F16,
+                  "%s: %s must be float32 or float16, not %s", fn, names[i],
+                  kvc_dtype_name(sc[i]->dtype));
+    }
+    return KVC_OK;
+}
+
+static kvc_status check_heads(const char *fn, int64_t Hq, int64_t H, int64_t D) {
+    KVC_CHECK(Hq >= 1 && H >= 1 && D >= 1, "%s: Hq %lld, H %lld and Dh %lld must be >= 1", fn,
+              (long long)Hq, (long long)H, (long long)D);
+    KVC_CHECK(Hq % H == 0, "%s: num_qo_heads %lld must be a multiple of num_kv_heads %lld", fn,
+              (long long)Hq, (long long)H);
+    if (D > KVC_ATTN_MAX_DIM)
+        return kvc__error(KVC_ERR_UNSUPPORTED, "%s: head_dim %lld > %d is not supported", fn,
+                          (long long)D, KVC_ATTN_MAX_DIM);
+    return KVC_OK;
+}
+
+static void set_io(attn_ctx *c, const kvc_tensor *q, kvc_tensor *out, kvc_tensor *lse, int batched,
+                   const kvc_attn_params *p) {
+    const int o = batched ? 1 : 0;
+    c->q = q->data;
+    c->qd = q->dtype;
+    c->q_sb = batched ? q->stride[0] : 0;
+    c->q_sh = q->stride[o];
+    c->out = out->data;
+    c->od = out->dtype;
+    c->o_sb = batched ? out->stride[0] : 0;
+    c->o_sh = out->stride[o];
+    c->lse = lse ? lse->data : NULL;
+    c->l_sb = lse && batched ? lse->stride[0] : 0;
+    c->l_sh = lse ? lse->stride[o] : 0;
+    c->cap = p->logits_soft_cap;
+    c->qscale = c->cap > 0.0f ? p->sm_scale : p->sm_scale * LOG2E;
+    c->window = p->window_left;
+    c->Dp = (c->D + 15) / 16 * 16;
+}
+
+static attn_view make_view(const kvc_tensor *t, kvc_kv_layout layout, int paged) {
+    attn_view v;
+    v.data = t->data;
+    v.dt = t->dtype;
+    const int o = paged ? 1 : 0;
+    v.page_st = paged ? t->stride[0] : 0;
+    v.tok_st = layout == KVC_NHD ? t->stride[o] : t->stride[o + 1];
+    v.head_st = layout == KVC_NHD ? t->stride[o + 1] : t->stride[o];
+    return v;
+}
+
+/* ---- public API ------------------------------------------------------------- */
+
+kvc_attn_params kvc_attn_default_params(void) {
+    kvc_attn_params p;
+    p.sm_scale = 0.0f;
+    p.logits_soft_cap = 0.0f;
+    p.window_left = -1;
+    return p;
+}
+
+kvc_status kvc_single_decode(const kvc_tensor *q, const kvc_tensor *k, const kvc_tensor *v,
+                             const kvc_tensor *k_scale, const kvc_tensor *v_scale,
+                             int32_t quant_group, kvc_kv_layout layout,
+                             const kvc_attn_params *params, kvc_tensor *out, kvc_tensor *lse,
+                             kvc_threadpool *pool) {
+    static const char fn[] = "kvc_single_decode";
+    KVC_CHECK(q != NULL, "%s: q is NULL", fn);
+    KVC_CHECK(layout == KVC_NHD || layout == KVC_HND, "%s: invalid layout %d", fn, (int)layout);
+    KVC_TRY(check_kv(fn, k, v, k_scale, v_scale, quant_group, 3));
+    const int64_t L = layout == KVC_NHD ? k->shape[0] : k->shape[1];
+    const int64_t H = layout == KVC_NHD ? k->shape[1] : k->shape[0];
+    const int64_t D = k->shape[2];
+    KVC_TRY(kvc__check_tensor(q, "q", 1));
+    KVC_CHECK(q->ndim == 2, "%s: q must be (Hq, Dh)", fn);
+    const int64_t Hq = q->shape[0];
+    const int64_t qshape[2] = {Hq, D};
+    KVC_TRY(check_io(fn, q, out, lse, 2, qshape));
+    KVC_TRY(check_heads(fn, Hq, H, D));
+    kvc_attn_params p;
+    KVC_TRY(check_params(fn, params, D, &p));
+
+    int64_t len = L, nch = chunks_of(L), task0[2] = {0, nch * H}, part0 = 0;
+    float *part = NULL;
+    if (nch > 1) {
+        part = malloc((size_t)(nch * Hq * (D + 2)) * sizeof(float));
+        if (!part) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+    }
+    attn_ctx c;
+    memset(&c, 0, sizeof c);
+    c.B = 1;
+    c.Hq = Hq;
+    c.H = H;
+    c.G = Hq / H;
+    c.D = D;
+    c.k = make_view(k, layout, 0);
+    c.v = make_view(v, layout, 0);
+    c.quant = k->dtype == KVC_I8 || k->dtype == KVC_I4;
+    if (c.quant) {
+        c.ks = make_view(k_scale, layout, 0);
+        c.vs = make_view(v_scale, layout, 0);
+        c.group = quant_group;
+    }
+    c.page_size = L > 0 ? L : 1;
+    c.len = &len;
+    c.nch = &nch;
+    c.task0 = task0;
+    c.part0 = &part0;
+    c.part = part;
+    set_io(&c, q, out, lse, 0, &p);
+    attn_execute(&c, pool);
+    free(part);
+    return KVC_OK;
+}
+
+struct kvc_decode_plan {
+    int64_t B, Hq, H, D, page_size, n_threads;
+    int64_t max_page; /* largest page id in the table, -1 if none */
+    int32_t *indptr, *indices;
+    int64_t *len, *nch, *task0, *part0;
+    float *part;
+};
+
+void kvc_decode_plan_destroy(kvc_decode_plan *plan) {
+    if (!plan) return;
+    free(plan->indptr);
+    free(plan->indices);
+    free(plan->len);
+    free(plan->nch);
+    free(plan->task0);
+    free(plan->part0);
+    free(plan->part);
+    free(plan);
+}
+
+kvc_status kvc_decode_plan_create(const kvc_tensor *kv_indptr, const kvc_tensor *kv_indices,
+                                  const kvc_tensor *kv_last_page_len, int32_t num_qo_heads,
+                                  int32_t num_kv_heads, int32_t head_dim, int32_t page_size,
+                                  int32_t n_threads, kvc_decode_plan **out) {
+    static const char fn[] = "kvc_decode_plan_create";
+    KVC_CHECK(out != NULL, "%s: out is NULL", fn);
+    KVC_CHECK(page_size >= 1, "%s: page_size %d must be >= 1", fn, (int)page_size);
+    KVC_TRY(check_heads(fn, num_qo_heads, num_kv_heads, head_dim));
+    int64_t B = 0;
+    KVC_TRY(kvc__paged_check_table(fn, kv_indptr, kv_indices, kv_last_page_len, page_size, -1, 1,
+                                   &B));
+    const int64_t n_idx = kvc__i32_1d(kv_indptr, B);
+    kvc_decode_plan *p = calloc(1, sizeof *p);
+    if (!p) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+    p->B = B;
+    p->Hq = num_qo_heads;
+    p->H = num_kv_heads;
+    p->D = head_dim;
+    p->page_size = page_size;
+    p->n_threads = n_threads;
+    p->indptr = malloc((size_t)(B + 1) * sizeof(int32_t));
+    p->indices = malloc((size_t)(n_idx > 0 ? n_idx : 1) * sizeof(int32_t));
+    p->len = malloc((size_t)(B > 0 ? B : 1) * sizeof(int64_t));
+    p->nch = malloc((size_t)(B > 0 ? B : 1) * sizeof(int64_t));
+    p->part0 = malloc((size_t)(B > 0 ? B : 1) * sizeof(int64_t));
+    p->task0 = malloc((size_t)(B + 1) * sizeof(int64_t));
+    if (!p->indptr || !p->indices || !p->len || !p->nch || !p->part0 || !p->task0) {
+        kvc_decode_plan_destroy(p);
+        return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+    }
+    p->max_page = -1;
+    for (int64_t i = 0; i < n_idx; i++) {
+        p->indices[i] = kvc__i32_1d(kv_indices, i);
+        if (p->indices[i] > p->max_page) p->max_page = p->indices[i];
+    }
+    int64_t parts = 0;
+    p->task0[0] = 0;
+    for (int64_t b = 0; b <= B; b++) p->indptr[b] = kvc__i32_1d(kv_indptr, b);
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t pages = p->indptr[b + 1] - p->indptr[b];
+        p->len[b] = pages ? (pages - 1) * page_size + kvc__i32_1d(kv_last_page_len, b) : 0;
+        p->nch[b] = chunks_of(p->len[b]);
+        p->task0[b + 1] = p->task0[b] + p->nch[b] * p->H;
+        p->part0[b] = parts;
+        if (p->nch[b] > 1) parts += p->nch[b] * p->Hq * (p->D + 2);
+    }
+    if (parts > 0) {
+        p->part = malloc((size_t)parts * sizeof(float));
+        if (!p->part) {
+            kvc_decode_plan_destroy(p);
+            return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+        }
+    }
+    *out = p;
+    return KVC_OK;
+}
+
+kvc_status kvc_decode_run(kvc_decode_plan *plan, const kvc_tensor *q,
+                          const kvc_paged_cache *cache, const kvc_attn_params *params,
+                          kvc_tensor *out, kvc_tensor *lse, kvc_threadpool *pool) {
+    static const char fn[] = "kvc_decode_run";
+    KVC_CHECK(plan != NULL && q != NULL && cache != NULL, "%s: plan, q and cache must not be NULL",
+              fn);
+    const int64_t qshape[3] = {plan->B, plan->Hq, plan->D};
+    KVC_TRY(check_io(fn, q, out, lse, 3, qshape));
+    KVC_CHECK(cache->layout == KVC_NHD || cache->layout == KVC_HND, "%s: invalid layout %d", fn,
+              (int)cache->layout);
+    const int quant = cache->k.dtype == KVC_I8 || cache->k.dtype == KVC_I4;
+    KVC_TRY(check_kv(fn, &cache->k, &cache->v, quant ? &cache->k_scale : NULL,
+                     quant ? &cache->v_scale : NULL, cache->quant_group, 4));
+    const kvc_tensor *k = &cache->k;
+    const int nhd = cache->layout == KVC_NHD;
+    const int64_t ps = nhd ? k->shape[1] : k->shape[2], H = nhd ? k->shape[2] : k->shape[1];
+    char buf[128];
+    KVC_CHECK(ps == plan->page_size && H == plan->H && k->shape[3] == plan->D,
+              "%s: cache %s (%s) does not match the plan (page_size %lld, H %lld, Dh %lld)", fn,
+              kvc__shape_str(k, buf, sizeof buf), nhd ? "NHD" : "HND", (long long)plan->page_size,
+              (long long)plan->H, (long long)plan->D);
+    KVC_CHECK(plan->max_page < k->shape[0], "%s: page id %lld outside the cache's %lld pages", fn,
+              (long long)plan->max_page, (long long)k->shape[0]);
+    kvc_attn_params p;
+    KVC_TRY(check_params(fn, params, plan->D, &p));
+
+    attn_ctx c;
+    memset(&c, 0, sizeof c);
+    c.B = plan->B;
+    c.Hq = plan->Hq;
+    c.H = plan->H;
+    c.G = plan->Hq / plan->H;
+    c.D = plan->D;
+    c.k = make_view(&cache->k, cache->layout, 1);
+    c.v = make_view(&cache->v, cache->layout, 1);
+    c.quant = quant;
+    if (quant) {
+        c.ks = make_view(&cache->k_scale, cache->layout, 1);
+        c.vs = make_view(&cache->v_scale, cache->layout, 1);
+        c.group = cache->quant_group;
+    }
+    c.indptr = plan->indptr;
+    c.indices = plan->indices;
+    c.page_size = plan->page_size;
+    c.len = plan->len;
+    c.nch = plan->nch;
+    c.task0 = plan->task0;
+    c.part0 = plan->part0;
+    c.part = plan->part;
+    set_io(&c, q, out, lse, 1, &p);
+    if (c.B > 0) attn_execute(&c, pool);
+    return KVC_OK;
+}

@@ -1,0 +1,623 @@
+/*
+ * Decode attention (attention.h) against a plain double-precision reference
+ * on the dequantized K/V: every ISA, 1 and 2 threads (bitwise identical),
+ * single and paged, all storage dtypes, GQA ratios, odd head dims, chunk
+ * boundaries, soft cap, window, lse, rejected inputs.
+ */
+#include <stdlib.h>
+
+#include "test_elems.h"
+
+/* ---- reference ------------------------------------------------------------ */
+
+typedef struct ref_in {
+    int64_t Hq, H, D, L;
+    const float *q;  /* (Hq, D) as stored (rounded to q's dtype) */
+    const double *k; /* (L, H, D) dequantized */
+    const double *v;
+    double sm_scale, cap;
+    int window;
+} ref_in;
+
+/* out (Hq, D), lse (Hq) base 2 */
+static void ref_decode(const ref_in *r, double *out, double *lse) {
+    double sc = r->sm_scale > 0 ? r->sm_scale : 1.0 / sqrt((double)r->D);
+    int64_t G = r->Hq / r->H;
+    int64_t a = 0;
+    if (r->window >= 0 && r->L - 1 - r->window > 0) a = r->L - 1 - r->window;
+    double *s = malloc(sizeof(double) * (size_t)(r->L + 1));
+    for (int64_t hq = 0; hq < r->Hq; hq++) {
+        int64_t h = hq / G;
+        double mx = -INFINITY;
+        for (int64_t j = a; j < r->L; j++) {
+            double x = 0;
+            for (int64_t d = 0; d < r->D; d++)
+                x += (double)r->q[hq * r->D + d] * r->k[(j * r->H + h) * r->D + d];
+            x *= sc;
+            if (r->cap > 0) x = r->cap * tanh(x / r->cap);
+            s[j] = x;
+            if (x > mx) mx = x;
+        }
+        double sum = 0;
+        for (int64_t j = a; j < r->L; j++) sum += exp(s[j] - mx);
+        for (int64_t d = 0; d < r->D; d++) {
+            double o = 0;
+            for (int64_t j = a; j < r->L; j++) o += exp(s[j] - mx) * r->v[(j * r->H + h) * r->D + d];
+            out[hq * r->D + d] = sum > 0 ? o / sum : 0.0;
+        }
+        lse[hq] = sum > 0 ? (mx + log(sum)) / log(2.0) : -INFINITY;
+    }
+    free(s);
+}
+
+static int is_quant(kvc_dtype dt) { return dt == KVC_I8 || dt == KVC_I4; }
+
+/* Compares out (Hq, D) of dtype od and lse with the reference. */
+static int compare(const void *out, kvc_dtype od, const float *lse, const double *ro,
+                   const double *rl, int64_t Hq, int64_t D, double tol, const char *what) {
+    for (int64_t i = 0; i < Hq * D; i++) {
+        double g = get_f(out, od, i);
+        if (!(fabs(g - ro[i]) <= tol * (1.0 + fabs(ro[i]))))
+            TEST_FAIL_("%s: out[%lld] %.9g vs ref %.9g (tol %g)", what, (long long)i, g, ro[i],
+                       tol);
+    }
+    if (lse)
+        for (int64_t h = 0; h < Hq; h++) {
+            if (isinf(rl[h])) {
+                if (!(isinf(lse[h]) && lse[h] < 0)) TEST_FAIL_("%s: lse[%lld] %g, want -inf", what,
+                                                                (long long)h, lse[h]);
+            } else if (!(fabs(lse[h] - rl[h]) <= tol * (1.0 + fabs(rl[h])))) {
+                TEST_FAIL_("%s: lse[%lld] %.9g vs ref %.9g", what, (long long)h, lse[h], rl[h]);
+            }
+        }
+    return 0;
+}
+
+/* ---- single decode cases ------------------------------------------------------ */
+
+typedef struct sd_case {
+    kvc_dtype kd, sd, qd, od;
+    kvc_kv_layout layout;
+    int64_t Hq, H, D, L;
+    int group;
+    float cap, sm_scale;
+    int window;
+    float qmag; /* query magnitude (large: stability) */
+} sd_case;
+
+static int run_single(const sd_case *c, uint64_t seed) {
+    const int64_t Hq = c->Hq, H = c->H, D = c->D, L = c->L, pad = 8;
+    /* storage with the head dim padded (non-contiguous rows) */
+    const int64_t Dst = D + pad, n = L * H * Dst;
+    const int q8 = is_quant(c->kd);
+    const int64_t ng = q8 ? D / c->group : 0;
+    uint64_t rng = seed;
+    void *kb = calloc(1, dt_bytes(c->kd, n) + 16), *vb = calloc(1, dt_bytes(c->kd, n) + 16);
+    void *ksb = calloc(1, dt_bytes(c->sd, L * H * (ng + 1)) + 16),
+         *vsb = calloc(1, dt_bytes(c->sd, L * H * (ng + 1)) + 16);
+    void *qb = calloc(1, dt_bytes(c->qd, Hq * D) + 16);
+    float *qf = calloc((size_t)(Hq * D), sizeof(float));
+    double *kr = calloc((size_t)(L * H * D + 1), sizeof(double)),
+           *vr = calloc((size_t)(L * H * D + 1), sizeof(double));
+    double *ro = calloc((size_t)(Hq * D), sizeof(double)), *rl = calloc((size_t)Hq, sizeof(double));
+    void *ob = calloc(1, dt_bytes(c->od, Hq * D) + 16), *ob2 = calloc(1, dt_bytes(c->od, Hq * D) + 16);
+    float *lse = calloc((size_t)Hq, sizeof(float)), *lse2 = calloc((size_t)Hq, sizeof(float));
+    int rc = 0;
+    fill_random(qb, c->qd, Hq * D, &rng, c->qmag);
+    for (int64_t i = 0; i < Hq * D; i++) qf[i] = get_f(qb, c->qd, i);
+    /* element (j, h, d) offset in storage */
+#define SOFF(j, h, d) (c->layout == KVC_NHD ? ((j) * H + (h)) * Dst + (d) : ((h) * L + (j)) * Dst + (d))
+#define SCOFF(j, h, e) (c->layout == KVC_NHD ? ((j) * H + (h)) * ng + (e) : ((h) * L + (j)) * ng + (e))
+    for (int kv = 0; kv < 2; kv++) {
+        void *st = kv ? vb : kb, *ss = kv ? vsb : ksb;
+        double *rr = kv ? vr : kr;
+        for (int64_t j = 0; j < L; j++)
+            for (int64_t h = 0; h < H; h++) {
+                if (q8)
+                    for (int64_t e = 0; e < ng; e++)
+                        set_f(ss, c->sd, SCOFF(j, h, e), 0.002f + 0.01f * fabsf(test_rng_f32(&rng)));
+                for (int64_t d = 0; d < D; d++) {
+                    float x = test_rng_f32(&rng);
+                    if (c->kd == KVC_I8) x = rintf(x * 127.0f);
+                    if (c->kd == KVC_I4) x = rintf(x * 7.0f);
+                    set_f(st, c->kd, SOFF(j, h, d), x);
+                    double val = get_f(st, c->kd, SOFF(j, h, d));
+                    if (q8) val *= get_f(ss, c->sd, SCOFF(j, h, d / c->group));
+                    rr[(j * H + h) * D + d] = val;
+                }
+            }
+    }
+    ref_in ri = {Hq, H, D, L, qf, kr, vr, c->sm_scale, c->cap, c->window};
+    ref_decode(&ri, ro, rl);
+    const int int16 = c->kd == KVC_F16 || c->kd == KVC_BF16 || c->qd != KVC_F32 || c->od != KVC_F32;
+    double tol = (c->kd == KVC_BF16 || c->qd == KVC_BF16 || c->od == KVC_BF16) ? 1e-2
+                 : int16                                                        ? 1e-3
+                                                                                : 1e-5;
+    int64_t tsh[3], tst[3], ssh[3], sst[3];
+    if (c->layout == KVC_NHD) {
+        tsh[0] = L, tsh[1] = H, tsh[2] = D;
+        tst[0] = H * Dst, tst[1] = Dst, tst[2] = 1;
+        ssh[0] = L, ssh[1] = H, ssh[2] = ng;
+        sst[0] = H * ng, sst[1] = ng, sst[2] = 1;
+    } else {
+        tsh[0] = H, tsh[1] = L, tsh[2] = D;
+        tst[0] = L * Dst, tst[1] = Dst, tst[2] = 1;
+        ssh[0] = H, ssh[1] = L, ssh[2] = ng;
+        sst[0] = L * ng, sst[1] = ng, sst[2] = 1;
+    }
+    kvc_tensor tk = kvc_tensor_make(kb, c->kd, 3, tsh), tv = kvc_tensor_make(vb, c->kd, 3, tsh);
+    memcpy(tk.stride, tst, sizeof tst);
+    memcpy(tv.stride, tst, sizeof tst);
+    kvc_tensor tks = kvc_tensor_make(ksb, c->sd, 3, ssh), tvs = kvc_tensor_make(vsb, c->sd, 3, ssh);
+    memcpy(tks.stride, sst, sizeof sst);
+    memcpy(tvs.stride, sst, sizeof sst);
+    int64_t qsh[2] = {Hq, D};
+    kvc_tensor tq = kvc_tensor_make(qb, c->qd, 2, qsh);
+    kvc_tensor to = kvc_tensor_make(ob, c->od, 2, qsh), to2 = kvc_tensor_make(ob2, c->od, 2, qsh);
+    kvc_tensor tl = kvc_tensor_make(lse, KVC_F32, 1, &Hq), tl2 = kvc_tensor_make(lse2, KVC_F32, 1, &Hq);
+    kvc_attn_params p = kvc_attn_default_params();
+    p.sm_scale = c->sm_scale;
+    p.logits_soft_cap = c->cap;
+    p.window_left = c->window;
+    char what[160];
+    snprintf(what, sizeof what, "%s/%s %s q %s out %s Hq %lld H %lld D %lld L %lld cap %g w %d isa %s",
+             kvc_dtype_name(c->kd), kvc_dtype_name(c->sd), c->layout == KVC_NHD ? "NHD" : "HND",
+             kvc_dtype_name(c->qd), kvc_dtype_name(c->od), (long long)Hq, (long long)H,
+             (long long)D, (long long)L, c->cap, c->window, kvc_isa_name(kvc_get_isa()));
+    kvc_status st = kvc_single_decode(&tq, &tk, &tv, q8 ? &tks : NULL, q8 ? &tvs : NULL, c->group,
+                                      c->layout, &p, &to, &tl, test_pool(1));
+    if (st != KVC_OK) {
+        fprintf(stderr, "  %s: %s\n", what, kvc_last_error());
+        rc = 1;
+    }
+    if (!rc) rc = compare(ob, c->od, lse, ro, rl, Hq, D, tol, what);
+    if (!rc) {
+        st = kvc_single_decode(&tq, &tk, &tv, q8 ? &tks : NULL, q8 ? &tvs : NULL, c->group,
+                               c->layout, &p, &to2, &tl2, test_pool(2));
+        if (st != KVC_OK || memcmp(ob, ob2, dt_bytes(c->od, Hq * D)) != 0 ||
+            memcmp(lse, lse2, (size_t)Hq * 4) != 0) {
+            fprintf(stderr, "  %s: 2 threads differ from 1 thread\n", what);
+            rc = 1;
+        }
+    }
+#undef SOFF
+#undef SCOFF
+    free(kb), free(vb), free(ksb), free(vsb), free(qb), free(qf), free(kr), free(vr);
+    free(ro), free(rl), free(ob), free(ob2), free(lse), free(lse2);
+    return rc;
+}
+
+static sd_case base_case(void) {
+    sd_case c;
+    memset(&c, 0, sizeof c);
+    c.kd = KVC_F32;
+    c.sd = KVC_F32;
+    c.qd = KVC_F32;
+    c.od = KVC_F32;
+    c.layout = KVC_NHD;
+    c.Hq = 8;
+    c.H = 2;
+    c.D = 64;
+    c.L = 100;
+    c.group = 16;
+    c.window = -1;
+    c.qmag = 1.0f;
+    return c;
+}
+
+#define RUN(c)                                                                                     \
+    do {                                                                                           \
+        if (run_single(&(c), test_seed + 17) != 0) return 1;                                       \
+    } while (0)
+
+TEST(single_dtypes_layouts) {
+    const kvc_dtype dts[5] = {KVC_F32, KVC_F16, KVC_BF16, KVC_I8, KVC_I4};
+    FOR_EACH_ISA({
+        for (int di = 0; di < 5; di++)
+            for (int lay = 0; lay < 2; lay++)
+                for (int si = 0; si < (is_quant(dts[di]) ? 2 : 1); si++) {
+                    sd_case c = base_case();
+                    c.kd = dts[di];
+                    c.sd = si ? KVC_F16 : KVC_F32;
+                    c.layout = (kvc_kv_layout)lay;
+                    c.L = 300;
+                    RUN(c);
+                }
+    });
+    return 0;
+}
+
+TEST(single_lengths_dims_gqa) {
+    const int64_t lens[7] = {0, 1, 7, 255, 256, 257, 3000};
+    const int64_t dims[3] = {64, 128, 80};
+    const int64_t hq[4][2] = {{4, 4}, {8, 2}, {16, 2}, {9, 3}};
+    FOR_EACH_ISA({
+        for (int li = 0; li < 7; li++)
+            for (int di = 0; di < 3; di++)
+                for (int gi = 0; gi < 4; gi++) {
+                    if (lens[li] == 3000 && (di != 1 || gi == 0)) continue; /* keep it quick */
+                    sd_case c = base_case();
+                    c.kd = (li + di + gi) % 2 ? KVC_F16 : KVC_I8;
+                    c.sd = KVC_F16;
+                    c.L = lens[li];
+                    c.D = dims[di];
+                    c.Hq = hq[gi][0];
+                    c.H = hq[gi][1];
+                    RUN(c);
+                }
+    });
+    return 0;
+}
+
+TEST(single_odd_groups_and_dims) {
+    FOR_EACH_ISA({
+        sd_case c = base_case();
+        c.kd = KVC_I4;
+        c.D = 36;
+        c.group = 4; /* group % 8 != 0: the element path */
+        c.L = 40;
+        RUN(c);
+        c.kd = KVC_I8;
+        c.group = 12;
+        RUN(c);
+        c.kd = KVC_F16;
+        c.D = 20;
+        RUN(c);
+        c.kd = KVC_I4;
+        c.D = 80;
+        c.group = 8;
+        RUN(c);
+    });
+    return 0;
+}
+
+TEST(single_softcap_window_scale) {
+    FOR_EACH_ISA({
+        sd_case c = base_case();
+        c.L = 600;
+        c.cap = 2.0f;
+        c.qmag = 8.0f;
+        RUN(c);
+        c.cap = 0.0f;
+        c.window = 0;
+        RUN(c);
+        c.window = 37;
+        RUN(c);
+        c.window = 300; /* crosses a chunk boundary */
+        RUN(c);
+        c.window = 5000;
+        RUN(c);
+        c.window = 100;
+        c.cap = 30.0f;
+        c.sm_scale = 0.5f;
+        c.kd = KVC_I8;
+        RUN(c);
+    });
+    return 0;
+}
+
+TEST(single_io_dtypes) {
+    FOR_EACH_ISA({
+        sd_case c = base_case();
+        c.qd = KVC_F16;
+        c.od = KVC_F16;
+        c.kd = KVC_F16;
+        RUN(c);
+        c.qd = KVC_BF16;
+        c.od = KVC_BF16;
+        RUN(c);
+        c.qd = KVC_F32;
+        c.od = KVC_F16;
+        c.kd = KVC_I4;
+        c.sd = KVC_F16;
+        c.L = 513;
+        RUN(c);
+    });
+    return 0;
+}
+
+TEST(single_large_logits) {
+    FOR_EACH_ISA({
+        sd_case c = base_case();
+        c.qmag = 400.0f; /* scores in the thousands: needs the running max */
+        c.L = 700;
+        c.D = 128;
+        RUN(c);
+        c.kd = KVC_I8;
+        c.sm_scale = 3.0f;
+        RUN(c);
+    });
+    return 0;
+}
+
+/* ---- batched (paged) -------------------------------------------------------- */
+
+static int run_paged(kvc_dtype kd, kvc_dtype sd, kvc_kv_layout layout, int64_t ps, int64_t Hq,
+                     int64_t H, int64_t D, int B, const int64_t *lens, float cap, int window) {
+    const int q8 = is_quant(kd);
+    const int group = 8, pad = 16;
+    const int64_t ng = q8 ? D / group : 1;
+    uint64_t rng = test_seed * 31 + (uint64_t)ps;
+    int64_t pages_total = 0;
+    int32_t *indptr = calloc((size_t)B + 1, 4), *last = calloc((size_t)B, 4);
+    for (int b = 0; b < B; b++) {
+        int64_t np = (lens[b] + ps - 1) / ps;
+        indptr[b + 1] = (int32_t)(indptr[b] + np);
+        last[b] = (int32_t)(np ? lens[b] - (np - 1) * ps : 0);
+        pages_total += np;
+    }
+    const int64_t P = pages_total + 3; /* spare pages */
+    int32_t *indices = calloc((size_t)(pages_total + 1), 4);
+    for (int64_t i = 0; i < pages_total; i++) indices[i] = (int32_t)((i * 7 + 2) % P);
+    /* (indices distinct because gcd(7, P) may not be 1: make it a permutation) */
+    {
+        int32_t *perm = calloc((size_t)P, 4);
+        for (int64_t i = 0; i < P; i++) perm[i] = (int32_t)i;
+        for (int64_t i = P - 1; i > 0; i--) {
+            int64_t j = (int64_t)(test_rng_next(&rng) % (uint64_t)(i + 1));
+            int32_t t = perm[i];
+            perm[i] = perm[j];
+            perm[j] = t;
+        }
+        for (int64_t i = 0; i < pages_total; i++) indices[i] = perm[i];
+        free(perm);
+    }
+    /* cache (P, ps, H, D + pad) or (P, H, ps, D + pad), and K/V in separate buffers */
+    const int64_t Dst = D + pad, n = P * ps * H * Dst;
+    void *kb = calloc(1, dt_bytes(kd, n) + 16), *vb = calloc(1, dt_bytes(kd, n) + 16);
+    void *ksb = calloc(1, dt_bytes(sd, P * ps * H * ng) + 16), *vsb = calloc(1, dt_bytes(sd, P * ps * H * ng) + 16);
+#define POFF(pg, s, h, st) (layout == KVC_NHD ? (((pg) * ps + (s)) * H + (h)) * (st) : (((pg) * H + (h)) * ps + (s)) * (st))
+    int64_t Ltot = 0;
+    for (int b = 0; b < B; b++) Ltot += lens[b];
+    double *kr = calloc((size_t)(Ltot * H * D + 1), 8), *vr = calloc((size_t)(Ltot * H * D + 1), 8);
+    int64_t off = 0;
+    for (int b = 0; b < B; b++) {
+        for (int64_t j = 0; j < lens[b]; j++) {
+            int64_t pg = indices[indptr[b] + j / ps], s = j % ps;
+            for (int kv = 0; kv < 2; kv++) {
+                void *st = kv ? vb : kb, *ss = kv ? vsb : ksb;
+                double *rr = (kv ? vr : kr) + (off + j) * H * D;
+                for (int64_t h = 0; h < H; h++) {
+                    if (q8)
+                        for (int64_t e = 0; e < ng; e++)
+                            set_f(ss, sd, POFF(pg, s, h, ng) + e, 0.002f + 0.01f * fabsf(test_rng_f32(&rng)));
+                    for (int64_t d = 0; d < D; d++) {
+                        float x = test_rng_f32(&rng);
+                        if (kd == KVC_I8) x = rintf(x * 127.0f);
+                        if (kd == KVC_I4) x = rintf(x * 7.0f);
+                        int64_t e = POFF(pg, s, h, Dst) + d;
+                        set_f(st, kd, e, x);
+                        double val = get_f(st, kd, e);
+                        if (q8) val *= get_f(ss, sd, POFF(pg, s, h, ng) + d / group);
+                        rr[h * D + d] = val;
+                    }
+                }
+            }
+        }
+        off += lens[b];
+    }
+    int64_t csh[4], sh4[4];
+    if (layout == KVC_NHD) {
+        csh[0] = P, csh[1] = ps, csh[2] = H, csh[3] = D;
+        sh4[0] = P, sh4[1] = ps, sh4[2] = H, sh4[3] = ng;
+    } else {
+        csh[0] = P, csh[1] = H, csh[2] = ps, csh[3] = D;
+        sh4[0] = P, sh4[1] = H, sh4[2] = ps, sh4[3] = ng;
+    }
+    kvc_paged_cache pc;
+    memset(&pc, 0, sizeof pc);
+    pc.k = kvc_tensor_make(kb, kd, 4, csh);
+    pc.v = kvc_tensor_make(vb, kd, 4, csh);
+    for (int i = 2; i >= 0; i--) pc.k.stride[i] = pc.k.stride[i + 1] * (i == 2 ? Dst : csh[i + 1]);
+    memcpy(pc.v.stride, pc.k.stride, sizeof pc.k.stride);
+    if (q8) {
+        pc.k_scale = kvc_tensor_make(ksb, sd, 4, sh4);
+        pc.v_scale = kvc_tensor_make(vsb, sd, 4, sh4);
+    }
+    pc.layout = layout;
+    pc.quant_group = group;
+    /* q (B, Hq, D) float32 */
+    float *q = calloc((size_t)(B * Hq * D + 1), 4);
+    for (int64_t i = 0; i < B * Hq * D; i++) q[i] = test_rng_f32(&rng);
+    float *out = calloc((size_t)(B * Hq * D + 1), 4), *out2 = calloc((size_t)(B * Hq * D + 1), 4);
+    float *lse = calloc((size_t)(B * Hq + 1), 4), *lse2 = calloc((size_t)(B * Hq + 1), 4);
+    double *ro = calloc((size_t)(Hq * D), 8), *rl = calloc((size_t)Hq, 8);
+    int64_t nB = B, nB1 = B + 1, nI = pages_total, qsh[3] = {B, Hq, D}, lsh[2] = {B, Hq};
+    kvc_tensor t_indptr = kvc_tensor_make(indptr, KVC_I32, 1, &nB1),
+               t_indices = kvc_tensor_make(indices, KVC_I32, 1, &nI),
+               t_last = kvc_tensor_make(last, KVC_I32, 1, &nB);
+    kvc_tensor tq = kvc_tensor_make(q, KVC_F32, 3, qsh), to = kvc_tensor_make(out, KVC_F32, 3, qsh),
+               to2 = kvc_tensor_make(out2, KVC_F32, 3, qsh), tl = kvc_tensor_make(lse, KVC_F32, 2, lsh),
+               tl2 = kvc_tensor_make(lse2, KVC_F32, 2, lsh);
+    kvc_attn_params p = kvc_attn_default_params();
+    p.logits_soft_cap = cap;
+    p.window_left = window;
+    int rc = 0;
+    kvc_decode_plan *plan = NULL;
+    char what[160];
+    snprintf(what, sizeof what, "paged %s/%s %s ps %lld Hq %lld H %lld D %lld B %d isa %s",
+             kvc_dtype_name(kd), kvc_dtype_name(sd), layout == KVC_NHD ? "NHD" : "HND",
+             (long long)ps, (long long)Hq, (long long)H, (long long)D, B, kvc_isa_name(kvc_get_isa()));
+    for (int nt = 1; nt <= 2 && !rc; nt++) {
+        kvc_status st = kvc_decode_plan_create(&t_indptr, &t_indices, &t_last, (int32_t)Hq,
+                                               (int32_t)H, (int32_t)D, (int32_t)ps, nt, &plan);
+        if (st == KVC_OK)
+            st = kvc_decode_run(plan, &tq, &pc, &p, nt == 1 ? &to : &to2, nt == 1 ? &tl : &tl2,
+                                test_pool(nt));
+        kvc_decode_plan_destroy(plan);
+        plan = NULL;
+        if (st != KVC_OK) {
+            fprintf(stderr, "  %s: %s\n", what, kvc_last_error());
+            rc = 1;
+        }
+    }
+    if (!rc && (memcmp(out, out2, (size_t)(B * Hq * D) * 4) || memcmp(lse, lse2, (size_t)(B * Hq) * 4))) {
+        fprintf(stderr, "  %s: 2 threads differ from 1\n", what);
+        rc = 1;
+    }
+    off = 0;
+    for (int b = 0; b < B && !rc; b++) {
+        ref_in ri = {Hq, H, D, lens[b], q + b * Hq * D, kr + off * H * D, vr + off * H * D, 0, cap, window};
+        ref_decode(&ri, ro, rl);
+        double tol = kd == KVC_BF16 ? 1e-2 : kd == KVC_F16 ? 1e-3 : 1e-5;
+        rc = compare(out + b * Hq * D, KVC_F32, lse + b * Hq, ro, rl, Hq, D, tol, what);
+        off += lens[b];
+    }
+#undef POFF
+    free(indptr), free(last), free(indices), free(kb), free(vb), free(ksb), free(vsb), free(kr), free(vr);
+    free(q), free(out), free(out2), free(lse), free(lse2), free(ro), free(rl);
+    return rc;
+}
+
+TEST(paged_ragged) {
+    const int64_t lens[6] = {5, 0, 600, 1, 17, 256};
+    const kvc_dtype dts[4] = {KVC_F16, KVC_I8, KVC_I4, KVC_F32};
+    FOR_EACH_ISA({
+        for (int di = 0; di < 4; di++)
+            for (int lay = 0; lay < 2; lay++)
+                for (int psi = 0; psi < 2; psi++) {
+                    int64_t ps = psi ? 16 : 1;
+                    if (run_paged(dts[di], di == 2 ? KVC_F32 : KVC_F16, (kvc_kv_layout)lay, ps, 8,
+                                  2, 64, 6, lens, 0.0f, -1) != 0)
+                        return 1;
+                }
+        if (run_paged(KVC_I8, KVC_F16, KVC_HND, 16, 9, 3, 80, 6, lens, 5.0f, 100) != 0) return 1;
+        const int64_t one[1] = {0};
+        if (run_paged(KVC_F16, KVC_F16, KVC_NHD, 16, 4, 4, 128, 1, one, 0.0f, -1) != 0) return 1;
+    });
+    return 0;
+}
+
+/* ---- rejected inputs ----------------------------------------------------------- */
+
+TEST(rejects) {
+    float q[4 * 64], k[10 * 2 * 64], v[10 * 2 * 64], out[4 * 64], lse[4];
+    for (int i = 0; i < 4 * 64; i++) q[i] = 0.1f;
+    for (int i = 0; i < 10 * 2 * 64; i++) k[i] = v[i] = 0.2f;
+    int64_t qsh[2] = {4, 64}, ksh[3] = {10, 2, 64}, n4 = 4;
+    kvc_tensor tq = kvc_tensor_make(q, KVC_F32, 2, qsh), tk = kvc_tensor_make(k, KVC_F32, 3, ksh),
+               tv = kvc_tensor_make(v, KVC_F32, 3, ksh), to = kvc_tensor_make(out, KVC_F32, 2, qsh),
+               tl = kvc_tensor_make(lse, KVC_F32, 1, &n4);
+    memset(out, 0x5a, sizeof out);
+    memset(lse, 0x5a, sizeof lse);
+    float out0[4 * 64], lse0[4];
+    memcpy(out0, out, sizeof out);
+    memcpy(lse0, lse, sizeof lse);
+    kvc_attn_params p = kvc_attn_default_params();
+#define REJ(call)                                                                                  \
+    do {                                                                                           \
+        ASSERT_STATUS(call, KVC_ERR_INVALID_ARG);                                                  \
+        ASSERT_MEM_EQ(out, out0, sizeof out);                                                      \
+        ASSERT_MEM_EQ(lse, lse0, sizeof lse);                                                      \
+    } while (0)
+    /* Hq % H */
+    int64_t q3[2] = {3, 64};
+    kvc_tensor tq3 = kvc_tensor_make(q, KVC_F32, 2, q3), to3 = kvc_tensor_make(out, KVC_F32, 2, q3);
+    REJ(kvc_single_decode(&tq3, &tk, &tv, NULL, NULL, 0, KVC_NHD, &p, &to3, NULL, NULL));
+    /* Dh mismatch, dtype of q/out/lse */
+    int64_t q63[2] = {4, 63};
+    kvc_tensor tqb = kvc_tensor_make(q, KVC_F32, 2, q63);
+    REJ(kvc_single_decode(&tqb, &tk, &tv, NULL, NULL, 0, KVC_NHD, &p, &to, &tl, NULL));
+    tqb = tq;
+    tqb.dtype = KVC_I8;
+    REJ(kvc_single_decode(&tqb, &tk, &tv, NULL, NULL, 0, KVC_NHD, &p, &to, &tl, NULL));
+    kvc_tensor tob = to;
+    tob.dtype = KVC_I32;
+    REJ(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, &p, &tob, &tl, NULL));
+    kvc_tensor tlb = tl;
+    tlb.dtype = KVC_F16;
+    REJ(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, &p, &to, &tlb, NULL));
+    /* k/v mismatch, layout, params */
+    int64_t ksh2[3] = {9, 2, 64};
+    kvc_tensor tv2 = kvc_tensor_make(v, KVC_F32, 3, ksh2);
+    REJ(kvc_single_decode(&tq, &tk, &tv2, NULL, NULL, 0, KVC_NHD, &p, &to, &tl, NULL));
+    REJ(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, (kvc_kv_layout)7, &p, &to, &tl, NULL));
+    kvc_attn_params pb = p;
+    pb.window_left = -2;
+    REJ(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, &pb, &to, &tl, NULL));
+    pb = p;
+    pb.logits_soft_cap = NAN;
+    REJ(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, &pb, &to, &tl, NULL));
+    /* int8 without scales, bad group, bad scale shape */
+    int8_t k8[10 * 2 * 64] = {0}, v8[10 * 2 * 64] = {0};
+    float s8[10 * 2 * 8];
+    int64_t s8sh[3] = {10, 2, 8}, s8bad[3] = {10, 2, 4};
+    kvc_tensor tk8 = kvc_tensor_make(k8, KVC_I8, 3, ksh), tv8 = kvc_tensor_make(v8, KVC_I8, 3, ksh),
+               ts8 = kvc_tensor_make(s8, KVC_F32, 3, s8sh), ts8b = kvc_tensor_make(s8, KVC_F32, 3, s8bad);
+    REJ(kvc_single_decode(&tq, &tk8, &tv8, NULL, NULL, 8, KVC_NHD, &p, &to, &tl, NULL));
+    REJ(kvc_single_decode(&tq, &tk8, &tv8, &ts8, &ts8, 7, KVC_NHD, &p, &to, &tl, NULL));
+    REJ(kvc_single_decode(&tq, &tk8, &tv8, &ts8b, &ts8b, 8, KVC_NHD, &p, &to, &tl, NULL));
+    kvc_tensor ts8d = ts8;
+    ts8d.dtype = KVC_BF16;
+    REJ(kvc_single_decode(&tq, &tk8, &tv8, &ts8d, &ts8d, 8, KVC_NHD, &p, &to, &tl, NULL));
+    for (int i = 0; i < 10 * 2 * 8; i++) s8[i] = 0.01f;
+    ASSERT_OK(kvc_single_decode(&tq, &tk8, &tv8, &ts8, &ts8, 8, KVC_NHD, &p, &to, &tl, NULL));
+    memcpy(out0, out, sizeof out);
+    memcpy(lse0, lse, sizeof lse);
+
+    /* plan/run: bad table, page ids outside the cache, cache/plan mismatch */
+    int32_t indptr[3] = {0, 1, 2}, indices[2] = {0, 5}, last[2] = {1, 2};
+    int64_t n2 = 2, n3 = 3;
+    kvc_tensor ti = kvc_tensor_make(indptr, KVC_I32, 1, &n3), tx = kvc_tensor_make(indices, KVC_I32, 1, &n2),
+               tla = kvc_tensor_make(last, KVC_I32, 1, &n2);
+    kvc_decode_plan *plan = NULL;
+    last[0] = 5; /* > page_size 4 */
+    ASSERT_STATUS(kvc_decode_plan_create(&ti, &tx, &tla, 4, 2, 64, 4, 1, &plan), KVC_ERR_INVALID_ARG);
+    last[0] = 1;
+    ASSERT_STATUS(kvc_decode_plan_create(&ti, &tx, &tla, 3, 2, 64, 4, 1, &plan), KVC_ERR_INVALID_ARG);
+    ASSERT_TRUE(plan == NULL);
+    ASSERT_OK(kvc_decode_plan_create(&ti, &tx, &tla, 4, 2, 64, 4, 1, &plan));
+    float cache[4 * 4 * 2 * 64] = {0}, bq[2 * 4 * 64] = {0}, bo[2 * 4 * 64], bl[8];
+    memset(bo, 0x5a, sizeof bo);
+    memset(bl, 0x5a, sizeof bl);
+    float bo0[2 * 4 * 64], bl0[8];
+    memcpy(bo0, bo, sizeof bo);
+    memcpy(bl0, bl, sizeof bl);
+    int64_t csh[4] = {4, 4, 2, 64}, bqs[3] = {2, 4, 64}, bls[2] = {2, 4};
+    kvc_paged_cache pc;
+    memset(&pc, 0, sizeof pc);
+    pc.k = kvc_tensor_make(cache, KVC_F32, 4, csh);
+    pc.v = pc.k;
+    pc.layout = KVC_NHD;
+    kvc_tensor tbq = kvc_tensor_make(bq, KVC_F32, 3, bqs), tbo = kvc_tensor_make(bo, KVC_F32, 3, bqs),
+               tbl = kvc_tensor_make(bl, KVC_F32, 2, bls);
+    /* page 5 outside a 4-page cache */
+    ASSERT_STATUS(kvc_decode_run(plan, &tbq, &pc, &p, &tbo, &tbl, NULL), KVC_ERR_INVALID_ARG);
+    ASSERT_MEM_EQ(bo, bo0, sizeof bo);
+    ASSERT_MEM_EQ(bl, bl0, sizeof bl);
+    kvc_decode_plan_destroy(plan);
+    indices[1] = 3;
+    ASSERT_OK(kvc_decode_plan_create(&ti, &tx, &tla, 4, 2, 64, 4, 1, &plan));
+    int64_t bad[3] = {3, 4, 64};
+    kvc_tensor tbq3 = kvc_tensor_make(bq, KVC_F32, 3, bad);
+    ASSERT_STATUS(kvc_decode_run(plan, &tbq3, &pc, &p, &tbo, &tbl, NULL), KVC_ERR_INVALID_ARG);
+    kvc_paged_cache pc2 = pc;
+    pc2.layout = KVC_HND; /* now H = 4 != plan's 2 */
+    ASSERT_STATUS(kvc_decode_run(plan, &tbq, &pc2, &p, &tbo, &tbl, NULL), KVC_ERR_INVALID_ARG);
+    pc2 = pc;
+    pc2.k.dtype = KVC_I8;
+    pc2.v.dtype = KVC_I8;
+    ASSERT_STATUS(kvc_decode_run(plan, &tbq, &pc2, &p, &tbo, &tbl, NULL), KVC_ERR_INVALID_ARG);
+    ASSERT_MEM_EQ(bo, bo0, sizeof bo);
+    ASSERT_MEM_EQ(bl, bl0, sizeof bl);
+    ASSERT_OK(kvc_decode_run(plan, &tbq, &pc, &p, &tbo, &tbl, NULL));
+    kvc_decode_plan_destroy(plan);
+    kvc_decode_plan_destroy(NULL);
+    /* Dh over the supported maximum */
+    ASSERT_STATUS(kvc_decode_plan_create(&ti, &tx, &tla, 4, 2, 1024, 4, 1, &plan), KVC_ERR_UNSUPPORTED);
+#undef REJ
+    return 0;
+}
+
+const char *test_suite_name = "attn";
+const test_case test_suite[] = {
+    TEST_ENTRY(single_dtypes_layouts),
+    TEST_ENTRY(single_lengths_dims_gqa),
+    TEST_ENTRY(single_odd_groups_and_dims),
+    TEST_ENTRY(single_softcap_window_scale),
+    TEST_ENTRY(single_io_dtypes),
+    TEST_ENTRY(single_large_logits),
+    TEST_ENTRY(paged_ragged),
+    TEST_ENTRY(rejects),
+    {0, 0},
+};

@@ -1,0 +1,331 @@
+/*
+ * `kvcache bench attention`: kvc_decode_run (one decode step, one layer)
+ * over a paged NHD cache (page_size 16, pages shuffled), shapes
+ * Hq=32/H=8/Dh=128 and Hq=9/H=3/Dh=64, kv lengths 512/4096/16384, batch 1
+ * and 16, float16 / int8 / int4 caches (quant group ATT_GROUP = 32, float16
+ * scales), float16 q and out.
+ *
+ * Reports us per layer, the K/V bytes read (cache rows + scales), effective
+ * GB/s and its ratio to a plain read (vectorized sum) of a large buffer with
+ * the same thread count, interleaved with the operator in the same run.
+ * Goals: float16 >= 0.7 of the read bound at kv >= 4096; int8 at least
+ * 1.6x faster per step than float16 (same shape, batch, kv, threads).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench.h"
+#include "cli.h"
+#include "kvcache/kvcache.h"
+
+#define ATT_PAGE 16
+#define ATT_GROUP 32
+#define ATT_MEM_LIMIT ((size_t)8 << 30)
+
+typedef struct att_shape {
+    int64_t Hq, H, D;
+} att_shape;
+
+typedef struct att_case {
+    att_shape s;
+    int64_t B, L;
+    kvc_dtype dt;
+    const char *name;
+    unsigned char *k, *v, *ks, *vs;
+    uint16_t *q, *out;
+    float *lse;
+    int32_t *indptr, *indices, *last;
+    kvc_paged_cache pc;
+    kvc_tensor tq, tout, tlse, tindptr, tindices, tlast;
+    kvc_decode_plan *plan;
+    kvc_threadpool *pool;
+    kvc_status st;
+    double kv_bytes;
+} att_case;
+
+static int att_call(void *ctx) {
+    att_case *c = ctx;
+    kvc_attn_params p = kvc_attn_default_params();
+    c->st = kvc_decode_run(c->plan, &c->tq, &c->pc, &p, &c->tout, &c->tlse, c->pool);
+    return c->st != KVC_OK;
+}
+
+static uint64_t mix(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+static void free_case(att_case *c) {
+    bench_free(c->k);
+    bench_free(c->v);
+    bench_free(c->ks);
+    bench_free(c->vs);
+    bench_free(c->q);
+    bench_free(c->out);
+    free(c->lse);
+    free(c->indptr);
+    free(c->indices);
+    free(c->last);
+    kvc_decode_plan_destroy(c->plan);
+    memset(c, 0, sizeof *c);
+}
+
+static int setup(att_case *c, att_shape s, int64_t B, int64_t L, kvc_dtype dt, const char *name) {
+    memset(c, 0, sizeof *c);
+    c->s = s;
+    c->B = B;
+    c->L = L;
+    c->dt = dt;
+    c->name = name;
+    const int quant = dt != KVC_F16;
+    const int64_t pages = (L + ATT_PAGE - 1) / ATT_PAGE, P = B * pages;
+    const int64_t row = s.H * s.D, slots = P * ATT_PAGE;
+    const size_t kvb = (size_t)(slots * row * kvc_dtype_bits(dt) / 8);
+    const size_t sb = quant ? (size_t)(slots * s.H * (s.D / ATT_GROUP)) * 2 : 0;
+    c->k = bench_alloc(kvb);
+    c->v = bench_alloc(kvb);
+    if (quant) {
+        c->ks = bench_alloc(sb);
+        c->vs = bench_alloc(sb);
+    }
+    c->q = bench_alloc((size_t)(B * s.Hq * s.D) * 2);
+    c->out = bench_alloc((size_t)(B * s.Hq * s.D) * 2);
+    c->lse = calloc((size_t)(B * s.Hq), sizeof(float));
+    c->indptr = calloc((size_t)B + 1, 4);
+    c->indices = calloc((size_t)P, 4);
+    c->last = calloc((size_t)B, 4);
+    if (!c->k || !c->v || (quant && (!c->ks || !c->vs)) || !c->q || !c->out || !c->lse ||
+        !c->indptr || !c->indices || !c->last) {
+        fprintf(stderr, "kvcache: bench attention: out of memory\n");
+        free_case(c);
+        return -1;
+    }
+    /* contents: f16 in +-[0.25, 4); int bytes random; scales 1/64 */
+    if (dt == KVC_F16) {
+        uint16_t *k16 = (uint16_t *)(void *)c->k, *v16 = (uint16_t *)(void *)c->v;
+        for (size_t i = 0; i < kvb / 2; i++) {
+            uint64_t r = mix(i);
+            k16[i] = (uint16_t)((r & 0x8000u) | ((13u + ((r >> 10) & 3u)) << 10) | (r & 0x3ffu));
+            r >>= 16;
+            v16[i] = (uint16_t)((r & 0x8000u) | ((13u + ((r >> 10) & 3u)) << 10) | (r & 0x3ffu));
+        }
+    } else {
+        for (size_t i = 0; i < kvb; i++) {
+            uint64_t r = mix(i);
+            c->k[i] = (unsigned char)r;
+            c->v[i] = (unsigned char)(r >> 8);
+        }
+        uint16_t one64 = kvc_f32_to_f16(1.0f / 64.0f);
+        for (size_t i = 0; i < sb / 2; i++) {
+            ((uint16_t *)(void *)c->ks)[i] = one64;
+            ((uint16_t *)(void *)c->vs)[i] = one64;
+        }
+    }
+    for (int64_t i = 0; i < B * s.Hq * s.D; i++)
+        c->q[i] = kvc_f32_to_f16((float)((double)(mix((uint64_t)i + 99) >> 11) * 0x1p-53 - 0.5));
+    for (int64_t i = 0; i < P; i++) c->indices[i] = (int32_t)i;
+    uint64_t r = 12345;
+    for (int64_t i = P - 1; i > 0; i--) {
+        r = mix(r);
+        int64_t j = (int64_t)(r % (uint64_t)(i + 1));
+        int32_t t = c->indices[i];
+        c->indices[i] = c->indices[j];
+        c->indices[j] = t;
+    }
+    for (int64_t b = 0; b < B; b++) {
+        c->indptr[b + 1] = (int32_t)((b + 1) * pages);
+        c->last[b] = (int32_t)(L - (pages - 1) * ATT_PAGE);
+    }
+    int64_t csh[4] = {P, ATT_PAGE, s.H, s.D}, ssh[4] = {P, ATT_PAGE, s.H, s.D / ATT_GROUP};
+    c->pc.k = kvc_tensor_make(c->k, dt, 4, csh);
+    c->pc.v = kvc_tensor_make(c->v, dt, 4, csh);
+    if (quant) {
+        c->pc.k_scale = kvc_tensor_make(c->ks, KVC_F16, 4, ssh);
+        c->pc.v_scale = kvc_tensor_make(c->vs, KVC_F16, 4, ssh);
+    }
+    c->pc.layout = KVC_NHD;
+    c->pc.quant_group = ATT_GROUP;
+    int64_t qsh[3] = {B, s.Hq, s.D}, lsh[2] = {B, s.Hq}, nb = B, nb1 = B + 1, np = P;
+    c->tq = kvc_tensor_make(c->q, KVC_F16, 3, qsh);
+    c->tout = kvc_tensor_make(c->out, KVC_F16, 3, qsh);
+    c->tlse = kvc_tensor_make(c->lse, KVC_F32, 2, lsh);
+    c->tindptr = kvc_tensor_make(c->indptr, KVC_I32, 1, &nb1);
+    c->tindices = kvc_tensor_make(c->indices, KVC_I32, 1, &np);
+    c->tlast = kvc_tensor_make(c->last, KVC_I32, 1, &nb);
+    /* bytes the step must read: B * L tokens of K and V rows (+ scales) */
+    double per_tok = (double)row * kvc_dtype_bits(dt) / 8.0;
+    if (quant) per_tok += (double)(s.H * (s.D / ATT_GROUP)) * 2.0;
+    c->kv_bytes = 2.0 * per_tok * (double)(B * L);
+    return 0;
+}
+
+/* Operator and the plain-read reference, interleaved in rounds. */
+static int time_with_read(att_case *c, double op_s, bench_membw_ctx *mb, double ref_s, int nt,
+                          bench_timing *op, double *read_gbs) {
+    static bench_timer t_op, t_rd;
+    const size_t bytes = bench_membw_prepare(mb, nt, 1);
+    if (bench_timer_start(&t_op, att_call, c, op_s / 16.0) != 0) return 1;
+    if (bench_timer_start(&t_rd, bench_membw_pass, mb, ref_s / 8.0) != 0) return -1;
+    for (int round = 0; round < 4; round++) {
+        if (bench_timer_run(&t_rd, ref_s / 4, 1) != 0) return -1;
+        if (bench_timer_run(&t_op, op_s / 4, 2) != 0) return 1;
+    }
+    bench_timing rd;
+    bench_timer_result(&t_op, op);
+    bench_timer_result(&t_rd, &rd);
+    *read_gbs = (double)bytes / rd.median_s * 1e-9;
+    return 0;
+}
+
+typedef struct att_result {
+    double us; /* per layer */
+} att_result;
+
+int bench_attention(const bench_opts *o) {
+    static const att_shape shapes_full[2] = {{32, 8, 128}, {9, 3, 64}};
+    static const int64_t lens_full[3] = {512, 4096, 16384}, batches_full[2] = {1, 16};
+    static const int64_t lens_quick[1] = {300}, batches_quick[1] = {2};
+    const struct {
+        unsigned bit;
+        const char *name;
+        kvc_dtype dt;
+    } cts[3] = {{BENCH_CACHE_F16, "f16", KVC_F16}, {BENCH_CACHE_INT8, "int8", KVC_I8},
+                {BENCH_CACHE_INT4, "int4", KVC_I4}};
+    const unsigned caches = o->caches ? o->caches : BENCH_CACHE_ALL;
+    att_shape shapes[2];
+    int n_shapes = 2;
+    memcpy(shapes, shapes_full, sizeof shapes);
+    if (o->heads || o->head_dim) {
+        shapes[0].H = o->heads ? o->heads : 8;
+        shapes[0].D = o->head_dim ? o->head_dim : 128;
+        shapes[0].Hq = shapes[0].H * 4;
+        n_shapes = 1;
+    }
+    const int64_t *lens = o->quick ? lens_quick : lens_full;
+    const int64_t *batches = o->quick ? batches_quick : batches_full;
+    int n_lens = o->quick ? 1 : 3, n_batches = o->quick ? 1 : 2;
+    int64_t one_len = o->kvlen, one_batch = o->batch;
+    if (one_len) lens = &one_len, n_lens = 1;
+    if (one_batch) batches = &one_batch, n_batches = 1;
+    for (int si = 0; si < n_shapes; si++)
+        if (shapes[si].D % ATT_GROUP != 0 && (caches & ~BENCH_CACHE_F16)) {
+            fprintf(stderr, "kvcache: bench attention: head dim must be a multiple of %d for "
+                            "int8/int4 caches\n", ATT_GROUP);
+            return CLI_EXIT_USAGE;
+        }
+
+    bench_print_machine(o, "attention", stdout);
+    if (!o->json)
+        printf("# kvc_decode_run, one layer per call: paged NHD cache, page_size %d (shuffled "
+               "pages), float16 q/out, int8/int4 with quant group %d and float16 scales; "
+               "%.2f s per case. read GB/s: plain vectorized read, same threads, interleaved\n",
+               ATT_PAGE, ATT_GROUP, o->time_s);
+    const double ref_budget = o->quick ? 0.005 : 0.1;
+    bench_membw_ctx *mb = bench_membw_create(o->membw_bytes);
+    if (!mb) return CLI_EXIT_FAIL;
+    if (!o->json)
+        printf("%-9s %-5s %5s %6s %3s %10s %9s %8s %8s %6s %7s\n", "shape", "cache", "batch",
+               "kv", "thr", "us/layer", "MB read", "GB/s", "read", "ratio", "vs f16");
+    int cases = 0, failed = 0, goals = 0, goals_met = 0;
+    for (int si = 0; si < n_shapes; si++)
+        for (int bi = 0; bi < n_batches; bi++)
+            for (int li = 0; li < n_lens; li++) {
+                double f16_us[BENCH_MAX_THREAD_COUNTS] = {0};
+                for (int ci = 0; ci < 3; ci++) {
+                    if (!(caches & cts[ci].bit)) continue;
+                    const att_shape s = shapes[si];
+                    double need = 2.0 * (double)(batches[bi] * (lens[li] + ATT_PAGE)) *
+                                  (double)(s.H * s.D) * kvc_dtype_bits(cts[ci].dt) / 8.0;
+                    if (need > (double)ATT_MEM_LIMIT) continue;
+                    att_case c;
+                    if (setup(&c, s, batches[bi], lens[li], cts[ci].dt, cts[ci].name) != 0) {
+                        bench_membw_destroy(mb);
+                        return CLI_EXIT_FAIL;
+                    }
+                    for (int ti = 0; ti < o->n_thread_counts; ti++) {
+                        const int nt = o->threads[ti];
+                        cases++;
+                        if (kvc_decode_plan_create(&c.tindptr, &c.tindices, &c.tlast,
+                                                   (int32_t)s.Hq, (int32_t)s.H, (int32_t)s.D,
+                                                   ATT_PAGE, nt, &c.plan) != KVC_OK ||
+                            kvc_threadpool_create(nt, &c.pool) != KVC_OK) {
+                            fprintf(stderr, "kvcache: bench attention: %s\n", kvc_last_error());
+                            failed++;
+                            kvc_decode_plan_destroy(c.plan);
+                            c.plan = NULL;
+                            continue;
+                        }
+                        bench_timing tm;
+                        double rd = 0;
+                        int rc = time_with_read(&c, o->time_s, mb, ref_budget, nt, &tm, &rd);
+                        kvc_threadpool_destroy(c.pool);
+                        c.pool = NULL;
+                        kvc_decode_plan_destroy(c.plan);
+                        c.plan = NULL;
+                        if (rc != 0) {
+                            if (rc > 0)
+                                fprintf(stderr, "kvcache: bench attention: %s\n",
+                                        kvc_last_error());
+                            failed++;
+                            continue;
+                        }
+                        bench_sink(bench_checksum(0, c.out, (size_t)(c.B * s.Hq * s.D) * 2));
+                        const double us = tm.median_s * 1e6;
+                        const double gbs = c.kv_bytes / tm.median_s * 1e-9, ratio = gbs / rd;
+                        double speed = 0;
+                        const char *goal = "";
+                        int met = -1;
+                        if (c.dt == KVC_F16) {
+                            f16_us[ti] = us;
+                            if (lens[li] >= 4096) {
+                                met = ratio >= 0.7;
+                                goal = ">=0.7";
+                            }
+                        } else if (f16_us[ti] > 0) {
+                            speed = f16_us[ti] / us;
+                            if (c.dt == KVC_I8) {
+                                met = speed >= 1.6;
+                                goal = ">=1.6x";
+                            }
+                        }
+                        if (met >= 0) goals++, goals_met += met;
+                        if (o->json) {
+                            printf("{\"type\":\"case\",\"target\":\"attention\",\"hq\":%lld,"
+                                   "\"h\":%lld,\"head_dim\":%lld,\"cache\":\"%s\",\"batch\":%lld,"
+                                   "\"kv\":%lld,\"threads\":%d,\"isa\":\"%s\",\"us_per_layer\":"
+                                   "%.3f,\"us_min\":%.3f,\"bytes\":%.0f,\"gbs\":%.3f,"
+                                   "\"read_gbs\":%.3f,\"ratio\":%.4f,\"speedup_vs_f16\":%.3f,"
+                                   "\"goal\":\"%s\",\"goal_met\":%s}\n",
+                                   (long long)s.Hq, (long long)s.H, (long long)s.D, c.name,
+                                   (long long)c.B, (long long)c.L, nt,
+                                   kvc_isa_name(kvc_get_isa()), us, tm.min_s * 1e6, c.kv_bytes,
+                                   gbs, rd, ratio, speed, goal,
+                                   met < 0 ? "null" : met ? "true" : "false");
+                        } else {
+                            char sh[32], sp[16] = "";
+                            snprintf(sh, sizeof sh, "%lld/%lld/%lld", (long long)s.Hq,
+                                     (long long)s.H, (long long)s.D);
+                            if (speed > 0) snprintf(sp, sizeof sp, "%.2fx", speed);
+                            printf("%-9s %-5s %5lld %6lld %3d %10.1f %9.2f %8.2f %8.2f %6.3f "
+                                   "%7s %s%s\n",
+                                   sh, c.name, (long long)c.B, (long long)c.L, nt, us,
+                                   c.kv_bytes * 1e-6, gbs, rd, ratio, sp, goal,
+                                   met < 0 ? "" : met ? " ok" : " MISSED");
+                        }
+                        fflush(stdout);
+                    }
+                    free_case(&c);
+                }
+            }
+    bench_membw_destroy(mb);
+    if (o->json)
+        printf("{\"type\":\"summary\",\"cases\":%d,\"failed\":%d,\"goals\":%d,\"goals_met\":%d}\n",
+               cases, failed, goals, goals_met);
+    else
+        printf("# %d cases, %d failed; goals (f16 >= 0.7 of read at kv >= 4096, int8 >= 1.6x "
+               "f16) met %d of %d\n",
+               cases, failed, goals_met, goals);
+    return failed ? CLI_EXIT_FAIL : CLI_EXIT_OK;
+}
