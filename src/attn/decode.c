@@ -2,11 +2,10 @@
  * Decode attention (attention.h, SEMANTICS section 5): one query token per
  * request over a contiguous (single) or paged KV cache.
  *
- * Work is split into tasks (request, KV head, chunk of ATTN_CHUNK key
- * positions). A task converts the G = Hq / H query heads of its group to
- * float32 (pre-scaled so the softmax runs in base 2), walks its chunk's keys
- * as runs of consecutive slots (a page at most) and hands each run to the
- * kernel table's attn_decode, which reads K/V in place (dequantizing on the
+ * Work is split into tasks (request, chunk of ATTN_CHUNK key positions),
+ * all heads. A task converts the query heads to float32 (pre-scaled so the
+ * softmax runs in base 2), walks its chunk's keys in blocks inside one page
+ * and hands each block, head by head, to the kernel table's attn_decode, which reads K/V in place (dequantizing on the
  * fly) and carries an online-softmax state (max, sum, accumulators). A
  * request with one chunk writes its output directly; longer ones write
  * partial states that a second pass merges by log-sum-exp in chunk order.
@@ -43,7 +42,7 @@ typedef struct attn_ctx {
     int64_t page_size;
     const int64_t *len;    /* (B) tokens per request */
     const int64_t *nch;    /* (B) chunks per request (>= 1) */
-    const int64_t *task0;  /* (B + 1) first task of request b (H tasks per chunk) */
+    const int64_t *task0;  /* (B + 1) first task of request b (one task per chunk) */
     const int64_t *part0;  /* (B) float offset of request b's partials (multi-chunk) */
     float *part;           /* partial states: [chunk][head] x (D + 2): m, l, acc */
     /* q (B, Hq, D), out (B, Hq, D), lse (B, Hq): strides in elements */
@@ -108,93 +107,144 @@ static const char *view_at(const attn_view *v, int64_t page, int64_t slot, int64
     return v->data + kvc__bytes(v->dt, page * v->page_st + slot * v->tok_st + h * v->head_st);
 }
 
-static void prefetch_rows(const char *p, int64_t stride, int64_t n, int64_t bytes) {
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + i * stride + o, 0, 3);
-}
-
-/* Prefetches the K/V rows (and scales) of the run starting at key j. */
-static void prefetch_run(const attn_ctx *c, int64_t b, int64_t h, int64_t j, int64_t j1) {
-    const int64_t pj = j / c->page_size, slot = j % c->page_size;
-    int64_t n = c->page_size - slot;
-    if (n > j1 - j) n = j1 - j;
-    if (n > 32) n = 32;
-    const int64_t page = c->indices ? c->indices[c->indptr[b] + pj] : 0;
-    const int64_t rb = kvc__bytes(c->k.dt, c->D);
-    prefetch_rows(view_at(&c->k, page, slot, h), kvc__bytes(c->k.dt, c->k.tok_st), n, rb);
-    prefetch_rows(view_at(&c->v, page, slot, h), kvc__bytes(c->v.dt, c->v.tok_st), n, rb);
+/* Fills rows with the run of n keys at slot `slot` of `page`, KV head h. */
+static void run_rows(const attn_ctx *c, int64_t page, int64_t slot, int64_t h,
+                     kvc_attn_rows *rows) {
+    rows->k = view_at(&c->k, page, slot, h);
+    rows->v = view_at(&c->v, page, slot, h);
+    rows->k_stride = kvc__bytes(c->k.dt, c->k.tok_st);
+    rows->v_stride = kvc__bytes(c->v.dt, c->v.tok_st);
+    rows->dt = c->k.dt;
+    rows->group = c->group;
     if (c->quant) {
-        const int64_t sb = kvc__bytes(c->ks.dt, c->D / c->group);
-        prefetch_rows(view_at(&c->ks, page, slot, h), kvc__bytes(c->ks.dt, c->ks.tok_st), n, sb);
-        prefetch_rows(view_at(&c->vs, page, slot, h), kvc__bytes(c->vs.dt, c->vs.tok_st), n, sb);
+        rows->ks = view_at(&c->ks, page, slot, h);
+        rows->vs = view_at(&c->vs, page, slot, h);
+        rows->ks_stride = kvc__bytes(c->ks.dt, c->ks.tok_st);
+        rows->vs_stride = kvc__bytes(c->vs.dt, c->vs.tok_st);
+        rows->ksd = c->ks.dt;
+        rows->vsd = c->vs.dt;
+    } else {
+        rows->ks = rows->vs = NULL;
+        rows->ks_stride = rows->vs_stride = 0;
+        rows->ksd = rows->vsd = KVC_F32;
     }
 }
 
+/* Prefetches every head's K/V rows (and scales) of keys [j, j + n) of
+ * request b, one request per cache line: the kernel walks them head by head,
+ * an access pattern the hardware prefetchers do not follow well. */
+static void prefetch_block(const attn_ctx *c, int64_t b, int64_t j, int64_t n) {
+    if (n <= 0) return;
+    const int64_t page = c->indices ? c->indices[c->indptr[b] + j / c->page_size] : 0;
+    const int64_t slot = j % c->page_size;
+    const attn_view *views[4] = {&c->k, &c->v, &c->ks, &c->vs};
+    const int64_t nv = c->quant ? 4 : 2;
+    for (int64_t vi = 0; vi < nv; vi++) {
+        const attn_view *w = views[vi];
+        const int64_t row = kvc__bytes(w->dt, vi < 2 ? c->D : c->D / c->group);
+        for (int64_t h = 0; h < c->H; h++)
+            for (int64_t i = 0; i < n; i++) {
+                const char *p = view_at(w, page, slot + i, h);
+                for (int64_t o = 0; o < row; o += 64) __builtin_prefetch(p + o, 0, 3);
+                __builtin_prefetch(p + row - 1, 0, 3);
+            }
+    }
+}
+
+/* States (query heads x Dp floats) one task keeps on its stack at once. */
+#define ATTN_STATE_FLOATS 16384
+/* Keys per kernel call: all heads of a block of keys are done before the
+ * next block, so each token row (all heads) is read from memory once. */
+#define ATTN_KEY_BLOCK 16
+
+/*
+ * Task = (request, chunk of keys), all KV heads. A state slot is up to
+ * KVC_ATTN_MAX_G query heads of one KV head; slots are processed in batches
+ * that fit ATTN_STATE_FLOATS (normally all heads at once). For each block
+ * of ATTN_KEY_BLOCK keys inside a page, every slot of the batch consumes the
+ * block before the next one starts: the cache is streamed token row by
+ * token row (an NHD row holds every head) instead of one head's slice at a
+ * time, which read each row H times with strided, prefetch-hostile access.
+ */
 static void chunk_task(void *ctx, int64_t t) {
     const attn_ctx *c = ctx;
-    const int64_t b = task_request(c, t), r = t - c->task0[b];
-    const int64_t nch = c->nch[b], h = r / nch, ch = r % nch;
+    const int64_t b = task_request(c, t), ch = t - c->task0[b], nch = c->nch[b];
     const int64_t a = first_key(c, b), L = c->len[b];
     int64_t j0 = ch * ATTN_CHUNK, j1 = j0 + ATTN_CHUNK;
     if (j0 < a) j0 = a;
     if (j1 > L) j1 = L;
-    float qb[KVC_ATTN_MAX_G * KVC_ATTN_MAX_DIM] __attribute__((aligned(64)));
-    float acc[KVC_ATTN_MAX_G * KVC_ATTN_MAX_DIM] __attribute__((aligned(64)));
-    float m[KVC_ATTN_MAX_G], l[KVC_ATTN_MAX_G];
+    float qb[ATTN_STATE_FLOATS] __attribute__((aligned(64)));
+    float acc[ATTN_STATE_FLOATS] __attribute__((aligned(64)));
+    float m[ATTN_STATE_FLOATS / 16], l[ATTN_STATE_FLOATS / 16];
     const int64_t Dp = c->Dp, D = c->D;
-    for (int64_t g0 = 0; g0 < c->G; g0 += KVC_ATTN_MAX_G) {
-        const int ng = (int)(c->G - g0 < KVC_ATTN_MAX_G ? c->G - g0 : KVC_ATTN_MAX_G);
-        for (int g = 0; g < ng; g++) {
-            const int64_t hq = h * c->G + g0 + g;
-            const char *qr = c->q + kvc__bytes(c->qd, b * c->q_sb + hq * c->q_sh);
-            for (int64_t d = 0; d < D; d++) qb[g * Dp + d] = load_elem(qr, c->qd, d) * c->qscale;
-            for (int64_t d = D; d < Dp; d++) qb[g * Dp + d] = 0.0f;
-            memset(acc + g * Dp, 0, (size_t)Dp * sizeof(float));
-            m[g] = -INFINITY;
-            l[g] = 0.0f;
+    const int64_t gblocks = (c->G + KVC_ATTN_MAX_G - 1) / KVC_ATTN_MAX_G;
+    const int64_t nslots = c->H * gblocks;
+    for (int64_t s0 = 0; s0 < nslots;) {
+        /* batch of slots [s0, s1): heads of slot s at qb/acc + off[s - s0] */
+        int64_t s1 = s0, used = 0;
+        int64_t off[ATTN_STATE_FLOATS / 16];
+        while (s1 < nslots) {
+            const int64_t g0 = (s1 % gblocks) * KVC_ATTN_MAX_G;
+            const int64_t ng = c->G - g0 < KVC_ATTN_MAX_G ? c->G - g0 : KVC_ATTN_MAX_G;
+            if (used + ng * Dp > ATTN_STATE_FLOATS && s1 > s0) break;
+            off[s1 - s0] = used;
+            used += ng * Dp;
+            s1++;
         }
-        /* runs of consecutive slots inside one page */
+        for (int64_t sl = s0; sl < s1; sl++) {
+            const int64_t h = sl / gblocks, g0 = (sl % gblocks) * KVC_ATTN_MAX_G;
+            const int64_t ng = c->G - g0 < KVC_ATTN_MAX_G ? c->G - g0 : KVC_ATTN_MAX_G;
+            for (int64_t g = 0; g < ng; g++) {
+                const int64_t hq = h * c->G + g0 + g, o = off[sl - s0] + g * Dp;
+                const char *qr = c->q + kvc__bytes(c->qd, b * c->q_sb + hq * c->q_sh);
+                for (int64_t d = 0; d < D; d++) qb[o + d] = load_elem(qr, c->qd, d) * c->qscale;
+                for (int64_t d = D; d < Dp; d++) qb[o + d] = 0.0f;
+                memset(acc + o, 0, (size_t)Dp * sizeof(float));
+                m[off[sl - s0] / Dp + g] = -INFINITY;
+                l[off[sl - s0] / Dp + g] = 0.0f;
+            }
+        }
+        /* blocks of keys inside one page */
         for (int64_t j = j0; j < j1;) {
             const int64_t pj = j / c->page_size, slot = j % c->page_size;
             int64_t n = c->page_size - slot;
             if (n > j1 - j) n = j1 - j;
+            if (n > ATTN_KEY_BLOCK) n = ATTN_KEY_BLOCK;
             const int64_t page = c->indices ? c->indices[c->indptr[b] + pj] : 0;
-            kvc_attn_rows rows;
-            rows.k = view_at(&c->k, page, slot, h);
-            rows.v = view_at(&c->v, page, slot, h);
-            rows.k_stride = kvc__bytes(c->k.dt, c->k.tok_st);
-            rows.v_stride = kvc__bytes(c->v.dt, c->v.tok_st);
-            rows.dt = c->k.dt;
-            rows.group = c->group;
-            if (c->quant) {
-                rows.ks = view_at(&c->ks, page, slot, h);
-                rows.vs = view_at(&c->vs, page, slot, h);
-                rows.ks_stride = kvc__bytes(c->ks.dt, c->ks.tok_st);
-                rows.vs_stride = kvc__bytes(c->vs.dt, c->vs.tok_st);
-                rows.ksd = c->ks.dt;
-                rows.vsd = c->vs.dt;
-            } else {
-                rows.ks = rows.vs = NULL;
-                rows.ks_stride = rows.vs_stride = 0;
-                rows.ksd = rows.vsd = KVC_F32;
+            if (j + n < j1) { /* the next block: from this page or the next */
+                const int64_t jn = j + n, sn = jn % c->page_size;
+                int64_t nn = c->page_size - sn;
+                if (nn > j1 - jn) nn = j1 - jn;
+                prefetch_block(c, b, jn, nn < ATTN_KEY_BLOCK ? nn : ATTN_KEY_BLOCK);
             }
-            /* The next run is on another page: prefetch its rows so the
-             * kernel does not wait on one page's latency at a time. */
-            if (j + n < j1) prefetch_run(c, b, h, j + n, j1);
-            c->kern->attn_decode(qb, ng, (int)D, (int)Dp, &rows, n, c->cap, m, l, acc);
+            for (int64_t sl = s0; sl < s1; sl++) {
+                const int64_t h = sl / gblocks, g0 = (sl % gblocks) * KVC_ATTN_MAX_G;
+                const int ng = (int)(c->G - g0 < KVC_ATTN_MAX_G ? c->G - g0 : KVC_ATTN_MAX_G);
+                const int64_t o = off[sl - s0];
+                kvc_attn_rows rows;
+                run_rows(c, page, slot, h, &rows);
+                c->kern->attn_decode(qb + o, ng, (int)D, (int)Dp, &rows, n, c->cap, m + o / Dp,
+                                     l + o / Dp, acc + o);
+            }
             j += n;
         }
-        for (int g = 0; g < ng; g++) {
-            const int64_t hq = h * c->G + g0 + g;
-            if (nch == 1) {
-                finish_head(c, b, hq, m[g], l[g], acc + g * Dp);
-            } else {
-                float *p = c->part + c->part0[b] + (ch * c->Hq + hq) * (D + 2);
-                p[0] = m[g];
-                p[1] = l[g];
-                memcpy(p + 2, acc + g * Dp, (size_t)D * sizeof(float));
+        for (int64_t sl = s0; sl < s1; sl++) {
+            const int64_t h = sl / gblocks, g0 = (sl % gblocks) * KVC_ATTN_MAX_G;
+            const int64_t ng = c->G - g0 < KVC_ATTN_MAX_G ? c->G - g0 : KVC_ATTN_MAX_G;
+            for (int64_t g = 0; g < ng; g++) {
+                const int64_t hq = h * c->G + g0 + g, o = off[sl - s0] + g * Dp;
+                const int64_t si = off[sl - s0] / Dp + g;
+                if (nch == 1) {
+                    finish_head(c, b, hq, m[si], l[si], acc + o);
+                } else {
+                    float *pp = c->part + c->part0[b] + (ch * c->Hq + hq) * (D + 2);
+                    pp[0] = m[si];
+                    pp[1] = l[si];
+                    memcpy(pp + 2, acc + o, (size_t)D * sizeof(float));
+                }
             }
         }
+        s0 = s1;
     }
 }
 
@@ -404,7 +454,7 @@ kvc_status kvc_single_decode(const kvc_tensor *q, const kvc_tensor *k, const kvc
     kvc_attn_params p;
     KVC_TRY(check_params(fn, params, D, &p));
 
-    int64_t len = L, nch = chunks_of(L), task0[2] = {0, nch * H}, part0 = 0;
+    int64_t len = L, nch = chunks_of(L), task0[2] = {0, nch}, part0 = 0;
     float *part = NULL;
     if (nch > 1) {
         part = malloc((size_t)(nch * Hq * (D + 2)) * sizeof(float));
@@ -499,7 +549,7 @@ kvc_status kvc_decode_plan_create(const kvc_tensor *kv_indptr, const kvc_tensor 
         const int64_t pages = p->indptr[b + 1] - p->indptr[b];
         p->len[b] = pages ? (pages - 1) * page_size + kvc__i32_1d(kv_last_page_len, b) : 0;
         p->nch[b] = chunks_of(p->len[b]);
-        p->task0[b + 1] = p->task0[b] + p->nch[b] * p->H;
+        p->task0[b + 1] = p->task0[b] + p->nch[b];
         p->part0[b] = parts;
         if (p->nch[b] > 1) parts += p->nch[b] * p->Hq * (p->D + 2);
     }

@@ -10,6 +10,7 @@
  *   AB_MUL(a, b) AB_HSUM(v) AB_HMAX(v)
  *   AB_EXP2(v)                        2^v for v <= 0, exactly 0 below -126
  *   ab_row_to_f32(src, dt, sc, sd, group, D, dst)   one K/V row -> D floats
+ *   AB_SCORES16(q, tile, Dp, out)     optional: out[j] = q . tile[j] for 16 rows
  *
  * Keys go in blocks of AB_NB: the block's K rows are converted to float32
  * (in a small stack tile: the cache is read once and never copied whole),
@@ -39,6 +40,15 @@ static void AB_NAME(const float *q, int G, int D, int Dp, const kvc_attn_rows *r
         /* scores */
         for (int g = 0; g < G; g++) {
             const float *qg = q + (int64_t)g * Dp;
+#ifdef AB_SCORES16
+            if (nb == AB_NB) { /* a full block: 16 dot products, one transposed reduction */
+                AB_SCORES16(qg, tile, Dp, s + g * AB_NB);
+                if (cap > 0.0f)
+                    for (int j = 0; j < nb; j++)
+                        s[g * AB_NB + j] = cap * tanhf(s[g * AB_NB + j] / cap) * log2e;
+                continue;
+            }
+#endif
             for (int j = 0; j < nb; j++) {
                 const float *kr = tile + j * Dp;
                 ab_vec a0 = AB_ZERO(), a1 = AB_ZERO();

@@ -381,10 +381,12 @@ static void ab_row_to_f32(const void *src, kvc_dtype dt, const void *sc, kvc_dty
     }
     const uint8_t *qb = src;
     if (g % 8 == 0) {
-        for (; e + 8 <= D; e += 8) {
+        /* group index kept incrementally (no integer division per step) */
+        for (int gi = 0, left = g / 8; e + 8 <= D; e += 8) {
             const __m256i v = dt == KVC_I8 ? i8x8_load((const int8_t *)src + e) : i4x8_load(qb + e / 2);
             _mm256_storeu_ps(dst + e, _mm256_mul_ps(_mm256_cvtepi32_ps(v),
-                                                    _mm256_set1_ps(scale_load(sc, sd, e / g))));
+                                                    _mm256_set1_ps(scale_load(sc, sd, gi))));
+            if (--left == 0) gi++, left = g / 8;
         }
     }
     for (; e < D; e++) {

@@ -560,10 +560,16 @@ static void ab_row_to_f32(const void *src, kvc_dtype dt, const void *sc, kvc_dty
     const int bits = dt == KVC_I8 ? 8 : 4;
     const uint8_t *qb = src;
     if (g % 8 == 0) {
+        /* Scale index of each 8-lane half, kept incrementally: an integer
+         * division per step cost more than the conversion itself. */
+        const int halves_per_group = g / 8;
+        int gi = 0, left = halves_per_group; /* group of lane 0, halves left in it */
         for (; e < D; e += 16) {
             const __mmask16 m = D - e >= 16 ? ALL16 : lanes(D - e);
-            const float s0 = scale_load(sc, sd, e / g);
-            const float s1 = e + 8 < D ? scale_load(sc, sd, (e + 8) / g) : s0;
+            const float s0 = scale_load(sc, sd, gi);
+            if (--left == 0) gi++, left = halves_per_group;
+            const float s1 = e + 8 < D ? scale_load(sc, sd, gi) : s0;
+            if (--left == 0) gi++, left = halves_per_group;
             const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1);
             const __m512 v = _mm512_cvtepi32_ps(q16_load(src, bits, e, m));
             _mm512_store_ps(dst + e, _mm512_mul_ps(v, sv));
@@ -600,7 +606,37 @@ KVC_INLINE __m512 exp2_16(__m512 x) {
     return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
 }
 
+/*
+ * out[j] = q . tile[j] for the 16 rows of a key block: one accumulator per
+ * key, then a transposing reduction (pairs of keys with unpack, quads with
+ * shuffle_ps, 128-bit lanes with shuffle_f32x4) leaves key j's sum in lane
+ * j: 45 operations for 16 sums instead of a 16-lane horizontal reduction
+ * per key.
+ */
+static inline void scores16_avx512(const float *q, const float *tile, int Dp, float *out) {
+    __m512 a[16], w[8], y[4];
+    for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
+    for (int d = 0; d < Dp; d += 16) {
+        const __m512 qv = _mm512_load_ps(q + d);
+        for (int j = 0; j < 16; j++)
+            a[j] = _mm512_fmadd_ps(qv, _mm512_load_ps(tile + j * Dp + d), a[j]);
+    }
+    for (int i = 0; i < 8; i++) /* lane L: [a0+a2, b0+b2, a1+a3, b1+b3] of keys 2i, 2i+1 */
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* lane L: lane-L sums of keys 4i .. 4i+3 */
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    _mm512_store_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1))));
+}
+
 typedef __m512 ab_vec;
+#define AB_SCORES16(q, tile, Dp, out) scores16_avx512((q), (tile), (Dp), (out))
 #define AB_VL 16
 #define AB_LOAD(p) _mm512_load_ps(p)
 #define AB_STORE(p, v) _mm512_store_ps((p), (v))
@@ -616,6 +652,7 @@ typedef __m512 ab_vec;
 #define AB_EXP2(v) exp2_16(v)
 #define AB_NAME attn_decode_avx512
 #include "attn_body.h"
+#undef AB_SCORES16
 
 static const kvc_kernels table = {
     KVC_ISA_AVX512, copy_avx512, convert_avx512, all_finite_avx512, quantize_avx512, dequantize_avx512,
