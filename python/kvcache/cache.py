@@ -58,6 +58,7 @@ import numpy as np
 
 from . import _lib
 from .errors import InternalError, InvalidArgumentError
+from .paged import _layout_code
 
 __all__ = ["PagedKVCache", "salt_hash"]
 
@@ -92,16 +93,6 @@ def _dtype_code(dtype, name: str, allowed) -> int:
         names = ", ".join(repr(_DTYPE_NAMES[c]) for c in allowed)
         raise InvalidArgumentError(f"{name} must be one of {names}, got {dtype!r}")
     return code
-
-
-def _layout_code(kv_layout) -> int:
-    if isinstance(kv_layout, str):
-        key = kv_layout.strip().upper()
-        if key == "NHD":
-            return _lib.KVC_NHD
-        if key == "HND":
-            return _lib.KVC_HND
-    raise InvalidArgumentError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
 
 
 def _int(value, name: str, lo: int = 0, hi: int = _INT64_MAX) -> int:

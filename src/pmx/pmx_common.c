@@ -108,46 +108,46 @@ static void load_token(const pmx_op *op, const pmx_rows *cache, const pmx_rows *
  */
 void kvc__pmx_store(const pmx_op *op, const pmx_rows in[2], const pmx_rows cache[2],
                     int64_t ntok) {
-    int todo[2];
+    int pending[2];
     for (int kv = 0; kv < 2; kv++) {
-        todo[kv] = in[kv].ptr != NULL;
-        if (todo[kv] && tokens_packed(op, &in[kv], op->H, ntok) &&
+        pending[kv] = in[kv].ptr != NULL;
+        if (pending[kv] && tokens_packed(op, &in[kv], op->H, ntok) &&
             tokens_packed(op, &cache[kv], op->H, ntok)) {
             store_run(op, &in[kv], &cache[kv], ntok * op->H * op->Dh);
-            todo[kv] = 0;
+            pending[kv] = 0;
         }
     }
-    if (!todo[0] && !todo[1]) return;
+    if (!pending[0] && !pending[1]) return;
     if (heads_packed(op, &cache[0], op->H) && heads_packed(op, &cache[1], op->H)) {
         for (int64_t t = 0; t < ntok; t++)
             for (int kv = 0; kv < 2; kv++)
-                if (todo[kv]) store_token(op, &in[kv], &cache[kv], t);
+                if (pending[kv]) store_token(op, &in[kv], &cache[kv], t);
         return;
     }
     for (int kv = 0; kv < 2; kv++)
-        for (int64_t t = 0; t < ntok && todo[kv]; t++) store_token(op, &in[kv], &cache[kv], t);
+        for (int64_t t = 0; t < ntok && pending[kv]; t++) store_token(op, &in[kv], &cache[kv], t);
 }
 
 void kvc__pmx_load(const pmx_op *op, const pmx_rows cache[2], const pmx_rows out[2],
                    int64_t ntok) {
-    int todo[2];
+    int pending[2];
     for (int kv = 0; kv < 2; kv++) {
-        todo[kv] = out[kv].ptr != NULL;
-        if (todo[kv] && op->repeat == 1 && tokens_packed(op, &cache[kv], op->H, ntok) &&
+        pending[kv] = out[kv].ptr != NULL;
+        if (pending[kv] && op->repeat == 1 && tokens_packed(op, &cache[kv], op->H, ntok) &&
             tokens_packed(op, &out[kv], op->H, ntok)) {
             load_run(op, &cache[kv], &out[kv], ntok * op->H * op->Dh);
-            todo[kv] = 0;
+            pending[kv] = 0;
         }
     }
-    if (!todo[0] && !todo[1]) return;
+    if (!pending[0] && !pending[1]) return;
     if (heads_packed(op, &cache[0], op->H) && heads_packed(op, &cache[1], op->H)) {
         for (int64_t t = 0; t < ntok; t++)
             for (int kv = 0; kv < 2; kv++)
-                if (todo[kv]) load_token(op, &cache[kv], &out[kv], t);
+                if (pending[kv]) load_token(op, &cache[kv], &out[kv], t);
         return;
     }
     for (int kv = 0; kv < 2; kv++)
-        for (int64_t t = 0; t < ntok && todo[kv]; t++) load_token(op, &cache[kv], &out[kv], t);
+        for (int64_t t = 0; t < ntok && pending[kv]; t++) load_token(op, &cache[kv], &out[kv], t);
 }
 
 int kvc__pmx_head_major(const pmx_op *op, const pmx_rows cache[2]) {

@@ -139,6 +139,9 @@ void bench_free(void *p);
 /* Folds `bytes` bytes at p into the running hash h (order dependent). */
 uint64_t bench_checksum(uint64_t h, const void *p, size_t bytes);
 
+/* splitmix64 finaliser: deterministic pseudo-random values for test data. */
+uint64_t bench_mix64(uint64_t x);
+
 /* Keeps a value alive so the compiler cannot drop the work behind it. */
 void bench_sink(uint64_t v);
 

@@ -77,12 +77,6 @@ static int app_call(void *ctx) {
 
 /* ---- set-up ------------------------------------------------------------ */
 
-static uint64_t splitmix64(uint64_t x) {
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
 
 static void free_case(app_case *c) {
     bench_free(c->xk);
@@ -137,7 +131,7 @@ static int setup_case(app_case *c, const app_dims *d, const app_cachetype *ct) {
     }
     /* Inputs: finite float16 in +-[0.25, 4). */
     for (int64_t i = 0; i < c->nnz * H * D; i++) {
-        uint64_t r = splitmix64((uint64_t)i);
+        uint64_t r = bench_mix64((uint64_t)i);
         c->xk[i] = (uint16_t)((r & 0x8000u) | ((13u + ((r >> 10) & 3u)) << 10) | (r & 0x3ffu));
         r >>= 16;
         c->xv[i] = (uint16_t)((r & 0x8000u) | ((13u + ((r >> 10) & 3u)) << 10) | (r & 0x3ffu));
@@ -146,7 +140,7 @@ static int setup_case(app_case *c, const app_dims *d, const app_cachetype *ct) {
     for (int64_t i = 0; i < c->max_pages; i++) c->indices[i] = (int32_t)i;
     uint64_t r = 12345;
     for (int64_t i = c->max_pages - 1; i > 0; i--) {
-        r = splitmix64(r);
+        r = bench_mix64(r);
         int64_t j = (int64_t)(r % (uint64_t)(i + 1));
         int32_t t = c->indices[i];
         c->indices[i] = c->indices[j];

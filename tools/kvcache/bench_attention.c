@@ -50,12 +50,6 @@ static int att_call(void *ctx) {
     return c->st != KVC_OK;
 }
 
-static uint64_t mix(uint64_t x) {
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
 
 static void free_case(att_case *c) {
     bench_free(c->k);
@@ -106,14 +100,14 @@ static int setup(att_case *c, att_shape s, int64_t B, int64_t L, kvc_dtype dt, c
     if (dt == KVC_F16) {
         uint16_t *k16 = (uint16_t *)(void *)c->k, *v16 = (uint16_t *)(void *)c->v;
         for (size_t i = 0; i < kvb / 2; i++) {
-            uint64_t r = mix(i);
+            uint64_t r = bench_mix64(i);
             k16[i] = (uint16_t)((r & 0x8000u) | ((13u + ((r >> 10) & 3u)) << 10) | (r & 0x3ffu));
             r >>= 16;
             v16[i] = (uint16_t)((r & 0x8000u) | ((13u + ((r >> 10) & 3u)) << 10) | (r & 0x3ffu));
         }
     } else {
         for (size_t i = 0; i < kvb; i++) {
-            uint64_t r = mix(i);
+            uint64_t r = bench_mix64(i);
             c->k[i] = (unsigned char)r;
             c->v[i] = (unsigned char)(r >> 8);
         }
@@ -124,11 +118,11 @@ static int setup(att_case *c, att_shape s, int64_t B, int64_t L, kvc_dtype dt, c
         }
     }
     for (int64_t i = 0; i < B * s.Hq * s.D; i++)
-        c->q[i] = kvc_f32_to_f16((float)((double)(mix((uint64_t)i + 99) >> 11) * 0x1p-53 - 0.5));
+        c->q[i] = kvc_f32_to_f16((float)((double)(bench_mix64((uint64_t)i + 99) >> 11) * 0x1p-53 - 0.5));
     for (int64_t i = 0; i < P; i++) c->indices[i] = (int32_t)i;
     uint64_t r = 12345;
     for (int64_t i = P - 1; i > 0; i--) {
-        r = mix(r);
+        r = bench_mix64(r);
         int64_t j = (int64_t)(r % (uint64_t)(i + 1));
         int32_t t = c->indices[i];
         c->indices[i] = c->indices[j];

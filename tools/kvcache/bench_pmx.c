@@ -128,15 +128,9 @@ static int pmx_call(void *ctx) {
 
 /* ---- deterministic contents -------------------------------------------- */
 
-static uint64_t splitmix64(uint64_t x) {
-    x += 0x9e3779b97f4a7c15ull;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-}
 
 static uint64_t row_seed(int kv, int64_t b, int64_t t, int64_t h) {
-    return splitmix64(splitmix64(splitmix64((uint64_t)kv * 0x51ull + (uint64_t)b) ^ (uint64_t)t) ^
+    return bench_mix64(bench_mix64(bench_mix64((uint64_t)kv * 0x51ull + (uint64_t)b) ^ (uint64_t)t) ^
                       (uint64_t)h);
 }
 
@@ -158,7 +152,7 @@ static void fill_row(const pmx_cachetype *ct, int64_t D, uint64_t seed, unsigned
     if (ct->dtype == KVC_F16) {
         uint16_t v[4];
         for (int64_t i = 0; i < D; i += 4) {
-            uint64_t r = splitmix64(s++);
+            uint64_t r = bench_mix64(s++);
             for (int j = 0; j < 4; j++) v[j] = rand_f16(r >> (16 * j));
             memcpy(row + 2 * i, v, 8); /* D is a multiple of 8 */
         }
@@ -166,7 +160,7 @@ static void fill_row(const pmx_cachetype *ct, int64_t D, uint64_t seed, unsigned
     }
     int64_t nbytes = ct->dtype == KVC_I8 ? D : D / 2;
     for (int64_t i = 0; i < nbytes; i += 8) {
-        uint64_t r = splitmix64(s++);
+        uint64_t r = bench_mix64(s++);
         for (int j = 0; j < 8 && i + j < nbytes; j++) {
             unsigned char byte = (unsigned char)(r >> (8 * j));
             if (ct->dtype == KVC_I8) {
@@ -178,7 +172,7 @@ static void fill_row(const pmx_cachetype *ct, int64_t D, uint64_t seed, unsigned
             row[i + j] = byte;
         }
     }
-    for (int64_t g = 0; g < D / PMX_GROUP; g++) scales[g] = rand_scale(splitmix64(s++ ^ 0x5ca1e));
+    for (int64_t g = 0; g < D / PMX_GROUP; g++) scales[g] = rand_scale(bench_mix64(s++ ^ 0x5ca1e));
 }
 
 /* Element offset of row (kv, b, t, h) in a cache-shaped tensor t (the cache
@@ -333,7 +327,7 @@ static int setup_case(pmx_case *c, const pmx_dims *d, const pmx_variant *v,
         for (int64_t i = 0; i < n_starts; i++) c->cachestarts[i] = i;
         uint64_t r = 12345;
         for (int64_t i = n_starts - 1; i > 0; i--) {
-            r = splitmix64(r);
+            r = bench_mix64(r);
             int64_t j = (int64_t)(r % (uint64_t)(i + 1));
             int64_t tmp = c->cachestarts[i];
             c->cachestarts[i] = c->cachestarts[j];

@@ -342,3 +342,10 @@ int bench_time_interleaved(bench_fn fn, void *ctx, double op_s, bench_membw_ctx 
     *memcpy_gbs = 2.0 * (double)bench_membw_prepare(mb, n_threads, 0) / mc.median_s * 1e-9;
     return 0;
 }
+
+uint64_t bench_mix64(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
