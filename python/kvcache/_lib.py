@@ -490,29 +490,32 @@ def input_array(x, name: str, allowed=None) -> np.ndarray:
     return arr
 
 
-def inplace_array(x, name: str) -> np.ndarray:
-    """Checks that x can be updated in place by C (a writeable numpy array with
-    a contiguous last dimension and non-negative, element-aligned strides);
-    never copies."""
+def inplace_array(x, name: str, writable: bool = True) -> np.ndarray:
+    """Checks that C can use x in place (a numpy array with a contiguous last
+    dimension and non-negative, element-aligned strides; writeable unless
+    writable is False, for arrays C only reads); never copies."""
+    how = "updated in place" if writable else "read in place"
     if not isinstance(x, np.ndarray):
-        raise InvalidArgumentError(f"{name} must be a numpy.ndarray (it is updated in place), "
+        raise InvalidArgumentError(f"{name} must be a numpy.ndarray (it is {how}), "
                                    f"got {type(x).__name__}")
     if dtype_code(x.dtype) is None:
         raise InvalidArgumentError(f"{name}: unsupported dtype {x.dtype}")
     if x.ndim > KVC_MAX_DIMS:
         raise InvalidArgumentError(f"{name}: {x.ndim} dimensions, at most {KVC_MAX_DIMS}")
-    if not x.flags.writeable:
+    if writable and not x.flags.writeable:
         raise InvalidArgumentError(f"{name} is not writeable (it is updated in place)")
     if _element_strides(x) is None:
         raise InvalidArgumentError(
             f"{name} must have a contiguous last dimension and non-negative strides "
-            f"(got strides {x.strides} bytes for dtype {x.dtype}); it is updated in place, "
+            f"(got strides {x.strides} bytes for dtype {x.dtype}); it is {how}, "
             f"so it cannot be copied"
         )
-    for size, s in zip(x.shape, x.strides, strict=True):
-        if size > 1 and s == 0:
-            raise InvalidArgumentError(f"{name} has a zero stride (a broadcast view); it is "
-                                       f"updated in place, so its elements must not overlap")
+    if writable:
+        for size, st in zip(x.shape, x.strides, strict=True):
+            if size > 1 and st == 0:
+                raise InvalidArgumentError(f"{name} has a zero stride (a broadcast view); it "
+                                           f"is updated in place, so its elements must not "
+                                           f"overlap")
     return x
 
 

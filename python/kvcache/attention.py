@@ -398,7 +398,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise InvalidArgumentError(f"q is {qa.dtype} but plan() was given q_data_type "
                                        f"{info['q_data_type']}")
         pc, keep = _paged_cache(paged_kv_cache, kv_scale, self._layout_name,
-                                info["quant_group"], True)
+                                info["quant_group"], True, writable=False)
         kv_dt = info["kv_data_type"]
         if kv_dt is not None:
             arrays = keep[:1] if isinstance(paged_kv_cache, np.ndarray) else keep[:2]

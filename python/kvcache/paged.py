@@ -77,14 +77,14 @@ def _layout_code(kv_layout) -> int:
     raise InvalidArgumentError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
 
 
-def _cache_tensor(arr, name: str):
+def _cache_tensor(arr, name: str, writable: bool = True):
     """(array, tensor) for an in-place cache; uint8 means packed int4."""
-    arr = _lib.inplace_array(arr, name)
+    arr = _lib.inplace_array(arr, name, writable)
     return arr, _lib.make_tensor(arr, int4=arr.dtype == _U8)
 
 
-def _scale_tensor(arr, name: str):
-    arr = _lib.inplace_array(arr, name)
+def _scale_tensor(arr, name: str, writable: bool = True):
+    arr = _lib.inplace_array(arr, name, writable)
     return arr, _lib.make_tensor(arr)
 
 
@@ -92,15 +92,17 @@ def _is_pair(x) -> bool:
     return isinstance(x, (tuple, list))
 
 
-def _paged_cache(paged_kv_cache, kv_scale, kv_layout, quant_group, quantizing):
+def _paged_cache(paged_kv_cache, kv_scale, kv_layout, quant_group, quantizing,
+                 writable: bool = True):
     """kvc_paged_cache for the cache/scale arguments of append_paged_kv_cache,
     plus the arrays it points into (kept alive by the caller). quantizing:
-    the inputs are floats (so an int8/int4 cache needs scales)."""
+    the inputs are floats (so an int8/int4 cache needs scales); writable
+    False for readers (attention), which accept read-only arrays."""
     layout = _layout_code(kv_layout)
     quant_group = _lib.int32_attr(quant_group, "quant_group")
     keep = []
     if isinstance(paged_kv_cache, np.ndarray):
-        cache, cache_t = _cache_tensor(paged_kv_cache, "paged_kv_cache")
+        cache, cache_t = _cache_tensor(paged_kv_cache, "paged_kv_cache", writable)
         keep.append(cache)
         _check_scale_presence([cache.dtype], kv_scale, quantizing)
         scale_t = None
@@ -109,7 +111,7 @@ def _paged_cache(paged_kv_cache, kv_scale, kv_layout, quant_group, quantizing):
                 raise InvalidArgumentError(
                     "kv_scale must mirror paged_kv_cache: one combined scale array for a "
                     "combined cache, got a pair")
-            scale, scale_t = _scale_tensor(kv_scale, "kv_scale")
+            scale, scale_t = _scale_tensor(kv_scale, "kv_scale", writable)
             keep.append(scale)
         pc = _lib.PagedCache()
         _lib.check(_lib.kvc_paged_cache_from_combined(
@@ -120,8 +122,8 @@ def _paged_cache(paged_kv_cache, kv_scale, kv_layout, quant_group, quantizing):
             raise InvalidArgumentError(
                 f"paged_kv_cache must be one array or a (k_cache, v_cache) pair, got a "
                 f"sequence of {len(paged_kv_cache)}")
-        k, k_t = _cache_tensor(paged_kv_cache[0], "paged_kv_cache[0] (k_cache)")
-        v, v_t = _cache_tensor(paged_kv_cache[1], "paged_kv_cache[1] (v_cache)")
+        k, k_t = _cache_tensor(paged_kv_cache[0], "paged_kv_cache[0] (k_cache)", writable)
+        v, v_t = _cache_tensor(paged_kv_cache[1], "paged_kv_cache[1] (v_cache)", writable)
         keep += [k, v]
         _check_scale_presence([k.dtype, v.dtype], kv_scale, quantizing)
         pc = _lib.PagedCache()
@@ -131,8 +133,8 @@ def _paged_cache(paged_kv_cache, kv_scale, kv_layout, quant_group, quantizing):
                 raise InvalidArgumentError(
                     "kv_scale must mirror paged_kv_cache: a (k_scale, v_scale) pair for a "
                     "(k_cache, v_cache) pair")
-            ks, ks_t = _scale_tensor(kv_scale[0], "kv_scale[0] (k_scale)")
-            vs, vs_t = _scale_tensor(kv_scale[1], "kv_scale[1] (v_scale)")
+            ks, ks_t = _scale_tensor(kv_scale[0], "kv_scale[0] (k_scale)", writable)
+            vs, vs_t = _scale_tensor(kv_scale[1], "kv_scale[1] (v_scale)", writable)
             keep += [ks, vs]
             pc.k_scale, pc.v_scale = ks_t, vs_t
         pc.layout = layout

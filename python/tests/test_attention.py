@@ -538,3 +538,19 @@ def test_batch_decode_strided_views(rng, layout):
     o1 = kvcache.single_decode_with_kv_cache(q[0], k_view, v_view, k_scale=ks, v_scale=vs)
     want_o, _ = ref_decode(f64(q[0]), kv[0][0][:16], kv[0][1][:16])
     assert_close(o1, want_o, tol(F16), "single decode on a page view")
+
+
+def test_batch_decode_reads_a_read_only_cache():
+    """Decode only reads the cache: a read-only array (e.g. a memory-mapped
+    snapshot) is accepted and gives the same output as a writeable one."""
+    rng = np.random.default_rng(5)
+    page_size, H, Hq, D = 4, 2, 4, 16
+    cache = rng.standard_normal((3, 2, page_size, H, D)).astype(np.float32)
+    q = rng.standard_normal((1, Hq, D)).astype(np.float32)
+    indptr, indices, last = np.array([0, 2]), np.array([2, 0]), np.array([3])
+    w = kvcache.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD", num_threads=1)
+    w.plan(indptr, indices, last, Hq, H, D, page_size)
+    want = w.run(q, cache)
+    ro = cache.copy()
+    ro.flags.writeable = False
+    np.testing.assert_array_equal(w.run(q, ro), want)
