@@ -55,6 +55,13 @@ typedef struct kvc_kernels {
     /* Inverse: y = (float)q * scale converted to yd. */
     void (*dequantize)(const void *q, int bits, const void *scale, kvc_dtype sd, int64_t n,
                        int g, void *y, kvc_dtype yd);
+    /* dequantize over `rows` rows of n elements, row r at q + r * q_stride,
+     * scale + r * s_stride and y + r * y_stride (bytes): one dispatch for a
+     * strided run of rows (e.g. the heads of one token in a head-major
+     * cache), where one call per 128-element row cost as much as the work. */
+    void (*dequantize_rows)(const void *q, int64_t q_stride, int bits, const void *scale,
+                            int64_t s_stride, kvc_dtype sd, int64_t rows, int64_t n, int g,
+                            void *y, int64_t y_stride, kvc_dtype yd);
     /* Decode attention over n keys for G query heads sharing one KV head
      * (src/kernels/attn_body.h): continues the online-softmax state (m, l,
      * acc) of those heads. Unlike the kernels above, ISAs are not bitwise

@@ -363,15 +363,20 @@ KVC_INLINE void dequant_run(const void *q, int bits, const void *scale, kvc_dtyp
     else dequant_groups(q, bits, scale, sd, n, g, y, yd);
 }
 
-static void dequantize_avx512(const void *q, int bits, const void *scale, kvc_dtype sd, int64_t n,
-                              int g, void *y, kvc_dtype yd) {
+static void dequantize_rows_avx512(const void *q, int64_t q_stride, int bits, const void *scale,
+                                 int64_t s_stride, kvc_dtype sd, int64_t rows, int64_t n, int g,
+                                 void *y, int64_t y_stride, kvc_dtype yd) {
     if (g < 8) {
-        kvc__kernels_scalar()->dequantize(q, bits, scale, sd, n, g, y, yd);
+        kvc__kernels_scalar()->dequantize_rows(q, q_stride, bits, scale, s_stride, sd, rows, n, g,
+                                               y, y_stride, yd);
         return;
     }
+    /* One dtype dispatch for all rows; the row loop runs the inlined kernel. */
 #define DQ(b, s, o)                                                                                \
     if (bits == (b) && sd == (s) && yd == (o)) {                                                   \
-        dequant_run(q, (b), scale, (s), n, g, y, (o));                                             \
+        for (int64_t r = 0; r < rows; r++)                                                         \
+            dequant_run((const char *)q + r * q_stride, (b), (const char *)scale + r * s_stride,   \
+                        (s), n, g, (char *)y + r * y_stride, (o));                                  \
         return;                                                                                    \
     }
 #define DQ_Y(b, s) DQ(b, s, KVC_F32) DQ(b, s, KVC_F16) DQ(b, s, KVC_BF16)
@@ -381,7 +386,13 @@ static void dequantize_avx512(const void *q, int bits, const void *scale, kvc_dt
     DQ_Y(4, KVC_F16)
 #undef DQ_Y
 #undef DQ
-    kvc__kernels_scalar()->dequantize(q, bits, scale, sd, n, g, y, yd);
+    kvc__kernels_scalar()->dequantize_rows(q, q_stride, bits, scale, s_stride, sd, rows, n, g, y,
+                                           y_stride, yd);
+}
+
+static void dequantize_avx512(const void *q, int bits, const void *scale, kvc_dtype sd, int64_t n,
+                            int g, void *y, kvc_dtype yd) {
+    dequantize_rows_avx512(q, 0, bits, scale, 0, sd, 1, n, g, y, 0, yd);
 }
 
 /* ---- quantize ------------------------------------------------------------ */
@@ -656,7 +667,7 @@ typedef __m512 ab_vec;
 
 static const kvc_kernels table = {
     KVC_ISA_AVX512, copy_avx512, convert_avx512, all_finite_avx512, quantize_avx512, dequantize_avx512,
-    attn_decode_avx512,
+    dequantize_rows_avx512, attn_decode_avx512,
 };
 
 const kvc_kernels *kvc__kernels_avx512(void) { return &table; }

@@ -130,9 +130,17 @@ static inline float ab_exp2(float x) { return x < -126.0f ? 0.0f : exp2f(x); }
 #define AB_NAME attn_decode_ref
 #include "attn_body.h"
 
+static void dequantize_rows_ref(const void *q, int64_t q_stride, int bits, const void *scale,
+                                int64_t s_stride, kvc_dtype sd, int64_t rows, int64_t n, int g,
+                                void *y, int64_t y_stride, kvc_dtype yd) {
+    for (int64_t r = 0; r < rows; r++)
+        dequantize_ref((const char *)q + r * q_stride, bits, (const char *)scale + r * s_stride,
+                       sd, n, g, (char *)y + r * y_stride, yd);
+}
+
 static const kvc_kernels table = {
     KVC_ISA_SCALAR, copy_ref, convert_ref, all_finite_ref, quantize_ref, dequantize_ref,
-    attn_decode_ref,
+    dequantize_rows_ref, attn_decode_ref,
 };
 
 const kvc_kernels *kvc__kernels_scalar(void) { return &table; }

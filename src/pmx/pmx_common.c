@@ -88,6 +88,20 @@ static void load_token(const pmx_op *op, const pmx_rows *cache, const pmx_rows *
         load_run(op, &a, &b, op->H * op->Dh);
         return;
     }
+    if (op->bits) { /* head-major cache: the token's H rows in one kernel call */
+        const pmx_rows a = pmx_rows_offset(cache, t, 0), b = pmx_rows_offset(out, t, 0);
+        op->k->dequantize_rows(a.ptr, kvc__bytes(a.dtype, a.head_stride), op->bits, a.sptr,
+                               kvc__bytes(a.sdtype, a.shead_stride), a.sdtype, op->H, op->Dh,
+                               op->group, b.ptr, kvc__bytes(op->t1, op->repeat * b.head_stride),
+                               op->t1);
+        const size_t row_bytes = (size_t)kvc__bytes(op->t1, op->Dh);
+        for (int64_t h = 0; h < op->H; h++) {
+            char *first = b.ptr + kvc__bytes(op->t1, h * op->repeat * b.head_stride);
+            for (int64_t r = 1; r < op->repeat; r++)
+                op->k->copy(first + kvc__bytes(op->t1, r * b.head_stride), first, row_bytes);
+        }
+        return;
+    }
     for (int64_t h = 0; h < op->H; h++) load_row(op, cache, out, t, h);
 }
 
