@@ -79,6 +79,11 @@ const kvc_kernels *kvc__kernels_scalar(void);
 const kvc_kernels *kvc__kernels_avx2(void);
 const kvc_kernels *kvc__kernels_avx512(void);
 
+/* Elements [e0, D) of an int8/int4 row times their group scales, as float32
+ * (the scalar path; SIMD row conversions use it for tails and odd groups). */
+void kvc__dequant_row_tail(const void *src, kvc_dtype dt, const void *sc, kvc_dtype sd, int g,
+                           int e0, int D, float *dst);
+
 /* Rounds a float32 scale to what a scale tensor of dtype sd stores. */
 float kvc__scale_round(float s, kvc_dtype sd);
 

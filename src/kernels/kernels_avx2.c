@@ -400,16 +400,7 @@ static void ab_row_to_f32(const void *src, kvc_dtype dt, const void *sc, kvc_dty
             if (--left == 0) gi++, left = g / 8;
         }
     }
-    for (; e < D; e++) {
-        int iv;
-        if (dt == KVC_I8) {
-            iv = ((const int8_t *)src)[e];
-        } else {
-            unsigned nib = (e & 1) ? (qb[e >> 1] >> 4) : (qb[e >> 1] & 0xf);
-            iv = (int)nib - ((nib & 8) ? 16 : 0);
-        }
-        dst[e] = (float)iv * scale_load(sc, sd, e / g);
-    }
+    kvc__dequant_row_tail(src, dt, sc, sd, g, e, D, dst);
 }
 
 KVC_INLINE float hsum8(__m256 v) {

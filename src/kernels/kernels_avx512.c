@@ -569,7 +569,6 @@ static void ab_row_to_f32(const void *src, kvc_dtype dt, const void *sc, kvc_dty
     default: break;
     }
     const int bits = dt == KVC_I8 ? 8 : 4;
-    const uint8_t *qb = src;
     if (g % 8 == 0) {
         /* Scale index of each 8-lane half, kept incrementally: an integer
          * division per step cost more than the conversion itself. */
@@ -587,16 +586,7 @@ static void ab_row_to_f32(const void *src, kvc_dtype dt, const void *sc, kvc_dty
         }
         return;
     }
-    for (; e < D; e++) {
-        int iv;
-        if (dt == KVC_I8) {
-            iv = ((const int8_t *)src)[e];
-        } else {
-            unsigned nib = (e & 1) ? (qb[e >> 1] >> 4) : (qb[e >> 1] & 0xf);
-            iv = (int)nib - ((nib & 8) ? 16 : 0);
-        }
-        dst[e] = (float)iv * scale_load(sc, sd, e / g);
-    }
+    kvc__dequant_row_tail(src, dt, sc, sd, g, e, D, dst);
 }
 
 /* 2^x for x <= 0 (see kernels_avx2.c exp2_8): exactly 0 below -126. */

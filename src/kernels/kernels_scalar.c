@@ -103,10 +103,15 @@ static inline float ab_elem(const void *src, kvc_dtype dt, int64_t e) {
     }
 }
 
+void kvc__dequant_row_tail(const void *src, kvc_dtype dt, const void *sc, kvc_dtype sd, int g,
+                           int e0, int D, float *dst) {
+    for (int e = e0; e < D; e++) dst[e] = ab_elem(src, dt, e) * load_f32(sc, sd, e / g);
+}
+
 static void ab_row_to_f32(const void *src, kvc_dtype dt, const void *sc, kvc_dtype sd, int g,
                           int D, float *dst) {
     if (dt == KVC_I8 || dt == KVC_I4) {
-        for (int e = 0; e < D; e++) dst[e] = ab_elem(src, dt, e) * load_f32(sc, sd, e / g);
+        kvc__dequant_row_tail(src, dt, sc, sd, g, 0, D, dst);
     } else {
         for (int e = 0; e < D; e++) dst[e] = load_f32(src, dt, e);
     }

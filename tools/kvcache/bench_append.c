@@ -77,7 +77,6 @@ static int app_call(void *ctx) {
 
 /* ---- set-up ------------------------------------------------------------ */
 
-
 static void free_case(app_case *c) {
     bench_free(c->xk);
     bench_free(c->xv);
@@ -272,7 +271,6 @@ static void print_row(const bench_opts *o, const app_row *r) {
            r->tm.median_s * 1e6, r->ns_tok, r->bytes * 1e-6, r->gbs, r->memcpy_gbs, r->ratio,
            goal_str(c), r->met ? "ok" : "MISSED");
 }
-
 
 /* Runs one case with each thread count; returns the number of failures. */
 static int run_case(const bench_opts *o, app_case *c, bench_membw_ctx *mb, double membw_budget,

@@ -50,7 +50,6 @@ static int att_call(void *ctx) {
     return c->st != KVC_OK;
 }
 
-
 static void free_case(att_case *c) {
     bench_free(c->k);
     bench_free(c->v);

@@ -128,7 +128,6 @@ static int pmx_call(void *ctx) {
 
 /* ---- deterministic contents -------------------------------------------- */
 
-
 static uint64_t row_seed(int kv, int64_t b, int64_t t, int64_t h) {
     return bench_mix64(bench_mix64(bench_mix64((uint64_t)kv * 0x51ull + (uint64_t)b) ^ (uint64_t)t) ^
                       (uint64_t)h);
