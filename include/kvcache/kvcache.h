@@ -29,5 +29,10 @@
 #include "kvcache/mask.h"
 #include "kvcache/cache.h"
 #include "kvcache/attention.h"
+#include "kvcache/prefill.h"
+#include "kvcache/mla.h"
+#include "kvcache/gguf.h"
+#include "kvcache/tokenizer.h"
+#include "kvcache/model.h"
 
 #endif

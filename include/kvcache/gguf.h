@@ -1,0 +1,142 @@
+/*
+ * GGUF reader (versions 2 and 3): the container llama.cpp models ship in.
+ *
+ * File: magic "GGUF", uint32 version, int64/uint64 tensor count, uint64
+ * key-value count, the key-value pairs, the tensor infos (name, n_dims <= 4,
+ * ne[n_dims] innermost first, ggml type, uint64 offset), padding to
+ * `general.alignment` (default 32), then the tensor data; offsets are
+ * relative to the start of the data section. All integers little-endian.
+ *
+ * kvc_gguf_open maps the file read-only; every size, count, offset, string
+ * length, type and tensor extent is validated at open, so the accessors
+ * below cannot read outside the file. A bad file gives KVC_ERR_CORRUPT (or
+ * KVC_ERR_UNSUPPORTED for a valid file we cannot read: version 1, an unknown
+ * tensor type) with a message naming what is wrong and where; never a crash.
+ * Pointers returned by accessors stay valid until kvc_gguf_close. Strings in
+ * the file are not NUL-terminated: they are returned as (pointer, length).
+ */
+#ifndef KVCACHE_GGUF_H
+#define KVCACHE_GGUF_H
+
+#include <stddef.h>
+
+#include "kvcache/core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Value types of key-value pairs (GGUF spec numbering). */
+typedef enum kvc_gguf_type {
+    KVC_GGUF_UINT8 = 0,
+    KVC_GGUF_INT8 = 1,
+    KVC_GGUF_UINT16 = 2,
+    KVC_GGUF_INT16 = 3,
+    KVC_GGUF_UINT32 = 4,
+    KVC_GGUF_INT32 = 5,
+    KVC_GGUF_FLOAT32 = 6,
+    KVC_GGUF_BOOL = 7,
+    KVC_GGUF_STRING = 8,
+    KVC_GGUF_ARRAY = 9,
+    KVC_GGUF_UINT64 = 10,
+    KVC_GGUF_INT64 = 11,
+    KVC_GGUF_FLOAT64 = 12
+} kvc_gguf_type;
+
+/* Tensor element types (ggml numbering). Block layouts as in ggml:
+ *   Q4_0: 32 elements = f16 d + 16 bytes of nibbles (x = d * (q - 8));
+ *         element i < 16 is the low nibble of byte i, element i + 16 its high nibble
+ *   Q4_1: 32 elements = f16 d, f16 m + 16 bytes (x = d * q + m)
+ *   Q5_0/Q5_1: as Q4 plus 4 bytes of high bits; Q8_0: f16 d + 32 int8 (x = d * q)
+ *   K-quants: 256-element super-blocks. */
+typedef enum kvc_ggml_type {
+    KVC_GGML_F32 = 0,
+    KVC_GGML_F16 = 1,
+    KVC_GGML_Q4_0 = 2,
+    KVC_GGML_Q4_1 = 3,
+    KVC_GGML_Q5_0 = 6,
+    KVC_GGML_Q5_1 = 7,
+    KVC_GGML_Q8_0 = 8,
+    KVC_GGML_Q8_1 = 9,
+    KVC_GGML_Q2_K = 10,
+    KVC_GGML_Q3_K = 11,
+    KVC_GGML_Q4_K = 12,
+    KVC_GGML_Q5_K = 13,
+    KVC_GGML_Q6_K = 14,
+    KVC_GGML_Q8_K = 15,
+    KVC_GGML_BF16 = 30
+} kvc_ggml_type;
+
+/* Name ("Q4_1"), or NULL for a type this library does not know. */
+KVC_API const char *kvc_ggml_type_name(int32_t type);
+/* Elements per block (1 for F32/F16/BF16, 32, 256), 0 if unknown. */
+KVC_API int64_t kvc_ggml_block_size(int32_t type);
+/* Bytes per block, 0 if unknown. */
+KVC_API int64_t kvc_ggml_block_bytes(int32_t type);
+
+typedef struct kvc_gguf kvc_gguf;
+
+/* Maps and validates a file. */
+KVC_API kvc_status kvc_gguf_open(const char *path, kvc_gguf **out);
+/* Validates a GGUF image in memory (not copied: data must outlive the
+ * handle). For tests and fuzzing. */
+KVC_API kvc_status kvc_gguf_open_memory(const void *data, size_t size, kvc_gguf **out);
+KVC_API void kvc_gguf_close(kvc_gguf *g); /* NULL is a no-op */
+
+KVC_API uint32_t kvc_gguf_version(const kvc_gguf *g);
+/* Byte alignment of the data section (general.alignment, default 32). */
+KVC_API uint32_t kvc_gguf_alignment(const kvc_gguf *g);
+
+/* ---- key-value pairs ----------------------------------------------------- */
+
+KVC_API int64_t kvc_gguf_n_kv(const kvc_gguf *g);
+/* Index of key, or -1. */
+KVC_API int64_t kvc_gguf_find_key(const kvc_gguf *g, const char *key);
+/* Key i (NUL-terminated copy owned by g), or NULL for i out of range. */
+KVC_API const char *kvc_gguf_key(const kvc_gguf *g, int64_t i);
+/* Value type of pair i; for arrays also the element type and count. */
+KVC_API kvc_status kvc_gguf_kv_type(const kvc_gguf *g, int64_t i, kvc_gguf_type *type,
+                                    kvc_gguf_type *elem_type, int64_t *n_elems);
+
+/*
+ * Typed getters by key. KVC_ERR_NOT_FOUND if the key is absent,
+ * KVC_ERR_INVALID_ARG if its type does not fit: get_i64 accepts any integer
+ * type (and bool), get_f64 any integer or float type, get_str a string.
+ */
+KVC_API kvc_status kvc_gguf_get_i64(const kvc_gguf *g, const char *key, int64_t *out);
+KVC_API kvc_status kvc_gguf_get_f64(const kvc_gguf *g, const char *key, double *out);
+KVC_API kvc_status kvc_gguf_get_str(const kvc_gguf *g, const char *key, const char **s,
+                                    size_t *len);
+
+/*
+ * Arrays by key: element type and count. Numeric arrays: *data points at
+ * the packed little-endian elements inside the file (possibly unaligned:
+ * read with memcpy). String arrays: *data is NULL, read elements with
+ * kvc_gguf_get_arr_str.
+ */
+KVC_API kvc_status kvc_gguf_get_arr(const kvc_gguf *g, const char *key, kvc_gguf_type *elem_type,
+                                    int64_t *n, const void **data);
+/* Element i of a string array (O(1): offsets are indexed at open). */
+KVC_API kvc_status kvc_gguf_get_arr_str(const kvc_gguf *g, const char *key, int64_t i,
+                                        const char **s, size_t *len);
+
+/* ---- tensors ------------------------------------------------------------- */
+
+typedef struct kvc_gguf_tensor {
+    const char *name;  /* NUL-terminated, owned by g */
+    int32_t type;      /* kvc_ggml_type */
+    int32_t n_dims;    /* 1..4 */
+    int64_t ne[4];     /* elements per dim, innermost first; unused dims 1 */
+    const void *data;  /* inside the mapping, aligned to the file's alignment */
+    size_t size;       /* bytes */
+} kvc_gguf_tensor;
+
+KVC_API int64_t kvc_gguf_n_tensors(const kvc_gguf *g);
+/* Index of the named tensor, or -1. */
+KVC_API int64_t kvc_gguf_find_tensor(const kvc_gguf *g, const char *name);
+KVC_API kvc_status kvc_gguf_get_tensor(const kvc_gguf *g, int64_t i, kvc_gguf_tensor *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,2 @@
+/* Placeholder: replaced by the module's implementation. */
+typedef int kvc__placeholder_gemm_avx2;
