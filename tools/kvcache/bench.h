@@ -170,4 +170,13 @@ int bench_cache(const bench_opts *o);
  * vs a plain read): returns a CLI exit status. */
 int bench_attention(const bench_opts *o);
 
+/* `kvcache bench prefill` (prefill attention GFLOP/s vs a same-run FMA peak). */
+int bench_prefill(const bench_opts *o);
+
+/* `kvcache bench mla` (MLA decode over ckv/kpe pages). */
+int bench_mla(const bench_opts *o);
+
+/* `kvcache bench gemm` (model weight-type matrix products). */
+int bench_gemm(const bench_opts *o);
+
 #endif

@@ -215,6 +215,9 @@ int cmd_bench(int argc, char **argv) {
     o.membw_bytes = (size_t)(o.quick ? 64 : 256) << 20;
     if (strcmp(target, "cache") == 0) return bench_cache(&o);
     if (strcmp(target, "attention") == 0) return bench_attention(&o);
+    if (strcmp(target, "prefill") == 0) return bench_prefill(&o);
+    if (strcmp(target, "mla") == 0) return bench_mla(&o);
+    if (strcmp(target, "gemm") == 0) return bench_gemm(&o);
     if (strcmp(target, "append") == 0) {
         if (o.caches == 0) o.caches = BENCH_CACHE_F16 | BENCH_CACHE_INT8;
         return bench_append(&o);
