@@ -133,9 +133,12 @@ int cmd_bench(int argc, char **argv) {
         target = argv[1];
         first = 2;
         if (strcmp(target, "pmx") != 0 && strcmp(target, "append") != 0 &&
-            strcmp(target, "cache") != 0 && strcmp(target, "attention") != 0) {
+            strcmp(target, "cache") != 0 && strcmp(target, "attention") != 0 &&
+            strcmp(target, "prefill") != 0 && strcmp(target, "mla") != 0 &&
+            strcmp(target, "gemm") != 0) {
             fprintf(stderr,
-                    "kvcache: bench: unknown target '%s' (known: pmx, append, cache, attention)\n\n%s",
+                    "kvcache: bench: unknown target '%s' (known: pmx, append, cache, attention, "
+                    "prefill, mla, gemm)\n\n%s",
                     target, bench_usage);
             return CLI_EXIT_USAGE;
         }
