@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs what kvcache needs (only what is missing) and builds it into
-# build/ (Release). Safe to run again: it does nothing that is already done.
+# Installs what kvcache needs (only what is missing), builds it into build/
+# (Release) and fetches the default model into models/ (checked by size and
+# SHA-256). Safe to run again: it does nothing that is already done.
+#   KVC_NO_MODEL=1  skip the model download
 #   BUILD_DIR=dir  build somewhere else     CMAKE_ARGS="..."  extra cmake flags
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +21,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 
 PY=$(command -v python3)
-if ! "$PY" -c 'import numpy, ml_dtypes, pytest' 2>/dev/null; then
+if ! "$PY" -c 'import numpy, ml_dtypes, pytest, gguf, regex, jinja2' 2>/dev/null; then
     echo "setup: installing Python packages from python/requirements.txt"
     "$PY" -m pip install -q --disable-pip-version-check -r python/requirements.txt
 fi
@@ -30,3 +32,7 @@ if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then
         -DPython3_EXECUTABLE="$PY" ${CMAKE_ARGS:-} >/dev/null
 fi
 cmake --build "$BUILD_DIR" -j "$(nproc)"
+
+if [ -z "${KVC_NO_MODEL:-}" ]; then
+    bash scripts/fetch_model.sh >/dev/null
+fi

@@ -330,6 +330,50 @@ TEST(single_large_logits) {
     return 0;
 }
 
+/*
+ * The SIMD kernels' register tiles: query heads in tiles of up to 4 (AVX2:
+ * 2) with every remainder, keys in quads with partial last blocks, head dims
+ * in pieces of up to 4 vectors with every remainder, int8/int4 group scales
+ * per vector (groups of 1, 2, 4, 8 vectors), and the fallbacks through the
+ * float32 tile: a head dim or group that is not a multiple of the vector
+ * width, and groups x heads beyond the weight table (D 512, group 16, G 16).
+ */
+TEST(single_register_tiles) {
+    static const struct {
+        kvc_dtype kd;
+        int64_t Hq, H, D, L;
+        int group;
+    } cs[] = {
+        {KVC_F16, 5, 1, 128, 13, 16},   {KVC_F16, 6, 2, 96, 37, 16},
+        {KVC_F16, 13, 1, 64, 300, 16},  {KVC_F16, 16, 1, 128, 50, 16},
+        {KVC_BF16, 7, 1, 112, 21, 16},  {KVC_F32, 3, 1, 48, 19, 16},
+        {KVC_F16, 4, 2, 40, 33, 8},     {KVC_I8, 4, 1, 128, 77, 32},
+        {KVC_I8, 12, 3, 128, 290, 64},  {KVC_I8, 16, 2, 256, 45, 128},
+        {KVC_I4, 4, 1, 128, 29, 32},    {KVC_I4, 3, 1, 64, 262, 16},
+        {KVC_I8, 4, 2, 96, 40, 24},     {KVC_I4, 5, 1, 80, 17, 8},
+        {KVC_I8, 16, 1, 512, 35, 16},   {KVC_F16, 16, 1, 512, 18, 16},
+        {KVC_I8, 1, 1, 32, 5, 32},      {KVC_F16, 2, 2, 16, 3, 16},
+    };
+    FOR_EACH_ISA({
+        for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++)
+            for (int sdi = 0; sdi < 2; sdi++) {
+                if (sdi && !is_quant(cs[i].kd)) continue;
+                sd_case c = base_case();
+                c.kd = cs[i].kd;
+                c.sd = sdi ? KVC_F16 : KVC_F32;
+                c.Hq = cs[i].Hq;
+                c.H = cs[i].H;
+                c.D = cs[i].D;
+                c.L = cs[i].L;
+                c.group = cs[i].group;
+                c.qd = i % 3 == 1 ? KVC_F16 : KVC_F32;
+                c.cap = i % 4 == 2 ? 20.0f : 0.0f;
+                RUN(c);
+            }
+    });
+    return 0;
+}
+
 /* ---- batched (paged) -------------------------------------------------------- */
 
 static int run_paged(kvc_dtype kd, kvc_dtype sd, kvc_kv_layout layout, int64_t ps, int64_t Hq,
@@ -617,6 +661,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(single_softcap_window_scale),
     TEST_ENTRY(single_io_dtypes),
     TEST_ENTRY(single_large_logits),
+    TEST_ENTRY(single_register_tiles),
     TEST_ENTRY(paged_ragged),
     TEST_ENTRY(rejects),
     {0, 0},

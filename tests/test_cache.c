@@ -305,6 +305,52 @@ TEST(prefix_hits) {
     return 0;
 }
 
+/* kvc_cache_lookup_prefix predicts add_sequence's hit and changes nothing. */
+TEST(lookup_prefix_matches_add) {
+    kvc_cache *c;
+    kvc_cache_params p = small_params(4, 24);
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    uint64_t rng = test_seed;
+    int32_t base[40];
+    for (int i = 0; i < 40; i++) base[i] = (int32_t)(test_rng_next(&rng) % 5);
+    kvc_seq_id live[64];
+    int n_live = 0;
+    for (int it = 0; it < 300; it++) {
+        int32_t t[40];
+        const int n = 1 + (int)(test_rng_next(&rng) % 40);
+        const int keep = (int)(test_rng_next(&rng) % (n + 1)); /* shared prefix length */
+        for (int i = 0; i < n; i++) t[i] = i < keep ? base[i] : (int32_t)(test_rng_next(&rng) % 5);
+        const uint64_t salt = test_rng_next(&rng) % 2;
+        kvc_cache_stats before, after;
+        ASSERT_OK(kvc_cache_get_stats(c, &before));
+        int64_t probe = -1, hit = -1;
+        ASSERT_OK(kvc_cache_lookup_prefix(c, t, n, salt, &probe));
+        ASSERT_OK(kvc_cache_get_stats(c, &after));
+        ASSERT_MEM_EQ(&before, &after, sizeof before);
+        ASSERT_TRUE(probe % 4 == 0 && probe < n);
+        kvc_seq_id s;
+        kvc_status st = kvc_cache_add_sequence(c, t, n, salt, &s, &hit);
+        if (st == KVC_ERR_NO_SPACE || n_live == 64) {
+            if (st == KVC_OK) kvc_cache_free_sequence(c, s);
+            while (n_live > 0) ASSERT_OK(kvc_cache_free_sequence(c, live[--n_live]));
+            continue;
+        }
+        ASSERT_OK(st);
+        ASSERT_EQ_I64(hit, probe);
+        live[n_live++] = s;
+        if (test_rng_next(&rng) % 3 == 0) ASSERT_OK(kvc_cache_free_sequence(c, live[--n_live]));
+        ASSERT_OK(kvc_cache_check(c));
+    }
+    int64_t h;
+    ASSERT_STATUS(kvc_cache_lookup_prefix(NULL, base, 4, 0, &h), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_cache_lookup_prefix(c, NULL, 4, 0, &h), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_cache_lookup_prefix(c, base, -1, 0, &h), KVC_ERR_INVALID_ARG);
+    ASSERT_OK(kvc_cache_lookup_prefix(c, NULL, 0, 0, &h));
+    ASSERT_EQ_I64(h, 0);
+    kvc_cache_destroy(c);
+    return 0;
+}
+
 /* ---- eviction order -------------------------------------------------------------------------- */
 
 TEST(eviction_order) {
@@ -872,6 +918,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(bad_args_and_unknown_ids),
     TEST_ENTRY(page_tables),
     TEST_ENTRY(prefix_hits),
+    TEST_ENTRY(lookup_prefix_matches_add),
     TEST_ENTRY(eviction_order),
     TEST_ENTRY(cow_copies_data_and_scales),
     TEST_ENTRY(truncate_and_cow),

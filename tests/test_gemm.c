@@ -1,5 +1,656 @@
-/* Placeholder suite: replaced by the module's tests. */
+/*
+ * Suite "gemm": the model runtime's matrix products (src/model/gemm.h) and
+ * ggml row dequantization.
+ *
+ * References written here from the block formats (GGUF/ggml docs, checked
+ * against the gguf Python package's gguf.quants.dequantize), in double
+ * precision, with no library code:
+ *   - ref_dequant: every type's elements from the bytes;
+ *   - quantize_ref: the documented int8 activation rule (gemm.h);
+ *   - the exact reference of the int8 paths: per block the integer dot
+ *     product of the weight integers with the quantized activations, times
+ *     d_w * d_x (+ m_w * d_x * sum q for Q4_1), summed in double.
+ * Checks, every type x every kernel set (scalar, avx2, avx512 with and
+ * without VNNI) x rows {1, 7, 64, 576, 1537} x cols {32, 64, 576, 1536} x n
+ * {1, 2, 5, 16, 33}:
+ *   tight: |Y - exact| <= (2 nb + 8) 2^-24 sum_b |term_b| for int8 paths (nb
+ *     block terms, Q4_1 twice as many; every float32 rounding of a term and
+ *     every addition costs at most 2^-24 of the absolute sum), and |Y - ref|
+ *     <= (cols + 4) 2^-24 sum_c |w_c x_c| for float weights;
+ *   loose (int8 paths): |Y - sum_c w_c x_c| <= tight bound + sum_b (d_x / 2 +
+ *     2^-20 amax_b) sum_e |w_be|: each activation moves by at most half a
+ *     quantization step d_x, plus the float32 roundings of x * 127 / amax.
+ * Plus row independence (bitwise, 1 and 2 threads), strided X/Y, error
+ * cases and dequant_row for every type.
+ */
+#include <stdlib.h>
+
+#include "model/gemm.h"
 #include "test.h"
 
+/* ---- helpers ------------------------------------------------------------------ */
+
+static void *xmalloc(size_t n) {
+    void *p = malloc(n ? n : 1);
+    if (!p) {
+        fprintf(stderr, "out of memory\n");
+        abort();
+    }
+    return p;
+}
+
+typedef struct tinfo {
+    int32_t t;
+    const char *name;
+    int64_t block, bytes;
+} tinfo;
+
+/* Block sizes written from the ggml docs (independent of gemm.c's table). */
+static const tinfo types_all[] = {
+    {KVC_GGML_F32, "F32", 1, 4},      {KVC_GGML_F16, "F16", 1, 2},
+    {KVC_GGML_BF16, "BF16", 1, 2},    {KVC_GGML_Q8_0, "Q8_0", 32, 34},
+    {KVC_GGML_Q4_0, "Q4_0", 32, 18},  {KVC_GGML_Q4_1, "Q4_1", 32, 20},
+    {KVC_GGML_Q5_0, "Q5_0", 32, 22},  {KVC_GGML_Q5_1, "Q5_1", 32, 24},
+    {KVC_GGML_Q4_K, "Q4_K", 256, 144}, {KVC_GGML_Q6_K, "Q6_K", 256, 210},
+};
+#define N_GEMM_TYPES 6 /* the first 6 go through kvc__gemm */
+#define N_TYPES (sizeof types_all / sizeof types_all[0])
+
+static int is_quant(int32_t t) { return t != KVC_GGML_F32 && t != KVC_GGML_F16 && t != KVC_GGML_BF16; }
+
+static void put16(uint8_t *p, uint16_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+
+static double get_f16(const uint8_t *p) { return (double)kvc_f16_to_f32((uint16_t)(p[0] | p[1] << 8)); }
+
+/* Random matrix of rows x cols in type ti: float types uniform in [-1, 1);
+ * block types random bytes with float16 fields set to scales of +-[0.002,
+ * 0.02] (offsets in [-0.1, 0.1]); Q8_0 includes -128. */
+static uint8_t *make_w(const tinfo *ti, int64_t rows, int64_t cols, uint64_t *rng) {
+    const int64_t nblk = rows * (cols / ti->block);
+    const size_t bytes = (size_t)(nblk * ti->bytes);
+    uint8_t *w = xmalloc(bytes);
+    for (size_t i = 0; i < bytes; i++) w[i] = (uint8_t)test_rng_next(rng);
+    for (int64_t b = 0; b < nblk; b++) {
+        uint8_t *p = w + b * ti->bytes;
+        const float s = test_rng_f32(rng);
+        const float d = (s < 0 ? -1.0f : 1.0f) * (0.002f + 0.018f * fabsf(test_rng_f32(rng)));
+        const float m = 0.1f * test_rng_f32(rng);
+        switch (ti->t) {
+        case KVC_GGML_F32: {
+            const float v = test_rng_f32(rng);
+            memcpy(p, &v, 4);
+            break;
+        }
+        case KVC_GGML_F16: put16(p, kvc_f32_to_f16(test_rng_f32(rng))); break;
+        case KVC_GGML_BF16: put16(p, kvc_f32_to_bf16(test_rng_f32(rng))); break;
+        case KVC_GGML_Q8_0:
+        case KVC_GGML_Q4_0:
+        case KVC_GGML_Q5_0: put16(p, kvc_f32_to_f16(d)); break;
+        case KVC_GGML_Q4_1:
+        case KVC_GGML_Q5_1:
+        case KVC_GGML_Q4_K:
+            put16(p, kvc_f32_to_f16(fabsf(d)));
+            put16(p + 2, kvc_f32_to_f16(ti->t == KVC_GGML_Q4_K ? fabsf(m) * 0.1f : m));
+            break;
+        case KVC_GGML_Q6_K: put16(p + 208, kvc_f32_to_f16(d * 0.05f)); break;
+        default: break;
+        }
+    }
+    return w;
+}
+
+/* ---- reference dequantization (from the block formats) ------------------------- */
+
+/* Integer value and scale of element e of a Q8_0/Q4_0/Q4_1 block: x = d q + m. */
+static int qint(int32_t t, const uint8_t *blk, int e) {
+    switch (t) {
+    case KVC_GGML_Q8_0: return (int8_t)blk[2 + e];
+    case KVC_GGML_Q4_0: return (e < 16 ? blk[2 + e] & 0x0f : blk[2 + e - 16] >> 4) - 8;
+    default: return e < 16 ? blk[4 + e] & 0x0f : blk[4 + e - 16] >> 4;
+    }
+}
+
+static void ref_dequant(int32_t t, const uint8_t *row, int64_t cols, double *out) {
+    switch (t) {
+    case KVC_GGML_F32:
+        for (int64_t c = 0; c < cols; c++) {
+            float v;
+            memcpy(&v, row + 4 * c, 4);
+            out[c] = v;
+        }
+        return;
+    case KVC_GGML_F16:
+        for (int64_t c = 0; c < cols; c++) out[c] = get_f16(row + 2 * c);
+        return;
+    case KVC_GGML_BF16:
+        for (int64_t c = 0; c < cols; c++) {
+            const uint32_t u = (uint32_t)(row[2 * c] | row[2 * c + 1] << 8) << 16;
+            float v;
+            memcpy(&v, &u, 4);
+            out[c] = v;
+        }
+        return;
+    default: break;
+    }
+    if (t == KVC_GGML_Q8_0 || t == KVC_GGML_Q4_0 || t == KVC_GGML_Q4_1) {
+        const int64_t bb = t == KVC_GGML_Q8_0 ? 34 : t == KVC_GGML_Q4_0 ? 18 : 20;
+        for (int64_t b = 0; b < cols / 32; b++) {
+            const uint8_t *blk = row + b * bb;
+            const double d = get_f16(blk), m = t == KVC_GGML_Q4_1 ? get_f16(blk + 2) : 0.0;
+            for (int e = 0; e < 32; e++) out[32 * b + e] = d * qint(t, blk, e) + m;
+        }
+    } else if (t == KVC_GGML_Q5_0 || t == KVC_GGML_Q5_1) {
+        /* d [m] qh[4] qs[16]: low 4 bits as Q4, bit 4 of element e = bit e of qh */
+        const int one = t == KVC_GGML_Q5_1;
+        for (int64_t b = 0; b < cols / 32; b++) {
+            const uint8_t *blk = row + b * (one ? 24 : 22);
+            const uint8_t *qh = blk + (one ? 4 : 2), *qs = qh + 4;
+            const double d = get_f16(blk), m = one ? get_f16(blk + 2) : 0.0;
+            for (int t16 = 0; t16 < 16; t16++) {
+                const int h0 = (qh[t16 / 8] >> (t16 % 8)) & 1;
+                const int h1 = (qh[(t16 + 16) / 8] >> ((t16 + 16) % 8)) & 1;
+                const int q0 = (qs[t16] & 15) | h0 << 4, q1 = (qs[t16] >> 4) | h1 << 4;
+                out[32 * b + t16] = one ? d * q0 + m : d * (q0 - 16);
+                out[32 * b + t16 + 16] = one ? d * q1 + m : d * (q1 - 16);
+            }
+        }
+    } else if (t == KVC_GGML_Q4_K) {
+        /* d, dmin, 12 bytes of 6-bit scales/mins (bytes 0-3 scales j<4 + top
+         * bits of scales j>=4, 4-7 mins likewise, 8-11 low nibble scale /
+         * high nibble min of j>=4), qs[128]: chunk g of 32 bytes holds
+         * sub-block 2g (low nibbles) and 2g+1 (high nibbles). */
+        for (int64_t b = 0; b < cols / 256; b++) {
+            const uint8_t *blk = row + b * 144, *s = blk + 4, *qs = blk + 16;
+            const double d = get_f16(blk), dmin = get_f16(blk + 2);
+            int sc[8], mn[8];
+            for (int j = 0; j < 4; j++) {
+                sc[j] = s[j] & 0x3f;
+                mn[j] = s[4 + j] & 0x3f;
+                sc[4 + j] = (s[8 + j] & 0x0f) | ((s[j] >> 2) & 0x30);
+                mn[4 + j] = (s[8 + j] >> 4) | ((s[4 + j] >> 2) & 0x30);
+            }
+            for (int g = 0; g < 4; g++)
+                for (int h = 0; h < 2; h++)
+                    for (int l = 0; l < 32; l++) {
+                        const int sub = 2 * g + h, q = (qs[32 * g + l] >> (4 * h)) & 15;
+                        out[256 * b + 32 * sub + l] = d * sc[sub] * q - dmin * mn[sub];
+                    }
+        }
+    } else if (t == KVC_GGML_Q6_K) {
+        /* ql[128] qh[64] scales[16] d: halves a of 128; in a half, ql byte k
+         * (64) gives elements k (low nibble) and 64 + k (high), qh byte l (32)
+         * gives bits 4-5 of elements l, 32 + l, 64 + l, 96 + l (2 bits each) */
+        for (int64_t b = 0; b < cols / 256; b++) {
+            const uint8_t *blk = row + b * 210, *ql = blk, *qh = blk + 128;
+            const int8_t *sc = (const int8_t *)(const void *)(blk + 192);
+            const double d = get_f16(blk + 208);
+            int q[256];
+            for (int a = 0; a < 2; a++) {
+                for (int k = 0; k < 64; k++) {
+                    q[128 * a + k] = ql[64 * a + k] & 15;
+                    q[128 * a + 64 + k] = ql[64 * a + k] >> 4;
+                }
+                for (int l = 0; l < 32; l++)
+                    for (int s4 = 0; s4 < 4; s4++)
+                        q[128 * a + 32 * s4 + l] |= ((qh[32 * a + l] >> (2 * s4)) & 3) << 4;
+            }
+            for (int e = 0; e < 256; e++) out[256 * b + e] = d * sc[e / 16] * (q[e] - 32);
+        }
+    }
+}
+
+/* The documented activation rule (gemm.h): q[32] and d of one block. */
+static float quantize_ref(const float *x, int8_t *q) {
+    float amax = 0;
+    for (int e = 0; e < 32; e++) amax = fmaxf(amax, fabsf(x[e]));
+    if (amax < 0x1p-120f) {
+        memset(q, 0, 32);
+        return 0.0f;
+    }
+    const float d = amax / 127.0f, id = 127.0f / amax;
+    for (int e = 0; e < 32; e++) q[e] = (int8_t)rint((double)(x[e] * id));
+    return d;
+}
+
+/* ---- the grid -------------------------------------------------------------------- */
+
+typedef struct variant {
+    kvc_isa isa;
+    int no_vnni;
+    const char *name;
+} variant;
+
+static const variant variants[] = {{KVC_ISA_SCALAR, 0, "scalar"},
+                                   {KVC_ISA_AVX2, 0, "avx2"},
+                                   {KVC_ISA_AVX512, 0, "avx512"},
+                                   {KVC_ISA_AVX512, 1, "avx512 without vnni"}};
+#define N_VARIANTS 4
+
+static int use_variant(const variant *v) {
+    if (!kvc_isa_supported(v->isa)) return 0;
+    if (kvc_set_isa(v->isa) != KVC_OK) return 0;
+    kvc__gemm_set_no_vnni(v->no_vnni);
+    return 1;
+}
+
+static void restore_isa(void) {
+    kvc__gemm_set_no_vnni(0);
+    kvc_set_isa(kvc_best_isa());
+}
+
+/* Reference results for n_max rows of X against W: exact (int8 paths: with
+ * quantized activations) and true (float activations), plus bounds. */
+typedef struct refs {
+    double *exact, *tight, *truth, *loose; /* (n_max, rows) */
+} refs;
+
+static void refs_free(refs *r) {
+    free(r->exact);
+    free(r->tight);
+    free(r->truth);
+    free(r->loose);
+}
+
+static void make_refs(const tinfo *ti, const uint8_t *W, int64_t rows, int64_t cols,
+                      const float *X, int64_t ldx, int64_t n, refs *out) {
+    const int64_t rb = cols / ti->block * ti->bytes, nb = cols / 32;
+    const size_t sz = (size_t)(n * rows) * sizeof(double);
+    out->exact = xmalloc(sz);
+    out->tight = xmalloc(sz);
+    out->truth = xmalloc(sz);
+    out->loose = xmalloc(sz);
+    double *wd = xmalloc((size_t)cols * sizeof(double));
+    const int quant = is_quant(ti->t);
+    int8_t *xq = xmalloc((size_t)(n * cols));
+    float *dx = xmalloc((size_t)(n * (nb + 1)) * sizeof(float));
+    if (quant)
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t b = 0; b < nb; b++)
+                dx[i * nb + b] = quantize_ref(X + i * ldx + 32 * b, xq + i * cols + 32 * b);
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *wr = W + r * rb;
+        ref_dequant(ti->t, wr, cols, wd);
+        for (int64_t i = 0; i < n; i++) {
+            const float *x = X + i * ldx;
+            double truth = 0, abs_sum = 0;
+            for (int64_t c = 0; c < cols; c++) {
+                truth += wd[c] * x[c];
+                abs_sum += fabs(wd[c] * x[c]);
+            }
+            const int64_t o = i * rows + r;
+            out->truth[o] = truth;
+            if (!quant) {
+                out->exact[o] = truth;
+                out->tight[o] = (double)(cols + 4) * 0x1p-24 * abs_sum + 1e-30;
+                out->loose[o] = out->tight[o];
+                continue;
+            }
+            double exact = 0, terms = 0, qerr = 0;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *blk = wr + b * ti->bytes;
+                const int8_t *q = xq + i * cols + 32 * b;
+                const double d = get_f16(blk), dxb = dx[i * nb + b];
+                long isum = 0, qsum = 0;
+                double wabs = 0, amax = 0;
+                for (int e = 0; e < 32; e++) {
+                    isum += (long)qint(ti->t, blk, e) * q[e];
+                    qsum += q[e];
+                    wabs += fabs(wd[32 * b + e]);
+                    amax = fmax(amax, fabs((double)x[32 * b + e]));
+                }
+                const double t1 = d * dxb * (double)isum;
+                exact += t1;
+                terms += fabs(t1);
+                if (ti->t == KVC_GGML_Q4_1) {
+                    const double t2 = get_f16(blk + 2) * dxb * (double)qsum;
+                    exact += t2;
+                    terms += fabs(t2);
+                }
+                qerr += (dxb / 2 + 0x1p-20 * amax) * wabs;
+            }
+            out->exact[o] = exact;
+            out->tight[o] = (double)(2 * nb + 8) * 0x1p-24 * terms + 1e-30;
+            out->loose[o] = out->tight[o] + qerr;
+        }
+    }
+    free(wd);
+    free(xq);
+    free(dx);
+}
+
+/* Compares Y (n rows at ldy) with the references. */
+static int check_y(const char *what, const tinfo *ti, const variant *v, int64_t rows,
+                   int64_t cols, int64_t n, const float *Y, int64_t ldy, const refs *rf) {
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t r = 0; r < rows; r++) {
+            const double y = Y[i * ldy + r];
+            const int64_t k = i * rows + r;
+            if (!(fabs(y - rf->exact[k]) <= rf->tight[k]) ||
+                !(fabs(y - rf->truth[k]) <= rf->loose[k]))
+                TEST_FAIL_("%s %s %s rows %lld cols %lld n %lld: Y[%lld][%lld] = %.9g, exact %.9g "
+                           "(tol %.3g), true %.9g (tol %.3g)",
+                           what, ti->name, v->name, (long long)rows, (long long)cols,
+                           (long long)n, (long long)i, (long long)r, y, rf->exact[k],
+                           rf->tight[k], rf->truth[k], rf->loose[k]);
+        }
+    return 0;
+}
+
+/* Random activations, row i scaled by 2^(i % 5 - 2); one zero block. */
+static float *make_x(int64_t n, int64_t cols, int64_t ldx, uint64_t *rng) {
+    float *X = xmalloc((size_t)(n * ldx) * sizeof(float));
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t c = 0; c < ldx; c++)
+            X[i * ldx + c] = c < cols ? ldexpf(test_rng_f32(rng), (int)(i % 5) - 2) : NAN;
+    if (n > 1 && cols >= 64)
+        for (int64_t c = 32; c < 64; c++) X[ldx + c] = 0.0f;
+    return X;
+}
+
+static int grid_type(const tinfo *ti) {
+    static const int64_t rows_g[] = {1, 7, 64, 576, 1537}, cols_g[] = {32, 64, 576, 1536},
+                         n_g[] = {1, 2, 5, 16, 33};
+    uint64_t rng = test_seed ^ (uint64_t)ti->t * 0x9e3779b97f4a7c15ull;
+    int rc = 0;
+    for (size_t ci = 0; ci < 4 && !rc; ci++)
+        for (size_t ri = 0; ri < 5 && !rc; ri++) {
+            const int64_t rows = rows_g[ri], cols = cols_g[ci], nmax = 33;
+            uint8_t *W = make_w(ti, rows, cols, &rng);
+            float *X = make_x(nmax, cols, cols, &rng);
+            float *Y = xmalloc((size_t)(nmax * rows) * sizeof(float));
+            refs rf;
+            make_refs(ti, W, rows, cols, X, cols, nmax, &rf);
+            for (int vi = 0; vi < N_VARIANTS && !rc; vi++) {
+                if (!use_variant(&variants[vi])) continue;
+                for (size_t ni = 0; ni < 5 && !rc; ni++) {
+                    const int64_t n = n_g[ni];
+                    kvc_threadpool *pool = ni % 2 ? test_pool(2) : NULL;
+                    memset(Y, 0xff, (size_t)(nmax * rows) * sizeof(float));
+                    kvc_status st = kvc__gemm(ti->t, W, rows, cols, X, cols, n, Y, rows, pool);
+                    if (st != KVC_OK) {
+                        fprintf(stderr, "  %s: %s\n", kvc_status_str(st), kvc_last_error());
+                        rc = 1;
+                        break;
+                    }
+                    rc = check_y("grid", ti, &variants[vi], rows, cols, n, Y, rows, &rf);
+                }
+            }
+            restore_isa();
+            refs_free(&rf);
+            free(W);
+            free(X);
+            free(Y);
+        }
+    return rc;
+}
+
+TEST(grid_f32) { return grid_type(&types_all[0]); }
+TEST(grid_f16) { return grid_type(&types_all[1]); }
+TEST(grid_bf16) { return grid_type(&types_all[2]); }
+TEST(grid_q8_0) { return grid_type(&types_all[3]); }
+TEST(grid_q4_0) { return grid_type(&types_all[4]); }
+TEST(grid_q4_1) { return grid_type(&types_all[5]); }
+
+/* Float weights accept any cols: tails of every length below 16. */
+TEST(float_odd_cols) {
+    static const int64_t cols_g[] = {1, 7, 15, 17, 100, 579};
+    uint64_t rng = test_seed + 7;
+    int rc = 0;
+    for (int ti = 0; ti < 3 && !rc; ti++)
+        for (size_t ci = 0; ci < 6 && !rc; ci++) {
+            const int64_t rows = 13, cols = cols_g[ci], n = 6;
+            uint8_t *W = make_w(&types_all[ti], rows, cols, &rng);
+            float *X = make_x(n, cols, cols, &rng), *Y = xmalloc((size_t)(n * rows) * 4);
+            refs rf;
+            make_refs(&types_all[ti], W, rows, cols, X, cols, n, &rf);
+            for (int vi = 0; vi < N_VARIANTS && !rc; vi++) {
+                if (!use_variant(&variants[vi])) continue;
+                if (kvc__gemm(types_all[ti].t, W, rows, cols, X, cols, n, Y, rows, NULL) != KVC_OK)
+                    rc = 1;
+                else
+                    rc = check_y("odd cols", &types_all[ti], &variants[vi], rows, cols, n, Y,
+                                 rows, &rf);
+            }
+            restore_isa();
+            refs_free(&rf);
+            free(W);
+            free(X);
+            free(Y);
+        }
+    return rc;
+}
+
+/* ---- row independence ------------------------------------------------------------- */
+
+/* Row i of an n = 33 product equals the n = 1 product of row i, bit for bit,
+ * with 1 and 2 threads, for every type and kernel set; and so does n = 5. */
+TEST(row_independence) {
+    static const int64_t cols_g[] = {576, 1536, 96};
+    uint64_t rng = test_seed + 11;
+    int rc = 0;
+    for (int ti = 0; ti < N_GEMM_TYPES && !rc; ti++)
+        for (int ci = 0; ci < 3 && !rc; ci++) {
+            const tinfo *t = &types_all[ti];
+            const int64_t rows = 100, cols = cols_g[ci], n = 33;
+            uint8_t *W = make_w(t, rows, cols, &rng);
+            float *X = make_x(n, cols, cols, &rng);
+            float *Yn = xmalloc((size_t)(n * rows) * 4), *Y1 = xmalloc((size_t)rows * 4),
+                  *Y5 = xmalloc((size_t)(5 * rows) * 4);
+            for (int vi = 0; vi < N_VARIANTS && !rc; vi++) {
+                if (!use_variant(&variants[vi])) continue;
+                for (int th = 1; th <= 2 && !rc; th++) {
+                    kvc_threadpool *pool = test_pool(th);
+                    if (kvc__gemm(t->t, W, rows, cols, X, cols, n, Yn, rows, pool) != KVC_OK) {
+                        rc = 1;
+                        break;
+                    }
+                    for (int64_t i = 0; i < n && !rc; i++) {
+                        if (kvc__gemm(t->t, W, rows, cols, X + i * cols, cols, 1, Y1, rows,
+                                      pool) != KVC_OK ||
+                            memcmp(Y1, Yn + i * rows, (size_t)rows * 4) != 0) {
+                            fprintf(stderr, "  %s %s cols %lld threads %d: row %lld differs\n",
+                                    t->name, variants[vi].name, (long long)cols, th, (long long)i);
+                            rc = 1;
+                        }
+                    }
+                    for (int64_t i0 = 0; i0 + 5 <= n && !rc; i0 += 7)
+                        if (kvc__gemm(t->t, W, rows, cols, X + i0 * cols, cols, 5, Y5, rows,
+                                      test_pool(3 - th)) != KVC_OK ||
+                            memcmp(Y5, Yn + i0 * rows, (size_t)(5 * rows) * 4) != 0) {
+                            fprintf(stderr, "  %s %s: n = 5 from row %lld differs\n", t->name,
+                                    variants[vi].name, (long long)i0);
+                            rc = 1;
+                        }
+                }
+            }
+            restore_isa();
+            free(W);
+            free(X);
+            free(Yn);
+            free(Y1);
+            free(Y5);
+        }
+    return rc;
+}
+
+/* ---- strides -------------------------------------------------------------------- */
+
+/* ldx > cols (the gap holds NaN: never read) and ldy > rows (the gap keeps
+ * its contents). */
+TEST(strided) {
+    uint64_t rng = test_seed + 13;
+    int rc = 0;
+    for (int ti = 0; ti < N_GEMM_TYPES && !rc; ti++) {
+        const tinfo *t = &types_all[ti];
+        const int64_t rows = 37, cols = 576, n = 9, ldx = cols + 40, ldy = rows + 5;
+        uint8_t *W = make_w(t, rows, cols, &rng);
+        float *X = make_x(n, cols, ldx, &rng), *Y = xmalloc((size_t)(n * ldy) * 4);
+        refs rf;
+        make_refs(t, W, rows, cols, X, ldx, n, &rf);
+        for (int vi = 0; vi < N_VARIANTS && !rc; vi++) {
+            if (!use_variant(&variants[vi])) continue;
+            for (int64_t k = 0; k < n * ldy; k++) Y[k] = -12345.0f;
+            if (kvc__gemm(t->t, W, rows, cols, X, ldx, n, Y, ldy, test_pool(2)) != KVC_OK) {
+                rc = 1;
+                break;
+            }
+            rc = check_y("strided", t, &variants[vi], rows, cols, n, Y, ldy, &rf);
+            for (int64_t i = 0; i < n && !rc; i++)
+                for (int64_t r = rows; r < ldy; r++)
+                    if (Y[i * ldy + r] != -12345.0f) {
+                        fprintf(stderr, "  %s: Y gap overwritten at [%lld][%lld]\n", t->name,
+                                (long long)i, (long long)r);
+                        rc = 1;
+                    }
+        }
+        restore_isa();
+        refs_free(&rf);
+        free(W);
+        free(X);
+        free(Y);
+    }
+    return rc;
+}
+
+/* ---- errors -------------------------------------------------------------------- */
+
+TEST(errors) {
+    float X[64] = {0}, Y[4] = {1, 2, 3, 4};
+    uint8_t W[4 * 40] = {0};
+    ASSERT_STATUS(kvc__gemm(KVC_GGML_Q6_K, W, 1, 256, X, 256, 1, Y, 1, NULL), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "not supported");
+    ASSERT_STATUS(kvc__gemm(99, W, 1, 32, X, 32, 1, Y, 1, NULL), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc__gemm(KVC_GGML_Q4_1, W, 1, 48, X, 48, 1, Y, 1, NULL), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "multiple");
+    ASSERT_STATUS(kvc__gemm(KVC_GGML_Q4_1, W, -1, 32, X, 32, 1, Y, 1, NULL), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc__gemm(KVC_GGML_F32, W, 1, 8, X, 8, -2, Y, 1, NULL), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc__gemm(KVC_GGML_Q8_0, W, 2, 32, X, 31, 1, Y, 2, NULL), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "ldx");
+    ASSERT_STATUS(kvc__gemm(KVC_GGML_Q8_0, W, 2, 32, X, 32, 2, Y, 1, NULL), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc__gemm(KVC_GGML_Q8_0, NULL, 2, 32, X, 32, 1, Y, 2, NULL), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "NULL W");
+    ASSERT_STATUS(kvc__gemm(KVC_GGML_Q8_0, W, 2, 32, NULL, 32, 1, Y, 2, NULL), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc__gemm(KVC_GGML_Q8_0, W, 2, 32, X, 32, 1, NULL, 2, NULL), KVC_ERR_INVALID_ARG);
+    for (int i = 0; i < 4; i++) ASSERT_TRUE(Y[i] == (float)(i + 1)); /* untouched on error */
+    /* nothing to do: NULL pointers are fine */
+    ASSERT_OK(kvc__gemm(KVC_GGML_Q8_0, NULL, 2, 32, NULL, 32, 0, NULL, 2, NULL));
+    ASSERT_OK(kvc__gemm(KVC_GGML_Q8_0, NULL, 0, 32, NULL, 32, 3, NULL, 0, NULL));
+    /* cols == 0: the empty sum */
+    ASSERT_OK(kvc__gemm(KVC_GGML_Q4_0, W, 3, 0, X, 0, 1, Y, 3, NULL));
+    ASSERT_TRUE(Y[0] == 0.0f && Y[1] == 0.0f && Y[2] == 0.0f && Y[3] == 4.0f);
+    /* supported set and row sizes */
+    for (size_t i = 0; i < N_TYPES; i++) {
+        ASSERT_EQ_I64(kvc__gemm_supported(types_all[i].t), i < N_GEMM_TYPES);
+        ASSERT_EQ_I64(kvc__ggml_row_bytes(types_all[i].t, 512),
+                      512 / types_all[i].block * types_all[i].bytes);
+    }
+    ASSERT_EQ_I64(kvc__gemm_supported(KVC_GGML_Q5_K), 0);
+    ASSERT_EQ_I64(kvc__ggml_row_bytes(KVC_GGML_Q4_1, 33), 0);
+    ASSERT_EQ_I64(kvc__ggml_row_bytes(KVC_GGML_Q8_K, 256), 0);
+    ASSERT_EQ_I64(kvc__ggml_row_bytes(KVC_GGML_F16, 7), 14);
+    return 0;
+}
+
+/* ---- dequant_row ------------------------------------------------------------------ */
+
+TEST(dequant_row) {
+    uint64_t rng = test_seed + 17;
+    for (size_t ti = 0; ti < N_TYPES; ti++) {
+        const tinfo *t = &types_all[ti];
+        const int64_t n = t->block == 256 ? 1024 : t->block == 32 ? 1536 : 37;
+        uint8_t *w = make_w(t, 1, n, &rng);
+        double *ref = xmalloc((size_t)n * sizeof(double));
+        float *out = xmalloc((size_t)n * sizeof(float));
+        ref_dequant(t->t, w, n, ref);
+        ASSERT_OK(kvc__ggml_dequant_row(t->t, w, n, out));
+        for (int64_t e = 0; e < n; e++) {
+            /* float32 evaluation: exact for F32/F16/BF16/Q8_0/Q4_0, one or two
+             * roundings (offsets, Q6_K's three-factor product) otherwise */
+            const double tol = 0x1p-22 * (fabs(ref[e]) + 0.2);
+            if (!(fabs((double)out[e] - ref[e]) <= (is_quant(t->t) ? tol : 0.0))) {
+                fprintf(stderr, "  %s element %lld: %.9g vs %.9g\n", t->name, (long long)e,
+                        (double)out[e], ref[e]);
+                free(w);
+                free(ref);
+                free(out);
+                return 1;
+            }
+        }
+        if (t->block > 1) {
+            ASSERT_STATUS(kvc__ggml_dequant_row(t->t, w, n - 1, out), KVC_ERR_INVALID_ARG);
+            ASSERT_STR_CONTAINS(kvc_last_error(), t->name);
+        }
+        free(w);
+        free(ref);
+        free(out);
+    }
+    float o[32];
+    ASSERT_STATUS(kvc__ggml_dequant_row(KVC_GGML_Q5_K, o, 256, o), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc__ggml_dequant_row(KVC_GGML_Q8_0, NULL, 32, o), KVC_ERR_INVALID_ARG);
+    ASSERT_OK(kvc__ggml_dequant_row(KVC_GGML_Q8_0, NULL, 0, NULL));
+    return 0;
+}
+
+/* Exact activation quantization rule on hand-made blocks: ties round to
+ * even, an all-zero block and a tiny block give zero, -amax maps to -127. */
+TEST(quantize_rule) {
+    /* W = Q8_0 with d = 1 and q = e_k (one-hot): Y = d_x * q_x[k] (exact). */
+    uint8_t W[32 * 34];
+    memset(W, 0, sizeof W);
+    for (int k = 0; k < 32; k++) {
+        put16(W + 34 * k, kvc_f32_to_f16(1.0f));
+        W[34 * k + 2 + k] = 1;
+    }
+    float X[3][32], Y[3][32];
+    for (int e = 0; e < 32; e++) {
+        X[0][e] = (float)(e - 16) * 0.5f; /* amax 8 (element 0): q = rne(x * 127 / 8) */
+        X[1][e] = 0.0f;
+        X[2][e] = 1e-38f * (float)(e + 1); /* amax < 2^-120 */
+    }
+    int rc = 0;
+    for (int vi = 0; vi < N_VARIANTS && !rc; vi++) {
+        if (!use_variant(&variants[vi])) continue;
+        if (kvc__gemm(KVC_GGML_Q8_0, W, 32, 32, &X[0][0], 32, 3, &Y[0][0], 32, NULL) != KVC_OK) {
+            rc = 1;
+            break;
+        }
+        const float d = 8.0f / 127.0f, id = 127.0f / 8.0f;
+        for (int e = 0; e < 32 && !rc; e++) {
+            const float want = d * (float)rint((double)(X[0][e] * id));
+            if (Y[0][e] != want || Y[1][e] != 0.0f || Y[2][e] != 0.0f) {
+                fprintf(stderr, "  %s element %d: %.9g (want %.9g), %g, %g\n", variants[vi].name,
+                        e, (double)Y[0][e], (double)want, (double)Y[1][e], (double)Y[2][e]);
+                rc = 1;
+            }
+        }
+    }
+    restore_isa();
+    return rc;
+}
+
+/* The kernel set names follow the ISA cap; without VNNI, AVX2 int8 kernels. */
+TEST(kernel_names) {
+    int rc = 0;
+    for (int vi = 0; vi < N_VARIANTS && !rc; vi++) {
+        if (!use_variant(&variants[vi])) continue;
+        const char *q = kvc__gemm_kernel_name(KVC_GGML_Q4_1), *f = kvc__gemm_kernel_name(KVC_GGML_F16);
+        printf("  %s: int8 %s, float %s\n", variants[vi].name, q, f);
+        if (variants[vi].isa == KVC_ISA_SCALAR) rc = strcmp(q, "scalar") || strcmp(f, "scalar");
+        if (variants[vi].isa == KVC_ISA_AVX2) rc = strcmp(q, "avx2") || strcmp(f, "avx2");
+        if (variants[vi].isa == KVC_ISA_AVX512)
+            rc = strcmp(f, "avx512") || (variants[vi].no_vnni && strcmp(q, "avx2"));
+    }
+    restore_isa();
+    return rc;
+}
+
 const char *test_suite_name = "gemm";
-const test_case test_suite[] = {{0, 0}};
+const test_case test_suite[] = {
+    TEST_ENTRY(errors),        TEST_ENTRY(dequant_row),      TEST_ENTRY(quantize_rule),
+    TEST_ENTRY(kernel_names),  TEST_ENTRY(float_odd_cols),   TEST_ENTRY(strided),
+    TEST_ENTRY(row_independence), TEST_ENTRY(grid_f32),      TEST_ENTRY(grid_f16),
+    TEST_ENTRY(grid_bf16),     TEST_ENTRY(grid_q8_0),        TEST_ENTRY(grid_q4_0),
+    TEST_ENTRY(grid_q4_1),     {0, 0}};

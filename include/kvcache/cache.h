@@ -102,6 +102,13 @@ KVC_API kvc_status kvc_cache_add_sequence(kvc_cache *cache, const int32_t *token
                                           int64_t n_tokens, uint64_t salt, kvc_seq_id *seq,
                                           int64_t *n_cached);
 
+/* How many leading tokens kvc_cache_add_sequence(token_ids, n_tokens, salt)
+ * would find in the prefix cache now (whole pages, < n_tokens), without
+ * reserving or touching anything (0 when prefix caching is off). A serving
+ * engine probes before deciding how much of a prompt to reserve. */
+KVC_API kvc_status kvc_cache_lookup_prefix(const kvc_cache *cache, const int32_t *token_ids,
+                                           int64_t n_tokens, uint64_t salt, int64_t *n_cached);
+
 /* Reserves n more slots (token_ids: their ids, or NULL) and writes their
  * positions (n) to positions if not NULL. A shared, partly filled last page
  * is copied first (copy-on-write), data and scales of every layer. Pages it

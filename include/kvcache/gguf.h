@@ -1,19 +1,40 @@
 /*
  * GGUF reader (versions 2 and 3): the container llama.cpp models ship in.
  *
- * File: magic "GGUF", uint32 version, int64/uint64 tensor count, uint64
- * key-value count, the key-value pairs, the tensor infos (name, n_dims <= 4,
- * ne[n_dims] innermost first, ggml type, uint64 offset), padding to
- * `general.alignment` (default 32), then the tensor data; offsets are
- * relative to the start of the data section. All integers little-endian.
+ * File: magic "GGUF", uint32 version, uint64 tensor count, uint64 key-value
+ * count, the key-value pairs (string key, uint32 value type, value), the
+ * tensor infos (string name, uint32 n_dims <= 4, uint64 ne[n_dims] innermost
+ * first, uint32 ggml type, uint64 offset), padding to `general.alignment`
+ * (a uint32 key; default 32), then the tensor data; offsets are relative to
+ * the start of the data section. A string is a uint64 byte length and the
+ * bytes (no NUL); an array is a uint32 element type, a uint64 count and the
+ * elements. All integers little-endian (big-endian files are refused).
  *
  * kvc_gguf_open maps the file read-only; every size, count, offset, string
  * length, type and tensor extent is validated at open, so the accessors
- * below cannot read outside the file. A bad file gives KVC_ERR_CORRUPT (or
- * KVC_ERR_UNSUPPORTED for a valid file we cannot read: version 1, an unknown
- * tensor type) with a message naming what is wrong and where; never a crash.
+ * below cannot read outside the file:
+ *   - counts are bounded by the bytes left before anything is allocated;
+ *   - keys and tensor names are non-empty, contain no NUL byte, are unique;
+ *   - value types are known, bools are 0 or 1, arrays of arrays are
+ *     accepted up to 4 levels deep (their elements are validated, not
+ *     exposed); general.alignment is a uint32 power of two;
+ *   - tensors have 1..4 dims, each > 0, an element count and byte size that
+ *     fit int64, a known type, ne[0] a multiple of the type's block size, an
+ *     offset that is a multiple of the alignment, data inside the file and
+ *     disjoint from every other tensor's.
+ * A bad file gives KVC_ERR_CORRUPT (or KVC_ERR_UNSUPPORTED for a file we
+ * cannot read: version 1 or > 3, big-endian, an unknown tensor type) with a
+ * message naming what is wrong and where ("GGUF: key 't.bool', byte 81:
+ * bool value 2 ..."; kvc_gguf_open prefixes the path); never a crash.
+ * Opening costs one pass over the header plus a hash index of keys and
+ * tensor names: find_key/find_tensor and get_arr_str are O(1).
+ *
  * Pointers returned by accessors stay valid until kvc_gguf_close. Strings in
- * the file are not NUL-terminated: they are returned as (pointer, length).
+ * the file are not NUL-terminated: they are returned as (pointer, length);
+ * key and tensor names are NUL-terminated copies. A handle is read-only
+ * after open: any number of threads may call accessors on it concurrently.
+ * The mapping assumes the file is not truncated while open (as with any
+ * mmap, that would fault on access).
  */
 #ifndef KVCACHE_GGUF_H
 #define KVCACHE_GGUF_H
@@ -48,7 +69,9 @@ typedef enum kvc_gguf_type {
  *         element i < 16 is the low nibble of byte i, element i + 16 its high nibble
  *   Q4_1: 32 elements = f16 d, f16 m + 16 bytes (x = d * q + m)
  *   Q5_0/Q5_1: as Q4 plus 4 bytes of high bits; Q8_0: f16 d + 32 int8 (x = d * q)
- *   K-quants: 256-element super-blocks. */
+ *   Q8_1: f16 d, f16 s + 32 int8 (36 bytes; very old ggml used two f32)
+ *   K-quants: 256-element super-blocks (Q2_K 84, Q3_K 110, Q4_K 144, Q5_K 176,
+ *   Q6_K 210, Q8_K 292 bytes). F32 4 bytes, F16/BF16 2 bytes per element. */
 typedef enum kvc_ggml_type {
     KVC_GGML_F32 = 0,
     KVC_GGML_F16 = 1,
@@ -67,7 +90,8 @@ typedef enum kvc_ggml_type {
     KVC_GGML_BF16 = 30
 } kvc_ggml_type;
 
-/* Name ("Q4_1"), or NULL for a type this library does not know. */
+/* Name ("Q4_1", as ggml spells it), or NULL for a type this library does
+ * not know. */
 KVC_API const char *kvc_ggml_type_name(int32_t type);
 /* Elements per block (1 for F32/F16/BF16, 32, 256), 0 if unknown. */
 KVC_API int64_t kvc_ggml_block_size(int32_t type);
@@ -76,10 +100,13 @@ KVC_API int64_t kvc_ggml_block_bytes(int32_t type);
 
 typedef struct kvc_gguf kvc_gguf;
 
-/* Maps and validates a file. */
+/* Maps and validates a file. KVC_ERR_IO if it cannot be opened, is not a
+ * regular file or cannot be mapped; KVC_ERR_CORRUPT/UNSUPPORTED as above.
+ * On error *out is NULL. */
 KVC_API kvc_status kvc_gguf_open(const char *path, kvc_gguf **out);
 /* Validates a GGUF image in memory (not copied: data must outlive the
- * handle). For tests and fuzzing. */
+ * handle). For tests and fuzzing. Tensor data pointers are aligned to the
+ * file's alignment only if data itself is. */
 KVC_API kvc_status kvc_gguf_open_memory(const void *data, size_t size, kvc_gguf **out);
 KVC_API void kvc_gguf_close(kvc_gguf *g); /* NULL is a no-op */
 
@@ -94,14 +121,18 @@ KVC_API int64_t kvc_gguf_n_kv(const kvc_gguf *g);
 KVC_API int64_t kvc_gguf_find_key(const kvc_gguf *g, const char *key);
 /* Key i (NUL-terminated copy owned by g), or NULL for i out of range. */
 KVC_API const char *kvc_gguf_key(const kvc_gguf *g, int64_t i);
-/* Value type of pair i; for arrays also the element type and count. */
+/* Value type of pair i; for arrays also the element type and count (for
+ * other values *elem_type = *type and *n_elems = 1). Any output may be NULL.
+ * KVC_ERR_INVALID_ARG for i out of range. */
 KVC_API kvc_status kvc_gguf_kv_type(const kvc_gguf *g, int64_t i, kvc_gguf_type *type,
                                     kvc_gguf_type *elem_type, int64_t *n_elems);
 
 /*
  * Typed getters by key. KVC_ERR_NOT_FOUND if the key is absent,
  * KVC_ERR_INVALID_ARG if its type does not fit: get_i64 accepts any integer
- * type (and bool), get_f64 any integer or float type, get_str a string.
+ * type (and bool; a uint64 above INT64_MAX is an error), get_f64 any integer
+ * or float type (not bool; float32 is widened exactly), get_str a string.
+ * Outputs are left unchanged on error.
  */
 KVC_API kvc_status kvc_gguf_get_i64(const kvc_gguf *g, const char *key, int64_t *out);
 KVC_API kvc_status kvc_gguf_get_f64(const kvc_gguf *g, const char *key, double *out);
@@ -109,14 +140,17 @@ KVC_API kvc_status kvc_gguf_get_str(const kvc_gguf *g, const char *key, const ch
                                     size_t *len);
 
 /*
- * Arrays by key: element type and count. Numeric arrays: *data points at
- * the packed little-endian elements inside the file (possibly unaligned:
- * read with memcpy). String arrays: *data is NULL, read elements with
- * kvc_gguf_get_arr_str.
+ * Arrays by key: element type and count (outputs may be NULL). Numeric and
+ * bool arrays: *data points at the packed little-endian elements inside the
+ * file (possibly unaligned: read with memcpy). String arrays: *data is NULL,
+ * read elements with kvc_gguf_get_arr_str. Arrays of arrays: *elem_type is
+ * KVC_GGUF_ARRAY, *data is NULL (their elements are not exposed).
  */
 KVC_API kvc_status kvc_gguf_get_arr(const kvc_gguf *g, const char *key, kvc_gguf_type *elem_type,
                                     int64_t *n, const void **data);
-/* Element i of a string array (O(1): offsets are indexed at open). */
+/* Element i of a string array (O(1): offsets are indexed at open).
+ * KVC_ERR_INVALID_ARG if key is not an array of strings or i is out of
+ * range. */
 KVC_API kvc_status kvc_gguf_get_arr_str(const kvc_gguf *g, const char *key, int64_t i,
                                         const char **s, size_t *len);
 
@@ -127,13 +161,17 @@ typedef struct kvc_gguf_tensor {
     int32_t type;      /* kvc_ggml_type */
     int32_t n_dims;    /* 1..4 */
     int64_t ne[4];     /* elements per dim, innermost first; unused dims 1 */
-    const void *data;  /* inside the mapping, aligned to the file's alignment */
+    const void *data;  /* inside the mapping, at a multiple of the alignment from
+                          the file start (so aligned for kvc_gguf_open) */
     size_t size;       /* bytes */
 } kvc_gguf_tensor;
 
+/* Tensors in file order (the order of the tensor infos, not of the data). */
 KVC_API int64_t kvc_gguf_n_tensors(const kvc_gguf *g);
 /* Index of the named tensor, or -1. */
 KVC_API int64_t kvc_gguf_find_tensor(const kvc_gguf *g, const char *name);
+/* Tensor i; size = ne[0]*ne[1]*ne[2]*ne[3] / block_size * block_bytes.
+ * KVC_ERR_INVALID_ARG for i out of range. */
 KVC_API kvc_status kvc_gguf_get_tensor(const kvc_gguf *g, int64_t i, kvc_gguf_tensor *out);
 
 #ifdef __cplusplus

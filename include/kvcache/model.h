@@ -1,5 +1,201 @@
-/* Placeholder: replaced by the module's header. */
+/*
+ * Model runtime: a llama-architecture GGUF model served through kvcache's
+ * own paged cache (cache.h), prefill attention (prefill.h) and matrix
+ * kernels, with a continuous-batching engine on top (seeds 001 and 004).
+ *
+ * Forward pass per token row (llama.cpp's "llama" architecture):
+ *   x = token_embd[tok]                                       (n_embd)
+ *   per layer: h = rmsnorm(x) * attn_norm
+ *              q, k, v = h Wq, h Wk, h Wv                     (Hq*Dh), (H*Dh), (H*Dh)
+ *              rotary on q, k: adjacent pairs (x[2i], x[2i+1]) rotated by
+ *              pos * base^(-2i / n_rot) (the GGUF layout of Q/K weights)
+ *              k, v stored in the cache; o = attention(q, cache) Wo; x += o
+ *              h = rmsnorm(x) * ffn_norm; x += (silu(h Wgate) * (h Wup)) Wdown
+ *   logits = rmsnorm(x) * output_norm  Wout  (Wout = token_embd when tied)
+ * Weights F32, F16, BF16, Q8_0, Q4_0, Q4_1 are read in place from the
+ * mapped file.
+ *
+ * Exactness (seed 001): every row of every stage depends only on that row's
+ * inputs (matrix kernels and attention are row-independent), so generation
+ * through the cache gives bitwise the logits of recomputing the whole
+ * sequence with float32 storage.
+ */
 #ifndef KVCACHE_MODEL_H
 #define KVCACHE_MODEL_H
+
+#include <stddef.h>
+
+#include "kvcache/cache.h"
 #include "kvcache/core.h"
+#include "kvcache/tokenizer.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kvc_model kvc_model;
+
+/* Called during loading with the fraction done in [0, 1]. */
+typedef void (*kvc_progress_fn)(float fraction, void *user);
+
+typedef struct kvc_model_params {
+    kvc_progress_fn progress; /* NULL: silent */
+    void *progress_user;
+    int32_t prefault; /* 1: touch every weight page at load (default 1) */
+} kvc_model_params;
+
+KVC_API kvc_model_params kvc_model_default_params(void);
+
+typedef struct kvc_model_info {
+    char arch[32];  /* "llama" */
+    char name[128]; /* general.name, may be empty */
+    int32_t n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, n_ctx_train, n_rot;
+    float rope_freq_base, rms_eps;
+    int32_t tied_output;  /* 1 if the output head is token_embd */
+    int64_t n_params;     /* weights, elements */
+    size_t weight_bytes;  /* bytes of weight tensors in the file */
+} kvc_model_info;
+
+/* Maps a GGUF file, checks every tensor the architecture needs (names,
+ * shapes, supported types) and loads the tokenizer. */
+KVC_API kvc_status kvc_model_load(const char *path, const kvc_model_params *params,
+                                  kvc_model **out);
+KVC_API void kvc_model_free(kvc_model *model); /* NULL is a no-op */
+KVC_API kvc_status kvc_model_get_info(const kvc_model *model, kvc_model_info *out);
+/* The model's tokenizer (owned by the model). */
+KVC_API const kvc_tokenizer *kvc_model_tokenizer(const kvc_model *model);
+
+/* Cache parameters for this model (layers, heads, head dim) with the given
+ * storage dtype and capacity in tokens; the rest as kvc_cache_default_params. */
+KVC_API kvc_cache_params kvc_model_cache_params(const kvc_model *model, kvc_dtype kv_dtype,
+                                                int64_t capacity_tokens);
+
+/*
+ * One forward step over a batch of sequences of a cache made with
+ * kvc_model_cache_params. Sequence s computes the tokens at positions
+ * [pos0[s], pos0[s] + n[s]) (their slots must already be reserved in seqs[s],
+ * and every position before pos0[s] must hold computed K/V); its K/V are
+ * written to the cache and each row attends causally to positions
+ * <= its own. Logits are produced for the rows flagged in want_logits.
+ *   tokens       (sum n) int32, sequence by sequence
+ *   seqs, pos0, n  (n_seqs)
+ *   want_logits  (sum n) uint8 or NULL (= the last row of each sequence)
+ *   logits       (rows wanted, n_vocab) float32, in row order
+ * A context holds the step's scratch (grown as needed, reused across steps).
+ */
+typedef struct kvc_model_ctx kvc_model_ctx;
+
+KVC_API kvc_status kvc_model_ctx_create(const kvc_model *model, int32_t n_threads,
+                                        kvc_model_ctx **out);
+KVC_API void kvc_model_ctx_free(kvc_model_ctx *ctx); /* NULL is a no-op */
+
+KVC_API kvc_status kvc_model_forward(kvc_model_ctx *ctx, kvc_cache *cache, int32_t n_seqs,
+                                     const kvc_seq_id *seqs, const int64_t *pos0,
+                                     const int64_t *n, const int32_t *tokens,
+                                     const uint8_t *want_logits, float *logits);
+
+/* Convenience: the logits of every position of one token sequence, computed
+ * as one prefill in a fresh cache of kv_dtype. logits (n_tokens, n_vocab). */
+KVC_API kvc_status kvc_model_eval(const kvc_model *model, const int32_t *tokens, int64_t n_tokens,
+                                  kvc_dtype kv_dtype, float *logits, int32_t n_threads);
+
+/* ---- sampling -------------------------------------------------------------- */
+
+typedef struct kvc_sampling_params {
+    float temperature; /* 0: greedy (argmax, lowest id on ties) */
+    int32_t top_k;     /* 0: off */
+    float top_p;       /* 1: off */
+    uint64_t seed;
+} kvc_sampling_params;
+
+KVC_API kvc_sampling_params kvc_sampling_default_params(void); /* greedy */
+
+/* Samples one token from logits (n_vocab); *rng is the caller's generator
+ * state (seeded from params.seed) and is advanced. Deterministic for a
+ * given state. */
+KVC_API kvc_status kvc_sample(const float *logits, int32_t n_vocab,
+                              const kvc_sampling_params *params, uint64_t *rng, int32_t *token);
+
+/* ---- engine: continuous batching ---------------------------------------- */
+
+typedef struct kvc_engine kvc_engine;
+
+typedef struct kvc_engine_params {
+    int32_t n_threads;         /* >= 1 (default 1) */
+    kvc_dtype kv_dtype;        /* KVC_F32, KVC_F16 (default), KVC_BF16, KVC_I8, KVC_I4 */
+    int32_t quant_group;       /* int8/int4 (default 8) */
+    int32_t page_size;         /* tokens per page (default 16) */
+    int64_t kv_capacity_tokens; /* cache size in token slots (default 16384) */
+    int32_t max_step_tokens;   /* token rows per step: decodes + prefill chunks (default 512) */
+    int32_t max_running;       /* sequences in flight (default 64) */
+    int32_t enable_prefix_caching; /* default 1 */
+} kvc_engine_params;
+
+KVC_API kvc_engine_params kvc_engine_default_params(void);
+
+KVC_API kvc_status kvc_engine_create(const kvc_model *model, const kvc_engine_params *params,
+                                     kvc_engine **out);
+KVC_API void kvc_engine_destroy(kvc_engine *engine); /* NULL is a no-op */
+
+/* Queues a request: prompt tokens (copied), up to max_new_tokens generated
+ * tokens, stopping early at an end-of-generation token unless ignore_eos. */
+KVC_API kvc_status kvc_engine_add_request(kvc_engine *engine, const int32_t *prompt,
+                                          int64_t n_prompt, int32_t max_new_tokens,
+                                          const kvc_sampling_params *sampling, int32_t ignore_eos,
+                                          int64_t *request_id);
+
+/* Drops a queued or running request (its pages go back to the cache). */
+KVC_API kvc_status kvc_engine_cancel(kvc_engine *engine, int64_t request_id);
+
+typedef enum kvc_finish_reason {
+    KVC_FINISH_NONE = 0,   /* still running */
+    KVC_FINISH_EOG = 1,    /* produced an end-of-generation token (included) */
+    KVC_FINISH_LENGTH = 2  /* reached max_new_tokens */
+} kvc_finish_reason;
+
+typedef struct kvc_engine_event {
+    int64_t request_id;
+    int32_t token;  /* the token generated this step */
+    int32_t finish; /* kvc_finish_reason */
+} kvc_engine_event;
+
+/*
+ * One scheduling step: every running request that has finished its prompt
+ * decodes one token; remaining room (max_step_tokens) goes to prompt chunks
+ * of running requests, then to admitting queued ones (prefix-cache hits skip
+ * their cached tokens). When pages run out, the most recently admitted
+ * request is preempted: its sequence is freed (its full pages stay in the
+ * prefix cache) and it is requeued at the front, to be recomputed later.
+ * Writes one event per token generated (at most cap; *n_events the count;
+ * KVC_ERR_INVALID_ARG if cap < the number of running requests).
+ */
+KVC_API kvc_status kvc_engine_step(kvc_engine *engine, kvc_engine_event *events, int64_t cap,
+                                   int64_t *n_events);
+
+/* Requests queued or running. */
+KVC_API int64_t kvc_engine_pending(const kvc_engine *engine);
+
+typedef struct kvc_engine_stats {
+    int64_t steps;
+    int64_t prompt_tokens;      /* prompt tokens of admitted requests */
+    int64_t cached_tokens;      /* prompt tokens served from the prefix cache */
+    int64_t prefill_tokens;     /* token rows computed for prompts (incl. recomputation) */
+    int64_t decode_tokens;      /* tokens generated */
+    int64_t preemptions;
+    double prefill_seconds;     /* time in steps without decode rows */
+    double decode_seconds;      /* time in steps with decode rows only */
+    int64_t decode_only_tokens; /* tokens generated in those steps */
+    double step_seconds;        /* time in all steps */
+    int64_t kv_bytes_per_token; /* cache storage per token slot, all layers */
+    int64_t kv_capacity_tokens;
+    int64_t kv_used_tokens_peak; /* most slots held by sequences at once */
+} kvc_engine_stats;
+
+KVC_API kvc_status kvc_engine_get_stats(const kvc_engine *engine, kvc_engine_stats *out);
+/* The engine's cache (for inspection: kvc_cache_get_stats, kvc_cache_check). */
+KVC_API const kvc_cache *kvc_engine_cache(const kvc_engine *engine);
+
+#ifdef __cplusplus
+}
+#endif
 #endif

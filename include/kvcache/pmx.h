@@ -2,6 +2,8 @@
  * OpenPPL pmx KV-cache operators (SEMANTICS sections 2 and 3):
  *   kvc_pmx_key_value_cache          opmx::KeyValueCache (static batching)
  *   kvc_pmx_dynamic_key_value_cache  opmx.dynamic_batching::KeyValueCache
+ *   kvc_pmx_dynamic_multi_head_cache_attention
+ *                                    opmx.dynamic_batching::MultiHeadCacheAttention
  *
  * Both store the new tokens' K/V into a multi-layer cache (quantizing to
  * int8/int4 with group scales when quant_bit != 0) and then read back every
@@ -96,6 +98,52 @@ KVC_API kvc_status kvc_pmx_dynamic_key_value_cache(
     const kvc_tensor *max_seqlen, const kvc_tensor *max_kvlen, kvc_tensor *cache,
     kvc_tensor *scale, const kvc_pmx_kv_params *params, kvc_tensor *key, kvc_tensor *value,
     kvc_threadpool *pool);
+
+/*
+ * dynamic_batching.MultiHeadCacheAttention: the dynamic KeyValueCache store
+ * above (params->kv, num_repeat must be 1), then attention of the queries
+ * over the cache, read in place (dequantized on the fly for int8/int4):
+ *   s = q . k / sqrt(head_dim) + attn_mask,  o = softmax(s) v  (float32)
+ * Query head h reads KV head h / (num_heads / num_kv_heads). Batch b's
+ * queries are rows [seqstarts[b], seqstarts[b+1]) and see positions
+ * [0, kvlen_b) of b; with is_causal, batches b >= decoding_batches with
+ * seqlen > 1 are causal, bottom-right aligned (query i sees position j iff
+ * j <= i + kvlen_b - seqlen_b). A row that sees no key (all -inf) gives 0.
+ *   query          (seqstarts[B], num_heads, Dh) float32/float16/bfloat16
+ *   current_key, current_value, seqstarts, kvstarts, cachestarts,
+ *   start_pos, max_seqlen, max_kvlen, cache, scale: as the KeyValueCache
+ *                  (current_key: (seqstarts[B], num_kv_heads, Dh), float)
+ *   decoding_batches  int64, one element, in [0, B]
+ *   attn_mask      NULL or an additive float32/float16 mask, (Sum seq,
+ *                  >= Sum kv) or (num_heads, Sum seq, >= Sum kv); batch b
+ *                  uses [.., seqstarts[b]:seqstarts[b+1],
+ *                  kvstarts[b]:kvstarts[b+1]] (-inf masks a key)
+ *   attn_output    (seqstarts[B], num_heads, Dh), dtype of query
+ * Everything (attention inputs included) is validated before the store: a
+ * failed call changes neither cache, scale nor attn_output. int8/int4
+ * caches need quant_bit 8/4. is_alibi is not supported yet
+ * (KVC_ERR_UNSUPPORTED). Head dims up to 512.
+ */
+typedef struct kvc_pmx_mhca_params {
+    kvc_pmx_kv_params kv; /* cache attributes (num_repeat must be 1) */
+    int32_t num_heads;    /* query heads (required, >= 1) */
+    int32_t head_dim;     /* Dh (required, >= 1) */
+    int32_t num_kv_heads; /* 0: num_heads; divides num_heads */
+    int32_t is_causal;    /* default 1 */
+    int32_t is_alibi;     /* default 0; 1 is not supported yet */
+} kvc_pmx_mhca_params;
+
+/* kv defaults, num_heads = head_dim = 0 (to be set), num_kv_heads 0,
+ * is_causal 1, is_alibi 0. */
+KVC_API kvc_pmx_mhca_params kvc_pmx_mhca_default_params(void);
+
+KVC_API kvc_status kvc_pmx_dynamic_multi_head_cache_attention(
+    const kvc_tensor *query, const kvc_tensor *current_key, const kvc_tensor *current_value,
+    const kvc_tensor *seqstarts, const kvc_tensor *kvstarts, const kvc_tensor *cachestarts,
+    const kvc_tensor *start_pos, const kvc_tensor *decoding_batches,
+    const kvc_tensor *max_seqlen, const kvc_tensor *max_kvlen, kvc_tensor *cache,
+    kvc_tensor *scale, const kvc_tensor *attn_mask, const kvc_pmx_mhca_params *params,
+    kvc_tensor *attn_output, kvc_threadpool *pool);
 
 #ifdef __cplusplus
 }

@@ -10,6 +10,15 @@ Modules:
     kvcache.attention  decode attention over the caches (single request and
                    BatchDecodeWithPagedKVCacheWrapper), merge_state(s)
                    (re-exported)
+    kvcache.gguf   GGUFFile: GGUF files through the C reader (re-exported)
+    kvcache.gguf_writer  GGUF writer, ggml quantizers, tiny llama models (tests)
+    kvcache.prefill  prefill attention: single_prefill_with_kv_cache,
+                   BatchPrefillWith{Paged,Ragged}KVCacheWrapper (re-exported)
+    kvcache.cascade  MultiLevelCascadeAttentionWrapper (re-exported)
+    kvcache.mla    BatchMLAPagedAttentionWrapper: MLA over ckv/kpe pages (re-exported)
+    kvcache.tokenizer  Tokenizer: the GGUF's byte-level BPE and chat template
+    kvcache.model  Model (GGUF llama through the cache), Engine (continuous
+                   batching), sample (re-exported)
 
 The shared library is found through the environment variable
 ``KVCACHE_LIBRARY``, else the repository's ``build/libkvcache.so``, else the
@@ -60,7 +69,17 @@ from .attention import (
     merge_states,
     single_decode_with_kv_cache,
 )
+from .prefill import (
+    BatchPrefillWithPagedKVCacheWrapper,
+    BatchPrefillWithRaggedKVCacheWrapper,
+    single_prefill_with_kv_cache,
+)
+from .cascade import MultiLevelCascadeAttentionWrapper
+from .mla import BatchMLAPagedAttentionWrapper
+from .tokenizer import Tokenizer, render_chat_template
 from . import pmx  # noqa: E402  (re-exported submodule)
+from .gguf import GGUFFile  # noqa: E402
+from .model import Engine, Model  # noqa: E402
 
 __version__ = version()
 library_path = _lib.library_path
@@ -95,6 +114,16 @@ __all__ = [
     "merge_states",
     "single_decode_with_kv_cache",
     "BatchDecodeWithPagedKVCacheWrapper",
+    "Tokenizer",
+    "render_chat_template",
+    "BatchMLAPagedAttentionWrapper",
+    "GGUFFile",
+    "Model",
+    "Engine",
+    "single_prefill_with_kv_cache",
+    "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchPrefillWithRaggedKVCacheWrapper",
+    "MultiLevelCascadeAttentionWrapper",
     "KvcacheError",
     "InvalidArgumentError",
     "UnsupportedError",

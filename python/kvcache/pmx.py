@@ -1,4 +1,7 @@
-"""OpenPPL pmx KV-cache operators (SEMANTICS sections 2 and 3).
+"""OpenPPL pmx KV-cache operators (SEMANTICS sections 2 and 3), and the
+fused dynamic_batching.MultiHeadCacheAttention
+(:func:`dynamic_multi_head_cache_attention`, pmx-notes section 4: the same
+store, then attention over the cache).
 
 Both operators store new tokens' K/V into a multi-layer cache (quantizing to
 int8/int4 with group scales when ``quant_bit != 0``), then read back every
@@ -34,7 +37,7 @@ import numpy as np
 from . import _lib
 from .errors import InvalidArgumentError
 
-__all__ = ["key_value_cache", "dynamic_key_value_cache"]
+__all__ = ["key_value_cache", "dynamic_key_value_cache", "dynamic_multi_head_cache_attention"]
 
 _T1_CODES = (_lib.KVC_F32, _lib.KVC_F16, _lib.KVC_BF16, _lib.KVC_I8)
 
@@ -197,3 +200,121 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
              ctypes.byref(value_t)),
           n_threads)
     return key, value
+
+
+# ---------------------------------------------------------------------------
+# dynamic_batching.MultiHeadCacheAttention (pmx-notes section 4)
+
+
+class PmxMhcaParams(ctypes.Structure):
+    """ctypes mirror of ``kvc_pmx_mhca_params`` (include/kvcache/pmx.h)."""
+
+    _fields_ = [
+        ("kv", _lib.PmxKvParams),
+        ("num_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32),
+        ("is_causal", ctypes.c_int32),
+        ("is_alibi", ctypes.c_int32),
+    ]
+
+
+_TP = ctypes.POINTER(_lib.Tensor)
+kvc_pmx_mhca_default_params = _lib.optional_proto("kvc_pmx_mhca_default_params", PmxMhcaParams)
+kvc_pmx_dynamic_multi_head_cache_attention = _lib.optional_proto(
+    "kvc_pmx_dynamic_multi_head_cache_attention", ctypes.c_int, _TP, _TP, _TP, _TP, _TP, _TP,
+    _TP, _TP, _TP, _TP, _TP, _TP, _TP, ctypes.POINTER(PmxMhcaParams), _TP, ctypes.c_void_p)
+
+_Q_CODES = (_lib.KVC_F32, _lib.KVC_F16, _lib.KVC_BF16)
+
+
+def dynamic_multi_head_cache_attention(query, current_key, current_value, seqstarts, kvstarts,
+                                       cachestarts, start_pos, decoding_batches, max_seqlen,
+                                       max_kvlen, cache, scale=None, attn_mask=None, *,
+                                       num_heads, head_dim, is_causal=True, num_kv_heads=0,
+                                       num_layer=1, layer_idx=0, quant_bit=0, quant_group=8,
+                                       cache_mode=0, cache_layout=0, page_size=128,
+                                       is_alibi=False, num_threads=None):
+    """dynamic_batching.MultiHeadCacheAttention: stores the new K/V into the
+    cache exactly as :func:`dynamic_key_value_cache` (with num_repeat 1), then
+    runs attention of each batch's queries over its whole history read from
+    the cache (dequantized on the fly).
+
+    For batch b with S_b = seqstarts[b+1] - seqstarts[b] queries and
+    kvlen_b = kvstarts[b+1] - kvstarts[b] keys (positions [0, kvlen_b)):
+    scores q . k / sqrt(head_dim), plus ``attn_mask[..., seqstarts[b]:
+    seqstarts[b+1], kvstarts[b]:kvstarts[b+1]]`` when given (added to the
+    scores; -inf hides a key), causal bottom-right (query i sees keys
+    j <= i + kvlen_b - S_b) when is_causal and b >= decoding_batches (the
+    first decoding_batches batches are never causal-masked); softmax in
+    float32. Query head h reads KV head h // (num_heads //
+    num_kv_heads). A row with no visible key gives 0.
+
+    Args:
+        query: (seqstarts[B], num_heads, head_dim) float32/float16/bfloat16.
+        current_key, current_value: (seqstarts[B], num_kv_heads, head_dim),
+            float32/float16/bfloat16 (stored as by dynamic_key_value_cache).
+        seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen:
+            as dynamic_key_value_cache (kvlen_b == start_pos[b] + S_b).
+        decoding_batches: int, the first decoding_batches batches are decode
+            batches (never causal-masked).
+        cache, scale: as dynamic_key_value_cache; updated in place.
+        attn_mask: optional additive mask, float32/float16 (bfloat16 is
+            converted to float32, exactly), (seqstarts[B], >= kvstarts[B])
+            or (num_heads, seqstarts[B], >= kvstarts[B]); -inf hides a key.
+        num_heads, head_dim: required; is_causal (default True);
+        num_kv_heads (0: num_heads; divides num_heads); num_layer,
+        layer_idx, quant_bit (0/8/4), quant_group, cache_mode (0/1),
+        cache_layout (0..3), page_size: the operator's attributes.
+        is_alibi: not supported (UnsupportedError when True).
+        num_threads: worker threads (None: all CPUs).
+
+    Returns:
+        attn_output: new array (seqstarts[B], num_heads, head_dim) of
+        query's dtype.
+
+    Raises:
+        InvalidArgumentError: as dynamic_key_value_cache, plus bad heads,
+            mask shapes, decoding_batches outside [0, B]; cache and scale
+            are then unchanged.
+    """
+    p = kvc_pmx_mhca_default_params()
+    kv_attrs = dict(num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit,
+                    quant_group=quant_group, num_repeat=1, cache_layout=cache_layout,
+                    cache_mode=cache_mode, page_size=page_size)
+    for name, value in kv_attrs.items():
+        setattr(p.kv, name, _lib.int32_attr(value, name))
+    for name, value in (("num_heads", num_heads), ("head_dim", head_dim),
+                        ("num_kv_heads", num_kv_heads)):
+        setattr(p, name, _lib.int32_attr(value, name))
+    for name, value in (("is_causal", is_causal), ("is_alibi", is_alibi)):
+        if not isinstance(value, (bool, np.bool_, int, np.integer)) or int(value) not in (0, 1):
+            raise InvalidArgumentError(f"{name} must be a bool, got {value!r}")
+        setattr(p, name, int(value))
+
+    qa = _lib.input_array(query, "query", _Q_CODES)
+    ck = _lib.input_array(current_key, "current_key", _T1_CODES)
+    cv = _lib.input_array(current_value, "current_value", _T1_CODES)
+    seq = _lib.int64_array(seqstarts, "seqstarts")
+    kvs = _lib.int64_array(kvstarts, "kvstarts")
+    cst = _lib.int64_array(cachestarts, "cachestarts")
+    spos = _lib.int64_array(start_pos, "start_pos")
+    dec = _lib.scalar_int64(decoding_batches, "decoding_batches")
+    msl = _lib.scalar_int64(max_seqlen, "max_seqlen")
+    mkl = _lib.scalar_int64(max_kvlen, "max_kvlen")
+    cache, cache_t, scale, scale_t = _cache_tensors(cache, scale, p.kv.quant_bit)
+    mask_t = None
+    if attn_mask is not None:
+        mask = _lib.input_array(attn_mask, "attn_mask", _Q_CODES)
+        if _lib.dtype_code(mask.dtype) == _lib.KVC_BF16:
+            mask = mask.astype(np.float32)  # exact; C takes float32/float16 masks
+        mask_t = _lib.make_tensor(mask)
+    ts = [_lib.make_tensor(a) for a in (qa, ck, cv, seq, kvs, cst, spos, dec, msl, mkl)]
+    out = np.empty(qa.shape, qa.dtype)
+    out_t = _lib.make_tensor(out)
+    _call(kvc_pmx_dynamic_multi_head_cache_attention,
+          tuple(ctypes.byref(t) for t in ts)
+          + (ctypes.byref(cache_t), _ptr(scale_t), _ptr(mask_t), ctypes.byref(p),
+             ctypes.byref(out_t)),
+          num_threads)
+    return out

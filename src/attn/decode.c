@@ -59,29 +59,17 @@ typedef struct attn_ctx {
     const kvc_kernels *kern;
 } attn_ctx;
 
-static float load_elem(const char *p, kvc_dtype dt, int64_t i) {
-    switch (dt) {
-    case KVC_F16: return kvc_f16_to_f32(((const uint16_t *)(const void *)p)[i]);
-    case KVC_BF16: return kvc_bf16_to_f32(((const uint16_t *)(const void *)p)[i]);
-    default: return ((const float *)(const void *)p)[i];
-    }
-}
-
-static void store_elem(char *p, kvc_dtype dt, int64_t i, float x) {
-    switch (dt) {
-    case KVC_F16: ((uint16_t *)(void *)p)[i] = kvc_f32_to_f16(x); break;
-    case KVC_BF16: ((uint16_t *)(void *)p)[i] = kvc_f32_to_bf16(x); break;
-    default: ((float *)(void *)p)[i] = x; break;
-    }
-}
-
-/* Final output of query head hq of request b from a state (m, l, acc). */
+/* Final output of query head hq of request b from a state (m, l, acc): the
+ * scaled row in float32, then one vector conversion to out's dtype (the
+ * kernels' convert rounds exactly like the scalar kvc_f32_to_*). */
 static void finish_head(const attn_ctx *c, int64_t b, int64_t hq, float m, float l,
                         const float *acc) {
     char *o = c->out + kvc__bytes(c->od, b * c->o_sb + hq * c->o_sh);
     const int empty = !(l > 0.0f);
     const float inv = empty ? 0.0f : 1.0f / l;
-    for (int64_t d = 0; d < c->D; d++) store_elem(o, c->od, d, empty ? 0.0f : acc[d] * inv);
+    float t[KVC_ATTN_MAX_DIM];
+    for (int64_t d = 0; d < c->D; d++) t[d] = empty ? 0.0f : acc[d] * inv;
+    c->kern->convert(t, KVC_F32, o, c->od, c->D);
     if (c->lse) c->lse[b * c->l_sb + hq * c->l_sh] = empty ? -INFINITY : m + log2f(l);
 }
 
@@ -130,10 +118,15 @@ static void run_rows(const attn_ctx *c, int64_t page, int64_t slot, int64_t h,
     }
 }
 
-/* Prefetches every head's K/V rows (and scales) of keys [j, j + n) of
- * request b, one request per cache line: the kernel walks them head by head,
- * an access pattern the hardware prefetchers do not follow well. */
-static void prefetch_block(const attn_ctx *c, int64_t b, int64_t j, int64_t n) {
+/*
+ * Prefetches KV head h's K/V rows (and scales) of keys [j, j + n) of request
+ * b, one request per cache line. Called before the kernel call of head h for
+ * the next block, so the requests are spread over the block's H calls (one
+ * head ahead by a whole block, ~H kernel calls of time to arrive) instead of
+ * one burst of every head's rows: a burst of a few hundred misses fills the
+ * miss buffers and stalls the loads of the block being computed.
+ */
+static void prefetch_head(const attn_ctx *c, int64_t b, int64_t j, int64_t n, int64_t h) {
     if (n <= 0) return;
     const int64_t page = c->indices ? c->indices[c->indptr[b] + j / c->page_size] : 0;
     const int64_t slot = j % c->page_size;
@@ -142,12 +135,14 @@ static void prefetch_block(const attn_ctx *c, int64_t b, int64_t j, int64_t n) {
     for (int64_t vi = 0; vi < nv; vi++) {
         const attn_view *w = views[vi];
         const int64_t row = kvc__bytes(w->dt, vi < 2 ? c->D : c->D / c->group);
-        for (int64_t h = 0; h < c->H; h++)
-            for (int64_t i = 0; i < n; i++) {
-                const char *p = view_at(w, page, slot + i, h);
-                for (int64_t o = 0; o < row; o += 64) __builtin_prefetch(p + o, 0, 3);
-                __builtin_prefetch(p + row - 1, 0, 3);
-            }
+        const int64_t step = kvc__bytes(w->dt, w->tok_st);
+        const char *p0 = view_at(w, page, slot, h);
+        for (int64_t i = 0; i < n; i++) {
+            /* every cache line the row touches, one prefetch each */
+            const uintptr_t a0 = (uintptr_t)(p0 + i * step), end = a0 + (uintptr_t)row;
+            for (uintptr_t a = a0 & ~(uintptr_t)63; a < end; a += 64)
+                __builtin_prefetch((const void *)a, 0, 3);
+        }
     }
 }
 
@@ -197,12 +192,21 @@ static void chunk_task(void *ctx, int64_t t) {
             for (int64_t g = 0; g < ng; g++) {
                 const int64_t hq = h * c->G + g0 + g, o = off[sl - s0] + g * Dp;
                 const char *qr = c->q + kvc__bytes(c->qd, b * c->q_sb + hq * c->q_sh);
-                for (int64_t d = 0; d < D; d++) qb[o + d] = load_elem(qr, c->qd, d) * c->qscale;
+                c->kern->convert(qr, c->qd, qb + o, KVC_F32, D); /* exact widening */
+                for (int64_t d = 0; d < D; d++) qb[o + d] *= c->qscale;
                 for (int64_t d = D; d < Dp; d++) qb[o + d] = 0.0f;
                 memset(acc + o, 0, (size_t)Dp * sizeof(float));
                 m[off[sl - s0] / Dp + g] = -INFINITY;
                 l[off[sl - s0] / Dp + g] = 0.0f;
             }
+        }
+        /* the chunk's first block (the loop below prefetches one block ahead) */
+        if (j0 < j1) {
+            int64_t n0 = c->page_size - j0 % c->page_size;
+            if (n0 > j1 - j0) n0 = j1 - j0;
+            if (n0 > ATTN_KEY_BLOCK) n0 = ATTN_KEY_BLOCK;
+            for (int64_t h = s0 / gblocks; h <= (s1 - 1) / gblocks; h++)
+                prefetch_head(c, b, j0, n0, h);
         }
         /* blocks of keys inside one page */
         for (int64_t j = j0; j < j1;) {
@@ -211,14 +215,15 @@ static void chunk_task(void *ctx, int64_t t) {
             if (n > j1 - j) n = j1 - j;
             if (n > ATTN_KEY_BLOCK) n = ATTN_KEY_BLOCK;
             const int64_t page = c->indices ? c->indices[c->indptr[b] + pj] : 0;
-            if (j + n < j1) { /* the next block: from this page or the next */
-                const int64_t jn = j + n, sn = jn % c->page_size;
-                int64_t nn = c->page_size - sn;
+            int64_t jn = j + n, nn = 0; /* the next block: from this page or the next */
+            if (jn < j1) {
+                nn = c->page_size - jn % c->page_size;
                 if (nn > j1 - jn) nn = j1 - jn;
-                prefetch_block(c, b, jn, nn < ATTN_KEY_BLOCK ? nn : ATTN_KEY_BLOCK);
+                if (nn > ATTN_KEY_BLOCK) nn = ATTN_KEY_BLOCK;
             }
             for (int64_t sl = s0; sl < s1; sl++) {
                 const int64_t h = sl / gblocks, g0 = (sl % gblocks) * KVC_ATTN_MAX_G;
+                if (g0 == 0) prefetch_head(c, b, jn, nn, h);
                 const int ng = (int)(c->G - g0 < KVC_ATTN_MAX_G ? c->G - g0 : KVC_ATTN_MAX_G);
                 const int64_t o = off[sl - s0];
                 kvc_attn_rows rows;

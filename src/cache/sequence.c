@@ -143,6 +143,30 @@ static void release_tail(kvc_cache *c, kvc__seq *s, int64_t from) {
     s->n_pages = from;
 }
 
+kvc_status kvc_cache_lookup_prefix(const kvc_cache *c, const int32_t *token_ids,
+                                   int64_t n_tokens, uint64_t salt, int64_t *n_cached) {
+    static const char fn[] = "kvc_cache_lookup_prefix";
+    KVC_CHECK(c != NULL && n_cached != NULL, "%s: cache and n_cached must not be NULL", fn);
+    KVC_CHECK(n_tokens >= 0, "%s: n_tokens %lld < 0", fn, (long long)n_tokens);
+    KVC_CHECK(token_ids != NULL || n_tokens == 0, "%s: token_ids is NULL", fn);
+    *n_cached = 0;
+    if (c->tokens == NULL || n_tokens == 0) return KVC_OK;
+    const int32_t ps = c->ps;
+    const int64_t max_hits = (n_tokens - 1) / ps;
+    uint64_t h = kvc__chain_seed(salt);
+    int64_t parent = KVC__NO_PARENT, hits = 0;
+    for (; hits < max_hits; hits++) {
+        const int32_t *tk = token_ids + hits * ps;
+        uint64_t hh = kvc__chain_hash(c, h, tk, ps);
+        int32_t q = kvc__index_find(c, hh, parent, salt, tk);
+        if (q == KVC__NO_PAGE) break;
+        h = hh;
+        parent = kvc__pack(q, c->pages[q].gen);
+    }
+    *n_cached = hits * ps;
+    return KVC_OK;
+}
+
 kvc_status kvc_cache_add_sequence(kvc_cache *c, const int32_t *token_ids, int64_t n_tokens,
                                   uint64_t salt, kvc_seq_id *seq, int64_t *n_cached) {
     static const char fn[] = "kvc_cache_add_sequence";

@@ -1,2 +1,94 @@
-/* Placeholder: replaced by the module's implementation. */
-typedef int kvc__placeholder_gemm_scalar;
+/*
+ * Scalar reference kernels of kvc__gemm (gemm_kernels.h), plain C that reads
+ * like the math: one output element at a time, blocks in order.
+ *
+ *   float weights:  acc = acc + w[c] * x[c], c = 0, 1, ...
+ *   int8 weights:   per block b: isum = sum_e qw[e] * qx[e] (int32, exact),
+ *                   acc = acc + (dw * dx) * isum  [acc = acc + mw * sx]
+ *
+ * Activations use the layout with L = 1 (natural order: block b's 32 int8
+ * values at 32 b within its group of 4, then dx/qsum/sx of the 4 blocks).
+ */
+#include <string.h>
+
+#include "gemm_kernels.h"
+#include "kvcache/core.h"
+
+static float f16_at(const uint8_t *p) { return kvc_f16_to_f32((uint16_t)(p[0] | p[1] << 8)); }
+
+static float load_w(int32_t wt, const uint8_t *w, int64_t c) {
+    switch (wt) {
+    case KVC_GGML_F32: {
+        float v;
+        memcpy(&v, w + 4 * c, 4);
+        return v;
+    }
+    case KVC_GGML_F16: return f16_at(w + 2 * c);
+    default: return kvc_bf16_to_f32((uint16_t)(w[2 * c] | w[2 * c + 1] << 8));
+    }
+}
+
+static void gemm_f_scalar(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t r1,
+                          int64_t cols, const float *X, int64_t ldx, int64_t n, float *Y,
+                          int64_t ldy) {
+    for (int64_t i = 0; i < n; i++) {
+        const float *x = X + i * ldx;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *w = W + r * row_bytes;
+            float acc = 0.0f;
+            for (int64_t c = 0; c < cols; c++) acc = acc + load_w(wt, w, c) * x[c];
+            Y[i * ldy + r] = acc;
+        }
+    }
+}
+
+/* Dot product of weight block wb (type wt) with activation block b of row
+ * xq; returns its float contribution. */
+static float block_dot(int32_t wt, const uint8_t *wb, const uint8_t *xq, int64_t b) {
+    const uint8_t *grp = xq + b / 4 * kvc__gemm_group_bytes(1);
+    const int p = (int)(b % 4);
+    const int8_t *qx = (const int8_t *)(const void *)(grp + 32 * p);
+    float dx, sx;
+    memcpy(&dx, grp + 128 + 4 * p, 4);
+    memcpy(&sx, grp + 160 + 4 * p, 4);
+    int32_t isum = 0;
+    switch (wt) {
+    case KVC_GGML_Q8_0: /* f16 d, int8 q[32] */
+        for (int e = 0; e < 32; e++) isum += (int8_t)wb[2 + e] * qx[e];
+        return (f16_at(wb) * dx) * (float)isum;
+    case KVC_GGML_Q4_0: /* f16 d, nibbles: element e < 16 low nibble of byte e, else high of e-16 */
+        for (int e = 0; e < 16; e++) {
+            isum += ((wb[2 + e] & 15) - 8) * qx[e];
+            isum += ((wb[2 + e] >> 4) - 8) * qx[e + 16];
+        }
+        return (f16_at(wb) * dx) * (float)isum;
+    default: { /* Q4_1: f16 d, f16 m, nibbles; x = d q + m */
+        for (int e = 0; e < 16; e++) {
+            isum += (wb[4 + e] & 15) * qx[e];
+            isum += (wb[4 + e] >> 4) * qx[e + 16];
+        }
+        const float acc = (f16_at(wb) * dx) * (float)isum;
+        return acc + f16_at(wb + 2) * sx;
+    }
+    }
+}
+
+static void gemm_q_scalar(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t r1,
+                          int64_t nb, const uint8_t *xq, int64_t xq_stride, int64_t n, float *Y,
+                          int64_t ldy) {
+    const int64_t bb = wt == KVC_GGML_Q8_0 ? 34 : wt == KVC_GGML_Q4_0 ? 18 : 20;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *x = xq + i * xq_stride;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *w = W + r * row_bytes;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) acc = acc + block_dot(wt, w + b * bb, x, b);
+            Y[i * ldy + r] = acc;
+        }
+    }
+}
+
+const kvc__gemm_kernels *kvc__gemm_kernels_scalar(void) {
+    static const kvc__gemm_kernels k = {"scalar", "scalar", 1, gemm_q_scalar, gemm_f_scalar};
+    return &k;
+}

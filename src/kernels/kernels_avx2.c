@@ -429,6 +429,62 @@ KVC_INLINE __m256 exp2_8(__m256 x) {
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
 }
 
+/* AB_LOADK: 8 elements [e, e+8) of a K/V row as float32, unscaled. */
+KVC_INLINE __m256 ab_loadk8(const void *p, kvc_dtype dt, int e) {
+    switch (dt) {
+    case KVC_F16:
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + e)));
+    case KVC_BF16:
+        return bf16x8_to_f32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + e)));
+    case KVC_I8: return _mm256_cvtepi32_ps(i8x8_load((const int8_t *)p + e));
+    case KVC_I4: return _mm256_cvtepi32_ps(i4x8_load((const uint8_t *)p + e / 2));
+    default: return _mm256_loadu_ps((const float *)p + e);
+    }
+}
+
+/* AB_RED4: out[i] = sum of the lanes of ai (transposed: unpack, shuffle,
+ * one add of the 128-bit halves). */
+KVC_INLINE void ab_red4_8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, float *out) {
+    const __m256 t0 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
+    const __m256 t1 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
+    const __m256 u = _mm256_add_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+}
+
+/* AB_MAX4: out[i] = max of the lanes of ai. */
+KVC_INLINE void ab_max4_8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, float *out) {
+    const __m256 t0 = _mm256_max_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
+    const __m256 t1 = _mm256_max_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
+    const __m256 u = _mm256_max_ps(_mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+    _mm_storeu_ps(out, _mm_max_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+}
+
+/* AB_SCALEROW: the n scales of one row as float32 (8, then 4 at a time: no
+ * read past the row). */
+KVC_INLINE void ab_scalerow8(const void *sc, kvc_dtype sd, int n, float *dst) {
+    int e = 0;
+    if (sd == KVC_F16) {
+        const uint16_t *h = sc;
+        for (; e + 8 <= n; e += 8)
+            _mm256_storeu_ps(dst + e, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + e))));
+        for (; e + 4 <= n; e += 4)
+            _mm_storeu_ps(dst + e, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(h + e))));
+    } else {
+        const float *f = sc;
+        for (; e + 8 <= n; e += 8) _mm256_storeu_ps(dst + e, _mm256_loadu_ps(f + e));
+    }
+    for (; e < n; e++) dst[e] = scale_load(sc, sd, e);
+}
+
+/* AB_GATHER: lanes i = p[i * stride]. */
+KVC_INLINE __m256 ab_gather8(const float *p, int stride) {
+    const __m256i idx =
+        _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
+    return _mm256_i32gather_ps(p, idx, 4);
+}
+
 typedef __m256 ab_vec;
 #define AB_VL 8
 #define AB_LOAD(p) _mm256_load_ps(p)
@@ -443,6 +499,13 @@ typedef __m256 ab_vec;
 #define AB_HSUM(v) hsum8(v)
 #define AB_HMAX(v) hmax8(v)
 #define AB_EXP2(v) exp2_8(v)
+#define AB_LOADK(p, dt, e) ab_loadk8((p), (dt), (e))
+#define AB_RED4(a0, a1, a2, a3, out) ab_red4_8((a0), (a1), (a2), (a3), (out))
+#define AB_MAX4(a0, a1, a2, a3, out) ab_max4_8((a0), (a1), (a2), (a3), (out))
+#define AB_SCALEROW(sc, sd, n, dst) ab_scalerow8((sc), (sd), (n), (dst))
+#define AB_GATHER(p, stride) ab_gather8((p), (stride))
+#define AB_NH 2 /* 16 ymm registers: 2 heads x 4 keys of score accumulators */
+#define AB_NC 4
 #define AB_NAME attn_decode_avx2
 #include "attn_body.h"
 

@@ -607,37 +607,64 @@ KVC_INLINE __m512 exp2_16(__m512 x) {
     return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
 }
 
-/*
- * out[j] = q . tile[j] for the 16 rows of a key block: one accumulator per
- * key, then a transposing reduction (pairs of keys with unpack, quads with
- * shuffle_ps, 128-bit lanes with shuffle_f32x4) leaves key j's sum in lane
- * j: 45 operations for 16 sums instead of a 16-lane horizontal reduction
- * per key.
- */
-static inline void scores16_avx512(const float *q, const float *tile, int Dp, float *out) {
-    __m512 a[16], w[8], y[4];
-    for (int j = 0; j < 16; j++) a[j] = _mm512_setzero_ps();
-    for (int d = 0; d < Dp; d += 16) {
-        const __m512 qv = _mm512_load_ps(q + d);
-        for (int j = 0; j < 16; j++)
-            a[j] = _mm512_fmadd_ps(qv, _mm512_load_ps(tile + j * Dp + d), a[j]);
+/* AB_LOADK: 16 elements [e, e+16) of a K/V row as float32, unscaled (int8/
+ * int4 widened exactly); dt is a constant after inlining. */
+KVC_INLINE __m512 ab_loadk16(const void *p, kvc_dtype dt, int e) {
+    switch (dt) {
+    case KVC_F16:
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + e)));
+    case KVC_BF16:
+        return bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + e)));
+    case KVC_I8:
+        return _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + e))));
+    case KVC_I4: return _mm512_cvtepi32_ps(i4x16_load((const uint8_t *)p + e / 2, ALL16));
+    default: return _mm512_loadu_ps((const float *)p + e);
     }
-    for (int i = 0; i < 8; i++) /* lane L: [a0+a2, b0+b2, a1+a3, b1+b3] of keys 2i, 2i+1 */
-        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++) /* lane L: lane-L sums of keys 4i .. 4i+3 */
-        y[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(3, 1, 3, 1)));
-    _mm512_store_ps(out, _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
-                                       _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1))));
+}
+
+/*
+ * AB_RED4: out[i] = sum of the lanes of ai, transposed: unpack pairs of
+ * vectors, then shuffle quads, leaves (a0, a1, a2, a3) partial sums in every
+ * 128-bit block; two halving adds finish. 12 operations for 4 sums, and
+ * each sum is formed the same way whatever the other three hold.
+ */
+KVC_INLINE void ab_red4_16(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float *out) {
+    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+/* AB_MAX4: out[i] = max of the lanes of ai (the same transposition). */
+KVC_INLINE void ab_max4_16(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float *out) {
+    const __m512 t0 = _mm512_max_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 t1 = _mm512_max_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512 u = _mm512_max_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 h = _mm256_max_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+    _mm_storeu_ps(out, _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+/* AB_SCALEROW: the n scales of one row as float32, 16 per masked step. */
+KVC_INLINE void ab_scalerow16(const void *sc, kvc_dtype sd, int n, float *dst) {
+    for (int e = 0; e < n; e += 16) {
+        const __mmask16 m = n - e >= 16 ? ALL16 : lanes(n - e);
+        _mm512_mask_storeu_ps(dst + e, m, scale16_load(sc, sd, e, m));
+    }
+}
+
+/* AB_GATHER: lanes i = p[i * stride] (16 floats from L1). */
+KVC_INLINE __m512 ab_gather16(const float *p, int stride) {
+    const __m512i idx = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(stride));
+    return _mm512_i32gather_ps(idx, p, 4);
 }
 
 typedef __m512 ab_vec;
-#define AB_SCORES16(q, tile, Dp, out) scores16_avx512((q), (tile), (Dp), (out))
 #define AB_VL 16
 #define AB_LOAD(p) _mm512_load_ps(p)
 #define AB_STORE(p, v) _mm512_store_ps((p), (v))
@@ -651,9 +678,15 @@ typedef __m512 ab_vec;
 #define AB_HSUM(v) _mm512_reduce_add_ps(v)
 #define AB_HMAX(v) _mm512_reduce_max_ps(v)
 #define AB_EXP2(v) exp2_16(v)
+#define AB_LOADK(p, dt, e) ab_loadk16((p), (dt), (e))
+#define AB_RED4(a0, a1, a2, a3, out) ab_red4_16((a0), (a1), (a2), (a3), (out))
+#define AB_MAX4(a0, a1, a2, a3, out) ab_max4_16((a0), (a1), (a2), (a3), (out))
+#define AB_SCALEROW(sc, sd, n, dst) ab_scalerow16((sc), (sd), (n), (dst))
+#define AB_GATHER(p, stride) ab_gather16((p), (stride))
+#define AB_NH 4
+#define AB_NC 4
 #define AB_NAME attn_decode_avx512
 #include "attn_body.h"
-#undef AB_SCORES16
 
 static const kvc_kernels table = {
     KVC_ISA_AVX512, copy_avx512, convert_avx512, all_finite_avx512, quantize_avx512, dequantize_avx512,

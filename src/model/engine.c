@@ -1,2 +1,505 @@
-/* Placeholder: replaced by the module's implementation. */
-typedef int kvc__placeholder_engine;
+/*
+ * Continuous-batching engine (model.h), vLLM-style on kvcache's cache
+ * manager.
+ *
+ * A request holds its tokens (prompt, then generated ones) and how many of
+ * them have K/V in the cache (n_done) and reserved slots (n_resv). Each step:
+ *   1. decode: every running request whose tokens are all computed but the
+ *      last gets one row (reserving one slot); when pages run out, the most
+ *      recently admitted request is preempted (sequence freed, its full
+ *      pages stay in the prefix cache, requeued at the front, n_done = 0);
+ *   2. prompt chunks: running requests still in their prompt get the rest of
+ *      the step's row budget, in admission order;
+ *   3. admission: queued requests in order, while rows and pages last. A
+ *      probe of the prefix cache first (kvc_cache_lookup_prefix) tells how
+ *      many tokens are already cached, so only hit + chunk slots are reserved.
+ * Slots are reserved only for rows computed in the same step, so a page is
+ * in the prefix index only once a step writes its K/V (another request can
+ * hit it in that same step: every layer appends all K/V before attending).
+ * The row at a request's last token gives logits, sampled into a new token.
+ */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, isatty */
+
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvcache/model.h"
+#include "../core/internal.h"
+
+typedef struct req {
+    int64_t id;
+    int32_t *tok;
+    int64_t n_tok, cap, n_prompt;
+    int32_t max_new, n_gen, ignore_eos;
+    kvc_sampling_params sp;
+    uint64_t rng;
+    kvc_seq_id seq; /* -1 when not admitted */
+    int64_t n_done, n_resv;
+    int64_t admit; /* admission counter, for picking preemption victims */
+} req;
+
+struct kvc_engine {
+    const kvc_model *m;
+    kvc_engine_params p;
+    kvc_cache *cache;
+    kvc_model_ctx *ctx;
+    int32_t n_vocab;
+    req **wait;    /* queue, front at 0 */
+    int64_t n_wait, cap_wait;
+    req **run;     /* admission order */
+    int64_t n_run, cap_run;
+    int64_t next_id, admit_counter;
+    kvc_engine_stats st;
+    /* step scratch */
+    kvc_seq_id *b_seq;
+    int64_t *b_pos0, *b_n;
+    req **b_req;
+    int32_t *b_tok;
+    uint8_t *b_want;
+    float *logits;
+    int64_t cap_b, cap_rows;
+};
+
+kvc_engine_params kvc_engine_default_params(void) {
+    kvc_engine_params p;
+    memset(&p, 0, sizeof p);
+    p.n_threads = 1;
+    p.kv_dtype = KVC_F16;
+    p.quant_group = 8;
+    p.page_size = 16;
+    p.kv_capacity_tokens = 16384;
+    p.max_step_tokens = 512;
+    p.max_running = 64;
+    p.enable_prefix_caching = 1;
+    return p;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void req_free(req *r) {
+    if (!r) return;
+    free(r->tok);
+    free(r);
+}
+
+void kvc_engine_destroy(kvc_engine *e) {
+    if (!e) return;
+    for (int64_t i = 0; i < e->n_wait; i++) req_free(e->wait[i]);
+    for (int64_t i = 0; i < e->n_run; i++) req_free(e->run[i]);
+    free(e->wait);
+    free(e->run);
+    free(e->b_seq);
+    free(e->b_pos0);
+    free(e->b_n);
+    free(e->b_req);
+    free(e->b_tok);
+    free(e->b_want);
+    free(e->logits);
+    kvc_model_ctx_free(e->ctx);
+    kvc_cache_destroy(e->cache);
+    free(e);
+}
+
+kvc_status kvc_engine_create(const kvc_model *m, const kvc_engine_params *params,
+                             kvc_engine **out) {
+    static const char fn[] = "kvc_engine_create";
+    KVC_CHECK(m != NULL && out != NULL, "%s: model and out must not be NULL", fn);
+    kvc_engine_params p = params ? *params : kvc_engine_default_params();
+    KVC_CHECK(p.max_step_tokens >= 1 && p.max_running >= 1 && p.page_size >= 1 &&
+                  p.kv_capacity_tokens >= 1,
+              "%s: max_step_tokens, max_running, page_size and kv_capacity_tokens must be >= 1",
+              fn);
+    kvc_model_info in;
+    KVC_TRY(kvc_model_get_info(m, &in));
+    kvc_cache_params cp = kvc_model_cache_params(m, p.kv_dtype, p.kv_capacity_tokens);
+    cp.page_size = p.page_size;
+    cp.num_pages = (p.kv_capacity_tokens + p.page_size - 1) / p.page_size;
+    cp.quant_group = p.quant_group;
+    cp.enable_prefix_caching = p.enable_prefix_caching != 0;
+    kvc_engine *e = calloc(1, sizeof *e);
+    if (!e) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+    e->m = m;
+    e->p = p;
+    e->n_vocab = in.n_vocab;
+    kvc_status st = kvc_cache_create(&cp, &e->cache);
+    if (st == KVC_OK) st = kvc_model_ctx_create(m, p.n_threads, &e->ctx);
+    if (st != KVC_OK) {
+        kvc_engine_destroy(e);
+        return st;
+    }
+    e->st.kv_bytes_per_token = (int64_t)kvc_cache_bytes_per_token(e->cache);
+    e->st.kv_capacity_tokens = kvc_cache_capacity_tokens(e->cache);
+    *out = e;
+    return KVC_OK;
+}
+
+static int push(req ***arr, int64_t *n, int64_t *cap, req *r, int front) {
+    if (*n == *cap) {
+        int64_t nc = *cap ? 2 * *cap : 16;
+        req **q = realloc(*arr, (size_t)nc * sizeof(req *));
+        if (!q) return 0;
+        *arr = q;
+        *cap = nc;
+    }
+    if (front) {
+        memmove(*arr + 1, *arr, (size_t)*n * sizeof(req *));
+        (*arr)[0] = r;
+    } else {
+        (*arr)[*n] = r;
+    }
+    (*n)++;
+    return 1;
+}
+
+static void remove_at(req **arr, int64_t *n, int64_t i) {
+    memmove(arr + i, arr + i + 1, (size_t)(*n - i - 1) * sizeof(req *));
+    (*n)--;
+}
+
+kvc_status kvc_engine_add_request(kvc_engine *e, const int32_t *prompt, int64_t n_prompt,
+                                  int32_t max_new_tokens, const kvc_sampling_params *sampling,
+                                  int32_t ignore_eos, int64_t *request_id) {
+    static const char fn[] = "kvc_engine_add_request";
+    KVC_CHECK(e != NULL && prompt != NULL && request_id != NULL,
+              "%s: engine, prompt and request_id must not be NULL", fn);
+    KVC_CHECK(n_prompt >= 1, "%s: the prompt needs at least one token", fn);
+    KVC_CHECK(max_new_tokens >= 1, "%s: max_new_tokens %d must be >= 1", fn, (int)max_new_tokens);
+    const int64_t cap = kvc_cache_capacity_tokens(e->cache);
+    KVC_CHECK(n_prompt + max_new_tokens <= cap,
+              "%s: prompt (%lld) + max_new_tokens (%d) exceeds the cache capacity of %lld tokens",
+              fn, (long long)n_prompt, (int)max_new_tokens, (long long)cap);
+    for (int64_t i = 0; i < n_prompt; i++)
+        KVC_CHECK(prompt[i] >= 0 && prompt[i] < e->n_vocab, "%s: token %d at %lld outside "
+                  "[0, %d)", fn, (int)prompt[i], (long long)i, (int)e->n_vocab);
+    kvc_sampling_params sp = sampling ? *sampling : kvc_sampling_default_params();
+    KVC_CHECK(sp.temperature >= 0.0f && sp.top_k >= 0 && sp.top_p > 0.0f && sp.top_p <= 1.0f,
+              "%s: bad sampling parameters (temperature >= 0, top_k >= 0, 0 < top_p <= 1)", fn);
+    req *r = calloc(1, sizeof *r);
+    if (!r) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+    r->cap = n_prompt + max_new_tokens;
+    r->tok = malloc((size_t)r->cap * sizeof(int32_t));
+    if (!r->tok || !push(&e->wait, &e->n_wait, &e->cap_wait, r, 0)) {
+        req_free(r);
+        return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+    }
+    memcpy(r->tok, prompt, (size_t)n_prompt * sizeof(int32_t));
+    r->n_tok = r->n_prompt = n_prompt;
+    r->max_new = max_new_tokens;
+    r->ignore_eos = ignore_eos != 0;
+    r->sp = sp;
+    r->rng = sp.seed;
+    r->seq = -1;
+    r->id = e->next_id++;
+    *request_id = r->id;
+    return KVC_OK;
+}
+
+static void drop_seq(kvc_engine *e, req *r) {
+    if (r->seq >= 0) kvc_cache_free_sequence(e->cache, r->seq);
+    r->seq = -1;
+    r->n_done = r->n_resv = 0;
+}
+
+kvc_status kvc_engine_cancel(kvc_engine *e, int64_t id) {
+    KVC_CHECK(e != NULL, "kvc_engine_cancel: engine is NULL");
+    for (int64_t i = 0; i < e->n_wait; i++)
+        if (e->wait[i]->id == id) {
+            req *r = e->wait[i];
+            remove_at(e->wait, &e->n_wait, i);
+            req_free(r);
+            return KVC_OK;
+        }
+    for (int64_t i = 0; i < e->n_run; i++)
+        if (e->run[i]->id == id) {
+            req *r = e->run[i];
+            drop_seq(e, r);
+            remove_at(e->run, &e->n_run, i);
+            req_free(r);
+            return KVC_OK;
+        }
+    return kvc__error(KVC_ERR_NOT_FOUND, "kvc_engine_cancel: no pending request %lld",
+                      (long long)id);
+}
+
+int64_t kvc_engine_pending(const kvc_engine *e) { return e ? e->n_wait + e->n_run : 0; }
+
+kvc_status kvc_engine_get_stats(const kvc_engine *e, kvc_engine_stats *out) {
+    KVC_CHECK(e != NULL && out != NULL, "kvc_engine_get_stats: engine and out must not be NULL");
+    *out = e->st;
+    return KVC_OK;
+}
+
+const kvc_cache *kvc_engine_cache(const kvc_engine *e) { return e ? e->cache : NULL; }
+
+/* Preempts the most recently admitted running request: its sequence is
+ * freed (full pages stay in the prefix cache) and it goes back to the front
+ * of the queue. Returns 0 if that request is `self` (nothing done), 1 if
+ * another one was preempted, -1 if none is running, -2 out of memory. */
+static int preempt_newest(kvc_engine *e, const req *self) {
+    int64_t vi = -1;
+    for (int64_t i = 0; i < e->n_run; i++)
+        if (vi < 0 || e->run[i]->admit > e->run[vi]->admit) vi = i;
+    if (vi < 0) return -1;
+    req *v = e->run[vi];
+    if (v == self) return 0;
+    drop_seq(e, v);
+    remove_at(e->run, &e->n_run, vi);
+    if (!push(&e->wait, &e->n_wait, &e->cap_wait, v, 1)) {
+        req_free(v);
+        return -2;
+    }
+    e->st.preemptions++;
+    return 1;
+}
+
+/* Reserves slots up to `upto` tokens of r (admitted), preempting newer
+ * requests while pages run out. KVC_ERR_NO_SPACE (status only, no message)
+ * when r itself is the newest and still does not fit. */
+static kvc_status reserve(kvc_engine *e, req *r, int64_t upto) {
+    while (r->n_resv < upto) {
+        kvc_status st = kvc_cache_append(e->cache, r->seq, r->tok + r->n_resv, upto - r->n_resv,
+                                         NULL);
+        if (st == KVC_OK) {
+            r->n_resv = upto;
+            return KVC_OK;
+        }
+        if (st != KVC_ERR_NO_SPACE) return st;
+        kvc_clear_error();
+        int pr = preempt_newest(e, r);
+        if (pr == -2) return kvc__error(KVC_ERR_NOMEM, "kvc_engine_step: out of memory");
+        if (pr <= 0) return KVC_ERR_NO_SPACE;
+    }
+    return KVC_OK;
+}
+
+static kvc_status ensure_batch(kvc_engine *e, int64_t nb, int64_t rows) {
+    if (nb > e->cap_b) {
+        int64_t c = nb + 16;
+        void *a = realloc(e->b_seq, (size_t)c * sizeof(kvc_seq_id));
+        if (a) e->b_seq = a;
+        void *b = realloc(e->b_pos0, (size_t)c * sizeof(int64_t));
+        if (b) e->b_pos0 = b;
+        void *d = realloc(e->b_n, (size_t)c * sizeof(int64_t));
+        if (d) e->b_n = d;
+        void *f = realloc(e->b_req, (size_t)c * sizeof(req *));
+        if (f) e->b_req = f;
+        void *g = realloc(e->logits, (size_t)c * (size_t)e->n_vocab * sizeof(float));
+        if (g) e->logits = g;
+        if (!a || !b || !d || !f || !g)
+            return kvc__error(KVC_ERR_NOMEM, "kvc_engine_step: out of memory");
+        e->cap_b = c;
+    }
+    if (rows > e->cap_rows) {
+        void *a = realloc(e->b_tok, (size_t)rows * sizeof(int32_t));
+        if (a) e->b_tok = a;
+        void *b = realloc(e->b_want, (size_t)rows);
+        if (b) e->b_want = b;
+        if (!a || !b) return kvc__error(KVC_ERR_NOMEM, "kvc_engine_step: out of memory");
+        e->cap_rows = rows;
+    }
+    return KVC_OK;
+}
+
+kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
+                           int64_t *n_events) {
+    static const char fn[] = "kvc_engine_step";
+    KVC_CHECK(e != NULL && n_events != NULL, "%s: engine and n_events must not be NULL", fn);
+    *n_events = 0;
+    const int64_t max_b = e->n_run + e->n_wait;
+    KVC_CHECK(cap >= (max_b < e->p.max_running ? max_b : e->p.max_running) &&
+                  (events != NULL || cap == 0),
+              "%s: events must have room for %lld events (one per running request)", fn,
+              (long long)(max_b < e->p.max_running ? max_b : e->p.max_running));
+    if (max_b == 0) return KVC_OK;
+    const double t0 = now_s();
+    KVC_TRY(ensure_batch(e, max_b, e->p.max_step_tokens + max_b));
+    int64_t budget = e->p.max_step_tokens, nb = 0, rows = 0, n_decode = 0;
+    kvc_status st = KVC_OK;
+
+    /* 1. decode rows (a preempted request leaves run: restart the scan) */
+    for (int64_t i = 0; i < e->n_run && budget > 0; i++) {
+        req *r = e->run[i];
+        if (r->n_done != r->n_tok - 1 || r->n_gen == 0) continue;
+        int64_t before = e->n_run;
+        st = reserve(e, r, r->n_tok);
+        if (st == KVC_ERR_NO_SPACE) { /* r itself is the newest: preempt it */
+            kvc_clear_error();
+            st = KVC_OK;
+            drop_seq(e, r);
+            remove_at(e->run, &e->n_run, i);
+            if (!push(&e->wait, &e->n_wait, &e->cap_wait, r, 1))
+                return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+            e->st.preemptions++;
+            i = -1, nb = 0, rows = 0, n_decode = 0, budget = e->p.max_step_tokens;
+            continue;
+        }
+        if (st != KVC_OK) return st;
+        if (e->n_run != before) { /* someone was preempted: rebuild the batch */
+            i = -1, nb = 0, rows = 0, n_decode = 0, budget = e->p.max_step_tokens;
+            continue;
+        }
+        e->b_req[nb] = r;
+        e->b_seq[nb] = r->seq;
+        e->b_pos0[nb] = r->n_done;
+        e->b_n[nb] = 1;
+        e->b_tok[rows] = r->tok[r->n_done];
+        e->b_want[rows] = 1;
+        nb++, rows++, budget--, n_decode++;
+    }
+    /* 2. prompt chunks of running requests */
+    for (int64_t i = 0; i < e->n_run && budget > 0; i++) {
+        req *r = e->run[i];
+        if (r->n_gen > 0 && r->n_done == r->n_tok - 1) continue; /* decoding */
+        int in_batch = 0;
+        for (int64_t b = 0; b < nb; b++) in_batch |= e->b_req[b] == r;
+        if (in_batch) continue;
+        int64_t chunk = r->n_tok - r->n_done;
+        if (chunk > budget) chunk = budget;
+        st = reserve(e, r, r->n_done + chunk);
+        if (st == KVC_ERR_NO_SPACE) {
+            kvc_clear_error();
+            st = KVC_OK;
+            break;
+        }
+        if (st != KVC_OK) return st;
+        /* preemption may have removed requests already in the batch */
+        int64_t keep = 0, krows = 0, off = 0;
+        for (int64_t b = 0; b < nb; b++) {
+            int alive = 0;
+            for (int64_t j = 0; j < e->n_run; j++) alive |= e->run[j] == e->b_req[b];
+            if (alive) {
+                if (keep != b) {
+                    e->b_req[keep] = e->b_req[b];
+                    e->b_seq[keep] = e->b_seq[b];
+                    e->b_pos0[keep] = e->b_pos0[b];
+                    e->b_n[keep] = e->b_n[b];
+                    memmove(e->b_tok + krows, e->b_tok + off, (size_t)e->b_n[b] * sizeof(int32_t));
+                    memmove(e->b_want + krows, e->b_want + off, (size_t)e->b_n[b]);
+                }
+                keep++;
+                krows += e->b_n[b];
+            } else {
+                budget += e->b_n[b];
+            }
+            off += e->b_n[b];
+        }
+        nb = keep;
+        rows = krows;
+        /* find r's index again (the run array may have shifted) */
+        for (i = 0; i < e->n_run && e->run[i] != r; i++) {}
+        e->b_req[nb] = r;
+        e->b_seq[nb] = r->seq;
+        e->b_pos0[nb] = r->n_done;
+        e->b_n[nb] = chunk;
+        memcpy(e->b_tok + rows, r->tok + r->n_done, (size_t)chunk * sizeof(int32_t));
+        memset(e->b_want + rows, 0, (size_t)chunk);
+        e->b_want[rows + chunk - 1] = r->n_done + chunk == r->n_tok;
+        nb++, rows += chunk, budget -= chunk;
+    }
+    /* 3. admission */
+    while (budget > 0 && e->n_wait > 0 && e->n_run < e->p.max_running) {
+        req *r = e->wait[0];
+        int64_t hit = 0;
+        if (e->p.enable_prefix_caching) KVC_TRY(kvc_cache_lookup_prefix(e->cache, r->tok, r->n_tok, 0, &hit));
+        int64_t chunk = r->n_tok - hit;
+        if (chunk > budget) chunk = budget;
+        int64_t n_cached = 0;
+        kvc_seq_id seq;
+        st = kvc_cache_add_sequence(e->cache, e->p.enable_prefix_caching ? r->tok : NULL,
+                                    hit + chunk, 0, &seq, &n_cached);
+        if (st == KVC_ERR_NO_SPACE) {
+            kvc_clear_error();
+            st = KVC_OK;
+            break;
+        }
+        if (st != KVC_OK) return st;
+        if (!push(&e->run, &e->n_run, &e->cap_run, r, 0)) {
+            kvc_cache_free_sequence(e->cache, seq);
+            return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+        }
+        remove_at(e->wait, &e->n_wait, 0);
+        r->seq = seq;
+        r->admit = e->admit_counter++;
+        r->n_done = n_cached;
+        r->n_resv = hit + chunk;
+        chunk = r->n_resv - r->n_done;
+        if (r->n_gen == 0) { /* first admission: count the prompt */
+            e->st.prompt_tokens += r->n_prompt;
+            e->st.cached_tokens += n_cached < r->n_prompt ? n_cached : r->n_prompt;
+        }
+        e->b_req[nb] = r;
+        e->b_seq[nb] = r->seq;
+        e->b_pos0[nb] = r->n_done;
+        e->b_n[nb] = chunk;
+        memcpy(e->b_tok + rows, r->tok + r->n_done, (size_t)chunk * sizeof(int32_t));
+        memset(e->b_want + rows, 0, (size_t)chunk);
+        e->b_want[rows + chunk - 1] = r->n_done + chunk == r->n_tok;
+        nb++, rows += chunk, budget -= chunk;
+    }
+    if (nb == 0) {
+        if (e->n_run == 0 && e->n_wait > 0)
+            return kvc__error(KVC_ERR_NO_SPACE, "%s: no request fits in the cache", fn);
+        return KVC_OK;
+    }
+    /* 4. forward */
+    st = kvc_model_forward(e->ctx, e->cache, (int32_t)nb, e->b_seq, e->b_pos0, e->b_n, e->b_tok,
+                           e->b_want, e->logits);
+    if (st != KVC_OK) return st;
+    /* 5. sample, emit, retire */
+    int64_t li = 0, ne = 0, row = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        req *r = e->b_req[b];
+        const int want = e->b_want[row + e->b_n[b] - 1];
+        row += e->b_n[b];
+        if (r->n_gen == 0 || r->n_done != r->n_tok - 1) e->st.prefill_tokens += e->b_n[b];
+        r->n_done += e->b_n[b];
+        if (!want) continue;
+        int32_t t;
+        KVC_TRY(kvc_sample(e->logits + li * e->n_vocab, e->n_vocab, &r->sp, &r->rng, &t));
+        li++;
+        r->tok[r->n_tok++] = t;
+        r->n_gen++;
+        e->st.decode_tokens++;
+        int32_t fin = KVC_FINISH_NONE;
+        if (!r->ignore_eos && kvc_tokenizer_is_eog(kvc_model_tokenizer(e->m), t))
+            fin = KVC_FINISH_EOG;
+        else if (r->n_gen >= r->max_new)
+            fin = KVC_FINISH_LENGTH;
+        events[ne].request_id = r->id;
+        events[ne].token = t;
+        events[ne].finish = fin;
+        ne++;
+    }
+    /* usage peak before retiring */
+    kvc_cache_stats cs;
+    if (kvc_cache_get_stats(e->cache, &cs) == KVC_OK) {
+        int64_t used = cs.used_pages * e->p.page_size;
+        if (used > e->st.kv_used_tokens_peak) e->st.kv_used_tokens_peak = used;
+    }
+    for (int64_t i = 0; i < ne; i++) {
+        if (events[i].finish == KVC_FINISH_NONE) continue;
+        for (int64_t j = 0; j < e->n_run; j++)
+            if (e->run[j]->id == events[i].request_id) {
+                req *r = e->run[j];
+                drop_seq(e, r);
+                remove_at(e->run, &e->n_run, j);
+                req_free(r);
+                break;
+            }
+    }
+    *n_events = ne;
+    const double dt = now_s() - t0;
+    e->st.steps++;
+    e->st.step_seconds += dt;
+    if (n_decode == 0) e->st.prefill_seconds += dt;
+    if (n_decode == nb) {
+        e->st.decode_seconds += dt;
+        e->st.decode_only_tokens += ne;
+    }
+    return KVC_OK;
+}

@@ -1,2 +1,377 @@
-/* Placeholder: replaced by the module's implementation. */
-typedef int kvc__placeholder_gemm;
+/*
+ * Matrix products of the model runtime (gemm.h): argument checks, the ggml
+ * type table, row dequantization (embedding lookups), activation
+ * quantization, kernel selection and the split of output rows over the
+ * thread pool.
+ *
+ * Work split: tasks of (GEMM_CHUNK rows of W) x (GEMM_XBLOCK rows of X),
+ * one kvc__parallel_for task each, W chunk outer; a task computes every
+ * Y[i][r] of its block. Block sizes never depend on the thread count, and
+ * kernels compute each Y element with a fixed operation sequence
+ * (gemm_kernels.h), so results are bitwise independent of the pool and of n.
+ * Activations of the int8 paths are quantized once per call (tasks of
+ * GEMM_XQ_CHUNK rows) into scratch: on the stack for decode-sized calls,
+ * else one aligned heap block.
+ *
+ * Kernel choice: the ISA of kvc_get_isa(). The AVX-512 int8 kernels need
+ * AVX512_VNNI (cpuid leaf 7, ECX bit 11); without it the AVX2 int8 kernels
+ * run instead (the AVX-512 float kernels stay).
+ */
+#define _POSIX_C_SOURCE 200809L
+#include "gemm.h"
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../core/internal.h"
+#include "../kernels/gemm_kernels.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#define GEMM_X86 1
+#endif
+
+/* Output rows per task: a 16-row weight tile of a 1536-column Q4_1 matrix
+ * is 15 KiB (stays in L1 while activation rows stream past it). */
+#define GEMM_CHUNK 16
+/* Activation rows per task: 16 quantized rows of 1536 columns are 33 KiB,
+ * about L1; a task runs them against its GEMM_CHUNK weight rows. */
+#define GEMM_XBLOCK 16
+/* Activation rows quantized per task. */
+#define GEMM_XQ_CHUNK 16
+/* Scratch up to this size lives on the stack (decode: n = 1). */
+#define GEMM_STACK_XQ 8192
+
+/* ---- type table ------------------------------------------------------------ */
+
+typedef struct gemm_type {
+    int32_t type;
+    const char *name;
+    int64_t block;  /* elements per block */
+    int64_t bytes;  /* bytes per block */
+    int gemm;       /* 1 if kvc__gemm supports it */
+} gemm_type;
+
+/* Block layouts (ggml): see gemm.h / gguf.h and the dequant functions. */
+static const gemm_type g_types[] = {
+    {KVC_GGML_F32, "F32", 1, 4, 1},      {KVC_GGML_F16, "F16", 1, 2, 1},
+    {KVC_GGML_BF16, "BF16", 1, 2, 1},    {KVC_GGML_Q8_0, "Q8_0", 32, 34, 1},
+    {KVC_GGML_Q4_0, "Q4_0", 32, 18, 1},  {KVC_GGML_Q4_1, "Q4_1", 32, 20, 1},
+    {KVC_GGML_Q5_0, "Q5_0", 32, 22, 0},  {KVC_GGML_Q5_1, "Q5_1", 32, 24, 0},
+    {KVC_GGML_Q4_K, "Q4_K", 256, 144, 0}, {KVC_GGML_Q6_K, "Q6_K", 256, 210, 0},
+};
+
+static const gemm_type *find_type(int32_t t) {
+    for (size_t i = 0; i < sizeof g_types / sizeof g_types[0]; i++)
+        if (g_types[i].type == t) return &g_types[i];
+    return NULL;
+}
+
+int kvc__gemm_supported(int32_t wt) {
+    const gemm_type *t = find_type(wt);
+    return t != NULL && t->gemm;
+}
+
+int64_t kvc__ggml_row_bytes(int32_t wt, int64_t cols) {
+    const gemm_type *t = find_type(wt);
+    if (t == NULL || cols < 0 || cols % t->block != 0) return 0;
+    if (cols / t->block > INT64_MAX / t->bytes) return 0;
+    return cols / t->block * t->bytes;
+}
+
+/* ---- row dequantization ----------------------------------------------------- */
+
+static float f16_at(const uint8_t *p) { return kvc_f16_to_f32((uint16_t)(p[0] | p[1] << 8)); }
+
+/* Q4_0 / Q4_1 / Q5_0 / Q5_1 nibble e of a 32-element block: element e < 16
+ * is the low nibble of byte e, element e >= 16 the high nibble of byte
+ * e - 16; Q5 adds bit e of the little-endian uint32 qh as bit 4. */
+static int nib(const uint8_t *qs, int e) { return e < 16 ? qs[e] & 15 : qs[e - 16] >> 4; }
+
+static uint32_t le32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* Q4_K scale/min j of 8 (6 bits each, packed in 12 bytes): j < 4 in the low
+ * 6 bits of bytes j (scale) and j + 4 (min); j >= 4 in the nibbles of byte
+ * j + 4 (scale low, min high) with their top 2 bits in bits 6..7 of bytes
+ * j - 4 (scale) and j (min). */
+static void q4k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+static void dequant_block(int32_t t, const uint8_t *b, float *y) {
+    switch (t) {
+    case KVC_GGML_Q8_0: { /* f16 d, int8 q[32]: x = d q */
+        const float d = f16_at(b);
+        for (int e = 0; e < 32; e++) y[e] = d * (float)(int8_t)b[2 + e];
+        break;
+    }
+    case KVC_GGML_Q4_0: { /* f16 d, qs[16]: x = d (q - 8) */
+        const float d = f16_at(b);
+        for (int e = 0; e < 32; e++) y[e] = d * (float)(nib(b + 2, e) - 8);
+        break;
+    }
+    case KVC_GGML_Q4_1: { /* f16 d, f16 m, qs[16]: x = d q + m */
+        const float d = f16_at(b), m = f16_at(b + 2);
+        for (int e = 0; e < 32; e++) y[e] = d * (float)nib(b + 4, e) + m;
+        break;
+    }
+    case KVC_GGML_Q5_0: { /* f16 d, qh[4], qs[16]: x = d (q - 16) */
+        const float d = f16_at(b);
+        const uint32_t qh = le32(b + 2);
+        for (int e = 0; e < 32; e++)
+            y[e] = d * (float)((nib(b + 6, e) | (int)((qh >> e) & 1) << 4) - 16);
+        break;
+    }
+    case KVC_GGML_Q5_1: { /* f16 d, f16 m, qh[4], qs[16]: x = d q + m */
+        const float d = f16_at(b), m = f16_at(b + 2);
+        const uint32_t qh = le32(b + 4);
+        for (int e = 0; e < 32; e++)
+            y[e] = d * (float)(nib(b + 8, e) | (int)((qh >> e) & 1) << 4) + m;
+        break;
+    }
+    case KVC_GGML_Q4_K: { /* f16 d, f16 dmin, scales[12], qs[128]: 8 sub-blocks of 32,
+                           * x = d sc_j q - dmin m_j; sub-block j: nibble (j odd: high) of
+                           * qs[32 (j / 2) + l] */
+        const float d = f16_at(b), dmin = f16_at(b + 2);
+        for (int j = 0; j < 8; j++) {
+            int sc, mn;
+            q4k_scale_min(b + 4, j, &sc, &mn);
+            const float dj = d * (float)sc, mj = dmin * (float)mn;
+            for (int l = 0; l < 32; l++)
+                y[32 * j + l] = dj * (float)((b[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15) - mj;
+        }
+        break;
+    }
+    case KVC_GGML_Q6_K: { /* ql[128], qh[64], int8 scales[16], f16 d: x = d sc[e / 16] (q - 32);
+                           * element e = 128 h + r: low 4 bits from ql[64 h + r % 64]
+                           * (high nibble when r >= 64), high 2 bits from
+                           * qh[32 h + r % 32] >> (2 (r / 32)) */
+        const float d = f16_at(b + 208);
+        for (int e = 0; e < 256; e++) {
+            const int h = e / 128, r = e % 128;
+            const int lo = (b[64 * h + r % 64] >> (4 * (r / 64))) & 15;
+            const int hi = (b[128 + 32 * h + r % 32] >> (2 * (r / 32))) & 3;
+            y[e] = d * (float)(int8_t)b[192 + e / 16] * (float)((lo | hi << 4) - 32);
+        }
+        break;
+    }
+    default: break;
+    }
+}
+
+kvc_status kvc__ggml_dequant_row(int32_t t, const void *src, int64_t n, float *dst) {
+    const gemm_type *ty = find_type(t);
+    KVC_CHECK(ty != NULL, "dequant_row: unsupported ggml type %d", (int)t);
+    KVC_CHECK(n >= 0 && n % ty->block == 0,
+              "dequant_row: %lld elements is not a whole number of %s blocks (%lld)",
+              (long long)n, ty->name, (long long)ty->block);
+    KVC_CHECK(n == 0 || (src != NULL && dst != NULL), "dequant_row: NULL pointer");
+    const uint8_t *s = src;
+    switch (t) {
+    case KVC_GGML_F32: memcpy(dst, src, (size_t)n * 4); break;
+    case KVC_GGML_F16:
+        for (int64_t i = 0; i < n; i++) dst[i] = f16_at(s + 2 * i);
+        break;
+    case KVC_GGML_BF16:
+        for (int64_t i = 0; i < n; i++) dst[i] = kvc_bf16_to_f32((uint16_t)(s[2 * i] | s[2 * i + 1] << 8));
+        break;
+    default:
+        for (int64_t b = 0; b < n / ty->block; b++)
+            dequant_block(t, s + b * ty->bytes, dst + b * ty->block);
+        break;
+    }
+    return KVC_OK;
+}
+
+/* ---- activation quantization (layout: gemm_kernels.h) ------------------------- */
+
+/* round half to even for |v| < 2^22: adding 1.5 * 2^23 leaves no fraction
+ * bits, so the float addition itself rounds (default rounding mode). */
+static float rne(float v) { return (v + 0x1.8p23f) - 0x1.8p23f; }
+
+void kvc__gemm_quantize_x(const float *x, int64_t cols, int L, void *xq) {
+    const int64_t nb = cols / KVC_GEMM_QK, G = 4 * (int64_t)L;
+    const int64_t groups = (nb + G - 1) / G;
+    uint8_t *base = xq;
+    memset(base, 0, (size_t)(groups * kvc__gemm_group_bytes(L)));
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *grp = base + b / G * kvc__gemm_group_bytes(L);
+        const int bi = (int)(b % G), j = bi / L, k = bi % L, p = 4 * k + j;
+        const float *xb = x + b * KVC_GEMM_QK;
+        float amax = 0.0f;
+        for (int e = 0; e < KVC_GEMM_QK; e++) {
+            const float a = fabsf(xb[e]); /* andps: a sign branch would mispredict */
+            amax = a > amax ? a : amax;
+        }
+        int8_t q[KVC_GEMM_QK] = {0};
+        float d = 0.0f;
+        int32_t qsum = 0;
+        if (amax >= 0x1p-120f) {
+            d = amax / 127.0f;
+            const float id = 127.0f / amax;
+            for (int e = 0; e < KVC_GEMM_QK; e++) {
+                q[e] = (int8_t)rne(xb[e] * id);
+                qsum += q[e];
+            }
+        }
+        memcpy(grp + (j * 2 + 0) * 16 * L + 16 * k, q, 16);
+        memcpy(grp + (j * 2 + 1) * 16 * L + 16 * k, q + 16, 16);
+        const float sx = d * (float)qsum;
+        memcpy(grp + 128 * L + 4 * p, &d, 4);
+        memcpy(grp + 144 * L + 4 * p, &qsum, 4);
+        memcpy(grp + 160 * L + 4 * p, &sx, 4);
+    }
+}
+
+/* ---- kernel selection --------------------------------------------------------- */
+
+static int detect_vnni(void) {
+#ifdef GEMM_X86
+    unsigned a, b, c, d;
+    if (__get_cpuid_max(0, NULL) < 7) return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    (void)a, (void)b, (void)d;
+    return (c >> 11) & 1; /* AVX512_VNNI */
+#else
+    return 0;
+#endif
+}
+
+/* cpuid once: in a VM it traps to the hypervisor (microseconds a call). */
+static int cpu_has_vnni(void) {
+    static atomic_int cached = -1;
+    int v = atomic_load_explicit(&cached, memory_order_relaxed);
+    if (v < 0) {
+        v = detect_vnni();
+        atomic_store_explicit(&cached, v, memory_order_relaxed);
+    }
+    return v;
+}
+
+static atomic_int g_no_vnni; /* test hook: 1 = behave as if VNNI were absent */
+
+void kvc__gemm_set_no_vnni(int on) { atomic_store(&g_no_vnni, on != 0); }
+
+typedef struct gemm_sel {
+    const kvc__gemm_kernels *f; /* float kernels */
+    const kvc__gemm_kernels *q; /* int8 kernels */
+} gemm_sel;
+
+static gemm_sel select_kernels(void) {
+    gemm_sel s = {kvc__gemm_kernels_scalar(), kvc__gemm_kernels_scalar()};
+#ifdef GEMM_X86
+    const kvc_isa isa = kvc_get_isa();
+    if (isa == KVC_ISA_AVX512) {
+        s.f = kvc__gemm_kernels_avx512();
+        s.q = cpu_has_vnni() && !atomic_load(&g_no_vnni) ? s.f : kvc__gemm_kernels_avx2();
+    } else if (isa == KVC_ISA_AVX2) {
+        s.f = s.q = kvc__gemm_kernels_avx2();
+    }
+#endif
+    return s;
+}
+
+const char *kvc__gemm_kernel_name(int32_t wt) {
+    const gemm_sel s = select_kernels();
+    const gemm_type *t = find_type(wt);
+    return t != NULL && t->block > 1 ? s.q->name_q : s.f->name_f;
+}
+
+/* ---- the product --------------------------------------------------------------- */
+
+typedef struct gemm_ctx {
+    const kvc__gemm_kernels *k;
+    int32_t wt;
+    int quant;
+    const uint8_t *W;
+    int64_t row_bytes, rows, cols;
+    const float *X;
+    int64_t ldx, n;
+    uint8_t *xq;
+    int64_t xq_stride;
+    float *Y;
+    int64_t ldy;
+} gemm_ctx;
+
+static void quantize_task(void *p, int64_t t) {
+    const gemm_ctx *c = p;
+    const int64_t i1 = (t + 1) * GEMM_XQ_CHUNK < c->n ? (t + 1) * GEMM_XQ_CHUNK : c->n;
+    for (int64_t i = t * GEMM_XQ_CHUNK; i < i1; i++)
+        kvc__gemm_quantize_x(c->X + i * c->ldx, c->cols, c->k->lanes, c->xq + i * c->xq_stride);
+}
+
+/* Task t: W rows [r0, r0 + GEMM_CHUNK) x X rows [i0, i0 + GEMM_XBLOCK). */
+static void gemm_task(void *p, int64_t t) {
+    const gemm_ctx *c = p;
+    const int64_t n_xb = (c->n + GEMM_XBLOCK - 1) / GEMM_XBLOCK;
+    const int64_t r0 = t / n_xb * GEMM_CHUNK, i0 = t % n_xb * GEMM_XBLOCK;
+    const int64_t r1 = r0 + GEMM_CHUNK < c->rows ? r0 + GEMM_CHUNK : c->rows;
+    const int64_t ni = i0 + GEMM_XBLOCK < c->n ? GEMM_XBLOCK : c->n - i0;
+    if (c->quant)
+        c->k->gemm_q(c->wt, c->W, c->row_bytes, r0, r1, c->cols / KVC_GEMM_QK,
+                     c->xq + i0 * c->xq_stride, c->xq_stride, ni, c->Y + i0 * c->ldy, c->ldy);
+    else
+        c->k->gemm_f(c->wt, c->W, c->row_bytes, r0, r1, c->cols, c->X + i0 * c->ldx, c->ldx, ni,
+                     c->Y + i0 * c->ldy, c->ldy);
+}
+
+kvc_status kvc__gemm(int32_t wt, const void *W, int64_t rows, int64_t cols, const float *X,
+                     int64_t ldx, int64_t n, float *Y, int64_t ldy, kvc_threadpool *pool) {
+    const gemm_type *ty = find_type(wt);
+    KVC_CHECK(ty != NULL && ty->gemm, "gemm: weight type %d (%s) is not supported", (int)wt,
+              ty ? ty->name : "unknown");
+    KVC_CHECK(rows >= 0 && cols >= 0 && n >= 0, "gemm: negative shape rows %lld cols %lld n %lld",
+              (long long)rows, (long long)cols, (long long)n);
+    KVC_CHECK(cols % ty->block == 0, "gemm: cols %lld is not a multiple of the %s block (%lld)",
+              (long long)cols, ty->name, (long long)ty->block);
+    KVC_CHECK(ldx >= cols && ldy >= rows, "gemm: ldx %lld < cols %lld or ldy %lld < rows %lld",
+              (long long)ldx, (long long)cols, (long long)ldy, (long long)rows);
+    if (n == 0 || rows == 0) return KVC_OK;
+    KVC_CHECK(W != NULL && X != NULL && Y != NULL, "gemm: NULL %s",
+              W == NULL ? "W" : X == NULL ? "X" : "Y");
+    const int64_t row_bytes = kvc__ggml_row_bytes(wt, cols);
+    KVC_CHECK(cols == 0 || (row_bytes > 0 && rows <= INT64_MAX / row_bytes),
+              "gemm: W of %lld x %lld %s is too large", (long long)rows, (long long)cols,
+              ty->name);
+    if (cols == 0) {
+        for (int64_t i = 0; i < n; i++) memset(Y + i * ldy, 0, (size_t)rows * sizeof *Y);
+        return KVC_OK;
+    }
+    const gemm_sel sel = select_kernels();
+    gemm_ctx c = {.wt = wt, .quant = ty->block > 1, .W = W, .row_bytes = row_bytes,
+                  .rows = rows, .cols = cols, .X = X, .ldx = ldx, .n = n, .Y = Y, .ldy = ldy};
+    c.k = c.quant ? sel.q : sel.f;
+    _Alignas(64) uint8_t stack_xq[GEMM_STACK_XQ];
+    void *heap = NULL;
+    if (c.quant) {
+        c.xq_stride = kvc__gemm_xq_row_bytes(cols, c.k->lanes);
+        KVC_CHECK(n <= INT64_MAX / 2 / c.xq_stride, "gemm: n %lld too large", (long long)n);
+        const size_t need = (size_t)(n * c.xq_stride);
+        if (need <= sizeof stack_xq) {
+            c.xq = stack_xq;
+        } else {
+            /* aligned_alloc needs a multiple of the alignment */
+            heap = aligned_alloc(64, (need + 63) / 64 * 64);
+            if (heap == NULL)
+                return kvc__error(KVC_ERR_NOMEM, "gemm: cannot allocate %zu bytes of scratch",
+                                  need);
+            c.xq = heap;
+        }
+        kvc__parallel_for(pool, (n + GEMM_XQ_CHUNK - 1) / GEMM_XQ_CHUNK, quantize_task, &c);
+    }
+    kvc__parallel_for(pool,
+                      (rows + GEMM_CHUNK - 1) / GEMM_CHUNK * ((n + GEMM_XBLOCK - 1) / GEMM_XBLOCK),
+                      gemm_task, &c);
+    free(heap);
+    return KVC_OK;
+}

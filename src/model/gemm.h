@@ -14,6 +14,21 @@
  * on the thread count. Quantized weight types may quantize X per 32-element
  * block (int8, as llama.cpp's Q8_0 activations) for integer dot products;
  * that is part of the function, the same for every n.
+ *
+ * What the kernels compute (src/kernels/gemm_kernels.h has the details):
+ *   F32, F16, BF16: float32 products and sums.
+ *   Q8_0, Q4_0, Q4_1: each X row is quantized per 32-element block to int8
+ *       with d = absmax / 127, q = round_half_even(x * 127 / absmax) (blocks
+ *       with absmax < 2^-120 become zero), then per weight block the exact
+ *       integer dot product of the block's integer weights with q is scaled
+ *       by d_w * d_x (Q4_1 adds m_w * d_x * sum q) and summed in float32.
+ *       The error against the exact product is at most
+ *       sum_blocks (d_x / 2) * sum |w| plus float32 rounding.
+ * Each ISA (scalar, avx2, avx512) sums in its own fixed order, so results of
+ * different ISAs agree to rounding only. Under the avx512 ISA the int8
+ * kernels use AVX512_VNNI when the CPU has it (cpuid, at run time) and the
+ * AVX2 int8 kernels otherwise; kvc__gemm_kernel_name says which runs.
+ * X and Y must not overlap W or each other; X must be finite.
  */
 #ifndef KVC_MODEL_GEMM_H
 #define KVC_MODEL_GEMM_H
@@ -24,19 +39,33 @@
 #include "kvcache/core.h"
 #include "kvcache/gguf.h"
 
-/* 1 if kvc__gemm supports weight type wt. */
+/* 1 if kvc__gemm supports weight type wt (F32, F16, BF16, Q8_0, Q4_0, Q4_1). */
 int kvc__gemm_supported(int32_t wt);
 
 /* Bytes of one row of cols elements of type wt (0 if cols is not a whole
- * number of blocks or wt is unknown). */
+ * number of blocks or wt is unknown). Knows the gemm types plus Q5_0, Q5_1,
+ * Q4_K and Q6_K. */
 int64_t kvc__ggml_row_bytes(int32_t wt, int64_t cols);
 
-/* KVC_ERR_INVALID_ARG for an unsupported type or cols not a multiple of the
- * block size; KVC_ERR_NOMEM if scratch cannot be allocated. */
+/* KVC_ERR_INVALID_ARG for an unsupported type, cols not a multiple of the
+ * block size, a negative shape, ldx < cols, ldy < rows or a NULL pointer
+ * (pointers may be NULL when n == 0 or rows == 0: nothing is done);
+ * KVC_ERR_NOMEM if scratch cannot be allocated (Y is then unchanged).
+ * pool may be NULL (calling thread only). */
 kvc_status kvc__gemm(int32_t wt, const void *W, int64_t rows, int64_t cols, const float *X,
                      int64_t ldx, int64_t n, float *Y, int64_t ldy, kvc_threadpool *pool);
 
-/* One row of n elements of type t to float32 (embedding lookups). */
+/* One row of n elements of type t to float32 (embedding lookups): the gemm
+ * types plus Q5_0, Q5_1, Q4_K and Q6_K (n a multiple of the block size). */
 kvc_status kvc__ggml_dequant_row(int32_t t, const void *src, int64_t n, float *dst);
+
+/* Name of the kernel set kvc__gemm uses now for weight type wt ("scalar",
+ * "avx2", "avx512", "avx512-vnni"): for tests and benchmarks. */
+const char *kvc__gemm_kernel_name(int32_t wt);
+
+/* Test hook: on != 0 makes kvc__gemm behave as if the CPU had no
+ * AVX512_VNNI (the AVX-512 ISA then runs the AVX2 int8 kernels). Not
+ * thread-safe with respect to running products. */
+void kvc__gemm_set_no_vnni(int on);
 
 #endif

@@ -1,2 +1,652 @@
-/* Placeholder: replaced by the module's implementation. */
-typedef int kvc__placeholder_model;
+/*
+ * Llama-architecture forward pass (model.h) over kvcache's paged cache.
+ *
+ * Loading checks every tensor the architecture needs against the metadata
+ * (shapes, supported weight types) so the forward pass never meets a
+ * surprise. A step: embed the batch's token rows, then per layer rmsnorm ->
+ * Q/K/V products -> rotary -> append K/V to the layer's pages -> batched
+ * causal prefill attention over the pages (one plan per step, run per layer)
+ * -> output product + residual -> rmsnorm -> SwiGLU FFN + residual; finally
+ * the output head for the rows whose logits are wanted.
+ *
+ * Every stage works row by row with the same arithmetic whatever the batch
+ * (see gemm.h and prefill.h on row independence), which is what makes cached
+ * generation equal to recomputation.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvcache/gguf.h"
+#include "kvcache/model.h"
+#include "kvcache/paged.h"
+#include "kvcache/prefill.h"
+#include "../core/internal.h"
+#include "gemm.h"
+
+typedef struct weight {
+    int32_t type;
+    const void *data;
+    int64_t rows, cols; /* W (rows, cols): y = x W^T, cols = input dim */
+} weight;
+
+typedef struct layer {
+    float *attn_norm, *ffn_norm; /* (n_embd) owned float32 copies */
+    weight wq, wk, wv, wo, wg, wu, wd;
+} layer;
+
+struct kvc_model {
+    kvc_gguf *g;
+    kvc_tokenizer *tok;
+    kvc_model_info info;
+    weight tok_embd, output;
+    float *out_norm;
+    layer *layers;
+    double *inv_freq; /* (n_rot / 2) base^(-2i / n_rot) */
+};
+
+struct kvc_model_ctx {
+    const kvc_model *m;
+    kvc_threadpool *pool;
+    int32_t n_threads;
+    int64_t cap_rows, cap_seqs, cap_pages, cap_logit_rows;
+    float *x, *h, *q, *k, *v, *att, *gate, *up, *tmp; /* per row scratch */
+    float *fin;                                       /* (wanted rows, n_embd) */
+    int32_t *batch_idx, *positions;                   /* (rows) */
+    int32_t *qo_indptr, *kv_indptr, *kv_last, *kv_indices, *full_indptr, *full_last;
+    int32_t *full_indices;
+    int64_t cap_full;
+};
+
+/* ---- loading ---------------------------------------------------------------- */
+
+static kvc_status get_int(const kvc_gguf *g, const char *arch, const char *suffix, int32_t *out,
+                          int required, int32_t dflt) {
+    char key[128];
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    int64_t v;
+    kvc_status st = kvc_gguf_get_i64(g, key, &v);
+    if (st == KVC_ERR_NOT_FOUND && !required) {
+        kvc_clear_error();
+        *out = dflt;
+        return KVC_OK;
+    }
+    if (st != KVC_OK)
+        return kvc__error(st == KVC_ERR_NOT_FOUND ? KVC_ERR_CORRUPT : st,
+                          "model: metadata %s: %s", key, kvc_last_error());
+    if (v < 1 || v > (1 << 30))
+        return kvc__error(KVC_ERR_CORRUPT, "model: metadata %s = %lld is out of range", key,
+                          (long long)v);
+    *out = (int32_t)v;
+    return KVC_OK;
+}
+
+static kvc_status get_float(const kvc_gguf *g, const char *arch, const char *suffix, float *out,
+                            float dflt) {
+    char key[128];
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    double v;
+    kvc_status st = kvc_gguf_get_f64(g, key, &v);
+    if (st == KVC_ERR_NOT_FOUND) {
+        kvc_clear_error();
+        *out = dflt;
+        return KVC_OK;
+    }
+    if (st != KVC_OK) return st;
+    if (!isfinite(v) || v <= 0)
+        return kvc__error(KVC_ERR_CORRUPT, "model: metadata %s = %g must be > 0", key, v);
+    *out = (float)v;
+    return KVC_OK;
+}
+
+/* Finds tensor `name` with ne = (cols, rows) (rows 0: 1-D of cols). */
+static kvc_status find_tensor(kvc_model *m, const char *name, int64_t cols, int64_t rows,
+                              kvc_gguf_tensor *t) {
+    int64_t i = kvc_gguf_find_tensor(m->g, name);
+    if (i < 0) return kvc__error(KVC_ERR_CORRUPT, "model: tensor %s is missing", name);
+    KVC_TRY(kvc_gguf_get_tensor(m->g, i, t));
+    const int want_dims = rows ? 2 : 1;
+    int ok = t->ne[0] == cols && (rows ? t->ne[1] == rows : 1);
+    for (int d = want_dims; d < 4; d++) ok = ok && t->ne[d] == 1;
+    if (!ok)
+        return kvc__error(KVC_ERR_CORRUPT,
+                          "model: tensor %s has shape (%lld, %lld, %lld, %lld), expected (%lld, "
+                          "%lld) (innermost first)",
+                          name, (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2],
+                          (long long)t->ne[3], (long long)cols, (long long)(rows ? rows : 1));
+    return KVC_OK;
+}
+
+static kvc_status load_weight(kvc_model *m, const char *name, int64_t cols, int64_t rows,
+                              weight *w) {
+    kvc_gguf_tensor t;
+    KVC_TRY(find_tensor(m, name, cols, rows, &t));
+    if (!kvc__gemm_supported(t.type)) {
+        const char *tn = kvc_ggml_type_name(t.type);
+        return kvc__error(KVC_ERR_UNSUPPORTED, "model: tensor %s has weight type %s (%d), not "
+                          "supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1 are)",
+                          name, tn ? tn : "unknown", (int)t.type);
+    }
+    w->type = t.type;
+    w->data = t.data;
+    w->rows = rows;
+    w->cols = cols;
+    m->info.n_params += rows * cols;
+    m->info.weight_bytes += t.size;
+    return KVC_OK;
+}
+
+/* A 1-D weight as an owned float32 copy. */
+static kvc_status load_vector(kvc_model *m, const char *name, int64_t n, float **out) {
+    kvc_gguf_tensor t;
+    KVC_TRY(find_tensor(m, name, n, 0, &t));
+    float *v = malloc((size_t)n * sizeof(float));
+    if (!v) return kvc__error(KVC_ERR_NOMEM, "model: out of memory");
+    kvc_status st = kvc__ggml_dequant_row(t.type, t.data, n, v);
+    if (st != KVC_OK) {
+        free(v);
+        return kvc__error(st, "model: tensor %s: %s", name, kvc_last_error());
+    }
+    m->info.n_params += n;
+    m->info.weight_bytes += t.size;
+    *out = v;
+    return KVC_OK;
+}
+
+kvc_model_params kvc_model_default_params(void) {
+    kvc_model_params p;
+    memset(&p, 0, sizeof p);
+    p.prefault = 1;
+    return p;
+}
+
+void kvc_model_free(kvc_model *m) {
+    if (!m) return;
+    if (m->layers)
+        for (int32_t l = 0; l < m->info.n_layer; l++) {
+            free(m->layers[l].attn_norm);
+            free(m->layers[l].ffn_norm);
+        }
+    free(m->layers);
+    free(m->out_norm);
+    free(m->inv_freq);
+    kvc_tokenizer_destroy(m->tok);
+    kvc_gguf_close(m->g);
+    free(m);
+}
+
+static void progress(const kvc_model_params *p, float f) {
+    if (p->progress) p->progress(f, p->progress_user);
+}
+
+static kvc_status load_all(kvc_model *m, const kvc_model_params *p) {
+    kvc_model_info *in = &m->info;
+    const char *s;
+    size_t len;
+    KVC_TRY(kvc_gguf_get_str(m->g, "general.architecture", &s, &len));
+    if (len != 5 || memcmp(s, "llama", 5) != 0)
+        return kvc__error(KVC_ERR_UNSUPPORTED, "model: architecture '%.*s' is not supported "
+                          "(llama is)", (int)(len < 64 ? len : 64), s);
+    snprintf(in->arch, sizeof in->arch, "llama");
+    if (kvc_gguf_get_str(m->g, "general.name", &s, &len) == KVC_OK)
+        snprintf(in->name, sizeof in->name, "%.*s", (int)(len < 127 ? len : 127), s);
+    else
+        kvc_clear_error();
+    const char *a = "llama";
+    KVC_TRY(get_int(m->g, a, "block_count", &in->n_layer, 1, 0));
+    KVC_TRY(get_int(m->g, a, "embedding_length", &in->n_embd, 1, 0));
+    KVC_TRY(get_int(m->g, a, "feed_forward_length", &in->n_ff, 1, 0));
+    KVC_TRY(get_int(m->g, a, "attention.head_count", &in->n_head, 1, 0));
+    KVC_TRY(get_int(m->g, a, "attention.head_count_kv", &in->n_head_kv, 0, in->n_head));
+    KVC_TRY(get_int(m->g, a, "context_length", &in->n_ctx_train, 0, 4096));
+    KVC_TRY(get_float(m->g, a, "rope.freq_base", &in->rope_freq_base, 10000.0f));
+    KVC_TRY(get_float(m->g, a, "attention.layer_norm_rms_epsilon", &in->rms_eps, 1e-5f));
+    KVC_CHECK(in->n_embd % in->n_head == 0,
+              "model: embedding_length %d is not a multiple of head_count %d", (int)in->n_embd,
+              (int)in->n_head);
+    in->head_dim = in->n_embd / in->n_head;
+    KVC_TRY(get_int(m->g, a, "rope.dimension_count", &in->n_rot, 0, in->head_dim));
+    if (in->n_head % in->n_head_kv != 0 || in->n_rot % 2 != 0 || in->n_rot > in->head_dim)
+        return kvc__error(KVC_ERR_CORRUPT,
+                          "model: heads %d / kv heads %d / rotary dims %d / head dim %d are "
+                          "inconsistent",
+                          (int)in->n_head, (int)in->n_head_kv, (int)in->n_rot, (int)in->head_dim);
+    if (in->head_dim > 512)
+        return kvc__error(KVC_ERR_UNSUPPORTED, "model: head dim %d > 512", (int)in->head_dim);
+
+    /* tokenizer first: it also tells the vocabulary size */
+    KVC_TRY(kvc_tokenizer_from_gguf(m->g, &m->tok));
+    const int64_t E = in->n_embd, F = in->n_ff, Dh = in->head_dim;
+    const int64_t QD = (int64_t)in->n_head * Dh, KD = (int64_t)in->n_head_kv * Dh;
+    int64_t ti = kvc_gguf_find_tensor(m->g, "token_embd.weight");
+    if (ti < 0) return kvc__error(KVC_ERR_CORRUPT, "model: tensor token_embd.weight is missing");
+    kvc_gguf_tensor te;
+    KVC_TRY(kvc_gguf_get_tensor(m->g, ti, &te));
+    in->n_vocab = (int32_t)te.ne[1];
+    KVC_CHECK(in->n_vocab == kvc_tokenizer_n_vocab(m->tok),
+              "model: token_embd has %lld rows but the vocabulary %d tokens", (long long)te.ne[1],
+              (int)kvc_tokenizer_n_vocab(m->tok));
+    KVC_TRY(load_weight(m, "token_embd.weight", E, in->n_vocab, &m->tok_embd));
+    KVC_TRY(load_vector(m, "output_norm.weight", E, &m->out_norm));
+    if (kvc_gguf_find_tensor(m->g, "output.weight") >= 0) {
+        KVC_TRY(load_weight(m, "output.weight", E, in->n_vocab, &m->output));
+    } else {
+        m->output = m->tok_embd;
+        in->tied_output = 1;
+    }
+    m->layers = calloc((size_t)in->n_layer, sizeof(layer));
+    m->inv_freq = malloc((size_t)(in->n_rot / 2 + 1) * sizeof(double));
+    if (!m->layers || !m->inv_freq) return kvc__error(KVC_ERR_NOMEM, "model: out of memory");
+    for (int32_t i = 0; i < in->n_rot / 2; i++)
+        m->inv_freq[i] = pow((double)in->rope_freq_base, -2.0 * i / in->n_rot);
+    for (int32_t l = 0; l < in->n_layer; l++) {
+        layer *L = &m->layers[l];
+        char nm[96];
+#define W(field, suffix, cols, rows)                                                               \
+    snprintf(nm, sizeof nm, "blk.%d." suffix ".weight", (int)l);                                   \
+    KVC_TRY(load_weight(m, nm, cols, rows, &L->field))
+        snprintf(nm, sizeof nm, "blk.%d.attn_norm.weight", (int)l);
+        KVC_TRY(load_vector(m, nm, E, &L->attn_norm));
+        snprintf(nm, sizeof nm, "blk.%d.ffn_norm.weight", (int)l);
+        KVC_TRY(load_vector(m, nm, E, &L->ffn_norm));
+        W(wq, "attn_q", E, QD);
+        W(wk, "attn_k", E, KD);
+        W(wv, "attn_v", E, KD);
+        W(wo, "attn_output", QD, E);
+        W(wg, "ffn_gate", E, F);
+        W(wu, "ffn_up", E, F);
+        W(wd, "ffn_down", F, E);
+#undef W
+        progress(p, 0.1f * (float)(l + 1) / (float)in->n_layer);
+    }
+    if (p->prefault) { /* touch every weight page now, not during the first step */
+        int64_t nt = kvc_gguf_n_tensors(m->g);
+        volatile unsigned char sink = 0;
+        size_t done = 0;
+        for (int64_t i = 0; i < nt; i++) {
+            kvc_gguf_tensor t;
+            KVC_TRY(kvc_gguf_get_tensor(m->g, i, &t));
+            const unsigned char *b = t.data;
+            for (size_t o = 0; o < t.size; o += 4096) sink ^= b[o];
+            done += t.size;
+            if (in->weight_bytes) progress(p, 0.1f + 0.9f * (float)done / (float)in->weight_bytes);
+        }
+        (void)sink;
+    }
+    progress(p, 1.0f);
+    return KVC_OK;
+}
+
+kvc_status kvc_model_load(const char *path, const kvc_model_params *params, kvc_model **out) {
+    KVC_CHECK(path != NULL && out != NULL, "kvc_model_load: path and out must not be NULL");
+    kvc_model_params p = params ? *params : kvc_model_default_params();
+    kvc_model *m = calloc(1, sizeof *m);
+    if (!m) return kvc__error(KVC_ERR_NOMEM, "kvc_model_load: out of memory");
+    kvc_status st = kvc_gguf_open(path, &m->g);
+    if (st == KVC_OK) st = load_all(m, &p);
+    if (st != KVC_OK) {
+        kvc_model_free(m);
+        return st;
+    }
+    *out = m;
+    return KVC_OK;
+}
+
+kvc_status kvc_model_get_info(const kvc_model *m, kvc_model_info *out) {
+    KVC_CHECK(m != NULL && out != NULL, "kvc_model_get_info: model and out must not be NULL");
+    *out = m->info;
+    return KVC_OK;
+}
+
+const kvc_tokenizer *kvc_model_tokenizer(const kvc_model *m) { return m ? m->tok : NULL; }
+
+kvc_cache_params kvc_model_cache_params(const kvc_model *m, kvc_dtype kv_dtype,
+                                        int64_t capacity_tokens) {
+    kvc_cache_params p = kvc_cache_default_params();
+    if (!m) return p;
+    p.num_layers = m->info.n_layer;
+    p.num_kv_heads = m->info.n_head_kv;
+    p.head_dim = m->info.head_dim;
+    p.dtype = kv_dtype;
+    p.num_pages = (capacity_tokens + p.page_size - 1) / p.page_size;
+    return p;
+}
+
+/* ---- context ---------------------------------------------------------------- */
+
+void kvc_model_ctx_free(kvc_model_ctx *c) {
+    if (!c) return;
+    float *fl[] = {c->x, c->h, c->q, c->k, c->v, c->att, c->gate, c->up, c->tmp, c->fin};
+    for (size_t i = 0; i < sizeof fl / sizeof fl[0]; i++) free(fl[i]);
+    int32_t *il[] = {c->batch_idx, c->positions, c->qo_indptr,  c->kv_indptr,  c->kv_last,
+                     c->kv_indices, c->full_indptr, c->full_last, c->full_indices};
+    for (size_t i = 0; i < sizeof il / sizeof il[0]; i++) free(il[i]);
+    kvc_threadpool_destroy(c->pool);
+    free(c);
+}
+
+kvc_status kvc_model_ctx_create(const kvc_model *m, int32_t n_threads, kvc_model_ctx **out) {
+    KVC_CHECK(m != NULL && out != NULL, "kvc_model_ctx_create: model and out must not be NULL");
+    KVC_CHECK(n_threads >= 1 && n_threads <= 1024, "kvc_model_ctx_create: n_threads %d "
+              "outside [1, 1024]", (int)n_threads);
+    kvc_model_ctx *c = calloc(1, sizeof *c);
+    if (!c) return kvc__error(KVC_ERR_NOMEM, "kvc_model_ctx_create: out of memory");
+    c->m = m;
+    c->n_threads = n_threads;
+    if (n_threads > 1) {
+        kvc_status st = kvc_threadpool_create(n_threads, &c->pool);
+        if (st != KVC_OK) {
+            free(c);
+            return st;
+        }
+    }
+    *out = c;
+    return KVC_OK;
+}
+
+static int grow(void **p, int64_t n, size_t elem) {
+    void *q = realloc(*p, (size_t)(n > 0 ? n : 1) * elem);
+    if (!q) return 0;
+    *p = q;
+    return 1;
+}
+
+static kvc_status ensure(kvc_model_ctx *c, int64_t rows, int64_t seqs, int64_t pages,
+                         int64_t logit_rows) {
+    const kvc_model_info *in = &c->m->info;
+    const int64_t E = in->n_embd, QD = (int64_t)in->n_head * in->head_dim;
+    const int64_t KD = (int64_t)in->n_head_kv * in->head_dim, F = in->n_ff;
+    int ok = 1;
+    if (rows > c->cap_rows) {
+        ok = ok && grow((void **)&c->x, rows * E, sizeof(float));
+        ok = ok && grow((void **)&c->h, rows * E, sizeof(float));
+        ok = ok && grow((void **)&c->tmp, rows * E, sizeof(float));
+        ok = ok && grow((void **)&c->q, rows * QD, sizeof(float));
+        ok = ok && grow((void **)&c->att, rows * QD, sizeof(float));
+        ok = ok && grow((void **)&c->k, rows * KD, sizeof(float));
+        ok = ok && grow((void **)&c->v, rows * KD, sizeof(float));
+        ok = ok && grow((void **)&c->gate, rows * F, sizeof(float));
+        ok = ok && grow((void **)&c->up, rows * F, sizeof(float));
+        ok = ok && grow((void **)&c->batch_idx, rows, sizeof(int32_t));
+        ok = ok && grow((void **)&c->positions, rows, sizeof(int32_t));
+        if (ok) c->cap_rows = rows;
+    }
+    if (ok && seqs > c->cap_seqs) {
+        ok = ok && grow((void **)&c->qo_indptr, seqs + 1, sizeof(int32_t));
+        ok = ok && grow((void **)&c->kv_indptr, seqs + 1, sizeof(int32_t));
+        ok = ok && grow((void **)&c->kv_last, seqs, sizeof(int32_t));
+        ok = ok && grow((void **)&c->full_indptr, seqs + 1, sizeof(int32_t));
+        ok = ok && grow((void **)&c->full_last, seqs, sizeof(int32_t));
+        if (ok) c->cap_seqs = seqs;
+    }
+    if (ok && pages > c->cap_pages) {
+        ok = ok && grow((void **)&c->kv_indices, pages, sizeof(int32_t));
+        if (ok) c->cap_pages = pages;
+    }
+    if (ok && logit_rows > c->cap_logit_rows) {
+        ok = ok && grow((void **)&c->fin, logit_rows * E, sizeof(float));
+        if (ok) c->cap_logit_rows = logit_rows;
+    }
+    return ok ? KVC_OK : kvc__error(KVC_ERR_NOMEM, "kvc_model_forward: out of memory");
+}
+
+/* ---- row operations --------------------------------------------------------- */
+
+/* y = x / rms(x) * w over E elements (sum of squares in double: exact enough
+ * and the same for every row). */
+static void rmsnorm(const float *x, const float *w, int64_t E, float eps, float *y) {
+    double ss = 0;
+    for (int64_t i = 0; i < E; i++) ss += (double)x[i] * x[i];
+    const float r = (float)(1.0 / sqrt(ss / (double)E + eps));
+    for (int64_t i = 0; i < E; i++) y[i] = x[i] * r * w[i];
+}
+
+/* Rotates adjacent pairs of the first n_rot dims of each of nh heads. */
+static void rope(float *x, int64_t nh, int64_t Dh, int64_t n_rot, const double *inv_freq,
+                 int64_t pos) {
+    for (int64_t i = 0; i < n_rot / 2; i++) {
+        const double th = (double)pos * inv_freq[i];
+        const float c = (float)cos(th), s = (float)sin(th);
+        for (int64_t h = 0; h < nh; h++) {
+            float *p = x + h * Dh + 2 * i;
+            const float a = p[0], b = p[1];
+            p[0] = a * c - b * s;
+            p[1] = a * s + b * c;
+        }
+    }
+}
+
+typedef struct rows_job {
+    kvc_model_ctx *c;
+    const layer *L;
+    int stage; /* 0: attn norm, 1: rope, 2: residual o, 3: ffn norm, 4: swiglu, 5: residual d */
+    int64_t n;
+} rows_job;
+
+#define ROWS_PER_TASK 8
+
+static void rows_task(void *ctx, int64_t t) {
+    const rows_job *j = ctx;
+    kvc_model_ctx *c = j->c;
+    const kvc_model_info *in = &c->m->info;
+    const int64_t E = in->n_embd, Dh = in->head_dim, F = in->n_ff;
+    const int64_t QD = (int64_t)in->n_head * Dh, KD = (int64_t)in->n_head_kv * Dh;
+    const int64_t r0 = t * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK < j->n ? r0 + ROWS_PER_TASK : j->n;
+    for (int64_t r = r0; r < r1; r++) {
+        switch (j->stage) {
+        case 0: rmsnorm(c->x + r * E, j->L->attn_norm, E, in->rms_eps, c->h + r * E); break;
+        case 1:
+            rope(c->q + r * QD, in->n_head, Dh, in->n_rot, c->m->inv_freq, c->positions[r]);
+            rope(c->k + r * KD, in->n_head_kv, Dh, in->n_rot, c->m->inv_freq, c->positions[r]);
+            break;
+        case 2:
+        case 5:
+            for (int64_t i = 0; i < E; i++) c->x[r * E + i] += c->tmp[r * E + i];
+            break;
+        case 3: rmsnorm(c->x + r * E, j->L->ffn_norm, E, in->rms_eps, c->h + r * E); break;
+        case 4:
+            for (int64_t i = 0; i < F; i++) {
+                const float g = c->gate[r * F + i];
+                c->gate[r * F + i] = g / (1.0f + expf(-g)) * c->up[r * F + i];
+            }
+            break;
+        }
+    }
+}
+
+static void run_rows(kvc_model_ctx *c, const layer *L, int stage, int64_t n) {
+    rows_job j = {c, L, stage, n};
+    kvc__parallel_for(c->pool, (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK, rows_task, &j);
+}
+
+static kvc_status gemm(kvc_model_ctx *c, const weight *w, const float *x, int64_t n, float *y) {
+    return kvc__gemm(w->type, w->data, w->rows, w->cols, x, w->cols, n, y, w->rows, c->pool);
+}
+
+/* ---- forward ------------------------------------------------------------------ */
+
+kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
+                             const kvc_seq_id *seqs, const int64_t *pos0, const int64_t *n,
+                             const int32_t *tokens, const uint8_t *want_logits, float *logits) {
+    static const char fn[] = "kvc_model_forward";
+    KVC_CHECK(c != NULL && cache != NULL, "%s: ctx and cache must not be NULL", fn);
+    KVC_CHECK(n_seqs >= 0 && (n_seqs == 0 || (seqs && pos0 && n)),
+              "%s: n_seqs %d with NULL seqs/pos0/n", fn, (int)n_seqs);
+    const kvc_model *m = c->m;
+    const kvc_model_info *in = &m->info;
+    kvc_paged_cache pc;
+    KVC_TRY(kvc_cache_layer(cache, 0, &pc));
+    const int nhd = pc.layout == KVC_NHD;
+    const int64_t ps = nhd ? pc.k.shape[1] : pc.k.shape[2];
+    const int64_t cH = nhd ? pc.k.shape[2] : pc.k.shape[1];
+    KVC_CHECK(cH == in->n_head_kv && pc.k.shape[3] == in->head_dim &&
+                  kvc_cache_layer(cache, in->n_layer - 1, &pc) == KVC_OK,
+              "%s: the cache does not fit the model (make it with kvc_model_cache_params)", fn);
+    int64_t N = 0, n_want = 0, n_active = 0;
+    for (int32_t s = 0; s < n_seqs; s++) {
+        int64_t len;
+        KVC_TRY(kvc_cache_seq_len(cache, seqs[s], &len));
+        KVC_CHECK(n[s] >= 0 && pos0[s] >= 0 && pos0[s] + n[s] <= len,
+                  "%s: sequence %lld: positions [%lld, %lld) outside its %lld reserved slots", fn,
+                  (long long)seqs[s], (long long)pos0[s], (long long)(pos0[s] + n[s]),
+                  (long long)len);
+        KVC_CHECK(pos0[s] + n[s] <= INT32_MAX, "%s: position overflow", fn);
+        N += n[s];
+        if (n[s] > 0) n_active++;
+    }
+    KVC_CHECK(N == 0 || tokens != NULL, "%s: tokens is NULL", fn);
+    for (int64_t r = 0; r < N; r++)
+        KVC_CHECK(tokens[r] >= 0 && tokens[r] < in->n_vocab, "%s: token %d at row %lld outside "
+                  "[0, %d)", fn, (int)tokens[r], (long long)r, (int)in->n_vocab);
+    if (want_logits) {
+        for (int64_t r = 0; r < N; r++) n_want += want_logits[r] != 0;
+    } else {
+        n_want = n_active;
+    }
+    KVC_CHECK(n_want == 0 || logits != NULL, "%s: logits is NULL", fn);
+    if (N == 0) return KVC_OK;
+
+    /* page table of the active sequences, trimmed to pos0 + n tokens */
+    int64_t total_pages = 0;
+    KVC_TRY(ensure(c, N, n_active, 0, n_want));
+    {
+        kvc_seq_id *act = malloc((size_t)n_active * sizeof(kvc_seq_id));
+        if (!act) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+        for (int32_t s = 0, a = 0; s < n_seqs; s++)
+            if (n[s] > 0) act[a++] = seqs[s];
+        int64_t need = 0;
+        kvc_status st = kvc_cache_page_table(cache, act, n_active, c->full_indptr, NULL, 0,
+                                             c->full_last, &need);
+        if (st == KVC_OK || need > 0) {
+            kvc_clear_error();
+            st = ensure(c, N, n_active, need, n_want);
+            if (st == KVC_OK)
+                st = kvc_cache_page_table(cache, act, n_active, c->full_indptr, c->kv_indices,
+                                          c->cap_pages, c->full_last, &need);
+        }
+        free(act);
+        KVC_TRY(st);
+        total_pages = need;
+    }
+    (void)total_pages;
+    /* trim in place: request a keeps its first ceil((pos0 + n) / ps) pages */
+    c->qo_indptr[0] = c->kv_indptr[0] = 0;
+    {
+        int64_t a = 0, row = 0, w = 0;
+        for (int32_t s = 0; s < n_seqs; s++) {
+            if (n[s] == 0) continue;
+            const int64_t L = pos0[s] + n[s], np = (L + ps - 1) / ps;
+            for (int64_t p = 0; p < np; p++) c->kv_indices[w + p] = c->kv_indices[c->full_indptr[a] + p];
+            /* kv_indices is compacted left to right, never overtaking its source */
+            w += np;
+            c->kv_indptr[a + 1] = (int32_t)w;
+            c->kv_last[a] = (int32_t)(L - (np - 1) * ps);
+            c->qo_indptr[a + 1] = (int32_t)(row + n[s]);
+            for (int64_t i = 0; i < n[s]; i++) {
+                c->batch_idx[row + i] = (int32_t)a;
+                c->positions[row + i] = (int32_t)(pos0[s] + i);
+            }
+            row += n[s];
+            a++;
+        }
+    }
+    const int64_t E = in->n_embd, Dh = in->head_dim, Hq = in->n_head, H = in->n_head_kv;
+    const int64_t QD = Hq * Dh, KD = H * Dh;
+    for (int64_t r = 0; r < N; r++) {
+        const char *row = (const char *)m->tok_embd.data +
+                          kvc__ggml_row_bytes(m->tok_embd.type, E) * (int64_t)tokens[r];
+        KVC_TRY(kvc__ggml_dequant_row(m->tok_embd.type, row, E, c->x + r * E));
+    }
+    int64_t sh1[1] = {n_active + 1}, sh2[1] = {n_active};
+    int64_t shI[1] = {c->kv_indptr[n_active] > 0 ? c->kv_indptr[n_active] : 0};
+    kvc_tensor qo_indptr = kvc_tensor_make(c->qo_indptr, KVC_I32, 1, sh1);
+    kvc_tensor kv_indptr = kvc_tensor_make(c->kv_indptr, KVC_I32, 1, sh1);
+    kvc_tensor kv_last = kvc_tensor_make(c->kv_last, KVC_I32, 1, sh2);
+    kvc_tensor kv_indices = kvc_tensor_make(c->kv_indices, KVC_I32, 1, shI);
+    int64_t shN[1] = {N};
+    kvc_tensor bidx = kvc_tensor_make(c->batch_idx, KVC_I32, 1, shN);
+    kvc_tensor posn = kvc_tensor_make(c->positions, KVC_I32, 1, shN);
+    int64_t shq[3] = {N, Hq, Dh}, shk[3] = {N, H, Dh};
+    kvc_tensor tq = kvc_tensor_make(c->q, KVC_F32, 3, shq);
+    kvc_tensor tatt = kvc_tensor_make(c->att, KVC_F32, 3, shq);
+    kvc_tensor tk = kvc_tensor_make(c->k, KVC_F32, 3, shk);
+    kvc_tensor tv = kvc_tensor_make(c->v, KVC_F32, 3, shk);
+
+    kvc_prefill_plan *plan = NULL;
+    KVC_TRY(kvc_prefill_plan_create_paged(&qo_indptr, &kv_indptr, &kv_indices, &kv_last,
+                                          (int32_t)Hq, (int32_t)H, (int32_t)Dh, (int32_t)ps, 1,
+                                          NULL, NULL, c->n_threads, &plan));
+    kvc_attn_params ap = kvc_attn_default_params();
+    kvc_status st = KVC_OK;
+    for (int32_t l = 0; l < in->n_layer && st == KVC_OK; l++) {
+        const layer *L = &m->layers[l];
+        run_rows(c, L, 0, N);
+        if ((st = gemm(c, &L->wq, c->h, N, c->q)) != KVC_OK) break;
+        if ((st = gemm(c, &L->wk, c->h, N, c->k)) != KVC_OK) break;
+        if ((st = gemm(c, &L->wv, c->h, N, c->v)) != KVC_OK) break;
+        run_rows(c, L, 1, N);
+        if ((st = kvc_cache_layer(cache, l, &pc)) != KVC_OK) break;
+        if ((st = kvc_append_paged_kv_cache(&tk, &tv, &bidx, &posn, &pc, &kv_indices, &kv_indptr,
+                                            &kv_last, c->pool)) != KVC_OK)
+            break;
+        if ((st = kvc_prefill_run_paged(plan, &tq, &pc, &ap, &tatt, NULL, c->pool)) != KVC_OK)
+            break;
+        if ((st = gemm(c, &L->wo, c->att, N, c->tmp)) != KVC_OK) break;
+        run_rows(c, L, 2, N);
+        run_rows(c, L, 3, N);
+        if ((st = gemm(c, &L->wg, c->h, N, c->gate)) != KVC_OK) break;
+        if ((st = gemm(c, &L->wu, c->h, N, c->up)) != KVC_OK) break;
+        run_rows(c, L, 4, N);
+        if ((st = gemm(c, &L->wd, c->gate, N, c->tmp)) != KVC_OK) break;
+        run_rows(c, L, 5, N);
+    }
+    kvc_prefill_plan_destroy(plan);
+    KVC_TRY(st);
+    (void)QD;
+    (void)KD;
+    /* output head for the wanted rows */
+    int64_t w = 0;
+    for (int64_t r = 0, a = 0; r < N; r++) {
+        int want;
+        if (want_logits) {
+            want = want_logits[r] != 0;
+        } else {
+            want = r + 1 == c->qo_indptr[a + 1];
+            if (r + 1 == c->qo_indptr[a + 1]) a++;
+        }
+        if (want) rmsnorm(c->x + r * E, m->out_norm, E, in->rms_eps, c->fin + (w++) * E);
+    }
+    if (w > 0) KVC_TRY(gemm(c, &m->output, c->fin, w, logits));
+    return KVC_OK;
+}
+
+kvc_status kvc_model_eval(const kvc_model *m, const int32_t *tokens, int64_t n_tokens,
+                          kvc_dtype kv_dtype, float *logits, int32_t n_threads) {
+    static const char fn[] = "kvc_model_eval";
+    KVC_CHECK(m != NULL && (tokens != NULL || n_tokens == 0) && (logits != NULL || n_tokens == 0),
+              "%s: model, tokens and logits must not be NULL", fn);
+    KVC_CHECK(n_tokens >= 0, "%s: n_tokens %lld < 0", fn, (long long)n_tokens);
+    if (n_tokens == 0) return KVC_OK;
+    kvc_cache_params cp = kvc_model_cache_params(m, kv_dtype, n_tokens);
+    cp.enable_prefix_caching = 0;
+    kvc_cache *cache = NULL;
+    kvc_model_ctx *ctx = NULL;
+    KVC_TRY(kvc_cache_create(&cp, &cache));
+    kvc_seq_id seq;
+    kvc_status st = kvc_cache_add_sequence(cache, NULL, n_tokens, 0, &seq, NULL);
+    if (st == KVC_OK) st = kvc_model_ctx_create(m, n_threads, &ctx);
+    uint8_t *want = NULL;
+    if (st == KVC_OK) {
+        want = malloc((size_t)n_tokens);
+        if (!want) st = kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+        else memset(want, 1, (size_t)n_tokens);
+    }
+    const int64_t pos0 = 0;
+    if (st == KVC_OK)
+        st = kvc_model_forward(ctx, cache, 1, &seq, &pos0, &n_tokens, tokens, want, logits);
+    free(want);
+    kvc_model_ctx_free(ctx);
+    kvc_cache_destroy(cache);
+    return st;
+}

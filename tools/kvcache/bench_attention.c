@@ -7,12 +7,24 @@
  *
  * Reports us per layer, the K/V bytes read (cache rows + scales), effective
  * GB/s and its ratio to a plain read (vectorized sum) of a large buffer with
- * the same thread count, interleaved with the operator in the same run.
- * Goals: float16 >= 0.7 of the read bound at kv >= 4096; int8 at least
- * 1.6x faster per step than float16 (same shape, batch, kv, threads).
+ * the same thread count, interleaved with the operator in the same run
+ * (the memory bound), and the compute bound: the arithmetic one step needs,
+ * B * kv * (2 * Hq * Dh FMAs for q.k and p.v + 2 * H * Dh element
+ * conversions, each counted as one FMA lane), over the FMA peak of the
+ * selected ISA (independent vector FMA chains on the same threads, also
+ * interleaved). "mem" = read-bound time / measured time, "fma" =
+ * compute-bound time / measured time: whichever is near 1 is the bound that
+ * applies. Goals: float16 >= 0.7 of the read bound at kv >= 4096; int8 at
+ * least 1.6x faster per step than float16 (same shape, batch, kv, threads).
  */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define ATT_X86 1
+#endif
 
 #include "bench.h"
 #include "cli.h"
@@ -41,6 +53,7 @@ typedef struct att_case {
     kvc_threadpool *pool;
     kvc_status st;
     double kv_bytes;
+    double lane_ops; /* FMA lanes + converted elements one step needs */
 } att_case;
 
 static int att_call(void *ctx) {
@@ -151,24 +164,138 @@ static int setup(att_case *c, att_shape s, int64_t B, int64_t L, kvc_dtype dt, c
     double per_tok = (double)row * kvc_dtype_bits(dt) / 8.0;
     if (quant) per_tok += (double)(s.H * (s.D / ATT_GROUP)) * 2.0;
     c->kv_bytes = 2.0 * per_tok * (double)(B * L);
+    c->lane_ops = (double)(B * L) * (2.0 * (double)(s.Hq * s.D) + 2.0 * (double)(s.H * s.D));
     return 0;
 }
 
-/* Operator and the plain-read reference, interleaved in rounds. */
+/* ---- FMA peak ---------------------------------------------------------------- */
+
+/* Iterations of FMA_CHAINS independent multiply-adds per thread and pass. */
+#define FMA_ITERS 100000
+#define FMA_CHAINS 12
+
+/* FMA_ITERS x FMA_CHAINS dependent-in-chain FMAs of the ISA's widest float
+ * vector (x stays finite: x * 0.999 + 0.001 converges to 1); returns lanes
+ * per FMA. The tool is built for baseline x86-64, so the vector versions use
+ * target attributes and run only where kvc_get_isa() says the CPU has them. */
+#ifdef ATT_X86
+__attribute__((target("avx512f"))) static float fma_avx512(void) {
+    __m512 a[FMA_CHAINS];
+    const __m512 b = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(0.001f);
+    for (int i = 0; i < FMA_CHAINS; i++) a[i] = _mm512_set1_ps((float)i);
+    for (int it = 0; it < FMA_ITERS; it++)
+#pragma GCC unroll 16 /* chains in registers at any -O level */
+        for (int i = 0; i < FMA_CHAINS; i++) a[i] = _mm512_fmadd_ps(a[i], b, c);
+    for (int i = 1; i < FMA_CHAINS; i++) a[0] = _mm512_add_ps(a[0], a[i]);
+    return _mm512_reduce_add_ps(a[0]);
+}
+
+__attribute__((target("avx2,fma"))) static float fma_avx2(void) {
+    __m256 a[FMA_CHAINS];
+    const __m256 b = _mm256_set1_ps(0.999f), c = _mm256_set1_ps(0.001f);
+    for (int i = 0; i < FMA_CHAINS; i++) a[i] = _mm256_set1_ps((float)i);
+    for (int it = 0; it < FMA_ITERS; it++)
+#pragma GCC unroll 16
+        for (int i = 0; i < FMA_CHAINS; i++) a[i] = _mm256_fmadd_ps(a[i], b, c);
+    for (int i = 1; i < FMA_CHAINS; i++) a[0] = _mm256_add_ps(a[0], a[i]);
+    float t[8];
+    _mm256_storeu_ps(t, a[0]);
+    return t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+}
+#endif
+
+static float fma_scalar(void) {
+    volatile float seed = 0.999f; /* not folded at compile time */
+    float a[FMA_CHAINS];
+    const float b = seed, c = 0.001f;
+    for (int i = 0; i < FMA_CHAINS; i++) a[i] = (float)i;
+    for (int it = 0; it < FMA_ITERS; it++)
+#pragma GCC unroll 16
+        for (int i = 0; i < FMA_CHAINS; i++) a[i] = a[i] * b + c;
+    float t = 0;
+    for (int i = 0; i < FMA_CHAINS; i++) t += a[i];
+    return t;
+}
+
+typedef struct fma_ctx {
+    int n_threads, lanes;
+    float (*fn)(void);
+    float out[BENCH_MAX_THREADS];
+} fma_ctx;
+
+typedef struct fma_arg {
+    fma_ctx *c;
+    int i;
+} fma_arg;
+
+static void *fma_thread(void *p) {
+    fma_arg *a = p;
+    a->c->out[a->i] = a->c->fn();
+    return NULL;
+}
+
+/* One pass: every thread runs the FMA loop once (bench_fn). */
+static int fma_pass(void *ctx) {
+    fma_ctx *c = ctx;
+    pthread_t tid[BENCH_MAX_THREADS];
+    fma_arg args[BENCH_MAX_THREADS];
+    int started = 1;
+    for (; started < c->n_threads; started++) {
+        args[started].c = c;
+        args[started].i = started;
+        if (pthread_create(&tid[started], NULL, fma_thread, &args[started]) != 0) break;
+    }
+    c->out[0] = c->fn();
+    for (int i = 1; i < started; i++) pthread_join(tid[i], NULL);
+    if (started < c->n_threads) {
+        fprintf(stderr, "kvcache: bench attention: cannot start %d threads for the FMA peak\n",
+                c->n_threads);
+        return 1;
+    }
+    float t = 0;
+    for (int i = 0; i < c->n_threads; i++) t += c->out[i];
+    bench_sink((uint64_t)t);
+    return 0;
+}
+
+static void fma_prepare(fma_ctx *c, int n_threads) {
+    c->n_threads = n_threads < 1                   ? 1
+                   : n_threads > BENCH_MAX_THREADS ? BENCH_MAX_THREADS
+                                                   : n_threads;
+    c->fn = fma_scalar;
+    c->lanes = 1;
+#ifdef ATT_X86
+    if (kvc_get_isa() == KVC_ISA_AVX512) c->fn = fma_avx512, c->lanes = 16;
+    else if (kvc_get_isa() == KVC_ISA_AVX2) c->fn = fma_avx2, c->lanes = 8;
+#endif
+}
+
+/* Lane-FMAs per second of one pass over its median time. */
+static double fma_rate(const fma_ctx *c, double pass_s) {
+    return (double)c->n_threads * FMA_ITERS * FMA_CHAINS * c->lanes / pass_s;
+}
+
+/* Operator, the plain-read reference and the FMA peak, interleaved in rounds. */
 static int time_with_read(att_case *c, double op_s, bench_membw_ctx *mb, double ref_s, int nt,
-                          bench_timing *op, double *read_gbs) {
-    static bench_timer t_op, t_rd;
+                          bench_timing *op, double *read_gbs, double *fma_per_s) {
+    static bench_timer t_op, t_rd, t_fma;
+    static fma_ctx fc;
     const size_t bytes = bench_membw_prepare(mb, nt, 1);
+    fma_prepare(&fc, nt);
     if (bench_timer_start(&t_op, att_call, c, op_s / 16.0) != 0) return 1;
     if (bench_timer_start(&t_rd, bench_membw_pass, mb, ref_s / 8.0) != 0) return -1;
+    if (bench_timer_start(&t_fma, fma_pass, &fc, ref_s / 8.0) != 0) return -1;
     for (int round = 0; round < 4; round++) {
         if (bench_timer_run(&t_rd, ref_s / 4, 1) != 0) return -1;
+        if (bench_timer_run(&t_fma, ref_s / 8, 1) != 0) return -1;
         if (bench_timer_run(&t_op, op_s / 4, 2) != 0) return 1;
     }
-    bench_timing rd;
+    bench_timing rd, fm;
     bench_timer_result(&t_op, op);
     bench_timer_result(&t_rd, &rd);
+    bench_timer_result(&t_fma, &fm);
     *read_gbs = (double)bytes / rd.median_s * 1e-9;
+    *fma_per_s = fma_rate(&fc, fm.median_s);
     return 0;
 }
 
@@ -213,14 +340,17 @@ int bench_attention(const bench_opts *o) {
     if (!o->json)
         printf("# kvc_decode_run, one layer per call: paged NHD cache, page_size %d (shuffled "
                "pages), float16 q/out, int8/int4 with quant group %d and float16 scales; "
-               "%.2f s per case. read GB/s: plain vectorized read, same threads, interleaved\n",
+               "%.2f s per case. read GB/s: plain vectorized read, same threads, interleaved; "
+               "mem = read-bound time / time; GFMA/s: FMA-lane peak of the ISA, same threads, "
+               "interleaved; fma = (2*Hq*Dh FMAs + 2*H*Dh conversions per token) / peak / time\n",
                ATT_PAGE, ATT_GROUP, o->time_s);
     const double ref_budget = o->quick ? 0.005 : 0.1;
     bench_membw_ctx *mb = bench_membw_create(o->membw_bytes);
     if (!mb) return CLI_EXIT_FAIL;
     if (!o->json)
-        printf("%-9s %-5s %5s %6s %3s %10s %9s %8s %8s %6s %7s\n", "shape", "cache", "batch",
-               "kv", "thr", "us/layer", "MB read", "GB/s", "read", "ratio", "vs f16");
+        printf("%-9s %-5s %5s %6s %3s %10s %9s %8s %8s %6s %7s %6s %7s\n", "shape", "cache",
+               "batch", "kv", "thr", "us/layer", "MB read", "GB/s", "read", "mem", "GFMA/s", "fma",
+               "vs f16");
     int cases = 0, failed = 0, goals = 0, goals_met = 0;
     for (int si = 0; si < n_shapes; si++)
         for (int bi = 0; bi < n_batches; bi++)
@@ -251,8 +381,8 @@ int bench_attention(const bench_opts *o) {
                             continue;
                         }
                         bench_timing tm;
-                        double rd = 0;
-                        int rc = time_with_read(&c, o->time_s, mb, ref_budget, nt, &tm, &rd);
+                        double rd = 0, fps = 0;
+                        int rc = time_with_read(&c, o->time_s, mb, ref_budget, nt, &tm, &rd, &fps);
                         kvc_threadpool_destroy(c.pool);
                         c.pool = NULL;
                         kvc_decode_plan_destroy(c.plan);
@@ -267,6 +397,7 @@ int bench_attention(const bench_opts *o) {
                         bench_sink(bench_checksum(0, c.out, (size_t)(c.B * s.Hq * s.D) * 2));
                         const double us = tm.median_s * 1e6;
                         const double gbs = c.kv_bytes / tm.median_s * 1e-9, ratio = gbs / rd;
+                        const double fma_ratio = c.lane_ops / fps / tm.median_s;
                         double speed = 0;
                         const char *goal = "";
                         int met = -1;
@@ -289,12 +420,13 @@ int bench_attention(const bench_opts *o) {
                                    "\"h\":%lld,\"head_dim\":%lld,\"cache\":\"%s\",\"batch\":%lld,"
                                    "\"kv\":%lld,\"threads\":%d,\"isa\":\"%s\",\"us_per_layer\":"
                                    "%.3f,\"us_min\":%.3f,\"bytes\":%.0f,\"gbs\":%.3f,"
-                                   "\"read_gbs\":%.3f,\"ratio\":%.4f,\"speedup_vs_f16\":%.3f,"
-                                   "\"goal\":\"%s\",\"goal_met\":%s}\n",
+                                   "\"read_gbs\":%.3f,\"ratio\":%.4f,\"fma_gflops\":%.2f,"
+                                   "\"lane_ops\":%.0f,\"fma_ratio\":%.4f,"
+                                   "\"speedup_vs_f16\":%.3f,\"goal\":\"%s\",\"goal_met\":%s}\n",
                                    (long long)s.Hq, (long long)s.H, (long long)s.D, c.name,
                                    (long long)c.B, (long long)c.L, nt,
                                    kvc_isa_name(kvc_get_isa()), us, tm.min_s * 1e6, c.kv_bytes,
-                                   gbs, rd, ratio, speed, goal,
+                                   gbs, rd, ratio, fps * 1e-9, c.lane_ops, fma_ratio, speed, goal,
                                    met < 0 ? "null" : met ? "true" : "false");
                         } else {
                             char sh[32], sp[16] = "";
@@ -302,9 +434,10 @@ int bench_attention(const bench_opts *o) {
                                      (long long)s.H, (long long)s.D);
                             if (speed > 0) snprintf(sp, sizeof sp, "%.2fx", speed);
                             printf("%-9s %-5s %5lld %6lld %3d %10.1f %9.2f %8.2f %8.2f %6.3f "
-                                   "%7s %s%s\n",
+                                   "%7.1f %6.3f %7s %s%s\n",
                                    sh, c.name, (long long)c.B, (long long)c.L, nt, us,
-                                   c.kv_bytes * 1e-6, gbs, rd, ratio, sp, goal,
+                                   c.kv_bytes * 1e-6, gbs, rd, ratio, fps * 1e-9, fma_ratio, sp,
+                                   goal,
                                    met < 0 ? "" : met ? " ok" : " MISSED");
                         }
                         fflush(stdout);

@@ -26,6 +26,15 @@
 
 int cmd_info(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
+int cmd_run(int argc, char **argv);
+int cmd_bench_serve(int argc, char **argv);
+
+/* Default model path (models/ under the working directory, or
+ * $KVCACHE_MODEL). */
+const char *cli_default_model(void);
+/* Parses a KV storage dtype name (f32/float32, f16/float16, bf16/bfloat16,
+ * int8, int4); 0 or -1. */
+int cli_parse_kv_dtype(const char *s, int *dtype);
 
 /* ---- helpers (main.c) -------------------------------------------------- */
 

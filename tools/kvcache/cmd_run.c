@@ -1,2 +1,221 @@
-/* Placeholder: replaced by the module's implementation. */
-typedef int kvc__placeholder_cmd_run;
+/*
+ * `kvcache run -m MODEL -p PROMPT`: generates text with a GGUF model through
+ * the engine (one request), streaming the tokens to stdout as they come.
+ */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, isatty */
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cli.h"
+#include "kvcache/kvcache.h"
+
+static const char run_usage[] =
+    "usage: kvcache run [-m MODEL] -p PROMPT [options]\n"
+    "\n"
+    "Generates a continuation of PROMPT (or, with --chat, an assistant reply) and\n"
+    "streams it to stdout. Timings go to stderr.\n"
+    "\n"
+    "options:\n"
+    "  -m, --model PATH    GGUF model (default $KVCACHE_MODEL, else\n"
+    "                      models/SmolLM2-135M-Instruct.Q4_1.gguf)\n"
+    "  -p, --prompt TEXT   prompt text\n"
+    "  --chat              apply the model's chat template (PROMPT is the user turn)\n"
+    "  --system TEXT       system message for --chat\n"
+    "  -n, --n-predict N   tokens to generate at most (default 128)\n"
+    "  --temp T            temperature, 0 = greedy (default 0)\n"
+    "  --top-k K           top-k filter when sampling (default 40, 0 = off)\n"
+    "  --top-p P           nucleus filter when sampling (default 0.95, 1 = off)\n"
+    "  --seed N            sampling seed (default 0)\n"
+    "  --kv-dtype TYPE     KV cache storage: f32, f16, bf16, int8, int4 (default f16)\n"
+    "  -t, --threads N     threads (default: online CPUs)\n"
+    "  --ignore-eos        keep generating after an end-of-generation token\n"
+    "  -q, --quiet         no load progress or timings on stderr\n"
+    "  -h, --help          this text\n";
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void load_progress(float f, void *user) {
+    (void)user;
+    fprintf(stderr, "\rloading model: %3d%%", (int)(f * 100.0f + 0.5f));
+    if (f >= 1.0f) fputs("\r                    \r", stderr);
+    fflush(stderr);
+}
+
+int cmd_run(int argc, char **argv) {
+    const char *cmd = "run";
+    const char *model_path = cli_default_model(), *prompt = NULL, *system = NULL;
+    int chat = 0, quiet = 0, ignore_eos = 0, kv_dtype = KVC_F16;
+    int64_t n_predict = 128, threads = cli_online_cpus(), seed = 0, top_k = 40;
+    double temp = 0.0, top_p = 0.95;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (cli_is_help(a)) {
+            fputs(run_usage, stdout);
+            return CLI_EXIT_OK;
+        }
+#define NEED_VALUE()                                                                               \
+    do {                                                                                           \
+        if (!v) return cli_usage_error(cmd, "%s needs a value", a);                                \
+        i++;                                                                                       \
+    } while (0)
+        if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
+            NEED_VALUE();
+            model_path = v;
+        } else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) {
+            NEED_VALUE();
+            prompt = v;
+        } else if (!strcmp(a, "--system")) {
+            NEED_VALUE();
+            system = v;
+        } else if (!strcmp(a, "--chat")) {
+            chat = 1;
+        } else if (!strcmp(a, "--ignore-eos")) {
+            ignore_eos = 1;
+        } else if (!strcmp(a, "-q") || !strcmp(a, "--quiet")) {
+            quiet = 1;
+        } else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
+            NEED_VALUE();
+            if (cli_parse_i64(v, 1, 1 << 20, &n_predict))
+                return cli_usage_error(cmd, "-n: expected an integer in [1, 1048576], got '%s'", v);
+        } else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) {
+            NEED_VALUE();
+            if (cli_parse_i64(v, 1, 256, &threads))
+                return cli_usage_error(cmd, "-t: expected an integer in [1, 256], got '%s'", v);
+        } else if (!strcmp(a, "--seed")) {
+            NEED_VALUE();
+            if (cli_parse_i64(v, 0, INT64_MAX, &seed))
+                return cli_usage_error(cmd, "--seed: expected a non-negative integer, got '%s'", v);
+        } else if (!strcmp(a, "--top-k")) {
+            NEED_VALUE();
+            if (cli_parse_i64(v, 0, 1 << 30, &top_k))
+                return cli_usage_error(cmd, "--top-k: expected an integer >= 0, got '%s'", v);
+        } else if (!strcmp(a, "--temp")) {
+            NEED_VALUE();
+            char *end;
+            temp = strtod(v, &end);
+            if (*end || !(temp >= 0 && temp <= 100))
+                return cli_usage_error(cmd, "--temp: expected a number in [0, 100], got '%s'", v);
+        } else if (!strcmp(a, "--top-p")) {
+            NEED_VALUE();
+            char *end;
+            top_p = strtod(v, &end);
+            if (*end || !(top_p > 0 && top_p <= 1))
+                return cli_usage_error(cmd, "--top-p: expected a number in (0, 1], got '%s'", v);
+        } else if (!strcmp(a, "--kv-dtype")) {
+            NEED_VALUE();
+            if (cli_parse_kv_dtype(v, &kv_dtype))
+                return cli_usage_error(cmd, "--kv-dtype: expected f32, f16, bf16, int8 or int4, "
+                                       "got '%s'", v);
+        } else {
+            return cli_usage_error(cmd, "unexpected argument '%s'", a);
+        }
+#undef NEED_VALUE
+    }
+    if (!prompt) return cli_usage_error(cmd, "a prompt is required (-p TEXT)");
+
+    kvc_model_params mp = kvc_model_default_params();
+    if (!quiet && isatty(2)) mp.progress = load_progress;
+    kvc_model *model = NULL;
+    double t0 = now_s();
+    if (kvc_model_load(model_path, &mp, &model) != KVC_OK) {
+        fprintf(stderr, "kvcache: run: cannot load %s: %s\n", model_path, kvc_last_error());
+        if (access(model_path, R_OK) != 0)
+            fprintf(stderr, "kvcache: run: fetch the default model with "
+                            "'bash scripts/fetch_model.sh'\n");
+        return CLI_EXIT_FAIL;
+    }
+    const double t_load = now_s() - t0;
+    const kvc_tokenizer *tok = kvc_model_tokenizer(model);
+    int rc = CLI_EXIT_FAIL;
+    char *text = NULL;
+    int32_t *ids = NULL;
+    kvc_engine *eng = NULL;
+    size_t tlen = strlen(prompt);
+    if (chat) {
+        kvc_chat_message msgs[2];
+        int nm = 0;
+        if (system) msgs[nm++] = (kvc_chat_message){"system", system};
+        msgs[nm++] = (kvc_chat_message){"user", prompt};
+        size_t need = 0;
+        kvc_status st = kvc_chat_apply_template(tok, NULL, msgs, nm, 1, NULL, 0, &need);
+        if (st != KVC_OK && st != KVC_ERR_NO_SPACE) goto fail;
+        text = malloc(need + 1);
+        if (!text || kvc_chat_apply_template(tok, NULL, msgs, nm, 1, text, need, &need) != KVC_OK)
+            goto fail;
+        tlen = need;
+    }
+    const char *src = chat ? text : prompt;
+    int64_t n_ids = 0;
+    kvc_status st = kvc_tokenize(tok, src, tlen, 0, chat, NULL, 0, &n_ids);
+    if (st != KVC_OK && st != KVC_ERR_NO_SPACE) goto fail;
+    ids = malloc((size_t)(n_ids > 0 ? n_ids : 1) * sizeof(int32_t));
+    if (!ids || kvc_tokenize(tok, src, tlen, 0, chat, ids, n_ids, &n_ids) != KVC_OK) goto fail;
+    if (n_ids == 0) {
+        fprintf(stderr, "kvcache: run: the prompt has no tokens\n");
+        goto done;
+    }
+    kvc_engine_params ep = kvc_engine_default_params();
+    ep.n_threads = (int32_t)threads;
+    ep.kv_dtype = (kvc_dtype)kv_dtype;
+    ep.kv_capacity_tokens = n_ids + n_predict + 16;
+    if (kvc_engine_create(model, &ep, &eng) != KVC_OK) goto fail;
+    kvc_sampling_params sp = kvc_sampling_default_params();
+    sp.temperature = (float)temp;
+    sp.top_k = (int32_t)top_k;
+    sp.top_p = (float)top_p;
+    sp.seed = (uint64_t)seed;
+    int64_t rid;
+    if (kvc_engine_add_request(eng, ids, n_ids, (int32_t)n_predict, &sp, ignore_eos, &rid) !=
+        KVC_OK)
+        goto fail;
+    if (!chat) { /* echo the prompt, as llama.cpp does for plain completion */
+        fwrite(prompt, 1, strlen(prompt), stdout);
+        fflush(stdout);
+    }
+    double t_first = 0, t_start = now_s();
+    int64_t n_gen = 0;
+    while (kvc_engine_pending(eng) > 0) {
+        kvc_engine_event ev[1];
+        int64_t ne = 0;
+        if (kvc_engine_step(eng, ev, 1, &ne) != KVC_OK) goto fail;
+        for (int64_t i = 0; i < ne; i++) {
+            if (n_gen++ == 0) t_first = now_s();
+            if (ev[i].finish == KVC_FINISH_EOG) continue; /* not part of the text */
+            char piece[256];
+            size_t plen = 0;
+            if (kvc_token_to_piece(tok, ev[i].token, piece, sizeof piece, &plen) == KVC_OK)
+                fwrite(piece, 1, plen, stdout);
+            fflush(stdout);
+        }
+    }
+    const double t_end = now_s();
+    fputc('\n', stdout);
+    if (!quiet) {
+        const double pre = t_first - t_start, dec = t_end - t_first;
+        fprintf(stderr,
+                "\nkvcache: load %.2f s | prompt %lld tokens in %.3f s (%.1f tok/s) | "
+                "generated %lld tokens in %.3f s (%.1f tok/s) | kv %s, %d threads\n",
+                t_load, (long long)n_ids, pre, pre > 0 ? (double)n_ids / pre : 0.0,
+                (long long)n_gen, dec, n_gen > 1 && dec > 0 ? (double)(n_gen - 1) / dec : 0.0,
+                kvc_dtype_name((kvc_dtype)kv_dtype), (int)threads);
+    }
+    rc = CLI_EXIT_OK;
+    goto done;
+fail:
+    fprintf(stderr, "kvcache: run: %s\n", kvc_last_error());
+done:
+    kvc_engine_destroy(eng);
+    free(ids);
+    free(text);
+    kvc_model_free(model);
+    return rc;
+}

@@ -22,6 +22,8 @@ static const char usage_text[] =
     "usage: kvcache <command> [options]\n"
     "\n"
     "commands:\n"
+    "  run              generate text with a GGUF model through the cache\n"
+    "  bench-serve      continuous-batching throughput of a GGUF model\n"
     "  info             library version, ISA in use and supported, CPUs\n"
     "  bench [TARGET]   micro-benchmarks; TARGET: pmx (default)\n"
     "  help [COMMAND]   this text, or the help of COMMAND\n"
@@ -104,12 +106,34 @@ const char *cli_cpu_model(char *buf, int n) {
     return buf;
 }
 
+const char *cli_default_model(void) {
+    const char *env = getenv("KVCACHE_MODEL");
+    return env && env[0] ? env : "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+}
+
+int cli_parse_kv_dtype(const char *s, int *dtype) {
+    static const struct {
+        const char *name;
+        kvc_dtype dt;
+    } names[] = {{"f32", KVC_F32},   {"float32", KVC_F32},  {"f16", KVC_F16},
+                 {"float16", KVC_F16}, {"bf16", KVC_BF16}, {"bfloat16", KVC_BF16},
+                 {"int8", KVC_I8},   {"int4", KVC_I4}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (strcmp(s, names[i].name) == 0) {
+            *dtype = (int)names[i].dt;
+            return 0;
+        }
+    return -1;
+}
+
 /* ---- dispatch ---------------------------------------------------------- */
 
 static int run_command(int argc, char **argv) {
     const char *cmd = argv[0];
     if (strcmp(cmd, "info") == 0) return cmd_info(argc, argv);
     if (strcmp(cmd, "bench") == 0) return cmd_bench(argc, argv);
+    if (strcmp(cmd, "run") == 0) return cmd_run(argc, argv);
+    if (strcmp(cmd, "bench-serve") == 0) return cmd_bench_serve(argc, argv);
     if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {
         if (argc > 1) return cli_usage_error(NULL, "'version' takes no arguments");
         printf("kvcache %s\n", kvc_version_string());
@@ -119,7 +143,8 @@ static int run_command(int argc, char **argv) {
         if (argc > 2) return cli_usage_error(NULL, "'help' takes at most one command");
         if (argc == 2) {
             const char *sub = argv[1];
-            if (strcmp(sub, "info") == 0 || strcmp(sub, "bench") == 0) {
+            if (strcmp(sub, "info") == 0 || strcmp(sub, "bench") == 0 || strcmp(sub, "run") == 0 ||
+                strcmp(sub, "bench-serve") == 0) {
                 char help[] = "--help";
                 char *sub_argv[3] = {argv[1], help, NULL};
                 return run_command(2, sub_argv);

@@ -1,0 +1,190 @@
+"""Multi-level cascade attention over one paged cache (SEMANTICS section 5),
+mirroring ``flashinfer.MultiLevelCascadeAttentionWrapper``.
+
+Level ``l`` is a batched prefill with its own ``qo_indptr[l]`` (every level
+covers the same query rows, so all end at the same total) and its own CSR
+page table into the one shared paged cache; typically the top level maps all
+queries (``qo_indptr = [0, nnz]``) to shared-prefix pages and the last level
+maps each request's queries to its own pages. ``causal`` applies to the last
+level only; sm_scale, logits_soft_cap and window_left apply to every level
+as to a batched prefill (with that level's qo_len / kv_len). The levels'
+attention states are merged with ``merge_state`` in level order, which gives
+the softmax over the union of the keys every level shows a row.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from . import _lib
+from .attention import _attn_params, _data_type, _ndim, _ref, _threads
+from .errors import InvalidArgumentError
+from .paged import _layout_code, _paged_cache
+from .prefill import _causal_flag, _check_flashinfer_only, _opt_tensor
+
+__all__ = ["MultiLevelCascadeAttentionWrapper"]
+
+_F32 = np.dtype(np.float32)
+_TP = ctypes.POINTER(_lib.Tensor)
+_vp = ctypes.c_void_p
+_i32 = ctypes.c_int32
+
+kvc_cascade_plan_create = _lib.optional_proto(
+    "kvc_cascade_plan_create", ctypes.c_int, _i32, _TP, _TP, _TP, _TP, _i32, _i32, _i32, _i32,
+    _i32, _i32, ctypes.POINTER(_vp))
+kvc_cascade_plan_destroy = _lib.optional_proto("kvc_cascade_plan_destroy", None, _vp)
+kvc_cascade_run = _lib.optional_proto(
+    "kvc_cascade_run", ctypes.c_int, _vp, _TP, ctypes.POINTER(_lib.PagedCache),
+    ctypes.POINTER(_lib.AttnParams), _TP, _TP, _vp)
+
+
+def _level_list(x, name: str, num_levels: int):
+    try:
+        items = list(x)
+    except TypeError as exc:
+        raise InvalidArgumentError(f"{name} must be a list of {num_levels} arrays, one per "
+                                   f"level") from exc
+    if len(items) != num_levels:
+        raise InvalidArgumentError(f"{name} has {len(items)} entries, the wrapper has "
+                                   f"{num_levels} levels")
+    return [_lib.int32_array(a, f"{name}[{i}]") for i, a in enumerate(items)]
+
+
+class MultiLevelCascadeAttentionWrapper:
+    """Cascade attention with ``num_levels`` page-table levels over one paged
+    cache (flashinfer.MultiLevelCascadeAttentionWrapper).
+
+    Args:
+        num_levels: number of levels (>= 1).
+        workspace_buffer: accepted for FlashInfer compatibility and ignored.
+        kv_layout: "NHD" or "HND".
+        num_threads: worker threads (None: all CPUs); fixed for the wrapper.
+    """
+
+    def __init__(self, num_levels, workspace_buffer=None, kv_layout="NHD", *, num_threads=None):
+        n = _lib.int32_attr(num_levels, "num_levels")
+        if n < 1:
+            raise InvalidArgumentError(f"num_levels must be >= 1, got {n}")
+        self._num_levels = n
+        self._layout_name = kv_layout
+        self._layout = _layout_code(kv_layout)
+        self._num_threads = _threads(num_threads)
+        self._plan = None  # kvc_cascade_plan pointer
+        self._info = None
+
+    @property
+    def num_levels(self) -> int:
+        return self._num_levels
+
+    @property
+    def kv_layout(self) -> str:
+        return "NHD" if self._layout == _lib.KVC_NHD else "HND"
+
+    def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
+             paged_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+             causal=False, *, pos_encoding_mode="NONE", use_fp16_qk_reduction=False,
+             sm_scale=None, window_left=-1, logits_soft_cap=None, q_data_type=None,
+             kv_data_type=None, o_data_type=None, quant_group=8) -> None:
+        """Plans every level for one batch composition.
+
+        Args:
+            qo_indptr_arr: num_levels arrays (B_l + 1): level l's requests'
+                query rows (each starts at 0 and ends at the same nnz).
+            paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len:
+                num_levels arrays each, level l's CSR page table (B_l + 1,
+                indptr[-1], B_l) (FlashInfer's name for the last-page-length
+                list has no _arr suffix).
+            num_qo_heads, num_kv_heads, head_dim, page_size: ints.
+            causal: bottom-right causal mask on the last level only.
+            pos_encoding_mode: "NONE" only; use_fp16_qk_reduction: False only.
+            sm_scale, window_left, logits_soft_cap: as
+                kvcache.single_prefill_with_kv_cache, for every level.
+            q_data_type, kv_data_type: optional dtypes that run checks.
+            o_data_type: output dtype (None: q's).
+            quant_group: int8/int4 caches: group size of the scales.
+        """
+        _check_flashinfer_only(head_dim, None, pos_encoding_mode, use_fp16_qk_reduction)
+        n = self._num_levels
+        params = _attn_params(sm_scale, logits_soft_cap, window_left)
+        info = {
+            "params": params,
+            "q_data_type": _data_type(q_data_type, "q_data_type", False),
+            "kv_data_type": _data_type(kv_data_type, "kv_data_type", True),
+            "o_data_type": _data_type(o_data_type, "o_data_type", False),
+            "quant_group": _lib.int32_attr(quant_group, "quant_group"),
+        }
+        causal = _causal_flag(causal)
+        ints = [_lib.int32_attr(x, name) for x, name in (
+            (num_qo_heads, "num_qo_heads"), (num_kv_heads, "num_kv_heads"),
+            (head_dim, "head_dim"), (page_size, "page_size"))]
+        lists = [_level_list(x, name, n) for x, name in (
+            (qo_indptr_arr, "qo_indptr_arr"), (paged_kv_indptr_arr, "paged_kv_indptr_arr"),
+            (paged_kv_indices_arr, "paged_kv_indices_arr"),
+            (paged_kv_last_page_len, "paged_kv_last_page_len"))]
+        tensor_arrays = [(_lib.Tensor * n)(*(_lib.make_tensor(a) for a in arrs))
+                         for arrs in lists]
+        ptr = ctypes.c_void_p()
+        _lib.check(kvc_cascade_plan_create(n, *tensor_arrays, *ints, causal, self._num_threads,
+                                           ctypes.byref(ptr)))
+        del lists, tensor_arrays
+        self._free_plan()
+        self._plan = ptr.value
+        self._info = info
+
+    def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False):
+        """Cascade attention for one layer.
+
+        Args:
+            q: (nnz, num_qo_heads, head_dim) float32/float16/bfloat16.
+            paged_kv_cache: one array or a (k_cache, v_cache) pair, as for
+                BatchPrefillWithPagedKVCacheWrapper.run (only read).
+            kv_scale: int8/int4 caches only: scales mirroring the cache.
+            return_lse: also return the base-2 log-sum-exp of the merged
+                state.
+
+        Returns:
+            o (nnz, num_qo_heads, head_dim), or (o, lse (nnz, num_qo_heads)
+            float32) with return_lse.
+        """
+        if self._plan is None:
+            raise InvalidArgumentError("MultiLevelCascadeAttentionWrapper.run: call plan() first")
+        info = self._info
+        qa = _lib.input_array(q, "q", _lib.FLOAT_CODES)
+        if info["q_data_type"] is not None and qa.dtype != info["q_data_type"]:
+            raise InvalidArgumentError(f"q is {qa.dtype} but plan() was given q_data_type "
+                                       f"{info['q_data_type']}")
+        pc, keep = _paged_cache(paged_kv_cache, kv_scale, self._layout_name,
+                                info["quant_group"], True, writable=False)
+        kv_dt = info["kv_data_type"]
+        if kv_dt is not None:
+            arrays = keep[:1] if isinstance(paged_kv_cache, np.ndarray) else keep[:2]
+            for a in arrays:
+                if a.dtype != kv_dt:
+                    raise InvalidArgumentError(f"paged_kv_cache is {a.dtype} but plan() was "
+                                               f"given kv_data_type {kv_dt}")
+        _ndim(qa, "q", 3, "(nnz, num_qo_heads, head_dim)")
+        o_dt = info["o_data_type"] if info["o_data_type"] is not None else qa.dtype
+        o = np.empty(qa.shape, o_dt)
+        lse = np.empty(qa.shape[:2], _F32) if return_lse else None
+        q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(o)
+        lse_t = _opt_tensor(lse)
+        _lib.call_pooled(
+            kvc_cascade_run,
+            (self._plan, ctypes.byref(q_t), ctypes.byref(pc), ctypes.byref(info["params"]),
+             ctypes.byref(o_t), _ref(lse_t)),
+            self._num_threads)
+        del keep
+        return (o, lse) if return_lse else o
+
+    def _free_plan(self) -> None:
+        if self._plan is not None:
+            kvc_cascade_plan_destroy(self._plan)
+            self._plan = None
+
+    def __del__(self):
+        try:
+            self._free_plan()
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass

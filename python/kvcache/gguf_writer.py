@@ -1,0 +1,678 @@
+"""A small GGUF writer for tests (numpy only), plus numpy quantizers and
+dequantizers for the ggml block formats it writes, and a random-weight
+llama-architecture model generator (:func:`write_tiny_llama`).
+
+File layout written (GGUF v3 by default, v2 on request; little-endian)::
+
+    "GGUF" | u32 version | u64 n_tensors | u64 n_kv
+    n_kv  x (string key, u32 value type, value)
+    n_tensors x (string name, u32 n_dims, u64 ne[n_dims], u32 ggml type, u64 offset)
+    zero padding to the alignment | tensor data, each tensor at an aligned offset
+
+Strings are a u64 byte length followed by the UTF-8 bytes (no NUL); arrays are
+a u32 element type, a u64 count and the elements. ``ne`` lists dimensions
+innermost first, so a numpy array of shape (rows, cols) is written with
+ne = [cols, rows].
+
+Block formats (ggml): every quantized type packs 32 consecutive elements of a
+row into one block.
+
+=====  =====  ==========================================================
+type   bytes  layout, value of element j
+=====  =====  ==========================================================
+Q8_0   34     f16 d, int8 q[32];            x_j = d * q[j]
+Q4_0   18     f16 d, u8 qs[16];             x_j = d * (nib_j - 8)
+Q4_1   20     f16 d, f16 m, u8 qs[16];      x_j = d * nib_j + m
+=====  =====  ==========================================================
+
+where nib_j is the low nibble of qs[j] for j < 16 and the high nibble of
+qs[j - 16] for j >= 16. Quantization (what ggml's reference quantizers do):
+
+* Q8_0: d = max|x| / 127, q = round-half-away(x / d).
+* Q4_0: m = the element of largest magnitude (sign kept), d = m / -8,
+  q = min(15, trunc(x / d + 8.5)).
+* Q4_1: lo = min, hi = max, d = (hi - lo) / 15, q = min(15, trunc((x - lo) / d + 0.5)).
+
+A zero scale gives q = 0 (Q4_0: nibble 8). Scales are stored as float16; the
+codes are computed with the unrounded scale, as ggml does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import struct
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+
+__all__ = [
+    "BLOCK_SIZES",
+    "GGMLType",
+    "GGUFWriter",
+    "TinyLlama",
+    "ValueType",
+    "dequantize",
+    "gpt2_byte_to_unicode",
+    "quantize",
+    "write_tiny_llama",
+]
+
+
+class ValueType:
+    """GGUF metadata value types."""
+
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    UINT32 = 4
+    INT32 = 5
+    FLOAT32 = 6
+    BOOL = 7
+    STRING = 8
+    ARRAY = 9
+    UINT64 = 10
+    INT64 = 11
+    FLOAT64 = 12
+
+
+_SCALAR_FMT = {
+    ValueType.UINT8: "<B",
+    ValueType.INT8: "<b",
+    ValueType.UINT16: "<H",
+    ValueType.INT16: "<h",
+    ValueType.UINT32: "<I",
+    ValueType.INT32: "<i",
+    ValueType.FLOAT32: "<f",
+    ValueType.BOOL: "<?",
+    ValueType.UINT64: "<Q",
+    ValueType.INT64: "<q",
+    ValueType.FLOAT64: "<d",
+}
+
+_NUMPY_VALUE_TYPE = {
+    np.dtype(np.uint8): ValueType.UINT8,
+    np.dtype(np.int8): ValueType.INT8,
+    np.dtype(np.uint16): ValueType.UINT16,
+    np.dtype(np.int16): ValueType.INT16,
+    np.dtype(np.uint32): ValueType.UINT32,
+    np.dtype(np.int32): ValueType.INT32,
+    np.dtype(np.float32): ValueType.FLOAT32,
+    np.dtype(np.bool_): ValueType.BOOL,
+    np.dtype(np.uint64): ValueType.UINT64,
+    np.dtype(np.int64): ValueType.INT64,
+    np.dtype(np.float64): ValueType.FLOAT64,
+}
+
+
+class GGMLType:
+    """ggml tensor types the writer can produce (ggml numbering)."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q8_0 = 8
+    BF16 = 30
+
+    NAMES: ClassVar[dict[int, str]] = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0",
+                                       30: "BF16"}
+
+    @classmethod
+    def parse(cls, t) -> int:
+        """Type code from a code or a name ("Q4_1", "q4_1")."""
+        if isinstance(t, str):
+            for code, name in cls.NAMES.items():
+                if name == t.upper():
+                    return code
+            raise ValueError(f"unsupported ggml type {t!r} (writer supports "
+                             f"{', '.join(cls.NAMES.values())})")
+        t = int(t)
+        if t not in cls.NAMES:
+            raise ValueError(f"unsupported ggml type code {t}")
+        return t
+
+
+# (elements per block, bytes per block)
+BLOCK_SIZES = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 2: (32, 18), 3: (32, 20)}
+
+
+# ---------------------------------------------------------------------------
+# Quantizers / dequantizers (rows are quantized independently; the last
+# dimension must be a multiple of the block size).
+
+
+def _round_half_away(x: np.ndarray) -> np.ndarray:
+    """C roundf: halves round away from zero (numpy's rint rounds to even)."""
+    return np.sign(x) * np.floor(np.abs(x) + 0.5)
+
+
+def _f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, round to nearest even, NaN kept quiet."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    r = np.where(nan, (u >> 16) | 0x40, r)
+    return r.astype(np.uint16)
+
+
+def _blocks(x: np.ndarray, name: str) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim == 0 or x.shape[-1] % 32:
+        raise ValueError(f"{name}: the last dimension ({x.shape[-1] if x.ndim else 0}) must be "
+                         f"a multiple of 32")
+    return x.reshape(-1, 32)
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """(n, 32) codes 0..15 -> (n, 16) bytes: element j low nibble, j+16 high."""
+    q = q.astype(np.uint8)
+    return (q[:, :16] | (q[:, 16:] << 4)).astype(np.uint8)
+
+
+def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+
+
+def _inv(d: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.where(d != 0, 1.0 / np.where(d != 0, d, 1), 0).astype(np.float32)
+
+
+def quantize(x, ggml_type) -> bytes:
+    """Encodes float data (any shape; rows along the last axis) in a ggml type."""
+    t = GGMLType.parse(ggml_type)
+    x = np.asarray(x, dtype=np.float32)
+    if t == GGMLType.F32:
+        return np.ascontiguousarray(x, dtype="<f4").tobytes()
+    if t == GGMLType.F16:
+        return np.ascontiguousarray(x, dtype="<f2").tobytes()
+    if t == GGMLType.BF16:
+        return _f32_to_bf16_bits(x).astype("<u2").tobytes()
+    b = _blocks(x, "quantize")
+    n = b.shape[0]
+    if t == GGMLType.Q8_0:
+        d = (np.abs(b).max(axis=1) / 127.0).astype(np.float32)
+        q = np.clip(_round_half_away(b * _inv(d)[:, None]), -128, 127).astype(np.int8)
+        out = np.zeros((n, 34), np.uint8)
+        out[:, 0:2] = d.astype("<f2").view(np.uint8).reshape(n, 2)
+        out[:, 2:] = q.view(np.uint8)
+        return out.tobytes()
+    if t == GGMLType.Q4_0:
+        idx = np.abs(b).argmax(axis=1)
+        m = b[np.arange(n), idx]
+        d = (m / -8.0).astype(np.float32)
+        q = np.minimum(15, np.trunc(b * _inv(d)[:, None] + 8.5)).astype(np.int32)
+        q = np.clip(q, 0, 15)
+        out = np.zeros((n, 18), np.uint8)
+        out[:, 0:2] = d.astype("<f2").view(np.uint8).reshape(n, 2)
+        out[:, 2:] = _pack_nibbles(q)
+        return out.tobytes()
+    if t == GGMLType.Q4_1:
+        lo = b.min(axis=1)
+        hi = b.max(axis=1)
+        d = ((hi - lo) / 15.0).astype(np.float32)
+        q = np.minimum(15, np.trunc((b - lo[:, None]) * _inv(d)[:, None] + 0.5)).astype(np.int32)
+        q = np.clip(q, 0, 15)
+        out = np.zeros((n, 20), np.uint8)
+        out[:, 0:2] = d.astype("<f2").view(np.uint8).reshape(n, 2)
+        out[:, 2:4] = lo.astype("<f2").view(np.uint8).reshape(n, 2)
+        out[:, 4:] = _pack_nibbles(q)
+        return out.tobytes()
+    raise AssertionError(t)
+
+
+def dequantize(data, ggml_type, shape) -> np.ndarray:
+    """Decodes raw ggml data to float32 of the given numpy shape (rows last)."""
+    t = GGMLType.parse(ggml_type)
+    raw = np.frombuffer(bytes(data) if not isinstance(data, np.ndarray) else data.tobytes(),
+                        dtype=np.uint8)
+    shape = tuple(int(s) for s in shape)
+    numel = int(np.prod(shape)) if shape else 1
+    bs, bb = BLOCK_SIZES[t]
+    if numel % bs or raw.size != numel // bs * bb:
+        raise ValueError(f"{GGMLType.NAMES[t]}: {raw.size} bytes do not hold shape {shape}")
+    if t == GGMLType.F32:
+        return raw.view("<f4").astype(np.float32).reshape(shape)
+    if t == GGMLType.F16:
+        return raw.view("<f2").astype(np.float32).reshape(shape)
+    if t == GGMLType.BF16:
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    blk = raw.reshape(-1, bb)
+    d = blk[:, 0:2].copy().view("<f2").astype(np.float32)  # (n, 1)
+    if t == GGMLType.Q8_0:
+        q = blk[:, 2:].copy().view(np.int8).astype(np.float32)
+        return (d * q).reshape(shape)
+    if t == GGMLType.Q4_0:
+        return (d * (_unpack_nibbles(blk[:, 2:]) - 8.0)).reshape(shape)
+    if t == GGMLType.Q4_1:
+        m = blk[:, 2:4].copy().view("<f2").astype(np.float32)
+        return (d * _unpack_nibbles(blk[:, 4:]) + m).reshape(shape)
+    raise AssertionError(t)
+
+
+# ---------------------------------------------------------------------------
+# Writer
+
+
+def _gguf_string(s) -> bytes:
+    b = s.encode("utf-8") if isinstance(s, str) else bytes(s)
+    return struct.pack("<Q", len(b)) + b
+
+
+def _infer_type(value) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        return ValueType.BOOL
+    if isinstance(value, (int, np.integer)):
+        if isinstance(value, np.integer):
+            return _NUMPY_VALUE_TYPE[np.dtype(type(value))]
+        if 0 <= value < 2**32:
+            return ValueType.UINT32
+        if -(2**31) <= value < 0:
+            return ValueType.INT32
+        return ValueType.INT64 if value < 2**63 else ValueType.UINT64
+    if isinstance(value, (float, np.floating)):
+        return ValueType.FLOAT64 if isinstance(value, np.float64) else ValueType.FLOAT32
+    if isinstance(value, (str, bytes)):
+        return ValueType.STRING
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return ValueType.ARRAY
+    raise TypeError(f"cannot infer a GGUF value type for {type(value).__name__}")
+
+
+def _encode_value(vtype: int, value, elem_type: int | None = None) -> bytes:
+    if vtype == ValueType.STRING:
+        return _gguf_string(value)
+    if vtype == ValueType.ARRAY:
+        if isinstance(value, np.ndarray):
+            et = elem_type if elem_type is not None else _NUMPY_VALUE_TYPE[value.dtype]
+            items = value.tolist()
+        else:
+            items = list(value)
+            if elem_type is not None:
+                et = elem_type
+            elif items:
+                et = _infer_type(items[0])
+            else:
+                et = ValueType.UINT8
+        head = struct.pack("<IQ", et, len(items))
+        if et in _SCALAR_FMT:
+            fmt = "<" + str(len(items)) + _SCALAR_FMT[et][1]
+            return head + struct.pack(fmt, *items)
+        # strings or nested arrays (nested element type inferred per element)
+        return head + b"".join(_encode_value(et, v) for v in items)
+    return struct.pack(_SCALAR_FMT[vtype], value)
+
+
+@dataclasses.dataclass
+class _Tensor:
+    name: str
+    ggml_type: int
+    ne: list[int]
+    data: bytes
+
+
+class GGUFWriter:
+    """Collects key-values and tensors, then writes a GGUF file.
+
+    >>> w = GGUFWriter()
+    >>> w.add("general.architecture", "llama")
+    >>> w.add("llama.block_count", 2, ValueType.UINT32)
+    >>> w.add_tensor("x", np.ones((4, 32), np.float32), "Q8_0")   # ne = [32, 4]
+    >>> w.write("tiny.gguf")
+
+    version: 3 (default) or 2 (same layout). alignment: written as the
+    uint32 ``general.alignment`` key when not None (default 32 is implied).
+    """
+
+    def __init__(self, *, version: int = 3, alignment: int | None = None):
+        if version not in (2, 3):
+            raise ValueError("GGUFWriter writes versions 2 and 3 only")
+        if alignment is not None and (alignment <= 0 or alignment & (alignment - 1)):
+            raise ValueError(f"alignment {alignment} is not a power of two")
+        self.version = version
+        self.alignment = alignment or 32
+        self._kv: list[tuple[str, int, object, int | None]] = []
+        self._tensors: list[_Tensor] = []
+        if alignment is not None:
+            self.add("general.alignment", alignment, ValueType.UINT32)
+
+    # -- key-values -------------------------------------------------------
+    def add(self, key: str, value, vtype: int | None = None, elem_type: int | None = None):
+        """Adds a key-value pair; the type is inferred when not given (int ->
+        uint32/int32/int64, float -> float32, list -> array of the first
+        element's type; numpy arrays/scalars keep their dtype)."""
+        if any(k == key for k, *_ in self._kv):
+            raise ValueError(f"duplicate key {key!r}")
+        vtype = _infer_type(value) if vtype is None else vtype
+        self._kv.append((key, vtype, value, elem_type))
+
+    def add_array(self, key: str, values, elem_type: int):
+        self.add(key, values, ValueType.ARRAY, elem_type)
+
+    # -- tensors ----------------------------------------------------------
+    def add_tensor(self, name: str, array, ggml_type="F32"):
+        """Adds a tensor from a float numpy array (numpy shape (..., rows,
+        cols) is written as ne = [cols, rows, ...]), quantized to ggml_type."""
+        arr = np.asarray(array, dtype=np.float32)
+        t = GGMLType.parse(ggml_type)
+        ne = [int(s) for s in reversed(arr.shape)]
+        self.add_tensor_raw(name, t, ne, quantize(arr, t))
+
+    def add_tensor_raw(self, name: str, ggml_type: int, ne: Sequence[int], data: bytes):
+        """Adds already-encoded tensor data (any type code; no checks)."""
+        if any(t.name == name for t in self._tensors):
+            raise ValueError(f"duplicate tensor {name!r}")
+        self._tensors.append(_Tensor(name, int(ggml_type), [int(x) for x in ne], bytes(data)))
+
+    # -- output -----------------------------------------------------------
+    def tobytes(self) -> bytes:
+        a = self.alignment
+        out = bytearray()
+        out += b"GGUF" + struct.pack("<IQQ", self.version, len(self._tensors), len(self._kv))
+        for key, vtype, value, elem_type in self._kv:
+            out += _gguf_string(key) + struct.pack("<I", vtype)
+            out += _encode_value(vtype, value, elem_type)
+        offset = 0
+        offsets = []
+        for t in self._tensors:
+            offsets.append(offset)
+            out += _gguf_string(t.name) + struct.pack("<I", len(t.ne))
+            out += struct.pack(f"<{len(t.ne)}Q", *t.ne)
+            out += struct.pack("<IQ", t.ggml_type, offset)
+            offset += len(t.data)
+            offset += (-offset) % a
+        out += b"\0" * ((-len(out)) % a)
+        for t, off in zip(self._tensors, offsets, strict=True):
+            assert len(out) % a == 0
+            out += t.data
+            out += b"\0" * ((-len(out)) % a) if t is not self._tensors[-1] else b""
+        return bytes(out)
+
+    def write(self, path) -> Path:
+        path = Path(path)
+        path.write_bytes(self.tobytes())
+        return path
+
+
+# ---------------------------------------------------------------------------
+# Tiny llama model
+
+
+def gpt2_byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map: printable Latin-1
+    bytes map to themselves, the other 68 bytes to U+0100.. in byte order
+    (so space 0x20 -> 'Ġ', newline 0x0A -> 'Ċ')."""
+    keep = list(range(0x21, 0x7F)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    out = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(0x100 + extra)
+            extra += 1
+    return out
+
+
+_CORPUS = (
+    "Hello world! The quick brown fox jumps over the lazy dog. "
+    "The cache stores keys and values for the attention of the model. "
+    "user assistant system: what is the capital of France? The capital of France is Paris. "
+    "You are a helpful assistant. Tell me a story about a small robot that learns to read. "
+    "Once upon a time there was a little model that liked to predict the next token.\n"
+    "def hello():\n    return 'world'\n"
+)
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def train_bpe(corpus: str, n_merges: int) -> tuple[list[str], list[str]]:
+    """Byte-level BPE on corpus (words split before spaces, GPT-2 style, in
+    the byte-to-unicode alphabet). Returns (merged tokens in merge order,
+    merges as "left right"). Ties go to the lexicographically smallest pair,
+    so the result is deterministic."""
+    b2u = gpt2_byte_to_unicode()
+    words: dict[tuple[str, ...], int] = {}
+    piece = ""
+    for ch in corpus:
+        if ch == " " and piece:
+            words[tuple(piece)] = words.get(tuple(piece), 0) + 1
+            piece = ""
+        piece += "".join(b2u[b] for b in ch.encode("utf-8"))
+    if piece:
+        words[tuple(piece)] = words.get(tuple(piece), 0) + 1
+    merged, merges = [], []
+    for _ in range(n_merges):
+        pairs: dict[tuple[str, str], int] = {}
+        for w, c in words.items():
+            for p in itertools.pairwise(w):
+                pairs[p] = pairs.get(p, 0) + c
+        if not pairs:
+            break
+        best = min(pairs, key=lambda p: (-pairs[p], p))
+        new = best[0] + best[1]
+        if new in merged:  # cannot happen for BPE, but keep tokens unique
+            break
+        merged.append(new)
+        merges.append(f"{best[0]} {best[1]}")
+        nw: dict[tuple[str, ...], int] = {}
+        for w, c in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    out.append(new)
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            nw[tuple(out)] = nw.get(tuple(out), 0) + c
+        words = nw
+    return merged, merges
+
+
+@dataclasses.dataclass
+class TinyLlama:
+    """What write_tiny_llama wrote.
+
+    weights: name -> float32 array in numpy shape (ne reversed, e.g.
+    attn_q (n_embd_out, n_embd_in)) holding exactly the values a reader
+    gets by dequantizing the stored data. types: name -> ggml type name.
+    """
+
+    path: Path
+    config: dict
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    weights: dict[str, np.ndarray]
+    types: dict[str, str]
+
+
+# Default weight types: several formats in one model, as the runtime must
+# handle (norms are always F32).
+DEFAULT_WEIGHT_TYPES = {
+    "token_embd": "Q8_0",
+    "attn_q": "Q4_1",
+    "attn_k": "Q4_0",
+    "attn_v": "Q8_0",
+    "attn_output": "F16",
+    "ffn_gate": "Q4_1",
+    "ffn_up": "BF16",
+    "ffn_down": "Q4_0",
+    "output": "F32",
+}
+
+
+def write_tiny_llama(
+    path,
+    *,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    n_vocab: int | None = None,
+    n_merges: int = 96,
+    n_ctx: int = 256,
+    rope_freq_base: float = 10000.0,
+    rms_eps: float = 1e-5,
+    weight_types: str | Mapping[str, str] | None = None,
+    seed: int = 0,
+    tied_output: bool = True,
+    vocab: tuple[Sequence[str], Sequence[str]] | None = None,
+    version: int = 3,
+) -> TinyLlama:
+    """Writes a random-weight llama model with the metadata and tensor
+    layout llama.cpp writes (checked against SmolLM2-135M-Instruct):
+
+    * tensors ``token_embd.weight`` ne=[n_embd, n_vocab];
+      ``blk.N.attn_norm/ffn_norm.weight`` [n_embd] (F32);
+      ``blk.N.attn_q.weight`` [n_embd, n_head*hd], ``attn_k``/``attn_v``
+      [n_embd, n_head_kv*hd], ``attn_output`` [n_head*hd, n_embd],
+      ``ffn_gate``/``ffn_up`` [n_embd, n_ff], ``ffn_down`` [n_ff, n_embd];
+      ``output_norm.weight`` [n_embd]; ``output.weight`` [n_embd, n_vocab]
+      unless tied_output (then the output projection is token_embd). ne[0] is
+      the input dimension: y = W x with W in numpy shape (out, in).
+    * vocabulary: tokens = the 3 ChatML specials (<|endoftext|> = 0,
+      <|im_start|> = 1 = BOS, <|im_end|> = 2 = EOS), then all 256 byte
+      tokens in GPT-2 byte-to-unicode form (in byte order), then the
+      tokens of n_merges BPE merges learnt on a small built-in corpus
+      (or ``vocab=(extra_tokens, merges)``), then ``<|extra_K|>`` padding
+      (type USER_DEFINED) up to n_vocab. A smaller n_vocab learns fewer
+      merges; n_vocab=None is exactly the tokens above (355 by default).
+
+    Rotary convention: the weights are random, so there is no source
+    checkpoint whose Q/K rows were permuted; the tensors are to be used as
+    stored, with llama.cpp's "normal" rope as for every llama GGUF: within
+    each head of size hd, the pairs (x[2i], x[2i+1]) for i < rope_dim/2 are
+    rotated by angle pos * rope_freq_base^(-2i/rope_dim), rope_dim = hd.
+    (HF checkpoints rotate (x[i], x[i+hd/2]); llama.cpp's converter permutes
+    the Q/K rows so that the adjacent-pair rule gives the same result.)
+
+    weight_types: one type for every matrix, or {short name or tensor name
+    (with or without ".weight"): type} overriding DEFAULT_WEIGHT_TYPES (short names: token_embd,
+    attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down, output).
+    """
+    if n_embd % n_head or n_head % n_head_kv:
+        raise ValueError("n_embd must divide by n_head and n_head by n_head_kv")
+    hd = n_embd // n_head
+    if hd % 2:
+        raise ValueError("head dim must be even for rope")
+
+    if vocab is None:
+        if n_vocab is not None:  # fewer merges if the vocabulary is to be smaller
+            n_merges = min(n_merges, n_vocab - len(SPECIAL_TOKENS) - 256)
+            if n_merges < 0:
+                raise ValueError(f"n_vocab must be at least {len(SPECIAL_TOKENS) + 256}")
+        extra, merges = train_bpe(_CORPUS, n_merges)
+    else:
+        extra, merges = list(vocab[0]), list(vocab[1])
+    b2u = gpt2_byte_to_unicode()
+    tokens = list(SPECIAL_TOKENS) + [b2u[b] for b in range(256)] + list(extra)
+    token_types = [3] * len(SPECIAL_TOKENS) + [1] * (len(tokens) - len(SPECIAL_TOKENS))
+    if len(set(tokens)) != len(tokens):
+        raise ValueError("vocabulary has duplicate tokens")
+    if n_vocab is None:
+        n_vocab = len(tokens)
+    if n_vocab < len(tokens):
+        raise ValueError(f"n_vocab {n_vocab} is smaller than the {len(tokens)} tokens")
+    k = 0
+    while len(tokens) < n_vocab:
+        tokens.append(f"<|extra_{k}|>")
+        token_types.append(4)
+        k += 1
+
+    types = dict(DEFAULT_WEIGHT_TYPES)
+    if isinstance(weight_types, str):
+        types = {key: weight_types for key in types}
+    elif weight_types is not None:
+        types.update(weight_types)
+
+    def type_of(name: str) -> str:  # "blk.0.attn_q.weight", "blk.0.attn_q", "attn_q"
+        for k in (name, name.removesuffix(".weight"), name.split(".")[-2]):
+            if k in types:
+                return types[k]
+        raise KeyError(name)
+
+    rng = np.random.default_rng(seed)
+    kv_dim = n_head_kv * hd
+    shapes: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (n_vocab, n_embd))]
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        shapes += [
+            (p + "attn_norm.weight", (n_embd,)),
+            (p + "attn_q.weight", (n_head * hd, n_embd)),
+            (p + "attn_k.weight", (kv_dim, n_embd)),
+            (p + "attn_v.weight", (kv_dim, n_embd)),
+            (p + "attn_output.weight", (n_embd, n_head * hd)),
+            (p + "ffn_norm.weight", (n_embd,)),
+            (p + "ffn_gate.weight", (n_ff, n_embd)),
+            (p + "ffn_up.weight", (n_ff, n_embd)),
+            (p + "ffn_down.weight", (n_embd, n_ff)),
+        ]
+    shapes.append(("output_norm.weight", (n_embd,)))
+    if not tied_output:
+        shapes.append(("output.weight", (n_vocab, n_embd)))
+
+    w = GGUFWriter(version=version)
+    w.add("general.architecture", "llama")
+    w.add("general.type", "model")
+    w.add("general.name", "kvcache tiny llama")
+    w.add("llama.block_count", n_layer, ValueType.UINT32)
+    w.add("llama.context_length", n_ctx, ValueType.UINT32)
+    w.add("llama.embedding_length", n_embd, ValueType.UINT32)
+    w.add("llama.feed_forward_length", n_ff, ValueType.UINT32)
+    w.add("llama.attention.head_count", n_head, ValueType.UINT32)
+    w.add("llama.attention.head_count_kv", n_head_kv, ValueType.UINT32)
+    w.add("llama.rope.freq_base", float(rope_freq_base), ValueType.FLOAT32)
+    w.add("llama.attention.layer_norm_rms_epsilon", float(rms_eps), ValueType.FLOAT32)
+    w.add("general.file_type", 3, ValueType.UINT32)  # informational ("mostly Q4_1")
+    w.add("llama.vocab_size", n_vocab, ValueType.UINT32)
+    w.add("llama.rope.dimension_count", hd, ValueType.UINT32)
+    w.add("tokenizer.ggml.add_space_prefix", False, ValueType.BOOL)
+    w.add("tokenizer.ggml.add_bos_token", False, ValueType.BOOL)
+    w.add("tokenizer.ggml.model", "gpt2")
+    w.add("tokenizer.ggml.pre", "smollm")
+    w.add_array("tokenizer.ggml.tokens", tokens, ValueType.STRING)
+    w.add_array("tokenizer.ggml.token_type", token_types, ValueType.INT32)
+    w.add_array("tokenizer.ggml.merges", merges, ValueType.STRING)
+    w.add("tokenizer.ggml.bos_token_id", 1, ValueType.UINT32)
+    w.add("tokenizer.ggml.eos_token_id", 2, ValueType.UINT32)
+    w.add("tokenizer.ggml.unknown_token_id", 0, ValueType.UINT32)
+    w.add("tokenizer.ggml.padding_token_id", 2, ValueType.UINT32)
+    w.add("tokenizer.chat_template", CHATML_TEMPLATE)
+    w.add("general.quantization_version", 2, ValueType.UINT32)
+
+    weights: dict[str, np.ndarray] = {}
+    used_types: dict[str, str] = {}
+    for name, shape in shapes:
+        if len(shape) == 1:
+            t = "F32"
+            x = 1.0 + 0.1 * rng.standard_normal(shape)
+        else:
+            t = type_of(name)
+            scale = 1.0 if name == "token_embd.weight" else 1.0 / np.sqrt(shape[1])
+            x = scale * rng.standard_normal(shape)
+        x = x.astype(np.float32)
+        code = GGMLType.parse(t)
+        data = quantize(x, code)
+        w.add_tensor_raw(name, code, list(reversed(shape)), data)
+        weights[name] = dequantize(data, code, shape)
+        used_types[name] = GGMLType.NAMES[code]
+    path = w.write(path)
+    config = {
+        "n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "n_head_kv": n_head_kv,
+        "n_ff": n_ff, "n_vocab": n_vocab, "n_ctx": n_ctx, "head_dim": hd, "rope_dim": hd,
+        "rope_freq_base": rope_freq_base, "rms_eps": rms_eps, "tied_output": tied_output,
+        "bos_id": 1, "eos_id": 2,
+    }
+    return TinyLlama(path, config, tokens, token_types, merges, weights, used_types)

@@ -1,0 +1,503 @@
+"""Prefill attention over kvcache storage (SEMANTICS section 5), mirroring
+FlashInfer's Python API:
+
+- :func:`single_prefill_with_kv_cache` (``flashinfer.single_prefill_with_kv_cache``);
+- :class:`BatchPrefillWithPagedKVCacheWrapper` and
+  :class:`BatchPrefillWithRaggedKVCacheWrapper` (plan once per batch
+  composition, run once per layer).
+
+Math (float32 inside, whatever the storage dtype), for a request with
+``qo_len`` query rows and ``kv_len`` keys::
+
+    s_ij = sm_scale * q_i . k_j           sm_scale defaults to 1/sqrt(Dh)
+    s_ij = cap * tanh(s_ij / cap)         when logits_soft_cap > 0
+    o_i  = sum_j softmax_j(s_i)_j v_j     over the keys row i sees
+    lse_i = log2(sum_j exp(s_ij))         base 2 (FlashInfer's convention)
+
+Row ``i`` sees key ``j`` when: with ``causal``, ``j <= i + kv_len - qo_len``
+(bottom-right aligned; ``qo_len > kv_len`` is allowed, the first rows then
+see nothing); with ``window_left = w >= 0`` also ``j >= i + kv_len - qo_len -
+w``; a custom mask, when given, replaces causal (the window still applies).
+A row that sees no key gives ``o = 0`` and ``lse = -inf``, never NaN. Query
+head ``h`` reads KV head ``h // (Hq // H)``.
+
+Masks: ``custom_mask`` holds truth values (nonzero = visible), one
+``(qo_len, kv_len)`` row-major mask per request; ``packed_custom_mask`` is
+the same bits packed little-endian (``kvcache.packbits(mask,
+bitorder="little")``), each request padded to a whole byte. In batches both
+are flat 1-D arrays with the requests concatenated in order
+(:func:`kvcache.build_packed_custom_mask` builds the packed form). Give at
+most one of them.
+
+KV storage: float32, float16, ``ml_dtypes.bfloat16``, int8, or int4 given as
+a **uint8** array with last dimension ``Dh / 2`` (element ``2i`` in the low
+nibble); int8/int4 need scales (float32 or float16, the K/V shape with last
+dimension ``Dh / quant_group``), dequantized on the fly (SEMANTICS 1).
+
+Row independence (include/kvcache/prefill.h): a row's result depends only on
+that row, the keys it sees and their positions, the parameters and the ISA;
+not on the other rows or requests of the batch nor on the thread count.
+
+Every call validates its arguments before writing anything and raises
+:class:`kvcache.InvalidArgumentError` on bad input. ``num_threads=None`` uses
+every CPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from . import _lib
+from .attention import _attn_params, _data_type, _kv_array, _ndim, _ref, _threads
+from .errors import InvalidArgumentError, UnsupportedError
+from .paged import _layout_code, _paged_cache
+
+__all__ = [
+    "single_prefill_with_kv_cache",
+    "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchPrefillWithRaggedKVCacheWrapper",
+]
+
+_F32 = np.dtype(np.float32)
+_U8 = np.dtype(np.uint8)
+_I8 = np.dtype(np.int8)
+_SCALE_CODES = (_lib.KVC_F32, _lib.KVC_F16)
+
+# ---------------------------------------------------------------------------
+# C prototypes (include/kvcache/prefill.h). optional_proto: importing kvcache
+# still works against a libkvcache without them; calling raises
+# UnsupportedError.
+
+_TP = ctypes.POINTER(_lib.Tensor)
+_vp = ctypes.c_void_p
+_i32 = ctypes.c_int32
+_c_int = ctypes.c_int
+_AP = ctypes.POINTER(_lib.AttnParams)
+_PCP = ctypes.POINTER(_lib.PagedCache)
+
+kvc_single_prefill = _lib.optional_proto(
+    "kvc_single_prefill", _c_int, _TP, _TP, _TP, _TP, _TP, _i32, _c_int, _i32, _TP, _TP, _AP,
+    _TP, _TP, _vp)
+kvc_prefill_plan_create_paged = _lib.optional_proto(
+    "kvc_prefill_plan_create_paged", _c_int, _TP, _TP, _TP, _TP, _i32, _i32, _i32, _i32, _i32,
+    _TP, _TP, _i32, ctypes.POINTER(_vp))
+kvc_prefill_plan_create_ragged = _lib.optional_proto(
+    "kvc_prefill_plan_create_ragged", _c_int, _TP, _TP, _i32, _i32, _i32, _i32, _TP, _TP, _i32,
+    ctypes.POINTER(_vp))
+kvc_prefill_plan_destroy = _lib.optional_proto("kvc_prefill_plan_destroy", None, _vp)
+kvc_prefill_run_paged = _lib.optional_proto(
+    "kvc_prefill_run_paged", _c_int, _vp, _TP, _PCP, _AP, _TP, _TP, _vp)
+kvc_prefill_run_ragged = _lib.optional_proto(
+    "kvc_prefill_run_ragged", _c_int, _vp, _TP, _TP, _TP, _TP, _TP, _i32, _c_int, _AP, _TP,
+    _TP, _vp)
+
+
+# ---------------------------------------------------------------------------
+# Argument helpers (shared with kvcache.cascade)
+
+
+def _causal_flag(causal) -> int:
+    if isinstance(causal, (bool, np.bool_, int, np.integer)) and int(causal) in (0, 1):
+        return int(causal)
+    raise InvalidArgumentError(f"causal must be a bool, got {causal!r}")
+
+
+def _mask_arrays(custom_mask, packed_custom_mask):
+    """(custom uint8 array|None, packed uint8 array|None) for C. custom_mask
+    keeps its shape, each element 1 where true; packed_custom_mask must be
+    uint8 bytes. Sizes are checked by C."""
+    custom = packed = None
+    if custom_mask is not None:
+        arr = _lib.as_array(custom_mask, "custom_mask")
+        if arr.dtype == np.bool_:
+            custom = np.ascontiguousarray(arr).view(_U8)
+        elif arr.dtype.kind in "iuf":
+            custom = np.ascontiguousarray(np.not_equal(arr, 0)).view(_U8)
+        else:
+            raise InvalidArgumentError(f"custom_mask must hold booleans or numbers, got dtype "
+                                       f"{arr.dtype}")
+        if custom.ndim > _lib.KVC_MAX_DIMS:
+            raise InvalidArgumentError(f"custom_mask: {custom.ndim} dimensions")
+    if packed_custom_mask is not None:
+        arr = _lib.as_array(packed_custom_mask, "packed_custom_mask")
+        if arr.dtype != _U8:
+            raise InvalidArgumentError(
+                f"packed_custom_mask must be uint8 bytes (kvcache.packbits(mask, "
+                f"bitorder='little')), got dtype {arr.dtype}")
+        packed = _lib.input_array(arr, "packed_custom_mask", (_lib.KVC_U8,))
+    return custom, packed
+
+
+def _opt_tensor(arr):
+    return None if arr is None else _lib.make_tensor(arr)
+
+
+def _check_flashinfer_only(head_dim_qk, head_dim_vo, pos_encoding_mode,
+                           use_fp16_qk_reduction=False) -> None:
+    """FlashInfer options kvcache accepts only at their neutral values."""
+    if head_dim_vo is not None and head_dim_vo != head_dim_qk:
+        raise UnsupportedError(f"head_dim_vo ({head_dim_vo}) must equal head_dim_qk "
+                               f"({head_dim_qk}) or be None")
+    if pos_encoding_mode not in (None, "NONE"):
+        raise UnsupportedError(f"pos_encoding_mode {pos_encoding_mode!r}: only 'NONE' (apply "
+                               f"RoPE before storing K and before attention)")
+    if use_fp16_qk_reduction:
+        raise UnsupportedError("use_fp16_qk_reduction: q.k is always accumulated in float32")
+
+
+def _out_dtype(out_dtype, q_dtype, name="out_dtype") -> np.dtype:
+    """The output dtype: q's, or out_dtype (float32/float16/bfloat16)."""
+    return q_dtype if out_dtype is None else _data_type(out_dtype, name, False)
+
+
+def _scale_pair(k_scale, v_scale, ka, va):
+    """[(scale array|None, tensor|None)] for K and V, checking presence against
+    the K/V dtypes as single_decode_with_kv_cache does."""
+    out = []
+    for name, sc, arr in (("k_scale", k_scale, ka), ("v_scale", v_scale, va)):
+        quant = arr.dtype in (_I8, _U8)
+        if sc is None:
+            if quant:
+                raise InvalidArgumentError(
+                    f"{name} is required for an int8/int4 {name[0]} (float32 or float16 "
+                    f"scales, last dimension Dh / quant_group)")
+            out.append((None, None))
+        else:
+            if not quant:
+                raise InvalidArgumentError(
+                    f"{name} is only for int8/int4 {name[0]}; {name[0]} is {arr.dtype}")
+            sa = _lib.input_array(sc, name, _SCALE_CODES)
+            out.append((sa, _lib.make_tensor(sa)))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Single request
+
+
+def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=None,
+                                 causal=False, kv_layout="NHD", sm_scale=None,
+                                 logits_soft_cap=None, window_left=-1, return_lse=False,
+                                 k_scale=None, v_scale=None, quant_group=8, num_threads=None,
+                                 out_dtype=None):
+    """Prefill attention of one request's query rows over its K/V
+    (flashinfer.single_prefill_with_kv_cache).
+
+    Args:
+        q: (qo_len, Hq, Dh) float32/float16/bfloat16.
+        k, v: (kv_len, H, Dh) for "NHD" or (H, kv_len, Dh) for "HND":
+            float32, float16, bfloat16, int8, or uint8 (packed int4, last
+            dimension Dh / 2). Hq % H == 0.
+        custom_mask: optional (qo_len, kv_len) (or flat) truth values,
+            nonzero = visible; replaces causal.
+        packed_custom_mask: optional uint8, the mask packed little-endian
+            (ceil(qo_len * kv_len / 8) bytes).
+        causal: bottom-right causal mask (ignored with a custom mask).
+        kv_layout: "NHD" or "HND".
+        sm_scale: None for 1/sqrt(Dh).
+        logits_soft_cap: None/0 for none, else cap * tanh(s / cap).
+        window_left: -1 for none, else row i sees keys
+            j >= i + kv_len - qo_len - window_left.
+        return_lse: also return the base-2 log-sum-exp.
+        k_scale, v_scale: int8/int4 k/v only: float32/float16 scales, k's
+            shape with last dimension Dh / quant_group.
+        quant_group: int8/int4 group size (divides Dh, even for int4).
+        num_threads: worker threads (None: all CPUs).
+        out_dtype: output dtype (float32, float16, bfloat16; None: q's).
+
+    Returns:
+        o (qo_len, Hq, Dh), or (o, lse (qo_len, Hq) float32) with return_lse.
+    """
+    layout = _layout_code(kv_layout)
+    params = _attn_params(sm_scale, logits_soft_cap, window_left)
+    quant_group = _lib.int32_attr(quant_group, "quant_group")
+    causal = _causal_flag(causal)
+    qa = _lib.input_array(q, "q", _lib.FLOAT_CODES)
+    ka, k_t = _kv_array(k, "k")
+    va, v_t = _kv_array(v, "v")
+    scales = _scale_pair(k_scale, v_scale, ka, va)
+    custom, packed = _mask_arrays(custom_mask, packed_custom_mask)
+    _ndim(qa, "q", 3, "(qo_len, num_qo_heads, head_dim)")
+    o = np.empty(qa.shape, _out_dtype(out_dtype, qa.dtype))
+    lse = np.empty(qa.shape[:2], _F32) if return_lse else None
+    q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(o)
+    lse_t = _opt_tensor(lse)
+    cm_t, pm_t = _opt_tensor(custom), _opt_tensor(packed)
+    _lib.call_pooled(
+        kvc_single_prefill,
+        (ctypes.byref(q_t), ctypes.byref(k_t), ctypes.byref(v_t), _ref(scales[0][1]),
+         _ref(scales[1][1]), quant_group, layout, causal, _ref(cm_t), _ref(pm_t),
+         ctypes.byref(params), ctypes.byref(o_t), _ref(lse_t)),
+        num_threads)
+    del ka, va, scales, custom, packed
+    return (o, lse) if return_lse else o
+
+
+# ---------------------------------------------------------------------------
+# Batched prefill
+
+
+class _PrefillWrapperBase:
+    """Shared plan state of the paged and ragged wrappers."""
+
+    _name = "BatchPrefillWrapper"
+
+    def __init__(self, workspace_buffer=None, kv_layout="NHD", *, num_threads=None):
+        self._layout_name = kv_layout
+        self._layout = _layout_code(kv_layout)
+        self._num_threads = _threads(num_threads)
+        self._plan = None  # kvc_prefill_plan pointer
+        self._info = None
+
+    @property
+    def kv_layout(self) -> str:
+        return "NHD" if self._layout == _lib.KVC_NHD else "HND"
+
+    def _plan_common(self, qo_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo,
+                     custom_mask, packed_custom_mask, causal, pos_encoding_mode,
+                     use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap,
+                     q_data_type, kv_data_type, o_data_type, quant_group):
+        _check_flashinfer_only(head_dim_qk, head_dim_vo, pos_encoding_mode,
+                               use_fp16_qk_reduction)
+        params = _attn_params(sm_scale, logits_soft_cap, window_left)
+        info = {
+            "params": params,
+            "q_data_type": _data_type(q_data_type, "q_data_type", False),
+            "kv_data_type": _data_type(kv_data_type, "kv_data_type", True),
+            "o_data_type": _data_type(o_data_type, "o_data_type", False),
+            "quant_group": _lib.int32_attr(quant_group, "quant_group"),
+            "causal": _causal_flag(causal),
+        }
+        heads = [_lib.int32_attr(x, n) for x, n in (
+            (num_qo_heads, "num_qo_heads"), (num_kv_heads, "num_kv_heads"),
+            (head_dim_qk, "head_dim_qk"))]
+        qo = _lib.int32_array(qo_indptr, "qo_indptr")
+        custom, packed = _mask_arrays(custom_mask, packed_custom_mask)
+        info["num_qo_heads"], info["num_kv_heads"], info["head_dim"] = heads
+        info["nnz_qo"] = int(qo[-1]) if qo.ndim == 1 and qo.size else 0
+        return info, heads, qo, custom, packed
+
+    def _install(self, ptr, info) -> None:
+        self._free_plan()
+        self._plan = ptr.value
+        self._info = info
+
+    def _check_q(self, q):
+        if self._plan is None:
+            raise InvalidArgumentError(f"{self._name}.run: call plan() first")
+        info = self._info
+        qa = _lib.input_array(q, "q", _lib.FLOAT_CODES)
+        if info["q_data_type"] is not None and qa.dtype != info["q_data_type"]:
+            raise InvalidArgumentError(f"q is {qa.dtype} but plan() was given q_data_type "
+                                       f"{info['q_data_type']}")
+        _ndim(qa, "q", 3, "(qo_indptr[-1], num_qo_heads, head_dim)")
+        return qa
+
+    def _check_kv_dtype(self, arrays, what) -> None:
+        kv_dt = self._info["kv_data_type"]
+        if kv_dt is None:
+            return
+        for a in arrays:
+            if a.dtype != kv_dt:
+                raise InvalidArgumentError(f"{what} is {a.dtype} but plan() was given "
+                                           f"kv_data_type {kv_dt}")
+
+    def _outputs(self, qa, return_lse):
+        info = self._info
+        o_dt = info["o_data_type"] if info["o_data_type"] is not None else qa.dtype
+        o = np.empty(qa.shape, o_dt)
+        lse = np.empty(qa.shape[:2], _F32) if return_lse else None
+        return o, lse
+
+    def _free_plan(self) -> None:
+        if self._plan is not None:
+            kvc_prefill_plan_destroy(self._plan)
+            self._plan = None
+
+    def __del__(self):
+        try:
+            self._free_plan()
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
+    """Batched prefill (any number of query rows per request) over a paged
+    cache (flashinfer.BatchPrefillWithPagedKVCacheWrapper).
+
+    ``plan`` validates and copies the page table, qo_indptr and masks and
+    partitions the work (once per batch composition); ``run`` computes one
+    layer and may be called any number of times after it.
+
+    Args:
+        workspace_buffer: accepted for FlashInfer compatibility and ignored
+            (the plan owns its memory).
+        kv_layout: "NHD" or "HND".
+        num_threads: worker threads (None: all CPUs); fixed for the wrapper
+            because plan partitions work for it.
+    """
+
+    _name = "BatchPrefillWithPagedKVCacheWrapper"
+
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+             num_qo_heads, num_kv_heads, head_dim_qk, page_size, head_dim_vo=None,
+             custom_mask=None, packed_custom_mask=None, causal=False, *,
+             pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None,
+             window_left=-1, logits_soft_cap=None, q_data_type=None, kv_data_type=None,
+             o_data_type=None, quant_group=8) -> None:
+        """Plans prefill for one batch composition.
+
+        Args:
+            qo_indptr (B+1): request b's query rows are
+                [qo_indptr[b], qo_indptr[b+1]) (0 rows allowed).
+            paged_kv_indptr (B+1), paged_kv_indices, paged_kv_last_page_len
+                (B): the CSR page table (int32 after conversion; validated).
+            num_qo_heads, num_kv_heads, head_dim_qk, page_size: ints
+                (num_qo_heads % num_kv_heads == 0).
+            head_dim_vo: None or head_dim_qk.
+            custom_mask: optional flat truth values, request b's
+                (qo_len_b, kv_len_b) mask row-major, concatenated.
+            packed_custom_mask: optional uint8, each request's mask packed
+                little-endian and padded to a byte, concatenated.
+            causal: bottom-right causal mask (ignored with a custom mask).
+            pos_encoding_mode: "NONE" only; use_fp16_qk_reduction: False only.
+            sm_scale, window_left, logits_soft_cap: as
+                single_prefill_with_kv_cache.
+            q_data_type, kv_data_type: optional dtypes that run checks
+                ("float32", "float16", "bfloat16"; kv also "int8", "int4").
+            o_data_type: output dtype (None: q's).
+            quant_group: int8/int4 caches: group size of the scales.
+        """
+        info, heads, qo, custom, packed = self._plan_common(
+            qo_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, custom_mask,
+            packed_custom_mask, causal, pos_encoding_mode, use_fp16_qk_reduction, sm_scale,
+            window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, quant_group)
+        page_size = _lib.int32_attr(page_size, "page_size")
+        idx = [_lib.int32_array(x, n) for x, n in (
+            (paged_kv_indptr, "paged_kv_indptr"), (paged_kv_indices, "paged_kv_indices"),
+            (paged_kv_last_page_len, "paged_kv_last_page_len"))]
+        ts = [_lib.make_tensor(a) for a in [qo] + idx]
+        cm_t, pm_t = _opt_tensor(custom), _opt_tensor(packed)
+        ptr = ctypes.c_void_p()
+        _lib.check(kvc_prefill_plan_create_paged(
+            *(ctypes.byref(t) for t in ts), *heads, page_size, info["causal"], _ref(cm_t),
+            _ref(pm_t), self._num_threads, ctypes.byref(ptr)))
+        info["page_size"] = page_size
+        self._install(ptr, info)
+
+    def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False):
+        """Prefill attention for one layer.
+
+        Args:
+            q: (qo_indptr[-1], num_qo_heads, head_dim) float32/float16/bfloat16.
+            paged_kv_cache: one array (max_pages, 2, page_size, H, Dh) (NHD)
+                / (max_pages, 2, H, page_size, Dh) (HND), or a (k_cache,
+                v_cache) pair of (max_pages, page_size, H, Dh) /
+                (max_pages, H, page_size, Dh) arrays; uint8 means int4. Only
+                read (read-only arrays are fine).
+            kv_scale: int8/int4 caches only (required there): scales
+                mirroring the cache (one array or a pair), last dimension
+                Dh / quant_group.
+            return_lse: also return the base-2 log-sum-exp.
+
+        Returns:
+            o (qo_indptr[-1], num_qo_heads, head_dim), or (o, lse
+            (qo_indptr[-1], num_qo_heads) float32) with return_lse.
+        """
+        qa = self._check_q(q)
+        info = self._info
+        pc, keep = _paged_cache(paged_kv_cache, kv_scale, self._layout_name,
+                                info["quant_group"], True, writable=False)
+        arrays = keep[:1] if isinstance(paged_kv_cache, np.ndarray) else keep[:2]
+        self._check_kv_dtype(arrays, "paged_kv_cache")
+        o, lse = self._outputs(qa, return_lse)
+        q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(o)
+        lse_t = _opt_tensor(lse)
+        _lib.call_pooled(
+            kvc_prefill_run_paged,
+            (self._plan, ctypes.byref(q_t), ctypes.byref(pc), ctypes.byref(info["params"]),
+             ctypes.byref(o_t), _ref(lse_t)),
+            self._num_threads)
+        del keep
+        return (o, lse) if return_lse else o
+
+
+class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
+    """Batched prefill over ragged K/V (flashinfer.BatchPrefillWithRaggedKVCacheWrapper):
+    request b's keys are rows [kv_indptr[b], kv_indptr[b+1]) of k and v.
+
+    Args:
+        workspace_buffer: accepted for FlashInfer compatibility and ignored.
+        kv_layout: "NHD" (k/v (kv_indptr[-1], H, Dh)) or "HND"
+            ((H, kv_indptr[-1], Dh)).
+        num_threads: worker threads (None: all CPUs); fixed for the wrapper.
+    """
+
+    _name = "BatchPrefillWithRaggedKVCacheWrapper"
+
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk,
+             head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False, *,
+             pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None,
+             window_left=-1, logits_soft_cap=None, q_data_type=None, kv_data_type=None,
+             o_data_type=None, quant_group=8) -> None:
+        """Plans prefill for one batch composition.
+
+        Args:
+            qo_indptr (B+1), kv_indptr (B+1): query rows and key rows of each
+                request (both start at 0, non-decreasing; validated).
+            Others: as BatchPrefillWithPagedKVCacheWrapper.plan.
+        """
+        info, heads, qo, custom, packed = self._plan_common(
+            qo_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, custom_mask,
+            packed_custom_mask, causal, pos_encoding_mode, use_fp16_qk_reduction, sm_scale,
+            window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type, quant_group)
+        kv = _lib.int32_array(kv_indptr, "kv_indptr")
+        qo_t, kv_t = _lib.make_tensor(qo), _lib.make_tensor(kv)
+        cm_t, pm_t = _opt_tensor(custom), _opt_tensor(packed)
+        ptr = ctypes.c_void_p()
+        _lib.check(kvc_prefill_plan_create_ragged(
+            ctypes.byref(qo_t), ctypes.byref(kv_t), *heads, info["causal"], _ref(cm_t),
+            _ref(pm_t), self._num_threads, ctypes.byref(ptr)))
+        self._install(ptr, info)
+
+    def run(self, q, k, v, kv_scale=None, return_lse=False):
+        """Prefill attention for one layer.
+
+        Args:
+            q: (qo_indptr[-1], num_qo_heads, head_dim) float32/float16/bfloat16.
+            k, v: (kv_indptr[-1], H, Dh) (NHD) or (H, kv_indptr[-1], Dh)
+                (HND): float32, float16, bfloat16, int8 or uint8 (int4).
+            kv_scale: int8/int4 only (required there): a (k_scale, v_scale)
+                pair of float32/float16 arrays, k's shape with last
+                dimension Dh / quant_group.
+            return_lse: also return the base-2 log-sum-exp.
+
+        Returns:
+            o, or (o, lse) with return_lse, as the paged wrapper.
+        """
+        qa = self._check_q(q)
+        info = self._info
+        ka, k_t = _kv_array(k, "k")
+        va, v_t = _kv_array(v, "v")
+        self._check_kv_dtype((ka, va), "k/v")
+        if kv_scale is None:
+            k_scale = v_scale = None
+        elif isinstance(kv_scale, (tuple, list)) and len(kv_scale) == 2:
+            k_scale, v_scale = kv_scale
+        else:
+            raise InvalidArgumentError("kv_scale must be a (k_scale, v_scale) pair for ragged "
+                                       "k and v")
+        scales = _scale_pair(k_scale, v_scale, ka, va)
+        o, lse = self._outputs(qa, return_lse)
+        q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(o)
+        lse_t = _opt_tensor(lse)
+        _lib.call_pooled(
+            kvc_prefill_run_ragged,
+            (self._plan, ctypes.byref(q_t), ctypes.byref(k_t), ctypes.byref(v_t),
+             _ref(scales[0][1]), _ref(scales[1][1]), info["quant_group"], self._layout,
+             ctypes.byref(info["params"]), ctypes.byref(o_t), _ref(lse_t)),
+            self._num_threads)
+        del ka, va, scales
+        return (o, lse) if return_lse else o

@@ -1,0 +1,344 @@
+"""Tokenizer of a GGUF model (byte-level BPE) and its chat template
+(include/kvcache/tokenizer.h)::
+
+    tok = kvcache.Tokenizer.from_gguf("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi!"}])
+    ids = tok.encode(prompt)                 # special tokens recognised
+    text = tok.decode(ids)                   # == prompt
+
+Text is ``str`` (UTF-8 encoded with ``surrogateescape``, so a string from
+``bytes.decode("utf-8", "surrogateescape")`` round-trips its invalid bytes)
+or ``bytes``. :meth:`Tokenizer.decode` returns ``str`` (invalid UTF-8
+replaced, or kept as surrogates with ``errors="surrogateescape"``);
+:meth:`Tokenizer.decode_bytes` and :meth:`Tokenizer.token_to_bytes` return
+the raw bytes, which a stream of tokens may cut inside a UTF-8 character.
+
+A Tokenizer is immutable after creation: any number of threads may use one.
+Errors raise :class:`kvcache.InvalidArgumentError` (bad ids, a template that
+calls ``raise_exception``), :class:`kvcache.UnsupportedError` (a tokenizer
+model or pre-tokenizer this library does not implement, template syntax
+outside the supported Jinja subset), :class:`kvcache.CorruptError` /
+:class:`kvcache.KvcacheIOError` (bad or unreadable GGUF file).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import operator
+import os
+
+from . import _lib
+from .errors import InvalidArgumentError
+
+__all__ = ["Tokenizer", "TOKEN_NORMAL", "TOKEN_UNKNOWN", "TOKEN_CONTROL", "TOKEN_USER_DEFINED",
+           "TOKEN_UNUSED", "TOKEN_BYTE"]
+
+# kvc_token_type
+TOKEN_UNDEFINED, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, \
+    TOKEN_UNUSED, TOKEN_BYTE = range(7)
+
+_vp = ctypes.c_void_p
+_c_int = ctypes.c_int
+_i32 = ctypes.c_int32
+_i64 = ctypes.c_int64
+_size = ctypes.c_size_t
+
+
+class _Vocab(ctypes.Structure):
+    """ctypes mirror of ``kvc_tokenizer_vocab``."""
+
+    _fields_ = [
+        ("n_vocab", _i32),
+        ("tokens", ctypes.POINTER(ctypes.c_char_p)),
+        ("token_lens", ctypes.POINTER(_size)),
+        ("token_types", ctypes.POINTER(_i32)),
+        ("n_merges", _i32),
+        ("merges", ctypes.POINTER(ctypes.c_char_p)),
+        ("merge_lens", ctypes.POINTER(_size)),
+        ("pre", ctypes.c_char_p),
+        ("bos_id", _i32),
+        ("eos_id", _i32),
+        ("eot_id", _i32),
+        ("unk_id", _i32),
+        ("pad_id", _i32),
+        ("add_bos", _i32),
+    ]
+
+
+class _Message(ctypes.Structure):
+    """ctypes mirror of ``kvc_chat_message``."""
+
+    _fields_ = [("role", ctypes.c_char_p), ("content", ctypes.c_char_p)]
+
+
+_p = _lib.optional_proto
+_gguf_open = _p("kvc_gguf_open", _c_int, ctypes.c_char_p, ctypes.POINTER(_vp))
+_gguf_close = _p("kvc_gguf_close", None, _vp)
+_create = _p("kvc_tokenizer_create", _c_int, ctypes.POINTER(_Vocab), ctypes.POINTER(_vp))
+_from_gguf = _p("kvc_tokenizer_from_gguf", _c_int, _vp, ctypes.POINTER(_vp))
+_destroy = _p("kvc_tokenizer_destroy", None, _vp)
+_n_vocab = _p("kvc_tokenizer_n_vocab", _i32, _vp)
+_bos = _p("kvc_tokenizer_bos", _i32, _vp)
+_eos = _p("kvc_tokenizer_eos", _i32, _vp)
+_eot = _p("kvc_tokenizer_eot", _i32, _vp)
+_is_eog = _p("kvc_tokenizer_is_eog", _c_int, _vp, _i32)
+_tokenize = _p("kvc_tokenize", _c_int, _vp, ctypes.c_char_p, _size, _c_int, _c_int,
+               ctypes.POINTER(_i32), _i64, ctypes.POINTER(_i64))
+_token_to_piece = _p("kvc_token_to_piece", _c_int, _vp, _i32, ctypes.c_char_p, _size,
+                     ctypes.POINTER(_size))
+_detokenize = _p("kvc_detokenize", _c_int, _vp, ctypes.POINTER(_i32), _i64, ctypes.c_char_p,
+                 _size, ctypes.POINTER(_size))
+_apply_template = _p("kvc_chat_apply_template", _c_int, _vp, ctypes.c_char_p,
+                     ctypes.POINTER(_Message), _i64, _c_int, ctypes.c_char_p, _size,
+                     ctypes.POINTER(_size))
+
+_INT32_MAX = 2**31 - 1
+
+
+def _text_bytes(text, name="text") -> bytes:
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        return bytes(text)
+    if isinstance(text, str):
+        try:
+            return text.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError as exc:
+            raise InvalidArgumentError(f"{name} holds a lone surrogate that is not an escaped "
+                                       f"byte: {exc}") from None
+    raise InvalidArgumentError(f"{name} must be str or bytes, not {type(text).__name__}")
+
+
+def _c_string(text, name) -> bytes | None:
+    if text is None:
+        return None
+    b = _text_bytes(text, name)
+    if b"\0" in b:
+        raise InvalidArgumentError(f"{name} contains a NUL character")
+    return b
+
+
+def _strings(items, name):
+    """(char* array, size_t array, keep-alive list) for a list of str/bytes."""
+    data = [_text_bytes(x, name) for x in items]
+    arr = (ctypes.c_char_p * max(len(data), 1))(*data)
+    lens = (_size * max(len(data), 1))(*[len(x) for x in data])
+    return arr, lens, data
+
+
+def _id(value, name) -> int:
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{name} must be an integer, not {value!r}") from None
+
+
+class Tokenizer:
+    """A byte-level BPE tokenizer (see the module docstring)."""
+
+    def __init__(self, handle: int):
+        self._h = handle
+
+    # ---- construction ------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, path) -> "Tokenizer":
+        """Reads the tokenizer (and chat template) of a GGUF model file."""
+        g = _vp()
+        _lib.check(_gguf_open(os.fsencode(path), ctypes.byref(g)))
+        try:
+            h = _vp()
+            _lib.check(_from_gguf(g, ctypes.byref(h)))
+            return cls(h.value)
+        finally:
+            _gguf_close(g)
+
+    @classmethod
+    def from_vocab(cls, tokens, merges=(), token_types=None, pre="gpt2", bos=-1, eos=-1, eot=-1,
+                   unk=-1, pad=-1, add_bos=False) -> "Tokenizer":
+        """Builds a tokenizer from arrays as a GGUF stores them: token texts in
+        GPT-2's byte-to-unicode form, "left right" merges by rank, optional
+        kvc_token_type per token, the pre-tokenizer name and special ids."""
+        toks, tok_lens, keep1 = _strings(tokens, "token")
+        mers, mer_lens, keep2 = _strings(merges, "merge")
+        v = _Vocab()
+        v.n_vocab = len(keep1)
+        v.tokens = toks
+        v.token_lens = tok_lens
+        types = None
+        if token_types is not None:
+            types = (_i32 * max(len(token_types), 1))(*[int(x) for x in token_types])
+            if len(token_types) != len(keep1):
+                raise InvalidArgumentError(f"token_types has {len(token_types)} entries for "
+                                           f"{len(keep1)} tokens")
+            v.token_types = types
+        v.n_merges = len(keep2)
+        v.merges = mers
+        v.merge_lens = mer_lens
+        v.pre = None if pre is None else pre.encode()
+        v.bos_id, v.eos_id, v.eot_id, v.unk_id, v.pad_id = (
+            _id(bos, "bos"), _id(eos, "eos"), _id(eot, "eot"), _id(unk, "unk"), _id(pad, "pad"))
+        v.add_bos = 1 if add_bos else 0
+        h = _vp()
+        _lib.check(_create(ctypes.byref(v), ctypes.byref(h)))
+        return cls(h.value)
+
+    # ---- lifetime ------------------------------------------------------------------
+
+    def _ptr(self) -> int:
+        if not self._h:
+            raise InvalidArgumentError("the tokenizer is closed")
+        return self._h
+
+    def close(self) -> None:
+        """Frees the C tokenizer (idempotent)."""
+        h, self._h = self._h, None
+        if h:
+            _destroy(h)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
+            pass
+
+    def __repr__(self) -> str:
+        if not self._h:
+            return "Tokenizer(closed)"
+        return f"Tokenizer(n_vocab={self.n_vocab}, bos={self.bos}, eos={self.eos}, eot={self.eot})"
+
+    # ---- properties ----------------------------------------------------------------
+
+    @property
+    def n_vocab(self) -> int:
+        return _n_vocab(self._ptr())
+
+    @property
+    def bos(self) -> int:
+        """Beginning-of-sequence id, -1 if none."""
+        return _bos(self._ptr())
+
+    @property
+    def eos(self) -> int:
+        """End-of-sequence id, -1 if none."""
+        return _eos(self._ptr())
+
+    @property
+    def eot(self) -> int:
+        """End-of-turn id (<|im_end|>, <|eot_id|>, ...), else eos."""
+        return _eot(self._ptr())
+
+    def is_eog(self, token_id: int) -> bool:
+        """True if generation stops at token_id (eos, eot, other end controls)."""
+        tid = _id(token_id, "token_id")
+        if not -(2**31) <= tid <= _INT32_MAX:
+            return False
+        return bool(_is_eog(self._ptr(), tid))
+
+    # ---- encode / decode -----------------------------------------------------------
+
+    def encode(self, text, add_bos: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of text (str or bytes). add_bos prepends BOS when the
+        vocabulary has one; parse_special recognises control-token text such as
+        "<|im_start|>" (user-defined tokens are always recognised)."""
+        data = _text_bytes(text)
+        cap = len(data) + 1  # every byte yields at most one token, plus BOS
+        out = (_i32 * cap)()
+        n = _i64()
+        _lib.check(_tokenize(self._ptr(), data, len(data), 1 if add_bos else 0,
+                             1 if parse_special else 0, out, cap, ctypes.byref(n)))
+        return out[: n.value]
+
+    def _ids(self, ids):
+        try:
+            seq = [_id(x, "token id") for x in ids]
+        except TypeError:
+            raise InvalidArgumentError("ids must be an iterable of integers") from None
+        for x in seq:
+            if not -(2**31) <= x <= _INT32_MAX:
+                raise InvalidArgumentError(f"token id {x} is outside [0, {self.n_vocab})")
+        return (_i32 * max(len(seq), 1))(*seq), len(seq)
+
+    def decode_bytes(self, ids) -> bytes:
+        """Concatenated raw bytes of the tokens."""
+        arr, n = self._ids(ids)
+        need = _size()
+        cap = 64 * n + 64
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(max(cap, 1))
+            st = _detokenize(self._ptr(), arr, n, buf, cap, ctypes.byref(need))
+            if st == 0:
+                return buf.raw[: need.value]
+            if need.value <= cap:
+                _lib.check(st)
+            cap = need.value
+        _lib.check(st)
+        return b""  # not reached
+
+    def decode(self, ids, errors: str = "replace") -> str:
+        """Text of the tokens; invalid UTF-8 handled by errors (as bytes.decode)."""
+        return self.decode_bytes(ids).decode("utf-8", errors)
+
+    def token_to_bytes(self, token_id: int) -> bytes:
+        """Raw bytes of one token (special tokens give their text)."""
+        tid = _id(token_id, "token_id")
+        if not -(2**31) <= tid <= _INT32_MAX:
+            raise InvalidArgumentError(f"token id {tid} is outside [0, {self.n_vocab})")
+        need = _size()
+        buf = ctypes.create_string_buffer(256)
+        st = _token_to_piece(self._ptr(), tid, buf, 256, ctypes.byref(need))
+        if st != 0 and need.value > 256:
+            buf = ctypes.create_string_buffer(need.value)
+            st = _token_to_piece(self._ptr(), tid, buf, need.value, ctypes.byref(need))
+        _lib.check(st)
+        return buf.raw[: need.value]
+
+    # ---- chat template -------------------------------------------------------------
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True,
+                            template=None) -> str:
+        """Renders messages (dicts with "role" and "content"; content may be
+        None) with the model's chat template, or with template (a Jinja
+        string) if given. Returns the prompt text."""
+        return render_chat_template(template, messages, add_generation_prompt, self)
+
+
+def render_chat_template(template, messages, add_generation_prompt=True, tokenizer=None) -> str:
+    """Renders a chat template without a model (bos_token and eos_token are
+    then empty strings), or with tokenizer's template when template is None."""
+    msgs = list(messages)
+    arr = (_Message * max(len(msgs), 1))()
+    keep = []
+    for i, m in enumerate(msgs):
+        try:
+            role = m["role"]
+            content = m.get("content") if isinstance(m, dict) else m["content"]
+        except (KeyError, TypeError):
+            raise InvalidArgumentError(f"messages[{i}] must be a dict with 'role' and "
+                                       f"'content'") from None
+        r = _c_string(role, f"messages[{i}]['role']")
+        c = _c_string(content, f"messages[{i}]['content']")
+        keep += [r, c]
+        arr[i].role = r
+        arr[i].content = c
+    tmpl = _c_string(template, "template")
+    h = tokenizer._ptr() if tokenizer is not None else None
+    if h is None and tmpl is None:
+        raise InvalidArgumentError("no template given and no tokenizer to take one from")
+    need = _size()
+    cap = 4096
+    for _ in range(3):
+        buf = ctypes.create_string_buffer(cap)
+        st = _apply_template(h, tmpl, arr, len(msgs), 1 if add_generation_prompt else 0, buf, cap,
+                             ctypes.byref(need))
+        if st == 0:
+            return buf.raw[: need.value].decode("utf-8", "surrogateescape")
+        if need.value <= cap:
+            break
+        cap = need.value
+    _lib.check(st)
+    return ""  # not reached

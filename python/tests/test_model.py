@@ -1,0 +1,293 @@
+"""Model runtime (kvcache.Model / Engine) against an independent numpy llama
+(llama_reference.py, weights dequantized by the `gguf` package), the cache
+exactness of seed 001, and continuous batching.
+
+Tolerances. The C matrix kernels quantize activations to int8 per 32-element
+block when the weights are quantized (Q8_0/Q4_0/Q4_1), as llama.cpp does;
+that adds a relative error of about 2^-8 per product, which compounds over
+layers. Float weights (F32/F16/BF16) use float32 products. So logits are
+compared as max|c - ref| <= TOL * max|ref|, TOL = 2e-4 for float weights and
+3e-2 for quantized ones, plus agreement of the arg-max where the reference's
+top-2 margin exceeds that error.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kvcache
+from kvcache.model import Engine, Model
+
+gguf = pytest.importorskip("gguf")
+from llama_reference import LlamaReference  # noqa: E402
+
+try:
+    from kvcache.gguf_writer import write_tiny_llama
+except ImportError:  # pragma: no cover - the writer ships with the package
+    write_tiny_llama = None
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def _tol(types):
+    return 2e-4 if all(t in FLOAT_TYPES for t in types) else 3e-2
+
+
+def _check_logits(c, ref, tol):
+    c = np.asarray(c, np.float64)
+    scale = np.abs(ref).max()
+    err = np.abs(c - ref).max()
+    assert err <= tol * scale, f"max |c - ref| = {err:.3g} > {tol} * {scale:.3g}"
+    top2 = np.sort(ref, axis=-1)[..., -2:]
+    clear = (top2[..., 1] - top2[..., 0]) > 4 * err
+    assert np.array_equal(c.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+_ALL = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+        "ffn_down", "output")
+
+
+def _types(default, **over):
+    d = {k: default for k in _ALL}
+    d.update(over)
+    return d
+
+
+TINY_CONFIGS = {
+    "f32": dict(weight_types=_types("F32"), tied_output=False, n_head=4, n_head_kv=4),
+    "mixed_gqa": dict(weight_types=_types("Q4_1", attn_q="Q4_0", attn_k="Q8_0", attn_v="F16",
+                                          ffn_down="BF16", token_embd="Q8_0", output="Q4_0"),
+                      tied_output=False, n_head=4, n_head_kv=2),
+    "tied_gqa": dict(weight_types=_types("Q4_1", token_embd="Q8_0"), tied_output=True,
+                     n_head=6, n_head_kv=2),
+    "float_gqa": dict(weight_types=_types("F16", ffn_up="BF16", token_embd="F32"),
+                      tied_output=True, n_head=4, n_head_kv=1),
+}
+
+
+def _types_of(cfg):
+    t = dict(cfg["weight_types"])
+    if cfg["tied_output"]:
+        t.pop("output")
+    return set(t.values())
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+def tiny(request, tmp_path_factory):
+    if write_tiny_llama is None:
+        pytest.fail("kvcache.gguf_writer.write_tiny_llama is missing")
+    cfg = TINY_CONFIGS[request.param]
+    path = tmp_path_factory.mktemp("tiny") / f"tiny_{request.param}.gguf"
+    write_tiny_llama(path, n_layer=2, n_embd=96 if cfg["n_head"] == 6 else 64, n_ff=128,
+                     seed=7, **cfg)
+    m = Model(path)
+    yield request.param, cfg, m, LlamaReference(str(path))
+    m.close()
+
+
+def test_tiny_logits_match_numpy_reference(tiny):
+    name, cfg, m, ref = tiny
+    rng = np.random.default_rng(1)
+    toks = rng.integers(0, m.n_vocab, size=37)
+    c = m.eval(toks, kv_dtype="float32", num_threads=2)
+    _check_logits(c, ref.logits(toks), _tol(_types_of(cfg)))
+
+
+def test_tiny_eval_threads_and_isas_agree(tiny):
+    _, _, m, _ = tiny
+    toks = np.arange(1, 30) % m.n_vocab
+    base = m.eval(toks, num_threads=1)
+    assert np.array_equal(base, m.eval(toks, num_threads=2))
+    for isa in kvcache.supported_isas():
+        with _isa(isa):
+            other = m.eval(toks, num_threads=2)
+        np.testing.assert_allclose(other, base, rtol=1e-2, atol=1e-2 * np.abs(base).max())
+
+
+class _isa:
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        self.old = kvcache.get_isa()
+        kvcache.set_isa(self.name)
+
+    def __exit__(self, *exc):
+        kvcache.set_isa(self.old)
+
+
+def _greedy_with_cache(m, prompt, n_new, kv_dtype, page_size=4):
+    """Seed 001: prefill the prompt, then one token per step reusing the
+    cached K/V. Returns (tokens, logits per step)."""
+    cache = m.new_cache(len(prompt) + n_new + page_size, kv_dtype=kv_dtype, page_size=page_size)
+    seq, _ = cache.add_sequence(len(prompt))
+    lg = m.forward(cache, [seq], [0], [len(prompt)], prompt)[0]
+    toks, logits = [], [lg]
+    for _ in range(n_new):
+        t = int(np.argmax(logits[-1]))
+        toks.append(t)
+        if len(toks) == n_new:
+            break
+        pos = len(prompt) + len(toks) - 1
+        cache.append(seq, 1)
+        logits.append(m.forward(cache, [seq], [pos], [1], [t])[0])
+    return toks, np.array(logits)
+
+
+def _greedy_recompute(m, prompt, n_new):
+    seq = list(prompt)
+    toks, logits = [], []
+    for _ in range(n_new):
+        lg = m.eval(seq, kv_dtype="float32")[-1]
+        logits.append(lg)
+        t = int(np.argmax(lg))
+        toks.append(t)
+        seq.append(t)
+    return toks, np.array(logits)
+
+
+def test_tiny_cache_is_exact_float32(tiny):
+    _, _, m, _ = tiny
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    a_tok, a_lg = _greedy_with_cache(m, prompt, 12, "float32")
+    b_tok, b_lg = _greedy_recompute(m, prompt, 12)
+    assert a_tok == b_tok
+    assert np.array_equal(a_lg, b_lg)  # bitwise: every stage is row-independent
+
+
+@pytest.mark.parametrize("kv_dtype,tol", [("float16", 2e-2), ("bfloat16", 4e-2),
+                                          ("int8", 5e-2), ("int4", 0.25)])
+def test_tiny_cache_quantized_storage_close(tiny, kv_dtype, tol):
+    _, _, m, _ = tiny
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    ref_tok, ref_lg = _greedy_with_cache(m, prompt, 6, "float32")
+    # teacher-forced: feed the float32 tokens so the logits are comparable
+    cache = m.new_cache(32, kv_dtype=kv_dtype, page_size=4)
+    seq, _ = cache.add_sequence(len(prompt) + len(ref_tok) - 1)
+    allt = prompt + ref_tok[:-1]
+    want = np.zeros(len(allt), np.uint8)
+    want[len(prompt) - 1:] = 1
+    lg = m.forward(cache, [seq], [0], [len(allt)], allt, want_logits=want)
+    scale = np.abs(ref_lg).max()
+    assert np.abs(lg - ref_lg).max() <= tol * scale
+
+
+def test_tiny_batched_equals_alone(tiny):
+    _, _, m, _ = tiny
+    rng = np.random.default_rng(5)
+    prompts = [list(rng.integers(0, m.n_vocab, size=n)) for n in (5, 17, 9, 30)]
+    prompts.append(prompts[1][:12] + [1, 2])  # shares a prefix with prompt 1
+    alone = [m.generate([p], 8, kv_dtype="float16", ignore_eos=True, page_size=4)[0]
+             for p in prompts]
+    together = m.generate(prompts, 8, kv_dtype="float16", ignore_eos=True, page_size=4,
+                          max_step_tokens=16)
+    assert together == alone
+    # a cache too small for all at once: preemption by recomputation
+    small = m.generate(prompts, 8, kv_dtype="float16", ignore_eos=True, page_size=4,
+                       max_step_tokens=16, kv_capacity_tokens=48)
+    assert small == alone
+
+
+def test_engine_prefix_cache_and_preemption_stats(tiny):
+    _, _, m, _ = tiny
+    p = list(range(1, 41))
+    eng = Engine(m, kv_dtype="float32", page_size=4, kv_capacity_tokens=64, max_step_tokens=8)
+    a = eng.add_request(p, 4, ignore_eos=True)
+    out_a = eng.run()[a]
+    b = eng.add_request(p, 4, ignore_eos=True)
+    out_b = eng.run()[b]
+    assert out_a == out_b
+    st = eng.stats()
+    assert st["cached_tokens"] >= 36  # all full pages of the first 39 tokens
+    assert st["prompt_tokens"] == 80
+    eng.close()
+    eng = Engine(m, kv_dtype="float32", page_size=4, kv_capacity_tokens=40, max_step_tokens=64,
+                 enable_prefix_caching=False)
+    ids = [eng.add_request(list(range(k, k + 12)), 8, ignore_eos=True) for k in (1, 2, 3)]
+    out = eng.run()
+    assert eng.stats()["preemptions"] > 0
+    for k, i in zip((1, 2, 3), ids):
+        assert out[i] == m.generate([list(range(k, k + 12))], 8, kv_dtype="float32",
+                                    ignore_eos=True)[0]
+    eng.close()
+
+
+def test_model_errors(tmp_path):
+    with pytest.raises(kvcache.KvcacheError):
+        Model(tmp_path / "missing.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 8)
+    with pytest.raises(kvcache.KvcacheError):
+        Model(bad)
+
+
+def test_tiny_bad_inputs(tiny):
+    _, _, m, _ = tiny
+    with pytest.raises(kvcache.InvalidArgumentError):
+        m.eval([0, m.n_vocab])
+    with pytest.raises(kvcache.InvalidArgumentError):
+        m.eval([0, 1], kv_dtype="float64")
+    eng = Engine(m, kv_capacity_tokens=32)
+    with pytest.raises(kvcache.InvalidArgumentError):
+        eng.add_request(list(range(30)), 8)  # can never fit
+    with pytest.raises(kvcache.InvalidArgumentError):
+        eng.add_request([], 8)
+    eng.close()
+
+
+def test_sampling():
+    lg = np.array([0.0, 3.0, 1.0, 3.0], np.float32)
+    assert kvcache.model.sample(lg) == 1  # greedy: lowest id among ties
+    assert kvcache.model.sample(lg, temperature=1.0, top_k=1) == 1
+    counts = np.zeros(4, int)
+    state = np.array([123], np.uint64)
+    for _ in range(4000):
+        counts[kvcache.model.sample(lg, temperature=1.0, state=state)] += 1
+    p = np.exp(lg - lg.max())
+    p /= p.sum()
+    np.testing.assert_allclose(counts / 4000, p, atol=0.03)
+    # top_p keeps the smallest prefix with mass >= p: here ids 1 and 3 only
+    for _ in range(200):
+        assert kvcache.model.sample(lg, temperature=1.0, top_p=0.8, state=state) in (1, 3)
+    with pytest.raises(kvcache.InvalidArgumentError):
+        kvcache.model.sample(lg, temperature=-1.0)
+
+
+# ---- the default model (downloaded by scripts/fetch_model.sh; CI fetches it) ----
+
+needs_model = pytest.mark.skipif(not DEFAULT_MODEL.exists(),
+                                 reason=f"{DEFAULT_MODEL} absent (bash scripts/fetch_model.sh)")
+
+
+@pytest.fixture(scope="module")
+def smol():
+    m = Model(DEFAULT_MODEL)
+    yield m
+    m.close()
+
+
+@needs_model
+def test_default_model_logits_match_numpy_reference(smol):
+    ref = LlamaReference(str(DEFAULT_MODEL), dtype=np.float32)
+    toks = [1, 504, 3458, 282, 4649, 314, 30, 3]  # arbitrary in-vocabulary ids
+    c = smol.eval(toks, num_threads=2)
+    _check_logits(c, ref.logits(toks).astype(np.float64), 5e-2)
+
+
+@needs_model
+def test_default_model_cache_is_exact(smol):
+    prompt = [1, 4093, 28, 2683, 314, 260, 3458, 30]
+    a_tok, a_lg = _greedy_with_cache(smol, prompt, 8, "float32", page_size=16)
+    b_tok, b_lg = _greedy_recompute(smol, prompt, 8)
+    assert a_tok == b_tok
+    assert np.array_equal(a_lg, b_lg)
+    i_tok, i_lg = _greedy_with_cache(smol, prompt, 8, "int8", page_size=16)
+    # int8 storage: logits within 5% of the logit range of float32 storage
+    assert np.abs(i_lg[:1] - a_lg[:1]).max() <= 0.05 * np.abs(a_lg).max()

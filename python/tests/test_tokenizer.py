@@ -1,0 +1,489 @@
+"""kvcache.Tokenizer against an independent pure-Python BPE (bpe_reference.py)
+on the real SmolLM2 vocabulary, and kvcache's chat templates against jinja2
+in the environment transformers uses."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+import kvcache
+from bpe_reference import BYTE_ENCODER, CONTROL, ReferenceBPE
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+jinja2 = pytest.importorskip("jinja2", reason="jinja2 (python/requirements.txt) is needed as the "
+                                              "chat-template reference")
+from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: E402
+
+
+# ---------------------------------------------------------------------------
+# fixtures
+
+
+def _read_vocab(path):
+    """Tokenizer arrays straight from the GGUF file through the `gguf` package
+    (independent of kvcache's own GGUF reader)."""
+    gguf = pytest.importorskip("gguf", reason="the gguf package reads the reference vocabulary")
+    r = gguf.GGUFReader(str(path))
+
+    def strings(key):
+        f = r.fields[key]
+        return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+
+    def scalar(key):
+        f = r.fields[key]
+        v = f.parts[f.data[0]]
+        return bytes(v).decode() if f.types[0] == gguf.GGUFValueType.STRING else int(v[0])
+
+    tt = r.fields["tokenizer.ggml.token_type"]
+    return {
+        "tokens": strings("tokenizer.ggml.tokens"),
+        "merges": strings("tokenizer.ggml.merges"),
+        "types": [int(tt.parts[i][0]) for i in tt.data],
+        "pre": scalar("tokenizer.ggml.pre"),
+        "bos": scalar("tokenizer.ggml.bos_token_id"),
+        "eos": scalar("tokenizer.ggml.eos_token_id"),
+        "template": scalar("tokenizer.chat_template"),
+        "unk": scalar("tokenizer.ggml.unknown_token_id"),
+    }
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    if not MODEL.exists():
+        pytest.skip(f"model file {MODEL} is absent (tests against the real vocabulary need it)")
+    return _read_vocab(MODEL)
+
+
+@pytest.fixture(scope="module")
+def tok(vocab):
+    t = kvcache.Tokenizer.from_gguf(MODEL)
+    yield t
+    t.close()
+
+
+@pytest.fixture(scope="module")
+def ref(vocab):
+    return ReferenceBPE(vocab["tokens"], vocab["merges"], vocab["types"], vocab["pre"],
+                        unk=vocab["unk"])
+
+
+CORPUS = [
+    "", " ", "  ", "\n", "\n\n\n", "\t", " \t \n ", "a", "Hello, world!", "Hello world",
+    "hello  world   x", "trailing space ", "trailing spaces   ", "  leading", "\tTabbed\ttext\t",
+    "line one\nline two\r\nline three\rfour", "a\n\nb\n \n c",
+    "I'm sure you're right, they've said we'll go; he'd seen it's John's.",
+    "I'M SHOUTING, YOU'RE", "'s 't 're 've 'm 'll 'd 'x '", "don't''t",
+    "1234567890", "3.14159 and 2,718 or 1e10", "x1y22z333", "  42  ", "v2.0.1-rc3",
+    "١٢٣ ٤٥ Ⅻ ½ ²³", "phone: +1 (555) 010-9999",
+    "café naïve résumé Ångström Øre", "Ελληνικά κείμενο", "Русский текст, ёж", "ﬁ ligature",
+    "日本語のテキスト、漢字とかな。", "中文文本：你好，世界！", "한국어 텍스트입니다",
+    "مرحبا بالعالم", "שלום עולם", "हिन्दी पाठ", "ภาษาไทย",
+    "emoji 🎉🚀 and 👨‍👩‍👧‍👦 family, flags 🇫🇷🇯🇵, skin 👍🏽", "❤️ ✓ ✗ → ← ∑ ∞ ≠",
+    "mixed: English, français, 日本, العربية, 123!", "zero\u200bwidth\u00a0nbsp\u3000ideo",
+    "\u2028line\u2029para\u0085nel", "\x00nul\x01ctrl\x7f\x1b[0m", "a\u0301e\u0300 combining",
+    "def f(x):\n    return x ** 2  # comment\n", "<html><body class=\"x\">&amp;</body></html>",
+    '{"key": [1, 2, {"nested": null}]}', "!!!???...,,,;;;", "a!b@c#d$e%f^g&h*i(j)k",
+    "   \n\t  \n", "end with newline\n", "<|im_start|>user\nHi<|im_end|>\n",
+    "<|im_start|><|im_end|><|endoftext|>", "<|im_start", "<|im_start|>>", "x<|im_end|>y",
+    "<repo_name>kvcache<file_sep>src/a.c",
+]
+
+
+def _random_texts(n, seed):
+    rng = random.Random(seed)
+    pools = [
+        " \t\n\r" + "abcXYZ'.,!?-_0123456789",
+        "éèçàüößñøåæœ",  # Latin-1 supplement and extended
+        "αβγδΩπЖжЯя",
+        "日本語中文한국어ひらがなカタカナ",
+        "مرحبشלום",
+        "🎉🚀👍🏽❤️✓",
+        "١٢٣٤٥½²Ⅻ",
+        "\u00a0\u2003\u3000\u200b\u0085",
+    ]
+    out = []
+    for _ in range(n):
+        k = rng.randint(0, 40)
+        s = "".join(rng.choice(rng.choice(pools)) for _ in range(k))
+        out.append(s)
+    return out
+
+
+def _invalid_utf8_samples():
+    return [
+        b"\xff", b"\x80abc", b"abc\xc3", b"\xc3\x28", b"\xe2\x82", b"\xe2\x82 x",
+        b"\xf0\x9f\x98", b"\xf0\x9f\x98 smile", b"\xed\xa0\x80 surrogate", b"\xc0\x80 overlong",
+        b"\xe0\x80\x80", b"\xf4\x90\x80\x80 big", b"\xf8\x88\x80\x80\x80",
+        b"caf\xe9 latin-1", b"ok \xfe\xff mixed \xe6\x97\xa5\xe6 end",
+        b"digits 12\xff34", b" \xff \xfe ", b"it\x92s", b"\xc2\x80\xdf\xbf ok", b"\x8f\xbf",
+    ]
+
+
+# ---------------------------------------------------------------------------
+# the real vocabulary
+
+
+def test_properties(tok, vocab):
+    assert tok.n_vocab == len(vocab["tokens"]) == 49152
+    assert tok.bos == vocab["bos"] == 1
+    assert tok.eos == vocab["eos"] == 2
+    assert vocab["tokens"][tok.eot] == "<|im_end|>"
+    assert tok.is_eog(tok.eos) and tok.is_eog(tok.eot)
+    assert tok.is_eog(0)  # <|endoftext|>
+    assert not tok.is_eog(1) and not tok.is_eog(19556) and not tok.is_eog(-1)
+    assert not tok.is_eog(10**12)
+
+
+def test_known_ids(tok, vocab):
+    """Ids checked by hand against the vocabulary's token texts (GPT-2 form:
+    'Ġ' is a leading space, 'Ċ' a newline)."""
+    toks = vocab["tokens"]
+    cases = {
+        "Hello, world!": ["Hello", ",", "Ġworld", "!"],
+        "<|im_start|>user\n": ["<|im_start|>", "user", "Ċ"],
+        "I'm 42": ["I", "'m", "Ġ", "4", "2"],
+        " \n\n": ["ĠĊĊ"],  # at the end of text `\s+(?!\S)` takes the whole run
+    }
+    pinned = {
+        "Hello, world!": [19556, 28, 905, 17],
+        "<|im_start|>user\n": [1, 4093, 198],
+    }
+    for text, texts in cases.items():
+        ids = tok.encode(text)
+        assert [toks[i] for i in ids] == texts, text
+        if text in pinned:
+            assert ids == pinned[text]
+    assert tok.token_to_bytes(905) == b" world"
+    assert tok.token_to_bytes(198) == b"\n"
+    assert tok.token_to_bytes(1) == b"<|im_start|>"
+
+
+def test_encode_matches_reference(tok, ref):
+    for text in CORPUS:
+        for special in (True, False):
+            assert tok.encode(text, parse_special=special) == ref.encode(text, special), \
+                (text, special)
+
+
+def test_encode_random_matches_reference(tok, ref):
+    for text in _random_texts(300, seed=1234):
+        assert tok.encode(text) == ref.encode(text), text
+
+
+def test_invalid_utf8_matches_reference(tok, ref, vocab):
+    for raw in _invalid_utf8_samples():
+        text = raw.decode("utf-8", "surrogateescape")
+        ids = tok.encode(raw)
+        assert ids == ref.encode(text), raw
+        assert tok.encode(text) == ids  # str with escaped bytes == bytes
+        if vocab["unk"] in ids:  # a byte without a token (e.g. 0xFF): lossy by design
+            continue
+        assert tok.decode_bytes(ids) == raw
+        assert tok.decode(ids) == raw.decode("utf-8", "replace")
+        assert tok.decode(ids, errors="surrogateescape") == text
+
+
+def test_round_trips(tok, vocab):
+    for text in CORPUS + _random_texts(200, seed=99):
+        for special in (True, False):
+            ids = tok.encode(text, parse_special=special)
+            assert tok.decode(ids) == text, text
+    rng = random.Random(5)
+    have = [b for b in range(256) if BYTE_ENCODER[b] in set(vocab["tokens"])]
+    for _ in range(200):
+        raw = bytes(rng.choice(have) for _ in range(rng.randint(0, 64)))
+        assert tok.decode_bytes(tok.encode(raw)) == raw
+
+
+def test_byte_without_token(tok, ref, vocab):
+    """0xFF has no token in SmolLM2's vocabulary: it becomes the unknown token."""
+    assert BYTE_ENCODER[0xFF] not in vocab["tokens"]
+    ids = tok.encode(b"a\xffb")
+    assert ids == [vocab["tokens"].index("a"), vocab["unk"], vocab["tokens"].index("b")]
+    assert ids == ref.encode("a\udcffb")
+
+
+def test_special_tokens(tok, vocab):
+    ids = tok.encode("<|im_start|>x<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2
+    plain = tok.encode("<|im_start|>", parse_special=False)
+    assert 1 not in plain and len(plain) > 1
+    assert tok.decode(plain) == "<|im_start|>"
+    # BOS is prepended only when asked
+    assert tok.encode("hi", add_bos=True) == [tok.bos] + tok.encode("hi")
+    # no normal token text contains a control token's text as produced by BPE
+    ctl = {i for i, k in enumerate(vocab["types"]) if k == CONTROL}
+    for text in CORPUS:
+        assert not (set(tok.encode(text, parse_special=False)) & ctl), text
+
+
+def test_token_bytes_match_vocabulary(tok, vocab):
+    dec = {v: k for k, v in BYTE_ENCODER.items()}
+    for i in list(range(0, 400)) + list(range(49000, 49152)):
+        t = vocab["tokens"][i]
+        want = t.encode() if vocab["types"][i] == CONTROL else bytes(dec[c] for c in t)
+        assert tok.token_to_bytes(i) == want
+
+
+def test_bad_ids(tok):
+    with pytest.raises(kvcache.InvalidArgumentError, match="outside"):
+        tok.decode([5, tok.n_vocab])
+    with pytest.raises(kvcache.InvalidArgumentError):
+        tok.decode([-1])
+    with pytest.raises(kvcache.InvalidArgumentError):
+        tok.token_to_bytes(10**10)
+    with pytest.raises(kvcache.InvalidArgumentError):
+        tok.decode(["x"])
+    with pytest.raises(kvcache.InvalidArgumentError):
+        tok.encode(12)
+
+
+def test_speed_100kb(tok):
+    text = ("The quick brown fox jumps over the lazy dog; it's 2024, café, 日本語! 🎉\n" * 2000)
+    data = text.encode()[:100_000]
+    tok.encode(data[:1000])
+    t0 = time.perf_counter()
+    ids = tok.encode(data)
+    dt = time.perf_counter() - t0
+    print(f"\n  tokenizer: {len(data)} bytes -> {len(ids)} tokens in {dt * 1e3:.1f} ms "
+          f"({len(ids) / dt:,.0f} tokens/s)")
+    assert dt < 1.0
+    assert tok.decode_bytes(ids) == data
+
+
+def test_from_gguf_errors(tmp_path):
+    with pytest.raises(kvcache.KvcacheError):
+        kvcache.Tokenizer.from_gguf(tmp_path / "missing.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 20)
+    with pytest.raises(kvcache.KvcacheError):
+        kvcache.Tokenizer.from_gguf(bad)
+
+
+# ---------------------------------------------------------------------------
+# other pre-tokenizers, on a small vocabulary: every byte plus a few merges
+
+
+def _tiny_vocab():
+    tokens = [BYTE_ENCODER[b] for b in range(256)]
+    merges = []
+    for pair in ["Ġ t", "Ġ a", "h e", "i n", "Ġt he", "e r", "o n", "Ġ Ġ", "Ġ 1", "1 2",
+                 "12 3", "' s", "' S", "Ċ Ċ", "Ġ Ċ", "a b", "ab c", "Ã ©"]:
+        a, b = pair.split(" ")
+        merges.append(pair)
+        if a + b not in tokens:
+            tokens.append(a + b)
+    types = [1] * len(tokens)
+    tokens += ["<|end|>", "<tool>"]
+    types += [CONTROL, 4]
+    return tokens, merges, types
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "smollm", "llama-bpe", "qwen2"])
+def test_pre_tokenizers_match_reference(pre):
+    tokens, merges, types = _tiny_vocab()
+    t = kvcache.Tokenizer.from_vocab(tokens, merges, types, pre=pre)
+    r = ReferenceBPE(tokens, merges, types, pre)
+    texts = CORPUS + _random_texts(200, seed=7) + [
+        "I'S IT'LL WE'VE THEY'RE", "abc123456789 12 1234", "x\r\n\r\n  y \n\t\n z",
+        "  !!\n\n", "a.\n\nb", "\t\tword", "(word) [1] {2}", "'tis 'twas",
+        "<|end|><tool>x<tool >",
+    ] + [raw.decode("utf-8", "surrogateescape") for raw in _invalid_utf8_samples()]
+    for text in texts:
+        for special in (True, False):
+            assert t.encode(text, parse_special=special) == r.encode(text, special), (pre, text)
+            assert t.decode_bytes(t.encode(text, parse_special=special)) == \
+                text.encode("utf-8", "surrogateescape")
+    t.close()
+
+
+def test_unknown_pre_tokenizer():
+    tokens, merges, types = _tiny_vocab()
+    with pytest.raises(kvcache.UnsupportedError, match="pre-tokenizer"):
+        kvcache.Tokenizer.from_vocab(tokens, merges, types, pre="no-such-pre")
+
+
+# ---------------------------------------------------------------------------
+# chat templates vs jinja2
+
+
+def _jinja(template, messages, add_generation_prompt, bos_token="", eos_token=""):
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(
+        messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
+        eos_token=eos_token, tools=None, documents=None)
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}],
+    [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi there."},
+     {"role": "user", "content": "  Tell me a joke.\n\n"}],
+    [{"role": "system", "content": "Σύστημα 日本語 🎉"}, {"role": "user", "content": "x\ny\r\nz"},
+     {"role": "assistant", "content": "  padded  "}, {"role": "user", "content": ""}],
+    [],
+]
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + "
+          "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+LLAMA3 = """{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"""
+
+ZEPHYR = """{% for message in messages %}
+{% if message['role'] == 'user' %}
+{{ '<|user|>\n' + message['content'] + eos_token }}
+{% elif message['role'] == 'system' %}
+{{ '<|system|>\n' + message['content'] + eos_token }}
+{% elif message['role'] == 'assistant' %}
+{{ '<|assistant|>\n'  + message['content'] + eos_token }}
+{% endif %}
+{% if loop.last and add_generation_prompt %}
+{{ '<|assistant|>' }}
+{% endif %}
+{% endfor %}"""
+
+MISTRAL_LIKE = """{{- bos_token }}
+{%- if messages and messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- for message in loop_messages %}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif %}
+    {%- if message['role'] == 'user' %}
+        {%- if loop.first and system_message is defined %}
+            {{- ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}
+        {%- else %}
+            {{- ' [INST] ' + message['content'] + ' [/INST]' }}
+        {%- endif %}
+    {%- elif message['role'] == 'assistant' %}
+        {{- ' ' + message['content'] + eos_token}}
+    {%- else %}
+        {{- raise_exception('Only user and assistant roles are supported!') }}
+    {%- endif %}
+{%- endfor %}
+"""
+
+FEATURES = """{# a comment #}
+{%- set ns = namespace(count=0, last='') -%}
+  {% for m in messages if m.content is not none %}
+    {%- set ns.count = ns.count + 1 -%}
+    [{{ loop.index }}/{{ loop.length }} {{ loop.revindex0 }} {{ m.role | upper }} {{ m['content'] | length }}]
+    {{- m.content | trim | replace('a', 'A') ~ '|' ~ (m.content.strip().split() | join(',')) }}
+    {%- if loop.first %} first{% elif loop.last %} last{% else %} mid{% endif %}
+    {%- if m.role in ['user', 'system'] and not (m.role == 'system') %} U{% endif %}
+    {%- if m.content.startswith('H') or m.content.endswith('.') %} HD{% endif %}
+    {% if loop.index0 >= 1 %}{% break %}{% endif %}
+  {% else %}
+    empty
+  {% endfor %}
+count={{ ns.count }} {{ messages | length }} {{ (messages | first).role if messages else 'none' }}
+{{ 'x' if add_generation_prompt else 'y' }} {{ [1, 2, 3][1:] }} {{ 'abc'[::-1] }} {{ 7 // 2 }} {{ -7 % 3 }}
+{%- for i in range(3) %}{% if i == 1 %}{% continue %}{% endif %} i{{ i }}{% endfor %}
+{{ {'a': 1}.get('a') }} {{ none }} {{ true }} {{ undefined_name }}|{{ 'q"uote' }} {{ ["it's", 'a\\tb'] }}
+{% set block %}inner {{ 1 + 2 }}{% endset %}{{ block | title }} {{ 'hello world'.title() }}
+{{ messages[-1]['role'] if messages else '' }} {{ (messages[0].content is string) if messages }} {{ 10 is even }}
+"""
+
+
+@pytest.mark.parametrize("name,template", [("chatml", CHATML), ("llama3", LLAMA3),
+                                           ("zephyr", ZEPHYR), ("mistral", MISTRAL_LIKE),
+                                           ("features", FEATURES)])
+def test_templates_match_jinja(name, template):
+    bos, eos = "<s>", "</s>"
+    tok = _template_tokenizer(bos, eos)
+    for msgs in CONVERSATIONS:
+        for agp in (True, False):
+            try:
+                want = _jinja(template, msgs, agp, bos, eos)
+            except jinja2.exceptions.TemplateError as exc:
+                with pytest.raises(kvcache.InvalidArgumentError, match="alternate"):
+                    tok.apply_chat_template(msgs, agp, template=template)
+                assert "alternate" in str(exc)
+                continue
+            got = tok.apply_chat_template(msgs, agp, template=template)
+            assert got == want, (name, msgs, agp)
+    tok.close()
+
+
+def _template_tokenizer(bos, eos):
+    tokens = [BYTE_ENCODER[b] for b in range(256)] + [bos, eos]
+    types = [1] * 256 + [CONTROL, CONTROL]
+    return kvcache.Tokenizer.from_vocab(tokens, [], types, bos=256, eos=257)
+
+
+def test_model_template_matches_jinja(tok, vocab):
+    template = vocab["template"]
+    for msgs in CONVERSATIONS:
+        for agp in (True, False):
+            want = _jinja(template, msgs, agp, "<|im_start|>", "<|im_end|>")
+            assert tok.apply_chat_template(msgs, agp) == want
+            assert tok.apply_chat_template(msgs, agp, template=template) == want
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert tok.decode(tok.encode(prompt)) == prompt
+
+
+WHITESPACE_TEMPLATES = [
+    "a\n{% if true %}\nb\n{% endif %}\nc\n",
+    "  {% if true %}  x  {% endif %}  \n  {{ 'v' }}  \n",
+    "a  {%- if true -%}  b  {%- endif -%}  c",
+    "a {{- ' b ' -}} c\n\n",
+    "line\n    {# comment #}\n  {#- c2 -#}  \nend",
+    "{% for m in messages %}\n  {{ m.role }}\n{% endfor %}\n",
+    "x{%+ if true %} y{% endif %}\r\nz\r\n",
+    "{{ '\\u00e9\\x41\\n\\\\' }} {{ \"d'q\" }}",
+    "\t{% if true %}\t\n\t{% endif %}\t",
+    "{% if messages %}{% for m in messages %}{{ m.content }}{% if not loop.last %}, {% endif %}{% endfor %}{% endif %}",
+]
+
+
+@pytest.mark.parametrize("i", range(len(WHITESPACE_TEMPLATES)))
+def test_whitespace_rules_match_jinja(i):
+    template = WHITESPACE_TEMPLATES[i]
+    msgs = CONVERSATIONS[2]
+    want = _jinja(template, msgs, True)
+    assert kvcache.render_chat_template(template, msgs, True) == want
+
+
+def test_template_errors():
+    msgs = CONVERSATIONS[0]
+    with pytest.raises(kvcache.InvalidArgumentError, match="boom"):
+        kvcache.render_chat_template("{{ raise_exception('boom') }}", msgs)
+    for bad in ["{% macro m() %}{% endmacro %}", "{{ x | tojson }}", "{{ 1.5 }}", "{% if %}",
+                "{% for %}", "{{ ", "{% if true %}", "{{ a.b( }}", "{% endfor %}", "{{ 'a' is foo }}",
+                "{{ strftime_now('%Y') }}", "{{ (1, 2) }}", "{{ 1 / 2 }}", "{#"]:
+        with pytest.raises(kvcache.UnsupportedError):
+            kvcache.render_chat_template(bad, msgs)
+    for bad in ["{{ 'a' + 1 }}", "{{ undefined_x.y }}", "{{ 1 // 0 }}", "{% for x in 5 %}{% endfor %}",
+                "{% set x = 1 %}{% set x.y = 2 %}"]:
+        with pytest.raises(kvcache.InvalidArgumentError):
+            kvcache.render_chat_template(bad, msgs)
+
+
+def test_template_limits():
+    deep = "{{ " + "(" * 500 + "1" + ")" * 500 + " }}"
+    with pytest.raises(kvcache.UnsupportedError, match="deep"):
+        kvcache.render_chat_template(deep, [])
+    huge = "{% for i in range(1000) %}{% for j in range(1000) %}{% for k in range(1000) %}x" \
+           "{% endfor %}{% endfor %}{% endfor %}"
+    with pytest.raises(kvcache.KvcacheError):
+        kvcache.render_chat_template(huge, [])
+    big = "x" * 100_000
+    out = kvcache.render_chat_template("{{ messages[0].content }}", [{"role": "user", "content": big}])
+    assert out == big
