@@ -3,10 +3,10 @@
 all setup:
 	bash scripts/setup.sh
 run: setup
-	./build/kvcache bench pmx
+	./build/kvcache run --chat -p "What is the capital of France?"
 bench: setup
 	./build/kvcache bench
 test:
 	bash scripts/test.sh
 clean:
-	rm -rf build build-asan
+	rm -rf build build-asan build-fuzz

@@ -6,22 +6,30 @@
  * against the gguf Python package's gguf.quants.dequantize), in double
  * precision, with no library code:
  *   - ref_dequant: every type's elements from the bytes;
- *   - quantize_ref: the documented int8 activation rule (gemm.h);
- *   - the exact reference of the int8 paths: per block the integer dot
+ *   - quantize_ref: the documented activation rule (gemm.h), int16 (Q =
+ *     32767, the default) and int8 (Q = 127, kvc__gemm_set_act_bits(8));
+ *   - the exact reference of the integer paths: per block the integer dot
  *     product of the weight integers with the quantized activations, times
  *     d_w * d_x (+ m_w * d_x * sum q for Q4_1), summed in double.
  * Checks, every type x every kernel set (scalar, avx2, avx512 with and
- * without VNNI) x rows {1, 7, 64, 576, 1537} x cols {32, 64, 576, 1536} x n
- * {1, 2, 5, 16, 33}:
- *   tight: |Y - exact| <= (2 nb + 8) 2^-24 sum_b |term_b| for int8 paths (nb
- *     block terms, Q4_1 twice as many; every float32 rounding of a term and
- *     every addition costs at most 2^-24 of the absolute sum), and |Y - ref|
- *     <= (cols + 4) 2^-24 sum_c |w_c x_c| for float weights;
- *   loose (int8 paths): |Y - sum_c w_c x_c| <= tight bound + sum_b (d_x / 2 +
- *     2^-20 amax_b) sum_e |w_be|: each activation moves by at most half a
- *     quantization step d_x, plus the float32 roundings of x * 127 / amax.
- * Plus row independence (bitwise, 1 and 2 threads), strided X/Y, error
- * cases and dequant_row for every type.
+ * without VNNI) x activation width {16, 8} (quantized types) x rows {1, 7,
+ * 64, 576, 1537} x cols {32, 64, 352, 576, 1536} (1, 2, 11, 18, 48 blocks:
+ * every kind of partial group of 8 and 16 blocks) x n {1, 2, 5, 16, 33}:
+ *   tight: |Y - exact| <= (2 nb + 8) 2^-24 sum_b |term_b| for the integer
+ *     paths (nb block terms, Q4_1 twice as many; every float32 rounding of a
+ *     term, float(isum) included (int16: |isum| up to 2^27), and every
+ *     addition costs at most 2^-24 of the absolute sum), and |Y - ref| <=
+ *     (cols + 4) 2^-24 sum_c |w_c x_c| for float weights;
+ *   loose (integer paths): |Y - sum_c w_c x_c| <= tight bound + sum_b (d_x /
+ *     2 + 2^-22 amax_b) sum_e |w_be|: q d_x = x (1 + e)^3 + delta d_x with
+ *     |delta| <= 1/2 (rounding to an integer) and |e| <= 2^-24 (the float32
+ *     roundings of Q / amax, x * id and amax / Q), so each activation moves
+ *     by at most d_x / 2 + 3.01 2^-24 amax_b. With d_x = amax_b / Q that is
+ *     amax_b (1/254 + 2^-22) per element for int8 and amax_b (1/65534 +
+ *     2^-22) for int16: the int16 bound is about 250 times tighter.
+ * Plus row independence (bitwise, 1 and 2 threads, both widths), strided
+ * X/Y, the activation width switch, error cases and dequant_row for every
+ * type.
  */
 #include <stdlib.h>
 
@@ -202,18 +210,28 @@ static void ref_dequant(int32_t t, const uint8_t *row, int64_t cols, double *out
     }
 }
 
-/* The documented activation rule (gemm.h): q[32] and d of one block. */
-static float quantize_ref(const float *x, int8_t *q) {
+/* The documented activation rule (gemm.h): q[32] and d of one block, bits
+ * 8 or 16. */
+static float quantize_ref(const float *x, int32_t *q, int bits) {
+    const float Q = bits == 16 ? 32767.0f : 127.0f;
     float amax = 0;
     for (int e = 0; e < 32; e++) amax = fmaxf(amax, fabsf(x[e]));
     if (amax < 0x1p-120f) {
-        memset(q, 0, 32);
+        memset(q, 0, 32 * sizeof *q);
         return 0.0f;
     }
-    const float d = amax / 127.0f, id = 127.0f / amax;
-    for (int e = 0; e < 32; e++) q[e] = (int8_t)rint((double)(x[e] * id));
+    const float d = amax / Q, id = Q / amax;
+    for (int e = 0; e < 32; e++) {
+        q[e] = (int32_t)rint((double)(x[e] * id)); /* float32 product, ties to even */
+        if (q[e] > (int32_t)Q || q[e] < -(int32_t)Q) { /* the rule promises |q| <= Q */
+            fprintf(stderr, "quantize_ref: |q| > %d\n", (int)Q);
+            abort();
+        }
+    }
     return d;
 }
+
+static const int act_bits_g[] = {16, 8}; /* the default first */
 
 /* ---- the grid -------------------------------------------------------------------- */
 
@@ -238,11 +256,15 @@ static int use_variant(const variant *v) {
 
 static void restore_isa(void) {
     kvc__gemm_set_no_vnni(0);
+    kvc__gemm_set_act_bits(16);
     kvc_set_isa(kvc_best_isa());
 }
 
-/* Reference results for n_max rows of X against W: exact (int8 paths: with
- * quantized activations) and true (float activations), plus bounds. */
+static int use_bits(int bits) { return kvc__gemm_set_act_bits(bits) == KVC_OK; }
+
+/* Reference results for n_max rows of X against W: exact (integer paths:
+ * with activations quantized to bits-bit integers) and true (float
+ * activations), plus bounds. */
 typedef struct refs {
     double *exact, *tight, *truth, *loose; /* (n_max, rows) */
 } refs;
@@ -255,7 +277,7 @@ static void refs_free(refs *r) {
 }
 
 static void make_refs(const tinfo *ti, const uint8_t *W, int64_t rows, int64_t cols,
-                      const float *X, int64_t ldx, int64_t n, refs *out) {
+                      const float *X, int64_t ldx, int64_t n, int bits, refs *out) {
     const int64_t rb = cols / ti->block * ti->bytes, nb = cols / 32;
     const size_t sz = (size_t)(n * rows) * sizeof(double);
     out->exact = xmalloc(sz);
@@ -264,12 +286,12 @@ static void make_refs(const tinfo *ti, const uint8_t *W, int64_t rows, int64_t c
     out->loose = xmalloc(sz);
     double *wd = xmalloc((size_t)cols * sizeof(double));
     const int quant = is_quant(ti->t);
-    int8_t *xq = xmalloc((size_t)(n * cols));
+    int32_t *xq = xmalloc((size_t)(n * cols) * sizeof(int32_t));
     float *dx = xmalloc((size_t)(n * (nb + 1)) * sizeof(float));
     if (quant)
         for (int64_t i = 0; i < n; i++)
             for (int64_t b = 0; b < nb; b++)
-                dx[i * nb + b] = quantize_ref(X + i * ldx + 32 * b, xq + i * cols + 32 * b);
+                dx[i * nb + b] = quantize_ref(X + i * ldx + 32 * b, xq + i * cols + 32 * b, bits);
     for (int64_t r = 0; r < rows; r++) {
         const uint8_t *wr = W + r * rb;
         ref_dequant(ti->t, wr, cols, wd);
@@ -291,7 +313,7 @@ static void make_refs(const tinfo *ti, const uint8_t *W, int64_t rows, int64_t c
             double exact = 0, terms = 0, qerr = 0;
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *blk = wr + b * ti->bytes;
-                const int8_t *q = xq + i * cols + 32 * b;
+                const int32_t *q = xq + i * cols + 32 * b;
                 const double d = get_f16(blk), dxb = dx[i * nb + b];
                 long isum = 0, qsum = 0;
                 double wabs = 0, amax = 0;
@@ -309,7 +331,7 @@ static void make_refs(const tinfo *ti, const uint8_t *W, int64_t rows, int64_t c
                     exact += t2;
                     terms += fabs(t2);
                 }
-                qerr += (dxb / 2 + 0x1p-20 * amax) * wabs;
+                qerr += (dxb / 2 + 0x1p-22 * amax) * wabs;
             }
             out->exact[o] = exact;
             out->tight[o] = (double)(2 * nb + 8) * 0x1p-24 * terms + 1e-30;
@@ -322,7 +344,7 @@ static void make_refs(const tinfo *ti, const uint8_t *W, int64_t rows, int64_t c
 }
 
 /* Compares Y (n rows at ldy) with the references. */
-static int check_y(const char *what, const tinfo *ti, const variant *v, int64_t rows,
+static int check_y(const char *what, const tinfo *ti, const variant *v, int bits, int64_t rows,
                    int64_t cols, int64_t n, const float *Y, int64_t ldy, const refs *rf) {
     for (int64_t i = 0; i < n; i++)
         for (int64_t r = 0; r < rows; r++) {
@@ -330,9 +352,9 @@ static int check_y(const char *what, const tinfo *ti, const variant *v, int64_t 
             const int64_t k = i * rows + r;
             if (!(fabs(y - rf->exact[k]) <= rf->tight[k]) ||
                 !(fabs(y - rf->truth[k]) <= rf->loose[k]))
-                TEST_FAIL_("%s %s %s rows %lld cols %lld n %lld: Y[%lld][%lld] = %.9g, exact %.9g "
-                           "(tol %.3g), true %.9g (tol %.3g)",
-                           what, ti->name, v->name, (long long)rows, (long long)cols,
+                TEST_FAIL_("%s %s %s act %d rows %lld cols %lld n %lld: Y[%lld][%lld] = %.9g, "
+                           "exact %.9g (tol %.3g), true %.9g (tol %.3g)",
+                           what, ti->name, v->name, bits, (long long)rows, (long long)cols,
                            (long long)n, (long long)i, (long long)r, y, rf->exact[k],
                            rf->tight[k], rf->truth[k], rf->loose[k]);
         }
@@ -351,35 +373,39 @@ static float *make_x(int64_t n, int64_t cols, int64_t ldx, uint64_t *rng) {
 }
 
 static int grid_type(const tinfo *ti) {
-    static const int64_t rows_g[] = {1, 7, 64, 576, 1537}, cols_g[] = {32, 64, 576, 1536},
+    static const int64_t rows_g[] = {1, 7, 64, 576, 1537}, cols_g[] = {32, 64, 352, 576, 1536},
                          n_g[] = {1, 2, 5, 16, 33};
     uint64_t rng = test_seed ^ (uint64_t)ti->t * 0x9e3779b97f4a7c15ull;
+    const int n_bits = is_quant(ti->t) ? 2 : 1; /* float weights: no activation width */
     int rc = 0;
-    for (size_t ci = 0; ci < 4 && !rc; ci++)
+    for (size_t ci = 0; ci < 5 && !rc; ci++)
         for (size_t ri = 0; ri < 5 && !rc; ri++) {
             const int64_t rows = rows_g[ri], cols = cols_g[ci], nmax = 33;
             uint8_t *W = make_w(ti, rows, cols, &rng);
             float *X = make_x(nmax, cols, cols, &rng);
             float *Y = xmalloc((size_t)(nmax * rows) * sizeof(float));
-            refs rf;
-            make_refs(ti, W, rows, cols, X, cols, nmax, &rf);
-            for (int vi = 0; vi < N_VARIANTS && !rc; vi++) {
-                if (!use_variant(&variants[vi])) continue;
-                for (size_t ni = 0; ni < 5 && !rc; ni++) {
-                    const int64_t n = n_g[ni];
-                    kvc_threadpool *pool = ni % 2 ? test_pool(2) : NULL;
-                    memset(Y, 0xff, (size_t)(nmax * rows) * sizeof(float));
-                    kvc_status st = kvc__gemm(ti->t, W, rows, cols, X, cols, n, Y, rows, pool);
-                    if (st != KVC_OK) {
-                        fprintf(stderr, "  %s: %s\n", kvc_status_str(st), kvc_last_error());
-                        rc = 1;
-                        break;
+            for (int bi = 0; bi < n_bits && !rc; bi++) {
+                const int bits = act_bits_g[bi];
+                refs rf;
+                make_refs(ti, W, rows, cols, X, cols, nmax, bits, &rf);
+                for (int vi = 0; vi < N_VARIANTS && !rc; vi++) {
+                    if (!use_variant(&variants[vi]) || !use_bits(bits)) continue;
+                    for (size_t ni = 0; ni < 5 && !rc; ni++) {
+                        const int64_t n = n_g[ni];
+                        kvc_threadpool *pool = ni % 2 ? test_pool(2) : NULL;
+                        memset(Y, 0xff, (size_t)(nmax * rows) * sizeof(float));
+                        kvc_status st = kvc__gemm(ti->t, W, rows, cols, X, cols, n, Y, rows, pool);
+                        if (st != KVC_OK) {
+                            fprintf(stderr, "  %s: %s\n", kvc_status_str(st), kvc_last_error());
+                            rc = 1;
+                            break;
+                        }
+                        rc = check_y("grid", ti, &variants[vi], bits, rows, cols, n, Y, rows, &rf);
                     }
-                    rc = check_y("grid", ti, &variants[vi], rows, cols, n, Y, rows, &rf);
                 }
+                restore_isa();
+                refs_free(&rf);
             }
-            restore_isa();
-            refs_free(&rf);
             free(W);
             free(X);
             free(Y);
@@ -405,13 +431,13 @@ TEST(float_odd_cols) {
             uint8_t *W = make_w(&types_all[ti], rows, cols, &rng);
             float *X = make_x(n, cols, cols, &rng), *Y = xmalloc((size_t)(n * rows) * 4);
             refs rf;
-            make_refs(&types_all[ti], W, rows, cols, X, cols, n, &rf);
+            make_refs(&types_all[ti], W, rows, cols, X, cols, n, 16, &rf);
             for (int vi = 0; vi < N_VARIANTS && !rc; vi++) {
                 if (!use_variant(&variants[vi])) continue;
                 if (kvc__gemm(types_all[ti].t, W, rows, cols, X, cols, n, Y, rows, NULL) != KVC_OK)
                     rc = 1;
                 else
-                    rc = check_y("odd cols", &types_all[ti], &variants[vi], rows, cols, n, Y,
+                    rc = check_y("odd cols", &types_all[ti], &variants[vi], 0, rows, cols, n, Y,
                                  rows, &rf);
             }
             restore_isa();
@@ -426,7 +452,8 @@ TEST(float_odd_cols) {
 /* ---- row independence ------------------------------------------------------------- */
 
 /* Row i of an n = 33 product equals the n = 1 product of row i, bit for bit,
- * with 1 and 2 threads, for every type and kernel set; and so does n = 5. */
+ * with 1 and 2 threads, for every type, kernel set and activation width; and
+ * so does n = 5. */
 TEST(row_independence) {
     static const int64_t cols_g[] = {576, 1536, 96};
     uint64_t rng = test_seed + 11;
@@ -439,8 +466,10 @@ TEST(row_independence) {
             float *X = make_x(n, cols, cols, &rng);
             float *Yn = xmalloc((size_t)(n * rows) * 4), *Y1 = xmalloc((size_t)rows * 4),
                   *Y5 = xmalloc((size_t)(5 * rows) * 4);
-            for (int vi = 0; vi < N_VARIANTS && !rc; vi++) {
-                if (!use_variant(&variants[vi])) continue;
+            for (int vb = 0; vb < N_VARIANTS * 2 && !rc; vb++) {
+                const int vi = vb / 2, bits = act_bits_g[vb % 2];
+                if (!use_variant(&variants[vi]) || !use_bits(bits)) continue;
+                if (!is_quant(t->t) && bits != 16) continue;
                 for (int th = 1; th <= 2 && !rc; th++) {
                     kvc_threadpool *pool = test_pool(th);
                     if (kvc__gemm(t->t, W, rows, cols, X, cols, n, Yn, rows, pool) != KVC_OK) {
@@ -451,8 +480,10 @@ TEST(row_independence) {
                         if (kvc__gemm(t->t, W, rows, cols, X + i * cols, cols, 1, Y1, rows,
                                       pool) != KVC_OK ||
                             memcmp(Y1, Yn + i * rows, (size_t)rows * 4) != 0) {
-                            fprintf(stderr, "  %s %s cols %lld threads %d: row %lld differs\n",
-                                    t->name, variants[vi].name, (long long)cols, th, (long long)i);
+                            fprintf(stderr,
+                                    "  %s %s act %d cols %lld threads %d: row %lld differs\n",
+                                    t->name, variants[vi].name, bits, (long long)cols, th,
+                                    (long long)i);
                             rc = 1;
                         }
                     }
@@ -460,8 +491,8 @@ TEST(row_independence) {
                         if (kvc__gemm(t->t, W, rows, cols, X + i0 * cols, cols, 5, Y5, rows,
                                       test_pool(3 - th)) != KVC_OK ||
                             memcmp(Y5, Yn + i0 * rows, (size_t)(5 * rows) * 4) != 0) {
-                            fprintf(stderr, "  %s %s: n = 5 from row %lld differs\n", t->name,
-                                    variants[vi].name, (long long)i0);
+                            fprintf(stderr, "  %s %s act %d: n = 5 from row %lld differs\n",
+                                    t->name, variants[vi].name, bits, (long long)i0);
                             rc = 1;
                         }
                 }
@@ -488,16 +519,18 @@ TEST(strided) {
         const int64_t rows = 37, cols = 576, n = 9, ldx = cols + 40, ldy = rows + 5;
         uint8_t *W = make_w(t, rows, cols, &rng);
         float *X = make_x(n, cols, ldx, &rng), *Y = xmalloc((size_t)(n * ldy) * 4);
-        refs rf;
-        make_refs(t, W, rows, cols, X, ldx, n, &rf);
-        for (int vi = 0; vi < N_VARIANTS && !rc; vi++) {
-            if (!use_variant(&variants[vi])) continue;
+        refs rf[2];
+        for (int bi = 0; bi < 2; bi++)
+            make_refs(t, W, rows, cols, X, ldx, n, act_bits_g[bi], &rf[bi]);
+        for (int vb = 0; vb < N_VARIANTS * 2 && !rc; vb++) {
+            const int vi = vb / 2, bits = act_bits_g[vb % 2];
+            if (!use_variant(&variants[vi]) || !use_bits(bits)) continue;
             for (int64_t k = 0; k < n * ldy; k++) Y[k] = -12345.0f;
             if (kvc__gemm(t->t, W, rows, cols, X, ldx, n, Y, ldy, test_pool(2)) != KVC_OK) {
                 rc = 1;
                 break;
             }
-            rc = check_y("strided", t, &variants[vi], rows, cols, n, Y, ldy, &rf);
+            rc = check_y("strided", t, &variants[vi], bits, rows, cols, n, Y, ldy, &rf[vb % 2]);
             for (int64_t i = 0; i < n && !rc; i++)
                 for (int64_t r = rows; r < ldy; r++)
                     if (Y[i * ldy + r] != -12345.0f) {
@@ -507,7 +540,8 @@ TEST(strided) {
                     }
         }
         restore_isa();
-        refs_free(&rf);
+        refs_free(&rf[0]);
+        refs_free(&rf[1]);
         free(W);
         free(X);
         free(Y);
@@ -594,8 +628,9 @@ TEST(dequant_row) {
     return 0;
 }
 
-/* Exact activation quantization rule on hand-made blocks: ties round to
- * even, an all-zero block and a tiny block give zero, -amax maps to -127. */
+/* Exact activation quantization rule on hand-made blocks, both widths: ties
+ * round to even (x * id = 63.5 -> 64 for int8, 16383.5 -> 16384 for int16),
+ * an all-zero block and a tiny block give zero, -amax maps to -Q. */
 TEST(quantize_rule) {
     /* W = Q8_0 with d = 1 and q = e_k (one-hot): Y = d_x * q_x[k] (exact). */
     uint8_t W[32 * 34];
@@ -611,18 +646,22 @@ TEST(quantize_rule) {
         X[2][e] = 1e-38f * (float)(e + 1); /* amax < 2^-120 */
     }
     int rc = 0;
-    for (int vi = 0; vi < N_VARIANTS && !rc; vi++) {
-        if (!use_variant(&variants[vi])) continue;
+    for (int vb = 0; vb < N_VARIANTS * 2 && !rc; vb++) {
+        const int vi = vb / 2, bits = act_bits_g[vb % 2];
+        if (!use_variant(&variants[vi]) || !use_bits(bits)) continue;
         if (kvc__gemm(KVC_GGML_Q8_0, W, 32, 32, &X[0][0], 32, 3, &Y[0][0], 32, NULL) != KVC_OK) {
             rc = 1;
             break;
         }
-        const float d = 8.0f / 127.0f, id = 127.0f / 8.0f;
+        const float Q = bits == 16 ? 32767.0f : 127.0f, d = 8.0f / Q, id = Q / 8.0f;
         for (int e = 0; e < 32 && !rc; e++) {
-            const float want = d * (float)rint((double)(X[0][e] * id));
-            if (Y[0][e] != want || Y[1][e] != 0.0f || Y[2][e] != 0.0f) {
-                fprintf(stderr, "  %s element %d: %.9g (want %.9g), %g, %g\n", variants[vi].name,
-                        e, (double)Y[0][e], (double)want, (double)Y[1][e], (double)Y[2][e]);
+            const float q = (float)rint((double)(X[0][e] * id)), want = d * q;
+            /* the tie of e = 24 and -Q at e = 0, written out */
+            const float q_hand = e == 24 ? (bits == 16 ? 16384.0f : 64.0f) : e == 0 ? -Q : q;
+            if (Y[0][e] != want || q != q_hand || Y[1][e] != 0.0f || Y[2][e] != 0.0f) {
+                fprintf(stderr, "  %s act %d element %d: %.9g (want %.9g), %g, %g\n",
+                        variants[vi].name, bits, e, (double)Y[0][e], (double)want,
+                        (double)Y[1][e], (double)Y[2][e]);
                 rc = 1;
             }
         }
@@ -631,13 +670,56 @@ TEST(quantize_rule) {
     return rc;
 }
 
-/* The kernel set names follow the ISA cap; without VNNI, AVX2 int8 kernels. */
+/* The activation width switch: 16 by default, 8 and 16 accepted, anything
+ * else refused (and the width kept); the two widths give different results
+ * on a Q4_1 product, and int16 is the closer one to the float product. */
+TEST(act_bits) {
+    ASSERT_EQ_I64(kvc__gemm_act_bits(), 16);
+    ASSERT_STATUS(kvc__gemm_set_act_bits(12), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc__gemm_set_act_bits(0), KVC_ERR_INVALID_ARG);
+    ASSERT_EQ_I64(kvc__gemm_act_bits(), 16);
+    ASSERT_OK(kvc__gemm_set_act_bits(8));
+    ASSERT_EQ_I64(kvc__gemm_act_bits(), 8);
+    ASSERT_STATUS(kvc__gemm_set_act_bits(32), KVC_ERR_INVALID_ARG);
+    ASSERT_EQ_I64(kvc__gemm_act_bits(), 8);
+    ASSERT_OK(kvc__gemm_set_act_bits(16));
+    uint64_t rng = test_seed + 19;
+    const tinfo *t = &types_all[5]; /* Q4_1 */
+    const int64_t rows = 64, cols = 1536, n = 3;
+    uint8_t *W = make_w(t, rows, cols, &rng);
+    float *X = make_x(n, cols, cols, &rng), *Y[2];
+    refs rf;
+    make_refs(t, W, rows, cols, X, cols, n, 16, &rf); /* truth is the same for both */
+    double err[2] = {0, 0};
+    for (int bi = 0; bi < 2; bi++) {
+        Y[bi] = xmalloc((size_t)(n * rows) * 4);
+        ASSERT_OK(kvc__gemm_set_act_bits(act_bits_g[bi]));
+        ASSERT_OK(kvc__gemm(t->t, W, rows, cols, X, cols, n, Y[bi], rows, NULL));
+        for (int64_t k = 0; k < n * rows; k++) err[bi] += fabs(Y[bi][k] - rf.truth[k]);
+    }
+    ASSERT_OK(kvc__gemm_set_act_bits(16));
+    printf("  Q4_1 %lldx%lld, mean |Y - float product|: int16 %.3g, int8 %.3g\n",
+           (long long)rows, (long long)cols, err[0] / (double)(n * rows),
+           err[1] / (double)(n * rows));
+    const int differ = memcmp(Y[0], Y[1], (size_t)(n * rows) * 4) != 0;
+    refs_free(&rf);
+    free(W);
+    free(X);
+    free(Y[0]);
+    free(Y[1]);
+    ASSERT_TRUE(differ);
+    ASSERT_TRUE(err[0] * 10 < err[1]); /* expected ~250x; 10x is a safe margin */
+    return 0;
+}
+
+/* The kernel set names follow the ISA cap; without VNNI, the AVX2 integer
+ * kernels. */
 TEST(kernel_names) {
     int rc = 0;
     for (int vi = 0; vi < N_VARIANTS && !rc; vi++) {
         if (!use_variant(&variants[vi])) continue;
         const char *q = kvc__gemm_kernel_name(KVC_GGML_Q4_1), *f = kvc__gemm_kernel_name(KVC_GGML_F16);
-        printf("  %s: int8 %s, float %s\n", variants[vi].name, q, f);
+        printf("  %s: integer %s, float %s\n", variants[vi].name, q, f);
         if (variants[vi].isa == KVC_ISA_SCALAR) rc = strcmp(q, "scalar") || strcmp(f, "scalar");
         if (variants[vi].isa == KVC_ISA_AVX2) rc = strcmp(q, "avx2") || strcmp(f, "avx2");
         if (variants[vi].isa == KVC_ISA_AVX512)
@@ -649,8 +731,8 @@ TEST(kernel_names) {
 
 const char *test_suite_name = "gemm";
 const test_case test_suite[] = {
-    TEST_ENTRY(errors),        TEST_ENTRY(dequant_row),      TEST_ENTRY(quantize_rule),
-    TEST_ENTRY(kernel_names),  TEST_ENTRY(float_odd_cols),   TEST_ENTRY(strided),
-    TEST_ENTRY(row_independence), TEST_ENTRY(grid_f32),      TEST_ENTRY(grid_f16),
-    TEST_ENTRY(grid_bf16),     TEST_ENTRY(grid_q8_0),        TEST_ENTRY(grid_q4_0),
-    TEST_ENTRY(grid_q4_1),     {0, 0}};
+    TEST_ENTRY(errors),           TEST_ENTRY(dequant_row),  TEST_ENTRY(quantize_rule),
+    TEST_ENTRY(act_bits),         TEST_ENTRY(kernel_names), TEST_ENTRY(float_odd_cols),
+    TEST_ENTRY(strided),          TEST_ENTRY(row_independence), TEST_ENTRY(grid_f32),
+    TEST_ENTRY(grid_f16),         TEST_ENTRY(grid_bf16),    TEST_ENTRY(grid_q8_0),
+    TEST_ENTRY(grid_q4_0),        TEST_ENTRY(grid_q4_1),    {0, 0}};

@@ -541,6 +541,7 @@ TEST(edge_rows) {
             c.mask = v == 3 ? 1 : 0;
             c.ragged = v == 2;
             c.check_single = 1;
+            if (v == 3) c.D = 33, c.Hq = 3, c.H = 1, c.kd = KVC_BF16; /* odd head dim */
             if (run_case(&c, test_seed + 300 + (uint64_t)v) != 0) return 1;
         }
     });

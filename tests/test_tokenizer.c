@@ -252,6 +252,25 @@ TEST(merges_and_bytes) {
     return 0;
 }
 
+TEST(add_bos_flag) {
+    tiny v;
+    tiny_init(&v, "gpt2");
+    kvc_tokenizer *t = NULL;
+    ASSERT_OK(kvc_tokenizer_create(&v.v, &t));
+    ASSERT_EQ_I64(kvc_tokenizer_add_bos(t), 0);
+    kvc_tokenizer_destroy(t);
+    v.v.add_bos = 1;
+    ASSERT_OK(kvc_tokenizer_create(&v.v, &t));
+    ASSERT_EQ_I64(kvc_tokenizer_add_bos(t), 1);
+    kvc_tokenizer_destroy(t);
+    v.v.bos_id = -1; /* asked for, but there is no BOS token */
+    ASSERT_OK(kvc_tokenizer_create(&v.v, &t));
+    ASSERT_EQ_I64(kvc_tokenizer_add_bos(t), 0);
+    kvc_tokenizer_destroy(t);
+    ASSERT_EQ_I64(kvc_tokenizer_add_bos(NULL), 0);
+    return 0;
+}
+
 TEST(special_tokens) {
     kvc_tokenizer *t = make_tiny("smollm");
     ASSERT_TRUE(t != NULL);
@@ -693,6 +712,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(utf8_and_classes),
     TEST_ENTRY(pre_tokenizer_boundaries),
     TEST_ENTRY(merges_and_bytes),
+    TEST_ENTRY(add_bos_flag),
     TEST_ENTRY(special_tokens),
     TEST_ENTRY(invalid_utf8_and_empty),
     TEST_ENTRY(no_space_and_bad_args),

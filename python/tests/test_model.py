@@ -2,13 +2,14 @@
 (llama_reference.py, weights dequantized by the `gguf` package), the cache
 exactness of seed 001, and continuous batching.
 
-Tolerances. The C matrix kernels quantize activations to int8 per 32-element
-block when the weights are quantized (Q8_0/Q4_0/Q4_1), as llama.cpp does;
-that adds a relative error of about 2^-8 per product, which compounds over
-layers. Float weights (F32/F16/BF16) use float32 products. So logits are
-compared as max|c - ref| <= TOL * max|ref|, TOL = 2e-4 for float weights and
-3e-2 for quantized ones, plus agreement of the arg-max where the reference's
-top-2 margin exceeds that error.
+Tolerances. For quantized weights (Q8_0/Q4_0/Q4_1) the C matrix kernels
+quantize activations to int16 per 32-element block (an error of at most
+amax/65534 per element; int8, as llama.cpp uses, flipped greedy tokens of the
+default model); float weights use float32 products. Logits are compared as
+max|c - ref| <= TOL * max|ref| with TOL = 2e-4 (float weights) or 1e-3
+(quantized; measured 3-4e-5), 5e-3 on the default model (measured 3e-4), plus
+agreement of the arg-max wherever the reference's top-2 margin exceeds 4x the
+error.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
 def _tol(types):
-    return 2e-4 if all(t in FLOAT_TYPES for t in types) else 3e-2
+    return 2e-4 if all(t in FLOAT_TYPES for t in types) else 1e-3
 
 
 def _check_logits(c, ref, tol):
@@ -108,7 +109,7 @@ def test_tiny_eval_threads_and_isas_agree(tiny):
     for isa in kvcache.supported_isas():
         with _isa(isa):
             other = m.eval(toks, num_threads=2)
-        np.testing.assert_allclose(other, base, rtol=1e-2, atol=1e-2 * np.abs(base).max())
+        np.testing.assert_allclose(other, base, rtol=1e-3, atol=1e-3 * np.abs(base).max())
 
 
 class _isa:
@@ -162,8 +163,8 @@ def test_tiny_cache_is_exact_float32(tiny):
     assert np.array_equal(a_lg, b_lg)  # bitwise: every stage is row-independent
 
 
-@pytest.mark.parametrize("kv_dtype,tol", [("float16", 2e-2), ("bfloat16", 4e-2),
-                                          ("int8", 5e-2), ("int4", 0.25)])
+@pytest.mark.parametrize("kv_dtype,tol", [("float16", 5e-3), ("bfloat16", 3e-2),
+                                          ("int8", 3e-2), ("int4", 0.25)])
 def test_tiny_cache_quantized_storage_close(tiny, kv_dtype, tol):
     _, _, m, _ = tiny
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -278,7 +279,7 @@ def test_default_model_logits_match_numpy_reference(smol):
     ref = LlamaReference(str(DEFAULT_MODEL), dtype=np.float32)
     toks = [1, 504, 3458, 282, 4649, 314, 30, 3]  # arbitrary in-vocabulary ids
     c = smol.eval(toks, num_threads=2)
-    _check_logits(c, ref.logits(toks).astype(np.float64), 5e-2)
+    _check_logits(c, ref.logits(toks).astype(np.float64), 5e-3)
 
 
 @needs_model
@@ -291,3 +292,18 @@ def test_default_model_cache_is_exact(smol):
     i_tok, i_lg = _greedy_with_cache(smol, prompt, 8, "int8", page_size=16)
     # int8 storage: logits within 5% of the logit range of float32 storage
     assert np.abs(i_lg[:1] - a_lg[:1]).max() <= 0.05 * np.abs(a_lg).max()
+
+
+@needs_model
+def test_default_model_answers_through_the_engine(smol):
+    """End to end: chat template, tokenizer, batched engine with prefix
+    caching and int8/float16 KV storage; greedy answers are deterministic."""
+    tok = kvcache.Tokenizer.from_gguf(DEFAULT_MODEL)
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    p = tok.encode(tok.apply_chat_template(q, add_generation_prompt=True))
+    for kv in ("float16", "int8"):
+        outs = smol.generate([p, p, p[:-3]], 12, kv_dtype=kv, num_threads=2)
+        assert outs[0] == outs[1]
+        text = tok.decode(outs[0])
+        assert "Paris" in text, (kv, text)
+        assert outs[0][-1] == tok.eot or len(outs[0]) == 12

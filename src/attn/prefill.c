@@ -14,6 +14,7 @@
  *     Ot (Dpad, Mp) = Ot * alpha + V^T St  (gemm)
  *   out = Ot / l, lse = m + log2 l         (0 / -inf for rows with no key)
  */
+#define _POSIX_C_SOURCE 200809L /* sysconf */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -221,11 +222,12 @@ static void pf_task(void *vctx, int64_t t) {
     const kvc__pf_batch *b = c->b;
     const kvc__pf_io *io = c->io;
     const int64_t r = task_request(b, t), local = t - b->task0[r];
-    const int64_t per_tile = b->H * b->ngb, qo = b->qo_len[r], L = b->kv_len[r];
-    const int64_t ntiles = (qo + b->QT - 1) / b->QT;
-    /* last tiles first: under causal masks they see the most keys */
-    const int64_t tile = ntiles - 1 - local / per_tile, rem = local % per_tile;
-    const int64_t h = rem / b->ngb, g0 = (rem % b->ngb) * b->GT, G = b->Hq / b->H;
+    const int64_t qo = b->qo_len[r], L = b->kv_len[r], ntiles = (qo + b->QT - 1) / b->QT;
+    /* KV head outermost, so tasks running close in time share one head's
+     * K/V in cache; inside a head the last tiles first: under causal masks
+     * they see the most keys (the small ones fill the gaps at the end) */
+    const int64_t per_head = ntiles * b->ngb, h = local / per_head, rem = local % per_head;
+    const int64_t tile = ntiles - 1 - rem / b->ngb, g0 = (rem % b->ngb) * b->GT, G = b->Hq / b->H;
     const int64_t i0 = tile * b->QT, nr = qo - i0 < b->QT ? qo - i0 : b->QT;
     const int64_t ng = G - g0 < b->GT ? G - g0 : b->GT, hq0 = h * G + g0;
     const int64_t M = nr * ng, Mp = round_up(M, KVC_PF_LANES), D = b->D;

@@ -62,15 +62,6 @@ static void AB_NAME(const float *q, int G, int D, int Dp, const kvc_attn_rows *r
         /* scores */
         for (int g = 0; g < G; g++) {
             const float *qg = q + (int64_t)g * Dp;
-#ifdef AB_SCORES16
-            if (nb == AB_NB) { /* a full block: 16 dot products, one transposed reduction */
-                AB_SCORES16(qg, tile, Dp, s + g * AB_NB);
-                if (cap > 0.0f)
-                    for (int j = 0; j < nb; j++)
-                        s[g * AB_NB + j] = cap * tanhf(s[g * AB_NB + j] / cap) * log2e;
-                continue;
-            }
-#endif
             for (int j = 0; j < nb; j++) {
                 const float *kr = tile + j * Dp;
                 ab_vec a0 = AB_ZERO(), a1 = AB_ZERO();
@@ -133,7 +124,6 @@ static void AB_NAME(const float *q, int G, int D, int Dp, const kvc_attn_rows *r
         }
     }
 }
-
 
 #else /* AB_VL > 1: register-blocked */
 

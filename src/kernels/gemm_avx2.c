@@ -1,11 +1,15 @@
 /*
- * AVX2 (+FMA, F16C) kernels of kvc__gemm (gemm_kernels.h). Also the int8
+ * AVX2 (+FMA, F16C) kernels of kvc__gemm (gemm_kernels.h). Also the integer
  * kernels of the avx512 ISA on CPUs without AVX512_VNNI.
  *
- * int8 path: the AVX-512 scheme (gemm_avx512.c) at half width: groups of 8
- * weight blocks, register j (0..3) lane k (0..1) = block 2 j + k; products
- * with vpmaddubsw (u8 x s8 -> pairs summed in int16) then vpmaddwd with
- * ones (-> int32):
+ * Integer paths: the AVX-512 scheme (gemm_avx512.c) at half width: groups of
+ * 8 weight blocks, register j (0..3) lane k (0..1) = block 2 j + k.
+ * int16 activations (the default): weights widened to int16 in place with
+ * 16-bit shifts / masks as in gemm_avx512.c, products with vpmaddwd (s16 x
+ * s16 -> pairs summed in int32; no saturation: |w| <= 128, |x| <= 32767),
+ * 4 per register j added with vpaddd; Q4_0 subtracts 8 * qsum after.
+ * int8 activations: products with vpmaddubsw (u8 x s8 -> pairs summed in
+ * int16) then vpmaddwd with ones (-> int32):
  *   Q4_0/Q4_1: nibbles (0..15) are the unsigned operand; lo and hi products
  *     (each pair |sum| <= 2 * 15 * 127) are added in int16 before vpmaddwd;
  *     Q4_0 subtracts 8 * qsum after.
@@ -27,12 +31,8 @@
  * registers stay registers instead of stack arrays. */
 #define UNROLL _Pragma("GCC unroll 4")
 
-#define L 2
-#define GBLK 8
-#define GBYTES (176 * L)
-#define OFF_DX (128 * L)
-#define OFF_QSUM (144 * L)
-#define OFF_SX (160 * L)
+#define L 2    /* 128-bit lanes per register */
+#define GBLK 8 /* blocks per group */
 
 static int64_t block_bytes(int32_t wt) {
     return wt == KVC_GGML_Q8_0 ? 34 : wt == KVC_GGML_Q4_0 ? 18 : 20;
@@ -46,11 +46,13 @@ AI float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* ---- int8 path -------------------------------------------------------------- */
+/* ---- integer paths ------------------------------------------------------------ */
 
 typedef struct wgroup {
-    __m256i lo[4], hi[4]; /* Q4: nibbles; Q8_0: |w| */
-    __m256i slo[4], shi[4]; /* Q8_0: w (for its sign) */
+    /* register j lane k = block 2 j + k. int8: Q4 v[j][0] lo / v[j][1] hi
+     * nibbles, Q8_0 v[j][0] |lo| / v[j][1] |hi| / v[j][2] lo / v[j][3] hi
+     * (the signs); int16: v[j][s] part s (int16) */
+    __m256i v[4][4];
     __m256 dw, mw;
 } wgroup;
 
@@ -76,25 +78,43 @@ AI __m256 f16_dwords(__m256i h, int high) {
     return _mm256_cvtph_ps(_mm256_castsi256_si128(t));
 }
 
-AI void load_group(const int32_t wt, const uint8_t *w, int nblk, __m256i idx, wgroup *g) {
+/* Loads and unpacks the nblk (<= 8) blocks at w for bits-wide activations
+ * (widening to int16 as in gemm_avx512.c). */
+AI void load_group(const int32_t wt, const int bits, const uint8_t *w, int nblk, __m256i idx,
+                   wgroup *g) {
     const int64_t bb = block_bytes(wt);
     const int nz = (nblk + 1) / 2;
-    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i m4 = _mm256_set1_epi8(15), m15 = _mm256_set1_epi16(15);
     UNROLL
     for (int j = 0; j < 4; j++) {
         if (j >= nz) {
-            g->lo[j] = g->hi[j] = g->slo[j] = g->shi[j] = _mm256_setzero_si256();
+            g->v[j][0] = g->v[j][1] = g->v[j][2] = g->v[j][3] = _mm256_setzero_si256();
             continue;
         }
         if (wt == KVC_GGML_Q8_0) {
-            g->slo[j] = load2(w + 2, bb, j, nblk);
-            g->shi[j] = load2(w + 18, bb, j, nblk);
-            g->lo[j] = _mm256_abs_epi8(g->slo[j]);
-            g->hi[j] = _mm256_abs_epi8(g->shi[j]);
+            const __m256i lo = load2(w + 2, bb, j, nblk), hi = load2(w + 18, bb, j, nblk);
+            if (bits == 8) {
+                g->v[j][0] = _mm256_abs_epi8(lo);
+                g->v[j][1] = _mm256_abs_epi8(hi);
+                g->v[j][2] = lo;
+                g->v[j][3] = hi;
+            } else {
+                g->v[j][0] = _mm256_srai_epi16(_mm256_slli_epi16(lo, 8), 8);
+                g->v[j][1] = _mm256_srai_epi16(lo, 8);
+                g->v[j][2] = _mm256_srai_epi16(_mm256_slli_epi16(hi, 8), 8);
+                g->v[j][3] = _mm256_srai_epi16(hi, 8);
+            }
         } else {
             const __m256i v = load2(w + (wt == KVC_GGML_Q4_1 ? 4 : 2), bb, j, nblk);
-            g->lo[j] = _mm256_and_si256(v, m4);
-            g->hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            if (bits == 8) {
+                g->v[j][0] = _mm256_and_si256(v, m4);
+                g->v[j][1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            } else {
+                g->v[j][0] = _mm256_and_si256(v, m15);
+                g->v[j][1] = _mm256_and_si256(_mm256_srli_epi16(v, 8), m15);
+                g->v[j][2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+                g->v[j][3] = _mm256_srli_epi16(v, 12);
+            }
         }
     }
     __m256i h;
@@ -116,7 +136,9 @@ AI __m256i reduce4(__m256i a, __m256i b, __m256i c, __m256i d) {
     return _mm256_add_epi32(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd));
 }
 
-AI __m256 row_group(const int32_t wt, const wgroup *g, int nz, const uint8_t *xg, __m256 acc) {
+AI __m256 row_group(const int32_t wt, const int bits, const wgroup *g, int nz, const uint8_t *xg,
+                    __m256 acc) {
+    const int64_t qbytes = (bits == 16 ? 256 : 128) * L;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i a[4];
     UNROLL
@@ -125,37 +147,45 @@ AI __m256 row_group(const int32_t wt, const wgroup *g, int nz, const uint8_t *xg
             a[j] = _mm256_setzero_si256();
             continue;
         }
-        const __m256i xl = _mm256_loadu_si256((const __m256i *)(const void *)(xg + 2 * j * 16 * L));
-        const __m256i xh =
-            _mm256_loadu_si256((const __m256i *)(const void *)(xg + (2 * j + 1) * 16 * L));
-        if (wt == KVC_GGML_Q8_0) {
+#define XL(r) _mm256_loadu_si256((const __m256i *)(const void *)(xg + (r) * 16 * L))
+        if (bits == 16) { /* vpmaddwd: s16 x s16, pairs summed into int32 */
+            const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(g->v[j][0], XL(4 * j)),
+                                                _mm256_madd_epi16(g->v[j][1], XL(4 * j + 1)));
+            const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(g->v[j][2], XL(4 * j + 2)),
+                                                _mm256_madd_epi16(g->v[j][3], XL(4 * j + 3)));
+            a[j] = _mm256_add_epi32(p0, p1);
+        } else if (wt == KVC_GGML_Q8_0) {
             const __m256i pl = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(g->lo[j], _mm256_sign_epi8(xl, g->slo[j])), ones);
+                _mm256_maddubs_epi16(g->v[j][0], _mm256_sign_epi8(XL(2 * j), g->v[j][2])), ones);
             const __m256i ph = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(g->hi[j], _mm256_sign_epi8(xh, g->shi[j])), ones);
+                _mm256_maddubs_epi16(g->v[j][1], _mm256_sign_epi8(XL(2 * j + 1), g->v[j][3])),
+                ones);
             a[j] = _mm256_add_epi32(pl, ph);
         } else {
-            a[j] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(g->lo[j], xl),
-                                                      _mm256_maddubs_epi16(g->hi[j], xh)),
+            a[j] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(g->v[j][0], XL(2 * j)),
+                                                      _mm256_maddubs_epi16(g->v[j][1],
+                                                                           XL(2 * j + 1))),
                                      ones);
         }
+#undef XL
     }
     __m256i isum = reduce4(a[0], a[1], a[2], a[3]);
-    if (wt == KVC_GGML_Q4_0) {
-        const __m256i qs = _mm256_loadu_si256((const __m256i *)(const void *)(xg + OFF_QSUM));
+    if (wt == KVC_GGML_Q4_0) { /* nibbles were used as 0..15: subtract 8 sum q */
+        const __m256i qs =
+            _mm256_loadu_si256((const __m256i *)(const void *)(xg + qbytes + 16 * L));
         isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(qs, 3));
     }
-    const __m256 dx = _mm256_loadu_ps((const float *)(const void *)(xg + OFF_DX));
+    const __m256 dx = _mm256_loadu_ps((const float *)(const void *)(xg + qbytes));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(g->dw, dx), acc);
     if (wt == KVC_GGML_Q4_1)
-        acc = _mm256_fmadd_ps(g->mw, _mm256_loadu_ps((const float *)(const void *)(xg + OFF_SX)),
-                              acc);
+        acc = _mm256_fmadd_ps(
+            g->mw, _mm256_loadu_ps((const float *)(const void *)(xg + qbytes + 32 * L)), acc);
     return acc;
 }
 
-AI void q_tile(const int32_t wt, const int nr, const uint8_t *w, int64_t nb, const uint8_t *x,
-               int64_t xs, float *y, int64_t ldy) {
-    const int64_t bb = block_bytes(wt);
+AI void q_tile(const int32_t wt, const int bits, const int nr, const uint8_t *w, int64_t nb,
+               const uint8_t *x, int64_t xs, float *y, int64_t ldy) {
+    const int64_t bb = block_bytes(wt), gbytes = (bits == 16 ? 304 : 176) * L;
     const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7),
                                            _mm256_set1_epi32((int)bb));
     __m256 acc[4];
@@ -164,39 +194,59 @@ AI void q_tile(const int32_t wt, const int nr, const uint8_t *w, int64_t nb, con
     wgroup g;
     int64_t gi = 0;
     for (; (gi + 1) * GBLK <= nb; gi++) {
-        load_group(wt, w + gi * GBLK * bb, GBLK, idx, &g);
+        load_group(wt, bits, w + gi * GBLK * bb, GBLK, idx, &g);
         UNROLL
-        for (int i = 0; i < nr; i++) acc[i] = row_group(wt, &g, 4, x + i * xs + gi * GBYTES, acc[i]);
+        for (int i = 0; i < nr; i++)
+            acc[i] = row_group(wt, bits, &g, 4, x + i * xs + gi * gbytes, acc[i]);
     }
     if (gi * GBLK < nb) {
         const int nblk = (int)(nb - gi * GBLK);
-        load_group(wt, w + gi * GBLK * bb, nblk, idx, &g);
+        load_group(wt, bits, w + gi * GBLK * bb, nblk, idx, &g);
         UNROLL
         for (int i = 0; i < nr; i++)
-            acc[i] = row_group(wt, &g, (nblk + 1) / 2, x + i * xs + gi * GBYTES, acc[i]);
+            acc[i] = row_group(wt, bits, &g, (nblk + 1) / 2, x + i * xs + gi * gbytes, acc[i]);
     }
     UNROLL
     for (int i = 0; i < nr; i++) y[i * ldy] = hsum8(acc[i]);
 }
 
-AI void q_rows(const int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t r1,
-               int64_t nb, const uint8_t *xq, int64_t xs, int64_t n, float *Y, int64_t ldy) {
+AI void q_rows(const int32_t wt, const int bits, const uint8_t *W, int64_t row_bytes, int64_t r0,
+               int64_t r1, int64_t nb, const uint8_t *xq, int64_t xs, int64_t n, float *Y,
+               int64_t ldy) {
     int64_t i = 0;
     for (; i + 4 <= n; i += 4)
         for (int64_t r = r0; r < r1; r++)
-            q_tile(wt, 4, W + r * row_bytes, nb, xq + i * xs, xs, Y + i * ldy + r, ldy);
+            q_tile(wt, bits, 4, W + r * row_bytes, nb, xq + i * xs, xs, Y + i * ldy + r, ldy);
     for (; i < n; i++)
         for (int64_t r = r0; r < r1; r++)
-            q_tile(wt, 1, W + r * row_bytes, nb, xq + i * xs, xs, Y + i * ldy + r, ldy);
+            q_tile(wt, bits, 1, W + r * row_bytes, nb, xq + i * xs, xs, Y + i * ldy + r, ldy);
 }
 
-static void gemm_q_avx2(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t r1,
-                        int64_t nb, const uint8_t *xq, int64_t xs, int64_t n, float *Y,
-                        int64_t ldy) {
+static void gemm_q8_avx2(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t r1,
+                         int64_t nb, const uint8_t *xq, int64_t xs, int64_t n, float *Y,
+                         int64_t ldy) {
     switch (wt) {
-    case KVC_GGML_Q8_0: q_rows(KVC_GGML_Q8_0, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
-    case KVC_GGML_Q4_0: q_rows(KVC_GGML_Q4_0, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
-    default: q_rows(KVC_GGML_Q4_1, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
+    case KVC_GGML_Q8_0:
+        q_rows(KVC_GGML_Q8_0, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_Q4_0:
+        q_rows(KVC_GGML_Q4_0, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    default: q_rows(KVC_GGML_Q4_1, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
+    }
+}
+
+static void gemm_q16_avx2(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0,
+                          int64_t r1, int64_t nb, const uint8_t *xq, int64_t xs, int64_t n,
+                          float *Y, int64_t ldy) {
+    switch (wt) {
+    case KVC_GGML_Q8_0:
+        q_rows(KVC_GGML_Q8_0, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_Q4_0:
+        q_rows(KVC_GGML_Q4_0, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    default: q_rows(KVC_GGML_Q4_1, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
     }
 }
 
@@ -292,6 +342,7 @@ static void gemm_f_avx2(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t
 }
 
 const kvc__gemm_kernels *kvc__gemm_kernels_avx2(void) {
-    static const kvc__gemm_kernels k = {"avx2", "avx2", L, gemm_q_avx2, gemm_f_avx2};
+    static const kvc__gemm_kernels k = {"avx2", "avx2", L, gemm_q8_avx2, gemm_q16_avx2,
+                                        gemm_f_avx2};
     return &k;
 }

@@ -1,20 +1,31 @@
 /*
  * AVX-512 kernels of kvc__gemm (gemm_kernels.h): F/BW/VL/DQ for the float
- * weights, plus VNNI (vpdpbusd) for the int8 ones. This file is compiled
- * with -mavx512vnni; gemm.c only calls gemm_q after checking the CPU has
- * AVX512_VNNI (cpuid), and runs the AVX2 int8 kernels otherwise.
+ * weights, plus VNNI (vpdpwssd / vpdpbusd) for the integer ones. This file
+ * is compiled with -mavx512vnni; gemm.c only calls gemm_q8 / gemm_q16 after
+ * checking the CPU has AVX512_VNNI (cpuid), and runs the AVX2 integer
+ * kernels otherwise.
  *
- * int8 path, one group of 16 weight blocks (512 elements) of one W row:
- *   - register j (0..3), 128-bit lane k holds block 4 j + k: 16 bytes of
- *     nibbles (Q4: lo = elements 0..15, hi = 16..31 after shift/mask) or two
- *     16-byte halves (Q8_0), loaded straight from the ggml blocks;
- *   - vpdpbusd(u8 weights, s8 activations): for Q8_0 the weights are made
- *     unsigned by w ^ 0x80 = w + 128 and 128 * qsum is subtracted after;
- *     for Q4_0 the nibbles are used as is and 8 * qsum is subtracted;
- *   - after lo and hi, each lane holds 4 int32 partial sums of one block;
- *     reduce4 turns 4 registers into one vector of 16 block sums, block
- *     b(p) = 4 (p % 4) + p / 4 at position p (the activation layout stores
- *     dx/qsum/sx in that order, and the weight scales are gathered in it);
+ * Integer paths, one group of 16 weight blocks (512 elements) of one W row:
+ *   - register j (0..3), 128-bit lane k holds block 4 j + k, loaded straight
+ *     from the ggml blocks: 16 bytes of nibbles (Q4) or two 16-byte halves
+ *     (Q8_0);
+ *   - int16 activations (the default): the weights are widened to int16 in
+ *     place with 16-bit shifts / masks, no shuffles: word i of a lane holds
+ *     bytes 2i, 2i+1, so Q4 nibbles at bits 0, 8, 4, 12 are elements 2i,
+ *     2i+1, 16+2i, 17+2i (zero-extended: srli + and 15), Q8_0 bytes are
+ *     sign-extended with slli 8 + srai 8 (even) and srai 8 (odd); the
+ *     activation layout stores the 4 parts in that order. Then vpdpwssd
+ *     (s16 x s16, pairs summed into int32), 4 per register j;
+ *   - int8 activations: vpdpbusd(u8 weights, s8 activations): for Q8_0 the
+ *     weights are made unsigned by w ^ 0x80 = w + 128 and 128 * qsum is
+ *     subtracted after; 2 per register j;
+ *   - Q4_0 uses its nibbles as 0..15 and subtracts 8 * qsum after;
+ *   - each lane then holds 4 int32 partial sums of one block; reduce4 turns
+ *     4 registers into one vector of 16 block sums, block b(p) = 4 (p % 4)
+ *     + p / 4 at position p (the activation layout stores dx/qsum/sx in that
+ *     order, and the weight scales are loaded in it: 16-byte lane loads
+ *     at the block starts and a per-lane transpose, a gather for a partial
+ *     group);
  *   - acc += float(isum) * (dw * dx) [+ mw * sx] in float32, one 16-lane
  *     accumulator per (X row, W row), reduced once at the end of the row.
  * A tile is up to 4 X rows x 1 W row: the weight group is loaded and
@@ -35,18 +46,16 @@
  * registers stay registers instead of stack arrays. */
 #define UNROLL _Pragma("GCC unroll 4")
 
-#define L 4                   /* 128-bit lanes per register */
-#define GBLK 16               /* blocks per group */
-#define GBYTES (176 * L)      /* activation bytes per group */
-#define OFF_DX (128 * L)      /* float dx[16] */
-#define OFF_QSUM (144 * L)    /* int32 qsum[16] */
-#define OFF_SX (160 * L)      /* float sx[16] */
+#define L 4    /* 128-bit lanes per register */
+#define GBLK 16 /* blocks per group */
 
-/* ---- int8 path -------------------------------------------------------------- */
+/* ---- integer paths ------------------------------------------------------------ */
 
 typedef struct wgroup {
-    __m512i lo[4], hi[4]; /* u8 weights, register j lane k = block 4 j + k */
-    __m512 dw, mw;        /* scale and offset of block b(p) at position p */
+    /* register j lane k = block 4 j + k; int8: v[j][0] lo, v[j][1] hi (u8);
+     * int16: v[j][s] part s (int16, the activation layout's part order) */
+    __m512i v[4][4];
+    __m512 dw, mw; /* scale and offset of block b(p) at position p */
 } wgroup;
 
 static int64_t block_bytes(int32_t wt) {
@@ -72,30 +81,21 @@ AI __m512i load4(const uint8_t *p, int64_t bb, int j, int nblk) {
 #undef LD
 }
 
-/* Loads and unpacks the nblk (<= 16) blocks at w. */
-AI void load_group(const int32_t wt, const uint8_t *w, int nblk, __m512i idx, wgroup *g) {
+/* Scales (and Q4_1 offsets) of the nblk (<= 16) blocks at w, block b(p) at
+ * position p. */
+AI void load_scales(const int32_t wt, const uint8_t *w, int nblk, __m512i idx, __m512 *dw,
+                    __m512 *mw) {
     const int64_t bb = block_bytes(wt);
-    const int nz = (nblk + 3) / 4;
-    const __m512i m4 = _mm512_set1_epi8(15), x80 = _mm512_set1_epi8((char)0x80);
-    UNROLL
-    for (int j = 0; j < 4; j++) {
-        if (j >= nz) {
-            g->lo[j] = g->hi[j] = _mm512_setzero_si512();
-            continue;
-        }
-        if (wt == KVC_GGML_Q8_0) {
-            g->lo[j] = _mm512_xor_si512(load4(w + 2, bb, j, nblk), x80);
-            g->hi[j] = _mm512_xor_si512(load4(w + 18, bb, j, nblk), x80);
-        } else {
-            const __m512i v = load4(w + (wt == KVC_GGML_Q4_1 ? 4 : 2), bb, j, nblk);
-            g->lo[j] = _mm512_and_si512(v, m4);
-            g->hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-        }
-    }
     /* block headers (f16 d [, f16 m]) as dwords, in position order */
     __m512i h;
     if (nblk == GBLK) {
-        h = _mm512_i32gather_epi32(idx, (const void *)w, 1);
+        /* lane k of register j starts with the header of block 4 j + k
+         * (16 bytes from a block start stay inside the block); a per-lane
+         * transpose of the first dwords puts block 4 j + k at position
+         * 4 k + j. Cheaper than a 16-element gather. */
+        const __m512i t01 = _mm512_unpacklo_epi32(load4(w, bb, 0, GBLK), load4(w, bb, 1, GBLK));
+        const __m512i t23 = _mm512_unpacklo_epi32(load4(w, bb, 2, GBLK), load4(w, bb, 3, GBLK));
+        h = _mm512_unpacklo_epi64(t01, t23);
     } else if (nblk <= 4) {
         /* short tail (576 columns = 16 + 2 blocks): block b sits at position
          * 4 b; a few scalar loads beat a masked gather */
@@ -112,8 +112,49 @@ AI void load_group(const int32_t wt, const uint8_t *w, int nblk, __m512i idx, wg
         const __mmask16 m = _mm512_cmplt_epi32_mask(bpos, _mm512_set1_epi32(nblk));
         h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, (const void *)w, 1);
     }
-    g->dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
-    if (wt == KVC_GGML_Q4_1) g->mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+    *dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
+    if (wt == KVC_GGML_Q4_1) *mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+}
+
+/* Loads and unpacks the nblk (<= 16) blocks at w for bits-wide activations. */
+AI void load_group(const int32_t wt, const int bits, const uint8_t *w, int nblk, __m512i idx,
+                   wgroup *g) {
+    const int64_t bb = block_bytes(wt);
+    const int nz = (nblk + 3) / 4;
+    const __m512i m4 = _mm512_set1_epi8(15), x80 = _mm512_set1_epi8((char)0x80);
+    UNROLL
+    for (int j = 0; j < 4; j++) {
+        if (j >= nz) {
+            g->v[j][0] = g->v[j][1] = g->v[j][2] = g->v[j][3] = _mm512_setzero_si512();
+            continue;
+        }
+        if (wt == KVC_GGML_Q8_0) {
+            const __m512i lo = load4(w + 2, bb, j, nblk), hi = load4(w + 18, bb, j, nblk);
+            if (bits == 8) {
+                g->v[j][0] = _mm512_xor_si512(lo, x80);
+                g->v[j][1] = _mm512_xor_si512(hi, x80);
+            } else { /* sign-extended even bytes (shift up, arithmetic down), odd bytes */
+                g->v[j][0] = _mm512_srai_epi16(_mm512_slli_epi16(lo, 8), 8);
+                g->v[j][1] = _mm512_srai_epi16(lo, 8);
+                g->v[j][2] = _mm512_srai_epi16(_mm512_slli_epi16(hi, 8), 8);
+                g->v[j][3] = _mm512_srai_epi16(hi, 8);
+            }
+        } else {
+            const __m512i v = load4(w + (wt == KVC_GGML_Q4_1 ? 4 : 2), bb, j, nblk);
+            if (bits == 8) {
+                g->v[j][0] = _mm512_and_si512(v, m4);
+                g->v[j][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            } else { /* word i = bytes 2i, 2i+1: nibble at bit 0 (element 2i),
+                      * 8 (2i+1), 4 (16+2i), 12 (17+2i), zero-extended */
+                const __m512i m15 = _mm512_set1_epi16(15);
+                g->v[j][0] = _mm512_and_si512(v, m15);
+                g->v[j][1] = _mm512_and_si512(_mm512_srli_epi16(v, 8), m15);
+                g->v[j][2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m15);
+                g->v[j][3] = _mm512_srli_epi16(v, 12);
+            }
+        }
+    }
+    load_scales(wt, w, nblk, idx, &g->dw, &g->mw);
 }
 
 /* 4 registers of per-lane partial sums -> 16 block sums: lane k of the
@@ -125,7 +166,9 @@ AI __m512i reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
 }
 
 /* One activation row against one weight group: acc += this group's terms. */
-AI __m512 row_group(const int32_t wt, const wgroup *g, int nz, const uint8_t *xg, __m512 acc) {
+AI __m512 row_group(const int32_t wt, const int bits, const wgroup *g, int nz, const uint8_t *xg,
+                    __m512 acc) {
+    const int64_t qbytes = (bits == 16 ? 256 : 128) * L;
     __m512i a[4];
     UNROLL
     for (int j = 0; j < 4; j++) {
@@ -133,27 +176,36 @@ AI __m512 row_group(const int32_t wt, const wgroup *g, int nz, const uint8_t *xg
             a[j] = _mm512_setzero_si512();
             continue;
         }
-        const __m512i xl = _mm512_loadu_si512((const void *)(xg + (2 * j) * 16 * L));
-        const __m512i xh = _mm512_loadu_si512((const void *)(xg + (2 * j + 1) * 16 * L));
-        a[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), g->lo[j], xl),
-                                   g->hi[j], xh);
+#define XL(r) _mm512_loadu_si512((const void *)(xg + (r) * 16 * L))
+        if (bits == 8) {
+            a[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), g->v[j][0],
+                                                           XL(2 * j)),
+                                       g->v[j][1], XL(2 * j + 1));
+        } else { /* one chain of four: 4 j x nr rows of chains hide the latency */
+            __m512i t = _mm512_setzero_si512();
+            UNROLL
+            for (int s = 0; s < 4; s++) t = _mm512_dpwssd_epi32(t, g->v[j][s], XL(4 * j + s));
+            a[j] = t;
+        }
+#undef XL
     }
     __m512i isum = reduce4(a[0], a[1], a[2], a[3]);
-    if (wt != KVC_GGML_Q4_1) {
-        const __m512i qs = _mm512_loadu_si512((const void *)(xg + OFF_QSUM));
-        isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(qs, wt == KVC_GGML_Q8_0 ? 7 : 3));
-    }
-    const __m512 dx = _mm512_loadu_ps((const void *)(xg + OFF_DX));
+    const __m512i qs = _mm512_loadu_si512((const void *)(xg + qbytes + 16 * L));
+    if (wt == KVC_GGML_Q4_0) /* nibbles were used as 0..15: subtract 8 sum q */
+        isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(qs, 3));
+    if (wt == KVC_GGML_Q8_0 && bits == 8) /* weights were used as w + 128 */
+        isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(qs, 7));
+    const __m512 dx = _mm512_loadu_ps((const void *)(xg + qbytes));
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(g->dw, dx), acc);
     if (wt == KVC_GGML_Q4_1)
-        acc = _mm512_fmadd_ps(g->mw, _mm512_loadu_ps((const void *)(xg + OFF_SX)), acc);
+        acc = _mm512_fmadd_ps(g->mw, _mm512_loadu_ps((const void *)(xg + qbytes + 32 * L)), acc);
     return acc;
 }
 
 /* nr (1..4) activation rows (row i at x + i * xs) times W row w: y[i * ldy]. */
-AI void q_tile(const int32_t wt, const int nr, const uint8_t *w, int64_t nb, const uint8_t *x,
-               int64_t xs, float *y, int64_t ldy) {
-    const int64_t bb = block_bytes(wt);
+AI void q_tile(const int32_t wt, const int bits, const int nr, const uint8_t *w, int64_t nb,
+               const uint8_t *x, int64_t xs, float *y, int64_t ldy) {
+    const int64_t bb = block_bytes(wt), gbytes = (bits == 16 ? 304 : 176) * L;
     const __m512i idx = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
         _mm512_set1_epi32((int)bb));
@@ -163,16 +215,17 @@ AI void q_tile(const int32_t wt, const int nr, const uint8_t *w, int64_t nb, con
     wgroup g;
     int64_t gi = 0;
     for (; (gi + 1) * GBLK <= nb; gi++) {
-        load_group(wt, w + gi * GBLK * bb, GBLK, idx, &g);
+        load_group(wt, bits, w + gi * GBLK * bb, GBLK, idx, &g);
         UNROLL
-        for (int i = 0; i < nr; i++) acc[i] = row_group(wt, &g, 4, x + i * xs + gi * GBYTES, acc[i]);
+        for (int i = 0; i < nr; i++)
+            acc[i] = row_group(wt, bits, &g, 4, x + i * xs + gi * gbytes, acc[i]);
     }
     if (gi * GBLK < nb) {
         const int nblk = (int)(nb - gi * GBLK);
-        load_group(wt, w + gi * GBLK * bb, nblk, idx, &g);
+        load_group(wt, bits, w + gi * GBLK * bb, nblk, idx, &g);
         UNROLL
         for (int i = 0; i < nr; i++)
-            acc[i] = row_group(wt, &g, (nblk + 3) / 4, x + i * xs + gi * GBYTES, acc[i]);
+            acc[i] = row_group(wt, bits, &g, (nblk + 3) / 4, x + i * xs + gi * gbytes, acc[i]);
     }
     UNROLL
     for (int i = 0; i < nr; i++) y[i * ldy] = _mm512_reduce_add_ps(acc[i]);
@@ -180,24 +233,43 @@ AI void q_tile(const int32_t wt, const int nr, const uint8_t *w, int64_t nb, con
 
 /* Tiles of 4 X rows x 1 W row; rows of X outermost so a tile's activations
  * stay in L1 while the task's W rows (a few KiB each) come from L1/L2. */
-AI void q_rows(const int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t r1,
-               int64_t nb, const uint8_t *xq, int64_t xs, int64_t n, float *Y, int64_t ldy) {
+AI void q_rows(const int32_t wt, const int bits, const uint8_t *W, int64_t row_bytes, int64_t r0,
+               int64_t r1, int64_t nb, const uint8_t *xq, int64_t xs, int64_t n, float *Y,
+               int64_t ldy) {
     int64_t i = 0;
     for (; i + 4 <= n; i += 4)
         for (int64_t r = r0; r < r1; r++)
-            q_tile(wt, 4, W + r * row_bytes, nb, xq + i * xs, xs, Y + i * ldy + r, ldy);
+            q_tile(wt, bits, 4, W + r * row_bytes, nb, xq + i * xs, xs, Y + i * ldy + r, ldy);
     for (; i < n; i++)
         for (int64_t r = r0; r < r1; r++)
-            q_tile(wt, 1, W + r * row_bytes, nb, xq + i * xs, xs, Y + i * ldy + r, ldy);
+            q_tile(wt, bits, 1, W + r * row_bytes, nb, xq + i * xs, xs, Y + i * ldy + r, ldy);
 }
 
-static void gemm_q_avx512(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t r1,
-                          int64_t nb, const uint8_t *xq, int64_t xs, int64_t n, float *Y,
-                          int64_t ldy) {
+static void gemm_q8_avx512(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0,
+                           int64_t r1, int64_t nb, const uint8_t *xq, int64_t xs, int64_t n,
+                           float *Y, int64_t ldy) {
     switch (wt) {
-    case KVC_GGML_Q8_0: q_rows(KVC_GGML_Q8_0, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
-    case KVC_GGML_Q4_0: q_rows(KVC_GGML_Q4_0, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
-    default: q_rows(KVC_GGML_Q4_1, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
+    case KVC_GGML_Q8_0:
+        q_rows(KVC_GGML_Q8_0, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_Q4_0:
+        q_rows(KVC_GGML_Q4_0, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    default: q_rows(KVC_GGML_Q4_1, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
+    }
+}
+
+static void gemm_q16_avx512(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0,
+                            int64_t r1, int64_t nb, const uint8_t *xq, int64_t xs, int64_t n,
+                            float *Y, int64_t ldy) {
+    switch (wt) {
+    case KVC_GGML_Q8_0:
+        q_rows(KVC_GGML_Q8_0, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_Q4_0:
+        q_rows(KVC_GGML_Q4_0, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    default: q_rows(KVC_GGML_Q4_1, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
     }
 }
 
@@ -286,6 +358,7 @@ static void gemm_f_avx512(int32_t wt, const uint8_t *W, int64_t row_bytes, int64
 }
 
 const kvc__gemm_kernels *kvc__gemm_kernels_avx512(void) {
-    static const kvc__gemm_kernels k = {"avx512-vnni", "avx512", L, gemm_q_avx512, gemm_f_avx512};
+    static const kvc__gemm_kernels k = {"avx512-vnni", "avx512", L, gemm_q8_avx512,
+                                        gemm_q16_avx512, gemm_f_avx512};
     return &k;
 }

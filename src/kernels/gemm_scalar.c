@@ -3,11 +3,13 @@
  * like the math: one output element at a time, blocks in order.
  *
  *   float weights:  acc = acc + w[c] * x[c], c = 0, 1, ...
- *   int8 weights:   per block b: isum = sum_e qw[e] * qx[e] (int32, exact),
- *                   acc = acc + (dw * dx) * isum  [acc = acc + mw * sx]
+ *   quantized:      per block b: isum = sum_e qw[e] * qx[e] (int32, exact),
+ *                   acc = acc + (dw * dx) * float(isum)  [acc = acc + mw * sx]
  *
- * Activations use the layout with L = 1 (natural order: block b's 32 int8
- * values at 32 b within its group of 4, then dx/qsum/sx of the 4 blocks).
+ * Activations use the layout with L = 1 (natural order: block b's 32 int8 or
+ * int16 values at 32 b within its group of 4, then dx/qsum/sx of the 4
+ * blocks). One block_dot for both widths: the activation integers are read
+ * into int32 first.
  */
 #include <string.h>
 
@@ -43,14 +45,24 @@ static void gemm_f_scalar(int32_t wt, const uint8_t *W, int64_t row_bytes, int64
 }
 
 /* Dot product of weight block wb (type wt) with activation block b of row
- * xq; returns its float contribution. */
-static float block_dot(int32_t wt, const uint8_t *wb, const uint8_t *xq, int64_t b) {
-    const uint8_t *grp = xq + b / 4 * kvc__gemm_group_bytes(1);
+ * xq (bits 8 or 16); returns its float contribution. */
+static float block_dot(int32_t wt, const uint8_t *wb, const uint8_t *xq, int64_t b, int bits) {
+    const uint8_t *grp = xq + b / 4 * kvc__gemm_group_bytes(1, bits);
+    const int64_t qb = kvc__gemm_group_qbytes(1, bits);
     const int p = (int)(b % 4);
-    const int8_t *qx = (const int8_t *)(const void *)(grp + 32 * p);
+    int32_t qx[32];
+    for (int e = 0; e < 32; e++) {
+        if (bits == 16) {
+            int16_t v;
+            memcpy(&v, grp + 64 * p + 2 * e, 2);
+            qx[e] = v;
+        } else {
+            qx[e] = (int8_t)grp[32 * p + e];
+        }
+    }
     float dx, sx;
-    memcpy(&dx, grp + 128 + 4 * p, 4);
-    memcpy(&sx, grp + 160 + 4 * p, 4);
+    memcpy(&dx, grp + qb + 4 * p, 4);
+    memcpy(&sx, grp + qb + 32 + 4 * p, 4);
     int32_t isum = 0;
     switch (wt) {
     case KVC_GGML_Q8_0: /* f16 d, int8 q[32] */
@@ -75,20 +87,33 @@ static float block_dot(int32_t wt, const uint8_t *wb, const uint8_t *xq, int64_t
 
 static void gemm_q_scalar(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t r1,
                           int64_t nb, const uint8_t *xq, int64_t xq_stride, int64_t n, float *Y,
-                          int64_t ldy) {
+                          int64_t ldy, int bits) {
     const int64_t bb = wt == KVC_GGML_Q8_0 ? 34 : wt == KVC_GGML_Q4_0 ? 18 : 20;
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *x = xq + i * xq_stride;
         for (int64_t r = r0; r < r1; r++) {
             const uint8_t *w = W + r * row_bytes;
             float acc = 0.0f;
-            for (int64_t b = 0; b < nb; b++) acc = acc + block_dot(wt, w + b * bb, x, b);
+            for (int64_t b = 0; b < nb; b++) acc = acc + block_dot(wt, w + b * bb, x, b, bits);
             Y[i * ldy + r] = acc;
         }
     }
 }
 
+static void gemm_q8_scalar(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0,
+                           int64_t r1, int64_t nb, const uint8_t *xq, int64_t xq_stride,
+                           int64_t n, float *Y, int64_t ldy) {
+    gemm_q_scalar(wt, W, row_bytes, r0, r1, nb, xq, xq_stride, n, Y, ldy, 8);
+}
+
+static void gemm_q16_scalar(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0,
+                            int64_t r1, int64_t nb, const uint8_t *xq, int64_t xq_stride,
+                            int64_t n, float *Y, int64_t ldy) {
+    gemm_q_scalar(wt, W, row_bytes, r0, r1, nb, xq, xq_stride, n, Y, ldy, 16);
+}
+
 const kvc__gemm_kernels *kvc__gemm_kernels_scalar(void) {
-    static const kvc__gemm_kernels k = {"scalar", "scalar", 1, gemm_q_scalar, gemm_f_scalar};
+    static const kvc__gemm_kernels k = {"scalar", "scalar", 1, gemm_q8_scalar, gemm_q16_scalar,
+                                        gemm_f_scalar};
     return &k;
 }

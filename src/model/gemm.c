@@ -9,13 +9,14 @@
  * Y[i][r] of its block. Block sizes never depend on the thread count, and
  * kernels compute each Y element with a fixed operation sequence
  * (gemm_kernels.h), so results are bitwise independent of the pool and of n.
- * Activations of the int8 paths are quantized once per call (tasks of
- * GEMM_XQ_CHUNK rows) into scratch: on the stack for decode-sized calls,
- * else one aligned heap block.
+ * Activations of the integer paths are quantized once per call (tasks of
+ * GEMM_XQ_CHUNK rows, int16 or int8 by kvc__gemm_set_act_bits, read once
+ * per call) into scratch: on the stack for decode-sized calls, else one
+ * aligned heap block.
  *
- * Kernel choice: the ISA of kvc_get_isa(). The AVX-512 int8 kernels need
- * AVX512_VNNI (cpuid leaf 7, ECX bit 11); without it the AVX2 int8 kernels
- * run instead (the AVX-512 float kernels stay).
+ * Kernel choice: the ISA of kvc_get_isa(). The AVX-512 integer kernels need
+ * AVX512_VNNI (cpuid leaf 7, ECX bit 11); without it the AVX2 integer
+ * kernels run instead (the AVX-512 float kernels stay).
  */
 #define _POSIX_C_SOURCE 200809L
 #include "gemm.h"
@@ -36,8 +37,9 @@
 /* Output rows per task: a 16-row weight tile of a 1536-column Q4_1 matrix
  * is 15 KiB (stays in L1 while activation rows stream past it). */
 #define GEMM_CHUNK 16
-/* Activation rows per task: 16 quantized rows of 1536 columns are 33 KiB,
- * about L1; a task runs them against its GEMM_CHUNK weight rows. */
+/* Activation rows per task: 16 quantized rows of 1536 columns are 33 KiB
+ * (int8) or 57 KiB (int16), L1 / L2; a task runs them against its
+ * GEMM_CHUNK weight rows, 4 rows (at most 15 KiB) at a time. */
 #define GEMM_XBLOCK 16
 /* Activation rows quantized per task. */
 #define GEMM_XQ_CHUNK 16
@@ -199,13 +201,14 @@ kvc_status kvc__ggml_dequant_row(int32_t t, const void *src, int64_t n, float *d
  * bits, so the float addition itself rounds (default rounding mode). */
 static float rne(float v) { return (v + 0x1.8p23f) - 0x1.8p23f; }
 
-void kvc__gemm_quantize_x(const float *x, int64_t cols, int L, void *xq) {
+void kvc__gemm_quantize_x(const float *x, int64_t cols, int L, int bits, void *xq) {
     const int64_t nb = cols / KVC_GEMM_QK, G = 4 * (int64_t)L;
-    const int64_t groups = (nb + G - 1) / G;
+    const int64_t groups = (nb + G - 1) / G, qbytes = kvc__gemm_group_qbytes(L, bits);
+    const float qmax = bits == 16 ? 32767.0f : 127.0f;
     uint8_t *base = xq;
-    memset(base, 0, (size_t)(groups * kvc__gemm_group_bytes(L)));
+    memset(base, 0, (size_t)(groups * kvc__gemm_group_bytes(L, bits)));
     for (int64_t b = 0; b < nb; b++) {
-        uint8_t *grp = base + b / G * kvc__gemm_group_bytes(L);
+        uint8_t *grp = base + b / G * kvc__gemm_group_bytes(L, bits);
         const int bi = (int)(b % G), j = bi / L, k = bi % L, p = 4 * k + j;
         const float *xb = x + b * KVC_GEMM_QK;
         float amax = 0.0f;
@@ -213,23 +216,41 @@ void kvc__gemm_quantize_x(const float *x, int64_t cols, int L, void *xq) {
             const float a = fabsf(xb[e]); /* andps: a sign branch would mispredict */
             amax = a > amax ? a : amax;
         }
-        int8_t q[KVC_GEMM_QK] = {0};
+        int32_t q[KVC_GEMM_QK] = {0};
         float d = 0.0f;
         int32_t qsum = 0;
         if (amax >= 0x1p-120f) {
-            d = amax / 127.0f;
-            const float id = 127.0f / amax;
+            d = amax / qmax;
+            const float id = qmax / amax;
             for (int e = 0; e < KVC_GEMM_QK; e++) {
-                q[e] = (int8_t)rne(xb[e] * id);
+                q[e] = (int32_t)rne(xb[e] * id);
                 qsum += q[e];
             }
         }
-        memcpy(grp + (j * 2 + 0) * 16 * L + 16 * k, q, 16);
-        memcpy(grp + (j * 2 + 1) * 16 * L + 16 * k, q + 16, 16);
+        if (bits == 8) {
+            int8_t *q8 = (int8_t *)(void *)grp;
+            for (int e = 0; e < 16; e++) {
+                q8[(j * 2 + 0) * 16 * L + 16 * k + e] = (int8_t)q[e];
+                q8[(j * 2 + 1) * 16 * L + 16 * k + e] = (int8_t)q[e + 16];
+            }
+        } else {
+            int16_t q16[KVC_GEMM_QK];
+            for (int e = 0; e < KVC_GEMM_QK; e++) q16[e] = (int16_t)q[e];
+            if (L == 1) {
+                memcpy(grp + 64 * j, q16, sizeof q16);
+            } else {
+                /* part s: elements 16 (s / 2) + 2 i + s % 2, i < 8 */
+                for (int s = 0; s < 4; s++) {
+                    int16_t part[8];
+                    for (int i = 0; i < 8; i++) part[i] = q16[16 * (s / 2) + 2 * i + s % 2];
+                    memcpy(grp + ((4 * j + s) * L + k) * 16, part, sizeof part);
+                }
+            }
+        }
         const float sx = d * (float)qsum;
-        memcpy(grp + 128 * L + 4 * p, &d, 4);
-        memcpy(grp + 144 * L + 4 * p, &qsum, 4);
-        memcpy(grp + 160 * L + 4 * p, &sx, 4);
+        memcpy(grp + qbytes + 4 * p, &d, 4);
+        memcpy(grp + qbytes + 16 * L + 4 * p, &qsum, 4);
+        memcpy(grp + qbytes + 32 * L + 4 * p, &sx, 4);
     }
 }
 
@@ -262,9 +283,19 @@ static atomic_int g_no_vnni; /* test hook: 1 = behave as if VNNI were absent */
 
 void kvc__gemm_set_no_vnni(int on) { atomic_store(&g_no_vnni, on != 0); }
 
+static atomic_int g_act_bits = 16; /* activation integer width, 8 or 16 */
+
+kvc_status kvc__gemm_set_act_bits(int bits) {
+    KVC_CHECK(bits == 8 || bits == 16, "gemm: activation bits %d (8 or 16)", bits);
+    atomic_store(&g_act_bits, bits);
+    return KVC_OK;
+}
+
+int kvc__gemm_act_bits(void) { return atomic_load(&g_act_bits); }
+
 typedef struct gemm_sel {
     const kvc__gemm_kernels *f; /* float kernels */
-    const kvc__gemm_kernels *q; /* int8 kernels */
+    const kvc__gemm_kernels *q; /* integer kernels */
 } gemm_sel;
 
 static gemm_sel select_kernels(void) {
@@ -291,8 +322,9 @@ const char *kvc__gemm_kernel_name(int32_t wt) {
 
 typedef struct gemm_ctx {
     const kvc__gemm_kernels *k;
+    kvc__gemm_q_fn gemm_q; /* the kernel of the activation width */
     int32_t wt;
-    int quant;
+    int quant, bits;
     const uint8_t *W;
     int64_t row_bytes, rows, cols;
     const float *X;
@@ -307,7 +339,8 @@ static void quantize_task(void *p, int64_t t) {
     const gemm_ctx *c = p;
     const int64_t i1 = (t + 1) * GEMM_XQ_CHUNK < c->n ? (t + 1) * GEMM_XQ_CHUNK : c->n;
     for (int64_t i = t * GEMM_XQ_CHUNK; i < i1; i++)
-        kvc__gemm_quantize_x(c->X + i * c->ldx, c->cols, c->k->lanes, c->xq + i * c->xq_stride);
+        kvc__gemm_quantize_x(c->X + i * c->ldx, c->cols, c->k->lanes, c->bits,
+                             c->xq + i * c->xq_stride);
 }
 
 /* Task t: W rows [r0, r0 + GEMM_CHUNK) x X rows [i0, i0 + GEMM_XBLOCK). */
@@ -318,8 +351,8 @@ static void gemm_task(void *p, int64_t t) {
     const int64_t r1 = r0 + GEMM_CHUNK < c->rows ? r0 + GEMM_CHUNK : c->rows;
     const int64_t ni = i0 + GEMM_XBLOCK < c->n ? GEMM_XBLOCK : c->n - i0;
     if (c->quant)
-        c->k->gemm_q(c->wt, c->W, c->row_bytes, r0, r1, c->cols / KVC_GEMM_QK,
-                     c->xq + i0 * c->xq_stride, c->xq_stride, ni, c->Y + i0 * c->ldy, c->ldy);
+        c->gemm_q(c->wt, c->W, c->row_bytes, r0, r1, c->cols / KVC_GEMM_QK,
+                  c->xq + i0 * c->xq_stride, c->xq_stride, ni, c->Y + i0 * c->ldy, c->ldy);
     else
         c->k->gemm_f(c->wt, c->W, c->row_bytes, r0, r1, c->cols, c->X + i0 * c->ldx, c->ldx, ni,
                      c->Y + i0 * c->ldy, c->ldy);
@@ -351,10 +384,12 @@ kvc_status kvc__gemm(int32_t wt, const void *W, int64_t rows, int64_t cols, cons
     gemm_ctx c = {.wt = wt, .quant = ty->block > 1, .W = W, .row_bytes = row_bytes,
                   .rows = rows, .cols = cols, .X = X, .ldx = ldx, .n = n, .Y = Y, .ldy = ldy};
     c.k = c.quant ? sel.q : sel.f;
+    c.bits = atomic_load(&g_act_bits); /* once: every task of the call agrees */
+    c.gemm_q = c.bits == 16 ? c.k->gemm_q16 : c.k->gemm_q8;
     _Alignas(64) uint8_t stack_xq[GEMM_STACK_XQ];
     void *heap = NULL;
     if (c.quant) {
-        c.xq_stride = kvc__gemm_xq_row_bytes(cols, c.k->lanes);
+        c.xq_stride = kvc__gemm_xq_row_bytes(cols, c.k->lanes, c.bits);
         KVC_CHECK(n <= INT64_MAX / 2 / c.xq_stride, "gemm: n %lld too large", (long long)n);
         const size_t need = (size_t)(n * c.xq_stride);
         if (need <= sizeof stack_xq) {

@@ -10,24 +10,42 @@
  *       Y[i][r] = sum_c X[i][c] * W[r][c]
  *
  * Row independence (the model runtime's exactness depends on it): Y[i][:]
- * depends only on X[i][:], W, wt and the ISA: not on n, on the other rows or
- * on the thread count. Quantized weight types may quantize X per 32-element
- * block (int8, as llama.cpp's Q8_0 activations) for integer dot products;
+ * depends only on X[i][:], W, wt, the ISA and the activation width (below):
+ * not on n, on the other rows or on the thread count. Quantized weight types
+ * quantize X per 32-element block to integers for integer dot products;
  * that is part of the function, the same for every n.
  *
  * What the kernels compute (src/kernels/gemm_kernels.h has the details):
  *   F32, F16, BF16: float32 products and sums.
- *   Q8_0, Q4_0, Q4_1: each X row is quantized per 32-element block to int8
- *       with d = absmax / 127, q = round_half_even(x * 127 / absmax) (blocks
- *       with absmax < 2^-120 become zero), then per weight block the exact
- *       integer dot product of the block's integer weights with q is scaled
- *       by d_w * d_x (Q4_1 adds m_w * d_x * sum q) and summed in float32.
- *       The error against the exact product is at most
- *       sum_blocks (d_x / 2) * sum |w| plus float32 rounding.
+ *   Q8_0, Q4_0, Q4_1: each X row is quantized per 32-element block to
+ *       integers of B bits, Q = 2^(B-1) - 1 (B = 16 by default, Q = 32767;
+ *       B = 8, Q = 127 through kvc__gemm_set_act_bits), with d = amax / Q,
+ *       q = round_half_even(x * Q / amax) (blocks with amax < 2^-120 become
+ *       zero), then per weight block the exact integer dot product of the
+ *       block's integer weights with q is scaled by d_w * d_x (Q4_1 adds
+ *       m_w * d_x * sum q) and summed in float32. The error against the
+ *       exact product is at most sum_blocks (d_x / 2) * sum |w| plus float32
+ *       rounding.
+ *
+ * Activation width, the precision trade-off: per element the activation
+ * moves by at most d_x / 2 = amax / (2 Q) of its block: amax / 254 for int8
+ * (llama.cpp's Q8_0 activations), amax / 65534 for int16, 258 times less,
+ * close to float32 products of the dequantized weights (the weights' own
+ * quantization error is then the only one that matters). On SmolLM2-135M
+ * Q4_1 the int8 error flips greedy choices against a float reference
+ * ("What is the capital of France?" starts with another token); int16 keeps
+ * them. The cost: int16 halves the integer multiply throughput (AVX-512
+ * VNNI vpdpwssd: 32 multiply-adds per zmm against vpdpbusd's 64; AVX2
+ * vpmaddwd + vpaddd: 16 per ymm against vpmaddubsw's 32), doubles the
+ * activation scratch, and widening weights to int16 costs a few more
+ * shifts / masks per weight register. Decode (n = 1) reads the weights
+ * from memory either way and barely changes; batched products (prefill)
+ * are compute-bound and slower (`kvcache bench gemm` shows both).
+ *
  * Each ISA (scalar, avx2, avx512) sums in its own fixed order, so results of
- * different ISAs agree to rounding only. Under the avx512 ISA the int8
+ * different ISAs agree to rounding only. Under the avx512 ISA the integer
  * kernels use AVX512_VNNI when the CPU has it (cpuid, at run time) and the
- * AVX2 int8 kernels otherwise; kvc__gemm_kernel_name says which runs.
+ * AVX2 integer kernels otherwise; kvc__gemm_kernel_name says which runs.
  * X and Y must not overlap W or each other; X must be finite.
  */
 #ifndef KVC_MODEL_GEMM_H
@@ -64,8 +82,17 @@ kvc_status kvc__ggml_dequant_row(int32_t t, const void *src, int64_t n, float *d
 const char *kvc__gemm_kernel_name(int32_t wt);
 
 /* Test hook: on != 0 makes kvc__gemm behave as if the CPU had no
- * AVX512_VNNI (the AVX-512 ISA then runs the AVX2 int8 kernels). Not
+ * AVX512_VNNI (the AVX-512 ISA then runs the AVX2 integer kernels). Not
  * thread-safe with respect to running products. */
 void kvc__gemm_set_no_vnni(int on);
+
+/* Internal switch (tests, benchmarks): the integer width of quantized
+ * activations for Q8_0/Q4_0/Q4_1 weights, 16 (the default, what the model
+ * runtime uses) or 8 (faster batched products, coarser: see above);
+ * KVC_ERR_INVALID_ARG otherwise. Process-wide; each kvc__gemm call reads it
+ * once at its start; do not change it while products run that must agree
+ * with each other. */
+kvc_status kvc__gemm_set_act_bits(int bits);
+int kvc__gemm_act_bits(void);
 
 #endif

@@ -699,6 +699,8 @@ done:
 int32_t kvc_tokenizer_n_vocab(const kvc_tokenizer *t) {
     return t ? t->n_vocab : 0;
 }
+int kvc_tokenizer_add_bos(const kvc_tokenizer *t) { return t ? t->add_bos && t->bos >= 0 : 0; }
+
 int32_t kvc_tokenizer_bos(const kvc_tokenizer *t) {
     return t ? t->bos : -1;
 }

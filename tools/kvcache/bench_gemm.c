@@ -12,11 +12,16 @@
  *
  * n = 16, 128 (batched decode, prefill) is compute: GOP/s (2 rows cols n /
  * time) and the ratio to the peak of the instruction the kernel is built on,
- * measured in the same run with the same thread count: vpdpbusd zmm (64
- * multiply-adds) for the AVX-512 VNNI int8 kernels, vpmaddubsw ymm (32) for
- * the AVX2 int8 kernels, vfmadd ymm/zmm (8/16) for the float kernels; a chain
- * of dependent instructions per accumulator, enough accumulators to cover
- * the latency. Scalar kernels have no peak (ratio "-").
+ * measured in the same run with the same thread count: with int16
+ * activations (the default, column act "i16") vpdpwssd zmm (32
+ * multiply-adds) for the AVX-512 VNNI kernels, vpmaddwd ymm (16) for the
+ * AVX2 kernels (which also need a vpaddd per vpmaddwd, so their ratio stays
+ * well below 1); with int8 activations ("i8", kvc__gemm_set_act_bits(8))
+ * vpdpbusd zmm (64) and vpmaddubsw ymm (32); vfmadd ymm/zmm (8/16) for the
+ * float kernels (act "-"); a chain of dependent instructions per
+ * accumulator, enough accumulators to cover the latency. Scalar kernels have
+ * no peak (ratio "-"). Quantized weight types run every case with int16 and
+ * then int8 activations, on adjacent lines.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
@@ -37,7 +42,15 @@
 
 #define PEAK_ITERS 4096 /* loop trips per call per thread */
 
-typedef enum peak_kind { PEAK_NONE, PEAK_VNNI512, PEAK_MADDUBS256, PEAK_FMA512, PEAK_FMA256 } peak_kind;
+typedef enum peak_kind {
+    PEAK_NONE,
+    PEAK_VNNI512,   /* vpdpbusd zmm */
+    PEAK_VNNIW512,  /* vpdpwssd zmm */
+    PEAK_MADDUBS256,
+    PEAK_MADDWD256,
+    PEAK_FMA512,
+    PEAK_FMA256
+} peak_kind;
 
 #ifdef BG_X86
 /* 16 chains of dependent vpdpbusd: 64 u8 x s8 multiply-adds each. */
@@ -50,6 +63,30 @@ __attribute__((target("avx512f,avx512vnni"))) static uint64_t peak_vnni512(void)
     __m512i s = a[0];
     for (int k = 1; k < 16; k++) s = _mm512_xor_si512(s, a[k]);
     return (uint64_t)_mm512_reduce_add_epi32(s);
+}
+
+/* 16 chains of dependent vpdpwssd: 32 s16 x s16 multiply-adds each. */
+__attribute__((target("avx512f,avx512vnni"))) static uint64_t peak_vnniw512(void) {
+    __m512i a[16];
+    const __m512i x = _mm512_set1_epi16(1), y = _mm512_set1_epi16(-1);
+    for (int k = 0; k < 16; k++) a[k] = _mm512_set1_epi32(k);
+    for (int it = 0; it < PEAK_ITERS; it++)
+        for (int k = 0; k < 16; k++) a[k] = _mm512_dpwssd_epi32(a[k], x, y);
+    __m512i s = a[0];
+    for (int k = 1; k < 16; k++) s = _mm512_xor_si512(s, a[k]);
+    return (uint64_t)_mm512_reduce_add_epi32(s);
+}
+
+/* 12 chains of dependent vpmaddwd ymm: 16 s16 x s16 products (+ pair sums). */
+__attribute__((target("avx2"))) static uint64_t peak_maddwd256(void) {
+    __m256i a[12];
+    const __m256i y = _mm256_set1_epi16(1);
+    for (int k = 0; k < 12; k++) a[k] = _mm256_set1_epi32(k);
+    for (int it = 0; it < PEAK_ITERS; it++)
+        for (int k = 0; k < 12; k++) a[k] = _mm256_madd_epi16(a[k], y);
+    __m256i s = a[0];
+    for (int k = 1; k < 12; k++) s = _mm256_xor_si256(s, a[k]);
+    return (uint64_t)_mm256_extract_epi64(s, 0);
 }
 
 /* 12 chains of dependent vpmaddubsw ymm: 32 u8 x s8 products (+ pair sums). */
@@ -94,7 +131,9 @@ __attribute__((target("avx2,fma"))) static uint64_t peak_fma256(void) {
 static double peak_ops(peak_kind k) {
     switch (k) {
     case PEAK_VNNI512: return 2.0 * 64 * 16 * PEAK_ITERS;
+    case PEAK_VNNIW512: return 2.0 * 32 * 16 * PEAK_ITERS;
     case PEAK_MADDUBS256: return 2.0 * 32 * 12 * PEAK_ITERS;
+    case PEAK_MADDWD256: return 2.0 * 16 * 12 * PEAK_ITERS;
     case PEAK_FMA512: return 2.0 * 16 * 16 * PEAK_ITERS;
     case PEAK_FMA256: return 2.0 * 8 * 12 * PEAK_ITERS;
     default: return 0;
@@ -104,7 +143,9 @@ static double peak_ops(peak_kind k) {
 static const char *peak_name(peak_kind k) {
     switch (k) {
     case PEAK_VNNI512: return "vpdpbusd-zmm";
+    case PEAK_VNNIW512: return "vpdpwssd-zmm";
     case PEAK_MADDUBS256: return "vpmaddubsw-ymm";
+    case PEAK_MADDWD256: return "vpmaddwd-ymm";
     case PEAK_FMA512: return "vfmadd-zmm";
     case PEAK_FMA256: return "vfmadd-ymm";
     default: return "-";
@@ -115,7 +156,9 @@ static uint64_t peak_once(peak_kind k) {
 #ifdef BG_X86
     switch (k) {
     case PEAK_VNNI512: return peak_vnni512();
+    case PEAK_VNNIW512: return peak_vnniw512();
     case PEAK_MADDUBS256: return peak_maddubs256();
+    case PEAK_MADDWD256: return peak_maddwd256();
     case PEAK_FMA512: return peak_fma512();
     case PEAK_FMA256: return peak_fma256();
     default: break;
@@ -156,10 +199,14 @@ static double measure_peak(peak_kind k, int nt, double budget) {
     return peak_ops(k) * nt / tm.median_s * 1e-9;
 }
 
-static peak_kind peak_for(const char *kernel) {
-    if (strcmp(kernel, "avx512-vnni") == 0) return PEAK_VNNI512;
+/* The instruction kernel set `kernel` is built on for weight type wt with
+ * bits-wide activations (bits 0: float weights). */
+static peak_kind peak_for(const char *kernel, int32_t wt, int bits) {
+    const int quant = wt == KVC_GGML_Q4_1 || wt == KVC_GGML_Q8_0;
+    if (strcmp(kernel, "avx512-vnni") == 0) return bits == 16 ? PEAK_VNNIW512 : PEAK_VNNI512;
     if (strcmp(kernel, "avx512") == 0) return PEAK_FMA512;
-    if (strcmp(kernel, "avx2") == 0) return PEAK_NONE; /* resolved by the caller */
+    if (strcmp(kernel, "avx2") == 0)
+        return !quant ? PEAK_FMA256 : bits == 16 ? PEAK_MADDWD256 : PEAK_MADDUBS256;
     return PEAK_NONE;
 }
 
@@ -250,13 +297,14 @@ int bench_gemm(const bench_opts *o) {
         printf("# kvc__gemm Y(n, rows) = X(n, cols) W(rows, cols)^T, %.2f s per case; n = 1: "
                "GB/s of weight bytes (W cycled over %lld MiB of copies) vs a plain read, same "
                "threads, interleaved; n > 1: GOP/s (2 rows cols n) vs the same-run peak of the "
-               "kernel's instruction, same threads\n",
+               "kernel's instruction, same threads; act: activation integers of the quantized "
+               "types (i16 default, i8 kvc__gemm_set_act_bits(8))\n",
                o->time_s, (long long)(stream_bytes >> 20));
     bench_membw_ctx *mb = bench_membw_create(o->membw_bytes);
     if (!mb) return CLI_EXIT_FAIL;
     if (!o->json)
-        printf("%-4s %-12s %-11s %4s %3s %-12s %10s %9s %9s %6s  %s\n", "type", "shape", "what",
-               "n", "thr", "kernel", "us/call", "rate", "bound", "ratio", "unit");
+        printf("%-4s %-3s %-12s %-11s %4s %3s %-12s %10s %9s %9s %6s  %s\n", "type", "act",
+               "shape", "what", "n", "thr", "kernel", "us/call", "rate", "bound", "ratio", "unit");
     int cases = 0, failed = 0;
     for (int ti = 0; ti < o->n_thread_counts; ti++) {
         const int nt = o->threads[ti];
@@ -296,61 +344,70 @@ int bench_gemm(const bench_opts *o) {
                 for (int64_t k = 0; k < 128 * s.cols; k++)
                     c.x[k] = (float)((double)(bench_mix64((uint64_t)k + 5) >> 11) * 0x1p-53 - 0.5);
                 const char *kernel = kvc__gemm_kernel_name(wt);
-                peak_kind pk = peak_for(kernel);
-                if (strcmp(kernel, "avx2") == 0)
-                    pk = wt == KVC_GGML_F16 ? PEAK_FMA256 : PEAK_MADDUBS256;
-                for (int ni = 0; ni < n_ns_used; ni++) {
-                    c.n = ns[ni];
-                    c.next = 0;
-                    if (c.n > 128) c.n = 128;
-                    const int64_t saved_copies = c.copies;
-                    if (c.n > 1) c.copies = 1; /* compute-bound: W stays in cache */
-                    bench_timing tm;
-                    double bound = 0;
-                    int rc;
-                    cases++;
-                    if (c.n == 1) {
-                        rc = time_with_read(&c, o->time_s, mb, ref_budget, nt, &tm, &bound);
-                    } else {
-                        bound = measure_peak(pk, nt, peak_budget);
-                        rc = bench_time(gm_call, &c, o->time_s, &tm);
-                        const double b2 = measure_peak(pk, nt, peak_budget);
-                        bound = b2 > bound ? b2 : bound;
+                const int quant = wt != KVC_GGML_F16;
+                static const int bits_q[] = {16, 8}, bits_f[] = {0};
+                const int *bits_l = quant ? bits_q : bits_f, n_bits = quant ? 2 : 1;
+                for (int ni = 0; ni < n_ns_used; ni++)
+                    for (int bi = 0; bi < n_bits; bi++) {
+                        const int bits = bits_l[bi];
+                        if (bits) kvc__gemm_set_act_bits(bits);
+                        const peak_kind pk = peak_for(kernel, wt, bits);
+                        c.n = ns[ni];
+                        c.next = 0;
+                        if (c.n > 128) c.n = 128;
+                        const int64_t saved_copies = c.copies;
+                        if (c.n > 1) c.copies = 1; /* compute-bound: W stays in cache */
+                        bench_timing tm;
+                        double bound = 0;
+                        int rc;
+                        cases++;
+                        if (c.n == 1) {
+                            rc = time_with_read(&c, o->time_s, mb, ref_budget, nt, &tm, &bound);
+                        } else {
+                            bound = measure_peak(pk, nt, peak_budget);
+                            rc = bench_time(gm_call, &c, o->time_s, &tm);
+                            const double b2 = measure_peak(pk, nt, peak_budget);
+                            bound = b2 > bound ? b2 : bound;
+                        }
+                        c.copies = saved_copies;
+                        kvc__gemm_set_act_bits(16);
+                        if (rc != 0) {
+                            fprintf(stderr, "kvcache: bench gemm: %s\n",
+                                    rc > 0 ? kvc_last_error() : "reference failed");
+                            failed++;
+                            continue;
+                        }
+                        bench_sink(bench_checksum(0, c.y, (size_t)(c.n * c.rows) * sizeof(float)));
+                        const double rate =
+                            c.n == 1 ? (double)c.wbytes / tm.median_s * 1e-9
+                                     : 2.0 * (double)(c.rows * c.cols * c.n) / tm.median_s * 1e-9;
+                        const double ratio = bound > 0 ? rate / bound : 0;
+                        const char *unit = c.n == 1 ? "GB/s (plain read)" : "GOP/s";
+                        const char *act = bits == 16 ? "i16" : bits == 8 ? "i8" : "-";
+                        char shape[32];
+                        snprintf(shape, sizeof shape, "%lldx%lld", (long long)s.rows,
+                                 (long long)s.cols);
+                        if (o->json) {
+                            printf("{\"type\":\"case\",\"target\":\"gemm\",\"wtype\":\"%s\","
+                                   "\"act_bits\":%d,\"rows\":%lld,\"cols\":%lld,\"n\":%lld,"
+                                   "\"threads\":%d,\"kernel\":\"%s\",\"us\":%.3f,\"us_min\":%.3f,"
+                                   "\"%s\":%.3f,\"bound\":%.3f,\"bound_kind\":\"%s\","
+                                   "\"ratio\":%.4f}\n",
+                                   type_name(wt), bits, (long long)s.rows, (long long)s.cols,
+                                   (long long)c.n, nt, kernel, tm.median_s * 1e6,
+                                   tm.min_s * 1e6, c.n == 1 ? "gbs" : "gops", rate, bound,
+                                   c.n == 1 ? "read" : peak_name(pk), ratio);
+                        } else {
+                            char rs[16] = "-";
+                            if (bound > 0) snprintf(rs, sizeof rs, "%.3f", ratio);
+                            printf("%-4s %-3s %-12s %-11s %4lld %3d %-12s %10.1f %9.2f %9.2f "
+                                   "%6s  %s%s%s\n",
+                                   type_name(wt), act, shape, s.what, (long long)c.n, nt, kernel,
+                                   tm.median_s * 1e6, rate, bound, rs, unit,
+                                   c.n == 1 ? "" : " vs ", c.n == 1 ? "" : peak_name(pk));
+                        }
+                        fflush(stdout);
                     }
-                    c.copies = saved_copies;
-                    if (rc != 0) {
-                        fprintf(stderr, "kvcache: bench gemm: %s\n",
-                                rc > 0 ? kvc_last_error() : "reference failed");
-                        failed++;
-                        continue;
-                    }
-                    bench_sink(bench_checksum(0, c.y, (size_t)(c.n * c.rows) * sizeof(float)));
-                    const double rate =
-                        c.n == 1 ? (double)c.wbytes / tm.median_s * 1e-9
-                                 : 2.0 * (double)(c.rows * c.cols * c.n) / tm.median_s * 1e-9;
-                    const double ratio = bound > 0 ? rate / bound : 0;
-                    const char *unit = c.n == 1 ? "GB/s (plain read)" : "GOP/s";
-                    char shape[32];
-                    snprintf(shape, sizeof shape, "%lldx%lld", (long long)s.rows, (long long)s.cols);
-                    if (o->json) {
-                        printf("{\"type\":\"case\",\"target\":\"gemm\",\"wtype\":\"%s\","
-                               "\"rows\":%lld,\"cols\":%lld,\"n\":%lld,\"threads\":%d,"
-                               "\"kernel\":\"%s\",\"us\":%.3f,\"us_min\":%.3f,\"%s\":%.3f,"
-                               "\"bound\":%.3f,\"bound_kind\":\"%s\",\"ratio\":%.4f}\n",
-                               type_name(wt), (long long)s.rows, (long long)s.cols,
-                               (long long)c.n, nt, kernel, tm.median_s * 1e6, tm.min_s * 1e6,
-                               c.n == 1 ? "gbs" : "gops", rate, bound,
-                               c.n == 1 ? "read" : peak_name(pk), ratio);
-                    } else {
-                        char rs[16] = "-";
-                        if (bound > 0) snprintf(rs, sizeof rs, "%.3f", ratio);
-                        printf("%-4s %-12s %-11s %4lld %3d %-12s %10.1f %9.2f %9.2f %6s  %s%s%s\n",
-                               type_name(wt), shape, s.what, (long long)c.n, nt, kernel,
-                               tm.median_s * 1e6, rate, bound, rs, unit,
-                               c.n == 1 ? "" : " vs ", c.n == 1 ? "" : peak_name(pk));
-                    }
-                    fflush(stdout);
-                }
                 bench_free(c.w);
                 bench_free(c.x);
                 bench_free(c.y);

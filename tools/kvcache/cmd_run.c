@@ -155,10 +155,11 @@ int cmd_run(int argc, char **argv) {
     }
     const char *src = chat ? text : prompt;
     int64_t n_ids = 0;
-    kvc_status st = kvc_tokenize(tok, src, tlen, 0, chat, NULL, 0, &n_ids);
+    const int add_bos = kvc_tokenizer_add_bos(tok);
+    kvc_status st = kvc_tokenize(tok, src, tlen, add_bos, chat, NULL, 0, &n_ids);
     if (st != KVC_OK && st != KVC_ERR_NO_SPACE) goto fail;
     ids = malloc((size_t)(n_ids > 0 ? n_ids : 1) * sizeof(int32_t));
-    if (!ids || kvc_tokenize(tok, src, tlen, 0, chat, ids, n_ids, &n_ids) != KVC_OK) goto fail;
+    if (!ids || kvc_tokenize(tok, src, tlen, add_bos, chat, ids, n_ids, &n_ids) != KVC_OK) goto fail;
     if (n_ids == 0) {
         fprintf(stderr, "kvcache: run: the prompt has no tokens\n");
         goto done;
