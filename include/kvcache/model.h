@@ -79,6 +79,13 @@ KVC_API kvc_cache_params kvc_model_cache_params(const kvc_model *model, kvc_dtyp
  * <= its own. Logits are produced for the rows flagged in want_logits.
  *   tokens       (sum n) int32, sequence by sequence
  *   seqs, pos0, n  (n_seqs)
+ *   decode_from  (n_seqs) or NULL: rows at positions >= decode_from[s] attend
+ *                with the decode kernel (one query row per call, memory-bound,
+ *                the fast path for generated tokens), rows before it with the
+ *                batched prefill kernel. Each kernel is row-independent, so a
+ *                row's logits depend on this split, never on how steps are
+ *                scheduled; the engine passes each request's prompt length.
+ *                NULL: every row through prefill.
  *   want_logits  (sum n) uint8 or NULL (= the last row of each sequence)
  *   logits       (rows wanted, n_vocab) float32, in row order
  * A context holds the step's scratch (grown as needed, reused across steps).
@@ -91,13 +98,16 @@ KVC_API void kvc_model_ctx_free(kvc_model_ctx *ctx); /* NULL is a no-op */
 
 KVC_API kvc_status kvc_model_forward(kvc_model_ctx *ctx, kvc_cache *cache, int32_t n_seqs,
                                      const kvc_seq_id *seqs, const int64_t *pos0,
-                                     const int64_t *n, const int32_t *tokens,
-                                     const uint8_t *want_logits, float *logits);
+                                     const int64_t *n, const int64_t *decode_from,
+                                     const int32_t *tokens, const uint8_t *want_logits,
+                                     float *logits);
 
 /* Convenience: the logits of every position of one token sequence, computed
- * as one prefill in a fresh cache of kv_dtype. logits (n_tokens, n_vocab). */
+ * in one step in a fresh cache of kv_dtype (decode_from as in
+ * kvc_model_forward; < 0 for none). logits (n_tokens, n_vocab). */
 KVC_API kvc_status kvc_model_eval(const kvc_model *model, const int32_t *tokens, int64_t n_tokens,
-                                  kvc_dtype kv_dtype, float *logits, int32_t n_threads);
+                                  int64_t decode_from, kvc_dtype kv_dtype, float *logits,
+                                  int32_t n_threads);
 
 /* ---- sampling -------------------------------------------------------------- */
 

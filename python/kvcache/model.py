@@ -84,8 +84,9 @@ kvc_model_get_info = _p("kvc_model_get_info", _c_int, _vp, ctypes.POINTER(ModelI
 kvc_model_tokenizer = _p("kvc_model_tokenizer", _vp, _vp)
 kvc_model_ctx_create = _p("kvc_model_ctx_create", _c_int, _vp, _i32, ctypes.POINTER(_vp))
 kvc_model_ctx_free = _p("kvc_model_ctx_free", None, _vp)
-kvc_model_forward = _p("kvc_model_forward", _c_int, _vp, _vp, _i32, _vp, _vp, _vp, _vp, _vp, _vp)
-kvc_model_eval = _p("kvc_model_eval", _c_int, _vp, _vp, _i64, _c_int, _vp, _i32)
+kvc_model_forward = _p("kvc_model_forward", _c_int, _vp, _vp, _i32, _vp, _vp, _vp, _vp, _vp, _vp,
+                       _vp)
+kvc_model_eval = _p("kvc_model_eval", _c_int, _vp, _vp, _i64, _i64, _c_int, _vp, _i32)
 kvc_sample = _p("kvc_sample", _c_int, _vp, _i32, ctypes.POINTER(SamplingParams),
                 ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(_i32))
 kvc_engine_default_params = _p("kvc_engine_default_params", EngineParams)
@@ -184,15 +185,18 @@ class Model:
         """The C kvc_tokenizer pointer owned by the model."""
         return kvc_model_tokenizer(self._live())
 
-    def eval(self, tokens, kv_dtype="float32", num_threads=None) -> np.ndarray:
+    def eval(self, tokens, kv_dtype="float32", num_threads=None, decode_from=None) -> np.ndarray:
         """Logits (n, n_vocab) float32 of every position of one token
-        sequence, computed as one prefill through a fresh cache."""
+        sequence, computed in one step through a fresh cache: one prefill, or
+        with decode_from=p, prefill for positions < p and the decode kernel
+        for the rest (as the engine computes generated tokens)."""
         t = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64)).astype(np.int32)
         if t.ndim != 1:
             raise InvalidArgumentError("tokens must be 1-D")
         out = np.empty((t.size, self.n_vocab), np.float32)
         _, code = _kv_dtype(kv_dtype)
-        _lib.check(kvc_model_eval(self._live(), t.ctypes.data, t.size, code, out.ctypes.data,
+        df = -1 if decode_from is None else int(decode_from)
+        _lib.check(kvc_model_eval(self._live(), t.ctypes.data, t.size, df, code, out.ctypes.data,
                                   _threads(num_threads)))
         return out
 
@@ -206,11 +210,13 @@ class Model:
                             enable_prefix_caching=enable_prefix_caching, quant_group=quant_group)
 
     def forward(self, cache: PagedKVCache, seqs, pos0, n, tokens, want_logits=None,
-                num_threads=None) -> np.ndarray:
+                num_threads=None, decode_from=None) -> np.ndarray:
         """One step over sequences of ``cache`` (slots already reserved):
         sequence s computes positions [pos0[s], pos0[s] + n[s]) for the
         concatenated ``tokens``. Returns the logits of the rows flagged in
-        want_logits (default: the last row of each sequence), in row order."""
+        want_logits (default: the last row of each sequence), in row order.
+        decode_from (per sequence, or None): positions >= it attend with the
+        decode kernel, earlier ones with prefill (C: kvc_model_forward)."""
         seqs = np.ascontiguousarray(seqs, np.int64).reshape(-1)
         pos0 = np.ascontiguousarray(pos0, np.int64).reshape(-1)
         n = np.ascontiguousarray(n, np.int64).reshape(-1)
@@ -228,6 +234,12 @@ class Model:
                 raise InvalidArgumentError("want_logits must have one entry per token row")
             n_want = int((want != 0).sum())
             want_ptr = want.ctypes.data
+        dec_ptr = None
+        if decode_from is not None:
+            dec = np.ascontiguousarray(decode_from, np.int64).reshape(-1)
+            if dec.size != seqs.size:
+                raise InvalidArgumentError("decode_from must have one entry per sequence")
+            dec_ptr = dec.ctypes.data
         out = np.empty((n_want, self.n_vocab), np.float32)
         nt = _threads(num_threads)
         with self._lock:
@@ -240,8 +252,8 @@ class Model:
             if handle is None:
                 raise InvalidArgumentError("the cache is closed")
             _lib.check(kvc_model_forward(ctx, handle.ptr, seqs.size, seqs.ctypes.data,
-                                         pos0.ctypes.data, n.ctypes.data, tokens.ctypes.data,
-                                         want_ptr, out.ctypes.data))
+                                         pos0.ctypes.data, n.ctypes.data, dec_ptr,
+                                         tokens.ctypes.data, want_ptr, out.ctypes.data))
         return out
 
     def generate(self, prompts, max_new_tokens=32, *, kv_dtype="float16", num_threads=None,

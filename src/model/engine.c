@@ -53,7 +53,7 @@ struct kvc_engine {
     kvc_engine_stats st;
     /* step scratch */
     kvc_seq_id *b_seq;
-    int64_t *b_pos0, *b_n;
+    int64_t *b_pos0, *b_n, *b_dec;
     req **b_req;
     int32_t *b_tok;
     uint8_t *b_want;
@@ -96,6 +96,7 @@ void kvc_engine_destroy(kvc_engine *e) {
     free(e->b_seq);
     free(e->b_pos0);
     free(e->b_n);
+    free(e->b_dec);
     free(e->b_req);
     free(e->b_tok);
     free(e->b_want);
@@ -286,11 +287,13 @@ static kvc_status ensure_batch(kvc_engine *e, int64_t nb, int64_t rows) {
         if (b) e->b_pos0 = b;
         void *d = realloc(e->b_n, (size_t)c * sizeof(int64_t));
         if (d) e->b_n = d;
+        void *h = realloc(e->b_dec, (size_t)c * sizeof(int64_t));
+        if (h) e->b_dec = h;
         void *f = realloc(e->b_req, (size_t)c * sizeof(req *));
         if (f) e->b_req = f;
         void *g = realloc(e->logits, (size_t)c * (size_t)e->n_vocab * sizeof(float));
         if (g) e->logits = g;
-        if (!a || !b || !d || !f || !g)
+        if (!a || !b || !d || !f || !g || !h)
             return kvc__error(KVC_ERR_NOMEM, "kvc_engine_step: out of memory");
         e->cap_b = c;
     }
@@ -447,8 +450,12 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
         return KVC_OK;
     }
     /* 4. forward */
-    st = kvc_model_forward(e->ctx, e->cache, (int32_t)nb, e->b_seq, e->b_pos0, e->b_n, e->b_tok,
-                           e->b_want, e->logits);
+    /* generated tokens (positions >= the prompt length) attend with the decode
+     * kernel, prompt tokens with prefill: a rule of the request, not of the
+     * schedule, so results do not depend on batching or chunking */
+    for (int64_t b = 0; b < nb; b++) e->b_dec[b] = e->b_req[b]->n_prompt;
+    st = kvc_model_forward(e->ctx, e->cache, (int32_t)nb, e->b_seq, e->b_pos0, e->b_n, e->b_dec,
+                           e->b_tok, e->b_want, e->logits);
     if (st != KVC_OK) return st;
     /* 5. sample, emit, retire */
     int64_t li = 0, ne = 0, row = 0;

@@ -46,18 +46,31 @@ struct kvc_model {
     double *inv_freq; /* (n_rot / 2) base^(-2i / n_rot) */
 };
 
+/* A growable int32/int64 array of the step scratch. */
+typedef struct ibuf {
+    void *p;
+    int64_t cap; /* elements */
+} ibuf;
+
 struct kvc_model_ctx {
     const kvc_model *m;
     kvc_threadpool *pool;
     int32_t n_threads;
-    int64_t cap_rows, cap_seqs, cap_pages, cap_logit_rows;
-    float *x, *h, *q, *k, *v, *att, *gate, *up, *tmp; /* per row scratch */
+    int64_t cap_rows, cap_logit_rows;
+    float *x, *h, *q, *k, *v, *att, *gate, *up, *tmp; /* (rows, *) row scratch */
     float *fin;                                       /* (wanted rows, n_embd) */
-    int32_t *batch_idx, *positions;                   /* (rows) */
-    int32_t *qo_indptr, *kv_indptr, *kv_last, *kv_indices, *full_indptr, *full_last;
-    int32_t *full_indices;
-    int64_t cap_full;
+    /* per internal row: original row, append table entry, position */
+    ibuf orig, inv, batch_idx, positions;
+    /* page tables: the batch's full tables, the append table (pos0 + n
+     * tokens per sequence), the prefill table and the per-row decode table */
+    ibuf full_indptr, full_last, full_indices;
+    ibuf a_indptr, a_last, a_indices;
+    ibuf p_qo, p_indptr, p_last, p_indices;
+    ibuf d_indptr, d_last, d_indices;
+    kvc_seq_id *act;
+    int64_t cap_act;
 };
+
 
 /* ---- loading ---------------------------------------------------------------- */
 
@@ -319,9 +332,12 @@ void kvc_model_ctx_free(kvc_model_ctx *c) {
     if (!c) return;
     float *fl[] = {c->x, c->h, c->q, c->k, c->v, c->att, c->gate, c->up, c->tmp, c->fin};
     for (size_t i = 0; i < sizeof fl / sizeof fl[0]; i++) free(fl[i]);
-    int32_t *il[] = {c->batch_idx, c->positions, c->qo_indptr,  c->kv_indptr,  c->kv_last,
-                     c->kv_indices, c->full_indptr, c->full_last, c->full_indices};
-    for (size_t i = 0; i < sizeof il / sizeof il[0]; i++) free(il[i]);
+    ibuf *ib[] = {&c->orig,      &c->inv,       &c->batch_idx,    &c->positions, &c->full_indptr,
+                  &c->full_last, &c->full_indices, &c->a_indptr, &c->a_last,    &c->a_indices,
+                  &c->p_qo,      &c->p_indptr,  &c->p_last,       &c->p_indices, &c->d_indptr,
+                  &c->d_last,    &c->d_indices};
+    for (size_t i = 0; i < sizeof ib / sizeof ib[0]; i++) free(ib[i]->p);
+    free(c->act);
     kvc_threadpool_destroy(c->pool);
     free(c);
 }
@@ -352,8 +368,19 @@ static int grow(void **p, int64_t n, size_t elem) {
     return 1;
 }
 
-static kvc_status ensure(kvc_model_ctx *c, int64_t rows, int64_t seqs, int64_t pages,
-                         int64_t logit_rows) {
+/* b holds at least n elements of elem bytes. */
+static int need(ibuf *b, int64_t n, size_t elem) {
+    if (n <= b->cap) return 1;
+    int64_t c = n + n / 2 + 16;
+    if (!grow(&b->p, c, elem)) return 0;
+    b->cap = c;
+    return 1;
+}
+
+#define I32(b) ((int32_t *)(b).p)
+#define I64(b) ((int64_t *)(b).p)
+
+static kvc_status ensure_rows(kvc_model_ctx *c, int64_t rows, int64_t logit_rows) {
     const kvc_model_info *in = &c->m->info;
     const int64_t E = in->n_embd, QD = (int64_t)in->n_head * in->head_dim;
     const int64_t KD = (int64_t)in->n_head_kv * in->head_dim, F = in->n_ff;
@@ -368,26 +395,14 @@ static kvc_status ensure(kvc_model_ctx *c, int64_t rows, int64_t seqs, int64_t p
         ok = ok && grow((void **)&c->v, rows * KD, sizeof(float));
         ok = ok && grow((void **)&c->gate, rows * F, sizeof(float));
         ok = ok && grow((void **)&c->up, rows * F, sizeof(float));
-        ok = ok && grow((void **)&c->batch_idx, rows, sizeof(int32_t));
-        ok = ok && grow((void **)&c->positions, rows, sizeof(int32_t));
         if (ok) c->cap_rows = rows;
     }
-    if (ok && seqs > c->cap_seqs) {
-        ok = ok && grow((void **)&c->qo_indptr, seqs + 1, sizeof(int32_t));
-        ok = ok && grow((void **)&c->kv_indptr, seqs + 1, sizeof(int32_t));
-        ok = ok && grow((void **)&c->kv_last, seqs, sizeof(int32_t));
-        ok = ok && grow((void **)&c->full_indptr, seqs + 1, sizeof(int32_t));
-        ok = ok && grow((void **)&c->full_last, seqs, sizeof(int32_t));
-        if (ok) c->cap_seqs = seqs;
-    }
-    if (ok && pages > c->cap_pages) {
-        ok = ok && grow((void **)&c->kv_indices, pages, sizeof(int32_t));
-        if (ok) c->cap_pages = pages;
-    }
     if (ok && logit_rows > c->cap_logit_rows) {
-        ok = ok && grow((void **)&c->fin, logit_rows * E, sizeof(float));
+        ok = grow((void **)&c->fin, logit_rows * E, sizeof(float));
         if (ok) c->cap_logit_rows = logit_rows;
     }
+    ok = ok && need(&c->orig, rows, sizeof(int64_t)) && need(&c->inv, rows, sizeof(int64_t));
+    ok = ok && need(&c->batch_idx, rows, 4) && need(&c->positions, rows, 4);
     return ok ? KVC_OK : kvc__error(KVC_ERR_NOMEM, "kvc_model_forward: out of memory");
 }
 
@@ -437,8 +452,8 @@ static void rows_task(void *ctx, int64_t t) {
         switch (j->stage) {
         case 0: rmsnorm(c->x + r * E, j->L->attn_norm, E, in->rms_eps, c->h + r * E); break;
         case 1:
-            rope(c->q + r * QD, in->n_head, Dh, in->n_rot, c->m->inv_freq, c->positions[r]);
-            rope(c->k + r * KD, in->n_head_kv, Dh, in->n_rot, c->m->inv_freq, c->positions[r]);
+            rope(c->q + r * QD, in->n_head, Dh, in->n_rot, c->m->inv_freq, I32(c->positions)[r]);
+            rope(c->k + r * KD, in->n_head_kv, Dh, in->n_rot, c->m->inv_freq, I32(c->positions)[r]);
             break;
         case 2:
         case 5:
@@ -466,9 +481,16 @@ static kvc_status gemm(kvc_model_ctx *c, const weight *w, const float *x, int64_
 
 /* ---- forward ------------------------------------------------------------------ */
 
+/* 1-D int32 tensor view of n elements. */
+static kvc_tensor t1(void *p, int64_t n) {
+    int64_t sh[1] = {n};
+    return kvc_tensor_make(p, KVC_I32, 1, sh);
+}
+
 kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
                              const kvc_seq_id *seqs, const int64_t *pos0, const int64_t *n,
-                             const int32_t *tokens, const uint8_t *want_logits, float *logits) {
+                             const int64_t *decode_from, const int32_t *tokens,
+                             const uint8_t *want_logits, float *logits) {
     static const char fn[] = "kvc_model_forward";
     KVC_CHECK(c != NULL && cache != NULL, "%s: ctx and cache must not be NULL", fn);
     KVC_CHECK(n_seqs >= 0 && (n_seqs == 0 || (seqs && pos0 && n)),
@@ -483,7 +505,8 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
     KVC_CHECK(cH == in->n_head_kv && pc.k.shape[3] == in->head_dim &&
                   kvc_cache_layer(cache, in->n_layer - 1, &pc) == KVC_OK,
               "%s: the cache does not fit the model (make it with kvc_model_cache_params)", fn);
-    int64_t N = 0, n_want = 0, n_active = 0;
+    /* validate everything first */
+    int64_t N = 0, n_want = 0, n_active = 0, N_dec = 0, dec_pages = 0;
     for (int32_t s = 0; s < n_seqs; s++) {
         int64_t len;
         KVC_TRY(kvc_cache_seq_len(cache, seqs[s], &len));
@@ -494,6 +517,11 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
         KVC_CHECK(pos0[s] + n[s] <= INT32_MAX, "%s: position overflow", fn);
         N += n[s];
         if (n[s] > 0) n_active++;
+        const int64_t d0 = decode_from && decode_from[s] >= 0 ? decode_from[s] : INT64_MAX;
+        for (int64_t p = pos0[s] > d0 ? pos0[s] : d0; p < pos0[s] + n[s]; p++) {
+            N_dec++;
+            dec_pages += p / ps + 1;
+        }
     }
     KVC_CHECK(N == 0 || tokens != NULL, "%s: tokens is NULL", fn);
     for (int64_t r = 0; r < N; r++)
@@ -506,79 +534,116 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
     }
     KVC_CHECK(n_want == 0 || logits != NULL, "%s: logits is NULL", fn);
     if (N == 0) return KVC_OK;
+    const int64_t N_pre = N - N_dec;
 
-    /* page table of the active sequences, trimmed to pos0 + n tokens */
-    int64_t total_pages = 0;
-    KVC_TRY(ensure(c, N, n_active, 0, n_want));
-    {
-        kvc_seq_id *act = malloc((size_t)n_active * sizeof(kvc_seq_id));
-        if (!act) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
-        for (int32_t s = 0, a = 0; s < n_seqs; s++)
-            if (n[s] > 0) act[a++] = seqs[s];
-        int64_t need = 0;
-        kvc_status st = kvc_cache_page_table(cache, act, n_active, c->full_indptr, NULL, 0,
-                                             c->full_last, &need);
-        if (st == KVC_OK || need > 0) {
-            kvc_clear_error();
-            st = ensure(c, N, n_active, need, n_want);
-            if (st == KVC_OK)
-                st = kvc_cache_page_table(cache, act, n_active, c->full_indptr, c->kv_indices,
-                                          c->cap_pages, c->full_last, &need);
-        }
-        free(act);
-        KVC_TRY(st);
-        total_pages = need;
+    /* scratch and the batch's page tables */
+    KVC_TRY(ensure_rows(c, N, n_want));
+    if (n_active > c->cap_act) {
+        if (!grow((void **)&c->act, n_active, sizeof(kvc_seq_id)))
+            return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+        c->cap_act = n_active;
     }
-    (void)total_pages;
-    /* trim in place: request a keeps its first ceil((pos0 + n) / ps) pages */
-    c->qo_indptr[0] = c->kv_indptr[0] = 0;
-    {
-        int64_t a = 0, row = 0, w = 0;
-        for (int32_t s = 0; s < n_seqs; s++) {
-            if (n[s] == 0) continue;
-            const int64_t L = pos0[s] + n[s], np = (L + ps - 1) / ps;
-            for (int64_t p = 0; p < np; p++) c->kv_indices[w + p] = c->kv_indices[c->full_indptr[a] + p];
-            /* kv_indices is compacted left to right, never overtaking its source */
-            w += np;
-            c->kv_indptr[a + 1] = (int32_t)w;
-            c->kv_last[a] = (int32_t)(L - (np - 1) * ps);
-            c->qo_indptr[a + 1] = (int32_t)(row + n[s]);
-            for (int64_t i = 0; i < n[s]; i++) {
-                c->batch_idx[row + i] = (int32_t)a;
-                c->positions[row + i] = (int32_t)(pos0[s] + i);
-            }
-            row += n[s];
-            a++;
+    for (int32_t s = 0, a = 0; s < n_seqs; s++)
+        if (n[s] > 0) c->act[a++] = seqs[s];
+    int ok = need(&c->full_indptr, n_active + 1, 4) && need(&c->full_last, n_active, 4) &&
+             need(&c->a_indptr, n_active + 1, 4) && need(&c->a_last, n_active, 4) &&
+             need(&c->p_qo, n_active + 1, 4) && need(&c->p_indptr, n_active + 1, 4) &&
+             need(&c->p_last, n_active, 4) && need(&c->d_indptr, N_dec + 1, 4) &&
+             need(&c->d_last, N_dec, 4) && need(&c->d_indices, dec_pages, 4);
+    if (!ok) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+    int64_t total = 0;
+    kvc_status st = kvc_cache_page_table(cache, c->act, n_active, I32(c->full_indptr), NULL, 0,
+                                         I32(c->full_last), &total);
+    if (st != KVC_OK && total == 0) return st;
+    kvc_clear_error();
+    if (!need(&c->full_indices, total, 4) || !need(&c->a_indices, total, 4) ||
+        !need(&c->p_indices, total, 4))
+        return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+    st = kvc_cache_page_table(cache, c->act, n_active, I32(c->full_indptr),
+                              I32(c->full_indices), c->full_indices.cap, I32(c->full_last),
+                              &total);
+    KVC_TRY(st);
+
+    /* internal row order: every prefill row (sequence by sequence), then every
+     * decode row; append / prefill / decode tables */
+    int32_t *ai = I32(c->a_indptr), *al = I32(c->a_last), *ax = I32(c->a_indices);
+    int32_t *pq = I32(c->p_qo), *pi = I32(c->p_indptr), *pl = I32(c->p_last);
+    int32_t *px = I32(c->p_indices), *di = I32(c->d_indptr), *dl = I32(c->d_last);
+    int32_t *dx = I32(c->d_indices), *bi = I32(c->batch_idx), *po = I32(c->positions);
+    const int32_t *fi = I32(c->full_indptr), *fx = I32(c->full_indices);
+    int64_t *orig = I64(c->orig), *inv = I64(c->inv);
+    ai[0] = pi[0] = pq[0] = di[0] = 0;
+    int64_t rp = 0, rd = N_pre, np_seq = 0, in_row = 0, a = 0;
+    for (int32_t s = 0; s < n_seqs; s++) {
+        if (n[s] == 0) continue;
+        const int64_t L = pos0[s] + n[s], np = (L + ps - 1) / ps;
+        const int32_t *pages = fx + fi[a];
+        for (int64_t p = 0; p < np; p++) ax[ai[a] + p] = pages[p];
+        ai[a + 1] = (int32_t)(ai[a] + np);
+        al[a] = (int32_t)(L - (np - 1) * ps);
+        const int64_t d0 = decode_from && decode_from[s] >= 0 ? decode_from[s] : INT64_MAX;
+        const int64_t pe = L < d0 ? L : (pos0[s] > d0 ? pos0[s] : d0); /* prefill rows end */
+        if (pe > pos0[s]) { /* prefill request: rows [pos0, pe), keys [0, pe) */
+            const int64_t pp = (pe + ps - 1) / ps;
+            for (int64_t p = 0; p < pp; p++) px[pi[np_seq] + p] = pages[p];
+            pi[np_seq + 1] = (int32_t)(pi[np_seq] + pp);
+            pl[np_seq] = (int32_t)(pe - (pp - 1) * ps);
+            pq[np_seq + 1] = (int32_t)(pq[np_seq] + (pe - pos0[s]));
+            np_seq++;
         }
+        for (int64_t i = 0; i < n[s]; i++, in_row++) {
+            const int64_t pos = pos0[s] + i;
+            int64_t r;
+            if (pos < pe) {
+                r = rp++;
+            } else { /* decode row: keys [0, pos] */
+                r = rd++;
+                const int64_t k = r - N_pre, pp = pos / ps + 1;
+                for (int64_t p = 0; p < pp; p++) dx[di[k] + p] = pages[p];
+                di[k + 1] = (int32_t)(di[k] + pp);
+                dl[k] = (int32_t)(pos + 1 - (pp - 1) * ps);
+            }
+            orig[r] = in_row;
+            inv[in_row] = r;
+            bi[r] = (int32_t)a;
+            po[r] = (int32_t)pos;
+        }
+        a++;
     }
     const int64_t E = in->n_embd, Dh = in->head_dim, Hq = in->n_head, H = in->n_head_kv;
-    const int64_t QD = Hq * Dh, KD = H * Dh;
     for (int64_t r = 0; r < N; r++) {
         const char *row = (const char *)m->tok_embd.data +
-                          kvc__ggml_row_bytes(m->tok_embd.type, E) * (int64_t)tokens[r];
+                          kvc__ggml_row_bytes(m->tok_embd.type, E) * (int64_t)tokens[orig[r]];
         KVC_TRY(kvc__ggml_dequant_row(m->tok_embd.type, row, E, c->x + r * E));
     }
-    int64_t sh1[1] = {n_active + 1}, sh2[1] = {n_active};
-    int64_t shI[1] = {c->kv_indptr[n_active] > 0 ? c->kv_indptr[n_active] : 0};
-    kvc_tensor qo_indptr = kvc_tensor_make(c->qo_indptr, KVC_I32, 1, sh1);
-    kvc_tensor kv_indptr = kvc_tensor_make(c->kv_indptr, KVC_I32, 1, sh1);
-    kvc_tensor kv_last = kvc_tensor_make(c->kv_last, KVC_I32, 1, sh2);
-    kvc_tensor kv_indices = kvc_tensor_make(c->kv_indices, KVC_I32, 1, shI);
-    int64_t shN[1] = {N};
-    kvc_tensor bidx = kvc_tensor_make(c->batch_idx, KVC_I32, 1, shN);
-    kvc_tensor posn = kvc_tensor_make(c->positions, KVC_I32, 1, shN);
+    kvc_tensor a_indptr = t1(ai, n_active + 1), a_last = t1(al, n_active);
+    kvc_tensor a_indices = t1(ax, ai[n_active]);
+    kvc_tensor bidx = t1(bi, N), posn = t1(po, N);
     int64_t shq[3] = {N, Hq, Dh}, shk[3] = {N, H, Dh};
-    kvc_tensor tq = kvc_tensor_make(c->q, KVC_F32, 3, shq);
-    kvc_tensor tatt = kvc_tensor_make(c->att, KVC_F32, 3, shq);
+    int64_t shp[3] = {N_pre, Hq, Dh}, shd[3] = {N_dec, Hq, Dh};
     kvc_tensor tk = kvc_tensor_make(c->k, KVC_F32, 3, shk);
     kvc_tensor tv = kvc_tensor_make(c->v, KVC_F32, 3, shk);
+    kvc_tensor tq_p = kvc_tensor_make(c->q, KVC_F32, 3, shp);
+    kvc_tensor to_p = kvc_tensor_make(c->att, KVC_F32, 3, shp);
+    kvc_tensor tq_d = kvc_tensor_make(c->q + N_pre * Hq * Dh, KVC_F32, 3, shd);
+    kvc_tensor to_d = kvc_tensor_make(c->att + N_pre * Hq * Dh, KVC_F32, 3, shd);
+    (void)shq;
 
-    kvc_prefill_plan *plan = NULL;
-    KVC_TRY(kvc_prefill_plan_create_paged(&qo_indptr, &kv_indptr, &kv_indices, &kv_last,
-                                          (int32_t)Hq, (int32_t)H, (int32_t)Dh, (int32_t)ps, 1,
-                                          NULL, NULL, c->n_threads, &plan));
+    kvc_prefill_plan *pplan = NULL;
+    kvc_decode_plan *dplan = NULL;
+    if (N_pre > 0) {
+        kvc_tensor qo = t1(pq, np_seq + 1), ip = t1(pi, np_seq + 1), la = t1(pl, np_seq);
+        kvc_tensor ix = t1(px, pi[np_seq]);
+        st = kvc_prefill_plan_create_paged(&qo, &ip, &ix, &la, (int32_t)Hq, (int32_t)H,
+                                           (int32_t)Dh, (int32_t)ps, 1, NULL, NULL, c->n_threads,
+                                           &pplan);
+    }
+    if (st == KVC_OK && N_dec > 0) {
+        kvc_tensor ip = t1(di, N_dec + 1), la = t1(dl, N_dec), ix = t1(dx, di[N_dec]);
+        st = kvc_decode_plan_create(&ip, &ix, &la, (int32_t)Hq, (int32_t)H, (int32_t)Dh,
+                                    (int32_t)ps, c->n_threads, &dplan);
+    }
     kvc_attn_params ap = kvc_attn_default_params();
-    kvc_status st = KVC_OK;
     for (int32_t l = 0; l < in->n_layer && st == KVC_OK; l++) {
         const layer *L = &m->layers[l];
         run_rows(c, L, 0, N);
@@ -587,10 +652,14 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
         if ((st = gemm(c, &L->wv, c->h, N, c->v)) != KVC_OK) break;
         run_rows(c, L, 1, N);
         if ((st = kvc_cache_layer(cache, l, &pc)) != KVC_OK) break;
-        if ((st = kvc_append_paged_kv_cache(&tk, &tv, &bidx, &posn, &pc, &kv_indices, &kv_indptr,
-                                            &kv_last, c->pool)) != KVC_OK)
+        if ((st = kvc_append_paged_kv_cache(&tk, &tv, &bidx, &posn, &pc, &a_indices, &a_indptr,
+                                            &a_last, c->pool)) != KVC_OK)
             break;
-        if ((st = kvc_prefill_run_paged(plan, &tq, &pc, &ap, &tatt, NULL, c->pool)) != KVC_OK)
+        if (pplan && (st = kvc_prefill_run_paged(pplan, &tq_p, &pc, &ap, &to_p, NULL,
+                                                 c->pool)) != KVC_OK)
+            break;
+        if (dplan &&
+            (st = kvc_decode_run(dplan, &tq_d, &pc, &ap, &to_d, NULL, c->pool)) != KVC_OK)
             break;
         if ((st = gemm(c, &L->wo, c->att, N, c->tmp)) != KVC_OK) break;
         run_rows(c, L, 2, N);
@@ -601,28 +670,23 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
         if ((st = gemm(c, &L->wd, c->gate, N, c->tmp)) != KVC_OK) break;
         run_rows(c, L, 5, N);
     }
-    kvc_prefill_plan_destroy(plan);
+    kvc_prefill_plan_destroy(pplan);
+    kvc_decode_plan_destroy(dplan);
     KVC_TRY(st);
-    (void)QD;
-    (void)KD;
-    /* output head for the wanted rows */
+    /* output head for the wanted rows, in the caller's row order */
     int64_t w = 0;
-    for (int64_t r = 0, a = 0; r < N; r++) {
-        int want;
-        if (want_logits) {
-            want = want_logits[r] != 0;
-        } else {
-            want = r + 1 == c->qo_indptr[a + 1];
-            if (r + 1 == c->qo_indptr[a + 1]) a++;
+    for (int32_t s = 0, r = 0; s < n_seqs; s++)
+        for (int64_t i = 0; i < n[s]; i++, r++) {
+            const int want = want_logits ? want_logits[r] != 0 : i + 1 == n[s];
+            if (want) rmsnorm(c->x + inv[r] * E, m->out_norm, E, in->rms_eps, c->fin + (w++) * E);
         }
-        if (want) rmsnorm(c->x + r * E, m->out_norm, E, in->rms_eps, c->fin + (w++) * E);
-    }
     if (w > 0) KVC_TRY(gemm(c, &m->output, c->fin, w, logits));
     return KVC_OK;
 }
 
 kvc_status kvc_model_eval(const kvc_model *m, const int32_t *tokens, int64_t n_tokens,
-                          kvc_dtype kv_dtype, float *logits, int32_t n_threads) {
+                          int64_t decode_from, kvc_dtype kv_dtype, float *logits,
+                          int32_t n_threads) {
     static const char fn[] = "kvc_model_eval";
     KVC_CHECK(m != NULL && (tokens != NULL || n_tokens == 0) && (logits != NULL || n_tokens == 0),
               "%s: model, tokens and logits must not be NULL", fn);
@@ -644,7 +708,8 @@ kvc_status kvc_model_eval(const kvc_model *m, const int32_t *tokens, int64_t n_t
     }
     const int64_t pos0 = 0;
     if (st == KVC_OK)
-        st = kvc_model_forward(ctx, cache, 1, &seq, &pos0, &n_tokens, tokens, want, logits);
+        st = kvc_model_forward(ctx, cache, 1, &seq, &pos0, &n_tokens, &decode_from, tokens, want,
+                               logits);
     free(want);
     kvc_model_ctx_free(ctx);
     kvc_cache_destroy(cache);
