@@ -1,10 +1,12 @@
-/* Model runtime, the parts testable without a model file: sampling, and
- * loading errors. The forward pass and the engine are tested in Python
- * (python/tests/test_model.py) on tiny GGUF files written by the project's
- * writer and on the default model, against an independent numpy llama. */
+/* Model runtime in C: sampling, loading errors, and (with KVC_TINY_GGUF
+ * pointing at a tiny llama written by tests/gen_tiny_gguf.py, as ctest
+ * arranges) the forward pass and the engine, so the sanitizer builds run
+ * them too. Numerical agreement with an independent numpy llama is tested in
+ * Python (python/tests/test_model.py). */
 #define _POSIX_C_SOURCE 200809L /* mkstemp, fdopen */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "test.h"
 
@@ -123,10 +125,218 @@ TEST(load_errors) {
     return 0;
 }
 
+
+/* ---- with the tiny model ----------------------------------------------------- */
+
+static kvc_model *tiny_model(void) {
+    const char *path = getenv("KVC_TINY_GGUF");
+    if (!path || !path[0]) return NULL;
+    kvc_model *m = NULL;
+    if (kvc_model_load(path, NULL, &m) != KVC_OK) {
+        fprintf(stderr, "  cannot load %s: %s\n", path, kvc_last_error());
+        return NULL;
+    }
+    return m;
+}
+
+#define NEED_TINY(m)                                                                               \
+    kvc_model *m = tiny_model();                                                                   \
+    if (!m) {                                                                                      \
+        if (getenv("KVC_TINY_GGUF")) return 1;                                                     \
+        SKIP("KVC_TINY_GGUF not set (ctest sets it)");                                             \
+    }
+
+TEST(tiny_info_and_eval) {
+    NEED_TINY(m);
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    ASSERT_EQ_I64(in.n_layer, 2);
+    ASSERT_EQ_I64(in.n_embd, 64);
+    ASSERT_EQ_I64(in.n_head, 4);
+    ASSERT_EQ_I64(in.n_head_kv, 2);
+    ASSERT_EQ_I64(in.head_dim, 16);
+    ASSERT_TRUE(in.n_vocab > 256 && kvc_model_tokenizer(m) != NULL);
+    enum { N = 21 };
+    int32_t tok[N];
+    for (int i = 0; i < N; i++) tok[i] = (7 * i + 3) % in.n_vocab;
+    float *a = malloc(sizeof(float) * N * (size_t)in.n_vocab);
+    float *b = malloc(sizeof(float) * N * (size_t)in.n_vocab);
+    ASSERT_TRUE(a && b);
+    ASSERT_OK(kvc_model_eval(m, tok, N, -1, KVC_F32, a, 1));
+    ASSERT_OK(kvc_model_eval(m, tok, N, -1, KVC_F32, b, 2)); /* thread count: same bits */
+    ASSERT_MEM_EQ(a, b, sizeof(float) * N * (size_t)in.n_vocab);
+    for (int64_t i = 0; i < (int64_t)N * in.n_vocab; i++) ASSERT_TRUE(isfinite(a[i]));
+    /* the prefix of a sequence gives the same logits (row independence) */
+    ASSERT_OK(kvc_model_eval(m, tok, 9, -1, KVC_F32, b, 2));
+    ASSERT_MEM_EQ(a, b, sizeof(float) * 9 * (size_t)in.n_vocab);
+    free(a);
+    free(b);
+    kvc_model_free(m);
+    return 0;
+}
+
+/* Seed 001 in C: greedy decoding through the cache (generated rows through
+ * the decode kernel) equals recomputing everything with the same split. */
+TEST(tiny_cache_equals_recompute) {
+    NEED_TINY(m);
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    const int64_t V = in.n_vocab, P = 6, G = 10;
+    int32_t seqt[16] = {5, 9, 2, 7, 1, 3};
+    kvc_cache_params cp = kvc_model_cache_params(m, KVC_F32, P + G);
+    kvc_cache *cache;
+    ASSERT_OK(kvc_cache_create(&cp, &cache));
+    kvc_model_ctx *ctx;
+    ASSERT_OK(kvc_model_ctx_create(m, 2, &ctx));
+    kvc_seq_id s;
+    ASSERT_OK(kvc_cache_add_sequence(cache, NULL, P, 0, &s, NULL));
+    float *lg = malloc(sizeof(float) * (size_t)V), *all = malloc(sizeof(float) * 16 * (size_t)V);
+    ASSERT_TRUE(lg && all);
+    int64_t pos0 = 0, n = P, dec = P;
+    ASSERT_OK(kvc_model_forward(ctx, cache, 1, &s, &pos0, &n, &dec, seqt, NULL, lg));
+    for (int64_t t = P; t < P + G; t++) {
+        int32_t next;
+        ASSERT_OK(kvc_sample(lg, (int32_t)V, NULL, NULL, &next));
+        seqt[t] = next;
+        /* recompute the whole sequence so far with the same split */
+        ASSERT_OK(kvc_model_eval(m, seqt, t, P, KVC_F32, all, 1));
+        ASSERT_MEM_EQ(lg, all + (t - 1) * V, sizeof(float) * (size_t)V);
+        if (t + 1 == P + G) break;
+        ASSERT_OK(kvc_cache_append(cache, s, NULL, 1, NULL));
+        pos0 = t;
+        n = 1;
+        ASSERT_OK(kvc_model_forward(ctx, cache, 1, &s, &pos0, &n, &dec, seqt + t, NULL, lg));
+    }
+    /* errors change nothing: positions past the reservation, bad tokens */
+    pos0 = P + G;
+    n = 1;
+    ASSERT_STATUS(kvc_model_forward(ctx, cache, 1, &s, &pos0, &n, NULL, seqt, NULL, lg),
+                  KVC_ERR_INVALID_ARG);
+    pos0 = 0;
+    int32_t bad = (int32_t)V;
+    ASSERT_STATUS(kvc_model_forward(ctx, cache, 1, &s, &pos0, &n, NULL, &bad, NULL, lg),
+                  KVC_ERR_INVALID_ARG);
+    kvc_seq_id ghost = 12345;
+    ASSERT_STATUS(kvc_model_forward(ctx, cache, 1, &ghost, &pos0, &n, NULL, seqt, NULL, lg),
+                  KVC_ERR_NOT_FOUND);
+    ASSERT_OK(kvc_cache_check(cache));
+    free(lg);
+    free(all);
+    kvc_model_ctx_free(ctx);
+    kvc_cache_destroy(cache);
+    kvc_model_free(m);
+    return 0;
+}
+
+/* Runs every prompt through one engine; out[r] receives request r's tokens. */
+static int run_engine(const kvc_model *m, kvc_engine_params ep, int n_req, const int32_t *prompts,
+                      const int *lens, int max_new, int32_t out[][16], kvc_engine_stats *st) {
+    kvc_engine *e;
+    if (kvc_engine_create(m, &ep, &e) != KVC_OK) return -1;
+    int64_t ids[8];
+    int got[8] = {0};
+    for (int r = 0, off = 0; r < n_req; off += lens[r], r++)
+        if (kvc_engine_add_request(e, prompts + off, lens[r], max_new, NULL, 1, &ids[r]) != KVC_OK)
+            return -1;
+    kvc_engine_event ev[8];
+    while (kvc_engine_pending(e) > 0) {
+        int64_t ne;
+        if (kvc_engine_step(e, ev, 8, &ne) != KVC_OK) return -1;
+        if (kvc_cache_check(kvc_engine_cache(e)) != KVC_OK) return -1;
+        for (int64_t i = 0; i < ne; i++)
+            for (int r = 0; r < n_req; r++)
+                if (ids[r] == ev[i].request_id && got[r] < 16) out[r][got[r]++] = ev[i].token;
+    }
+    for (int r = 0; r < n_req; r++)
+        if (got[r] != max_new) return -1;
+    if (st) kvc_engine_get_stats(e, st);
+    kvc_engine_destroy(e);
+    return 0;
+}
+
+TEST(tiny_engine_batched_equals_alone) {
+    NEED_TINY(m);
+    /* prompts 0 and 2 share a 12-token prefix (prefix caching), 3 repeats 1 */
+    int32_t prompts[64];
+    const int lens[4] = {14, 9, 16, 9};
+    int off = 0;
+    for (int r = 0; r < 4; r++)
+        for (int i = 0; i < lens[r]; i++) {
+            int32_t t = (int32_t)((r == 2 && i < 12) ? (3 * i + 1) % 300 : (11 * i + 5 * r) % 300);
+            if (r == 0) t = (int32_t)((3 * i + 1) % 300);
+            if (r == 3) t = (int32_t)((11 * i + 5) % 300);
+            prompts[off++] = t;
+        }
+    const int max_new = 6;
+    int32_t alone[4][16] = {{0}}, together[4][16] = {{0}}, tight[4][16] = {{0}};
+    kvc_engine_params ep = kvc_engine_default_params();
+    ep.page_size = 4;
+    ep.kv_capacity_tokens = 256;
+    for (int r = 0, o = 0; r < 4; o += lens[r], r++) {
+        int32_t one[1][16] = {{0}};
+        ASSERT_TRUE(run_engine(m, ep, 1, prompts + o, &lens[r], max_new, one, NULL) == 0);
+        memcpy(alone[r], one[0], sizeof one[0]);
+    }
+    ep.max_step_tokens = 8; /* chunked prefill mixed with decode rows */
+    ep.n_threads = 2;
+    kvc_engine_stats st;
+    ASSERT_TRUE(run_engine(m, ep, 4, prompts, lens, max_new, together, &st) == 0);
+    ASSERT_MEM_EQ(together, alone, sizeof alone);
+    ASSERT_TRUE(st.cached_tokens >= 8);
+    ep.kv_capacity_tokens = 40; /* too small for all at once: preemption */
+    ASSERT_TRUE(run_engine(m, ep, 4, prompts, lens, max_new, tight, &st) == 0);
+    ASSERT_MEM_EQ(tight, alone, sizeof alone);
+    ASSERT_TRUE(st.preemptions > 0);
+    kvc_model_free(m);
+    return 0;
+}
+
+TEST(tiny_engine_errors_and_cancel) {
+    NEED_TINY(m);
+    kvc_engine_params ep = kvc_engine_default_params();
+    ep.kv_capacity_tokens = 32;
+    kvc_engine *e;
+    ASSERT_OK(kvc_engine_create(m, &ep, &e));
+    int32_t p[40] = {0};
+    int64_t id, id2;
+    ASSERT_STATUS(kvc_engine_add_request(e, p, 30, 8, NULL, 0, &id), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_engine_add_request(e, p, 0, 8, NULL, 0, &id), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_engine_add_request(e, p, 4, 0, NULL, 0, &id), KVC_ERR_INVALID_ARG);
+    p[2] = 1 << 30;
+    ASSERT_STATUS(kvc_engine_add_request(e, p, 4, 4, NULL, 0, &id), KVC_ERR_INVALID_ARG);
+    p[2] = 0;
+    kvc_sampling_params sp = kvc_sampling_default_params();
+    sp.top_p = 2.0f;
+    ASSERT_STATUS(kvc_engine_add_request(e, p, 4, 4, &sp, 0, &id), KVC_ERR_INVALID_ARG);
+    ASSERT_EQ_I64(kvc_engine_pending(e), 0);
+    ASSERT_OK(kvc_engine_add_request(e, p, 4, 4, NULL, 1, &id));
+    ASSERT_OK(kvc_engine_add_request(e, p, 6, 4, NULL, 1, &id2));
+    kvc_engine_event ev[2];
+    int64_t ne;
+    ASSERT_STATUS(kvc_engine_step(e, ev, 1, &ne), KVC_ERR_INVALID_ARG); /* room for 2 needed */
+    ASSERT_OK(kvc_engine_step(e, ev, 2, &ne));
+    ASSERT_EQ_I64(ne, 2);
+    ASSERT_OK(kvc_engine_cancel(e, id));
+    ASSERT_STATUS(kvc_engine_cancel(e, id), KVC_ERR_NOT_FOUND);
+    ASSERT_EQ_I64(kvc_engine_pending(e), 1);
+    while (kvc_engine_pending(e) > 0) ASSERT_OK(kvc_engine_step(e, ev, 2, &ne));
+    kvc_cache_stats cs;
+    ASSERT_OK(kvc_cache_get_stats(kvc_engine_cache(e), &cs));
+    ASSERT_EQ_I64(cs.used_pages, 0); /* everything released */
+    ASSERT_OK(kvc_cache_check(kvc_engine_cache(e)));
+    kvc_engine_destroy(e);
+    kvc_model_free(m);
+    return 0;
+}
+
 const test_case test_suite[] = {
     TEST_ENTRY(sample_greedy_and_ties),
     TEST_ENTRY(sample_distribution_top_k_top_p),
     TEST_ENTRY(sample_errors),
     TEST_ENTRY(load_errors),
+    TEST_ENTRY(tiny_info_and_eval),
+    TEST_ENTRY(tiny_cache_equals_recompute),
+    TEST_ENTRY(tiny_engine_batched_equals_alone),
+    TEST_ENTRY(tiny_engine_errors_and_cancel),
     {0, 0},
 };

@@ -1,0 +1,25 @@
+"""Writes a tiny random-weight llama GGUF for the C model suite.
+
+usage: gen_tiny_gguf.py REPO_PYTHON_DIR OUT.gguf
+
+Loads python/kvcache/gguf_writer.py on its own (it needs numpy only), not the
+kvcache package, which would load libkvcache: the sanitizer builds run this
+before any shared library of theirs exists.
+"""
+import importlib.util
+import sys
+
+
+def main():
+    pydir, out = sys.argv[1:3]
+    spec = importlib.util.spec_from_file_location("kvc_gguf_writer",
+                                                  f"{pydir}/kvcache/gguf_writer.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    # GQA (4 query / 2 KV heads) and the writer's default mix of weight types
+    mod.write_tiny_llama(out, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, seed=3)
+
+
+if __name__ == "__main__":
+    main()
