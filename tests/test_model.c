@@ -96,6 +96,13 @@ TEST(sample_errors) {
     p.top_k = 0;
     ASSERT_STATUS(kvc_sample(lg, 3, &p, NULL, &t), KVC_ERR_INVALID_ARG); /* sampling needs rng */
     ASSERT_EQ_I64(t, 7);
+    /* infinite logits: the (first) maximum, never NaN arithmetic */
+    float inf3[3] = {-INFINITY, -INFINITY, -INFINITY};
+    ASSERT_OK(kvc_sample(inf3, 3, &p, &rng, &t));
+    ASSERT_EQ_I64(t, 0);
+    inf3[2] = INFINITY;
+    ASSERT_OK(kvc_sample(inf3, 3, &p, &rng, &t));
+    ASSERT_EQ_I64(t, 2);
     return 0;
 }
 

@@ -32,6 +32,7 @@ typedef struct req {
     int32_t *tok;
     int64_t n_tok, cap, n_prompt;
     int32_t max_new, n_gen, ignore_eos;
+    int32_t admitted_once; /* its prompt is counted in the stats */
     kvc_sampling_params sp;
     uint64_t rng;
     kvc_seq_id seq; /* -1 when not admitted */
@@ -431,7 +432,8 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
         r->n_done = n_cached;
         r->n_resv = hit + chunk;
         chunk = r->n_resv - r->n_done;
-        if (r->n_gen == 0) { /* first admission: count the prompt */
+        if (!r->admitted_once) { /* first admission: count the prompt */
+            r->admitted_once = 1;
             e->st.prompt_tokens += r->n_prompt;
             e->st.cached_tokens += n_cached < r->n_prompt ? n_cached : r->n_prompt;
         }

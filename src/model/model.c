@@ -619,7 +619,7 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
     kvc_tensor a_indptr = t1(ai, n_active + 1), a_last = t1(al, n_active);
     kvc_tensor a_indices = t1(ax, ai[n_active]);
     kvc_tensor bidx = t1(bi, N), posn = t1(po, N);
-    int64_t shq[3] = {N, Hq, Dh}, shk[3] = {N, H, Dh};
+    int64_t shk[3] = {N, H, Dh};
     int64_t shp[3] = {N_pre, Hq, Dh}, shd[3] = {N_dec, Hq, Dh};
     kvc_tensor tk = kvc_tensor_make(c->k, KVC_F32, 3, shk);
     kvc_tensor tv = kvc_tensor_make(c->v, KVC_F32, 3, shk);
@@ -627,7 +627,6 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
     kvc_tensor to_p = kvc_tensor_make(c->att, KVC_F32, 3, shp);
     kvc_tensor tq_d = kvc_tensor_make(c->q + N_pre * Hq * Dh, KVC_F32, 3, shd);
     kvc_tensor to_d = kvc_tensor_make(c->att + N_pre * Hq * Dh, KVC_F32, 3, shd);
-    (void)shq;
 
     kvc_prefill_plan *pplan = NULL;
     kvc_decode_plan *dplan = NULL;

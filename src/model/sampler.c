@@ -56,7 +56,8 @@ kvc_status kvc_sample(const float *logits, int32_t n_vocab, const kvc_sampling_p
         KVC_CHECK(!isnan(logits[i]), "%s: logit %d is NaN", fn, (int)i);
         if (best < 0 || logits[i] > logits[best]) best = i;
     }
-    if (p.temperature == 0.0f || p.top_k == 1) {
+    /* greedy, and infinite maxima (no finite distribution to sample from) */
+    if (p.temperature == 0.0f || p.top_k == 1 || isinf(logits[best])) {
         *token = best;
         return KVC_OK;
     }
