@@ -15,8 +15,12 @@
  * Every call validates first and writes nothing on error. Results do not
  * depend on the thread count (work is split in fixed chunks of keys). Unlike
  * the storage kernels, decode results differ in the last bits between ISAs
- * (summation order, polynomial exp2); each ISA is deterministic. Head
- * dimensions up to 512 are supported (KVC_ERR_UNSUPPORTED above).
+ * (summation order, polynomial exp2); each ISA is deterministic. Keys are
+ * consumed in blocks that never cross a page, so the last bits also depend
+ * on page_size (the same page size and ISA give the same bits), and decode
+ * is not bitwise equal to a one-row prefill (prefill.h blocks keys by
+ * absolute position). Head dimensions up to 512 are supported
+ * (KVC_ERR_UNSUPPORTED above).
  */
 #ifndef KVCACHE_ATTENTION_H
 #define KVCACHE_ATTENTION_H
