@@ -920,6 +920,58 @@ ISA_TEST(isa_quant_ties_random) {
     return 0;
 }
 
+/*
+ * 16-bit inputs with g = 8 (the AVX-512 block path: absmax on raw bits,
+ * saturating packs instead of a float clamp) at magnitudes where scale
+ * rounding matters most: groups at the 1e-5 floor and in the float16
+ * subnormal scale range, bfloat16 groups whose float16 scale overflows to
+ * Inf (q = 0), -0.0, and signed extremes; n covers whole 128-element blocks,
+ * one leftover vector and an odd last group. Every ISA against scalar.
+ */
+ISA_TEST(isa_quant_g8_16bit_ranges) {
+    enum { N = 3 * 128 + 16 + 8 };
+    static float xf[N];
+    static unsigned char xs[N * 2], ref_q[N + 1], out_q[N + 1], ref_s[N * 4], out_s[N * 4];
+    uint64_t rng = test_seed ^ 0x9b16;
+    static const float mags[] = {1e-7f, 1e-5f, 3e-4f, 5e-3f, 1.0f, 6e4f, 1e7f, 3e38f};
+    for (int xi = 1; xi < 3; xi++) {
+        const kvc_dtype xd = float_dtypes[xi];
+        if (xd == KVC_F32) continue;
+        for (int i = 0; i < N; i += 8) {
+            float mag = mags[test_rng_next(&rng) % 8];
+            if (xd == KVC_F16 && mag > 6e4f) mag = 6e4f;
+            for (int k = 0; k < 8; k++) xf[i + k] = test_rng_f32(&rng) * mag;
+            const int pick = (int)(test_rng_next(&rng) % 8);
+            xf[i + pick] = (test_rng_next(&rng) & 1) ? mag : -mag;
+            if (test_rng_next(&rng) % 4 == 0) xf[i + (pick + 1) % 8] = -0.0f;
+        }
+        ASSERT_TRUE(use_isa(KVC_ISA_SCALAR));
+        ASSERT_OK(kvc_convert(xf, KVC_F32, xs, xd, N));
+        for (int bits = 8; bits >= 4; bits -= 4)
+            for (int si = 0; si < 2; si++)
+                for (int64_t n = N; n >= N - 24; n -= 8) {
+                    const kvc_dtype sd = scale_dtypes[si];
+                    const size_t qb = (size_t)(bits == 8 ? n : n / 2);
+                    ASSERT_TRUE(use_isa(KVC_ISA_SCALAR));
+                    ASSERT_OK(kvc_quantize(xs, xd, n, bits, 8, ref_q, ref_s, sd));
+                    for (int isa = 1; isa < KVC_ISA_COUNT; isa++) {
+                        if (!use_isa((kvc_isa)isa)) continue;
+                        memset(out_q, 0xcd, sizeof out_q);
+                        ASSERT_OK(kvc_quantize(xs, xd, n, bits, 8, out_q, out_s, sd));
+                        for (size_t b = 0; b < qb; b++)
+                            if (out_q[b] != ref_q[b])
+                                TEST_FAIL_("%s n %lld bits %d x %s scale %s: q byte %zu = 0x%02x, "
+                                           "scalar 0x%02x", kvc_isa_name((kvc_isa)isa),
+                                           (long long)n, bits, kvc_dtype_name(xd),
+                                           kvc_dtype_name(sd), b, out_q[b], ref_q[b]);
+                        ASSERT_EQ_I64(out_q[qb], 0xcd); /* nothing past the row */
+                        ASSERT_MEM_EQ(out_s, ref_s, (size_t)(n / 8) * esize(sd));
+                    }
+                }
+    }
+    return 0;
+}
+
 /* ±qmax reached at both signs; dequantized extremes are ±qmax * scale. */
 ISA_TEST(quant_extremes) {
     uint64_t rng = test_seed ^ 0xe7;
@@ -1105,6 +1157,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(quant_zero_groups),
     TEST_ENTRY(quant_ties),
     TEST_ENTRY(isa_quant_ties_random),
+    TEST_ENTRY(isa_quant_g8_16bit_ranges),
     TEST_ENTRY(quant_extremes),
     TEST_ENTRY(int4_nibble_order),
     TEST_ENTRY(quant_rejects_nonfinite),
