@@ -5,13 +5,14 @@
  * Reports prompt (prefill) and generation (decode) tokens per second and the
  * KV memory per token of context, for each KV dtype and batch size.
  */
-#define _POSIX_C_SOURCE 200809L /* clock_gettime, isatty */
+#define _POSIX_C_SOURCE 200809L /* isatty */
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "bench.h"
 #include "cli.h"
 #include "kvcache/kvcache.h"
 
@@ -51,13 +52,6 @@ static int parse_list(const char *s, int64_t *out, int max, int64_t hi) {
         if (*s == ',') s++;
     }
     return n;
-}
-
-static uint64_t mix(uint64_t *s) {
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
 }
 
 int cmd_bench_serve(int argc, char **argv) {
@@ -179,7 +173,7 @@ int cmd_bench_serve(int argc, char **argv) {
             for (int64_t b = 0; b < B && rc == CLI_EXIT_OK; b++) {
                 if (b == 0 || !shared)
                     for (int64_t i = 0; i < prompt_len; i++)
-                        prompt[i] = (int32_t)(mix(&rs) % (uint64_t)info.n_vocab);
+                        prompt[i] = (int32_t)(bench_mix64(rs++) % (uint64_t)info.n_vocab);
                 int64_t id;
                 if (!ev || kvc_engine_add_request(eng, prompt, prompt_len, (int32_t)gen, NULL, 1,
                                                   &id) != KVC_OK) {

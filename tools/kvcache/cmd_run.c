@@ -2,14 +2,14 @@
  * `kvcache run -m MODEL -p PROMPT`: generates text with a GGUF model through
  * the engine (one request), streaming the tokens to stdout as they come.
  */
-#define _POSIX_C_SOURCE 200809L /* clock_gettime, isatty */
+#define _POSIX_C_SOURCE 200809L /* isatty, access */
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 
+#include "bench.h" /* bench_now */
 #include "cli.h"
 #include "kvcache/kvcache.h"
 
@@ -35,12 +35,6 @@ static const char run_usage[] =
     "  --ignore-eos        keep generating after an end-of-generation token\n"
     "  -q, --quiet         no load progress or timings on stderr\n"
     "  -h, --help          this text\n";
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static void load_progress(float f, void *user) {
     (void)user;
@@ -125,7 +119,7 @@ int cmd_run(int argc, char **argv) {
     kvc_model_params mp = kvc_model_default_params();
     if (!quiet && isatty(2)) mp.progress = load_progress;
     kvc_model *model = NULL;
-    double t0 = now_s();
+    double t0 = bench_now();
     if (kvc_model_load(model_path, &mp, &model) != KVC_OK) {
         fprintf(stderr, "kvcache: run: cannot load %s: %s\n", model_path, kvc_last_error());
         if (access(model_path, R_OK) != 0)
@@ -133,7 +127,7 @@ int cmd_run(int argc, char **argv) {
                             "'bash scripts/fetch_model.sh'\n");
         return CLI_EXIT_FAIL;
     }
-    const double t_load = now_s() - t0;
+    const double t_load = bench_now() - t0;
     const kvc_tokenizer *tok = kvc_model_tokenizer(model);
     int rc = CLI_EXIT_FAIL;
     char *text = NULL;
@@ -182,14 +176,14 @@ int cmd_run(int argc, char **argv) {
         fwrite(prompt, 1, strlen(prompt), stdout);
         fflush(stdout);
     }
-    double t_first = 0, t_start = now_s();
+    double t_first = 0, t_start = bench_now();
     int64_t n_gen = 0;
     while (kvc_engine_pending(eng) > 0) {
         kvc_engine_event ev[1];
         int64_t ne = 0;
         if (kvc_engine_step(eng, ev, 1, &ne) != KVC_OK) goto fail;
         for (int64_t i = 0; i < ne; i++) {
-            if (n_gen++ == 0) t_first = now_s();
+            if (n_gen++ == 0) t_first = bench_now();
             if (ev[i].finish == KVC_FINISH_EOG) continue; /* not part of the text */
             char piece[256];
             size_t plen = 0;
@@ -198,7 +192,7 @@ int cmd_run(int argc, char **argv) {
             fflush(stdout);
         }
     }
-    const double t_end = now_s();
+    const double t_end = bench_now();
     fputc('\n', stdout);
     if (!quiet) {
         const double pre = t_first - t_start, dec = t_end - t_first;
