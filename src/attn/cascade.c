@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attn_check.h"
 #include "prefill_internal.h"
 #include "../paged/paged_internal.h"
 
@@ -45,7 +46,7 @@ kvc_status kvc_cascade_plan_create(int32_t num_levels, const kvc_tensor *qo_indp
               "%s: num_levels %d outside [1, %d]", fn, (int)num_levels, CASCADE_MAX_LEVELS);
     KVC_CHECK(qo_indptr && kv_indptr && kv_indices && kv_last_page_len,
               "%s: the per-level tensor arrays must not be NULL", fn);
-    KVC_TRY(kvc__pf_check_heads(fn, num_qo_heads, num_kv_heads, head_dim));
+    KVC_TRY(kvc__attn_check_heads(fn, num_qo_heads, num_kv_heads, head_dim));
     /* every level must cover the same query rows */
     int64_t nnz = -1;
     for (int32_t l = 0; l < num_levels; l++) {

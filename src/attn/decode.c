@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "kvcache/attention.h"
+#include "attn_check.h"
 #include "../core/internal.h"
 #include "../kernels/kernels.h"
 #include "../paged/paged_internal.h"
@@ -303,107 +304,6 @@ static int64_t chunks_of(int64_t L) { return L <= ATTN_CHUNK ? 1 : (L + ATTN_CHU
 
 /* ---- validation ------------------------------------------------------------ */
 
-static int is_float(kvc_dtype d) { return d == KVC_F32 || d == KVC_F16 || d == KVC_BF16; }
-
-static kvc_status check_params(const char *fn, const kvc_attn_params *p, int64_t D,
-                               kvc_attn_params *out) {
-    *out = p ? *p : kvc_attn_default_params();
-    KVC_CHECK(isfinite(out->sm_scale), "%s: sm_scale must be finite", fn);
-    KVC_CHECK(isfinite(out->logits_soft_cap) && out->logits_soft_cap >= 0.0f,
-              "%s: logits_soft_cap must be finite and >= 0 (0 disables it)", fn);
-    KVC_CHECK(out->window_left >= -1, "%s: window_left %d must be >= -1", fn,
-              (int)out->window_left);
-    if (out->sm_scale == 0.0f) out->sm_scale = (float)(1.0 / sqrt((double)D));
-    return KVC_OK;
-}
-
-static kvc_status check_shape(const char *fn, const char *name, const kvc_tensor *t, int ndim,
-                              const int64_t *shape) {
-    char buf[128];
-    KVC_TRY(kvc__check_tensor(t, name, 1));
-    int ok = t->ndim == ndim;
-    for (int i = 0; ok && i < ndim; i++) ok = t->shape[i] == shape[i];
-    if (!ok) {
-        char want[128];
-        int n = 0;
-        want[0] = '\0';
-        for (int i = 0; i < ndim; i++)
-            n += snprintf(want + n, sizeof want - (size_t)n, "%s%lld", i ? ", " : "",
-                          (long long)shape[i]);
-        return kvc__error(KVC_ERR_INVALID_ARG, "%s: %s has shape %s, expected (%s)", fn, name,
-                          kvc__shape_str(t, buf, sizeof buf), want);
-    }
-    return KVC_OK;
-}
-
-/* q/out/lse: q and out of shape qshape (ndim 2 or 3) float dtypes, lse of
- * qshape without the last dim, float32. */
-static kvc_status check_io(const char *fn, const kvc_tensor *q, kvc_tensor *out, kvc_tensor *lse,
-                           int ndim, const int64_t *qshape) {
-    KVC_TRY(check_shape(fn, "q", q, ndim, qshape));
-    KVC_CHECK(is_float(q->dtype), "%s: q must be float32, float16 or bfloat16, not %s", fn,
-              kvc_dtype_name(q->dtype));
-    KVC_CHECK(out != NULL, "%s: out is NULL", fn);
-    KVC_TRY(check_shape(fn, "out", out, ndim, qshape));
-    KVC_CHECK(is_float(out->dtype), "%s: out must be float32, float16 or bfloat16, not %s", fn,
-              kvc_dtype_name(out->dtype));
-    if (lse) {
-        KVC_TRY(check_shape(fn, "lse", lse, ndim - 1, qshape));
-        KVC_CHECK(lse->dtype == KVC_F32, "%s: lse must be float32, not %s", fn,
-                  kvc_dtype_name(lse->dtype));
-    }
-    return KVC_OK;
-}
-
-/* K/V pair of the same shape and a storage dtype; scales for int8/int4. */
-static kvc_status check_kv(const char *fn, const kvc_tensor *k, const kvc_tensor *v,
-                           const kvc_tensor *ks, const kvc_tensor *vs, int32_t group, int ndim) {
-    char b1[128], b2[128];
-    KVC_CHECK(k != NULL && v != NULL, "%s: k and v must not be NULL", fn);
-    KVC_TRY(kvc__check_tensor(k, "k", 1));
-    KVC_TRY(kvc__check_tensor(v, "v", 1));
-    KVC_CHECK(k->ndim == ndim, "%s: k must be %d-D, not %d-D", fn, ndim, (int)k->ndim);
-    int same = v->ndim == k->ndim && v->dtype == k->dtype;
-    for (int i = 0; same && i < ndim; i++) same = k->shape[i] == v->shape[i];
-    KVC_CHECK(same, "%s: k %s %s and v %s %s must match in shape and dtype", fn,
-              kvc_dtype_name(k->dtype), kvc__shape_str(k, b1, sizeof b1), kvc_dtype_name(v->dtype),
-              kvc__shape_str(v, b2, sizeof b2));
-    const kvc_dtype dt = k->dtype;
-    KVC_CHECK(is_float(dt) || dt == KVC_I8 || dt == KVC_I4,
-              "%s: k/v dtype %s is not a cache storage dtype (float32, float16, bfloat16, int8, "
-              "int4)",
-              fn, kvc_dtype_name(dt));
-    if (dt != KVC_I8 && dt != KVC_I4) return KVC_OK;
-    const int64_t D = k->shape[ndim - 1];
-    KVC_CHECK(group > 0 && D % group == 0 && (dt != KVC_I4 || group % 2 == 0),
-              "%s: quant_group %d must divide Dh %lld (and be even for int4)", fn, (int)group,
-              (long long)D);
-    int64_t sshape[KVC_MAX_DIMS];
-    for (int i = 0; i < ndim; i++) sshape[i] = k->shape[i];
-    sshape[ndim - 1] = D / group;
-    const kvc_tensor *sc[2] = {ks, vs};
-    const char *names[2] = {"k_scale", "v_scale"};
-    for (int i = 0; i < 2; i++) {
-        KVC_CHECK(sc[i] != NULL, "%s: a %s cache needs %s", fn, kvc_dtype_name(dt), names[i]);
-        KVC_TRY(check_shape(fn, names[i], sc[i], ndim, sshape));
-        KVC_CHECK(sc[i]->dtype == KVC_F32 || sc[i]->dtype == KVC_F16,
-                  "%s: %s must be float32 or float16, not %s", fn, names[i],
-                  kvc_dtype_name(sc[i]->dtype));
-    }
-    return KVC_OK;
-}
-
-static kvc_status check_heads(const char *fn, int64_t Hq, int64_t H, int64_t D) {
-    KVC_CHECK(Hq >= 1 && H >= 1 && D >= 1, "%s: Hq %lld, H %lld and Dh %lld must be >= 1", fn,
-              (long long)Hq, (long long)H, (long long)D);
-    KVC_CHECK(Hq % H == 0, "%s: num_qo_heads %lld must be a multiple of num_kv_heads %lld", fn,
-              (long long)Hq, (long long)H);
-    if (D > KVC_ATTN_MAX_DIM)
-        return kvc__error(KVC_ERR_UNSUPPORTED, "%s: head_dim %lld > %d is not supported", fn,
-                          (long long)D, KVC_ATTN_MAX_DIM);
-    return KVC_OK;
-}
-
 static void set_io(attn_ctx *c, const kvc_tensor *q, kvc_tensor *out, kvc_tensor *lse, int batched,
                    const kvc_attn_params *p) {
     const int o = batched ? 1 : 0;
@@ -453,7 +353,7 @@ kvc_status kvc_single_decode(const kvc_tensor *q, const kvc_tensor *k, const kvc
     static const char fn[] = "kvc_single_decode";
     KVC_CHECK(q != NULL, "%s: q is NULL", fn);
     KVC_CHECK(layout == KVC_NHD || layout == KVC_HND, "%s: invalid layout %d", fn, (int)layout);
-    KVC_TRY(check_kv(fn, k, v, k_scale, v_scale, quant_group, 3));
+    KVC_TRY(kvc__attn_check_kv(fn, k, v, k_scale, v_scale, quant_group, 3));
     const int64_t L = layout == KVC_NHD ? k->shape[0] : k->shape[1];
     const int64_t H = layout == KVC_NHD ? k->shape[1] : k->shape[0];
     const int64_t D = k->shape[2];
@@ -461,10 +361,10 @@ kvc_status kvc_single_decode(const kvc_tensor *q, const kvc_tensor *k, const kvc
     KVC_CHECK(q->ndim == 2, "%s: q must be (Hq, Dh)", fn);
     const int64_t Hq = q->shape[0];
     const int64_t qshape[2] = {Hq, D};
-    KVC_TRY(check_io(fn, q, out, lse, 2, qshape));
-    KVC_TRY(check_heads(fn, Hq, H, D));
+    KVC_TRY(kvc__attn_check_io(fn, q, out, lse, 2, qshape));
+    KVC_TRY(kvc__attn_check_heads(fn, Hq, H, D));
     kvc_attn_params p;
-    KVC_TRY(check_params(fn, params, D, &p));
+    KVC_TRY(kvc__attn_check_params(fn, params, D, &p));
 
     int64_t len = L, nch = chunks_of(L), task0[2] = {0, nch}, part0 = 0;
     float *part = NULL;
@@ -526,7 +426,7 @@ kvc_status kvc_decode_plan_create(const kvc_tensor *kv_indptr, const kvc_tensor 
     static const char fn[] = "kvc_decode_plan_create";
     KVC_CHECK(out != NULL, "%s: out is NULL", fn);
     KVC_CHECK(page_size >= 1, "%s: page_size %d must be >= 1", fn, (int)page_size);
-    KVC_TRY(check_heads(fn, num_qo_heads, num_kv_heads, head_dim));
+    KVC_TRY(kvc__attn_check_heads(fn, num_qo_heads, num_kv_heads, head_dim));
     int64_t B = 0;
     KVC_TRY(kvc__paged_check_table(fn, kv_indptr, kv_indices, kv_last_page_len, page_size, -1, 1,
                                    &B));
@@ -583,11 +483,11 @@ kvc_status kvc_decode_run(kvc_decode_plan *plan, const kvc_tensor *q,
     KVC_CHECK(plan != NULL && q != NULL && cache != NULL, "%s: plan, q and cache must not be NULL",
               fn);
     const int64_t qshape[3] = {plan->B, plan->Hq, plan->D};
-    KVC_TRY(check_io(fn, q, out, lse, 3, qshape));
+    KVC_TRY(kvc__attn_check_io(fn, q, out, lse, 3, qshape));
     KVC_CHECK(cache->layout == KVC_NHD || cache->layout == KVC_HND, "%s: invalid layout %d", fn,
               (int)cache->layout);
     const int quant = cache->k.dtype == KVC_I8 || cache->k.dtype == KVC_I4;
-    KVC_TRY(check_kv(fn, &cache->k, &cache->v, quant ? &cache->k_scale : NULL,
+    KVC_TRY(kvc__attn_check_kv(fn, &cache->k, &cache->v, quant ? &cache->k_scale : NULL,
                      quant ? &cache->v_scale : NULL, cache->quant_group, 4));
     const kvc_tensor *k = &cache->k;
     const int nhd = cache->layout == KVC_NHD;
@@ -600,7 +500,7 @@ kvc_status kvc_decode_run(kvc_decode_plan *plan, const kvc_tensor *q,
     KVC_CHECK(plan->max_page < k->shape[0], "%s: page id %lld outside the cache's %lld pages", fn,
               (long long)plan->max_page, (long long)k->shape[0]);
     kvc_attn_params p;
-    KVC_TRY(check_params(fn, params, plan->D, &p));
+    KVC_TRY(kvc__attn_check_params(fn, params, plan->D, &p));
 
     attn_ctx c;
     memset(&c, 0, sizeof c);

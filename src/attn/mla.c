@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "../core/internal.h"
+#include "attn_check.h"
 #include "../kernels/kernels.h"
 #include "../kernels/mla.h"
 #include "../paged/paged_internal.h"
@@ -237,7 +238,6 @@ static void merge_task(void *vctx, int64_t n) {
 /* ---- validation ------------------------------------------------------------
  */
 
-static int is_float(kvc_dtype d) { return d == KVC_F32 || d == KVC_F16 || d == KVC_BF16; }
 
 /* t: a float tensor of exactly `shape` (ndim entries). */
 static kvc_status check_float(const char *fn, const char *name, const kvc_tensor *t, int ndim,
@@ -260,7 +260,7 @@ static kvc_status check_float(const char *fn, const char *name, const kvc_tensor
         return kvc__error(KVC_ERR_INVALID_ARG, "%s: %s has shape %s, expected (%s)", fn, name,
                           kvc__shape_str(t, got, sizeof got), want);
     }
-    KVC_CHECK(is_float(t->dtype), "%s: %s must be float32, float16 or bfloat16, not %s", fn, name,
+    KVC_CHECK(kvc__attn_is_float(t->dtype), "%s: %s must be float32, float16 or bfloat16, not %s", fn, name,
               kvc_dtype_name(t->dtype));
     return KVC_OK;
 }

@@ -22,6 +22,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "attn_check.h"
 #include "prefill_internal.h"
 #include "../kernels/kernels.h"
 #include "../kernels/prefill.h"
@@ -320,65 +321,10 @@ void kvc__pf_execute(const kvc__pf_batch *b, const kvc__pf_kv *kv, const kvc__pf
 
 /* ---- validation ------------------------------------------------------------------- */
 
-static int is_float(kvc_dtype d) { return d == KVC_F32 || d == KVC_F16 || d == KVC_BF16; }
-
-kvc_status kvc__pf_check_heads(const char *fn, int64_t Hq, int64_t H, int64_t D) {
-    KVC_CHECK(Hq >= 1 && H >= 1 && D >= 1, "%s: Hq %lld, H %lld and Dh %lld must be >= 1", fn,
-              (long long)Hq, (long long)H, (long long)D);
-    KVC_CHECK(Hq % H == 0, "%s: num_qo_heads %lld must be a multiple of num_kv_heads %lld", fn,
-              (long long)Hq, (long long)H);
-    if (D > KVC_ATTN_MAX_DIM)
-        return kvc__error(KVC_ERR_UNSUPPORTED, "%s: head_dim %lld > %d is not supported", fn,
-                          (long long)D, KVC_ATTN_MAX_DIM);
-    return KVC_OK;
-}
-
-kvc_status kvc__pf_check_params(const char *fn, const kvc_attn_params *p, int64_t D,
-                                kvc_attn_params *out) {
-    *out = p ? *p : kvc_attn_default_params();
-    KVC_CHECK(isfinite(out->sm_scale), "%s: sm_scale must be finite", fn);
-    KVC_CHECK(isfinite(out->logits_soft_cap) && out->logits_soft_cap >= 0.0f,
-              "%s: logits_soft_cap must be finite and >= 0 (0 disables it)", fn);
-    KVC_CHECK(out->window_left >= -1, "%s: window_left %d must be >= -1", fn,
-              (int)out->window_left);
-    if (out->sm_scale == 0.0f) out->sm_scale = (float)(1.0 / sqrt((double)D));
-    return KVC_OK;
-}
-
-static kvc_status check_shape(const char *fn, const char *name, const kvc_tensor *t, int ndim,
-                              const int64_t *shape) {
-    char buf[128], want[128];
-    KVC_CHECK(t != NULL, "%s: %s is NULL", fn, name);
-    KVC_TRY(kvc__check_tensor(t, name, 1));
-    int ok = t->ndim == ndim;
-    for (int i = 0; ok && i < ndim; i++) ok = t->shape[i] == shape[i];
-    if (!ok) {
-        int n = 0;
-        want[0] = '\0';
-        for (int i = 0; i < ndim; i++)
-            n += snprintf(want + n, sizeof want - (size_t)n, "%s%lld", i ? ", " : "",
-                          (long long)shape[i]);
-        return kvc__error(KVC_ERR_INVALID_ARG, "%s: %s has shape %s, expected (%s)", fn, name,
-                          kvc__shape_str(t, buf, sizeof buf), want);
-    }
-    return KVC_OK;
-}
-
 kvc_status kvc__pf_check_io(const char *fn, const kvc_tensor *q, const kvc_tensor *out,
                             const kvc_tensor *lse, int64_t rows, int64_t Hq, int64_t D) {
     const int64_t shape[3] = {rows, Hq, D};
-    KVC_TRY(check_shape(fn, "q", q, 3, shape));
-    KVC_CHECK(is_float(q->dtype), "%s: q must be float32, float16 or bfloat16, not %s", fn,
-              kvc_dtype_name(q->dtype));
-    KVC_TRY(check_shape(fn, "out", out, 3, shape));
-    KVC_CHECK(is_float(out->dtype), "%s: out must be float32, float16 or bfloat16, not %s", fn,
-              kvc_dtype_name(out->dtype));
-    if (lse) {
-        KVC_TRY(check_shape(fn, "lse", lse, 2, shape));
-        KVC_CHECK(lse->dtype == KVC_F32, "%s: lse must be float32, not %s", fn,
-                  kvc_dtype_name(lse->dtype));
-    }
-    return KVC_OK;
+    return kvc__attn_check_io(fn, q, out, lse, 3, shape);
 }
 
 void kvc__pf_set_io(kvc__pf_io *io, const kvc_tensor *q, kvc_tensor *out, kvc_tensor *lse) {
@@ -405,42 +351,6 @@ kvc_status kvc__pf_check_pool(const char *fn, const kvc_threadpool *pool,
 
 /* K/V pair (ndim-D, same shape and dtype, a storage dtype) with scales for
  * int8/int4 (shaped like k with last dim Dh / quant_group, float32/16). */
-static kvc_status check_kv(const char *fn, const kvc_tensor *k, const kvc_tensor *v,
-                           const kvc_tensor *ks, const kvc_tensor *vs, int32_t group, int ndim) {
-    char b1[128], b2[128];
-    KVC_CHECK(k != NULL && v != NULL, "%s: k and v must not be NULL", fn);
-    KVC_TRY(kvc__check_tensor(k, "k", 1));
-    KVC_TRY(kvc__check_tensor(v, "v", 1));
-    KVC_CHECK(k->ndim == ndim, "%s: k must be %d-D, not %d-D", fn, ndim, (int)k->ndim);
-    int same = v->ndim == k->ndim && v->dtype == k->dtype;
-    for (int i = 0; same && i < ndim; i++) same = k->shape[i] == v->shape[i];
-    KVC_CHECK(same, "%s: k %s %s and v %s %s must match in shape and dtype", fn,
-              kvc_dtype_name(k->dtype), kvc__shape_str(k, b1, sizeof b1), kvc_dtype_name(v->dtype),
-              kvc__shape_str(v, b2, sizeof b2));
-    const kvc_dtype dt = k->dtype;
-    KVC_CHECK(is_float(dt) || dt == KVC_I8 || dt == KVC_I4,
-              "%s: k/v dtype %s is not a cache storage dtype (float32, float16, bfloat16, int8, "
-              "int4)", fn, kvc_dtype_name(dt));
-    if (dt != KVC_I8 && dt != KVC_I4) return KVC_OK;
-    const int64_t D = k->shape[ndim - 1];
-    KVC_CHECK(group > 0 && D % group == 0 && (dt != KVC_I4 || group % 2 == 0),
-              "%s: quant_group %d must divide Dh %lld (and be even for int4)", fn, (int)group,
-              (long long)D);
-    int64_t sshape[KVC_MAX_DIMS];
-    for (int i = 0; i < ndim; i++) sshape[i] = k->shape[i];
-    sshape[ndim - 1] = D / group;
-    const kvc_tensor *sc[2] = {ks, vs};
-    const char *names[2] = {"k_scale", "v_scale"};
-    for (int i = 0; i < 2; i++) {
-        KVC_CHECK(sc[i] != NULL, "%s: a %s cache needs %s", fn, kvc_dtype_name(dt), names[i]);
-        KVC_TRY(check_shape(fn, names[i], sc[i], ndim, sshape));
-        KVC_CHECK(sc[i]->dtype == KVC_F32 || sc[i]->dtype == KVC_F16,
-                  "%s: %s must be float32 or float16, not %s", fn, names[i],
-                  kvc_dtype_name(sc[i]->dtype));
-    }
-    return KVC_OK;
-}
-
 /* View of a K/V-like tensor: paged (max_pages, ...) or contiguous; NHD/HND. */
 static kvc__pf_view make_view(const kvc_tensor *t, kvc_kv_layout layout, int paged) {
     kvc__pf_view v;
@@ -546,17 +456,17 @@ kvc_status kvc_single_prefill(const kvc_tensor *q, const kvc_tensor *k, const kv
     static const char fn[] = "kvc_single_prefill";
     KVC_CHECK(q != NULL && out != NULL, "%s: q and out must not be NULL", fn);
     KVC_CHECK(layout == KVC_NHD || layout == KVC_HND, "%s: invalid layout %d", fn, (int)layout);
-    KVC_TRY(check_kv(fn, k, v, k_scale, v_scale, quant_group, 3));
+    KVC_TRY(kvc__attn_check_kv(fn, k, v, k_scale, v_scale, quant_group, 3));
     const int64_t L = layout == KVC_NHD ? k->shape[0] : k->shape[1];
     const int64_t H = layout == KVC_NHD ? k->shape[1] : k->shape[0], D = k->shape[2];
     KVC_TRY(kvc__check_tensor(q, "q", 1));
     KVC_CHECK(q->ndim == 3, "%s: q must be 3-D (qo_len, Hq, Dh), not %d-D", fn, (int)q->ndim);
     const int64_t qo = q->shape[0], Hq = q->shape[1];
     KVC_TRY(kvc__pf_check_io(fn, q, out, lse, qo, Hq, D));
-    KVC_TRY(kvc__pf_check_heads(fn, Hq, H, D));
+    KVC_TRY(kvc__attn_check_heads(fn, Hq, H, D));
     KVC_CHECK(L <= INT32_MAX, "%s: kv_len %lld is too long", fn, (long long)L);
     kvc_attn_params p;
-    KVC_TRY(kvc__pf_check_params(fn, params, D, &p));
+    KVC_TRY(kvc__attn_check_params(fn, params, D, &p));
     int64_t byte0 = 0;
     uint8_t *bits = NULL;
     KVC_TRY(pack_masks(fn, custom_mask, packed_custom_mask, 1, &qo, &L, &bits, &byte0));
@@ -675,7 +585,7 @@ static kvc_status plan_finish(const char *fn, kvc_prefill_plan *p, int32_t causa
 static kvc_status check_plan_args(const char *fn, int32_t Hq, int32_t H, int32_t D,
                                   int32_t n_threads, kvc_prefill_plan **out) {
     KVC_CHECK(out != NULL, "%s: out is NULL", fn);
-    KVC_TRY(kvc__pf_check_heads(fn, Hq, H, D));
+    KVC_TRY(kvc__attn_check_heads(fn, Hq, H, D));
     KVC_CHECK(n_threads <= 1024, "%s: n_threads %d > 1024", fn, (int)n_threads);
     return KVC_OK;
 }
@@ -797,7 +707,7 @@ static kvc_status check_run(const char *fn, kvc_prefill_plan *plan, int paged, c
               plan->paged ? "paged" : "ragged");
     KVC_CHECK(q != NULL && out != NULL, "%s: q and out must not be NULL", fn);
     KVC_TRY(kvc__pf_check_io(fn, q, out, lse, plan->nnz_qo, plan->Hq, plan->D));
-    KVC_TRY(kvc__pf_check_params(fn, params, plan->D, p));
+    KVC_TRY(kvc__attn_check_params(fn, params, plan->D, p));
     return kvc__pf_check_pool(fn, pool, plan->scr);
 }
 
@@ -811,7 +721,7 @@ kvc_status kvc_prefill_run_paged(kvc_prefill_plan *plan, const kvc_tensor *q,
     KVC_CHECK(cache->layout == KVC_NHD || cache->layout == KVC_HND, "%s: invalid layout %d", fn,
               (int)cache->layout);
     const int quant = cache->k.dtype == KVC_I8 || cache->k.dtype == KVC_I4;
-    KVC_TRY(check_kv(fn, &cache->k, &cache->v, quant ? &cache->k_scale : NULL,
+    KVC_TRY(kvc__attn_check_kv(fn, &cache->k, &cache->v, quant ? &cache->k_scale : NULL,
                      quant ? &cache->v_scale : NULL, cache->quant_group, 4));
     const kvc_tensor *k = &cache->k;
     const int nhd = cache->layout == KVC_NHD;
@@ -841,7 +751,7 @@ kvc_status kvc_prefill_run_ragged(kvc_prefill_plan *plan, const kvc_tensor *q, c
     kvc_attn_params p;
     KVC_TRY(check_run(fn, plan, 0, q, params, out, lse, pool, &p));
     KVC_CHECK(layout == KVC_NHD || layout == KVC_HND, "%s: invalid layout %d", fn, (int)layout);
-    KVC_TRY(check_kv(fn, k, v, k_scale, v_scale, quant_group, 3));
+    KVC_TRY(kvc__attn_check_kv(fn, k, v, k_scale, v_scale, quant_group, 3));
     const int nhd = layout == KVC_NHD;
     const int64_t n = nhd ? k->shape[0] : k->shape[1], H = nhd ? k->shape[1] : k->shape[0];
     char buf[128];

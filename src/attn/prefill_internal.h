@@ -109,10 +109,7 @@ void kvc__pf_execute(const kvc__pf_batch *b, const kvc__pf_kv *kv, const kvc__pf
                      const kvc__pf_io *io, float sm_scale, float cap, int32_t window,
                      kvc__pf_scratch *scr, kvc_threadpool *pool);
 
-/* Validation shared with cascade.c and pmx_attention.c. */
-kvc_status kvc__pf_check_heads(const char *fn, int64_t Hq, int64_t H, int64_t D);
-kvc_status kvc__pf_check_params(const char *fn, const kvc_attn_params *p, int64_t D,
-                                kvc_attn_params *out);
+/* Validation shared with cascade.c and pmx_attention.c (with attn_check.h). */
 /* q and out (rows, Hq, D) float dtypes, lse (rows, Hq) float32 or NULL. */
 kvc_status kvc__pf_check_io(const char *fn, const kvc_tensor *q, const kvc_tensor *out,
                             const kvc_tensor *lse, int64_t rows, int64_t Hq, int64_t D);

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "pmx_common.h"
+#include "../attn/attn_check.h"
 #include "../attn/prefill_internal.h"
 
 kvc_pmx_mhca_params kvc_pmx_mhca_default_params(void) {
@@ -57,7 +58,6 @@ static kvc_status check_starts(const char *fn, const char *name, const kvc_tenso
     return KVC_OK;
 }
 
-static int is_float(kvc_dtype d) { return d == KVC_F32 || d == KVC_F16 || d == KVC_BF16; }
 
 kvc_status kvc_pmx_dynamic_multi_head_cache_attention(
     const kvc_tensor *query, const kvc_tensor *current_key, const kvc_tensor *current_value,
@@ -78,7 +78,7 @@ kvc_status kvc_pmx_dynamic_multi_head_cache_attention(
     KVC_CHECK(Hq >= 1 && D >= 1 && H >= 1, "%s: num_heads %lld, head_dim %lld and num_kv_heads "
               "%lld must be >= 1 (num_kv_heads 0 means num_heads)", fn, (long long)Hq,
               (long long)D, (long long)H);
-    KVC_TRY(kvc__pf_check_heads(fn, Hq, H, D));
+    KVC_TRY(kvc__attn_check_heads(fn, Hq, H, D));
     KVC_CHECK(params->kv.num_repeat == 1, "%s: kv.num_repeat must be 1 (GQA comes from "
               "num_kv_heads), got %d", fn, (int)params->kv.num_repeat);
     KVC_CHECK(params->kv.cache_layout >= 0 && params->kv.cache_layout <= 3,
@@ -93,7 +93,7 @@ kvc_status kvc_pmx_dynamic_multi_head_cache_attention(
     KVC_CHECK(current_key->ndim == 3 && current_key->shape[1] == H && current_key->shape[2] == D,
               "%s: current_key %s must be (seqstarts[B], num_kv_heads=%lld, head_dim=%lld)", fn,
               kvc__shape_str(current_key, b1, sizeof b1), (long long)H, (long long)D);
-    KVC_CHECK(is_float(current_key->dtype), "%s: current_key must be float32, float16 or "
+    KVC_CHECK(kvc__attn_is_float(current_key->dtype), "%s: current_key must be float32, float16 or "
               "bfloat16 for attention, not %s", fn, kvc_dtype_name(current_key->dtype));
     const int quant = cache->dtype == KVC_I8 || cache->dtype == KVC_I4;
     KVC_CHECK(!quant || params->kv.quant_bit != 0, "%s: attention over a %s cache needs "

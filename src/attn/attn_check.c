@@ -1,0 +1,107 @@
+/* Argument checks shared by the attention entry points (attn_check.h). */
+#include <math.h>
+#include <stdio.h>
+
+#include "attn_check.h"
+#include "../core/internal.h"
+#include "../kernels/kernels.h" /* KVC_ATTN_MAX_DIM */
+
+int kvc__attn_is_float(kvc_dtype d) { return d == KVC_F32 || d == KVC_F16 || d == KVC_BF16; }
+
+kvc_status kvc__attn_check_shape(const char *fn, const char *name, const kvc_tensor *t, int ndim,
+                                 const int64_t *shape) {
+    char buf[128], want[128];
+    KVC_CHECK(t != NULL, "%s: %s is NULL", fn, name);
+    KVC_TRY(kvc__check_tensor(t, name, 1));
+    int ok = t->ndim == ndim;
+    for (int i = 0; ok && i < ndim; i++) ok = t->shape[i] == shape[i];
+    if (!ok) {
+        int n = 0;
+        want[0] = '\0';
+        for (int i = 0; i < ndim; i++)
+            n += snprintf(want + n, sizeof want - (size_t)n, "%s%lld", i ? ", " : "",
+                          (long long)shape[i]);
+        return kvc__error(KVC_ERR_INVALID_ARG, "%s: %s has shape %s, expected (%s)", fn, name,
+                          kvc__shape_str(t, buf, sizeof buf), want);
+    }
+    return KVC_OK;
+}
+
+/* q/out/lse: q and out of shape qshape (ndim 2 or 3) float dtypes, lse of
+ * qshape without the last dim, float32. */
+kvc_status kvc__attn_check_io(const char *fn, const kvc_tensor *q, const kvc_tensor *out,
+                              const kvc_tensor *lse, int ndim, const int64_t *qshape) {
+    KVC_TRY(kvc__attn_check_shape(fn, "q", q, ndim, qshape));
+    KVC_CHECK(kvc__attn_is_float(q->dtype), "%s: q must be float32, float16 or bfloat16, not %s", fn,
+              kvc_dtype_name(q->dtype));
+    KVC_CHECK(out != NULL, "%s: out is NULL", fn);
+    KVC_TRY(kvc__attn_check_shape(fn, "out", out, ndim, qshape));
+    KVC_CHECK(kvc__attn_is_float(out->dtype), "%s: out must be float32, float16 or bfloat16, not %s", fn,
+              kvc_dtype_name(out->dtype));
+    if (lse) {
+        KVC_TRY(kvc__attn_check_shape(fn, "lse", lse, ndim - 1, qshape));
+        KVC_CHECK(lse->dtype == KVC_F32, "%s: lse must be float32, not %s", fn,
+                  kvc_dtype_name(lse->dtype));
+    }
+    return KVC_OK;
+}
+
+kvc_status kvc__attn_check_heads(const char *fn, int64_t Hq, int64_t H, int64_t D) {
+    KVC_CHECK(Hq >= 1 && H >= 1 && D >= 1, "%s: Hq %lld, H %lld and Dh %lld must be >= 1", fn,
+              (long long)Hq, (long long)H, (long long)D);
+    KVC_CHECK(Hq % H == 0, "%s: num_qo_heads %lld must be a multiple of num_kv_heads %lld", fn,
+              (long long)Hq, (long long)H);
+    if (D > KVC_ATTN_MAX_DIM)
+        return kvc__error(KVC_ERR_UNSUPPORTED, "%s: head_dim %lld > %d is not supported", fn,
+                          (long long)D, KVC_ATTN_MAX_DIM);
+    return KVC_OK;
+}
+
+kvc_status kvc__attn_check_params(const char *fn, const kvc_attn_params *p, int64_t D,
+                                kvc_attn_params *out) {
+    *out = p ? *p : kvc_attn_default_params();
+    KVC_CHECK(isfinite(out->sm_scale), "%s: sm_scale must be finite", fn);
+    KVC_CHECK(isfinite(out->logits_soft_cap) && out->logits_soft_cap >= 0.0f,
+              "%s: logits_soft_cap must be finite and >= 0 (0 disables it)", fn);
+    KVC_CHECK(out->window_left >= -1, "%s: window_left %d must be >= -1", fn,
+              (int)out->window_left);
+    if (out->sm_scale == 0.0f) out->sm_scale = (float)(1.0 / sqrt((double)D));
+    return KVC_OK;
+}
+
+kvc_status kvc__attn_check_kv(const char *fn, const kvc_tensor *k, const kvc_tensor *v,
+                           const kvc_tensor *ks, const kvc_tensor *vs, int32_t group,
+                              int ndim) {
+    char b1[128], b2[128];
+    KVC_CHECK(k != NULL && v != NULL, "%s: k and v must not be NULL", fn);
+    KVC_TRY(kvc__check_tensor(k, "k", 1));
+    KVC_TRY(kvc__check_tensor(v, "v", 1));
+    KVC_CHECK(k->ndim == ndim, "%s: k must be %d-D, not %d-D", fn, ndim, (int)k->ndim);
+    int same = v->ndim == k->ndim && v->dtype == k->dtype;
+    for (int i = 0; same && i < ndim; i++) same = k->shape[i] == v->shape[i];
+    KVC_CHECK(same, "%s: k %s %s and v %s %s must match in shape and dtype", fn,
+              kvc_dtype_name(k->dtype), kvc__shape_str(k, b1, sizeof b1), kvc_dtype_name(v->dtype),
+              kvc__shape_str(v, b2, sizeof b2));
+    const kvc_dtype dt = k->dtype;
+    KVC_CHECK(kvc__attn_is_float(dt) || dt == KVC_I8 || dt == KVC_I4,
+              "%s: k/v dtype %s is not a cache storage dtype (float32, float16, bfloat16, int8, "
+              "int4)", fn, kvc_dtype_name(dt));
+    if (dt != KVC_I8 && dt != KVC_I4) return KVC_OK;
+    const int64_t D = k->shape[ndim - 1];
+    KVC_CHECK(group > 0 && D % group == 0 && (dt != KVC_I4 || group % 2 == 0),
+              "%s: quant_group %d must divide Dh %lld (and be even for int4)", fn, (int)group,
+              (long long)D);
+    int64_t sshape[KVC_MAX_DIMS];
+    for (int i = 0; i < ndim; i++) sshape[i] = k->shape[i];
+    sshape[ndim - 1] = D / group;
+    const kvc_tensor *sc[2] = {ks, vs};
+    const char *names[2] = {"k_scale", "v_scale"};
+    for (int i = 0; i < 2; i++) {
+        KVC_CHECK(sc[i] != NULL, "%s: a %s cache needs %s", fn, kvc_dtype_name(dt), names[i]);
+        KVC_TRY(kvc__attn_check_shape(fn, names[i], sc[i], ndim, sshape));
+        KVC_CHECK(sc[i]->dtype == KVC_F32 || sc[i]->dtype == KVC_F16,
+                  "%s: %s must be float32 or float16, not %s", fn, names[i],
+                  kvc_dtype_name(sc[i]->dtype));
+    }
+    return KVC_OK;
+}

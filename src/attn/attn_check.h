@@ -1,0 +1,38 @@
+/*
+ * Argument checks shared by every attention entry point (decode, prefill,
+ * cascade, MLA, the pmx fused operator): one wording for the same mistake
+ * wherever it is made.
+ */
+#ifndef KVC_ATTN_CHECK_H
+#define KVC_ATTN_CHECK_H
+
+#include <stdint.h>
+
+#include "kvcache/attention.h"
+
+/* 1 for float32, float16, bfloat16 (q/out dtypes). */
+int kvc__attn_is_float(kvc_dtype d);
+
+/* t non-NULL, valid, contiguous last dim, of exactly this ndim-D shape. */
+kvc_status kvc__attn_check_shape(const char *fn, const char *name, const kvc_tensor *t, int ndim,
+                                 const int64_t *shape);
+
+/* q and out of shape qshape (ndim 2 or 3), float dtypes; lse (NULL or)
+ * qshape without the last dim, float32. */
+kvc_status kvc__attn_check_io(const char *fn, const kvc_tensor *q, const kvc_tensor *out,
+                              const kvc_tensor *lse, int ndim, const int64_t *qshape);
+
+/* Hq, H, D >= 1, Hq % H == 0; D > KVC_ATTN_MAX_DIM is KVC_ERR_UNSUPPORTED. */
+kvc_status kvc__attn_check_heads(const char *fn, int64_t Hq, int64_t H, int64_t D);
+
+/* *out = *p (or the defaults), checked, with sm_scale 0 resolved to 1/sqrt(D). */
+kvc_status kvc__attn_check_params(const char *fn, const kvc_attn_params *p, int64_t D,
+                                  kvc_attn_params *out);
+
+/* K/V pair (ndim-D, same shape and dtype, a storage dtype) with scales for
+ * int8/int4 (shaped like k with last dim Dh / quant_group, float32/16). */
+kvc_status kvc__attn_check_kv(const char *fn, const kvc_tensor *k, const kvc_tensor *v,
+                              const kvc_tensor *ks, const kvc_tensor *vs, int32_t group,
+                              int ndim);
+
+#endif
