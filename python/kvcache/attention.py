@@ -211,6 +211,48 @@ def _threads(num_threads) -> int:
 # Single request
 
 
+def _scale_pair(k_scale, v_scale, ka, va):
+    """[(scale array|None, tensor|None)] for K and V: required exactly for
+    int8/int4 (int8 or uint8-packed) K/V, float32/float16."""
+    out = []
+    for name, sc, arr in (("k_scale", k_scale, ka), ("v_scale", v_scale, va)):
+        quant = arr.dtype in (np.dtype(np.int8), _U8)
+        if sc is None:
+            if quant:
+                raise InvalidArgumentError(
+                    f"{name} is required for an int8/int4 {name[0]} (float32 or float16 "
+                    f"scales, last dimension Dh / quant_group)")
+            out.append((None, None))
+        else:
+            if not quant:
+                raise InvalidArgumentError(
+                    f"{name} is only for int8/int4 {name[0]}; {name[0]} is {arr.dtype}")
+            sa = _lib.input_array(sc, name, _SCALE_CODES)
+            out.append((sa, _lib.make_tensor(sa)))
+    return out
+
+
+def _paged_run_inputs(info, q, paged_kv_cache, kv_scale, layout_name, q_shape):
+    """The run() inputs of a planned paged wrapper: q (checked against the
+    plan's q_data_type and 3-D), the paged cache (against kv_data_type).
+    Returns (q array, PagedCache, arrays to keep alive)."""
+    qa = _lib.input_array(q, "q", _lib.FLOAT_CODES)
+    if info["q_data_type"] is not None and qa.dtype != info["q_data_type"]:
+        raise InvalidArgumentError(f"q is {qa.dtype} but plan() was given q_data_type "
+                                   f"{info['q_data_type']}")
+    pc, keep = _paged_cache(paged_kv_cache, kv_scale, layout_name, info["quant_group"], True,
+                            writable=False)
+    kv_dt = info["kv_data_type"]
+    if kv_dt is not None:
+        arrays = keep[:1] if isinstance(paged_kv_cache, np.ndarray) else keep[:2]
+        for arr in arrays:
+            if arr.dtype != kv_dt:
+                raise InvalidArgumentError(f"paged_kv_cache is {arr.dtype} but plan() was "
+                                           f"given kv_data_type {kv_dt}")
+    _ndim(qa, "q", 3, q_shape)
+    return qa, pc, keep
+
+
 def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", sm_scale=None, logits_soft_cap=None,
                                 window_left=-1, return_lse=False, k_scale=None, v_scale=None,
                                 quant_group=8, num_threads=None):
@@ -241,22 +283,7 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", sm_scale=None, logits_
     qa = _lib.input_array(q, "q", _lib.FLOAT_CODES)
     ka, k_t = _kv_array(k, "k")
     va, v_t = _kv_array(v, "v")
-    quantized = [a.dtype in (np.dtype(np.int8), _U8) for a in (ka, va)]
-    scales = []
-    for name, sc, quant, arr in (("k_scale", k_scale, quantized[0], ka),
-                                 ("v_scale", v_scale, quantized[1], va)):
-        if sc is None:
-            if quant:
-                raise InvalidArgumentError(
-                    f"{name} is required for an int8/int4 {name[0]} (float32 or float16 "
-                    f"scales, last dimension Dh / quant_group)")
-            scales.append((None, None))
-        else:
-            if not quant:
-                raise InvalidArgumentError(
-                    f"{name} is only for int8/int4 {name[0]}; {name[0]} is {arr.dtype}")
-            sa = _lib.input_array(sc, name, _SCALE_CODES)
-            scales.append((sa, _lib.make_tensor(sa)))
+    scales = _scale_pair(k_scale, v_scale, ka, va)
     _ndim(qa, "q", 2, "(num_qo_heads, head_dim)")
     o = np.empty(qa.shape, qa.dtype)
     lse = np.empty(qa.shape[:1], _F32) if return_lse else None
@@ -393,20 +420,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self._plan is None:
             raise InvalidArgumentError("BatchDecodeWithPagedKVCacheWrapper.run: call plan() first")
         info = self._info
-        qa = _lib.input_array(q, "q", _lib.FLOAT_CODES)
-        if info["q_data_type"] is not None and qa.dtype != info["q_data_type"]:
-            raise InvalidArgumentError(f"q is {qa.dtype} but plan() was given q_data_type "
-                                       f"{info['q_data_type']}")
-        pc, keep = _paged_cache(paged_kv_cache, kv_scale, self._layout_name,
-                                info["quant_group"], True, writable=False)
-        kv_dt = info["kv_data_type"]
-        if kv_dt is not None:
-            arrays = keep[:1] if isinstance(paged_kv_cache, np.ndarray) else keep[:2]
-            for a in arrays:
-                if a.dtype != kv_dt:
-                    raise InvalidArgumentError(f"paged_kv_cache is {a.dtype} but plan() was "
-                                               f"given kv_data_type {kv_dt}")
-        _ndim(qa, "q", 3, "(batch_size, num_qo_heads, head_dim)")
+        qa, pc, keep = _paged_run_inputs(info, q, paged_kv_cache, kv_scale, self._layout_name,
+                                         "(batch_size, num_qo_heads, head_dim)")
         o = np.empty(qa.shape, qa.dtype)
         lse = np.empty(qa.shape[:2], _F32) if return_lse else None
         q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(o)

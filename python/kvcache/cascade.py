@@ -19,9 +19,9 @@ import ctypes
 import numpy as np
 
 from . import _lib
-from .attention import _attn_params, _data_type, _ndim, _ref, _threads
+from .attention import _attn_params, _data_type, _paged_run_inputs, _ref, _threads
 from .errors import InvalidArgumentError
-from .paged import _layout_code, _paged_cache
+from .paged import _layout_code
 from .prefill import _causal_flag, _check_flashinfer_only, _opt_tensor
 
 __all__ = ["MultiLevelCascadeAttentionWrapper"]
@@ -151,20 +151,8 @@ class MultiLevelCascadeAttentionWrapper:
         if self._plan is None:
             raise InvalidArgumentError("MultiLevelCascadeAttentionWrapper.run: call plan() first")
         info = self._info
-        qa = _lib.input_array(q, "q", _lib.FLOAT_CODES)
-        if info["q_data_type"] is not None and qa.dtype != info["q_data_type"]:
-            raise InvalidArgumentError(f"q is {qa.dtype} but plan() was given q_data_type "
-                                       f"{info['q_data_type']}")
-        pc, keep = _paged_cache(paged_kv_cache, kv_scale, self._layout_name,
-                                info["quant_group"], True, writable=False)
-        kv_dt = info["kv_data_type"]
-        if kv_dt is not None:
-            arrays = keep[:1] if isinstance(paged_kv_cache, np.ndarray) else keep[:2]
-            for a in arrays:
-                if a.dtype != kv_dt:
-                    raise InvalidArgumentError(f"paged_kv_cache is {a.dtype} but plan() was "
-                                               f"given kv_data_type {kv_dt}")
-        _ndim(qa, "q", 3, "(nnz, num_qo_heads, head_dim)")
+        qa, pc, keep = _paged_run_inputs(info, q, paged_kv_cache, kv_scale, self._layout_name,
+                                         "(nnz, num_qo_heads, head_dim)")
         o_dt = info["o_data_type"] if info["o_data_type"] is not None else qa.dtype
         o = np.empty(qa.shape, o_dt)
         lse = np.empty(qa.shape[:2], _F32) if return_lse else None

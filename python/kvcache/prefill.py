@@ -50,9 +50,18 @@ import ctypes
 import numpy as np
 
 from . import _lib
-from .attention import _attn_params, _data_type, _kv_array, _ndim, _ref, _threads
+from .attention import (
+    _attn_params,
+    _data_type,
+    _kv_array,
+    _ndim,
+    _paged_run_inputs,
+    _ref,
+    _scale_pair,
+    _threads,
+)
 from .errors import InvalidArgumentError, UnsupportedError
-from .paged import _layout_code, _paged_cache
+from .paged import _layout_code
 
 __all__ = [
     "single_prefill_with_kv_cache",
@@ -62,8 +71,6 @@ __all__ = [
 
 _F32 = np.dtype(np.float32)
 _U8 = np.dtype(np.uint8)
-_I8 = np.dtype(np.int8)
-_SCALE_CODES = (_lib.KVC_F32, _lib.KVC_F16)
 
 # ---------------------------------------------------------------------------
 # C prototypes (include/kvcache/prefill.h). optional_proto: importing kvcache
@@ -150,31 +157,6 @@ def _check_flashinfer_only(head_dim_qk, head_dim_vo, pos_encoding_mode,
 def _out_dtype(out_dtype, q_dtype, name="out_dtype") -> np.dtype:
     """The output dtype: q's, or out_dtype (float32/float16/bfloat16)."""
     return q_dtype if out_dtype is None else _data_type(out_dtype, name, False)
-
-
-def _scale_pair(k_scale, v_scale, ka, va):
-    """[(scale array|None, tensor|None)] for K and V, checking presence against
-    the K/V dtypes as single_decode_with_kv_cache does."""
-    out = []
-    for name, sc, arr in (("k_scale", k_scale, ka), ("v_scale", v_scale, va)):
-        quant = arr.dtype in (_I8, _U8)
-        if sc is None:
-            if quant:
-                raise InvalidArgumentError(
-                    f"{name} is required for an int8/int4 {name[0]} (float32 or float16 "
-                    f"scales, last dimension Dh / quant_group)")
-            out.append((None, None))
-        else:
-            if not quant:
-                raise InvalidArgumentError(
-                    f"{name} is only for int8/int4 {name[0]}; {name[0]} is {arr.dtype}")
-            sa = _lib.input_array(sc, name, _SCALE_CODES)
-            out.append((sa, _lib.make_tensor(sa)))
-    return out
-
-
-# ---------------------------------------------------------------------------
-# Single request
 
 
 def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=None,
@@ -406,12 +388,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             o (qo_indptr[-1], num_qo_heads, head_dim), or (o, lse
             (qo_indptr[-1], num_qo_heads) float32) with return_lse.
         """
-        qa = self._check_q(q)
+        if self._plan is None:
+            raise InvalidArgumentError(f"{self._name}.run: call plan() first")
         info = self._info
-        pc, keep = _paged_cache(paged_kv_cache, kv_scale, self._layout_name,
-                                info["quant_group"], True, writable=False)
-        arrays = keep[:1] if isinstance(paged_kv_cache, np.ndarray) else keep[:2]
-        self._check_kv_dtype(arrays, "paged_kv_cache")
+        qa, pc, keep = _paged_run_inputs(info, q, paged_kv_cache, kv_scale, self._layout_name,
+                                         "(qo_indptr[-1], num_qo_heads, head_dim)")
         o, lse = self._outputs(qa, return_lse)
         q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(o)
         lse_t = _opt_tensor(lse)
