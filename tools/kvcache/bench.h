@@ -153,6 +153,21 @@ void bench_json_str(FILE *f, const char *s);
 /* The machine header: '# key: value' lines, or one JSON "machine" object. */
 void bench_print_machine(const bench_opts *o, const char *target, FILE *f);
 
+/* ---- FMA peak (bench_fma.c) -------------------------------------------- */
+
+/* Every thread (the caller's included) runs independent chains of the
+ * current kernel ISA's widest float FMA; a pass's FLOPs (2 per lane FMA,
+ * all threads) land in flops, so flops / seconds per pass is the peak. */
+typedef struct bench_fma {
+    int threads;
+    double flops;
+    float sink[BENCH_MAX_THREADS];
+} bench_fma;
+
+void bench_fma_prepare(bench_fma *f, int n_threads);
+/* One pass (a bench_fn): non-zero if a thread could not be started. */
+int bench_fma_pass(void *ctx);
+
 /* ---- targets ----------------------------------------------------------- */
 
 /* `kvcache bench pmx`: returns a CLI exit status. */

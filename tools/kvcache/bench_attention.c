@@ -18,14 +18,8 @@
  * least 1.6x faster per step than float16 (same shape, batch, kv, threads).
  */
 #define _POSIX_C_SOURCE 200809L
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define ATT_X86 1
-#endif
-
 #include "bench.h"
 #include "cli.h"
 #include "kvcache/kvcache.h"
@@ -170,121 +164,16 @@ static int setup(att_case *c, att_shape s, int64_t B, int64_t L, kvc_dtype dt, c
 
 /* ---- FMA peak ---------------------------------------------------------------- */
 
-/* Iterations of FMA_CHAINS independent multiply-adds per thread and pass. */
-#define FMA_ITERS 100000
-#define FMA_CHAINS 12
-
-/* FMA_ITERS x FMA_CHAINS dependent-in-chain FMAs of the ISA's widest float
- * vector (x stays finite: x * 0.999 + 0.001 converges to 1); returns lanes
- * per FMA. The tool is built for baseline x86-64, so the vector versions use
- * target attributes and run only where kvc_get_isa() says the CPU has them. */
-#ifdef ATT_X86
-__attribute__((target("avx512f"))) static float fma_avx512(void) {
-    __m512 a[FMA_CHAINS];
-    const __m512 b = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(0.001f);
-    for (int i = 0; i < FMA_CHAINS; i++) a[i] = _mm512_set1_ps((float)i);
-    for (int it = 0; it < FMA_ITERS; it++)
-#pragma GCC unroll 16 /* chains in registers at any -O level */
-        for (int i = 0; i < FMA_CHAINS; i++) a[i] = _mm512_fmadd_ps(a[i], b, c);
-    for (int i = 1; i < FMA_CHAINS; i++) a[0] = _mm512_add_ps(a[0], a[i]);
-    return _mm512_reduce_add_ps(a[0]);
-}
-
-__attribute__((target("avx2,fma"))) static float fma_avx2(void) {
-    __m256 a[FMA_CHAINS];
-    const __m256 b = _mm256_set1_ps(0.999f), c = _mm256_set1_ps(0.001f);
-    for (int i = 0; i < FMA_CHAINS; i++) a[i] = _mm256_set1_ps((float)i);
-    for (int it = 0; it < FMA_ITERS; it++)
-#pragma GCC unroll 16
-        for (int i = 0; i < FMA_CHAINS; i++) a[i] = _mm256_fmadd_ps(a[i], b, c);
-    for (int i = 1; i < FMA_CHAINS; i++) a[0] = _mm256_add_ps(a[0], a[i]);
-    float t[8];
-    _mm256_storeu_ps(t, a[0]);
-    return t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
-}
-#endif
-
-static float fma_scalar(void) {
-    volatile float seed = 0.999f; /* not folded at compile time */
-    float a[FMA_CHAINS];
-    const float b = seed, c = 0.001f;
-    for (int i = 0; i < FMA_CHAINS; i++) a[i] = (float)i;
-    for (int it = 0; it < FMA_ITERS; it++)
-#pragma GCC unroll 16
-        for (int i = 0; i < FMA_CHAINS; i++) a[i] = a[i] * b + c;
-    float t = 0;
-    for (int i = 0; i < FMA_CHAINS; i++) t += a[i];
-    return t;
-}
-
-typedef struct fma_ctx {
-    int n_threads, lanes;
-    float (*fn)(void);
-    float out[BENCH_MAX_THREADS];
-} fma_ctx;
-
-typedef struct fma_arg {
-    fma_ctx *c;
-    int i;
-} fma_arg;
-
-static void *fma_thread(void *p) {
-    fma_arg *a = p;
-    a->c->out[a->i] = a->c->fn();
-    return NULL;
-}
-
-/* One pass: every thread runs the FMA loop once (bench_fn). */
-static int fma_pass(void *ctx) {
-    fma_ctx *c = ctx;
-    pthread_t tid[BENCH_MAX_THREADS];
-    fma_arg args[BENCH_MAX_THREADS];
-    int started = 1;
-    for (; started < c->n_threads; started++) {
-        args[started].c = c;
-        args[started].i = started;
-        if (pthread_create(&tid[started], NULL, fma_thread, &args[started]) != 0) break;
-    }
-    c->out[0] = c->fn();
-    for (int i = 1; i < started; i++) pthread_join(tid[i], NULL);
-    if (started < c->n_threads) {
-        fprintf(stderr, "kvcache: bench attention: cannot start %d threads for the FMA peak\n",
-                c->n_threads);
-        return 1;
-    }
-    float t = 0;
-    for (int i = 0; i < c->n_threads; i++) t += c->out[i];
-    bench_sink((uint64_t)t);
-    return 0;
-}
-
-static void fma_prepare(fma_ctx *c, int n_threads) {
-    c->n_threads = n_threads < 1                   ? 1
-                   : n_threads > BENCH_MAX_THREADS ? BENCH_MAX_THREADS
-                                                   : n_threads;
-    c->fn = fma_scalar;
-    c->lanes = 1;
-#ifdef ATT_X86
-    if (kvc_get_isa() == KVC_ISA_AVX512) c->fn = fma_avx512, c->lanes = 16;
-    else if (kvc_get_isa() == KVC_ISA_AVX2) c->fn = fma_avx2, c->lanes = 8;
-#endif
-}
-
-/* Lane-FMAs per second of one pass over its median time. */
-static double fma_rate(const fma_ctx *c, double pass_s) {
-    return (double)c->n_threads * FMA_ITERS * FMA_CHAINS * c->lanes / pass_s;
-}
-
 /* Operator, the plain-read reference and the FMA peak, interleaved in rounds. */
 static int time_with_read(att_case *c, double op_s, bench_membw_ctx *mb, double ref_s, int nt,
                           bench_timing *op, double *read_gbs, double *fma_per_s) {
     static bench_timer t_op, t_rd, t_fma;
-    static fma_ctx fc;
+    static bench_fma fc;
     const size_t bytes = bench_membw_prepare(mb, nt, 1);
-    fma_prepare(&fc, nt);
+    bench_fma_prepare(&fc, nt);
     if (bench_timer_start(&t_op, att_call, c, op_s / 16.0) != 0) return 1;
     if (bench_timer_start(&t_rd, bench_membw_pass, mb, ref_s / 8.0) != 0) return -1;
-    if (bench_timer_start(&t_fma, fma_pass, &fc, ref_s / 8.0) != 0) return -1;
+    if (bench_timer_start(&t_fma, bench_fma_pass, &fc, ref_s / 8.0) != 0) return -1;
     for (int round = 0; round < 4; round++) {
         if (bench_timer_run(&t_rd, ref_s / 4, 1) != 0) return -1;
         if (bench_timer_run(&t_fma, ref_s / 8, 1) != 0) return -1;
@@ -295,7 +184,7 @@ static int time_with_read(att_case *c, double op_s, bench_membw_ctx *mb, double 
     bench_timer_result(&t_rd, &rd);
     bench_timer_result(&t_fma, &fm);
     *read_gbs = (double)bytes / rd.median_s * 1e-9;
-    *fma_per_s = fma_rate(&fc, fm.median_s);
+    *fma_per_s = fc.flops / 2.0 / fm.median_s; /* lane FMAs per second */
     return 0;
 }
 

@@ -18,14 +18,8 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define MLA_X86 1
-#endif
 
 #include "bench.h"
 #include "cli.h"
@@ -38,99 +32,6 @@
 
 /* ---- FMA peak reference
  * ------------------------------------------------------ */
-
-#define FMA_ITERS (1 << 17) /* per thread and call (~0.6 ms): thread starts stay < 2% */
-
-#ifdef MLA_X86
-/* 16 independent chains hide the FMA latency on every core we know of. */
-__attribute__((target("avx512f"))) static float fma_avx512(int64_t iters) {
-    __m512 a[16];
-    const __m512 x = _mm512_set1_ps(0.999999f), y = _mm512_set1_ps(1e-6f);
-    for (int i = 0; i < 16; i++) a[i] = _mm512_set1_ps(1.0f + (float)i);
-    for (int64_t n = 0; n < iters; n++)
-        for (int i = 0; i < 16; i++) a[i] = _mm512_fmadd_ps(a[i], x, y);
-    for (int i = 1; i < 16; i++) a[0] = _mm512_add_ps(a[0], a[i]);
-    return _mm512_reduce_add_ps(a[0]);
-}
-
-__attribute__((target("avx2,fma"))) static float fma_avx2(int64_t iters) {
-    __m256 a[12];
-    const __m256 x = _mm256_set1_ps(0.999999f), y = _mm256_set1_ps(1e-6f);
-    for (int i = 0; i < 12; i++) a[i] = _mm256_set1_ps(1.0f + (float)i);
-    for (int64_t n = 0; n < iters; n++)
-        for (int i = 0; i < 12; i++) a[i] = _mm256_fmadd_ps(a[i], x, y);
-    for (int i = 1; i < 12; i++) a[0] = _mm256_add_ps(a[0], a[i]);
-    float v[8];
-    _mm256_storeu_ps(v, a[0]);
-    return v[0] + v[7];
-}
-#endif
-
-/* Scalar ISA: independent multiply-add pairs (no FMA at baseline). */
-static float fma_scalar(int64_t iters) {
-    float a[8];
-    for (int i = 0; i < 8; i++) a[i] = 1.0f + (float)i;
-    for (int64_t n = 0; n < iters; n++)
-        for (int i = 0; i < 8; i++) a[i] = a[i] * 0.999999f + 1e-6f;
-    return a[0] + a[7];
-}
-
-typedef struct fma_ref {
-    kvc_isa isa;
-    int threads;
-    double flops; /* per call, all threads */
-    float sink[BENCH_MAX_THREADS];
-} fma_ref;
-
-typedef struct fma_arg {
-    fma_ref *r;
-    int i;
-} fma_arg;
-
-static void fma_one(fma_ref *r, int i) {
-#ifdef MLA_X86
-    if (r->isa == KVC_ISA_AVX512) {
-        r->sink[i] = fma_avx512(FMA_ITERS);
-        return;
-    }
-    if (r->isa == KVC_ISA_AVX2) {
-        r->sink[i] = fma_avx2(FMA_ITERS);
-        return;
-    }
-#endif
-    r->sink[i] = fma_scalar(FMA_ITERS);
-}
-
-static void *fma_thread(void *p) {
-    fma_arg *a = p;
-    fma_one(a->r, a->i);
-    return NULL;
-}
-
-static int fma_pass(void *ctx) {
-    fma_ref *r = ctx;
-    pthread_t tid[BENCH_MAX_THREADS];
-    fma_arg args[BENCH_MAX_THREADS];
-    int started = 1;
-    for (; started < r->threads; started++) {
-        args[started].r = r;
-        args[started].i = started;
-        if (pthread_create(&tid[started], NULL, fma_thread, &args[started]) != 0) break;
-    }
-    fma_one(r, 0);
-    for (int i = 1; i < started; i++) pthread_join(tid[i], NULL);
-    return started < r->threads;
-}
-
-static void fma_prepare(fma_ref *r, int threads) {
-    memset(r, 0, sizeof *r);
-    r->isa = kvc_get_isa();
-    r->threads = threads;
-    const double per_iter = r->isa == KVC_ISA_AVX512 ? 16.0 * 16 * 2
-                            : r->isa == KVC_ISA_AVX2 ? 12.0 * 8 * 2
-                                                     : 8.0 * 2;
-    r->flops = per_iter * FMA_ITERS * threads;
-}
 
 /* ---- cases
  * -------------------------------------------------------------------- */
@@ -241,12 +142,12 @@ static int setup(mla_bcase *c, int64_t Hq, int64_t B, int64_t L, kvc_dtype dt) {
 static int time_case(mla_bcase *c, double op_s, bench_membw_ctx *mb, double ref_s, int nt,
                      bench_timing *op, double *read_gbs, double *peak_gflops) {
     static bench_timer t_op, t_rd, t_fma;
-    static fma_ref fr;
+    static bench_fma fr;
     const size_t bytes = bench_membw_prepare(mb, nt, 1);
-    fma_prepare(&fr, nt);
+    bench_fma_prepare(&fr, nt);
     if (bench_timer_start(&t_op, mla_call, c, op_s / 16.0) != 0) return 1;
     if (bench_timer_start(&t_rd, bench_membw_pass, mb, ref_s / 8.0) != 0) return -1;
-    if (bench_timer_start(&t_fma, fma_pass, &fr, ref_s / 8.0) != 0) return -1;
+    if (bench_timer_start(&t_fma, bench_fma_pass, &fr, ref_s / 8.0) != 0) return -1;
     for (int round = 0; round < 4; round++) {
         if (bench_timer_run(&t_rd, ref_s / 4, 1) != 0) return -1;
         if (bench_timer_run(&t_fma, ref_s / 4, 1) != 0) return -1;

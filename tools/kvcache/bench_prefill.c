@@ -13,7 +13,6 @@
  * Goal (issue "Attention over the cache"): >= 0.4 of that peak at Dh=128.
  */
 #define _POSIX_C_SOURCE 200809L
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,107 +20,9 @@
 #include "cli.h"
 #include "kvcache/kvcache.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define PF_X86 1
-#endif
-
 #define PF_PAGE 16
 #define PF_GROUP 32
 #define PF_GOAL 0.4
-
-/* ---- FMA peak ------------------------------------------------------------------- */
-
-#define PEAK_CHAINS 12 /* > FMA latency x FMA ports on current cores */
-#define PEAK_ITERS 200000
-
-/* Each returns the FLOPs done; the chains' sum goes to *sink. */
-#ifdef PF_X86
-__attribute__((target("avx512f"))) static double peak_avx512(float seed, float *sink) {
-    __m512 acc[PEAK_CHAINS];
-    const __m512 a = _mm512_set1_ps(0.999999f), b = _mm512_set1_ps(seed * 1e-7f);
-    for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = _mm512_set1_ps(seed + (float)i);
-    for (int it = 0; it < PEAK_ITERS; it++)
-        for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
-    __m512 s = acc[0];
-    for (int i = 1; i < PEAK_CHAINS; i++) s = _mm512_add_ps(s, acc[i]);
-    *sink = _mm512_reduce_add_ps(s);
-    return 2.0 * 16 * PEAK_CHAINS * (double)PEAK_ITERS;
-}
-
-__attribute__((target("avx2,fma"))) static double peak_avx2(float seed, float *sink) {
-    __m256 acc[PEAK_CHAINS];
-    const __m256 a = _mm256_set1_ps(0.999999f), b = _mm256_set1_ps(seed * 1e-7f);
-    for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = _mm256_set1_ps(seed + (float)i);
-    for (int it = 0; it < PEAK_ITERS; it++)
-        for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
-    __m256 s = acc[0];
-    for (int i = 1; i < PEAK_CHAINS; i++) s = _mm256_add_ps(s, acc[i]);
-    float t[8];
-    _mm256_storeu_ps(t, s);
-    *sink = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
-    return 2.0 * 8 * PEAK_CHAINS * (double)PEAK_ITERS;
-}
-#endif
-
-/* The scalar kernels do separate multiplies and adds (no FMA in baseline
- * x86-64): the same here. */
-static double peak_scalar(float seed, float *sink) {
-    float acc[PEAK_CHAINS];
-    const float a = 0.999999f, b = seed * 1e-7f;
-    for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = seed + (float)i;
-    for (int it = 0; it < PEAK_ITERS; it++)
-        for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = acc[i] * a + b;
-    float s = 0;
-    for (int i = 0; i < PEAK_CHAINS; i++) s += acc[i];
-    *sink = s;
-    return 2.0 * PEAK_CHAINS * (double)PEAK_ITERS;
-}
-
-typedef struct peak_ctx {
-    int threads;
-    double flops; /* per pass, all threads */
-    float sink[BENCH_MAX_THREADS];
-} peak_ctx;
-
-typedef struct peak_arg {
-    peak_ctx *c;
-    int i;
-} peak_arg;
-
-static double peak_once(float seed, float *sink) {
-#ifdef PF_X86
-    switch (kvc_get_isa()) {
-    case KVC_ISA_AVX512: return peak_avx512(seed, sink);
-    case KVC_ISA_AVX2: return peak_avx2(seed, sink);
-    default: break;
-    }
-#endif
-    return peak_scalar(seed, sink);
-}
-
-static void *peak_thread(void *arg) {
-    peak_arg *a = arg;
-    peak_once(1.0f + (float)a->i, &a->c->sink[a->i]);
-    return NULL;
-}
-
-/* One pass: every thread runs the FMA loop once (the caller too). */
-static int peak_pass(void *ctx) {
-    peak_ctx *c = ctx;
-    pthread_t tid[BENCH_MAX_THREADS];
-    peak_arg args[BENCH_MAX_THREADS];
-    int started = 1;
-    for (; started < c->threads; started++) {
-        args[started].c = c;
-        args[started].i = started;
-        if (pthread_create(&tid[started], NULL, peak_thread, &args[started]) != 0) break;
-    }
-    c->flops = peak_once(1.0f, &c->sink[0]) * c->threads;
-    for (int i = 1; i < started; i++) pthread_join(tid[i], NULL);
-    bench_sink((uint64_t)(int64_t)c->sink[0]);
-    return started == c->threads ? 0 : 1;
-}
 
 /* ---- cases ------------------------------------------------------------------------ */
 
@@ -249,11 +150,11 @@ static int setup(pf_case *c, pf_shape s, int64_t B, int64_t L, int causal, kvc_d
 }
 
 /* Operator and FMA peak, interleaved in rounds. */
-static int time_with_peak(pf_case *c, double op_s, peak_ctx *pk, double ref_s, bench_timing *op,
+static int time_with_peak(pf_case *c, double op_s, bench_fma *pk, double ref_s, bench_timing *op,
                           double *peak_gflops) {
     static bench_timer t_op, t_pk;
     if (bench_timer_start(&t_op, pf_call, c, op_s / 16.0) != 0) return 1;
-    if (bench_timer_start(&t_pk, peak_pass, pk, ref_s / 8.0) != 0) return -1;
+    if (bench_timer_start(&t_pk, bench_fma_pass, pk, ref_s / 8.0) != 0) return -1;
     for (int round = 0; round < 4; round++) {
         /* the peak runs about as long as the operator did in this round, so
          * both sample the same stretch of a shared machine's load */
@@ -334,9 +235,8 @@ int bench_prefill(const bench_opts *o) {
                             c.plan = NULL;
                             continue;
                         }
-                        peak_ctx pk;
-                        memset(&pk, 0, sizeof pk);
-                        pk.threads = nt;
+                        bench_fma pk;
+                        bench_fma_prepare(&pk, nt);
                         bench_timing tm;
                         double peak = 0;
                         int rc = time_with_peak(&c, o->time_s, &pk, ref_budget, &tm, &peak);
