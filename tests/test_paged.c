@@ -10,12 +10,20 @@
 #include <stdlib.h>
 
 #include "test_elems.h"
+#include "kernels/kernels.h" /* kvc__set_llc_bytes */
 
 static void fill_bytes(void *p, size_t n, uint64_t *rng) {
     for (size_t i = 0; i < n; i++) ((unsigned char *)p)[i] = (unsigned char)test_rng_next(rng);
 }
 
-static void *xcalloc(size_t n) { return calloc(n ? n : 1, 1); }
+/* Zeroed and 64-byte aligned, so unpadded rows line up as an allocator would
+ * give them (the streaming store path needs aligned 128-element blocks). */
+static void *xcalloc(size_t n) {
+    const size_t r = (n + 63) / 64 * 64;
+    void *p = aligned_alloc(64, r ? r : 64);
+    if (p) memset(p, 0, r ? r : 64);
+    return p;
+}
 
 static int64_t offset_of(const kvc_tensor *t, const int64_t *idx) {
     int64_t o = 0;
@@ -297,6 +305,49 @@ TEST(append_grid) {
         }
     });
     ASSERT_TRUE(n_cases >= 320);
+    return 0;
+}
+
+/* Calls that move more than the last-level cache quantize with
+ * non-temporal stores; kvc__set_llc_bytes(0) makes every quantized call
+ * one. Same bytes as the reference, aligned (whole 128-element blocks at
+ * 64-byte boundaries: H 8, Dh 128, unpadded) and not (padded). */
+TEST(append_streaming) {
+    static const int64_t pages[3] = {1, 5, 16};
+    static const kvc_dtype floats[3] = {KVC_F16, KVC_BF16, KVC_F32};
+    const int64_t saved = kvc__llc_bytes();
+    kvc__set_llc_bytes(0);
+    int n_cases = 0, fails = 0;
+    FOR_EACH_ISA({
+        for (int pi = 0; pi < 3; pi++) {
+            int32_t seq[6], app[6];
+            grid_batch(pages[pi], seq, app);
+            for (int padded = 0; padded < 2; padded++) {
+                batch bt;
+                uint64_t rng = test_seed + (uint64_t)(pi * 2 + padded);
+                if (batch_init(&bt, 6, seq, app, pages[pi], padded, &rng) != 0) {
+                    kvc__set_llc_bytes(saved);
+                    TEST_FAIL_("batch_init failed");
+                }
+                for (int layout = 0; layout < 2; layout++)
+                    for (int comb = 0; comb < 2; comb++)
+                        for (int bits = 8; bits >= 4; bits -= 4)
+                            for (int rot = 0; rot < 4; rot++) {
+                                append_case k = {layout, comb, padded, padded, 8, 128,
+                                                 (rot & 1) ? 16 : 8, floats[(rot + pi) % 3],
+                                                 bits == 8 ? KVC_I8 : KVC_I4,
+                                                 (rot >> 1) ? KVC_F32 : KVC_F16};
+                                const int th = 1 + (rot + layout + comb) % 2;
+                                fails += run_append(&k, &bt, th, test_seed ^ (uint64_t)n_cases) != 0;
+                                n_cases++;
+                            }
+                batch_free(&bt);
+            }
+        }
+    });
+    kvc__set_llc_bytes(saved);
+    ASSERT_EQ_I64(fails, 0);
+    ASSERT_TRUE(n_cases >= 192);
     return 0;
 }
 
@@ -956,6 +1007,7 @@ TEST(empty_append) {
 const char *test_suite_name = "paged";
 const test_case test_suite[] = {
     TEST_ENTRY(append_grid),
+    TEST_ENTRY(append_streaming),
     TEST_ENTRY(append_decode_many),
     TEST_ENTRY(append_mla),
     TEST_ENTRY(batch_indices_positions_docstring),

@@ -52,6 +52,11 @@ typedef struct kvc_kernels {
      * int4 packed (element 2i low nibble of byte i). scale: n/g of sd. */
     void (*quantize)(const void *x, kvc_dtype xd, int64_t n, int bits, int g, void *q,
                      void *scale, kvc_dtype sd);
+    /* quantize for outputs too large to stay cached (a long prefill's
+     * append): may use non-temporal stores (then fenced before returning),
+     * which skip the read-for-ownership of every written line. Same bytes. */
+    void (*quantize_stream)(const void *x, kvc_dtype xd, int64_t n, int bits, int g, void *q,
+                            void *scale, kvc_dtype sd);
     /* Inverse: y = (float)q * scale converted to yd. */
     void (*dequantize)(const void *q, int bits, const void *scale, kvc_dtype sd, int64_t n,
                        int g, void *y, kvc_dtype yd);
@@ -73,6 +78,12 @@ typedef struct kvc_kernels {
 
 /* The table for the current ISA (kvc_get_isa()). */
 const kvc_kernels *kvc__kernels(void);
+/* Last-level cache size in bytes (sysconf, else 32 MiB): calls that move
+ * more than this use the *_stream kernels. */
+int64_t kvc__llc_bytes(void);
+/* Tests: pretend the last-level cache holds `bytes` (0: every quantized
+ * append streams). Not thread-safe against running operators. */
+void kvc__set_llc_bytes(int64_t bytes);
 
 /* Per-ISA tables; the AVX ones are only called after the CPU check. */
 const kvc_kernels *kvc__kernels_scalar(void);

@@ -510,8 +510,8 @@ typedef __m256 ab_vec;
 #include "attn_body.h"
 
 static const kvc_kernels table = {
-    KVC_ISA_AVX2, copy_avx2, convert_avx2, all_finite_avx2, quantize_avx2, dequantize_avx2,
-    dequantize_rows_avx2, attn_decode_avx2,
+    KVC_ISA_AVX2, copy_avx2, convert_avx2, all_finite_avx2, quantize_avx2, quantize_avx2,
+    dequantize_avx2, dequantize_rows_avx2, attn_decode_avx2,
 };
 
 const kvc_kernels *kvc__kernels_avx2(void) { return &table; }

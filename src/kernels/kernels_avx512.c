@@ -479,9 +479,10 @@ KVC_INLINE __m512 h16x16_to_f32_fin(const uint16_t *p, kvc_dtype xd) {
     return xd == KVC_F16 ? _mm512_cvtph_ps(h) : bf16x16_to_f32(h); /* finite: no NaN fix-up */
 }
 
-KVC_INLINE void quant_g8_h16_block(const uint16_t *x, kvc_dtype xd, int bits, void *q,
-                                   void *scale, kvc_dtype sd, __m512i *seen) {
-    const float qmax = bits == 8 ? 127.0f : 7.0f;
+/* Phase 1 of a 128-element block: the 16 group scales, stored, and as
+ * float32 with their reciprocals in s_out / inv_out. */
+KVC_INLINE void quant_g8_h16_scales(const uint16_t *x, kvc_dtype xd, float qmax, void *scale,
+                                    kvc_dtype sd, int stream, __m512 *s_out, __m512 *inv_out) {
     const __m512i absm = _mm512_set1_epi16(0x7fff);
     const __m512i A = _mm512_and_si512(_mm512_loadu_si512(x), absm);
     const __m512i B = _mm512_and_si512(_mm512_loadu_si512(x + 32), absm);
@@ -499,48 +500,112 @@ KVC_INLINE void quant_g8_h16_block(const uint16_t *x, kvc_dtype xd, int bits, vo
     /* group j sits at word 8 (j % 4) + 2 (j / 4) */
     const __m512i gidx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 30, 22,
                                           14, 6, 28, 20, 12, 4, 26, 18, 10, 2, 24, 16, 8, 0);
-    const __m512i mx = _mm512_permutexvar_epi16(gidx, t);
-    *seen = _mm512_max_epu16(*seen, mx);
-    const __m256i m16 = _mm512_castsi512_si256(mx);
+    const __m256i m16 = _mm512_castsi512_si256(_mm512_permutexvar_epi16(gidx, t));
     const __m512 absmax = xd == KVC_F16 ? _mm512_cvtph_ps(m16) : bf16x16_to_f32(m16);
     __m256i h = _mm256_setzero_si256();
     const __m512 s16 = scale_calc(absmax, qmax, sd, &h);
-    if (sd == KVC_F16) _mm256_storeu_si256((__m256i *)scale, h);
+    if (stream && sd == KVC_F16) _mm256_stream_si256((__m256i *)scale, h);
+    else if (stream) _mm512_stream_ps((float *)scale, s16);
+    else if (sd == KVC_F16) _mm256_storeu_si256((__m256i *)scale, h);
     else _mm512_storeu_ps((float *)scale, s16);
+    *s_out = s16;
+    *inv_out = _mm512_div_ps(_mm512_set1_ps(1.0f), s16);
+}
+
+/*
+ * Phase 2: q = rne(x / s) for the block's 8 vectors, computed as x * (1 / s)
+ * (a zmm division costs ~6 cycles): the product is within 1.6e-5 of x / s
+ * (|x / s| < 128, two roundings of 2^-24), so it rounds the same way unless
+ * it lies within 3e-5 of a half-integer; vreduceps gives its distance to
+ * the nearest integer and such a block (rare, but every exact tie) is redone
+ * with divisions. The packs and clamp are explained above.
+ */
+KVC_INLINE void quant_g8_h16_values(const uint16_t *x, kvc_dtype xd, int bits, void *q,
+                                    int stream, __m512 s16, __m512 inv16) {
+    const int8_t qmax = bits == 8 ? 127 : 7;
     const __m512i pair0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     const __m512i two = _mm512_set1_epi32(2);
+    const __m512 near_half = _mm512_set1_ps(0.5f - 0x1p-15f);
+    __m512i v[8];
+    __m512 far = _mm512_setzero_ps(); /* max |y - rne(y)| */
+    __m512i idx = pair0;
+    for (int i = 0; i < 8; i++, idx = _mm512_add_epi32(idx, two)) {
+        const __m512 y = _mm512_mul_ps(h16x16_to_f32_fin(x + 16 * i, xd),
+                                       _mm512_permutexvar_ps(idx, inv16));
+        v[i] = _mm512_cvt_roundps_epi32(y, RNE);
+        /* vrangeps imm 0x0b: max of |a| and |b| */
+        far = _mm512_range_ps(far, _mm512_reduce_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                              0x0b);
+    }
+    if (_mm512_cmp_ps_mask(far, near_half, _CMP_GE_OQ)) {
+        idx = pair0;
+        for (int i = 0; i < 8; i++, idx = _mm512_add_epi32(idx, two))
+            v[i] = _mm512_cvt_roundps_epi32(_mm512_div_ps(h16x16_to_f32_fin(x + 16 * i, xd),
+                                                          _mm512_permutexvar_ps(idx, s16)),
+                                            RNE);
+    }
     /* after packs_epi32 + packs_epi16, 128-bit lane l holds dwords
      * v0[4l..4l+3], v1[..], v2[..], v3[..]: dword 4k + l goes back to 4l + k */
     const __m512i unpack = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     const __m512i lo = _mm512_set1_epi8((char)-qmax), hi = _mm512_set1_epi8((char)qmax);
-    __m512i idx = pair0;
     __m512i b[2];
     for (int half = 0; half < 2; half++) {
-        __m512i v[4];
-        for (int i = 0; i < 4; i++, idx = _mm512_add_epi32(idx, two)) {
-            const __m512 xf = h16x16_to_f32_fin(x + 64 * half + 16 * i, xd);
-            v[i] = _mm512_cvt_roundps_epi32(
-                _mm512_div_ps(xf, _mm512_permutexvar_ps(idx, s16)), RNE);
-        }
-        __m512i w = _mm512_packs_epi16(_mm512_packs_epi32(v[0], v[1]),
-                                       _mm512_packs_epi32(v[2], v[3]));
+        __m512i w = _mm512_packs_epi16(_mm512_packs_epi32(v[4 * half], v[4 * half + 1]),
+                                       _mm512_packs_epi32(v[4 * half + 2], v[4 * half + 3]));
         w = _mm512_permutexvar_epi32(unpack, w);
         w = _mm512_max_epi8(w, lo);
         if (bits == 4) w = _mm512_min_epi8(w, hi);
         b[half] = w;
     }
     if (bits == 8) {
-        _mm512_storeu_si512(q, b[0]);
-        _mm512_storeu_si512((int8_t *)q + 64, b[1]);
+        if (stream) {
+            _mm512_stream_si512(q, b[0]);
+            _mm512_stream_si512((void *)((int8_t *)q + 64), b[1]);
+        } else {
+            _mm512_storeu_si512(q, b[0]);
+            _mm512_storeu_si512((int8_t *)q + 64, b[1]);
+        }
     } else {
         /* byte 2i low nibble, 2i+1 high nibble: per word, (w & 0x0f) | ((w >> 4) & 0xf0) */
         const __m512i sel = _mm512_set1_epi16(0x000f);
         for (int half = 0; half < 2; half++) {
             const __m512i w = _mm512_ternarylogic_epi32(sel, b[half],
                                                         _mm512_srli_epi16(b[half], 4), 0xca);
-            _mm256_storeu_si256((__m256i *)((uint8_t *)q + 32 * half), _mm512_cvtepi16_epi8(w));
+            __m256i *dst = (__m256i *)((uint8_t *)q + 32 * half);
+            if (stream) _mm256_stream_si256(dst, _mm512_cvtepi16_epi8(w));
+            else _mm256_storeu_si256(dst, _mm512_cvtepi16_epi8(w));
         }
     }
+}
+
+/* Runs of up to 8 blocks: all scales first, then all values, so the long
+ * absmax -> scale -> reciprocal chain of one block does not stall the
+ * quantization of the others (out-of-order execution sees short loops).
+ * stream: non-temporal stores when q and scale are aligned for them (a
+ * block writes 128 / 64 q bytes and 32 / 64 scale bytes). */
+KVC_INLINE int64_t quant_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, int bits, void *q,
+                                void *scale, kvc_dtype sd, int stream) {
+    const float qmax = bits == 8 ? 127.0f : 7.0f;
+    const size_t sbytes = sd == KVC_F16 ? 2 : 4;
+    stream = stream && ((uintptr_t)q & (bits == 8 ? 63 : 31)) == 0 &&
+             ((uintptr_t)scale & (sd == KVC_F16 ? 31 : 63)) == 0;
+    __m512 s[8], inv[8];
+    int64_t e = 0;
+    while (e + 128 <= n) {
+        int nb = (int)((n - e) / 128);
+        if (nb > 8) nb = 8;
+        for (int i = 0; i < nb; i++)
+            quant_g8_h16_scales(x + e + 128 * i, xd, qmax,
+                                (char *)scale + ((e / 8) + 16 * i) * sbytes, sd, stream, &s[i],
+                                &inv[i]);
+        for (int i = 0; i < nb; i++) {
+            const int64_t ei = e + 128 * i;
+            quant_g8_h16_values(x + ei, xd, bits, (int8_t *)q + (bits == 8 ? ei : ei / 2), stream,
+                                s[i], inv[i]);
+        }
+        e += 128 * (int64_t)nb;
+    }
+    return e;
 }
 
 /* absmax of each 8-lane half, on every lane of that half: swap neighbours,
@@ -562,19 +627,13 @@ KVC_INLINE __m512 absmax_halves(__m512 v) {
  * an odd last group takes the generic path.
  */
 KVC_INLINE void quant_g8(const void *x, kvc_dtype xd, int64_t n, int bits, void *q, void *scale,
-                         kvc_dtype sd) {
+                         kvc_dtype sd, int stream) {
     const float qmax = bits == 8 ? 127.0f : 7.0f;
     const __m512i from_halves = _mm512_setr_epi32(0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8, 0, 8);
     const __m512i pair0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     const __m512i two = _mm512_set1_epi32(2);
     int64_t e = 0;
-    if (xd != KVC_F32) {
-        __m512i seen = _mm512_setzero_si512();
-        for (; e + 128 <= n; e += 128)
-            quant_g8_h16_block((const uint16_t *)x + e, xd, bits,
-                               (int8_t *)q + (bits == 8 ? e : e / 2),
-                               (char *)scale + (e / 8) * (sd == KVC_F16 ? 2 : 4), sd, &seen);
-    }
+    if (xd != KVC_F32) e = quant_g8_h16((const uint16_t *)x, xd, n, bits, q, scale, sd, stream);
     for (; e + 128 <= n; e += 128) {
         __m512 v[8], m = _mm512_setzero_ps();
         for (int i = 0; i < 8; i++) {
@@ -603,7 +662,7 @@ KVC_INLINE void quant_g8(const void *x, kvc_dtype xd, int64_t n, int bits, void 
 
 KVC_INLINE void quant_run(const void *x, kvc_dtype xd, int64_t n, int bits, int g, void *q,
                           void *scale, kvc_dtype sd) {
-    if (g == 8) quant_g8(x, xd, n, bits, q, scale, sd);
+    if (g == 8) quant_g8(x, xd, n, bits, q, scale, sd, 0);
     else quant_groups(x, xd, n, bits, g, q, scale, sd, 0);
 }
 
@@ -626,6 +685,19 @@ static void quantize_avx512(const void *x, kvc_dtype xd, int64_t n, int bits, in
 #undef QZ_X
 #undef QZ
     kvc__kernels_scalar()->quantize(x, xd, n, bits, g, q, scale, sd);
+}
+
+/* quantize, with non-temporal stores on the 16-bit input, group 8 path
+ * (the paged append's); other cases store normally. */
+static void quantize_stream_avx512(const void *x, kvc_dtype xd, int64_t n, int bits, int g,
+                                   void *q, void *scale, kvc_dtype sd) {
+    if (g == 8 && (xd == KVC_F16 || xd == KVC_BF16) && (bits == 8 || bits == 4) &&
+        (sd == KVC_F16 || sd == KVC_F32)) {
+        quant_g8(x, xd, n, bits, q, scale, sd, 1);
+        _mm_sfence(); /* order the streamed bytes before whatever signals completion */
+    } else {
+        quantize_avx512(x, xd, n, bits, g, q, scale, sd);
+    }
 }
 
 /* ---- decode attention (attn_body.h, 16 lanes) ---------------------------- */
@@ -781,8 +853,8 @@ typedef __m512 ab_vec;
 #include "attn_body.h"
 
 static const kvc_kernels table = {
-    KVC_ISA_AVX512, copy_avx512, convert_avx512, all_finite_avx512, quantize_avx512, dequantize_avx512,
-    dequantize_rows_avx512, attn_decode_avx512,
+    KVC_ISA_AVX512, copy_avx512, convert_avx512, all_finite_avx512, quantize_avx512,
+    quantize_stream_avx512, dequantize_avx512, dequantize_rows_avx512, attn_decode_avx512,
 };
 
 const kvc_kernels *kvc__kernels_avx512(void) { return &table; }

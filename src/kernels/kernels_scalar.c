@@ -144,8 +144,8 @@ static void dequantize_rows_ref(const void *q, int64_t q_stride, int bits, const
 }
 
 static const kvc_kernels table = {
-    KVC_ISA_SCALAR, copy_ref, convert_ref, all_finite_ref, quantize_ref, dequantize_ref,
-    dequantize_rows_ref, attn_decode_ref,
+    KVC_ISA_SCALAR, copy_ref, convert_ref, all_finite_ref, quantize_ref, quantize_ref,
+    dequantize_ref, dequantize_rows_ref, attn_decode_ref,
 };
 
 const kvc_kernels *kvc__kernels_scalar(void) { return &table; }

@@ -21,7 +21,9 @@ kvc_pmx_kv_params kvc_pmx_kv_default_params(void) {
 /* One contiguous run of n elements from input to cache. */
 static void store_run(const pmx_op *op, const pmx_rows *in, const pmx_rows *c, int64_t n) {
     if (op->bits)
-        op->k->quantize(in->ptr, op->t1, n, op->bits, op->group, c->ptr, c->sptr, c->sdtype);
+        (op->stream ? op->k->quantize_stream : op->k->quantize)(in->ptr, op->t1, n, op->bits,
+                                                                 op->group, c->ptr, c->sptr,
+                                                                 c->sdtype);
     else if (op->t1 == op->t2)
         op->k->copy(c->ptr, in->ptr, (size_t)kvc__bytes(op->t1, n));
     else

@@ -37,6 +37,7 @@ typedef struct pmx_op {
     int64_t repeat;   /* num_repeat: output heads per cache head */
     int bits, group;  /* quant_bit (0 = none) and quant_group */
     kvc_dtype t1, t2; /* input/output dtype, cache dtype */
+    int stream;       /* quantized stores may bypass the caches (large calls) */
 } pmx_op;
 
 /* Rows of a float/int8 tensor (no scales) whose tokens lie along dimension
