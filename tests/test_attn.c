@@ -7,6 +7,7 @@
 #include <stdlib.h>
 
 #include "test_elems.h"
+#include "kernels/kernels.h" /* the soft-cap kernel */
 
 /* ---- reference ------------------------------------------------------------ */
 
@@ -653,8 +654,74 @@ TEST(rejects) {
     return 0;
 }
 
+/*
+ * The soft cap every attention kernel applies (src/kernels/softcap.h):
+ * tanh within 2 ulp of double tanh over all float magnitudes, cap * tanh(s /
+ * cap) * mul within 4 float roundings, special values, and the same bits on
+ * every ISA (prefill promises ISA-independent results).
+ */
+TEST(softcap_kernel) {
+    enum { N = 200003 };
+    static float s[N], ref[N], out[N];
+    uint64_t rng = test_seed ^ 0x7a9;
+    for (int i = 0; i < N; i++) {
+        const uint64_t r = test_rng_next(&rng);
+        uint32_t bits = (uint32_t)r;
+        if (i % 4 == 0) bits = (bits & 0x807fffffu) | ((uint32_t)(100 + (r >> 40) % 60) << 23);
+        memcpy(&s[i], &bits, 4);
+        if (!isfinite(s[i])) s[i] = (float)((double)(r >> 11) * 0x1p-53 * 40.0 - 20.0);
+    }
+    static const float specials[] = {0.0f, -0.0f, 1e-40f, -1e-40f, 0.55f, -0.55f, 0.5499999f,
+                                     9.5f, -9.5f, 20.0f, 1e30f, -1e30f};
+    memcpy(s, specials, sizeof specials);
+    const kvc_isa best = kvc_best_isa();
+    static const float caps[3][2] = {{1.0f, 1.0f}, {30.0f, 1.4426950408889634f}, {4.0f, 0.5f}};
+    for (int ci = 0; ci < 3; ci++) {
+        const float cap = caps[ci][0], mul = caps[ci][1];
+        ASSERT_OK(kvc_set_isa(KVC_ISA_SCALAR));
+        memcpy(ref, s, sizeof s);
+        kvc__kernels()->softcap(ref, N, cap, mul);
+        for (int i = 0; i < N; i++) {
+            const float x = s[i] / cap;
+            const double want = (double)cap * tanh((double)x) * (double)mul;
+            const float fw = fabsf((float)want);
+            const double tol = ci == 0 ? 2.0 * ((double)nextafterf(fw, INFINITY) - (double)fw)
+                                       : 4.0 * 0x1p-24 * fabs(want) + 1e-45;
+            if (!(fabs((double)ref[i] - want) <= tol))
+                TEST_FAIL_("cap %g mul %g: s = %a -> %a, tanh reference %a (tolerance %g)",
+                           (double)cap, (double)mul, (double)s[i], (double)ref[i], want, tol);
+        }
+        for (int isa = 1; isa <= (int)best; isa++) {
+            ASSERT_OK(kvc_set_isa((kvc_isa)isa));
+            memcpy(out, s, sizeof s);
+            kvc__kernels()->softcap(out, N, cap, mul);
+            for (int i = 0; i < N; i++)
+                if (memcmp(&out[i], &ref[i], 4) != 0)
+                    TEST_FAIL_("%s cap %g: s = %a -> %a, scalar %a", kvc_isa_name((kvc_isa)isa),
+                               (double)cap, (double)s[i], (double)out[i], (double)ref[i]);
+        }
+    }
+    /* special values, every ISA, in vector lanes and the scalar tail */
+    for (int isa = 0; isa <= (int)best; isa++) {
+        ASSERT_OK(kvc_set_isa((kvc_isa)isa));
+        float sp[19];
+        for (int i = 0; i < 19; i++) sp[i] = i % 3 == 0 ? NAN : i % 3 == 1 ? INFINITY : -INFINITY;
+        kvc__kernels()->softcap(sp, 19, 30.0f, 2.0f);
+        for (int i = 0; i < 19; i++) {
+            if (i % 3 == 0) ASSERT_TRUE(isnan(sp[i]));
+            else ASSERT_TRUE(sp[i] == (i % 3 == 1 ? 60.0f : -60.0f));
+        }
+        float z[2] = {0.0f, -0.0f};
+        kvc__kernels()->softcap(z, 2, 30.0f, 2.0f);
+        ASSERT_TRUE(z[0] == 0.0f && !signbit(z[0]) && z[1] == 0.0f && signbit(z[1]));
+    }
+    ASSERT_OK(kvc_set_isa(best));
+    return 0;
+}
+
 const char *test_suite_name = "attn";
 const test_case test_suite[] = {
+    TEST_ENTRY(softcap_kernel),
     TEST_ENTRY(single_dtypes_layouts),
     TEST_ENTRY(single_lengths_dims_gqa),
     TEST_ENTRY(single_odd_groups_and_dims),

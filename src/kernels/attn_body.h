@@ -38,6 +38,8 @@
  * groups x heads than the weight table holds) go through the float32 tile
  * as in the reference, then the same register tiles.
  */
+#include "softcap.h"
+
 #define AB_NB 16
 
 #if AB_VL == 1
@@ -71,10 +73,9 @@ static void AB_NAME(const float *q, int G, int D, int Dp, const kvc_attn_rows *r
                     a1 = AB_FMA(AB_LOAD(qg + d + AB_VL), AB_LOAD(kr + d + AB_VL), a1);
                 }
                 for (; d < Dp; d += AB_VL) a0 = AB_FMA(AB_LOAD(qg + d), AB_LOAD(kr + d), a0);
-                float x = AB_HSUM(a0) + AB_HSUM(a1);
-                if (cap > 0.0f) x = cap * tanhf(x / cap) * log2e;
-                s[g * AB_NB + j] = x;
+                s[g * AB_NB + j] = AB_HSUM(a0) + AB_HSUM(a1);
             }
+            if (cap > 0.0f) kvc__softcap_row(s + g * AB_NB, nb, cap, log2e);
             for (int j = nb; j < AB_NB; j++) s[g * AB_NB + j] = -INFINITY;
         }
         /* online softmax: one rescale per head and block */
@@ -384,8 +385,7 @@ AB_INL void ab_run(const kvc_dtype dt, const int fast, const float *q, int G, in
         ab_scores(sdt, kq, q, G, Dp, kb, kst, ksc, ng, cpg, nb, s);
         for (int g = 0; g < G; g++) {
             float *sg = s + g * AB_NB;
-            if (cap > 0.0f)
-                for (int j = 0; j < nb; j++) sg[j] = cap * tanhf(sg[j] / cap) * log2e;
+            if (cap > 0.0f) kvc__softcap_row(sg, nb, cap, log2e);
             for (int j = nb; j < AB_NB; j++) sg[j] = -INFINITY;
         }
         ab_softmax(G, Dp, s, m, l, acc);

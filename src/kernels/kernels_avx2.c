@@ -509,9 +509,13 @@ typedef __m256 ab_vec;
 #define AB_NAME attn_decode_avx2
 #include "attn_body.h"
 
+static void softcap_avx2(float *s, int64_t n, float cap, float mul) {
+    kvc__softcap_row(s, n, cap, mul);
+}
+
 static const kvc_kernels table = {
     KVC_ISA_AVX2, copy_avx2, convert_avx2, all_finite_avx2, quantize_avx2, quantize_avx2,
-    dequantize_avx2, dequantize_rows_avx2, attn_decode_avx2,
+    softcap_avx2, dequantize_avx2, dequantize_rows_avx2, attn_decode_avx2,
 };
 
 const kvc_kernels *kvc__kernels_avx2(void) { return &table; }

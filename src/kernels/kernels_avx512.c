@@ -852,9 +852,13 @@ typedef __m512 ab_vec;
 #define AB_NAME attn_decode_avx512
 #include "attn_body.h"
 
+static void softcap_avx512(float *s, int64_t n, float cap, float mul) {
+    kvc__softcap_row(s, n, cap, mul);
+}
+
 static const kvc_kernels table = {
     KVC_ISA_AVX512, copy_avx512, convert_avx512, all_finite_avx512, quantize_avx512,
-    quantize_stream_avx512, dequantize_avx512, dequantize_rows_avx512, attn_decode_avx512,
+    quantize_stream_avx512, softcap_avx512, dequantize_avx512, dequantize_rows_avx512, attn_decode_avx512,
 };
 
 const kvc_kernels *kvc__kernels_avx512(void) { return &table; }

@@ -143,9 +143,13 @@ static void dequantize_rows_ref(const void *q, int64_t q_stride, int bits, const
                        sd, n, g, (char *)y + r * y_stride, yd);
 }
 
+static void softcap_ref(float *s, int64_t n, float cap, float mul) {
+    kvc__softcap_row(s, n, cap, mul);
+}
+
 static const kvc_kernels table = {
     KVC_ISA_SCALAR, copy_ref, convert_ref, all_finite_ref, quantize_ref, quantize_ref,
-    dequantize_ref, dequantize_rows_ref, attn_decode_ref,
+    softcap_ref, dequantize_ref, dequantize_rows_ref, attn_decode_ref,
 };
 
 const kvc_kernels *kvc__kernels_scalar(void) { return &table; }

@@ -23,6 +23,7 @@
  * accumulator, rescaled (by 2^(m_old - m_new)) while it is loaded. The
  * cache is read from memory once per task.
  */
+#include "softcap.h"
 #define MB_NB KVC_MLA_NB
 #define MB_RB KVC_MLA_RB
 
@@ -75,8 +76,7 @@ static inline void mb_softmax(float *s, const int *nv, float cap, float *m, floa
     static const float log2e = 1.4426950408889634f;
     for (int r = 0; r < MB_RB; r++) {
         float *sr = s + r * MB_NB;
-        if (cap > 0.0f)
-            for (int j = 0; j < nv[r]; j++) sr[j] = cap * tanhf(sr[j] / cap) * log2e;
+        if (cap > 0.0f && nv[r] > 0) kvc__softcap_row(sr, nv[r], cap, log2e);
         for (int j = nv[r] > 0 ? nv[r] : 0; j < MB_NB; j++) sr[j] = -INFINITY;
         mb_vec mx = MB_LOAD(sr);
         for (int j = MB_VL; j < MB_NB; j += MB_VL) mx = MB_MAX(mx, MB_LOAD(sr + j));
