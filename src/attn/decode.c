@@ -117,20 +117,36 @@ static void run_rows(const attn_ctx *c, int64_t page, int64_t slot, int64_t h,
         rows->ks_stride = rows->vs_stride = 0;
         rows->ksd = rows->vsd = KVC_F32;
     }
+    rows->nk = rows->nv = rows->nks = rows->nvs = NULL;
+    rows->nn = 0;
 }
 
 /*
- * Prefetches KV head h's K/V rows (and scales) of keys [j, j + n) of request
- * b, one request per cache line. Called before the kernel call of head h for
- * the next block (one block, ~H kernel calls, ahead), so the requests are
- * spread over the block's H calls instead of one burst of every head's rows.
- * l2 != 0: into L2 only (prefetcht1). Measured on Zen 4 (B 16, kv 4096,
- * float16, 1 thread): T0 prefetches, which hold L1 miss buffers until the
- * data arrives, stalled the kernel's own loads and ran no faster than no
- * prefetch at all (~5.5 GB/s); T1 prefetches ran at ~10.5 GB/s. A chunk's
- * first block is needed at once and goes to L1 (l2 == 0).
+ * The next block's rows (n keys at page/slot, KV head h), which the SIMD
+ * kernel prefetches into L2 a quad of keys at a time while it scores this
+ * block. Measured on Zen 4 (Hq 32, H 8, Dh 128, float16, B 16, kv 4096,
+ * 1 thread): one burst of prefetcht1 for the whole next block per kernel
+ * call, issued here, stalled the core once the miss queue filled (~8 GB/s,
+ * 30-34 ms); spread through the kernel 9.5-10 GB/s (23-28 ms); prefetching
+ * two blocks ahead was slower again. T0 prefetches (into L1) hold L1 miss
+ * buffers and ran no faster than none (~5.5 GB/s).
  */
-static void prefetch_head(const attn_ctx *c, int64_t b, int64_t j, int64_t n, int64_t h, int l2) {
+static void next_rows(const attn_ctx *c, int64_t page, int64_t slot, int64_t h, int64_t n,
+                      kvc_attn_rows *rows) {
+    if (n <= 0) return;
+    rows->nk = view_at(&c->k, page, slot, h);
+    rows->nv = view_at(&c->v, page, slot, h);
+    if (c->quant) {
+        rows->nks = view_at(&c->ks, page, slot, h);
+        rows->nvs = view_at(&c->vs, page, slot, h);
+    }
+    rows->nn = n;
+}
+
+/* Prefetches (into L1) KV head h's K/V rows (and scales) of keys [j, j + n)
+ * of request b, one request per cache line: a chunk's first block, which is
+ * needed at once (later blocks are prefetched by the kernel, next_rows). */
+static void prefetch_first(const attn_ctx *c, int64_t b, int64_t j, int64_t n, int64_t h) {
     if (n <= 0) return;
     const int64_t page = c->indices ? c->indices[c->indptr[b] + j / c->page_size] : 0;
     const int64_t slot = j % c->page_size;
@@ -142,14 +158,9 @@ static void prefetch_head(const attn_ctx *c, int64_t b, int64_t j, int64_t n, in
         const int64_t step = kvc__bytes(w->dt, w->tok_st);
         const char *p0 = view_at(w, page, slot, h);
         for (int64_t i = 0; i < n; i++) {
-            /* every cache line the row touches, one prefetch each */
             const uintptr_t a0 = (uintptr_t)(p0 + i * step), end = a0 + (uintptr_t)row;
-            if (l2)
-                for (uintptr_t a = a0 & ~(uintptr_t)63; a < end; a += 64)
-                    __builtin_prefetch((const void *)a, 0, 2);
-            else
-                for (uintptr_t a = a0 & ~(uintptr_t)63; a < end; a += 64)
-                    __builtin_prefetch((const void *)a, 0, 3);
+            for (uintptr_t a = a0 & ~(uintptr_t)63; a < end; a += 64)
+                __builtin_prefetch((const void *)a, 0, 3);
         }
     }
 }
@@ -208,13 +219,13 @@ static void chunk_task(void *ctx, int64_t t) {
                 l[off[sl - s0] / Dp + g] = 0.0f;
             }
         }
-        /* the chunk's first block (the loop below prefetches one block ahead) */
+        /* the chunk's first block (the kernel prefetches the next one as it goes) */
         if (j0 < j1) {
             int64_t n0 = c->page_size - j0 % c->page_size;
             if (n0 > j1 - j0) n0 = j1 - j0;
             if (n0 > ATTN_KEY_BLOCK) n0 = ATTN_KEY_BLOCK;
             for (int64_t h = s0 / gblocks; h <= (s1 - 1) / gblocks; h++)
-                prefetch_head(c, b, j0, n0, h, 0);
+                prefetch_first(c, b, j0, n0, h);
         }
         /* blocks of keys inside one page */
         for (int64_t j = j0; j < j1;) {
@@ -229,13 +240,15 @@ static void chunk_task(void *ctx, int64_t t) {
                 if (nn > j1 - jn) nn = j1 - jn;
                 if (nn > ATTN_KEY_BLOCK) nn = ATTN_KEY_BLOCK;
             }
+            const int64_t npage =
+                nn > 0 && c->indices ? c->indices[c->indptr[b] + jn / c->page_size] : 0;
             for (int64_t sl = s0; sl < s1; sl++) {
                 const int64_t h = sl / gblocks, g0 = (sl % gblocks) * KVC_ATTN_MAX_G;
-                if (g0 == 0) prefetch_head(c, b, jn, nn, h, 1);
                 const int ng = (int)(c->G - g0 < KVC_ATTN_MAX_G ? c->G - g0 : KVC_ATTN_MAX_G);
                 const int64_t o = off[sl - s0];
                 kvc_attn_rows rows;
                 run_rows(c, page, slot, h, &rows);
+                if (g0 == 0) next_rows(c, npage, jn % c->page_size, h, nn, &rows);
                 c->kern->attn_decode(qb + o, ng, (int)D, (int)Dp, &rows, n, c->cap, m + o / Dp,
                                      l + o / Dp, acc + o);
             }

@@ -179,12 +179,41 @@ AB_INL void ab_score_tile(const int NH, const kvc_dtype dt, const int kq, const 
     for (int h = 0; h < NH; h++) AB_RED4(a[h][0], a[h][1], a[h][2], a[h][3], out + h * AB_NB);
 }
 
+/* Prefetches (into L2) every cache line of rows [j0, j1) of the next
+ * block's rows at p + j * st, each row `bytes` long. */
+AB_INL void ab_prefetch_rows(const void *p, int64_t st, int64_t bytes, int64_t j0, int64_t j1) {
+    if (!p) return;
+    for (int64_t j = j0; j < j1; j++) {
+        const uintptr_t a0 = (uintptr_t)p + (uintptr_t)(j * st), end = a0 + (uintptr_t)bytes;
+        for (uintptr_t a = a0 & ~(uintptr_t)63; a < end; a += 64)
+            __builtin_prefetch((const void *)a, 0, 2);
+    }
+}
+
+/* The next block's K, V (and scale) rows [j0, j0 + 4) while this call's
+ * keys [j0, j0 + 4) are scored (n: this call's keys; its last quad takes
+ * the rest), so the requests are spread over the score quads. */
+AB_INL void ab_prefetch_next(const kvc_attn_rows *r, int D, int64_t j0, int64_t n) {
+    if (!r->nk || j0 >= r->nn) return;
+    const int64_t j1 = j0 + 4 < r->nn && j0 + 4 < n ? j0 + 4 : r->nn; /* the last quad: the rest */
+    const int64_t rb = ab_off(r->dt, D);
+    ab_prefetch_rows(r->nk, r->k_stride, rb, j0, j1);
+    ab_prefetch_rows(r->nv, r->v_stride, rb, j0, j1);
+    if (r->nks) {
+        const int64_t sb = (int64_t)(D / r->group) * (r->ksd == KVC_F32 ? 4 : 2);
+        ab_prefetch_rows(r->nks, r->ks_stride, sb, j0, j1);
+        ab_prefetch_rows(r->nvs, r->vs_stride, sb, j0, j1);
+    }
+}
+
 /* s[g * AB_NB + j] = q_g . k_j for the nb (<= AB_NB) keys at k + j * kst;
- * entries past nb are garbage (the caller overwrites them). */
+ * entries past nb are garbage (the caller overwrites them). pf: the call's
+ * rows, whose next block is prefetched a quad at a time (NULL: none). */
 AB_INL void ab_scores(const kvc_dtype dt, const int kq, const float *q, int G, int Dp,
                       const char *k, int64_t kst, const float *ksc, int ng, int cpg, int nb,
-                      float *s) {
+                      float *s, const kvc_attn_rows *pf, int D, int64_t pj0, int64_t n) {
     for (int j0 = 0; j0 < nb; j0 += 4) {
+        if (pf) ab_prefetch_next(pf, D, pj0 + j0, n);
         const char *kr[4];
         for (int i = 0; i < 4; i++) kr[i] = k + (int64_t)(j0 + i < nb ? j0 + i : nb - 1) * kst;
         const float *ks = kq ? ksc + j0 * ng : NULL;
@@ -382,7 +411,9 @@ AB_INL void ab_run(const kvc_dtype dt, const int fast, const float *q, int G, in
             kb = (const char *)tile;
             kst = (int64_t)Dp * (int64_t)sizeof(float);
         }
-        ab_scores(sdt, kq, q, G, Dp, kb, kst, ksc, ng, cpg, nb, s);
+        /* the next block (rows [0, nn) of r->nk...) as this call's keys go by:
+         * key j0 + j of this call prefetches row j0 + j of the next block */
+        ab_scores(sdt, kq, q, G, Dp, kb, kst, ksc, ng, cpg, nb, s, fast ? r : NULL, D, j0, n);
         for (int g = 0; g < G; g++) {
             float *sg = s + g * AB_NB;
             if (cap > 0.0f) kvc__softcap_row(sg, nb, cap, log2e);

@@ -36,6 +36,11 @@ typedef struct kvc_attn_rows {
     int64_t k_stride, v_stride, ks_stride, vs_stride; /* bytes */
     kvc_dtype dt, ksd, vsd;
     int group;
+    /* The next block's rows (same strides; NULL/0: none): SIMD kernels
+     * prefetch them into L2 a few rows at a time while they work, so DRAM
+     * reads overlap the arithmetic (one burst per call stalled the core). */
+    const void *nk, *nv, *nks, *nvs;
+    int64_t nn;
 } kvc_attn_rows;
 
 typedef struct kvc_kernels {
