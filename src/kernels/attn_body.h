@@ -200,9 +200,9 @@ AB_INL void ab_prefetch_next(const kvc_attn_rows *r, int D, int64_t j0, int64_t 
     ab_prefetch_rows(r->nk, r->k_stride, rb, j0, j1);
     ab_prefetch_rows(r->nv, r->v_stride, rb, j0, j1);
     if (r->nks) {
-        const int64_t sb = (int64_t)(D / r->group) * (r->ksd == KVC_F32 ? 4 : 2);
-        ab_prefetch_rows(r->nks, r->ks_stride, sb, j0, j1);
-        ab_prefetch_rows(r->nvs, r->vs_stride, sb, j0, j1);
+        const int64_t groups = D / r->group;
+        ab_prefetch_rows(r->nks, r->ks_stride, groups * (r->ksd == KVC_F32 ? 4 : 2), j0, j1);
+        ab_prefetch_rows(r->nvs, r->vs_stride, groups * (r->vsd == KVC_F32 ? 4 : 2), j0, j1);
     }
 }
 
@@ -404,6 +404,7 @@ AB_INL void ab_run(const kvc_dtype dt, const int fast, const float *q, int G, in
         } else {
             for (int j = 0; j < nb; j++) {
                 const int64_t key = j0 + j;
+                if (j % 4 == 0) ab_prefetch_next(r, D, key, n);
                 ab_row_to_f32((const char *)r->k + key * r->k_stride, r->dt,
                               tq ? (const char *)r->ks + key * r->ks_stride : NULL, r->ksd,
                               r->group, D, tile + j * Dp);

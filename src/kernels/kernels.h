@@ -86,7 +86,7 @@ typedef struct kvc_kernels {
 
 /* The table for the current ISA (kvc_get_isa()). */
 const kvc_kernels *kvc__kernels(void);
-/* Last-level cache size in bytes (sysconf, else 32 MiB): calls that move
+/* Last-level cache size in bytes (sysfs, else 32 MiB): calls that move
  * more than this use the *_stream kernels. */
 int64_t kvc__llc_bytes(void);
 /* Tests: pretend the last-level cache holds `bytes` (0: every quantized

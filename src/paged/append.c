@@ -323,7 +323,7 @@ kvc_status kvc_append_paged_kv_cache(const kvc_tensor *append_key, const kvc_ten
     /* A call whose inputs and quantized rows exceed the last-level cache
      * (a long prefill) writes with non-temporal stores: the rows could not
      * stay cached anyway, and skipping the read-for-ownership of each
-     * written line saves about a third of the memory traffic. */
+     * written line saves a fifth of the memory traffic (int8, f16 input). */
     if (op.bits) {
         const double moved = 2.0 * (double)c.nnz * (double)(H * Dh) *
                              ((double)kvc__bytes(op.t1, 1) + op.bits / 8.0);
