@@ -321,10 +321,155 @@ KVC_INLINE float scale_store(float absmax, float qmax, void *scale, kvc_dtype sd
     return f;
 }
 
+/*
+ * g == 8 on 16-bit inputs (f16, bf16), 64 elements (8 groups) per block,
+ * as the AVX-512 path does it with 8 lanes:
+ *   - absmax on the raw bits (finite |x| is x & 0x7fff, ordered as the
+ *     floats), the 8 group maxima from one transposed reduction of the
+ *     block's 4 ymm (word unpacks, dword unpacks, a 64-bit swap), put in
+ *     group order by one dword permute and one byte shuffle;
+ *   - q = rne(x * (1 / s)), exact because a block whose products lie within
+ *     3e-5 of a half-integer is redone with divisions (the product is within
+ *     1.6e-5 of x / s for |x / s| < 128);
+ *   - saturating packs to bytes, then the clamp to [-qmax, qmax].
+ * stream: non-temporal stores (aligned q and scale only).
+ */
+KVC_INLINE __m256 h16x8_to_f32_fin(const uint16_t *p, kvc_dtype xd) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return xd == KVC_F16 ? _mm256_cvtph_ps(h) : bf16x8_to_f32(h); /* finite: no NaN fix-up */
+}
+
+/* Phase 1: the block's 8 scales, stored, and as float32 with reciprocals. */
+KVC_INLINE void quant_g8_h16_scales(const uint16_t *x, kvc_dtype xd, float qmax, void *scale,
+                                    kvc_dtype sd, int stream, __m256 *s_out, __m256 *inv_out) {
+    const __m256i absm = _mm256_set1_epi16(0x7fff);
+    /* lane l of A/B/C/D: group 2k + l (k = 0..3) */
+    const __m256i A = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)x), absm);
+    const __m256i B = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + 16)), absm);
+    const __m256i C = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + 32)), absm);
+    const __m256i D = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + 48)), absm);
+    /* words per lane: a0 b0 a1 b1 a2 b2 a3 b3, each the max of two of the group's words */
+    const __m256i t0 = _mm256_max_epu16(_mm256_unpacklo_epi16(A, B), _mm256_unpackhi_epi16(A, B));
+    const __m256i t1 = _mm256_max_epu16(_mm256_unpacklo_epi16(C, D), _mm256_unpackhi_epi16(C, D));
+    /* a b c d twice per lane (4 words each), then their max */
+    __m256i u = _mm256_max_epu16(_mm256_unpacklo_epi32(t0, t1), _mm256_unpackhi_epi32(t0, t1));
+    u = _mm256_max_epu16(u, _mm256_shuffle_epi32(u, _MM_SHUFFLE(1, 0, 3, 2)));
+    /* words 0-3 of lane 0: groups 0 2 4 6; of lane 1: 1 3 5 7 */
+    const __m128i m8 = _mm256_castsi256_si128(
+        _mm256_permutevar8x32_epi32(u, _mm256_setr_epi32(0, 1, 4, 5, 0, 1, 4, 5)));
+    const __m128i mx = _mm_shuffle_epi8(m8, _mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13,
+                                                          6, 7, 14, 15));
+    const __m256 absmax = xd == KVC_F16 ? _mm256_cvtph_ps(mx) : bf16x8_to_f32(mx);
+    __m256 s = _mm256_div_ps(absmax, _mm256_set1_ps(qmax));
+    s = _mm256_max_ps(s, _mm256_set1_ps(1e-5f)); /* the scalar's "if (!(s > 1e-5f))" */
+    if (sd == KVC_F16) {
+        const __m128i h = _mm256_cvtps_ph(s, RNE);
+        if (stream) _mm_stream_si128((__m128i *)scale, h);
+        else _mm_storeu_si128((__m128i *)scale, h);
+        s = _mm256_cvtph_ps(h);
+    } else if (stream) {
+        _mm256_stream_ps((float *)scale, s);
+    } else {
+        _mm256_storeu_ps((float *)scale, s);
+    }
+    *s_out = s;
+    *inv_out = _mm256_div_ps(_mm256_set1_ps(1.0f), s);
+}
+
+/* Phase 2: the block's 64 values (see above). */
+KVC_INLINE void quant_g8_h16_values(const uint16_t *x, kvc_dtype xd, int bits, void *q,
+                                    int stream, __m256 s8, __m256 inv8) {
+    const char qmax = bits == 8 ? 127 : 7;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256i v[8];
+    __m256 far = _mm256_setzero_ps(); /* max |y - rne(y)| */
+    for (int i = 0; i < 8; i++) {
+        const __m256 y = _mm256_mul_ps(h16x8_to_f32_fin(x + 8 * i, xd),
+                                       _mm256_permutevar8x32_ps(inv8, _mm256_set1_epi32(i)));
+        const __m256 r = _mm256_round_ps(y, RNE);
+        v[i] = _mm256_cvttps_epi32(r);
+        far = _mm256_max_ps(far, _mm256_andnot_ps(sign, _mm256_sub_ps(y, r)));
+    }
+    if (_mm256_movemask_ps(_mm256_cmp_ps(far, _mm256_set1_ps(0.5f - 0x1p-15f), _CMP_GE_OQ)))
+        for (int i = 0; i < 8; i++)
+            v[i] = _mm256_cvttps_epi32(_mm256_round_ps(
+                _mm256_div_ps(h16x8_to_f32_fin(x + 8 * i, xd),
+                              _mm256_permutevar8x32_ps(s8, _mm256_set1_epi32(i))),
+                RNE));
+    /* packs work per 128-bit lane: bytes come out as v0lo v1lo v2lo v3lo | v0hi ...
+     * (4 bytes each); one dword permute restores v0 v1 v2 v3 */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i lo = _mm256_set1_epi8((char)-qmax), hi = _mm256_set1_epi8(qmax);
+    __m256i b[2];
+    for (int half = 0; half < 2; half++) {
+        __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(v[4 * half], v[4 * half + 1]),
+                                       _mm256_packs_epi32(v[4 * half + 2], v[4 * half + 3]));
+        w = _mm256_permutevar8x32_epi32(w, order);
+        w = _mm256_max_epi8(w, lo);
+        if (bits == 4) w = _mm256_min_epi8(w, hi);
+        b[half] = w;
+    }
+    if (bits == 8) {
+        __m256i *dst = (__m256i *)q;
+        if (stream) _mm256_stream_si256(dst, b[0]), _mm256_stream_si256(dst + 1, b[1]);
+        else _mm256_storeu_si256(dst, b[0]), _mm256_storeu_si256(dst + 1, b[1]);
+    } else {
+        /* per word: byte 2i in the low nibble, 2i + 1 in the high one, then
+         * the words' low bytes (packus per lane + a qword permute) */
+        const __m256i m0f = _mm256_set1_epi16(0x000f), mf0 = _mm256_set1_epi16(0x00f0);
+        for (int half = 0; half < 2; half++) {
+            const __m256i nib = _mm256_or_si256(_mm256_and_si256(b[half], m0f),
+                                                _mm256_and_si256(_mm256_srli_epi16(b[half], 4), mf0));
+            const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi16(nib, nib),
+                                                       _MM_SHUFFLE(3, 1, 2, 0));
+            __m128i *dst = (__m128i *)((uint8_t *)q + 16 * half);
+            if (stream) _mm_stream_si128(dst, _mm256_castsi256_si128(p));
+            else _mm_storeu_si128(dst, _mm256_castsi256_si128(p));
+        }
+    }
+}
+
+/* Runs of up to 8 blocks, scales first (see the AVX-512 version); returns
+ * the elements done (a multiple of 64). */
+KVC_INLINE int64_t quant_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, int bits, void *q,
+                                void *scale, kvc_dtype sd, int stream) {
+    const float qmax = bits == 8 ? 127.0f : 7.0f;
+    const size_t sbytes = sd == KVC_F16 ? 2 : 4;
+    stream = stream && ((uintptr_t)q & (bits == 8 ? 31 : 15)) == 0 &&
+             ((uintptr_t)scale & (sd == KVC_F16 ? 15 : 31)) == 0;
+    __m256 s[8], inv[8];
+    int64_t e = 0;
+    while (e + 64 <= n) {
+        int nb = (int)((n - e) / 64);
+        if (nb > 8) nb = 8;
+        for (int i = 0; i < nb; i++)
+            quant_g8_h16_scales(x + e + 64 * i, xd, qmax,
+                                (char *)scale + ((e / 8) + 8 * i) * sbytes, sd, stream, &s[i],
+                                &inv[i]);
+        for (int i = 0; i < nb; i++) {
+            const int64_t ei = e + 64 * i;
+            quant_g8_h16_values(x + ei, xd, bits, (int8_t *)q + (bits == 8 ? ei : ei / 2), stream,
+                                s[i], inv[i]);
+        }
+        e += 64 * (int64_t)nb;
+    }
+    return e;
+}
+
 /* g % 8 == 0: per group, pass 1 finds absmax, pass 2 computes
- * q = clamp(rne(x / scale), -qmax, qmax) 8 lanes at a time. */
+ * q = clamp(rne(x / scale), -qmax, qmax) 8 lanes at a time (after the
+ * 16-bit g == 8 block path, for what it leaves). */
 KVC_INLINE void quant_run(const void *x, kvc_dtype xd, int64_t n, int bits, int g, void *q,
-                          void *scale, kvc_dtype sd) {
+                          void *scale, kvc_dtype sd, int stream) {
+    int64_t done = 0;
+    if (g == 8 && xd != KVC_F32) {
+        done = quant_g8_h16((const uint16_t *)x, xd, n, bits, q, scale, sd, stream);
+        if (done == n) return;
+        x = (const uint16_t *)x + done;
+        q = (int8_t *)q + (bits == 8 ? done : done / 2);
+        scale = (char *)scale + (done / 8) * (sd == KVC_F16 ? 2 : 4);
+        n -= done;
+    }
     const float qmax = bits == 8 ? 127.0f : 7.0f;
     const __m256 hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -350,7 +495,7 @@ static void quantize_avx2(const void *x, kvc_dtype xd, int64_t n, int bits, int 
     }
 #define QZ(b, in, s)                                                                               \
     if (bits == (b) && xd == (in) && sd == (s)) {                                                  \
-        quant_run(x, (in), n, (b), g, q, scale, (s));                                              \
+        quant_run(x, (in), n, (b), g, q, scale, (s), 0);                                           \
         return;                                                                                    \
     }
 #define QZ_X(b, s) QZ(b, KVC_F32, s) QZ(b, KVC_F16, s) QZ(b, KVC_BF16, s)
@@ -361,6 +506,24 @@ static void quantize_avx2(const void *x, kvc_dtype xd, int64_t n, int bits, int 
 #undef QZ_X
 #undef QZ
     kvc__kernels_scalar()->quantize(x, xd, n, bits, g, q, scale, sd);
+}
+
+/* quantize, with non-temporal stores on the 16-bit input, group 8 path
+ * (the paged append's); other cases store normally. */
+static void quantize_stream_avx2(const void *x, kvc_dtype xd, int64_t n, int bits, int g,
+                                 void *q, void *scale, kvc_dtype sd) {
+    if (g == 8 && (xd == KVC_F16 || xd == KVC_BF16) && (bits == 8 || bits == 4) &&
+        (sd == KVC_F16 || sd == KVC_F32)) {
+#define QS(b, in, s)                                                                               \
+    if (bits == (b) && xd == (in) && sd == (s)) quant_run(x, (in), n, (b), 8, q, scale, (s), 1);
+        QS(8, KVC_F16, KVC_F16) QS(8, KVC_F16, KVC_F32) QS(8, KVC_BF16, KVC_F16)
+        QS(8, KVC_BF16, KVC_F32) QS(4, KVC_F16, KVC_F16) QS(4, KVC_F16, KVC_F32)
+        QS(4, KVC_BF16, KVC_F16) QS(4, KVC_BF16, KVC_F32)
+#undef QS
+        _mm_sfence(); /* order the streamed bytes before whatever signals completion */
+    } else {
+        quantize_avx2(x, xd, n, bits, g, q, scale, sd);
+    }
 }
 
 /* ---- decode attention (attn_body.h, 8 lanes) ----------------------------- */
@@ -514,7 +677,7 @@ static void softcap_avx2(float *s, int64_t n, float cap, float mul) {
 }
 
 static const kvc_kernels table = {
-    KVC_ISA_AVX2, copy_avx2, convert_avx2, all_finite_avx2, quantize_avx2, quantize_avx2,
+    KVC_ISA_AVX2, copy_avx2, convert_avx2, all_finite_avx2, quantize_avx2, quantize_stream_avx2,
     softcap_avx2, dequantize_avx2, dequantize_rows_avx2, attn_decode_avx2,
 };
 
