@@ -229,14 +229,15 @@ TEST(single_dtypes_layouts) {
 }
 
 TEST(single_lengths_dims_gqa) {
-    const int64_t lens[7] = {0, 1, 7, 255, 256, 257, 3000};
+    /* 2049 and 4097 keys: tasks of 512 and 1024 keys (chunk_len), partial last chunks */
+    const int64_t lens[9] = {0, 1, 7, 255, 256, 257, 3000, 2049, 4097};
     const int64_t dims[3] = {64, 128, 80};
     const int64_t hq[4][2] = {{4, 4}, {8, 2}, {16, 2}, {9, 3}};
     FOR_EACH_ISA({
-        for (int li = 0; li < 7; li++)
+        for (int li = 0; li < 9; li++)
             for (int di = 0; di < 3; di++)
                 for (int gi = 0; gi < 4; gi++) {
-                    if (lens[li] == 3000 && (di != 1 || gi == 0)) continue; /* keep it quick */
+                    if (lens[li] >= 2049 && (di != 1 || gi == 0)) continue; /* keep it quick */
                     sd_case c = base_case();
                     c.kd = (li + di + gi) % 2 ? KVC_F16 : KVC_I8;
                     c.sd = KVC_F16;
@@ -529,6 +530,10 @@ TEST(paged_ragged) {
         if (run_paged(KVC_I8, KVC_F16, KVC_HND, 16, 9, 3, 80, 6, lens, 5.0f, 100) != 0) return 1;
         const int64_t one[1] = {0};
         if (run_paged(KVC_F16, KVC_F16, KVC_NHD, 16, 4, 4, 128, 1, one, 0.0f, -1) != 0) return 1;
+        /* requests split in tasks of 1024, 256 and 512 keys (chunk_len), one batch */
+        const int64_t longl[3] = {4097, 3, 2049};
+        if (run_paged(KVC_F16, KVC_F16, KVC_NHD, 16, 8, 2, 64, 3, longl, 0.0f, -1) != 0) return 1;
+        if (run_paged(KVC_I8, KVC_F16, KVC_HND, 5, 4, 1, 64, 3, longl, 0.0f, 3000) != 0) return 1;
     });
     return 0;
 }

@@ -2,7 +2,7 @@
  * Decode attention (attention.h, SEMANTICS section 5): one query token per
  * request over a contiguous (single) or paged KV cache.
  *
- * Work is split into tasks (request, chunk of ATTN_CHUNK key positions),
+ * Work is split into tasks (request, chunk of chunk_len(L) key positions),
  * all heads. A task converts the query heads to float32 (pre-scaled so the
  * softmax runs in base 2), walks its chunk's keys in blocks inside one page
  * and hands each block, head by head, to the kernel table's attn_decode, which reads K/V in place (dequantizing on the
@@ -22,7 +22,19 @@
 #include "../kernels/kernels.h"
 #include "../paged/paged_internal.h"
 
-#define ATTN_CHUNK 256 /* key positions per task: fixed, never from n_threads */
+/*
+ * Key positions per task for a request of L keys: about L / 8, 256 to 1024,
+ * a function of L alone (never of n_threads or the rest of the batch, so a
+ * request gives the same bits alone, batched, on any thread count). Longer
+ * chunks pay the per-task costs (q conversion, state set-up, the chunk's
+ * first block read without a prefetch, the merge) less often: from 256 to
+ * 512-1024 keys, B 16 x 4096-16384 float16 decode ran 10-25% faster.
+ */
+static int64_t chunk_len(int64_t L) {
+    int64_t c = 256;
+    while (c < 1024 && c * 8 < L) c *= 2;
+    return c;
+}
 #define LOG2E 1.4426950408889634f
 
 /* ---- shared engine -------------------------------------------------------- */
@@ -184,7 +196,8 @@ static void chunk_task(void *ctx, int64_t t) {
     const attn_ctx *c = ctx;
     const int64_t b = task_request(c, t), ch = t - c->task0[b], nch = c->nch[b];
     const int64_t a = first_key(c, b), L = c->len[b];
-    int64_t j0 = ch * ATTN_CHUNK, j1 = j0 + ATTN_CHUNK;
+    const int64_t cl = chunk_len(L);
+    int64_t j0 = ch * cl, j1 = j0 + cl;
     if (j0 < a) j0 = a;
     if (j1 > L) j1 = L;
     float qb[ATTN_STATE_FLOATS] __attribute__((aligned(64)));
@@ -313,7 +326,10 @@ static void attn_execute(attn_ctx *c, kvc_threadpool *pool) {
     if (multi) kvc__parallel_for(pool, c->B * c->H, merge_task, c);
 }
 
-static int64_t chunks_of(int64_t L) { return L <= ATTN_CHUNK ? 1 : (L + ATTN_CHUNK - 1) / ATTN_CHUNK; }
+static int64_t chunks_of(int64_t L) {
+    const int64_t c = chunk_len(L);
+    return L <= c ? 1 : (L + c - 1) / c;
+}
 
 /* ---- validation ------------------------------------------------------------ */
 
