@@ -13,7 +13,8 @@
  * with no visible key gives o = 0 and lse = -inf, never NaN.
  *
  * Every call validates first and writes nothing on error. Results do not
- * depend on the thread count (work is split in fixed chunks of keys). Unlike
+ * depend on the thread count or on the other requests of a batch (work is
+ * split in chunks of keys fixed by each request's own length). Unlike
  * the storage kernels, decode results differ in the last bits between ISAs
  * (summation order, polynomial exp2); each ISA is deterministic. Keys are
  * consumed in blocks that never cross a page, so the last bits also depend
