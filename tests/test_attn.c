@@ -660,7 +660,7 @@ TEST(rejects) {
 }
 
 /*
- * The soft cap every attention kernel applies (src/kernels/softcap.h):
+ * The soft cap every attention kernel applies (src/kernels/vec_math.h):
  * tanh within 2 ulp of double tanh over all float magnitudes, cap * tanh(s /
  * cap) * mul within 4 float roundings, special values, and the same bits on
  * every ISA (prefill promises ISA-independent results).

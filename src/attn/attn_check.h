@@ -35,4 +35,10 @@ kvc_status kvc__attn_check_kv(const char *fn, const kvc_tensor *k, const kvc_ten
                               const kvc_tensor *ks, const kvc_tensor *vs, int32_t group,
                               int ndim);
 
+/* A paged cache read with a plan: layout, K/V and scales as
+ * kvc__attn_check_kv, and page_size, H, Dh and the plan's largest page id
+ * matching the cache. */
+kvc_status kvc__attn_check_paged(const char *fn, const kvc_paged_cache *cache, int64_t page_size,
+                                 int64_t H, int64_t D, int64_t max_page);
+
 #endif

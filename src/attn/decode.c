@@ -513,21 +513,7 @@ kvc_status kvc_decode_run(kvc_decode_plan *plan, const kvc_tensor *q,
               fn);
     const int64_t qshape[3] = {plan->B, plan->Hq, plan->D};
     KVC_TRY(kvc__attn_check_io(fn, q, out, lse, 3, qshape));
-    KVC_CHECK(cache->layout == KVC_NHD || cache->layout == KVC_HND, "%s: invalid layout %d", fn,
-              (int)cache->layout);
-    const int quant = cache->k.dtype == KVC_I8 || cache->k.dtype == KVC_I4;
-    KVC_TRY(kvc__attn_check_kv(fn, &cache->k, &cache->v, quant ? &cache->k_scale : NULL,
-                     quant ? &cache->v_scale : NULL, cache->quant_group, 4));
-    const kvc_tensor *k = &cache->k;
-    const int nhd = cache->layout == KVC_NHD;
-    const int64_t ps = nhd ? k->shape[1] : k->shape[2], H = nhd ? k->shape[2] : k->shape[1];
-    char buf[128];
-    KVC_CHECK(ps == plan->page_size && H == plan->H && k->shape[3] == plan->D,
-              "%s: cache %s (%s) does not match the plan (page_size %lld, H %lld, Dh %lld)", fn,
-              kvc__shape_str(k, buf, sizeof buf), nhd ? "NHD" : "HND", (long long)plan->page_size,
-              (long long)plan->H, (long long)plan->D);
-    KVC_CHECK(plan->max_page < k->shape[0], "%s: page id %lld outside the cache's %lld pages", fn,
-              (long long)plan->max_page, (long long)k->shape[0]);
+    KVC_TRY(kvc__attn_check_paged(fn, cache, plan->page_size, plan->H, plan->D, plan->max_page));
     kvc_attn_params p;
     KVC_TRY(kvc__attn_check_params(fn, params, plan->D, &p));
 
@@ -540,8 +526,8 @@ kvc_status kvc_decode_run(kvc_decode_plan *plan, const kvc_tensor *q,
     c.D = plan->D;
     c.k = make_view(&cache->k, cache->layout, 1);
     c.v = make_view(&cache->v, cache->layout, 1);
-    c.quant = quant;
-    if (quant) {
+    c.quant = cache->k.dtype == KVC_I8 || cache->k.dtype == KVC_I4;
+    if (c.quant) {
         c.ks = make_view(&cache->k_scale, cache->layout, 1);
         c.vs = make_view(&cache->v_scale, cache->layout, 1);
         c.group = cache->quant_group;

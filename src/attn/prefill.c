@@ -717,22 +717,7 @@ kvc_status kvc_prefill_run_paged(kvc_prefill_plan *plan, const kvc_tensor *q,
     static const char fn[] = "kvc_prefill_run_paged";
     kvc_attn_params p;
     KVC_TRY(check_run(fn, plan, 1, q, params, out, lse, pool, &p));
-    KVC_CHECK(cache != NULL, "%s: cache is NULL", fn);
-    KVC_CHECK(cache->layout == KVC_NHD || cache->layout == KVC_HND, "%s: invalid layout %d", fn,
-              (int)cache->layout);
-    const int quant = cache->k.dtype == KVC_I8 || cache->k.dtype == KVC_I4;
-    KVC_TRY(kvc__attn_check_kv(fn, &cache->k, &cache->v, quant ? &cache->k_scale : NULL,
-                     quant ? &cache->v_scale : NULL, cache->quant_group, 4));
-    const kvc_tensor *k = &cache->k;
-    const int nhd = cache->layout == KVC_NHD;
-    const int64_t ps = nhd ? k->shape[1] : k->shape[2], H = nhd ? k->shape[2] : k->shape[1];
-    char buf[128];
-    KVC_CHECK(ps == plan->page_size && H == plan->H && k->shape[3] == plan->D,
-              "%s: cache %s (%s) does not match the plan (page_size %lld, H %lld, Dh %lld)", fn,
-              kvc__shape_str(k, buf, sizeof buf), nhd ? "NHD" : "HND", (long long)plan->page_size,
-              (long long)plan->H, (long long)plan->D);
-    KVC_CHECK(plan->max_page < k->shape[0], "%s: page id %lld outside the cache's %lld pages", fn,
-              (long long)plan->max_page, (long long)k->shape[0]);
+    KVC_TRY(kvc__attn_check_paged(fn, cache, plan->page_size, plan->H, plan->D, plan->max_page));
     kvc__pf_kv kv;
     set_kv(&kv, &cache->k, &cache->v, &cache->k_scale, &cache->v_scale, cache->quant_group,
            cache->layout, 1);

@@ -38,7 +38,7 @@
  * groups x heads than the weight table holds) go through the float32 tile
  * as in the reference, then the same register tiles.
  */
-#include "softcap.h"
+#include "vec_math.h"
 
 #define AB_NB 16
 

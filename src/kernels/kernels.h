@@ -62,7 +62,7 @@ typedef struct kvc_kernels {
      * which skip the read-for-ownership of every written line. Same bytes. */
     void (*quantize_stream)(const void *x, kvc_dtype xd, int64_t n, int bits, int g, void *q,
                             void *scale, kvc_dtype sd);
-    /* s[0..n) = cap * tanh(s / cap) * mul in place (softcap.h): the soft
+    /* s[0..n) = cap * tanh(s / cap) * mul in place (vec_math.h): the soft
      * cap every attention kernel applies, exposed for tests. */
     void (*softcap)(float *s, int64_t n, float cap, float mul);
     /* Inverse: y = (float)q * scale converted to yd. */

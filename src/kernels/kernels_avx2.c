@@ -573,25 +573,6 @@ KVC_INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(a);
 }
 
-/* 2^x for x <= 0: x = n + f, |f| <= 1/2, Cephes' degree-6 polynomial for
- * 2^f (relative error ~2e-7) times 2^n built in the exponent bits; exactly
- * 0 below -126 (and for -inf). */
-KVC_INLINE __m256 exp2_8(__m256 x) {
-    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
-    const __m256 n = _mm256_round_ps(x, RNE);
-    const __m256 f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
-}
-
 /* AB_LOADK: 8 elements [e, e+8) of a K/V row as float32, unscaled. */
 KVC_INLINE __m256 ab_loadk8(const void *p, kvc_dtype dt, int e) {
     switch (dt) {
@@ -661,7 +642,7 @@ typedef __m256 ab_vec;
 #define AB_MAX(a, b) _mm256_max_ps((a), (b))
 #define AB_HSUM(v) hsum8(v)
 #define AB_HMAX(v) hmax8(v)
-#define AB_EXP2(v) exp2_8(v)
+#define AB_EXP2(v) kvc__exp2_8(v)
 #define AB_LOADK(p, dt, e) ab_loadk8((p), (dt), (e))
 #define AB_RED4(a0, a1, a2, a3, out) ab_red4_8((a0), (a1), (a2), (a3), (out))
 #define AB_MAX4(a0, a1, a2, a3, out) ab_max4_8((a0), (a1), (a2), (a3), (out))

@@ -753,24 +753,6 @@ static void ab_row_to_f32(const void *src, kvc_dtype dt, const void *sc, kvc_dty
     kvc__dequant_row_tail(src, dt, sc, sd, g, e, D, dst);
 }
 
-/* 2^x for x <= 0 (see kernels_avx2.c exp2_8): exactly 0 below -126. */
-KVC_INLINE __m512 exp2_16(__m512 x) {
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(x, RNE);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512i e =
-        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
-}
-
 /* AB_LOADK: 16 elements [e, e+16) of a K/V row as float32, unscaled (int8/
  * int4 widened exactly); dt is a constant after inlining. */
 KVC_INLINE __m512 ab_loadk16(const void *p, kvc_dtype dt, int e) {
@@ -841,7 +823,7 @@ typedef __m512 ab_vec;
 #define AB_MAX(a, b) _mm512_max_ps((a), (b))
 #define AB_HSUM(v) _mm512_reduce_add_ps(v)
 #define AB_HMAX(v) _mm512_reduce_max_ps(v)
-#define AB_EXP2(v) exp2_16(v)
+#define AB_EXP2(v) kvc__exp2_16(v)
 #define AB_LOADK(p, dt, e) ab_loadk16((p), (dt), (e))
 #define AB_RED4(a0, a1, a2, a3, out) ab_red4_16((a0), (a1), (a2), (a3), (out))
 #define AB_MAX4(a0, a1, a2, a3, out) ab_max4_16((a0), (a1), (a2), (a3), (out))

@@ -25,7 +25,7 @@ typedef __m256 mb_vec;
 #define MB_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define MB_HSUM(v) mb_hsum(v)
 #define MB_HMAX(v) mb_hmax(v)
-#define MB_EXP2(v) mb_exp2(v)
+#define MB_EXP2(v) kvc__exp2_8(v)
 
 static inline float mb_hsum(__m256 v) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -39,25 +39,6 @@ static inline float mb_hmax(__m256 v) {
     x = _mm_max_ps(x, _mm_movehl_ps(x, x));
     x = _mm_max_ss(x, _mm_movehdup_ps(x));
     return _mm_cvtss_f32(x);
-}
-
-/* 2^x for x <= 0, as in mla_avx512.c: degree-6 polynomial on |f| <= 1/2,
- * 2^n in the exponent field, exactly 0 below -126. */
-static inline __m256 mb_exp2(__m256 x) {
-    const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_LT_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
-    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.5403530393381606e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284770e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    const __m256i e =
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
 /* Lane i = sum of the lanes of a[i], i < 8 (pairwise hadd, then the two

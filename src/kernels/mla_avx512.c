@@ -25,30 +25,7 @@ typedef __m512 mb_vec;
 #define MB_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define MB_HSUM(v) _mm512_reduce_add_ps(v)
 #define MB_HMAX(v) _mm512_reduce_max_ps(v)
-#define MB_EXP2(v) mb_exp2(v)
-
-/*
- * 2^x for x <= 0: x = n + f with n = round(x), |f| <= 1/2; 2^f by its
- * degree-6 Taylor polynomial in f ln 2 (relative error < 2e-7 on the
- * range), 2^n put in the exponent field. x < -126 (and -inf) gives exactly
- * 0, so masked keys contribute nothing.
- */
-static inline __m512 mb_exp2(__m512 x) {
-    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_LT_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284770e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512i e =
-        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps((__mmask16)~tiny, p, _mm512_castsi512_ps(e));
-}
+#define MB_EXP2(v) kvc__exp2_16(v)
 
 /* Lane i = sum of the lanes of a[i]: a transposed reduction (pairs, then
  * 128-bit blocks), 45 shuffles/adds for 16 dot products of Dq / 16 FMAs. */

@@ -23,7 +23,7 @@
  * accumulator, rescaled (by 2^(m_old - m_new)) while it is loaded. The
  * cache is read from memory once per task.
  */
-#include "softcap.h"
+#include "vec_math.h"
 #define MB_NB KVC_MLA_NB
 #define MB_RB KVC_MLA_RB
 

@@ -11,25 +11,6 @@
 
 #define RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
-/* 2^x for x <= 0, as pb_exp2_16 in prefill_avx512.c: exactly 0 below -126,
- * for -inf and for NaN. */
-static inline __m256 pb_exp2_8(__m256 x) {
-    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
-    const __m256 n = _mm256_round_ps(x, RNE);
-    const __m256 f = _mm256_sub_ps(x, n);
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    const __m256i e =
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
-}
-
 static inline __m256 pb_range8(__m256 s, int32_t j, const int32_t *lo, const int32_t *hi) {
     const __m256i vj = _mm256_set1_epi32(j);
     const __m256i out = _mm256_or_si256(
@@ -56,7 +37,7 @@ typedef __m256 pb_vec;
 #define PB_ADD(a, b) _mm256_add_ps((a), (b))
 #define PB_SUB(a, b) _mm256_sub_ps((a), (b))
 #define PB_MAX(a, b) _mm256_max_ps((a), (b))
-#define PB_EXP2(v) pb_exp2_8(v)
+#define PB_EXP2(v) kvc__exp2_8(v)
 #define PB_SEL_EQ(a, b, x, y) pb_sel_eq8((a), (b), (x), (y))
 #define PB_RANGE(s, j, lo, hi) pb_range8((s), (j), (lo), (hi))
 #define PB_GEMM gemm_avx2

@@ -17,7 +17,7 @@
  * in registers for the whole t loop: per t, nm vector loads of Y and PB_NA
  * broadcasts of X feed PB_NA * nm FMAs.
  */
-#include "softcap.h"
+#include "vec_math.h"
 
 #define PB_LOG2E 1.4426950408889634f
 
@@ -83,7 +83,7 @@ static void PB_GEMM(float *C, int64_t ldc, const float *X, int64_t xa, int64_t x
 static void PB_SOFTMAX(float *S, int64_t lds, int64_t n, int64_t Mp, int64_t j0, const int32_t *lo,
                        const int32_t *hi, const float *bias, float cap, float *m, float *l,
                        float *alpha) {
-    if (cap > 0.0f) /* softcap.h: the same bits on every ISA */
+    if (cap > 0.0f) /* vec_math.h: the same bits on every ISA */
         for (int64_t t = 0; t < n; t++) kvc__softcap_row(S + t * lds, Mp, cap, PB_LOG2E);
     const pb_vec ninf = PB_SET1(-INFINITY), one = PB_SET1(1.0f), zero = PB_ZERO();
     for (int64_t m0 = 0; m0 < Mp; m0 += PB_VL) {

@@ -1,6 +1,16 @@
 /*
+ * Vector math shared by the attention kernels of every ISA (decode,
+ * prefill, MLA): 2^x for the online softmax, and the logit soft cap.
+ * Include after <immintrin.h> in a translation unit compiled for the ISA:
+ * the widest variant the compiler flags allow is defined.
+ *
+ * 2^x for x <= 0 (kvc__exp2_16 / kvc__exp2_8): x = n + f, n = rint(x),
+ * |f| <= 1/2, Cephes' degree-6 polynomial for 2^f (relative error ~2e-7),
+ * 2^n built in the exponent bits; exactly 0 below -126, for -inf and NaN,
+ * so masked keys contribute nothing.
+ *
  * Logit soft cap, s -> cap * tanh(s / cap) * mul (mul = log2 e where the
- * softmax runs in base 2), for the attention kernels of every ISA.
+ * softmax runs in base 2).
  *
  * One algorithm, written once in scalar and once per vector width with the
  * same IEEE operations in the same order (fmaf where the vectors use FMA),
@@ -16,16 +26,51 @@
  *              (n = rint(u log2 e), r = u - n ln2 in two FMAs, |r| <= 0.347,
  *              Taylor degree 7), tanh a = 1 - 2 / (e^u + 1)
  *   then the sign of x (on both branches, so tanh(-0) = -0)
- *   NaN stays NaN; +-Inf gives +-cap * mul.
- *
- * Include after <immintrin.h> in a translation unit compiled for the ISA:
- * the widest variant the compiler flags allow is used, scalar for the tail.
+ *   NaN stays NaN; +-Inf gives +-cap * mul. Rows use the widest vector variant,
+ *   scalar for the tail.
  */
-#ifndef KVC_KERNELS_SOFTCAP_H
-#define KVC_KERNELS_SOFTCAP_H
+#ifndef KVC_KERNELS_VEC_MATH_H
+#define KVC_KERNELS_VEC_MATH_H
 
 #include <math.h>
 #include <stdint.h>
+
+#if defined(__AVX512F__)
+static inline __m512 kvc__exp2_16(__m512 x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i e =
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
+}
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 kvc__exp2_8(__m256 x) {
+    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+#endif
 
 #define KVC_SC_SMALL 0.55f
 #define KVC_SC_BIG 9.5f
@@ -146,4 +191,4 @@ static inline void kvc__softcap_row(float *s, int64_t n, float cap, float mul) {
     for (; i < n; i++) s[i] = kvc__softcap1(s[i], cap, mul);
 }
 
-#endif /* KVC_KERNELS_SOFTCAP_H */
+#endif /* KVC_KERNELS_VEC_MATH_H */
