@@ -903,6 +903,101 @@ TEST(append_rejects_leave_cache_unchanged) {
     return 0;
 }
 
+/*
+ * NaN / Inf on the scales-first path (calls larger than the cache, forced
+ * here, with float16 / bfloat16 inputs into group-8 caches: the finiteness
+ * pass computes the scales too): a bad value in K or
+ * V, in the first, a middle or the last of 70 rows (two 64-row chunks), at a
+ * row's start or end, packed or head-strided inputs, NHD and HND, every ISA:
+ * INVALID_ARG naming the tensor, row and head, cache and scales unchanged.
+ * The same call without it succeeds and writes.
+ */
+TEST(append_nonfinite_scales_first) {
+    enum { NNZ = 70, H = 2, D = 128, PS = 4, PAGES = (NNZ + PS - 1) / PS, CN = PAGES * PS * H * D };
+    static int8_t kc[CN], vc[CN], kc0[CN], vc0[CN];
+    static uint16_t ks[CN / 8], vs[CN / 8], ks0[CN / 8], vs0[CN / 8];
+    static uint16_t xk[NNZ * H * 2 * D], xv[NNZ * H * 2 * D];
+    static const char *const names[2] = {"append_key", "append_value"};
+    static const int rows[3] = {0, 33, NNZ - 1};
+    int32_t bi[NNZ], pos[NNZ], indptr[2] = {0, PAGES}, indices[PAGES], last[1];
+    for (int j = 0; j < NNZ; j++) bi[j] = 0, pos[j] = j;
+    for (int p = 0; p < PAGES; p++) indices[p] = PAGES - 1 - p;
+    last[0] = NNZ - (PAGES - 1) * PS;
+    int64_t n_nnz = NNZ, n_pages = PAGES, n2 = 2, n1 = 1;
+    const kvc_tensor tbi = kvc_tensor_make(bi, KVC_I32, 1, &n_nnz),
+                     tpos = kvc_tensor_make(pos, KVC_I32, 1, &n_nnz),
+                     tind = kvc_tensor_make(indices, KVC_I32, 1, &n_pages),
+                     tptr = kvc_tensor_make(indptr, KVC_I32, 1, &n2),
+                     tlast = kvc_tensor_make(last, KVC_I32, 1, &n1);
+    uint64_t rng = test_seed ^ 0x7ff;
+    int calls = 0;
+    const int64_t saved = kvc__llc_bytes();
+    kvc__set_llc_bytes(0); /* the two-pass path is taken by calls larger than the cache */
+    FOR_EACH_ISA({
+        for (int xi = 0; xi < 2; xi++) {
+            const kvc_dtype xd = xi ? KVC_BF16 : KVC_F16;
+            const uint16_t bad[3] = {xi ? 0x7fc0 : 0x7e00, xi ? 0x7f80 : 0x7c00,
+                                     xi ? 0xff80 : 0xfc00}; /* NaN, +Inf, -Inf */
+            for (int hnd = 0; hnd < 2; hnd++)
+                for (int strided = 0; strided < 2; strided++) {
+                    const int64_t csh[4] = {PAGES, hnd ? H : PS, hnd ? PS : H, D},
+                                  ssh[4] = {PAGES, hnd ? H : PS, hnd ? PS : H, D / 8},
+                                  ish[3] = {NNZ, H, D};
+                    kvc_paged_cache pc;
+                    memset(&pc, 0, sizeof pc);
+                    pc.k = kvc_tensor_make(kc, KVC_I8, 4, csh);
+                    pc.v = kvc_tensor_make(vc, KVC_I8, 4, csh);
+                    pc.k_scale = kvc_tensor_make(ks, KVC_F16, 4, ssh);
+                    pc.v_scale = kvc_tensor_make(vs, KVC_F16, 4, ssh);
+                    pc.layout = hnd ? KVC_HND : KVC_NHD;
+                    pc.quant_group = 8;
+                    kvc_tensor txk = kvc_tensor_make(xk, xd, 3, ish),
+                               txv = kvc_tensor_make(xv, xd, 3, ish);
+                    const int64_t hs = strided ? 2 * D : D; /* head stride of the inputs */
+                    txk.stride[1] = txv.stride[1] = hs;
+                    txk.stride[0] = txv.stride[0] = H * hs;
+                    for (int c = 0; c <= 6; c++) {
+                        fill_random(xk, xd, NNZ * H * 2 * D, &rng, 3.0f);
+                        fill_random(xv, xd, NNZ * H * 2 * D, &rng, 3.0f);
+                        fill_bytes(kc, sizeof kc, &rng), fill_bytes(vc, sizeof vc, &rng);
+                        fill_bytes(ks, sizeof ks, &rng), fill_bytes(vs, sizeof vs, &rng);
+                        memcpy(kc0, kc, sizeof kc), memcpy(vc0, vc, sizeof vc);
+                        memcpy(ks0, ks, sizeof ks), memcpy(vs0, vs, sizeof vs);
+                        const int kv = c & 1, row = rows[(c / 2) % 3], head = row % 2;
+                        const int64_t e = (int64_t)row * H * hs + head * hs + (c % 3 ? D - 1 : 0);
+                        if (c < 6) (kv ? xv : xk)[e] = bad[c % 3];
+                        kvc_clear_error();
+                        const kvc_status st =
+                            kvc_append_paged_kv_cache(&txk, &txv, &tbi, &tpos, &pc, &tind, &tptr,
+                                                      &tlast, test_pool(1 + c % 2));
+                        calls++;
+                        if (c == 6) { /* no bad value: accepted and written */
+                            ASSERT_OK(st);
+                            ASSERT_TRUE(memcmp(kc, kc0, sizeof kc) != 0);
+                            ASSERT_TRUE(memcmp(vs, vs0, sizeof vs) != 0);
+                            continue;
+                        }
+                        char want[64];
+                        snprintf(want, sizeof want, "(row %d, head %d)", row, head);
+                        if (st != KVC_ERR_INVALID_ARG || !strstr(kvc_last_error(), want) ||
+                            !strstr(kvc_last_error(), names[kv]))
+                            TEST_FAIL_("%s x %s %s strided %d: bad value in %s row %d head %d: "
+                                       "%s '%s'", kvc_isa_name(kvc_get_isa()), kvc_dtype_name(xd),
+                                       hnd ? "HND" : "NHD", strided, names[kv], row, head,
+                                       kvc_status_str(st), kvc_last_error());
+                        ASSERT_MEM_EQ(kc, kc0, sizeof kc);
+                        ASSERT_MEM_EQ(vc, vc0, sizeof vc);
+                        ASSERT_MEM_EQ(ks, ks0, sizeof ks);
+                        ASSERT_MEM_EQ(vs, vs0, sizeof vs);
+                    }
+                }
+        }
+    });
+    kvc__set_llc_bytes(saved);
+    ASSERT_TRUE(calls >= 56);
+    return 0;
+}
+
 TEST(mla_and_helpers_reject_garbage) {
     float ckv[2 * 2 * 8], kpe[2 * 2 * 4], in_c[2 * 8], in_k[2 * 4];
     memset(ckv, 0, sizeof ckv), memset(kpe, 0, sizeof kpe);
@@ -1015,6 +1110,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(pmx_round_trip),
     TEST_ENTRY(end_to_end_pmx_read),
     TEST_ENTRY(append_rejects_leave_cache_unchanged),
+    TEST_ENTRY(append_nonfinite_scales_first),
     TEST_ENTRY(mla_and_helpers_reject_garbage),
     TEST_ENTRY(empty_append),
     {0, 0},

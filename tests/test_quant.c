@@ -18,6 +18,7 @@
 #include <stdlib.h>
 
 #include "test.h"
+#include "kernels/kernels.h" /* the two-pass quantize kernels */
 
 /* ---- small helpers ------------------------------------------------------- */
 
@@ -1033,6 +1034,106 @@ ISA_TEST(isa_quant_g8_16bit_all_values) {
     return 0;
 }
 
+/*
+ * The two-pass kernels (kernels.h quant_scales / quant_values, which the
+ * paged append uses): scales, then values from those scales, equal
+ * kvc_quantize on the scalar ISA bit for bit, on every ISA, over the grid of
+ * n x g x input dtype x bits x scale dtype, streaming on and off, q and
+ * scales 64-byte aligned (the streaming path) and not; nothing is written
+ * past either row. quant_scales returns 0 for a NaN or Inf anywhere: in a
+ * 128-element block, in the tail, first or last.
+ */
+ISA_TEST(isa_quant_split) {
+    enum { CAP = (GRID_N_MAX + 128) * 4 };
+    unsigned char *x = aligned_alloc(64, CAP), *tmp = aligned_alloc(64, CAP);
+    unsigned char *ref_q = aligned_alloc(64, CAP), *ref_s = aligned_alloc(64, CAP);
+    unsigned char *out_q = aligned_alloc(64, CAP), *out_s = aligned_alloc(64, CAP);
+    float *xf = xmalloc(CAP);
+    ASSERT_TRUE(x && tmp && ref_q && ref_s && out_q && out_s);
+    uint64_t rng = test_seed ^ 0x5b1;
+    int r = 0, configs = 0;
+    for (size_t ni = 0; ni < GRID_N_COUNT && !r; ni++) {
+        const int64_t n = grid_n[ni];
+        for (size_t gi = 0; gi < GRID_G_COUNT && !r; gi++) {
+            const int g = grid_g[gi];
+            if (n % g) continue;
+            for (int xi = 0; xi < 3 && !r; xi++) {
+                const kvc_dtype xd = float_dtypes[xi];
+                gen_groups(xf, n, g, xd != KVC_F16, &rng);
+                to_dtype(xf, n, x, xd);
+                for (int bits = 8; bits >= 4 && !r; bits -= 4)
+                    for (int si = 0; si < 2 && !r; si++) {
+                        const kvc_dtype sd = scale_dtypes[si];
+                        const size_t qb = (size_t)(bits == 8 ? n : n / 2);
+                        const size_t sb = (size_t)(n / g) * esize(sd);
+                        ASSERT_TRUE(use_isa(KVC_ISA_SCALAR));
+                        ASSERT_OK(kvc_quantize(x, xd, n, bits, g, ref_q, ref_s, sd));
+                        for (int isa = 0; isa < KVC_ISA_COUNT && !r; isa++) {
+                            if (!use_isa((kvc_isa)isa)) continue;
+                            const kvc_kernels *k = kvc__kernels();
+                            memset(tmp, 0xcd, sb + 64);
+                            const int fin = k->quant_scales(x, xd, n, bits, g, tmp, sd);
+                            if (!fin || mem_diff(tmp, ref_s, sb) >= 0) r = 1;
+                            for (int v = 0; v < 4 && !r; v++, configs++) {
+                                const int stream = v & 1, off = (v >> 1) * (int)esize(sd);
+                                memset(out_q, 0xcd, qb + 64 + 1);
+                                memset(out_s, 0xcd, sb + 64 + off);
+                                k->quant_values(x, xd, n, bits, g, tmp, out_q + off, out_s + off,
+                                                sd, stream);
+                                if (mem_diff(out_q + off, ref_q, qb) >= 0 ||
+                                    mem_diff(out_s + off, ref_s, sb) >= 0 ||
+                                    !all_bytes(out_q + off + qb, 32, 0xcd) ||
+                                    !all_bytes(out_s + off + sb, 32, 0xcd) ||
+                                    !all_bytes(out_q, (size_t)off, 0xcd))
+                                    r = 1;
+                            }
+                            if (r)
+                                TEST_FAIL_("%s n %lld g %d x %s bits %d scale %s: two-pass bytes "
+                                           "differ from quantize (finite flag %d)",
+                                           kvc_isa_name((kvc_isa)isa), (long long)n, g,
+                                           kvc_dtype_name(xd), bits, kvc_dtype_name(sd), fin);
+                        }
+                    }
+            }
+        }
+    }
+    /* NaN / Inf: quant_scales says so wherever the value sits */
+    static const int64_t bad_n[] = {8, 24, 136, 1152};
+    static const uint32_t bad32[] = {0x7fc00000u, 0x7f800000u, 0xff800000u, 0x7f800001u};
+    static const uint16_t bad16[] = {0x7e00, 0x7c00, 0xfc00, 0x7c01};
+    static const uint16_t badb16[] = {0x7fc0, 0x7f80, 0xff80, 0x7f81};
+    for (size_t ni = 0; ni < sizeof bad_n / sizeof bad_n[0] && !r; ni++) {
+        const int64_t n = bad_n[ni], pos[4] = {0, n / 2 + 1, n - 9 > 0 ? n - 9 : 1, n - 1};
+        for (int i = 0; i < n; i++) xf[i] = test_rng_f32(&rng) * 100.0f;
+        for (int xi = 0; xi < 3 && !r; xi++) {
+            const kvc_dtype xd = float_dtypes[xi];
+            for (int p = 0; p < 4; p++)
+                for (int b = 0; b < 4; b++) {
+                    to_dtype(xf, n, x, xd);
+                    if (xd == KVC_F32) memcpy(x + 4 * pos[p], &bad32[b], 4);
+                    else memcpy(x + 2 * pos[p], xd == KVC_F16 ? &bad16[b] : &badb16[b], 2);
+                    for (int isa = 0; isa < KVC_ISA_COUNT; isa++) {
+                        if (!use_isa((kvc_isa)isa)) continue;
+                        for (int si = 0; si < 2; si++)
+                            if (kvc__kernels()->quant_scales(x, xd, n, 8, 8, tmp, scale_dtypes[si]))
+                                TEST_FAIL_("%s n %lld x %s: value %d at %lld not reported",
+                                           kvc_isa_name((kvc_isa)isa), (long long)n,
+                                           kvc_dtype_name(xd), b, (long long)pos[p]);
+                    }
+                }
+        }
+    }
+    free(x);
+    free(tmp);
+    free(ref_q);
+    free(ref_s);
+    free(out_q);
+    free(out_s);
+    free(xf);
+    if (!r) ASSERT_TRUE(configs > 2000);
+    return r;
+}
+
 /* ±qmax reached at both signs; dequantized extremes are ±qmax * scale. */
 ISA_TEST(quant_extremes) {
     uint64_t rng = test_seed ^ 0xe7;
@@ -1220,6 +1321,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(isa_quant_ties_random),
     TEST_ENTRY(isa_quant_g8_16bit_ranges),
     TEST_ENTRY(isa_quant_g8_16bit_all_values),
+    TEST_ENTRY(isa_quant_split),
     TEST_ENTRY(quant_extremes),
     TEST_ENTRY(int4_nibble_order),
     TEST_ENTRY(quant_rejects_nonfinite),

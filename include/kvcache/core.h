@@ -149,6 +149,9 @@ KVC_API kvc_status kvc_set_isa(kvc_isa isa);
  * is always split into fixed chunks independent of n_threads, so results are
  * bitwise identical for any thread count. Operators accept a NULL pool and
  * then run on the calling thread only. One operator at a time per pool.
+ * A pool also keeps scratch memory some operators need between calls (the
+ * largest block asked for so far, e.g. 1/8 to 1/4 of the input of the
+ * largest quantized append), released by kvc_threadpool_destroy.
  */
 typedef struct kvc_threadpool kvc_threadpool;
 

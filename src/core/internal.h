@@ -72,4 +72,11 @@ static inline int64_t kvc__i64_at(const kvc_tensor *t, int64_t offset_elems) {
 typedef void (*kvc__task_fn)(void *ctx, int64_t task);
 void kvc__parallel_for(kvc_threadpool *pool, int64_t n_tasks, kvc__task_fn fn, void *ctx);
 
+/* Scratch memory for one operator call: the pool keeps its largest block for
+ * the next call (a fresh multi-MB block would cost a page fault per 4 KiB on
+ * first touch, every call); NULL pool: a malloc. NULL when out of memory.
+ * Pair with kvc__scratch_release. One operator at a time per pool. */
+void *kvc__scratch_get(kvc_threadpool *pool, size_t bytes);
+void kvc__scratch_release(kvc_threadpool *pool, void *p);
+
 #endif

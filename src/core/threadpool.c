@@ -39,6 +39,8 @@ struct kvc_threadpool {
     void *ctx;
     int64_t n_tasks;
     atomic_int_fast64_t next;
+    void *scratch; /* kvc__scratch_get */
+    size_t scratch_bytes;
 };
 
 static inline void cpu_relax(void) {
@@ -121,12 +123,27 @@ void kvc_threadpool_destroy(kvc_threadpool *p) {
     if (p->workers)
         for (int i = 0; i < p->n_threads - 1; i++) pthread_join(p->workers[i], NULL);
     free(p->workers);
+    free(p->scratch);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->work_cv);
     free(p);
 }
 
 int kvc_threadpool_n_threads(const kvc_threadpool *p) { return p ? p->n_threads : 1; }
+
+void *kvc__scratch_get(kvc_threadpool *pool, size_t bytes) {
+    if (!pool) return malloc(bytes ? bytes : 1);
+    if (pool->scratch_bytes < bytes) {
+        free(pool->scratch);
+        pool->scratch = malloc(bytes);
+        pool->scratch_bytes = pool->scratch ? bytes : 0;
+    }
+    return pool->scratch;
+}
+
+void kvc__scratch_release(kvc_threadpool *pool, void *p) {
+    if (!pool) free(p);
+}
 
 void kvc__parallel_for(kvc_threadpool *p, int64_t n_tasks, kvc__task_fn fn, void *ctx) {
     if (n_tasks <= 0) return;

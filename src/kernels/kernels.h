@@ -62,6 +62,19 @@ typedef struct kvc_kernels {
      * which skip the read-for-ownership of every written line. Same bytes. */
     void (*quantize_stream)(const void *x, kvc_dtype xd, int64_t n, int bits, int g, void *q,
                             void *scale, kvc_dtype sd);
+    /* quantize in two passes, for callers that must check the whole input
+     * before writing anything (the paged append): quant_scales writes the
+     * n/g scales quantize would store into `scale` and returns 1 if all of x
+     * is finite (0: some NaN/Inf, `scale` then unspecified). quant_values
+     * takes those scales (sin), copies them to `scale` and writes q; with
+     * stream set it may use non-temporal stores (fenced before returning).
+     * Together: the bytes of quantize. The check's read of x then does the
+     * absmax work too, instead of a second pass doing it. SIMD fast paths:
+     * F16/BF16 input with g == 8; other cases run the scalar reference. */
+    int (*quant_scales)(const void *x, kvc_dtype xd, int64_t n, int bits, int g, void *scale,
+                        kvc_dtype sd);
+    void (*quant_values)(const void *x, kvc_dtype xd, int64_t n, int bits, int g,
+                         const void *sin, void *q, void *scale, kvc_dtype sd, int stream);
     /* s[0..n) = cap * tanh(s / cap) * mul in place (vec_math.h): the soft
      * cap every attention kernel applies, exposed for tests. */
     void (*softcap)(float *s, int64_t n, float cap, float mul);
@@ -83,6 +96,12 @@ typedef struct kvc_kernels {
     void (*attn_decode)(const float *q, int G, int D, int Dp, const struct kvc_attn_rows *r,
                         int64_t n, float cap, float *m, float *l, float *acc);
 } kvc_kernels;
+
+/* Inputs whose quant_scales / quant_values have SIMD paths (other inputs
+ * run the scalar reference there: quantize is the faster call for them). */
+static inline int kvc__quant_split_fast(kvc_dtype xd, int g) {
+    return g == 8 && (xd == KVC_F16 || xd == KVC_BF16);
+}
 
 /* The table for the current ISA (kvc_get_isa()). */
 const kvc_kernels *kvc__kernels(void);

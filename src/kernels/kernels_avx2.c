@@ -339,9 +339,9 @@ KVC_INLINE __m256 h16x8_to_f32_fin(const uint16_t *p, kvc_dtype xd) {
     return xd == KVC_F16 ? _mm256_cvtph_ps(h) : bf16x8_to_f32(h); /* finite: no NaN fix-up */
 }
 
-/* Phase 1: the block's 8 scales, stored, and as float32 with reciprocals. */
-KVC_INLINE void quant_g8_h16_scales(const uint16_t *x, kvc_dtype xd, float qmax, void *scale,
-                                    kvc_dtype sd, int stream, __m256 *s_out, __m256 *inv_out) {
+/* The 8 group maxima of |x| over a 64-element block as raw 16-bit
+ * magnitudes, in group order (NaN/Inf: at least the dtype's Inf bits). */
+KVC_INLINE __m128i quant_g8_h16_absmax(const uint16_t *x) {
     const __m256i absm = _mm256_set1_epi16(0x7fff);
     /* lane l of A/B/C/D: group 2k + l (k = 0..3) */
     const __m256i A = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)x), absm);
@@ -357,8 +357,13 @@ KVC_INLINE void quant_g8_h16_scales(const uint16_t *x, kvc_dtype xd, float qmax,
     /* words 0-3 of lane 0: groups 0 2 4 6; of lane 1: 1 3 5 7 */
     const __m128i m8 = _mm256_castsi256_si128(
         _mm256_permutevar8x32_epi32(u, _mm256_setr_epi32(0, 1, 4, 5, 0, 1, 4, 5)));
-    const __m128i mx = _mm_shuffle_epi8(m8, _mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13,
-                                                          6, 7, 14, 15));
+    return _mm_shuffle_epi8(m8, _mm_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
+}
+
+/* Phase 1: the block's 8 scales, stored, and as float32 with reciprocals. */
+KVC_INLINE void quant_g8_h16_scales(const uint16_t *x, kvc_dtype xd, float qmax, void *scale,
+                                    kvc_dtype sd, int stream, __m256 *s_out, __m256 *inv_out) {
+    const __m128i mx = quant_g8_h16_absmax(x);
     const __m256 absmax = xd == KVC_F16 ? _mm256_cvtph_ps(mx) : bf16x8_to_f32(mx);
     __m256 s = _mm256_div_ps(absmax, _mm256_set1_ps(qmax));
     s = _mm256_max_ps(s, _mm256_set1_ps(1e-5f)); /* the scalar's "if (!(s > 1e-5f))" */
@@ -526,6 +531,122 @@ static void quantize_stream_avx2(const void *x, kvc_dtype xd, int64_t n, int bit
     }
 }
 
+/* ---- quantize in two passes (quant_scales / quant_values) ------------------ */
+
+KVC_INLINE float scale_get(const void *scale, kvc_dtype sd, int64_t gi) {
+    return sd == KVC_F16 ? _cvtsh_ss(((const uint16_t *)scale)[gi]) : ((const float *)scale)[gi];
+}
+
+/* g == 8 on 16-bit input: blocks of 64 by quant_g8_h16_absmax (NaN/Inf seen
+ * as a magnitude >= the Inf bits), then group by group. */
+KVC_INLINE int qscales_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, float qmax, void *scale,
+                              kvc_dtype sd) {
+    __m128i big = _mm_setzero_si128();
+    int64_t e = 0;
+    for (; e + 64 <= n; e += 64) {
+        const __m128i mx = quant_g8_h16_absmax(x + e);
+        big = _mm_max_epu16(big, mx);
+        const __m256 a = xd == KVC_F16 ? _mm256_cvtph_ps(mx) : bf16x8_to_f32(mx);
+        __m256 s = _mm256_max_ps(_mm256_div_ps(a, _mm256_set1_ps(qmax)), _mm256_set1_ps(1e-5f));
+        if (sd == KVC_F16)
+            _mm_storeu_si128((__m128i *)((uint16_t *)scale + e / 8), _mm256_cvtps_ph(s, RNE));
+        else
+            _mm256_storeu_ps((float *)scale + e / 8, s);
+    }
+    const __m128i inf = _mm_set1_epi16((short)(xd == KVC_F16 ? 0x7c00 : 0x7f80));
+    int finite = _mm_movemask_epi8(_mm_cmpeq_epi16(_mm_max_epu16(big, inf), big)) == 0;
+    if (e < n) finite = finite && all_finite_avx2(x + e, xd, n - e);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (; e < n; e += 8)
+        scale_store(hmax8(_mm256_and_ps(load8(x, xd, e), absmask)), qmax, scale, sd, e / 8);
+    return finite;
+}
+
+/* Blocks of 64: up to 8 blocks' scales loaded, copied out and inverted
+ * first, then their values (quant_g8_h16_values); the rest group by group
+ * with divisions. */
+KVC_INLINE void qvalues_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, int bits,
+                               const void *sin, void *q, void *scale, kvc_dtype sd, int stream) {
+    const int sst = stream;
+    stream = stream && ((uintptr_t)q & (bits == 8 ? 31 : 15)) == 0 &&
+             ((uintptr_t)scale & (sd == KVC_F16 ? 15 : 31)) == 0;
+    __m256 s[8], inv[8];
+    int64_t e = 0;
+    while (e + 64 <= n) {
+        int nb = (int)((n - e) / 64);
+        if (nb > 8) nb = 8;
+        for (int i = 0; i < nb; i++) {
+            const int64_t gi = e / 8 + 8 * i;
+            if (sd == KVC_F16) {
+                const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)sin + gi));
+                __m128i *d = (__m128i *)((uint16_t *)scale + gi);
+                if (stream) _mm_stream_si128(d, h);
+                else _mm_storeu_si128(d, h);
+                s[i] = _mm256_cvtph_ps(h);
+            } else {
+                s[i] = _mm256_loadu_ps((const float *)sin + gi);
+                float *d = (float *)scale + gi;
+                if (stream) _mm256_stream_ps(d, s[i]);
+                else _mm256_storeu_ps(d, s[i]);
+            }
+            inv[i] = _mm256_div_ps(_mm256_set1_ps(1.0f), s[i]);
+        }
+        for (int i = 0; i < nb; i++) {
+            const int64_t ei = e + 64 * i;
+            quant_g8_h16_values(x + ei, xd, bits, (int8_t *)q + (bits == 8 ? ei : ei / 2), stream,
+                                s[i], inv[i]);
+        }
+        e += 64 * (int64_t)nb;
+    }
+    const float qmax = bits == 8 ? 127.0f : 7.0f;
+    const __m256 hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);
+    for (; e < n; e += 8) {
+        const float sv = scale_get(sin, sd, e / 8);
+        if (sd == KVC_F16) ((uint16_t *)scale)[e / 8] = ((const uint16_t *)sin)[e / 8];
+        else ((float *)scale)[e / 8] = sv;
+        __m256 v = _mm256_round_ps(_mm256_div_ps(load8(x, xd, e), _mm256_set1_ps(sv)), RNE);
+        const __m256i iv = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(v, lo), hi));
+        if (bits == 8) i8x8_store((int8_t *)q + e, iv);
+        else i4x8_store((uint8_t *)q + e / 2, iv);
+    }
+    if (sst) _mm_sfence(); /* order streamed bytes before whatever signals completion */
+}
+
+KVC_INLINE int split_fast(kvc_dtype xd, int bits, int g, kvc_dtype sd) {
+    return kvc__quant_split_fast(xd, g) && (bits == 8 || bits == 4) &&
+           (sd == KVC_F16 || sd == KVC_F32);
+}
+
+static int quant_scales_avx2(const void *x, kvc_dtype xd, int64_t n, int bits, int g, void *scale,
+                             kvc_dtype sd) {
+    if (!split_fast(xd, bits, g, sd))
+        return kvc__kernels_scalar()->quant_scales(x, xd, n, bits, g, scale, sd);
+    const float qmax = bits == 8 ? 127.0f : 7.0f;
+#define QS(in, s)                                                                                  \
+    if (xd == (in) && sd == (s))                                                                   \
+        return qscales_g8_h16((const uint16_t *)x, (in), n, qmax, scale, (s));
+    QS(KVC_F16, KVC_F16) QS(KVC_F16, KVC_F32) QS(KVC_BF16, KVC_F16) QS(KVC_BF16, KVC_F32)
+#undef QS
+    return kvc__kernels_scalar()->quant_scales(x, xd, n, bits, g, scale, sd);
+}
+
+static void quant_values_avx2(const void *x, kvc_dtype xd, int64_t n, int bits, int g,
+                              const void *sin, void *q, void *scale, kvc_dtype sd, int stream) {
+    if (!split_fast(xd, bits, g, sd)) {
+        kvc__kernels_scalar()->quant_values(x, xd, n, bits, g, sin, q, scale, sd, stream);
+        return;
+    }
+#define QV(b, in, s)                                                                               \
+    if (bits == (b) && xd == (in) && sd == (s)) {                                                  \
+        qvalues_g8_h16((const uint16_t *)x, (in), n, (b), sin, q, scale, (s), stream);            \
+        return;                                                                                    \
+    }
+    QV(8, KVC_F16, KVC_F16) QV(8, KVC_F16, KVC_F32) QV(8, KVC_BF16, KVC_F16)
+    QV(8, KVC_BF16, KVC_F32) QV(4, KVC_F16, KVC_F16) QV(4, KVC_F16, KVC_F32)
+    QV(4, KVC_BF16, KVC_F16) QV(4, KVC_BF16, KVC_F32)
+#undef QV
+}
+
 /* ---- decode attention (attn_body.h, 8 lanes) ----------------------------- */
 
 /* One K/V row -> D floats. Float rows: plain widening (a NaN stays a NaN, its
@@ -659,7 +780,8 @@ static void softcap_avx2(float *s, int64_t n, float cap, float mul) {
 
 static const kvc_kernels table = {
     KVC_ISA_AVX2, copy_avx2, convert_avx2, all_finite_avx2, quantize_avx2, quantize_stream_avx2,
-    softcap_avx2, dequantize_avx2, dequantize_rows_avx2, attn_decode_avx2,
+    quant_scales_avx2, quant_values_avx2, softcap_avx2, dequantize_avx2, dequantize_rows_avx2,
+    attn_decode_avx2,
 };
 
 const kvc_kernels *kvc__kernels_avx2(void) { return &table; }

@@ -479,10 +479,10 @@ KVC_INLINE __m512 h16x16_to_f32_fin(const uint16_t *p, kvc_dtype xd) {
     return xd == KVC_F16 ? _mm512_cvtph_ps(h) : bf16x16_to_f32(h); /* finite: no NaN fix-up */
 }
 
-/* Phase 1 of a 128-element block: the 16 group scales, stored, and as
- * float32 with their reciprocals in s_out / inv_out. */
-KVC_INLINE void quant_g8_h16_scales(const uint16_t *x, kvc_dtype xd, float qmax, void *scale,
-                                    kvc_dtype sd, int stream, __m512 *s_out, __m512 *inv_out) {
+/* The 16 group maxima of |x| over a 128-element block as raw 16-bit
+ * magnitudes, in group order (a group holding NaN/Inf has at least the
+ * dtype's Inf bits: the magnitude order extends past the finite values). */
+KVC_INLINE __m256i quant_g8_h16_absmax(const uint16_t *x) {
     const __m512i absm = _mm512_set1_epi16(0x7fff);
     const __m512i A = _mm512_and_si512(_mm512_loadu_si512(x), absm);
     const __m512i B = _mm512_and_si512(_mm512_loadu_si512(x + 32), absm);
@@ -500,7 +500,14 @@ KVC_INLINE void quant_g8_h16_scales(const uint16_t *x, kvc_dtype xd, float qmax,
     /* group j sits at word 8 (j % 4) + 2 (j / 4) */
     const __m512i gidx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 30, 22,
                                           14, 6, 28, 20, 12, 4, 26, 18, 10, 2, 24, 16, 8, 0);
-    const __m256i m16 = _mm512_castsi512_si256(_mm512_permutexvar_epi16(gidx, t));
+    return _mm512_castsi512_si256(_mm512_permutexvar_epi16(gidx, t));
+}
+
+/* Phase 1 of a 128-element block: the 16 group scales, stored, and as
+ * float32 with their reciprocals in s_out / inv_out. */
+KVC_INLINE void quant_g8_h16_scales(const uint16_t *x, kvc_dtype xd, float qmax, void *scale,
+                                    kvc_dtype sd, int stream, __m512 *s_out, __m512 *inv_out) {
+    const __m256i m16 = quant_g8_h16_absmax(x);
     const __m512 absmax = xd == KVC_F16 ? _mm512_cvtph_ps(m16) : bf16x16_to_f32(m16);
     __m256i h = _mm256_setzero_si256();
     const __m512 s16 = scale_calc(absmax, qmax, sd, &h);
@@ -512,38 +519,10 @@ KVC_INLINE void quant_g8_h16_scales(const uint16_t *x, kvc_dtype xd, float qmax,
     *inv_out = _mm512_div_ps(_mm512_set1_ps(1.0f), s16);
 }
 
-/*
- * Phase 2: q = rne(x / s) for the block's 8 vectors, computed as x * (1 / s)
- * (a zmm division costs ~6 cycles): the product is within 1.6e-5 of x / s
- * (|x / s| < 128, two roundings of 2^-24), so it rounds the same way unless
- * it lies within 3e-5 of a half-integer; vreduceps gives its distance to
- * the nearest integer and such a block (rare, but every exact tie) is redone
- * with divisions. The packs and clamp are explained above.
- */
-KVC_INLINE void quant_g8_h16_values(const uint16_t *x, kvc_dtype xd, int bits, void *q,
-                                    int stream, __m512 s16, __m512 inv16) {
+/* The 8 vectors of int32 codes of a 128-element block as its q bytes (the
+ * packs and clamp are explained above). */
+KVC_INLINE void q128_store(const __m512i v[8], int bits, void *q, int stream) {
     const int8_t qmax = bits == 8 ? 127 : 7;
-    const __m512i pair0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m512i two = _mm512_set1_epi32(2);
-    const __m512 near_half = _mm512_set1_ps(0.5f - 0x1p-15f);
-    __m512i v[8];
-    __m512 far = _mm512_setzero_ps(); /* max |y - rne(y)| */
-    __m512i idx = pair0;
-    for (int i = 0; i < 8; i++, idx = _mm512_add_epi32(idx, two)) {
-        const __m512 y = _mm512_mul_ps(h16x16_to_f32_fin(x + 16 * i, xd),
-                                       _mm512_permutexvar_ps(idx, inv16));
-        v[i] = _mm512_cvt_roundps_epi32(y, RNE);
-        /* vrangeps imm 0x0b: max of |a| and |b| */
-        far = _mm512_range_ps(far, _mm512_reduce_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                              0x0b);
-    }
-    if (_mm512_cmp_ps_mask(far, near_half, _CMP_GE_OQ)) {
-        idx = pair0;
-        for (int i = 0; i < 8; i++, idx = _mm512_add_epi32(idx, two))
-            v[i] = _mm512_cvt_roundps_epi32(_mm512_div_ps(h16x16_to_f32_fin(x + 16 * i, xd),
-                                                          _mm512_permutexvar_ps(idx, s16)),
-                                            RNE);
-    }
     /* after packs_epi32 + packs_epi16, 128-bit lane l holds dwords
      * v0[4l..4l+3], v1[..], v2[..], v3[..]: dword 4k + l goes back to 4l + k */
     const __m512i unpack = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
@@ -578,6 +557,63 @@ KVC_INLINE void quant_g8_h16_values(const uint16_t *x, kvc_dtype xd, int bits, v
     }
 }
 
+/*
+ * Phase 2: q = rne(x / s) for the block's 8 vectors, computed as x * (1 / s)
+ * (a zmm division costs ~6 cycles): the product is within 1.6e-5 of x / s
+ * (|x / s| < 128, two roundings of 2^-24), so it rounds the same way unless
+ * it lies within 3e-5 of a half-integer; vreduceps gives its distance to
+ * the nearest integer; returns 1 for such a block (rare, but every exact
+ * tie), which the caller redoes with quant_g8_h16_div.
+ */
+KVC_INLINE int quant_g8_h16_values(const uint16_t *x, kvc_dtype xd, int bits, void *q,
+                                   int stream, __m512 inv16) {
+    const __m512i pair0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i two = _mm512_set1_epi32(2);
+    const __m512 near_half = _mm512_set1_ps(0.5f - 0x1p-15f);
+    __m512i v[8];
+    __m512 far[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}; /* max |y - rne(y)|, 2 chains */
+    __m512i idx = pair0;
+    for (int i = 0; i < 8; i++, idx = _mm512_add_epi32(idx, two)) {
+        const __m512 y = _mm512_mul_ps(h16x16_to_f32_fin(x + 16 * i, xd),
+                                       _mm512_permutexvar_ps(idx, inv16));
+        v[i] = _mm512_cvt_roundps_epi32(y, RNE);
+        /* vrangeps imm 0x0b: max of |a| and |b| */
+        far[i & 1] = _mm512_range_ps(
+            far[i & 1], _mm512_reduce_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), 0x0b);
+    }
+    q128_store(v, bits, q, stream);
+    return _mm512_cmp_ps_mask(_mm512_range_ps(far[0], far[1], 0x0b), near_half, _CMP_GE_OQ) != 0;
+}
+
+/* The rare redo of a block whose products came near a half-integer: its
+ * values again with divisions by its 16 scales (as stored at `scale`),
+ * overwriting what quant_g8_h16_values wrote. Out of line and called after
+ * the block loop: a call inside it made the compiler give up the loop's
+ * vector constants (1.5x slower). */
+static __attribute__((noinline, cold)) void quant_g8_h16_div(const uint16_t *x, kvc_dtype xd,
+                                                             int bits, void *q, int stream,
+                                                             const void *scale, kvc_dtype sd) {
+    const __m512 s16 = sd == KVC_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scale))
+                                     : _mm512_loadu_ps((const float *)scale);
+    const __m512i two = _mm512_set1_epi32(2);
+    __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m512i v[8];
+    for (int i = 0; i < 8; i++, idx = _mm512_add_epi32(idx, two))
+        v[i] = _mm512_cvt_roundps_epi32(
+            _mm512_div_ps(h16x16_to_f32_fin(x + 16 * i, xd), _mm512_permutexvar_ps(idx, s16)), RNE);
+    q128_store(v, bits, q, stream);
+}
+
+/* Redoes the blocks flagged in `redo` (bit i: block at element e0 + 128 i). */
+KVC_INLINE void quant_g8_h16_redo(const uint16_t *x, kvc_dtype xd, int bits, void *q, int stream,
+                                  const void *scale, kvc_dtype sd, int64_t e0, uint64_t redo) {
+    for (; redo; redo &= redo - 1) {
+        const int64_t e = e0 + 128 * (int64_t)__builtin_ctzll(redo);
+        quant_g8_h16_div(x + e, xd, bits, (int8_t *)q + (bits == 8 ? e : e / 2), stream,
+                         (const char *)scale + (e / 8) * (sd == KVC_F16 ? 2 : 4), sd);
+    }
+}
+
 /* Runs of up to 8 blocks: all scales first, then all values, so the long
  * absmax -> scale -> reciprocal chain of one block does not stall the
  * quantization of the others (out-of-order execution sees short loops).
@@ -598,11 +634,15 @@ KVC_INLINE int64_t quant_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, int 
             quant_g8_h16_scales(x + e + 128 * i, xd, qmax,
                                 (char *)scale + ((e / 8) + 16 * i) * sbytes, sd, stream, &s[i],
                                 &inv[i]);
+        uint64_t redo = 0;
         for (int i = 0; i < nb; i++) {
             const int64_t ei = e + 128 * i;
-            quant_g8_h16_values(x + ei, xd, bits, (int8_t *)q + (bits == 8 ? ei : ei / 2), stream,
-                                s[i], inv[i]);
+            redo |= (uint64_t)quant_g8_h16_values(x + ei, xd, bits,
+                                                  (int8_t *)q + (bits == 8 ? ei : ei / 2), stream,
+                                                  inv[i])
+                    << i;
         }
+        quant_g8_h16_redo(x, xd, bits, q, stream, scale, sd, e, redo);
         e += 128 * (int64_t)nb;
     }
     return e;
@@ -698,6 +738,150 @@ static void quantize_stream_avx512(const void *x, kvc_dtype xd, int64_t n, int b
     } else {
         quantize_avx512(x, xd, n, bits, g, q, scale, sd);
     }
+}
+
+/* ---- quantize in two passes (quant_scales / quant_values) ------------------ */
+
+KVC_INLINE float scale_get(const void *scale, kvc_dtype sd, int64_t gi) {
+    return sd == KVC_F16 ? kvc_f16_to_f32(((const uint16_t *)scale)[gi])
+                         : ((const float *)scale)[gi];
+}
+
+/* Stores 16 scales (h: their f16 bits, s: float32) at group gi. */
+KVC_INLINE void scale16_put(void *scale, kvc_dtype sd, int64_t gi, __m512 s, __m256i h,
+                            int stream) {
+    if (sd == KVC_F16) {
+        __m256i *d = (__m256i *)((uint16_t *)scale + gi);
+        if (stream) _mm256_stream_si256(d, h);
+        else _mm256_storeu_si256(d, h);
+    } else {
+        float *d = (float *)scale + gi;
+        if (stream) _mm512_stream_ps(d, s);
+        else _mm512_storeu_ps(d, s);
+    }
+}
+
+/* g == 8 on 16-bit input: blocks of 128 by quant_g8_h16_absmax (NaN/Inf
+ * seen as a magnitude >= the Inf bits), then 16 / 8 elements at a time. */
+KVC_INLINE int qscales_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, float qmax, void *scale,
+                              kvc_dtype sd) {
+    __m256i big = _mm256_setzero_si256();
+    int64_t e = 0;
+    for (; e + 128 <= n; e += 128) {
+        const __m256i m16 = quant_g8_h16_absmax(x + e);
+        big = _mm256_max_epu16(big, m16);
+        __m256i h = _mm256_setzero_si256();
+        const __m512 a = xd == KVC_F16 ? _mm512_cvtph_ps(m16) : bf16x16_to_f32(m16);
+        const __m512 s = scale_calc(a, qmax, sd, &h); /* sets h: not inside the call below */
+        scale16_put(scale, sd, e / 8, s, h, 0);
+    }
+    const __m256i inf = _mm256_set1_epi16((short)(xd == KVC_F16 ? 0x7c00 : 0x7f80));
+    int finite = _mm256_cmpge_epu16_mask(big, inf) == 0;
+    if (e < n) finite = finite && all_finite_avx512(x + e, xd, n - e);
+    for (; e < n; e += 16) { /* n % 8 == 0: 16 lanes, or 8 at the end */
+        const __mmask16 m = n - e >= 16 ? ALL16 : lanes(8);
+        __m256i h = _mm256_setzero_si256();
+        const __m512 s = scale_calc(absmax_halves(load16(x, xd, e, m)), qmax, sd, &h);
+        scale_put(scale, sd, e / 8, s, h, 0);
+        if (m == ALL16) scale_put(scale, sd, e / 8 + 1, s, h, 8);
+    }
+    return finite;
+}
+
+/* nb (<= 8) blocks from element e: their scales loaded, copied out and
+ * inverted first, then their values, then any redo; returns the next e.
+ * Called with nb == 8 as a constant, the loops unroll and the reciprocals
+ * stay in registers. */
+KVC_INLINE int64_t qvalues_run(const uint16_t *x, kvc_dtype xd, const int nb, int bits,
+                               const void *sin, void *q, void *scale, kvc_dtype sd, int stream,
+                               int64_t e) {
+    __m512 inv[8];
+    for (int i = 0; i < nb; i++) {
+        const int64_t gi = e / 8 + 16 * i;
+        __m256i h = _mm256_setzero_si256();
+        __m512 s16;
+        if (sd == KVC_F16) {
+            h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)sin + gi));
+            s16 = _mm512_cvtph_ps(h);
+        } else {
+            s16 = _mm512_loadu_ps((const float *)sin + gi);
+        }
+        scale16_put(scale, sd, gi, s16, h, stream);
+        inv[i] = _mm512_div_ps(_mm512_set1_ps(1.0f), s16);
+    }
+    unsigned redo = 0;
+    for (int i = 0; i < nb; i++) {
+        const int64_t ei = e + 128 * i;
+        redo |= (unsigned)quant_g8_h16_values(x + ei, xd, bits,
+                                              (int8_t *)q + (bits == 8 ? ei : ei / 2), stream,
+                                              inv[i])
+                << i;
+    }
+    if (redo) quant_g8_h16_redo(x, xd, bits, q, stream, sin, sd, e, redo);
+    return e + 128 * (int64_t)nb;
+}
+
+/* Blocks of 128 in runs of 8 (qvalues_run); the rest 16 / 8 elements at a
+ * time with divisions. stream: non-temporal stores when q and scale are
+ * aligned for them. */
+KVC_INLINE void qvalues_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, int bits,
+                               const void *sin, void *q, void *scale, kvc_dtype sd, int stream) {
+    const int sst = stream;
+    stream = stream && ((uintptr_t)q & (bits == 8 ? 63 : 31)) == 0 &&
+             ((uintptr_t)scale & (sd == KVC_F16 ? 31 : 63)) == 0;
+    int64_t e = 0;
+    while (e + 128 <= n) { /* runs of 8 blocks (fewer at the end): reciprocals, values, redos */
+        const int nb = n - e >= 1024 ? 8 : (int)((n - e) / 128);
+        if (nb == 8) e = qvalues_run(x, xd, 8, bits, sin, q, scale, sd, stream, e);
+        else e = qvalues_run(x, xd, nb, bits, sin, q, scale, sd, stream, e);
+    }
+    const float qmax = bits == 8 ? 127.0f : 7.0f;
+    const size_t sb = sd == KVC_F16 ? 2 : 4;
+    for (; e < n; e += 16) {
+        const int64_t gi = e / 8;
+        const int two = n - e >= 16;
+        const float s0 = scale_get(sin, sd, gi), s1 = scale_get(sin, sd, two ? gi + 1 : gi);
+        const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1);
+        const __mmask16 m = two ? ALL16 : lanes(8);
+        quant16(load16(x, xd, e, m), sv, qmax, q, bits, e, m);
+        memcpy((char *)scale + gi * sb, (const char *)sin + gi * sb, (two ? 2 : 1) * sb);
+    }
+    if (sst) _mm_sfence(); /* order streamed bytes before whatever signals completion */
+}
+
+KVC_INLINE int split_fast(kvc_dtype xd, int bits, int g, kvc_dtype sd) {
+    return kvc__quant_split_fast(xd, g) && (bits == 8 || bits == 4) &&
+           (sd == KVC_F16 || sd == KVC_F32);
+}
+
+static int quant_scales_avx512(const void *x, kvc_dtype xd, int64_t n, int bits, int g,
+                               void *scale, kvc_dtype sd) {
+    if (!split_fast(xd, bits, g, sd))
+        return kvc__kernels_scalar()->quant_scales(x, xd, n, bits, g, scale, sd);
+    const float qmax = bits == 8 ? 127.0f : 7.0f;
+#define QS(in, s)                                                                                  \
+    if (xd == (in) && sd == (s))                                                                   \
+        return qscales_g8_h16((const uint16_t *)x, (in), n, qmax, scale, (s));
+    QS(KVC_F16, KVC_F16) QS(KVC_F16, KVC_F32) QS(KVC_BF16, KVC_F16) QS(KVC_BF16, KVC_F32)
+#undef QS
+    return kvc__kernels_scalar()->quant_scales(x, xd, n, bits, g, scale, sd);
+}
+
+static void quant_values_avx512(const void *x, kvc_dtype xd, int64_t n, int bits, int g,
+                                const void *sin, void *q, void *scale, kvc_dtype sd, int stream) {
+    if (!split_fast(xd, bits, g, sd)) {
+        kvc__kernels_scalar()->quant_values(x, xd, n, bits, g, sin, q, scale, sd, stream);
+        return;
+    }
+#define QV(b, in, s)                                                                               \
+    if (bits == (b) && xd == (in) && sd == (s)) {                                                  \
+        qvalues_g8_h16((const uint16_t *)x, (in), n, (b), sin, q, scale, (s), stream);            \
+        return;                                                                                    \
+    }
+    QV(8, KVC_F16, KVC_F16) QV(8, KVC_F16, KVC_F32) QV(8, KVC_BF16, KVC_F16)
+    QV(8, KVC_BF16, KVC_F32) QV(4, KVC_F16, KVC_F16) QV(4, KVC_F16, KVC_F32)
+    QV(4, KVC_BF16, KVC_F16) QV(4, KVC_BF16, KVC_F32)
+#undef QV
 }
 
 /* ---- decode attention (attn_body.h, 16 lanes) ---------------------------- */
@@ -840,7 +1024,8 @@ static void softcap_avx512(float *s, int64_t n, float cap, float mul) {
 
 static const kvc_kernels table = {
     KVC_ISA_AVX512, copy_avx512, convert_avx512, all_finite_avx512, quantize_avx512,
-    quantize_stream_avx512, softcap_avx512, dequantize_avx512, dequantize_rows_avx512, attn_decode_avx512,
+    quantize_stream_avx512, quant_scales_avx512, quant_values_avx512, softcap_avx512,
+    dequantize_avx512, dequantize_rows_avx512, attn_decode_avx512,
 };
 
 const kvc_kernels *kvc__kernels_avx512(void) { return &table; }

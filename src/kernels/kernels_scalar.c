@@ -43,35 +43,63 @@ float kvc__scale_round(float s, kvc_dtype sd) {
     return sd == KVC_F16 ? kvc_f16_to_f32(kvc_f32_to_f16(s)) : s;
 }
 
+/* Scale of group g0 / g as stored (SEMANTICS section 1): absmax / qmax,
+ * at least 1e-5, rounded to sd. */
+static void group_scale(const void *x, kvc_dtype xd, int64_t g0, int g, float qmax, void *scale,
+                        kvc_dtype sd) {
+    float absmax = 0.0f;
+    for (int i = 0; i < g; i++) {
+        float a = fabsf(load_f32(x, xd, g0 + i));
+        if (a > absmax) absmax = a;
+    }
+    float s = absmax / qmax;
+    if (!(s > 1e-5f)) s = 1e-5f;
+    store_f32(scale, sd, g0 / g, s);
+}
+
+/* Values of group g0 / g with its stored scale: clamp(rne(x / s)). */
+static void group_values(const void *x, kvc_dtype xd, int64_t g0, int g, int bits, float qmax,
+                         const void *scale, kvc_dtype sd, void *q) {
+    const float s = load_f32(scale, sd, g0 / g); /* the stored value is the one used */
+    uint8_t *qb = q;
+    for (int i = 0; i < g; i++) {
+        float v = nearbyintf(load_f32(x, xd, g0 + i) / s);
+        if (v > qmax) v = qmax;
+        if (v < -qmax) v = -qmax;
+        int iv = (int)v;
+        int64_t e = g0 + i;
+        if (bits == 8) {
+            ((int8_t *)qb)[e] = (int8_t)iv;
+        } else if (e & 1) {
+            qb[e >> 1] = (uint8_t)((qb[e >> 1] & 0x0f) | ((unsigned)(iv & 0xf) << 4));
+        } else {
+            qb[e >> 1] = (uint8_t)(iv & 0xf); /* high nibble written by e+1 */
+        }
+    }
+}
+
 static void quantize_ref(const void *x, kvc_dtype xd, int64_t n, int bits, int g, void *q,
                          void *scale, kvc_dtype sd) {
     const float qmax = bits == 8 ? 127.0f : 7.0f;
-    uint8_t *qb = q;
     for (int64_t g0 = 0; g0 < n; g0 += g) {
-        float absmax = 0.0f;
-        for (int i = 0; i < g; i++) {
-            float a = fabsf(load_f32(x, xd, g0 + i));
-            if (a > absmax) absmax = a;
-        }
-        float s = absmax / qmax;
-        if (!(s > 1e-5f)) s = 1e-5f;
-        store_f32(scale, sd, g0 / g, s);
-        s = load_f32(scale, sd, g0 / g); /* the stored value is the one used */
-        for (int i = 0; i < g; i++) {
-            float v = nearbyintf(load_f32(x, xd, g0 + i) / s);
-            if (v > qmax) v = qmax;
-            if (v < -qmax) v = -qmax;
-            int iv = (int)v;
-            int64_t e = g0 + i;
-            if (bits == 8) {
-                ((int8_t *)qb)[e] = (int8_t)iv;
-            } else if (e & 1) {
-                qb[e >> 1] = (uint8_t)((qb[e >> 1] & 0x0f) | ((unsigned)(iv & 0xf) << 4));
-            } else {
-                qb[e >> 1] = (uint8_t)(iv & 0xf); /* high nibble written by e+1 */
-            }
-        }
+        group_scale(x, xd, g0, g, qmax, scale, sd);
+        group_values(x, xd, g0, g, bits, qmax, scale, sd, q);
     }
+}
+
+static int quant_scales_ref(const void *x, kvc_dtype xd, int64_t n, int bits, int g, void *scale,
+                            kvc_dtype sd) {
+    const float qmax = bits == 8 ? 127.0f : 7.0f;
+    for (int64_t g0 = 0; g0 < n; g0 += g) group_scale(x, xd, g0, g, qmax, scale, sd);
+    return all_finite_ref(x, xd, n);
+}
+
+static void quant_values_ref(const void *x, kvc_dtype xd, int64_t n, int bits, int g,
+                             const void *sin, void *q, void *scale, kvc_dtype sd, int stream) {
+    (void)stream;
+    const float qmax = bits == 8 ? 127.0f : 7.0f;
+    memcpy(scale, sin, (size_t)(n / g) * (sd == KVC_F32 ? 4u : 2u));
+    for (int64_t g0 = 0; g0 < n; g0 += g) group_values(x, xd, g0, g, bits, qmax, sin, sd, q);
 }
 
 static void dequantize_ref(const void *q, int bits, const void *scale, kvc_dtype sd, int64_t n,
@@ -149,7 +177,8 @@ static void softcap_ref(float *s, int64_t n, float cap, float mul) {
 
 static const kvc_kernels table = {
     KVC_ISA_SCALAR, copy_ref, convert_ref, all_finite_ref, quantize_ref, quantize_ref,
-    softcap_ref, dequantize_ref, dequantize_rows_ref, attn_decode_ref,
+    quant_scales_ref, quant_values_ref, softcap_ref, dequantize_ref, dequantize_rows_ref,
+    attn_decode_ref,
 };
 
 const kvc_kernels *kvc__kernels_scalar(void) { return &table; }

@@ -20,7 +20,10 @@ kvc_pmx_kv_params kvc_pmx_kv_default_params(void) {
 
 /* One contiguous run of n elements from input to cache. */
 static void store_run(const pmx_op *op, const pmx_rows *in, const pmx_rows *c, int64_t n) {
-    if (op->bits)
+    if (op->bits && in->qsptr)
+        op->k->quant_values(in->ptr, op->t1, n, op->bits, op->group, in->qsptr, c->ptr, c->sptr,
+                            c->sdtype, op->stream);
+    else if (op->bits)
         (op->stream ? op->k->quantize_stream : op->k->quantize)(in->ptr, op->t1, n, op->bits,
                                                                  op->group, c->ptr, c->sptr,
                                                                  c->sdtype);

@@ -28,6 +28,12 @@ typedef struct pmx_rows {
     char *sptr; /* NULL when not quantized */
     kvc_dtype sdtype;
     int64_t stok_stride, shead_stride;
+    /* Input rows only: their scales, already computed (kernels.h
+     * quant_scales; dtype qsdtype, Dh/g per row), or NULL: quantize then
+     * computes them itself. */
+    const char *qsptr;
+    kvc_dtype qsdtype;
+    int64_t qstok_stride, qshead_stride;
 } pmx_rows;
 
 /* What every row transfer of one call needs. */
@@ -57,6 +63,7 @@ static inline pmx_rows pmx_rows_offset(const pmx_rows *r, int64_t t, int64_t h) 
     pmx_rows o = *r;
     o.ptr += kvc__bytes(r->dtype, t * r->tok_stride + h * r->head_stride);
     if (o.sptr) o.sptr += kvc__bytes(r->sdtype, t * r->stok_stride + h * r->shead_stride);
+    if (o.qsptr) o.qsptr += kvc__bytes(r->qsdtype, t * r->qstok_stride + h * r->qshead_stride);
     return o;
 }
 
