@@ -533,10 +533,6 @@ static void quantize_stream_avx2(const void *x, kvc_dtype xd, int64_t n, int bit
 
 /* ---- quantize in two passes (quant_scales / quant_values) ------------------ */
 
-KVC_INLINE float scale_get(const void *scale, kvc_dtype sd, int64_t gi) {
-    return sd == KVC_F16 ? _cvtsh_ss(((const uint16_t *)scale)[gi]) : ((const float *)scale)[gi];
-}
-
 /* g == 8 on 16-bit input: blocks of 64 by quant_g8_h16_absmax (NaN/Inf seen
  * as a magnitude >= the Inf bits), then group by group. */
 KVC_INLINE int qscales_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, float qmax, void *scale,
@@ -601,7 +597,7 @@ KVC_INLINE void qvalues_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, int b
     const float qmax = bits == 8 ? 127.0f : 7.0f;
     const __m256 hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);
     for (; e < n; e += 8) {
-        const float sv = scale_get(sin, sd, e / 8);
+        const float sv = scale_load(sin, sd, e / 8);
         if (sd == KVC_F16) ((uint16_t *)scale)[e / 8] = ((const uint16_t *)sin)[e / 8];
         else ((float *)scale)[e / 8] = sv;
         __m256 v = _mm256_round_ps(_mm256_div_ps(load8(x, xd, e), _mm256_set1_ps(sv)), RNE);
@@ -612,39 +608,33 @@ KVC_INLINE void qvalues_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, int b
     if (sst) _mm_sfence(); /* order streamed bytes before whatever signals completion */
 }
 
-KVC_INLINE int split_fast(kvc_dtype xd, int bits, int g, kvc_dtype sd) {
-    return kvc__quant_split_fast(xd, g) && (bits == 8 || bits == 4) &&
-           (sd == KVC_F16 || sd == KVC_F32);
-}
-
 static int quant_scales_avx2(const void *x, kvc_dtype xd, int64_t n, int bits, int g, void *scale,
                              kvc_dtype sd) {
-    if (!split_fast(xd, bits, g, sd))
-        return kvc__kernels_scalar()->quant_scales(x, xd, n, bits, g, scale, sd);
     const float qmax = bits == 8 ? 127.0f : 7.0f;
+    if (g == 8 && (bits == 8 || bits == 4)) {
 #define QS(in, s)                                                                                  \
     if (xd == (in) && sd == (s))                                                                   \
         return qscales_g8_h16((const uint16_t *)x, (in), n, qmax, scale, (s));
-    QS(KVC_F16, KVC_F16) QS(KVC_F16, KVC_F32) QS(KVC_BF16, KVC_F16) QS(KVC_BF16, KVC_F32)
+        QS(KVC_F16, KVC_F16) QS(KVC_F16, KVC_F32) QS(KVC_BF16, KVC_F16) QS(KVC_BF16, KVC_F32)
 #undef QS
+    }
     return kvc__kernels_scalar()->quant_scales(x, xd, n, bits, g, scale, sd);
 }
 
 static void quant_values_avx2(const void *x, kvc_dtype xd, int64_t n, int bits, int g,
                               const void *sin, void *q, void *scale, kvc_dtype sd, int stream) {
-    if (!split_fast(xd, bits, g, sd)) {
-        kvc__kernels_scalar()->quant_values(x, xd, n, bits, g, sin, q, scale, sd, stream);
-        return;
-    }
+    if (g == 8) {
 #define QV(b, in, s)                                                                               \
     if (bits == (b) && xd == (in) && sd == (s)) {                                                  \
         qvalues_g8_h16((const uint16_t *)x, (in), n, (b), sin, q, scale, (s), stream);            \
         return;                                                                                    \
     }
-    QV(8, KVC_F16, KVC_F16) QV(8, KVC_F16, KVC_F32) QV(8, KVC_BF16, KVC_F16)
-    QV(8, KVC_BF16, KVC_F32) QV(4, KVC_F16, KVC_F16) QV(4, KVC_F16, KVC_F32)
-    QV(4, KVC_BF16, KVC_F16) QV(4, KVC_BF16, KVC_F32)
+        QV(8, KVC_F16, KVC_F16) QV(8, KVC_F16, KVC_F32) QV(8, KVC_BF16, KVC_F16)
+        QV(8, KVC_BF16, KVC_F32) QV(4, KVC_F16, KVC_F16) QV(4, KVC_F16, KVC_F32)
+        QV(4, KVC_BF16, KVC_F16) QV(4, KVC_BF16, KVC_F32)
 #undef QV
+    }
+    kvc__kernels_scalar()->quant_values(x, xd, n, bits, g, sin, q, scale, sd, stream);
 }
 
 /* ---- decode attention (attn_body.h, 8 lanes) ----------------------------- */

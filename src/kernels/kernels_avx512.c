@@ -742,11 +742,6 @@ static void quantize_stream_avx512(const void *x, kvc_dtype xd, int64_t n, int b
 
 /* ---- quantize in two passes (quant_scales / quant_values) ------------------ */
 
-KVC_INLINE float scale_get(const void *scale, kvc_dtype sd, int64_t gi) {
-    return sd == KVC_F16 ? kvc_f16_to_f32(((const uint16_t *)scale)[gi])
-                         : ((const float *)scale)[gi];
-}
-
 /* Stores 16 scales (h: their f16 bits, s: float32) at group gi. */
 KVC_INLINE void scale16_put(void *scale, kvc_dtype sd, int64_t gi, __m512 s, __m256i h,
                             int stream) {
@@ -840,7 +835,7 @@ KVC_INLINE void qvalues_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, int b
     for (; e < n; e += 16) {
         const int64_t gi = e / 8;
         const int two = n - e >= 16;
-        const float s0 = scale_get(sin, sd, gi), s1 = scale_get(sin, sd, two ? gi + 1 : gi);
+        const float s0 = scale_load(sin, sd, gi), s1 = scale_load(sin, sd, two ? gi + 1 : gi);
         const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1);
         const __mmask16 m = two ? ALL16 : lanes(8);
         quant16(load16(x, xd, e, m), sv, qmax, q, bits, e, m);
@@ -849,39 +844,33 @@ KVC_INLINE void qvalues_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, int b
     if (sst) _mm_sfence(); /* order streamed bytes before whatever signals completion */
 }
 
-KVC_INLINE int split_fast(kvc_dtype xd, int bits, int g, kvc_dtype sd) {
-    return kvc__quant_split_fast(xd, g) && (bits == 8 || bits == 4) &&
-           (sd == KVC_F16 || sd == KVC_F32);
-}
-
 static int quant_scales_avx512(const void *x, kvc_dtype xd, int64_t n, int bits, int g,
                                void *scale, kvc_dtype sd) {
-    if (!split_fast(xd, bits, g, sd))
-        return kvc__kernels_scalar()->quant_scales(x, xd, n, bits, g, scale, sd);
     const float qmax = bits == 8 ? 127.0f : 7.0f;
+    if (g == 8 && (bits == 8 || bits == 4)) {
 #define QS(in, s)                                                                                  \
     if (xd == (in) && sd == (s))                                                                   \
         return qscales_g8_h16((const uint16_t *)x, (in), n, qmax, scale, (s));
-    QS(KVC_F16, KVC_F16) QS(KVC_F16, KVC_F32) QS(KVC_BF16, KVC_F16) QS(KVC_BF16, KVC_F32)
+        QS(KVC_F16, KVC_F16) QS(KVC_F16, KVC_F32) QS(KVC_BF16, KVC_F16) QS(KVC_BF16, KVC_F32)
 #undef QS
+    }
     return kvc__kernels_scalar()->quant_scales(x, xd, n, bits, g, scale, sd);
 }
 
 static void quant_values_avx512(const void *x, kvc_dtype xd, int64_t n, int bits, int g,
                                 const void *sin, void *q, void *scale, kvc_dtype sd, int stream) {
-    if (!split_fast(xd, bits, g, sd)) {
-        kvc__kernels_scalar()->quant_values(x, xd, n, bits, g, sin, q, scale, sd, stream);
-        return;
-    }
+    if (g == 8) {
 #define QV(b, in, s)                                                                               \
     if (bits == (b) && xd == (in) && sd == (s)) {                                                  \
         qvalues_g8_h16((const uint16_t *)x, (in), n, (b), sin, q, scale, (s), stream);            \
         return;                                                                                    \
     }
-    QV(8, KVC_F16, KVC_F16) QV(8, KVC_F16, KVC_F32) QV(8, KVC_BF16, KVC_F16)
-    QV(8, KVC_BF16, KVC_F32) QV(4, KVC_F16, KVC_F16) QV(4, KVC_F16, KVC_F32)
-    QV(4, KVC_BF16, KVC_F16) QV(4, KVC_BF16, KVC_F32)
+        QV(8, KVC_F16, KVC_F16) QV(8, KVC_F16, KVC_F32) QV(8, KVC_BF16, KVC_F16)
+        QV(8, KVC_BF16, KVC_F32) QV(4, KVC_F16, KVC_F16) QV(4, KVC_F16, KVC_F32)
+        QV(4, KVC_BF16, KVC_F16) QV(4, KVC_BF16, KVC_F32)
 #undef QV
+    }
+    kvc__kernels_scalar()->quant_values(x, xd, n, bits, g, sin, q, scale, sd, stream);
 }
 
 /* ---- decode attention (attn_body.h, 16 lanes) ---------------------------- */

@@ -122,23 +122,36 @@ static void store_task(void *ctx, int64_t task) {
 
 /* ---- finiteness (quantized halves) --------------------------------------------- */
 
-/* 1 if input rows [j0, j1) of a half are all finite; *bad_j / *bad_h get the
- * first offending row and head when report is set (row by row then). */
+/* Input elements [x, x + n) of a half, rows from row-head rh on: 1 if
+ * finite; with h->qs set, their scales go to h->qs too. */
+static int span_finite(const paged_half *h, const void *x, int64_t n, int64_t rh) {
+    const pmx_op *op = &h->op;
+    if (!h->qs) return op->k->all_finite(x, op->t1, n);
+    const kvc_dtype sd = h->slot0.sdtype;
+    return op->k->quant_scales(x, op->t1, n, op->bits, op->group,
+                               h->qs + kvc__bytes(sd, rh * row_groups(h)), sd);
+}
+
+/* 1 if input rows [j0, j1) of a half are all finite (and their scales in
+ * h->qs when set), in as few kernel calls as the input's strides allow;
+ * *bad_j / *bad_h get the first offending row and head when report is set
+ * (row by row then). */
 static int rows_finite(const paged_half *h, int64_t j0, int64_t j1, int report, int64_t *bad_j,
                        int64_t *bad_h) {
     const kvc_tensor *t = h->in;
     const pmx_op *op = &h->op;
     const int packed = op->H == 1 || t->stride[1] == op->Dh;
     if (!report && packed && (j1 - j0 == 1 || t->stride[0] == op->H * op->Dh))
-        return op->k->all_finite(kvc__at(t, j0 * t->stride[0]), op->t1, (j1 - j0) * op->H * op->Dh);
+        return span_finite(h, kvc__at(t, j0 * t->stride[0]), (j1 - j0) * op->H * op->Dh,
+                           j0 * op->H);
     for (int64_t j = j0; j < j1; j++) {
         if (!report && packed) {
-            if (!op->k->all_finite(kvc__at(t, j * t->stride[0]), op->t1, op->H * op->Dh)) return 0;
+            if (!span_finite(h, kvc__at(t, j * t->stride[0]), op->H * op->Dh, j * op->H)) return 0;
             continue;
         }
         for (int64_t hh = 0; hh < op->H; hh++) {
             const int64_t off = j * t->stride[0] + (op->H > 1 ? hh * t->stride[1] : 0);
-            if (!op->k->all_finite(kvc__at(t, off), op->t1, op->Dh)) {
+            if (!span_finite(h, kvc__at(t, off), op->Dh, j * op->H + hh)) {
                 *bad_j = j;
                 *bad_h = hh;
                 return 0;
@@ -148,39 +161,13 @@ static int rows_finite(const paged_half *h, int64_t j0, int64_t j1, int report, 
     return 1;
 }
 
-/* The scales of input rows [j0, j1) into h->qs, as few kernel calls as the
- * input's strides allow; 1 if the rows are all finite. */
-static int rows_scales(const paged_half *h, int64_t j0, int64_t j1) {
-    const kvc_tensor *t = h->in;
-    const pmx_op *op = &h->op;
-    const kvc_dtype sd = h->slot0.sdtype;
-    const int64_t gr = row_groups(h);
-    const int packed = op->H == 1 || t->stride[1] == op->Dh;
-    if (packed && (j1 - j0 == 1 || t->stride[0] == op->H * op->Dh))
-        return op->k->quant_scales(kvc__at(t, j0 * t->stride[0]), op->t1,
-                                   (j1 - j0) * op->H * op->Dh, op->bits, op->group,
-                                   h->qs + kvc__bytes(sd, j0 * op->H * gr), sd);
-    for (int64_t j = j0; j < j1; j++)
-        for (int64_t hh = 0; hh < (packed ? 1 : op->H); hh++) {
-            const int64_t off = j * t->stride[0] + (op->H > 1 ? hh * t->stride[1] : 0);
-            char *qs = h->qs + kvc__bytes(sd, (j * op->H + hh) * gr);
-            if (!op->k->quant_scales(kvc__at(t, off), op->t1, packed ? op->H * op->Dh : op->Dh,
-                                     op->bits, op->group, qs, sd))
-                return 0;
-        }
-    return 1;
-}
-
 static void finite_task(void *ctx, int64_t task) {
     append_call *c = ctx;
     const int64_t j0 = task * PAGED_CHUNK, j1 = chunk_end(c, task);
     int64_t bj, bh;
-    for (int kv = 0; kv < 2; kv++) {
-        const paged_half *h = &c->half[kv];
-        if (!h->op.bits) continue;
-        if (h->qs ? !rows_scales(h, j0, j1) : !rows_finite(h, j0, j1, 0, &bj, &bh))
+    for (int kv = 0; kv < 2; kv++)
+        if (c->half[kv].op.bits && !rows_finite(&c->half[kv], j0, j1, 0, &bj, &bh))
             c->bad[task] = 1;
-    }
 }
 
 static void free_scales(append_call *c, kvc_threadpool *pool) {
