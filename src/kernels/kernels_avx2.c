@@ -434,6 +434,17 @@ KVC_INLINE void quant_g8_h16_values(const uint16_t *x, kvc_dtype xd, int bits, v
     }
 }
 
+/* The values of nb (<= 8) blocks from element e0 on, from their scales s[i]
+ * and reciprocals inv[i]. */
+KVC_INLINE void quant_g8_h16_blocks(const uint16_t *x, kvc_dtype xd, int nb, int bits, void *q,
+                                    int stream, const __m256 *s, const __m256 *inv, int64_t e0) {
+    for (int i = 0; i < nb; i++) {
+        const int64_t e = e0 + 64 * i;
+        quant_g8_h16_values(x + e, xd, bits, (int8_t *)q + (bits == 8 ? e : e / 2), stream, s[i],
+                            inv[i]);
+    }
+}
+
 /* Runs of up to 8 blocks, scales first (see the AVX-512 version); returns
  * the elements done (a multiple of 64). */
 KVC_INLINE int64_t quant_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, int bits, void *q,
@@ -451,11 +462,7 @@ KVC_INLINE int64_t quant_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, int 
             quant_g8_h16_scales(x + e + 64 * i, xd, qmax,
                                 (char *)scale + ((e / 8) + 8 * i) * sbytes, sd, stream, &s[i],
                                 &inv[i]);
-        for (int i = 0; i < nb; i++) {
-            const int64_t ei = e + 64 * i;
-            quant_g8_h16_values(x + ei, xd, bits, (int8_t *)q + (bits == 8 ? ei : ei / 2), stream,
-                                s[i], inv[i]);
-        }
+        quant_g8_h16_blocks(x, xd, nb, bits, q, stream, s, inv, e);
         e += 64 * (int64_t)nb;
     }
     return e;
@@ -587,11 +594,7 @@ KVC_INLINE void qvalues_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, int b
             }
             inv[i] = _mm256_div_ps(_mm256_set1_ps(1.0f), s[i]);
         }
-        for (int i = 0; i < nb; i++) {
-            const int64_t ei = e + 64 * i;
-            quant_g8_h16_values(x + ei, xd, bits, (int8_t *)q + (bits == 8 ? ei : ei / 2), stream,
-                                s[i], inv[i]);
-        }
+        quant_g8_h16_blocks(x, xd, nb, bits, q, stream, s, inv, e);
         e += 64 * (int64_t)nb;
     }
     const float qmax = bits == 8 ? 127.0f : 7.0f;

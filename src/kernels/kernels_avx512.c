@@ -503,20 +503,30 @@ KVC_INLINE __m256i quant_g8_h16_absmax(const uint16_t *x) {
     return _mm512_castsi512_si256(_mm512_permutexvar_epi16(gidx, t));
 }
 
-/* Phase 1 of a 128-element block: the 16 group scales, stored, and as
- * float32 with their reciprocals in s_out / inv_out. */
-KVC_INLINE void quant_g8_h16_scales(const uint16_t *x, kvc_dtype xd, float qmax, void *scale,
-                                    kvc_dtype sd, int stream, __m512 *s_out, __m512 *inv_out) {
+/* Stores 16 scales (h: their f16 bits, s: float32) at group gi. */
+KVC_INLINE void scale16_put(void *scale, kvc_dtype sd, int64_t gi, __m512 s, __m256i h,
+                            int stream) {
+    if (sd == KVC_F16) {
+        __m256i *d = (__m256i *)((uint16_t *)scale + gi);
+        if (stream) _mm256_stream_si256(d, h);
+        else _mm256_storeu_si256(d, h);
+    } else {
+        float *d = (float *)scale + gi;
+        if (stream) _mm512_stream_ps(d, s);
+        else _mm512_storeu_ps(d, s);
+    }
+}
+
+/* Phase 1 of a 128-element block: the 16 group scales, stored; returns
+ * their reciprocals. */
+KVC_INLINE __m512 quant_g8_h16_scales(const uint16_t *x, kvc_dtype xd, float qmax, void *scale,
+                                      kvc_dtype sd, int stream) {
     const __m256i m16 = quant_g8_h16_absmax(x);
     const __m512 absmax = xd == KVC_F16 ? _mm512_cvtph_ps(m16) : bf16x16_to_f32(m16);
     __m256i h = _mm256_setzero_si256();
     const __m512 s16 = scale_calc(absmax, qmax, sd, &h);
-    if (stream && sd == KVC_F16) _mm256_stream_si256((__m256i *)scale, h);
-    else if (stream) _mm512_stream_ps((float *)scale, s16);
-    else if (sd == KVC_F16) _mm256_storeu_si256((__m256i *)scale, h);
-    else _mm512_storeu_ps((float *)scale, s16);
-    *s_out = s16;
-    *inv_out = _mm512_div_ps(_mm512_set1_ps(1.0f), s16);
+    scale16_put(scale, sd, 0, s16, h, stream);
+    return _mm512_div_ps(_mm512_set1_ps(1.0f), s16);
 }
 
 /* The 8 vectors of int32 codes of a 128-element block as its q bytes (the
@@ -604,11 +614,22 @@ static __attribute__((noinline, cold)) void quant_g8_h16_div(const uint16_t *x, 
     q128_store(v, bits, q, stream);
 }
 
-/* Redoes the blocks flagged in `redo` (bit i: block at element e0 + 128 i). */
-KVC_INLINE void quant_g8_h16_redo(const uint16_t *x, kvc_dtype xd, int bits, void *q, int stream,
-                                  const void *scale, kvc_dtype sd, int64_t e0, uint64_t redo) {
+/* The values of nb (<= 8) blocks from element e0 on, from their
+ * reciprocals inv[i]; then, after the loop and out of line, the blocks to
+ * redo with divisions by their stored scales (scale: the row's, F16/F32). */
+KVC_INLINE void quant_g8_h16_blocks(const uint16_t *x, kvc_dtype xd, const int nb, int bits,
+                                    void *q, int stream, const __m512 *inv, const void *scale,
+                                    kvc_dtype sd, int64_t e0) {
+    unsigned redo = 0;
+    for (int i = 0; i < nb; i++) {
+        const int64_t e = e0 + 128 * i;
+        redo |= (unsigned)quant_g8_h16_values(x + e, xd, bits,
+                                              (int8_t *)q + (bits == 8 ? e : e / 2), stream,
+                                              inv[i])
+                << i;
+    }
     for (; redo; redo &= redo - 1) {
-        const int64_t e = e0 + 128 * (int64_t)__builtin_ctzll(redo);
+        const int64_t e = e0 + 128 * (int64_t)__builtin_ctz(redo);
         quant_g8_h16_div(x + e, xd, bits, (int8_t *)q + (bits == 8 ? e : e / 2), stream,
                          (const char *)scale + (e / 8) * (sd == KVC_F16 ? 2 : 4), sd);
     }
@@ -625,24 +646,15 @@ KVC_INLINE int64_t quant_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, int 
     const size_t sbytes = sd == KVC_F16 ? 2 : 4;
     stream = stream && ((uintptr_t)q & (bits == 8 ? 63 : 31)) == 0 &&
              ((uintptr_t)scale & (sd == KVC_F16 ? 31 : 63)) == 0;
-    __m512 s[8], inv[8];
+    __m512 inv[8];
     int64_t e = 0;
     while (e + 128 <= n) {
         int nb = (int)((n - e) / 128);
         if (nb > 8) nb = 8;
         for (int i = 0; i < nb; i++)
-            quant_g8_h16_scales(x + e + 128 * i, xd, qmax,
-                                (char *)scale + ((e / 8) + 16 * i) * sbytes, sd, stream, &s[i],
-                                &inv[i]);
-        uint64_t redo = 0;
-        for (int i = 0; i < nb; i++) {
-            const int64_t ei = e + 128 * i;
-            redo |= (uint64_t)quant_g8_h16_values(x + ei, xd, bits,
-                                                  (int8_t *)q + (bits == 8 ? ei : ei / 2), stream,
-                                                  inv[i])
-                    << i;
-        }
-        quant_g8_h16_redo(x, xd, bits, q, stream, scale, sd, e, redo);
+            inv[i] = quant_g8_h16_scales(x + e + 128 * i, xd, qmax,
+                                         (char *)scale + ((e / 8) + 16 * i) * sbytes, sd, stream);
+        quant_g8_h16_blocks(x, xd, nb, bits, q, stream, inv, scale, sd, e);
         e += 128 * (int64_t)nb;
     }
     return e;
@@ -742,20 +754,6 @@ static void quantize_stream_avx512(const void *x, kvc_dtype xd, int64_t n, int b
 
 /* ---- quantize in two passes (quant_scales / quant_values) ------------------ */
 
-/* Stores 16 scales (h: their f16 bits, s: float32) at group gi. */
-KVC_INLINE void scale16_put(void *scale, kvc_dtype sd, int64_t gi, __m512 s, __m256i h,
-                            int stream) {
-    if (sd == KVC_F16) {
-        __m256i *d = (__m256i *)((uint16_t *)scale + gi);
-        if (stream) _mm256_stream_si256(d, h);
-        else _mm256_storeu_si256(d, h);
-    } else {
-        float *d = (float *)scale + gi;
-        if (stream) _mm512_stream_ps(d, s);
-        else _mm512_storeu_ps(d, s);
-    }
-}
-
 /* g == 8 on 16-bit input: blocks of 128 by quant_g8_h16_absmax (NaN/Inf
  * seen as a magnitude >= the Inf bits), then 16 / 8 elements at a time. */
 KVC_INLINE int qscales_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, float qmax, void *scale,
@@ -804,15 +802,7 @@ KVC_INLINE int64_t qvalues_run(const uint16_t *x, kvc_dtype xd, const int nb, in
         scale16_put(scale, sd, gi, s16, h, stream);
         inv[i] = _mm512_div_ps(_mm512_set1_ps(1.0f), s16);
     }
-    unsigned redo = 0;
-    for (int i = 0; i < nb; i++) {
-        const int64_t ei = e + 128 * i;
-        redo |= (unsigned)quant_g8_h16_values(x + ei, xd, bits,
-                                              (int8_t *)q + (bits == 8 ? ei : ei / 2), stream,
-                                              inv[i])
-                << i;
-    }
-    if (redo) quant_g8_h16_redo(x, xd, bits, q, stream, sin, sd, e, redo);
+    quant_g8_h16_blocks(x, xd, nb, bits, q, stream, inv, sin, sd, e);
     return e + 128 * (int64_t)nb;
 }
 
