@@ -7,7 +7,8 @@
 #include <stdlib.h>
 
 #include "test_elems.h"
-#include "kernels/kernels.h" /* the soft-cap kernel */
+#include "kernels/kernels.h" /* the soft-cap kernel, the ISA tables */
+#include "kernels/prefill.h"
 
 /* ---- reference ------------------------------------------------------------ */
 
@@ -83,7 +84,9 @@ typedef struct sd_case {
     int group;
     float cap, sm_scale;
     int window;
-    float qmag; /* query magnitude (large: stability) */
+    float qmag;  /* query magnitude (large: stability) */
+    int qspecial; /* 1: query head 0 all zeros; 2: every head one element 1e4 x the rest */
+    float sspread; /* > 0: int8/int4 scales 0.01 * 10^u, u uniform in [-sspread, sspread] */
 } sd_case;
 
 static int run_single(const sd_case *c, uint64_t seed) {
@@ -105,6 +108,13 @@ static int run_single(const sd_case *c, uint64_t seed) {
     float *lse = calloc((size_t)Hq, sizeof(float)), *lse2 = calloc((size_t)Hq, sizeof(float));
     int rc = 0;
     fill_random(qb, c->qd, Hq * D, &rng, c->qmag);
+    if (c->qspecial == 1)
+        for (int64_t d = 0; d < D; d++) set_f(qb, c->qd, d, 0.0f);
+    if (c->qspecial == 2)
+        for (int64_t h = 0; h < Hq; h++) {
+            for (int64_t d = 0; d < D; d++) set_f(qb, c->qd, h * D + d, get_f(qb, c->qd, h * D + d) * 1e-4f);
+            set_f(qb, c->qd, h * D + (h * 7) % D, c->qmag);
+        }
     for (int64_t i = 0; i < Hq * D; i++) qf[i] = get_f(qb, c->qd, i);
     /* element (j, h, d) offset in storage */
 #define SOFF(j, h, d) (c->layout == KVC_NHD ? ((j) * H + (h)) * Dst + (d) : ((h) * L + (j)) * Dst + (d))
@@ -116,7 +126,10 @@ static int run_single(const sd_case *c, uint64_t seed) {
             for (int64_t h = 0; h < H; h++) {
                 if (q8)
                     for (int64_t e = 0; e < ng; e++)
-                        set_f(ss, c->sd, SCOFF(j, h, e), 0.002f + 0.01f * fabsf(test_rng_f32(&rng)));
+                        set_f(ss, c->sd, SCOFF(j, h, e),
+                              c->sspread > 0
+                                  ? 0.01f * powf(10.0f, c->sspread * test_rng_f32(&rng))
+                                  : 0.002f + 0.01f * fabsf(test_rng_f32(&rng)));
                 for (int64_t d = 0; d < D; d++) {
                     float x = test_rng_f32(&rng);
                     if (c->kd == KVC_I8) x = rintf(x * 127.0f);
@@ -376,12 +389,72 @@ TEST(single_register_tiles) {
     return 0;
 }
 
+/*
+ * int8 caches with a quant group that is a multiple of 16 and a head dim
+ * that is a multiple of 64 (up to 256): the AMX decode on the "amx" ISA
+ * (attn_amx.c), the float kernels elsewhere. Head sets of 1-4 query heads
+ * (G 1..16), group 16..256 (interleave pieces of 16, 32 and 64 bytes, one
+ * to several groups per 64-element segment, groups over two to four
+ * segments; 48 and 96 straddle segments and take the float kernels),
+ * calls of 64 keys with partial last blocks and calls, chunks of
+ * 256-1024 keys, both scale dtypes and layouts, float16 q/out, soft cap,
+ * an all-zero query, spiky queries, scales over 4 decades.
+ */
+TEST(single_int8_grouped) {
+    static const struct {
+        int64_t Hq, H, D;
+        int group;
+    } shp[] = {{4, 1, 128, 32},  {8, 2, 128, 16}, {3, 1, 64, 32},   {1, 1, 128, 128},
+               {5, 1, 256, 64},  {16, 1, 64, 16}, {12, 3, 192, 64}, {2, 2, 256, 128},
+               {6, 1, 128, 64},  {4, 4, 192, 32}, {9, 3, 64, 64},   {7, 1, 256, 32},
+               {4, 1, 192, 96},  {8, 2, 192, 48}, {3, 1, 192, 192}, {4, 2, 256, 256}};
+    static const int64_t lens[] = {1, 15, 16, 17, 63, 64, 65, 130, 1100};
+    FOR_EACH_ISA({
+        for (size_t si = 0; si < sizeof shp / sizeof shp[0]; si++)
+            for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+                if (lens[li] == 1100 && si % 3 != 0) continue; /* keep it quick */
+                sd_case c = base_case();
+                c.kd = KVC_I8;
+                c.Hq = shp[si].Hq;
+                c.H = shp[si].H;
+                c.D = shp[si].D;
+                c.group = shp[si].group;
+                c.L = lens[li];
+                c.sd = (si + li) % 2 ? KVC_F16 : KVC_F32;
+                c.layout = (kvc_kv_layout)((si / 2 + li) % 2);
+                if (li % 4 == 3) c.qd = c.od = KVC_F16;
+                if (li % 5 == 2) c.cap = 20.0f;
+                RUN(c);
+            }
+        sd_case c = base_case();
+        c.kd = KVC_I8;
+        c.D = 128;
+        c.group = 32;
+        c.Hq = 8;
+        c.H = 2;
+        c.L = 333;
+        c.qspecial = 1; /* a zero query: scores 0, uniform weights */
+        RUN(c);
+        c.qspecial = 2; /* one element carries each head */
+        c.qmag = 50.0f;
+        RUN(c);
+        c.qspecial = 0;
+        c.sspread = 2.0f; /* scales 1e-4 .. 1: per-call V weight ranges */
+        RUN(c);
+        c.qmag = 300.0f; /* scores in the thousands */
+        c.sspread = 0.0f;
+        RUN(c);
+    });
+    return 0;
+}
+
 /* ---- batched (paged) -------------------------------------------------------- */
 
-static int run_paged(kvc_dtype kd, kvc_dtype sd, kvc_kv_layout layout, int64_t ps, int64_t Hq,
-                     int64_t H, int64_t D, int B, const int64_t *lens, float cap, int window) {
+static int run_paged_g(kvc_dtype kd, kvc_dtype sd, kvc_kv_layout layout, int64_t ps, int64_t Hq,
+                       int64_t H, int64_t D, int B, const int64_t *lens, float cap, int window,
+                       int group) {
     const int q8 = is_quant(kd);
-    const int group = 8, pad = 16;
+    const int pad = 16;
     const int64_t ng = q8 ? D / group : 1;
     uint64_t rng = test_seed * 31 + (uint64_t)ps;
     int64_t pages_total = 0;
@@ -481,9 +554,10 @@ static int run_paged(kvc_dtype kd, kvc_dtype sd, kvc_kv_layout layout, int64_t p
     int rc = 0;
     kvc_decode_plan *plan = NULL;
     char what[160];
-    snprintf(what, sizeof what, "paged %s/%s %s ps %lld Hq %lld H %lld D %lld B %d isa %s",
+    snprintf(what, sizeof what, "paged %s/%s %s ps %lld Hq %lld H %lld D %lld B %d group %d isa %s",
              kvc_dtype_name(kd), kvc_dtype_name(sd), layout == KVC_NHD ? "NHD" : "HND",
-             (long long)ps, (long long)Hq, (long long)H, (long long)D, B, kvc_isa_name(kvc_get_isa()));
+             (long long)ps, (long long)Hq, (long long)H, (long long)D, B, group,
+             kvc_isa_name(kvc_get_isa()));
     for (int nt = 1; nt <= 2 && !rc; nt++) {
         kvc_status st = kvc_decode_plan_create(&t_indptr, &t_indices, &t_last, (int32_t)Hq,
                                                (int32_t)H, (int32_t)D, (int32_t)ps, nt, &plan);
@@ -515,6 +589,11 @@ static int run_paged(kvc_dtype kd, kvc_dtype sd, kvc_kv_layout layout, int64_t p
     return rc;
 }
 
+static int run_paged(kvc_dtype kd, kvc_dtype sd, kvc_kv_layout layout, int64_t ps, int64_t Hq,
+                     int64_t H, int64_t D, int B, const int64_t *lens, float cap, int window) {
+    return run_paged_g(kd, sd, layout, ps, Hq, H, D, B, lens, cap, window, 8);
+}
+
 TEST(paged_ragged) {
     const int64_t lens[6] = {5, 0, 600, 1, 17, 256};
     const kvc_dtype dts[4] = {KVC_F16, KVC_I8, KVC_I4, KVC_F32};
@@ -535,6 +614,41 @@ TEST(paged_ragged) {
         if (run_paged(KVC_F16, KVC_F16, KVC_NHD, 16, 8, 2, 64, 3, longl, 0.0f, -1) != 0) return 1;
         if (run_paged(KVC_I8, KVC_F16, KVC_HND, 5, 4, 1, 64, 3, longl, 0.0f, 3000) != 0) return 1;
     });
+    return 0;
+}
+
+TEST(paged_int8_grouped) {
+    /* page sizes that split 16-key blocks (1, 5, 24) and ones that hold them
+     * (16, 64): rows copied or read in place by the tiles */
+    const int64_t lens[5] = {70, 0, 1, 300, 129};
+    const int64_t pss[5] = {1, 5, 16, 24, 64};
+    FOR_EACH_ISA({
+        for (int pi = 0; pi < 5; pi++)
+            for (int lay = 0; lay < 2; lay++)
+                if (run_paged_g(KVC_I8, pi % 2 ? KVC_F32 : KVC_F16, (kvc_kv_layout)lay, pss[pi], 8, 2,
+                                128, 5, lens, pi == 3 ? 10.0f : 0.0f, pi == 4 ? 100 : -1,
+                                pi == 2 ? 64 : 32) != 0)
+                    return 1;
+        const int64_t longl[3] = {4097, 3, 2049};
+        if (run_paged_g(KVC_I8, KVC_F16, KVC_NHD, 16, 12, 3, 64, 3, longl, 0.0f, -1, 16) != 0)
+            return 1;
+    });
+    return 0;
+}
+
+/* The amx level keeps the AVX-512 kernels for everything but int8 decode. */
+TEST(amx_level_tables) {
+    if (!kvc_isa_supported(KVC_ISA_AMX)) {
+        printf("  note: isa amx not supported here\n");
+        return 0;
+    }
+    ASSERT_OK(kvc_set_isa(KVC_ISA_AMX));
+    const kvc_kernels *a = kvc__kernels(), *x = kvc__kernels_avx512();
+    int rc = a->isa != KVC_ISA_AMX || a->amx_run == NULL || a->attn_decode != x->attn_decode ||
+             a->quantize != x->quantize || x->amx_run != NULL ||
+             kvc__prefill_kernels()->isa != KVC_ISA_AVX512;
+    kvc_set_isa(kvc_best_isa());
+    if (rc) TEST_FAIL_("amx table: %s", "not the AVX-512 table plus the AMX decode");
     return 0;
 }
 
@@ -734,6 +848,9 @@ const test_case test_suite[] = {
     TEST_ENTRY(single_io_dtypes),
     TEST_ENTRY(single_large_logits),
     TEST_ENTRY(single_register_tiles),
+    TEST_ENTRY(single_int8_grouped),
+    TEST_ENTRY(paged_int8_grouped),
+    TEST_ENTRY(amx_level_tables),
     TEST_ENTRY(paged_ragged),
     TEST_ENTRY(rejects),
     {0, 0},

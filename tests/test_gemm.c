@@ -244,8 +244,9 @@ typedef struct variant {
 static const variant variants[] = {{KVC_ISA_SCALAR, 0, "scalar"},
                                    {KVC_ISA_AVX2, 0, "avx2"},
                                    {KVC_ISA_AVX512, 0, "avx512"},
-                                   {KVC_ISA_AVX512, 1, "avx512 without vnni"}};
-#define N_VARIANTS 4
+                                   {KVC_ISA_AVX512, 1, "avx512 without vnni"},
+                                   {KVC_ISA_AMX, 0, "amx (AVX-512 GEMM kernels)"}};
+#define N_VARIANTS 5
 
 static int use_variant(const variant *v) {
     if (!kvc_isa_supported(v->isa)) return 0;
@@ -722,7 +723,7 @@ TEST(kernel_names) {
         printf("  %s: integer %s, float %s\n", variants[vi].name, q, f);
         if (variants[vi].isa == KVC_ISA_SCALAR) rc = strcmp(q, "scalar") || strcmp(f, "scalar");
         if (variants[vi].isa == KVC_ISA_AVX2) rc = strcmp(q, "avx2") || strcmp(f, "avx2");
-        if (variants[vi].isa == KVC_ISA_AVX512)
+        if (variants[vi].isa >= KVC_ISA_AVX512)
             rc = strcmp(f, "avx512") || (variants[vi].no_vnni && strcmp(q, "avx2"));
     }
     restore_isa();

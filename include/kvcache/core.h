@@ -121,11 +121,13 @@ typedef enum kvc_isa {
     KVC_ISA_SCALAR = 0, /* portable C reference kernels */
     KVC_ISA_AVX2 = 1,   /* AVX2 + FMA + F16C */
     KVC_ISA_AVX512 = 2, /* AVX-512 F/BW/VL/DQ */
+    KVC_ISA_AMX = 3,    /* AVX-512 (+ VBMI) and AMX-INT8 tiles: int8 decode attention on the
+                           tile unit (Linux: needs the kernel's tile data permission) */
     KVC_ISA_COUNT
 } kvc_isa;
 
 /* The ISA kernels run with now. Chosen once from cpuid + xgetbv, capped by
- * the environment variable KVC_ISA=scalar|avx2|avx512 if set. */
+ * the environment variable KVC_ISA=scalar|avx2|avx512|amx if set. */
 KVC_API kvc_isa kvc_get_isa(void);
 
 /* Best ISA this CPU and OS support (ignores KVC_ISA). */
@@ -134,7 +136,7 @@ KVC_API kvc_isa kvc_best_isa(void);
 /* 1 if the CPU/OS can run isa, else 0. */
 KVC_API int kvc_isa_supported(kvc_isa isa);
 
-/* "scalar", "avx2", "avx512". */
+/* "scalar", "avx2", "avx512", "amx". */
 KVC_API const char *kvc_isa_name(kvc_isa isa);
 
 /* Selects the kernels used from now on (tests, benchmarks). Fails with

@@ -98,7 +98,7 @@ KVC_MAX_DIMS = 8
 KVC_F32, KVC_F16, KVC_BF16, KVC_I8, KVC_I4, KVC_FP8_E4M3, KVC_I32, KVC_I64, KVC_U8 = range(9)
 
 # kvc_isa
-ISA_NAMES = ("scalar", "avx2", "avx512")
+ISA_NAMES = ("scalar", "avx2", "avx512", "amx")
 
 
 class Tensor(ctypes.Structure):

@@ -2,7 +2,9 @@
 
 The C library picks the best kernels the CPU supports (capped by the
 environment variable ``KVC_ISA``); :func:`set_isa` overrides that for tests
-and benchmarks. Every ISA gives bit-identical results.
+and benchmarks. Storage kernels (copies, conversion, quantization) give
+bit-identical results on every ISA; attention agrees across ISAs to float32
+rounding (``docs/DESIGN.md``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def _isa_name(code: int) -> str:
 
 
 def get_isa() -> str:
-    """The ISA the kernels run with now: "scalar", "avx2" or "avx512"."""
+    """The ISA the kernels run with now: "scalar", "avx2", "avx512" or "amx"."""
     return _isa_name(_lib.kvc_get_isa())
 
 

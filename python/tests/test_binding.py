@@ -92,10 +92,11 @@ def test_version():
 def test_isa_queries():
     isas = kvcache.supported_isas()
     assert isas[0] == "scalar"
-    assert set(isas) <= {"scalar", "avx2", "avx512"}
+    assert set(isas) <= {"scalar", "avx2", "avx512", "amx"}
+    assert isas == list(kvcache.ISA_NAMES[: len(isas)])  # each level includes the ones below
     assert kvcache.best_isa() == isas[-1]
     assert kvcache.get_isa() in isas
-    for name in ("scalar", "avx2", "avx512"):
+    for name in ("scalar", "avx2", "avx512", "amx"):
         assert kvcache.isa_supported(name) == (name in isas)
 
 

@@ -95,7 +95,7 @@ typedef struct mla_ctx {
 
 static kvc_mla_kernel kernel_for(kvc_isa isa) {
 #if defined(__x86_64__) || defined(__i386__)
-    if (isa == KVC_ISA_AVX512) return kvc__mla_task_avx512;
+    if (isa >= KVC_ISA_AVX512) return kvc__mla_task_avx512; /* amx included */
     if (isa == KVC_ISA_AVX2) return kvc__mla_task_avx2;
 #endif
     (void)isa;

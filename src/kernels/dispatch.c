@@ -34,8 +34,13 @@ static kvc_isa detect(void) {
     __cpuid_count(7, 0, a, b, c, d);
     if (!(b & (1u << 5))) return KVC_ISA_SCALAR; /* AVX2 */
     const unsigned need7 = (1u << 16) | (1u << 17) | (1u << 30) | (1u << 31); /* F DQ BW VL */
-    if ((b & need7) == need7 && (xcr0 & 0xe6) == 0xe6) return KVC_ISA_AVX512;
-    return KVC_ISA_AVX2;
+    if ((b & need7) != need7 || (xcr0 & 0xe6) != 0xe6) return KVC_ISA_AVX2;
+    /* AMX: TILE (edx 24) + INT8 (edx 25), VBMI (ecx 1), XCR0 tile config and
+     * data (bits 17, 18), and Linux's per-process permission for tile data */
+    const unsigned amx7 = (1u << 24) | (1u << 25);
+    if ((d & amx7) == amx7 && (c & (1u << 1)) && (xcr0 & 0x60000) == 0x60000 && kvc__amx_init())
+        return KVC_ISA_AMX;
+    return KVC_ISA_AVX512;
 }
 #else
 static kvc_isa detect(void) { return KVC_ISA_SCALAR; }
@@ -48,6 +53,7 @@ static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
 static const kvc_kernels *table_for(kvc_isa isa) {
 #ifdef KVC_X86
+    if (isa == KVC_ISA_AMX) return kvc__kernels_amx();
     if (isa == KVC_ISA_AVX512) return kvc__kernels_avx512();
     if (isa == KVC_ISA_AVX2) return kvc__kernels_avx2();
 #endif
@@ -124,6 +130,7 @@ const char *kvc_isa_name(kvc_isa isa) {
     case KVC_ISA_SCALAR: return "scalar";
     case KVC_ISA_AVX2: return "avx2";
     case KVC_ISA_AVX512: return "avx512";
+    case KVC_ISA_AMX: return "amx";
     default: return "?";
     }
 }

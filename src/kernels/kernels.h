@@ -43,6 +43,27 @@ typedef struct kvc_attn_rows {
     int64_t nn;
 } kvc_attn_rows;
 
+/*
+ * Keys of one amx_run call (attn_amx.c): up to KVC_AMX_KEYS keys of one KV
+ * head as runs of equally spaced rows (a run lies inside one page), with the
+ * strides every run shares; `next` lists the keys of the call that runs next
+ * (another head's rows, or the next keys), which the kernel prefetches into
+ * L2 while it works. int8 rows, scales of ksd/vsd (F32 or F16), group
+ * elements per scale.
+ */
+#define KVC_AMX_MAX_DIM 256
+#define KVC_AMX_KEYS 64
+typedef struct kvc_amx_run {
+    const void *k, *v, *ks, *vs;
+    int n;
+} kvc_amx_run;
+typedef struct kvc_amx_keys {
+    int64_t k_stride, v_stride, ks_stride, vs_stride; /* bytes */
+    kvc_dtype ksd, vsd;
+    int nrun, nnext;
+    kvc_amx_run run[KVC_AMX_KEYS], next[KVC_AMX_KEYS];
+} kvc_amx_keys;
+
 typedef struct kvc_kernels {
     kvc_isa isa;
     /* Copies n bytes (no overlap). A plain vector loop: glibc's memcpy takes
@@ -95,7 +116,30 @@ typedef struct kvc_kernels {
      * is deterministic and matches the scalar one to float32 rounding. */
     void (*attn_decode)(const float *q, int G, int D, int Dp, const struct kvc_attn_rows *r,
                         int64_t n, float cap, float *m, float *l, float *acc);
+    /*
+     * Decode over int8 caches on AMX tiles (the "amx" table only; NULL
+     * elsewhere; use when kvc__amx_decode_ok). A task calls amx_tiles(1)
+     * on its thread, then per head set (one KV head, up to 4 of its query
+     * heads): amx_begin with q (nh, Dp) float32 as attn_decode takes it, a
+     * state of amx_state_bytes (64-byte aligned), amx_run per call of up to
+     * 64 keys, amx_end for (m, l, acc) as attn_decode leaves them (acc
+     * (nh, Dp)); then amx_tiles(0). Same numbers as attn_decode to float32
+     * rounding (attn_amx.c says how), deterministic for given calls.
+     */
+    void (*amx_tiles)(int on);
+    size_t (*amx_state_bytes)(int D, int group);
+    void (*amx_begin)(void *st, const float *q, int nh, int D, int Dp, int group, float cap);
+    void (*amx_run)(void *st, const kvc_amx_keys *keys);
+    void (*amx_end)(const void *st, float *m, float *l, float *acc, int Dp);
 } kvc_kernels;
+
+/* Caches the AMX decode handles: int8, head dim a multiple of 64 up to
+ * KVC_AMX_MAX_DIM, quant group 16 or 32 or a multiple of 64 (groups never
+ * straddle the 64-element segments the score tiles work on). */
+static inline int kvc__amx_decode_ok(const kvc_kernels *k, kvc_dtype dt, int64_t D, int64_t group) {
+    return k->amx_run != NULL && dt == KVC_I8 && D % 64 == 0 && D <= KVC_AMX_MAX_DIM &&
+           (group == 16 || group == 32 || (group >= 64 && group % 64 == 0));
+}
 
 /* Inputs whose quant_scales / quant_values have SIMD paths (other inputs
  * run the scalar reference there: quantize is the faster call for them). */
@@ -116,6 +160,10 @@ void kvc__set_llc_bytes(int64_t bytes);
 const kvc_kernels *kvc__kernels_scalar(void);
 const kvc_kernels *kvc__kernels_avx2(void);
 const kvc_kernels *kvc__kernels_avx512(void);
+/* The AVX-512 table plus the AMX decode; valid after kvc__amx_init() returned
+ * 1 (it asks the OS for tile data permission; 0: AMX unusable). */
+const kvc_kernels *kvc__kernels_amx(void);
+int kvc__amx_init(void);
 
 /* Elements [e0, D) of an int8/int4 row times their group scales, as float32
  * (the scalar path; SIMD row conversions use it for tails and odd groups). */

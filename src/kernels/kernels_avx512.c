@@ -1005,6 +1005,7 @@ static const kvc_kernels table = {
     KVC_ISA_AVX512, copy_avx512, convert_avx512, all_finite_avx512, quantize_avx512,
     quantize_stream_avx512, quant_scales_avx512, quant_values_avx512, softcap_avx512,
     dequantize_avx512, dequantize_rows_avx512, attn_decode_avx512,
+    NULL, NULL, NULL, NULL, NULL, /* no AMX decode */
 };
 
 const kvc_kernels *kvc__kernels_avx512(void) { return &table; }

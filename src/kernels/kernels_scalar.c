@@ -179,6 +179,7 @@ static const kvc_kernels table = {
     KVC_ISA_SCALAR, copy_ref, convert_ref, all_finite_ref, quantize_ref, quantize_ref,
     quant_scales_ref, quant_values_ref, softcap_ref, dequantize_ref, dequantize_rows_ref,
     attn_decode_ref,
+    NULL, NULL, NULL, NULL, NULL, /* no AMX decode */
 };
 
 const kvc_kernels *kvc__kernels_scalar(void) { return &table; }

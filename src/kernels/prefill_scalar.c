@@ -37,6 +37,7 @@ const kvc_prefill_kernels *kvc__prefill_kernels_scalar(void) { return &table; }
 const kvc_prefill_kernels *kvc__prefill_kernels(void) {
 #if defined(__x86_64__) || defined(__i386__)
     switch (kvc_get_isa()) {
+    case KVC_ISA_AMX: /* the AVX-512 prefill kernels */
     case KVC_ISA_AVX512: return kvc__prefill_kernels_avx512();
     case KVC_ISA_AVX2: return kvc__prefill_kernels_avx2();
     default: break;

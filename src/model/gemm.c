@@ -302,7 +302,7 @@ static gemm_sel select_kernels(void) {
     gemm_sel s = {kvc__gemm_kernels_scalar(), kvc__gemm_kernels_scalar()};
 #ifdef GEMM_X86
     const kvc_isa isa = kvc_get_isa();
-    if (isa == KVC_ISA_AVX512) {
+    if (isa >= KVC_ISA_AVX512) { /* amx: the AVX-512 kernels (no AMX GEMM yet) */
         s.f = kvc__gemm_kernels_avx512();
         s.q = cpu_has_vnni() && !atomic_load(&g_no_vnni) ? s.f : kvc__gemm_kernels_avx2();
     } else if (isa == KVC_ISA_AVX2) {

@@ -31,6 +31,7 @@ typedef struct bench_opts {
     int threads[BENCH_MAX_THREAD_COUNTS]; /* thread counts, each run in turn */
     int n_thread_counts;
     int64_t batch, kvlen, heads, head_dim; /* 0: the target's default */
+    int64_t group;   /* int8/int4 quant group (attention; 0: the target's default) */
     double time_s;   /* time budget per case, seconds */
     size_t membw_bytes; /* memcpy reference buffer size */
     int quick;       /* tiny sizes, short budget: a smoke test */

@@ -2,8 +2,8 @@
  * `kvcache bench attention`: kvc_decode_run (one decode step, one layer)
  * over a paged NHD cache (page_size 16, pages shuffled), shapes
  * Hq=32/H=8/Dh=128 and Hq=9/H=3/Dh=64, kv lengths 512/4096/16384, batch 1
- * and 16, float16 / int8 / int4 caches (quant group ATT_GROUP = 32, float16
- * scales), float16 q and out.
+ * and 16, float16 / int8 / int4 caches (quant group ATT_GROUP = 32 or --group,
+ * float16 scales), float16 q and out.
  *
  * Reports us per layer, the K/V bytes read (cache rows + scales), effective
  * GB/s and its ratio to a plain read (vectorized sum) of a large buffer with
@@ -72,7 +72,8 @@ static void free_case(att_case *c) {
     memset(c, 0, sizeof *c);
 }
 
-static int setup(att_case *c, att_shape s, int64_t B, int64_t L, kvc_dtype dt, const char *name) {
+static int setup(att_case *c, att_shape s, int64_t B, int64_t L, kvc_dtype dt, const char *name,
+                 int64_t group) {
     memset(c, 0, sizeof *c);
     c->s = s;
     c->B = B;
@@ -83,7 +84,7 @@ static int setup(att_case *c, att_shape s, int64_t B, int64_t L, kvc_dtype dt, c
     const int64_t pages = (L + ATT_PAGE - 1) / ATT_PAGE, P = B * pages;
     const int64_t row = s.H * s.D, slots = P * ATT_PAGE;
     const size_t kvb = (size_t)(slots * row * kvc_dtype_bits(dt) / 8);
-    const size_t sb = quant ? (size_t)(slots * s.H * (s.D / ATT_GROUP)) * 2 : 0;
+    const size_t sb = quant ? (size_t)(slots * s.H * (s.D / group)) * 2 : 0;
     c->k = bench_alloc(kvb);
     c->v = bench_alloc(kvb);
     if (quant) {
@@ -138,7 +139,7 @@ static int setup(att_case *c, att_shape s, int64_t B, int64_t L, kvc_dtype dt, c
         c->indptr[b + 1] = (int32_t)((b + 1) * pages);
         c->last[b] = (int32_t)(L - (pages - 1) * ATT_PAGE);
     }
-    int64_t csh[4] = {P, ATT_PAGE, s.H, s.D}, ssh[4] = {P, ATT_PAGE, s.H, s.D / ATT_GROUP};
+    int64_t csh[4] = {P, ATT_PAGE, s.H, s.D}, ssh[4] = {P, ATT_PAGE, s.H, s.D / group};
     c->pc.k = kvc_tensor_make(c->k, dt, 4, csh);
     c->pc.v = kvc_tensor_make(c->v, dt, 4, csh);
     if (quant) {
@@ -146,7 +147,7 @@ static int setup(att_case *c, att_shape s, int64_t B, int64_t L, kvc_dtype dt, c
         c->pc.v_scale = kvc_tensor_make(c->vs, KVC_F16, 4, ssh);
     }
     c->pc.layout = KVC_NHD;
-    c->pc.quant_group = ATT_GROUP;
+    c->pc.quant_group = (int32_t)group;
     int64_t qsh[3] = {B, s.Hq, s.D}, lsh[2] = {B, s.Hq}, nb = B, nb1 = B + 1, np = P;
     c->tq = kvc_tensor_make(c->q, KVC_F16, 3, qsh);
     c->tout = kvc_tensor_make(c->out, KVC_F16, 3, qsh);
@@ -156,7 +157,7 @@ static int setup(att_case *c, att_shape s, int64_t B, int64_t L, kvc_dtype dt, c
     c->tlast = kvc_tensor_make(c->last, KVC_I32, 1, &nb);
     /* bytes the step must read: B * L tokens of K and V rows (+ scales) */
     double per_tok = (double)row * kvc_dtype_bits(dt) / 8.0;
-    if (quant) per_tok += (double)(s.H * (s.D / ATT_GROUP)) * 2.0;
+    if (quant) per_tok += (double)(s.H * (s.D / group)) * 2.0;
     c->kv_bytes = 2.0 * per_tok * (double)(B * L);
     c->lane_ops = (double)(B * L) * (2.0 * (double)(s.Hq * s.D) + 2.0 * (double)(s.H * s.D));
     return 0;
@@ -218,10 +219,12 @@ int bench_attention(const bench_opts *o) {
     int64_t one_len = o->kvlen, one_batch = o->batch;
     if (one_len) lens = &one_len, n_lens = 1;
     if (one_batch) batches = &one_batch, n_batches = 1;
+    const int64_t group = o->group ? o->group : ATT_GROUP;
     for (int si = 0; si < n_shapes; si++)
-        if (shapes[si].D % ATT_GROUP != 0 && (caches & ~BENCH_CACHE_F16)) {
-            fprintf(stderr, "kvcache: bench attention: head dim must be a multiple of %d for "
-                            "int8/int4 caches\n", ATT_GROUP);
+        if (shapes[si].D % group != 0 && (caches & ~BENCH_CACHE_F16)) {
+            fprintf(stderr, "kvcache: bench attention: head dim %lld is not a multiple of the "
+                            "quant group %lld of int8/int4 caches\n",
+                    (long long)shapes[si].D, (long long)group);
             return CLI_EXIT_USAGE;
         }
 
@@ -232,7 +235,7 @@ int bench_attention(const bench_opts *o) {
                "%.2f s per case. read GB/s: plain vectorized read, same threads, interleaved; "
                "mem = read-bound time / time; GFMA/s: FMA-lane peak of the ISA, same threads, "
                "interleaved; fma = (2*Hq*Dh FMAs + 2*H*Dh conversions per token) / peak / time\n",
-               ATT_PAGE, ATT_GROUP, o->time_s);
+               ATT_PAGE, (int)group, o->time_s);
     const double ref_budget = o->quick ? 0.005 : 0.1;
     bench_membw_ctx *mb = bench_membw_create(o->membw_bytes);
     if (!mb) return CLI_EXIT_FAIL;
@@ -252,7 +255,7 @@ int bench_attention(const bench_opts *o) {
                                   (double)(s.H * s.D) * kvc_dtype_bits(cts[ci].dt) / 8.0;
                     if (need > (double)ATT_MEM_LIMIT) continue;
                     att_case c;
-                    if (setup(&c, s, batches[bi], lens[li], cts[ci].dt, cts[ci].name) != 0) {
+                    if (setup(&c, s, batches[bi], lens[li], cts[ci].dt, cts[ci].name, group) != 0) {
                         bench_membw_destroy(mb);
                         return CLI_EXIT_FAIL;
                     }
@@ -306,14 +309,15 @@ int bench_attention(const bench_opts *o) {
                         if (met >= 0) goals++, goals_met += met;
                         if (o->json) {
                             printf("{\"type\":\"case\",\"target\":\"attention\",\"hq\":%lld,"
-                                   "\"h\":%lld,\"head_dim\":%lld,\"cache\":\"%s\",\"batch\":%lld,"
+                                   "\"h\":%lld,\"head_dim\":%lld,\"cache\":\"%s\",\"quant_group\":%lld,"
+                                   "\"batch\":%lld,"
                                    "\"kv\":%lld,\"threads\":%d,\"isa\":\"%s\",\"us_per_layer\":"
                                    "%.3f,\"us_min\":%.3f,\"bytes\":%.0f,\"gbs\":%.3f,"
                                    "\"read_gbs\":%.3f,\"ratio\":%.4f,\"fma_gflops\":%.2f,"
                                    "\"lane_ops\":%.0f,\"fma_ratio\":%.4f,"
                                    "\"speedup_vs_f16\":%.3f,\"goal\":\"%s\",\"goal_met\":%s}\n",
                                    (long long)s.Hq, (long long)s.H, (long long)s.D, c.name,
-                                   (long long)c.B, (long long)c.L, nt,
+                                   (long long)group, (long long)c.B, (long long)c.L, nt,
                                    kvc_isa_name(kvc_get_isa()), us, tm.min_s * 1e6, c.kv_bytes,
                                    gbs, rd, ratio, fps * 1e-9, c.lane_ops, fma_ratio, speed, goal,
                                    met < 0 ? "null" : met ? "true" : "false");

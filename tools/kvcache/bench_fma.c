@@ -67,6 +67,7 @@ static double fma_scalar(float seed, float *sink) {
 static double fma_once(float seed, float *sink) {
 #ifdef FMA_X86
     switch (kvc_get_isa()) {
+    case KVC_ISA_AMX: /* its float work is AVX-512 */
     case KVC_ISA_AVX512: return fma_avx512(seed, sink);
     case KVC_ISA_AVX2: return fma_avx2(seed, sink);
     default: break;

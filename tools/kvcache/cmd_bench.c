@@ -25,6 +25,12 @@ static const char bench_usage[] =
     "          prefix lookup tokens per second, KV slot use on a synthetic serving\n"
     "          trace vs reserving max length, decode-step bookkeeping (B = 64) vs\n"
     "          the time to read the batch's K/V (uses --quick, --json, --threads)\n"
+    "  attention  decode attention (kvc_decode_run) over paged f16/int8/int4 caches:\n"
+    "          time per layer, K/V read bandwidth against a plain read and the FMA\n"
+    "          peak, int8/int4 speed against float16\n"
+    "  prefill kvc_prefill_run_paged, GFLOP/s against the FMA peak\n"
+    "  mla     kvc_mla_run (MLA decode over ckv/kpe pages)\n"
+    "  gemm    the model runtime's weight-type matrix products\n"
     "\n"
     "options:\n"
     "  --threads LIST    comma-separated thread counts, each run in turn (default 1,2)\n"
@@ -33,6 +39,7 @@ static const char bench_usage[] =
     "                    (default 2048; append: prefill tokens per request, 2048)\n"
     "  --heads N         KV heads H (default 8)\n"
     "  --head-dim N      head dimension Dh, a multiple of 8 (default 128)\n"
+    "  --group N         attention: int8/int4 quant group (default 32), dividing Dh\n"
     "  --cache LIST      cache types among f16,int8,int4 (default: pmx all, append\n"
     "                    f16,int8)\n"
     "  --op LIST         pmx operators among static,dynamic (default both)\n"
@@ -41,7 +48,7 @@ static const char bench_usage[] =
     "  --mode LIST       pmx dynamic cache modes among offset,paged (default both)\n"
     "  --time SECONDS    time budget per case (default 0.3)\n"
     "  --quick           tiny sizes and budgets: a smoke test, not a measurement\n"
-    "  --isa NAME        run the kernels with NAME: scalar, avx2, avx512\n"
+    "  --isa NAME        run the kernels with NAME: scalar, avx2, avx512, amx\n"
     "  --json            one JSON object per line instead of a table\n"
     "  -h, --help        this text\n"
     "\n"
@@ -180,6 +187,11 @@ int cmd_bench(int argc, char **argv) {
                 return cli_usage_error(cmd, "bench: --head-dim expects a multiple of 8 in "
                                             "[8, 65536] (the quantization group is 8)");
             o.head_dim = n;
+        } else if ((r = opt_value(argc, argv, &i, "--group", &v)) != 0) {
+            if (r < 0 || cli_parse_i64(v, 2, 1 << 16, &n) != 0 || n % 2 != 0)
+                return cli_usage_error(cmd, "bench: --group expects an even integer in "
+                                            "[2, 65536]");
+            o.group = n;
         } else if ((r = opt_value(argc, argv, &i, "--cache", &v)) != 0) {
             if (r < 0 || parse_names(v, cache_names, 3, &o.caches) != 0)
                 return cli_usage_error(cmd, "bench: --cache expects a list of f16,int8,int4");
@@ -207,7 +219,7 @@ int cmd_bench(int argc, char **argv) {
     if (isa_name != NULL) {
         kvc_isa isa;
         if (parse_isa(isa_name, &isa) != 0)
-            return cli_usage_error(cmd, "bench: --isa '%s': expected scalar, avx2 or avx512",
+            return cli_usage_error(cmd, "bench: --isa '%s': expected scalar, avx2, avx512 or amx",
                                    isa_name);
         if (kvc_set_isa(isa) != KVC_OK) {
             fprintf(stderr, "kvcache: bench: --isa %s: %s\n", isa_name, kvc_last_error());

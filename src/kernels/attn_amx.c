@@ -1,0 +1,601 @@
+/*
+ * Decode attention over int8 caches with AMX tiles (kernels.h, amx_*):
+ * the dot products run on the tile unit as int8 x int8 -> int32, so the
+ * vector units only convert, scale and run the softmax. Compiled with
+ * -mamx-tile -mamx-int8 plus the AVX-512 flags (and VBMI for vpermb); only
+ * called from the "amx" kernel table, which dispatch.c installs after it
+ * has checked the CPU, the OS's XCR0 and got Linux's permission to use
+ * tile data (arch_prctl ARCH_REQ_XCOMP_PERM).
+ *
+ * Numerics (float32-level, not bitwise equal to the other ISAs):
+ *   - q (per query head, already times sm_scale * log2 e) is rounded to
+ *     24-bit fixed point, q ~= sq * qi with |qi| <= 0x7f7f7f and
+ *     sq = max|q| / 0x7f7f7f, written as three balanced base-256 digits
+ *     qi = 65536 d2 + 256 d1 + d0, each in [-128, 127]: the error is at most
+ *     max|q| * 2^-24 per element, float32's rounding of the largest one.
+ *     Each digit is an exact int8 x int8 product sum per (key, group).
+ *   - score(key) = sum_g kscale[key][g] * sum_t 256^(2-t) * C_t[key][g] *
+ *     sq in float32 (the group sums are exact integers below 2^21).
+ *   - P.V weights p * vscale[key][g] are rounded to 24-bit unsigned fixed
+ *     point per (call, group), w = round(p * vs / W * (2^24 - 1)) with W the
+ *     largest V scale of the group among the call's keys (p <= 1), three
+ *     unsigned digits against the int8 V values: each weight is off by at
+ *     most W * 2^-25, i.e. float32 rounding of the largest weight.
+ *
+ * Work of one call (up to 64 keys = 4 blocks of 16, one KV head, up to 4
+ * query heads; amx_run):
+ *   scores  A = 16 K rows x 64 bytes, read in place from the cache (a tile
+ *           load with the row stride) or from a copy when the 16 keys are
+ *           not equally spaced; B = the query digits of one 64-element
+ *           segment, zero outside one quant group (built once per task in
+ *           amx_begin); C = 16 keys x (digit t, head h) in column 4t + h, one
+ *           tile per quant group, so the group's K scale applies per key.
+ *   softmax online, base 2, per head, over the call's keys.
+ *   P.V     A = weight digits, row 4t + h, one column per key; B = V rows
+ *           interleaved by key quads (the tile layout wants 4 keys' bytes of
+ *           one element adjacent); C = (4t + h) x 16 elements, one group's.
+ *           A tile's 16 columns are not always consecutive elements
+ *           (pv_pos); the accumulator is kept in that order and put back in
+ *           amx_end.
+ *   The rows of the call that runs next are prefetched into L2, a key quad
+ *   at a time.
+ *
+ * Where the time goes (BENCHMARKS.md, measured on one core): tile stores
+ * do not overlap the vector work (tile products do), and each quant group
+ * costs a 16 x 16 C tile per 16 keys that the vector units scale and sum:
+ * with group 32 that is more int32 data than the int8 K it came from, so
+ * the kernel is about 1.5x faster than the float one at group 32 and 2.3x at
+ * group 128, not the 4x+ the tile unit's arithmetic would allow.
+ */
+#define _GNU_SOURCE
+#include "kernels.h"
+
+#if defined(__x86_64__) /* tile instructions exist in 64-bit mode only */
+#include <immintrin.h>
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include "vec_math.h"
+
+#define KVC_INLINE static inline __attribute__((always_inline))
+
+#define QMAX 8355711.0f  /* 0x7f7f7f: the largest |qi| with balanced digits */
+#define WMAX 16777215.0f /* 2^24 - 1 */
+#define KEYS KVC_AMX_KEYS /* keys per amx_run: 4 blocks of 16 */
+
+/* Per-task state of one head set (KVC_AMX_* limits in kernels.h). */
+typedef struct amx_state {
+    float sqw[16];     /* lane 4t + h: sq_h * 256^(2 - t); lanes of absent heads 0 */
+    float m[4], l[4];  /* online softmax, base 2 */
+    int D, group, nh;  /* head dim, quant group, heads in the set (<= 4) */
+    int ng, gpa, nseg; /* groups, groups per 64-element segment, B tiles */
+    int piece;         /* V interleave piece bytes (16, 32, 64): accumulator order (pv_pos) */
+    float cap;
+} amx_state;
+_Static_assert(sizeof(amx_state) == 128, "amx_state header is 128 bytes");
+
+/* acc (4, D) floats after the header, then the score B tiles (nseg, 16, 64) */
+KVC_INLINE float *st_acc(amx_state *st) { return (float *)(st + 1); }
+KVC_INLINE int8_t *st_bs(amx_state *st) { return (int8_t *)(st_acc(st) + 4 * st->D); }
+
+static int seg_per_a(int group) { return group >= 64 ? 1 : 64 / group; }
+
+static size_t amx_state_bytes(int D, int group) {
+    return sizeof(amx_state) + (size_t)16 * (size_t)D +
+           (size_t)(D / 64) * (size_t)seg_per_a(group) * 1024u;
+}
+
+/*
+ * Element order of the accumulator. V rows are interleaved by key quads in
+ * pieces of P bytes (P = 64, 32 or 16: the largest whose tiles stay inside
+ * one quant group): unpacking bytes then 16-bit pairs of 4 rows gives 4
+ * vectors X_x whose 128-bit lane L holds elements 16L + 4x .. +3 of the
+ * piece, 4 keys each. A tile row is 64 bytes of such lanes, so a tile's 16
+ * columns are not always consecutive elements: column n of tile t of a
+ * piece holds element pv_pos(P, 16t + n) of the piece.
+ */
+static int pv_pos(int P, int i) {
+    const int t = i / 16, n = i % 16;
+    if (P == 16) return i;                                                /* [X0 X1 X2 X3] */
+    if (P == 32) return 16 * ((n % 8) / 4) + 4 * (2 * t + n / 8) + n % 4; /* [X2t X2t+1] */
+    return 16 * (n / 4) + 4 * t + n % 4;                                  /* P = 64: X_t */
+}
+
+/* ---- tiles --------------------------------------------------------------- */
+
+/*
+ * Tile loads/stores and the config load as asm with a "memory" clobber:
+ * GCC's intrinsics (_tile_loadd, _tile_stored, _tile_loadconfig) do not tell
+ * the compiler that they read or write memory, so it may drop the stores
+ * that fill a tile's source (it did: the config's rows were never written)
+ * or move loads of a stored tile above the store.
+ */
+#define TLOAD(t, p, stride)                                                                        \
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"((const void *)(p)),                    \
+                     "r"((long)(stride))                                                           \
+                     : "memory")
+#define TSTORE(t, p, stride)                                                                       \
+    __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"((void *)(p)), "r"((long)(stride))  \
+                     : "memory")
+
+typedef struct tilecfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg;
+
+/* Every tile 16 rows x 64 bytes: any register can hold any operand. */
+static const tilecfg g_cfg __attribute__((aligned(64))) = {
+    1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+
+static void amx_tiles(int on) {
+    if (on) __asm__ volatile("ldtilecfg %0" ::"m"(g_cfg) : "memory");
+    else _tile_release();
+}
+
+/* ---- begin: query digits -------------------------------------------------- */
+
+/* 16 x 16 int32 transpose: r[i] lane j -> out[j] lane i. */
+KVC_INLINE void tr16(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* u[4b + k] holds rows 4b..4b+3, column k of each 128-bit block */
+    for (int b = 0; b < 4; b += 2)
+        for (int k = 0; k < 4; k++) {
+            t[4 * b + k] = _mm512_shuffle_i32x4(u[4 * b + k], u[4 * (b + 1) + k], 0x88);
+            t[4 * (b + 1) + k] = _mm512_shuffle_i32x4(u[4 * b + k], u[4 * (b + 1) + k], 0xdd);
+        }
+    /* t[4b + k], b in {0,1}: blocks (0,2) of rows 0-7; b in {2,3}: rows 8-15 */
+    for (int k = 0; k < 4; k++) {
+        r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+        r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
+        r[4 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0x88);
+        r[12 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0xdd);
+    }
+}
+
+static void amx_begin(void *stv, const float *q, int nh, int D, int Dp, int group, float cap) {
+    amx_state *st = stv;
+    memset(st, 0, sizeof *st);
+    st->D = D, st->group = group, st->nh = nh, st->cap = cap;
+    st->ng = D / group, st->gpa = seg_per_a(group), st->nseg = (D / 64) * st->gpa;
+    st->piece = group % 64 == 0 ? 64 : group % 32 == 0 ? 32 : 16;
+    for (int h = 0; h < 4; h++) st->m[h] = -INFINITY, st->l[h] = 0.0f;
+    memset(st_acc(st), 0, (size_t)16 * (size_t)D);
+    /* digit rows 4t + h (t = 0: the high digit); rows of absent heads and
+     * 12-15 stay zero */
+    int8_t dig[16][KVC_AMX_MAX_DIM] __attribute__((aligned(64)));
+    memset(dig, 0, sizeof dig);
+    for (int h = 0; h < nh; h++) {
+        const float *qh = q + (int64_t)h * Dp;
+        __m512 mx = _mm512_setzero_ps();
+        for (int d = 0; d < D; d += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qh + d)));
+        const float amax = _mm512_reduce_max_ps(mx);
+        /* max 0 (or a NaN/Inf q, garbage in): all digits 0 */
+        const int ok = amax > 0.0f && amax <= FLT_MAX;
+        const float inv = ok ? QMAX / amax : 0.0f, sq = ok ? amax / QMAX : 0.0f;
+        st->sqw[h] = sq * 65536.0f, st->sqw[4 + h] = sq * 256.0f, st->sqw[8 + h] = sq;
+        const __m512 vi = _mm512_set1_ps(inv), lim = _mm512_set1_ps(QMAX);
+        for (int d = 0; d < D; d += 16) {
+            __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qh + d), vi);
+            x = _mm512_min_ps(_mm512_max_ps(x, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+            const __m512i xi = _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512i d0 = _mm512_srai_epi32(_mm512_slli_epi32(xi, 24), 24);
+            const __m512i r = _mm512_srai_epi32(_mm512_sub_epi32(xi, d0), 8);
+            const __m512i d1 = _mm512_srai_epi32(_mm512_slli_epi32(r, 24), 24);
+            const __m512i d2 = _mm512_srai_epi32(_mm512_sub_epi32(r, d1), 8);
+            _mm_store_si128((__m128i *)&dig[h][d], _mm512_cvtepi32_epi8(d2));
+            _mm_store_si128((__m128i *)&dig[4 + h][d], _mm512_cvtepi32_epi8(d1));
+            _mm_store_si128((__m128i *)&dig[8 + h][d], _mm512_cvtepi32_epi8(d0));
+        }
+    }
+    /* B tile of segment (a, gi): row r, column c = the 4 digits of row c at
+     * elements 64a + 4r .. +3, zero outside group gi of the segment */
+    int8_t *bs = st_bs(st);
+    const int rows_per_group = group / 4; /* for group < 64 */
+    for (int a = 0; a < D / 64; a++) {
+        __m512i r[16];
+        for (int c = 0; c < 16; c++) r[c] = _mm512_load_si512(&dig[c][64 * a]);
+        tr16(r);
+        for (int gi = 0; gi < st->gpa; gi++) {
+            int8_t *tile = bs + (size_t)(a * st->gpa + gi) * 1024;
+            for (int k = 0; k < 16; k++) {
+                const int in = st->gpa == 1 || k / rows_per_group == gi;
+                _mm512_store_si512(tile + 64 * k, in ? r[k] : _mm512_setzero_si512());
+            }
+        }
+    }
+}
+
+/* ---- run ------------------------------------------------------------------- */
+
+/* Scratch of one call (stack). */
+typedef struct amx_scratch {
+    int32_t cs[KVC_AMX_MAX_DIM / 16][16][16]; /* score C tiles of one block, per group */
+    uint8_t ap[KVC_AMX_MAX_DIM / 16][16][KEYS];   /* P.V weight digits (A tile), per group */
+    int8_t bp[KVC_AMX_MAX_DIM / 16][KEYS / 4][64]; /* V by key quads (B tile), per 16 columns */
+    int32_t cp[2][16][16];                     /* P.V C tiles (alternating) */
+    int8_t kcopy[16][KVC_AMX_MAX_DIM];        /* K rows of a block that is not one run */
+    float ksc[KEYS][KVC_AMX_MAX_DIM / 16];     /* K scales [key][group] */
+    float vsr[16 * (KVC_AMX_MAX_DIM / 16)];    /* V scales of one block, [key][group] dense */
+    float vsc[KVC_AMX_MAX_DIM / 16][KEYS];     /* V scales [group][key] */
+    float s[4][KEYS];                          /* scores, then p */
+} amx_scratch;
+
+/* The ng (1..16) scales of one row as float32 in dst[0, ng), zeros in
+ * [ng, nw). */
+KVC_INLINE void scale_row(const void *p, kvc_dtype sd, int ng, int nw, float *dst) {
+    const __mmask16 m = (__mmask16)((1u << ng) - 1u), mw = (__mmask16)((1u << nw) - 1u);
+    if (sd == KVC_F16)
+        _mm512_mask_storeu_ps(dst, mw, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)));
+    else
+        _mm512_mask_storeu_ps(dst, mw, _mm512_maskz_loadu_ps(m, p));
+}
+
+/* vsc[g][k0 + i] = vsr[i * ng + g], i < 16, ng a power of two <= 16 (rows
+ * padded with zeros to one): log2(ng) rounds of splitting even and odd
+ * positions (ng = 1: a copy). */
+KVC_INLINE void scales_transpose(const float *vsr, int ng, float (*vsc)[KEYS], int k0) {
+    __m512 v[16], w[16];
+    for (int i = 0; i < ng; i++) v[i] = _mm512_loadu_ps(vsr + 16 * i);
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+    for (int step = 1; step < ng; step *= 2) {
+        for (int j = 0; j < ng / 2; j++) {
+            w[j] = _mm512_permutex2var_ps(v[2 * j], ev, v[2 * j + 1]);
+            w[ng / 2 + j] = _mm512_permutex2var_ps(v[2 * j], od, v[2 * j + 1]);
+        }
+        for (int i = 0; i < ng; i++) v[i] = w[i];
+    }
+    for (int g = 0; g < ng; g++) _mm512_storeu_ps(&vsc[g][k0], v[g]);
+}
+
+/* Prefetch into L2 the rows of the next call's keys [i0, i1) (nn of them):
+ * the call that runs next reads other rows (the next KV head, or the next
+ * keys), so they arrive while this call computes. */
+KVC_INLINE void prefetch_next(const kvc_amx_keys *ks, int D, const int *nrun_key,
+                              const int *nrun_idx, int nn, int i0, int i1) {
+    for (int i = i0; i < i1 && i < nn; i++) {
+        const kvc_amx_run *r = &ks->next[nrun_key[i]];
+        const int64_t j = nrun_idx[i];
+        const char *k = (const char *)r->k + j * ks->k_stride;
+        const char *v = (const char *)r->v + j * ks->v_stride;
+        for (int o = 0; o < D; o += 64) {
+            _mm_prefetch(k + o, _MM_HINT_T1);
+            _mm_prefetch(v + o, _MM_HINT_T1);
+        }
+        _mm_prefetch((const char *)r->ks + j * ks->ks_stride, _MM_HINT_T1);
+        _mm_prefetch((const char *)r->vs + j * ks->vs_stride, _MM_HINT_T1);
+    }
+}
+
+static void amx_run(void *stv, const kvc_amx_keys *ks) {
+    static const float log2e = 1.4426950408889634f;
+    amx_state *st = stv;
+    const int D = st->D, group = st->group, ng = st->ng, gpa = st->gpa, nh = st->nh;
+    int npg = 1; /* groups rounded up to a power of two (V scale transpose) */
+    while (npg < ng) npg *= 2;
+    amx_scratch sc_ __attribute__((aligned(64)));
+    amx_scratch *sc = &sc_;
+    /* key i of this call: run rk[i], index ri[i] in it */
+    int rk[KEYS], ri[KEYS], nrk[KEYS], nri[KEYS];
+    int n = 0, nn = 0;
+    for (int r = 0; r < ks->nrun && n < KEYS; r++)
+        for (int i = 0; i < ks->run[r].n && n < KEYS; i++) rk[n] = r, ri[n] = i, n++;
+    for (int r = 0; r < ks->nnext && nn < KEYS; r++)
+        for (int i = 0; i < ks->next[r].n && nn < KEYS; i++) nrk[nn] = r, nri[nn] = i, nn++;
+#define KROW(i) ((const int8_t *)ks->run[rk[i]].k + (int64_t)ri[i] * ks->k_stride)
+#define VROW(i) ((const int8_t *)ks->run[rk[i]].v + (int64_t)ri[i] * ks->v_stride)
+#define KSROW(i) ((const char *)ks->run[rk[i]].ks + (int64_t)ri[i] * ks->ks_stride)
+#define VSROW(i) ((const char *)ks->run[rk[i]].vs + (int64_t)ri[i] * ks->vs_stride)
+    const int nblk = (n + 15) / 16;
+    const __m512 sqw = _mm512_load_ps(st->sqw);
+    const int8_t *bs = st_bs(st);
+    /* scores, block by block (the C tiles of a block are read back at once) */
+    for (int b = 0; b < nblk; b++) {
+        const int k0 = 16 * b, nb = n - k0 < 16 ? n - k0 : 16;
+        /* A rows: in place when the block's 16 keys are one run */
+        const int8_t *abase;
+        int64_t astride;
+        if (nb == 16 && rk[k0] == rk[k0 + 15]) {
+            abase = KROW(k0), astride = ks->k_stride;
+        } else {
+            for (int i = 0; i < 16; i++) {
+                if (i < nb) memcpy(sc->kcopy[i], KROW(k0 + i), (size_t)D);
+                else memset(sc->kcopy[i], 0, (size_t)D);
+            }
+            abase = &sc->kcopy[0][0], astride = KVC_AMX_MAX_DIM;
+        }
+        /* scale rows (absent keys: 0) */
+        for (int i = 0; i < 16; i++) {
+            if (i < nb) {
+                scale_row(KSROW(k0 + i), ks->ksd, ng, ng, sc->ksc[k0 + i]);
+                scale_row(VSROW(k0 + i), ks->vsd, ng, npg, sc->vsr + i * npg);
+            } else {
+                memset(sc->ksc[k0 + i], 0, sizeof sc->ksc[0]);
+                memset(sc->vsr + i * npg, 0, (size_t)npg * sizeof(float));
+            }
+        }
+        scales_transpose(sc->vsr, npg, sc->vsc, k0);
+        /* C tile per group (alternating registers so tile stores overlap) */
+        int lasta = -1;
+        for (int g = 0; g < ng; g++) {
+            const int a0 = group >= 64 ? g * (group / 64) : g / gpa;
+            const int a1 = group >= 64 ? a0 + group / 64 : a0 + 1;
+            if (g & 1) _tile_zero(3);
+            else _tile_zero(2);
+            for (int a = a0; a < a1; a++) {
+                if (a != lasta) {
+                    TLOAD(0, abase + 64 * a, astride);
+                    lasta = a;
+                }
+                const int8_t *bt = bs + (size_t)(group >= 64 ? a : a * gpa + g % gpa) * 1024;
+                if (g & 1) {
+                    TLOAD(4, bt, 64);
+                    _tile_dpbssd(3, 0, 4);
+                } else {
+                    TLOAD(1, bt, 64);
+                    _tile_dpbssd(2, 0, 1);
+                }
+            }
+            if (g & 1) TSTORE(3, sc->cs[g], 64);
+            else TSTORE(2, sc->cs[g], 64);
+        }
+        /* per key x = sum_g C_g[key] * kscale[key][g] * sqw (lanes 4t + h),
+         * then the three digit blocks summed and keys x heads transposed */
+        __m512 R[4];
+        for (int k4 = 0; k4 < 4; k4++) {
+            /* the next call's rows, a key quad at a time (one burst per block
+             * stalled on the miss queue) */
+            prefetch_next(ks, D, nrk, nri, nn, k0 + 4 * k4, k0 + 4 * k4 + 4);
+            __m512 X[4];
+            for (int kk = 0; kk < 4; kk++) {
+                const int i = 4 * k4 + kk;
+                const float *kr = sc->ksc[k0 + i];
+                __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sc->cs[0][i])),
+                                         _mm512_set1_ps(kr[0]));
+                for (int g = 1; g < ng; g++)
+                    x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sc->cs[g][i])),
+                                        _mm512_set1_ps(kr[g]), x);
+                X[kk] = _mm512_mul_ps(x, sqw);
+            }
+            /* T_t = [X0.t | X1.t | X2.t | X3.t] (128-bit blocks) */
+            const __m512 u0 = _mm512_shuffle_f32x4(X[0], X[1], 0x44);
+            const __m512 u1 = _mm512_shuffle_f32x4(X[0], X[1], 0xee);
+            const __m512 u2 = _mm512_shuffle_f32x4(X[2], X[3], 0x44);
+            const __m512 u3 = _mm512_shuffle_f32x4(X[2], X[3], 0xee);
+            const __m512 t0 = _mm512_shuffle_f32x4(u0, u2, 0x88);
+            const __m512 t1 = _mm512_shuffle_f32x4(u0, u2, 0xdd);
+            const __m512 t2 = _mm512_shuffle_f32x4(u1, u3, 0x88);
+            R[k4] = _mm512_add_ps(_mm512_add_ps(t0, t1), t2); /* lane 4k + h: key 4k4 + k */
+        }
+        const __m512i i0 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+        const __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32(2));
+        const __m512 a0 = _mm512_permutex2var_ps(R[0], i0, R[1]), a1 = _mm512_permutex2var_ps(R[0], i1, R[1]);
+        const __m512 b0 = _mm512_permutex2var_ps(R[2], i0, R[3]), b1 = _mm512_permutex2var_ps(R[2], i1, R[3]);
+        const __mmask16 valid = (__mmask16)((1u << nb) - 1u);
+        const __m512 ninf = _mm512_set1_ps(-INFINITY);
+        _mm512_store_ps(&sc->s[0][k0], _mm512_mask_mov_ps(ninf, valid, _mm512_shuffle_f32x4(a0, b0, 0x44)));
+        _mm512_store_ps(&sc->s[1][k0], _mm512_mask_mov_ps(ninf, valid, _mm512_shuffle_f32x4(a0, b0, 0xee)));
+        _mm512_store_ps(&sc->s[2][k0], _mm512_mask_mov_ps(ninf, valid, _mm512_shuffle_f32x4(a1, b1, 0x44)));
+        _mm512_store_ps(&sc->s[3][k0], _mm512_mask_mov_ps(ninf, valid, _mm512_shuffle_f32x4(a1, b1, 0xee)));
+    }
+    /* V interleaved by key quads (the last partial quad repeats its last key,
+     * whose weight is 0 there) */
+    for (int q4 = 0; q4 < nblk * 4; q4++) {
+        const int8_t *r[4];
+        for (int i = 0; i < 4; i++) r[i] = VROW(4 * q4 + i < n ? 4 * q4 + i : n - 1);
+        if (st->piece == 64) {
+            for (int p = 0; p < D / 64; p++) {
+                const __m512i x0 = _mm512_loadu_si512(r[0] + 64 * p);
+                const __m512i x1 = _mm512_loadu_si512(r[1] + 64 * p);
+                const __m512i x2 = _mm512_loadu_si512(r[2] + 64 * p);
+                const __m512i x3 = _mm512_loadu_si512(r[3] + 64 * p);
+                const __m512i l01 = _mm512_unpacklo_epi8(x0, x1), h01 = _mm512_unpackhi_epi8(x0, x1);
+                const __m512i l23 = _mm512_unpacklo_epi8(x2, x3), h23 = _mm512_unpackhi_epi8(x2, x3);
+                _mm512_store_si512(sc->bp[4 * p][q4], _mm512_unpacklo_epi16(l01, l23));
+                _mm512_store_si512(sc->bp[4 * p + 1][q4], _mm512_unpackhi_epi16(l01, l23));
+                _mm512_store_si512(sc->bp[4 * p + 2][q4], _mm512_unpacklo_epi16(h01, h23));
+                _mm512_store_si512(sc->bp[4 * p + 3][q4], _mm512_unpackhi_epi16(h01, h23));
+            }
+        } else if (st->piece == 32) {
+            for (int p = 0; p < D / 32; p++) {
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(r[0] + 32 * p));
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(r[1] + 32 * p));
+                const __m256i x2 = _mm256_loadu_si256((const __m256i *)(r[2] + 32 * p));
+                const __m256i x3 = _mm256_loadu_si256((const __m256i *)(r[3] + 32 * p));
+                const __m256i l01 = _mm256_unpacklo_epi8(x0, x1), h01 = _mm256_unpackhi_epi8(x0, x1);
+                const __m256i l23 = _mm256_unpacklo_epi8(x2, x3), h23 = _mm256_unpackhi_epi8(x2, x3);
+                _mm256_store_si256((__m256i *)&sc->bp[2 * p][q4][0], _mm256_unpacklo_epi16(l01, l23));
+                _mm256_store_si256((__m256i *)&sc->bp[2 * p][q4][32], _mm256_unpackhi_epi16(l01, l23));
+                _mm256_store_si256((__m256i *)&sc->bp[2 * p + 1][q4][0], _mm256_unpacklo_epi16(h01, h23));
+                _mm256_store_si256((__m256i *)&sc->bp[2 * p + 1][q4][32], _mm256_unpackhi_epi16(h01, h23));
+            }
+        } else {
+            for (int p = 0; p < D / 16; p++) {
+                const __m128i x0 = _mm_loadu_si128((const __m128i *)(r[0] + 16 * p));
+                const __m128i x1 = _mm_loadu_si128((const __m128i *)(r[1] + 16 * p));
+                const __m128i x2 = _mm_loadu_si128((const __m128i *)(r[2] + 16 * p));
+                const __m128i x3 = _mm_loadu_si128((const __m128i *)(r[3] + 16 * p));
+                const __m128i l01 = _mm_unpacklo_epi8(x0, x1), h01 = _mm_unpackhi_epi8(x0, x1);
+                const __m128i l23 = _mm_unpacklo_epi8(x2, x3), h23 = _mm_unpackhi_epi8(x2, x3);
+                _mm_store_si128((__m128i *)&sc->bp[p][q4][0], _mm_unpacklo_epi16(l01, l23));
+                _mm_store_si128((__m128i *)&sc->bp[p][q4][16], _mm_unpackhi_epi16(l01, l23));
+                _mm_store_si128((__m128i *)&sc->bp[p][q4][32], _mm_unpacklo_epi16(h01, h23));
+                _mm_store_si128((__m128i *)&sc->bp[p][q4][48], _mm_unpackhi_epi16(h01, h23));
+            }
+        }
+    }
+    /* soft cap, then the online softmax per head: s becomes p (0 past n and
+     * for absent heads) */
+    float *acc = st_acc(st);
+    for (int h = 0; h < 4; h++) {
+        float *sh = sc->s[h];
+        if (h >= nh) {
+            for (int j = 0; j < KEYS; j += 16) _mm512_store_ps(sh + j, _mm512_setzero_ps());
+            continue;
+        }
+        if (st->cap > 0.0f) {
+            kvc__softcap_row(sh, n, st->cap, log2e);
+            for (int j = n; j < nblk * 16; j++) sh[j] = -INFINITY;
+        }
+        __m512 mx = _mm512_load_ps(sh);
+        for (int j = 16; j < nblk * 16; j += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(sh + j));
+        const float bm = _mm512_reduce_max_ps(mx);
+        const float mn = bm > st->m[h] ? bm : st->m[h];
+        if (!(mn > -INFINITY)) { /* no finite score yet (NaN/Inf in the inputs): nothing to add */
+            for (int j = 0; j < KEYS; j += 16) _mm512_store_ps(sh + j, _mm512_setzero_ps());
+            continue;
+        }
+        const __m512 vm = _mm512_set1_ps(mn);
+        __m512 sum = _mm512_setzero_ps();
+        for (int j = 0; j < nblk * 16; j += 16) {
+            const __m512 p = kvc__exp2_16(_mm512_sub_ps(_mm512_load_ps(sh + j), vm));
+            _mm512_store_ps(sh + j, p);
+            sum = _mm512_add_ps(sum, p);
+        }
+        for (int j = nblk * 16; j < KEYS; j += 16) _mm512_store_ps(sh + j, _mm512_setzero_ps());
+        if (mn > st->m[h]) {
+            const float al = st->m[h] == -INFINITY ? 0.0f : exp2f(st->m[h] - mn);
+            const __m512 va = _mm512_set1_ps(al);
+            float *ah = acc + (int64_t)h * D;
+            for (int d = 0; d < D; d += 16) _mm512_store_ps(ah + d, _mm512_mul_ps(_mm512_load_ps(ah + d), va));
+            st->l[h] *= al;
+            st->m[h] = mn;
+        }
+        st->l[h] += _mm512_reduce_add_ps(sum);
+    }
+    /* weights per group: digits of round(p * vs / W * WMAX), row 4t + h */
+    float wf[KVC_AMX_MAX_DIM / 16];
+    const __m512i bidx = _mm512_set_epi8(
+        63, 59, 55, 51, 47, 43, 39, 35, 31, 27, 23, 19, 15, 11, 7, 3, 62, 58, 54, 50, 46, 42, 38, 34,
+        30, 26, 22, 18, 14, 10, 6, 2, 61, 57, 53, 49, 45, 41, 37, 33, 29, 25, 21, 17, 13, 9, 5, 1, 60,
+        56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0); /* 16t + l <- byte t of lane l */
+    for (int g = 0; g < ng; g++) {
+        __m512 mx = _mm512_setzero_ps();
+        for (int j = 0; j < nblk * 16; j += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(&sc->vsc[g][j]));
+        const float W = _mm512_reduce_max_ps(mx);
+        const int ok = W > 0.0f && W <= FLT_MAX; /* all zero (or garbage): no V */
+        wf[g] = ok ? W / WMAX : 0.0f;
+        const __m512 inv = _mm512_set1_ps(ok ? WMAX / W : 0.0f), wmax = _mm512_set1_ps(WMAX);
+        __m512 vs[4];
+        for (int j = 0; j < 4; j++)
+            vs[j] = j < nblk ? _mm512_mul_ps(_mm512_load_ps(&sc->vsc[g][16 * j]), inv)
+                             : _mm512_setzero_ps();
+        for (int h = 0; h < 4; h++) {
+            /* bb[j]: bytes 16t + l = digit t of key 16j + l; row t of the A
+             * tile is then the 128-bit blocks t of bb[0..3] (a 4 x 4 block
+             * transpose), written as whole aligned rows (masked stores at
+             * offsets that split cache lines cost 3x more, measured) */
+            __m512i bb[4];
+            for (int j = 0; j < 4; j++) {
+                const __m512 w = _mm512_min_ps(_mm512_mul_ps(_mm512_load_ps(&sc->s[h][16 * j]), vs[j]), wmax);
+                bb[j] = _mm512_permutexvar_epi8(
+                    bidx, _mm512_cvt_roundps_epu32(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            }
+            const __m512i u0 = _mm512_shuffle_i32x4(bb[0], bb[1], 0x44); /* b0.0 b0.1 b1.0 b1.1 */
+            const __m512i u1 = _mm512_shuffle_i32x4(bb[0], bb[1], 0xee); /* b0.2 b0.3 b1.2 b1.3 */
+            const __m512i u2 = _mm512_shuffle_i32x4(bb[2], bb[3], 0x44);
+            const __m512i u3 = _mm512_shuffle_i32x4(bb[2], bb[3], 0xee);
+            /* digit t = 2 is the high one: row h gets t = 2, row 4 + h t = 1, row 8 + h t = 0 */
+            _mm512_store_si512(sc->ap[g][h], _mm512_shuffle_i32x4(u1, u3, 0x88));
+            _mm512_store_si512(sc->ap[g][4 + h], _mm512_shuffle_i32x4(u0, u2, 0xdd));
+            _mm512_store_si512(sc->ap[g][8 + h], _mm512_shuffle_i32x4(u0, u2, 0x88));
+        }
+    }
+    /* P.V: per 16-column tile, A = the group's weights (tmm4), B = its V
+     * columns (tmm6), C alternating (tmm1, tmm5) so that one tile's store
+     * overlaps the next one's products */
+    const int tiles = D / 16, tpg = group / 16;
+    for (int jt = 0; jt < tiles; jt++) {
+        const int g = jt / tpg;
+        if (jt % tpg == 0) TLOAD(4, sc->ap[g], KEYS);
+        TLOAD(6, sc->bp[jt], 64);
+        if (jt & 1) {
+            _tile_zero(5);
+            _tile_dpbusd(5, 4, 6);
+            TSTORE(5, sc->cp[1], 64);
+        } else {
+            _tile_zero(1);
+            _tile_dpbusd(1, 4, 6);
+            TSTORE(1, sc->cp[0], 64);
+        }
+        const __m512 f2 = _mm512_set1_ps(wf[g] * 65536.0f), f1 = _mm512_set1_ps(wf[g] * 256.0f),
+                     f0 = _mm512_set1_ps(wf[g]);
+        int32_t(*cp)[16] = sc->cp[jt & 1];
+        for (int h = 0; h < nh; h++) {
+            float *a = acc + (int64_t)h * D + 16 * jt;
+            __m512 x = _mm512_load_ps(a);
+            x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cp[h])), f2, x);
+            x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cp[4 + h])), f1, x);
+            x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cp[8 + h])), f0, x);
+            _mm512_store_ps(a, x);
+        }
+    }
+#undef KROW
+#undef VROW
+#undef KSROW
+#undef VSROW
+}
+
+static void amx_end(const void *stv, float *m, float *l, float *acc, int Dp) {
+    const amx_state *st = stv;
+    const float *a = (const float *)(st + 1);
+    const int D = st->D;
+    for (int h = 0; h < st->nh; h++) {
+        m[h] = st->m[h];
+        l[h] = st->l[h];
+        float *o = acc + (int64_t)h * Dp;
+        const float *ah = a + (int64_t)h * D;
+        const int P = st->piece;
+        for (int p = 0; p < D; p += P)
+            for (int e = 0; e < P; e++) o[p + pv_pos(P, e)] = ah[p + e];
+        for (int d = D; d < Dp; d++) o[d] = 0.0f;
+    }
+}
+
+/* ---- the table ------------------------------------------------------------- */
+
+static kvc_kernels g_table;
+
+int kvc__amx_init(void) {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    /* Linux hands out tile data state per process on request (5.16+). */
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) return 0;
+    g_table = *kvc__kernels_avx512();
+    g_table.isa = KVC_ISA_AMX;
+    g_table.amx_tiles = amx_tiles;
+    g_table.amx_state_bytes = amx_state_bytes;
+    g_table.amx_begin = amx_begin;
+    g_table.amx_run = amx_run;
+    g_table.amx_end = amx_end;
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+const kvc_kernels *kvc__kernels_amx(void) { return &g_table; }
+
+#else /* 32-bit x86: no AMX */
+
+int kvc__amx_init(void) { return 0; }
+const kvc_kernels *kvc__kernels_amx(void) { return kvc__kernels_avx512(); }
+
+#endif
