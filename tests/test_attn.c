@@ -112,7 +112,8 @@ static int run_single(const sd_case *c, uint64_t seed) {
         for (int64_t d = 0; d < D; d++) set_f(qb, c->qd, d, 0.0f);
     if (c->qspecial == 2)
         for (int64_t h = 0; h < Hq; h++) {
-            for (int64_t d = 0; d < D; d++) set_f(qb, c->qd, h * D + d, get_f(qb, c->qd, h * D + d) * 1e-4f);
+            for (int64_t d = 0; d < D; d++)
+                set_f(qb, c->qd, h * D + d, get_f(qb, c->qd, h * D + d) * 1e-4f);
             set_f(qb, c->qd, h * D + (h * 7) % D, c->qmag);
         }
     for (int64_t i = 0; i < Hq * D; i++) qf[i] = get_f(qb, c->qd, i);
@@ -625,8 +626,8 @@ TEST(paged_int8_grouped) {
     FOR_EACH_ISA({
         for (int pi = 0; pi < 5; pi++)
             for (int lay = 0; lay < 2; lay++)
-                if (run_paged_g(KVC_I8, pi % 2 ? KVC_F32 : KVC_F16, (kvc_kv_layout)lay, pss[pi], 8, 2,
-                                128, 5, lens, pi == 3 ? 10.0f : 0.0f, pi == 4 ? 100 : -1,
+                if (run_paged_g(KVC_I8, pi % 2 ? KVC_F32 : KVC_F16, (kvc_kv_layout)lay, pss[pi],
+                                8, 2, 128, 5, lens, pi == 3 ? 10.0f : 0.0f, pi == 4 ? 100 : -1,
                                 pi == 2 ? 64 : 32) != 0)
                     return 1;
         const int64_t longl[3] = {4097, 3, 2049};

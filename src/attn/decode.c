@@ -242,8 +242,8 @@ static int amx_runs(const attn_ctx *c, int64_t b, int64_t h, int64_t j, int64_t 
  * kv 4096, H 8) slower.
  * Not inlined into chunk_task: the two paths' stack arrays stay apart.
  */
-static __attribute__((noinline)) void chunk_amx(const attn_ctx *c, int64_t b, int64_t ch, int64_t nch, int64_t j0,
-                      int64_t j1) {
+static __attribute__((noinline)) void chunk_amx(const attn_ctx *c, int64_t b, int64_t ch,
+                                                int64_t nch, int64_t j0, int64_t j1) {
     const kvc_kernels *kk = c->kern;
     const int64_t D = c->D, Dp = c->Dp, G = c->G;
     const int64_t sets = (G + 3) / 4, nslots = c->H * sets;
@@ -279,8 +279,9 @@ static __attribute__((noinline)) void chunk_amx(const attn_ctx *c, int64_t b, in
                     keys.nrun = amx_runs(c, b, h, j, je, keys.run);
                     /* prefetched: the keys of the next call with other rows (the
                      * next KV head, or the next call's first head) */
-                    keys.nnext = (s1 - 1) / sets > h ? amx_runs(c, b, h + 1, j, je, keys.next)
-                                                      : amx_runs(c, b, s0 / sets, je, jn, keys.next);
+                    keys.nnext = (s1 - 1) / sets > h
+                                     ? amx_runs(c, b, h + 1, j, je, keys.next)
+                                     : amx_runs(c, b, s0 / sets, je, jn, keys.next);
                     hcur = h;
                 }
                 kk->amx_run(arena + (size_t)(sl - s0) * sb, &keys);

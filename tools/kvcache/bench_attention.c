@@ -309,8 +309,8 @@ int bench_attention(const bench_opts *o) {
                         if (met >= 0) goals++, goals_met += met;
                         if (o->json) {
                             printf("{\"type\":\"case\",\"target\":\"attention\",\"hq\":%lld,"
-                                   "\"h\":%lld,\"head_dim\":%lld,\"cache\":\"%s\",\"quant_group\":%lld,"
-                                   "\"batch\":%lld,"
+                                   "\"h\":%lld,\"head_dim\":%lld,\"cache\":\"%s\","
+                                   "\"quant_group\":%lld,\"batch\":%lld,"
                                    "\"kv\":%lld,\"threads\":%d,\"isa\":\"%s\",\"us_per_layer\":"
                                    "%.3f,\"us_min\":%.3f,\"bytes\":%.0f,\"gbs\":%.3f,"
                                    "\"read_gbs\":%.3f,\"ratio\":%.4f,\"fma_gflops\":%.2f,"
