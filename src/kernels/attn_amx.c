@@ -75,13 +75,13 @@ typedef struct amx_state {
     float sqw[16];     /* lane 4t + h: sq_h * 256^(2 - t); lanes of absent heads 0 */
     float m[4], l[4];  /* online softmax, base 2 */
     int D, group, nh;  /* head dim, quant group, heads in the set (<= 4) */
-    int ng, gpa, nseg; /* groups, groups per 64-element segment, B tiles */
+    int ng, gpa;       /* groups, groups per 64-element segment */
     int piece;         /* V interleave piece bytes (16, 32, 64): accumulator order (pv_pos) */
     float cap;
-} amx_state;
+} __attribute__((aligned(64))) amx_state; /* 128 bytes: acc after it stays 64-byte aligned */
 _Static_assert(sizeof(amx_state) == 128, "amx_state header is 128 bytes");
 
-/* acc (4, D) floats after the header, then the score B tiles (nseg, 16, 64) */
+/* acc (4, D) floats after the header, then the score B tiles ((D / 64) * gpa, 16, 64) */
 KVC_INLINE float *st_acc(amx_state *st) { return (float *)(st + 1); }
 KVC_INLINE int8_t *st_bs(amx_state *st) { return (int8_t *)(st_acc(st) + 4 * st->D); }
 
@@ -175,7 +175,7 @@ static void amx_begin(void *stv, const float *q, int nh, int D, int Dp, int grou
     amx_state *st = stv;
     memset(st, 0, sizeof *st);
     st->D = D, st->group = group, st->nh = nh, st->cap = cap;
-    st->ng = D / group, st->gpa = seg_per_a(group), st->nseg = (D / 64) * st->gpa;
+    st->ng = D / group, st->gpa = seg_per_a(group);
     st->piece = group % 64 == 0 ? 64 : group % 32 == 0 ? 32 : 16;
     for (int h = 0; h < 4; h++) st->m[h] = -INFINITY, st->l[h] = 0.0f;
     memset(st_acc(st), 0, (size_t)16 * (size_t)D);
