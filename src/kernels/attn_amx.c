@@ -43,9 +43,12 @@
  * Where the time goes (BENCHMARKS.md, measured on one core): tile stores
  * do not overlap the vector work (tile products do), and each quant group
  * costs a 16 x 16 C tile per 16 keys that the vector units scale and sum:
- * with group 32 that is more int32 data than the int8 K it came from, so
- * the kernel is about 1.5x faster than the float one at group 32 and 2.3x at
- * group 128, not the 4x+ the tile unit's arithmetic would allow.
+ * with group 32 that is more int32 data than the int8 K it came from. Of
+ * ~300 ns per 16 keys at group 32 (4 query heads, Dh 128), dropping a phase
+ * saves: score post-processing ~65, V interleave ~50, P.V tiles and flush
+ * ~50, weights ~20, softmax ~15; tile products, scale gathers and set-up
+ * the rest (~100). The kernel is about 1.7x the float one at group 32 and
+ * 2.5x at group 128, not the 4x+ the tile unit's arithmetic would allow.
  */
 #define _GNU_SOURCE
 #include "kernels.h"
@@ -235,38 +238,61 @@ typedef struct amx_scratch {
     int8_t bp[KVC_AMX_MAX_DIM / 16][KEYS / 4][64]; /* V by key quads (B tile), per 16 columns */
     int32_t cp[2][16][16];                         /* P.V C tiles (alternating) */
     int8_t kcopy[16][KVC_AMX_MAX_DIM];             /* K rows of a block that is not one run */
-    float ksc[KEYS][KVC_AMX_MAX_DIM / 16];         /* K scales [key][group] */
-    float vsr[16 * (KVC_AMX_MAX_DIM / 16)];        /* V scales of one block, [key][group] dense */
+    float ksc[KVC_AMX_MAX_DIM / 16][KEYS];         /* K scales [group][key] */
     float vsc[KVC_AMX_MAX_DIM / 16][KEYS];         /* V scales [group][key] */
     float s[4][KEYS];                              /* scores, then p */
 } amx_scratch;
 
-/* The ng (1..16) scales of one row as float32 in dst[0, ng), zeros in
- * [ng, nw). */
-KVC_INLINE void scale_row(const void *p, kvc_dtype sd, int ng, int nw, float *dst) {
-    const __mmask16 m = (__mmask16)((1u << ng) - 1u), mw = (__mmask16)((1u << nw) - 1u);
-    if (sd == KVC_F16)
-        _mm512_mask_storeu_ps(dst, mw, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)));
-    else
-        _mm512_mask_storeu_ps(dst, mw, _mm512_maskz_loadu_ps(m, p));
-}
-
-/* vsc[g][k0 + i] = vsr[i * ng + g], i < 16, ng a power of two <= 16 (rows
- * padded with zeros to one): log2(ng) rounds of splitting even and odd
- * positions (ng = 1: a copy). */
-KVC_INLINE void scales_transpose(const float *vsr, int ng, float (*vsc)[KEYS], int k0) {
-    __m512 v[16], w[16];
-    for (int i = 0; i < ng; i++) v[i] = _mm512_loadu_ps(vsr + 16 * i);
-    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
-    for (int step = 1; step < ng; step *= 2) {
-        for (int j = 0; j < ng / 2; j++) {
-            w[j] = _mm512_permutex2var_ps(v[2 * j], ev, v[2 * j + 1]);
-            w[ng / 2 + j] = _mm512_permutex2var_ps(v[2 * j], od, v[2 * j + 1]);
+/*
+ * The ng scales of 16 keys as float32 columns: dst[g][k0 + i] = scale g of
+ * row[i] for i < nb, 0 for nb <= i < 16. Gathers with the rows' addresses
+ * (64-bit lanes): float16 scales two groups per 32-bit element when ng is
+ * even, float32 one; an odd number of float16 scales (a row of 2 bytes
+ * when ng is 1, where a 32-bit read could leave the tensor) goes element
+ * by element. Gathers per 32 bits of row instead of a load, convert and
+ * store per row and a transpose: the kernel ran 5-7% faster at group 32.
+ */
+KVC_INLINE void scales_block(const char *const *row, kvc_dtype sd, int ng, int nb,
+                             float (*dst)[KEYS], int k0) {
+    const __mmask16 live = (__mmask16)((1u << nb) - 1u);
+    if (sd == KVC_F16 && ng % 2 != 0) {
+        for (int g = 0; g < ng; g++) {
+            uint16_t x[16];
+            for (int i = 0; i < 16; i++) {
+                x[i] = 0;
+                if (i < nb) memcpy(&x[i], row[i] + 2 * g, 2);
+            }
+            /* inserts, not a store and a reload (a failed store forward) */
+            __m128i lo = _mm_cvtsi32_si128(x[0]), hi = _mm_cvtsi32_si128(x[8]);
+#define INS(j)                                \
+    lo = _mm_insert_epi16(lo, x[j], j);       \
+    hi = _mm_insert_epi16(hi, x[8 + j], j);
+            INS(1) INS(2) INS(3) INS(4) INS(5) INS(6) INS(7)
+#undef INS
+            _mm512_storeu_ps(&dst[g][k0], _mm512_cvtph_ps(_mm256_set_m128i(hi, lo)));
         }
-        for (int i = 0; i < ng; i++) v[i] = w[i];
+        return;
     }
-    for (int g = 0; g < ng; g++) _mm512_storeu_ps(&vsc[g][k0], v[g]);
+    __m512i a0 = _mm512_loadu_si512(row), a1 = _mm512_loadu_si512(row + 8);
+    const __m512i four = _mm512_set1_epi64(4);
+    const int words = sd == KVC_F16 ? ng / 2 : ng; /* 32-bit elements per row */
+    const __m256i z = _mm256_setzero_si256();
+    for (int w = 0; w < words; w++) {
+        /* base 0: the lanes hold whole addresses */
+        const __m256i lo = _mm512_mask_i64gather_epi32(z, (__mmask8)live, a0, (const void *)0, 1);
+        const __m256i hi =
+            _mm512_mask_i64gather_epi32(z, (__mmask8)(live >> 8), a1, (const void *)0, 1);
+        a0 = _mm512_add_epi64(a0, four);
+        a1 = _mm512_add_epi64(a1, four);
+        const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        if (sd == KVC_F16) {
+            _mm512_storeu_ps(&dst[2 * w][k0], _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x)));
+            _mm512_storeu_ps(&dst[2 * w + 1][k0],
+                             _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(x, 16))));
+        } else {
+            _mm512_storeu_ps(&dst[w][k0], _mm512_castsi512_ps(x));
+        }
+    }
 }
 
 /* Prefetch into L2 the rows of the next call's keys [i0, i1) (nn of them):
@@ -292,8 +318,6 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
     static const float log2e = 1.4426950408889634f;
     amx_state *st = stv;
     const int D = st->D, group = st->group, ng = st->ng, gpa = st->gpa, nh = st->nh;
-    int npg = 1; /* groups rounded up to a power of two (V scale transpose) */
-    while (npg < ng) npg *= 2;
     amx_scratch sc_ __attribute__((aligned(64)));
     amx_scratch *sc = &sc_;
     /* key i of this call: run rk[i], index ri[i] in it */
@@ -311,6 +335,17 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
     const int nblk = (n + 15) / 16;
     const __m512 sqw = _mm512_load_ps(st->sqw);
     const int8_t *bs = st_bs(st);
+    /* The query's B tiles stay in tmm4-7 for the call's score tiles when
+     * there are at most 4 (Dh 128 with group 32, or groups of 64+ up to Dh
+     * 256; P.V reuses those registers), instead of a tile load per group
+     * and block: ~2% of the kernel at group 32. */
+    const int nbt = (D / 64) * gpa, resident = nbt <= 4;
+    if (resident) {
+        TLOAD(4, bs, 64);
+        if (nbt > 1) TLOAD(5, bs + 1024, 64);
+        if (nbt > 2) TLOAD(6, bs + 2048, 64);
+        if (nbt > 3) TLOAD(7, bs + 3072, 64);
+    }
     /* scores, block by block (the C tiles of a block are read back at once) */
     for (int b = 0; b < nblk; b++) {
         const int k0 = 16 * b, nb = n - k0 < 16 ? n - k0 : 16;
@@ -328,17 +363,16 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
             }
             abase = &sc->kcopy[0][0], astride = KVC_AMX_MAX_DIM;
         }
-        /* scale rows (absent keys: 0) */
-        for (int i = 0; i < 16; i++) {
-            if (i < nb) {
-                scale_row(KSROW(k0 + i), ks->ksd, ng, ng, sc->ksc[k0 + i]);
-                scale_row(VSROW(k0 + i), ks->vsd, ng, npg, sc->vsr + i * npg);
-            } else {
-                memset(sc->ksc[k0 + i], 0, sizeof sc->ksc[0]);
-                memset(sc->vsr + i * npg, 0, (size_t)npg * sizeof(float));
+        /* scales as [group][key] columns (absent keys: 0) */
+        {
+            const char *kr[16], *vr[16];
+            for (int i = 0; i < 16; i++) {
+                kr[i] = KSROW(k0 + (i < nb ? i : 0));
+                vr[i] = VSROW(k0 + (i < nb ? i : 0));
             }
+            scales_block(kr, ks->ksd, ng, nb, sc->ksc, k0);
+            scales_block(vr, ks->vsd, ng, nb, sc->vsc, k0);
         }
-        scales_transpose(sc->vsr, npg, sc->vsc, k0);
         /* C tile per group (alternating registers: a group's products need not
          * wait for the previous group's tile store) */
         int lasta = -1;
@@ -354,7 +388,21 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
                     TLOAD(0, abase + 64 * a, astride);
                     lasta = a;
                 }
-                const int8_t *bt = bs + (size_t)(group >= 64 ? a : a * gpa + g % gpa) * 1024;
+                const int bi = group >= 64 ? a : a * gpa + g % gpa;
+                if (resident) {
+#define DP(c, r)                   \
+    case r:                        \
+        _tile_dpbssd(c, 0, r);     \
+        break;
+                    if (g & 1) {
+                        switch (bi + 4) { DP(3, 4) DP(3, 5) DP(3, 6) DP(3, 7) }
+                    } else {
+                        switch (bi + 4) { DP(2, 4) DP(2, 5) DP(2, 6) DP(2, 7) }
+                    }
+#undef DP
+                    continue;
+                }
+                const int8_t *bt = bs + (size_t)bi * 1024;
                 if (g & 1) {
                     TLOAD(4, bt, 64);
                     _tile_dpbssd(3, 0, 4);
@@ -378,12 +426,11 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
             __m512 X[4];
             for (int kk = 0; kk < 4; kk++) {
                 const int i = 4 * k4 + kk;
-                const float *kr = sc->ksc[k0 + i];
                 __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sc->cs[0][i])),
-                                         _mm512_set1_ps(kr[0]));
+                                         _mm512_set1_ps(sc->ksc[0][k0 + i]));
                 for (int g = 1; g < ng; g++)
                     x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sc->cs[g][i])),
-                                        _mm512_set1_ps(kr[g]), x);
+                                        _mm512_set1_ps(sc->ksc[g][k0 + i]), x);
                 X[kk] = _mm512_mul_ps(x, sqw);
             }
             /* T_t = [X0.t | X1.t | X2.t | X3.t] (128-bit blocks) */
@@ -551,27 +598,34 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
         }
     }
     /* P.V: per 16-column tile, A = the group's weights (tmm4), B = its V
-     * columns (tmm6), C alternating (tmm1, tmm5) so that one tile's store
-     * overlaps the next one's products */
+     * columns (tmm6), C alternating (tmm1, tmm5); a tile is flushed into acc
+     * after the next tile's products and store are issued, so its store has
+     * drained when the vector loads read it (4-8% faster than flushing at
+     * once, measured) */
     const int tiles = D / 16, tpg = group / 16;
-    for (int jt = 0; jt < tiles; jt++) {
-        const int g = jt / tpg;
-        if (jt % tpg == 0) TLOAD(4, sc->ap[g], KEYS);
-        TLOAD(6, sc->bp[jt], 64);
-        if (jt & 1) {
-            _tile_zero(5);
-            _tile_dpbusd(5, 4, 6);
-            TSTORE(5, sc->cp[1], 64);
-        } else {
-            _tile_zero(1);
-            _tile_dpbusd(1, 4, 6);
-            TSTORE(1, sc->cp[0], 64);
+    for (int jt = 0; jt <= tiles; jt++) {
+        if (jt < tiles) {
+            const int g = jt / tpg;
+            if (jt % tpg == 0) TLOAD(4, sc->ap[g], KEYS);
+            TLOAD(6, sc->bp[jt], 64);
+            if (jt & 1) {
+                _tile_zero(5);
+                _tile_dpbusd(5, 4, 6);
+                TSTORE(5, sc->cp[1], 64);
+            } else {
+                _tile_zero(1);
+                _tile_dpbusd(1, 4, 6);
+                TSTORE(1, sc->cp[0], 64);
+            }
         }
+        if (jt == 0) continue;
+        /* flush the previous tile */
+        const int jp = jt - 1, g = jp / tpg;
         const __m512 f2 = _mm512_set1_ps(wf[g] * 65536.0f), f1 = _mm512_set1_ps(wf[g] * 256.0f),
                      f0 = _mm512_set1_ps(wf[g]);
-        int32_t(*cp)[16] = sc->cp[jt & 1];
+        int32_t(*cp)[16] = sc->cp[jp & 1];
         for (int h = 0; h < nh; h++) {
-            float *a = acc + (int64_t)h * D + 16 * jt;
+            float *a = acc + (int64_t)h * D + 16 * jp;
             __m512 x = _mm512_load_ps(a);
             x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cp[h])), f2, x);
             x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cp[4 + h])), f1, x);
