@@ -98,17 +98,17 @@ static size_t amx_state_bytes(int D, int group) {
 /*
  * Element order of the accumulator. V rows are interleaved by key quads in
  * pieces of P bytes (P = 64, 32 or 16: the largest whose tiles stay inside
- * one quant group): unpacking bytes then 16-bit pairs of 4 rows gives 4
- * vectors X_x whose 128-bit lane L holds elements 16L + 4x .. +3 of the
- * piece, 4 keys each. A tile row is 64 bytes of such lanes, so a tile's 16
- * columns are not always consecutive elements: column n of tile t of a
- * piece holds element pv_pos(P, 16t + n) of the piece.
+ * one quant group). For P = 16 and 32 a byte permute puts the columns in
+ * element order. For P = 64, unpacking bytes then 16-bit pairs of 4 rows
+ * gives 4 vectors X_x whose 128-bit lane L holds elements 16L + 4x .. +3 of
+ * the piece, 4 keys each; a tile row is such a vector, so column n of tile
+ * t of the piece holds element pv_pos(64, 16t + n) (cheaper than permuting
+ * four rows of 64 bytes).
  */
 static int pv_pos(int P, int i) {
     const int t = i / 16, n = i % 16;
-    if (P == 16) return i;                                                /* [X0 X1 X2 X3] */
-    if (P == 32) return 16 * ((n % 8) / 4) + 4 * (2 * t + n / 8) + n % 4; /* [X2t X2t+1] */
-    return 16 * (n / 4) + 4 * t + n % 4;                                  /* P = 64: X_t */
+    if (P <= 32) return i;
+    return 16 * (n / 4) + 4 * t + n % 4; /* X_t */
 }
 
 /* ---- tiles --------------------------------------------------------------- */
@@ -463,6 +463,18 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
     }
     /* V interleaved by key quads (the last partial quad repeats its last key,
      * whose weight is 0 there) */
+    /* byte 4n + k of a tile row = element n of key k: from 16 bytes per
+     * key (piece 16), or from 32 per key with keys 0,1 in one source and 2,3
+     * in the other (piece 32, columns 0-15 and 16-31) */
+    int8_t pi16[64], pi32[64], pi32h[64];
+    for (int e = 0; e < 16; e++)
+        for (int k = 0; k < 4; k++) {
+            pi16[4 * e + k] = (int8_t)(16 * k + e);
+            pi32[4 * e + k] = (int8_t)(64 * (k / 2) + 32 * (k % 2) + e);
+            pi32h[4 * e + k] = (int8_t)(64 * (k / 2) + 32 * (k % 2) + 16 + e);
+        }
+    const __m512i perm16 = _mm512_loadu_si512(pi16), perm32 = _mm512_loadu_si512(pi32),
+                  perm32h = _mm512_loadu_si512(pi32h);
     for (int q4 = 0; q4 < nblk * 4; q4++) {
         const int8_t *r[4];
         for (int i = 0; i < 4; i++) r[i] = VROW(4 * q4 + i < n ? 4 * q4 + i : n - 1);
@@ -482,36 +494,28 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
                 _mm512_store_si512(sc->bp[4 * p + 3][q4], _mm512_unpackhi_epi16(h01, h23));
             }
         } else if (st->piece == 32) {
+            /* rows 0,1 and 2,3 of a 32-byte piece in two registers; one
+             * two-source byte permute per 16 columns (natural order) */
             for (int p = 0; p < D / 32; p++) {
-                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(r[0] + 32 * p));
-                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(r[1] + 32 * p));
-                const __m256i x2 = _mm256_loadu_si256((const __m256i *)(r[2] + 32 * p));
-                const __m256i x3 = _mm256_loadu_si256((const __m256i *)(r[3] + 32 * p));
-                const __m256i l01 = _mm256_unpacklo_epi8(x0, x1),
-                              h01 = _mm256_unpackhi_epi8(x0, x1);
-                const __m256i l23 = _mm256_unpacklo_epi8(x2, x3),
-                              h23 = _mm256_unpackhi_epi8(x2, x3);
-                _mm256_store_si256((__m256i *)&sc->bp[2 * p][q4][0],
-                                   _mm256_unpacklo_epi16(l01, l23));
-                _mm256_store_si256((__m256i *)&sc->bp[2 * p][q4][32],
-                                   _mm256_unpackhi_epi16(l01, l23));
-                _mm256_store_si256((__m256i *)&sc->bp[2 * p + 1][q4][0],
-                                   _mm256_unpacklo_epi16(h01, h23));
-                _mm256_store_si256((__m256i *)&sc->bp[2 * p + 1][q4][32],
-                                   _mm256_unpackhi_epi16(h01, h23));
+                const __m512i x01 = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r[0] + 32 * p))),
+                    _mm256_loadu_si256((const __m256i *)(r[1] + 32 * p)), 1);
+                const __m512i x23 = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(r[2] + 32 * p))),
+                    _mm256_loadu_si256((const __m256i *)(r[3] + 32 * p)), 1);
+                _mm512_store_si512(sc->bp[2 * p][q4], _mm512_permutex2var_epi8(x01, perm32, x23));
+                _mm512_store_si512(sc->bp[2 * p + 1][q4],
+                                   _mm512_permutex2var_epi8(x01, perm32h, x23));
             }
         } else {
+            /* the 4 rows' 16-byte pieces in one register, one byte permute */
             for (int p = 0; p < D / 16; p++) {
-                const __m128i x0 = _mm_loadu_si128((const __m128i *)(r[0] + 16 * p));
-                const __m128i x1 = _mm_loadu_si128((const __m128i *)(r[1] + 16 * p));
-                const __m128i x2 = _mm_loadu_si128((const __m128i *)(r[2] + 16 * p));
-                const __m128i x3 = _mm_loadu_si128((const __m128i *)(r[3] + 16 * p));
-                const __m128i l01 = _mm_unpacklo_epi8(x0, x1), h01 = _mm_unpackhi_epi8(x0, x1);
-                const __m128i l23 = _mm_unpacklo_epi8(x2, x3), h23 = _mm_unpackhi_epi8(x2, x3);
-                _mm_store_si128((__m128i *)&sc->bp[p][q4][0], _mm_unpacklo_epi16(l01, l23));
-                _mm_store_si128((__m128i *)&sc->bp[p][q4][16], _mm_unpackhi_epi16(l01, l23));
-                _mm_store_si128((__m128i *)&sc->bp[p][q4][32], _mm_unpacklo_epi16(h01, h23));
-                _mm_store_si128((__m128i *)&sc->bp[p][q4][48], _mm_unpackhi_epi16(h01, h23));
+                __m512i x =
+                    _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(r[0] + 16 * p)));
+                x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(r[1] + 16 * p)), 1);
+                x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(r[2] + 16 * p)), 2);
+                x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i *)(r[3] + 16 * p)), 3);
+                _mm512_store_si512(sc->bp[p][q4], _mm512_permutexvar_epi8(perm16, x));
             }
         }
     }
