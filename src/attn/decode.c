@@ -260,6 +260,8 @@ static __attribute__((noinline)) void chunk_amx(const attn_ctx *c, int64_t b, in
     keys.vs_stride = kvc__bytes(c->vs.dt, c->vs.tok_st);
     keys.ksd = c->ks.dt;
     keys.vsd = c->vs.dt;
+    const int scale_near = kvc__bytes(c->ks.dt, c->ks.head_st) < 64 &&
+                           kvc__bytes(c->vs.dt, c->vs.head_st) < 64;
     kk->amx_tiles(1);
     for (int64_t s0 = 0; s0 < nslots; s0 += per) {
         const int64_t s1 = s0 + per < nslots ? s0 + per : nslots;
@@ -279,9 +281,12 @@ static __attribute__((noinline)) void chunk_amx(const attn_ctx *c, int64_t b, in
                     keys.nrun = amx_runs(c, b, h, j, je, keys.run);
                     /* prefetched: the keys of the next call with other rows (the
                      * next KV head, or the next call's first head) */
-                    keys.nnext = (s1 - 1) / sets > h
-                                     ? amx_runs(c, b, h + 1, j, je, keys.next)
-                                     : amx_runs(c, b, s0 / sets, je, jn, keys.next);
+                    const int same_keys = (s1 - 1) / sets > h;
+                    keys.nnext = same_keys ? amx_runs(c, b, h + 1, j, je, keys.next)
+                                           : amx_runs(c, b, s0 / sets, je, jn, keys.next);
+                    /* the next head's scales of the same keys lie within 64 bytes
+                     * of this head's (NHD): this call brings them in */
+                    keys.pf_scales = !(same_keys && scale_near);
                     hcur = h;
                 }
                 kk->amx_run(arena + (size_t)(sl - s0) * sb, &keys);

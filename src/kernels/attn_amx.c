@@ -309,8 +309,10 @@ KVC_INLINE void prefetch_next(const kvc_amx_keys *ks, int D, const int *nrun_key
             _mm_prefetch(k + o, _MM_HINT_T1);
             _mm_prefetch(v + o, _MM_HINT_T1);
         }
-        _mm_prefetch((const char *)r->ks + j * ks->ks_stride, _MM_HINT_T1);
-        _mm_prefetch((const char *)r->vs + j * ks->vs_stride, _MM_HINT_T1);
+        if (ks->pf_scales) {
+            _mm_prefetch((const char *)r->ks + j * ks->ks_stride, _MM_HINT_T1);
+            _mm_prefetch((const char *)r->vs + j * ks->vs_stride, _MM_HINT_T1);
+        }
     }
 }
 

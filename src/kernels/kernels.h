@@ -61,6 +61,7 @@ typedef struct kvc_amx_keys {
     int64_t k_stride, v_stride, ks_stride, vs_stride; /* bytes */
     kvc_dtype ksd, vsd;
     int nrun, nnext;
+    int pf_scales; /* 0: the next call's scale rows share this call's lines (not prefetched) */
     kvc_amx_run run[KVC_AMX_KEYS], next[KVC_AMX_KEYS];
 } kvc_amx_keys;
 
