@@ -231,6 +231,23 @@ static void amx_begin(void *stv, const float *q, int nh, int D, int Dp, int grou
 
 /* ---- run ------------------------------------------------------------------- */
 
+/* Byte permutes of the V interleave, set in kvc__amx_init: byte 4n + k of a
+ * tile row = element n of key k, from 16 bytes per key (piece 16), or from
+ * 32 per key with keys 0,1 in one source and 2,3 in the other (piece 32,
+ * columns 0-15 and 16-31). */
+static int8_t g_pi16[64] __attribute__((aligned(64)));
+static int8_t g_pi32[64] __attribute__((aligned(64)));
+static int8_t g_pi32h[64] __attribute__((aligned(64)));
+
+static void permutes_init(void) {
+    for (int e = 0; e < 16; e++)
+        for (int k = 0; k < 4; k++) {
+            g_pi16[4 * e + k] = (int8_t)(16 * k + e);
+            g_pi32[4 * e + k] = (int8_t)(64 * (k / 2) + 32 * (k % 2) + e);
+            g_pi32h[4 * e + k] = (int8_t)(64 * (k / 2) + 32 * (k % 2) + 16 + e);
+        }
+}
+
 /* Scratch of one call (stack). */
 typedef struct amx_scratch {
     int32_t cs[KVC_AMX_MAX_DIM / 16][16][16];      /* score C tiles of one block, per group */
@@ -465,18 +482,8 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
     }
     /* V interleaved by key quads (the last partial quad repeats its last key,
      * whose weight is 0 there) */
-    /* byte 4n + k of a tile row = element n of key k: from 16 bytes per
-     * key (piece 16), or from 32 per key with keys 0,1 in one source and 2,3
-     * in the other (piece 32, columns 0-15 and 16-31) */
-    int8_t pi16[64], pi32[64], pi32h[64];
-    for (int e = 0; e < 16; e++)
-        for (int k = 0; k < 4; k++) {
-            pi16[4 * e + k] = (int8_t)(16 * k + e);
-            pi32[4 * e + k] = (int8_t)(64 * (k / 2) + 32 * (k % 2) + e);
-            pi32h[4 * e + k] = (int8_t)(64 * (k / 2) + 32 * (k % 2) + 16 + e);
-        }
-    const __m512i perm16 = _mm512_loadu_si512(pi16), perm32 = _mm512_loadu_si512(pi32),
-                  perm32h = _mm512_loadu_si512(pi32h);
+    const __m512i perm16 = _mm512_load_si512(g_pi16), perm32 = _mm512_load_si512(g_pi32),
+                  perm32h = _mm512_load_si512(g_pi32h);
     for (int q4 = 0; q4 < nblk * 4; q4++) {
         const int8_t *r[4];
         for (int i = 0; i < 4; i++) r[i] = VROW(4 * q4 + i < n ? 4 * q4 + i : n - 1);
@@ -670,6 +677,7 @@ int kvc__amx_init(void) {
     /* Linux hands out tile data state per process on request (5.16+). */
     if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0)
         return 0;
+    permutes_init();
     g_table = *kvc__kernels_avx512();
     g_table.isa = KVC_ISA_AMX;
     g_table.amx_tiles = amx_tiles;
