@@ -262,22 +262,25 @@ typedef struct amx_scratch {
 
 /*
  * The ng scales of 16 keys as float32 columns: dst[g][k0 + i] = scale g of
- * row[i] for i < nb, 0 for nb <= i < 16. Gathers with the rows' addresses
- * (64-bit lanes): float16 scales two groups per 32-bit element when ng is
- * even, float32 one; an odd number of float16 scales (a row of 2 bytes
- * when ng is 1, where a 32-bit read could leave the tensor) goes element
- * by element. Gathers per 32 bits of row instead of a load, convert and
- * store per row and a transpose: the kernel ran 5-7% faster at group 32.
+ * key i's row for i < nb, 0 for nb <= i < 16; the rows are row[i], or
+ * base + i * stride when row is NULL (a block of one run: the addresses
+ * are then two vector ops, not 16 pointer computations). Gathers with the
+ * rows' addresses (64-bit lanes): float16 scales two groups per 32-bit
+ * element when ng is even, float32 one; an odd number of float16 scales (a
+ * row of 2 bytes when ng is 1, where a 32-bit read could leave the tensor)
+ * goes element by element. Gathers per 32 bits of row instead of a load,
+ * convert and store per row and a transpose: the kernel ran 5-7% faster at
+ * group 32.
  */
-KVC_INLINE void scales_block(const char *const *row, kvc_dtype sd, int ng, int nb,
-                             float (*dst)[KEYS], int k0) {
+KVC_INLINE void scales_block(const char *const *row, const char *base, int64_t stride,
+                             kvc_dtype sd, int ng, int nb, float (*dst)[KEYS], int k0) {
     const __mmask16 live = (__mmask16)((1u << nb) - 1u);
     if (sd == KVC_F16 && ng % 2 != 0) {
         for (int g = 0; g < ng; g++) {
             uint16_t x[16];
             for (int i = 0; i < 16; i++) {
                 x[i] = 0;
-                if (i < nb) memcpy(&x[i], row[i] + 2 * g, 2);
+                if (i < nb) memcpy(&x[i], (row ? row[i] : base + i * stride) + 2 * g, 2);
             }
             /* inserts, not a store and a reload (a failed store forward) */
             __m128i lo = _mm_cvtsi32_si128(x[0]), hi = _mm_cvtsi32_si128(x[8]);
@@ -290,7 +293,15 @@ KVC_INLINE void scales_block(const char *const *row, kvc_dtype sd, int ng, int n
         }
         return;
     }
-    __m512i a0 = _mm512_loadu_si512(row), a1 = _mm512_loadu_si512(row + 8);
+    __m512i a0, a1;
+    if (row) {
+        a0 = _mm512_loadu_si512(row), a1 = _mm512_loadu_si512(row + 8);
+    } else {
+        const __m512i st = _mm512_set1_epi64(stride);
+        a0 = _mm512_add_epi64(_mm512_set1_epi64((long long)(intptr_t)base),
+                              _mm512_mullo_epi64(st, _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7)));
+        a1 = _mm512_add_epi64(a0, _mm512_slli_epi64(st, 3));
+    }
     const __m512i four = _mm512_set1_epi64(4);
     const int words = sd == KVC_F16 ? ng / 2 : ng; /* 32-bit elements per row */
     const __m256i z = _mm256_setzero_si256();
@@ -333,19 +344,71 @@ KVC_INLINE void prefetch_next(const kvc_amx_keys *ks, int D, const int *nrun_key
     }
 }
 
+/* Rows of a block of 16 keys (k0 = 16 b) that lie in one run (uni): key
+ * k0 + i at k + i * k_stride, and likewise v, ks, vs. Pointer arithmetic
+ * per block instead of per key: the per-key (run, index) lookups and
+ * multiplies were measurable next to the kernel's vector work. */
+typedef struct amx_blk {
+    const char *k, *v, *ks, *vs;
+    int uni;
+} amx_blk;
+
+/* The blocks of the keys in runs[0, nrun) (at most KEYS): their count of
+ * keys is returned; bl[b].uni set for the blocks inside one run. When some
+ * block is not, rk/ri are filled too (key i is index ri[i] of run rk[i]). */
+static int amx_blocks(const kvc_amx_keys *ks, const kvc_amx_run *runs, int nrun, amx_blk *bl,
+                      int *rk, int *ri) {
+    int n = 0, all = 1;
+    for (int b = 0; b < KEYS / 16; b++) bl[b].uni = 0;
+    for (int r = 0; r < nrun && n < KEYS; r++) {
+        const int m = runs[r].n < KEYS - n ? runs[r].n : KEYS - n;
+        for (int k0 = (n + 15) / 16 * 16; k0 + 16 <= n + m; k0 += 16) {
+            amx_blk *b = &bl[k0 / 16];
+            const int64_t j = k0 - n;
+            b->uni = 1;
+            b->k = (const char *)runs[r].k + j * ks->k_stride;
+            b->v = (const char *)runs[r].v + j * ks->v_stride;
+            b->ks = (const char *)runs[r].ks + j * ks->ks_stride;
+            b->vs = (const char *)runs[r].vs + j * ks->vs_stride;
+        }
+        n += m;
+    }
+    for (int k0 = 0; k0 < n; k0 += 16) all &= bl[k0 / 16].uni;
+    if (!all) {
+        int i = 0;
+        for (int r = 0; r < nrun && i < KEYS; r++)
+            for (int j = 0; j < runs[r].n && i < KEYS; j++) rk[i] = r, ri[i] = j, i++;
+    }
+    return n;
+}
+
+/* prefetch_next for keys [i0, i1) of a block of one run (i relative to it) */
+KVC_INLINE void prefetch_blk(const kvc_amx_keys *ks, int D, const amx_blk *b, int i0, int i1) {
+    const char *k = b->k + i0 * ks->k_stride, *v = b->v + i0 * ks->v_stride;
+    for (int i = i0; i < i1; i++, k += ks->k_stride, v += ks->v_stride)
+        for (int o = 0; o < D; o += 64) {
+            _mm_prefetch(k + o, _MM_HINT_T1);
+            _mm_prefetch(v + o, _MM_HINT_T1);
+        }
+    if (ks->pf_scales)
+        for (int i = i0; i < i1; i++) {
+            _mm_prefetch(b->ks + i * ks->ks_stride, _MM_HINT_T1);
+            _mm_prefetch(b->vs + i * ks->vs_stride, _MM_HINT_T1);
+        }
+}
+
 static void amx_run(void *stv, const kvc_amx_keys *ks) {
     static const float log2e = 1.4426950408889634f;
     amx_state *st = stv;
     const int D = st->D, group = st->group, ng = st->ng, gpa = st->gpa, nh = st->nh;
     amx_scratch sc_ __attribute__((aligned(64)));
     amx_scratch *sc = &sc_;
-    /* key i of this call: run rk[i], index ri[i] in it */
+    /* blocks of 16 keys of this call (cb) and the next (nbk); for blocks
+     * not in one run, key i is index ri[i] of run rk[i] (nrk, nri: next) */
     int rk[KEYS], ri[KEYS], nrk[KEYS], nri[KEYS];
-    int n = 0, nn = 0;
-    for (int r = 0; r < ks->nrun && n < KEYS; r++)
-        for (int i = 0; i < ks->run[r].n && n < KEYS; i++) rk[n] = r, ri[n] = i, n++;
-    for (int r = 0; r < ks->nnext && nn < KEYS; r++)
-        for (int i = 0; i < ks->next[r].n && nn < KEYS; i++) nrk[nn] = r, nri[nn] = i, nn++;
+    amx_blk cb[KEYS / 16], nbk[KEYS / 16];
+    const int n = amx_blocks(ks, ks->run, ks->nrun, cb, rk, ri);
+    const int nn = amx_blocks(ks, ks->next, ks->nnext, nbk, nrk, nri);
     if (n == 0) return;
 #define KROW(i) ((const int8_t *)ks->run[rk[i]].k + (int64_t)ri[i] * ks->k_stride)
 #define VROW(i) ((const int8_t *)ks->run[rk[i]].v + (int64_t)ri[i] * ks->v_stride)
@@ -371,8 +434,8 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
         /* A rows: in place when the block's 16 keys are one run */
         const int8_t *abase;
         int64_t astride;
-        if (nb == 16 && rk[k0] == rk[k0 + 15]) {
-            abase = KROW(k0), astride = ks->k_stride;
+        if (cb[b].uni) {
+            abase = (const int8_t *)cb[b].k, astride = ks->k_stride;
         } else {
             for (int i = 0; i < 16; i++) {
                 if (i < nb)
@@ -383,14 +446,17 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
             abase = &sc->kcopy[0][0], astride = KVC_AMX_MAX_DIM;
         }
         /* scales as [group][key] columns (absent keys: 0) */
-        {
+        if (cb[b].uni) {
+            scales_block(NULL, cb[b].ks, ks->ks_stride, ks->ksd, ng, 16, sc->ksc, k0);
+            scales_block(NULL, cb[b].vs, ks->vs_stride, ks->vsd, ng, 16, sc->vsc, k0);
+        } else {
             const char *kr[16], *vr[16];
             for (int i = 0; i < 16; i++) {
                 kr[i] = KSROW(k0 + (i < nb ? i : 0));
                 vr[i] = VSROW(k0 + (i < nb ? i : 0));
             }
-            scales_block(kr, ks->ksd, ng, nb, sc->ksc, k0);
-            scales_block(vr, ks->vsd, ng, nb, sc->vsc, k0);
+            scales_block(kr, NULL, 0, ks->ksd, ng, nb, sc->ksc, k0);
+            scales_block(vr, NULL, 0, ks->vsd, ng, nb, sc->vsc, k0);
         }
         /* C tile per group (alternating registers: a group's products need not
          * wait for the previous group's tile store) */
@@ -441,7 +507,10 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
         for (int k4 = 0; k4 < 4; k4++) {
             /* the next call's rows, a key quad at a time (4-6% faster than one
              * burst per block, measured) */
-            prefetch_next(ks, D, nrk, nri, nn, k0 + 4 * k4, k0 + 4 * k4 + 4);
+            if (k0 < nn && nbk[b].uni)
+                prefetch_blk(ks, D, &nbk[b], 4 * k4, 4 * k4 + 4);
+            else
+                prefetch_next(ks, D, nrk, nri, nn, k0 + 4 * k4, k0 + 4 * k4 + 4);
             __m512 X[4];
             for (int kk = 0; kk < 4; kk++) {
                 const int i = 4 * k4 + kk;
@@ -486,7 +555,12 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
                   perm32h = _mm512_load_si512(g_pi32h);
     for (int q4 = 0; q4 < nblk * 4; q4++) {
         const int8_t *r[4];
-        for (int i = 0; i < 4; i++) r[i] = VROW(4 * q4 + i < n ? 4 * q4 + i : n - 1);
+        if (cb[q4 / 4].uni) {
+            const char *v0 = cb[q4 / 4].v + (int64_t)(4 * (q4 % 4)) * ks->v_stride;
+            for (int i = 0; i < 4; i++) r[i] = (const int8_t *)(v0 + i * ks->v_stride);
+        } else {
+            for (int i = 0; i < 4; i++) r[i] = VROW(4 * q4 + i < n ? 4 * q4 + i : n - 1);
+        }
         if (st->piece == 64) {
             for (int p = 0; p < D / 64; p++) {
                 const __m512i x0 = _mm512_loadu_si512(r[0] + 64 * p);
