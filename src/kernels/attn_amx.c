@@ -44,11 +44,11 @@
  * do not overlap the vector work (tile products do), and each quant group
  * costs a 16 x 16 C tile per 16 keys that the vector units scale and sum:
  * with group 32 that is more int32 data than the int8 K it came from. Of
- * ~300 ns per 16 keys at group 32 (4 query heads, Dh 128), dropping a phase
- * saves: score post-processing ~65, V interleave ~50, P.V tiles and flush
- * ~50, weights ~20, softmax ~15; tile products, scale gathers and set-up
- * the rest (~100). The kernel is about 1.7x the float one at group 32 and
- * 2.5x at group 128, not the 4x+ the tile unit's arithmetic would allow.
+ * ~235 ns per 16 keys at group 32 (4 query heads, Dh 128), dropping a phase
+ * saves: score post-processing ~58, V interleave ~42, weights ~25, P.V
+ * flush ~20, scale gathers ~13, softmax ~10; tile products, stores and
+ * set-up the rest (~60). The kernel is about 1.8-2x the float one at group 32
+ * and 2.5-2.8x at group 128, not the 4x+ the tile unit's arithmetic would allow.
  */
 #define _GNU_SOURCE
 #include "kernels.h"
