@@ -7,7 +7,7 @@
  * softmax runs in base 2), walks its chunk's keys in blocks inside one page
  * and hands each block, head by head, to the kernel table's attn_decode,
  * which reads K/V in place (dequantizing on the fly) and carries an
- * online-softmax state (max, sum, accumulators). On the amx ISA, int8 caches
+ * online-softmax state (max, sum, accumulators). On the amx ISA, int8/int4 caches
  * the tile kernel takes go through chunk_amx instead (same tasks, calls of
  * 64 keys). A request with one chunk writes its output directly; longer ones
  * write partial states that a second pass merges by log-sum-exp in chunk
@@ -73,7 +73,7 @@ typedef struct attn_ctx {
     float qscale, cap;
     int32_t window;
     const kvc_kernels *kern;
-    int amx; /* int8 cache the kernel table's AMX decode takes (chunk_amx) */
+    int amx; /* int8/int4 cache the kernel table's AMX decode takes (chunk_amx) */
 } attn_ctx;
 
 /* Final output of query head hq of request b from a state (m, l, acc): the
@@ -204,7 +204,7 @@ static void load_q(const attn_ctx *c, int64_t b, int64_t hq, float *dst) {
     for (int64_t d = c->D; d < c->Dp; d++) dst[d] = 0.0f;
 }
 
-/* ---- AMX path (int8 caches on the tile unit, kernels.h amx_*) --------------- */
+/* ---- AMX path (int8/int4 caches on the tile unit, kernels.h amx_*) ---------- */
 
 /* Stack bytes for AMX head-set states; more sets than fit go in batches. */
 #define AMX_ARENA 65536
@@ -269,7 +269,7 @@ static __attribute__((noinline)) void chunk_amx(const attn_ctx *c, int64_t b, in
             const int64_t h = sl / sets, g0 = (sl % sets) * 4, nh = G - g0 < 4 ? G - g0 : 4;
             for (int64_t g = 0; g < nh; g++) load_q(c, b, h * G + g0 + g, q + g * Dp);
             kk->amx_begin(arena + (size_t)(sl - s0) * sb, q, (int)nh, (int)D, (int)Dp, c->group,
-                          c->cap);
+                          c->cap, c->k.dt == KVC_I4 ? 4 : 8);
         }
         for (int64_t j = j0; j < j1; j += KVC_AMX_KEYS) {
             const int64_t je = j1 - j < KVC_AMX_KEYS ? j1 : j + KVC_AMX_KEYS;

@@ -1,11 +1,12 @@
 /*
  * Decode attention over int8 caches with AMX tiles (kernels.h, amx_*):
  * the dot products run on the tile unit as int8 x int8 -> int32, so the
- * vector units only convert, scale and run the softmax. Compiled with
- * -mamx-tile -mamx-int8 plus the AVX-512 flags (and VBMI for vpermb); only
- * called from the "amx" kernel table, which dispatch.c installs after it
- * has checked the CPU, the OS's XCR0 and got Linux's permission to use
- * tile data (arch_prctl ARCH_REQ_XCOMP_PERM).
+ * vector units only convert, scale and run the softmax. int4 caches take
+ * the same path, their K and V rows unpacked to int8 first (unpack_i4).
+ * Compiled with -mamx-tile -mamx-int8 plus the AVX-512 flags (and VBMI for
+ * vpermb); only called from the "amx" kernel table, which dispatch.c
+ * installs after it has checked the CPU, the OS's XCR0 and got Linux's
+ * permission to use tile data (arch_prctl ARCH_REQ_XCOMP_PERM).
  *
  * Numerics (float32-level, not bitwise equal to the other ISAs):
  *   - q (per query head, already times sm_scale * log2 e) is rounded to
@@ -80,6 +81,7 @@ typedef struct amx_state {
     int D, group, nh;  /* head dim, quant group, heads in the set (<= 4) */
     int ng, gpa;       /* groups, groups per 64-element segment */
     int piece;         /* V interleave piece bytes (16, 32, 64): accumulator order (pv_pos) */
+    int bits;          /* 8: int8 rows; 4: int4 (unpacked to int8 before the tiles) */
     float cap;
 } __attribute__((aligned(64))) amx_state; /* 128 bytes: acc after it stays 64-byte aligned */
 _Static_assert(sizeof(amx_state) == 128, "amx_state header is 128 bytes");
@@ -174,12 +176,14 @@ KVC_INLINE void tr16(__m512i *r) {
     }
 }
 
-static void amx_begin(void *stv, const float *q, int nh, int D, int Dp, int group, float cap) {
+static void amx_begin(void *stv, const float *q, int nh, int D, int Dp, int group, float cap,
+                      int bits) {
     amx_state *st = stv;
     memset(st, 0, sizeof *st);
     st->D = D, st->group = group, st->nh = nh, st->cap = cap;
     st->ng = D / group, st->gpa = seg_per_a(group);
     st->piece = group % 64 == 0 ? 64 : group % 32 == 0 ? 32 : 16;
+    st->bits = bits;
     for (int h = 0; h < 4; h++) st->m[h] = -INFINITY, st->l[h] = 0.0f;
     memset(st_acc(st), 0, (size_t)16 * (size_t)D);
     /* digit rows 4t + h (t = 0: the high digit); rows of absent heads and
@@ -239,7 +243,18 @@ static int8_t g_pi16[64] __attribute__((aligned(64)));
 static int8_t g_pi32[64] __attribute__((aligned(64)));
 static int8_t g_pi32h[64] __attribute__((aligned(64)));
 
+/* Byte permutes of the int4 unpack (kvc__amx_init): byte 2i of the result
+ * = low nibble of packed byte i, 2i + 1 = its high nibble, for i in
+ * [0, 32) (g_un0) and [32, 64) (g_un1); low nibbles from
+ * one source, high from the other. */
+static int8_t g_un0[64] __attribute__((aligned(64)));
+static int8_t g_un1[64] __attribute__((aligned(64)));
+
 static void permutes_init(void) {
+    for (int b = 0; b < 64; b++) {
+        g_un0[b] = (int8_t)((b & 1) * 64 + b / 2);
+        g_un1[b] = (int8_t)((b & 1) * 64 + 32 + b / 2);
+    }
     for (int e = 0; e < 16; e++)
         for (int k = 0; k < 4; k++) {
             g_pi16[4 * e + k] = (int8_t)(16 * k + e);
@@ -254,7 +269,8 @@ typedef struct amx_scratch {
     uint8_t ap[KVC_AMX_MAX_DIM / 16][16][KEYS];    /* P.V weight digits (A tile), per group */
     int8_t bp[KVC_AMX_MAX_DIM / 16][KEYS / 4][64]; /* V by key quads (B tile), per 16 columns */
     int32_t cp[2][16][16];                         /* P.V C tiles (alternating) */
-    int8_t kcopy[16][KVC_AMX_MAX_DIM];             /* K rows of a block that is not one run */
+    int8_t kcopy[16][KVC_AMX_MAX_DIM];             /* K rows of a block not in one run, or int4 */
+    int8_t vq[4][KVC_AMX_MAX_DIM];                 /* int4 V rows of a key quad, unpacked */
     float ksc[KVC_AMX_MAX_DIM / 16][KEYS];         /* K scales [group][key] */
     float vsc[KVC_AMX_MAX_DIM / 16][KEYS];         /* V scales [group][key] */
     float s[4][KEYS];                              /* scores, then p */
@@ -323,17 +339,39 @@ KVC_INLINE void scales_block(const char *const *row, const char *base, int64_t s
     }
 }
 
+/*
+ * An int4 row of D elements (D / 2 bytes, element 2i in the low nibble of
+ * byte i, two's complement) as D int8 values: each nibble sign-extended by
+ * a 16-entry table lookup (vpshufb), then low and high nibbles interleaved
+ * by one byte permute per 64 elements. Reads exactly the row's bytes.
+ */
+KVC_INLINE void unpack_i4(const char *src, int8_t *dst, int D) {
+    const __m512i lut = _mm512_broadcast_i32x4(
+        _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1));
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i u0 = _mm512_load_si512(g_un0), u1 = _mm512_load_si512(g_un1);
+    for (int o = 0; o < D / 2; o += 64) {
+        const int nb = D / 2 - o < 64 ? D / 2 - o : 64;
+        const __m512i x = _mm512_maskz_loadu_epi8(
+            nb == 64 ? ~(__mmask64)0 : (((__mmask64)1 << nb) - 1), src + o);
+        const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(x, m4));
+        const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(x, 4), m4));
+        _mm512_storeu_si512(dst + 2 * o, _mm512_permutex2var_epi8(lo, u0, hi));
+        if (nb > 32) _mm512_storeu_si512(dst + 2 * o + 64, _mm512_permutex2var_epi8(lo, u1, hi));
+    }
+}
+
 /* Prefetch into L2 the rows of the next call's keys [i0, i1) (nn of them):
  * the call that runs next reads other rows (the next KV head, or the next
  * keys), so they arrive while this call computes. */
-KVC_INLINE void prefetch_next(const kvc_amx_keys *ks, int D, const int *nrun_key,
+KVC_INLINE void prefetch_next(const kvc_amx_keys *ks, int rowb, const int *nrun_key,
                               const int *nrun_idx, int nn, int i0, int i1) {
     for (int i = i0; i < i1 && i < nn; i++) {
         const kvc_amx_run *r = &ks->next[nrun_key[i]];
         const int64_t j = nrun_idx[i];
         const char *k = (const char *)r->k + j * ks->k_stride;
         const char *v = (const char *)r->v + j * ks->v_stride;
-        for (int o = 0; o < D; o += 64) {
+        for (int o = 0; o < rowb; o += 64) {
             _mm_prefetch(k + o, _MM_HINT_T1);
             _mm_prefetch(v + o, _MM_HINT_T1);
         }
@@ -383,10 +421,10 @@ static int amx_blocks(const kvc_amx_keys *ks, const kvc_amx_run *runs, int nrun,
 }
 
 /* prefetch_next for keys [i0, i1) of a block of one run (i relative to it) */
-KVC_INLINE void prefetch_blk(const kvc_amx_keys *ks, int D, const amx_blk *b, int i0, int i1) {
+KVC_INLINE void prefetch_blk(const kvc_amx_keys *ks, int rowb, const amx_blk *b, int i0, int i1) {
     const char *k = b->k + i0 * ks->k_stride, *v = b->v + i0 * ks->v_stride;
     for (int i = i0; i < i1; i++, k += ks->k_stride, v += ks->v_stride)
-        for (int o = 0; o < D; o += 64) {
+        for (int o = 0; o < rowb; o += 64) {
             _mm_prefetch(k + o, _MM_HINT_T1);
             _mm_prefetch(v + o, _MM_HINT_T1);
         }
@@ -415,6 +453,7 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
 #define KSROW(i) ((const char *)ks->run[rk[i]].ks + (int64_t)ri[i] * ks->ks_stride)
 #define VSROW(i) ((const char *)ks->run[rk[i]].vs + (int64_t)ri[i] * ks->vs_stride)
     const int nblk = (n + 15) / 16;
+    const int i4 = st->bits == 4, rowb = i4 ? D / 2 : D; /* bytes per K/V row */
     /* Prefetch of the next call's key quads [q0, q1) into L2. Spread
      * through the call (quads 0-3 in the score blocks, 4-7 in the weights,
      * 8-15 in the P.V tiles), not issued with the score blocks alone: the
@@ -424,9 +463,9 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
 #define PF_QUADS(q0, q1)                                                                  \
     for (int q_ = (q0); q_ < (q1) && 4 * q_ < nn; q_++) {                                 \
         if (nbk[q_ / 4].uni)                                                              \
-            prefetch_blk(ks, D, &nbk[q_ / 4], 4 * (q_ % 4), 4 * (q_ % 4) + 4);            \
+            prefetch_blk(ks, rowb, &nbk[q_ / 4], 4 * (q_ % 4), 4 * (q_ % 4) + 4);         \
         else                                                                              \
-            prefetch_next(ks, D, nrk, nri, nn, 4 * q_, 4 * q_ + 4);                       \
+            prefetch_next(ks, rowb, nrk, nri, nn, 4 * q_, 4 * q_ + 4);                    \
     }
     const __m512 sqw = _mm512_load_ps(st->sqw);
     const int8_t *bs = st_bs(st);
@@ -447,7 +486,16 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
         /* A rows: in place when the block's 16 keys are one run */
         const int8_t *abase;
         int64_t astride;
-        if (cb[b].uni) {
+        if (i4) { /* int4: unpacked to int8 rows first */
+            for (int i = 0; i < 16; i++) {
+                if (i < nb)
+                    unpack_i4(cb[b].uni ? cb[b].k + i * ks->k_stride : (const char *)KROW(k0 + i),
+                              sc->kcopy[i], D);
+                else
+                    memset(sc->kcopy[i], 0, (size_t)D);
+            }
+            abase = &sc->kcopy[0][0], astride = KVC_AMX_MAX_DIM;
+        } else if (cb[b].uni) {
             abase = (const int8_t *)cb[b].k, astride = ks->k_stride;
         } else {
             for (int i = 0; i < 16; i++) {
@@ -569,6 +617,11 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
         } else {
             for (int i = 0; i < 4; i++) r[i] = VROW(4 * q4 + i < n ? 4 * q4 + i : n - 1);
         }
+        if (i4)
+            for (int i = 0; i < 4; i++) {
+                unpack_i4((const char *)r[i], sc->vq[i], D);
+                r[i] = sc->vq[i];
+            }
         if (st->piece == 64) {
             for (int p = 0; p < D / 64; p++) {
                 const __m512i x0 = _mm512_loadu_si512(r[0] + 64 * p);

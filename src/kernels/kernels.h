@@ -48,8 +48,8 @@ typedef struct kvc_attn_rows {
  * head as runs of equally spaced rows (a run lies inside one page), with the
  * strides every run shares; `next` lists the keys of the call that runs next
  * (another head's rows, or the next keys), which the kernel prefetches into
- * L2 while it works. int8 rows, scales of ksd/vsd (F32 or F16), group
- * elements per scale.
+ * L2 while it works. int8 rows (int4: packed, D / 2 bytes), scales of
+ * ksd/vsd (F32 or F16), group elements per scale.
  */
 #define KVC_AMX_MAX_DIM 256
 #define KVC_AMX_KEYS 64
@@ -118,10 +118,11 @@ typedef struct kvc_kernels {
     void (*attn_decode)(const float *q, int G, int D, int Dp, const struct kvc_attn_rows *r,
                         int64_t n, float cap, float *m, float *l, float *acc);
     /*
-     * Decode over int8 caches on AMX tiles (the "amx" table only; NULL
-     * elsewhere; use when kvc__amx_decode_ok). A task calls amx_tiles(1)
-     * on its thread, then per head set (one KV head, up to 4 of its query
-     * heads): amx_begin with q (nh, Dp) float32 as attn_decode takes it, a
+     * Decode over int8/int4 caches on AMX tiles (the "amx" table only;
+     * NULL elsewhere; use when kvc__amx_decode_ok). A task calls
+     * amx_tiles(1) on its thread, then per head set (one KV head, up to 4 of
+     * its query heads): amx_begin with q (nh, Dp) float32 as attn_decode
+     * takes it and the cache's bits (8 or 4), a
      * state of amx_state_bytes (64-byte aligned), amx_run per call of up to
      * 64 keys, amx_end for (m, l, acc) as attn_decode leaves them (acc
      * (nh, Dp)); then amx_tiles(0). Same numbers as attn_decode to float32
@@ -129,16 +130,19 @@ typedef struct kvc_kernels {
      */
     void (*amx_tiles)(int on);
     size_t (*amx_state_bytes)(int D, int group);
-    void (*amx_begin)(void *st, const float *q, int nh, int D, int Dp, int group, float cap);
+    void (*amx_begin)(void *st, const float *q, int nh, int D, int Dp, int group, float cap,
+                      int bits);
     void (*amx_run)(void *st, const kvc_amx_keys *keys);
     void (*amx_end)(const void *st, float *m, float *l, float *acc, int Dp);
 } kvc_kernels;
 
-/* Caches the AMX decode handles: int8, head dim a multiple of 64 up to
- * KVC_AMX_MAX_DIM, quant group 16 or 32 or a multiple of 64 (groups never
- * straddle the 64-element segments the score tiles work on). */
+/* Caches the AMX decode handles: int8 or int4 (unpacked to int8 in the
+ * kernel), head dim a multiple of 64 up to KVC_AMX_MAX_DIM, quant group 16
+ * or 32 or a multiple of 64 (groups never straddle the 64-element segments
+ * the score tiles work on). */
 static inline int kvc__amx_decode_ok(const kvc_kernels *k, kvc_dtype dt, int64_t D, int64_t group) {
-    return k->amx_run != NULL && dt == KVC_I8 && D % 64 == 0 && D <= KVC_AMX_MAX_DIM &&
+    return k->amx_run != NULL && (dt == KVC_I8 || dt == KVC_I4) && D % 64 == 0 &&
+           D <= KVC_AMX_MAX_DIM &&
            (group == 16 || group == 32 || (group >= 64 && group % 64 == 0));
 }
 
