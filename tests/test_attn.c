@@ -391,9 +391,10 @@ TEST(single_register_tiles) {
 }
 
 /*
- * int8 caches with a quant group that is a multiple of 16 and a head dim
- * that is a multiple of 64 (up to 256): the AMX decode on the "amx" ISA
- * (attn_amx.c), the float kernels elsewhere. Head sets of 1-4 query heads
+ * int8 and int4 caches with a quant group that is a multiple of 16 and a
+ * head dim that is a multiple of 64 (up to 256): the AMX decode on the
+ * "amx" ISA (attn_amx.c; int4 rows unpacked first), the float kernels
+ * elsewhere. Head sets of 1-4 query heads
  * (G 1..16), group 16..256 (interleave pieces of 16, 32 and 64 bytes, one
  * to several groups per 64-element segment, groups over two to four
  * segments; 48 and 96 straddle segments and take the float kernels),
@@ -411,15 +412,17 @@ TEST(single_int8_grouped) {
                {4, 1, 192, 96},  {8, 2, 192, 48}, {3, 1, 192, 192}, {4, 2, 256, 256}};
     static const int64_t lens[] = {1, 15, 16, 17, 63, 64, 65, 130, 1100};
     FOR_EACH_ISA({
-        for (size_t si = 0; si < sizeof shp / sizeof shp[0]; si++)
+        for (size_t si = 0; si < 2 * (sizeof shp / sizeof shp[0]); si++)
             for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+                const int i4 = si >= sizeof shp / sizeof shp[0]; /* int4: the shapes again */
                 if (lens[li] == 1100 && si % 3 != 0) continue; /* keep it quick */
                 sd_case c = base_case();
-                c.kd = KVC_I8;
-                c.Hq = shp[si].Hq;
-                c.H = shp[si].H;
-                c.D = shp[si].D;
-                c.group = shp[si].group;
+                c.kd = i4 ? KVC_I4 : KVC_I8;
+                const size_t sh = si % (sizeof shp / sizeof shp[0]);
+                c.Hq = shp[sh].Hq;
+                c.H = shp[sh].H;
+                c.D = shp[sh].D;
+                c.group = shp[sh].group;
                 c.L = lens[li];
                 c.sd = (si + li) % 2 ? KVC_F16 : KVC_F32;
                 c.layout = (kvc_kv_layout)((si / 2 + li) % 2);
@@ -427,24 +430,26 @@ TEST(single_int8_grouped) {
                 if (li % 5 == 2) c.cap = 20.0f;
                 RUN(c);
             }
-        sd_case c = base_case();
-        c.kd = KVC_I8;
-        c.D = 128;
-        c.group = 32;
-        c.Hq = 8;
-        c.H = 2;
-        c.L = 333;
-        c.qspecial = 1; /* a zero query: scores 0, uniform weights */
-        RUN(c);
-        c.qspecial = 2; /* one element carries each head */
-        c.qmag = 50.0f;
-        RUN(c);
-        c.qspecial = 0;
-        c.sspread = 2.0f; /* scales 1e-4 .. 1: per-call V weight ranges */
-        RUN(c);
-        c.qmag = 300.0f; /* scores in the thousands */
-        c.sspread = 0.0f;
-        RUN(c);
+        for (int i4 = 0; i4 < 2; i4++) {
+            sd_case c = base_case();
+            c.kd = i4 ? KVC_I4 : KVC_I8;
+            c.D = 128;
+            c.group = 32;
+            c.Hq = 8;
+            c.H = 2;
+            c.L = 333;
+            c.qspecial = 1; /* a zero query: scores 0, uniform weights */
+            RUN(c);
+            c.qspecial = 2; /* one element carries each head */
+            c.qmag = 50.0f;
+            RUN(c);
+            c.qspecial = 0;
+            c.sspread = 2.0f; /* scales 1e-4 .. 1: per-call V weight ranges */
+            RUN(c);
+            c.qmag = 300.0f; /* scores in the thousands */
+            c.sspread = 0.0f;
+            RUN(c);
+        }
     });
     return 0;
 }
