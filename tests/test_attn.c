@@ -625,18 +625,23 @@ TEST(paged_ragged) {
 
 TEST(paged_int8_grouped) {
     /* page sizes that split 16-key blocks (1, 5, 24) and ones that hold them
-     * (16, 64): rows copied or read in place by the tiles */
+     * (16, 64): rows copied or read in place by the tiles (int4 rows are
+     * unpacked either way, from per-key or per-block addresses) */
     const int64_t lens[5] = {70, 0, 1, 300, 129};
     const int64_t pss[5] = {1, 5, 16, 24, 64};
+    const kvc_dtype kds[2] = {KVC_I8, KVC_I4};
     FOR_EACH_ISA({
-        for (int pi = 0; pi < 5; pi++)
-            for (int lay = 0; lay < 2; lay++)
-                if (run_paged_g(KVC_I8, pi % 2 ? KVC_F32 : KVC_F16, (kvc_kv_layout)lay, pss[pi],
-                                8, 2, 128, 5, lens, pi == 3 ? 10.0f : 0.0f, pi == 4 ? 100 : -1,
-                                pi == 2 ? 64 : 32) != 0)
-                    return 1;
+        for (int ki = 0; ki < 2; ki++)
+            for (int pi = 0; pi < 5; pi++)
+                for (int lay = 0; lay < 2; lay++)
+                    if (run_paged_g(kds[ki], pi % 2 ? KVC_F32 : KVC_F16, (kvc_kv_layout)lay,
+                                    pss[pi], 8, 2, 128, 5, lens, pi == 3 ? 10.0f : 0.0f,
+                                    pi == 4 ? 100 : -1, pi == 2 ? 64 : 32) != 0)
+                        return 1;
         const int64_t longl[3] = {4097, 3, 2049};
         if (run_paged_g(KVC_I8, KVC_F16, KVC_NHD, 16, 12, 3, 64, 3, longl, 0.0f, -1, 16) != 0)
+            return 1;
+        if (run_paged_g(KVC_I4, KVC_F32, KVC_HND, 5, 12, 3, 64, 3, longl, 0.0f, -1, 32) != 0)
             return 1;
     });
     return 0;
