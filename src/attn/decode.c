@@ -230,6 +230,22 @@ static int amx_runs(const attn_ctx *c, int64_t b, int64_t h, int64_t j, int64_t 
     return nr;
 }
 
+/* Runs of KV head h + 1 over the keys of `run` (KV head h): the same pages
+ * and slots, one head stride further in each tensor. */
+static void amx_runs_next_head(const attn_ctx *c, const kvc_amx_run *run, int nr,
+                               kvc_amx_run *out) {
+    const int64_t dk = kvc__bytes(c->k.dt, c->k.head_st), dv = kvc__bytes(c->v.dt, c->v.head_st);
+    const int64_t dks = kvc__bytes(c->ks.dt, c->ks.head_st),
+                  dvs = kvc__bytes(c->vs.dt, c->vs.head_st);
+    for (int r = 0; r < nr; r++) {
+        out[r].k = (const char *)run[r].k + dk;
+        out[r].v = (const char *)run[r].v + dv;
+        out[r].ks = (const char *)run[r].ks + dks;
+        out[r].vs = (const char *)run[r].vs + dvs;
+        out[r].n = run[r].n;
+    }
+}
+
 /*
  * chunk_task for caches the AMX decode takes: head sets of up to 4 query
  * heads of one KV head, each with its state (q as tile digits, m, l, acc)
@@ -265,6 +281,7 @@ static __attribute__((noinline)) void chunk_amx(const attn_ctx *c, int64_t b, in
     kk->amx_tiles(1);
     for (int64_t s0 = 0; s0 < nslots; s0 += per) {
         const int64_t s1 = s0 + per < nslots ? s0 + per : nslots;
+        int have_next = 0; /* keys.next holds the call that runs next */
         for (int64_t sl = s0; sl < s1; sl++) {
             const int64_t h = sl / sets, g0 = (sl % sets) * 4, nh = G - g0 < 4 ? G - g0 : 4;
             for (int64_t g = 0; g < nh; g++) load_q(c, b, h * G + g0 + g, q + g * Dp);
@@ -278,12 +295,24 @@ static __attribute__((noinline)) void chunk_amx(const attn_ctx *c, int64_t b, in
             for (int64_t sl = s0; sl < s1; sl++) {
                 const int64_t h = sl / sets;
                 if (h != hcur) { /* head sets of one KV head share the keys */
-                    keys.nrun = amx_runs(c, b, h, j, je, keys.run);
+                    /* the previous call's `next` is this call (page lookups and
+                     * offsets once per call, not twice) */
+                    if (have_next) {
+                        memcpy(keys.run, keys.next, (size_t)keys.nnext * sizeof keys.run[0]);
+                        keys.nrun = keys.nnext;
+                    } else {
+                        keys.nrun = amx_runs(c, b, h, j, je, keys.run);
+                    }
                     /* prefetched: the keys of the next call with other rows (the
                      * next KV head, or the next call's first head) */
                     const int same_keys = (s1 - 1) / sets > h;
-                    keys.nnext = same_keys ? amx_runs(c, b, h + 1, j, je, keys.next)
-                                           : amx_runs(c, b, s0 / sets, je, jn, keys.next);
+                    if (same_keys) {
+                        amx_runs_next_head(c, keys.run, keys.nrun, keys.next);
+                        keys.nnext = keys.nrun;
+                    } else {
+                        keys.nnext = amx_runs(c, b, s0 / sets, je, jn, keys.next);
+                    }
+                    have_next = 1;
                     /* the next head's scales of the same keys lie within 64 bytes
                      * of this head's (NHD): this call brings them in */
                     keys.pf_scales = !(same_keys && scale_near);
