@@ -121,7 +121,7 @@ typedef enum kvc_isa {
     KVC_ISA_SCALAR = 0, /* portable C reference kernels */
     KVC_ISA_AVX2 = 1,   /* AVX2 + FMA + F16C */
     KVC_ISA_AVX512 = 2, /* AVX-512 F/BW/VL/DQ */
-    KVC_ISA_AMX = 3,    /* AVX-512 (+ VBMI) and AMX-INT8 tiles: int8 decode attention on the
+    KVC_ISA_AMX = 3,    /* AVX-512 (+ VBMI) and AMX-INT8 tiles: int8/int4 decode attention on the
                            tile unit (Linux: needs the kernel's tile data permission) */
     KVC_ISA_COUNT
 } kvc_isa;

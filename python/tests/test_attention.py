@@ -471,17 +471,19 @@ def test_batch_decode_every_isa(isa, rng):
 
 
 @needs_decode
+@pytest.mark.parametrize("storage", ["int8", "int4"])
 @pytest.mark.parametrize("dh,group,hq,h", [(128, 32, 8, 2), (64, 16, 9, 3), (256, 64, 5, 1),
                                           (128, 128, 16, 2)])
-def test_batch_decode_int8_grouped_every_isa(isa, rng, dh, group, hq, h):
-    """int8 caches with groups of 16 or more and head dims of 64 or more: the
-    AMX decode on the "amx" ISA, the float kernels elsewhere; both against
-    float64 at the float32 tolerance, and with float16 queries."""
+def test_batch_decode_int8_grouped_every_isa(isa, rng, dh, group, hq, h, storage):
+    """int8 and int4 caches with groups of 16 or more and head dims of 64 or
+    more: the AMX decode on the "amx" ISA (int4 rows unpacked first), the
+    float kernels elsewhere; both against float64 at the float32 tolerance,
+    and with float16 queries."""
     lens = [200, 0, 1, 65]
-    indptr, indices, last, cache, scale, kv = build_paged(rng, lens, 16, h, dh, "int8", "NHD",
+    indptr, indices, last, cache, scale, kv = build_paged(rng, lens, 16, h, dh, storage, "NHD",
                                                           True, group=group)
     w = kvcache.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
-    w.plan(indptr, indices, last, hq, h, dh, 16, kv_data_type="int8", quant_group=group)
+    w.plan(indptr, indices, last, hq, h, dh, 16, kv_data_type=storage, quant_group=group)
     for qdt, t in ((F32, 1e-5), (F16, 1e-3)):
         q = (rng.standard_normal((len(lens), hq, dh)) * 2).astype(qdt)
         o, lse = w.run(q, cache, kv_scale=scale, return_lse=True)
