@@ -7,9 +7,9 @@
  * softmax runs in base 2), walks its chunk's keys in blocks inside one page
  * and hands each block, head by head, to the kernel table's attn_decode,
  * which reads K/V in place (dequantizing on the fly) and carries an
- * online-softmax state (max, sum, accumulators). On the amx ISA, int8/int4 caches
- * the tile kernel takes go through chunk_amx instead (same tasks, calls of
- * 64 keys). A request with one chunk writes its output directly; longer ones
+ * online-softmax state (max, sum, accumulators). On the amx ISA,
+ * int8/int4 caches the tile kernel takes go through chunk_amx instead (same
+ * tasks, calls of 64 keys). A request with one chunk writes its output directly; longer ones
  * write partial states that a second pass merges by log-sum-exp in chunk
  * order. Chunks are fixed positions, so the output does not depend on
  * n_threads.

@@ -122,10 +122,10 @@ typedef struct kvc_kernels {
      * NULL elsewhere; use when kvc__amx_decode_ok). A task calls
      * amx_tiles(1) on its thread, then per head set (one KV head, up to 4 of
      * its query heads): amx_begin with q (nh, Dp) float32 as attn_decode
-     * takes it and the cache's bits (8 or 4), a
-     * state of amx_state_bytes (64-byte aligned), amx_run per call of up to
-     * 64 keys, amx_end for (m, l, acc) as attn_decode leaves them (acc
-     * (nh, Dp)); then amx_tiles(0). Same numbers as attn_decode to float32
+     * takes it and the cache's bits (8 or 4), a state of amx_state_bytes
+     * (64-byte aligned), amx_run per call of up to 64 keys, amx_end for
+     * (m, l, acc) as attn_decode leaves them (acc (nh, Dp)); then
+     * amx_tiles(0). Same numbers as attn_decode to float32
      * rounding (attn_amx.c says how), deterministic for given calls.
      */
     void (*amx_tiles)(int on);
