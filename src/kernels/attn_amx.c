@@ -402,6 +402,25 @@ KVC_INLINE void prefetch_next(const kvc_amx_keys *ks, int rowb, const int *nrun_
     }
 }
 
+/* Lines [s0 / 16, s1 / 16) of every byte range of ks->row (contiguous token
+ * rows: K, V and their scales), slots s0..s1 of the 16 a call spreads its
+ * prefetches over. */
+static void prefetch_rows(const kvc_amx_keys *ks, int s0, int s1) {
+    for (int r = 0; r < ks->nrow; r++) {
+        const kvc_amx_run *w = &ks->row[r];
+        const char *base[4] = {w->k, w->v, w->ks, w->vs};
+        const int64_t bytes[4] = {w->n * ks->k_stride, w->n * ks->v_stride, w->n * ks->ks_stride,
+                                  w->n * ks->vs_stride};
+        for (int t = 0; t < 4; t++) {
+            const uintptr_t a0 = (uintptr_t)base[t] & ~(uintptr_t)63;
+            const int64_t nl = (int64_t)(((uintptr_t)base[t] + (uintptr_t)bytes[t] - a0 + 63) / 64);
+            /* asm: GCC deletes a loop whose only effect is __builtin_prefetch */
+            for (int64_t i = s0 * nl / 16; i < s1 * nl / 16; i++)
+                __asm__ volatile("prefetcht1 %0" ::"m"(*(const char *)(a0 + 64 * (uintptr_t)i)));
+        }
+    }
+}
+
 /* Rows of a block of 16 keys (k0 = 16 b) that lie in one run (uni): key
  * k0 + i at k + i * k_stride, and likewise v, ks, vs. Pointer arithmetic
  * per block instead of per key: the per-key (run, index) lookups and
@@ -460,7 +479,7 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
     int rk[KEYS], ri[KEYS], nrk[KEYS], nri[KEYS];
     amx_blk cb[KEYS / 16], nbk[KEYS / 16];
     const int n = amx_blocks(ks, ks->run, ks->nrun, cb, rk, ri);
-    const int nn = amx_blocks(ks, ks->next, ks->nnext, nbk, nrk, nri);
+    const int nn = ks->pf_next ? amx_blocks(ks, ks->next, ks->nnext, nbk, nrk, nri) : 0;
     if (n == 0) return;
 #define KROW(i) ((const int8_t *)ks->run[rk[i]].k + (int64_t)ri[i] * ks->k_stride)
 #define VROW(i) ((const int8_t *)ks->run[rk[i]].v + (int64_t)ri[i] * ks->v_stride)
@@ -475,12 +494,15 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
      * hold fill buffers until memory answers, and the score and V phases
      * need them for their own L2 reads. */
 #define PF_QUADS(q0, q1)                                                                  \
-    for (int q_ = (q0); q_ < (q1) && 4 * q_ < nn; q_++) {                                 \
-        if (nbk[q_ / 4].uni)                                                              \
-            prefetch_blk(ks, rowb, &nbk[q_ / 4], 4 * (q_ % 4), 4 * (q_ % 4) + 4);         \
-        else                                                                              \
-            prefetch_next(ks, rowb, nrk, nri, nn, 4 * q_, 4 * q_ + 4);                    \
-    }
+    do {                                                                                  \
+        for (int q_ = (q0); q_ < (q1) && 4 * q_ < nn; q_++) {                             \
+            if (nbk[q_ / 4].uni)                                                          \
+                prefetch_blk(ks, rowb, &nbk[q_ / 4], 4 * (q_ % 4), 4 * (q_ % 4) + 4);     \
+            else                                                                          \
+                prefetch_next(ks, rowb, nrk, nri, nn, 4 * q_, 4 * q_ + 4);                \
+        }                                                                                 \
+        if (ks->nrow) prefetch_rows(ks, (q0), (q1));                                      \
+    } while (0)
     const __m512 sqw = _mm512_load_ps(st->sqw);
     const int8_t *bs = st_bs(st);
     /* The query's B tiles stay in tmm4-7 for the call's score tiles when

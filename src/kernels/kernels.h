@@ -62,7 +62,12 @@ typedef struct kvc_amx_keys {
     kvc_dtype ksd, vsd;
     int nrun, nnext;
     int pf_scales; /* 0: the next call's scale rows share this call's lines (not prefetched) */
-    kvc_amx_run run[KVC_AMX_KEYS], next[KVC_AMX_KEYS];
+    int pf_next;   /* 1: prefetch the rows of `next` */
+    /* and/or whole token rows: for each run of `row`, the bytes
+     * [k, k + n * k_stride) (likewise v, ks, vs) are prefetched, spread over
+     * the call by lines (NHD caches whose token rows are contiguous) */
+    int nrow;
+    kvc_amx_run run[KVC_AMX_KEYS], next[KVC_AMX_KEYS], row[KVC_AMX_KEYS];
 } kvc_amx_keys;
 
 typedef struct kvc_kernels {
