@@ -665,7 +665,7 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
              * a tile takes one group's even and odd halves (vord 2). Half the
              * bytes to interleave and no unpacked copy of the rows to store and
              * read back: the kernel alone took 0.87-0.93x the time (groups
-             * 16-128, Dh 64-256), int4 decode steps 0.80-0.93x. */
+             * 16-128, Dh 64-256), int4 decode steps 0.83-0.92x. */
             __m512i x0 = _mm512_setzero_si512(), x1 = x0, x2 = x0, x3 = x0;
             for (int c = 0; c < D / 32; c++) {
                 if (c % 4 == 0) {
