@@ -210,7 +210,7 @@ static void amx_begin(void *stv, const float *q, int nh, int D, int Dp, int grou
      * elements 64a + 4r .. +3, zero outside group gi of the segment. The
      * digit rows are built in registers and transposed (16 x 16 int32): a
      * row stored in 16-byte pieces and reloaded whole waited for the stores
-     * (amx_begin 0.71-0.73x the time at Dh 64 and 128, measured). */
+     * (amx_begin 0.68-0.73x the time at Dh 64 and 128, measured). */
     int8_t *bs = st_bs(st);
     const int rows_per_group = group / 4; /* for group < 64 */
     const __m512 lim = _mm512_set1_ps(QMAX), nlim = _mm512_set1_ps(-QMAX);
