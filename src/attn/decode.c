@@ -340,6 +340,7 @@ static __attribute__((noinline)) void chunk_amx(const attn_ctx *c, int64_t b, in
                     hcur = h;
                 }
                 kk->amx_run(arena + (size_t)(sl - s0) * sb, &keys);
+                keys.nrow = 0; /* a head's other sets (G > 4) need not prefetch them again */
             }
         }
         for (int64_t sl = s0; sl < s1; sl++) {
