@@ -195,4 +195,7 @@ int bench_mla(const bench_opts *o);
 /* `kvcache bench gemm` (model weight-type matrix products). */
 int bench_gemm(const bench_opts *o);
 
+/* `kvcache bench kernel` (decode kernels alone, against the float16 kernel). */
+int bench_kernel(const bench_opts *o);
+
 #endif

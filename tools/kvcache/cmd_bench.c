@@ -31,6 +31,9 @@ static const char bench_usage[] =
     "  prefill kvc_prefill_run_paged, GFLOP/s against the FMA peak\n"
     "  mla     kvc_mla_run (MLA decode over ckv/kpe pages)\n"
     "  gemm    the model runtime's weight-type matrix products\n"
+    "  kernel  decode kernels alone (one thread, no driver): ns per 16 keys and\n"
+    "          head set for f16/int8/int4 rows in L1 (L 64), L2 (512) and beyond\n"
+    "          (4096), int8/int4 speed against the float16 kernel\n"
     "\n"
     "options:\n"
     "  --threads LIST    comma-separated thread counts, each run in turn (default 1,2)\n"
@@ -142,10 +145,10 @@ int cmd_bench(int argc, char **argv) {
         if (strcmp(target, "pmx") != 0 && strcmp(target, "append") != 0 &&
             strcmp(target, "cache") != 0 && strcmp(target, "attention") != 0 &&
             strcmp(target, "prefill") != 0 && strcmp(target, "mla") != 0 &&
-            strcmp(target, "gemm") != 0) {
+            strcmp(target, "gemm") != 0 && strcmp(target, "kernel") != 0) {
             fprintf(stderr,
                     "kvcache: bench: unknown target '%s' (known: pmx, append, cache, attention, "
-                    "prefill, mla, gemm)\n\n%s",
+                    "prefill, mla, gemm, kernel)\n\n%s",
                     target, bench_usage);
             return CLI_EXIT_USAGE;
         }
@@ -233,6 +236,7 @@ int cmd_bench(int argc, char **argv) {
     if (strcmp(target, "prefill") == 0) return bench_prefill(&o);
     if (strcmp(target, "mla") == 0) return bench_mla(&o);
     if (strcmp(target, "gemm") == 0) return bench_gemm(&o);
+    if (strcmp(target, "kernel") == 0) return bench_kernel(&o);
     if (strcmp(target, "append") == 0) {
         if (o.caches == 0) o.caches = BENCH_CACHE_F16 | BENCH_CACHE_INT8;
         return bench_append(&o);
