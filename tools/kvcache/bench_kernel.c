@@ -63,8 +63,9 @@ static void kb_rows(const kb_case *c, int h, int64_t j, kvc_attn_rows *r) {
     }
 }
 
-/* One pass of the float kernels: blocks of 16 keys, every head per block,
- * each call prefetching the next block's rows of its head (decode.c). */
+/* A timed call of the float kernels: the states reset, then c->reps passes
+ * in blocks of 16 keys, every head per block, each call prefetching the next
+ * block's rows of its head (decode.c). */
 static int kb_pass_float(void *ctx) {
     kb_case *c = ctx;
     const int64_t GD = (int64_t)KB_G * c->D;
@@ -98,9 +99,10 @@ static void kb_run(const kb_case *c, int h, int64_t j, int64_t n, kvc_amx_run *r
     r->n = (int)n;
 }
 
-/* One pass of the AMX kernel: runs of 64 keys, every head per run, each
- * call prefetching the next call's rows (the next head's, or head 0's of the
- * next keys), scale rows only for the latter (chunk_amx). */
+/* A timed call of the AMX kernel: amx_begin per head set, then c->reps
+ * passes in runs of 64 keys, every head per run, each call prefetching the
+ * next call's rows (the next head's, or head 0's of the next keys), scale
+ * rows only for the latter (chunk_amx); amx_end per head set. */
 static int kb_pass_amx(void *ctx) {
     kb_case *c = ctx;
     const kvc_kernels *kk = c->kk;
