@@ -393,13 +393,14 @@ TEST(single_register_tiles) {
 /*
  * int8 and int4 caches with a quant group that is a multiple of 16 and a
  * head dim that is a multiple of 64 (up to 256): the AMX decode on the
- * "amx" ISA (attn_amx.c; int4 rows unpacked first), the float kernels
- * elsewhere. Head sets of 1-4 query heads (G 1..16), group 16..256
- * (interleave pieces of 16, 32 and 64 bytes, one to several groups per
- * 64-element segment, groups over two to four segments; 48 and 96
- * straddle segments and take the float kernels), calls of 64 keys with partial last blocks and calls, chunks of
- * 256-1024 keys, both scale dtypes and layouts, float16 q/out, soft cap,
- * an all-zero query, spiky queries, scales over 4 decades.
+ * "amx" ISA (attn_amx.c; int4 K rows unpacked, V rows split into nibble
+ * tiles, Dh 64 two rows per register), the float kernels elsewhere. Head
+ * sets of 1-4 query heads (G 1..16), group 16..256 (interleave pieces of
+ * 16, 32 and 64 bytes, one to several groups per 64-element segment,
+ * groups over two to four segments; 48 and 96 straddle segments and take
+ * the float kernels), calls of 64 keys with partial last blocks and calls,
+ * chunks of 256-1024 keys, both scale dtypes and layouts, float16 q/out,
+ * soft cap, an all-zero query, spiky queries, scales over 4 decades.
  */
 TEST(single_int8_grouped) {
     static const struct {

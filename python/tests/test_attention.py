@@ -476,7 +476,7 @@ def test_batch_decode_every_isa(isa, rng):
                                           (128, 128, 16, 2)])
 def test_batch_decode_int8_grouped_every_isa(isa, rng, dh, group, hq, h, storage):
     """int8 and int4 caches with groups of 16 or more and head dims of 64 or
-    more: the AMX decode on the "amx" ISA (int4 rows unpacked first), the
+    more: the AMX decode on the "amx" ISA (int4 nibbles split in the kernel), the
     float kernels elsewhere; both against float64 at the float32 tolerance,
     and with float16 queries."""
     lens = [200, 0, 1, 65]

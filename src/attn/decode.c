@@ -9,10 +9,10 @@
  * which reads K/V in place (dequantizing on the fly) and carries an
  * online-softmax state (max, sum, accumulators). On the amx ISA,
  * int8/int4 caches the tile kernel takes go through chunk_amx instead (same
- * tasks, calls of 64 keys). A request with one chunk writes its output directly; longer ones
- * write partial states that a second pass merges by log-sum-exp in chunk
- * order. Chunks are fixed positions, so the output does not depend on
- * n_threads.
+ * tasks, calls of 64 keys). A request with one chunk writes its output
+ * directly; longer ones write partial states that a second pass merges by
+ * log-sum-exp in chunk order. Chunks are fixed positions, so the output does
+ * not depend on n_threads.
  */
 #include <math.h>
 #include <stdio.h>
@@ -289,8 +289,10 @@ static __attribute__((noinline)) void chunk_amx(const attn_ctx *c, int64_t b, in
     const int64_t rowb = kvc__bytes(c->k.dt, D);
     const int rows_ok = c->k.dt == KVC_I4 && kvc__bytes(c->k.dt, c->k.head_st) == rowb &&
                         kvc__bytes(c->v.dt, c->v.head_st) == rowb &&
-                        c->k.tok_st == c->H * c->k.head_st && c->v.tok_st == c->H * c->v.head_st &&
-                        c->ks.tok_st == c->H * c->ks.head_st && c->vs.tok_st == c->H * c->vs.head_st;
+                        c->k.tok_st == c->H * c->k.head_st &&
+                        c->v.tok_st == c->H * c->v.head_st &&
+                        c->ks.tok_st == c->H * c->ks.head_st &&
+                        c->vs.tok_st == c->H * c->vs.head_st;
     keys.nrow = 0;
     kk->amx_tiles(1);
     for (int64_t s0 = 0; s0 < nslots; s0 += per) {

@@ -372,41 +372,45 @@ KVC_INLINE void scales_block(const char *const *row, const char *base, int64_t s
     }
 }
 
-/*
- * An int4 row of D elements (D / 2 bytes, element 2i in the low nibble of
- * byte i, two's complement) as D int8 values: each nibble sign-extended by
- * a 16-entry table lookup (vpshufb), then low and high nibbles interleaved
- * by one byte permute per 64 elements. Reads exactly the row's bytes.
- */
-KVC_INLINE void unpack_i4(const char *src, int8_t *dst, int D) {
+/* The 64 bytes of x as int4 pairs (two's complement): *lo = the low nibbles,
+ * *hi = the high ones, each sign-extended to int8 by a 16-entry table
+ * lookup (vpshufb). */
+KVC_INLINE void i4_split(__m512i x, __m512i *lo, __m512i *hi) {
     const __m512i lut = _mm512_broadcast_i32x4(
         _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1));
     const __m512i m4 = _mm512_set1_epi8(0x0f);
+    *lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(x, m4));
+    *hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(x, 4), m4));
+}
+
+/*
+ * An int4 row of D elements (D / 2 bytes, element 2i in the low nibble of
+ * byte i) as D int8 values: i4_split, then low and high nibbles interleaved
+ * by one byte permute per 64 elements. Reads exactly the row's bytes.
+ */
+KVC_INLINE void unpack_i4(const char *src, int8_t *dst, int D) {
     const __m512i u0 = _mm512_load_si512(g_un0), u1 = _mm512_load_si512(g_un1);
     for (int o = 0; o < D / 2; o += 64) {
         const int nb = D / 2 - o < 64 ? D / 2 - o : 64;
         const __m512i x = _mm512_maskz_loadu_epi8(
             nb == 64 ? ~(__mmask64)0 : (((__mmask64)1 << nb) - 1), src + o);
-        const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(x, m4));
-        const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(x, 4), m4));
+        __m512i lo, hi;
+        i4_split(x, &lo, &hi);
         _mm512_storeu_si512(dst + 2 * o, _mm512_permutex2var_epi8(lo, u0, hi));
         if (nb > 32) _mm512_storeu_si512(dst + 2 * o + 64, _mm512_permutex2var_epi8(lo, u1, hi));
     }
 }
 
-/* unpack_i4 of two rows of 64 elements (32 bytes each) in one register: the
- * table lookups serve both rows. With the Dh 64 V interleave below (two rows
- * per register, one byte permute per chunk): the int4 kernel at Dh 64 took
+/* unpack_i4 of two rows of 64 elements (32 bytes each) in one register: one
+ * i4_split serves both rows. With the Dh 64 V interleave below (two rows per
+ * register, one byte permute per chunk): the int4 kernel at Dh 64 took
  * 0.83-0.91x the time, Hq 9 / H 3 decode steps 0.80-0.88x. */
 KVC_INLINE void unpack_i4_pair(const char *s0, const char *s1, int8_t *d0, int8_t *d1) {
-    const __m512i lut = _mm512_broadcast_i32x4(
-        _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1));
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
     const __m512i x = _mm512_inserti64x4(
         _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)s0)),
         _mm256_loadu_si256((const __m256i *)s1), 1);
-    const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(x, m4));
-    const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(x, 4), m4));
+    __m512i lo, hi;
+    i4_split(x, &lo, &hi);
     _mm512_storeu_si512(d0, _mm512_permutex2var_epi8(lo, _mm512_load_si512(g_un0), hi));
     _mm512_storeu_si512(d1, _mm512_permutex2var_epi8(lo, _mm512_load_si512(g_un1), hi));
 }
@@ -698,9 +702,6 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
      * whose weight is 0 there) */
     const __m512i perm16 = _mm512_load_si512(g_pi16), perm32 = _mm512_load_si512(g_pi32),
                   perm32h = _mm512_load_si512(g_pi32h);
-    const __m512i lut4 = _mm512_broadcast_i32x4(
-                      _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1)),
-                  m4 = _mm512_set1_epi8(0x0f);
     for (int q4 = 0; q4 < nblk * 4; q4++) {
         const int8_t *r[4];
         if (cb[q4 / 4].uni) {
@@ -718,8 +719,10 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
              * bytes to interleave and no unpacked copy of the rows to store and
              * read back: the kernel alone took 0.87-0.93x the time (groups
              * 16-128, Dh 64-256), int4 decode steps 0.83-0.92x. */
-#define V4STORE(c, lo, hi)                                                                    \
+#define V4STORE(c, x)                                                                         \
     do {                                                                                      \
+        __m512i lo, hi;                                                                       \
+        i4_split((x), &lo, &hi);                                                              \
         if (st->vord == 2) {                                                                  \
             _mm512_store_si512(sc->bp[2 * (c)][q4], _mm512_shuffle_i64x2(lo, hi, 0x44));      \
             _mm512_store_si512(sc->bp[2 * (c) + 1][q4], _mm512_shuffle_i64x2(lo, hi, 0xee));  \
@@ -736,12 +739,7 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
                     _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)r[2])),
                     _mm256_loadu_si256((const __m256i *)r[3]), 1);
                 for (int c = 0; c < 2; c++) {
-                    const __m512i x =
-                        _mm512_permutex2var_epi8(x01, _mm512_load_si512(g_v4p[c]), x23);
-                    const __m512i lo = _mm512_shuffle_epi8(lut4, _mm512_and_si512(x, m4));
-                    const __m512i hi =
-                        _mm512_shuffle_epi8(lut4, _mm512_and_si512(_mm512_srli_epi16(x, 4), m4));
-                    V4STORE(c, lo, hi);
+                    V4STORE(c, _mm512_permutex2var_epi8(x01, _mm512_load_si512(g_v4p[c]), x23));
                 }
                 continue;
             }
@@ -759,10 +757,7 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
                 const __m512i x = _mm512_mask_blend_epi8((__mmask64)0xccccccccccccccccull,
                                                          _mm512_permutex2var_epi8(x0, idx, x1),
                                                          _mm512_permutex2var_epi8(x2, idx, x3));
-                const __m512i lo = _mm512_shuffle_epi8(lut4, _mm512_and_si512(x, m4));
-                const __m512i hi =
-                    _mm512_shuffle_epi8(lut4, _mm512_and_si512(_mm512_srli_epi16(x, 4), m4));
-                V4STORE(c, lo, hi);
+                V4STORE(c, x);
             }
 #undef V4STORE
             continue;
