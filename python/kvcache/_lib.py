@@ -594,10 +594,10 @@ def threadpool(n_threads: int | None) -> tuple[int, threading.Lock]:
         try:
             n = operator.index(n_threads)
         except TypeError as exc:
-            raise InvalidArgumentError(f"n_threads must be an integer or None, "
+            raise InvalidArgumentError(f"num_threads must be an integer or None, "
                                        f"got {n_threads!r}") from exc
         if n < 1 or n > 4096:
-            raise InvalidArgumentError(f"n_threads must be in [1, 4096] or None, got {n}")
+            raise InvalidArgumentError(f"num_threads must be in [1, 4096] or None, got {n}")
     with _pools_lock:
         entry = _pools.get(n)
         if entry is None:
@@ -606,6 +606,14 @@ def threadpool(n_threads: int | None) -> tuple[int, threading.Lock]:
             entry = (ptr.value, threading.Lock())
             _pools[n] = entry
         return entry
+
+
+def threads_arg(num_threads, n_threads):
+    """The thread count of a function that takes num_threads and, under its
+    older name, n_threads (give one of them)."""
+    if num_threads is not None and n_threads is not None:
+        raise InvalidArgumentError("give num_threads or n_threads (the same), not both")
+    return n_threads if num_threads is None else num_threads
 
 
 def call_pooled(fn, args, n_threads) -> None:

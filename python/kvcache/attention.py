@@ -38,7 +38,7 @@ import math
 
 import numpy as np
 
-from . import _lib
+from . import _compat, _lib
 from .errors import InvalidArgumentError
 from .paged import _layout_code, _paged_cache
 
@@ -213,23 +213,42 @@ def _threads(num_threads) -> int:
 
 def _scale_pair(k_scale, v_scale, ka, va):
     """[(scale array|None, tensor|None)] for K and V: required exactly for
-    int8/int4 (int8 or uint8-packed) K/V, float32/float16."""
+    int8/int4 (int8 or uint8-packed) K/V, float32/float16. A number is
+    FlashInfer's calibration scale, not a group scale (see _split_scales)."""
     out = []
     for name, sc, arr in (("k_scale", k_scale, ka), ("v_scale", v_scale, va)):
         quant = arr.dtype in (np.dtype(np.int8), _U8)
         if sc is None:
             if quant:
                 raise InvalidArgumentError(
-                    f"{name} is required for an int8/int4 {name[0]} (float32 or float16 "
-                    f"scales, last dimension Dh / quant_group)")
+                    f"{name} is required for an int8/int4 {name[0]}: an array of float32 or "
+                    f"float16 group scales, {name[0]}'s shape with last dimension "
+                    f"Dh / quant_group")
             out.append((None, None))
         else:
             if not quant:
                 raise InvalidArgumentError(
-                    f"{name} is only for int8/int4 {name[0]}; {name[0]} is {arr.dtype}")
+                    f"{name} as an array is only for int8/int4 {name[0]}; {name[0]} is "
+                    f"{arr.dtype} (a number is a calibration scale)")
             sa = _lib.input_array(sc, name, _SCALE_CODES)
             out.append((sa, _lib.make_tensor(sa)))
     return out
+
+
+def _split_scales(k_scale, v_scale):
+    """(k group scales|None, v group scales|None, k calibration|None, v
+    calibration|None): FlashInfer's k_scale/v_scale are numbers (calibration
+    factors); arrays are kvcache's int8/int4 group scales."""
+    kc = _compat.calib(k_scale, "k_scale") if _compat.is_scalar(k_scale) else None
+    vc = _compat.calib(v_scale, "v_scale") if _compat.is_scalar(v_scale) else None
+    kg = None if _compat.is_scalar(k_scale) else k_scale
+    vg = None if _compat.is_scalar(v_scale) else v_scale
+    return kg, vg, kc, vc
+
+
+def _kv_name(dt) -> str:
+    """A cache dtype as the plan names it: uint8 arrays hold int4."""
+    return "int4 (uint8)" if np.dtype(dt) == _U8 else str(np.dtype(dt))
 
 
 def _paged_run_inputs(info, q, paged_kv_cache, kv_scale, layout_name, q_shape):
@@ -247,17 +266,35 @@ def _paged_run_inputs(info, q, paged_kv_cache, kv_scale, layout_name, q_shape):
         arrays = keep[:1] if isinstance(paged_kv_cache, np.ndarray) else keep[:2]
         for arr in arrays:
             if arr.dtype != kv_dt:
-                raise InvalidArgumentError(f"paged_kv_cache is {arr.dtype} but plan() was "
-                                           f"given kv_data_type {kv_dt}")
+                raise InvalidArgumentError(f"paged_kv_cache is {_kv_name(arr.dtype)} but plan() "
+                                           f"was given kv_data_type {_kv_name(kv_dt)}")
     _ndim(qa, "q", 3, q_shape)
     return qa, pc, keep
 
 
-def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", sm_scale=None, logits_soft_cap=None,
-                                window_left=-1, return_lse=False, k_scale=None, v_scale=None,
+def _run_knobs(info, q_scale, k_scale, v_scale):
+    """A planned wrapper's run(): (params with q_scale * k_scale folded into
+    sm_scale, f(qa, return_lse, out, lse) -> _compat.Outputs for o of the
+    plan's o_data_type (None: q's) and lse (o's first two dimensions))."""
+    qc, kc = _compat.calib(q_scale, "q_scale"), _compat.calib(k_scale, "k_scale")
+    vc = _compat.calib(v_scale, "v_scale")
+    params = _compat.scaled_params(info["params"], info["head_dim"], qc, kc)
+
+    def outputs(qa, return_lse, out, lse):
+        o_dt = info.get("o_data_type")
+        o_dt = qa.dtype if o_dt is None else o_dt
+        return _compat.Outputs(qa.shape, o_dt, qa.shape[:2], return_lse, out, lse, vc)
+
+    return params, outputs
+
+
+def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NONE",
+                                use_tensor_cores=False, q_scale=None, k_scale=None, v_scale=None,
+                                window_left=-1, logits_soft_cap=None, sm_scale=None,
+                                rope_scale=None, rope_theta=None, return_lse=False, *,
                                 quant_group=8, num_threads=None):
     """Decode attention of one query token over one request's K/V
-    (flashinfer.single_decode_with_kv_cache).
+    (flashinfer.single_decode_with_kv_cache; arguments in its order).
 
     Args:
         q: (Hq, Dh) float32/float16/bfloat16.
@@ -265,30 +302,40 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", sm_scale=None, logits_
             float32, float16, bfloat16, int8, or uint8 (packed int4, last
             dimension Dh / 2). Hq % H == 0.
         kv_layout: "NHD" or "HND".
-        sm_scale: None for 1/sqrt(Dh).
-        logits_soft_cap: None/0 for none, else cap * tanh(s / cap).
+        pos_encoding_mode: "NONE" only (apply RoPE before storing K);
+            use_tensor_cores: a GPU kernel choice, ignored; rope_scale,
+            rope_theta: ignored with "NONE".
+        q_scale: optional number, multiplies sm_scale (FlashInfer's fp8
+            calibration scale).
+        k_scale, v_scale: for int8/int4 k/v, arrays of float32/float16 group
+            scales, k's shape with last dimension Dh / quant_group; a number
+            is FlashInfer's calibration scale instead (k_scale multiplies
+            sm_scale, v_scale the output).
         window_left: -1 for none, else only the last window_left + 1 keys.
+        logits_soft_cap: None/0 for none, else cap * tanh(s / cap).
+        sm_scale: None for 1/sqrt(Dh).
         return_lse: also return the base-2 log-sum-exp.
-        k_scale, v_scale: int8/int4 k/v only: float32/float16 scales, k's
-            shape with last dimension Dh / quant_group.
         quant_group: int8/int4 group size (divides Dh, even for int4).
         num_threads: worker threads (None: all CPUs).
 
     Returns:
         o (Hq, Dh) of q's dtype, or (o, lse (Hq) float32) with return_lse.
     """
+    _compat.neutral("pos_encoding_mode", pos_encoding_mode, ("NONE", None))
     layout = _layout_code(kv_layout)
     params = _attn_params(sm_scale, logits_soft_cap, window_left)
     quant_group = _lib.int32_attr(quant_group, "quant_group")
+    qc = _compat.calib(q_scale, "q_scale")
+    kg, vg, kc, vc = _split_scales(k_scale, v_scale)
     qa = _lib.input_array(q, "q", _lib.FLOAT_CODES)
     ka, k_t = _kv_array(k, "k")
     va, v_t = _kv_array(v, "v")
-    scales = _scale_pair(k_scale, v_scale, ka, va)
+    scales = _scale_pair(kg, vg, ka, va)
     _ndim(qa, "q", 2, "(num_qo_heads, head_dim)")
-    o = np.empty(qa.shape, qa.dtype)
-    lse = np.empty(qa.shape[:1], _F32) if return_lse else None
-    q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(o)
-    lse_t = _lib.make_tensor(lse) if lse is not None else None
+    params = _compat.scaled_params(params, qa.shape[1], qc, kc)
+    outs = _compat.Outputs(qa.shape, qa.dtype, qa.shape[:1], return_lse, v_scale=vc)
+    q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(outs.o_c)
+    lse_t = _lib.make_tensor(outs.lse_c) if outs.lse_c is not None else None
     _lib.call_pooled(
         _lib.kvc_single_decode,
         (ctypes.byref(q_t), ctypes.byref(k_t), ctypes.byref(v_t), _ref(scales[0][1]),
@@ -296,7 +343,7 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", sm_scale=None, logits_
          _ref(lse_t)),
         num_threads)
     del ka, va, scales
-    return (o, lse) if return_lse else o
+    return outs.result(return_lse)
 
 
 # ---------------------------------------------------------------------------
@@ -339,14 +386,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
     and may be called any number of times after it.
 
     Args:
-        workspace_buffer: accepted for FlashInfer compatibility and ignored
-            (the plan owns its memory).
+        float_workspace_buffer: accepted for FlashInfer compatibility and
+            ignored (the plan owns its memory); workspace_buffer is the same.
         kv_layout: "NHD" or "HND".
+        use_cuda_graph: False only; use_tensor_cores: a GPU kernel choice,
+            ignored.
         num_threads: worker threads (None: all CPUs); fixed for the wrapper
             because plan partitions work for it.
     """
 
-    def __init__(self, workspace_buffer=None, kv_layout="NHD", *, num_threads=None):
+    def __init__(self, float_workspace_buffer=None, kv_layout="NHD", use_cuda_graph=False,
+                 use_tensor_cores=False, *, num_threads=None, workspace_buffer=None):
+        _compat.neutral("use_cuda_graph", use_cuda_graph, (False,))
         self._layout_name = kv_layout
         self._layout = _layout_code(kv_layout)
         self._num_threads = _threads(num_threads)
@@ -358,8 +409,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return "NHD" if self._layout == _lib.KVC_NHD else "HND"
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-             page_size, kv_data_type=None, quant_group=8, q_data_type=None, sm_scale=None,
-             logits_soft_cap=None, window_left=-1) -> None:
+             page_size, *, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None,
+             q_data_type=None, kv_data_type=None, o_data_type=None, sm_scale=None,
+             rope_scale=None, rope_theta=None, quant_group=8) -> None:
         """Plans decode for one batch composition.
 
         Args:
@@ -372,10 +424,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 numpy dtype).
             quant_group: int8/int4 caches: group size of the scales.
             q_data_type: optional q dtype that run checks.
+            o_data_type: output dtype (float32, float16, bfloat16; None: q's).
+            pos_encoding_mode ("NONE" only), rope_scale, rope_theta (ignored),
             sm_scale, logits_soft_cap, window_left: as
                 single_decode_with_kv_cache.
         """
+        _compat.neutral("pos_encoding_mode", pos_encoding_mode, ("NONE", None))
         params = _attn_params(sm_scale, logits_soft_cap, window_left)
+        o_dt = _data_type(o_data_type, "o_data_type", False)
         kv_dt = _data_type(kv_data_type, "kv_data_type", True)
         q_dt = _data_type(q_data_type, "q_data_type", False)
         quant_group = _lib.int32_attr(quant_group, "quant_group")
@@ -395,10 +451,12 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._info = {
             "batch_size": batch, "num_qo_heads": ints[0], "num_kv_heads": ints[1],
             "head_dim": ints[2], "page_size": ints[3], "kv_data_type": kv_dt,
-            "q_data_type": q_dt, "quant_group": quant_group, "params": params,
+            "q_data_type": q_dt, "o_data_type": o_dt, "quant_group": quant_group,
+            "params": params,
         }
 
-    def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False):
+    def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False, *, q_scale=None,
+            k_scale=None, v_scale=None, out=None, lse=None):
         """Decode attention for one layer.
 
         Args:
@@ -412,27 +470,32 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 mirroring the cache (one array or a pair), last dimension
                 Dh / quant_group.
             return_lse: also return the base-2 log-sum-exp.
+            q_scale, k_scale, v_scale: optional numbers, FlashInfer's
+                calibration scales (q_scale * k_scale multiplies sm_scale,
+                v_scale the output).
+            out, lse: optional arrays to write o and lse into (the shapes
+                and dtypes returned; lse is filled even without return_lse).
 
         Returns:
-            o (B, num_qo_heads, head_dim) of q's dtype, or (o, lse (B,
-            num_qo_heads) float32) with return_lse.
+            o (B, num_qo_heads, head_dim) of o_data_type (None: q's dtype),
+            or (o, lse (B, num_qo_heads) float32) with return_lse.
         """
         if self._plan is None:
             raise InvalidArgumentError("BatchDecodeWithPagedKVCacheWrapper.run: call plan() first")
         info = self._info
+        params, outs = _run_knobs(info, q_scale, k_scale, v_scale)
         qa, pc, keep = _paged_run_inputs(info, q, paged_kv_cache, kv_scale, self._layout_name,
                                          "(batch_size, num_qo_heads, head_dim)")
-        o = np.empty(qa.shape, qa.dtype)
-        lse = np.empty(qa.shape[:2], _F32) if return_lse else None
-        q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(o)
-        lse_t = _lib.make_tensor(lse) if lse is not None else None
+        outs = outs(qa, return_lse, out, lse)
+        q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(outs.o_c)
+        lse_t = _lib.make_tensor(outs.lse_c) if outs.lse_c is not None else None
         _lib.call_pooled(
             _lib.kvc_decode_run,
-            (self._plan, ctypes.byref(q_t), ctypes.byref(pc), ctypes.byref(info["params"]),
+            (self._plan, ctypes.byref(q_t), ctypes.byref(pc), ctypes.byref(params),
              ctypes.byref(o_t), _ref(lse_t)),
             self._num_threads)
         del keep
-        return (o, lse) if return_lse else o
+        return outs.result(return_lse)
 
     def _free_plan(self) -> None:
         if self._plan is not None:

@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import ctypes
 
-import numpy as np
-
-from . import _lib
-from .attention import _attn_params, _data_type, _paged_run_inputs, _ref, _threads
+from . import _compat, _lib
+from .attention import _attn_params, _data_type, _paged_run_inputs, _ref, _run_knobs, _threads
 from .errors import InvalidArgumentError
 from .paged import _layout_code
 from .prefill import _causal_flag, _check_flashinfer_only, _opt_tensor
 
 __all__ = ["MultiLevelCascadeAttentionWrapper"]
 
-_F32 = np.dtype(np.float32)
 _TP = ctypes.POINTER(_lib.Tensor)
 _vp = ctypes.c_void_p
 _i32 = ctypes.c_int32
@@ -58,12 +55,16 @@ class MultiLevelCascadeAttentionWrapper:
 
     Args:
         num_levels: number of levels (>= 1).
-        workspace_buffer: accepted for FlashInfer compatibility and ignored.
+        float_workspace_buffer: accepted for FlashInfer compatibility and
+            ignored; workspace_buffer is the same.
         kv_layout: "NHD" or "HND".
+        use_cuda_graph: False only.
         num_threads: worker threads (None: all CPUs); fixed for the wrapper.
     """
 
-    def __init__(self, num_levels, workspace_buffer=None, kv_layout="NHD", *, num_threads=None):
+    def __init__(self, num_levels, float_workspace_buffer=None, kv_layout="NHD",
+                 use_cuda_graph=False, *, num_threads=None, workspace_buffer=None):
+        _compat.neutral("use_cuda_graph", use_cuda_graph, (False,))
         n = _lib.int32_attr(num_levels, "num_levels")
         if n < 1:
             raise InvalidArgumentError(f"num_levels must be >= 1, got {n}")
@@ -114,6 +115,7 @@ class MultiLevelCascadeAttentionWrapper:
             "kv_data_type": _data_type(kv_data_type, "kv_data_type", True),
             "o_data_type": _data_type(o_data_type, "o_data_type", False),
             "quant_group": _lib.int32_attr(quant_group, "quant_group"),
+            "head_dim": _lib.int32_attr(head_dim, "head_dim"),
         }
         causal = _causal_flag(causal)
         ints = [_lib.int32_attr(x, name) for x, name in (
@@ -133,7 +135,8 @@ class MultiLevelCascadeAttentionWrapper:
         self._plan = ptr.value
         self._info = info
 
-    def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False):
+    def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False, *, q_scale=None,
+            k_scale=None, v_scale=None, out=None, lse=None):
         """Cascade attention for one layer.
 
         Args:
@@ -143,6 +146,8 @@ class MultiLevelCascadeAttentionWrapper:
             kv_scale: int8/int4 caches only: scales mirroring the cache.
             return_lse: also return the base-2 log-sum-exp of the merged
                 state.
+            q_scale, k_scale, v_scale, out, lse: as
+                BatchPrefillWithPagedKVCacheWrapper.run.
 
         Returns:
             o (nnz, num_qo_heads, head_dim), or (o, lse (nnz, num_qo_heads)
@@ -151,20 +156,19 @@ class MultiLevelCascadeAttentionWrapper:
         if self._plan is None:
             raise InvalidArgumentError("MultiLevelCascadeAttentionWrapper.run: call plan() first")
         info = self._info
+        params, outs = _run_knobs(info, q_scale, k_scale, v_scale)
         qa, pc, keep = _paged_run_inputs(info, q, paged_kv_cache, kv_scale, self._layout_name,
                                          "(nnz, num_qo_heads, head_dim)")
-        o_dt = info["o_data_type"] if info["o_data_type"] is not None else qa.dtype
-        o = np.empty(qa.shape, o_dt)
-        lse = np.empty(qa.shape[:2], _F32) if return_lse else None
-        q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(o)
-        lse_t = _opt_tensor(lse)
+        outs = outs(qa, return_lse, out, lse)
+        q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(outs.o_c)
+        lse_t = _opt_tensor(outs.lse_c)
         _lib.call_pooled(
             kvc_cascade_run,
-            (self._plan, ctypes.byref(q_t), ctypes.byref(pc), ctypes.byref(info["params"]),
+            (self._plan, ctypes.byref(q_t), ctypes.byref(pc), ctypes.byref(params),
              ctypes.byref(o_t), _ref(lse_t)),
             self._num_threads)
         del keep
-        return (o, lse) if return_lse else o
+        return outs.result(return_lse)
 
     def _free_plan(self) -> None:
         if self._plan is not None:

@@ -36,8 +36,8 @@ refused. Every argument is validated before anything is written: a failing
 call raises :class:`kvcache.InvalidArgumentError` and leaves caches and
 scales unchanged.
 
-``n_threads=None`` runs on ``os.cpu_count()`` threads; results are bitwise
-identical for any thread count and any ISA.
+``num_threads=None`` (or ``n_threads=None``) runs on ``os.cpu_count()`` threads; results are
+bitwise identical for any thread count and any ISA.
 """
 
 from __future__ import annotations
@@ -224,7 +224,8 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz):
 
 def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache,
                           kv_indices, kv_indptr, kv_last_page_len, kv_layout="NHD",
-                          kv_scale=None, quant_group=8, n_threads=None) -> None:
+                          kv_scale=None, quant_group=8, n_threads=None, *,
+                          num_threads=None) -> None:
     """Writes ragged new K/V rows into a paged cache (flashinfer.append_paged_kv_cache).
 
     Row j goes to page ``kv_indices[kv_indptr[b] + positions[j] // page_size]``,
@@ -255,7 +256,7 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
             for a pair. Updated in place.
         quant_group: int8/int4 caches only: group size dividing Dh (even for
             int4).
-        n_threads: worker threads (None: all CPUs).
+        num_threads: worker threads (None: all CPUs); n_threads is the same.
 
     Raises:
         InvalidArgumentError: bad page table, batch index or position out of
@@ -275,13 +276,13 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
         _lib.kvc_append_paged_kv_cache,
         (ctypes.byref(ts[0]), ctypes.byref(ts[1]), ctypes.byref(ts[2]), ctypes.byref(ts[3]),
          ctypes.byref(pc), ctypes.byref(ts[4]), ctypes.byref(ts[5]), ctypes.byref(ts[6])),
-        n_threads)
+        _lib.threads_arg(num_threads, n_threads))
     del keep
 
 
 def append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, ckv_cache,
                               kpe_cache, kv_indices, kv_indptr, kv_last_page_len,
-                              n_threads=None) -> None:
+                              n_threads=None, *, num_threads=None) -> None:
     """Writes ragged new MLA rows into paged caches (flashinfer.append_paged_mla_kv_cache).
 
     Same addressing and page-table rules as :func:`append_paged_kv_cache`,
@@ -298,7 +299,7 @@ def append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, 
             two may be slices of one (max_pages, page_size, D_ckv + D_kpe)
             array.
         kv_indices, kv_indptr, kv_last_page_len: the CSR page table.
-        n_threads: worker threads (None: all CPUs).
+        num_threads: worker threads (None: all CPUs); n_threads is the same.
 
     Raises:
         InvalidArgumentError: as append_paged_kv_cache; nothing is written.
@@ -316,7 +317,7 @@ def append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, 
         (ctypes.byref(ts[0]), ctypes.byref(ts[1]), ctypes.byref(ts[2]), ctypes.byref(ts[3]),
          ctypes.byref(ckv_t), ctypes.byref(kpe_t), ctypes.byref(ts[4]), ctypes.byref(ts[5]),
          ctypes.byref(ts[6])),
-        n_threads)
+        _lib.threads_arg(num_threads, n_threads))
     del ckv, kpe
 
 

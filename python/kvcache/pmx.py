@@ -24,8 +24,8 @@ are copied only if their layout cannot be passed as is. Every argument is
 validated by the C library before anything is written: a failing call raises
 :class:`kvcache.InvalidArgumentError` and leaves cache and scale unchanged.
 
-``n_threads=None`` runs on ``os.cpu_count()`` threads; results are bitwise
-identical for any thread count.
+``num_threads=None`` (or ``n_threads=None``) runs on ``os.cpu_count()`` threads; results are
+bitwise identical for any thread count.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _call(fn, args, n_threads):
 
 def key_value_cache(current_key, current_value, start_pos, cache, scale=None, num_layer=1,
                     layer_idx=0, quant_bit=0, quant_group=8, num_repeat=1, cache_layout=0,
-                    n_threads=None):
+                    n_threads=None, *, num_threads=None):
     """Static-batching KeyValueCache (opmx::KeyValueCache).
 
     Args:
@@ -111,7 +111,7 @@ def key_value_cache(current_key, current_value, start_pos, cache, scale=None, nu
             quant_bit != 0. Updated in place.
         num_layer, layer_idx, quant_bit (0/8/4), quant_group, num_repeat,
         cache_layout (0/1): the operator's attributes.
-        n_threads: worker threads (None: all CPUs).
+        num_threads: worker threads (None: all CPUs); n_threads is the same.
 
     Returns:
         (key, value): new arrays (B, start_pos + S, H * num_repeat, Dh) of
@@ -137,14 +137,15 @@ def key_value_cache(current_key, current_value, start_pos, cache, scale=None, nu
     _call(_lib.kvc_pmx_key_value_cache,
           (ctypes.byref(ck_t), ctypes.byref(cv_t), ctypes.byref(sp_t), ctypes.byref(cache_t),
            _ptr(scale_t), ctypes.byref(params), ctypes.byref(key_t), ctypes.byref(value_t)),
-          n_threads)
+          _lib.threads_arg(num_threads, n_threads))
     return key, value
 
 
 def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts,
                             start_pos, max_seqlen, max_kvlen, cache, scale=None, num_layer=1,
                             layer_idx=0, quant_bit=0, quant_group=8, num_repeat=1, cache_mode=0,
-                            cache_layout=0, page_size=128, n_threads=None):
+                            cache_layout=0, page_size=128, n_threads=None, *,
+                            num_threads=None):
     """dynamic_batching.KeyValueCache (ragged batches, offset or paged cache).
 
     Args:
@@ -165,7 +166,7 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
             quant_bit != 0. Updated in place.
         num_layer, layer_idx, quant_bit (0/8/4), quant_group, num_repeat,
         cache_mode (0/1), cache_layout (0..3), page_size (>= 1): attributes.
-        n_threads: worker threads (None: all CPUs).
+        num_threads: worker threads (None: all CPUs); n_threads is the same.
 
     Returns:
         (key, value): new arrays (kvstarts[B], H * num_repeat, Dh) of
@@ -198,7 +199,7 @@ def dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts, cac
           tuple(ctypes.byref(t) for t in ts)
           + (ctypes.byref(cache_t), _ptr(scale_t), ctypes.byref(params), ctypes.byref(key_t),
              ctypes.byref(value_t)),
-          n_threads)
+          _lib.threads_arg(num_threads, n_threads))
     return key, value
 
 

@@ -49,15 +49,18 @@ import ctypes
 
 import numpy as np
 
-from . import _lib
+from . import _compat, _lib
 from .attention import (
     _attn_params,
     _data_type,
     _kv_array,
+    _kv_name,
     _ndim,
     _paged_run_inputs,
     _ref,
+    _run_knobs,
     _scale_pair,
+    _split_scales,
     _threads,
 )
 from .errors import InvalidArgumentError, UnsupportedError
@@ -154,58 +157,73 @@ def _check_flashinfer_only(head_dim_qk, head_dim_vo, pos_encoding_mode,
         raise UnsupportedError("use_fp16_qk_reduction: q.k is always accumulated in float32")
 
 
-def _out_dtype(out_dtype, q_dtype, name="out_dtype") -> np.dtype:
-    """The output dtype: q's, or out_dtype (float32/float16/bfloat16)."""
-    return q_dtype if out_dtype is None else _data_type(out_dtype, name, False)
-
-
-def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=None,
-                                 causal=False, kv_layout="NHD", sm_scale=None,
-                                 logits_soft_cap=None, window_left=-1, return_lse=False,
-                                 k_scale=None, v_scale=None, quant_group=8, num_threads=None,
-                                 out_dtype=None):
+def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=None,
+                                 o_dtype=None, custom_mask=None, packed_custom_mask=None,
+                                 causal=False, kv_layout="NHD", pos_encoding_mode="NONE",
+                                 use_fp16_qk_reduction=False, sm_scale=None, window_left=-1,
+                                 logits_soft_cap=None, rope_scale=None, rope_theta=None,
+                                 backend="auto", return_lse=False, kv_cache_sf=None,
+                                 k_scale=None, v_scale=None, *, quant_group=8,
+                                 num_threads=None, out_dtype=None):
     """Prefill attention of one request's query rows over its K/V
-    (flashinfer.single_prefill_with_kv_cache).
+    (flashinfer.single_prefill_with_kv_cache; arguments in its order).
 
     Args:
         q: (qo_len, Hq, Dh) float32/float16/bfloat16.
         k, v: (kv_len, H, Dh) for "NHD" or (H, kv_len, Dh) for "HND":
             float32, float16, bfloat16, int8, or uint8 (packed int4, last
             dimension Dh / 2). Hq % H == 0.
+        scale_q, scale_k, scale_v, kv_cache_sf: FlashInfer's fp8/fp4 inputs,
+            None only.
+        o_dtype: output dtype (float32, float16, bfloat16; None: q's);
+            out_dtype is the same.
         custom_mask: optional (qo_len, kv_len) (or flat) truth values,
             nonzero = visible; replaces causal.
         packed_custom_mask: optional uint8, the mask packed little-endian
             (ceil(qo_len * kv_len / 8) bytes).
         causal: bottom-right causal mask (ignored with a custom mask).
         kv_layout: "NHD" or "HND".
+        pos_encoding_mode: "NONE" only; use_fp16_qk_reduction: False only;
+            backend: "auto" only; rope_scale, rope_theta: ignored.
         sm_scale: None for 1/sqrt(Dh).
-        logits_soft_cap: None/0 for none, else cap * tanh(s / cap).
         window_left: -1 for none, else row i sees keys
             j >= i + kv_len - qo_len - window_left.
+        logits_soft_cap: None/0 for none, else cap * tanh(s / cap).
         return_lse: also return the base-2 log-sum-exp.
-        k_scale, v_scale: int8/int4 k/v only: float32/float16 scales, k's
-            shape with last dimension Dh / quant_group.
+        k_scale, v_scale: for int8/int4 k/v, arrays of float32/float16 group
+            scales, k's shape with last dimension Dh / quant_group; a number
+            is FlashInfer's calibration scale instead (k_scale multiplies
+            sm_scale, v_scale the output).
         quant_group: int8/int4 group size (divides Dh, even for int4).
         num_threads: worker threads (None: all CPUs).
-        out_dtype: output dtype (float32, float16, bfloat16; None: q's).
 
     Returns:
         o (qo_len, Hq, Dh), or (o, lse (qo_len, Hq) float32) with return_lse.
     """
+    for name, x in (("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v),
+                    ("kv_cache_sf", kv_cache_sf)):
+        _compat.neutral(name, x, (None,))
+    _compat.neutral("backend", backend, ("auto", None))
+    _check_flashinfer_only(None, None, pos_encoding_mode, use_fp16_qk_reduction)
+    if o_dtype is not None and out_dtype is not None:
+        raise InvalidArgumentError("give o_dtype or out_dtype (the same), not both")
+    o_dtype = o_dtype if o_dtype is not None else out_dtype
     layout = _layout_code(kv_layout)
     params = _attn_params(sm_scale, logits_soft_cap, window_left)
     quant_group = _lib.int32_attr(quant_group, "quant_group")
     causal = _causal_flag(causal)
+    kg, vg, kc, vc = _split_scales(k_scale, v_scale)
     qa = _lib.input_array(q, "q", _lib.FLOAT_CODES)
     ka, k_t = _kv_array(k, "k")
     va, v_t = _kv_array(v, "v")
-    scales = _scale_pair(k_scale, v_scale, ka, va)
+    scales = _scale_pair(kg, vg, ka, va)
     custom, packed = _mask_arrays(custom_mask, packed_custom_mask)
     _ndim(qa, "q", 3, "(qo_len, num_qo_heads, head_dim)")
-    o = np.empty(qa.shape, _out_dtype(out_dtype, qa.dtype))
-    lse = np.empty(qa.shape[:2], _F32) if return_lse else None
-    q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(o)
-    lse_t = _opt_tensor(lse)
+    params = _compat.scaled_params(params, qa.shape[2], None, kc)
+    o_dt = qa.dtype if o_dtype is None else _data_type(o_dtype, "o_dtype", False)
+    outs = _compat.Outputs(qa.shape, o_dt, qa.shape[:2], return_lse, v_scale=vc)
+    q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(outs.o_c)
+    lse_t = _opt_tensor(outs.lse_c)
     cm_t, pm_t = _opt_tensor(custom), _opt_tensor(packed)
     _lib.call_pooled(
         kvc_single_prefill,
@@ -214,7 +232,7 @@ def single_prefill_with_kv_cache(q, k, v, custom_mask=None, packed_custom_mask=N
          ctypes.byref(params), ctypes.byref(o_t), _ref(lse_t)),
         num_threads)
     del ka, va, scales, custom, packed
-    return (o, lse) if return_lse else o
+    return outs.result(return_lse)
 
 
 # ---------------------------------------------------------------------------
@@ -226,7 +244,9 @@ class _PrefillWrapperBase:
 
     _name = "BatchPrefillWrapper"
 
-    def __init__(self, workspace_buffer=None, kv_layout="NHD", *, num_threads=None):
+    def __init__(self, float_workspace_buffer=None, kv_layout="NHD", use_cuda_graph=False, *,
+                 num_threads=None, workspace_buffer=None):
+        _compat.neutral("use_cuda_graph", use_cuda_graph, (False,))
         self._layout_name = kv_layout
         self._layout = _layout_code(kv_layout)
         self._num_threads = _threads(num_threads)
@@ -283,15 +303,8 @@ class _PrefillWrapperBase:
             return
         for a in arrays:
             if a.dtype != kv_dt:
-                raise InvalidArgumentError(f"{what} is {a.dtype} but plan() was given "
-                                           f"kv_data_type {kv_dt}")
-
-    def _outputs(self, qa, return_lse):
-        info = self._info
-        o_dt = info["o_data_type"] if info["o_data_type"] is not None else qa.dtype
-        o = np.empty(qa.shape, o_dt)
-        lse = np.empty(qa.shape[:2], _F32) if return_lse else None
-        return o, lse
+                raise InvalidArgumentError(f"{what} is {_kv_name(a.dtype)} but plan() was "
+                                           f"given kv_data_type {_kv_name(kv_dt)}")
 
     def _free_plan(self) -> None:
         if self._plan is not None:
@@ -314,9 +327,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
     layer and may be called any number of times after it.
 
     Args:
-        workspace_buffer: accepted for FlashInfer compatibility and ignored
-            (the plan owns its memory).
+        float_workspace_buffer: accepted for FlashInfer compatibility and
+            ignored (the plan owns its memory); workspace_buffer is the same.
         kv_layout: "NHD" or "HND".
+        use_cuda_graph: False only.
         num_threads: worker threads (None: all CPUs); fixed for the wrapper
             because plan partitions work for it.
     """
@@ -369,7 +383,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         info["page_size"] = page_size
         self._install(ptr, info)
 
-    def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False):
+    def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False, *, q_scale=None,
+            k_scale=None, v_scale=None, out=None, lse=None):
         """Prefill attention for one layer.
 
         Args:
@@ -383,6 +398,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
                 mirroring the cache (one array or a pair), last dimension
                 Dh / quant_group.
             return_lse: also return the base-2 log-sum-exp.
+            q_scale, k_scale, v_scale: optional numbers, FlashInfer's
+                calibration scales (q_scale * k_scale multiplies sm_scale,
+                v_scale the output).
+            out, lse: optional arrays to write o and lse into (the shapes
+                and dtypes returned; lse is filled even without return_lse).
 
         Returns:
             o (qo_indptr[-1], num_qo_heads, head_dim), or (o, lse
@@ -391,18 +411,19 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         if self._plan is None:
             raise InvalidArgumentError(f"{self._name}.run: call plan() first")
         info = self._info
+        params, outs = _run_knobs(info, q_scale, k_scale, v_scale)
         qa, pc, keep = _paged_run_inputs(info, q, paged_kv_cache, kv_scale, self._layout_name,
                                          "(qo_indptr[-1], num_qo_heads, head_dim)")
-        o, lse = self._outputs(qa, return_lse)
-        q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(o)
-        lse_t = _opt_tensor(lse)
+        outs = outs(qa, return_lse, out, lse)
+        q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(outs.o_c)
+        lse_t = _opt_tensor(outs.lse_c)
         _lib.call_pooled(
             kvc_prefill_run_paged,
-            (self._plan, ctypes.byref(q_t), ctypes.byref(pc), ctypes.byref(info["params"]),
+            (self._plan, ctypes.byref(q_t), ctypes.byref(pc), ctypes.byref(params),
              ctypes.byref(o_t), _ref(lse_t)),
             self._num_threads)
         del keep
-        return (o, lse) if return_lse else o
+        return outs.result(return_lse)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
@@ -410,7 +431,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
     request b's keys are rows [kv_indptr[b], kv_indptr[b+1]) of k and v.
 
     Args:
-        workspace_buffer: accepted for FlashInfer compatibility and ignored.
+        float_workspace_buffer (workspace_buffer): accepted for FlashInfer
+            compatibility and ignored; use_cuda_graph: False only.
         kv_layout: "NHD" (k/v (kv_indptr[-1], H, Dh)) or "HND"
             ((H, kv_indptr[-1], Dh)).
         num_threads: worker threads (None: all CPUs); fixed for the wrapper.
@@ -443,7 +465,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
             _ref(pm_t), self._num_threads, ctypes.byref(ptr)))
         self._install(ptr, info)
 
-    def run(self, q, k, v, kv_scale=None, return_lse=False):
+    def run(self, q, k, v, kv_scale=None, return_lse=False, *, q_scale=None, k_scale=None,
+            v_scale=None, out=None, lse=None):
         """Prefill attention for one layer.
 
         Args:
@@ -454,31 +477,33 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
                 pair of float32/float16 arrays, k's shape with last
                 dimension Dh / quant_group.
             return_lse: also return the base-2 log-sum-exp.
+            q_scale, k_scale, v_scale, out, lse: as the paged wrapper's run.
 
         Returns:
             o, or (o, lse) with return_lse, as the paged wrapper.
         """
         qa = self._check_q(q)
         info = self._info
+        params, outs = _run_knobs(info, q_scale, k_scale, v_scale)
         ka, k_t = _kv_array(k, "k")
         va, v_t = _kv_array(v, "v")
         self._check_kv_dtype((ka, va), "k/v")
         if kv_scale is None:
-            k_scale = v_scale = None
+            kg = vg = None
         elif isinstance(kv_scale, (tuple, list)) and len(kv_scale) == 2:
-            k_scale, v_scale = kv_scale
+            kg, vg = kv_scale
         else:
             raise InvalidArgumentError("kv_scale must be a (k_scale, v_scale) pair for ragged "
                                        "k and v")
-        scales = _scale_pair(k_scale, v_scale, ka, va)
-        o, lse = self._outputs(qa, return_lse)
-        q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(o)
-        lse_t = _opt_tensor(lse)
+        scales = _scale_pair(kg, vg, ka, va)
+        outs = outs(qa, return_lse, out, lse)
+        q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(outs.o_c)
+        lse_t = _opt_tensor(outs.lse_c)
         _lib.call_pooled(
             kvc_prefill_run_ragged,
             (self._plan, ctypes.byref(q_t), ctypes.byref(k_t), ctypes.byref(v_t),
              _ref(scales[0][1]), _ref(scales[1][1]), info["quant_group"], self._layout,
-             ctypes.byref(info["params"]), ctypes.byref(o_t), _ref(lse_t)),
+             ctypes.byref(params), ctypes.byref(o_t), _ref(lse_t)),
             self._num_threads)
         del ka, va, scales
-        return (o, lse) if return_lse else o
+        return outs.result(return_lse)

@@ -504,7 +504,8 @@ def test_batch_decode_errors(rng):
     with pytest.raises(E, match="plan"):
         w.run(q, cache, scale)
     with pytest.raises(TypeError):
-        kvcache.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", 2)  # num_threads is keyword-only
+        # FlashInfer's positional arguments end at use_tensor_cores; num_threads is keyword-only
+        kvcache.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", False, False, 2)
     with pytest.raises(E):
         kvcache.BatchDecodeWithPagedKVCacheWrapper(kv_layout="XYZ")
     for bad in ((indptr[::-1].copy(), indices, last), (indptr, indices, last + 16),

@@ -241,7 +241,7 @@ def test_cascade_errors(rng):
     with pytest.raises(E):
         kvcache.MultiLevelCascadeAttentionWrapper(0)
     with pytest.raises(TypeError):
-        kvcache.MultiLevelCascadeAttentionWrapper(3, None, "NHD", 2)
+        kvcache.MultiLevelCascadeAttentionWrapper(3, None, "NHD", False, 2)
     w = kvcache.MultiLevelCascadeAttentionWrapper(3, kv_layout="NHD")
     with pytest.raises(E, match="plan"):
         w.run(q, sc.pg.cache, sc.pg.scale)

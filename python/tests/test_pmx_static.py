@@ -220,5 +220,8 @@ def test_static_empty_batch_and_bad_thread_count(rng):
     assert k.shape == (0, 3, 2, 8) and v.dtype == F16
     assert_same_bytes(cache, before)
     for bad in (0, -1, 1.5):
-        with pytest.raises(kvcache.InvalidArgumentError, match="n_threads"):
-            kvcache.pmx.key_value_cache(x, x, 1, cache, cache_layout=1, n_threads=bad)
+        for kw in ("num_threads", "n_threads"):  # the second is the older name
+            with pytest.raises(kvcache.InvalidArgumentError, match="num_threads"):
+                kvcache.pmx.key_value_cache(x, x, 1, cache, cache_layout=1, **{kw: bad})
+    with pytest.raises(kvcache.InvalidArgumentError, match="not both"):
+        kvcache.pmx.key_value_cache(x, x, 1, cache, cache_layout=1, n_threads=1, num_threads=1)

@@ -742,7 +742,8 @@ def test_batch_prefill_errors(rng):
     with pytest.raises(E, match="plan"):
         w.run(q, pg.cache, pg.scale)
     with pytest.raises(TypeError):
-        kvcache.BatchPrefillWithPagedKVCacheWrapper(None, "NHD", 2)  # num_threads keyword-only
+        # positional arguments end at use_cuda_graph; num_threads is keyword-only
+        kvcache.BatchPrefillWithPagedKVCacheWrapper(None, "NHD", False, 2)
     with pytest.raises(E):
         kvcache.BatchPrefillWithPagedKVCacheWrapper(kv_layout="XYZ")
     indptr, indices, last = pg.table()

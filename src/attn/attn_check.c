@@ -111,17 +111,20 @@ kvc_status kvc__attn_check_paged(const char *fn, const kvc_paged_cache *cache, i
     KVC_CHECK(cache != NULL, "%s: cache is NULL", fn);
     KVC_CHECK(cache->layout == KVC_NHD || cache->layout == KVC_HND, "%s: invalid layout %d", fn,
               (int)cache->layout);
-    const int quant = cache->k.dtype == KVC_I8 || cache->k.dtype == KVC_I4;
-    KVC_TRY(kvc__attn_check_kv(fn, &cache->k, &cache->v, quant ? &cache->k_scale : NULL,
-                               quant ? &cache->v_scale : NULL, cache->quant_group, 4));
     const kvc_tensor *k = &cache->k;
     const int nhd = cache->layout == KVC_NHD;
-    const int64_t ps = nhd ? k->shape[1] : k->shape[2], h = nhd ? k->shape[2] : k->shape[1];
     char buf[128];
+    /* the cache against the plan before its scales: an int4 cache passed
+     * unpacked (Dh bytes per row) is reported as that, not as a scale shape */
+    KVC_CHECK(k->ndim == 4, "%s: k must be 4-D, not %d-D", fn, (int)k->ndim);
+    const int64_t ps = nhd ? k->shape[1] : k->shape[2], h = nhd ? k->shape[2] : k->shape[1];
     KVC_CHECK(ps == page_size && h == H && k->shape[3] == D,
-              "%s: cache %s (%s) does not match the plan (page_size %lld, H %lld, Dh %lld)", fn,
-              kvc__shape_str(k, buf, sizeof buf), nhd ? "NHD" : "HND", (long long)page_size,
-              (long long)H, (long long)D);
+              "%s: cache %s %s (%s) does not match the plan (page_size %lld, H %lld, Dh %lld)",
+              fn, kvc_dtype_name(k->dtype), kvc__shape_str(k, buf, sizeof buf),
+              nhd ? "NHD" : "HND", (long long)page_size, (long long)H, (long long)D);
+    const int quant = k->dtype == KVC_I8 || k->dtype == KVC_I4;
+    KVC_TRY(kvc__attn_check_kv(fn, &cache->k, &cache->v, quant ? &cache->k_scale : NULL,
+                               quant ? &cache->v_scale : NULL, cache->quant_group, 4));
     KVC_CHECK(max_page < k->shape[0], "%s: page id %lld outside the cache's %lld pages", fn,
               (long long)max_page, (long long)k->shape[0]);
     return KVC_OK;

@@ -51,7 +51,8 @@ kvc_status kvc__paged_check_table(const char *fn, const kvc_tensor *kv_indptr,
         KVC_TRY(kvc__paged_check_i32(fn, "kv_indices", kv_indices, n_pages));
         for (int64_t i = 0; i < n_pages; i++) {
             int32_t p = kvc__i32_1d(kv_indices, i);
-            KVC_CHECK(p >= 0 && (max_pages < 0 || p < max_pages),
+            KVC_CHECK(p >= 0, "%s: kv_indices[%lld] = %d is negative", fn, (long long)i, (int)p);
+            KVC_CHECK(max_pages < 0 || p < max_pages,
                       "%s: kv_indices[%lld] = %d outside [0, max_pages=%lld)", fn, (long long)i,
                       (int)p, (long long)max_pages);
         }

@@ -1,0 +1,127 @@
+"""FlashInfer's run-time knobs that kvcache maps onto its own (internal).
+
+- Scalar calibration scales (FlashInfer's fp8 ``q_scale``/``k_scale``/``v_scale``):
+  q_scale * k_scale multiplies sm_scale, v_scale multiplies the output.
+- ``out=``/``lse=`` buffers: the result is written into them (dtype and shape
+  must match what the call would return).
+- Options that only have a GPU meaning are accepted at their neutral values.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import numbers
+
+import numpy as np
+
+from . import _lib
+from .errors import InvalidArgumentError, UnsupportedError
+
+_F32 = np.dtype(np.float32)
+
+
+def is_scalar(x) -> bool:
+    """True for a Python/numpy number or a 0-d array (a calibration scale),
+    False for arrays with dimensions (int8/int4 group scales)."""
+    if isinstance(x, (numbers.Real, np.number)) and not isinstance(x, bool):
+        return True
+    return isinstance(x, np.ndarray) and x.ndim == 0
+
+
+def calib(x, name: str):
+    """A scalar calibration scale as float (None: none); finite and > 0."""
+    if x is None:
+        return None
+    if not is_scalar(x):
+        raise InvalidArgumentError(
+            f"{name} must be a number (FlashInfer's calibration scale) or None; int8/int4 "
+            f"group scales go in kv_scale")
+    v = float(x)
+    if not math.isfinite(v) or v <= 0.0:
+        raise InvalidArgumentError(f"{name} must be finite and > 0, got {x!r}")
+    return v
+
+
+def scaled_params(params, head_dim: int, q_scale, k_scale):
+    """params with sm_scale multiplied by q_scale * k_scale (FlashInfer folds
+    both into sm_scale); params itself when neither is given."""
+    f = (q_scale or 1.0) * (k_scale or 1.0)
+    if f == 1.0:
+        return params
+    p = _lib.AttnParams()
+    ctypes.memmove(ctypes.byref(p), ctypes.byref(params), ctypes.sizeof(p))
+    base = params.sm_scale if params.sm_scale != 0.0 else 1.0 / math.sqrt(head_dim)
+    s = base * f
+    if not math.isfinite(s) or s == 0.0:
+        raise InvalidArgumentError(f"sm_scale * q_scale * k_scale = {s!r} is not a usable "
+                                   f"scale")
+    p.sm_scale = s
+    return p
+
+
+def neutral(name: str, value, allowed) -> None:
+    """A FlashInfer option kvcache accepts only at its neutral value(s)."""
+
+    def same(a) -> bool:
+        if a is None or value is None or isinstance(value, np.ndarray):
+            return value is a
+        try:
+            return bool(value == a)
+        except (TypeError, ValueError):
+            return False
+
+    if not any(same(a) for a in allowed):
+        raise UnsupportedError(f"{name}={value!r} is not supported on the CPU (allowed: "
+                               f"{', '.join(repr(a) for a in allowed)})")
+
+
+def _buffer(buf, name: str, shape, dtype) -> np.ndarray:
+    if not isinstance(buf, np.ndarray):
+        raise InvalidArgumentError(f"{name} must be a numpy array, got {type(buf).__name__}")
+    if buf.dtype != dtype or buf.shape != tuple(shape):
+        raise InvalidArgumentError(f"{name} is {buf.dtype} {buf.shape}; this call writes "
+                                   f"{np.dtype(dtype)} {tuple(shape)}")
+    if not buf.flags.writeable:
+        raise InvalidArgumentError(f"{name} is read-only")
+    return buf
+
+
+class Outputs:
+    """The o/lse arrays a call writes, honouring out=, lse= and v_scale.
+
+    ``o_c``/``lse_c`` are what C writes into; ``result(return_lse)`` returns
+    what the Python call returns. With v_scale C writes float32 and the
+    scaled values are rounded once into o's dtype."""
+
+    def __init__(self, o_shape, o_dtype, lse_shape, return_lse, out=None, lse=None,
+                 v_scale=None):
+        o_dtype = np.dtype(o_dtype)
+        self.v_scale = v_scale
+        self.out = None if out is None else _buffer(out, "out", o_shape, o_dtype)
+        self.lse = None if lse is None else _buffer(lse, "lse", lse_shape, _F32)
+        if v_scale is not None:
+            self.o_c = np.empty(o_shape, _F32)
+        elif self.out is not None and _lib._element_strides(self.out) is not None:
+            self.o_c = self.out
+        else:
+            self.o_c = np.empty(o_shape, o_dtype)
+        self.o_dtype = o_dtype
+        if self.lse is not None and _lib._element_strides(self.lse) is not None:
+            self.lse_c = self.lse
+        elif self.lse is not None or return_lse:
+            self.lse_c = np.empty(lse_shape, _F32)
+        else:
+            self.lse_c = None
+
+    def result(self, return_lse: bool):
+        o = self.o_c
+        if self.v_scale is not None:
+            o = (o * np.float32(self.v_scale)).astype(self.o_dtype)
+        if self.out is not None and o is not self.out:
+            np.copyto(self.out, o)
+            o = self.out
+        lse = self.lse_c
+        if self.lse is not None and lse is not self.lse:
+            np.copyto(self.lse, lse)
+            lse = self.lse
+        return (o, lse) if return_lse else o

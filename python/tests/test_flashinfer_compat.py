@@ -1,0 +1,257 @@
+"""FlashInfer's argument names and run-time knobs (flashinfer-notes.md 1.5-1.8):
+float_workspace_buffer, use_cuda_graph / use_tensor_cores, pos_encoding_mode,
+o_dtype / o_data_type, scalar q_scale / k_scale / v_scale (k_scale * q_scale
+multiply sm_scale, v_scale the output), out= / lse= buffers, positional order
+of the single-request functions. Against float64 references (attn_reference).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import attn_reference as ar
+import kvcache
+
+F32, F16 = np.float32, np.float16
+E = kvcache.KvcacheError
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(20261125)
+
+
+def _paged(rng, lens, page_size=4, h=2, dh=32):
+    """A paged float32 cache holding random K/V for requests of lens tokens:
+    (cache (P, 2, ps, H, Dh) NHD, indptr, indices, last_page_len, per-request
+    (k, v) (kv_len, H, Dh))."""
+    pages = [max(1, -(-n // page_size)) for n in lens]
+    n_pages = sum(pages)
+    cache = np.zeros((n_pages, 2, page_size, h, dh), F32)
+    order = rng.permutation(n_pages).astype(np.int32)
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    last = np.array([n - (p - 1) * page_size for n, p in zip(lens, pages)], np.int32)
+    kv = []
+    for b, n in enumerate(lens):
+        k = rng.standard_normal((n, h, dh)).astype(F32)
+        v = rng.standard_normal((n, h, dh)).astype(F32)
+        for t in range(n):
+            pg = order[indptr[b] + t // page_size]
+            cache[pg, 0, t % page_size] = k[t]
+            cache[pg, 1, t % page_size] = v[t]
+        kv.append((k, v))
+    return cache, indptr, order, last, kv
+
+
+def _decode_ref(q, kv, sm_scale):
+    """(o (B, Hq, Dh), lse (B, Hq)) in float64 for one query row per request."""
+    os_, ls = [], []
+    for b, (k, v) in enumerate(kv):
+        o, lse = ar.prefill(ar.f64(q[b:b + 1]), ar.f64(k), ar.f64(v), sm_scale=sm_scale)
+        os_.append(o[0])
+        ls.append(lse[0])
+    return np.stack(os_), np.stack(ls)
+
+
+def test_constructor_names():
+    ws = np.empty(1 << 10, np.uint8)
+    for make in (kvcache.BatchDecodeWithPagedKVCacheWrapper,
+                 kvcache.BatchPrefillWithPagedKVCacheWrapper,
+                 kvcache.BatchPrefillWithRaggedKVCacheWrapper):
+        assert make(float_workspace_buffer=ws, kv_layout="HND").kv_layout == "HND"
+        assert make(ws, "NHD", False).kv_layout == "NHD"
+        assert make(workspace_buffer=ws).kv_layout == "NHD"
+        with pytest.raises(kvcache.UnsupportedError, match="use_cuda_graph"):
+            make(ws, "NHD", True)
+    w = kvcache.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", False, True)  # use_tensor_cores
+    assert w.kv_layout == "NHD"
+    c = kvcache.MultiLevelCascadeAttentionWrapper(2, float_workspace_buffer=ws, kv_layout="NHD")
+    assert c.num_levels == 2
+    with pytest.raises(kvcache.UnsupportedError):
+        kvcache.MultiLevelCascadeAttentionWrapper(2, ws, "NHD", True)
+
+
+def test_single_decode_flashinfer_order_and_scalar_scales(rng):
+    hq, h, dh, n = 4, 2, 32, 9
+    q = rng.standard_normal((hq, dh)).astype(F32)
+    k = rng.standard_normal((n, h, dh)).astype(F32)
+    v = rng.standard_normal((n, h, dh)).astype(F32)
+    # FlashInfer's positions: kv_layout, pos_encoding_mode, use_tensor_cores,
+    # q_scale, k_scale, v_scale, window_left, logits_soft_cap, sm_scale
+    o = kvcache.single_decode_with_kv_cache(q, k, v, "NHD", "NONE", False, None, None, None, -1,
+                                            None, 0.3)
+    want, _ = ar.prefill(ar.f64(q[None]), ar.f64(k), ar.f64(v), sm_scale=0.3)
+    ar.assert_close(o, want[0], 1e-5, "positional sm_scale")
+    o, lse = kvcache.single_decode_with_kv_cache(q, k, v, q_scale=2.0, k_scale=1.5, v_scale=0.25,
+                                                 sm_scale=0.1, return_lse=True)
+    want, want_lse = ar.prefill(ar.f64(q[None]), ar.f64(k), ar.f64(v), sm_scale=0.1 * 3.0)
+    ar.assert_close(o, 0.25 * want[0], 1e-5, "calibration scales")
+    np.testing.assert_allclose(lse, want_lse[0], rtol=1e-5, atol=1e-5)
+    # k_scale alone with the default sm_scale
+    o = kvcache.single_decode_with_kv_cache(q, k, v, k_scale=np.float32(0.5))
+    want, _ = ar.prefill(ar.f64(q[None]), ar.f64(k), ar.f64(v), sm_scale=0.5 / math.sqrt(dh))
+    ar.assert_close(o, want[0], 1e-5, "k_scale with default sm_scale")
+    for bad in ({"k_scale": 0.0}, {"v_scale": -1.0}, {"q_scale": float("nan")},
+                {"k_scale": np.ones((n, h, 4), F32)}):  # group scales for a float k
+        with pytest.raises(kvcache.InvalidArgumentError):
+            kvcache.single_decode_with_kv_cache(q, k, v, **bad)
+    with pytest.raises(kvcache.UnsupportedError, match="pos_encoding_mode"):
+        kvcache.single_decode_with_kv_cache(q, k, v, pos_encoding_mode="ROPE_LLAMA")
+
+
+def test_single_decode_int8_group_scales_with_v_scale(rng):
+    """Arrays are group scales, numbers calibration scales: both in one call."""
+    hq, h, dh, n, group = 4, 2, 32, 11, 8
+    q = rng.standard_normal((hq, dh)).astype(F32)
+    (kq, ks, kd), (vq, vs, vd) = (ar.make_storage(rng, (n, h, dh), "int8", group)
+                                  for _ in range(2))
+    o = kvcache.single_decode_with_kv_cache(q, kq, vq, k_scale=ks, v_scale=vs,
+                                            quant_group=group)
+    o2 = kvcache.single_decode_with_kv_cache(q, kq, vq, k_scale=ks, v_scale=vs,
+                                             quant_group=group, num_threads=1)
+    want, _ = ar.prefill(ar.f64(q[None]), kd, vd)
+    ar.assert_close(o, want[0], 1e-5, "int8")
+    np.testing.assert_array_equal(o, o2)
+
+
+def test_single_prefill_o_dtype(rng):
+    q = rng.standard_normal((5, 4, 32)).astype(F16)
+    k = rng.standard_normal((7, 2, 32)).astype(F16)
+    v = rng.standard_normal((7, 2, 32)).astype(F16)
+    a = kvcache.single_prefill_with_kv_cache(q, k, v, o_dtype="float32", causal=True)
+    b = kvcache.single_prefill_with_kv_cache(q, k, v, out_dtype=np.float32, causal=True)
+    assert a.dtype == np.float32
+    np.testing.assert_array_equal(a, b)
+    want, _ = ar.prefill(ar.f64(q), ar.f64(k), ar.f64(v), causal=True)
+    ar.assert_close(a, want, 1e-5, "o_dtype float32")
+    with pytest.raises(kvcache.InvalidArgumentError, match="not both"):
+        kvcache.single_prefill_with_kv_cache(q, k, v, o_dtype="float32", out_dtype="float32")
+    for kw in ({"scale_q": np.ones(4, F32)}, {"kv_cache_sf": np.ones(1, F32)},
+               {"backend": "fa3"}, {"pos_encoding_mode": "ALIBI"}):
+        with pytest.raises(kvcache.UnsupportedError):
+            kvcache.single_prefill_with_kv_cache(q, k, v, **kw)
+    o = kvcache.single_prefill_with_kv_cache(q, k, v, pos_encoding_mode="NONE", backend="auto",
+                                             k_scale=2.0, v_scale=3.0)
+    want, _ = ar.prefill(ar.f64(q), ar.f64(k), ar.f64(v), sm_scale=2.0 / math.sqrt(32))
+    ar.assert_close(o, 3.0 * want, 1e-3, "prefill calibration scales", out_dtype=F16)
+
+
+def test_batch_decode_knobs(rng):
+    lens = [5, 1, 13]
+    hq, h, dh = 4, 2, 32
+    cache, indptr, indices, last, kv = _paged(rng, lens)
+    q = rng.standard_normal((len(lens), hq, dh)).astype(F16)
+    w = kvcache.BatchDecodeWithPagedKVCacheWrapper(float_workspace_buffer=None, kv_layout="NHD")
+    w.plan(indptr, indices, last, hq, h, dh, 4, pos_encoding_mode="NONE", o_data_type="float32",
+           q_data_type="float16", sm_scale=0.2)
+    o, lse = w.run(q, cache, return_lse=True)
+    assert o.dtype == np.float32 and lse.shape == (len(lens), hq)
+    want, want_lse = _decode_ref(q, kv, 0.2)
+    ar.assert_close(o, want, 1e-5, "o_data_type float32 from float16 q")
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+    # calibration scales: q_scale * k_scale multiply sm_scale, v_scale the output
+    o2 = w.run(q, cache, q_scale=0.5, k_scale=3.0, v_scale=2.0)
+    want2, _ = _decode_ref(q, kv, 0.2 * 1.5)
+    ar.assert_close(o2, 2.0 * want2, 1e-5, "scalar scales")
+    # out= / lse= buffers (also strided ones), filled and returned
+    out = np.full((len(lens), hq, dh), np.nan, F32)
+    lse_buf = np.full((len(lens), hq), np.nan, F32)
+    r = w.run(q, cache, out=out, lse=lse_buf)
+    assert r is out
+    np.testing.assert_array_equal(out, o)
+    np.testing.assert_array_equal(lse_buf, lse)
+    big = np.zeros((len(lens), hq, 2 * dh), F32)
+    view = big[:, :, ::2]
+    r, rl = w.run(q, cache, out=view, return_lse=True)
+    assert r is view
+    np.testing.assert_array_equal(view, o)
+    np.testing.assert_array_equal(big[:, :, 1::2], 0)
+    np.testing.assert_array_equal(rl, lse)
+    r = w.run(q, cache, out=out, v_scale=0.5)
+    assert r is out
+    ar.assert_close(out, 0.5 * want, 1e-5, "out with v_scale")
+    for bad in ({"out": np.empty((len(lens), hq, dh), F16)},       # plan says float32
+                {"out": np.empty((len(lens), hq, dh + 1), F32)},
+                {"out": np.empty((len(lens), hq, dh), F32)[::-1].copy().T},
+                {"lse": np.empty((len(lens),), F32)},
+                {"k_scale": np.ones((4, 4), F32)},                  # group scales: kv_scale
+                {"v_scale": 0}):
+        with pytest.raises(kvcache.InvalidArgumentError):
+            w.run(q, cache, **bad)
+    ro = np.empty((len(lens), hq, dh), F32)
+    ro.flags.writeable = False
+    with pytest.raises(kvcache.InvalidArgumentError, match="read-only"):
+        w.run(q, cache, out=ro)
+    with pytest.raises(kvcache.UnsupportedError):
+        w.plan(indptr, indices, last, hq, h, dh, 4, pos_encoding_mode="ROPE_LLAMA")
+
+
+def test_batch_prefill_and_cascade_knobs(rng):
+    lens = [6, 9]
+    hq, h, dh = 4, 2, 32
+    cache, indptr, indices, last, kv = _paged(rng, lens)
+    qo = np.array([0, 3, 7], np.int32)
+    q = rng.standard_normal((7, hq, dh)).astype(F32)
+    want = []
+    for b, (k, v) in enumerate(kv):
+        o, _ = ar.prefill(ar.f64(q[qo[b]:qo[b + 1]]), ar.f64(k), ar.f64(v), causal=True,
+                          sm_scale=0.25 / math.sqrt(dh))
+        want.append(o)
+    want = np.concatenate(want)
+    w = kvcache.BatchPrefillWithPagedKVCacheWrapper(float_workspace_buffer=None)
+    w.plan(qo, indptr, indices, last, hq, h, dh, 4, causal=True)
+    out = np.empty_like(q)
+    r = w.run(q, cache, out=out, k_scale=0.5, q_scale=0.5, v_scale=4.0)
+    assert r is out
+    ar.assert_close(out, 4.0 * want, 1e-5, "paged prefill knobs")
+    # ragged: the same K/V as ragged rows
+    k_r = np.concatenate([k for k, _ in kv])
+    v_r = np.concatenate([v for _, v in kv])
+    kv_indptr = np.array([0, 6, 15], np.int32)
+    rw = kvcache.BatchPrefillWithRaggedKVCacheWrapper(None, "NHD")
+    rw.plan(qo, kv_indptr, hq, h, dh, causal=True)
+    lse_buf = np.empty((7, hq), F32)
+    o = rw.run(q, k_r, v_r, k_scale=0.25, v_scale=4.0, lse=lse_buf)
+    ar.assert_close(o, 4.0 * want, 1e-5, "ragged prefill knobs")
+    assert np.all(np.isfinite(lse_buf))
+    # cascade, one level = the paged prefill
+    c = kvcache.MultiLevelCascadeAttentionWrapper(1, float_workspace_buffer=None)
+    c.plan([qo], [indptr], [indices], [last], hq, h, dh, 4, causal=True)
+    out2 = np.empty_like(q)
+    r = c.run(q, cache, out=out2, k_scale=0.25, v_scale=4.0)
+    assert r is out2
+    ar.assert_close(out2, 4.0 * want, 1e-5, "cascade knobs")
+
+
+def test_num_threads_everywhere(rng):
+    """append_paged_kv_cache takes num_threads like the attention calls (n_threads too)."""
+    cache = np.zeros((2, 2, 4, 1, 8), F32)
+    key = rng.standard_normal((3, 1, 8)).astype(F32)
+    args = (key, key, np.zeros(3, np.int32), np.arange(3, dtype=np.int32), cache,
+            np.array([1], np.int32), np.array([0, 1], np.int32), np.array([3], np.int32))
+    kvcache.append_paged_kv_cache(*args, num_threads=1)
+    np.testing.assert_array_equal(cache[1, 0, :3], key)
+    kvcache.append_paged_kv_cache(*args, n_threads=2)
+    with pytest.raises(kvcache.InvalidArgumentError, match="not both"):
+        kvcache.append_paged_kv_cache(*args, num_threads=1, n_threads=1)
+
+
+def test_error_messages_name_the_problem(rng):
+    """A negative page id, an int4 cache passed unpacked and an int4 plan say so."""
+    hq, h, dh, ps = 4, 2, 32, 4
+    q = rng.standard_normal((1, hq, dh)).astype(F32)
+    w = kvcache.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
+    with pytest.raises(kvcache.InvalidArgumentError, match=r"kv_indices\[1\] = -2 is negative"):
+        w.plan(np.array([0, 2], np.int32), np.array([0, -2], np.int32), np.array([1], np.int32),
+               hq, h, dh, ps)
+    w.plan(np.array([0, 1], np.int32), np.array([0], np.int32), np.array([3], np.int32), hq, h,
+           dh, ps, kv_data_type="int4", quant_group=8)
+    unpacked = np.zeros((2, 2, ps, h, dh), np.uint8)  # int4 rows must hold Dh / 2 bytes
+    scale = np.ones((2, 2, ps, h, dh // 8), F32)
+    with pytest.raises(kvcache.InvalidArgumentError, match="does not match the plan"):
+        w.run(q, unpacked, kv_scale=scale)
+    with pytest.raises(kvcache.InvalidArgumentError, match=r"kv_data_type int4 \(uint8\)"):
+        w.run(q, np.zeros((2, 2, ps, h, dh), np.int8), kv_scale=scale)
