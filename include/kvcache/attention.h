@@ -22,6 +22,13 @@
  * is not bitwise equal to a one-row prefill (prefill.h blocks keys by
  * absolute position). Head dimensions up to 512 are supported
  * (KVC_ERR_UNSUPPORTED above).
+ *
+ * Scores are float32 with sm_scale * log2 e folded into q before the dot
+ * products (prefill and MLA likewise), so a score's absolute error grows
+ * with its magnitude, ~2^-24 |s| per term: scores near -5e5 still beat
+ * masked keys (those are -inf) and equal ones stay equal, but differences
+ * below ~0.1 between scores of that size are not resolved, even when they
+ * are exact in float32.
  */
 #ifndef KVCACHE_ATTENTION_H
 #define KVCACHE_ATTENTION_H
