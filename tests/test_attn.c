@@ -350,9 +350,10 @@ TEST(single_large_logits) {
  * The SIMD kernels' register tiles: query heads in tiles of up to 4 (AVX2:
  * 2) with every remainder, keys in quads with partial last blocks, head dims
  * in pieces of up to 4 vectors with every remainder, int8/int4 group scales
- * per vector (groups of 1, 2, 4, 8 vectors), and the fallbacks through the
- * float32 tile: a head dim or group that is not a multiple of the vector
- * width, and groups x heads beyond the weight table (D 512, group 16, G 16).
+ * per vector (groups of 1, 2, 4, 8 vectors) or per half vector (groups of
+ * 8 with AVX-512, 4 with AVX2), and the fallbacks through the float32 tile:
+ * a head dim or group that is not a multiple of the vector width (nor half
+ * of it), and groups x heads beyond the weight table (D 512, group 16, G 16).
  */
 TEST(single_register_tiles) {
     static const struct {
@@ -369,6 +370,11 @@ TEST(single_register_tiles) {
         {KVC_I8, 4, 2, 96, 40, 24},     {KVC_I4, 5, 1, 80, 17, 8},
         {KVC_I8, 16, 1, 512, 35, 16},   {KVC_F16, 16, 1, 512, 18, 16},
         {KVC_I8, 1, 1, 32, 5, 32},      {KVC_F16, 2, 2, 16, 3, 16},
+        /* groups of half a vector (AVX-512: 8, AVX2: 4): scales per half vector */
+        {KVC_I8, 4, 1, 128, 77, 8},     {KVC_I8, 9, 3, 64, 130, 8},
+        {KVC_I4, 8, 2, 128, 45, 8},     {KVC_I8, 16, 1, 512, 35, 8},
+        {KVC_I8, 4, 2, 64, 40, 4},      {KVC_I4, 3, 1, 32, 21, 4},
+        {KVC_I8, 4, 1, 40, 20, 8},
     };
     FOR_EACH_ISA({
         for (size_t i = 0; i < sizeof cs / sizeof cs[0]; i++)

@@ -24,6 +24,7 @@
  *   AB_MAX4(a0, a1, a2, a3, out)      out[i] = horizontal max of ai
  *   AB_SCALEROW(sc, sd, n, dst)       the n scales of a scale row (F32 or F16) -> dst floats
  *   AB_GATHER(p, stride)              vector of p[i * stride], lanes i
+ *   AB_SCALE2(p)                      p[0] in the low half of the lanes, p[1] in the high half
  *   AB_NH                             query heads per register tile (<= 4)
  *   AB_NC                             vectors of the head dim per P.V tile (<= 4)
  *
@@ -33,10 +34,13 @@
  * x AB_NC vectors of output accumulators), int8/int4 group scales applied
  * once per converted K vector (shared by the heads) and folded into the
  * softmax weights for V (p * scale per key and group, AB_NB keys per vector
- * multiply). Rows whose layout the register path does not cover (a head dim
- * not a multiple of AB_VL, a quant group not a multiple of AB_VL, more
- * groups x heads than the weight table holds) go through the float32 tile
- * as in the reference, then the same register tiles.
+ * multiply). Quant groups of half a vector (8 with AVX-512, pmx's default;
+ * 4 with AVX2) stay on the register path too: each K and V vector is
+ * multiplied by its two groups' scales (AB_SCALE2), p is not folded. Rows
+ * whose layout the register path does not cover (a head dim not a multiple
+ * of AB_VL, other quant groups that are not a multiple of AB_VL, more groups
+ * x heads than the weight table holds) go through the float32 tile as in
+ * the reference, then the same register tiles.
  */
 #include "vec_math.h"
 
@@ -144,21 +148,25 @@ AB_INL int64_t ab_off(const kvc_dtype dt, int e) {
  * Scores of NH heads (q: NH rows of Dp) x 4 keys (kr[i]): out[h * AB_NB + i]
  * = q_h . k_i over ng groups of cpg vectors. kq: quantized rows, ksc[i * ng
  * + gi] the scale of key i, group gi (multiplied into the converted vector,
- * which all NH heads then use).
+ * which all NH heads then use). half: groups of AB_VL / 2, so the loop runs
+ * over the ng / 2 vectors (cpg 1), each scaled by its two groups' scales.
  */
-AB_INL void ab_score_tile(const int NH, const kvc_dtype dt, const int kq, const float *q, int Dp,
-                          const char *const *kr, const float *ksc, int ng, int cpg, float *out) {
+AB_INL void ab_score_tile(const int NH, const kvc_dtype dt, const int kq, const int half,
+                          const float *q, int Dp, const char *const *kr, const float *ksc, int ng,
+                          int cpg, float *out) {
     ab_vec a[AB_NH][4];
 #pragma GCC unroll 4
     for (int h = 0; h < NH; h++)
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) a[h][i] = AB_ZERO();
     int e = 0;
-    for (int gi = 0; gi < ng; gi++) {
+    const int nloop = half ? ng / 2 : ng;
+    for (int gi = 0; gi < nloop; gi++) {
         ab_vec sv[4];
         if (kq) {
 #pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) sv[i] = AB_SET1(ksc[i * ng + gi]);
+            for (int i = 0; i < 4; i++)
+                sv[i] = half ? AB_SCALE2(ksc + i * ng + 2 * gi) : AB_SET1(ksc[i * ng + gi]);
         }
         for (int cc = 0; cc < cpg; cc++, e += AB_VL) {
             ab_vec kv[4];
@@ -209,9 +217,9 @@ AB_INL void ab_prefetch_next(const kvc_attn_rows *r, int D, int64_t j0, int64_t 
 /* s[g * AB_NB + j] = q_g . k_j for the nb (<= AB_NB) keys at k + j * kst;
  * entries past nb are garbage (the caller overwrites them). pf: the call's
  * rows, whose next block is prefetched a quad at a time (NULL: none). */
-AB_INL void ab_scores(const kvc_dtype dt, const int kq, const float *q, int G, int Dp,
-                      const char *k, int64_t kst, const float *ksc, int ng, int cpg, int nb,
-                      float *s, const kvc_attn_rows *pf, int D, int64_t pj0, int64_t n) {
+AB_INL void ab_scores(const kvc_dtype dt, const int kq, const int half, const float *q, int G,
+                      int Dp, const char *k, int64_t kst, const float *ksc, int ng, int cpg,
+                      int nb, float *s, const kvc_attn_rows *pf, int D, int64_t pj0, int64_t n) {
     for (int j0 = 0; j0 < nb; j0 += 4) {
         if (pf) ab_prefetch_next(pf, D, pj0 + j0, n);
         const char *kr[4];
@@ -222,13 +230,13 @@ AB_INL void ab_scores(const kvc_dtype dt, const int kq, const float *q, int G, i
             float *o = s + g0 * AB_NB + j0;
             switch (G - g0 < AB_NH ? G - g0 : AB_NH) {
 #if AB_NH >= 4
-            case 4: ab_score_tile(4, dt, kq, qg, Dp, kr, ks, ng, cpg, o); break;
+            case 4: ab_score_tile(4, dt, kq, half, qg, Dp, kr, ks, ng, cpg, o); break;
 #endif
 #if AB_NH >= 3
-            case 3: ab_score_tile(3, dt, kq, qg, Dp, kr, ks, ng, cpg, o); break;
+            case 3: ab_score_tile(3, dt, kq, half, qg, Dp, kr, ks, ng, cpg, o); break;
 #endif
-            case 2: ab_score_tile(2, dt, kq, qg, Dp, kr, ks, ng, cpg, o); break;
-            default: ab_score_tile(1, dt, kq, qg, Dp, kr, ks, ng, cpg, o); break;
+            case 2: ab_score_tile(2, dt, kq, half, qg, Dp, kr, ks, ng, cpg, o); break;
+            default: ab_score_tile(1, dt, kq, half, qg, Dp, kr, ks, ng, cpg, o); break;
             }
         }
     }
@@ -238,24 +246,30 @@ AB_INL void ab_scores(const kvc_dtype dt, const int kq, const float *q, int G, i
  * acc[h][e0 + cc * AB_VL ...] += sum_j p * v_j for NH heads x NC vectors,
  * the accumulators held in registers over the nb keys. Weights: vq == 0,
  * p = pc[0][h * AB_NB + j] (one per head and key); vq == 1 (quantized V,
- * scale folded in), p = pc[cc][h * AB_NB + j] (per vector's group).
+ * scale folded in), p = pc[cc][h * AB_NB + j] (per vector's group); vq == 2
+ * (groups of half a vector), p = pc[0][h * AB_NB + j] and each V vector
+ * multiplied by AB_SCALE2 of vsc + j * ng + 2 * (e0 / AB_VL + cc).
  */
 AB_INL void ab_pv_tile(const int NH, const int NC, const kvc_dtype dt, const int vq,
                        const char *v, int64_t vst, int nb, const float *const *pc, float *acc,
-                       int Dp, int e0) {
+                       int Dp, int e0, const float *vsc, int ng) {
     ab_vec a[AB_NH][AB_NC];
 #pragma GCC unroll 4
     for (int h = 0; h < NH; h++)
 #pragma GCC unroll 4
         for (int cc = 0; cc < NC; cc++) a[h][cc] = AB_LOAD(acc + h * Dp + e0 + cc * AB_VL);
     const char *vr = v + ab_off(dt, e0); /* the piece's elements: constant offsets below */
+    const float *vs = vq == 2 ? vsc + 2 * (e0 / AB_VL) : NULL;
     for (int j = 0; j < nb; j++, vr += vst) {
         ab_vec vv[AB_NC];
 #pragma GCC unroll 4
-        for (int cc = 0; cc < NC; cc++) vv[cc] = AB_LOADK(vr, dt, cc * AB_VL);
+        for (int cc = 0; cc < NC; cc++) {
+            vv[cc] = AB_LOADK(vr, dt, cc * AB_VL);
+            if (vq == 2) vv[cc] = AB_MUL(vv[cc], AB_SCALE2(vs + (int64_t)j * ng + 2 * cc));
+        }
 #pragma GCC unroll 4
         for (int h = 0; h < NH; h++) {
-            if (vq) {
+            if (vq == 1) {
 #pragma GCC unroll 4
                 for (int cc = 0; cc < NC; cc++)
                     a[h][cc] = AB_FMA(AB_SET1(pc[cc][h * AB_NB + j]), vv[cc], a[h][cc]);
@@ -274,14 +288,14 @@ AB_INL void ab_pv_tile(const int NH, const int NC, const kvc_dtype dt, const int
 
 #define AB_PV_CASE(nh, nc)                                                                         \
     case (nh) * 8 + (nc):                                                                          \
-        ab_pv_tile((nh), (nc), dt, vq, v, vst, nb, pc, ag, Dp, e0);                                \
+        ab_pv_tile((nh), (nc), dt, vq, v, vst, nb, pc, ag, Dp, e0, vsc, ng);                       \
         break;
 
 /* P.V over nd (a multiple of AB_VL) elements of the nb keys at v + j * vst.
- * ps: weights [group][G][AB_NB] (vq) or [G][AB_NB]; group of vector c:
- * c / cpg. */
+ * ps: weights [group][G][AB_NB] (vq 1) or [G][AB_NB]; group of vector c:
+ * c / cpg. vq 2: V scales vsc[j * ng + group] (ab_pv_tile). */
 AB_INL void ab_pv(const kvc_dtype dt, const int vq, const char *v, int64_t vst, int nb, int nd,
-                  const float *ps, int G, int cpg, float *acc, int Dp) {
+                  const float *ps, int G, int cpg, float *acc, int Dp, const float *vsc, int ng) {
     const int nch = nd / AB_VL;
     for (int c0 = 0; c0 < nch; c0 += AB_NC) {
         const int nc = nch - c0 < AB_NC ? nch - c0 : AB_NC, e0 = c0 * AB_VL;
@@ -289,7 +303,7 @@ AB_INL void ab_pv(const kvc_dtype dt, const int vq, const char *v, int64_t vst, 
             const int nh = G - g0 < AB_NH ? G - g0 : AB_NH;
             const float *pc[AB_NC];
             for (int cc = 0; cc < AB_NC; cc++)
-                pc[cc] = ps + (vq && cc < nc ? (int64_t)((c0 + cc) / cpg) * G * AB_NB : 0) +
+                pc[cc] = ps + (vq == 1 && cc < nc ? (int64_t)((c0 + cc) / cpg) * G * AB_NB : 0) +
                          g0 * AB_NB;
             float *ag = acc + (int64_t)g0 * Dp;
             switch (nh * 8 + nc) {
@@ -372,20 +386,21 @@ AB_INL void ab_softmax(int G, int Dp, float *s, float *m, float *l, float *acc) 
  * in place (D % AB_VL == 0; quantized: group % AB_VL == 0 and the weight
  * table fits); else each block's rows go through the float32 tile.
  */
-AB_INL void ab_run(const kvc_dtype dt, const int fast, const float *q, int G, int D, int Dp,
-                   const kvc_attn_rows *r, int64_t n, float cap, float *m, float *l, float *acc,
-                   float *tile) {
+AB_INL void ab_run(const kvc_dtype dt, const int fast, const int half, const float *q, int G,
+                   int D, int Dp, const kvc_attn_rows *r, int64_t n, float cap, float *m, float *l,
+                   float *acc, float *tile) {
     static const float log2e = 1.4426950408889634f;
     float s[KVC_ATTN_MAX_G * AB_NB] __attribute__((aligned(64)));
-    float ksc[AB_NB * KVC_ATTN_MAX_DIM / AB_VL] __attribute__((aligned(64)));
-    float vsc[AB_NB * KVC_ATTN_MAX_DIM / AB_VL] __attribute__((aligned(64)));
+    /* scales [key][group]: up to 2 D / AB_VL groups (half-vector groups) */
+    float ksc[AB_NB * 2 * KVC_ATTN_MAX_DIM / AB_VL] __attribute__((aligned(64)));
+    float vsc[AB_NB * 2 * KVC_ATTN_MAX_DIM / AB_VL] __attribute__((aligned(64)));
     float ps[AB_PS_MAX] __attribute__((aligned(64)));
     const int quant = dt == KVC_I8 || dt == KVC_I4;     /* fast path: dt is the row dtype */
     const int tq = r->dt == KVC_I8 || r->dt == KVC_I4; /* tile path: rows of r->dt */
     const int kq = fast && quant; /* scales applied here, not in a tile */
     const int ng = kq ? D / r->group : 1;
     const int nd = fast ? D : Dp;
-    const int cpg = nd / AB_VL / ng; /* vectors per group */
+    const int cpg = half ? 1 : nd / AB_VL / ng; /* vectors per group (half: per 2 groups) */
     const kvc_dtype sdt = fast ? dt : KVC_F32; /* dtype the register tiles read */
     for (int64_t j0 = 0; j0 < n; j0 += AB_NB) {
         const int nb = n - j0 < AB_NB ? (int)(n - j0) : AB_NB;
@@ -414,7 +429,8 @@ AB_INL void ab_run(const kvc_dtype dt, const int fast, const float *q, int G, in
         }
         /* the next block (rows [0, nn) of r->nk...) as this call's keys go by:
          * key j0 + j of this call prefetches row j0 + j of the next block */
-        ab_scores(sdt, kq, q, G, Dp, kb, kst, ksc, ng, cpg, nb, s, fast ? r : NULL, D, j0, n);
+        ab_scores(sdt, kq, half, q, G, Dp, kb, kst, ksc, ng, cpg, nb, s, fast ? r : NULL, D, j0,
+                  n);
         for (int g = 0; g < G; g++) {
             float *sg = s + g * AB_NB;
             if (cap > 0.0f) kvc__softcap_row(sg, nb, cap, log2e);
@@ -428,7 +444,11 @@ AB_INL void ab_run(const kvc_dtype dt, const int fast, const float *q, int G, in
         if (fast) {
             vb = (const char *)r->v + j0 * r->v_stride;
             vst = r->v_stride;
-            if (kq) { /* ps[gi][g][j] = p[g][j] * scale[j][gi] */
+            if (kq && half) { /* V vectors scaled in ab_pv_tile */
+                for (int j = 0; j < nb; j++)
+                    AB_SCALEROW((const char *)r->vs + (j0 + j) * r->vs_stride, r->vsd, ng,
+                                vsc + j * ng);
+            } else if (kq) { /* ps[gi][g][j] = p[g][j] * scale[j][gi] */
                 for (int j = 0; j < nb; j++)
                     AB_SCALEROW((const char *)r->vs + (j0 + j) * r->vs_stride, r->vsd, ng,
                                 vsc + j * ng);
@@ -452,7 +472,7 @@ AB_INL void ab_run(const kvc_dtype dt, const int fast, const float *q, int G, in
             vb = (const char *)tile;
             vst = (int64_t)Dp * (int64_t)sizeof(float);
         }
-        ab_pv(sdt, kq, vb, vst, nb, nd, pw, G, cpg, acc, Dp);
+        ab_pv(sdt, kq ? (half ? 2 : 1) : 0, vb, vst, nb, nd, pw, G, cpg, acc, Dp, vsc, ng);
     }
 }
 
@@ -460,21 +480,33 @@ static void AB_NAME(const float *q, int G, int D, int Dp, const kvc_attn_rows *r
                     float cap, float *m, float *l, float *acc) {
     const kvc_dtype dt = r->dt;
     const int quant = dt == KVC_I8 || dt == KVC_I4;
+    const int half = quant && 2 * r->group == AB_VL && D % AB_VL == 0;
     const int fast = D % AB_VL == 0 &&
-                     (!quant || (r->group % AB_VL == 0 && (D / r->group) * G * AB_NB <= AB_PS_MAX));
+                     (!quant || half ||
+                      (r->group % AB_VL == 0 && (D / r->group) * G * AB_NB <= AB_PS_MAX));
     if (!fast) {
         float tile[AB_NB * KVC_ATTN_MAX_DIM] __attribute__((aligned(64)));
         for (int j = 0; j < AB_NB; j++)
             for (int d = D; d < Dp; d++) tile[j * Dp + d] = 0.0f;
-        ab_run(KVC_F32, 0, q, G, D, Dp, r, n, cap, m, l, acc, tile); /* dt from r in the tile */
+        ab_run(KVC_F32, 0, 0, q, G, D, Dp, r, n, cap, m, l, acc, tile); /* dt from r in the tile */
         return;
     }
     switch (dt) {
-    case KVC_F16: ab_run(KVC_F16, 1, q, G, D, Dp, r, n, cap, m, l, acc, NULL); break;
-    case KVC_BF16: ab_run(KVC_BF16, 1, q, G, D, Dp, r, n, cap, m, l, acc, NULL); break;
-    case KVC_I8: ab_run(KVC_I8, 1, q, G, D, Dp, r, n, cap, m, l, acc, NULL); break;
-    case KVC_I4: ab_run(KVC_I4, 1, q, G, D, Dp, r, n, cap, m, l, acc, NULL); break;
-    default: ab_run(KVC_F32, 1, q, G, D, Dp, r, n, cap, m, l, acc, NULL); break;
+    case KVC_F16: ab_run(KVC_F16, 1, 0, q, G, D, Dp, r, n, cap, m, l, acc, NULL); break;
+    case KVC_BF16: ab_run(KVC_BF16, 1, 0, q, G, D, Dp, r, n, cap, m, l, acc, NULL); break;
+    case KVC_I8:
+        if (half)
+            ab_run(KVC_I8, 1, 1, q, G, D, Dp, r, n, cap, m, l, acc, NULL);
+        else
+            ab_run(KVC_I8, 1, 0, q, G, D, Dp, r, n, cap, m, l, acc, NULL);
+        break;
+    case KVC_I4:
+        if (half)
+            ab_run(KVC_I4, 1, 1, q, G, D, Dp, r, n, cap, m, l, acc, NULL);
+        else
+            ab_run(KVC_I4, 1, 0, q, G, D, Dp, r, n, cap, m, l, acc, NULL);
+        break;
+    default: ab_run(KVC_F32, 1, 0, q, G, D, Dp, r, n, cap, m, l, acc, NULL); break;
     }
 }
 

@@ -743,6 +743,12 @@ KVC_INLINE __m256 ab_gather8(const float *p, int stride) {
     return _mm256_i32gather_ps(p, idx, 4);
 }
 
+/* AB_SCALE2: lanes 0-3 = p[0], lanes 4-7 = p[1] (the scales of a vector
+ * that spans two quant groups of 4). */
+KVC_INLINE __m256 ab_scale2_8(const float *p) {
+    return _mm256_set_m128(_mm_set1_ps(p[1]), _mm_set1_ps(p[0]));
+}
+
 typedef __m256 ab_vec;
 #define AB_VL 8
 #define AB_LOAD(p) _mm256_load_ps(p)
@@ -762,6 +768,7 @@ typedef __m256 ab_vec;
 #define AB_MAX4(a0, a1, a2, a3, out) ab_max4_8((a0), (a1), (a2), (a3), (out))
 #define AB_SCALEROW(sc, sd, n, dst) ab_scalerow8((sc), (sd), (n), (dst))
 #define AB_GATHER(p, stride) ab_gather8((p), (stride))
+#define AB_SCALE2(p) ab_scale2_8(p)
 #define AB_NH 2 /* 16 ymm registers: 2 heads x 4 keys of score accumulators */
 #define AB_NC 4
 #define AB_NAME attn_decode_avx2

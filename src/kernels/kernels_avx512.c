@@ -973,6 +973,12 @@ KVC_INLINE __m512 ab_gather16(const float *p, int stride) {
     return _mm512_i32gather_ps(idx, p, 4);
 }
 
+/* AB_SCALE2: lanes 0-7 = p[0], lanes 8-15 = p[1] (the scales of a vector
+ * that spans two quant groups of 8). */
+KVC_INLINE __m512 ab_scale2_16(const float *p) {
+    return _mm512_shuffle_f32x4(_mm512_set1_ps(p[0]), _mm512_set1_ps(p[1]), 0x44);
+}
+
 typedef __m512 ab_vec;
 #define AB_VL 16
 #define AB_LOAD(p) _mm512_load_ps(p)
@@ -992,6 +998,7 @@ typedef __m512 ab_vec;
 #define AB_MAX4(a0, a1, a2, a3, out) ab_max4_16((a0), (a1), (a2), (a3), (out))
 #define AB_SCALEROW(sc, sd, n, dst) ab_scalerow16((sc), (sd), (n), (dst))
 #define AB_GATHER(p, stride) ab_gather16((p), (stride))
+#define AB_SCALE2(p) ab_scale2_16(p)
 #define AB_NH 4
 #define AB_NC 4
 #define AB_NAME attn_decode_avx512
