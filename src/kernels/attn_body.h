@@ -384,7 +384,8 @@ AB_INL void ab_softmax(int G, int Dp, float *s, float *m, float *l, float *acc) 
 /*
  * All blocks of one call with the row dtype dt a constant. fast: rows read
  * in place (D % AB_VL == 0; quantized: group % AB_VL == 0 and the weight
- * table fits); else each block's rows go through the float32 tile.
+ * table fits, or half: group == AB_VL / 2); else each block's rows go
+ * through the float32 tile.
  */
 AB_INL void ab_run(const kvc_dtype dt, const int fast, const int half, const float *q, int G,
                    int D, int Dp, const kvc_attn_rows *r, int64_t n, float cap, float *m, float *l,
