@@ -23,12 +23,13 @@
  * absolute position). Head dimensions up to 512 are supported
  * (KVC_ERR_UNSUPPORTED above).
  *
- * Scores are float32 with sm_scale * log2 e folded into q before the dot
- * products (prefill and MLA likewise), so a score's absolute error grows
- * with its magnitude, ~2^-24 |s| per term: scores near -5e5 still beat
- * masked keys (those are -inf) and equal ones stay equal, but differences
- * below ~0.1 between scores of that size are not resolved, even when they
- * are exact in float32.
+ * Scores are float32 dot products of the unscaled q (prefill and MLA
+ * likewise); the online softmax takes their max and then 2^(s * sm_scale *
+ * log2 e - m) in one fused operation, so scores of large magnitude keep
+ * their differences (-5e5 + 3 against -5e5 gives the float64 weights to
+ * float32 rounding, and masked keys, -inf, never win). A soft cap, an
+ * additive mask (pmx) or a negative sm_scale scale q first instead, which
+ * rounds each product at the score's magnitude (~2^-24 |s|).
  */
 #ifndef KVCACHE_ATTENTION_H
 #define KVCACHE_ATTENTION_H

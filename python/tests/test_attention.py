@@ -578,3 +578,51 @@ def test_batch_decode_reads_a_read_only_cache():
     ro = cache.copy()
     ro.flags.writeable = False
     np.testing.assert_array_equal(w.run(q, ro), want)
+
+
+def test_large_scores_keep_their_differences(isa, rng):
+    """Scores of -5e5 + small exact steps (one-hot q, float32 K): the kernels
+    take the max of the raw scores and 2^(s * sm_scale * log2 e - m) in one
+    fused operation, so the differences survive (folding sm_scale * log2 e
+    into q lost them: ~3e-3 relative error). Decode, batched decode, prefill
+    and MLA, every ISA, against float64."""
+    dh, n = 64, 40
+    offsets = np.arange(n) * 0.125 - 2.0  # exact in float32 at 5e5 (spacing 0.03125)
+    k = rng.standard_normal((n, 1, dh)).astype(F32)
+    k[:, 0, 0] = (-5e5 + offsets).astype(F32)
+    v = rng.standard_normal((n, 1, dh)).astype(F32)
+    q = np.zeros((2, dh), F32)
+    q[:, 0] = 1.0
+    for sm in (1.0, 0.7):
+        s = sm * (-5e5 + offsets)  # float64 scores
+        p = np.exp(s - s.max())
+        want = (p / p.sum()) @ v[:, 0].astype(np.float64)
+        want_lse = (s.max() + np.log(p.sum())) / math.log(2.0)
+        o, lse = kvcache.single_decode_with_kv_cache(q, k, v, sm_scale=sm, return_lse=True)
+        np.testing.assert_allclose(o, np.stack([want, want]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(lse, [want_lse, want_lse], rtol=1e-6)
+        o = kvcache.single_prefill_with_kv_cache(q[None], k, v, sm_scale=sm)
+        np.testing.assert_allclose(o[0], np.stack([want, want]), rtol=1e-5, atol=1e-5)
+        # batched decode over a paged cache (page size 8, pages in reverse order)
+        ps, npg = 8, n // 8
+        cache = np.zeros((npg, 2, ps, 1, dh), F32)
+        for t in range(n):
+            cache[npg - 1 - t // ps, 0, t % ps] = k[t]
+            cache[npg - 1 - t // ps, 1, t % ps] = v[t]
+        w = kvcache.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD", num_threads=2)
+        w.plan(np.array([0, npg], np.int32), np.arange(npg - 1, -1, -1, dtype=np.int32),
+               np.array([ps], np.int32), 2, 1, dh, ps, sm_scale=sm)
+        np.testing.assert_allclose(w.run(q[None], cache)[0], np.stack([want, want]), rtol=1e-5,
+                                   atol=1e-5)
+    # MLA: the same scores through ckv (kpe zero), sm_scale 1
+    ckv = np.zeros((n // 8, 8, dh), F32)
+    ckv.reshape(n, dh)[:] = k[:, 0]
+    kpe = np.zeros((n // 8, 8, 16), F32)
+    m = kvcache.BatchMLAPagedAttentionWrapper()
+    m.plan(np.array([0, 1], np.int32), np.array([0, n // 8], np.int32),
+           np.arange(n // 8, dtype=np.int32), np.array([n], np.int32), 2, dh, 16, 8, False, 1.0)
+    o = m.run(q[None], np.zeros((1, 2, 16), F32), ckv, kpe)
+    s = -5e5 + offsets
+    p = np.exp(s - s.max())
+    want = (p / p.sum()) @ k[:, 0].astype(np.float64)
+    np.testing.assert_allclose(o[0], np.stack([want, want]), rtol=1e-5, atol=1e-5)

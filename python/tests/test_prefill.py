@@ -215,9 +215,8 @@ def test_extreme_negative_scores_beat_masked_keys(rng, storage):
     if storage != "f32":
         return
     # causal (row i sees keys j <= i + 2): past keys score -524288 (q one-hot,
-    # so the scores are exact), future keys +6400. (Scores that differ by
-    # about 1 at -5e5 cannot be resolved in float32, whose spacing there is
-    # 0.03 - 0.06: they are all equal here.)
+    # so the scores are exact), future keys +6400. (Distinct scores near -5e5:
+    # test_attention.test_large_scores_keep_their_differences.)
     q1 = np.zeros((qo_len, 1, dh), F32)
     q1[:, 0, 0] = 1.0
     k2 = rng.standard_normal((kv_len, 1, dh)).astype(F32)

@@ -70,7 +70,7 @@ typedef struct attn_ctx {
     int64_t o_sb, o_sh;
     float *lse;
     int64_t l_sb, l_sh;
-    float qscale, cap;
+    float qscale, cap, sc; /* q multiplier, soft cap, scores to base 2 (kernels.h) */
     int32_t window;
     const kvc_kernels *kern;
     int amx; /* int8/int4 cache the kernel table's AMX decode takes (chunk_amx) */
@@ -195,12 +195,13 @@ static void task_head_done(const attn_ctx *c, int64_t b, int64_t ch, int64_t nch
     memcpy(pp + 2, acc, (size_t)c->D * sizeof(float));
 }
 
-/* Query head hq of request b as the kernels take it: float32, times the
- * score scale, zeros in [D, Dp). */
+/* Query head hq of request b as the kernels take it: float32 (times
+ * sm_scale under a soft cap), zeros in [D, Dp). */
 static void load_q(const attn_ctx *c, int64_t b, int64_t hq, float *dst) {
     const char *qr = c->q + kvc__bytes(c->qd, b * c->q_sb + hq * c->q_sh);
     c->kern->convert(qr, c->qd, dst, KVC_F32, c->D); /* exact widening */
-    for (int64_t d = 0; d < c->D; d++) dst[d] *= c->qscale;
+    if (c->qscale != 1.0f)
+        for (int64_t d = 0; d < c->D; d++) dst[d] *= c->qscale;
     for (int64_t d = c->D; d < c->Dp; d++) dst[d] = 0.0f;
 }
 
@@ -303,7 +304,7 @@ static __attribute__((noinline)) void chunk_amx(const attn_ctx *c, int64_t b, in
             const int64_t h = sl / sets, g0 = (sl % sets) * 4, nh = G - g0 < 4 ? G - g0 : 4;
             for (int64_t g = 0; g < nh; g++) load_q(c, b, h * G + g0 + g, q + g * Dp);
             kk->amx_begin(arena + (size_t)(sl - s0) * sb, q, (int)nh, (int)D, (int)Dp, c->group,
-                          c->cap, c->k.dt == KVC_I4 ? 4 : 8);
+                          c->cap, c->sc, c->k.dt == KVC_I4 ? 4 : 8);
         }
         for (int64_t j = j0; j < j1; j += KVC_AMX_KEYS) {
             const int64_t je = j1 - j < KVC_AMX_KEYS ? j1 : j + KVC_AMX_KEYS;
@@ -443,8 +444,8 @@ static void chunk_task(void *ctx, int64_t t) {
                 kvc_attn_rows rows;
                 run_rows(c, page, slot, h, &rows);
                 if (g0 == 0) next_rows(c, npage, jn % c->page_size, h, nn, &rows);
-                c->kern->attn_decode(qb + o, ng, (int)D, (int)Dp, &rows, n, c->cap, m + o / Dp,
-                                     l + o / Dp, acc + o);
+                c->kern->attn_decode(qb + o, ng, (int)D, (int)Dp, &rows, n, c->cap, c->sc,
+                                     m + o / Dp, l + o / Dp, acc + o);
             }
             j += n;
         }
@@ -522,7 +523,13 @@ static void set_io(attn_ctx *c, const kvc_tensor *q, kvc_tensor *out, kvc_tensor
     c->l_sb = lse && batched ? lse->stride[0] : 0;
     c->l_sh = lse ? lse->stride[o] : 0;
     c->cap = p->logits_soft_cap;
-    c->qscale = c->cap > 0.0f ? p->sm_scale : p->sm_scale * LOG2E;
+    /* q unscaled and scores taken to base 2 after the max (kernels.h: large
+     * scores keep their differences), unless a cap (tanh of s * sm_scale) or
+     * a negative sm_scale (the max of the raw scores is then the min) needs
+     * them scaled first */
+    const int fold = c->cap > 0.0f || !(p->sm_scale > 0.0f);
+    c->qscale = c->cap > 0.0f ? p->sm_scale : fold ? p->sm_scale * LOG2E : 1.0f;
+    c->sc = fold ? 1.0f : p->sm_scale * LOG2E;
     c->window = p->window_left;
     c->Dp = (c->D + 15) / 16 * 16;
 }

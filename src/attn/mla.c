@@ -90,7 +90,7 @@ typedef struct mla_ctx {
     int64_t o_s0, o_s1;
     float *lse;
     int64_t l_s0, l_s1;
-    float qscale;
+    float qscale, sc; /* q multiplier; scores to base 2 (mla.h) */
 } mla_ctx;
 
 static kvc_mla_kernel kernel_for(kvc_isa isa) {
@@ -135,7 +135,8 @@ static void chunk_task(void *vctx, int64_t t) {
     const int64_t rows = padded_rows(p, b), real = qo * Hq;
     float *q = p->slots + p->slot0[b] + ch * slot_floats(p, b);
     float *acc = q + rows * Dq, *m = acc + rows * Dc, *l = m + rows;
-    /* query rows -> float32, times sm_scale (and log2 e without a cap) */
+    /* query rows -> float32, times sm_scale under a cap (else the kernel
+     * scales the scores: sc, mla.h) */
     for (int64_t r = 0; r < real; r++) {
         const int64_t n = qo0 + r / Hq, h = r % Hq;
         float *qr = q + r * Dq;
@@ -144,7 +145,8 @@ static void chunk_task(void *vctx, int64_t t) {
         if (Dk > 0)
             c->kern->convert(c->qp + kvc__bytes(c->qpd, n * c->qp_s0 + h * c->qp_s1), c->qpd,
                              qr + Dc, KVC_F32, Dk);
-        for (int64_t d = 0; d < Dq; d++) qr[d] *= c->qscale;
+        if (c->qscale != 1.0f)
+            for (int64_t d = 0; d < Dq; d++) qr[d] *= c->qscale;
     }
     memset(q + real * Dq, 0, sizeof(float) * (size_t)((rows - real) * Dq));
     memset(acc, 0, sizeof(float) * (size_t)(rows * Dc));
@@ -180,6 +182,7 @@ static void chunk_task(void *vctx, int64_t t) {
     k.real_rows = real;
     k.q = q;
     k.cap = p->cap;
+    k.sc = c->sc;
     k.m = m;
     k.l = l;
     k.acc = acc;
@@ -456,7 +459,12 @@ kvc_status kvc_mla_run(kvc_mla_plan *plan, const kvc_tensor *q_nope, const kvc_t
     c.lse = lse ? lse->data : NULL;
     c.l_s0 = lse ? lse->stride[0] : 0;
     c.l_s1 = lse ? lse->stride[1] : 0;
-    c.qscale = p->cap > 0.0f ? p->sm_scale : p->sm_scale * LOG2E;
+    /* q unscaled and scores taken to base 2 after the max (mla.h: large
+     * scores keep their differences), unless a cap (tanh of s * sm_scale) or
+     * a negative sm_scale (the raw max is then the min) needs them scaled */
+    const int fold = p->cap > 0.0f || !(p->sm_scale > 0.0f);
+    c.qscale = p->cap > 0.0f ? p->sm_scale : fold ? p->sm_scale * LOG2E : 1.0f;
+    c.sc = fold ? 1.0f : p->sm_scale * LOG2E;
     kvc__parallel_for(pool, p->n_tasks, chunk_task, &c);
     int multi = 0;
     for (int64_t b = 0; b < p->B && !multi; b++) multi = p->nch[b] > 1;

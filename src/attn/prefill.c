@@ -125,7 +125,7 @@ typedef struct pf_ctx {
     const kvc__pf_kv *kv;
     const kvc__pf_mask *mask;
     const kvc__pf_io *io;
-    float qscale, cap;
+    float qscale, cap, sc; /* q multiplier, soft cap, scores to base 2 (prefill.h) */
     int32_t window;
     kvc__pf_scratch *scr;
     const kvc_kernels *kern;
@@ -267,7 +267,7 @@ static void pf_task(void *vctx, int64_t t) {
             const int64_t row = b->qo0[r] + i0 + m / ng, hq = hq0 + m % ng;
             c->kern->convert(io->q + kvc__bytes(io->qd, row * io->q_sr + hq * io->q_sh), io->qd,
                              s.row, KVC_F32, D);
-            for (int64_t d = 0; d < D; d++) s.qt[d * Mp + m] = s.row[d] * c->qscale;
+            for (int64_t d = 0; d < D; d++) s.qt[d * Mp + m] = s.row[d] * c->qscale; /* exact at 1 */
         }
         memset(s.ot, 0, (size_t)(scr->Dpad * Mp) * sizeof(float));
         const kvc__pf_kv *kv = c->kv;
@@ -282,7 +282,8 @@ static void pf_task(void *vctx, int64_t t) {
                 fill_bias(c, r, i0, ng, hq0, M, Mp, ja, n, s.bias);
                 bias = s.bias;
             }
-            c->pk->softmax(s.st, Mp, n, Mp, ja, s.lo, s.hi, bias, c->cap, s.m, s.l, s.alpha);
+            c->pk->softmax(s.st, Mp, n, Mp, ja, s.lo, s.hi, bias, c->cap, c->sc, s.m, s.l,
+                           s.alpha);
             load_rows(c, &kv->v, &kv->vs, r, h, ja, n, s.vt, scr->Dv);
             c->pk->gemm(s.ot, Mp, s.vt, 1, scr->Dv, s.st, Mp, scr->Dpad, n, Mp, s.alpha);
         }
@@ -310,7 +311,13 @@ void kvc__pf_execute(const kvc__pf_batch *b, const kvc__pf_kv *kv, const kvc__pf
     c.mask = mask ? mask : &none;
     c.io = io;
     c.cap = cap;
-    c.qscale = cap > 0.0f ? sm_scale : sm_scale * LOG2E;
+    /* q unscaled and scores taken to base 2 after the max (prefill.h: large
+     * scores keep their differences), unless a cap (tanh of s * sm_scale),
+     * an additive mask (added in base 2) or a negative sm_scale (the raw max
+     * is then the min) needs them scaled first */
+    const int fold = cap > 0.0f || c.mask->kind == KVC__PF_MASK_ADD || !(sm_scale > 0.0f);
+    c.qscale = cap > 0.0f ? sm_scale : fold ? sm_scale * LOG2E : 1.0f;
+    c.sc = fold ? 1.0f : sm_scale * LOG2E;
     c.window = window;
     c.scr = scr;
     c.kern = kvc__kernels();

@@ -10,7 +10,7 @@
  * permission to use tile data (arch_prctl ARCH_REQ_XCOMP_PERM).
  *
  * Numerics (float32-level, not bitwise equal to the other ISAs):
- *   - q (per query head, already times sm_scale * log2 e) is rounded to
+ *   - q (per query head, as attn_decode takes it) is rounded to
  *     24-bit fixed point, q ~= sq * qi with |qi| <= 0x7f7f7f and
  *     sq = max|q| / 0x7f7f7f, written as three balanced base-256 digits
  *     qi = 65536 d2 + 256 d1 + d0, each in [-128, 127]: the error is at most
@@ -80,7 +80,8 @@ typedef struct amx_state {
     float sqw[16];     /* lane 4t + h: sq_h * 256^(2 - t); lanes of absent heads 0 */
     float m[4], l[4];  /* online softmax, base 2 */
     int D, group, nh;  /* head dim, quant group, heads in the set (<= 4) */
-    int ng, gpa;       /* groups, groups per 64-element segment */
+    int ng;            /* groups */
+    float sc;          /* scores to base 2 (kernels.h: attn_decode) */
     int16_t piece;     /* V interleave piece bytes (16, 32, 64; int4: 32 elements) */
     int16_t vord;      /* accumulator order (pv_pos): 0 int8, 1 int4 group 32+, 2 int4 group 16 */
     int bits;          /* 8: int8 rows; 4: int4 (nibbles sign-extended before the tiles) */
@@ -181,11 +182,12 @@ KVC_INLINE void tr16(__m512i *r) {
 }
 
 static void amx_begin(void *stv, const float *q, int nh, int D, int Dp, int group, float cap,
-                      int bits) {
+                      float sc, int bits) {
     amx_state *st = stv;
     memset(st, 0, sizeof *st);
     st->D = D, st->group = group, st->nh = nh, st->cap = cap;
-    st->ng = D / group, st->gpa = seg_per_a(group);
+    st->ng = D / group, st->sc = sc;
+    const int gpa = seg_per_a(group);
     st->piece = bits == 4 ? 32 : group % 64 == 0 ? 64 : group % 32 == 0 ? 32 : 16;
     st->vord = bits != 4 ? 0 : group == 16 ? 2 : 1;
     st->bits = bits;
@@ -242,10 +244,10 @@ static void amx_begin(void *stv, const float *q, int nh, int D, int Dp, int grou
             }
         }
         tr16(r);
-        for (int gi = 0; gi < st->gpa; gi++) {
-            int8_t *tile = bs + (size_t)(a * st->gpa + gi) * 1024;
+        for (int gi = 0; gi < gpa; gi++) {
+            int8_t *tile = bs + (size_t)(a * gpa + gi) * 1024;
             for (int k = 0; k < 16; k++) {
-                const int in = st->gpa == 1 || k / rows_per_group == gi;
+                const int in = gpa == 1 || k / rows_per_group == gi;
                 _mm512_store_si512(tile + 64 * k, in ? r[k] : _mm512_setzero_si512());
             }
         }
@@ -512,7 +514,7 @@ KVC_INLINE void prefetch_blk(const kvc_amx_keys *ks, int rowb, const amx_blk *b,
 static void amx_run(void *stv, const kvc_amx_keys *ks) {
     static const float log2e = 1.4426950408889634f;
     amx_state *st = stv;
-    const int D = st->D, group = st->group, ng = st->ng, gpa = st->gpa, nh = st->nh;
+    const int D = st->D, group = st->group, ng = st->ng, gpa = seg_per_a(group), nh = st->nh;
     amx_scratch sc_ __attribute__((aligned(64)));
     amx_scratch *sc = &sc_;
     /* blocks of 16 keys of this call (cb) and the next (nbk); for blocks
@@ -818,16 +820,16 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
         }
         __m512 mx = _mm512_load_ps(sh);
         for (int j = 16; j < nblk * 16; j += 16) mx = _mm512_max_ps(mx, _mm512_load_ps(sh + j));
-        const float bm = _mm512_reduce_max_ps(mx);
+        const float bm = kvc__mul_up(_mm512_reduce_max_ps(mx), st->sc); /* base 2, up: p <= 1 */
         const float mn = bm > st->m[h] ? bm : st->m[h];
         if (!(mn > -INFINITY)) { /* no finite score yet (NaN/Inf in the inputs): nothing to add */
             for (int j = 0; j < KEYS; j += 16) _mm512_store_ps(sh + j, _mm512_setzero_ps());
             continue;
         }
-        const __m512 vm = _mm512_set1_ps(mn);
+        const __m512 vm = _mm512_set1_ps(-mn), vsc = _mm512_set1_ps(st->sc);
         __m512 sum = _mm512_setzero_ps();
         for (int j = 0; j < nblk * 16; j += 16) {
-            const __m512 p = kvc__exp2_16(_mm512_sub_ps(_mm512_load_ps(sh + j), vm));
+            const __m512 p = kvc__exp2_16(_mm512_fmadd_ps(_mm512_load_ps(sh + j), vsc, vm));
             _mm512_store_ps(sh + j, p);
             sum = _mm512_add_ps(sum, p);
         }

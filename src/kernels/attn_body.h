@@ -49,7 +49,7 @@
 #if AB_VL == 1
 
 static void AB_NAME(const float *q, int G, int D, int Dp, const kvc_attn_rows *r, int64_t n,
-                    float cap, float *m, float *l, float *acc) {
+                    float cap, float sc, float *m, float *l, float *acc) {
     static const float log2e = 1.4426950408889634f;
     float tile[AB_NB * KVC_ATTN_MAX_DIM] __attribute__((aligned(64)));
     float s[KVC_ATTN_MAX_G * AB_NB] __attribute__((aligned(64)));
@@ -82,21 +82,21 @@ static void AB_NAME(const float *q, int G, int D, int Dp, const kvc_attn_rows *r
             if (cap > 0.0f) kvc__softcap_row(s + g * AB_NB, nb, cap, log2e);
             for (int j = nb; j < AB_NB; j++) s[g * AB_NB + j] = -INFINITY;
         }
-        /* online softmax: one rescale per head and block */
+        /* online softmax: one rescale per head and block; the max of the raw
+         * scores, then 2^(s * sc - m) in one FMA (kernels.h) */
         for (int g = 0; g < G; g++) {
             float *sg = s + g * AB_NB;
             ab_vec mx = AB_LOAD(sg);
             for (int j = AB_VL; j < AB_NB; j += AB_VL) mx = AB_MAX(mx, AB_LOAD(sg + j));
-            const float bm = AB_HMAX(mx);
+            const float bm = AB_HMAX(mx) * sc;
             const float mn = bm > m[g] ? bm : m[g];
             if (mn == -INFINITY) { /* no finite score yet: nothing to add */
                 for (int j = 0; j < AB_NB; j++) sg[j] = 0.0f;
                 continue;
             }
-            const ab_vec vm = AB_SET1(mn);
             ab_vec sum = AB_ZERO();
             for (int j = 0; j < AB_NB; j += AB_VL) {
-                ab_vec p = AB_EXP2(AB_SUB(AB_LOAD(sg + j), vm));
+                ab_vec p = AB_EXP2(fmaf(AB_LOAD(sg + j), sc, -mn)); /* fused: one rounding */
                 AB_STORE(sg + j, p);
                 sum = AB_ADD(sum, p);
             }
@@ -330,7 +330,7 @@ AB_INL void ab_pv(const kvc_dtype dt, const int vq, const char *v, int64_t vst, 
  * head, and the rescale factors 2^(m_old - m_new) of the four heads out of
  * one vector AB_EXP2.
  */
-AB_INL void ab_softmax(int G, int Dp, float *s, float *m, float *l, float *acc) {
+AB_INL void ab_softmax(int G, int Dp, float sc, float *s, float *m, float *l, float *acc) {
     float bm[4], sums[4], al[AB_VL] __attribute__((aligned(64)));
     for (int g0 = 0; g0 < G; g0 += 4) {
         const int nh = G - g0 < 4 ? G - g0 : 4;
@@ -341,6 +341,7 @@ AB_INL void ab_softmax(int G, int Dp, float *s, float *m, float *l, float *acc) 
             for (int j = AB_VL; j < AB_NB; j += AB_VL) mx[h] = AB_MAX(mx[h], AB_LOAD(sg + j));
         }
         AB_MAX4(mx[0], mx[1], mx[2], mx[3], bm);
+        for (int h = 0; h < 4; h++) bm[h] *= sc; /* to base 2 (kernels.h) */
         int any = 0; /* a head whose max grew (needs a rescale) */
         for (int i = 0; i < AB_VL; i++) al[i] = 0.0f;
         for (int h = 0; h < nh; h++) {
@@ -353,9 +354,9 @@ AB_INL void ab_softmax(int G, int Dp, float *s, float *m, float *l, float *acc) 
                 bm[h] = mn;
                 continue;
             }
-            const ab_vec vm = AB_SET1(mn);
+            const ab_vec vm = AB_SET1(-mn), vs = AB_SET1(sc);
             for (int j = 0; j < AB_NB; j += AB_VL) {
-                const ab_vec p = AB_EXP2(AB_SUB(AB_LOAD(sg + j), vm));
+                const ab_vec p = AB_EXP2(AB_FMA(AB_LOAD(sg + j), vs, vm));
                 AB_STORE(sg + j, p);
                 sv[h] = AB_ADD(sv[h], p);
             }
@@ -388,8 +389,8 @@ AB_INL void ab_softmax(int G, int Dp, float *s, float *m, float *l, float *acc) 
  * through the float32 tile.
  */
 AB_INL void ab_run(const kvc_dtype dt, const int fast, const int half, const float *q, int G,
-                   int D, int Dp, const kvc_attn_rows *r, int64_t n, float cap, float *m, float *l,
-                   float *acc, float *tile) {
+                   int D, int Dp, const kvc_attn_rows *r, int64_t n, float cap, float sc, float *m,
+                   float *l, float *acc, float *tile) {
     static const float log2e = 1.4426950408889634f;
     float s[KVC_ATTN_MAX_G * AB_NB] __attribute__((aligned(64)));
     /* scales [key][group]: up to 2 D / AB_VL groups (half-vector groups) */
@@ -437,7 +438,7 @@ AB_INL void ab_run(const kvc_dtype dt, const int fast, const int half, const flo
             if (cap > 0.0f) kvc__softcap_row(sg, nb, cap, log2e);
             for (int j = nb; j < AB_NB; j++) sg[j] = -INFINITY;
         }
-        ab_softmax(G, Dp, s, m, l, acc);
+        ab_softmax(G, Dp, sc, s, m, l, acc);
         /* P.V */
         const char *vb;
         int64_t vst;
@@ -478,7 +479,7 @@ AB_INL void ab_run(const kvc_dtype dt, const int fast, const int half, const flo
 }
 
 static void AB_NAME(const float *q, int G, int D, int Dp, const kvc_attn_rows *r, int64_t n,
-                    float cap, float *m, float *l, float *acc) {
+                    float cap, float sc, float *m, float *l, float *acc) {
     const kvc_dtype dt = r->dt;
     const int quant = dt == KVC_I8 || dt == KVC_I4;
     const int half = quant && 2 * r->group == AB_VL && D % AB_VL == 0;
@@ -489,25 +490,25 @@ static void AB_NAME(const float *q, int G, int D, int Dp, const kvc_attn_rows *r
         float tile[AB_NB * KVC_ATTN_MAX_DIM] __attribute__((aligned(64)));
         for (int j = 0; j < AB_NB; j++)
             for (int d = D; d < Dp; d++) tile[j * Dp + d] = 0.0f;
-        ab_run(KVC_F32, 0, 0, q, G, D, Dp, r, n, cap, m, l, acc, tile); /* dt from r in the tile */
+        ab_run(KVC_F32, 0, 0, q, G, D, Dp, r, n, cap, sc, m, l, acc, tile); /* dt from r in the tile */
         return;
     }
     switch (dt) {
-    case KVC_F16: ab_run(KVC_F16, 1, 0, q, G, D, Dp, r, n, cap, m, l, acc, NULL); break;
-    case KVC_BF16: ab_run(KVC_BF16, 1, 0, q, G, D, Dp, r, n, cap, m, l, acc, NULL); break;
+    case KVC_F16: ab_run(KVC_F16, 1, 0, q, G, D, Dp, r, n, cap, sc, m, l, acc, NULL); break;
+    case KVC_BF16: ab_run(KVC_BF16, 1, 0, q, G, D, Dp, r, n, cap, sc, m, l, acc, NULL); break;
     case KVC_I8:
         if (half)
-            ab_run(KVC_I8, 1, 1, q, G, D, Dp, r, n, cap, m, l, acc, NULL);
+            ab_run(KVC_I8, 1, 1, q, G, D, Dp, r, n, cap, sc, m, l, acc, NULL);
         else
-            ab_run(KVC_I8, 1, 0, q, G, D, Dp, r, n, cap, m, l, acc, NULL);
+            ab_run(KVC_I8, 1, 0, q, G, D, Dp, r, n, cap, sc, m, l, acc, NULL);
         break;
     case KVC_I4:
         if (half)
-            ab_run(KVC_I4, 1, 1, q, G, D, Dp, r, n, cap, m, l, acc, NULL);
+            ab_run(KVC_I4, 1, 1, q, G, D, Dp, r, n, cap, sc, m, l, acc, NULL);
         else
-            ab_run(KVC_I4, 1, 0, q, G, D, Dp, r, n, cap, m, l, acc, NULL);
+            ab_run(KVC_I4, 1, 0, q, G, D, Dp, r, n, cap, sc, m, l, acc, NULL);
         break;
-    default: ab_run(KVC_F32, 1, 0, q, G, D, Dp, r, n, cap, m, l, acc, NULL); break;
+    default: ab_run(KVC_F32, 1, 0, q, G, D, Dp, r, n, cap, sc, m, l, acc, NULL); break;
     }
 }
 

@@ -23,12 +23,16 @@
  * BF16, I8 or I4); for I8/I4 the row's D / group scales (ksd: F32 or F16) at
  * ks + i * ks_stride bytes (likewise vs, vsd).
  *
- * attn_decode(q, G, D, Dp, r, n, cap, m, l, acc): q (G, Dp) float32 with
- * zeros in [D, Dp), Dp a multiple of 16 <= KVC_ATTN_MAX_DIM, G <=
- * KVC_ATTN_MAX_G. Scores are base 2: s = q . k when cap == 0 (q already
- * carries sm_scale * log2 e), else s = cap * tanh(q . k / cap) * log2 e (q
- * carries sm_scale). State per head g: running max m[g] (-inf initially),
- * sum l[g] of 2^(s - m[g]) and acc (G, Dp) of 2^(s - m[g]) * v (tail zeros
+ * attn_decode(q, G, D, Dp, r, n, cap, sc, m, l, acc): q (G, Dp) float32
+ * with zeros in [D, Dp), Dp a multiple of 16 <= KVC_ATTN_MAX_DIM, G <=
+ * KVC_ATTN_MAX_G. Scores in base 2 are s * sc with s = q . k when cap == 0
+ * (sc = sm_scale * log2 e > 0 and q unscaled, or sc = 1 and q carrying it),
+ * else s = cap * tanh(q . k / cap) * log2 e and sc = 1 (q carries
+ * sm_scale). The softmax takes the max of the raw s, then 2^(s * sc - m) in
+ * one FMA: scores of large magnitude keep their differences (a q folded
+ * with sm_scale * log2 e rounds each product at |s|'s scale). State per
+ * head g: running max m[g] in base 2 (-inf initially), sum l[g] of
+ * 2^(s * sc - m[g]) and acc (G, Dp) of those weights times v (tail zeros
  * kept).
  */
 typedef struct kvc_attn_rows {
@@ -121,22 +125,22 @@ typedef struct kvc_kernels {
      * identical here (float sums in vector order, polynomial exp2); each ISA
      * is deterministic and matches the scalar one to float32 rounding. */
     void (*attn_decode)(const float *q, int G, int D, int Dp, const struct kvc_attn_rows *r,
-                        int64_t n, float cap, float *m, float *l, float *acc);
+                        int64_t n, float cap, float sc, float *m, float *l, float *acc);
     /*
      * Decode over int8/int4 caches on AMX tiles (the "amx" table only;
      * NULL elsewhere; use when kvc__amx_decode_ok). A task calls
      * amx_tiles(1) on its thread, then per head set (one KV head, up to 4 of
-     * its query heads): amx_begin with q (nh, Dp) float32 as attn_decode
-     * takes it and the cache's bits (8 or 4), a state of amx_state_bytes
-     * (64-byte aligned), amx_run per call of up to 64 keys, amx_end for
-     * (m, l, acc) as attn_decode leaves them (acc (nh, Dp)); then
-     * amx_tiles(0). Same numbers as attn_decode to float32
+     * its query heads): amx_begin with q (nh, Dp) float32, cap and sc as
+     * attn_decode takes them and the cache's bits (8 or 4), a state of
+     * amx_state_bytes (64-byte aligned), amx_run per call of up to 64
+     * keys, amx_end for (m, l, acc) as attn_decode leaves them (acc (nh,
+     * Dp)); then amx_tiles(0). Same numbers as attn_decode to float32
      * rounding (attn_amx.c says how), deterministic for given calls.
      */
     void (*amx_tiles)(int on);
     size_t (*amx_state_bytes)(int D, int group);
     void (*amx_begin)(void *st, const float *q, int nh, int D, int Dp, int group, float cap,
-                      int bits);
+                      float sc, int bits);
     void (*amx_run)(void *st, const kvc_amx_keys *keys);
     void (*amx_end)(const void *st, float *m, float *l, float *acc, int Dp);
 } kvc_kernels;

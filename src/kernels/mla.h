@@ -25,11 +25,13 @@
  * see no key. Row r sees keys [j0, min(j1, lim(r) + 1)) with lim(r) =
  * r / Hq + kv_len - qo_len under causal, else kv_len - 1.
  *
- * q (rows, Dc + Dk) float32, ckv part then kpe part, already multiplied by
- * sm_scale * log2 e (cap == 0) or sm_scale (cap > 0). Scores are base 2:
- * s = q . k, or cap * tanh(q . k / cap) * log2 e. State per row: m (running
- * max, -inf initially), l (sum of 2^(s - m)), acc (rows, Dc) (sum of
- * 2^(s - m) * ckv).
+ * q (rows, Dc + Dk) float32, ckv part then kpe part: unscaled with sc =
+ * sm_scale * log2 e (cap == 0, sm_scale > 0), or carrying the scale with
+ * sc = 1 (times sm_scale when cap > 0, sm_scale * log2 e otherwise). Scores in base 2 are s * sc with s = q . k, or s = cap *
+ * tanh(q . k / cap) * log2 e; the softmax takes the raw max and 2^(s sc -
+ * m) in one fused operation, so large scores keep their differences. State
+ * per row: m (running max in base 2, -inf initially), l (sum of the
+ * weights), acc (rows, Dc) (sum of the weights times ckv).
  */
 typedef struct kvc_mla_task {
     /* key j of the request: page pages[j / page_size], slot j % page_size;
@@ -45,7 +47,7 @@ typedef struct kvc_mla_task {
     int Dc, Dk;
     int64_t rows, real_rows;
     const float *q;
-    float cap;
+    float cap, sc;
     float *m, *l, *acc;
     /* the kernel table's dtype conversion (bit-identical on every ISA) */
     void (*convert)(const void *src, kvc_dtype sd, void *dst, kvc_dtype dd, int64_t n);

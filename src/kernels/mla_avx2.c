@@ -23,6 +23,7 @@ typedef __m256 mb_vec;
 #define MB_MUL(a, b) _mm256_mul_ps((a), (b))
 #define MB_MAX(a, b) _mm256_max_ps((a), (b))
 #define MB_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define MB_FFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define MB_HSUM(v) mb_hsum(v)
 #define MB_HMAX(v) mb_hmax(v)
 #define MB_EXP2(v) kvc__exp2_8(v)

@@ -23,6 +23,7 @@ typedef __m512 mb_vec;
 #define MB_MUL(a, b) _mm512_mul_ps((a), (b))
 #define MB_MAX(a, b) _mm512_max_ps((a), (b))
 #define MB_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define MB_FFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define MB_HSUM(v) _mm512_reduce_add_ps(v)
 #define MB_HMAX(v) _mm512_reduce_max_ps(v)
 #define MB_EXP2(v) kvc__exp2_16(v)

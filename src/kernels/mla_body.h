@@ -6,6 +6,7 @@
  *   MB_LOAD(p) MB_STORE(p, v)        unaligned
  *   MB_ZERO() MB_SET1(x) MB_ADD MB_SUB MB_MUL MB_MAX
  *   MB_FMA(a, b, c)                  a * b + c
+ *   MB_FFMA(a, b, c)                 a * b + c with one rounding (fused on every ISA)
  *   MB_HSUM(v) MB_HMAX(v)            horizontal sum / max
  *   MB_EXP2(v)                       2^v for v <= 0 (-inf gives 0)
  *   MB_PV_C                          vectors per row in the P.V register block
@@ -67,11 +68,12 @@ static void mb_load_block(const kvc_mla_task *t, int64_t jb, int n, int64_t pf, 
 }
 
 /*
- * One online-softmax step for the KVC_MLA_RB rows at m, l: s (RB, NB) base-2
- * scores in, probabilities 2^(s - m_new) out (0 for keys j >= nv[r]);
+ * One online-softmax step for the KVC_MLA_RB rows at m, l: s (RB, NB) scores
+ * in (base 2 after * sc, mla.h), probabilities 2^(s sc - m_new) out (0 for
+ * keys j >= nv[r]);
  * alpha[r] = 2^(m_old - m_new), the factor the row's accumulator needs.
  */
-static inline void mb_softmax(float *s, const int *nv, float cap, float *m, float *l,
+static inline void mb_softmax(float *s, const int *nv, float cap, float sc, float *m, float *l,
                               float *alpha) {
     static const float log2e = 1.4426950408889634f;
     for (int r = 0; r < MB_RB; r++) {
@@ -80,17 +82,17 @@ static inline void mb_softmax(float *s, const int *nv, float cap, float *m, floa
         for (int j = nv[r] > 0 ? nv[r] : 0; j < MB_NB; j++) sr[j] = -INFINITY;
         mb_vec mx = MB_LOAD(sr);
         for (int j = MB_VL; j < MB_NB; j += MB_VL) mx = MB_MAX(mx, MB_LOAD(sr + j));
-        const float bm = MB_HMAX(mx);
+        const float bm = MB_HMAX(mx) * sc; /* the raw max to base 2 */
         const float mn = bm > m[r] ? bm : m[r];
         alpha[r] = 1.0f;
         if (mn == -INFINITY) { /* nothing visible yet: p = 0, state unchanged */
             for (int j = 0; j < MB_NB; j++) sr[j] = 0.0f;
             continue;
         }
-        const mb_vec vm = MB_SET1(mn);
+        const mb_vec vm = MB_SET1(-mn), vs = MB_SET1(sc);
         mb_vec sum = MB_ZERO();
         for (int j = 0; j < MB_NB; j += MB_VL) {
-            const mb_vec p = MB_EXP2(MB_SUB(MB_LOAD(sr + j), vm));
+            const mb_vec p = MB_EXP2(MB_FFMA(MB_LOAD(sr + j), vs, vm)); /* 2^(s sc - m) */
             MB_STORE(sr + j, p);
             sum = MB_ADD(sum, p);
         }
@@ -161,7 +163,7 @@ void MB_NAME(const kvc_mla_task *t) {
             }
             if (!any) continue; /* causal: the block lies past these rows */
             mb_scores(t->q + r0 * Dq, Dq, tile, nk, s);
-            mb_softmax(s, nv, t->cap, t->m + r0, t->l + r0, alpha);
+            mb_softmax(s, nv, t->cap, t->sc, t->m + r0, t->l + r0, alpha);
             mb_pv(t->acc + r0 * Dc, Dc, tile, Dq, s, n, alpha);
         }
     }

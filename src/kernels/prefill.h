@@ -47,19 +47,23 @@ typedef struct kvc_prefill_kernels {
                  int64_t ldy, int64_t A, int64_t T, int64_t Mp, const float *alpha);
     /*
      * One block of the online softmax, per lane m < Mp. Rows t < n of S
-     * (n, lds) hold raw scores q.k of key position j0 + t (base 2 already
-     * when cap == 0, else multiplied by sm_scale only). For each t:
+     * (n, lds) hold scores q.k of key position j0 + t: raw with sc =
+     * sm_scale * log2 e > 0, or already base 2 with sc = 1 (q carrying the
+     * scale; always so with a cap, a bias or sm_scale < 0), multiplied by
+     * sm_scale only when cap > 0. For each t:
      *   s = cap > 0 ? cap * tanh(s / cap) * log2(e) : s;  s += bias[t][m]
      *   (bias (n, lds) or NULL); s = -inf unless lo[m] <= j0 + t <= hi[m].
-     * Then with the block max b: m' = max(m, b); alpha = 1 if m' == m, else
-     * 2^(m - m'); p = 2^(s - m') (0 for s = -inf; m' = -inf counts as 0);
-     * S rows become p, l = l * alpha + sum_t p (t in order), m = m'.
+     * Then with the block max b: m' = max(m, b * sc); alpha = 1 if m' == m,
+     * else 2^(m - m'); p = 2^(s * sc - m') in one fused operation (0 for
+     * s = -inf; m' = -inf counts as 0): large scores keep their
+     * differences. S rows become p, l = l * alpha + sum_t p (t in order),
+     * m = m' (base 2).
      * A lane with no visible key in the block leaves m, l unchanged and gets
      * alpha 1 and p 0, so the block is an exact no-op for it.
      */
     void (*softmax)(float *S, int64_t lds, int64_t n, int64_t Mp, int64_t j0, const int32_t *lo,
-                    const int32_t *hi, const float *bias, float cap, float *m, float *l,
-                    float *alpha);
+                    const int32_t *hi, const float *bias, float cap, float sc, float *m,
+                    float *l, float *alpha);
 } kvc_prefill_kernels;
 
 /* The table for kvc_get_isa(). */

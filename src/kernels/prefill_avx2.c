@@ -33,6 +33,7 @@ typedef __m256 pb_vec;
 #define PB_SET1(x) _mm256_set1_ps(x)
 #define PB_BCAST(p) _mm256_broadcast_ss(p)
 #define PB_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define PB_FFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define PB_MUL(a, b) _mm256_mul_ps((a), (b))
 #define PB_ADD(a, b) _mm256_add_ps((a), (b))
 #define PB_SUB(a, b) _mm256_sub_ps((a), (b))

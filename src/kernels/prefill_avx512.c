@@ -33,6 +33,7 @@ typedef __m512 pb_vec;
 #define PB_SET1(x) _mm512_set1_ps(x)
 #define PB_BCAST(p) _mm512_set1_ps(*(p))
 #define PB_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define PB_FFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define PB_MUL(a, b) _mm512_mul_ps((a), (b))
 #define PB_ADD(a, b) _mm512_add_ps((a), (b))
 #define PB_SUB(a, b) _mm512_sub_ps((a), (b))

@@ -9,6 +9,7 @@
  *   PB_LOAD(p) PB_STORE(p, v)      aligned
  *   PB_ZERO() PB_SET1(x) PB_BCAST(p)   PB_BCAST: all lanes = *p
  *   PB_FMA(a, b, c) = a * b + c    PB_MUL PB_ADD PB_SUB PB_MAX
+ *   PB_FFMA(a, b, c)               a * b + c with one rounding (fused on every ISA)
  *   PB_EXP2(v)                     2^v for v <= 0, exactly 0 below -126 and for -inf
  *   PB_SEL_EQ(a, b, x, y)          lane-wise a == b ? x : y
  *   PB_RANGE(s, j, lo, hi)         lane-wise lo[m] <= j <= hi[m] ? s : -inf (lo, hi: int32 *)
@@ -81,11 +82,12 @@ static void PB_GEMM(float *C, int64_t ldc, const float *X, int64_t xa, int64_t x
 }
 
 static void PB_SOFTMAX(float *S, int64_t lds, int64_t n, int64_t Mp, int64_t j0, const int32_t *lo,
-                       const int32_t *hi, const float *bias, float cap, float *m, float *l,
-                       float *alpha) {
+                       const int32_t *hi, const float *bias, float cap, float sc, float *m,
+                       float *l, float *alpha) {
     if (cap > 0.0f) /* vec_math.h: the same bits on every ISA */
         for (int64_t t = 0; t < n; t++) kvc__softcap_row(S + t * lds, Mp, cap, PB_LOG2E);
-    const pb_vec ninf = PB_SET1(-INFINITY), one = PB_SET1(1.0f), zero = PB_ZERO();
+    const pb_vec ninf = PB_SET1(-INFINITY), one = PB_SET1(1.0f), zero = PB_ZERO(),
+                 vsc = PB_SET1(sc);
     for (int64_t m0 = 0; m0 < Mp; m0 += PB_VL) {
         pb_vec bmax = ninf;
         for (int64_t t = 0; t < n; t++) {
@@ -96,13 +98,14 @@ static void PB_SOFTMAX(float *S, int64_t lds, int64_t n, int64_t Mp, int64_t j0,
             PB_STORE(sr, s);
             bmax = PB_MAX(bmax, s);
         }
-        const pb_vec mo = PB_LOAD(m + m0), mn = PB_MAX(mo, bmax);
+        /* the raw max to base 2, then 2^(s * sc - m') in one fused op */
+        const pb_vec mo = PB_LOAD(m + m0), mn = PB_MAX(mo, PB_MUL(bmax, vsc));
         const pb_vec al = PB_SEL_EQ(mn, mo, one, PB_EXP2(PB_SUB(mo, mn)));
-        const pb_vec mu = PB_SEL_EQ(mn, ninf, zero, mn);
+        const pb_vec nmu = PB_SUB(zero, PB_SEL_EQ(mn, ninf, zero, mn));
         pb_vec sum = zero;
         for (int64_t t = 0; t < n; t++) {
             float *sr = S + t * lds + m0;
-            const pb_vec p = PB_EXP2(PB_SUB(PB_LOAD(sr), mu));
+            const pb_vec p = PB_EXP2(PB_FFMA(PB_LOAD(sr), vsc, nmu));
             PB_STORE(sr, p);
             sum = PB_ADD(sum, p);
         }

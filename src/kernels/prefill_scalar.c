@@ -16,6 +16,7 @@ typedef float pb_vec;
 #define PB_SET1(x) (x)
 #define PB_BCAST(p) (*(p))
 #define PB_FMA(a, b, c) ((a) * (b) + (c)) /* ISO C mode: never contracted */
+#define PB_FFMA(a, b, c) fmaf((a), (b), (c)) /* fused, as the vector ISAs */
 #define PB_MUL(a, b) ((a) * (b))
 #define PB_ADD(a, b) ((a) + (b))
 #define PB_SUB(a, b) ((a) - (b))

@@ -39,6 +39,7 @@ typedef struct kb_case {
     int D, H, group, amx;
     int64_t L, rowb, srow; /* keys, bytes per K/V head row, bytes per token's scale row */
     int reps;              /* passes over the L keys per timed call */
+    float sc;              /* scores to base 2, as the driver passes it: log2 e / sqrt(Dh) */
     const unsigned char *k, *v, *ks, *vs;
     const float *q;               /* (H, G, D) */
     float *m, *l, *acc;           /* (H, G), (H, G), (H, G, D): float kernels' states */
@@ -83,7 +84,7 @@ static int kb_pass_float(void *ctx) {
                     r.nk = nr.k, r.nv = nr.v, r.nks = nr.ks, r.nvs = nr.vs;
                     r.nn = c->L - j - n < 16 ? c->L - j - n : 16;
                 }
-                c->kk->attn_decode(c->q + h * GD, KB_G, c->D, c->D, &r, n, 0.0f,
+                c->kk->attn_decode(c->q + h * GD, KB_G, c->D, c->D, &r, n, 0.0f, c->sc,
                                    c->m + h * KB_G, c->l + h * KB_G, c->acc + h * GD);
             }
         }
@@ -114,7 +115,7 @@ static int kb_pass_amx(void *ctx) {
     kk->amx_tiles(1);
     for (int h = 0; h < c->H; h++)
         kk->amx_begin(c->st + h * c->sb, c->q + h * GD, KB_G, c->D, c->D, c->group, 0.0f,
-                      c->dt == KVC_I4 ? 4 : 8);
+                      c->sc, c->dt == KVC_I4 ? 4 : 8);
     for (int rep = 0; rep < c->reps; rep++) {
         for (int64_t j = 0; j < c->L; j += KB_RUN) {
             const int64_t n = c->L - j < KB_RUN ? c->L - j : KB_RUN;
@@ -262,6 +263,7 @@ int bench_kernel(const bench_opts *o) {
             c.st = st, c.sb = stb, c.keys = keys;
             c.amx = kvc__amx_decode_ok(kk, c.dt, D, group);
             c.reps = c.L >= 4096 ? 1 : (int)(4096 / c.L); /* set-up over 4096+ keys */
+            c.sc = (float)(1.4426950408889634 / sqrt((double)D));
             bench_timing t;
             if (bench_time(c.amx ? kb_pass_amx : kb_pass_float, &c, o->time_s, &t) != 0) {
                 rc = 1;
