@@ -20,7 +20,8 @@
  *     sq in float32 (the group sums are exact integers below 2^21).
  *   - P.V weights p * vscale[key][g] are rounded to 24-bit unsigned fixed
  *     point per (call, group), w = round(p * vs / W * (2^24 - 1)) with W the
- *     largest V scale of the group among the call's keys (p <= 1), three
+ *     largest V scale of the group among the call's keys (p <= 1: the
+ *     running max is the raw max times sc rounded up, kvc__mul_up), three
  *     unsigned digits against the int8 V values: each weight is off by at
  *     most W * 2^-25, i.e. float32 rounding of the largest weight.
  *
