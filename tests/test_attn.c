@@ -346,6 +346,54 @@ TEST(single_large_logits) {
     return 0;
 }
 
+/* Scores of -5e5 + small exact steps (one-hot q, float32 K: the dot products
+ * are exact) keep their differences: the kernels take the raw max and
+ * 2^(s * sm_scale * log2 e - m) in one FMA (folding sm_scale * log2 e into q
+ * rounded each score at its magnitude, ~3e-3 relative error here). Decode
+ * and a prefill of the same rows, every ISA, 1e-5 against double. */
+TEST(single_large_scores_exact) {
+    enum { L = 50, D = 32, Hq = 2 };
+    float q[Hq * D], k[L * D], v[L * D], out[Hq * D], lse[Hq];
+    double kd[L * D], vd[L * D], ro[Hq * D], rl[Hq];
+    uint64_t rng = test_seed + 77;
+    memset(q, 0, sizeof q);
+    q[0] = q[D] = 1.0f;
+    for (int j = 0; j < L; j++)
+        for (int d = 0; d < D; d++) {
+            k[j * D + d] = d == 0 ? -5e5f + 0.125f * (float)(j % 17) : test_rng_f32(&rng);
+            v[j * D + d] = test_rng_f32(&rng);
+            kd[j * D + d] = k[j * D + d];
+            vd[j * D + d] = v[j * D + d];
+        }
+    const float scales[2] = {1.0f, 0.7f};
+    int64_t qsh[2] = {Hq, D}, ksh[3] = {L, 1, D}, lsh[1] = {Hq};
+    int64_t qsh3[3] = {1, Hq, D}, lsh2[2] = {1, Hq};
+    FOR_EACH_ISA({
+        for (int si = 0; si < 2; si++) {
+            kvc_attn_params p = kvc_attn_default_params();
+            p.sm_scale = scales[si];
+            ref_in r = {Hq, 1, D, L, q, kd, vd, scales[si], 0.0, -1};
+            ref_decode(&r, ro, rl);
+            kvc_tensor tq = kvc_tensor_make(q, KVC_F32, 2, qsh),
+                       tk = kvc_tensor_make(k, KVC_F32, 3, ksh),
+                       tv = kvc_tensor_make(v, KVC_F32, 3, ksh),
+                       to = kvc_tensor_make(out, KVC_F32, 2, qsh),
+                       tl = kvc_tensor_make(lse, KVC_F32, 1, lsh);
+            ASSERT_OK(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, &p, &to, &tl,
+                                        test_pool(1)));
+            if (compare(out, KVC_F32, lse, ro, rl, Hq, D, 1e-5, "large scores, decode")) return 1;
+            kvc_tensor tq3 = kvc_tensor_make(q, KVC_F32, 3, qsh3),
+                       to3 = kvc_tensor_make(out, KVC_F32, 3, qsh3),
+                       tl2 = kvc_tensor_make(lse, KVC_F32, 2, lsh2);
+            ASSERT_OK(kvc_single_prefill(&tq3, &tk, &tv, NULL, NULL, 0, KVC_NHD, 0, NULL, NULL,
+                                         &p, &to3, &tl2, test_pool(1)));
+            if (compare(out, KVC_F32, lse, ro, rl, Hq, D, 1e-5, "large scores, prefill"))
+                return 1;
+        }
+    });
+    return 0;
+}
+
 /*
  * The SIMD kernels' register tiles: query heads in tiles of up to 4 (AVX2:
  * 2) with every remainder, keys in quads with partial last blocks, head dims
@@ -864,6 +912,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(single_softcap_window_scale),
     TEST_ENTRY(single_io_dtypes),
     TEST_ENTRY(single_large_logits),
+    TEST_ENTRY(single_large_scores_exact),
     TEST_ENTRY(single_register_tiles),
     TEST_ENTRY(single_int8_grouped),
     TEST_ENTRY(paged_int8_grouped),
