@@ -794,6 +794,8 @@ TEST(rejects) {
     ASSERT_STATUS(kvc_decode_plan_create(&ti, &tx, &tla, 4, 2, 64, 4, 1, &plan), KVC_ERR_INVALID_ARG);
     last[0] = 1;
     ASSERT_STATUS(kvc_decode_plan_create(&ti, &tx, &tla, 3, 2, 64, 4, 1, &plan), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_decode_plan_create(&ti, &tx, &tla, 4, 2, 64, 4, 1025, &plan),
+                  KVC_ERR_INVALID_ARG); /* n_threads at most 1024, as for prefill */
     ASSERT_TRUE(plan == NULL);
     ASSERT_OK(kvc_decode_plan_create(&ti, &tx, &tla, 4, 2, 64, 4, 1, &plan));
     float cache[4 * 4 * 2 * 64] = {0}, bq[2 * 4 * 64] = {0}, bo[2 * 4 * 64], bl[8];

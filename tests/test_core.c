@@ -56,6 +56,24 @@ TEST(tensor_make) {
     ASSERT_EQ_I64(kvc_tensor_numel(&t), 24);
     kvc_tensor s = kvc_tensor_make(NULL, KVC_I64, 0, NULL);
     ASSERT_EQ_I64(kvc_tensor_numel(&s), 1);
+    /* an invalid ndim or a NULL shape is kept invalid (every operator rejects
+     * it), numel reports -1 for what it cannot count */
+    ASSERT_EQ_I64(kvc_tensor_make(NULL, KVC_F32, 9, shape).ndim, -1);
+    ASSERT_EQ_I64(kvc_tensor_make(NULL, KVC_F32, -3, shape).ndim, -1);
+    ASSERT_EQ_I64(kvc_tensor_make(NULL, KVC_F32, 2, NULL).ndim, -1);
+    ASSERT_EQ_I64(kvc_tensor_numel(NULL), -1);
+    int64_t huge[3] = {(int64_t)1 << 62, 4, 4};
+    kvc_tensor h = kvc_tensor_make(NULL, KVC_F32, 3, huge);
+    ASSERT_EQ_I64(kvc_tensor_numel(&h), -1);
+    /* a product that wraps to 0 must not pass as empty: the NULL data is
+     * never read (this crashed in kvc_merge_state) */
+    int64_t hs[2] = {(int64_t)1 << 62, 4};
+    kvc_tensor v = kvc_tensor_make(NULL, KVC_F32, 3, huge),
+               ls = kvc_tensor_make(NULL, KVC_F32, 2, hs);
+    ASSERT_STATUS(kvc_merge_state(&v, &ls, &v, &ls, &v, &ls), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "overflows");
+    kvc_tensor bad = kvc_tensor_make(NULL, KVC_F32, 9, shape);
+    ASSERT_STATUS(kvc_merge_state(&bad, &ls, &bad, &ls, &bad, &ls), KVC_ERR_INVALID_ARG);
     return 0;
 }
 

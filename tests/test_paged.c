@@ -611,8 +611,10 @@ TEST(pmx_round_trip) {
     seq64[0] = 7;
     int64_t n2 = 2;
     kvc_tensor small = kvc_tensor_make(o_indices, KVC_I32, 1, &n2); /* capacity 2 < 5 */
+    n_ind = -7;
     ASSERT_STATUS(kvc_pmx_to_page_table(&tcs, &ts64, 3, &toi, &small, &tol, &n_ind),
                   KVC_ERR_INVALID_ARG);
+    ASSERT_EQ_I64(n_ind, 5); /* the size needed, as kvc_cache_page_table reports it */
     ASSERT_STATUS(kvc_pmx_to_page_table(&tcs, &ts64, 0, &toi, &tox, &tol, &n_ind),
                   KVC_ERR_INVALID_ARG);
     ASSERT_STATUS(kvc_pmx_to_page_table(NULL, &ts64, 3, &toi, &tox, &tol, &n_ind),

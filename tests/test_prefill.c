@@ -995,6 +995,9 @@ TEST(rejects) {
     tlb.shape[0] = 3;
     REJ(kvc_single_prefill(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, 1, NULL, NULL, &p, &to, &tlb, NULL));
     REJ(kvc_single_prefill(&tq, &tk, &tv, NULL, NULL, 0, (kvc_kv_layout)3, 1, NULL, NULL, &p, &to, &tl, NULL));
+    /* causal is 0 or 1 (2 and -1 were taken as true) */
+    REJ(kvc_single_prefill(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, 2, NULL, NULL, &p, &to, &tl, NULL));
+    REJ(kvc_single_prefill(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, -1, NULL, NULL, &p, &to, &tl, NULL));
     kvc_attn_params pb = p;
     pb.window_left = -5;
     REJ(kvc_single_prefill(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, 1, NULL, NULL, &pb, &to, &tl, NULL));

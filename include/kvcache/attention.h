@@ -72,9 +72,11 @@ KVC_API kvc_status kvc_single_decode(const kvc_tensor *q, const kvc_tensor *k,
  */
 typedef struct kvc_decode_plan kvc_decode_plan;
 
-/* kv_indptr (B+1), kv_indices, kv_last_page_len (B): int32 CSR page table
- * (copied into the plan). n_threads: the pool size run will be called with
- * (work is partitioned for it; results do not depend on it). */
+/* kv_indptr (B+1), kv_indices (kv_indptr[B]), kv_last_page_len (B): int32
+ * CSR page table (copied into the plan). n_threads: the pool size run will
+ * be called with (<= 0: the online CPUs; at most 1024), as for prefill;
+ * decode splits work by each request's length alone, so neither the plan
+ * nor the results depend on it and run accepts any pool. */
 KVC_API kvc_status kvc_decode_plan_create(const kvc_tensor *kv_indptr,
                                           const kvc_tensor *kv_indices,
                                           const kvc_tensor *kv_last_page_len,
@@ -104,13 +106,17 @@ KVC_API kvc_status kvc_merge_state(const kvc_tensor *v_a, const kvc_tensor *s_a,
                                    const kvc_tensor *v_b, const kvc_tensor *s_b,
                                    kvc_tensor *v_out, kvc_tensor *s_out);
 
-/* v, s updated with (v_other, s_other); mask (N) uint8 or NULL: rows with
- * mask 0 are left unchanged. */
+/* v, s updated with (v_other, s_other) as kvc_merge_state; mask (N) uint8 or
+ * NULL: rows with mask 0 are left unchanged.
+ *   v, v_other  (N, H, D) float32/float16/bfloat16 (same dtype)
+ *   s, s_other  (N, H) float32 */
 KVC_API kvc_status kvc_merge_state_in_place(kvc_tensor *v, kvc_tensor *s,
                                             const kvc_tensor *v_other,
                                             const kvc_tensor *s_other, const kvc_tensor *mask);
 
-/* Folds n states: v (N, n, H, D), s (N, n, H) -> v_out (N, H, D), s_out (N, H). */
+/* Folds n states as kvc_merge_state, in index order: v (N, n, H, D), s (N,
+ * n, H) -> v_out (N, H, D), s_out (N, H); v and v_out float32/float16/
+ * bfloat16 (same dtype), s and s_out float32; n = 0 gives v = 0, s = -inf. */
 KVC_API kvc_status kvc_merge_states(const kvc_tensor *v, const kvc_tensor *s, kvc_tensor *v_out,
                                     kvc_tensor *s_out);
 

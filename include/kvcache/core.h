@@ -108,11 +108,14 @@ typedef struct kvc_tensor {
     int64_t stride[KVC_MAX_DIMS];
 } kvc_tensor;
 
-/* A contiguous row-major tensor over data. ndim in [0, KVC_MAX_DIMS]. */
+/* A contiguous row-major tensor over data. ndim in [0, KVC_MAX_DIMS] (shape
+ * may be NULL only for ndim 0); otherwise the tensor gets ndim -1, which
+ * every operator rejects. */
 KVC_API kvc_tensor kvc_tensor_make(void *data, kvc_dtype dtype, int32_t ndim,
                                    const int64_t *shape);
 
-/* Number of elements (product of shape; 1 for ndim 0). */
+/* Number of elements (product of shape; 1 for ndim 0); -1 for NULL, an
+ * invalid ndim, a negative size or a count that overflows int64. */
 KVC_API int64_t kvc_tensor_numel(const kvc_tensor *t);
 
 /* ---- CPU ISA dispatch -------------------------------------------------- */

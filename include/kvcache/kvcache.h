@@ -9,6 +9,11 @@
  *   kvcache/mask.h   packbits / segment_packbits, packed custom masks
  *   kvcache/cache.h  cache manager: page pool, sequences, forks, prefix caching
  *   kvcache/attention.h  decode attention over the caches, state merging
+ *   kvcache/prefill.h    prefill attention (single, batched paged/ragged), cascade
+ *   kvcache/mla.h        MLA decode over ckv/kpe pages
+ *   kvcache/gguf.h       GGUF reader
+ *   kvcache/tokenizer.h  GGUF tokenizers (BPE, SentencePiece)
+ *   kvcache/model.h      model runtime: a GGUF transformer served through the cache
  *
  * Minimal use (store one token of a float16 batch into an int8 cache):
  *

@@ -151,7 +151,9 @@ KVC_API kvc_status kvc_page_table_to_pmx(const kvc_tensor *kv_indptr,
  *   cachestarts (B, MaxP) int64, seq_lens (B) int32 or int64
  *   kv_indptr (B+1), kv_last_page_len (B) int32 out; kv_indices (cap) int32
  *   out with cap >= total pages; *n_indices receives the total (n_indices
- *   may be NULL). Entries after the total are left as they were.
+ *   may be NULL). Entries after the total are left as they were. If cap is
+ *   too small: KVC_ERR_INVALID_ARG, *n_indices (if not NULL) receives the
+ *   total needed and nothing else is written (as kvc_cache_page_table).
  */
 KVC_API kvc_status kvc_pmx_to_page_table(const kvc_tensor *cachestarts,
                                          const kvc_tensor *seq_lens, int32_t page_size,

@@ -98,7 +98,8 @@ KVC_API void kvc_prefill_plan_destroy(kvc_prefill_plan *plan); /* NULL is a no-o
 /*
  *   q      (qo_indptr[B], Hq, Dh) float32/float16/bfloat16
  *   cache  paged cache matching the plan (page_size, H, Dh); page ids inside it
- *   out    (qo_indptr[B], Hq, Dh); lse (qo_indptr[B], Hq) float32 or NULL
+ *   out    (qo_indptr[B], Hq, Dh) float32/float16/bfloat16 (any of them, converted
+ *          once at the end); lse (qo_indptr[B], Hq) float32 or NULL
  */
 KVC_API kvc_status kvc_prefill_run_paged(kvc_prefill_plan *plan, const kvc_tensor *q,
                                          const kvc_paged_cache *cache,
@@ -136,7 +137,10 @@ KVC_API kvc_status kvc_cascade_plan_create(int32_t num_levels, const kvc_tensor 
                                            int32_t n_threads, kvc_cascade_plan **out);
 KVC_API void kvc_cascade_plan_destroy(kvc_cascade_plan *plan); /* NULL is a no-op */
 
-/* q, out (nnz_qo, Hq, Dh); lse (nnz_qo, Hq) float32 or NULL. */
+/* q, out (nnz_qo, Hq, Dh) float32/float16/bfloat16 (out's dtype may differ
+ * from q's); cache: the paged cache every level's page table indexes (page
+ * size, H, Dh as planned; int8/int4 with its scales, as for
+ * kvc_prefill_run_paged); lse (nnz_qo, Hq) float32 or NULL. */
 KVC_API kvc_status kvc_cascade_run(kvc_cascade_plan *plan, const kvc_tensor *q,
                                    const kvc_paged_cache *cache, const kvc_attn_params *params,
                                    kvc_tensor *out, kvc_tensor *lse, kvc_threadpool *pool);

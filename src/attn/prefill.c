@@ -462,6 +462,7 @@ kvc_status kvc_single_prefill(const kvc_tensor *q, const kvc_tensor *k, const kv
                               kvc_threadpool *pool) {
     static const char fn[] = "kvc_single_prefill";
     KVC_CHECK(q != NULL && out != NULL, "%s: q and out must not be NULL", fn);
+    KVC_CHECK(causal == 0 || causal == 1, "%s: causal must be 0 or 1, got %d", fn, (int)causal);
     KVC_CHECK(layout == KVC_NHD || layout == KVC_HND, "%s: invalid layout %d", fn, (int)layout);
     KVC_TRY(kvc__attn_check_kv(fn, k, v, k_scale, v_scale, quant_group, 3));
     const int64_t L = layout == KVC_NHD ? k->shape[0] : k->shape[1];
@@ -607,6 +608,7 @@ kvc_status kvc_prefill_plan_create_paged(const kvc_tensor *qo_indptr, const kvc_
                                          kvc_prefill_plan **out) {
     static const char fn[] = "kvc_prefill_plan_create_paged";
     KVC_TRY(check_plan_args(fn, num_qo_heads, num_kv_heads, head_dim, n_threads, out));
+    KVC_CHECK(causal == 0 || causal == 1, "%s: causal must be 0 or 1, got %d", fn, (int)causal);
     KVC_CHECK(page_size >= 1, "%s: page_size %d must be >= 1", fn, (int)page_size);
     int64_t B = 0;
     KVC_TRY(kvc__paged_check_table(fn, kv_indptr, kv_indices, kv_last_page_len, page_size, -1, 1,
@@ -656,6 +658,7 @@ kvc_status kvc_prefill_plan_create_ragged(const kvc_tensor *qo_indptr, const kvc
                                           kvc_prefill_plan **out) {
     static const char fn[] = "kvc_prefill_plan_create_ragged";
     KVC_TRY(check_plan_args(fn, num_qo_heads, num_kv_heads, head_dim, n_threads, out));
+    KVC_CHECK(causal == 0 || causal == 1, "%s: causal must be 0 or 1, got %d", fn, (int)causal);
     KVC_TRY(kvc__paged_check_i32(fn, "qo_indptr", qo_indptr, -1));
     KVC_CHECK(qo_indptr->shape[0] >= 1, "%s: qo_indptr must have B + 1 >= 1 entries", fn);
     const int64_t B = qo_indptr->shape[0] - 1;

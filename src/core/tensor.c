@@ -82,21 +82,29 @@ kvc_tensor kvc_tensor_make(void *data, kvc_dtype dtype, int32_t ndim, const int6
     memset(&t, 0, sizeof t);
     t.data = data;
     t.dtype = dtype;
-    if (ndim < 0) ndim = 0;
-    if (ndim > KVC_MAX_DIMS) ndim = KVC_MAX_DIMS;
+    /* an ndim outside [0, KVC_MAX_DIMS], or a NULL shape with ndim > 0, is
+     * kept as an invalid ndim: every operator then rejects the tensor
+     * (kvc__check_tensor) instead of working on a clamped one */
     t.ndim = ndim;
+    if (ndim < 0 || ndim > KVC_MAX_DIMS || (ndim > 0 && shape == NULL)) {
+        t.ndim = -1;
+        return t;
+    }
     int64_t s = 1;
     for (int i = ndim - 1; i >= 0; i--) {
         t.shape[i] = shape[i];
         t.stride[i] = s;
-        s *= shape[i] > 0 ? shape[i] : 1;
+        /* saturate: an overflowing size is rejected by the checks */
+        if (__builtin_mul_overflow(s, shape[i] > 0 ? shape[i] : 1, &s)) s = INT64_MAX;
     }
     return t;
 }
 
 int64_t kvc_tensor_numel(const kvc_tensor *t) {
+    if (t == NULL || t->ndim < 0 || t->ndim > KVC_MAX_DIMS) return -1;
     int64_t n = 1;
-    for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
+    for (int i = 0; i < t->ndim; i++)
+        if (t->shape[i] < 0 || __builtin_mul_overflow(n, t->shape[i], &n)) return -1;
     return n;
 }
 
@@ -119,9 +127,21 @@ kvc_status kvc__check_tensor(const kvc_tensor *t, const char *name, int need_con
         KVC_CHECK(t->shape[i] >= 0, "%s: negative size %lld in dim %d", name,
                   (long long)t->shape[i], i);
         KVC_CHECK(t->stride[i] >= 0, "%s: negative stride in dim %d", name, i);
-        numel *= t->shape[i];
+        KVC_CHECK(!__builtin_mul_overflow(numel, t->shape[i], &numel),
+                  "%s: element count overflows int64 (shape %s)", name,
+                  kvc__shape_str(t, (char[160]){0}, 160));
     }
     if (numel == 0) return KVC_OK;
+    /* the last element's offset (elements; int4: nibbles) and its byte must
+     * be representable: offsets are computed in int64 everywhere */
+    int64_t last = 0;
+    for (int i = 0; i < t->ndim; i++) {
+        int64_t o;
+        KVC_CHECK(!__builtin_mul_overflow(t->shape[i] - 1, t->stride[i], &o) &&
+                      !__builtin_add_overflow(last, o, &last) && last <= INT64_MAX / 8,
+                  "%s: extent overflows int64 (shape %s)", name,
+                  kvc__shape_str(t, (char[160]){0}, 160));
+    }
     KVC_CHECK(t->data != NULL, "%s: data is NULL", name);
     if (need_contig_last && t->ndim > 0 && t->shape[t->ndim - 1] > 1)
         KVC_CHECK(t->stride[t->ndim - 1] == 1, "%s: last dimension must be contiguous (stride 1)",

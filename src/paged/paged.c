@@ -271,8 +271,11 @@ kvc_status kvc_pmx_to_page_table(const kvc_tensor *cachestarts, const kvc_tensor
         total += pages;
         KVC_CHECK(total <= INT32_MAX, "%s: more than INT32_MAX pages in all", fn);
     }
-    KVC_CHECK(kv_indices->shape[0] >= total, "%s: kv_indices holds %lld entries, the table needs "
-              "%lld", fn, (long long)kv_indices->shape[0], (long long)total);
+    if (kv_indices->shape[0] < total) { /* as kvc_cache_page_table: report the size needed */
+        if (n_indices) *n_indices = total;
+        return kvc__error(KVC_ERR_INVALID_ARG, "%s: kv_indices holds %lld entries, the table "
+                          "needs %lld", fn, (long long)kv_indices->shape[0], (long long)total);
+    }
     int32_t *indptr = kv_indptr->data, *indices = kv_indices->data, *last = kv_last_page_len->data;
     int64_t k = 0;
     indptr[0] = 0;

@@ -156,9 +156,9 @@ static kvc_status check_slots(const char *fn, const dyn_call *c, int64_t b, int6
     if (kvlen == 0) return KVC_OK;
     if (c->mode == 0) {
         int64_t s0 = i64_1d(c->cachestarts, b);
-        KVC_CHECK(s0 >= 0 && s0 <= maxT - kvlen, "%s: batch %lld uses slots [%lld, %lld), "
-                  "outside the cache's [0, MaxT=%lld)", fn, (long long)b, (long long)s0,
-                  (long long)s0 + kvlen, (long long)maxT);
+        KVC_CHECK(s0 >= 0 && s0 <= maxT - kvlen, "%s: batch %lld uses %lld slots from %lld, "
+                  "outside the cache's [0, MaxT=%lld)", fn, (long long)b, (long long)kvlen,
+                  (long long)s0, (long long)maxT);
         return KVC_OK;
     }
     int64_t pages = (kvlen + c->page_size - 1) / c->page_size;
@@ -268,7 +268,7 @@ kvc_status kvc_pmx_dynamic_key_value_cache(
         if (sp[b] < 0)
             st = kvc__error(KVC_ERR_INVALID_ARG, "%s: start_pos[%lld] = %lld < 0", fn,
                             (long long)b, (long long)sp[b]);
-        else if (kvlen != sp[b] + S)
+        else if (sp[b] > kvlen || kvlen - sp[b] != S) /* kvlen, S >= 0: no overflow */
             st = kvc__error(KVC_ERR_INVALID_ARG, "%s: batch %lld has kv length %lld but "
                             "start_pos + seqlen = %lld + %lld", fn, (long long)b,
                             (long long)kvlen, (long long)sp[b], (long long)S);
