@@ -239,10 +239,10 @@ def _split_scales(k_scale, v_scale):
     """(k group scales|None, v group scales|None, k calibration|None, v
     calibration|None): FlashInfer's k_scale/v_scale are numbers (calibration
     factors); arrays are kvcache's int8/int4 group scales."""
-    kc = _compat.calib(k_scale, "k_scale") if _compat.is_scalar(k_scale) else None
-    vc = _compat.calib(v_scale, "v_scale") if _compat.is_scalar(v_scale) else None
-    kg = None if _compat.is_scalar(k_scale) else k_scale
-    vg = None if _compat.is_scalar(v_scale) else v_scale
+    out = []
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        out.append((None, _compat.calib(x, name)) if _compat.is_scalar(x) else (x, None))
+    (kg, kc), (vg, vc) = out
     return kg, vg, kc, vc
 
 

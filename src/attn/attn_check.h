@@ -29,6 +29,22 @@ kvc_status kvc__attn_check_heads(const char *fn, int64_t Hq, int64_t H, int64_t 
 kvc_status kvc__attn_check_params(const char *fn, const kvc_attn_params *p, int64_t D,
                                   kvc_attn_params *out);
 
+/*
+ * How a driver hands scores to the kernels (kernels.h attn_decode, prefill.h,
+ * mla.h): q unscaled (*qscale 1) and *sc = sm_scale * log2 e, so the
+ * softmax takes the raw max and large scores keep their differences; unless
+ * a soft cap (tanh of s * sm_scale: q times sm_scale), an additive mask
+ * (added in base 2: `fold`) or a negative sm_scale (the raw max would be the
+ * min) needs q scaled first (*qscale sm_scale * log2 e, *sc 1).
+ */
+static inline void kvc__attn_score_scale(float sm_scale, float cap, int fold, float *qscale,
+                                         float *sc) {
+    const float log2e = 1.4426950408889634f;
+    fold = fold || cap > 0.0f || !(sm_scale > 0.0f);
+    *qscale = cap > 0.0f ? sm_scale : fold ? sm_scale * log2e : 1.0f;
+    *sc = fold ? 1.0f : sm_scale * log2e;
+}
+
 /* K/V pair (ndim-D, same shape and dtype, a storage dtype) with scales for
  * int8/int4 (shaped like k with last dim Dh / quant_group, float32/16). */
 kvc_status kvc__attn_check_kv(const char *fn, const kvc_tensor *k, const kvc_tensor *v,

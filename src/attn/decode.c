@@ -38,7 +38,6 @@ static int64_t chunk_len(int64_t L) {
     while (c < 1024 && c * 8 < L) c *= 2;
     return c;
 }
-#define LOG2E 1.4426950408889634f
 
 /* ---- shared engine -------------------------------------------------------- */
 
@@ -523,13 +522,7 @@ static void set_io(attn_ctx *c, const kvc_tensor *q, kvc_tensor *out, kvc_tensor
     c->l_sb = lse && batched ? lse->stride[0] : 0;
     c->l_sh = lse ? lse->stride[o] : 0;
     c->cap = p->logits_soft_cap;
-    /* q unscaled and scores taken to base 2 after the max (kernels.h: large
-     * scores keep their differences), unless a cap (tanh of s * sm_scale) or
-     * a negative sm_scale (the max of the raw scores is then the min) needs
-     * them scaled first */
-    const int fold = c->cap > 0.0f || !(p->sm_scale > 0.0f);
-    c->qscale = c->cap > 0.0f ? p->sm_scale : fold ? p->sm_scale * LOG2E : 1.0f;
-    c->sc = fold ? 1.0f : p->sm_scale * LOG2E;
+    kvc__attn_score_scale(p->sm_scale, c->cap, 0, &c->qscale, &c->sc);
     c->window = p->window_left;
     c->Dp = (c->D + 15) / 16 * 16;
 }

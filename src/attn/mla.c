@@ -29,7 +29,6 @@
 #define MLA_MIN_CHUNK 256
 #define MLA_TARGET_TASKS 64                         /* enough for 64 threads */
 #define MLA_SLOT_BUDGET ((int64_t)32 * 1024 * 1024) /* floats (128 MiB) */
-#define LOG2E 1.4426950408889634f
 
 struct kvc_mla_plan {
     int64_t B, Hq, Dc, Dk, page_size, N;
@@ -459,12 +458,7 @@ kvc_status kvc_mla_run(kvc_mla_plan *plan, const kvc_tensor *q_nope, const kvc_t
     c.lse = lse ? lse->data : NULL;
     c.l_s0 = lse ? lse->stride[0] : 0;
     c.l_s1 = lse ? lse->stride[1] : 0;
-    /* q unscaled and scores taken to base 2 after the max (mla.h: large
-     * scores keep their differences), unless a cap (tanh of s * sm_scale) or
-     * a negative sm_scale (the raw max is then the min) needs them scaled */
-    const int fold = p->cap > 0.0f || !(p->sm_scale > 0.0f);
-    c.qscale = p->cap > 0.0f ? p->sm_scale : fold ? p->sm_scale * LOG2E : 1.0f;
-    c.sc = fold ? 1.0f : p->sm_scale * LOG2E;
+    kvc__attn_score_scale(p->sm_scale, p->cap, 0, &c.qscale, &c.sc);
     kvc__parallel_for(pool, p->n_tasks, chunk_task, &c);
     int multi = 0;
     for (int64_t b = 0; b < p->B && !multi; b++) multi = p->nch[b] > 1;

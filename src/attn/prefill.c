@@ -311,13 +311,8 @@ void kvc__pf_execute(const kvc__pf_batch *b, const kvc__pf_kv *kv, const kvc__pf
     c.mask = mask ? mask : &none;
     c.io = io;
     c.cap = cap;
-    /* q unscaled and scores taken to base 2 after the max (prefill.h: large
-     * scores keep their differences), unless a cap (tanh of s * sm_scale),
-     * an additive mask (added in base 2) or a negative sm_scale (the raw max
-     * is then the min) needs them scaled first */
-    const int fold = cap > 0.0f || c.mask->kind == KVC__PF_MASK_ADD || !(sm_scale > 0.0f);
-    c.qscale = cap > 0.0f ? sm_scale : fold ? sm_scale * LOG2E : 1.0f;
-    c.sc = fold ? 1.0f : sm_scale * LOG2E;
+    /* an additive mask is added in base 2: q scaled first */
+    kvc__attn_score_scale(sm_scale, cap, c.mask->kind == KVC__PF_MASK_ADD, &c.qscale, &c.sc);
     c.window = window;
     c.scr = scr;
     c.kern = kvc__kernels();

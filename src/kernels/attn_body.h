@@ -446,14 +446,11 @@ AB_INL void ab_run(const kvc_dtype dt, const int fast, const int half, const flo
         if (fast) {
             vb = (const char *)r->v + j0 * r->v_stride;
             vst = r->v_stride;
-            if (kq && half) { /* V vectors scaled in ab_pv_tile */
+            if (kq) /* scales [key][group]; half: V vectors scaled in ab_pv_tile */
                 for (int j = 0; j < nb; j++)
                     AB_SCALEROW((const char *)r->vs + (j0 + j) * r->vs_stride, r->vsd, ng,
                                 vsc + j * ng);
-            } else if (kq) { /* ps[gi][g][j] = p[g][j] * scale[j][gi] */
-                for (int j = 0; j < nb; j++)
-                    AB_SCALEROW((const char *)r->vs + (j0 + j) * r->vs_stride, r->vsd, ng,
-                                vsc + j * ng);
+            if (kq && !half) { /* ps[gi][g][j] = p[g][j] * scale[j][gi] */
                 for (int j = nb * ng; j < AB_NB * ng; j++) vsc[j] = 0.0f;
                 for (int gi = 0; gi < ng; gi++)
                     for (int j = 0; j < AB_NB; j += AB_VL) {
@@ -496,18 +493,17 @@ static void AB_NAME(const float *q, int G, int D, int Dp, const kvc_attn_rows *r
     switch (dt) {
     case KVC_F16: ab_run(KVC_F16, 1, 0, q, G, D, Dp, r, n, cap, sc, m, l, acc, NULL); break;
     case KVC_BF16: ab_run(KVC_BF16, 1, 0, q, G, D, Dp, r, n, cap, sc, m, l, acc, NULL); break;
-    case KVC_I8:
-        if (half)
-            ab_run(KVC_I8, 1, 1, q, G, D, Dp, r, n, cap, sc, m, l, acc, NULL);
-        else
-            ab_run(KVC_I8, 1, 0, q, G, D, Dp, r, n, cap, sc, m, l, acc, NULL);
-        break;
-    case KVC_I4:
-        if (half)
-            ab_run(KVC_I4, 1, 1, q, G, D, Dp, r, n, cap, sc, m, l, acc, NULL);
-        else
-            ab_run(KVC_I4, 1, 0, q, G, D, Dp, r, n, cap, sc, m, l, acc, NULL);
-        break;
+/* quantized rows: half a constant in each instantiation */
+#define AB_RUN_Q(t)                                                                                \
+    do {                                                                                           \
+        if (half)                                                                                  \
+            ab_run((t), 1, 1, q, G, D, Dp, r, n, cap, sc, m, l, acc, NULL);                        \
+        else                                                                                       \
+            ab_run((t), 1, 0, q, G, D, Dp, r, n, cap, sc, m, l, acc, NULL);                        \
+    } while (0)
+    case KVC_I8: AB_RUN_Q(KVC_I8); break;
+    case KVC_I4: AB_RUN_Q(KVC_I4); break;
+#undef AB_RUN_Q
     default: ab_run(KVC_F32, 1, 0, q, G, D, Dp, r, n, cap, sc, m, l, acc, NULL); break;
     }
 }
