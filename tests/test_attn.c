@@ -85,7 +85,8 @@ typedef struct sd_case {
     float cap, sm_scale;
     int window;
     float qmag;  /* query magnitude (large: stability) */
-    int qspecial; /* 1: query head 0 all zeros; 2: every head one element 1e4 x the rest */
+    int qspecial; /* 1: query head 0 all zeros; 2: every head one element 1e4 x the rest;
+                     3: every head an outlier channel, 300 x qmag */
     float sspread; /* > 0: int8/int4 scales 0.01 * 10^u, u uniform in [-sspread, sspread] */
 } sd_case;
 
@@ -116,6 +117,8 @@ static int run_single(const sd_case *c, uint64_t seed) {
                 set_f(qb, c->qd, h * D + d, get_f(qb, c->qd, h * D + d) * 1e-4f);
             set_f(qb, c->qd, h * D + (h * 7) % D, c->qmag);
         }
+    if (c->qspecial == 3)
+        for (int64_t h = 0; h < Hq; h++) set_f(qb, c->qd, h * D + (h * 7) % D, 300.0f * c->qmag);
     for (int64_t i = 0; i < Hq * D; i++) qf[i] = get_f(qb, c->qd, i);
     /* element (j, h, d) offset in storage */
 #define SOFF(j, h, d) (c->layout == KVC_NHD ? ((j) * H + (h)) * Dst + (d) : ((h) * L + (j)) * Dst + (d))
@@ -395,6 +398,100 @@ TEST(single_large_scores_exact) {
 }
 
 /*
+ * The query precision of int8/int4 decode (attention.h): with a float16 or
+ * bfloat16 q, each key's score may be off by at most sm_scale * sum_i
+ * |k_i| * max|q| / 65278 (the AMX kernel's query in 16 bits: half a step
+ * of 2 * 0x7f7f), so the base-2 lse by at most log2 e times the largest
+ * such bound (a smooth max) and each output by twice it times max|v| (the
+ * weights' relative change); with a float32 q, max|q| / 16711422 (24
+ * bits). A query with one large element and many small ones of both signs,
+ * int8 K/V with group 32 and 128, every ISA. A worst-case bound: random
+ * rounding errors cancel, so a kernel a few bits coarser can stay inside
+ * it on such data; the tolerances of the grids above catch gross errors.
+ */
+TEST(single_int8_query_precision) {
+    enum { Hq = 4, D = 128, L = 200 };
+    static const int groups[2] = {32, 128};
+    static const kvc_dtype qds[2] = {KVC_F16, KVC_F32};
+    int8_t k[L * D], v[L * D];
+    uint16_t ks[L * D / 32], vs[L * D / 32];
+    float qf[Hq * D], out[Hq * D], lse[Hq];
+    uint16_t q16[Hq * D];
+    double kd[L * D], vd[L * D], ro[Hq * D], rl[Hq];
+    uint64_t rng = test_seed + 91;
+    for (int i = 0; i < L * D; i++) {
+        k[i] = (int8_t)rintf(127.0f * test_rng_f32(&rng));
+        v[i] = (int8_t)rintf(127.0f * test_rng_f32(&rng));
+    }
+    FOR_EACH_ISA({
+        for (int gi = 0; gi < 2; gi++)
+            for (int qi = 0; qi < 2; qi++) {
+                const int group = groups[gi], ng = D / group;
+                for (int i = 0; i < L * ng; i++) {
+                    set_f(ks, KVC_F16, i, 0.004f + 0.004f * fabsf(test_rng_f32(&rng)));
+                    set_f(vs, KVC_F16, i, 0.004f + 0.004f * fabsf(test_rng_f32(&rng)));
+                }
+                for (int h = 0; h < Hq; h++)
+                    for (int d = 0; d < D; d++) {
+                        const float x = d == 7 * h ? 6.0f : 0.05f * test_rng_f32(&rng);
+                        set_f(q16, KVC_F16, h * D + d, x);
+                        qf[h * D + d] = get_f(q16, KVC_F16, h * D + d); /* same values */
+                    }
+                double bound = 0.0, vmax = 0.0; /* the largest score bound, max|v| */
+                const double half_step = qds[qi] == KVC_F32 ? 1.0 / 16711422.0 : 1.0 / 65278.0;
+                const double sm = 1.0 / sqrt((double)D);
+                for (int j = 0; j < L; j++)
+                    for (int h = 0; h < Hq; h++) {
+                        double qm = 0.0, k1 = 0.0;
+                        for (int d = 0; d < D; d++) {
+                            const int64_t si = j * ng + d / group;
+                            kd[j * D + d] = k[j * D + d] * (double)get_f(ks, KVC_F16, si);
+                            vd[j * D + d] = v[j * D + d] * (double)get_f(vs, KVC_F16, si);
+                            qm = fmax(qm, fabs(qf[h * D + d]));
+                            k1 += fabs(kd[j * D + d]);
+                            vmax = fmax(vmax, fabs(vd[j * D + d]));
+                        }
+                        bound = fmax(bound, sm * k1 * qm * half_step);
+                    }
+                ref_in r = {Hq, 1, D, L, qf, kd, vd, 0.0, 0.0, -1};
+                ref_decode(&r, ro, rl);
+                int64_t qsh[2] = {Hq, D}, ksh[3] = {L, 1, D}, ssh[3] = {L, 1, ng}, lsh[1] = {Hq};
+                kvc_tensor tq = kvc_tensor_make(qds[qi] == KVC_F16 ? (void *)q16 : (void *)qf,
+                                                qds[qi], 2, qsh),
+                           tk = kvc_tensor_make(k, KVC_I8, 3, ksh),
+                           tv = kvc_tensor_make(v, KVC_I8, 3, ksh),
+                           tks = kvc_tensor_make(ks, KVC_F16, 3, ssh),
+                           tvs = kvc_tensor_make(vs, KVC_F16, 3, ssh),
+                           to = kvc_tensor_make(out, KVC_F32, 2, qsh),
+                           tl = kvc_tensor_make(lse, KVC_F32, 1, lsh);
+                kvc_attn_params p = kvc_attn_default_params();
+                ASSERT_OK(kvc_single_decode(&tq, &tk, &tv, &tks, &tvs, group, KVC_NHD, &p, &to,
+                                            &tl, test_pool(1)));
+                /* the bound plus float32 rounding of the sums (1e-6 relative) */
+                const double lse_tol = 1.4426950408889634 * bound + 1e-6 * 8.0;
+                const double out_tol = 2.0 * bound * vmax + 1e-6 * vmax;
+                for (int h = 0; h < Hq; h++) {
+                    if (fabs(lse[h] - rl[h]) > lse_tol) {
+                        TEST_FAIL_("q %s group %d isa %s: lse %.9g vs %.9g (bound %.3g)",
+                                   kvc_dtype_name(qds[qi]), group, kvc_isa_name(kvc_get_isa()),
+                                   lse[h], rl[h], lse_tol);
+                        return 1;
+                    }
+                    for (int d = 0; d < D; d++)
+                        if (fabs(out[h * D + d] - ro[h * D + d]) > out_tol) {
+                            TEST_FAIL_("q %s group %d isa %s: out %.9g vs %.9g (bound %.3g)",
+                                       kvc_dtype_name(qds[qi]), group,
+                                       kvc_isa_name(kvc_get_isa()), out[h * D + d],
+                                       ro[h * D + d], out_tol);
+                            return 1;
+                        }
+                }
+            }
+    });
+    return 0;
+}
+
+/*
  * The SIMD kernels' register tiles: query heads in tiles of up to 4 (AVX2:
  * 2) with every remainder, keys in quads with partial last blocks, head dims
  * in pieces of up to 4 vectors with every remainder, int8/int4 group scales
@@ -481,6 +578,7 @@ TEST(single_int8_grouped) {
                 c.sd = (si + li) % 2 ? KVC_F16 : KVC_F32;
                 c.layout = (kvc_kv_layout)((si / 2 + li) % 2);
                 if (li % 4 == 3) c.qd = c.od = KVC_F16;
+                if (li % 4 == 1) c.qd = KVC_F16; /* 16-bit q, float32 out */
                 if (li % 5 == 2) c.cap = 20.0f;
                 RUN(c);
             }
@@ -503,6 +601,15 @@ TEST(single_int8_grouped) {
             c.qmag = 300.0f; /* scores in the thousands */
             c.sspread = 0.0f;
             RUN(c);
+            /* float16 queries with an outlier channel and scores in the tens:
+             * the AMX kernel keeps such heads in 24 bits (16 bits gave up to
+             * 6x the float16 tolerance) */
+            c.qd = KVC_F16;
+            c.qspecial = 3;
+            for (int qm = 0; qm < 2; qm++) {
+                c.qmag = qm ? 8.0f : 2.0f;
+                RUN(c);
+            }
         }
     });
     return 0;
@@ -915,6 +1022,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(single_io_dtypes),
     TEST_ENTRY(single_large_logits),
     TEST_ENTRY(single_large_scores_exact),
+    TEST_ENTRY(single_int8_query_precision),
     TEST_ENTRY(single_register_tiles),
     TEST_ENTRY(single_int8_grouped),
     TEST_ENTRY(paged_int8_grouped),

@@ -30,6 +30,21 @@
  * float32 rounding, and masked keys, -inf, never win). A soft cap, an
  * additive mask (pmx) or a negative sm_scale scale q first instead, which
  * rounds each product at the score's magnitude (~2^-24 |s|).
+ *
+ * int8/int4 decode on the "amx" ISA multiplies integers on the tile unit:
+ * each query head is rounded to fixed point relative to its largest
+ * element: 16 bits when q is float16 or bfloat16 (which carries 11 or 8
+ * bits itself) and the heads sharing a KV head have no element above 16
+ * times their mean magnitude (a grid step is then at most float16's own
+ * spacing at the mean element), else 24 bits (float32 q, or an outlier
+ * channel, with which 16 bits gave up to 6x the float16 tolerance). A key's
+ * score is then off by
+ * at most sm_scale * sum_i |k_i| * max|q| / 65278 (16 bits; / 16711422 for
+ * 24), so the output by at most twice that times max|v| and the base-2 lse
+ * by log2 e times it; the softmax weights keep 24 bits. Typical errors are
+ * far smaller (the roundings cancel): about 1e-6 of max|o| in the
+ * benchmark's checks. The 16-bit query lets one score tile serve two quant
+ * groups of 16 or 32 (BENCHMARKS.md: the int8 kernel ~1.1x faster).
  */
 #ifndef KVCACHE_ATTENTION_H
 #define KVCACHE_ATTENTION_H

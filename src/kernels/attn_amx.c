@@ -14,9 +14,16 @@
  *     24-bit fixed point, q ~= sq * qi with |qi| <= 0x7f7f7f and
  *     sq = max|q| / 0x7f7f7f, written as three balanced base-256 digits
  *     qi = 65536 d2 + 256 d1 + d0, each in [-128, 127]: the error is at most
- *     max|q| * 2^-24 per element, float32's rounding of the largest one.
- *     Each digit is an exact int8 x int8 product sum per (key, group).
- *   - score(key) = sum_g kscale[key][g] * sum_t 256^(2-t) * C_t[key][g] *
+ *     max|q| / 16711422 per element (about 2^-24, float32's rounding of the
+ *     largest one). Each digit is an exact int8 x int8 product sum per
+ *     (key, group).
+ *   - qbits 16 (float16/bfloat16 queries, whose own precision is 11 or 8
+ *     bits) and every head of the set flat (max|q| <= 16 mean|q|): two
+ *     digits, |qi| <= 0x7f7f, error at most max|q| / 65278 per element. A group then takes 8 C columns (digit x head), so one score
+ *     tile holds two groups of 16 or 32 (`pair`: column 8 gp + 4t + h, gp
+ *     the group's place in the pair): half the tile products, tile stores
+ *     and C rows to scale; the kernel takes ~0.9x the time at group 32.
+ *   - score(key) = sum_g kscale[key][g] * sum_t 256^(top-t) * C_t[key][g] *
  *     sq in float32 (the group sums are exact integers below 2^21).
  *   - P.V weights p * vscale[key][g] are rounded to 24-bit unsigned fixed
  *     point per (call, group), w = round(p * vs / W * (2^24 - 1)) with W the
@@ -32,7 +39,8 @@
  *           not equally spaced; B = the query digits of one 64-element
  *           segment, zero outside one quant group (built once per task in
  *           amx_begin); C = 16 keys x (digit t, head h) in column 4t + h, one
- *           tile per quant group, so the group's K scale applies per key.
+ *           tile per quant group (pair: two), so the group's K scale
+ *           applies per key.
  *   softmax online, base 2, per head, over the call's keys.
  *   P.V     A = weight digits, row 4t + h, one column per key; B = V rows
  *           interleaved by key quads (the tile layout wants 4 keys' bytes of
@@ -43,8 +51,8 @@
  *   The rows of the call that runs next are prefetched into L2, a key quad
  *   at a time, spread over the score, weight and P.V phases.
  *
- * Where the time goes (BENCHMARKS.md, measured on one core): tile stores
- * do not overlap the vector work (tile products do), and each quant group
+ * Where the time goes (BENCHMARKS.md, measured on one core): on the VM
+ * measured, tile instructions do not overlap the vector work, and each quant group
  * costs a 16 x 16 C tile per 16 keys that the vector units scale and sum:
  * with group 32 that is more int32 data than the int8 K it came from. Of
  * ~235 ns per 16 keys at group 32 (4 query heads, Dh 128), dropping a phase
@@ -52,6 +60,9 @@
  * flush ~20, scale gathers ~13, softmax ~10; tile products, stores and
  * set-up the rest (~60). The kernel is about 1.8-2x the float one at group 32
  * and 2.5-2.8x at group 128, not the 4x+ the tile unit's arithmetic would allow.
+ * (Those shares predate the paired tiles.) Calls of 128 keys, which halve
+ * the P.V tile stores and flushes per key, made the kernel 13-15% slower
+ * with K/V in L2 or beyond: the call's scratch and rows outgrow L1.
  */
 #define _GNU_SOURCE
 #include "kernels.h"
@@ -73,6 +84,7 @@
 #define KVC_INLINE static inline __attribute__((always_inline))
 
 #define QMAX 8355711.0f   /* 0x7f7f7f: the largest |qi| with balanced digits */
+#define QMAX2 32639.0f    /* 0x7f7f: the same with two digits (16-bit q) */
 #define WMAX 16777215.0f  /* 2^24 - 1 */
 #define KEYS KVC_AMX_KEYS /* keys per amx_run: 4 blocks of 16 */
 
@@ -85,7 +97,8 @@ typedef struct amx_state {
     float sc;          /* scores to base 2 (kernels.h: attn_decode) */
     int16_t piece;     /* V interleave piece bytes (16, 32, 64; int4: 32 elements) */
     int16_t vord;      /* accumulator order (pv_pos): 0 int8, 1 int4 group 32+, 2 int4 group 16 */
-    int bits;          /* 8: int8 rows; 4: int4 (nibbles sign-extended before the tiles) */
+    int16_t bits;      /* 8: int8 rows; 4: int4 (nibbles sign-extended before the tiles) */
+    int16_t pair;      /* 16-bit q (2 digits): two groups' columns per score C tile */
     float cap;
 } __attribute__((aligned(64))) amx_state; /* 128 bytes: acc after it stays 64-byte aligned */
 _Static_assert(sizeof(amx_state) == 128, "amx_state header is 128 bytes");
@@ -183,7 +196,7 @@ KVC_INLINE void tr16(__m512i *r) {
 }
 
 static void amx_begin(void *stv, const float *q, int nh, int D, int Dp, int group, float cap,
-                      float sc, int bits) {
+                      float sc, int bits, int qbits) {
     amx_state *st = stv;
     memset(st, 0, sizeof *st);
     st->D = D, st->group = group, st->nh = nh, st->cap = cap;
@@ -191,32 +204,56 @@ static void amx_begin(void *stv, const float *q, int nh, int D, int Dp, int grou
     const int gpa = seg_per_a(group);
     st->piece = bits == 4 ? 32 : group % 64 == 0 ? 64 : group % 32 == 0 ? 32 : 16;
     st->vord = bits != 4 ? 0 : group == 16 ? 2 : 1;
-    st->bits = bits;
-    for (int h = 0; h < 4; h++) st->m[h] = -INFINITY, st->l[h] = 0.0f;
-    memset(st_acc(st), 0, (size_t)16 * (size_t)D);
-    /* per head: q ~= sq * qi, |qi| <= QMAX */
-    float inv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    st->bits = (int16_t)bits;
+    /* per head: the largest and the mean magnitude */
+    float amax[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    int flat = 1;
     for (int h = 0; h < nh; h++) {
         const float *qh = q + (int64_t)h * Dp;
-        __m512 mx = _mm512_setzero_ps();
-        for (int d = 0; d < D; d += 16)
-            mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qh + d)));
-        const float amax = _mm512_reduce_max_ps(mx);
+        __m512 mx = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
+        for (int d = 0; d < D; d += 16) {
+            const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(qh + d));
+            mx = _mm512_max_ps(mx, a);
+            sum = _mm512_add_ps(sum, a);
+        }
+        amax[h] = _mm512_reduce_max_ps(mx);
+        /* 16 bits only where max|q| <= 16 mean|q|: a step of the grid is then at
+         * most mean|q| 2^-11, float16's own spacing at the mean element. A head
+         * with an outlier channel (one element 30-300x the rest) kept in 16 bits
+         * gave errors up to 6x the float16 tolerance against float64. */
+        flat &= amax[h] <= 16.0f / (float)D * _mm512_reduce_add_ps(sum);
+    }
+    /* two digits: 8 columns per group, so groups 16 and 32 share C tiles */
+    const int two = qbits <= 16 && flat;
+    st->pair = (int16_t)(two && group < 64);
+    const float qmax = two ? QMAX2 : QMAX;
+    for (int h = 0; h < 4; h++) st->m[h] = -INFINITY, st->l[h] = 0.0f;
+    memset(st_acc(st), 0, (size_t)16 * (size_t)D);
+    /* per head: q ~= sq * qi, |qi| <= qmax */
+    float inv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int h = 0; h < nh; h++) {
         /* max 0 (or a NaN/Inf q, garbage in): all digits 0 */
-        const int ok = amax > 0.0f && amax <= FLT_MAX;
-        const float sq = ok ? amax / QMAX : 0.0f;
-        inv[h] = ok ? QMAX / amax : 0.0f;
-        st->sqw[h] = sq * 65536.0f, st->sqw[4 + h] = sq * 256.0f, st->sqw[8 + h] = sq;
+        const int ok = amax[h] > 0.0f && amax[h] <= FLT_MAX;
+        const float sq = ok ? amax[h] / qmax : 0.0f;
+        inv[h] = ok ? qmax / amax[h] : 0.0f;
+        if (two) { /* lanes 8 gp + 4 t + h, gp the group's parity in a pair */
+            st->sqw[h] = sq * 256.0f, st->sqw[4 + h] = sq;
+            if (st->pair) st->sqw[8 + h] = sq * 256.0f, st->sqw[12 + h] = sq;
+        } else
+            st->sqw[h] = sq * 65536.0f, st->sqw[4 + h] = sq * 256.0f, st->sqw[8 + h] = sq;
     }
     /* B tile of segment (a, gi): row r, column c = the 4 digits of digit row c
      * (4t + h, t = 0 the high digit; absent heads and rows 12-15 zero) at
      * elements 64a + 4r .. +3, zero outside group gi of the segment. The
      * digit rows are built in registers and transposed (16 x 16 int32): a
      * row stored in 16-byte pieces and reloaded whole waited for the stores
-     * (amx_begin 0.68-0.73x the time at Dh 64 and 128, measured). */
+     * (amx_begin 0.68-0.73x the time at Dh 64 and 128, measured).
+     * Two digits (pair): B tile (a, pi) holds groups 2 pi and 2 pi + 1 of the
+     * segment, column 8 gp + 4t + h (t = 0 high) nonzero only in the rows of
+     * group 2 pi + gp, so one score tile serves two groups. */
     int8_t *bs = st_bs(st);
     const int rows_per_group = group / 4; /* for group < 64 */
-    const __m512 lim = _mm512_set1_ps(QMAX), nlim = _mm512_set1_ps(-QMAX);
+    const __m512 lim = _mm512_set1_ps(qmax), nlim = _mm512_set1_ps(-qmax);
     for (int a = 0; a < D / 64; a++) {
         __m512i r[16];
         for (int c = 0; c < 16; c++) r[c] = _mm512_setzero_si512();
@@ -237,14 +274,27 @@ static void amx_begin(void *stv, const float *q, int nh, int D, int Dp, int grou
                 p[1][u] = _mm512_cvtepi32_epi8(d1);
                 p[0][u] = _mm512_cvtepi32_epi8(d0);
             }
-            for (int t = 0; t < 3; t++) { /* row 4t + h: digit 2 - t */
-                __m512i v = _mm512_castsi128_si512(p[2 - t][0]);
-                v = _mm512_inserti32x4(v, p[2 - t][1], 1);
-                v = _mm512_inserti32x4(v, p[2 - t][2], 2);
-                r[4 * t + h] = _mm512_inserti32x4(v, p[2 - t][3], 3);
+            const int nd = two ? 2 : 3, top = nd - 1;
+            for (int t = 0; t < nd; t++) { /* row 4t + h: digit top - t */
+                __m512i v = _mm512_castsi128_si512(p[top - t][0]);
+                v = _mm512_inserti32x4(v, p[top - t][1], 1);
+                v = _mm512_inserti32x4(v, p[top - t][2], 2);
+                r[4 * t + h] = _mm512_inserti32x4(v, p[top - t][3], 3);
+                if (st->pair) r[8 + 4 * t + h] = r[4 * t + h];
             }
         }
         tr16(r);
+        if (st->pair) {
+            for (int pi = 0; pi < gpa / 2; pi++) {
+                int8_t *tile = bs + (size_t)(a * (gpa / 2) + pi) * 1024;
+                for (int k = 0; k < 16; k++) {
+                    const int gp = k / rows_per_group - 2 * pi; /* 0, 1: in the pair */
+                    const __mmask16 cols = gp == 0 ? 0x00ff : gp == 1 ? 0xff00 : 0;
+                    _mm512_store_si512(tile + 64 * k, _mm512_maskz_mov_epi32(cols, r[k]));
+                }
+            }
+            continue;
+        }
         for (int gi = 0; gi < gpa; gi++) {
             int8_t *tile = bs + (size_t)(a * gpa + gi) * 1024;
             for (int k = 0; k < 16; k++) {
@@ -553,7 +603,8 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
      * there are at most 4 (Dh 128 with group 32, or groups of 64+ up to Dh
      * 256; P.V reuses those registers), instead of a tile load per group
      * and block: ~2% of the kernel at group 32. */
-    const int nbt = (D / 64) * gpa, resident = nbt <= 4;
+    const int gpc = st->pair ? 2 : 1, nct = ng / gpc; /* groups and C tiles per block */
+    const int nbt = group >= 64 ? D / 64 : nct, resident = nbt <= 4;
     if (resident) {
         TLOAD(4, bs, 64);
         if (nbt > 1) TLOAD(5, bs + 1024, 64);
@@ -618,8 +669,8 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
         /* C tile per group (alternating registers: a group's products need not
          * wait for the previous group's tile store) */
         int lasta = -1;
-        for (int g = 0; g < ng; g++) {
-            const int a0 = group >= 64 ? g * (group / 64) : g / gpa;
+        for (int g = 0; g < nct; g++) { /* C tile g: group g, or groups 2g, 2g + 1 (pair) */
+            const int a0 = group >= 64 ? g * (group / 64) : g * gpc / gpa;
             const int a1 = group >= 64 ? a0 + group / 64 : a0 + 1;
             if (g & 1)
                 _tile_zero(3);
@@ -630,7 +681,7 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
                     TLOAD(0, abase + 64 * a, astride);
                     lasta = a;
                 }
-                const int bi = group >= 64 ? a : a * gpa + g % gpa;
+                const int bi = group >= 64 ? a : st->pair ? g : a * gpa + g % gpa;
                 if (resident) {
 #define DP(c, r)                   \
     case r:                        \
@@ -666,11 +717,23 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
             __m512 X[4];
             for (int kk = 0; kk < 4; kk++) {
                 const int i = 4 * k4 + kk;
-                __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sc->cs[0][i])),
-                                         _mm512_set1_ps(sc->ksc[0][k0 + i]));
-                for (int g = 1; g < ng; g++)
-                    x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sc->cs[g][i])),
-                                        _mm512_set1_ps(sc->ksc[g][k0 + i]), x);
+                __m512 x;
+                if (st->pair) { /* lanes 8 gp + 4 t + h: group 2 g + gp's scale */
+#define PSC(g)                                                                          \
+    _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(sc->ksc[2 * (g)][k0 + i]), \
+                         _mm512_set1_ps(sc->ksc[2 * (g) + 1][k0 + i]))
+                    x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sc->cs[0][i])), PSC(0));
+                    for (int g = 1; g < nct; g++)
+                        x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sc->cs[g][i])),
+                                            PSC(g), x);
+#undef PSC
+                } else {
+                    x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sc->cs[0][i])),
+                                      _mm512_set1_ps(sc->ksc[0][k0 + i]));
+                    for (int g = 1; g < ng; g++)
+                        x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sc->cs[g][i])),
+                                            _mm512_set1_ps(sc->ksc[g][k0 + i]), x);
+                }
                 X[kk] = _mm512_mul_ps(x, sqw);
             }
             /* T_t = [X0.t | X1.t | X2.t | X3.t] (128-bit blocks) */
@@ -682,6 +745,7 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
             const __m512 t1 = _mm512_shuffle_f32x4(u0, u2, 0xdd);
             const __m512 t2 = _mm512_shuffle_f32x4(u1, u3, 0x88);
             R[k4] = _mm512_add_ps(_mm512_add_ps(t0, t1), t2); /* lane 4k + h: key 4k4 + k */
+            if (st->pair) R[k4] = _mm512_add_ps(R[k4], _mm512_shuffle_f32x4(u1, u3, 0xdd));
         }
         const __m512i i0 =
             _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);

@@ -131,16 +131,21 @@ typedef struct kvc_kernels {
      * NULL elsewhere; use when kvc__amx_decode_ok). A task calls
      * amx_tiles(1) on its thread, then per head set (one KV head, up to 4 of
      * its query heads): amx_begin with q (nh, Dp) float32, cap and sc as
-     * attn_decode takes them and the cache's bits (8 or 4), a state of
+     * attn_decode takes them, the cache's bits (8 or 4) and the query's
+     * fixed-point bits (qbits: 16 for float16/bfloat16 queries, kept when
+     * the set's heads have no outlier element, whose one score tile then
+     * serves two quant groups of 16 or 32; 24 for float32),
+     * a state of
      * amx_state_bytes (64-byte aligned), amx_run per call of up to 64
      * keys, amx_end for (m, l, acc) as attn_decode leaves them (acc (nh,
      * Dp)); then amx_tiles(0). Same numbers as attn_decode to float32
-     * rounding (attn_amx.c says how), deterministic for given calls.
+     * rounding with qbits 24, to the bound attention.h gives with 16
+     * (attn_amx.c says how), deterministic for given calls.
      */
     void (*amx_tiles)(int on);
     size_t (*amx_state_bytes)(int D, int group);
     void (*amx_begin)(void *st, const float *q, int nh, int D, int Dp, int group, float cap,
-                      float sc, int bits);
+                      float sc, int bits, int qbits);
     void (*amx_run)(void *st, const kvc_amx_keys *keys);
     void (*amx_end)(const void *st, float *m, float *l, float *acc, int Dp);
 } kvc_kernels;

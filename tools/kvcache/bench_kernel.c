@@ -13,7 +13,9 @@
  *
  * Prints ns per 16 keys and head set for float16, int8 and int4 caches
  * (quant group 32 unless --group, float16 scales) with the kernel table of
- * the active ISA (amx: the tile kernel for int8/int4), and each one's
+ * the active ISA (amx: the tile kernel for int8/int4, with the query in 16
+ * bits as for the float16 queries of `bench attention`, and int8 again with
+ * the 24 bits of float32 queries), and each one's
  * speed-up against the float16 kernel at the same L, measured in the same
  * run: the kernels' own ratio, which bounds what a decode step can reach
  * when K/V sit near the core. Checks every int8/int4 output (the last pass's
@@ -31,12 +33,13 @@
 #include "../../src/kernels/kernels.h"
 
 #define KB_G 4   /* query heads per KV head (one head set) */
-#define KB_RUN 64 /* keys per AMX call (KVC_AMX_KEYS) */
+#define KB_RUN KVC_AMX_KEYS /* keys per AMX call */
 
 typedef struct kb_case {
     const kvc_kernels *kk;
     kvc_dtype dt;
     int D, H, group, amx;
+    int qbits;             /* AMX query precision: 16 (float16/bfloat16 q) or 24 (float32 q) */
     int64_t L, rowb, srow; /* keys, bytes per K/V head row, bytes per token's scale row */
     int reps;              /* passes over the L keys per timed call */
     float sc;              /* scores to base 2, as the driver passes it: log2 e / sqrt(Dh) */
@@ -115,7 +118,7 @@ static int kb_pass_amx(void *ctx) {
     kk->amx_tiles(1);
     for (int h = 0; h < c->H; h++)
         kk->amx_begin(c->st + h * c->sb, c->q + h * GD, KB_G, c->D, c->D, c->group, 0.0f,
-                      c->sc, c->dt == KVC_I4 ? 4 : 8);
+                      c->sc, c->dt == KVC_I4 ? 4 : 8, c->qbits);
     for (int rep = 0; rep < c->reps; rep++) {
         for (int64_t j = 0; j < c->L; j += KB_RUN) {
             const int64_t n = c->L - j < KB_RUN ? c->L - j : KB_RUN;
@@ -239,20 +242,23 @@ int bench_kernel(const bench_opts *o) {
         printf("# decode kernels alone (isa %s), one thread: %d KV heads x %d query heads, Dh "
                "%d, NHD rows of L keys, calls in the driver's order; int8/int4 group %d, "
                "float16 scales. ns per 16 keys and head set; x f16: float16 time / this "
-               "time at the same L, same run\n",
+               "time at the same L, same run; amx q16/q24: the query in 16 bits (flat float16 "
+               "queries) or 24 (float32)\n",
                kvc_isa_name(kk->isa), H, KB_G, D, group);
-        printf("%6s %-5s %-6s %12s %8s %10s\n", "L", "cache", "kernel", "ns/16 keys", "x f16",
+        printf("%6s %-5s %-8s %12s %8s %10s\n", "L", "cache", "kernel", "ns/16 keys", "x f16",
                "max diff");
     }
     int cases = 0, failed = 0;
-    static const kvc_dtype dts[3] = {KVC_F16, KVC_I8, KVC_I4};
-    static const char *const names[3] = {"f16", "int8", "int4"};
-    static const unsigned bits[3] = {BENCH_CACHE_F16, BENCH_CACHE_INT8, BENCH_CACHE_INT4};
+    static const kvc_dtype dts[4] = {KVC_F16, KVC_I8, KVC_I4, KVC_I8};
+    static const char *const names[4] = {"f16", "int8", "int4", "int8"};
+    static const unsigned bits[4] = {BENCH_CACHE_F16, BENCH_CACHE_INT8, BENCH_CACHE_INT4,
+                                     BENCH_CACHE_INT8};
     const unsigned caches = o->caches ? o->caches | BENCH_CACHE_F16 : BENCH_CACHE_ALL;
     for (int li = 0; li < n_lens; li++) {
         double t16 = 0.0;
-        for (int di = 0; di < 3; di++) {
+        for (int di = 0; di < 4; di++) {
             if (!(caches & bits[di])) continue;
+            if (di == 3 && !kvc__amx_decode_ok(kk, KVC_I8, D, group)) continue;
             kb_case c;
             memset(&c, 0, sizeof c);
             c.kk = kk, c.dt = dts[di], c.D = D, c.H = H, c.group = group, c.L = lens[li];
@@ -262,6 +268,7 @@ int bench_kernel(const bench_opts *o) {
             c.ks = ks, c.vs = vs, c.q = q, c.m = m, c.l = l, c.acc = acc;
             c.st = st, c.sb = stb, c.keys = keys;
             c.amx = kvc__amx_decode_ok(kk, c.dt, D, group);
+            c.qbits = di == 3 ? 24 : 16;
             c.reps = c.L >= 4096 ? 1 : (int)(4096 / c.L); /* set-up over 4096+ keys */
             c.sc = (float)(1.4426950408889634 / sqrt((double)D));
             bench_timing t;
@@ -276,7 +283,7 @@ int bench_kernel(const bench_opts *o) {
             const int bad = !(diff <= 1e-4);
             cases++;
             failed += bad;
-            const char *kname = c.amx ? "amx" : "float";
+            const char *kname = !c.amx ? "float" : c.qbits == 16 ? "amx q16" : "amx q24";
             if (o->json)
                 printf("{\"type\":\"case\",\"target\":\"kernel\",\"isa\":\"%s\",\"L\":%lld,"
                        "\"cache\":\"%s\",\"kernel\":\"%s\",\"ns_per_16_keys\":%.1f,"
@@ -284,7 +291,7 @@ int bench_kernel(const bench_opts *o) {
                        kvc_isa_name(kk->isa), (long long)c.L, names[di], kname, ns,
                        t16 > 0.0 ? t16 / ns : 0.0, diff, bad ? "false" : "true");
             else
-                printf("%6lld %-5s %-6s %12.1f %7.2fx %10.2g%s\n", (long long)c.L, names[di],
+                printf("%6lld %-5s %-8s %12.1f %7.2fx %10.2g%s\n", (long long)c.L, names[di],
                        kname, ns, t16 > 0.0 ? t16 / ns : 0.0, diff, bad ? " WRONG" : "");
             fflush(stdout);
         }
