@@ -19,8 +19,9 @@
  *     (key, group).
  *   - qbits 16 (float16/bfloat16 queries, whose own precision is 11 or 8
  *     bits) and every head of the set flat (max|q| <= 16 mean|q|): two
- *     digits, |qi| <= 0x7f7f, error at most max|q| / 65278 per element. A group then takes 8 C columns (digit x head), so one score
- *     tile holds two groups of 16 or 32 (`pair`: column 8 gp + 4t + h, gp
+ *     digits, |qi| <= 0x7f7f, error at most max|q| / 65278 per element. A
+ *     group then takes 8 C columns (digit x head), so one score tile holds
+ *     two groups of 16 or 32 (`pair`: column 8 gp + 4t + h, gp
  *     the group's place in the pair): half the tile products, tile stores
  *     and C rows to scale; the kernel takes ~0.9x the time at group 32.
  *   - score(key) = sum_g kscale[key][g] * sum_t 256^(top-t) * C_t[key][g] *
@@ -52,8 +53,8 @@
  *   at a time, spread over the score, weight and P.V phases.
  *
  * Where the time goes (BENCHMARKS.md, measured on one core): on the VM
- * measured, tile instructions do not overlap the vector work, and each quant group
- * costs a 16 x 16 C tile per 16 keys that the vector units scale and sum:
+ * measured, tile instructions do not overlap the vector work, and each
+ * quant group costs a 16 x 16 C tile per 16 keys that the vector units scale and sum:
  * with group 32 that is more int32 data than the int8 K it came from. Of
  * ~235 ns per 16 keys at group 32 (4 query heads, Dh 128), dropping a phase
  * saves: score post-processing ~58, V interleave ~42, weights ~25, P.V

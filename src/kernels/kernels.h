@@ -134,8 +134,7 @@ typedef struct kvc_kernels {
      * attn_decode takes them, the cache's bits (8 or 4) and the query's
      * fixed-point bits (qbits: 16 for float16/bfloat16 queries, kept when
      * the set's heads have no outlier element, whose one score tile then
-     * serves two quant groups of 16 or 32; 24 for float32),
-     * a state of
+     * serves two quant groups of 16 or 32; 24 for float32), a state of
      * amx_state_bytes (64-byte aligned), amx_run per call of up to 64
      * keys, amx_end for (m, l, acc) as attn_decode leaves them (acc (nh,
      * Dp)); then amx_tiles(0). Same numbers as attn_decode to float32
