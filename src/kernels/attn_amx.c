@@ -682,7 +682,7 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
                     TLOAD(0, abase + 64 * a, astride);
                     lasta = a;
                 }
-                const int bi = group >= 64 ? a : st->pair ? g : a * gpa + g % gpa;
+                const int bi = group >= 64 ? a : g; /* B tiles in C tile order */
                 if (resident) {
 #define DP(c, r)                   \
     case r:                        \
@@ -718,23 +718,19 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
             __m512 X[4];
             for (int kk = 0; kk < 4; kk++) {
                 const int i = 4 * k4 + kk;
-                __m512 x;
-                if (st->pair) { /* lanes 8 gp + 4 t + h: group 2 g + gp's scale */
-#define PSC(g)                                                                          \
-    _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(sc->ksc[2 * (g)][k0 + i]), \
-                         _mm512_set1_ps(sc->ksc[2 * (g) + 1][k0 + i]))
-                    x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sc->cs[0][i])), PSC(0));
-                    for (int g = 1; g < nct; g++)
-                        x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sc->cs[g][i])),
-                                            PSC(g), x);
-#undef PSC
-                } else {
-                    x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sc->cs[0][i])),
-                                      _mm512_set1_ps(sc->ksc[0][k0 + i]));
-                    for (int g = 1; g < ng; g++)
-                        x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sc->cs[g][i])),
-                                            _mm512_set1_ps(sc->ksc[g][k0 + i]), x);
-                }
+                /* C tile g's K scales: group g's, or (pair) lanes 8 gp + 4t + h
+                 * group 2g + gp's */
+#define KSC(g)                                                                 \
+    (st->pair ? _mm512_mask_blend_ps((__mmask16)0xff00,                        \
+                                     _mm512_set1_ps(sc->ksc[2 * (g)][k0 + i]), \
+                                     _mm512_set1_ps(sc->ksc[2 * (g) + 1][k0 + i])) \
+              : _mm512_set1_ps(sc->ksc[g][k0 + i]))
+                __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sc->cs[0][i])),
+                                         KSC(0));
+                for (int g = 1; g < nct; g++)
+                    x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sc->cs[g][i])),
+                                        KSC(g), x);
+#undef KSC
                 X[kk] = _mm512_mul_ps(x, sqw);
             }
             /* T_t = [X0.t | X1.t | X2.t | X3.t] (128-bit blocks) */
