@@ -32,13 +32,14 @@ typedef struct bench_opts {
     int n_thread_counts;
     int64_t batch, kvlen, heads, head_dim; /* 0: the target's default */
     int64_t group;   /* int8/int4 quant group (attention; 0: the target's default) */
+    int64_t layers;  /* attention: caches the calls rotate over (0: 1) */
     double time_s;   /* time budget per case, seconds */
     size_t membw_bytes; /* memcpy reference buffer size */
     int quick;       /* tiny sizes, short budget: a smoke test */
     int json;        /* one JSON object per line instead of a table */
     unsigned caches; /* BENCH_CACHE_* */
     unsigned ops;    /* BENCH_OP_* */
-    unsigned layouts; /* bit l: cache_layout l (pmx) */
+    unsigned layouts; /* bit l: cache_layout l (pmx); attention: bit 0 NHD, bit 1 HND */
     unsigned modes;   /* bit m: cache_mode m (pmx dynamic: 0 offset, 1 paged) */
 } bench_opts;
 

@@ -1,9 +1,9 @@
 /*
  * `kvcache bench attention`: kvc_decode_run (one decode step, one layer)
- * over a paged NHD cache (page_size 16, pages shuffled), shapes
- * Hq=32/H=8/Dh=128 and Hq=9/H=3/Dh=64, kv lengths 512/4096/16384, batch 1
- * and 16, float16 / int8 / int4 caches (quant group ATT_GROUP = 32 or --group,
- * float16 scales), float16 q and out.
+ * over a paged NHD cache (HND with --layout hnd; page_size 16, pages
+ * shuffled), shapes Hq=32/H=8/Dh=128 and Hq=9/H=3/Dh=64, kv lengths
+ * 512/4096/16384, batch 1 and 16, float16 / int8 / int4 caches (quant group
+ * ATT_GROUP = 32 or --group, float16 scales), float16 q and out.
  *
  * Reports us per layer, the K/V bytes read (cache rows + scales), effective
  * GB/s and its ratio to a plain read (vectorized sum) of a large buffer with
@@ -16,6 +16,12 @@
  * compute-bound time / measured time: whichever is near 1 is the bound that
  * applies. Goals: float16 >= 0.7 of the read bound at kv >= 4096; int8 at
  * least 1.6x faster per step than float16 (same shape, batch, kv, threads).
+ *
+ * --layers N gives the case N caches of the same shape (same contents, own
+ * memory) and each call takes the next, as the layers of a model's decode
+ * step do: then a layer's K/V has been pushed out of the caches by the other
+ * layers' when its turn comes, where with one layer a small step re-reads
+ * K/V the previous call left in L2/L3.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <stdlib.h>
@@ -37,7 +43,9 @@ typedef struct att_case {
     int64_t B, L;
     kvc_dtype dt;
     const char *name;
-    unsigned char *k, *v, *ks, *vs;
+    unsigned char *k, *v, *ks, *vs; /* layers caches, kv_stride / s_stride bytes apart */
+    int64_t layers, layer;           /* caches, the one the next call reads */
+    size_t kv_stride, s_stride;
     uint16_t *q, *out;
     float *lse;
     int32_t *indptr, *indices, *last;
@@ -53,6 +61,15 @@ typedef struct att_case {
 static int att_call(void *ctx) {
     att_case *c = ctx;
     kvc_attn_params p = kvc_attn_default_params();
+    if (c->layers > 1) {
+        c->layer = c->layer + 1 == c->layers ? 0 : c->layer + 1;
+        c->pc.k.data = c->k + (size_t)c->layer * c->kv_stride;
+        c->pc.v.data = c->v + (size_t)c->layer * c->kv_stride;
+        if (c->ks) {
+            c->pc.k_scale.data = c->ks + (size_t)c->layer * c->s_stride;
+            c->pc.v_scale.data = c->vs + (size_t)c->layer * c->s_stride;
+        }
+    }
     c->st = kvc_decode_run(c->plan, &c->tq, &c->pc, &p, &c->tout, &c->tlse, c->pool);
     return c->st != KVC_OK;
 }
@@ -72,8 +89,18 @@ static void free_case(att_case *c) {
     memset(c, 0, sizeof *c);
 }
 
+/* Bytes of one layer's K and V (rows and scales), page-rounded as allocated. */
+static size_t round_page(size_t n) { return (n + 4095) & ~(size_t)4095; }
+
+static void layer_bytes(att_shape s, int64_t B, int64_t L, kvc_dtype dt, int64_t group,
+                        size_t *kv, size_t *sc) {
+    const int64_t slots = B * ((L + ATT_PAGE - 1) / ATT_PAGE) * ATT_PAGE;
+    *kv = round_page((size_t)(slots * s.H * s.D * kvc_dtype_bits(dt) / 8));
+    *sc = dt != KVC_F16 ? round_page((size_t)(slots * s.H * (s.D / group)) * 2) : 0;
+}
+
 static int setup(att_case *c, att_shape s, int64_t B, int64_t L, kvc_dtype dt, const char *name,
-                 int64_t group) {
+                 int64_t group, int64_t layers, kvc_kv_layout layout) {
     memset(c, 0, sizeof *c);
     c->s = s;
     c->B = B;
@@ -85,11 +112,13 @@ static int setup(att_case *c, att_shape s, int64_t B, int64_t L, kvc_dtype dt, c
     const int64_t row = s.H * s.D, slots = P * ATT_PAGE;
     const size_t kvb = (size_t)(slots * row * kvc_dtype_bits(dt) / 8);
     const size_t sb = quant ? (size_t)(slots * s.H * (s.D / group)) * 2 : 0;
-    c->k = bench_alloc(kvb);
-    c->v = bench_alloc(kvb);
+    layer_bytes(s, B, L, dt, group, &c->kv_stride, &c->s_stride);
+    c->layers = layers;
+    c->k = bench_alloc(c->kv_stride * (size_t)layers);
+    c->v = bench_alloc(c->kv_stride * (size_t)layers);
     if (quant) {
-        c->ks = bench_alloc(sb);
-        c->vs = bench_alloc(sb);
+        c->ks = bench_alloc(c->s_stride * (size_t)layers);
+        c->vs = bench_alloc(c->s_stride * (size_t)layers);
     }
     c->q = bench_alloc((size_t)(B * s.Hq * s.D) * 2);
     c->out = bench_alloc((size_t)(B * s.Hq * s.D) * 2);
@@ -124,6 +153,14 @@ static int setup(att_case *c, att_shape s, int64_t B, int64_t L, kvc_dtype dt, c
             ((uint16_t *)(void *)c->vs)[i] = one64;
         }
     }
+    for (int64_t l = 1; l < layers; l++) {
+        memcpy(c->k + (size_t)l * c->kv_stride, c->k, kvb);
+        memcpy(c->v + (size_t)l * c->kv_stride, c->v, kvb);
+        if (quant) {
+            memcpy(c->ks + (size_t)l * c->s_stride, c->ks, sb);
+            memcpy(c->vs + (size_t)l * c->s_stride, c->vs, sb);
+        }
+    }
     for (int64_t i = 0; i < B * s.Hq * s.D; i++)
         c->q[i] = kvc_f32_to_f16((float)((double)(bench_mix64((uint64_t)i + 99) >> 11) * 0x1p-53 - 0.5));
     for (int64_t i = 0; i < P; i++) c->indices[i] = (int32_t)i;
@@ -139,14 +176,17 @@ static int setup(att_case *c, att_shape s, int64_t B, int64_t L, kvc_dtype dt, c
         c->indptr[b + 1] = (int32_t)((b + 1) * pages);
         c->last[b] = (int32_t)(L - (pages - 1) * ATT_PAGE);
     }
-    int64_t csh[4] = {P, ATT_PAGE, s.H, s.D}, ssh[4] = {P, ATT_PAGE, s.H, s.D / group};
+    /* NHD pages [P][page][H][Dh], HND [P][H][page][Dh] (scales alike, Dh/group) */
+    const int hnd = layout == KVC_HND;
+    int64_t csh[4] = {P, hnd ? s.H : ATT_PAGE, hnd ? ATT_PAGE : s.H, s.D};
+    int64_t ssh[4] = {P, csh[1], csh[2], s.D / group};
     c->pc.k = kvc_tensor_make(c->k, dt, 4, csh);
     c->pc.v = kvc_tensor_make(c->v, dt, 4, csh);
     if (quant) {
         c->pc.k_scale = kvc_tensor_make(c->ks, KVC_F16, 4, ssh);
         c->pc.v_scale = kvc_tensor_make(c->vs, KVC_F16, 4, ssh);
     }
-    c->pc.layout = KVC_NHD;
+    c->pc.layout = layout;
     c->pc.quant_group = (int32_t)group;
     int64_t qsh[3] = {B, s.Hq, s.D}, lsh[2] = {B, s.Hq}, nb = B, nb1 = B + 1, np = P;
     c->tq = kvc_tensor_make(c->q, KVC_F16, 3, qsh);
@@ -189,9 +229,108 @@ static int time_with_read(att_case *c, double op_s, bench_membw_ctx *mb, double 
     return 0;
 }
 
-typedef struct att_result {
-    double us; /* per layer */
-} att_result;
+/* What the cases of one run share, and their tallies. */
+typedef struct att_run {
+    const bench_opts *o;
+    bench_membw_ctx *mb;
+    double ref_budget;
+    int64_t group, want_layers;
+    int cases, failed, goals, goals_met;
+} att_run;
+
+/* Times one cache (every thread count of the run) and prints its rows;
+ * f16_us[ti] holds the float16 time of the same shape, batch, kv, layout
+ * and thread count once measured (0 before). -1 if setup fails. */
+static int run_case(att_run *r, att_shape s, int64_t B, int64_t L, kvc_kv_layout layout,
+                    kvc_dtype dt, const char *name, double *f16_us) {
+    const bench_opts *o = r->o;
+    size_t kvl, scl;
+    layer_bytes(s, B, L, dt, r->group, &kvl, &scl);
+    const size_t need = 2 * (kvl + scl); /* one layer */
+    if (need > ATT_MEM_LIMIT) return 0;
+    int64_t layers = (int64_t)(ATT_MEM_LIMIT / need); /* as many as fit, at most asked */
+    if (layers > r->want_layers) layers = r->want_layers;
+    const char *lay = layout == KVC_HND ? "HND" : "NHD";
+    att_case c;
+    if (setup(&c, s, B, L, dt, name, r->group, layers, layout) != 0) return -1;
+    for (int ti = 0; ti < o->n_thread_counts; ti++) {
+        const int nt = o->threads[ti];
+        r->cases++;
+        if (kvc_decode_plan_create(&c.tindptr, &c.tindices, &c.tlast, (int32_t)s.Hq,
+                                   (int32_t)s.H, (int32_t)s.D, ATT_PAGE, nt,
+                                   &c.plan) != KVC_OK ||
+            kvc_threadpool_create(nt, &c.pool) != KVC_OK) {
+            fprintf(stderr, "kvcache: bench attention: %s\n", kvc_last_error());
+            r->failed++;
+            kvc_decode_plan_destroy(c.plan);
+            c.plan = NULL;
+            continue;
+        }
+        bench_timing tm;
+        double rd = 0, fps = 0;
+        int rc = time_with_read(&c, o->time_s, r->mb, r->ref_budget, nt, &tm, &rd, &fps);
+        kvc_threadpool_destroy(c.pool);
+        c.pool = NULL;
+        kvc_decode_plan_destroy(c.plan);
+        c.plan = NULL;
+        if (rc != 0) {
+            if (rc > 0) fprintf(stderr, "kvcache: bench attention: %s\n", kvc_last_error());
+            r->failed++;
+            continue;
+        }
+        bench_sink(bench_checksum(0, c.out, (size_t)(c.B * s.Hq * s.D) * 2));
+        const double us = tm.median_s * 1e6;
+        const double gbs = c.kv_bytes / tm.median_s * 1e-9, ratio = gbs / rd;
+        const double fma_ratio = c.lane_ops / fps / tm.median_s;
+        double speed = 0;
+        const char *goal = "";
+        int met = -1;
+        if (c.dt == KVC_F16) {
+            f16_us[ti] = us;
+            if (L >= 4096) {
+                met = ratio >= 0.7;
+                goal = ">=0.7";
+            }
+        } else if (f16_us[ti] > 0) {
+            speed = f16_us[ti] / us;
+            if (c.dt == KVC_I8) {
+                met = speed >= 1.6;
+                goal = ">=1.6x";
+            }
+        }
+        if (met >= 0) r->goals++, r->goals_met += met;
+        if (o->json) {
+            printf("{\"type\":\"case\",\"target\":\"attention\",\"hq\":%lld,"
+                   "\"h\":%lld,\"head_dim\":%lld,\"layout\":\"%s\",\"cache\":\"%s\","
+                   "\"quant_group\":%lld,\"batch\":%lld,\"kv\":%lld,\"layers\":%lld,"
+                   "\"threads\":%d,\"isa\":\"%s\",\"us_per_layer\":"
+                   "%.3f,\"us_min\":%.3f,\"bytes\":%.0f,\"gbs\":%.3f,"
+                   "\"read_gbs\":%.3f,\"ratio\":%.4f,\"fma_gflops\":%.2f,"
+                   "\"lane_ops\":%.0f,\"fma_ratio\":%.4f,"
+                   "\"speedup_vs_f16\":%.3f,\"goal\":\"%s\",\"goal_met\":%s}\n",
+                   (long long)s.Hq, (long long)s.H, (long long)s.D, lay, c.name,
+                   (long long)r->group, (long long)c.B, (long long)c.L, (long long)c.layers, nt,
+                   kvc_isa_name(kvc_get_isa()), us, tm.min_s * 1e6, c.kv_bytes, gbs, rd, ratio,
+                   fps * 1e-9, c.lane_ops, fma_ratio, speed, goal,
+                   met < 0 ? "null" : met ? "true" : "false");
+        } else {
+            char sh[32], sp[16] = "", ly[32] = "";
+            snprintf(sh, sizeof sh, "%lld/%lld/%lld", (long long)s.Hq, (long long)s.H,
+                     (long long)s.D);
+            if (speed > 0) snprintf(sp, sizeof sp, "%.2fx", speed);
+            if (c.layers < r->want_layers)
+                snprintf(ly, sizeof ly, " (%lld layers)", (long long)c.layers);
+            printf("%-9s %-3s %-5s %5lld %6lld %3d %10.1f %9.2f %8.2f %8.2f %6.3f %7.1f %6.3f "
+                   "%7s %s%s%s\n",
+                   sh, lay, c.name, (long long)c.B, (long long)c.L, nt, us, c.kv_bytes * 1e-6, gbs,
+                   rd, ratio, fps * 1e-9, fma_ratio, sp, goal,
+                   met < 0 ? "" : met ? " ok" : " MISSED", ly);
+        }
+        fflush(stdout);
+    }
+    free_case(&c);
+    return 0;
+}
 
 int bench_attention(const bench_opts *o) {
     static const att_shape shapes_full[2] = {{32, 8, 128}, {9, 3, 64}};
@@ -220,6 +359,8 @@ int bench_attention(const bench_opts *o) {
     if (one_len) lens = &one_len, n_lens = 1;
     if (one_batch) batches = &one_batch, n_batches = 1;
     const int64_t group = o->group ? o->group : ATT_GROUP;
+    const int64_t want_layers = o->layers ? o->layers : 1;
+    const unsigned layouts = o->layouts ? o->layouts : 1u; /* bit 0 NHD, bit 1 HND */
     for (int si = 0; si < n_shapes; si++)
         if (shapes[si].D % group != 0 && (caches & ~BENCH_CACHE_F16)) {
             fprintf(stderr, "kvcache: bench attention: head dim %lld is not a multiple of the "
@@ -230,121 +371,46 @@ int bench_attention(const bench_opts *o) {
 
     bench_print_machine(o, "attention", stdout);
     if (!o->json)
-        printf("# kvc_decode_run, one layer per call: paged NHD cache, page_size %d (shuffled "
+        printf("# kvc_decode_run, one layer per call: paged cache (lay), page_size %d (shuffled "
                "pages), float16 q/out, int8/int4 with quant group %d and float16 scales; "
                "%.2f s per case. read GB/s: plain vectorized read, same threads, interleaved; "
                "mem = read-bound time / time; GFMA/s: FMA-lane peak of the ISA, same threads, "
                "interleaved; fma = (2*Hq*Dh FMAs + 2*H*Dh conversions per token) / peak / time\n",
                ATT_PAGE, (int)group, o->time_s);
-    const double ref_budget = o->quick ? 0.005 : 0.1;
+    if (!o->json && want_layers > 1)
+        printf("# each call reads the next of %lld layers' caches (fewer where marked: 8 GiB "
+               "in all)\n",
+               (long long)want_layers);
     bench_membw_ctx *mb = bench_membw_create(o->membw_bytes);
     if (!mb) return CLI_EXIT_FAIL;
     if (!o->json)
-        printf("%-9s %-5s %5s %6s %3s %10s %9s %8s %8s %6s %7s %6s %7s\n", "shape", "cache",
-               "batch", "kv", "thr", "us/layer", "MB read", "GB/s", "read", "mem", "GFMA/s", "fma",
-               "vs f16");
-    int cases = 0, failed = 0, goals = 0, goals_met = 0;
+        printf("%-9s %-3s %-5s %5s %6s %3s %10s %9s %8s %8s %6s %7s %6s %7s\n", "shape", "lay",
+               "cache", "batch", "kv", "thr", "us/layer", "MB read", "GB/s", "read", "mem",
+               "GFMA/s", "fma", "vs f16");
+    att_run run = {o, mb, o->quick ? 0.005 : 0.1, group, want_layers, 0, 0, 0, 0};
     for (int si = 0; si < n_shapes; si++)
         for (int bi = 0; bi < n_batches; bi++)
-            for (int li = 0; li < n_lens; li++) {
-                double f16_us[BENCH_MAX_THREAD_COUNTS] = {0};
-                for (int ci = 0; ci < 3; ci++) {
-                    if (!(caches & cts[ci].bit)) continue;
-                    const att_shape s = shapes[si];
-                    double need = 2.0 * (double)(batches[bi] * (lens[li] + ATT_PAGE)) *
-                                  (double)(s.H * s.D) * kvc_dtype_bits(cts[ci].dt) / 8.0;
-                    if (need > (double)ATT_MEM_LIMIT) continue;
-                    att_case c;
-                    if (setup(&c, s, batches[bi], lens[li], cts[ci].dt, cts[ci].name, group) != 0) {
-                        bench_membw_destroy(mb);
-                        return CLI_EXIT_FAIL;
+            for (int li = 0; li < n_lens; li++)
+                for (int lo = 0; lo < 2; lo++) {
+                    if (!(layouts & (1u << lo))) continue;
+                    double f16_us[BENCH_MAX_THREAD_COUNTS] = {0};
+                    for (int ci = 0; ci < 3; ci++) {
+                        if (!(caches & cts[ci].bit)) continue;
+                        if (run_case(&run, shapes[si], batches[bi], lens[li],
+                                     lo ? KVC_HND : KVC_NHD, cts[ci].dt, cts[ci].name,
+                                     f16_us) != 0) {
+                            bench_membw_destroy(mb);
+                            return CLI_EXIT_FAIL;
+                        }
                     }
-                    for (int ti = 0; ti < o->n_thread_counts; ti++) {
-                        const int nt = o->threads[ti];
-                        cases++;
-                        if (kvc_decode_plan_create(&c.tindptr, &c.tindices, &c.tlast,
-                                                   (int32_t)s.Hq, (int32_t)s.H, (int32_t)s.D,
-                                                   ATT_PAGE, nt, &c.plan) != KVC_OK ||
-                            kvc_threadpool_create(nt, &c.pool) != KVC_OK) {
-                            fprintf(stderr, "kvcache: bench attention: %s\n", kvc_last_error());
-                            failed++;
-                            kvc_decode_plan_destroy(c.plan);
-                            c.plan = NULL;
-                            continue;
-                        }
-                        bench_timing tm;
-                        double rd = 0, fps = 0;
-                        int rc = time_with_read(&c, o->time_s, mb, ref_budget, nt, &tm, &rd, &fps);
-                        kvc_threadpool_destroy(c.pool);
-                        c.pool = NULL;
-                        kvc_decode_plan_destroy(c.plan);
-                        c.plan = NULL;
-                        if (rc != 0) {
-                            if (rc > 0)
-                                fprintf(stderr, "kvcache: bench attention: %s\n",
-                                        kvc_last_error());
-                            failed++;
-                            continue;
-                        }
-                        bench_sink(bench_checksum(0, c.out, (size_t)(c.B * s.Hq * s.D) * 2));
-                        const double us = tm.median_s * 1e6;
-                        const double gbs = c.kv_bytes / tm.median_s * 1e-9, ratio = gbs / rd;
-                        const double fma_ratio = c.lane_ops / fps / tm.median_s;
-                        double speed = 0;
-                        const char *goal = "";
-                        int met = -1;
-                        if (c.dt == KVC_F16) {
-                            f16_us[ti] = us;
-                            if (lens[li] >= 4096) {
-                                met = ratio >= 0.7;
-                                goal = ">=0.7";
-                            }
-                        } else if (f16_us[ti] > 0) {
-                            speed = f16_us[ti] / us;
-                            if (c.dt == KVC_I8) {
-                                met = speed >= 1.6;
-                                goal = ">=1.6x";
-                            }
-                        }
-                        if (met >= 0) goals++, goals_met += met;
-                        if (o->json) {
-                            printf("{\"type\":\"case\",\"target\":\"attention\",\"hq\":%lld,"
-                                   "\"h\":%lld,\"head_dim\":%lld,\"cache\":\"%s\","
-                                   "\"quant_group\":%lld,\"batch\":%lld,"
-                                   "\"kv\":%lld,\"threads\":%d,\"isa\":\"%s\",\"us_per_layer\":"
-                                   "%.3f,\"us_min\":%.3f,\"bytes\":%.0f,\"gbs\":%.3f,"
-                                   "\"read_gbs\":%.3f,\"ratio\":%.4f,\"fma_gflops\":%.2f,"
-                                   "\"lane_ops\":%.0f,\"fma_ratio\":%.4f,"
-                                   "\"speedup_vs_f16\":%.3f,\"goal\":\"%s\",\"goal_met\":%s}\n",
-                                   (long long)s.Hq, (long long)s.H, (long long)s.D, c.name,
-                                   (long long)group, (long long)c.B, (long long)c.L, nt,
-                                   kvc_isa_name(kvc_get_isa()), us, tm.min_s * 1e6, c.kv_bytes,
-                                   gbs, rd, ratio, fps * 1e-9, c.lane_ops, fma_ratio, speed, goal,
-                                   met < 0 ? "null" : met ? "true" : "false");
-                        } else {
-                            char sh[32], sp[16] = "";
-                            snprintf(sh, sizeof sh, "%lld/%lld/%lld", (long long)s.Hq,
-                                     (long long)s.H, (long long)s.D);
-                            if (speed > 0) snprintf(sp, sizeof sp, "%.2fx", speed);
-                            printf("%-9s %-5s %5lld %6lld %3d %10.1f %9.2f %8.2f %8.2f %6.3f "
-                                   "%7.1f %6.3f %7s %s%s\n",
-                                   sh, c.name, (long long)c.B, (long long)c.L, nt, us,
-                                   c.kv_bytes * 1e-6, gbs, rd, ratio, fps * 1e-9, fma_ratio, sp,
-                                   goal,
-                                   met < 0 ? "" : met ? " ok" : " MISSED");
-                        }
-                        fflush(stdout);
-                    }
-                    free_case(&c);
                 }
-            }
     bench_membw_destroy(mb);
     if (o->json)
         printf("{\"type\":\"summary\",\"cases\":%d,\"failed\":%d,\"goals\":%d,\"goals_met\":%d}\n",
-               cases, failed, goals, goals_met);
+               run.cases, run.failed, run.goals, run.goals_met);
     else
         printf("# %d cases, %d failed; goals (f16 >= 0.7 of read at kv >= 4096, int8 >= 1.6x "
                "f16) met %d of %d\n",
-               cases, failed, goals_met, goals);
-    return failed ? CLI_EXIT_FAIL : CLI_EXIT_OK;
+               run.cases, run.failed, run.goals_met, run.goals);
+    return run.failed ? CLI_EXIT_FAIL : CLI_EXIT_OK;
 }

@@ -43,11 +43,16 @@ static const char bench_usage[] =
     "  --heads N         KV heads H (default 8)\n"
     "  --head-dim N      head dimension Dh, a multiple of 8 (default 128)\n"
     "  --group N         attention: int8/int4 quant group (default 32), dividing Dh\n"
+    "  --layers N        attention: N caches of the same shape, one per layer, the\n"
+    "                    calls taking them in turn as a model's decode step does\n"
+    "                    (default 1: every call reads the same, cache-warm K/V);\n"
+    "                    fewer where N caches would pass 8 GiB\n"
     "  --cache LIST      cache types among f16,int8,int4 (default: pmx all, append\n"
     "                    f16,int8)\n"
     "  --op LIST         pmx operators among static,dynamic (default both)\n"
     "  --layout LIST     pmx cache layouts among 0,1,2,3 (default: static 0,1;\n"
-    "                    dynamic 0,3)\n"
+    "                    dynamic 0,3); attention: paged layouts among nhd,hnd\n"
+    "                    (default nhd)\n"
     "  --mode LIST       pmx dynamic cache modes among offset,paged (default both)\n"
     "  --time SECONDS    time budget per case (default 0.3)\n"
     "  --quick           tiny sizes and budgets: a smoke test, not a measurement\n"
@@ -126,6 +131,7 @@ int cmd_bench(int argc, char **argv) {
     static const char *const cache_names[] = {"f16", "int8", "int4"};
     static const char *const op_names[] = {"static", "dynamic"};
     static const char *const layout_names[] = {"0", "1", "2", "3"};
+    static const char *const paged_layout_names[] = {"nhd", "hnd"};
     static const char *const mode_names[] = {"offset", "paged"};
     bench_opts o;
     memset(&o, 0, sizeof o);
@@ -195,6 +201,10 @@ int cmd_bench(int argc, char **argv) {
                 return cli_usage_error(cmd, "bench: --group expects an even integer in "
                                             "[2, 65536]");
             o.group = n;
+        } else if ((r = opt_value(argc, argv, &i, "--layers", &v)) != 0) {
+            if (r < 0 || cli_parse_i64(v, 1, 1024, &n) != 0)
+                return cli_usage_error(cmd, "bench: --layers expects an integer in [1, 1024]");
+            o.layers = n;
         } else if ((r = opt_value(argc, argv, &i, "--cache", &v)) != 0) {
             if (r < 0 || parse_names(v, cache_names, 3, &o.caches) != 0)
                 return cli_usage_error(cmd, "bench: --cache expects a list of f16,int8,int4");
@@ -202,8 +212,13 @@ int cmd_bench(int argc, char **argv) {
             if (r < 0 || parse_names(v, op_names, 2, &o.ops) != 0)
                 return cli_usage_error(cmd, "bench: --op expects a list of static,dynamic");
         } else if ((r = opt_value(argc, argv, &i, "--layout", &v)) != 0) {
-            if (r < 0 || parse_names(v, layout_names, 4, &o.layouts) != 0)
+            if (strcmp(target, "attention") == 0) {
+                if (r < 0 || parse_names(v, paged_layout_names, 2, &o.layouts) != 0)
+                    return cli_usage_error(cmd,
+                                           "bench: attention --layout expects a list of nhd,hnd");
+            } else if (r < 0 || parse_names(v, layout_names, 4, &o.layouts) != 0) {
                 return cli_usage_error(cmd, "bench: --layout expects a list of 0,1,2,3");
+            }
         } else if ((r = opt_value(argc, argv, &i, "--mode", &v)) != 0) {
             if (r < 0 || parse_names(v, mode_names, 2, &o.modes) != 0)
                 return cli_usage_error(cmd, "bench: --mode expects a list of offset,paged");
