@@ -89,9 +89,10 @@ static void free_case(att_case *c) {
     memset(c, 0, sizeof *c);
 }
 
-/* Bytes of one layer's K and V (rows and scales), page-rounded as allocated. */
 static size_t round_page(size_t n) { return (n + 4095) & ~(size_t)4095; }
 
+/* Bytes of one layer's K (or V) rows and of its K (or V) scales, page-rounded
+ * as allocated: the stride between layers. */
 static void layer_bytes(att_shape s, int64_t B, int64_t L, kvc_dtype dt, int64_t group,
                         size_t *kv, size_t *sc) {
     const int64_t slots = B * ((L + ATT_PAGE - 1) / ATT_PAGE) * ATT_PAGE;
