@@ -267,7 +267,8 @@ static void pf_task(void *vctx, int64_t t) {
             const int64_t row = b->qo0[r] + i0 + m / ng, hq = hq0 + m % ng;
             c->kern->convert(io->q + kvc__bytes(io->qd, row * io->q_sr + hq * io->q_sh), io->qd,
                              s.row, KVC_F32, D);
-            for (int64_t d = 0; d < D; d++) s.qt[d * Mp + m] = s.row[d] * c->qscale; /* exact at 1 */
+            /* exact when qscale is 1 */
+            for (int64_t d = 0; d < D; d++) s.qt[d * Mp + m] = s.row[d] * c->qscale;
         }
         memset(s.ot, 0, (size_t)(scr->Dpad * Mp) * sizeof(float));
         const kvc__pf_kv *kv = c->kv;

@@ -487,7 +487,8 @@ static void AB_NAME(const float *q, int G, int D, int Dp, const kvc_attn_rows *r
         float tile[AB_NB * KVC_ATTN_MAX_DIM] __attribute__((aligned(64)));
         for (int j = 0; j < AB_NB; j++)
             for (int d = D; d < Dp; d++) tile[j * Dp + d] = 0.0f;
-        ab_run(KVC_F32, 0, 0, q, G, D, Dp, r, n, cap, sc, m, l, acc, tile); /* dt from r in the tile */
+        /* rows (of r->dt) converted into the float32 tile first */
+        ab_run(KVC_F32, 0, 0, q, G, D, Dp, r, n, cap, sc, m, l, acc, tile);
         return;
     }
     switch (dt) {

@@ -27,11 +27,12 @@
  *
  * q (rows, Dc + Dk) float32, ckv part then kpe part: unscaled with sc =
  * sm_scale * log2 e (cap == 0, sm_scale > 0), or carrying the scale with
- * sc = 1 (times sm_scale when cap > 0, sm_scale * log2 e otherwise). Scores in base 2 are s * sc with s = q . k, or s = cap *
- * tanh(q . k / cap) * log2 e; the softmax takes the raw max and 2^(s sc -
- * m) in one fused operation, so large scores keep their differences. State
- * per row: m (running max in base 2, -inf initially), l (sum of the
- * weights), acc (rows, Dc) (sum of the weights times ckv).
+ * sc = 1 (times sm_scale when cap > 0, sm_scale * log2 e otherwise).
+ * Scores in base 2 are s * sc with s = q . k, or s = cap * tanh(q . k /
+ * cap) * log2 e; the softmax takes the raw max and 2^(s sc - m) in one
+ * fused operation, so large scores keep their differences. State per row:
+ * m (running max in base 2, -inf initially), l (sum of the weights), acc
+ * (rows, Dc) (sum of the weights times ckv).
  */
 typedef struct kvc_mla_task {
     /* key j of the request: page pages[j / page_size], slot j % page_size;
