@@ -31,6 +31,7 @@
 #define LOG2E 1.4426950408889634f
 #define KB KVC__PF_KB
 #define MAXM KVC__PF_MAXM
+_Static_assert(KB % KVC_PF_TCHUNK == 0, "gemm chunks must not straddle key blocks");
 #define SROWS ((KB + KVC_PF_APAD - 1) / KVC_PF_APAD * KVC_PF_APAD) /* St/Kt rows: A padded */
 
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -276,7 +277,7 @@ static void pf_task(void *vctx, int64_t t) {
             const int64_t ja = jb > jlo ? jb : jlo;
             const int64_t je = (jb + KB - 1 < jhi ? jb + KB - 1 : jhi) + 1, n = je - ja;
             load_rows(c, &kv->k, &kv->ks, r, h, ja, n, s.kt, scr->Dk);
-            c->pk->gemm(s.st, Mp, s.kt, scr->Dk, 1, s.qt, Mp, round_up(n, KVC_PF_APAD), D, Mp,
+            c->pk->gemm(s.st, Mp, s.kt, scr->Dk, 1, s.qt, Mp, round_up(n, KVC_PF_APAD), D, 0, Mp,
                         NULL);
             const float *bias = NULL;
             if (c->mask->kind != KVC__PF_MASK_NONE) {
@@ -286,7 +287,7 @@ static void pf_task(void *vctx, int64_t t) {
             c->pk->softmax(s.st, Mp, n, Mp, ja, s.lo, s.hi, bias, c->cap, c->sc, s.m, s.l,
                            s.alpha);
             load_rows(c, &kv->v, &kv->vs, r, h, ja, n, s.vt, scr->Dv);
-            c->pk->gemm(s.ot, Mp, s.vt, 1, scr->Dv, s.st, Mp, scr->Dpad, n, Mp, s.alpha);
+            c->pk->gemm(s.ot, Mp, s.vt, 1, scr->Dv, s.st, Mp, scr->Dpad, n, ja, Mp, s.alpha);
         }
     }
     for (int64_t m = 0; m < M; m++) {

@@ -30,21 +30,32 @@
  * divides the usual head dims and the key block, so no work is padding. */
 #define KVC_PF_APAD 4
 
+/* Terms per FMA chain of the gemm below: one chain of Dh = 128 products
+ * carried rounding error that grows with its length; chains of 32 added
+ * together cut the error of float32 prefill with large scores 3-4x
+ * (BENCHMARKS.md, prefill) for ~4% of the speed. Divides KVC__PF_KB. */
+#define KVC_PF_TCHUNK 32
+
 typedef struct kvc_prefill_kernels {
     kvc_isa isa;
     /*
      * Broadcast GEMM into lane rows:
      *   C[a][0:Mp] = (alpha ? C[a][0:Mp] * alpha[0:Mp] : 0)
-     *                + sum_{t < T, in order} X[a * xa + t * xt] * Y[t * ldy + 0:Mp]
+     *                + sum over chunks of (sum_{t in chunk, in order} X[a * xa + t * xt]
+     *                                      * Y[t * ldy + 0:Mp])
      * for a < A. C (A, ldc), Y (T, ldy) float32, 64-byte aligned rows
      * (ldc, ldy multiples of 16); X read by scalar broadcasts (any strides).
      * A % KVC_PF_APAD == 0, Mp % KVC_PF_LANES == 0, Mp <= ldc, ldy.
-     * One FMA chain per (a, lane) in t order: QK^T is (X = K rows,
-     * xa = row stride, xt = 1, Y = Qt), PV is (X = V rows read down a column,
-     * xa = 1, xt = row stride, Y = probabilities).
+     * Chunks: t ranges split where (t + t0) % KVC_PF_TCHUNK == 0; each is one
+     * FMA chain per (a, lane) from zero, added to C in chunk order (the first
+     * to C * alpha, rounded). QK^T is (X = K rows, xa = row stride, xt = 1,
+     * Y = Qt, t0 = 0), PV is (X = V rows read down a column, xa = 1, xt = row
+     * stride, Y = probabilities, t0 = the first key's position): chunks sit
+     * at absolute key positions, so keys a lane does not see (p = 0) change
+     * none of its bits and a row gives the same bits in any batch.
      */
     void (*gemm)(float *C, int64_t ldc, const float *X, int64_t xa, int64_t xt, const float *Y,
-                 int64_t ldy, int64_t A, int64_t T, int64_t Mp, const float *alpha);
+                 int64_t ldy, int64_t A, int64_t T, int64_t t0, int64_t Mp, const float *alpha);
     /*
      * One block of the online softmax, per lane m < Mp. Rows t < n of S
      * (n, lds) hold scores q.k of key position j0 + t: raw with sc =

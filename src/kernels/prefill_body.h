@@ -15,50 +15,77 @@
  *   PB_RANGE(s, j, lo, hi)         lane-wise lo[m] <= j <= hi[m] ? s : -inf (lo, hi: int32 *)
  *
  * The register block keeps PB_NA x nm accumulators (nm <= PB_NM vectors)
- * in registers for the whole t loop: per t, nm vector loads of Y and PB_NA
- * broadcasts of X feed PB_NA * nm FMAs.
+ * in registers for a chunk of t (KVC_PF_TCHUNK): per t, nm vector loads of
+ * Y and PB_NA broadcasts of X feed PB_NA * nm FMAs; a chunk's sums are then
+ * added to C.
  */
 #include "vec_math.h"
 
 #define PB_LOG2E 1.4426950408889634f
 
 /* One PB_NA x nm register block. nm is a constant after inlining (the
- * callers switch on it), so the accumulator arrays live in registers. */
+ * callers switch on it), so the accumulator arrays live in registers. Each
+ * chunk of t (prefill.h: KVC_PF_TCHUNK, at absolute positions t + t0) sums
+ * from zero in registers and is then added to C (the first one to the
+ * rounded C * alpha, or 0): a chunk of zero terms then leaves C as it is,
+ * whichever chunk comes first. */
 static inline __attribute__((always_inline)) void pb_block(int nm, float *C, int64_t ldc,
                                                            const float *X, int64_t xa, int64_t xt,
                                                            const float *Y, int64_t ldy, int64_t T,
-                                                           const float *alpha) {
+                                                           int64_t t0, const float *alpha) {
     pb_vec acc[PB_NA][PB_NM];
     const float *xp[PB_NA];
 #pragma GCC unroll 16
-    for (int a = 0; a < PB_NA; a++) {
-        xp[a] = X + a * xa;
+    for (int a = 0; a < PB_NA; a++) xp[a] = X + a * xa;
+    for (int64_t ta = 0; ta == 0 || ta < T;) {
+        int64_t tb = ta + KVC_PF_TCHUNK - (ta + t0) % KVC_PF_TCHUNK;
+        if (tb > T) tb = T;
 #pragma GCC unroll 16
-        for (int v = 0; v < nm; v++)
-            acc[a][v] = alpha ? PB_MUL(PB_LOAD(C + a * ldc + v * PB_VL), PB_LOAD(alpha + v * PB_VL))
-                              : PB_ZERO();
-    }
-    for (int64_t t = 0; t < T; t++) {
-        pb_vec y[PB_NM];
-        const float *yr = Y + t * ldy;
-        const int64_t xo = t * xt;
+        for (int a = 0; a < PB_NA; a++)
 #pragma GCC unroll 16
-        for (int v = 0; v < nm; v++) y[v] = PB_LOAD(yr + v * PB_VL);
+            for (int v = 0; v < nm; v++) acc[a][v] = PB_ZERO();
+        for (int64_t t = ta; t < tb; t++) {
+            pb_vec y[PB_NM];
+            const float *yr = Y + t * ldy;
+            const int64_t xo = t * xt;
 #pragma GCC unroll 16
-        for (int a = 0; a < PB_NA; a++) {
-            const pb_vec xb = PB_BCAST(xp[a] + xo);
+            for (int v = 0; v < nm; v++) y[v] = PB_LOAD(yr + v * PB_VL);
 #pragma GCC unroll 16
-            for (int v = 0; v < nm; v++) acc[a][v] = PB_FMA(xb, y[v], acc[a][v]);
+            for (int a = 0; a < PB_NA; a++) {
+                const pb_vec xb = PB_BCAST(xp[a] + xo);
+#pragma GCC unroll 16
+                for (int v = 0; v < nm; v++) acc[a][v] = PB_FMA(xb, y[v], acc[a][v]);
+            }
         }
+        if (ta > 0) {
+#pragma GCC unroll 16
+            for (int a = 0; a < PB_NA; a++)
+#pragma GCC unroll 16
+                for (int v = 0; v < nm; v++)
+                    PB_STORE(C + a * ldc + v * PB_VL,
+                             PB_ADD(PB_LOAD(C + a * ldc + v * PB_VL), acc[a][v]));
+        } else if (alpha) {
+#pragma GCC unroll 16
+            for (int a = 0; a < PB_NA; a++)
+#pragma GCC unroll 16
+                for (int v = 0; v < nm; v++)
+                    PB_STORE(C + a * ldc + v * PB_VL,
+                             PB_ADD(PB_MUL(PB_LOAD(C + a * ldc + v * PB_VL),
+                                           PB_LOAD(alpha + v * PB_VL)),
+                                    acc[a][v]));
+        } else {
+#pragma GCC unroll 16
+            for (int a = 0; a < PB_NA; a++)
+#pragma GCC unroll 16
+                for (int v = 0; v < nm; v++) PB_STORE(C + a * ldc + v * PB_VL, acc[a][v]);
+        }
+        ta = tb;
     }
-#pragma GCC unroll 16
-    for (int a = 0; a < PB_NA; a++)
-#pragma GCC unroll 16
-        for (int v = 0; v < nm; v++) PB_STORE(C + a * ldc + v * PB_VL, acc[a][v]);
 }
 
 static void PB_GEMM(float *C, int64_t ldc, const float *X, int64_t xa, int64_t xt, const float *Y,
-                    int64_t ldy, int64_t A, int64_t T, int64_t Mp, const float *alpha) {
+                    int64_t ldy, int64_t A, int64_t T, int64_t t0, int64_t Mp,
+                    const float *alpha) {
     for (int64_t m0 = 0; m0 < Mp;) {
         int64_t nm = (Mp - m0) / PB_VL;
         if (nm > PB_NM) nm = PB_NM;
@@ -68,13 +95,13 @@ static void PB_GEMM(float *C, int64_t ldc, const float *X, int64_t xa, int64_t x
             const float *x = X + a0 * xa, *y = Y + m0;
             switch (nm) {
 #if PB_NM >= 4
-            case 4: pb_block(4, c, ldc, x, xa, xt, y, ldy, T, al); break;
-            case 3: pb_block(3, c, ldc, x, xa, xt, y, ldy, T, al); break;
+            case 4: pb_block(4, c, ldc, x, xa, xt, y, ldy, T, t0, al); break;
+            case 3: pb_block(3, c, ldc, x, xa, xt, y, ldy, T, t0, al); break;
 #endif
 #if PB_NM >= 2
-            case 2: pb_block(2, c, ldc, x, xa, xt, y, ldy, T, al); break;
+            case 2: pb_block(2, c, ldc, x, xa, xt, y, ldy, T, t0, al); break;
 #endif
-            default: pb_block(1, c, ldc, x, xa, xt, y, ldy, T, al); break;
+            default: pb_block(1, c, ldc, x, xa, xt, y, ldy, T, t0, al); break;
             }
         }
         m0 += nm * PB_VL;
