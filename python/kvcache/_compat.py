@@ -59,6 +59,52 @@ def scaled_params(params, head_dim: int, q_scale, k_scale):
     return p
 
 
+def _flag(x, name: str) -> None:
+    if not isinstance(x, (bool, np.bool_)):
+        raise InvalidArgumentError(f"{name} must be a bool, got {x!r}")
+
+
+def host_options(non_blocking=True, fixed_split_size=None, disable_split_kv=False) -> None:
+    """FlashInfer plan() options about device copies and split-KV scheduling,
+    checked and ignored: plan copies nothing to a device, and a request's
+    split into chunks is a function of its own length alone (never of the
+    batch or the thread count), so results are already deterministic and
+    batch-invariant, which is what fixed_split_size asks for."""
+    _flag(non_blocking, "non_blocking")
+    _flag(disable_split_kv, "disable_split_kv")
+    if fixed_split_size is not None and (isinstance(fixed_split_size, (bool, np.bool_)) or
+                                         not isinstance(fixed_split_size, numbers.Integral)):
+        raise InvalidArgumentError(f"fixed_split_size must be an int or None, got "
+                                   f"{fixed_split_size!r}")
+
+
+def data_types(data_type, q_data_type, kv_data_type):
+    """FlashInfer's deprecated plan(data_type=...): the dtype of q and of the
+    cache wherever q_data_type / kv_data_type is not given."""
+    if data_type is not None:
+        q_data_type = data_type if q_data_type is None else q_data_type
+        kv_data_type = data_type if kv_data_type is None else kv_data_type
+    return q_data_type, kv_data_type
+
+
+def run_options(planned_window: int, window_left=None, enable_pdl=None, sinks=None) -> None:
+    """FlashInfer run() options: enable_pdl (a GPU launch flag) is ignored;
+    window_left must be None or the planned value (FlashInfer's rule outside
+    its trtllm-gen backend); attention sinks are not supported."""
+    if enable_pdl is not None:
+        _flag(enable_pdl, "enable_pdl")
+    if window_left is not None:
+        if (isinstance(window_left, (bool, np.bool_)) or
+                not isinstance(window_left, numbers.Integral)):
+            raise InvalidArgumentError(f"window_left must be an int or None, got "
+                                       f"{window_left!r}")
+        if int(window_left) != planned_window:
+            raise InvalidArgumentError(f"run(window_left={window_left}) differs from the "
+                                       f"planned window_left={planned_window}; plan again")
+    if sinks is not None:
+        raise UnsupportedError("sinks (attention sinks) are not supported; pass None")
+
+
 def neutral(name: str, value, allowed) -> None:
     """A FlashInfer option kvcache accepts only at its neutral value(s)."""
 

@@ -272,10 +272,12 @@ def _paged_run_inputs(info, q, paged_kv_cache, kv_scale, layout_name, q_shape):
     return qa, pc, keep
 
 
-def _run_knobs(info, q_scale, k_scale, v_scale):
+def _run_knobs(info, q_scale, k_scale, v_scale, window_left=None, enable_pdl=None, sinks=None):
     """A planned wrapper's run(): (params with q_scale * k_scale folded into
     sm_scale, f(qa, return_lse, out, lse) -> _compat.Outputs for o of the
-    plan's o_data_type (None: q's) and lse (o's first two dimensions))."""
+    plan's o_data_type (None: q's) and lse (o's first two dimensions)).
+    window_left, enable_pdl, sinks: _compat.run_options."""
+    _compat.run_options(int(info["params"].window_left), window_left, enable_pdl, sinks)
     qc, kc = _compat.calib(q_scale, "q_scale"), _compat.calib(k_scale, "k_scale")
     vc = _compat.calib(v_scale, "v_scale")
     params = _compat.scaled_params(info["params"], info["head_dim"], qc, kc)
@@ -410,8 +412,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
              page_size, *, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None,
-             q_data_type=None, kv_data_type=None, o_data_type=None, sm_scale=None,
-             rope_scale=None, rope_theta=None, quant_group=8) -> None:
+             q_data_type=None, kv_data_type=None, o_data_type=None, data_type=None,
+             sm_scale=None, rope_scale=None, rope_theta=None, non_blocking=True,
+             fixed_split_size=None, disable_split_kv=False, q_len_per_req=1,
+             quant_group=8) -> None:
         """Plans decode for one batch composition.
 
         Args:
@@ -425,11 +429,20 @@ class BatchDecodeWithPagedKVCacheWrapper:
             quant_group: int8/int4 caches: group size of the scales.
             q_data_type: optional q dtype that run checks.
             o_data_type: output dtype (float32, float16, bfloat16; None: q's).
+            data_type: FlashInfer's deprecated dtype of q and the cache, used
+                where q_data_type / kv_data_type is None.
             pos_encoding_mode ("NONE" only), rope_scale, rope_theta (ignored),
             sm_scale, logits_soft_cap, window_left: as
                 single_decode_with_kv_cache.
+            non_blocking, fixed_split_size, disable_split_kv: checked and
+                ignored (no device copies; the split of a request depends on
+                its length alone, so results are batch-invariant anyway).
+            q_len_per_req: 1 only (one query token per request).
         """
         _compat.neutral("pos_encoding_mode", pos_encoding_mode, ("NONE", None))
+        _compat.neutral("q_len_per_req", q_len_per_req, (1, None))
+        _compat.host_options(non_blocking, fixed_split_size, disable_split_kv)
+        q_data_type, kv_data_type = _compat.data_types(data_type, q_data_type, kv_data_type)
         params = _attn_params(sm_scale, logits_soft_cap, window_left)
         o_dt = _data_type(o_data_type, "o_data_type", False)
         kv_dt = _data_type(kv_data_type, "kv_data_type", True)
@@ -456,7 +469,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         }
 
     def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False, *, q_scale=None,
-            k_scale=None, v_scale=None, out=None, lse=None):
+            k_scale=None, v_scale=None, out=None, lse=None, window_left=None, enable_pdl=None,
+            sinks=None):
         """Decode attention for one layer.
 
         Args:
@@ -475,6 +489,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 v_scale the output).
             out, lse: optional arrays to write o and lse into (the shapes
                 and dtypes returned; lse is filled even without return_lse).
+            window_left: None or the planned value; enable_pdl: ignored;
+                sinks: None only.
 
         Returns:
             o (B, num_qo_heads, head_dim) of o_data_type (None: q's dtype),
@@ -483,7 +499,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self._plan is None:
             raise InvalidArgumentError("BatchDecodeWithPagedKVCacheWrapper.run: call plan() first")
         info = self._info
-        params, outs = _run_knobs(info, q_scale, k_scale, v_scale)
+        params, outs = _run_knobs(info, q_scale, k_scale, v_scale, window_left, enable_pdl,
+                                  sinks)
         qa, pc, keep = _paged_run_inputs(info, q, paged_kv_cache, kv_scale, self._layout_name,
                                          "(batch_size, num_qo_heads, head_dim)")
         outs = outs(qa, return_lse, out, lse)

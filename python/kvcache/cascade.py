@@ -86,8 +86,9 @@ class MultiLevelCascadeAttentionWrapper:
     def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
              paged_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
              causal=False, *, pos_encoding_mode="NONE", use_fp16_qk_reduction=False,
-             sm_scale=None, window_left=-1, logits_soft_cap=None, q_data_type=None,
-             kv_data_type=None, o_data_type=None, quant_group=8) -> None:
+             sm_scale=None, window_left=-1, logits_soft_cap=None, rope_scale=None,
+             rope_theta=None, q_data_type=None, kv_data_type=None, o_data_type=None,
+             quant_group=8) -> None:
         """Plans every level for one batch composition.
 
         Args:
@@ -99,7 +100,8 @@ class MultiLevelCascadeAttentionWrapper:
                 list has no _arr suffix).
             num_qo_heads, num_kv_heads, head_dim, page_size: ints.
             causal: bottom-right causal mask on the last level only.
-            pos_encoding_mode: "NONE" only; use_fp16_qk_reduction: False only.
+            pos_encoding_mode: "NONE" only; use_fp16_qk_reduction: False only;
+                rope_scale, rope_theta: ignored.
             sm_scale, window_left, logits_soft_cap: as
                 kvcache.single_prefill_with_kv_cache, for every level.
             q_data_type, kv_data_type: optional dtypes that run checks.

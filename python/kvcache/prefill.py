@@ -341,8 +341,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, head_dim_vo=None,
              custom_mask=None, packed_custom_mask=None, causal=False, *,
              pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None,
-             window_left=-1, logits_soft_cap=None, q_data_type=None, kv_data_type=None,
-             o_data_type=None, quant_group=8) -> None:
+             window_left=-1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
+             q_data_type=None, kv_data_type=None, o_data_type=None, non_blocking=True,
+             fixed_split_size=None, disable_split_kv=False, quant_group=8) -> None:
         """Plans prefill for one batch composition.
 
         Args:
@@ -364,8 +365,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             q_data_type, kv_data_type: optional dtypes that run checks
                 ("float32", "float16", "bfloat16"; kv also "int8", "int4").
             o_data_type: output dtype (None: q's).
+            rope_scale, rope_theta: ignored ("NONE" encoding).
+            non_blocking, fixed_split_size, disable_split_kv: checked and
+                ignored (no device copies; the split of a request depends on
+                its length alone, so results are batch-invariant anyway).
             quant_group: int8/int4 caches: group size of the scales.
         """
+        _compat.host_options(non_blocking, fixed_split_size, disable_split_kv)
         info, heads, qo, custom, packed = self._plan_common(
             qo_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, custom_mask,
             packed_custom_mask, causal, pos_encoding_mode, use_fp16_qk_reduction, sm_scale,
@@ -384,7 +390,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         self._install(ptr, info)
 
     def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False, *, q_scale=None,
-            k_scale=None, v_scale=None, out=None, lse=None):
+            k_scale=None, v_scale=None, out=None, lse=None, window_left=None, enable_pdl=None,
+            sinks=None):
         """Prefill attention for one layer.
 
         Args:
@@ -403,6 +410,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
                 v_scale the output).
             out, lse: optional arrays to write o and lse into (the shapes
                 and dtypes returned; lse is filled even without return_lse).
+            window_left: None or the planned value; enable_pdl: ignored;
+                sinks: None only.
 
         Returns:
             o (qo_indptr[-1], num_qo_heads, head_dim), or (o, lse
@@ -411,7 +420,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         if self._plan is None:
             raise InvalidArgumentError(f"{self._name}.run: call plan() first")
         info = self._info
-        params, outs = _run_knobs(info, q_scale, k_scale, v_scale)
+        params, outs = _run_knobs(info, q_scale, k_scale, v_scale, window_left, enable_pdl,
+                                  sinks)
         qa, pc, keep = _paged_run_inputs(info, q, paged_kv_cache, kv_scale, self._layout_name,
                                          "(qo_indptr[-1], num_qo_heads, head_dim)")
         outs = outs(qa, return_lse, out, lse)
@@ -443,8 +453,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
     def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk,
              head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False, *,
              pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None,
-             window_left=-1, logits_soft_cap=None, q_data_type=None, kv_data_type=None,
-             o_data_type=None, quant_group=8) -> None:
+             window_left=-1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
+             q_data_type=None, kv_data_type=None, o_data_type=None, non_blocking=True,
+             fixed_split_size=None, disable_split_kv=False, quant_group=8) -> None:
         """Plans prefill for one batch composition.
 
         Args:
@@ -452,6 +463,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
                 request (both start at 0, non-decreasing; validated).
             Others: as BatchPrefillWithPagedKVCacheWrapper.plan.
         """
+        _compat.host_options(non_blocking, fixed_split_size, disable_split_kv)
         info, heads, qo, custom, packed = self._plan_common(
             qo_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, custom_mask,
             packed_custom_mask, causal, pos_encoding_mode, use_fp16_qk_reduction, sm_scale,
@@ -466,7 +478,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         self._install(ptr, info)
 
     def run(self, q, k, v, kv_scale=None, return_lse=False, *, q_scale=None, k_scale=None,
-            v_scale=None, out=None, lse=None):
+            v_scale=None, out=None, lse=None, window_left=None, enable_pdl=None, sinks=None):
         """Prefill attention for one layer.
 
         Args:
@@ -477,14 +489,16 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
                 pair of float32/float16 arrays, k's shape with last
                 dimension Dh / quant_group.
             return_lse: also return the base-2 log-sum-exp.
-            q_scale, k_scale, v_scale, out, lse: as the paged wrapper's run.
+            q_scale, k_scale, v_scale, out, lse, window_left, enable_pdl,
+                sinks: as the paged wrapper's run.
 
         Returns:
             o, or (o, lse) with return_lse, as the paged wrapper.
         """
         qa = self._check_q(q)
         info = self._info
-        params, outs = _run_knobs(info, q_scale, k_scale, v_scale)
+        params, outs = _run_knobs(info, q_scale, k_scale, v_scale, window_left, enable_pdl,
+                                  sinks)
         ka, k_t = _kv_array(k, "k")
         va, v_t = _kv_array(v, "v")
         self._check_kv_dtype((ka, va), "k/v")

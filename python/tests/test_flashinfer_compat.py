@@ -226,6 +226,69 @@ def test_batch_prefill_and_cascade_knobs(rng):
     ar.assert_close(out2, 4.0 * want, 1e-5, "cascade knobs")
 
 
+def test_host_and_split_options(rng):
+    """plan(non_blocking=, fixed_split_size=, disable_split_kv=, data_type=,
+    rope_scale=, rope_theta=) and run(window_left=, enable_pdl=, sinks=) as
+    engines pass them to FlashInfer: accepted where they change nothing on
+    the CPU (the results are the same bits as without them), refused
+    otherwise."""
+    lens = [5, 1, 13]
+    hq, h, dh = 4, 2, 32
+    cache, indptr, indices, last, kv = _paged(rng, lens)
+    q = rng.standard_normal((len(lens), hq, dh)).astype(F32)
+    w = kvcache.BatchDecodeWithPagedKVCacheWrapper(None, "NHD")
+    w.plan(indptr, indices, last, hq, h, dh, 4, window_left=6)
+    base = w.run(q, cache)
+    w.plan(indptr, indices, last, hq, h, dh, 4, window_left=6, non_blocking=True,
+           fixed_split_size=8, disable_split_kv=True, q_len_per_req=1, data_type="float32",
+           rope_scale=None, rope_theta=None)
+    np.testing.assert_array_equal(w.run(q, cache, window_left=6, enable_pdl=True), base)
+    np.testing.assert_array_equal(w.run(q, cache, window_left=None, enable_pdl=False,
+                                        sinks=None), base)
+    # data_type is the dtype of q and the cache where q_data_type / kv_data_type are None
+    w.plan(indptr, indices, last, hq, h, dh, 4, data_type="float16")
+    with pytest.raises(kvcache.InvalidArgumentError):
+        w.run(q, cache)  # float32 q against the planned float16
+    w.plan(indptr, indices, last, hq, h, dh, 4, data_type="float16", q_data_type="float32",
+           kv_data_type="float32")
+    want, _ = _decode_ref(q, kv, 1.0 / math.sqrt(dh))
+    ar.assert_close(w.run(q, cache), want, 1e-5, "explicit dtypes over data_type")
+    w.plan(indptr, indices, last, hq, h, dh, 4, window_left=6)
+    with pytest.raises(kvcache.InvalidArgumentError, match="window_left"):
+        w.run(q, cache, window_left=7)
+    with pytest.raises(kvcache.UnsupportedError, match="sinks"):
+        w.run(q, cache, sinks=np.zeros(hq, F32))
+    for bad in ({"non_blocking": "yes"}, {"fixed_split_size": 2.5},
+                {"disable_split_kv": None}):
+        with pytest.raises(kvcache.InvalidArgumentError):
+            w.plan(indptr, indices, last, hq, h, dh, 4, **bad)
+    with pytest.raises(kvcache.UnsupportedError, match="q_len_per_req"):
+        w.plan(indptr, indices, last, hq, h, dh, 4, q_len_per_req=2)
+    # prefill (paged and ragged) and cascade
+    qo = np.array([0, 2, 3, 7], np.int32)
+    qp = rng.standard_normal((7, hq, dh)).astype(F32)
+    pw = kvcache.BatchPrefillWithPagedKVCacheWrapper(None, "NHD")
+    pw.plan(qo, indptr, indices, last, hq, h, dh, 4, causal=True)
+    pbase = pw.run(qp, cache)
+    pw.plan(qo, indptr, indices, last, hq, h, dh, 4, causal=True, rope_scale=1.0,
+            rope_theta=1e4, non_blocking=False, fixed_split_size=None, disable_split_kv=False)
+    np.testing.assert_array_equal(pw.run(qp, cache, window_left=-1, enable_pdl=None), pbase)
+    with pytest.raises(kvcache.InvalidArgumentError, match="window_left"):
+        pw.run(qp, cache, window_left=3)
+    with pytest.raises(kvcache.UnsupportedError, match="sinks"):
+        pw.run(qp, cache, sinks=np.zeros(hq, F32))
+    k_r = np.concatenate([k for k, _ in kv]).astype(F32)
+    v_r = np.concatenate([v for _, v in kv]).astype(F32)
+    rw = kvcache.BatchPrefillWithRaggedKVCacheWrapper(None, "NHD")
+    rw.plan(qo, np.array([0, 5, 6, 19], np.int32), hq, h, dh, causal=True, non_blocking=True,
+            rope_scale=None, rope_theta=None)
+    np.testing.assert_array_equal(rw.run(qp, k_r, v_r, window_left=-1, enable_pdl=True), pbase)
+    c = kvcache.MultiLevelCascadeAttentionWrapper(1, None, "NHD")
+    c.plan([qo], [indptr], [indices], [last], hq, h, dh, 4, causal=True, rope_scale=1.0,
+           rope_theta=1e4)
+    ar.assert_close(c.run(qp, cache), pbase.astype(np.float64), 1e-5, "cascade with rope args")
+
+
 def test_num_threads_everywhere(rng):
     """append_paged_kv_cache takes num_threads like the attention calls (n_threads too)."""
     cache = np.zeros((2, 2, 4, 1, 8), F32)
