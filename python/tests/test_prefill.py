@@ -531,6 +531,36 @@ def test_batch_prefill_paged_grid(isa, rng, c):
 
 
 @needs_prefill
+def test_batch_prefill_random_shapes(isa):
+    """Head dims and quant groups off the grid (Dh 8-256: 40, 72, 80, 96, ...;
+    groups 4-64, half or not a multiple of a vector), every storage, both
+    layouts, masks, 1 and 2 threads: 10 seeded random cases per ISA against
+    the float64 reference."""
+    rng = np.random.default_rng(20261125)
+    for i in range(10):
+        dh = int(rng.choice([8, 24, 40, 48, 72, 80, 96, 112, 160, 256]))
+        storage = ar.STORAGES[i % len(ar.STORAGES)]
+        group = int(rng.choice([g for g in (4, 8, 16, 24, 32, 40, 64) if dh % g == 0]))
+        h, g = int(rng.choice([1, 2])), int(rng.choice([1, 3, 4, 8]))
+        batch = int(rng.choice([1, 3]))
+        kv = [int(rng.choice([0, 1, 7, 54, 200])) for _ in range(batch)]
+        qo = [int(rng.choice([0, 1, 17])) for _ in range(batch)]
+        layout, ps = LAYOUTS[i % 2], int(rng.choice(PAGE_SIZES))
+        q_dtype = (F32, F16)[i % 2]
+        pg = ar.Paged(rng, kv, ps, h, dh, storage, layout, bool(i % 3), group=group)
+        qo_indptr = ar.indptr_of(qo)
+        q = ar.random_q(rng, (int(qo_indptr[-1]), h * g, dh), q_dtype)
+        kw, rkw = batch_masks(rng, MASKS[i % len(MASKS)], qo, kv)
+        want_o, want_lse = ar.batch_prefill(f64(q), pg.kv, qo_indptr, **rkw)
+        w = kvcache.BatchPrefillWithPagedKVCacheWrapper(kv_layout=layout,
+                                                        num_threads=1 + i % 2)
+        w.plan(qo_indptr, *pg.table(), h * g, h, dh, ps, quant_group=group, **kw)
+        o, lse = w.run(q, pg.cache, kv_scale=pg.scale, return_lse=True)
+        check_batch(o, lse, q, want_o, want_lse, qo_indptr,
+                    f"case {i}: {storage} Dh {dh} group {group} H {h} G {g} {layout}")
+
+
+@needs_prefill
 def test_batch_prefill_long_requests(rng):
     """kv_len 2048 with qo_len 127 and 1 in one batch (page size 16, f16)."""
     hq, h, dh = 8, 1, 128
