@@ -827,6 +827,57 @@ TEST(amx_level_tables) {
     return 0;
 }
 
+/*
+ * The prefill gemm's chains (prefill.h): terms split where (t + t0) %
+ * KVC_PF_TCHUNK == 0, each chain summed from zero, chains added in order.
+ * Terms 2^24, 1, -2^24 (exact products, so every ISA gives the same bits):
+ * one chain rounds 2^24 + 1 away and gives 0, a boundary before the 1 gives
+ * 1, one before the -2^24 gives 0 again. Also T = 0 (C = C * alpha, or 0),
+ * alpha on the first chain, and nothing written past Mp or below row A.
+ */
+TEST(prefill_gemm_chains) {
+    enum { A = 4, MP = 16, LDC = 32, ROWS = 6 };
+    FOR_EACH_ISA({
+        const kvc_prefill_kernels *pk = kvc__prefill_kernels();
+        float y[3 * MP] __attribute__((aligned(64)));
+        float x[A * 3], alpha[MP] __attribute__((aligned(64)));
+        float c[ROWS * LDC] __attribute__((aligned(64)));
+        const float terms[3] = {16777216.0f, 1.0f, -16777216.0f};
+        for (int t = 0; t < 3; t++)
+            for (int m = 0; m < MP; m++) y[t * MP + m] = terms[t];
+        for (int i = 0; i < A * 3; i++) x[i] = 1.0f;
+        const int64_t t0s[4] = {0, 31, 30, 64 + 31};
+        const float want[4] = {0.0f, 1.0f, 0.0f, 1.0f};
+        for (int ti = 0; ti < 4; ti++) {
+            for (int i = 0; i < ROWS * LDC; i++) c[i] = -7.0f;
+            pk->gemm(c, LDC, x, 3, 1, y, MP, A, 3, t0s[ti], MP, NULL);
+            for (int a = 0; a < ROWS; a++)
+                for (int m = 0; m < LDC; m++) {
+                    const float e = a < A && m < MP ? want[ti] : -7.0f;
+                    if (c[a * LDC + m] != e)
+                        TEST_FAIL_("isa %s t0 %lld: C[%d][%d] = %g, expected %g",
+                                   kvc_isa_name(kvc_get_isa()), (long long)t0s[ti], a, m,
+                                   (double)c[a * LDC + m], (double)e);
+                }
+        }
+        /* alpha scales the old C once, before the first chain is added:
+         * terms 1, 2, 3 (exact sums): 6 * 0.5 + 1 + (2 + 3) */
+        for (int t = 0; t < 3; t++)
+            for (int m = 0; m < MP; m++) y[t * MP + m] = (float)(t + 1);
+        for (int m = 0; m < MP; m++) alpha[m] = 0.5f;
+        for (int i = 0; i < ROWS * LDC; i++) c[i] = 6.0f;
+        pk->gemm(c, LDC, x, 3, 1, y, MP, A, 3, 31, MP, alpha);
+        ASSERT_TRUE(c[0] == 9.0f && c[(A - 1) * LDC + MP - 1] == 9.0f && c[MP] == 6.0f &&
+                    c[A * LDC] == 6.0f);
+        /* no terms */
+        pk->gemm(c, LDC, x, 3, 1, y, MP, A, 0, 0, MP, alpha);
+        ASSERT_TRUE(c[0] == 4.5f && c[A * LDC] == 6.0f);
+        pk->gemm(c, LDC, x, 3, 1, y, MP, A, 0, 0, MP, NULL);
+        ASSERT_TRUE(c[0] == 0.0f && c[(A - 1) * LDC + MP - 1] == 0.0f && c[MP] == 6.0f);
+    });
+    return 0;
+}
+
 /* ---- rejected inputs ----------------------------------------------------------- */
 
 TEST(rejects) {
@@ -1030,6 +1081,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(single_int8_grouped),
     TEST_ENTRY(paged_int8_grouped),
     TEST_ENTRY(amx_level_tables),
+    TEST_ENTRY(prefill_gemm_chains),
     TEST_ENTRY(paged_ragged),
     TEST_ENTRY(rejects),
     {0, 0},

@@ -37,7 +37,8 @@ static inline __attribute__((always_inline)) void pb_block(int nm, float *C, int
     const float *xp[PB_NA];
 #pragma GCC unroll 16
     for (int a = 0; a < PB_NA; a++) xp[a] = X + a * xa;
-    for (int64_t ta = 0; ta == 0 || ta < T;) {
+    int64_t ta = 0;
+    do { /* once when T is 0: C = C * alpha or 0 */
         int64_t tb = ta + KVC_PF_TCHUNK - (ta + t0) % KVC_PF_TCHUNK;
         if (tb > T) tb = T;
 #pragma GCC unroll 16
@@ -80,7 +81,7 @@ static inline __attribute__((always_inline)) void pb_block(int nm, float *C, int
                 for (int v = 0; v < nm; v++) PB_STORE(C + a * ldc + v * PB_VL, acc[a][v]);
         }
         ta = tb;
-    }
+    } while (ta < T);
 }
 
 static void PB_GEMM(float *C, int64_t ldc, const float *X, int64_t xa, int64_t xt, const float *Y,
