@@ -33,7 +33,7 @@
 /* Terms per FMA chain of the gemm below: one chain of Dh = 128 products
  * carried rounding error that grows with its length; chains of 32 added
  * together cut the error of float32 prefill with large scores 3-4x
- * (BENCHMARKS.md, prefill) for ~4% of the speed. Divides KVC__PF_KB. */
+ * (BENCHMARKS.md, prefill) for 0-7% of the speed. Divides KVC__PF_KB. */
 #define KVC_PF_TCHUNK 32
 
 typedef struct kvc_prefill_kernels {
