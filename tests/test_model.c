@@ -125,9 +125,9 @@ TEST(load_errors) {
     st = kvc_model_load(path, NULL, &m);
     remove(path);
     ASSERT_STATUS(st, KVC_ERR_CORRUPT);
-    kvc_model_free(NULL);
+    kvc_model_destroy(NULL);
     kvc_engine_destroy(NULL);
-    kvc_model_ctx_free(NULL);
+    kvc_model_ctx_destroy(NULL);
     ASSERT_STATUS(kvc_engine_create(NULL, NULL, NULL), KVC_ERR_INVALID_ARG);
     return 0;
 }
@@ -178,7 +178,7 @@ TEST(tiny_info_and_eval) {
     ASSERT_MEM_EQ(a, b, sizeof(float) * 9 * (size_t)in.n_vocab);
     free(a);
     free(b);
-    kvc_model_free(m);
+    kvc_model_destroy(m);
     return 0;
 }
 
@@ -229,9 +229,9 @@ TEST(tiny_cache_equals_recompute) {
     ASSERT_OK(kvc_cache_check(cache));
     free(lg);
     free(all);
-    kvc_model_ctx_free(ctx);
+    kvc_model_ctx_destroy(ctx);
     kvc_cache_destroy(cache);
-    kvc_model_free(m);
+    kvc_model_destroy(m);
     return 0;
 }
 
@@ -294,7 +294,7 @@ TEST(tiny_engine_batched_equals_alone) {
     ASSERT_TRUE(run_engine(m, ep, 4, prompts, lens, max_new, tight, &st) == 0);
     ASSERT_MEM_EQ(tight, alone, sizeof alone);
     ASSERT_TRUE(st.preemptions > 0);
-    kvc_model_free(m);
+    kvc_model_destroy(m);
     return 0;
 }
 
@@ -332,7 +332,7 @@ TEST(tiny_engine_errors_and_cancel) {
     ASSERT_EQ_I64(cs.used_pages, 0); /* everything released */
     ASSERT_OK(kvc_cache_check(kvc_engine_cache(e)));
     kvc_engine_destroy(e);
-    kvc_model_free(m);
+    kvc_model_destroy(m);
     return 0;
 }
 

@@ -60,7 +60,7 @@ typedef struct kvc_model_info {
  * shapes, supported types) and loads the tokenizer. */
 KVC_API kvc_status kvc_model_load(const char *path, const kvc_model_params *params,
                                   kvc_model **out);
-KVC_API void kvc_model_free(kvc_model *model); /* NULL is a no-op */
+KVC_API void kvc_model_destroy(kvc_model *model); /* NULL is a no-op */
 KVC_API kvc_status kvc_model_get_info(const kvc_model *model, kvc_model_info *out);
 /* The model's tokenizer (owned by the model). */
 KVC_API const kvc_tokenizer *kvc_model_tokenizer(const kvc_model *model);
@@ -94,7 +94,7 @@ typedef struct kvc_model_ctx kvc_model_ctx;
 
 KVC_API kvc_status kvc_model_ctx_create(const kvc_model *model, int32_t n_threads,
                                         kvc_model_ctx **out);
-KVC_API void kvc_model_ctx_free(kvc_model_ctx *ctx); /* NULL is a no-op */
+KVC_API void kvc_model_ctx_destroy(kvc_model_ctx *ctx); /* NULL is a no-op */
 
 KVC_API kvc_status kvc_model_forward(kvc_model_ctx *ctx, kvc_cache *cache, int32_t n_seqs,
                                      const kvc_seq_id *seqs, const int64_t *pos0,

@@ -79,11 +79,11 @@ _p = _lib.optional_proto
 kvc_model_default_params = _p("kvc_model_default_params", ModelParams)
 kvc_model_load = _p("kvc_model_load", _c_int, ctypes.c_char_p, ctypes.POINTER(ModelParams),
                     ctypes.POINTER(_vp))
-kvc_model_free = _p("kvc_model_free", None, _vp)
+kvc_model_destroy = _p("kvc_model_destroy", None, _vp)
 kvc_model_get_info = _p("kvc_model_get_info", _c_int, _vp, ctypes.POINTER(ModelInfo))
 kvc_model_tokenizer = _p("kvc_model_tokenizer", _vp, _vp)
 kvc_model_ctx_create = _p("kvc_model_ctx_create", _c_int, _vp, _i32, ctypes.POINTER(_vp))
-kvc_model_ctx_free = _p("kvc_model_ctx_free", None, _vp)
+kvc_model_ctx_destroy = _p("kvc_model_ctx_destroy", None, _vp)
 kvc_model_forward = _p("kvc_model_forward", _c_int, _vp, _vp, _i32, _vp, _vp, _vp, _vp, _vp, _vp,
                        _vp)
 kvc_model_eval = _p("kvc_model_eval", _c_int, _vp, _vp, _i64, _i64, _c_int, _vp, _i32)
@@ -157,10 +157,10 @@ class Model:
 
     def close(self):
         for c in self._ctx.values():
-            kvc_model_ctx_free(c)
+            kvc_model_ctx_destroy(c)
         self._ctx = {}
         if self._ptr:
-            kvc_model_free(self._ptr)
+            kvc_model_destroy(self._ptr)
             self._ptr = None
 
     def __del__(self):

@@ -102,7 +102,7 @@ void kvc_engine_destroy(kvc_engine *e) {
     free(e->b_tok);
     free(e->b_want);
     free(e->logits);
-    kvc_model_ctx_free(e->ctx);
+    kvc_model_ctx_destroy(e->ctx);
     kvc_cache_destroy(e->cache);
     free(e);
 }

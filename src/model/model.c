@@ -174,7 +174,7 @@ kvc_model_params kvc_model_default_params(void) {
     return p;
 }
 
-void kvc_model_free(kvc_model *m) {
+void kvc_model_destroy(kvc_model *m) {
     if (!m) return;
     if (m->layers)
         for (int32_t l = 0; l < m->info.n_layer; l++) {
@@ -299,7 +299,7 @@ kvc_status kvc_model_load(const char *path, const kvc_model_params *params, kvc_
     kvc_status st = kvc_gguf_open(path, &m->g);
     if (st == KVC_OK) st = load_all(m, &p);
     if (st != KVC_OK) {
-        kvc_model_free(m);
+        kvc_model_destroy(m);
         return st;
     }
     *out = m;
@@ -328,7 +328,7 @@ kvc_cache_params kvc_model_cache_params(const kvc_model *m, kvc_dtype kv_dtype,
 
 /* ---- context ---------------------------------------------------------------- */
 
-void kvc_model_ctx_free(kvc_model_ctx *c) {
+void kvc_model_ctx_destroy(kvc_model_ctx *c) {
     if (!c) return;
     float *fl[] = {c->x, c->h, c->q, c->k, c->v, c->att, c->gate, c->up, c->tmp, c->fin};
     for (size_t i = 0; i < sizeof fl / sizeof fl[0]; i++) free(fl[i]);
@@ -710,7 +710,7 @@ kvc_status kvc_model_eval(const kvc_model *m, const int32_t *tokens, int64_t n_t
         st = kvc_model_forward(ctx, cache, 1, &seq, &pos0, &n_tokens, &decode_from, tokens, want,
                                logits);
     free(want);
-    kvc_model_ctx_free(ctx);
+    kvc_model_ctx_destroy(ctx);
     kvc_cache_destroy(cache);
     return st;
 }

@@ -228,6 +228,6 @@ int cmd_bench_serve(int argc, char **argv) {
     }
     free(ev);
     free(prompt);
-    kvc_model_free(model);
+    kvc_model_destroy(model);
     return rc;
 }

@@ -211,6 +211,6 @@ done:
     kvc_engine_destroy(eng);
     free(ids);
     free(text);
-    kvc_model_free(model);
+    kvc_model_destroy(model);
     return rc;
 }
