@@ -276,8 +276,9 @@ def _run_knobs(info, q_scale, k_scale, v_scale, window_left=None, enable_pdl=Non
     """A planned wrapper's run(): (params with q_scale * k_scale folded into
     sm_scale, f(qa, return_lse, out, lse) -> _compat.Outputs for o of the
     plan's o_data_type (None: q's) and lse (o's first two dimensions)).
-    window_left, enable_pdl, sinks: _compat.run_options."""
-    _compat.run_options(int(info["params"].window_left), window_left, enable_pdl, sinks)
+    window_left, enable_pdl: _compat.run_options; sinks: _compat.sinks_array."""
+    _compat.run_options(int(info["params"].window_left), window_left, enable_pdl)
+    sk = None if sinks is None else _compat.sinks_array(sinks, info["num_qo_heads"])
     qc, kc = _compat.calib(q_scale, "q_scale"), _compat.calib(k_scale, "k_scale")
     vc = _compat.calib(v_scale, "v_scale")
     params = _compat.scaled_params(info["params"], info["head_dim"], qc, kc)
@@ -285,7 +286,7 @@ def _run_knobs(info, q_scale, k_scale, v_scale, window_left=None, enable_pdl=Non
     def outputs(qa, return_lse, out, lse):
         o_dt = info.get("o_data_type")
         o_dt = qa.dtype if o_dt is None else o_dt
-        return _compat.Outputs(qa.shape, o_dt, qa.shape[:2], return_lse, out, lse, vc)
+        return _compat.Outputs(qa.shape, o_dt, qa.shape[:2], return_lse, out, lse, vc, sk)
 
     return params, outputs
 
@@ -489,8 +490,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 v_scale the output).
             out, lse: optional arrays to write o and lse into (the shapes
                 and dtypes returned; lse is filled even without return_lse).
-            window_left: None or the planned value; enable_pdl: ignored;
-                sinks: None only.
+            window_left: None or the planned value; enable_pdl: ignored.
+            sinks: None, or (num_qo_heads,) attention-sink logits (natural
+                units, not scaled by sm_scale; -inf: none): head h's softmax
+                also counts exp(sinks[h]), which takes weight from the keys
+                and adds to the lse (then log2(2^lse + 2^(sinks[h] log2 e))).
 
         Returns:
             o (B, num_qo_heads, head_dim) of o_data_type (None: q's dtype),

@@ -410,8 +410,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
                 v_scale the output).
             out, lse: optional arrays to write o and lse into (the shapes
                 and dtypes returned; lse is filled even without return_lse).
-            window_left: None or the planned value; enable_pdl: ignored;
-                sinks: None only.
+            window_left: None or the planned value; enable_pdl: ignored.
+            sinks: as BatchDecodeWithPagedKVCacheWrapper.run: None or
+                (num_qo_heads,) attention-sink logits.
 
         Returns:
             o (qo_indptr[-1], num_qo_heads, head_dim), or (o, lse

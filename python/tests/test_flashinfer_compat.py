@@ -226,9 +226,99 @@ def test_batch_prefill_and_cascade_knobs(rng):
     ar.assert_close(out2, 4.0 * want, 1e-5, "cascade knobs")
 
 
+def _sink_ref(q, k, v, vis, sm_scale, sinks):
+    """Attention with one sink logit per query head, as a softmax over the
+    visible scores plus a column holding sinks[h] (natural units, not scaled):
+    q (n, Hq, D), k/v (kv, H, D), vis (n, kv) bool, all float64. Returns
+    (o (n, Hq, D), lse (n, Hq) base 2, the sink counted)."""
+    n, hq, _ = q.shape
+    g = hq // k.shape[1]
+    o = np.zeros(q.shape)
+    lse = np.full((n, hq), -np.inf)
+    for i in range(n):
+        for h in range(hq):
+            logits = np.append(sm_scale * (k[vis[i], h // g] @ q[i, h]), sinks[h])
+            m = logits.max()
+            if m == -np.inf:
+                continue
+            e = np.exp(logits - m)
+            o[i, h] = e[:-1] @ v[vis[i], h // g] / e.sum()
+            lse[i, h] = (m + np.log(e.sum())) / np.log(2.0)
+    return o, lse
+
+
+def test_run_sinks(rng):
+    """run(sinks=...) of the batch decode and paged / ragged prefill wrappers
+    against a float64 softmax with the sink as one more logit per head: sinks
+    of -inf (no sink), small and dominant values, rows with no visible key
+    (o 0, lse the sink's), float32 and float16 outputs, out= / lse= buffers and
+    v_scale with it; bad sinks are refused."""
+    hq, h, dh = 4, 2, 32
+    sm = 1.0 / math.sqrt(dh)
+    sinks = np.array([-np.inf, 0.5, 6.0, -3.0], F32)
+    lens = [5, 1, 13]
+    cache, indptr, indices, last, kv = _paged(rng, lens)
+    q = rng.standard_normal((len(lens), hq, dh)).astype(F32)
+    want_o, want_l = zip(*[_sink_ref(ar.f64(q[b:b + 1]), ar.f64(k), ar.f64(v),
+                                     np.ones((1, len(k)), bool), sm, ar.f64(sinks))
+                           for b, (k, v) in enumerate(kv)])
+    want_o, want_l = np.concatenate(want_o), np.concatenate(want_l)
+    w = kvcache.BatchDecodeWithPagedKVCacheWrapper(None, "NHD")
+    for o_dt in (F32, F16):
+        w.plan(indptr, indices, last, hq, h, dh, 4, o_data_type=o_dt)
+        o, lse = w.run(q, cache, return_lse=True, sinks=sinks)
+        assert o.dtype == o_dt
+        ar.assert_close(o, want_o, ar.out_tol(o_dt), f"decode sinks {o_dt.__name__}")
+        ar.assert_close(lse, want_l, 1e-5, "decode sinks lse")
+    # without a sink (all -inf) the result is the plain one
+    w.plan(indptr, indices, last, hq, h, dh, 4)
+    none = np.full(hq, -np.inf, F32)
+    o0, l0 = w.run(q, cache, return_lse=True)
+    o1, l1 = w.run(q, cache, return_lse=True, sinks=none)
+    np.testing.assert_array_equal(o1, o0)
+    np.testing.assert_array_equal(l1, l0)
+    out, lse_buf = np.empty_like(q), np.empty((len(lens), hq), F32)
+    r = w.run(q, cache, sinks=list(sinks), out=out, lse=lse_buf, v_scale=2.0)
+    assert r is out
+    ar.assert_close(out, 2.0 * want_o, 1e-5, "decode sinks out= v_scale")
+    ar.assert_close(lse_buf, want_l, 1e-5, "decode sinks lse=")
+    for bad in (np.zeros(hq + 1, F32), np.zeros((1, hq), F32), np.array([0, 0, np.nan, 0]),
+                np.array([0, np.inf, 0, 0]), np.array(["a"] * hq), np.ones(hq, bool)):
+        with pytest.raises(kvcache.InvalidArgumentError, match="sinks"):
+            w.run(q, cache, sinks=bad)
+
+    # prefill, causal with qo > kv for request 1: its first rows see no key
+    plens, qlens = [6, 2, 9], [3, 4, 5]
+    cache, indptr, indices, last, kv = _paged(rng, plens)
+    qo = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    q = rng.standard_normal((int(qo[-1]), hq, dh)).astype(F16)
+    want_o, want_l = zip(*[_sink_ref(ar.f64(q[qo[b]:qo[b + 1]]), ar.f64(k), ar.f64(v),
+                                     ar.visible(qlens[b], len(k), causal=True), sm,
+                                     ar.f64(sinks))
+                           for b, (k, v) in enumerate(kv)])
+    want_o, want_l = np.concatenate(want_o), np.concatenate(want_l)
+    assert np.isinf(want_l[3:5, 0]).all() and np.isfinite(want_l[3:5, 1:]).all()
+    pw = kvcache.BatchPrefillWithPagedKVCacheWrapper(None, "NHD")
+    pw.plan(qo, indptr, indices, last, hq, h, dh, 4, causal=True, q_data_type="float16",
+            kv_data_type="float32")
+    o, lse = pw.run(q, cache, return_lse=True, sinks=sinks)
+    assert o.dtype == F16
+    ar.assert_close(o, want_o, 1e-3, "paged prefill sinks")
+    ar.assert_close(lse, want_l, 1e-3, "paged prefill sinks lse")
+    assert not o[3:5].any()
+    rw = kvcache.BatchPrefillWithRaggedKVCacheWrapper(None, "NHD")
+    kv_indptr = np.concatenate([[0], np.cumsum(plens)]).astype(np.int32)
+    rw.plan(qo, kv_indptr, hq, h, dh, causal=True, q_data_type="float16",
+            kv_data_type="float32")
+    o, lse = rw.run(q, np.concatenate([k for k, _ in kv]), np.concatenate([v for _, v in kv]),
+                    return_lse=True, sinks=sinks)
+    ar.assert_close(o, want_o, 1e-3, "ragged prefill sinks")
+    ar.assert_close(lse, want_l, 1e-3, "ragged prefill sinks lse")
+
+
 def test_host_and_split_options(rng):
     """plan(non_blocking=, fixed_split_size=, disable_split_kv=, data_type=,
-    rope_scale=, rope_theta=) and run(window_left=, enable_pdl=, sinks=) as
+    rope_scale=, rope_theta=) and run(window_left=, enable_pdl=, sinks=None) as
     engines pass them to FlashInfer: accepted where they change nothing on
     the CPU (the results are the same bits as without them), refused
     otherwise."""
@@ -256,8 +346,6 @@ def test_host_and_split_options(rng):
     w.plan(indptr, indices, last, hq, h, dh, 4, window_left=6)
     with pytest.raises(kvcache.InvalidArgumentError, match="window_left"):
         w.run(q, cache, window_left=7)
-    with pytest.raises(kvcache.UnsupportedError, match="sinks"):
-        w.run(q, cache, sinks=np.zeros(hq, F32))
     for bad in ({"non_blocking": "yes"}, {"fixed_split_size": 2.5},
                 {"disable_split_kv": None}):
         with pytest.raises(kvcache.InvalidArgumentError):
@@ -275,8 +363,6 @@ def test_host_and_split_options(rng):
     np.testing.assert_array_equal(pw.run(qp, cache, window_left=-1, enable_pdl=None), pbase)
     with pytest.raises(kvcache.InvalidArgumentError, match="window_left"):
         pw.run(qp, cache, window_left=3)
-    with pytest.raises(kvcache.UnsupportedError, match="sinks"):
-        pw.run(qp, cache, sinks=np.zeros(hq, F32))
     k_r = np.concatenate([k for k, _ in kv]).astype(F32)
     v_r = np.concatenate([v for _, v in kv]).astype(F32)
     rw = kvcache.BatchPrefillWithRaggedKVCacheWrapper(None, "NHD")
