@@ -19,6 +19,7 @@ typedef struct ref_in {
     const double *v;
     double sm_scale, cap;
     int window;
+    const float *sinks; /* (Hq) natural-unit sink logits or NULL */
 } ref_in;
 
 /* out (Hq, D), lse (Hq) base 2 */
@@ -40,7 +41,10 @@ static void ref_decode(const ref_in *r, double *out, double *lse) {
             s[j] = x;
             if (x > mx) mx = x;
         }
-        double sum = 0;
+        /* a sink: one more logit in the softmax, with no value row */
+        const double t = r->sinks ? (double)r->sinks[hq] : -INFINITY;
+        if (t > mx) mx = t;
+        double sum = t > -INFINITY ? exp(t - mx) : 0.0;
         for (int64_t j = a; j < r->L; j++) sum += exp(s[j] - mx);
         for (int64_t d = 0; d < r->D; d++) {
             double o = 0;
@@ -88,6 +92,7 @@ typedef struct sd_case {
     int qspecial; /* 1: query head 0 all zeros; 2: every head one element 1e4 x the rest;
                      3: every head an outlier channel, 300 x qmag */
     float sspread; /* > 0: int8/int4 scales 0.01 * 10^u, u uniform in [-sspread, sspread] */
+    const float *sinks; /* (Hq) or NULL */
 } sd_case;
 
 static int run_single(const sd_case *c, uint64_t seed) {
@@ -145,7 +150,7 @@ static int run_single(const sd_case *c, uint64_t seed) {
                 }
             }
     }
-    ref_in ri = {Hq, H, D, L, qf, kr, vr, c->sm_scale, c->cap, c->window};
+    ref_in ri = {Hq, H, D, L, qf, kr, vr, c->sm_scale, c->cap, c->window, c->sinks};
     ref_decode(&ri, ro, rl);
     const int int16 = c->kd == KVC_F16 || c->kd == KVC_BF16 || c->qd != KVC_F32 || c->od != KVC_F32;
     double tol = (c->kd == KVC_BF16 || c->qd == KVC_BF16 || c->od == KVC_BF16) ? 1e-2
@@ -177,6 +182,7 @@ static int run_single(const sd_case *c, uint64_t seed) {
     p.sm_scale = c->sm_scale;
     p.logits_soft_cap = c->cap;
     p.window_left = c->window;
+    p.sinks = c->sinks;
     char what[160];
     snprintf(what, sizeof what, "%s/%s %s q %s out %s Hq %lld H %lld D %lld L %lld cap %g w %d isa %s",
              kvc_dtype_name(c->kd), kvc_dtype_name(c->sd), c->layout == KVC_NHD ? "NHD" : "HND",
@@ -315,6 +321,33 @@ TEST(single_softcap_window_scale) {
     return 0;
 }
 
+/* Attention sinks (kvc_attn_params.sinks): absent, small, dominant, per
+ * head; one and several chunks; every storage dtype; with window and cap. */
+TEST(single_sinks) {
+    static const float sinks[8] = {-INFINITY, 0.0f, 2.0f, -1.0f, 6.0f, -INFINITY, 0.25f, 12.0f};
+    const kvc_dtype dts[4] = {KVC_F32, KVC_F16, KVC_I8, KVC_I4};
+    const int64_t Ls[3] = {1, 600, 3000};
+    FOR_EACH_ISA({
+        for (int di = 0; di < 4; di++)
+            for (int li = 0; li < 3; li++) {
+                sd_case c = base_case();
+                c.kd = dts[di];
+                c.L = Ls[li];
+                c.qmag = 3.0f;
+                c.sinks = sinks;
+                RUN(c);
+            }
+        sd_case c = base_case();
+        c.sinks = sinks;
+        c.window = 10;
+        c.cap = 5.0f;
+        c.layout = KVC_HND;
+        c.od = KVC_F16;
+        RUN(c);
+    });
+    return 0;
+}
+
 TEST(single_io_dtypes) {
     FOR_EACH_ISA({
         sd_case c = base_case();
@@ -375,7 +408,7 @@ TEST(single_large_scores_exact) {
         for (int si = 0; si < 2; si++) {
             kvc_attn_params p = kvc_attn_default_params();
             p.sm_scale = scales[si];
-            ref_in r = {Hq, 1, D, L, q, kd, vd, scales[si], 0.0, -1};
+            ref_in r = {Hq, 1, D, L, q, kd, vd, scales[si], 0.0, -1, NULL};
             ref_decode(&r, ro, rl);
             kvc_tensor tq = kvc_tensor_make(q, KVC_F32, 2, qsh),
                        tk = kvc_tensor_make(k, KVC_F32, 3, ksh),
@@ -456,7 +489,7 @@ TEST(single_int8_query_precision) {
                         }
                         bound = fmax(bound, sm * k1 * qm * half_step);
                     }
-                ref_in r = {Hq, 1, D, Ln, qf, kd, vd, 0.0, 0.0, -1};
+                ref_in r = {Hq, 1, D, Ln, qf, kd, vd, 0.0, 0.0, -1, NULL};
                 ref_decode(&r, ro, rl);
                 int64_t qsh[2] = {Hq, D}, ksh[3] = {Ln, 1, D}, ssh[3] = {Ln, 1, ng}, lsh[1] = {Hq};
                 kvc_tensor tq = kvc_tensor_make(qds[qi] == KVC_F16 ? (void *)q16 : (void *)qf,
@@ -747,7 +780,7 @@ static int run_paged_g(kvc_dtype kd, kvc_dtype sd, kvc_kv_layout layout, int64_t
     }
     off = 0;
     for (int b = 0; b < B && !rc; b++) {
-        ref_in ri = {Hq, H, D, lens[b], q + b * Hq * D, kr + off * H * D, vr + off * H * D, 0, cap, window};
+        ref_in ri = {Hq, H, D, lens[b], q + b * Hq * D, kr + off * H * D, vr + off * H * D, 0, cap, window, NULL};
         ref_decode(&ri, ro, rl);
         double tol = kd == KVC_BF16 ? 1e-2 : kd == KVC_F16 ? 1e-3 : 1e-5;
         rc = compare(out + b * Hq * D, KVC_F32, lse + b * Hq, ro, rl, Hq, D, tol, what);
@@ -928,6 +961,17 @@ TEST(rejects) {
     pb = p;
     pb.logits_soft_cap = NAN;
     REJ(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, &pb, &to, &tl, NULL));
+    float sinks[4] = {0.0f, -INFINITY, NAN, 1.0f};
+    pb = p;
+    pb.sinks = sinks;
+    REJ(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, &pb, &to, &tl, NULL));
+    ASSERT_STR_CONTAINS(kvc_last_error(), "sinks[2]");
+    sinks[2] = INFINITY;
+    REJ(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, &pb, &to, &tl, NULL));
+    sinks[2] = -INFINITY; /* -inf: no sink for that head, accepted */
+    ASSERT_OK(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, &pb, &to, &tl, NULL));
+    memcpy(out, out0, sizeof out);
+    memcpy(lse, lse0, sizeof lse);
     /* int8 without scales, bad group, bad scale shape */
     int8_t k8[10 * 2 * 64] = {0}, v8[10 * 2 * 64] = {0};
     float s8[10 * 2 * 8];
@@ -1073,6 +1117,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(single_lengths_dims_gqa),
     TEST_ENTRY(single_odd_groups_and_dims),
     TEST_ENTRY(single_softcap_window_scale),
+    TEST_ENTRY(single_sinks),
     TEST_ENTRY(single_io_dtypes),
     TEST_ENTRY(single_large_logits),
     TEST_ENTRY(single_large_scores_exact),

@@ -115,6 +115,7 @@ typedef struct ref_req {
     int causal, window;
     double sm, cap;
     const double *add; /* (Hq, qo, kv) additive mask or NULL */
+    const float *sinks; /* (Hq) natural-unit sink logits or NULL */
 } ref_req;
 
 static void ref_attn(const ref_req *r, double *out, double *lse) {
@@ -141,7 +142,10 @@ static void ref_attn(const ref_req *r, double *out, double *lse) {
                 s[j] = x;
                 if (x > mx) mx = x;
             }
-            double *o = out + (i * r->Hq + hq) * r->D, sum = 0;
+            /* a sink: one more logit in the softmax, with no value row */
+            const double t = r->sinks ? (double)r->sinks[hq] : -INFINITY;
+            if (t > mx) mx = t;
+            double *o = out + (i * r->Hq + hq) * r->D, sum = t > -INFINITY ? exp(t - mx) : 0.0;
             for (int64_t d = 0; d < r->D; d++) o[d] = 0;
             if (mx > -INFINITY)
                 for (int64_t j = 0; j < r->kv; j++) {
@@ -202,6 +206,7 @@ typedef struct pcase {
     float cap, sm, qmag;
     int ragged;               /* ragged K/V instead of pages */
     int check_single;         /* also: each request alone through kvc_single_prefill */
+    const float *sinks;       /* (Hq) or NULL */
 } pcase;
 
 /* Copies request b's keys (pages idx, n keys) into a contiguous store. */
@@ -320,6 +325,7 @@ static int run_case(const pcase *c, uint64_t seed) {
     pc.layout = c->layout, pc.quant_group = 8;
     kvc_attn_params p = kvc_attn_default_params();
     p.sm_scale = c->sm, p.logits_soft_cap = c->cap, p.window_left = c->window;
+    p.sinks = c->sinks;
     /* run with 1 and 2 threads */
     for (int nt = 1; nt <= 2 && !rc; nt++) {
         kvc_prefill_plan *plan = NULL;
@@ -365,7 +371,8 @@ static int run_case(const pcase *c, uint64_t seed) {
         gather(&s, idx, c->kv[b], 0, kr);
         gather(&s, idx, c->kv[b], 1, vr);
         ref_req r = {c->qo[b], c->kv[b], Hq, H, D, qd + qo_indptr[b] * Hq * D, kr, vr,
-                     c->mask ? mb + e : NULL, c->causal, c->window, c->sm, c->cap, NULL};
+                     c->mask ? mb + e : NULL, c->causal, c->window, c->sm, c->cap, NULL,
+                     c->sinks};
         ref_attn(&r, ro, rl);
         rc = compare(&to[0], lse[0], Hq, qo_indptr[b], ro, rl, c->qo[b], Hq, D, tol, what);
         /* the same request alone, contiguous K/V: bitwise the batched rows */
@@ -532,9 +539,14 @@ TEST(ragged_masks_params) {
  * requests, window 0, fully masked rows. */
 TEST(edge_rows) {
     static const int64_t qo[5] = {20, 3, 0, 4, 6}, kv[5] = {6, 0, 9, 1, 6};
+    /* v 4-7 as 0-3 with attention sinks: rows with no key then output
+     * zeros and the sink's lse (-inf where a head has none) */
+    static const float sinks[4] = {1.5f, -INFINITY, -2.0f, 8.0f};
     FOR_EACH_ISA({
-        for (int v = 0; v < 4; v++) {
+        for (int vs = 0; vs < 8; vs++) {
+            const int v = vs % 4;
             pcase c = base();
+            c.sinks = vs >= 4 ? sinks : NULL;
             c.B = 5, c.qo = qo, c.kv = kv;
             c.causal = v != 2;
             c.window = v == 1 ? 0 : -1;
@@ -542,7 +554,7 @@ TEST(edge_rows) {
             c.ragged = v == 2;
             c.check_single = 1;
             if (v == 3) c.D = 33, c.Hq = 3, c.H = 1, c.kd = KVC_BF16; /* odd head dim */
-            if (run_case(&c, test_seed + 300 + (uint64_t)v) != 0) return 1;
+            if (run_case(&c, test_seed + 300 + (uint64_t)vs) != 0) return 1;
         }
     });
     /* fully masked rows through a custom mask: zeros and -inf, no NaN */
@@ -770,16 +782,23 @@ TEST(cascade_two_levels) {
         kvc_tensor tq = kvc_tensor_make(q, KVC_F32, 3, qsh), toc = kvc_tensor_make(oc, KVC_F16, 3, qsh),
                    tof = kvc_tensor_make(of, KVC_F32, 3, qsh), tlc = kvc_tensor_make(lc, KVC_F32, 2, lsh),
                    tlf = kvc_tensor_make(lf, KVC_F32, 2, lsh);
+        /* with sinks (second pass): counted once, after the levels, as by
+         * the one-level prefill over the same keys */
+        const float sinks[Hq] = {-INFINITY, 0.5f, 3.0f, -2.0f};
+        kvc_attn_params ps = kvc_attn_default_params();
+        ps.sinks = sinks;
         FOR_EACH_ISA({
-            for (int nt = 1; nt <= 2; nt++) {
+            for (int run = 0; run < 4; run++) {
+                const int nt = 1 + run % 2;
+                const kvc_attn_params *pp = run < 2 ? NULL : &ps;
                 kvc_cascade_plan *cp = NULL;
                 kvc_prefill_plan *fp = NULL;
                 ASSERT_OK(kvc_cascade_plan_create(2, tqo, tkv, tix, tla, Hq, H, D, PS, 1, nt, &cp));
-                ASSERT_OK(kvc_cascade_run(cp, &tq, &pc, NULL, &toc, &tlc, test_pool(nt)));
+                ASSERT_OK(kvc_cascade_run(cp, &tq, &pc, pp, &toc, &tlc, test_pool(nt)));
                 kvc_cascade_plan_destroy(cp);
                 ASSERT_OK(kvc_prefill_plan_create_paged(&tqo[1], &tkvf, &tixf, &tlaf, Hq, H, D, PS,
                                                         1, NULL, NULL, nt, &fp));
-                ASSERT_OK(kvc_prefill_run_paged(fp, &tq, &pc, NULL, &tof, &tlf, test_pool(nt)));
+                ASSERT_OK(kvc_prefill_run_paged(fp, &tq, &pc, pp, &tof, &tlf, test_pool(nt)));
                 kvc_prefill_plan_destroy(fp);
                 for (int64_t i = 0; i < nnz * Hq * D; i++)
                     ASSERT_NEAR(kvc_f16_to_f32(oc[i]), of[i], 1e-3 * (1 + fabs(of[i])));
@@ -939,7 +958,7 @@ static int run_mhca(int layout, int mode, kvc_dtype cd, int maskdim, int64_t Hq,
             for (int64_t i = 0; i < S; i++)
                 for (int64_t j = 0; j < L; j++)
                     ad[(hq * S + i) * L + j] = maskdim ? mask[((maskdim == 3 ? hq : 0) * nq + ss[b] + i) * mcols + ks[b] + j] : 0.0;
-        ref_req r = {S, L, Hq, H, D, qd, kd, vd, NULL, S > 1 && b >= db, -1, 0, 0, ad};
+        ref_req r = {S, L, Hq, H, D, qd, kd, vd, NULL, S > 1 && b >= db, -1, 0, 0, ad, NULL};
         ref_attn(&r, ro, rl);
         rc = compare(&to, NULL, 0, ss[b], ro, rl, S, Hq, D, 1e-3, what);
         free(qd), free(kd), free(vd), free(ad), free(ro), free(rl);

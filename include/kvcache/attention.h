@@ -61,6 +61,16 @@ typedef struct kvc_attn_params {
     float logits_soft_cap; /* > 0 enables cap * tanh(s / cap); tanh within 1.5 ulp,
                               the same bits on every ISA */
     int32_t window_left;   /* -1: no window */
+    /* (Hq) float32 attention-sink logits or NULL (none): head h's softmax
+     * denominator also counts exp(sinks[h]) (natural units, not scaled by
+     * sm_scale or capped; -inf: no sink for that head, NaN and +inf are
+     * refused), as gpt-oss's sinks. Equivalent to merging a state (v = 0,
+     * lse = sinks[h] * log2 e) into the result with merge_state: the output
+     * shrinks by the sink's share and the lse counts it; a row with no
+     * visible key outputs zeros and lse sinks[h] * log2 e. Decode, prefill
+     * and cascade (once, after the levels) take it; the pmx operator and
+     * MLA have no sinks. */
+    const float *sinks;
 } kvc_attn_params;
 
 KVC_API kvc_attn_params kvc_attn_default_params(void);

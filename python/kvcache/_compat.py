@@ -103,13 +103,24 @@ def run_options(planned_window: int, window_left=None, enable_pdl=None) -> None:
                                        f"planned window_left={planned_window}; plan again")
 
 
-def sinks_array(sinks, num_qo_heads: int):
-    """run(sinks=...): None, or one attention-sink logit per query head
+def with_sinks(params, sinks, num_qo_heads: int):
+    """params for run(sinks=...): params itself for None, else a copy whose
+    ``sinks`` points at one attention-sink logit per query head
     ((num_qo_heads,) real numbers, read as float32 like FlashInfer's kernels;
-    -inf means no sink). A sink is a logit in natural units, not multiplied by
-    sm_scale: it adds exp(sink[h]) to head h's softmax denominator."""
+    -inf means no sink; kvc_attn_params.sinks says what C does with them).
+    The copy holds the array while it lives."""
     if sinks is None:
-        return None
+        return params
+    a = _sinks_array(sinks, num_qo_heads)
+    p = _lib.AttnParams()
+    ctypes.memmove(ctypes.byref(p), ctypes.byref(params), ctypes.sizeof(p))
+    p.sinks = a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+    p.keep_sinks = a
+    return p
+
+
+def _sinks_array(sinks, num_qo_heads: int):
+    """sinks as a contiguous (num_qo_heads,) float32 array, checked."""
     try:
         a = np.asarray(sinks)
     except Exception as e:  # noqa: BLE001 (any object numpy cannot take)
@@ -119,7 +130,7 @@ def sinks_array(sinks, num_qo_heads: int):
     if a.shape != (num_qo_heads,):
         raise InvalidArgumentError(f"sinks must have shape (num_qo_heads,) = "
                                    f"({num_qo_heads},), got {a.shape}")
-    a = a.astype(_F32)
+    a = np.ascontiguousarray(a, _F32)
     if np.isnan(a).any() or (a == np.inf).any():
         raise InvalidArgumentError("sinks must not be NaN or +inf (-inf means no sink)")
     return a
@@ -153,62 +164,40 @@ def _buffer(buf, name: str, shape, dtype) -> np.ndarray:
 
 
 class Outputs:
-    """The o/lse arrays a call writes, honouring out=, lse=, v_scale and sinks.
+    """The o/lse arrays a call writes, honouring out=, lse= and v_scale.
 
     ``o_c``/``lse_c`` are what C writes into; ``result(return_lse)`` returns
-    what the Python call returns. With v_scale or sinks C writes float32 and
-    the final values are rounded once into o's dtype.
-
-    sinks (sinks_array; o and lse with the query head on axis 1): softmax over
-    the scores and the head's sink logit. With lse2 the log2-sum-exp of the
-    scores and t = sink * log2(e), the returned lse is log2(2^lse2 + 2^t) (the
-    sink counted, as FlashInfer's sink variants count it) and o is the
-    sink-free output times 2^(lse2 - lse): a row with no visible key keeps o =
-    0 and gets lse = t."""
+    what the Python call returns. With v_scale C writes float32 and the
+    scaled values are rounded once into o's dtype."""
 
     def __init__(self, o_shape, o_dtype, lse_shape, return_lse, out=None, lse=None,
-                 v_scale=None, sinks=None):
+                 v_scale=None):
         o_dtype = np.dtype(o_dtype)
         self.v_scale = v_scale
-        self.sinks = sinks
         self.out = None if out is None else _buffer(out, "out", o_shape, o_dtype)
         self.lse = None if lse is None else _buffer(lse, "lse", lse_shape, _F32)
-        if v_scale is not None or sinks is not None:
+        if v_scale is not None:
             self.o_c = np.empty(o_shape, _F32)
         elif self.out is not None and _lib._element_strides(self.out) is not None:
             self.o_c = self.out
         else:
             self.o_c = np.empty(o_shape, o_dtype)
         self.o_dtype = o_dtype
-        if sinks is None and self.lse is not None and _lib._element_strides(self.lse) is not None:
+        if self.lse is not None and _lib._element_strides(self.lse) is not None:
             self.lse_c = self.lse
-        elif self.lse is not None or return_lse or sinks is not None:
+        elif self.lse is not None or return_lse:
             self.lse_c = np.empty(lse_shape, _F32)
         else:
             self.lse_c = None
 
-    def _with_sinks(self):
-        """(o, lse) with the sinks counted, in float64 before one rounding."""
-        lse2 = self.lse_c.astype(np.float64)
-        t = (self.sinks.astype(np.float64) * np.log2(np.e)).reshape(
-            (1, -1) + (1,) * (lse2.ndim - 2))
-        lse_all = np.logaddexp2(lse2, t)
-        with np.errstate(invalid="ignore"):  # -inf - -inf: no key and no sink
-            w = np.exp2(lse2 - lse_all)
-        w = np.where(np.isneginf(lse2), 0.0, w)
-        return self.o_c * w[..., None], lse_all.astype(_F32)
-
     def result(self, return_lse: bool):
-        o, lse = self.o_c, self.lse_c
-        if self.sinks is not None:
-            o, lse = self._with_sinks()
+        o = self.o_c
         if self.v_scale is not None:
-            o = o * np.float32(self.v_scale) if self.sinks is None else o * float(self.v_scale)
-        if o.dtype != self.o_dtype:
-            o = o.astype(self.o_dtype)
+            o = (o * np.float32(self.v_scale)).astype(self.o_dtype)
         if self.out is not None and o is not self.out:
             np.copyto(self.out, o)
             o = self.out
+        lse = self.lse_c
         if self.lse is not None and lse is not self.lse:
             np.copyto(self.lse, lse)
             lse = self.lse

@@ -644,6 +644,7 @@ class AttnParams(ctypes.Structure):
         ("sm_scale", ctypes.c_float),         # 0: 1/sqrt(Dh)
         ("logits_soft_cap", ctypes.c_float),  # > 0 enables cap * tanh(s / cap)
         ("window_left", ctypes.c_int32),      # -1: no window
+        ("sinks", ctypes.POINTER(ctypes.c_float)),  # (Hq) sink logits or NULL
     ]
 
 

@@ -276,17 +276,18 @@ def _run_knobs(info, q_scale, k_scale, v_scale, window_left=None, enable_pdl=Non
     """A planned wrapper's run(): (params with q_scale * k_scale folded into
     sm_scale, f(qa, return_lse, out, lse) -> _compat.Outputs for o of the
     plan's o_data_type (None: q's) and lse (o's first two dimensions)).
-    window_left, enable_pdl: _compat.run_options; sinks: _compat.sinks_array."""
+    window_left, enable_pdl: _compat.run_options; sinks: _compat.with_sinks."""
     _compat.run_options(int(info["params"].window_left), window_left, enable_pdl)
-    sk = None if sinks is None else _compat.sinks_array(sinks, info["num_qo_heads"])
     qc, kc = _compat.calib(q_scale, "q_scale"), _compat.calib(k_scale, "k_scale")
     vc = _compat.calib(v_scale, "v_scale")
     params = _compat.scaled_params(info["params"], info["head_dim"], qc, kc)
+    if sinks is not None:
+        params = _compat.with_sinks(params, sinks, info["num_qo_heads"])
 
     def outputs(qa, return_lse, out, lse):
         o_dt = info.get("o_data_type")
         o_dt = qa.dtype if o_dt is None else o_dt
-        return _compat.Outputs(qa.shape, o_dt, qa.shape[:2], return_lse, out, lse, vc, sk)
+        return _compat.Outputs(qa.shape, o_dt, qa.shape[:2], return_lse, out, lse, vc)
 
     return params, outputs
 

@@ -57,14 +57,18 @@ kvc_status kvc__attn_check_heads(const char *fn, int64_t Hq, int64_t H, int64_t 
     return KVC_OK;
 }
 
-kvc_status kvc__attn_check_params(const char *fn, const kvc_attn_params *p, int64_t D,
-                                kvc_attn_params *out) {
+kvc_status kvc__attn_check_params(const char *fn, const kvc_attn_params *p, int64_t Hq,
+                                  int64_t D, kvc_attn_params *out) {
     *out = p ? *p : kvc_attn_default_params();
     KVC_CHECK(isfinite(out->sm_scale), "%s: sm_scale must be finite", fn);
     KVC_CHECK(isfinite(out->logits_soft_cap) && out->logits_soft_cap >= 0.0f,
               "%s: logits_soft_cap must be finite and >= 0 (0 disables it)", fn);
     KVC_CHECK(out->window_left >= -1, "%s: window_left %d must be >= -1", fn,
               (int)out->window_left);
+    for (int64_t h = 0; out->sinks && h < Hq; h++)
+        KVC_CHECK(!isnan(out->sinks[h]) && out->sinks[h] != INFINITY,
+                  "%s: sinks[%lld] is %g (a logit, or -inf for no sink)", fn, (long long)h,
+                  (double)out->sinks[h]);
     if (out->sm_scale == 0.0f) out->sm_scale = (float)(1.0 / sqrt((double)D));
     return KVC_OK;
 }

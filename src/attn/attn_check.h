@@ -25,9 +25,10 @@ kvc_status kvc__attn_check_io(const char *fn, const kvc_tensor *q, const kvc_ten
 /* Hq, H, D >= 1, Hq % H == 0; D > KVC_ATTN_MAX_DIM is KVC_ERR_UNSUPPORTED. */
 kvc_status kvc__attn_check_heads(const char *fn, int64_t Hq, int64_t H, int64_t D);
 
-/* *out = *p (or the defaults), checked, with sm_scale 0 resolved to 1/sqrt(D). */
-kvc_status kvc__attn_check_params(const char *fn, const kvc_attn_params *p, int64_t D,
-                                  kvc_attn_params *out);
+/* *out = *p (or the defaults), checked (sinks: Hq values, none NaN or
+ * +inf), with sm_scale 0 resolved to 1/sqrt(D). */
+kvc_status kvc__attn_check_params(const char *fn, const kvc_attn_params *p, int64_t Hq,
+                                  int64_t D, kvc_attn_params *out);
 
 /*
  * How a driver hands scores to the kernels (kernels.h attn_decode, prefill.h,

@@ -4,13 +4,15 @@
  * float32 state (o, lse) into the plan's accumulator, every further level
  * into a second buffer that is folded in with merge_state (SEMANTICS
  * section 5) in level order; only then is the caller's out/lse written, so
- * a level that fails validation leaves them untouched.
+ * a level that fails validation leaves them untouched. Attention sinks
+ * (params->sinks) join once, on that last pass, not per level.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "attn_check.h"
+#include "attn_state.h"
 #include "prefill_internal.h"
 #include "../paged/paged_internal.h"
 
@@ -98,6 +100,7 @@ typedef struct merge_ctx {
     int64_t o_sr, o_sh;
     float *lse;
     int64_t l_sr, l_sh;
+    const float *sinks; /* (Hq) or NULL: folded in on the last pass */
 } merge_ctx;
 
 static void store_elem(char *p, kvc_dtype dt, int64_t i, float x) {
@@ -129,9 +132,13 @@ static void merge_task(void *vctx, int64_t t) {
                 }
             }
             if (!c->last) continue;
+            float f = 1.0f, s = *sa;
+            if (c->sinks) /* the merged state as (m, l) = (lse, 1), or empty */
+                f = kvc__attn_finish(s, s > -INFINITY ? 1.0f : 0.0f,
+                                     kvc__attn_sink2(c->sinks, h), &s);
             char *o = c->out + kvc__bytes(c->od, r * c->o_sr + h * c->o_sh);
-            for (int64_t d = 0; d < D; d++) store_elem(o, c->od, d, va[d]);
-            if (c->lse) c->lse[r * c->l_sr + h * c->l_sh] = *sa;
+            for (int64_t d = 0; d < D; d++) store_elem(o, c->od, d, va[d] * f);
+            if (c->lse) c->lse[r * c->l_sr + h * c->l_sh] = s;
         }
 }
 
@@ -147,9 +154,15 @@ kvc_status kvc_cascade_run(kvc_cascade_plan *plan, const kvc_tensor *q,
                tal = kvc_tensor_make(plan->acc_lse, KVC_F32, 2, lsh);
     kvc_tensor tb = kvc_tensor_make(plan->tmp, KVC_F32, 3, osh),
                tbl = kvc_tensor_make(plan->tmp_lse, KVC_F32, 2, lsh);
+    /* the levels run without sinks: a sink joins the softmax once, at the end */
+    kvc_attn_params lp;
+    KVC_TRY(kvc__attn_check_params(fn, params, plan->Hq, plan->D, &lp));
     merge_ctx c;
     memset(&c, 0, sizeof c);
     c.p = plan;
+    c.sinks = lp.sinks;
+    lp.sinks = NULL;
+    params = &lp;
     const int64_t n_tasks = (plan->nnz + MERGE_ROWS - 1) / MERGE_ROWS;
     /* Level runs validate the cache and params before writing their own
      * buffers; the caller's out/lse are written by the last merge only. */

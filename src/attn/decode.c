@@ -21,6 +21,7 @@
 
 #include "kvcache/attention.h"
 #include "attn_check.h"
+#include "attn_state.h"
 #include "../core/internal.h"
 #include "../kernels/kernels.h"
 #include "../paged/paged_internal.h"
@@ -71,6 +72,7 @@ typedef struct attn_ctx {
     int64_t l_sb, l_sh;
     float qscale, cap, sc; /* q multiplier, soft cap, scores to base 2 (kernels.h) */
     int32_t window;
+    const float *sinks; /* (Hq) or NULL */
     const kvc_kernels *kern;
     int amx; /* int8/int4 cache the kernel table's AMX decode takes (chunk_amx) */
 } attn_ctx;
@@ -82,11 +84,12 @@ static void finish_head(const attn_ctx *c, int64_t b, int64_t hq, float m, float
                         const float *acc) {
     char *o = c->out + kvc__bytes(c->od, b * c->o_sb + hq * c->o_sh);
     const int empty = !(l > 0.0f);
-    const float inv = empty ? 0.0f : 1.0f / l;
+    float lse;
+    const float inv = kvc__attn_finish(m, l, kvc__attn_sink2(c->sinks, hq), &lse);
     float t[KVC_ATTN_MAX_DIM];
     for (int64_t d = 0; d < c->D; d++) t[d] = empty ? 0.0f : acc[d] * inv;
     c->kern->convert(t, KVC_F32, o, c->od, c->D);
-    if (c->lse) c->lse[b * c->l_sb + hq * c->l_sh] = empty ? -INFINITY : m + log2f(l);
+    if (c->lse) c->lse[b * c->l_sb + hq * c->l_sh] = lse;
 }
 
 /* First visible key of request b (window_left). */
@@ -525,6 +528,7 @@ static void set_io(attn_ctx *c, const kvc_tensor *q, kvc_tensor *out, kvc_tensor
     c->cap = p->logits_soft_cap;
     kvc__attn_score_scale(p->sm_scale, c->cap, 0, &c->qscale, &c->sc);
     c->window = p->window_left;
+    c->sinks = p->sinks;
     c->Dp = (c->D + 15) / 16 * 16;
 }
 
@@ -546,6 +550,7 @@ kvc_attn_params kvc_attn_default_params(void) {
     p.sm_scale = 0.0f;
     p.logits_soft_cap = 0.0f;
     p.window_left = -1;
+    p.sinks = NULL;
     return p;
 }
 
@@ -568,7 +573,7 @@ kvc_status kvc_single_decode(const kvc_tensor *q, const kvc_tensor *k, const kvc
     KVC_TRY(kvc__attn_check_io(fn, q, out, lse, 2, qshape));
     KVC_TRY(kvc__attn_check_heads(fn, Hq, H, D));
     kvc_attn_params p;
-    KVC_TRY(kvc__attn_check_params(fn, params, D, &p));
+    KVC_TRY(kvc__attn_check_params(fn, params, Hq, D, &p));
 
     int64_t len = L, nch = chunks_of(L), task0[2] = {0, nch}, part0 = 0;
     float *part = NULL;
@@ -691,7 +696,7 @@ kvc_status kvc_decode_run(kvc_decode_plan *plan, const kvc_tensor *q,
     KVC_TRY(kvc__attn_check_io(fn, q, out, lse, 3, qshape));
     KVC_TRY(kvc__attn_check_paged(fn, cache, plan->page_size, plan->H, plan->D, plan->max_page));
     kvc_attn_params p;
-    KVC_TRY(kvc__attn_check_params(fn, params, plan->D, &p));
+    KVC_TRY(kvc__attn_check_params(fn, params, plan->Hq, plan->D, &p));
 
     attn_ctx c;
     memset(&c, 0, sizeof c);

@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "attn_check.h"
+#include "attn_state.h"
 #include "prefill_internal.h"
 #include "../kernels/kernels.h"
 #include "../kernels/prefill.h"
@@ -128,6 +129,7 @@ typedef struct pf_ctx {
     const kvc__pf_io *io;
     float qscale, cap, sc; /* q multiplier, soft cap, scores to base 2 (prefill.h) */
     int32_t window;
+    const float *sinks; /* (Hq) or NULL */
     kvc__pf_scratch *scr;
     const kvc_kernels *kern;
     const kvc_prefill_kernels *pk;
@@ -294,28 +296,30 @@ static void pf_task(void *vctx, int64_t t) {
         const int64_t row = b->qo0[r] + i0 + m / ng, hq = hq0 + m % ng;
         char *o = io->out + kvc__bytes(io->od, row * io->o_sr + hq * io->o_sh);
         const int empty = !(s.l[m] > 0.0f);
-        const float inv = empty ? 0.0f : 1.0f / s.l[m];
+        float lse;
+        const float inv = kvc__attn_finish(s.m[m], s.l[m], kvc__attn_sink2(c->sinks, hq), &lse);
         /* + 0.0f: a zero is +0 whatever blocks the lane skipped */
         for (int64_t d = 0; d < D; d++) s.row[d] = empty ? 0.0f : s.ot[d * Mp + m] * inv + 0.0f;
         c->kern->convert(s.row, KVC_F32, o, io->od, D);
-        if (io->lse) io->lse[row * io->l_sr + hq * io->l_sh] = empty ? -INFINITY : s.m[m] + log2f(s.l[m]);
+        if (io->lse) io->lse[row * io->l_sr + hq * io->l_sh] = lse;
     }
     atomic_store(&scr->busy[slot], 0);
 }
 
 void kvc__pf_execute(const kvc__pf_batch *b, const kvc__pf_kv *kv, const kvc__pf_mask *mask,
-                     const kvc__pf_io *io, float sm_scale, float cap, int32_t window,
-                     kvc__pf_scratch *scr, kvc_threadpool *pool) {
+                     const kvc__pf_io *io, const kvc_attn_params *p, kvc__pf_scratch *scr,
+                     kvc_threadpool *pool) {
     static const kvc__pf_mask none = {KVC__PF_MASK_NONE, NULL, NULL, NULL, KVC_F32, 0, 0, NULL, NULL};
     pf_ctx c;
     c.b = b;
     c.kv = kv;
     c.mask = mask ? mask : &none;
     c.io = io;
-    c.cap = cap;
+    c.cap = p->logits_soft_cap;
     /* an additive mask is added in base 2: q scaled first */
-    kvc__attn_score_scale(sm_scale, cap, c.mask->kind == KVC__PF_MASK_ADD, &c.qscale, &c.sc);
-    c.window = window;
+    kvc__attn_score_scale(p->sm_scale, c.cap, c.mask->kind == KVC__PF_MASK_ADD, &c.qscale, &c.sc);
+    c.window = p->window_left;
+    c.sinks = p->sinks;
     c.scr = scr;
     c.kern = kvc__kernels();
     c.pk = kvc__prefill_kernels();
@@ -471,7 +475,7 @@ kvc_status kvc_single_prefill(const kvc_tensor *q, const kvc_tensor *k, const kv
     KVC_TRY(kvc__attn_check_heads(fn, Hq, H, D));
     KVC_CHECK(L <= INT32_MAX, "%s: kv_len %lld is too long", fn, (long long)L);
     kvc_attn_params p;
-    KVC_TRY(kvc__attn_check_params(fn, params, D, &p));
+    KVC_TRY(kvc__attn_check_params(fn, params, Hq, D, &p));
     int64_t byte0 = 0;
     uint8_t *bits = NULL;
     KVC_TRY(pack_masks(fn, custom_mask, packed_custom_mask, 1, &qo, &L, &bits, &byte0));
@@ -509,7 +513,7 @@ kvc_status kvc_single_prefill(const kvc_tensor *q, const kvc_tensor *k, const kv
     }
     kvc__pf_io io;
     kvc__pf_set_io(&io, q, out, lse);
-    kvc__pf_execute(&b, &kv, &mk, &io, p.sm_scale, p.logits_soft_cap, p.window_left, scr, pool);
+    kvc__pf_execute(&b, &kv, &mk, &io, &p, scr, pool);
     kvc__pf_scratch_destroy(scr);
     free(bits);
     return KVC_OK;
@@ -699,8 +703,7 @@ static kvc_status run_plan(const char *fn, kvc_prefill_plan *plan, const kvc_ten
         mk.bits = plan->bits;
         mk.byte0 = plan->byte0;
     }
-    kvc__pf_execute(&plan->batch, kv, &mk, &io, p->sm_scale, p->logits_soft_cap, p->window_left,
-                    plan->scr, pool);
+    kvc__pf_execute(&plan->batch, kv, &mk, &io, p, plan->scr, pool);
     (void)fn;
     return KVC_OK;
 }
@@ -714,7 +717,7 @@ static kvc_status check_run(const char *fn, kvc_prefill_plan *plan, int paged, c
               plan->paged ? "paged" : "ragged");
     KVC_CHECK(q != NULL && out != NULL, "%s: q and out must not be NULL", fn);
     KVC_TRY(kvc__pf_check_io(fn, q, out, lse, plan->nnz_qo, plan->Hq, plan->D));
-    KVC_TRY(kvc__attn_check_params(fn, params, plan->D, p));
+    KVC_TRY(kvc__attn_check_params(fn, params, plan->Hq, plan->D, p));
     return kvc__pf_check_pool(fn, pool, plan->scr);
 }
 

@@ -104,10 +104,10 @@ int64_t kvc__pf_scratch_slots(const kvc__pf_scratch *s);
 int64_t kvc__pf_tiling(kvc__pf_batch *b, int64_t *task0);
 
 /* Runs every task on the pool (whose thread count must not exceed the
- * scratch's slots). sm_scale already resolved (not 0). */
+ * scratch's slots). p checked (kvc__attn_check_params: sm_scale not 0). */
 void kvc__pf_execute(const kvc__pf_batch *b, const kvc__pf_kv *kv, const kvc__pf_mask *mask,
-                     const kvc__pf_io *io, float sm_scale, float cap, int32_t window,
-                     kvc__pf_scratch *scr, kvc_threadpool *pool);
+                     const kvc__pf_io *io, const kvc_attn_params *p, kvc__pf_scratch *scr,
+                     kvc_threadpool *pool);
 
 /* Validation shared with cascade.c and pmx_attention.c (with attn_check.h). */
 /* q and out (rows, Hq, D) float dtypes, lse (rows, Hq) float32 or NULL. */

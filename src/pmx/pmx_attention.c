@@ -201,7 +201,9 @@ kvc_status kvc_pmx_dynamic_multi_head_cache_attention(
         }
         kvc__pf_io io;
         kvc__pf_set_io(&io, query, attn_output, NULL);
-        kvc__pf_execute(&bt, &kv, &mk, &io, (float)(1.0 / sqrt((double)D)), 0.0f, -1, scr, pool);
+        kvc_attn_params ap = kvc_attn_default_params();
+        ap.sm_scale = (float)(1.0 / sqrt((double)D));
+        kvc__pf_execute(&bt, &kv, &mk, &io, &ap, scr, pool);
     }
     kvc__pf_scratch_destroy(scr);
     free(causal);
