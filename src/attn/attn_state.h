@@ -6,6 +6,7 @@
 #define KVC_ATTN_STATE_H
 
 #include <math.h>
+#include <stdint.h>
 
 /* Head hq's sink logit in base 2 (sinks: (Hq) natural units, or NULL: -inf). */
 static inline float kvc__attn_sink2(const float *sinks, int64_t hq) {
