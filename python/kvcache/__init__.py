@@ -12,7 +12,7 @@ Modules:
                    (re-exported)
     kvcache.gguf   GGUFFile: GGUF files through the C reader (re-exported)
     kvcache.gguf_writer  GGUF writer, ggml quantizers, tiny llama models (tests)
-    kvcache.prefill  prefill attention: single_prefill_with_kv_cache,
+    kvcache.prefill  prefill attention: single_prefill_with_kv_cache(_return_lse),
                    BatchPrefillWith{Paged,Ragged}KVCacheWrapper (re-exported)
     kvcache.cascade  MultiLevelCascadeAttentionWrapper (re-exported)
     kvcache.mla    BatchMLAPagedAttentionWrapper: MLA over ckv/kpe pages (re-exported)
@@ -73,6 +73,7 @@ from .prefill import (
     BatchPrefillWithPagedKVCacheWrapper,
     BatchPrefillWithRaggedKVCacheWrapper,
     single_prefill_with_kv_cache,
+    single_prefill_with_kv_cache_return_lse,
 )
 from .cascade import MultiLevelCascadeAttentionWrapper
 from .mla import BatchMLAPagedAttentionWrapper
@@ -121,6 +122,7 @@ __all__ = [
     "Model",
     "Engine",
     "single_prefill_with_kv_cache",
+    "single_prefill_with_kv_cache_return_lse",
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper",
     "MultiLevelCascadeAttentionWrapper",

@@ -235,6 +235,24 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
     return outs.result(return_lse)
 
 
+def single_prefill_with_kv_cache_return_lse(q, k, v, scale_q=None, scale_k=None, scale_v=None,
+                                            o_dtype=None, custom_mask=None,
+                                            packed_custom_mask=None, causal=False,
+                                            kv_layout="NHD", pos_encoding_mode="NONE",
+                                            use_fp16_qk_reduction=False, sm_scale=None,
+                                            window_left=-1, logits_soft_cap=None,
+                                            rope_scale=None, rope_theta=None, backend="auto", *,
+                                            return_lse=True, **kwargs):
+    """flashinfer.single_prefill_with_kv_cache_return_lse: the same call as
+    single_prefill_with_kv_cache (arguments in FlashInfer's order, the rest
+    (kv_cache_sf, k_scale, v_scale, quant_group, num_threads, out_dtype) by
+    keyword), returning (o, lse) unless return_lse=False."""
+    return single_prefill_with_kv_cache(
+        q, k, v, scale_q, scale_k, scale_v, o_dtype, custom_mask, packed_custom_mask, causal,
+        kv_layout, pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left,
+        logits_soft_cap, rope_scale, rope_theta, backend, return_lse, **kwargs)
+
+
 # ---------------------------------------------------------------------------
 # Batched prefill
 

@@ -139,6 +139,32 @@ def test_single_prefill_o_dtype(rng):
     ar.assert_close(o, 3.0 * want, 1e-3, "prefill calibration scales", out_dtype=F16)
 
 
+def test_single_prefill_return_lse_variant(rng):
+    """single_prefill_with_kv_cache_return_lse: (o, lse) by default, the same
+    bits as single_prefill_with_kv_cache(..., return_lse=True), FlashInfer's
+    positional order, o alone with return_lse=False, the extras by keyword."""
+    q = rng.standard_normal((6, 4, 32)).astype(F32)
+    k = rng.standard_normal((9, 2, 32)).astype(F32)
+    v = rng.standard_normal((9, 2, 32)).astype(F32)
+    o, lse = kvcache.single_prefill_with_kv_cache_return_lse(q, k, v, causal=True)
+    want_o, want_l = ar.prefill(ar.f64(q), ar.f64(k), ar.f64(v), causal=True)
+    ar.assert_close(o, want_o, 1e-5, "return_lse variant o")
+    ar.assert_close(lse, want_l, 1e-5, "return_lse variant lse")
+    o2, lse2 = kvcache.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True)
+    np.testing.assert_array_equal(o, o2)
+    np.testing.assert_array_equal(lse, lse2)
+    # positional: scale_q .. o_dtype, custom_mask, packed_custom_mask, causal, kv_layout
+    o3, _ = kvcache.single_prefill_with_kv_cache_return_lse(q, k, v, None, None, None, "float16",
+                                                            None, None, True, "NHD")
+    assert o3.dtype == F16
+    ar.assert_close(o3, want_o, 1e-3, "return_lse variant o_dtype")
+    o4 = kvcache.single_prefill_with_kv_cache_return_lse(q, k, v, causal=True, return_lse=False,
+                                                         num_threads=1)
+    np.testing.assert_array_equal(o4, o)
+    with pytest.raises(kvcache.UnsupportedError):
+        kvcache.single_prefill_with_kv_cache_return_lse(q, k, v, backend="fa3")
+
+
 def test_batch_decode_knobs(rng):
     lens = [5, 1, 13]
     hq, h, dh = 4, 2, 32
