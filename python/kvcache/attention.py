@@ -34,6 +34,7 @@ count.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 
 import numpy as np
@@ -518,6 +519,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             self._num_threads)
         del keep
         return outs.result(return_lse)
+
+    #: FlashInfer's run_return_lse: run(..., return_lse=True), returning (o, lse).
+    run_return_lse = functools.partialmethod(run, return_lse=True)
 
     def _free_plan(self) -> None:
         if self._plan is not None:

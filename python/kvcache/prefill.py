@@ -46,6 +46,7 @@ every CPU.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 
@@ -454,6 +455,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         del keep
         return outs.result(return_lse)
 
+    #: FlashInfer's run_return_lse: run(..., return_lse=True), returning (o, lse).
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+
 
 class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
     """Batched prefill over ragged K/V (flashinfer.BatchPrefillWithRaggedKVCacheWrapper):
@@ -540,3 +544,6 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
             self._num_threads)
         del ka, va, scales
         return outs.result(return_lse)
+
+    #: FlashInfer's run_return_lse: run(..., return_lse=True), returning (o, lse).
+    run_return_lse = functools.partialmethod(run, return_lse=True)

@@ -342,6 +342,34 @@ def test_run_sinks(rng):
     ar.assert_close(lse, want_l, 1e-3, "ragged prefill sinks lse")
 
 
+def test_run_return_lse(rng):
+    """wrapper.run_return_lse(...) is run(..., return_lse=True), as in FlashInfer."""
+    hq, h, dh = 4, 2, 32
+    lens = [5, 12]
+    cache, indptr, indices, last, kv = _paged(rng, lens)
+    q = rng.standard_normal((2, hq, dh)).astype(F32)
+    w = kvcache.BatchDecodeWithPagedKVCacheWrapper(None, "NHD")
+    w.plan(indptr, indices, last, hq, h, dh, 4)
+    o, lse = w.run_return_lse(q, cache)
+    want_o, want_l = _decode_ref(q, kv, 1.0 / math.sqrt(dh))
+    ar.assert_close(o, want_o, 1e-5, "decode run_return_lse")
+    ar.assert_close(lse, want_l, 1e-5, "decode run_return_lse lse")
+    qo = np.array([0, 3, 7], np.int32)
+    qp = rng.standard_normal((7, hq, dh)).astype(F32)
+    pw = kvcache.BatchPrefillWithPagedKVCacheWrapper(None, "NHD")
+    pw.plan(qo, indptr, indices, last, hq, h, dh, 4, causal=True)
+    got = pw.run_return_lse(qp, cache)
+    for a, b in zip(got, pw.run(qp, cache, return_lse=True)):
+        np.testing.assert_array_equal(a, b)
+    rw = kvcache.BatchPrefillWithRaggedKVCacheWrapper(None, "NHD")
+    rw.plan(qo, np.array([0, 5, 17], np.int32), hq, h, dh, causal=True)
+    k_r = np.concatenate([k for k, _ in kv])
+    v_r = np.concatenate([v for _, v in kv])
+    o_r, l_r = rw.run_return_lse(qp, k_r, v_r)
+    np.testing.assert_array_equal(o_r, got[0])
+    np.testing.assert_array_equal(l_r, got[1])
+
+
 def test_host_and_split_options(rng):
     """plan(non_blocking=, fixed_split_size=, disable_split_kv=, data_type=,
     rope_scale=, rope_theta=) and run(window_left=, enable_pdl=, sinks=None) as
