@@ -732,6 +732,54 @@ TEST(mask_equivalences) {
     return 0;
 }
 
+/* kvc_prefill_plan_set_causal: a plan made without causal, switched on,
+ * gives the causal plan's bits (and back); a custom mask stays in force. */
+TEST(set_causal) {
+    enum { QO = 21, KV = 50, Hq = 4, H = 2, D = 32 };
+    uint64_t rng = test_seed + 550;
+    store s;
+    store_init(&s, KVC_F16, KVC_F16, 8, KVC_NHD, 0, 1, KV, H, D);
+    store_fill(&s, &rng, 1.0f);
+    float q[QO * Hq * D], o[4][QO * Hq * D];
+    for (int i = 0; i < QO * Hq * D; i++) q[i] = test_rng_f32(&rng);
+    int32_t qo[2] = {0, QO}, kv[2] = {0, KV};
+    uint8_t all[QO * KV];
+    memset(all, 1, sizeof all);
+    int64_t n2 = 2, nm = QO * KV, qsh[3] = {QO, Hq, D};
+    kvc_tensor tqo = kvc_tensor_make(qo, KVC_I32, 1, &n2), tkv = kvc_tensor_make(kv, KVC_I32, 1, &n2),
+               tm = kvc_tensor_make(all, KVC_U8, 1, &nm), tq = kvc_tensor_make(q, KVC_F32, 3, qsh);
+    kvc_prefill_plan *pn = NULL, *pc = NULL, *pm = NULL;
+    ASSERT_OK(kvc_prefill_plan_create_ragged(&tqo, &tkv, Hq, H, D, 0, NULL, NULL, 2, &pn));
+    ASSERT_OK(kvc_prefill_plan_create_ragged(&tqo, &tkv, Hq, H, D, 1, NULL, NULL, 2, &pc));
+    ASSERT_OK(kvc_prefill_plan_create_ragged(&tqo, &tkv, Hq, H, D, 0, &tm, NULL, 2, &pm));
+#define RUN_INTO(plan, i)                                                                          \
+    do {                                                                                           \
+        kvc_tensor to_ = kvc_tensor_make(o[i], KVC_F32, 3, qsh);                                   \
+        ASSERT_OK(kvc_prefill_run_ragged(plan, &tq, &s.tk, &s.tv, NULL, NULL, 0, KVC_NHD, NULL,    \
+                                         &to_, NULL, test_pool(2)));                               \
+    } while (0)
+    RUN_INTO(pn, 0); /* not causal */
+    RUN_INTO(pc, 1); /* causal */
+    ASSERT_TRUE(memcmp(o[0], o[1], sizeof o[0]) != 0);
+    ASSERT_OK(kvc_prefill_plan_set_causal(pn, 1));
+    RUN_INTO(pn, 2);
+    ASSERT_MEM_EQ(o[2], o[1], sizeof o[0]);
+    ASSERT_OK(kvc_prefill_plan_set_causal(pn, 0));
+    RUN_INTO(pn, 2);
+    ASSERT_MEM_EQ(o[2], o[0], sizeof o[0]);
+    ASSERT_OK(kvc_prefill_plan_set_causal(pm, 1)); /* the all-visible mask stays */
+    RUN_INTO(pm, 3);
+    ASSERT_MEM_EQ(o[3], o[0], sizeof o[0]);
+#undef RUN_INTO
+    ASSERT_STATUS(kvc_prefill_plan_set_causal(pn, 2), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_prefill_plan_set_causal(NULL, 1), KVC_ERR_INVALID_ARG);
+    kvc_prefill_plan_destroy(pn);
+    kvc_prefill_plan_destroy(pc);
+    kvc_prefill_plan_destroy(pm);
+    store_free(&s);
+    return 0;
+}
+
 /* ---- cascade ------------------------------------------------------------------ */
 
 /* Two levels (a shared prefix for all requests at level 0, each request's
@@ -1122,6 +1170,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(edge_rows),
     TEST_ENTRY(large_negative_scores),
     TEST_ENTRY(row_independence),
+    TEST_ENTRY(set_causal),
     TEST_ENTRY(mask_equivalences),
     TEST_ENTRY(cascade_two_levels),
     TEST_ENTRY(pmx_mhca),

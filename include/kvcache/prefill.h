@@ -95,6 +95,12 @@ KVC_API kvc_status kvc_prefill_plan_create_ragged(const kvc_tensor *qo_indptr,
 
 KVC_API void kvc_prefill_plan_destroy(kvc_prefill_plan *plan); /* NULL is a no-op */
 
+/* Turns the plan's causal mask on (1) or off (0) for later runs, as
+ * FlashInfer's run-time mask mode (its deprecated forward(causal=...)):
+ * the work partition does not depend on it. A plan with a custom mask keeps
+ * the mask (causal stays ignored). */
+KVC_API kvc_status kvc_prefill_plan_set_causal(kvc_prefill_plan *plan, int32_t causal);
+
 /*
  *   q      (qo_indptr[B], Hq, Dh) float32/float16/bfloat16
  *   cache  paged cache matching the plan (page_size, H, Dh); page ids inside it

@@ -471,6 +471,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
             "params": params,
         }
 
+    #: FlashInfer's deprecated name for plan.
+    begin_forward = plan
+
     def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False, *, q_scale=None,
             k_scale=None, v_scale=None, out=None, lse=None, window_left=None, enable_pdl=None,
             sinks=None):
@@ -522,6 +525,27 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     #: FlashInfer's run_return_lse: run(..., return_lse=True), returning (o, lse).
     run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    def forward(self, q, paged_kv_cache, pos_encoding_mode="NONE", q_scale=None, k_scale=None,
+                v_scale=None, window_left=-1, logits_soft_cap=None, sm_scale=None,
+                rope_scale=None, rope_theta=None, return_lse=False):
+        """FlashInfer's deprecated forward(): run() after window_left,
+        logits_soft_cap and sm_scale replace the planned ones (for later
+        run() calls too, as in FlashInfer; nothing changes if one is
+        refused); rope_scale and rope_theta are ignored ("NONE" encoding)."""
+        if self._plan is None:
+            raise InvalidArgumentError("BatchDecodeWithPagedKVCacheWrapper.forward: call plan() "
+                                       "(begin_forward) first")
+        _compat.neutral("pos_encoding_mode", pos_encoding_mode, ("NONE", None))
+        self._info["params"] = _attn_params(sm_scale, logits_soft_cap, window_left)
+        return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                        return_lse=return_lse)
+
+    #: FlashInfer's deprecated forward_return_lse: forward(..., return_lse=True).
+    forward_return_lse = functools.partialmethod(forward, return_lse=True)
+
+    def end_forward(self) -> None:
+        """FlashInfer's deprecated end_forward(): nothing to do."""
 
     def _free_plan(self) -> None:
         if self._plan is not None:

@@ -69,6 +69,7 @@ from .paged import _layout_code
 
 __all__ = [
     "single_prefill_with_kv_cache",
+    "single_prefill_with_kv_cache_return_lse",
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper",
 ]
@@ -98,6 +99,8 @@ kvc_prefill_plan_create_ragged = _lib.optional_proto(
     "kvc_prefill_plan_create_ragged", _c_int, _TP, _TP, _i32, _i32, _i32, _i32, _TP, _TP, _i32,
     ctypes.POINTER(_vp))
 kvc_prefill_plan_destroy = _lib.optional_proto("kvc_prefill_plan_destroy", None, _vp)
+kvc_prefill_plan_set_causal = _lib.optional_proto("kvc_prefill_plan_set_causal", _c_int, _vp,
+                                                  _i32)
 kvc_prefill_run_paged = _lib.optional_proto(
     "kvc_prefill_run_paged", _c_int, _vp, _TP, _PCP, _AP, _TP, _TP, _vp)
 kvc_prefill_run_ragged = _lib.optional_proto(
@@ -305,6 +308,23 @@ class _PrefillWrapperBase:
         self._plan = ptr.value
         self._info = info
 
+    def _forward_options(self, causal, pos_encoding_mode, use_fp16_qk_reduction, window_left,
+                         logits_soft_cap, sm_scale) -> None:
+        """FlashInfer's deprecated forward(): its attention options replace
+        the planned ones, for later run() calls too (as FlashInfer keeps
+        them); nothing changes if one is refused."""
+        if self._plan is None:
+            raise InvalidArgumentError(f"{self._name}.forward: call plan() (begin_forward) "
+                                       f"first")
+        _check_flashinfer_only(None, None, pos_encoding_mode, use_fp16_qk_reduction)
+        params = _attn_params(sm_scale, logits_soft_cap, window_left)
+        c = _causal_flag(causal)
+        _lib.check(kvc_prefill_plan_set_causal(self._plan, c))
+        self._info["causal"], self._info["params"] = c, params
+
+    def end_forward(self) -> None:
+        """FlashInfer's deprecated end_forward(): nothing to do."""
+
     def _check_q(self, q):
         if self._plan is None:
             raise InvalidArgumentError(f"{self._name}.run: call plan() first")
@@ -408,6 +428,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         info["page_size"] = page_size
         self._install(ptr, info)
 
+    #: FlashInfer's deprecated name for plan.
+    begin_forward = plan
+
     def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False, *, q_scale=None,
             k_scale=None, v_scale=None, out=None, lse=None, window_left=None, enable_pdl=None,
             sinks=None):
@@ -458,6 +481,22 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
     #: FlashInfer's run_return_lse: run(..., return_lse=True), returning (o, lse).
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
+    def forward(self, q, paged_kv_cache, causal=False, pos_encoding_mode="NONE",
+                use_fp16_qk_reduction=False, k_scale=None, v_scale=None, window_left=-1,
+                logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None,
+                return_lse=False):
+        """FlashInfer's deprecated forward(): run() after these options
+        replace the planned causal, window_left, logits_soft_cap and sm_scale
+        (for later run() calls too, as in FlashInfer); rope_scale and
+        rope_theta are ignored ("NONE" encoding)."""
+        self._forward_options(causal, pos_encoding_mode, use_fp16_qk_reduction, window_left,
+                              logits_soft_cap, sm_scale)
+        return self.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale,
+                        return_lse=return_lse)
+
+    #: FlashInfer's deprecated forward_return_lse: forward(..., return_lse=True).
+    forward_return_lse = functools.partialmethod(forward, return_lse=True)
+
 
 class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
     """Batched prefill over ragged K/V (flashinfer.BatchPrefillWithRaggedKVCacheWrapper):
@@ -499,6 +538,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
             ctypes.byref(qo_t), ctypes.byref(kv_t), *heads, info["causal"], _ref(cm_t),
             _ref(pm_t), self._num_threads, ctypes.byref(ptr)))
         self._install(ptr, info)
+
+    #: FlashInfer's deprecated name for plan.
+    begin_forward = plan
 
     def run(self, q, k, v, kv_scale=None, return_lse=False, *, q_scale=None, k_scale=None,
             v_scale=None, out=None, lse=None, window_left=None, enable_pdl=None, sinks=None):
@@ -547,3 +589,15 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
 
     #: FlashInfer's run_return_lse: run(..., return_lse=True), returning (o, lse).
     run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    def forward(self, q, k, v, causal=False, pos_encoding_mode="NONE",
+                use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None,
+                sm_scale=None, rope_scale=None, rope_theta=None, return_lse=False):
+        """FlashInfer's deprecated forward(): run() after these options
+        replace the planned ones (as BatchPrefillWithPagedKVCacheWrapper.forward)."""
+        self._forward_options(causal, pos_encoding_mode, use_fp16_qk_reduction, window_left,
+                              logits_soft_cap, sm_scale)
+        return self.run(q, k, v, return_lse=return_lse)
+
+    #: FlashInfer's deprecated forward_return_lse: forward(..., return_lse=True).
+    forward_return_lse = functools.partialmethod(forward, return_lse=True)

@@ -370,6 +370,66 @@ def test_run_return_lse(rng):
     np.testing.assert_array_equal(l_r, got[1])
 
 
+def test_deprecated_forward_api(rng):
+    """begin_forward / forward / forward_return_lse / end_forward, FlashInfer's
+    deprecated names some engines still call: forward's options (causal,
+    window_left, logits_soft_cap, sm_scale) replace the planned ones, for
+    later run() calls too, as in FlashInfer; a refused option changes
+    nothing."""
+    hq, h, dh = 4, 2, 32
+    lens = [6, 13]
+    cache, indptr, indices, last, kv = _paged(rng, lens)
+    q = rng.standard_normal((2, hq, dh)).astype(F32)
+    w = kvcache.BatchDecodeWithPagedKVCacheWrapper(None, "NHD")
+    w.begin_forward(indptr, indices, last, hq, h, dh, 4)
+    plain = w.run(q, cache)
+    o = w.forward(q, cache, sm_scale=0.3, logits_soft_cap=5.0, window_left=3)
+    want = np.stack([ar.prefill(ar.f64(q[b:b + 1]), ar.f64(k), ar.f64(v), window_left=3,
+                                sm_scale=0.3, cap=5.0)[0][0] for b, (k, v) in enumerate(kv)])
+    ar.assert_close(o, want, 1e-5, "decode forward")
+    np.testing.assert_array_equal(w.run(q, cache), o)  # the options stay
+    o2, lse = w.forward_return_lse(q, cache, sm_scale=0.3, logits_soft_cap=5.0, window_left=3)
+    np.testing.assert_array_equal(o2, o)
+    assert lse.shape == (2, hq)
+    with pytest.raises(kvcache.UnsupportedError):
+        w.forward(q, cache, pos_encoding_mode="ROPE_LLAMA")
+    np.testing.assert_array_equal(w.run(q, cache), o)
+    assert w.end_forward() is None
+    np.testing.assert_array_equal(w.forward(q, cache), plain)
+
+    # paged prefill planned without causal, forward(causal=True) = a causal plan
+    qo = np.array([0, 4, 9], np.int32)
+    qp = rng.standard_normal((9, hq, dh)).astype(F32)
+    causal_plan = kvcache.BatchPrefillWithPagedKVCacheWrapper(None, "NHD")
+    causal_plan.plan(qo, indptr, indices, last, hq, h, dh, 4, causal=True)
+    want_c, want_cl = causal_plan.run_return_lse(qp, cache)
+    ref = np.concatenate([ar.prefill(ar.f64(qp[qo[b]:qo[b + 1]]), ar.f64(k), ar.f64(v),
+                                     causal=True)[0] for b, (k, v) in enumerate(kv)])
+    ar.assert_close(want_c, ref, 1e-5, "causal prefill")
+    pw = kvcache.BatchPrefillWithPagedKVCacheWrapper(None, "NHD")
+    pw.begin_forward(qo, indptr, indices, last, hq, h, dh, 4)
+    not_causal = pw.run(qp, cache)
+    assert not np.array_equal(not_causal, want_c)
+    np.testing.assert_array_equal(pw.forward(qp, cache, causal=True), want_c)
+    np.testing.assert_array_equal(pw.run(qp, cache), want_c)  # causal stays
+    with pytest.raises(kvcache.InvalidArgumentError):
+        pw.forward(qp, cache, causal=False, sm_scale=float("nan"))
+    np.testing.assert_array_equal(pw.run(qp, cache), want_c)  # nothing changed
+    o_l, l_l = pw.forward_return_lse(qp, cache, causal=False)
+    np.testing.assert_array_equal(o_l, not_causal)
+    pw.end_forward()
+
+    # ragged
+    rw = kvcache.BatchPrefillWithRaggedKVCacheWrapper(None, "NHD")
+    rw.begin_forward(qo, np.array([0, 6, 19], np.int32), hq, h, dh)
+    k_r = np.concatenate([k for k, _ in kv])
+    v_r = np.concatenate([v for _, v in kv])
+    o_r, l_r = rw.forward_return_lse(qp, k_r, v_r, causal=True)
+    np.testing.assert_array_equal(o_r, want_c)
+    np.testing.assert_array_equal(l_r, want_cl)
+    np.testing.assert_array_equal(rw.forward(qp, k_r, v_r), not_causal)
+
+
 def test_host_and_split_options(rng):
     """plan(non_blocking=, fixed_split_size=, disable_split_kv=, data_type=,
     rope_scale=, rope_theta=) and run(window_left=, enable_pdl=, sinks=None) as

@@ -591,6 +591,14 @@ static kvc_status plan_finish(const char *fn, kvc_prefill_plan *p, int32_t causa
     return kvc__pf_scratch_create(fn, nt, p->D, &p->scr);
 }
 
+kvc_status kvc_prefill_plan_set_causal(kvc_prefill_plan *plan, int32_t causal) {
+    static const char fn[] = "kvc_prefill_plan_set_causal";
+    KVC_CHECK(plan != NULL, "%s: plan is NULL", fn);
+    KVC_CHECK(causal == 0 || causal == 1, "%s: causal must be 0 or 1, got %d", fn, (int)causal);
+    for (int64_t r = 0; r < plan->B; r++) plan->causal[r] = causal && !plan->bits;
+    return KVC_OK;
+}
+
 static kvc_status check_plan_args(const char *fn, int32_t Hq, int32_t H, int32_t D,
                                   int32_t n_threads, kvc_prefill_plan **out) {
     KVC_CHECK(out != NULL, "%s: out is NULL", fn);
