@@ -528,18 +528,19 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def forward(self, q, paged_kv_cache, pos_encoding_mode="NONE", q_scale=None, k_scale=None,
                 v_scale=None, window_left=-1, logits_soft_cap=None, sm_scale=None,
-                rope_scale=None, rope_theta=None, return_lse=False):
+                rope_scale=None, rope_theta=None, return_lse=False, *, kv_scale=None):
         """FlashInfer's deprecated forward(): run() after window_left,
         logits_soft_cap and sm_scale replace the planned ones (for later
         run() calls too, as in FlashInfer; nothing changes if one is
-        refused); rope_scale and rope_theta are ignored ("NONE" encoding)."""
+        refused); rope_scale and rope_theta are ignored ("NONE" encoding).
+        kv_scale: int8/int4 caches, as run's."""
         if self._plan is None:
             raise InvalidArgumentError("BatchDecodeWithPagedKVCacheWrapper.forward: call plan() "
                                        "(begin_forward) first")
         _compat.neutral("pos_encoding_mode", pos_encoding_mode, ("NONE", None))
         self._info["params"] = _attn_params(sm_scale, logits_soft_cap, window_left)
-        return self.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-                        return_lse=return_lse)
+        return self.run(q, paged_kv_cache, kv_scale, return_lse, q_scale=q_scale,
+                        k_scale=k_scale, v_scale=v_scale)
 
     #: FlashInfer's deprecated forward_return_lse: forward(..., return_lse=True).
     forward_return_lse = functools.partialmethod(forward, return_lse=True)

@@ -484,15 +484,16 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
     def forward(self, q, paged_kv_cache, causal=False, pos_encoding_mode="NONE",
                 use_fp16_qk_reduction=False, k_scale=None, v_scale=None, window_left=-1,
                 logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None,
-                return_lse=False):
+                return_lse=False, *, kv_scale=None):
         """FlashInfer's deprecated forward(): run() after these options
         replace the planned causal, window_left, logits_soft_cap and sm_scale
         (for later run() calls too, as in FlashInfer); rope_scale and
-        rope_theta are ignored ("NONE" encoding)."""
+        rope_theta are ignored ("NONE" encoding). kv_scale: int8/int4
+        caches, as run's."""
         self._forward_options(causal, pos_encoding_mode, use_fp16_qk_reduction, window_left,
                               logits_soft_cap, sm_scale)
-        return self.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale,
-                        return_lse=return_lse)
+        return self.run(q, paged_kv_cache, kv_scale, return_lse, k_scale=k_scale,
+                        v_scale=v_scale)
 
     #: FlashInfer's deprecated forward_return_lse: forward(..., return_lse=True).
     forward_return_lse = functools.partialmethod(forward, return_lse=True)
@@ -592,12 +593,14 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
 
     def forward(self, q, k, v, causal=False, pos_encoding_mode="NONE",
                 use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None,
-                sm_scale=None, rope_scale=None, rope_theta=None, return_lse=False):
+                sm_scale=None, rope_scale=None, rope_theta=None, return_lse=False, *,
+                kv_scale=None):
         """FlashInfer's deprecated forward(): run() after these options
-        replace the planned ones (as BatchPrefillWithPagedKVCacheWrapper.forward)."""
+        replace the planned ones (as BatchPrefillWithPagedKVCacheWrapper.forward;
+        kv_scale: int8/int4 k/v, as run's)."""
         self._forward_options(causal, pos_encoding_mode, use_fp16_qk_reduction, window_left,
                               logits_soft_cap, sm_scale)
-        return self.run(q, k, v, return_lse=return_lse)
+        return self.run(q, k, v, kv_scale, return_lse)
 
     #: FlashInfer's deprecated forward_return_lse: forward(..., return_lse=True).
     forward_return_lse = functools.partialmethod(forward, return_lse=True)

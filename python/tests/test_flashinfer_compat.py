@@ -396,6 +396,11 @@ def test_deprecated_forward_api(rng):
     np.testing.assert_array_equal(w.run(q, cache), o)
     assert w.end_forward() is None
     np.testing.assert_array_equal(w.forward(q, cache), plain)
+    # an int8 cache: kv_scale passes through
+    c8 = rng.integers(-127, 128, cache.shape).astype(np.int8)
+    s8 = (0.01 + 0.02 * rng.random(cache.shape[:-1] + (dh // 8,))).astype(F32)
+    w.plan(indptr, indices, last, hq, h, dh, 4, kv_data_type="int8", quant_group=8)
+    np.testing.assert_array_equal(w.forward(q, c8, kv_scale=s8), w.run(q, c8, s8))
 
     # paged prefill planned without causal, forward(causal=True) = a causal plan
     qo = np.array([0, 4, 9], np.int32)
