@@ -42,14 +42,20 @@ def calib(x, name: str):
     return v
 
 
+def _copy_params(params):
+    """A copy of an AttnParams (the plan's own stays as planned)."""
+    p = _lib.AttnParams()
+    ctypes.memmove(ctypes.byref(p), ctypes.byref(params), ctypes.sizeof(p))
+    return p
+
+
 def scaled_params(params, head_dim: int, q_scale, k_scale):
     """params with sm_scale multiplied by q_scale * k_scale (FlashInfer folds
     both into sm_scale); params itself when neither is given."""
     f = (q_scale or 1.0) * (k_scale or 1.0)
     if f == 1.0:
         return params
-    p = _lib.AttnParams()
-    ctypes.memmove(ctypes.byref(p), ctypes.byref(params), ctypes.sizeof(p))
+    p = _copy_params(params)
     base = params.sm_scale if params.sm_scale != 0.0 else 1.0 / math.sqrt(head_dim)
     s = base * f
     if not math.isfinite(s) or s == 0.0:
@@ -112,8 +118,7 @@ def with_sinks(params, sinks, num_qo_heads: int):
     if sinks is None:
         return params
     a = _sinks_array(sinks, num_qo_heads)
-    p = _lib.AttnParams()
-    ctypes.memmove(ctypes.byref(p), ctypes.byref(params), ctypes.sizeof(p))
+    p = _copy_params(params)
     p.sinks = a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
     p.keep_sinks = a
     return p
