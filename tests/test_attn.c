@@ -92,6 +92,7 @@ typedef struct sd_case {
     int qspecial; /* 1: query head 0 all zeros; 2: every head one element 1e4 x the rest;
                      3: every head an outlier channel, 300 x qmag */
     float sspread; /* > 0: int8/int4 scales 0.01 * 10^u, u uniform in [-sspread, sspread] */
+    int64_t sjump; /* > 0: int8/int4 scales of keys from this one on 10x */
     const float *sinks; /* (Hq) or NULL */
 } sd_case;
 
@@ -136,9 +137,10 @@ static int run_single(const sd_case *c, uint64_t seed) {
                 if (q8)
                     for (int64_t e = 0; e < ng; e++)
                         set_f(ss, c->sd, SCOFF(j, h, e),
-                              c->sspread > 0
-                                  ? 0.01f * powf(10.0f, c->sspread * test_rng_f32(&rng))
-                                  : 0.002f + 0.01f * fabsf(test_rng_f32(&rng)));
+                              (c->sjump > 0 && j >= c->sjump ? 10.0f : 1.0f) *
+                                  (c->sspread > 0
+                                       ? 0.01f * powf(10.0f, c->sspread * test_rng_f32(&rng))
+                                       : 0.002f + 0.01f * fabsf(test_rng_f32(&rng))));
                 for (int64_t d = 0; d < D; d++) {
                     float x = test_rng_f32(&rng);
                     if (c->kd == KVC_I8) x = rintf(x * 127.0f);
@@ -436,8 +438,9 @@ TEST(single_large_scores_exact) {
  * |k_i| * max|q| / 65278 (the AMX kernel's query in 16 bits: half a step
  * of 2 * 0x7f7f), so the base-2 lse by at most log2 e times the largest
  * such bound (a smooth max) and each output by twice it times max|v| (the
- * weights' relative change); with a float32 q, max|q| / 16711422 (24
- * bits). Queries flat enough for 16 bits (largest element 1, the others
+ * weights' relative change); with a float32 q, max|q| (2^-24 + 2^-32)
+ * (32 bits: each element off by float32's rounding of itself plus half a
+ * step of max|q| / 0x7f7f7f00). Queries flat enough for 16 bits (largest element 1, the others
  * up to 0.5 of both signs: max|q| <= 16 mean|q|), int8 K/V with group 32
  * and 128, 200 keys and one key (then lse is the score: an 8-bit query
  * fails), every ISA. A worst-case bound: random
@@ -474,7 +477,7 @@ TEST(single_int8_query_precision) {
                         qf[h * D + d] = get_f(q16, KVC_F16, h * D + d); /* same values */
                     }
                 double bound = 0.0, vmax = 0.0; /* the largest score bound, max|v| */
-                const double half_step = qds[qi] == KVC_F32 ? 1.0 / 16711422.0 : 1.0 / 65278.0;
+                const double half_step = qds[qi] == KVC_F32 ? 0x1p-24 + 0x1p-32 : 1.0 / 65278.0;
                 const double sm = 1.0 / sqrt((double)D);
                 for (int j = 0; j < Ln; j++)
                     for (int h = 0; h < Hq; h++) {
@@ -638,7 +641,7 @@ TEST(single_int8_grouped) {
             c.sspread = 0.0f;
             RUN(c);
             /* float16 queries with an outlier channel and scores in the tens:
-             * the AMX kernel keeps such heads in 24 bits (16 bits gave up to
+             * the AMX kernel keeps such heads in 32 bits (16 bits gave up to
              * 6x the float16 tolerance) */
             c.qd = KVC_F16;
             c.qspecial = 3;
@@ -646,6 +649,26 @@ TEST(single_int8_grouped) {
                 c.qmag = qm ? 8.0f : 2.0f;
                 RUN(c);
             }
+            /* flat float16 queries with scores in the tens (sm_scale 2,
+             * scales up to 0.06): the AMX kernel in 16 bits was 1.8x the
+             * float16 tolerance off (int8), so its guard widens such calls
+             * to 32 bits (attn_amx.c, WIDEN_BOUND) */
+            c.qspecial = 0;
+            c.qmag = 4.0f;
+            c.sm_scale = 2.0f;
+            c.sspread = 0.8f;
+            RUN(c);
+            /* scales 10x from a later key on, 2.6x the tolerance off in 16
+             * bits: widened inside a call (key 40: its third block of 16)
+             * and in a later call (key 200) */
+            c.sm_scale = 0.4f;
+            c.sspread = 0.0f;
+            c.sjump = 40;
+            RUN(c);
+            c.sjump = 200;
+            RUN(c);
+            c.sm_scale = 0.0f;
+            c.sjump = 0;
         }
     });
     return 0;

@@ -36,15 +36,19 @@
  * element: 16 bits when q is float16 or bfloat16 (which carries 11 or 8
  * bits itself) and the heads sharing a KV head have no element above 16
  * times their mean magnitude (a grid step is then at most float16's own
- * spacing at the mean element), else 24 bits (float32 q, or an outlier
+ * spacing at the mean element), else 32 bits (float32 q, or an outlier
  * channel, with which 16 bits gave up to 6x the float16 tolerance). A key's
- * score is then off by
- * at most sm_scale * sum_i |k_i| * max|q| / 65278 (16 bits; / 16711422 for
- * 24), so the output by at most twice that times max|v| and the base-2 lse
- * by log2 e times it; the softmax weights keep 24 bits. Typical errors are
- * far smaller (the roundings cancel): about 1e-6 of max|o| in the
- * benchmark's checks. The 16-bit query lets one score tile serve two quant
- * groups of 16 or 32 (BENCHMARKS.md: the int8 kernel ~1.1x faster).
+ * score is then off by at most sm_scale * sum_i |k_i| * max|q| / 65278 (16
+ * bits; with 32 each q_i keeps float32's rounding of itself, off by at most
+ * |q_i| 2^-24 + max|q| 2^-32), so the output by at most twice that times
+ * max|v| and the base-2 lse by log2 e times it; the softmax weights keep 24
+ * bits. Typical errors are far smaller (the roundings cancel): about 1e-6
+ * of max|o| in the benchmark's checks. As the 16-bit error grows with the
+ * scores, the kernel bounds it per key from the K and V scales it reads and
+ * takes 32 bits from the first key whose bound passes 0.02 (flat float16
+ * queries with scores in the tens were up to 3x the float16 tolerance off
+ * otherwise). The 16-bit query lets one score tile serve two quant groups
+ * of 16 or 32 (BENCHMARKS.md: the int8 kernel ~1.1x faster).
  */
 #ifndef KVCACHE_ATTENTION_H
 #define KVCACHE_ATTENTION_H

@@ -307,7 +307,7 @@ static __attribute__((noinline)) void chunk_amx(const attn_ctx *c, int64_t b, in
             for (int64_t g = 0; g < nh; g++) load_q(c, b, h * G + g0 + g, q + g * Dp);
             /* the query in 16 bits when it came as float16/bfloat16 (attention.h) */
             kk->amx_begin(arena + (size_t)(sl - s0) * sb, q, (int)nh, (int)D, (int)Dp, c->group,
-                          c->cap, c->sc, c->k.dt == KVC_I4 ? 4 : 8, c->qd == KVC_F32 ? 24 : 16);
+                          c->cap, c->sc, c->k.dt == KVC_I4 ? 4 : 8, c->qd == KVC_F32 ? 32 : 16);
         }
         for (int64_t j = j0; j < j1; j += KVC_AMX_KEYS) {
             const int64_t je = j1 - j < KVC_AMX_KEYS ? j1 : j + KVC_AMX_KEYS;

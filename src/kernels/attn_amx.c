@@ -11,12 +11,14 @@
  *
  * Numerics (float32-level, not bitwise equal to the other ISAs):
  *   - q (per query head, as attn_decode takes it) is rounded to
- *     24-bit fixed point, q ~= sq * qi with |qi| <= 0x7f7f7f and
- *     sq = max|q| / 0x7f7f7f, written as three balanced base-256 digits
- *     qi = 65536 d2 + 256 d1 + d0, each in [-128, 127]: the error is at most
- *     max|q| / 16711422 per element (about 2^-24, float32's rounding of the
- *     largest one). Each digit is an exact int8 x int8 product sum per
- *     (key, group).
+ *     32-bit fixed point, q ~= sq * qi with |qi| <= 0x7f7f7f00 and
+ *     sq = max|q| / 0x7f7f7f00, written as four balanced base-256 digits
+ *     qi = 2^24 d3 + 65536 d2 + 256 d1 + d0, each in [-128, 127]. q * (1 /
+ *     sq) is a float32 product, so each element keeps float32's rounding of
+ *     itself: off by at most |q_i| 2^-24 + max|q| 2^-32. Each digit is an
+ *     exact int8 x int8 product sum per (key, group); four digits x four
+ *     heads fill the 16 columns of a group's C tile (three digits, 24 bits,
+ *     left 4 of them empty: the fourth costs no tile work).
  *   - qbits 16 (float16/bfloat16 queries, whose own precision is 11 or 8
  *     bits) and every head of the set flat (max|q| <= 16 mean|q|): two
  *     digits, |qi| <= 0x7f7f, error at most max|q| / 65278 per element. A
@@ -24,6 +26,12 @@
  *     two groups of 16 or 32 (`pair`: column 8 gp + 4t + h, gp
  *     the group's place in the pair): half the tile products, tile stores
  *     and C rows to scale; the kernel takes ~0.9x the time at group 32.
+ *     That error grows with the scores: a guard in amx_run bounds what it
+ *     can do to the output from each block's K and V scales and widens q
+ *     to 32 bits for the rest of the task once a key's bound passes
+ *     WIDEN_BOUND (flat float16 queries with scores in the tens were up to
+ *     3x the float16 tolerance off in 16 bits); the benchmark's data stays
+ *     ~20x below it.
  *   - score(key) = sum_g kscale[key][g] * sum_t 256^(top-t) * C_t[key][g] *
  *     sq in float32 (the group sums are exact integers below 2^21).
  *   - P.V weights p * vscale[key][g] are rounded to 24-bit unsigned fixed
@@ -84,35 +92,57 @@
 
 #define KVC_INLINE static inline __attribute__((always_inline))
 
-#define QMAX 8355711.0f   /* 0x7f7f7f: the largest |qi| with balanced digits */
+#define QMAX 2139062016.0f /* 0x7f7f7f00: |qi| below 0x7f7f7f7f (4 balanced digits), a float32 */
 #define QMAX2 32639.0f    /* 0x7f7f: the same with two digits (16-bit q) */
 #define WMAX 16777215.0f  /* 2^24 - 1 */
+/* 16-bit q: the largest bound on a key's error in the output (natural
+ * units) before q is widened to 32 bits (amx_begin says how it is
+ * computed). The errors measured were 1/100-1/150 of such bounds (Dh
+ * 128-256, Gaussian q and K), so 0.02 keeps them near 1e-4, a tenth of the
+ * float16 tolerance. */
+#define WIDEN_BOUND 0.02f
 #define KEYS KVC_AMX_KEYS /* keys per amx_run: 4 blocks of 16 */
 
 /* Per-task state of one head set (KVC_AMX_* limits in kernels.h). */
 typedef struct amx_state {
-    float sqw[16];     /* lane 4t + h: sq_h * 256^(2 - t); lanes of absent heads 0 */
+    float sqw[16];     /* lane 4t + h: sq_h * 256^(top - t); absent heads 0 */
     float m[4], l[4];  /* online softmax, base 2 */
-    int D, group, nh;  /* head dim, quant group, heads in the set (<= 4) */
-    int ng;            /* groups */
     float sc;          /* scores to base 2 (kernels.h: attn_decode) */
+    float cap;
+    float eb;          /* two: the guard's limit per key (amx_begin) */
+    int16_t D, group;  /* head dim, quant group */
+    int16_t nh, ng;    /* heads in the set (<= 4), groups */
     int16_t piece;     /* V interleave piece bytes (16, 32, 64; int4: 32 elements) */
     int16_t vord;      /* accumulator order (pv_pos): 0 int8, 1 int4 group 32+, 2 int4 group 16 */
     int16_t bits;      /* 8: int8 rows; 4: int4 (nibbles sign-extended before the tiles) */
     int16_t pair;      /* 16-bit q (2 digits): two groups' columns per score C tile */
-    float cap;
+    int16_t two;       /* q in 16 bits (2 digits), widened to 32 by amx_run's guard */
 } __attribute__((aligned(64))) amx_state; /* 128 bytes: acc after it stays 64-byte aligned */
 _Static_assert(sizeof(amx_state) == 128, "amx_state header is 128 bytes");
 
-/* acc (4, D) floats after the header, then the score B tiles ((D / 64) * gpa, 16, 64) */
-KVC_INLINE float *st_acc(amx_state *st) { return (float *)(st + 1); }
-KVC_INLINE int8_t *st_bs(amx_state *st) { return (int8_t *)(st_acc(st) + 4 * st->D); }
-
 static int seg_per_a(int group) { return group >= 64 ? 1 : 64 / group; }
 
+/* Bytes of the score B tiles without pairs, (D / 64) * gpa tiles of 1 KiB. */
+static size_t bs_bytes(int D, int group) {
+    return (size_t)(D / 64) * (size_t)seg_per_a(group) * 1024u;
+}
+
+/* After the header: acc (4, D) floats, the score B tiles, and while q is in
+ * 16 bits a float32 copy of it (4, D) for the guard to widen from: in the
+ * half of the tile space that pairs leave free (groups 16, 32), else after
+ * the tiles (groups of 64+). */
+KVC_INLINE float *st_acc(amx_state *st) { return (float *)(st + 1); }
+KVC_INLINE int8_t *st_bs(amx_state *st) { return (int8_t *)(st_acc(st) + 4 * st->D); }
+KVC_INLINE float *st_qcopy(amx_state *st) {
+    const size_t tiles = bs_bytes(st->D, st->group);
+    return (float *)(void *)(st_bs(st) + (st->group < 64 ? tiles / 2 : tiles));
+}
+
 static size_t amx_state_bytes(int D, int group) {
-    return sizeof(amx_state) + (size_t)16 * (size_t)D +
-           (size_t)(D / 64) * (size_t)seg_per_a(group) * 1024u;
+    /* groups below 64 are 16 or 32 here (kvc__amx_decode_ok): half the tiles
+     * hold (4, D) floats */
+    return sizeof(amx_state) + (size_t)16 * (size_t)D + bs_bytes(D, group) +
+           (group >= 64 ? (size_t)16 * (size_t)D : 0u);
 }
 
 /*
@@ -196,13 +226,14 @@ KVC_INLINE void tr16(__m512i *r) {
     }
 }
 
+static void amx_digits(amx_state *st, const float *q, int Dp, int two, const float *amax);
+
 static void amx_begin(void *stv, const float *q, int nh, int D, int Dp, int group, float cap,
                       float sc, int bits, int qbits) {
     amx_state *st = stv;
     memset(st, 0, sizeof *st);
-    st->D = D, st->group = group, st->nh = nh, st->cap = cap;
-    st->ng = D / group, st->sc = sc;
-    const int gpa = seg_per_a(group);
+    st->D = (int16_t)D, st->group = (int16_t)group, st->nh = (int16_t)nh, st->cap = cap;
+    st->ng = (int16_t)(D / group), st->sc = sc;
     st->piece = bits == 4 ? 32 : group % 64 == 0 ? 64 : group % 32 == 0 ? 32 : 16;
     st->vord = bits != 4 ? 0 : group == 16 ? 2 : 1;
     st->bits = (int16_t)bits;
@@ -226,10 +257,39 @@ static void amx_begin(void *stv, const float *q, int nh, int D, int Dp, int grou
     }
     /* two digits: 8 columns per group, so groups 16 and 32 share C tiles */
     const int two = qbits <= 16 && flat;
-    st->pair = (int16_t)(two && group < 64);
-    const float qmax = two ? QMAX2 : QMAX;
     for (int h = 0; h < 4; h++) st->m[h] = -INFINITY, st->l[h] = 0.0f;
     memset(st_acc(st), 0, (size_t)16 * (size_t)D);
+    amx_digits(st, q, Dp, two, amax);
+    if (two) {
+        /* The guard (amx_run): a key's score is off by at most sq / 2 *
+         * sum|k| (natural units: times the base-2 factor and ln 2), with
+         * sum|k| <= kq * group * sum_g kscale_g; its share of the output by
+         * at most twice that times |v| + |o|, |v| <= kq * max_g vscale_g
+         * (attention.h). A key whose bound passes WIDEN_BOUND, i.e. sum_g
+         * kscale_g * (kq * max_g vscale_g + 1) > eb, widens q to 32 bits. */
+        static const float ln2 = 0.6931471805599453f, log2e = 1.4426950408889634f;
+        float am = 0.0f;
+        for (int h = 0; h < nh; h++) am = amax[h] > am ? amax[h] : am;
+        const float kq = bits == 4 ? 7.0f : 127.0f, esc = sc * (cap > 0.0f ? log2e : 1.0f);
+        st->eb = WIDEN_BOUND / (am / QMAX2 * 0.5f * kq * (float)group * esc * ln2 * 2.0f);
+        float *qc = st_qcopy(st);
+        for (int h = 0; h < nh; h++)
+            memcpy(qc + (int64_t)h * D, q + (int64_t)h * Dp, 4u * (size_t)D);
+    }
+}
+
+/*
+ * The query digits: sqw and the score B tiles of st's nh heads from q (nh,
+ * Dp) with max|q| amax (nh), in two digits (pairs for groups 16 and 32)
+ * or four.
+ */
+static void amx_digits(amx_state *st, const float *q, int Dp, int two, const float *amax) {
+    const int nh = st->nh, D = st->D, group = st->group, gpa = seg_per_a(group);
+    const int pair = two && group < 64;
+    st->two = (int16_t)two;
+    st->pair = (int16_t)pair;
+    const float qmax = two ? QMAX2 : QMAX;
+    memset(st->sqw, 0, sizeof st->sqw);
     /* per head: q ~= sq * qi, |qi| <= qmax */
     float inv[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int h = 0; h < nh; h++) {
@@ -240,11 +300,14 @@ static void amx_begin(void *stv, const float *q, int nh, int D, int Dp, int grou
         if (two) { /* lanes 8 gp + 4 t + h, gp the group's parity in a pair */
             st->sqw[h] = sq * 256.0f, st->sqw[4 + h] = sq;
             if (st->pair) st->sqw[8 + h] = sq * 256.0f, st->sqw[12 + h] = sq;
-        } else
-            st->sqw[h] = sq * 65536.0f, st->sqw[4 + h] = sq * 256.0f, st->sqw[8 + h] = sq;
+        } else {
+            st->sqw[h] = sq * 16777216.0f, st->sqw[4 + h] = sq * 65536.0f;
+            st->sqw[8 + h] = sq * 256.0f, st->sqw[12 + h] = sq;
+        }
     }
     /* B tile of segment (a, gi): row r, column c = the 4 digits of digit row c
-     * (4t + h, t = 0 the high digit; absent heads and rows 12-15 zero) at
+     * (4t + h, t = 0 the high digit; absent heads zero, and with two
+     * digits rows 8-15 unless paired) at
      * elements 64a + 4r .. +3, zero outside group gi of the segment. The
      * digit rows are built in registers and transposed (16 x 16 int32): a
      * row stored in 16-byte pieces and reloaded whole waited for the stores
@@ -261,27 +324,30 @@ static void amx_begin(void *stv, const float *q, int nh, int D, int Dp, int grou
         for (int h = 0; h < nh; h++) {
             const float *qh = q + (int64_t)h * Dp + 64 * a;
             const __m512 vi = _mm512_set1_ps(inv[h]);
-            __m128i p[3][4]; /* digit t (2 high, 0 low) of elements 16u .. +15 */
+            __m128i p[4][4]; /* digit t (3 high, 0 low) of elements 16u .. +15 */
             for (int u = 0; u < 4; u++) {
                 __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qh + 16 * u), vi);
                 x = _mm512_min_ps(_mm512_max_ps(x, nlim), lim);
                 const __m512i xi =
                     _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
                 const __m512i d0 = _mm512_srai_epi32(_mm512_slli_epi32(xi, 24), 24);
-                const __m512i rr = _mm512_srai_epi32(_mm512_sub_epi32(xi, d0), 8);
-                const __m512i d1 = _mm512_srai_epi32(_mm512_slli_epi32(rr, 24), 24);
-                const __m512i d2 = _mm512_srai_epi32(_mm512_sub_epi32(rr, d1), 8);
+                const __m512i r1 = _mm512_srai_epi32(_mm512_sub_epi32(xi, d0), 8);
+                const __m512i d1 = _mm512_srai_epi32(_mm512_slli_epi32(r1, 24), 24);
+                const __m512i r2 = _mm512_srai_epi32(_mm512_sub_epi32(r1, d1), 8);
+                const __m512i d2 = _mm512_srai_epi32(_mm512_slli_epi32(r2, 24), 24);
+                const __m512i d3 = _mm512_srai_epi32(_mm512_sub_epi32(r2, d2), 8);
+                p[3][u] = _mm512_cvtepi32_epi8(d3);
                 p[2][u] = _mm512_cvtepi32_epi8(d2);
                 p[1][u] = _mm512_cvtepi32_epi8(d1);
                 p[0][u] = _mm512_cvtepi32_epi8(d0);
             }
-            const int nd = two ? 2 : 3, top = nd - 1;
+            const int nd = two ? 2 : 4, top = nd - 1;
             for (int t = 0; t < nd; t++) { /* row 4t + h: digit top - t */
                 __m512i v = _mm512_castsi128_si512(p[top - t][0]);
                 v = _mm512_inserti32x4(v, p[top - t][1], 1);
                 v = _mm512_inserti32x4(v, p[top - t][2], 2);
                 r[4 * t + h] = _mm512_inserti32x4(v, p[top - t][3], 3);
-                if (st->pair) r[8 + 4 * t + h] = r[4 * t + h];
+                if (pair && t < 2) r[8 + 4 * t + h] = r[4 * t + h];
             }
         }
         tr16(r);
@@ -304,6 +370,20 @@ static void amx_begin(void *stv, const float *q, int nh, int D, int Dp, int grou
             }
         }
     }
+}
+
+/* The guard's widening (amx_run): q from the task's copy to four digits. */
+static __attribute__((noinline)) void amx_widen(amx_state *st) {
+    const int nh = st->nh, D = st->D;
+    float qw[4 * KVC_AMX_MAX_DIM] __attribute__((aligned(64))), am[4];
+    memcpy(qw, st_qcopy(st), 4u * (size_t)(nh * D)); /* the tiles overwrite it */
+    for (int h = 0; h < nh; h++) {
+        __m512 mx = _mm512_setzero_ps();
+        for (int d = 0; d < D; d += 16)
+            mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_load_ps(qw + h * D + d)));
+        am[h] = _mm512_reduce_max_ps(mx);
+    }
+    amx_digits(st, qw, D, 0, am);
 }
 
 /* ---- run ------------------------------------------------------------------- */
@@ -598,20 +678,30 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
         }                                                                                 \
         if (ks->nrow) prefetch_rows(ks, (q0), (q1));                                      \
     } while (0)
-    const __m512 sqw = _mm512_load_ps(st->sqw);
     const int8_t *bs = st_bs(st);
     /* The query's B tiles stay in tmm4-7 for the call's score tiles when
      * there are at most 4 (Dh 128 with group 32, or groups of 64+ up to Dh
      * 256; P.V reuses those registers), instead of a tile load per group
-     * and block: ~2% of the kernel at group 32. */
-    const int gpc = st->pair ? 2 : 1, nct = ng / gpc; /* groups and C tiles per block */
-    const int nbt = group >= 64 ? D / 64 : nct, resident = nbt <= 4;
-    if (resident) {
-        TLOAD(4, bs, 64);
-        if (nbt > 1) TLOAD(5, bs + 1024, 64);
-        if (nbt > 2) TLOAD(6, bs + 2048, 64);
-        if (nbt > 3) TLOAD(7, bs + 3072, 64);
-    }
+     * and block: ~2% of the kernel at group 32. Set again when the guard
+     * widens q. */
+    __m512 sqw;
+    int gpc, nct, resident; /* groups and C tiles per block; B tiles in registers */
+    int blk4;               /* C columns 12-15 in use: pairs, or four digits */
+#define QUERY_TILES()                                    \
+    do {                                                 \
+        sqw = _mm512_load_ps(st->sqw);                   \
+        gpc = st->pair ? 2 : 1, nct = ng / gpc;          \
+        blk4 = st->pair || !st->two;                     \
+        const int nbt_ = group >= 64 ? D / 64 : nct;     \
+        resident = nbt_ <= 4;                            \
+        if (resident) {                                  \
+            TLOAD(4, bs, 64);                            \
+            if (nbt_ > 1) TLOAD(5, bs + 1024, 64);       \
+            if (nbt_ > 2) TLOAD(6, bs + 2048, 64);       \
+            if (nbt_ > 3) TLOAD(7, bs + 3072, 64);       \
+        }                                                \
+    } while (0)
+    QUERY_TILES();
     /* scores, block by block (the C tiles of a block are read back at once) */
     for (int b = 0; b < nblk; b++) {
         const int k0 = 16 * b, nb = n - k0 < 16 ? n - k0 : 16;
@@ -666,6 +756,20 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
             }
             scales_block(kr, NULL, 0, ks->ksd, ng, nb, sc->ksc, k0);
             scales_block(vr, NULL, 0, ks->vsd, ng, nb, sc->vsc, k0);
+        }
+        if (st->two) { /* the guard: per key, sum_g kscale_g * (kq * max_g vscale_g + 1) */
+            __m512 ksum = _mm512_load_ps(&sc->ksc[0][k0]), vmx = _mm512_load_ps(&sc->vsc[0][k0]);
+            for (int g = 1; g < ng; g++) {
+                ksum = _mm512_add_ps(ksum, _mm512_load_ps(&sc->ksc[g][k0]));
+                vmx = _mm512_max_ps(vmx, _mm512_load_ps(&sc->vsc[g][k0]));
+            }
+            const __m512 kq = _mm512_set1_ps(i4 ? 7.0f : 127.0f), one = _mm512_set1_ps(1.0f);
+            const __m512 e = _mm512_mul_ps(ksum, _mm512_fmadd_ps(vmx, kq, one));
+            /* not e <= eb: a NaN widens too */
+            if (_mm512_cmp_ps_mask(e, _mm512_set1_ps(st->eb), _CMP_NLE_UQ)) {
+                amx_widen(st);
+                QUERY_TILES();
+            }
         }
         /* C tile per group (alternating registers: a group's products need not
          * wait for the previous group's tile store) */
@@ -742,7 +846,7 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
             const __m512 t1 = _mm512_shuffle_f32x4(u0, u2, 0xdd);
             const __m512 t2 = _mm512_shuffle_f32x4(u1, u3, 0x88);
             R[k4] = _mm512_add_ps(_mm512_add_ps(t0, t1), t2); /* lane 4k + h: key 4k4 + k */
-            if (st->pair) R[k4] = _mm512_add_ps(R[k4], _mm512_shuffle_f32x4(u1, u3, 0xdd));
+            if (blk4) R[k4] = _mm512_add_ps(R[k4], _mm512_shuffle_f32x4(u1, u3, 0xdd));
         }
         const __m512i i0 =
             _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
@@ -988,6 +1092,7 @@ static void amx_run(void *stv, const kvc_amx_keys *ks) {
         }
     }
 #undef PF_QUADS
+#undef QUERY_TILES
 #undef KROW
 #undef VROW
 #undef KSROW

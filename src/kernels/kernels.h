@@ -134,11 +134,13 @@ typedef struct kvc_kernels {
      * attn_decode takes them, the cache's bits (8 or 4) and the query's
      * fixed-point bits (qbits: 16 for float16/bfloat16 queries, kept when
      * the set's heads have no outlier element, whose one score tile then
-     * serves two quant groups of 16 or 32; 24 for float32), a state of
+     * serves two quant groups of 16 or 32, and widened to 32 by a guard
+     * when a key's scores could move the output by more than it allows; 32
+     * for float32), a state of
      * amx_state_bytes (64-byte aligned), amx_run per call of up to 64
      * keys, amx_end for (m, l, acc) as attn_decode leaves them (acc (nh,
      * Dp)); then amx_tiles(0). Same numbers as attn_decode to float32
-     * rounding with qbits 24, to the bound attention.h gives with 16
+     * rounding with qbits 32, to the bound attention.h gives with 16
      * (attn_amx.c says how), deterministic for given calls.
      */
     void (*amx_tiles)(int on);

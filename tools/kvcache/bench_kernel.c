@@ -15,7 +15,7 @@
  * (quant group 32 unless --group, float16 scales) with the kernel table of
  * the active ISA (amx: the tile kernel for int8/int4, with the query in 16
  * bits as for the float16 queries of `bench attention`, and int8 again with
- * the 24 bits of float32 queries), and each one's
+ * the 32 bits of float32 queries), and each one's
  * speed-up against the float16 kernel at the same L, measured in the same
  * run: the kernels' own ratio, which bounds what a decode step can reach
  * when K/V sit near the core. Checks every int8/int4 output (the last pass's
@@ -39,7 +39,7 @@ typedef struct kb_case {
     const kvc_kernels *kk;
     kvc_dtype dt;
     int D, H, group, amx;
-    int qbits;             /* AMX query precision: 16 (float16/bfloat16 q) or 24 (float32 q) */
+    int qbits;             /* AMX query precision: 16 (float16/bfloat16 q) or 32 (float32 q) */
     int64_t L, rowb, srow; /* keys, bytes per K/V head row, bytes per token's scale row */
     int reps;              /* passes over the L keys per timed call */
     float sc;              /* scores to base 2, as the driver passes it: log2 e / sqrt(Dh) */
@@ -242,8 +242,8 @@ int bench_kernel(const bench_opts *o) {
         printf("# decode kernels alone (isa %s), one thread: %d KV heads x %d query heads, Dh "
                "%d, NHD rows of L keys, calls in the driver's order; int8/int4 group %d, "
                "float16 scales. ns per 16 keys and head set; x f16: float16 time / this "
-               "time at the same L, same run; amx q16/q24: the query in 16 bits (flat float16 "
-               "queries) or 24 (float32)\n",
+               "time at the same L, same run; amx q16/q32: the query in 16 bits (flat float16 "
+               "queries) or 32 (float32)\n",
                kvc_isa_name(kk->isa), H, KB_G, D, group);
         printf("%6s %-5s %-8s %12s %8s %10s\n", "L", "cache", "kernel", "ns/16 keys", "x f16",
                "max diff");
@@ -268,7 +268,7 @@ int bench_kernel(const bench_opts *o) {
             c.ks = ks, c.vs = vs, c.q = q, c.m = m, c.l = l, c.acc = acc;
             c.st = st, c.sb = stb, c.keys = keys;
             c.amx = kvc__amx_decode_ok(kk, c.dt, D, group);
-            c.qbits = di == 3 ? 24 : 16;
+            c.qbits = di == 3 ? 32 : 16;
             c.reps = c.L >= 4096 ? 1 : (int)(4096 / c.L); /* set-up over 4096+ keys */
             c.sc = (float)(1.4426950408889634 / sqrt((double)D));
             bench_timing t;
@@ -283,7 +283,7 @@ int bench_kernel(const bench_opts *o) {
             const int bad = !(diff <= 1e-4);
             cases++;
             failed += bad;
-            const char *kname = !c.amx ? "float" : c.qbits == 16 ? "amx q16" : "amx q24";
+            const char *kname = !c.amx ? "float" : c.qbits == 16 ? "amx q16" : "amx q32";
             if (o->json)
                 printf("{\"type\":\"case\",\"target\":\"kernel\",\"isa\":\"%s\",\"L\":%lld,"
                        "\"cache\":\"%s\",\"kernel\":\"%s\",\"ns_per_16_keys\":%.1f,"
