@@ -46,7 +46,7 @@
  * of max|o| in the benchmark's checks. As the 16-bit error grows with the
  * scores, the kernel bounds it per key from the K and V scales it reads and
  * takes 32 bits from the first key whose bound passes 0.02 (flat float16
- * queries with scores in the tens were up to 3x the float16 tolerance off
+ * queries with scores in the tens were up to 6x the float16 tolerance off
  * otherwise). The 16-bit query lets one score tile serve two quant groups
  * of 16 or 32 (BENCHMARKS.md: the int8 kernel ~1.1x faster).
  */

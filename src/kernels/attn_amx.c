@@ -30,7 +30,7 @@
  *     can do to the output from each block's K and V scales and widens q
  *     to 32 bits for the rest of the task once a key's bound passes
  *     WIDEN_BOUND (flat float16 queries with scores in the tens were up to
- *     3x the float16 tolerance off in 16 bits); the benchmark's data stays
+ *     6x the float16 tolerance off in 16 bits); the benchmark's data stays
  *     ~20x below it.
  *   - score(key) = sum_g kscale[key][g] * sum_t 256^(top-t) * C_t[key][g] *
  *     sq in float32 (the group sums are exact integers below 2^21).
