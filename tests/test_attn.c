@@ -440,8 +440,9 @@ TEST(single_large_scores_exact) {
  * such bound (a smooth max) and each output by twice it times max|v| (the
  * weights' relative change); with a float32 q, max|q| (2^-24 + 2^-32)
  * (32 bits: each element off by float32's rounding of itself plus half a
- * step of max|q| / 0x7f7f7f00). Queries flat enough for 16 bits (largest element 1, the others
- * up to 0.5 of both signs: max|q| <= 16 mean|q|), int8 K/V with group 32
+ * step of max|q| / 0x7f7f7f00). Queries flat enough for 16 bits (largest
+ * element 1, the others up to 0.5 of both signs: max|q| <= 16 mean|q|),
+ * int8 K/V with group 32
  * and 128, 200 keys and one key (then lse is the score: an 8-bit query
  * fails), every ISA. A worst-case bound: random
  * rounding errors cancel, so a kernel a few bits coarser can stay inside
@@ -659,8 +660,9 @@ TEST(single_int8_grouped) {
             c.sspread = 0.8f;
             RUN(c);
             /* scales 10x from a later key on, 2.6x the tolerance off in 16
-             * bits: widened inside a call (key 40: its third block of 16)
-             * and in a later call (key 200) */
+             * bits: head sets whose first keys stay below the bound widen
+             * inside a call (key 40: its third block of 16) or in a later
+             * call (key 200) */
             c.sm_scale = 0.4f;
             c.sspread = 0.0f;
             c.sjump = 40;
