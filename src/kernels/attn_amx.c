@@ -228,6 +228,18 @@ KVC_INLINE void tr16(__m512i *r) {
 
 static void amx_digits(amx_state *st, const float *q, int Dp, int two, const float *amax);
 
+/* max |x_i| over x[0, D) (D a multiple of 16), and sum |x_i| into *sum. */
+KVC_INLINE float abs_max_sum(const float *x, int D, float *sum) {
+    __m512 mx = _mm512_setzero_ps(), s = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) {
+        const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + d));
+        mx = _mm512_max_ps(mx, a);
+        s = _mm512_add_ps(s, a);
+    }
+    *sum = _mm512_reduce_add_ps(s);
+    return _mm512_reduce_max_ps(mx);
+}
+
 static void amx_begin(void *stv, const float *q, int nh, int D, int Dp, int group, float cap,
                       float sc, int bits, int qbits) {
     amx_state *st = stv;
@@ -241,19 +253,13 @@ static void amx_begin(void *stv, const float *q, int nh, int D, int Dp, int grou
     float amax[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     int flat = 1;
     for (int h = 0; h < nh; h++) {
-        const float *qh = q + (int64_t)h * Dp;
-        __m512 mx = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
-        for (int d = 0; d < D; d += 16) {
-            const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(qh + d));
-            mx = _mm512_max_ps(mx, a);
-            sum = _mm512_add_ps(sum, a);
-        }
-        amax[h] = _mm512_reduce_max_ps(mx);
+        float sum;
+        amax[h] = abs_max_sum(q + (int64_t)h * Dp, D, &sum);
         /* 16 bits only where max|q| <= 16 mean|q|: a step of the grid is then at
          * most mean|q| 2^-11, float16's own spacing at the mean element. A head
          * with an outlier channel (one element 30-300x the rest) kept in 16 bits
          * gave errors up to 6x the float16 tolerance against float64. */
-        flat &= amax[h] <= 16.0f / (float)D * _mm512_reduce_add_ps(sum);
+        flat &= amax[h] <= 16.0f / (float)D * sum;
     }
     /* two digits: 8 columns per group, so groups 16 and 32 share C tiles */
     const int two = qbits <= 16 && flat;
@@ -299,7 +305,7 @@ static void amx_digits(amx_state *st, const float *q, int Dp, int two, const flo
         inv[h] = ok ? qmax / amax[h] : 0.0f;
         if (two) { /* lanes 8 gp + 4 t + h, gp the group's parity in a pair */
             st->sqw[h] = sq * 256.0f, st->sqw[4 + h] = sq;
-            if (st->pair) st->sqw[8 + h] = sq * 256.0f, st->sqw[12 + h] = sq;
+            if (pair) st->sqw[8 + h] = sq * 256.0f, st->sqw[12 + h] = sq;
         } else {
             st->sqw[h] = sq * 16777216.0f, st->sqw[4 + h] = sq * 65536.0f;
             st->sqw[8 + h] = sq * 256.0f, st->sqw[12 + h] = sq;
@@ -377,12 +383,8 @@ static __attribute__((noinline)) void amx_widen(amx_state *st) {
     const int nh = st->nh, D = st->D;
     float qw[4 * KVC_AMX_MAX_DIM] __attribute__((aligned(64))), am[4];
     memcpy(qw, st_qcopy(st), 4u * (size_t)(nh * D)); /* the tiles overwrite it */
-    for (int h = 0; h < nh; h++) {
-        __m512 mx = _mm512_setzero_ps();
-        for (int d = 0; d < D; d += 16)
-            mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_load_ps(qw + h * D + d)));
-        am[h] = _mm512_reduce_max_ps(mx);
-    }
+    float sum; /* unused */
+    for (int h = 0; h < nh; h++) am[h] = abs_max_sum(qw + h * D, D, &sum);
     amx_digits(st, qw, D, 0, am);
 }
 
