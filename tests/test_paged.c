@@ -912,7 +912,8 @@ TEST(append_rejects_leave_cache_unchanged) {
  * V, in the first, a middle or the last of 70 rows (two 64-row chunks), at a
  * row's start or end, packed or head-strided inputs, NHD and HND, every ISA:
  * INVALID_ARG naming the tensor, row and head, cache and scales unchanged.
- * The same call without it succeeds and writes.
+ * Likewise a bfloat16 1e7, whose float16 scale would overflow (1e7 / 127 >
+ * 65504). The same call without them succeeds and writes.
  */
 TEST(append_nonfinite_scales_first) {
     enum { NNZ = 70, H = 2, D = 128, PS = 4, PAGES = (NNZ + PS - 1) / PS, CN = PAGES * PS * H * D };
@@ -958,7 +959,8 @@ TEST(append_nonfinite_scales_first) {
                     const int64_t hs = strided ? 2 * D : D; /* head stride of the inputs */
                     txk.stride[1] = txv.stride[1] = hs;
                     txk.stride[0] = txv.stride[0] = H * hs;
-                    for (int c = 0; c <= 6; c++) {
+                    for (int c = 0; c <= 8; c++) {
+                        if (!xi && (c == 6 || c == 7)) continue; /* float16 stays below 65504 */
                         fill_random(xk, xd, NNZ * H * 2 * D, &rng, 3.0f);
                         fill_random(xv, xd, NNZ * H * 2 * D, &rng, 3.0f);
                         fill_bytes(kc, sizeof kc, &rng), fill_bytes(vc, sizeof vc, &rng);
@@ -968,12 +970,14 @@ TEST(append_nonfinite_scales_first) {
                         const int kv = c & 1, row = rows[(c / 2) % 3], head = row % 2;
                         const int64_t e = (int64_t)row * H * hs + head * hs + (c % 3 ? D - 1 : 0);
                         if (c < 6) (kv ? xv : xk)[e] = bad[c % 3];
+                        if (c == 6 || c == 7) /* bfloat16 +-1e7 */
+                            (kv ? xv : xk)[e] = kvc_f32_to_bf16(c == 6 ? 1e7f : -1e7f);
                         kvc_clear_error();
                         const kvc_status st =
                             kvc_append_paged_kv_cache(&txk, &txv, &tbi, &tpos, &pc, &tind, &tptr,
                                                       &tlast, test_pool(1 + c % 2));
                         calls++;
-                        if (c == 6) { /* no bad value: accepted and written */
+                        if (c == 8) { /* no bad value: accepted and written */
                             ASSERT_OK(st);
                             ASSERT_TRUE(memcmp(kc, kc0, sizeof kc) != 0);
                             ASSERT_TRUE(memcmp(vs, vs0, sizeof vs) != 0);
@@ -982,7 +986,8 @@ TEST(append_nonfinite_scales_first) {
                         char want[64];
                         snprintf(want, sizeof want, "(row %d, head %d)", row, head);
                         if (st != KVC_ERR_INVALID_ARG || !strstr(kvc_last_error(), want) ||
-                            !strstr(kvc_last_error(), names[kv]))
+                            !strstr(kvc_last_error(), names[kv]) ||
+                            !strstr(kvc_last_error(), c < 6 ? "NaN or Inf" : "float16 scale"))
                             TEST_FAIL_("%s x %s %s strided %d: bad value in %s row %d head %d: "
                                        "%s '%s'", kvc_isa_name(kvc_get_isa()), kvc_dtype_name(xd),
                                        hnd ? "HND" : "NHD", strided, names[kv], row, head,
@@ -996,7 +1001,7 @@ TEST(append_nonfinite_scales_first) {
         }
     });
     kvc__set_llc_bytes(saved);
-    ASSERT_TRUE(calls >= 56);
+    ASSERT_TRUE(calls >= 64);
     return 0;
 }
 

@@ -185,7 +185,8 @@ static int q_get(const void *q, int bits, int64_t e) {
 
 /* Fills x (f32) with n values in groups of g, each group of a random kind:
  * zero, tiny (hits the 1e-5 floor), ordinary magnitudes 1e-3..1e4, or big
- * (1e7: the f16 scale overflows to Inf) when big is allowed. */
+ * when allowed (4e5: past float16's range, below 65520 * 7, where a float16
+ * scale would overflow and the input is refused: quant_f16_scale_overflow). */
 static void gen_groups(float *x, int64_t n, int g, int big, uint64_t *rng) {
     for (int64_t g0 = 0; g0 < n; g0 += g) {
         const unsigned kind = (unsigned)(test_rng_next(rng) % 8);
@@ -193,7 +194,7 @@ static void gen_groups(float *x, int64_t n, int g, int big, uint64_t *rng) {
         switch (kind) {
         case 0: mul = 0.0f; break;
         case 1: mul = 1e-7f; break;
-        case 7: mul = big ? 1e7f : 3e4f; break;
+        case 7: mul = big ? 4e5f : 3e4f; break;
         default: mul = powf(10.0f, (float)(test_rng_next(rng) % 8) - 3.0f); break;
         }
         for (int i = 0; i < g; i++) x[g0 + i] = test_rng_f32(rng) * mul;
@@ -925,9 +926,11 @@ ISA_TEST(isa_quant_ties_random) {
  * 16-bit inputs with g = 8 (the AVX-512 block path: absmax on raw bits,
  * saturating packs instead of a float clamp) at magnitudes where scale
  * rounding matters most: groups at the 1e-5 floor and in the float16
- * subnormal scale range, bfloat16 groups whose float16 scale overflows to
- * Inf (q = 0), -0.0, and signed extremes; n covers whole 128-element blocks,
- * one leftover vector and an odd last group. Every ISA against scalar.
+ * subnormal scale range, bfloat16 groups up to 3e38 with float32 scales and
+ * up to the largest value whose float16 scale stays finite with float16
+ * scales (larger ones are refused by every ISA), -0.0, and signed extremes;
+ * n covers whole 128-element blocks, one leftover vector and an odd last
+ * group. Every ISA against scalar.
  */
 ISA_TEST(isa_quant_g8_16bit_ranges) {
     enum { N = 3 * 128 + 16 + 8 };
@@ -937,21 +940,31 @@ ISA_TEST(isa_quant_g8_16bit_ranges) {
     static const float mags[] = {1e-7f, 1e-5f, 3e-4f, 5e-3f, 1.0f, 6e4f, 1e7f, 3e38f};
     for (int xi = 1; xi < 3; xi++) {
         const kvc_dtype xd = float_dtypes[xi];
-        if (xd == KVC_F32) continue;
-        for (int i = 0; i < N; i += 8) {
-            float mag = mags[test_rng_next(&rng) % 8];
-            if (xd == KVC_F16 && mag > 6e4f) mag = 6e4f;
-            for (int k = 0; k < 8; k++) xf[i + k] = test_rng_f32(&rng) * mag;
-            const int pick = (int)(test_rng_next(&rng) % 8);
-            xf[i + pick] = (test_rng_next(&rng) & 1) ? mag : -mag;
-            if (test_rng_next(&rng) % 4 == 0) xf[i + (pick + 1) % 8] = -0.0f;
-        }
-        ASSERT_TRUE(use_isa(KVC_ISA_SCALAR));
-        ASSERT_OK(kvc_convert(xf, KVC_F32, xs, xd, N));
         for (int bits = 8; bits >= 4; bits -= 4)
-            for (int si = 0; si < 2; si++)
+            for (int si = 0; si < 2; si++) {
+                const kvc_dtype sd = scale_dtypes[si];
+                /* cap: F16 input's range; float16 scales: the largest value of
+                 * xd below 65520 * qmax (a float16 scale of 65504 or just under) */
+                float cap = xd == KVC_F16 ? 6e4f : 3e38f;
+                if (sd == KVC_F16) {
+                    const float lim = 65520.0f * (bits == 8 ? 127.0f : 7.0f);
+                    uint32_t lb;
+                    memcpy(&lb, &lim, 4);
+                    uint16_t b = (uint16_t)(lb >> 16); /* bfloat16 at or below lim */
+                    if (kvc_bf16_to_f32(b) >= lim) b--;
+                    cap = xd == KVC_F16 ? cap : kvc_bf16_to_f32(b);
+                }
+                for (int i = 0; i < N; i += 8) {
+                    float mag = mags[test_rng_next(&rng) % 8];
+                    if (mag > cap) mag = cap;
+                    for (int k = 0; k < 8; k++) xf[i + k] = test_rng_f32(&rng) * mag;
+                    const int pick = (int)(test_rng_next(&rng) % 8);
+                    xf[i + pick] = (test_rng_next(&rng) & 1) ? mag : -mag;
+                    if (test_rng_next(&rng) % 4 == 0) xf[i + (pick + 1) % 8] = -0.0f;
+                }
+                ASSERT_TRUE(use_isa(KVC_ISA_SCALAR));
+                ASSERT_OK(kvc_convert(xf, KVC_F32, xs, xd, N));
                 for (int64_t n = N; n >= N - 24; n -= 8) {
-                    const kvc_dtype sd = scale_dtypes[si];
                     const size_t qb = (size_t)(bits == 8 ? n : n / 2);
                     ASSERT_TRUE(use_isa(KVC_ISA_SCALAR));
                     ASSERT_OK(kvc_quantize(xs, xd, n, bits, 8, ref_q, ref_s, sd));
@@ -969,6 +982,15 @@ ISA_TEST(isa_quant_g8_16bit_ranges) {
                         ASSERT_MEM_EQ(out_s, ref_s, (size_t)(n / 8) * esize(sd));
                     }
                 }
+                if (xd == KVC_F16 || sd != KVC_F16) continue;
+                /* one bfloat16 1e7 in the middle block: refused everywhere */
+                const float big = 1e7f;
+                ASSERT_OK(kvc_convert(&big, KVC_F32, xs + 2 * 200, xd, 1));
+                for (int isa = 0; isa < KVC_ISA_COUNT; isa++)
+                    if (use_isa((kvc_isa)isa))
+                        ASSERT_EQ_I64(kvc_quantize(xs, xd, N, bits, 8, out_q, out_s, sd),
+                                      KVC_ERR_INVALID_ARG);
+            }
     }
     return 0;
 }
@@ -990,14 +1012,14 @@ ISA_TEST(isa_quant_g8_16bit_all_values) {
         const kvc_dtype xd = float_dtypes[xi];
         for (int sc = 0; sc < 48; sc++) {
             /* absmax: a random finite positive value, kept where a float16
-             * scale stays finite (absmax / 127 < 65504) */
+             * scale stays finite for int4 too (absmax / 7 < 65504) */
             uint16_t amax;
             float af;
             do {
                 amax = (uint16_t)(test_rng_next(&rng) & 0x7fff);
                 ASSERT_TRUE(use_isa(KVC_ISA_SCALAR));
                 ASSERT_OK(kvc_convert(&amax, xd, &af, KVC_F32, 1));
-            } while (!(af > 1e-4f && af < 6e6f));
+            } while (!(af > 1e-4f && af < 4.5e5f));
             int nv = 0;
             for (uint32_t b = 0; b < 65536; b++) {
                 float f;
@@ -1249,6 +1271,93 @@ ISA_TEST(quant_rejects_nonfinite) {
 }
 
 /* Argument errors: KVC_ERR_INVALID_ARG, a message, and no write. */
+/* With float16 scales, a group whose absmax / qmax (float32) reaches 65520
+ * would store a scale of +inf (and dequantize to NaN): such input is
+ * rejected like NaN, nothing written, while the value just below stores the
+ * largest float16 scale, 65504. The limit, 65520 * qmax, is checked to be
+ * the smallest such float32 here (not taken from the library); bfloat16
+ * input is checked at the bfloat16 values on either side of it. Float32
+ * scales take any finite input. Sizes cover vector bodies and tails, group 8
+ * on 16-bit input runs the SIMD quant_scales path. */
+ISA_TEST(quant_f16_scale_overflow) {
+    static const int64_t ns[] = {8, 40, 136, 1152};
+    enum { NMAX = 1152 };
+    float *xf = xmalloc(NMAX * 4), *y = xmalloc(NMAX * 4);
+    unsigned char *x = xmalloc(NMAX * 4), *q = xmalloc(NMAX), *s = xmalloc(NMAX * 4);
+    uint64_t rng = test_seed ^ 0xf16;
+    for (int bits = 8; bits >= 4; bits -= 4) {
+        const float qmax = bits == 8 ? 127.0f : 7.0f, lim = 65520.0f * qmax;
+        volatile float below = nextafterf(lim, 0.0f);
+        ASSERT_TRUE(lim / qmax == 65520.0f && below / qmax < 65520.0f);
+        ASSERT_EQ_I64(kvc_f32_to_f16(lim / qmax), 0x7c00);
+        ASSERT_EQ_I64(kvc_f32_to_f16(below / qmax), 0x7bff);
+        /* bfloat16 neighbours: lo the largest below lim, hi = lo + 1 ulp */
+        uint32_t lb;
+        memcpy(&lb, (const float *)&lim, 4);
+        uint16_t hi16 = (uint16_t)(lb >> 16);
+        if (kvc_bf16_to_f32(hi16) < lim) hi16++;
+        const uint16_t lo16 = (uint16_t)(hi16 - 1);
+        ASSERT_TRUE(kvc_bf16_to_f32(lo16) < lim && kvc_bf16_to_f32(hi16) >= lim);
+        for (int isa = 0; isa < KVC_ISA_COUNT; isa++) {
+            if (!use_isa((kvc_isa)isa)) continue;
+            for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++) {
+                const int64_t n = ns[ni], pos[3] = {0, n / 2 + 3, n - 1};
+                for (int i = 0; i < n; i++) xf[i] = test_rng_f32(&rng) * 1000.0f;
+                for (int xi = 0; xi < 3; xi += 2) { /* float32, bfloat16 */
+                    const kvc_dtype xd = float_dtypes[xi];
+                    for (int p = 0; p < 3; p++)
+                        for (int over = 0; over < 2; over++) {
+                            to_dtype(xf, n, x, xd);
+                            const float sign = p == 1 ? -1.0f : 1.0f;
+                            if (xd == KVC_F32) {
+                                const float v = sign * (over ? lim : below);
+                                memcpy(x + 4 * pos[p], &v, 4);
+                            } else {
+                                const uint16_t v = (uint16_t)((over ? hi16 : lo16) |
+                                                              (sign < 0 ? 0x8000 : 0));
+                                memcpy(x + 2 * pos[p], &v, 2);
+                            }
+                            for (int si = 0; si < 2; si++) {
+                                const kvc_dtype sd = scale_dtypes[si];
+                                const int bad = over && sd == KVC_F16;
+                                memset(q, 0xab, NMAX);
+                                memset(s, 0xab, NMAX * 4);
+                                kvc_clear_error();
+                                const kvc_status st = kvc_quantize(x, xd, n, bits, 8, q, s, sd);
+                                const int fin = kvc__kernels()->quant_scales(x, xd, n, bits, 8,
+                                                                              y, sd);
+                                if (bad ? st != KVC_ERR_INVALID_ARG ||
+                                              !strstr(kvc_last_error(), "float16 scale") ||
+                                              !all_bytes(q, NMAX, 0xab) ||
+                                              !all_bytes(s, NMAX * 4, 0xab) || fin
+                                        : st != KVC_OK || !fin)
+                                    TEST_FAIL_("%s bits %d n %lld x %s at %lld over %d scale %s: "
+                                               "%s, quant_scales %d (%s)",
+                                               kvc_isa_name((kvc_isa)isa), bits, (long long)n,
+                                               kvc_dtype_name(xd), (long long)pos[p], over,
+                                               kvc_dtype_name(sd), kvc_status_str(st), fin,
+                                               kvc_last_error());
+                                if (bad || sd != KVC_F16) continue;
+                                /* stored: a finite scale (float32 input: the largest),
+                                 * values dequantize finite */
+                                const uint16_t sc = ((const uint16_t *)s)[pos[p] / 8];
+                                ASSERT_TRUE(xd == KVC_F32 ? sc == 0x7bff : sc < 0x7c00);
+                                ASSERT_OK(kvc_dequantize(q, bits, s, sd, n, 8, y, KVC_F32));
+                                for (int i = 0; i < n; i++) ASSERT_TRUE(isfinite(y[i]));
+                            }
+                        }
+                }
+            }
+        }
+    }
+    free(xf);
+    free(y);
+    free(x);
+    free(q);
+    free(s);
+    return 0;
+}
+
 TEST(quant_argument_errors) {
     float x[64] = {0}, y[64];
     unsigned char q[64], s[64 * 4];
@@ -1325,6 +1434,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(quant_extremes),
     TEST_ENTRY(int4_nibble_order),
     TEST_ENTRY(quant_rejects_nonfinite),
+    TEST_ENTRY(quant_f16_scale_overflow),
     TEST_ENTRY(quant_argument_errors),
     {0, 0},
 };

@@ -102,7 +102,8 @@ KVC_API kvc_status kvc_get_batch_indices_positions(const kvc_tensor *append_indp
  * may differ in dtype and strides, as may k and v.
  * Errors (KVC_ERR_INVALID_ARG, nothing written): bad page table,
  * batch_indices[j] outside [0, B), positions[j] outside [0, seq_len_b),
- * shape/dtype mismatch, missing scales, NaN/Inf into an int8/int4 cache.
+ * shape/dtype mismatch, missing scales, NaN/Inf into an int8/int4 cache
+ * (or, with float16 scales, a value whose scale would overflow: kvc_quantize).
  * If two rows name the same slot, which one is stored is unspecified.
  * Rows are split into fixed chunks, so the bytes written do not depend on
  * the pool's thread count.

@@ -37,7 +37,7 @@ typedef struct kvc_pmx_kv_params {
     int32_t num_repeat;   /* >= 1 (default 1) */
     int32_t cache_layout; /* static 0..1, dynamic 0..3 (default 0) */
     int32_t cache_mode;   /* dynamic only: 0 offset, 1 paged (default 0) */
-    int32_t page_size;    /* dynamic only, cache_mode 1: >= 1 (default 128) */
+    int32_t page_size;    /* dynamic only, used by cache_mode 1; >= 1 (default 128) */
 } kvc_pmx_kv_params;
 
 KVC_API kvc_pmx_kv_params kvc_pmx_kv_default_params(void);
@@ -58,7 +58,8 @@ KVC_API kvc_pmx_kv_params kvc_pmx_kv_default_params(void);
  * layer_idx, then reads positions [0, start_pos+S).
  * Errors (KVC_ERR_INVALID_ARG, nothing written): B > MaxB, start_pos < 0,
  * start_pos + S > MaxS, layer_idx >= L, shape/dtype mismatch, missing scale,
- * bad attributes, non-finite input with quant_bit != 0.
+ * bad attributes, non-finite input with quant_bit != 0 (or, with float16
+ * scales, input whose scale would overflow: kvc_quantize).
  */
 KVC_API kvc_status kvc_pmx_key_value_cache(const kvc_tensor *current_key,
                                            const kvc_tensor *current_value,

@@ -26,8 +26,10 @@ KVC_API kvc_status kvc_convert(const void *src, kvc_dtype src_dtype, void *dst,
 
 /*
  * Quantizes n elements.
- *   x      (n,) of x_dtype in {F32, F16, BF16}; every value must be finite
- *          (else KVC_ERR_INVALID_ARG and nothing is written)
+ *   x      (n,) of x_dtype in {F32, F16, BF16}; every value must be finite,
+ *          and with F16 scales below 65520 * qmax in magnitude (8321040 for
+ *          8 bits, 458640 for 4: past it a group's absmax / qmax rounds to a
+ *          float16 scale of +inf); else KVC_ERR_INVALID_ARG, nothing written
  *   quant_bit 8 or 4; quant_group g >= 1 divides n (even for 4 bits)
  *   q      int8: (n,) bytes; int4: (n/2,) bytes, packed low nibble first
  *   scale  (n/g,) of scale_dtype in {F32, F16}

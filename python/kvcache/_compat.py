@@ -141,6 +141,21 @@ def _sinks_array(sinks, num_qo_heads: int):
     return a
 
 
+def backend(value) -> None:
+    """FlashInfer's ``backend=`` ("auto", "fa2", "fa3", "cudnn", "trtllm-gen",
+    ...) picks among its GPU kernels, which compute the same function; kvcache
+    has one CPU implementation, so any backend name is accepted and ignored."""
+    if value is not None and not isinstance(value, str):
+        raise InvalidArgumentError(f"backend must be a string such as 'auto', got {value!r}")
+
+
+def no_jit(jit_args=None, jit_kwargs=None) -> None:
+    """FlashInfer's jit_args / jit_kwargs (custom JIT-compiled kernel
+    variants) have no CPU meaning: None only."""
+    neutral("jit_args", jit_args, (None,))
+    neutral("jit_kwargs", jit_kwargs, (None,))
+
+
 def neutral(name: str, value, allowed) -> None:
     """A FlashInfer option kvcache accepts only at its neutral value(s)."""
 

@@ -510,7 +510,7 @@ def inplace_array(x, name: str, writable: bool = True) -> np.ndarray:
             f"(got strides {x.strides} bytes for dtype {x.dtype}); it is {how}, "
             f"so it cannot be copied"
         )
-    if writable:
+    if writable and x.size:  # an empty array's strides may be 0: nothing overlaps
         for size, st in zip(x.shape, x.strides, strict=True):
             if size > 1 and st == 0:
                 raise InvalidArgumentError(f"{name} has a zero stride (a broadcast view); it "

@@ -212,25 +212,27 @@ def _threads(num_threads) -> int:
 # Single request
 
 
-def _scale_pair(k_scale, v_scale, ka, va):
+def _scale_pair(k_scale, v_scale, ka, va, names=("k_scale", "v_scale")):
     """[(scale array|None, tensor|None)] for K and V: required exactly for
     int8/int4 (int8 or uint8-packed) K/V, float32/float16. A number is
-    FlashInfer's calibration scale, not a group scale (see _split_scales)."""
+    FlashInfer's calibration scale, not a group scale (see _split_scales).
+    names: what the caller called the two scales, for messages."""
     out = []
-    for name, sc, arr in (("k_scale", k_scale, ka), ("v_scale", v_scale, va)):
+    for name, sc, arr, kv in ((names[0], k_scale, ka, "k"), (names[1], v_scale, va, "v")):
         quant = arr.dtype in (np.dtype(np.int8), _U8)
         if sc is None:
             if quant:
                 raise InvalidArgumentError(
-                    f"{name} is required for an int8/int4 {name[0]}: an array of float32 or "
-                    f"float16 group scales, {name[0]}'s shape with last dimension "
+                    f"{name} is required for an int8/int4 {kv}: an array of float32 or "
+                    f"float16 group scales, {kv}'s shape with last dimension "
                     f"Dh / quant_group")
             out.append((None, None))
         else:
             if not quant:
+                hint = " (a number is a calibration scale)" if name.endswith("_scale") else ""
                 raise InvalidArgumentError(
-                    f"{name} as an array is only for int8/int4 {name[0]}; {name[0]} is "
-                    f"{arr.dtype} (a number is a calibration scale)")
+                    f"{name} as an array is only for int8/int4 {kv}; {kv} is "
+                    f"{arr.dtype}{hint}")
             sa = _lib.input_array(sc, name, _SCALE_CODES)
             out.append((sa, _lib.make_tensor(sa)))
     return out
@@ -394,15 +396,23 @@ class BatchDecodeWithPagedKVCacheWrapper:
         float_workspace_buffer: accepted for FlashInfer compatibility and
             ignored (the plan owns its memory); workspace_buffer is the same.
         kv_layout: "NHD" or "HND".
-        use_cuda_graph: False only; use_tensor_cores: a GPU kernel choice,
-            ignored.
+        use_cuda_graph: False only; use_tensor_cores, backend: GPU kernel
+            choices, ignored.
+        paged_kv_indptr_buffer, paged_kv_indices_buffer,
+            paged_kv_last_page_len_buffer: FlashInfer's CUDA-graph buffers,
+            ignored (it only uses them with use_cuda_graph=True);
+            jit_args: None only.
         num_threads: worker threads (None: all CPUs); fixed for the wrapper
             because plan partitions work for it.
     """
 
     def __init__(self, float_workspace_buffer=None, kv_layout="NHD", use_cuda_graph=False,
-                 use_tensor_cores=False, *, num_threads=None, workspace_buffer=None):
+                 use_tensor_cores=False, paged_kv_indptr_buffer=None,
+                 paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
+                 backend="auto", jit_args=None, *, num_threads=None, workspace_buffer=None):
         _compat.neutral("use_cuda_graph", use_cuda_graph, (False,))
+        _compat.backend(backend)
+        _compat.no_jit(jit_args)
         self._layout_name = kv_layout
         self._layout = _layout_code(kv_layout)
         self._num_threads = _threads(num_threads)
@@ -418,7 +428,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
              q_data_type=None, kv_data_type=None, o_data_type=None, data_type=None,
              sm_scale=None, rope_scale=None, rope_theta=None, non_blocking=True,
              fixed_split_size=None, disable_split_kv=False, q_len_per_req=1,
-             quant_group=8) -> None:
+             window_right=0, block_tables=None, seq_lens=None, quant_group=8) -> None:
         """Plans decode for one batch composition.
 
         Args:
@@ -441,9 +451,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 ignored (no device copies; the split of a request depends on
                 its length alone, so results are batch-invariant anyway).
             q_len_per_req: 1 only (one query token per request).
+            window_right: keys to the right of the query; it sits at the
+                request's last position, so any value >= -1 sees the same keys
+                (checked, then ignored).
+            block_tables, seq_lens: the page table as FlashInfer's trtllm-gen
+                backend takes it; None only (give indptr/indices/last_page_len).
         """
         _compat.neutral("pos_encoding_mode", pos_encoding_mode, ("NONE", None))
         _compat.neutral("q_len_per_req", q_len_per_req, (1, None))
+        _compat.neutral("block_tables", block_tables, (None,))
+        _compat.neutral("seq_lens", seq_lens, (None,))
+        if _lib.int32_attr(window_right, "window_right") < -1:
+            raise InvalidArgumentError(f"window_right must be >= -1, got {window_right!r}")
         _compat.host_options(non_blocking, fixed_split_size, disable_split_kv)
         q_data_type, kv_data_type = _compat.data_types(data_type, q_data_type, kv_data_type)
         params = _attn_params(sm_scale, logits_soft_cap, window_left)

@@ -59,11 +59,16 @@ class MultiLevelCascadeAttentionWrapper:
             ignored; workspace_buffer is the same.
         kv_layout: "NHD" or "HND".
         use_cuda_graph: False only.
+        qo_indptr_buf_arr, paged_kv_indptr_buf_arr, paged_kv_indices_buf_arr,
+            paged_kv_last_page_len_buf_arr: FlashInfer's CUDA-graph buffers,
+            ignored (it only uses them with use_cuda_graph=True).
         num_threads: worker threads (None: all CPUs); fixed for the wrapper.
     """
 
     def __init__(self, num_levels, float_workspace_buffer=None, kv_layout="NHD",
-                 use_cuda_graph=False, *, num_threads=None, workspace_buffer=None):
+                 use_cuda_graph=False, qo_indptr_buf_arr=None, paged_kv_indptr_buf_arr=None,
+                 paged_kv_indices_buf_arr=None, paged_kv_last_page_len_buf_arr=None, *,
+                 num_threads=None, workspace_buffer=None):
         _compat.neutral("use_cuda_graph", use_cuda_graph, (False,))
         n = _lib.int32_attr(num_levels, "num_levels")
         if n < 1:

@@ -33,7 +33,7 @@ import math
 
 import numpy as np
 
-from . import _lib
+from . import _compat, _lib
 from .errors import InvalidArgumentError, UnsupportedError
 
 __all__ = ["BatchMLAPagedAttentionWrapper"]
@@ -88,7 +88,7 @@ class BatchMLAPagedAttentionWrapper:
 
     Args:
         float_workspace_buffer: accepted for FlashInfer compatibility and
-            ignored (the plan owns its memory).
+            ignored (the plan owns its memory); workspace_buffer is the same.
         use_cuda_graph, qo_indptr, kv_indptr, kv_indices, kv_len_arr, backend:
             FlashInfer's CUDA-graph buffers and backend choice; accepted and
             ignored.
@@ -97,7 +97,8 @@ class BatchMLAPagedAttentionWrapper:
 
     def __init__(self, float_workspace_buffer=None, use_cuda_graph=False, qo_indptr=None,
                  kv_indptr=None, kv_indices=None, kv_len_arr=None, backend="auto", *,
-                 num_threads=None):
+                 num_threads=None, workspace_buffer=None):
+        _compat.backend(backend)
         pool, _lock = _lib.threadpool(num_threads)  # validates num_threads early
         del pool
         self._num_threads = num_threads

@@ -261,8 +261,10 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     Raises:
         InvalidArgumentError: bad page table, batch index or position out of
             range, shape/dtype mismatch, missing kv_scale, NaN/Inf into an
-            int8/int4 cache. Nothing is written then. If two rows name the
-            same slot, which one is stored is unspecified.
+            int8/int4 cache (or, with float16 scales, a value of magnitude
+            65520 * qmax or more, whose scale would overflow). Nothing is
+            written then. If two rows name the same slot, which one is
+            stored is unspecified.
     """
     ak = _lib.input_array(append_key, "append_key", _APPEND_CODES)
     av = _lib.input_array(append_value, "append_value", _APPEND_CODES)

@@ -188,7 +188,8 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
         causal: bottom-right causal mask (ignored with a custom mask).
         kv_layout: "NHD" or "HND".
         pos_encoding_mode: "NONE" only; use_fp16_qk_reduction: False only;
-            backend: "auto" only; rope_scale, rope_theta: ignored.
+            backend: a FlashInfer kernel choice, ignored; rope_scale, rope_theta:
+            ignored.
         sm_scale: None for 1/sqrt(Dh).
         window_left: -1 for none, else row i sees keys
             j >= i + kv_len - qo_len - window_left.
@@ -207,7 +208,7 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
     for name, x in (("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v),
                     ("kv_cache_sf", kv_cache_sf)):
         _compat.neutral(name, x, (None,))
-    _compat.neutral("backend", backend, ("auto", None))
+    _compat.backend(backend)
     _check_flashinfer_only(None, None, pos_encoding_mode, use_fp16_qk_reduction)
     if o_dtype is not None and out_dtype is not None:
         raise InvalidArgumentError("give o_dtype or out_dtype (the same), not both")
@@ -370,11 +371,26 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             ignored (the plan owns its memory); workspace_buffer is the same.
         kv_layout: "NHD" or "HND".
         use_cuda_graph: False only.
+        qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf,
+            paged_kv_last_page_len_buf, custom_mask_buf, mask_indptr_buf:
+            FlashInfer's CUDA-graph buffers, ignored (it only uses them with
+            use_cuda_graph=True); backend: a GPU kernel choice, ignored;
+            jit_args, jit_kwargs: None only.
         num_threads: worker threads (None: all CPUs); fixed for the wrapper
             because plan partitions work for it.
     """
 
     _name = "BatchPrefillWithPagedKVCacheWrapper"
+
+    def __init__(self, float_workspace_buffer=None, kv_layout="NHD", use_cuda_graph=False,
+                 qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
+                 paged_kv_last_page_len_buf=None, custom_mask_buf=None, mask_indptr_buf=None,
+                 backend="auto", jit_args=None, jit_kwargs=None, *, num_threads=None,
+                 workspace_buffer=None):
+        _compat.backend(backend)
+        _compat.no_jit(jit_args, jit_kwargs)
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph,
+                         num_threads=num_threads, workspace_buffer=workspace_buffer)
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, head_dim_vo=None,
@@ -508,10 +524,22 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
             compatibility and ignored; use_cuda_graph: False only.
         kv_layout: "NHD" (k/v (kv_indptr[-1], H, Dh)) or "HND"
             ((H, kv_indptr[-1], Dh)).
+        qo_indptr_buf, kv_indptr_buf, custom_mask_buf, mask_indptr_buf:
+            FlashInfer's CUDA-graph buffers, ignored; backend: a GPU kernel
+            choice, ignored; jit_args, jit_kwargs: None only.
         num_threads: worker threads (None: all CPUs); fixed for the wrapper.
     """
 
     _name = "BatchPrefillWithRaggedKVCacheWrapper"
+
+    def __init__(self, float_workspace_buffer=None, kv_layout="NHD", use_cuda_graph=False,
+                 qo_indptr_buf=None, kv_indptr_buf=None, custom_mask_buf=None,
+                 mask_indptr_buf=None, backend="auto", jit_args=None, jit_kwargs=None, *,
+                 num_threads=None, workspace_buffer=None):
+        _compat.backend(backend)
+        _compat.no_jit(jit_args, jit_kwargs)
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph,
+                         num_threads=num_threads, workspace_buffer=workspace_buffer)
 
     def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk,
              head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False, *,
@@ -575,7 +603,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         else:
             raise InvalidArgumentError("kv_scale must be a (k_scale, v_scale) pair for ragged "
                                        "k and v")
-        scales = _scale_pair(kg, vg, ka, va)
+        scales = _scale_pair(kg, vg, ka, va, ("kv_scale[0]", "kv_scale[1]"))
         outs = outs(qa, return_lse, out, lse)
         q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(outs.o_c)
         lse_t = _opt_tensor(outs.lse_c)

@@ -82,7 +82,9 @@ def quantize(x, quant_bit: int = 8, quant_group: int = 8, scale_dtype=np.float32
 
     Args:
         x: float32, float16 or bfloat16 array of shape (..., D) (a 0-d array
-            counts as (1,)); every value must be finite.
+            counts as (1,)); every value must be finite, and with float16
+            scales below 65520 * qmax (8321040 for 8 bits, 458640 for 4),
+            where a group's float16 scale would round to +inf.
         quant_bit: 8 or 4.
         quant_group: group size g >= 1 dividing D (even for 4 bits).
         scale_dtype: float32 or float16.
@@ -92,7 +94,8 @@ def quantize(x, quant_bit: int = 8, quant_group: int = 8, scale_dtype=np.float32
         bytes for 4 bits; scale is (..., D/g) of scale_dtype.
 
     Raises:
-        InvalidArgumentError: bad quant_bit/quant_group/dtypes, or NaN/Inf in x.
+        InvalidArgumentError: bad quant_bit/quant_group/dtypes, NaN/Inf in x,
+            or a float16 scale that would overflow.
     """
     arr = _float_input(x, "x")
     if arr.ndim == 0:

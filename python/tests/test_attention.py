@@ -522,9 +522,17 @@ def test_batch_decode_errors(rng):
     q = rng.standard_normal((2, 4, 32)).astype(np.float32)
     with pytest.raises(E, match="plan"):
         w.run(q, cache, scale)
+    # FlashInfer's positional arguments (buffers, backend, jit_args) are taken
+    # and ignored; num_threads after them is keyword-only
+    kvcache.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", False, False, None, None, None,
+                                               "fa2", None)
     with pytest.raises(TypeError):
-        # FlashInfer's positional arguments end at use_tensor_cores; num_threads is keyword-only
-        kvcache.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", False, False, 2)
+        kvcache.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", False, False, None, None, None,
+                                                   "auto", None, 2)
+    with pytest.raises(kvcache.UnsupportedError, match="jit_args"):
+        kvcache.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD", jit_args=["x"])
+    with pytest.raises(E, match="backend"):
+        kvcache.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD", backend=2)
     with pytest.raises(E):
         kvcache.BatchDecodeWithPagedKVCacheWrapper(kv_layout="XYZ")
     for bad in ((indptr[::-1].copy(), indices, last), (indptr, indices, last + 16),
@@ -535,8 +543,17 @@ def test_batch_decode_errors(rng):
         w.plan(indptr, indices, last, 5, 2, 32, 16)  # Hq % H
     with pytest.raises(E):
         w.plan(indptr, indices, last, 4, 2, 32, 16, window_left=-3)
+    for bad in ({"block_tables": np.zeros((2, 2), np.int32)}, {"seq_lens": np.array([20, 3])}):
+        with pytest.raises(kvcache.UnsupportedError):
+            w.plan(indptr, indices, last, 4, 2, 32, 16, **bad)
+    with pytest.raises(E, match="window_right"):
+        w.plan(indptr, indices, last, 4, 2, 32, 16, window_right=-2)
     w.plan(indptr, indices, last, 4, 2, 32, 16, kv_data_type="int8", q_data_type="float32")
     o = w.run(q, cache, scale)
+    for right in (-1, 5):  # the query is the last position: nothing to its right
+        w.plan(indptr, indices, last, 4, 2, 32, 16, kv_data_type="int8", q_data_type="float32",
+               window_right=right)
+        np.testing.assert_array_equal(w.run(q, cache, scale), o)
     with pytest.raises(E):
         w.run(q, cache)  # int8 without scales
     with pytest.raises(E):

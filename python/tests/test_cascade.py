@@ -240,8 +240,9 @@ def test_cascade_errors(rng):
     h = sc.pg.heads
     with pytest.raises(E):
         kvcache.MultiLevelCascadeAttentionWrapper(0)
-    with pytest.raises(TypeError):
-        kvcache.MultiLevelCascadeAttentionWrapper(3, None, "NHD", False, 2)
+    kvcache.MultiLevelCascadeAttentionWrapper(3, None, "NHD", False, None, None, None, None)
+    with pytest.raises(TypeError):  # num_threads is keyword-only
+        kvcache.MultiLevelCascadeAttentionWrapper(3, None, "NHD", False, None, None, None, None, 2)
     w = kvcache.MultiLevelCascadeAttentionWrapper(3, kv_layout="NHD")
     with pytest.raises(E, match="plan"):
         w.run(q, sc.pg.cache, sc.pg.scale)

@@ -254,6 +254,10 @@ def test_plan_errors(rng):
         w.plan(qo, kvp, idx, np.array([100]), 16, 512, 64, 64, False, SM, q_data_type="int8")
     with pytest.raises(kvcache.InvalidArgumentError):
         kvcache.BatchMLAPagedAttentionWrapper().run(None, None, None, None)  # no plan
+    # like the other wrappers: workspace_buffer names the ignored workspace too
+    kvcache.BatchMLAPagedAttentionWrapper(workspace_buffer=np.empty(16, np.uint8), backend="fa3")
+    with pytest.raises(kvcache.InvalidArgumentError, match="backend"):
+        kvcache.BatchMLAPagedAttentionWrapper(backend=3)
 
 
 def test_run_errors_write_nothing(rng):

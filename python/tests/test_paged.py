@@ -869,6 +869,35 @@ def test_append_rejects_non_finite_anywhere(rng, kind, t1):
             assert_buffers(sc, scale.bases, f"scale after {bad} at {(row, h, e)} {isa}/{nt}")
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_append_rejects_float16_scale_overflow(rng, kind):
+    """A value whose group's float16 scale would round to +inf (|x| >= 65520 *
+    qmax) is refused like NaN, nothing written, on every ISA; float32 scales
+    store it."""
+    heads, dh, group, ps = 2, 40, 8, 16
+    batch = pr.Batch(rng, ps, [0, 5], [0, 70])
+    cdt = I8 if kind == "int8" else "int4"
+    key = ref.random_input(rng, (batch.nnz, heads, dh), F32)
+    value = ref.random_input(rng, (batch.nnz, heads, dh), F32)
+    value[64, 1, 33] = -1e7
+    for sdt in (F16, F32):
+        cache = cache_buffers(rng, "combined", "NHD", batch.max_pages, ps, heads, dh, cdt)
+        scale = scale_buffers(rng, "combined", "NHD", batch.max_pages, ps, heads, dh, group, sdt)
+        for isa, nt in variants():
+            c, sc = cache.copy(), scale.copy()
+            args = (key, value, batch.batch_indices, batch.positions, c[0], *batch.table())
+            kw = dict(kv_layout="NHD", kv_scale=sc[0], quant_group=group, n_threads=nt)
+            with using_isa(isa):
+                if sdt == F32:
+                    kvcache.append_paged_kv_cache(*args, **kw)
+                    continue
+                with pytest.raises(kvcache.InvalidArgumentError,
+                                   match=r"append_value \(row 64, head 1\).*float16 scale"):
+                    kvcache.append_paged_kv_cache(*args, **kw)
+            assert_buffers(c, cache.bases, f"cache after a refused append {isa}/{nt}")
+            assert_buffers(sc, scale.bases, f"scale after a refused append {isa}/{nt}")
+
+
 def test_missing_c_function_raises_unsupported():
     fn = kvcache._lib.optional_proto("kvc_no_such_function_for_tests", None)
     with pytest.raises(kvcache.UnsupportedError, match="kvc_no_such_function_for_tests"):

@@ -793,9 +793,17 @@ def test_batch_prefill_errors(rng):
     w = kvcache.BatchPrefillWithPagedKVCacheWrapper(kv_layout="NHD")
     with pytest.raises(E, match="plan"):
         w.run(q, pg.cache, pg.scale)
+    # FlashInfer's positional arguments (buffers, backend, jit_args, jit_kwargs)
+    # are taken and ignored; num_threads after them is keyword-only
+    fi_args = (None, "NHD", False) + (None,) * 6 + ("fa3", None, None)
+    kvcache.BatchPrefillWithPagedKVCacheWrapper(*fi_args)
+    kvcache.BatchPrefillWithRaggedKVCacheWrapper(*fi_args[:5], *fi_args[7:])
     with pytest.raises(TypeError):
-        # positional arguments end at use_cuda_graph; num_threads is keyword-only
-        kvcache.BatchPrefillWithPagedKVCacheWrapper(None, "NHD", False, 2)
+        kvcache.BatchPrefillWithPagedKVCacheWrapper(*fi_args, 2)
+    with pytest.raises(TypeError):
+        kvcache.BatchPrefillWithRaggedKVCacheWrapper(*fi_args[:5], *fi_args[7:], 2)
+    with pytest.raises(kvcache.UnsupportedError, match="jit_kwargs"):
+        kvcache.BatchPrefillWithRaggedKVCacheWrapper(kv_layout="NHD", jit_kwargs={"a": 1})
     with pytest.raises(E):
         kvcache.BatchPrefillWithPagedKVCacheWrapper(kv_layout="XYZ")
     indptr, indices, last = pg.table()

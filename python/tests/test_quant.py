@@ -171,6 +171,26 @@ def test_quantize_rejects_non_finite(isa, xdt, bad):
         kvcache.quantize(x.astype(xdt), 8, 8)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_float16_scale_overflow(isa, bits):
+    """A group whose absmax / qmax reaches 65520 would store a float16 scale of
+    +inf (and read back NaN): refused with float16 scales, at 65520 * qmax
+    exactly, while the float32 just below stores 65504 and float32 scales take
+    any finite input."""
+    qmax = 127 if bits == 8 else 7
+    lim = np.float32(65520 * qmax)
+    x = np.ones((4, 32), np.float32)
+    x[2, 17] = -lim
+    with pytest.raises(kvcache.InvalidArgumentError, match="float16 scale"):
+        kvcache.quantize(x, bits, 8, scale_dtype=np.float16)
+    q, s = kvcache.quantize(x, bits, 8, scale_dtype=np.float32)
+    assert s[2, 2] == np.float32(lim / qmax)
+    x[2, 17] = -np.nextafter(lim, np.float32(0))
+    q, s = kvcache.quantize(x, bits, 8, scale_dtype=np.float16)
+    assert s[2, 2] == np.float16(65504)
+    assert np.isfinite(kvcache.dequantize(q, s, bits, 8)).all()
+
+
 def test_quant_argument_errors():
     x = np.ones((2, 16), np.float32)
     with pytest.raises(kvcache.InvalidArgumentError, match="quant_bit"):

@@ -123,9 +123,10 @@ kvc_status kvc__attn_check_paged(const char *fn, const kvc_paged_cache *cache, i
     KVC_CHECK(k->ndim == 4, "%s: k must be 4-D, not %d-D", fn, (int)k->ndim);
     const int64_t ps = nhd ? k->shape[1] : k->shape[2], h = nhd ? k->shape[2] : k->shape[1];
     KVC_CHECK(ps == page_size && h == H && k->shape[3] == D,
-              "%s: cache %s %s (%s) does not match the plan (page_size %lld, H %lld, Dh %lld)",
+              "%s: cache %s %s (%s) does not match the plan (page_size %lld, H %lld, Dh %lld)%s",
               fn, kvc_dtype_name(k->dtype), kvc__shape_str(k, buf, sizeof buf),
-              nhd ? "NHD" : "HND", (long long)page_size, (long long)H, (long long)D);
+              nhd ? "NHD" : "HND", (long long)page_size, (long long)H, (long long)D,
+              k->dtype == KVC_I4 ? "; an int4 shape counts elements, stored as Dh / 2 bytes" : "");
     const int quant = k->dtype == KVC_I8 || k->dtype == KVC_I4;
     KVC_TRY(kvc__attn_check_kv(fn, &cache->k, &cache->v, quant ? &cache->k_scale : NULL,
                                quant ? &cache->v_scale : NULL, cache->quant_group, 4));

@@ -8,6 +8,7 @@
 #ifndef KVC_KERNELS_H
 #define KVC_KERNELS_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -82,8 +83,10 @@ typedef struct kvc_kernels {
     void (*copy)(void *dst, const void *src, size_t n);
     /* n elements from src (sd) to dst (dd), both in {F32, F16, BF16}. */
     void (*convert)(const void *src, kvc_dtype sd, void *dst, kvc_dtype dd, int64_t n);
-    /* 1 if all n elements of x (F32/F16/BF16) are finite, else 0. */
-    int (*all_finite)(const void *x, kvc_dtype xd, int64_t n);
+    /* 1 if |x_i| < limit for all n elements of x (F32/F16/BF16), else 0
+     * (NaN fails). limit > 0; INFINITY: all finite. A quantized store
+     * passes kvc__quant_limit. */
+    int (*all_finite)(const void *x, kvc_dtype xd, int64_t n, float limit);
     /* n elements, n % g == 0 (g even for bits 4), x finite. q: int8 bytes, or
      * int4 packed (element 2i low nibble of byte i). scale: n/g of sd. */
     void (*quantize)(const void *x, kvc_dtype xd, int64_t n, int bits, int g, void *q,
@@ -96,7 +99,8 @@ typedef struct kvc_kernels {
     /* quantize in two passes, for callers that must check the whole input
      * before writing anything (the paged append): quant_scales writes the
      * n/g scales quantize would store into `scale` and returns 1 if all of x
-     * is finite (0: some NaN/Inf, `scale` then unspecified). quant_values
+     * is below kvc__quant_limit(bits, sd) (0: some NaN/Inf, or a float16
+     * scale that overflowed; `scale` then unspecified). quant_values
      * takes those scales (sin), copies them to `scale` and writes q; with
      * stream set it may use non-temporal stores (fenced before returning).
      * Together: the bytes of quantize. The check's read of x then does the
@@ -166,6 +170,27 @@ static inline int kvc__amx_decode_ok(const kvc_kernels *k, kvc_dtype dt, int64_t
 static inline int kvc__quant_split_fast(kvc_dtype xd, int g) {
     return g == 8 && (xd == KVC_F16 || xd == KVC_BF16);
 }
+
+/* Magnitude every input of a quantized store must stay below (SEMANTICS
+ * section 1): finite, and with float16 scales below 65520 * qmax, where
+ * absmax / qmax (a float32 division) reaches 65520 and the scale would round
+ * to float16 infinity (dequantizing to NaN). 65520 * qmax is exact in float32
+ * and the smallest input that overflows: the float32 below it, divided by
+ * 127 or 7, rounds to less than 65520 (test_quant checks both sides). */
+static inline float kvc__quant_limit(int bits, kvc_dtype sd) {
+    return sd == KVC_F16 ? 65520.0f * (bits == 8 ? 127.0f : 7.0f) : (float)INFINITY;
+}
+
+/* The error for n input elements x (xd) of a quantized store that failed
+ * all_finite(..., kvc__quant_limit(bits, sd)): "<fn>: <what> has a NaN or
+ * Inf value ..." or "... a value of magnitude >= <limit> ...". (quant.c) */
+kvc_status kvc__quant_input_error(const char *fn, const char *what, const void *x, kvc_dtype xd,
+                                  int64_t n, int bits, kvc_dtype sd);
+
+/* The 16-bit pattern (F16 or BF16, sign cleared) of the smallest value >=
+ * limit, at most the infinity pattern: |x| < limit iff x's magnitude bits
+ * are below it. */
+uint16_t kvc__limit_bits16(float limit, kvc_dtype xd);
 
 /* The table for the current ISA (kvc_get_isa()). */
 const kvc_kernels *kvc__kernels(void);

@@ -164,35 +164,40 @@ static void convert_avx2(const void *src, kvc_dtype sd, void *dst, kvc_dtype dd,
 
 /* ---- all_finite ---------------------------------------------------------- */
 
-/* A value is Inf/NaN iff its exponent field is all ones: 0x7f800000 (f32),
- * 0x7c00 (f16), 0x7f80 (bf16). Checked 32 elements (f32) or 64 (16-bit) per
- * early-exit test. */
-static int all_finite_avx2(const void *x, kvc_dtype xd, int64_t n) {
+/* |x| < limit iff x's magnitude bits (sign cleared) are below those of the
+ * limit (rounded up to the input's format for 16-bit input); NaN and Inf
+ * have the largest patterns, so limit INFINITY is the finiteness test. The
+ * patterns are below 2^31 (2^15), so signed compares do. Checked 32
+ * elements (f32) or 64 (16-bit) per early-exit test. */
+static int all_finite_avx2(const void *x, kvc_dtype xd, int64_t n, float limit) {
     int64_t i = 0;
     if (xd == KVC_F32) {
-        const __m256i e = _mm256_set1_epi32(0x7f800000);
+        uint32_t lb;
+        memcpy(&lb, &limit, 4);
+        const __m256i abs = _mm256_set1_epi32(0x7fffffff), lim = _mm256_set1_epi32((int)lb - 1);
         const __m256i *p = (const __m256i *)x;
         for (; i + 32 <= n; i += 32, p += 4) {
             __m256i bad = _mm256_setzero_si256();
             for (int k = 0; k < 4; k++) {
-                const __m256i v = _mm256_and_si256(_mm256_loadu_si256(p + k), e);
-                bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(v, e));
+                const __m256i v = _mm256_and_si256(_mm256_loadu_si256(p + k), abs);
+                bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(v, lim));
             }
             if (!_mm256_testz_si256(bad, bad)) return 0;
         }
     } else {
-        const __m256i e = _mm256_set1_epi16(xd == KVC_F16 ? 0x7c00 : 0x7f80);
+        const __m256i abs = _mm256_set1_epi16(0x7fff);
+        const __m256i lim = _mm256_set1_epi16((short)(kvc__limit_bits16(limit, xd) - 1));
         const __m256i *p = (const __m256i *)x;
         for (; i + 64 <= n; i += 64, p += 4) {
             __m256i bad = _mm256_setzero_si256();
             for (int k = 0; k < 4; k++) {
-                const __m256i v = _mm256_and_si256(_mm256_loadu_si256(p + k), e);
-                bad = _mm256_or_si256(bad, _mm256_cmpeq_epi16(v, e));
+                const __m256i v = _mm256_and_si256(_mm256_loadu_si256(p + k), abs);
+                bad = _mm256_or_si256(bad, _mm256_cmpgt_epi16(v, lim));
             }
             if (!_mm256_testz_si256(bad, bad)) return 0;
         }
     }
-    return i == n ? 1 : kvc__kernels_scalar()->all_finite(cat(x, xd, i), xd, n - i);
+    return i == n ? 1 : kvc__kernels_scalar()->all_finite(cat(x, xd, i), xd, n - i, limit);
 }
 
 /* ---- int8 / int4 lanes --------------------------------------------------- */
@@ -540,10 +545,11 @@ static void quantize_stream_avx2(const void *x, kvc_dtype xd, int64_t n, int bit
 
 /* ---- quantize in two passes (quant_scales / quant_values) ------------------ */
 
-/* g == 8 on 16-bit input: blocks of 64 by quant_g8_h16_absmax (NaN/Inf seen
- * as a magnitude >= the Inf bits), then group by group. */
-KVC_INLINE int qscales_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, float qmax, void *scale,
-                              kvc_dtype sd) {
+/* g == 8 on 16-bit input: blocks of 64 by quant_g8_h16_absmax (the block's
+ * largest magnitude pattern against the limit's: NaN/Inf have the largest),
+ * then group by group. */
+KVC_INLINE int qscales_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, float qmax,
+                              float limit, void *scale, kvc_dtype sd) {
     __m128i big = _mm_setzero_si128();
     int64_t e = 0;
     for (; e + 64 <= n; e += 64) {
@@ -556,9 +562,9 @@ KVC_INLINE int qscales_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, float 
         else
             _mm256_storeu_ps((float *)scale + e / 8, s);
     }
-    const __m128i inf = _mm_set1_epi16((short)(xd == KVC_F16 ? 0x7c00 : 0x7f80));
-    int finite = _mm_movemask_epi8(_mm_cmpeq_epi16(_mm_max_epu16(big, inf), big)) == 0;
-    if (e < n) finite = finite && all_finite_avx2(x + e, xd, n - e);
+    const __m128i lim = _mm_set1_epi16((short)kvc__limit_bits16(limit, xd));
+    int finite = _mm_movemask_epi8(_mm_cmpeq_epi16(_mm_max_epu16(big, lim), big)) == 0;
+    if (e < n) finite = finite && all_finite_avx2(x + e, xd, n - e, limit);
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (; e < n; e += 8)
         scale_store(hmax8(_mm256_and_ps(load8(x, xd, e), absmask)), qmax, scale, sd, e / 8);
@@ -613,11 +619,11 @@ KVC_INLINE void qvalues_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, int b
 
 static int quant_scales_avx2(const void *x, kvc_dtype xd, int64_t n, int bits, int g, void *scale,
                              kvc_dtype sd) {
-    const float qmax = bits == 8 ? 127.0f : 7.0f;
+    const float qmax = bits == 8 ? 127.0f : 7.0f, limit = kvc__quant_limit(bits, sd);
     if (g == 8 && (bits == 8 || bits == 4)) {
 #define QS(in, s)                                                                                  \
     if (xd == (in) && sd == (s))                                                                   \
-        return qscales_g8_h16((const uint16_t *)x, (in), n, qmax, scale, (s));
+        return qscales_g8_h16((const uint16_t *)x, (in), n, qmax, limit, scale, (s));
         QS(KVC_F16, KVC_F16) QS(KVC_F16, KVC_F32) QS(KVC_BF16, KVC_F16) QS(KVC_BF16, KVC_F32)
 #undef QS
     }

@@ -194,31 +194,38 @@ static void convert_avx512(const void *src, kvc_dtype sd, void *dst, kvc_dtype d
 
 /* ---- all_finite ---------------------------------------------------------- */
 
-/* A value is Inf/NaN iff its exponent field is all ones: 0x7f800000 (f32),
- * 0x7c00 (f16), 0x7f80 (bf16). One early-exit test per 64 bytes; the tail
- * is a masked load (masked-off lanes read as 0, which is finite). */
-static int all_finite_avx512(const void *x, kvc_dtype xd, int64_t n) {
+/* |x| < limit iff x's magnitude bits (sign cleared) are below those of the
+ * limit (rounded up to the input's format for 16-bit input); NaN and Inf
+ * have the largest patterns, so limit INFINITY is the finiteness test. One
+ * early-exit test per 64 bytes; the tail is a masked load (masked-off lanes
+ * read as 0, below any limit). */
+static int all_finite_avx512(const void *x, kvc_dtype xd, int64_t n, float limit) {
     if (xd == KVC_F32) {
-        const __m512i e = _mm512_set1_epi32(0x7f800000);
+        uint32_t lb;
+        memcpy(&lb, &limit, 4);
+        const __m512i abs = _mm512_set1_epi32(0x7fffffff), lim = _mm512_set1_epi32((int)lb);
         const float *p = x;
         int64_t i = 0;
         for (; i + 16 <= n; i += 16)
-            if (_mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_loadu_si512(p + i), e), e)) return 0;
+            if (_mm512_cmpge_epu32_mask(_mm512_and_si512(_mm512_loadu_si512(p + i), abs), lim))
+                return 0;
         if (i < n) {
             const __m512i v = _mm512_maskz_loadu_epi32(lanes(n - i), p + i);
-            if (_mm512_cmpeq_epi32_mask(_mm512_and_si512(v, e), e)) return 0;
+            if (_mm512_cmpge_epu32_mask(_mm512_and_si512(v, abs), lim)) return 0;
         }
         return 1;
     }
-    const __m512i e = _mm512_set1_epi16(xd == KVC_F16 ? 0x7c00 : 0x7f80);
+    const __m512i abs = _mm512_set1_epi16(0x7fff);
+    const __m512i lim = _mm512_set1_epi16((short)kvc__limit_bits16(limit, xd));
     const uint16_t *p = x;
     int64_t i = 0;
     for (; i + 32 <= n; i += 32)
-        if (_mm512_cmpeq_epi16_mask(_mm512_and_si512(_mm512_loadu_si512(p + i), e), e)) return 0;
+        if (_mm512_cmpge_epu16_mask(_mm512_and_si512(_mm512_loadu_si512(p + i), abs), lim))
+            return 0;
     if (i < n) {
         const __mmask32 m = (__mmask32)((1ull << (n - i)) - 1u);
         const __m512i v = _mm512_maskz_loadu_epi16(m, p + i);
-        if (_mm512_cmpeq_epi16_mask(_mm512_and_si512(v, e), e)) return 0;
+        if (_mm512_cmpge_epu16_mask(_mm512_and_si512(v, abs), lim)) return 0;
     }
     return 1;
 }
@@ -754,10 +761,11 @@ static void quantize_stream_avx512(const void *x, kvc_dtype xd, int64_t n, int b
 
 /* ---- quantize in two passes (quant_scales / quant_values) ------------------ */
 
-/* g == 8 on 16-bit input: blocks of 128 by quant_g8_h16_absmax (NaN/Inf
- * seen as a magnitude >= the Inf bits), then 16 / 8 elements at a time. */
-KVC_INLINE int qscales_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, float qmax, void *scale,
-                              kvc_dtype sd) {
+/* g == 8 on 16-bit input: blocks of 128 by quant_g8_h16_absmax (the block's
+ * largest magnitude pattern against the limit's: NaN/Inf have the largest),
+ * then 16 / 8 elements at a time. */
+KVC_INLINE int qscales_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, float qmax,
+                              float limit, void *scale, kvc_dtype sd) {
     __m256i big = _mm256_setzero_si256();
     int64_t e = 0;
     for (; e + 128 <= n; e += 128) {
@@ -768,9 +776,9 @@ KVC_INLINE int qscales_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, float 
         const __m512 s = scale_calc(a, qmax, sd, &h); /* sets h: not inside the call below */
         scale16_put(scale, sd, e / 8, s, h, 0);
     }
-    const __m256i inf = _mm256_set1_epi16((short)(xd == KVC_F16 ? 0x7c00 : 0x7f80));
-    int finite = _mm256_cmpge_epu16_mask(big, inf) == 0;
-    if (e < n) finite = finite && all_finite_avx512(x + e, xd, n - e);
+    const __m256i lim = _mm256_set1_epi16((short)kvc__limit_bits16(limit, xd));
+    int finite = _mm256_cmpge_epu16_mask(big, lim) == 0;
+    if (e < n) finite = finite && all_finite_avx512(x + e, xd, n - e, limit);
     for (; e < n; e += 16) { /* n % 8 == 0: 16 lanes, or 8 at the end */
         const __mmask16 m = n - e >= 16 ? ALL16 : lanes(8);
         __m256i h = _mm256_setzero_si256();
@@ -836,11 +844,11 @@ KVC_INLINE void qvalues_g8_h16(const uint16_t *x, kvc_dtype xd, int64_t n, int b
 
 static int quant_scales_avx512(const void *x, kvc_dtype xd, int64_t n, int bits, int g,
                                void *scale, kvc_dtype sd) {
-    const float qmax = bits == 8 ? 127.0f : 7.0f;
+    const float qmax = bits == 8 ? 127.0f : 7.0f, limit = kvc__quant_limit(bits, sd);
     if (g == 8 && (bits == 8 || bits == 4)) {
 #define QS(in, s)                                                                                  \
     if (xd == (in) && sd == (s))                                                                   \
-        return qscales_g8_h16((const uint16_t *)x, (in), n, qmax, scale, (s));
+        return qscales_g8_h16((const uint16_t *)x, (in), n, qmax, limit, scale, (s));
         QS(KVC_F16, KVC_F16) QS(KVC_F16, KVC_F32) QS(KVC_BF16, KVC_F16) QS(KVC_BF16, KVC_F32)
 #undef QS
     }

@@ -33,10 +33,20 @@ static void convert_ref(const void *src, kvc_dtype sd, void *dst, kvc_dtype dd, 
     for (int64_t i = 0; i < n; i++) store_f32(dst, dd, i, load_f32(src, sd, i));
 }
 
-static int all_finite_ref(const void *x, kvc_dtype xd, int64_t n) {
+static int all_finite_ref(const void *x, kvc_dtype xd, int64_t n, float limit) {
     for (int64_t i = 0; i < n; i++)
-        if (!isfinite(load_f32(x, xd, i))) return 0;
+        if (!(fabsf(load_f32(x, xd, i)) < limit)) return 0; /* NaN fails too */
     return 1;
+}
+
+uint16_t kvc__limit_bits16(float limit, kvc_dtype xd) {
+    const int f16 = xd == KVC_F16;
+    const uint16_t inf = f16 ? 0x7c00 : 0x7f80;
+    /* past the largest finite value (the common case: no rounding needed) */
+    if (limit > (f16 ? 65504.0f : kvc_bf16_to_f32(0x7f7f))) return inf;
+    uint16_t b = f16 ? kvc_f32_to_f16(limit) : kvc_f32_to_bf16(limit); /* nearest */
+    if ((f16 ? kvc_f16_to_f32(b) : kvc_bf16_to_f32(b)) < limit) b++;   /* round up */
+    return b < inf ? b : inf;
 }
 
 float kvc__scale_round(float s, kvc_dtype sd) {
@@ -91,7 +101,7 @@ static int quant_scales_ref(const void *x, kvc_dtype xd, int64_t n, int bits, in
                             kvc_dtype sd) {
     const float qmax = bits == 8 ? 127.0f : 7.0f;
     for (int64_t g0 = 0; g0 < n; g0 += g) group_scale(x, xd, g0, g, qmax, scale, sd);
-    return all_finite_ref(x, xd, n);
+    return all_finite_ref(x, xd, n, kvc__quant_limit(bits, sd));
 }
 
 static void quant_values_ref(const void *x, kvc_dtype xd, int64_t n, int bits, int g,

@@ -23,6 +23,7 @@
  * one go (measured faster there: decode-like appends 500 -> 700 ns per
  * token and layer with the two passes).
  */
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "paged_internal.h"
@@ -123,13 +124,20 @@ static void store_task(void *ctx, int64_t task) {
 /* ---- finiteness (quantized halves) --------------------------------------------- */
 
 /* Input elements [x, x + n) of a half, rows from row-head rh on: 1 if
- * finite; with h->qs set, their scales go to h->qs too. */
+ * finite (and below kvc__quant_limit: a float16 scale must not overflow);
+ * with h->qs set, their scales go to h->qs too. */
 static int span_finite(const paged_half *h, const void *x, int64_t n, int64_t rh) {
     const pmx_op *op = &h->op;
-    if (!h->qs) return op->k->all_finite(x, op->t1, n);
     const kvc_dtype sd = h->slot0.sdtype;
+    if (!h->qs) return op->k->all_finite(x, op->t1, n, kvc__quant_limit(op->bits, sd));
     return op->k->quant_scales(x, op->t1, n, op->bits, op->group,
                                h->qs + kvc__bytes(sd, rh * row_groups(h)), sd);
+}
+
+/* Input row j, head hh of a half. */
+static const void *in_row(const paged_half *h, int64_t j, int64_t hh) {
+    const kvc_tensor *t = h->in;
+    return kvc__at(t, j * t->stride[0] + (h->op.H > 1 ? hh * t->stride[1] : 0));
 }
 
 /* 1 if input rows [j0, j1) of a half are all finite (and their scales in
@@ -150,8 +158,7 @@ static int rows_finite(const paged_half *h, int64_t j0, int64_t j1, int report, 
             continue;
         }
         for (int64_t hh = 0; hh < op->H; hh++) {
-            const int64_t off = j * t->stride[0] + (op->H > 1 ? hh * t->stride[1] : 0);
-            if (!span_finite(h, kvc__at(t, off), op->Dh, j * op->H + hh)) {
+            if (!span_finite(h, in_row(h, j, hh), op->Dh, j * op->H + hh)) {
                 *bad_j = j;
                 *bad_h = hh;
                 return 0;
@@ -210,10 +217,14 @@ static kvc_status check_finite(const char *fn, append_call *c, const char *const
         const int64_t j0 = t * PAGED_CHUNK, j1 = chunk_end(c, t);
         for (int kv = 0; kv < 2 && st == KVC_OK; kv++) {
             int64_t bj = -1, bh = -1;
-            if (c->half[kv].op.bits && !rows_finite(&c->half[kv], j0, j1, 1, &bj, &bh))
-                st = kvc__error(KVC_ERR_INVALID_ARG, "%s: %s has a NaN or Inf value (row %lld, "
-                                "head %lld); int8/int4 caches cannot store it", fn, names[kv],
-                                (long long)bj, (long long)bh);
+            const paged_half *h = &c->half[kv];
+            if (h->op.bits && !rows_finite(h, j0, j1, 1, &bj, &bh)) {
+                char what[96];
+                snprintf(what, sizeof what, "%s (row %lld, head %lld)", names[kv], (long long)bj,
+                         (long long)bh);
+                st = kvc__quant_input_error(fn, what, in_row(h, bj, bh), h->op.t1, h->op.Dh,
+                                            h->op.bits, h->slot0.sdtype);
+            }
         }
     }
     free(c->bad);

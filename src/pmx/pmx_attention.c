@@ -85,8 +85,8 @@ kvc_status kvc_pmx_dynamic_multi_head_cache_attention(
               "%s: cache_layout must be 0..3, got %d", fn, (int)params->kv.cache_layout);
     KVC_CHECK(params->kv.cache_mode == 0 || params->kv.cache_mode == 1,
               "%s: cache_mode must be 0 or 1, got %d", fn, (int)params->kv.cache_mode);
-    KVC_CHECK(params->kv.cache_mode == 0 || params->kv.page_size >= 1,
-              "%s: page_size must be >= 1, got %d", fn, (int)params->kv.page_size);
+    KVC_CHECK(params->kv.page_size >= 1, "%s: page_size must be >= 1, got %d", fn,
+              (int)params->kv.page_size); /* mode 0 does not use it, as in the store */
     /* tensors the store does not look at */
     KVC_TRY(kvc__check_tensor(current_key, "current_key", 1));
     KVC_TRY(kvc__check_tensor(cache, "cache", 1));

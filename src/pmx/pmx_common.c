@@ -1,4 +1,5 @@
 /* Validation and row movement shared by the static and dynamic operators. */
+#include <stdio.h>
 #include <string.h>
 
 #include "pmx_common.h"
@@ -254,6 +255,7 @@ kvc_status kvc__pmx_check_common(const char *fn, const kvc_pmx_kv_params *p, int
     op->repeat = p->num_repeat;
     op->bits = p->quant_bit;
     op->group = p->quant_bit ? p->quant_group : 1;
+    op->sd = p->quant_bit ? scale->dtype : KVC_F32;
     op->t1 = t1;
     op->t2 = t2;
     return KVC_OK;
@@ -280,9 +282,12 @@ kvc_status kvc__pmx_check_finite(const char *fn, const pmx_op *op, const pmx_row
     for (int64_t t = 0; t < ntok; t++)
         for (int64_t h = 0; h < op->H; h++) {
             pmx_rows r = pmx_rows_offset(in, t, h);
-            KVC_CHECK(op->k->all_finite(r.ptr, op->t1, op->Dh),
-                      "%s: %s has a NaN or Inf value (token %lld, head %lld); quantized caches "
-                      "cannot store it", fn, name, (long long)t, (long long)h);
+            if (!op->k->all_finite(r.ptr, op->t1, op->Dh, kvc__quant_limit(op->bits, op->sd))) {
+                char what[96];
+                snprintf(what, sizeof what, "%s (token %lld, head %lld)", name, (long long)t,
+                         (long long)h);
+                return kvc__quant_input_error(fn, what, r.ptr, op->t1, op->Dh, op->bits, op->sd);
+            }
         }
     return KVC_OK;
 }

@@ -42,6 +42,7 @@ typedef struct pmx_op {
     int64_t H, Dh;
     int64_t repeat;   /* num_repeat: output heads per cache head */
     int bits, group;  /* quant_bit (0 = none) and quant_group */
+    kvc_dtype sd;     /* scale dtype when quantized (pmx ops; the append keeps its own per half) */
     kvc_dtype t1, t2; /* input/output dtype, cache dtype */
     int stream;       /* quantized stores may bypass the caches (large calls) */
 } pmx_op;

@@ -204,9 +204,9 @@ kvc_status kvc_pmx_dynamic_key_value_cache(
               (int)params->cache_mode);
     c.mode = params->cache_mode;
     c.page_size = params->page_size;
-    if (c.mode == 1)
-        KVC_CHECK(c.page_size >= 1, "%s: page_size must be >= 1, got %d", fn,
-                  (int)params->page_size);
+    /* checked in mode 0 too, which does not use it: a bad attribute is an error */
+    KVC_CHECK(c.page_size >= 1, "%s: page_size must be >= 1, got %d", fn,
+              (int)params->page_size);
 
     /* Cache shape for the layout. */
     static const char *const names[4] = {"(MaxT, L, 2, H, Dh)", "(L, MaxT, 2, H, Dh)",

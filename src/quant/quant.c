@@ -40,7 +40,9 @@ kvc_status kvc_quantize(const void *x, kvc_dtype x_dtype, int64_t n, int32_t qua
     if (n == 0) return KVC_OK;
     KVC_CHECK(x && q && scale, "kvc_quantize: NULL buffer");
     const kvc_kernels *k = kvc__kernels();
-    KVC_CHECK(k->all_finite(x, x_dtype, n), "kvc_quantize: input contains NaN or Inf");
+    if (!k->all_finite(x, x_dtype, n, kvc__quant_limit(quant_bit, scale_dtype)))
+        return kvc__quant_input_error("kvc_quantize", "the input", x, x_dtype, n, quant_bit,
+                                      scale_dtype);
     k->quantize(x, x_dtype, n, quant_bit, quant_group, q, scale, scale_dtype);
     return KVC_OK;
 }
@@ -56,4 +58,16 @@ kvc_status kvc_dequantize(const void *q, int32_t quant_bit, const void *scale,
     KVC_CHECK(q && scale && y, "kvc_dequantize: NULL buffer");
     kvc__kernels()->dequantize(q, quant_bit, scale, scale_dtype, n, quant_group, y, y_dtype);
     return KVC_OK;
+}
+
+kvc_status kvc__quant_input_error(const char *fn, const char *what, const void *x, kvc_dtype xd,
+                                  int64_t n, int bits, kvc_dtype sd) {
+    if (!kvc__kernels()->all_finite(x, xd, n, INFINITY))
+        return kvc__error(KVC_ERR_INVALID_ARG,
+                          "%s: %s has a NaN or Inf value; int8/int4 caches cannot store it", fn,
+                          what);
+    return kvc__error(KVC_ERR_INVALID_ARG,
+                      "%s: %s has a value of magnitude >= %.9g, whose %s scale (absmax / %d) "
+                      "would round to infinity; use float32 scales", fn, what,
+                      (double)kvc__quant_limit(bits, sd), kvc_dtype_name(sd), bits == 8 ? 127 : 7);
 }
