@@ -105,6 +105,17 @@ TEST(params) {
     ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
     b = p; b.num_pages = (int64_t)1 << 40;
     ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
+    /* the largest shapes allowed, where a token's bytes times page_size
+     * would overflow int64 (a wrapped 0 once divided max_bytes: SIGFPE) */
+    b = p; b.num_layers = 1 << 20; b.num_kv_heads = 1 << 15; b.head_dim = 1 << 15;
+    b.page_size = 1 << 30; b.dtype = KVC_F32; b.num_pages = 0; b.max_bytes = 1000;
+    ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
+    b.max_bytes = INT64_MAX;
+    ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
+    b.num_pages = 1; /* one page of 2^30 tokens x 2^33 bytes x 2^20 layers */
+    ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
+    b.num_layers = 1;
+    ASSERT_STATUS(kvc_cache_create(&b, &c), KVC_ERR_INVALID_ARG);
     ASSERT_TRUE(c == NULL);
 
     /* sizes: f16, 3 layers, H 2, Dh 8: 3 * 2 * 2 * 8 * 2 bytes per token */
@@ -881,6 +892,90 @@ TEST(randomized_against_model) {
  * salt. Different prompts never share pages; the model run then reads every
  * sequence's K/V back as with full hashes.
  */
+/* A sequence that fills a page identical to one already in the index points
+ * its chain at that page, keeping its own copy out of the index; when that
+ * page is evicted, the live sequence's own pages take its place, so its
+ * prefix stays findable (the lookup once fell to 0 here). Likewise when the
+ * duplicated page is overwritten by its holder. */
+TEST(duplicate_pages_stay_findable) {
+    for (int how = 0; how < 2; how++) {
+        kvc_cache *c;
+        kvc_cache_params p = small_params(2, 6);
+        ASSERT_OK(kvc_cache_create(&p, &c));
+        const int32_t t12[2] = {1, 2}, t34[2] = {3, 4}, q[5] = {1, 2, 3, 4, 5}, nine[8] = {9};
+        kvc_seq_id a, b, x;
+        int64_t hit;
+        ASSERT_OK(kvc_cache_add_sequence(c, t12, 2, 0, &a, &hit));
+        ASSERT_OK(kvc_cache_add_sequence(c, t12, 2, 0, &b, &hit)); /* own copy: hit 0 */
+        ASSERT_EQ_I64(hit, 0);
+        ASSERT_TRUE(page_of(c, a, 0, 2) != page_of(c, b, 0, 2));
+        if (how == 0) {
+            ASSERT_OK(kvc_cache_free_sequence(c, a)); /* a's page cached ... */
+            ASSERT_OK(kvc_cache_append(c, b, t34, 2, NULL));
+            ASSERT_OK(kvc_cache_lookup_prefix(c, q, 5, 0, &hit));
+            ASSERT_EQ_I64(hit, 4);
+            ASSERT_OK(kvc_cache_add_sequence(c, nine, 8, 0, &x, &hit)); /* ... and evicted */
+        } else {
+            ASSERT_OK(kvc_cache_append(c, b, t34, 2, NULL));
+            ASSERT_OK(kvc_cache_truncate(c, a, 1)); /* a rewrites its page in place */
+        }
+        ASSERT_OK(kvc_cache_check(c));
+        ASSERT_OK(kvc_cache_lookup_prefix(c, q, 5, 0, &hit));
+        ASSERT_EQ_I64(hit, 4); /* b's own pages */
+        if (how == 0) ASSERT_OK(kvc_cache_free_sequence(c, x));
+        kvc_seq_id d;
+        ASSERT_OK(kvc_cache_add_sequence(c, q, 5, 0, &d, &hit));
+        ASSERT_EQ_I64(hit, 4);
+        ASSERT_EQ_I64(page_of(c, d, 0, 2), page_of(c, b, 0, 2));
+        ASSERT_EQ_I64(page_of(c, d, 3, 2), page_of(c, b, 3, 2));
+        ASSERT_OK(kvc_cache_check(c));
+        kvc_cache_destroy(c);
+    }
+    return 0;
+}
+
+/* rollback (reserved slots never written) against truncate: the page a
+ * reservation filled and registered stays findable after truncate + free
+ * (its K/V were written, as truncate assumes) but not after rollback + free;
+ * a page shared with another sequence stays in the index either way, and
+ * errors change nothing. */
+TEST(rollback_unregisters_unwritten_pages) {
+    for (int rb = 0; rb < 2; rb++) {
+        kvc_cache *c;
+        kvc_cache_params p = small_params(2, 8);
+        ASSERT_OK(kvc_cache_create(&p, &c));
+        const int32_t t[6] = {1, 2, 3, 4, 5, 6};
+        kvc_seq_id a, b;
+        int64_t hit;
+        ASSERT_OK(kvc_cache_add_sequence(c, t, 2, 0, &a, &hit)); /* [1,2] */
+        ASSERT_OK(kvc_cache_append(c, a, t + 2, 2, NULL));       /* reserves [3,4] */
+        ASSERT_OK(kvc_cache_lookup_prefix(c, t, 5, 0, &hit));
+        ASSERT_EQ_I64(hit, 4); /* findable as soon as reserved */
+        kvc_status (*fn)(kvc_cache *, kvc_seq_id, int64_t) =
+            rb ? kvc_cache_rollback : kvc_cache_truncate;
+        ASSERT_STATUS(fn(c, a, 5), KVC_ERR_INVALID_ARG);
+        ASSERT_STATUS(fn(c, a + 100, 3), KVC_ERR_NOT_FOUND);
+        ASSERT_OK(kvc_cache_lookup_prefix(c, t, 5, 0, &hit));
+        ASSERT_EQ_I64(hit, 4);
+        ASSERT_OK(fn(c, a, 2)); /* the step reserving positions 2, 3 did not run */
+        ASSERT_OK(kvc_cache_free_sequence(c, a));
+        ASSERT_OK(kvc_cache_check(c));
+        ASSERT_OK(kvc_cache_lookup_prefix(c, t, 5, 0, &hit));
+        ASSERT_EQ_I64(hit, (rb ? 2 : 4));
+        /* shared: b hits [1,2] [3,4] of a fresh sequence, which then rolls back */
+        ASSERT_OK(kvc_cache_add_sequence(c, t, 4, 0, &a, &hit));
+        ASSERT_OK(kvc_cache_add_sequence(c, t, 6, 0, &b, &hit));
+        ASSERT_EQ_I64(hit, 4);
+        ASSERT_OK(fn(c, a, 2));
+        ASSERT_OK(kvc_cache_free_sequence(c, a));
+        ASSERT_OK(kvc_cache_lookup_prefix(c, t, 5, 0, &hit));
+        ASSERT_EQ_I64(hit, 4);
+        ASSERT_OK(kvc_cache_check(c));
+        kvc_cache_destroy(c);
+    }
+    return 0;
+}
+
 TEST(hash_collisions_are_confirmed) {
     kvc_cache *c;
     kvc_cache_params p = small_params(4, 32);
@@ -925,6 +1020,8 @@ const test_case test_suite[] = {
     TEST_ENTRY(no_space_changes_nothing),
     TEST_ENTRY(nomem_every_allocation_site),
     TEST_ENTRY(randomized_against_model),
+    TEST_ENTRY(duplicate_pages_stay_findable),
+    TEST_ENTRY(rollback_unregisters_unwritten_pages),
     TEST_ENTRY(hash_collisions_are_confirmed),
     {0, 0},
 };

@@ -114,8 +114,9 @@ KVC_API kvc_status kvc_cache_lookup_prefix(const kvc_cache *cache, const int32_t
  * is copied first (copy-on-write), data and scales of every layer. Pages it
  * fills become findable when all their token ids are known; with token_ids
  * NULL the sequence stops being hashable from that page on (until a
- * truncate below it). n beyond the cache's whole capacity is
- * KVC_ERR_INVALID_ARG; beyond the free and cached pages, KVC_ERR_NO_SPACE. */
+ * truncate below it). A length (current + n) beyond the cache's whole
+ * capacity is KVC_ERR_INVALID_ARG (it can never fit); beyond the free and
+ * cached pages, KVC_ERR_NO_SPACE. */
 KVC_API kvc_status kvc_cache_append(kvc_cache *cache, kvc_seq_id seq, const int32_t *token_ids,
                                     int64_t n, int32_t *positions);
 
@@ -127,6 +128,14 @@ KVC_API kvc_status kvc_cache_fork(kvc_cache *cache, kvc_seq_id seq, kvc_seq_id *
  * list); a kept last page that becomes partly filled leaves the prefix index
  * if unshared, else is copied by the next append. */
 KVC_API kvc_status kvc_cache_truncate(kvc_cache *cache, kvc_seq_id seq, int64_t n_tokens);
+
+/* kvc_cache_truncate for slots that were reserved but whose K/V were never
+ * written (a step that did not run: a request preempted or cancelled after
+ * its append). Pages are findable from the moment their slots are reserved,
+ * so truncate would leave such a page cached and findable without its K/V;
+ * here the dropped pages this sequence holds alone leave the index first
+ * (pages held by others too were written by them, or will be). */
+KVC_API kvc_status kvc_cache_rollback(kvc_cache *cache, kvc_seq_id seq, int64_t n_tokens);
 
 /* Releases the sequence; its full pages stay findable while cached. */
 KVC_API kvc_status kvc_cache_free_sequence(kvc_cache *cache, kvc_seq_id seq);

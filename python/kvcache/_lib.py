@@ -309,6 +309,9 @@ kvc_cache_append = optional_proto(
 )
 kvc_cache_fork = optional_proto("kvc_cache_fork", _c_int, _vp, _seq, ctypes.POINTER(_seq))
 kvc_cache_truncate = optional_proto("kvc_cache_truncate", _c_int, _vp, _seq, ctypes.c_int64)
+kvc_cache_lookup_prefix = optional_proto(
+    "kvc_cache_lookup_prefix", _c_int, _vp, _i32p, ctypes.c_int64, ctypes.c_uint64, _i64p)
+kvc_cache_rollback = optional_proto("kvc_cache_rollback", _c_int, _vp, _seq, ctypes.c_int64)
 kvc_cache_free_sequence = optional_proto("kvc_cache_free_sequence", _c_int, _vp, _seq)
 kvc_cache_seq_len = optional_proto("kvc_cache_seq_len", _c_int, _vp, _seq, _i64p)
 kvc_cache_page_table = optional_proto(

@@ -429,7 +429,8 @@ class PagedKVCache:
             K/V are already stored and must not be written again.
 
         Raises:
-            NoSpaceError: not enough pages (nothing changes).
+            NoSpaceError: not enough pages; InvalidArgumentError: more tokens
+                than the whole capacity. Nothing changes.
         """
         n, ids = _token_ids(token_ids, "token_ids")
         s = salt_hash(salt)
@@ -438,6 +439,24 @@ class PagedKVCache:
         self._call(_lib.kvc_cache_add_sequence, _i32p(ids), n, s, ctypes.byref(seq),
                    ctypes.byref(cached))
         return seq.value, cached.value
+
+    def lookup_prefix(self, token_ids, salt=None) -> int:
+        """How many leading tokens of a prompt add_sequence would find in the
+        prefix cache now (whole pages within the first n - 1 tokens), without
+        reserving anything: an engine's probe before admitting a request.
+
+        Args:
+            token_ids: the prompt's token ids (1-D ints, int32 range).
+            salt: as add_sequence's.
+        """
+        n, ids = _token_ids(token_ids, "token_ids")
+        if ids is None:
+            raise InvalidArgumentError("lookup_prefix needs token ids, not a count")
+        hit = ctypes.c_int64(0)
+        with self._lock:
+            _lib.check(_lib.kvc_cache_lookup_prefix(self._ptr(), _i32p(ids), n,
+                                                    salt_hash(salt), ctypes.byref(hit)))
+        return hit.value
 
     def append(self, seq_id, n_or_token_ids) -> np.ndarray:
         """Reserves slots for new tokens at the end of a sequence.
@@ -453,7 +472,9 @@ class PagedKVCache:
             and up), to pass to append_paged_kv_cache with page_table([seq]).
 
         Raises:
-            NoSpaceError, NotFoundError: nothing changes.
+            NoSpaceError: not enough free or cached pages; NotFoundError: no
+                such sequence; InvalidArgumentError: the new length would pass
+                the whole capacity (it can never fit). Nothing changes.
         """
         sid = _seq_id(seq_id)
         n, ids = _token_ids(n_or_token_ids, "n_or_token_ids")
@@ -477,6 +498,14 @@ class PagedKVCache:
         """Keeps the first n_tokens (0 <= n_tokens <= seq_len) of a sequence."""
         self._call(_lib.kvc_cache_truncate, _seq_id(seq_id), _int(n_tokens, "n_tokens"))
 
+    def rollback(self, seq_id, n_tokens) -> None:
+        """truncate for slots that were reserved but whose K/V were never
+        written (the step that would have written them did not run). Pages
+        are findable from the moment their slots are reserved; here the
+        dropped pages this sequence holds alone leave the prefix index
+        instead of staying findable without their K/V."""
+        self._call(_lib.kvc_cache_rollback, _seq_id(seq_id), _int(n_tokens, "n_tokens"))
+
     def free(self, seq_id) -> None:
         """Releases a sequence (its full pages stay findable while cached)."""
         self._call(_lib.kvc_cache_free_sequence, _seq_id(seq_id))
@@ -487,9 +516,16 @@ class PagedKVCache:
         self._call(_lib.kvc_cache_seq_len, _seq_id(seq_id), ctypes.byref(n))
         return n.value
 
-    def _pages(self, seqs: np.ndarray) -> list[int]:
+    def _pages_locked(self, ptr: int, seqs: np.ndarray) -> list[int]:
+        """Pages of each sequence; the caller holds self._lock through the
+        call that fills a table of this size, so no append can come between."""
         ps = self._page_size
-        return [(self.seq_len(int(s)) + ps - 1) // ps for s in seqs]
+        n = ctypes.c_int64(0)
+        pages = []
+        for s in seqs:
+            _lib.check(_lib.kvc_cache_seq_len(ptr, int(s), ctypes.byref(n)))
+            pages.append((n.value + ps - 1) // ps)
+        return pages
 
     # -- page tables --------------------------------------------------------
 
@@ -505,14 +541,17 @@ class PagedKVCache:
             FlashInfer's order (kv_indices, kv_indptr, kv_last_page_len).
         """
         seqs = _seq_ids(seq_ids)
-        total = sum(self._pages(seqs))
         b = seqs.shape[0]
         indptr = np.empty(b + 1, np.int32)
-        indices = np.empty(max(total, 1), np.int32)
         last = np.empty(b, np.int32)
         n = ctypes.c_int64(0)
-        self._call(_lib.kvc_cache_page_table, _i64p(seqs), b, _i32p(indptr), _i32p(indices),
-                   total, _i32p(last), ctypes.byref(n))
+        with self._lock:
+            ptr = self._ptr()
+            total = sum(self._pages_locked(ptr, seqs))
+            indices = np.empty(max(total, 1), np.int32)
+            _lib.check(_lib.kvc_cache_page_table(ptr, _i64p(seqs), b, _i32p(indptr),
+                                                 _i32p(indices), total, _i32p(last),
+                                                 ctypes.byref(n)))
         if n.value != total:
             raise InternalError(f"kvc_cache_page_table wrote {n.value} indices, expected {total}")
         return indptr, indices[:total].copy(), last
@@ -525,13 +564,14 @@ class PagedKVCache:
         1). Must be >= the pages of every sequence.
         """
         seqs = _seq_ids(seq_ids)
-        pages = self._pages(seqs)
-        if max_pages is None:
-            max_p = max([1] + pages)
-        else:
-            max_p = _int(max_pages, "max_pages", 0, max(self._num_pages, 1))
-        out = np.empty((seqs.shape[0], max_p), np.int64)
-        self._call(_lib.kvc_cache_cachestarts, _i64p(seqs), seqs.shape[0], _i64p(out), max_p)
+        if max_pages is not None:
+            max_pages = _int(max_pages, "max_pages", 0, max(self._num_pages, 1))
+        with self._lock:
+            ptr = self._ptr()
+            max_p = max([1] + self._pages_locked(ptr, seqs)) if max_pages is None else max_pages
+            out = np.empty((seqs.shape[0], max_p), np.int64)
+            _lib.check(_lib.kvc_cache_cachestarts(ptr, _i64p(seqs), seqs.shape[0], _i64p(out),
+                                                  max_p))
         return out
 
     # -- storage ------------------------------------------------------------

@@ -132,6 +132,17 @@ class GGUFTensor:
         return _bytes_at(self.data_ptr, self.size)
 
 
+def _name(b: bytes) -> str:
+    """A key or tensor name as str: invalid UTF-8 bytes become lone
+    surrogates (surrogateescape), so names stay distinct and _name_bytes
+    gives the file's bytes back for lookups."""
+    return b.decode("utf-8", "surrogateescape")
+
+
+def _name_bytes(name: str) -> bytes:
+    return name.encode("utf-8", "surrogateescape")
+
+
 class GGUFFile:
     """A GGUF file opened (mmapped and validated) by the C reader; or an
     in-memory image (bytes), which is copied and kept alive with the handle.
@@ -186,13 +197,12 @@ class GGUFFile:
     # -- key-values --------------------------------------------------------------
     def keys(self) -> list[str]:
         self._check_open()
-        return [kvc_gguf_key(self._h, i).decode("utf-8", "replace")
-                for i in range(kvc_gguf_n_kv(self._h))]
+        return [_name(kvc_gguf_key(self._h, i)) for i in range(kvc_gguf_n_kv(self._h))]
 
     def kv_type(self, key: str) -> tuple[int, int, int]:
         """(value type, element type, count) of key (scalars: (t, t, 1))."""
         self._check_open()
-        i = kvc_gguf_find_key(self._h, key.encode())
+        i = kvc_gguf_find_key(self._h, _name_bytes(key))
         if i < 0:
             raise KeyError(key)
         t, et, n = ctypes.c_int(), ctypes.c_int(), ctypes.c_int64()
@@ -202,7 +212,7 @@ class GGUFFile:
     def get(self, key: str):
         """Value of key as a Python object (see the module doc); KeyError if absent."""
         t, et, n = self.kv_type(key)
-        k = key.encode()
+        k = _name_bytes(key)
         h = self._h
         if t == STRING:
             s, ln = ctypes.c_void_p(), ctypes.c_size_t()
@@ -249,7 +259,7 @@ class GGUFFile:
         ct = _CTensor()
         check(kvc_gguf_get_tensor(self._h, i, ctypes.byref(ct)))
         ne = tuple(int(ct.ne[d]) for d in range(ct.n_dims))
-        return GGUFTensor(self, i, ct.name.decode("utf-8", "replace"), int(ct.type),
+        return GGUFTensor(self, i, _name(ct.name), int(ct.type),
                           int(ct.n_dims), ne, int(ct.size), int(ct.data))
 
     @property
@@ -261,7 +271,7 @@ class GGUFFile:
 
     def tensor(self, name: str) -> GGUFTensor:
         self._check_open()
-        i = kvc_gguf_find_tensor(self._h, name.encode())
+        i = kvc_gguf_find_tensor(self._h, _name_bytes(name))
         if i < 0:
             raise KeyError(name)
         return self.tensors[i]

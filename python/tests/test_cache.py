@@ -8,6 +8,7 @@ storage with scales, and the lifetime of the storage views."""
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import kvcache
@@ -785,3 +786,50 @@ def test_views_are_live_writable_and_keep_the_cache_alive():
     handle_ref = weakref.ref(pc._handle)
     pc.close()
     assert handle_ref() is None
+
+
+def test_page_tables_consistent_while_another_thread_appends():
+    """page_table / cachestarts size their output and fill it under one lock:
+    a concurrent append (the class may be shared between threads) can never
+    make the table disagree with the lengths it was sized for."""
+    pc = kvcache.PagedKVCache(1, 1, 8, 2, num_pages=4000, dtype="float32",
+                              enable_prefix_caching=False)
+    s, _ = pc.add_sequence(1)
+    done = threading.Event()
+    errors = []
+
+    def grow():
+        try:
+            for _ in range(3000):
+                pc.append(s, 1)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(repr(e))
+        done.set()
+
+    t = threading.Thread(target=grow)
+    t.start()
+    tables = 0
+    while not done.is_set() or tables < 10:
+        indptr, indices, last = pc.page_table([s])
+        assert indptr[-1] == len(indices) >= 1 and 1 <= last[0] <= 2
+        cs = pc.cachestarts([s])
+        assert (cs[0] >= 0).all()  # sized for exactly its pages: no -1 column
+        tables += 1
+    t.join()
+    assert not errors, errors
+    assert pc.seq_len(s) == 3001
+
+
+def test_rollback_unregisters_pages_whose_slots_were_never_written():
+    """Pages are findable once their slots are reserved; rollback (the step
+    that would write them did not run) takes dropped ones out of the index,
+    truncate (they were written) leaves them findable."""
+    for undo, want in (("truncate", 4), ("rollback", 2)):
+        pc = kvcache.PagedKVCache(1, 1, 8, 2, num_pages=8, dtype="float32")
+        s, _ = pc.add_sequence([1, 2])
+        pc.append(s, [3, 4])
+        assert pc.lookup_prefix([1, 2, 3, 4, 5]) == 4
+        getattr(pc, undo)(s, 2)
+        pc.free(s)
+        assert pc.lookup_prefix([1, 2, 3, 4, 5]) == want, undo
+        pc.check()

@@ -262,6 +262,21 @@ def test_c_reader_errors(tmp_path, rng):
         GGUFFile(tmp_path / "missing.gguf")
 
 
+def test_keys_that_are_not_utf8_round_trip():
+    """The C reader takes any key bytes; the binding keeps them apart and can
+    look them up again (invalid bytes as lone surrogates), instead of merging
+    keys that differ only there or failing with KeyError."""
+    def kv(key, value):
+        return struct.pack("<Q", len(key)) + key + struct.pack("<IB", 0, value)
+    keys = [b"general.n\xffme", b"general.n\xfeme", b"general.name"]
+    img = b"GGUF" + struct.pack("<IQQ", 3, 0, len(keys)) + b"".join(
+        kv(k, i + 5) for i, k in enumerate(keys))
+    g = GGUFFile(img)
+    assert [k.encode("utf-8", "surrogateescape") for k in g.keys()] == keys
+    assert list(g.metadata.values()) == [5, 6, 7]
+    assert g.get(g.keys()[1]) == 6 and g.get("general.name") == 7
+
+
 def test_type_table_matches_gguf_package():
     for t in [0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 15, 30]:
         bs, bb = gguf.constants.GGML_QUANT_SIZES[QT(t)]

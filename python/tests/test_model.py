@@ -15,6 +15,7 @@ error.
 from __future__ import annotations
 
 import os
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -245,6 +246,22 @@ def test_model_errors(tmp_path):
     bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 8)
     with pytest.raises(kvcache.KvcacheError):
         Model(bad)
+
+
+@pytest.mark.parametrize("count", [3, 2**30])
+def test_corrupt_block_count_is_refused_before_allocating(tmp_path, count):
+    """block_count past the tensors in the file is corrupt metadata, refused
+    before the layer table (2^30 entries once meant a 250 GB calloc)."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, n_layer=2)
+    data = bytearray(path.read_bytes())
+    key = b"llama.block_count"
+    at = data.index(key) + len(key)
+    assert struct.unpack_from("<II", data, at) == (4, 2)  # uint32 value 2
+    struct.pack_into("<I", data, at + 4, count)
+    path.write_bytes(bytes(data))
+    with pytest.raises(kvcache.CorruptError, match="block_count"):
+        Model(path)
 
 
 def test_tiny_bad_inputs(tiny):

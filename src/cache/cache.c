@@ -104,6 +104,10 @@ void kvc__index_remove(kvc_cache *c, int32_t page) {
     pg->in_index = 0;
     pg->gen++; /* children naming this page as parent no longer match */
     c->n_indexed--;
+    if (pg->dep) { /* sequences holding an identical page lose their index entry */
+        pg->dep = 0;
+        c->rescan = 1;
+    }
 }
 
 /* ---- LRU and free stack ------------------------------------------------------------------ */
@@ -250,16 +254,20 @@ kvc_status kvc_cache_create(const kvc_cache_params *params, kvc_cache **out) {
     int64_t num_pages = p->num_pages;
     if (num_pages == 0) {
         KVC_CHECK(p->max_bytes > 0, "%s: set num_pages > 0 or max_bytes > 0", fn);
-        num_pages = p->max_bytes / (per_token * p->page_size);
-        KVC_CHECK(num_pages >= 1, "%s: max_bytes %lld holds no page of %lld bytes", fn,
-                  (long long)p->max_bytes, (long long)(per_token * p->page_size));
+        /* per_token (< 2^54) * page_size (< 2^31) may overflow: compare first */
+        num_pages = per_token > p->max_bytes / p->page_size
+                        ? 0
+                        : p->max_bytes / (per_token * p->page_size);
+        KVC_CHECK(num_pages >= 1,
+                  "%s: max_bytes %lld holds no page of %d tokens x %lld bytes per token", fn,
+                  (long long)p->max_bytes, (int)p->page_size, (long long)per_token);
     }
     KVC_CHECK(num_pages <= INT32_MAX / p->page_size,
               "%s: num_pages * page_size (%lld * %d) must fit in int32", fn,
               (long long)num_pages, (int)p->page_size);
+    KVC_CHECK(tok_data + tok_scale <= INT64_MAX / 4 / p->page_size / num_pages / p->num_layers,
+              "%s: storage size overflows", fn); /* before any product of them */
     int64_t page_data = tok_data * p->page_size, page_scale = tok_scale * p->page_size;
-    KVC_CHECK(page_data <= INT64_MAX / 4 / num_pages / p->num_layers,
-              "%s: storage size overflows", fn);
     int64_t layer_data = page_data * num_pages, layer_scale = page_scale * num_pages;
     int64_t data_bytes = (layer_data * p->num_layers + 63) / 64 * 64;
     int64_t scale_bytes = layer_scale * p->num_layers;

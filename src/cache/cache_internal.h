@@ -23,6 +23,7 @@ typedef struct kvc__page {
     int32_t in_index;
     int32_t prev, next; /* LRU links (cached pages) */
     int32_t hnext;      /* hash bucket chain */
+    int32_t dep;        /* a sequence's chain names it instead of its own identical page */
     uint32_t gen;       /* bumped whenever the page leaves the index */
     int64_t parent;     /* packed (id, gen) of the parent, or KVC__NO_PARENT */
     uint64_t hash, parent_hash, salt;
@@ -66,6 +67,7 @@ struct kvc_cache {
     uint64_t bucket_mask;
     uint64_t hash_mask; /* ~0; tests narrow it to force collisions */
     int64_t n_indexed;
+    int rescan; /* a page with dep set left the index: chains to resolve again */
     /* sequences, sorted by id */
     kvc__seq **seqs;
     int64_t n_seqs, seqs_cap;

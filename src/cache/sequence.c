@@ -115,9 +115,30 @@ static int resolve_chain(kvc_cache *c, kvc__seq *s, int64_t j) {
             kvc__index_insert(c, p, s->hashes[i], ph, parent, s->salt);
             q = p;
         }
+        if (q != p) c->pages[q].dep = 1; /* its leaving the index concerns s (rescan) */
         s->chain[i] = kvc__pack(q, c->pages[q].gen);
     }
     return 1;
+}
+
+/* After a page that some chain named in place of the sequence's own
+ * identical page left the index (evicted, overwritten, re-keyed), every
+ * sequence with a stale chain resolves it again from its first stale entry:
+ * its own pages then take the lost page's place and stay findable. Rare
+ * (duplicate pages), so a scan of all sequences; re-keying may flag more,
+ * hence the loop (each pass leaves fewer stale entries). */
+static void rescan_chains(kvc_cache *c) {
+    for (int pass = 0; c->rescan && pass < 16; pass++) {
+        c->rescan = 0;
+        for (int64_t k = 0; k < c->n_seqs; k++) {
+            kvc__seq *s = c->seqs[k];
+            int64_t j = 0;
+            while (j < s->nh && kvc__chain_valid(c, s->chain[j])) j++;
+            if (j == s->nh) continue;
+            for (int64_t i = j; i < s->nh; i++) s->chain[i] = -1; /* keyed under stale parents */
+            resolve_chain(c, s, s->nh - 1);
+        }
+    }
 }
 
 /* Hashes (and registers where possible) the pages of s that are full and
@@ -227,6 +248,7 @@ kvc_status kvc_cache_add_sequence(kvc_cache *c, const int32_t *token_ids, int64_
         register_pages(c, s);
     }
     commit_seqs(c, grown, s);
+    rescan_chains(c);
     c->st.hit_tokens += hits * ps;
     c->st.miss_tokens += n_tokens - hits * ps;
     *seq = s->id;
@@ -285,6 +307,7 @@ kvc_status kvc_cache_append(kvc_cache *c, kvc_seq_id seq, const int32_t *token_i
     if (positions)
         for (int64_t i = 0; i < n; i++) positions[i] = (int32_t)(len + i);
     register_pages(c, s);
+    rescan_chains(c);
     return KVC_OK;
 }
 
@@ -309,8 +332,10 @@ kvc_status kvc_cache_fork(kvc_cache *c, kvc_seq_id seq, kvc_seq_id *child) {
     return KVC_OK;
 }
 
-kvc_status kvc_cache_truncate(kvc_cache *c, kvc_seq_id seq, int64_t n_tokens) {
-    static const char fn[] = "kvc_cache_truncate";
+/* truncate and rollback: with `unwritten`, dropped pages this sequence
+ * holds alone leave the index before they are released. */
+static kvc_status cut(kvc_cache *c, const char *fn, kvc_seq_id seq, int64_t n_tokens,
+                      int unwritten) {
     KVC_CHECK(c != NULL, "%s: cache is NULL", fn);
     kvc__seq *s;
     int64_t pos;
@@ -318,7 +343,13 @@ kvc_status kvc_cache_truncate(kvc_cache *c, kvc_seq_id seq, int64_t n_tokens) {
     KVC_CHECK(n_tokens >= 0 && n_tokens <= s->len, "%s: n_tokens %lld outside [0, %lld]", fn,
               (long long)n_tokens, (long long)s->len);
     const int32_t ps = c->ps;
-    release_tail(c, s, (n_tokens + ps - 1) / ps);
+    const int64_t keep = (n_tokens + ps - 1) / ps;
+    if (unwritten)
+        for (int64_t j = keep; j < s->n_pages; j++) {
+            kvc__page *pg = &c->pages[s->pages[j]];
+            if (pg->ref == 1 && pg->in_index) kvc__index_remove(c, s->pages[j]);
+        }
+    release_tail(c, s, keep);
     if (n_tokens % ps != 0) {
         int32_t last = s->pages[s->n_pages - 1];
         /* unshared: it will be written in place, so it stops being findable now;
@@ -328,7 +359,16 @@ kvc_status kvc_cache_truncate(kvc_cache *c, kvc_seq_id seq, int64_t n_tokens) {
     s->len = n_tokens;
     if (s->known > n_tokens) s->known = n_tokens;
     if (s->nh > n_tokens / ps) s->nh = n_tokens / ps;
+    rescan_chains(c);
     return KVC_OK;
+}
+
+kvc_status kvc_cache_truncate(kvc_cache *c, kvc_seq_id seq, int64_t n_tokens) {
+    return cut(c, "kvc_cache_truncate", seq, n_tokens, 0);
+}
+
+kvc_status kvc_cache_rollback(kvc_cache *c, kvc_seq_id seq, int64_t n_tokens) {
+    return cut(c, "kvc_cache_rollback", seq, n_tokens, 1);
 }
 
 kvc_status kvc_cache_free_sequence(kvc_cache *c, kvc_seq_id seq) {

@@ -202,6 +202,9 @@ kvc_status kvc_engine_add_request(kvc_engine *e, const int32_t *prompt, int64_t 
 }
 
 static void drop_seq(kvc_engine *e, req *r) {
+    /* slots reserved this step but not computed (a request preempted after
+     * its decode row was reserved): their pages must not stay findable */
+    if (r->seq >= 0 && r->n_resv > r->n_done) kvc_cache_rollback(e->cache, r->seq, r->n_done);
     if (r->seq >= 0) kvc_cache_free_sequence(e->cache, r->seq);
     r->seq = -1;
     r->n_done = r->n_resv = 0;

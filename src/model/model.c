@@ -248,6 +248,12 @@ static kvc_status load_all(kvc_model *m, const kvc_model_params *p) {
         m->output = m->tok_embd;
         in->tied_output = 1;
     }
+    /* each block has 9 tensors: a corrupt count is refused before the layer
+     * table is allocated for it */
+    if (in->n_layer > kvc_gguf_n_tensors(m->g) / 9)
+        return kvc__error(KVC_ERR_CORRUPT,
+                          "model: block_count %d but the file has %lld tensors (9 per block)",
+                          (int)in->n_layer, (long long)kvc_gguf_n_tensors(m->g));
     m->layers = calloc((size_t)in->n_layer, sizeof(layer));
     m->inv_freq = malloc((size_t)(in->n_rot / 2 + 1) * sizeof(double));
     if (!m->layers || !m->inv_freq) return kvc__error(KVC_ERR_NOMEM, "model: out of memory");

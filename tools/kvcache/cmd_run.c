@@ -25,7 +25,8 @@ static const char run_usage[] =
     "  -p, --prompt TEXT   prompt text\n"
     "  --chat              apply the model's chat template (PROMPT is the user turn)\n"
     "  --system TEXT       system message for --chat\n"
-    "  -n, --n-predict N   tokens to generate at most (default 128)\n"
+    "  -n, --n-predict N   tokens to generate at most (default 128; lowered to fit the\n"
+    "                      model's context with the prompt)\n"
     "  --temp T            temperature, 0 = greedy (default 0)\n"
     "  --top-k K           top-k filter when sampling (default 40, 0 = off)\n"
     "  --top-p P           nucleus filter when sampling (default 0.95, 1 = off)\n"
@@ -115,6 +116,7 @@ int cmd_run(int argc, char **argv) {
 #undef NEED_VALUE
     }
     if (!prompt) return cli_usage_error(cmd, "a prompt is required (-p TEXT)");
+    if (system && !chat) return cli_usage_error(cmd, "--system needs --chat");
 
     kvc_model_params mp = kvc_model_default_params();
     if (!quiet && isatty(2)) mp.progress = load_progress;
@@ -157,6 +159,20 @@ int cmd_run(int argc, char **argv) {
     if (n_ids == 0) {
         fprintf(stderr, "kvcache: run: the prompt has no tokens\n");
         goto done;
+    }
+    /* the model's trained context: past it RoPE positions it never saw */
+    kvc_model_info info;
+    if (kvc_model_get_info(model, &info) != KVC_OK) goto fail;
+    if (n_ids >= info.n_ctx_train) {
+        fprintf(stderr, "kvcache: run: the prompt has %lld tokens; the model's context is %d\n",
+                (long long)n_ids, (int)info.n_ctx_train);
+        goto done;
+    }
+    if (n_ids + n_predict > info.n_ctx_train) {
+        n_predict = info.n_ctx_train - n_ids;
+        if (!quiet)
+            fprintf(stderr, "kvcache: run: -n lowered to %lld: the model's context is %d tokens\n",
+                    (long long)n_predict, (int)info.n_ctx_train);
     }
     kvc_engine_params ep = kvc_engine_default_params();
     ep.n_threads = (int32_t)threads;
