@@ -15,7 +15,9 @@
  *      many tokens are already cached, so only hit + chunk slots are reserved.
  * Slots are reserved only for rows computed in the same step, so a page is
  * in the prefix index only once a step writes its K/V (another request can
- * hit it in that same step: every layer appends all K/V before attending).
+ * hit it in that same step: every layer appends all K/V before attending);
+ * a request preempted after reserving in the step is rolled back first
+ * (drop_seq, kvc_cache_rollback).
  * The row at a request's last token gives logits, sampled into a new token.
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, isatty */
