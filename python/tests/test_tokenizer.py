@@ -471,9 +471,12 @@ def test_template_errors():
         with pytest.raises(kvcache.UnsupportedError):
             kvcache.render_chat_template(bad, msgs)
     for bad in ["{{ 'a' + 1 }}", "{{ undefined_x.y }}", "{{ 1 // 0 }}", "{% for x in 5 %}{% endfor %}",
-                "{% set x = 1 %}{% set x.y = 2 %}"]:
+                "{% set x = 1 %}{% set x.y = 2 %}", "{{ 'a' + + 'b' }}", "{{ + 'b' }}"]:
         with pytest.raises(kvcache.InvalidArgumentError):
             kvcache.render_chat_template(bad, msgs)
+    # as jinja2 renders them
+    for good in ["{{ +3 }} {{ - -2 }} {{ +true }}", "{% set ns = namespace(a=1) %}{{ ns }}"]:
+        assert kvcache.render_chat_template(good, msgs) == _jinja(good, msgs, True), good
 
 
 def test_template_limits():

@@ -533,6 +533,7 @@ typedef enum nkind {
     E_FILTER, /* a | name(v..., names=w...) */
     E_TEST,   /* a is [not] name(v...) */
     E_NEG,
+    E_POS, /* unary +: numbers only, as in Python */
     E_NOT,
     E_AND,
     E_OR,
@@ -859,12 +860,10 @@ static kvc_status parse_unary(ctx *c, int with_filter, node **out) {
         int neg = is_op(peek(c), "-");
         c->pos++;
         KVC_TRY(parse_unary(c, 0, &n));
-        if (neg) {
-            node *m;
-            KVC_TRY(new_node(c, E_NEG, &m));
-            m->a = n;
-            n = m;
-        }
+        node *m;
+        KVC_TRY(new_node(c, neg ? E_NEG : E_POS, &m));
+        m->a = n;
+        n = m;
     } else {
         KVC_TRY(parse_primary(c, &n));
         KVC_TRY(parse_postfix(c, &n));
@@ -1278,15 +1277,15 @@ static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr) {
             KVC_TRY(write_value(c, b, &v->u.l->items[i], 1));
         }
         return sb_cstr(c, b, "]");
-    case V_DICT:
-        KVC_TRY(sb_cstr(c, b, "{"));
+    case V_DICT: /* a namespace() prints as Jinja's Namespace object */
+        KVC_TRY(sb_cstr(c, b, v->u.d->is_namespace ? "<Namespace {" : "{"));
         for (size_t i = 0; i < v->u.d->n; i++) {
             if (i) KVC_TRY(sb_cstr(c, b, ", "));
             KVC_TRY(repr_str(c, b, v->u.d->keys[i]));
             KVC_TRY(sb_cstr(c, b, ": "));
             KVC_TRY(write_value(c, b, &v->u.d->vals[i], 1));
         }
-        return sb_cstr(c, b, "}");
+        return sb_cstr(c, b, v->u.d->is_namespace ? "}>" : "}");
     default: return sb_cstr(c, b, "<function>");
     }
 }
@@ -2250,6 +2249,12 @@ static kvc_status eval(ctx *c, const node *n, value *out) {
             return runtime_error(n, "bad operand type for unary -: '%s'", type_name(&a));
         if (a.u.i == INT64_MIN) return runtime_error(n, "integer overflow");
         *out = v_int(-a.u.i);
+        return KVC_OK;
+    case E_POS:
+        KVC_TRY(eval(c, n->a, &a));
+        if (!is_num(&a))
+            return runtime_error(n, "bad operand type for unary +: '%s'", type_name(&a));
+        *out = v_int(a.u.i);
         return KVC_OK;
     case E_NOT:
         KVC_TRY(eval(c, n->a, &a));
