@@ -975,6 +975,14 @@ TEST(rejects) {
     kvc_tensor tlb = tl;
     tlb.dtype = KVC_F16;
     REJ(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, &p, &to, &tlb, NULL));
+    /* data not aligned to its elements (q, lse): refused before any load */
+    kvc_tensor tqm = tq, tlm = tl;
+    tqm.data = (char *)tq.data + 2;
+    REJ(kvc_single_decode(&tqm, &tk, &tv, NULL, NULL, 0, KVC_NHD, &p, &to, &tl, NULL));
+    ASSERT_STR_CONTAINS(kvc_last_error(), "aligned");
+    tlm.data = (char *)tl.data + 1; /* never dereferenced */
+    REJ(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, &p, &to, &tlm, NULL));
+    ASSERT_STR_CONTAINS(kvc_last_error(), "aligned");
     /* k/v mismatch, layout, params */
     int64_t ksh2[3] = {9, 2, 64};
     kvc_tensor tv2 = kvc_tensor_make(v, KVC_F32, 3, ksh2);
@@ -993,6 +1001,14 @@ TEST(rejects) {
     ASSERT_STR_CONTAINS(kvc_last_error(), "sinks[2]");
     sinks[2] = INFINITY;
     REJ(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, &pb, &to, &tl, NULL));
+    sinks[2] = 3e38f; /* finite, but sink * log2 e overflows: once a NaN output, KVC_OK */
+    REJ(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, &pb, &to, &tl, NULL));
+    ASSERT_STR_CONTAINS(kvc_last_error(), "sinks[2]");
+    sinks[2] = 2.3e38f; /* the largest ones stay usable: the sink takes everything */
+    ASSERT_OK(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, &pb, &to, &tl, NULL));
+    for (int i = 0; i < (int)(sizeof out / sizeof out[0]); i++) ASSERT_TRUE(isfinite(out[i]));
+    memcpy(out, out0, sizeof out);
+    memcpy(lse, lse0, sizeof lse);
     sinks[2] = -INFINITY; /* -inf: no sink for that head, accepted */
     ASSERT_OK(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, &pb, &to, &tl, NULL));
     memcpy(out, out0, sizeof out);

@@ -321,6 +321,9 @@ TEST(tiny_engine_errors_and_cancel) {
     kvc_engine_event ev[2];
     int64_t ne;
     ASSERT_STATUS(kvc_engine_step(e, ev, 1, &ne), KVC_ERR_INVALID_ARG); /* room for 2 needed */
+    ASSERT_STATUS(kvc_engine_step(e, NULL, 2, &ne), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "NULL");
+    ASSERT_STATUS(kvc_engine_step(e, ev, -1, &ne), KVC_ERR_INVALID_ARG);
     ASSERT_OK(kvc_engine_step(e, ev, 2, &ne));
     ASSERT_EQ_I64(ne, 2);
     ASSERT_OK(kvc_engine_cancel(e, id));
@@ -332,6 +335,27 @@ TEST(tiny_engine_errors_and_cancel) {
     ASSERT_EQ_I64(cs.used_pages, 0); /* everything released */
     ASSERT_OK(kvc_cache_check(kvc_engine_cache(e)));
     kvc_engine_destroy(e);
+    /* capacities and positions at INT64_MAX: errors, no signed overflow
+     * (the sanitizer build runs this) */
+    ASSERT_EQ_I64(kvc_model_cache_params(m, KVC_F16, INT64_MAX).num_pages, INT64_MAX / 16 + 1);
+    ASSERT_EQ_I64(kvc_model_cache_params(m, KVC_F16, 33).num_pages, 3);
+    ep.kv_capacity_tokens = INT64_MAX;
+    ASSERT_STATUS(kvc_engine_create(m, &ep, &e), KVC_ERR_INVALID_ARG);
+    float lg[1];
+    ASSERT_TRUE(kvc_model_eval(m, p, INT64_MAX, -1, KVC_F32, lg, 1) != KVC_OK);
+    kvc_cache *cache;
+    kvc_cache_params cp = kvc_model_cache_params(m, KVC_F32, 32);
+    ASSERT_OK(kvc_cache_create(&cp, &cache));
+    kvc_model_ctx *ctx;
+    ASSERT_OK(kvc_model_ctx_create(m, 1, &ctx));
+    kvc_seq_id seq;
+    ASSERT_OK(kvc_cache_add_sequence(cache, NULL, 4, 0, &seq, NULL));
+    int64_t pos0 = INT64_MAX, n4 = 4;
+    float logits[4 * 512];
+    ASSERT_STATUS(kvc_model_forward(ctx, cache, 1, &seq, &pos0, &n4, NULL, p, NULL, logits),
+                  KVC_ERR_INVALID_ARG);
+    kvc_model_ctx_destroy(ctx);
+    kvc_cache_destroy(cache);
     kvc_model_destroy(m);
     return 0;
 }

@@ -524,6 +524,13 @@ TEST(seq_lens_formula) {
     last[0] = 2;
     ASSERT_STATUS(kvc_get_seq_lens(&ti, &tl, 0, &to), KVC_ERR_INVALID_ARG);
     ASSERT_STATUS(kvc_get_seq_lens(&ti, &tl, -3, &to), KVC_ERR_INVALID_ARG);
+    /* int32 data not aligned to 4 bytes: refused (the loads would be UB) */
+    static int32_t room[8];
+    kvc_tensor tm = kvc_tensor_make((char *)room + 2, KVC_I32, 1, &n5);
+    ASSERT_STATUS(kvc_get_seq_lens(&tm, &tl, 4, &to), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "aligned");
+    tm = kvc_tensor_make((char *)room + 1, KVC_I32, 1, &n4);
+    ASSERT_STATUS(kvc_get_seq_lens(&ti, &tl, 4, &tm), KVC_ERR_INVALID_ARG);
     return 0;
 }
 

@@ -67,8 +67,9 @@ typedef struct kvc_attn_params {
     int32_t window_left;   /* -1: no window */
     /* (Hq) float32 attention-sink logits or NULL (none): head h's softmax
      * denominator also counts exp(sinks[h]) (natural units, not scaled by
-     * sm_scale or capped; -inf: no sink for that head, NaN and +inf are
-     * refused), as gpt-oss's sinks. Equivalent to merging a state (v = 0,
+     * sm_scale or capped; -inf: no sink for that head, NaN and values
+     * above FLT_MAX / log2 e (~2.36e38, +inf included) are refused), as
+     * gpt-oss's sinks. Equivalent to merging a state (v = 0,
      * lse = sinks[h] * log2 e) into the result with merge_state: the output
      * shrinks by the sink's share and the lse counts it; a row with no
      * visible key outputs zeros and lse sinks[h] * log2 e. Decode, prefill

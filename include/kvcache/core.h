@@ -98,7 +98,9 @@ KVC_API float kvc_bf16_to_f32(uint16_t h);
  * data points at the byte holding element 0 in its low nibble). Operators
  * require stride[ndim-1] == 1 unless they say otherwise; other strides may be
  * anything non-negative, so slices of larger arrays can be passed. A 0-d
- * tensor (ndim == 0) holds one element.
+ * tensor (ndim == 0) holds one element. data must be aligned to the element
+ * size (2 bytes for F16/BF16, 4 for F32/I32, 8 for I64; any for 8- and
+ * 4-bit types), as C requires for the loads; operators refuse it otherwise.
  */
 typedef struct kvc_tensor {
     void *data;

@@ -488,8 +488,8 @@ def input_array(x, name: str, allowed=None) -> np.ndarray:
         raise InvalidArgumentError(f"{name}: unsupported dtype {arr.dtype}")
     if arr.ndim > KVC_MAX_DIMS:
         raise InvalidArgumentError(f"{name}: {arr.ndim} dimensions, at most {KVC_MAX_DIMS}")
-    if _element_strides(arr) is None:
-        arr = arr.copy(order="C")
+    if _element_strides(arr) is None or not arr.flags.aligned:
+        arr = arr.copy(order="C")  # C needs element strides and aligned data
     return arr
 
 
@@ -513,6 +513,9 @@ def inplace_array(x, name: str, writable: bool = True) -> np.ndarray:
             f"(got strides {x.strides} bytes for dtype {x.dtype}); it is {how}, "
             f"so it cannot be copied"
         )
+    if not x.flags.aligned:
+        raise InvalidArgumentError(f"{name}'s data is not aligned to its {x.itemsize}-byte "
+                                   f"elements; it is {how}, so it cannot be copied")
     if writable and x.size:  # an empty array's strides may be 0: nothing overlaps
         for size, st in zip(x.shape, x.strides, strict=True):
             if size > 1 and st == 0:

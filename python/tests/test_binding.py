@@ -207,6 +207,17 @@ def test_inplace_rules():
     # Reversed leading dim: negative stride cannot be passed and must not be copied.
     with pytest.raises(kvcache.InvalidArgumentError):
         _lib.inplace_array(np.zeros((2, 8), np.float32)[::-1], "cache")
+    # C needs data aligned to the elements (the library refuses it otherwise)
+    with pytest.raises(kvcache.InvalidArgumentError, match="aligned"):
+        _lib.inplace_array(_misaligned((2, 8), np.float32), "cache")
+
+
+def _misaligned(shape, dtype):
+    """A writeable array of zeros whose data sits 1 byte off its alignment."""
+    n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    a = np.zeros(n + 1, np.uint8)[1:].view(dtype).reshape(shape)
+    assert not a.flags.aligned
+    return a
 
 
 def test_input_copied_only_when_needed():
@@ -217,3 +228,10 @@ def test_input_copied_only_when_needed():
     assert z is not y and z.flags.c_contiguous
     with pytest.raises(kvcache.InvalidArgumentError, match="dtype"):
         _lib.input_array(np.zeros(3), "x")
+    m = _misaligned((3, 16), np.float32)
+    m[:] = np.arange(48, dtype=np.float32).reshape(3, 16)
+    a = _lib.input_array(m, "x")
+    assert a.flags.aligned and (a == m).all()  # copied: C requires alignment
+    q, s = kvcache.quantize(m, 8, 8)
+    q2, s2 = kvcache.quantize(np.ascontiguousarray(m), 8, 8)
+    assert (q == q2).all() and (s == s2).all()

@@ -490,3 +490,11 @@ def test_template_limits():
     big = "x" * 100_000
     out = kvcache.render_chat_template("{{ messages[0].content }}", [{"role": "user", "content": big}])
     assert out == big
+    # chains nest as deep as they are long: bounded, not a stack overflow
+    for chain in ["{{ x" + ".a" * 100_000 + " }}", "{{ 1" + "|string" * 5000 + " }}",
+                  "{{ x" + "[0]" * 100_000 + " }}", "{{ 1" + " + 1" * 100_000 + " }}",
+                  "{{ 1" + " and 1" * 100_000 + " }}"]:
+        with pytest.raises(kvcache.UnsupportedError, match="deep"):
+            kvcache.render_chat_template(chain, [])
+    assert kvcache.render_chat_template("{{ 1" + " + 1" * 900 + " }}", []) == "901"
+    assert kvcache.render_chat_template("{% set x %}{% endset %}[{{ x }}]", []) == "[]"

@@ -1,4 +1,5 @@
 /* Argument checks shared by the attention entry points (attn_check.h). */
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 
@@ -65,10 +66,12 @@ kvc_status kvc__attn_check_params(const char *fn, const kvc_attn_params *p, int6
               "%s: logits_soft_cap must be finite and >= 0 (0 disables it)", fn);
     KVC_CHECK(out->window_left >= -1, "%s: window_left %d must be >= -1", fn,
               (int)out->window_left);
+    /* the sink enters as a state with lse sinks[h] * log2 e: past FLT_MAX /
+     * log2 e that is +inf and the output NaN */
     for (int64_t h = 0; out->sinks && h < Hq; h++)
-        KVC_CHECK(!isnan(out->sinks[h]) && out->sinks[h] != INFINITY,
-                  "%s: sinks[%lld] is %g (a logit, or -inf for no sink)", fn, (long long)h,
-                  (double)out->sinks[h]);
+        KVC_CHECK(!isnan(out->sinks[h]) && out->sinks[h] * 1.44269504f != INFINITY,
+                  "%s: sinks[%lld] is %g (a logit below %g, or -inf for no sink)", fn,
+                  (long long)h, (double)out->sinks[h], (double)(FLT_MAX / 1.44269504f));
     if (out->sm_scale == 0.0f) out->sm_scale = (float)(1.0 / sqrt((double)D));
     return KVC_OK;
 }

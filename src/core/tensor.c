@@ -143,6 +143,11 @@ kvc_status kvc__check_tensor(const kvc_tensor *t, const char *name, int need_con
                   kvc__shape_str(t, (char[160]){0}, 160));
     }
     KVC_CHECK(t->data != NULL, "%s: data is NULL", name);
+    const int bits = kvc_dtype_bits(t->dtype);
+    const uintptr_t align = bits >= 16 ? (uintptr_t)(bits / 8) : 1u;
+    KVC_CHECK((uintptr_t)t->data % align == 0,
+              "%s: data %p is not aligned to its %d-byte %s elements", name, t->data,
+              (int)align, kvc_dtype_name(t->dtype));
     if (need_contig_last && t->ndim > 0 && t->shape[t->ndim - 1] > 1)
         KVC_CHECK(t->stride[t->ndim - 1] == 1, "%s: last dimension must be contiguous (stride 1)",
                   name);

@@ -44,6 +44,7 @@
 #include "unicode.h"
 
 #define MAX_DEPTH 200                         /* parser / evaluator nesting */
+#define MAX_EVAL_DEPTH 1000                   /* expression tree depth when evaluated */
 #define MAX_BYTES ((size_t)256 << 20)         /* arena and output, each */
 #define MAX_STEPS ((int64_t)50 * 1000 * 1000) /* loop iterations, all loops */
 
@@ -200,6 +201,7 @@ typedef struct ctx {
     /* evaluation */
     frame frames[MAX_DEPTH + 2];
     int n_frames;
+    int eval_depth; /* eval recursion: chains (a.b.c, x + y + z, |f|g) nest too */
     char *out;
     size_t out_n, out_cap;
     int64_t steps;
@@ -2229,7 +2231,23 @@ static kvc_status eval_cmp(ctx *c, const node *n, value *out) {
     return KVC_OK;
 }
 
+static kvc_status eval_node(ctx *c, const node *n, value *out);
+
+/* The parser bounds bracket nesting, but attribute, subscript, filter and
+ * operator chains build trees as deep as they are long (a 100k-link chain
+ * overflowed the stack): evaluation depth is bounded here. */
 static kvc_status eval(ctx *c, const node *n, value *out) {
+    if (c->eval_depth >= MAX_EVAL_DEPTH)
+        return kvc__error(KVC_ERR_UNSUPPORTED,
+                          "chat template, line %d: expression nested too deeply (chains of more "
+                          "than %d links)", n->line, MAX_EVAL_DEPTH);
+    c->eval_depth++;
+    const kvc_status st = eval_node(c, n, out);
+    c->eval_depth--;
+    return st;
+}
+
+static kvc_status eval_node(ctx *c, const node *n, value *out) {
     value a, b;
     switch (n->k) {
     case E_LIT: *out = n->lit; return KVC_OK;
@@ -2430,7 +2448,7 @@ static kvc_status exec(ctx *c, const node *n) {
         KVC_TRY(exec(c, n->b));
         char *p;
         ALLOC(c, p, c->out_n - mark + 1);
-        memcpy(p, c->out + mark, c->out_n - mark);
+        if (c->out_n > mark) memcpy(p, c->out + mark, c->out_n - mark); /* out may be NULL */
         v = v_str(p, c->out_n - mark);
         c->out_n = mark;
         return set_var(c, n->name, v);

@@ -122,7 +122,8 @@ kvc_status kvc_engine_create(const kvc_model *m, const kvc_engine_params *params
     KVC_TRY(kvc_model_get_info(m, &in));
     kvc_cache_params cp = kvc_model_cache_params(m, p.kv_dtype, p.kv_capacity_tokens);
     cp.page_size = p.page_size;
-    cp.num_pages = (p.kv_capacity_tokens + p.page_size - 1) / p.page_size;
+    cp.num_pages = p.kv_capacity_tokens / p.page_size +
+                   (p.kv_capacity_tokens % p.page_size > 0); /* ceil, no overflow */
     cp.quant_group = p.quant_group;
     cp.enable_prefix_caching = p.enable_prefix_caching != 0;
     kvc_engine *e = calloc(1, sizeof *e);
@@ -320,8 +321,9 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
     KVC_CHECK(e != NULL && n_events != NULL, "%s: engine and n_events must not be NULL", fn);
     *n_events = 0;
     const int64_t max_b = e->n_run + e->n_wait;
-    KVC_CHECK(cap >= (max_b < e->p.max_running ? max_b : e->p.max_running) &&
-                  (events != NULL || cap == 0),
+    KVC_CHECK(cap >= 0 && (events != NULL || cap == 0),
+              "%s: events must not be NULL (cap %lld) and cap must be >= 0", fn, (long long)cap);
+    KVC_CHECK(cap >= (max_b < e->p.max_running ? max_b : e->p.max_running),
               "%s: events must have room for %lld events (one per running request)", fn,
               (long long)(max_b < e->p.max_running ? max_b : e->p.max_running));
     if (max_b == 0) return KVC_OK;

@@ -328,7 +328,10 @@ kvc_cache_params kvc_model_cache_params(const kvc_model *m, kvc_dtype kv_dtype,
     p.num_kv_heads = m->info.n_head_kv;
     p.head_dim = m->info.head_dim;
     p.dtype = kv_dtype;
-    p.num_pages = (capacity_tokens + p.page_size - 1) / p.page_size;
+    /* ceil without overflow; a negative capacity gives num_pages < 0 (refused
+     * by kvc_cache_create) */
+    p.num_pages = capacity_tokens / p.page_size + (capacity_tokens % p.page_size > 0);
+    if (capacity_tokens < 0) p.num_pages = -1;
     return p;
 }
 
@@ -516,10 +519,9 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
     for (int32_t s = 0; s < n_seqs; s++) {
         int64_t len;
         KVC_TRY(kvc_cache_seq_len(cache, seqs[s], &len));
-        KVC_CHECK(n[s] >= 0 && pos0[s] >= 0 && pos0[s] + n[s] <= len,
-                  "%s: sequence %lld: positions [%lld, %lld) outside its %lld reserved slots", fn,
-                  (long long)seqs[s], (long long)pos0[s], (long long)(pos0[s] + n[s]),
-                  (long long)len);
+        KVC_CHECK(n[s] >= 0 && pos0[s] >= 0 && n[s] <= len && pos0[s] <= len - n[s],
+                  "%s: sequence %lld: %lld positions from %lld outside its %lld reserved slots",
+                  fn, (long long)seqs[s], (long long)n[s], (long long)pos0[s], (long long)len);
         KVC_CHECK(pos0[s] + n[s] <= INT32_MAX, "%s: position overflow", fn);
         N += n[s];
         if (n[s] > 0) n_active++;

@@ -171,9 +171,9 @@ static kvc_status check_slots(const char *fn, const dyn_call *c, int64_t b, int6
         KVC_CHECK(s0 >= 0, "%s: cachestarts[%lld, %lld] = %lld is needed (position %lld) but "
                   "negative", fn, (long long)b, (long long)p, (long long)s0,
                   (long long)(p * c->page_size));
-        KVC_CHECK(s0 <= maxT - used, "%s: page cachestarts[%lld, %lld] = %lld spans slots up to "
-                  "%lld, outside the cache's [0, MaxT=%lld)", fn, (long long)b, (long long)p,
-                  (long long)s0, (long long)(s0 + used), (long long)maxT);
+        KVC_CHECK(s0 <= maxT - used, "%s: page cachestarts[%lld, %lld] = %lld spans %lld slots, "
+                  "outside the cache's [0, MaxT=%lld)", fn, (long long)b, (long long)p,
+                  (long long)s0, (long long)used, (long long)maxT);
     }
     return KVC_OK;
 }
