@@ -474,6 +474,9 @@ def test_template_errors():
                 "{% set x = 1 %}{% set x.y = 2 %}", "{{ 'a' + + 'b' }}", "{{ + 'b' }}"]:
         with pytest.raises(kvcache.InvalidArgumentError):
             kvcache.render_chat_template(bad, msgs)
+    for bad in ["a\n{{ '\\xZZ' }}", "a\n{{ '\\ud800' }}"]:  # escapes report their line too
+        with pytest.raises(kvcache.UnsupportedError, match="line 2"):
+            kvcache.render_chat_template(bad, msgs)
     # as jinja2 renders them
     for good in ["{{ +3 }} {{ - -2 }} {{ +true }}", "{% set ns = namespace(a=1) %}{{ ns }}"]:
         assert kvcache.render_chat_template(good, msgs) == _jinja(good, msgs, True), good

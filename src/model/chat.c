@@ -346,15 +346,11 @@ static kvc_status decode_string(ctx *c, const char *s, size_t n, str *out) {
             uint32_t v = 0;
             for (int m = 0; m < digits; m++) {
                 int h = i + 1 + (size_t)m < n ? hex_val(s[i + 1 + (size_t)m]) : -1;
-                if (h < 0)
-                    return kvc__error(KVC_ERR_UNSUPPORTED, "chat template: bad \\%c escape", e);
+                if (h < 0) return syntax_error(c, NULL, "bad \\%c escape", e);
                 v = v * 16 + (uint32_t)h;
             }
             if (v > 0x10FFFF || (v >= 0xD800 && v <= 0xDFFF))
-                return kvc__error(KVC_ERR_UNSUPPORTED,
-                                  "chat template: escape U+%X is not a "
-                                  "character",
-                                  (unsigned)v);
+                return syntax_error(c, NULL, "escape U+%X is not a character", (unsigned)v);
             i += (size_t)digits;
             k += (size_t)kvc__utf8_encode(v, (unsigned char *)o + k);
         }
