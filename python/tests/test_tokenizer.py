@@ -474,6 +474,9 @@ def test_template_errors():
                 "{% set x = 1 %}{% set x.y = 2 %}", "{{ 'a' + + 'b' }}", "{{ + 'b' }}"]:
         with pytest.raises(kvcache.InvalidArgumentError):
             kvcache.render_chat_template(bad, msgs)
+    with pytest.raises(kvcache.UnsupportedError):  # jinja2: a syntax error too
+        kvcache.render_chat_template("{% if messages if true %}X{% endif %}", msgs)
+    assert kvcache.render_chat_template("{% if (1 if true else 0) %}X{% endif %}", msgs) == "X"
     for bad in ["a\n{{ '\\xZZ' }}", "a\n{{ '\\ud800' }}"]:  # escapes report their line too
         with pytest.raises(kvcache.UnsupportedError, match="line 2"):
             kvcache.render_chat_template(bad, msgs)

@@ -1031,7 +1031,7 @@ static kvc_status parse_if(ctx *c, node **out) {
     static const char *const stops[] = {"elif", "else", "endif"};
     node *n = NULL;
     KVC_TRY(new_node(c, S_IF, &n));
-    KVC_TRY(parse_expr(c, &n->a));
+    KVC_TRY(parse_or(c, &n->a)); /* no `x if y` here, as in jinja2 (parentheses allow it) */
     KVC_TRY(end_tag(c));
     int which = 0;
     KVC_TRY(parse_block(c, stops, 3, &n->b, &which));
