@@ -18,7 +18,7 @@ Modules:
     kvcache.mla    BatchMLAPagedAttentionWrapper: MLA over ckv/kpe pages (re-exported)
     kvcache.tokenizer  Tokenizer: the GGUF's byte-level BPE and chat template
     kvcache.model  Model (GGUF llama through the cache), Engine (continuous
-                   batching), sample (re-exported)
+                   batching) (both re-exported), sample
 
 The shared library is found through the environment variable
 ``KVCACHE_LIBRARY``, else the repository's ``build/libkvcache.so``, else the

@@ -399,6 +399,24 @@ def dtype_code(dtype: np.dtype) -> int | None:
     return None
 
 
+class NoCopy:
+    """Base of the classes that own a C object (a plan, cache, file, model...):
+    a copy or a pickle would carry the raw pointer and free it twice, so
+    both are refused with TypeError (as for any unpicklable object)."""
+
+    __slots__ = ()
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"{type(self).__name__} owns a C object and cannot be copied or "
+                        f"pickled; create another one instead")
+
+    def __copy__(self):
+        self.__reduce_ex__(2)
+
+    def __deepcopy__(self, memo):
+        self.__reduce_ex__(2)
+
+
 def dtype_str(dtype) -> str:
     return str(np.dtype(dtype))
 

@@ -384,7 +384,7 @@ def _data_type(x, name: str, allow_quant: bool):
     return dt
 
 
-class BatchDecodeWithPagedKVCacheWrapper:
+class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
     """Batched decode (one query token per request) over a paged cache
     (flashinfer.BatchDecodeWithPagedKVCacheWrapper).
 

@@ -168,7 +168,7 @@ def _seq_ids(seq_ids) -> np.ndarray:
     return arr
 
 
-class _Handle:
+class _Handle(_lib.NoCopy):
     """Owns the kvc_cache pointer; destroys it when the last reference (the
     PagedKVCache or any view of its storage) goes away."""
 
@@ -245,7 +245,7 @@ def _view(t: _lib.Tensor, cache, handle) -> np.ndarray:
     return np.ndarray(tuple(shape), dtype=dtype, buffer=raw, offset=0, strides=tuple(strides))
 
 
-class PagedKVCache:
+class PagedKVCache(_lib.NoCopy):
     """A multi-layer paged KV cache with sequences, forks and prefix caching.
 
     Args:

@@ -49,7 +49,7 @@ def _level_list(x, name: str, num_levels: int):
     return [_lib.int32_array(a, f"{name}[{i}]") for i, a in enumerate(items)]
 
 
-class MultiLevelCascadeAttentionWrapper:
+class MultiLevelCascadeAttentionWrapper(_lib.NoCopy):
     """Cascade attention with ``num_levels`` page-table levels over one paged
     cache (flashinfer.MultiLevelCascadeAttentionWrapper).
 

@@ -25,7 +25,8 @@ from typing import Self
 import numpy as np
 
 from . import _lib
-from ._lib import check, optional_proto
+from ._lib import NoCopy, check, optional_proto
+from .errors import InvalidArgumentError
 
 __all__ = ["GGUFFile", "GGUFTensor", "ggml_block_bytes", "ggml_block_size", "ggml_type_name"]
 
@@ -88,17 +89,29 @@ kvc_gguf_get_tensor = optional_proto("kvc_gguf_get_tensor", _c_int, _vp, _i64,
                                      ctypes.POINTER(_CTensor))
 
 
+def _ggml_type(t) -> int | None:
+    """t as a C int, or None when no ggml type can have it."""
+    try:
+        v = _lib.int32_attr(t, "ggml type")
+    except _lib.InvalidArgumentError:
+        return None
+    return v
+
+
 def ggml_type_name(t: int) -> str | None:
-    name = kvc_ggml_type_name(t)
+    v = _ggml_type(t)
+    name = kvc_ggml_type_name(v) if v is not None else None
     return name.decode() if name else None
 
 
 def ggml_block_size(t: int) -> int:
-    return int(kvc_ggml_block_size(t))
+    v = _ggml_type(t)
+    return int(kvc_ggml_block_size(v)) if v is not None else 0
 
 
 def ggml_block_bytes(t: int) -> int:
-    return int(kvc_ggml_block_bytes(t))
+    v = _ggml_type(t)
+    return int(kvc_ggml_block_bytes(v)) if v is not None else 0
 
 
 def _bytes_at(ptr: int | None, n: int) -> bytes:
@@ -140,10 +153,13 @@ def _name(b: bytes) -> str:
 
 
 def _name_bytes(name: str) -> bytes:
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"a key or tensor name must be a str, got "
+                                   f"{type(name).__name__}")
     return name.encode("utf-8", "surrogateescape")
 
 
-class GGUFFile:
+class GGUFFile(NoCopy):
     """A GGUF file opened (mmapped and validated) by the C reader; or an
     in-memory image (bytes), which is copied and kept alive with the handle.
     Errors are raised as kvcache exceptions (CorruptError, UnsupportedError,
@@ -182,7 +198,7 @@ class GGUFFile:
 
     def _check_open(self) -> None:
         if not self._h:
-            raise ValueError("GGUFFile is closed")
+            raise InvalidArgumentError("GGUFFile is closed")
     # -- header ----------------------------------------------------------------
     @property
     def version(self) -> int:

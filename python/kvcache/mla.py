@@ -78,7 +78,7 @@ def _number(x, name: str, what: str) -> float:
     return v
 
 
-class BatchMLAPagedAttentionWrapper:
+class BatchMLAPagedAttentionWrapper(_lib.NoCopy):
     """Batched MLA attention over paged ckv/kpe caches
     (flashinfer.mla.BatchMLAPagedAttentionWrapper).
 

@@ -14,6 +14,7 @@ prefix caching, preemption by recomputation).
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import threading
 
@@ -22,6 +23,8 @@ import numpy as np
 from . import _lib
 from .cache import PagedKVCache
 from .errors import InvalidArgumentError
+
+__all__ = ["Engine", "Model", "sample"]
 
 _c_int = ctypes.c_int
 _vp = ctypes.c_void_p
@@ -118,22 +121,39 @@ def _kv_dtype(name) -> tuple[str, int]:
 def _threads(num_threads) -> int:
     if num_threads is None:
         return os.cpu_count() or 1
-    n = int(num_threads)
+    n = _lib.int32_attr(num_threads, "num_threads")
     if n < 1:
         raise InvalidArgumentError(f"num_threads {num_threads} must be >= 1")
     return n
 
 
+def _index(x, name: str) -> int:
+    """An integer argument (ints and numpy integers; not floats or bools)."""
+    if isinstance(x, (bool, np.bool_)):
+        raise InvalidArgumentError(f"{name} must be an integer, got {x!r}")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise InvalidArgumentError(f"{name} must be an integer, got {x!r}") from None
+
+
+def _real(x, name: str) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{name} must be a number, got {x!r}") from None
+
+
 def _sampling(temperature, top_k, top_p, seed) -> SamplingParams:
     sp = SamplingParams()
-    sp.temperature = float(temperature)
-    sp.top_k = int(top_k)
-    sp.top_p = float(top_p)
-    sp.seed = int(seed) & (2**64 - 1)
+    sp.temperature = _real(temperature, "temperature")
+    sp.top_k = _lib.int32_attr(_index(top_k, "top_k"), "top_k")
+    sp.top_p = _real(top_p, "top_p")
+    sp.seed = _index(seed, "seed") & (2**64 - 1)
     return sp
 
 
-class Model:
+class Model(_lib.NoCopy):
     """A GGUF model (llama architecture) mapped read-only.
 
     Attributes: ``info`` (dict of the architecture's sizes), ``n_vocab``.
@@ -182,20 +202,30 @@ class Model:
 
     @property
     def tokenizer_handle(self) -> int:
-        """The C kvc_tokenizer pointer owned by the model."""
+        """The C kvc_tokenizer pointer owned by the model (for C callers; from
+        Python use ``tokenizer``)."""
         return kvc_model_tokenizer(self._live())
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer as a kvcache.Tokenizer that borrows it: it
+        keeps this model alive, raises once the model is closed, and its
+        close() frees nothing."""
+        from .tokenizer import Tokenizer
+
+        return Tokenizer._borrowed(self.tokenizer_handle, self)
 
     def eval(self, tokens, kv_dtype="float32", num_threads=None, decode_from=None) -> np.ndarray:
         """Logits (n, n_vocab) float32 of every position of one token
         sequence, computed in one step through a fresh cache: one prefill, or
         with decode_from=p, prefill for positions < p and the decode kernel
         for the rest (as the engine computes generated tokens)."""
-        t = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64)).astype(np.int32)
+        t = _lib.int32_array(tokens, "tokens")  # refuses non-integers and out-of-range ids
         if t.ndim != 1:
             raise InvalidArgumentError("tokens must be 1-D")
         out = np.empty((t.size, self.n_vocab), np.float32)
         _, code = _kv_dtype(kv_dtype)
-        df = -1 if decode_from is None else int(decode_from)
+        df = -1 if decode_from is None else _index(decode_from, "decode_from")
         _lib.check(kvc_model_eval(self._live(), t.ctypes.data, t.size, df, code, out.ctypes.data,
                                   _threads(num_threads)))
         return out
@@ -204,7 +234,11 @@ class Model:
                   enable_prefix_caching=True, quant_group=8) -> PagedKVCache:
         """A PagedKVCache shaped for this model (layers, KV heads, head dim)."""
         key, _ = _kv_dtype(kv_dtype)
-        pages = max(1, -(-int(capacity_tokens) // int(page_size)))
+        cap, ps = _index(capacity_tokens, "capacity_tokens"), _index(page_size, "page_size")
+        if cap < 1 or ps < 1:
+            raise InvalidArgumentError(f"capacity_tokens ({cap}) and page_size ({ps}) must be "
+                                       f">= 1")
+        pages = -(-cap // ps)
         return PagedKVCache(self.info["n_layer"], self.info["n_head_kv"], self.info["head_dim"],
                             page_size, pages, dtype=key,
                             enable_prefix_caching=enable_prefix_caching, quant_group=quant_group)
@@ -217,10 +251,12 @@ class Model:
         want_logits (default: the last row of each sequence), in row order.
         decode_from (per sequence, or None): positions >= it attend with the
         decode kernel, earlier ones with prefill (C: kvc_model_forward)."""
-        seqs = np.ascontiguousarray(seqs, np.int64).reshape(-1)
-        pos0 = np.ascontiguousarray(pos0, np.int64).reshape(-1)
-        n = np.ascontiguousarray(n, np.int64).reshape(-1)
-        tokens = np.ascontiguousarray(tokens, np.int32).reshape(-1)
+        if not isinstance(cache, PagedKVCache):
+            raise InvalidArgumentError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+        seqs = _lib.int64_array(seqs, "seqs").reshape(-1)
+        pos0 = _lib.int64_array(pos0, "pos0").reshape(-1)
+        n = _lib.int64_array(n, "n").reshape(-1)
+        tokens = _lib.int32_array(tokens, "tokens").reshape(-1)
         if not (seqs.size == pos0.size == n.size):
             raise InvalidArgumentError("seqs, pos0 and n must have the same length")
         if tokens.size != int(n.sum()):
@@ -229,14 +265,18 @@ class Model:
             n_want = int((n > 0).sum())
             want_ptr = None
         else:
-            want = np.ascontiguousarray(want_logits, np.uint8).reshape(-1)
+            w = _lib.as_array(want_logits, "want_logits").reshape(-1)
+            if w.dtype.kind not in "biu":
+                raise InvalidArgumentError(f"want_logits must hold bools or integers, got dtype "
+                                           f"{w.dtype}")
+            want = np.ascontiguousarray(w != 0, np.uint8)
             if want.size != tokens.size:
                 raise InvalidArgumentError("want_logits must have one entry per token row")
             n_want = int((want != 0).sum())
             want_ptr = want.ctypes.data
         dec_ptr = None
         if decode_from is not None:
-            dec = np.ascontiguousarray(decode_from, np.int64).reshape(-1)
+            dec = _lib.int64_array(decode_from, "decode_from").reshape(-1)
             if dec.size != seqs.size:
                 raise InvalidArgumentError("decode_from must have one entry per sequence")
             dec_ptr = dec.ctypes.data
@@ -271,22 +311,29 @@ class Model:
             eng.close()
 
 
-class Engine:
+class Engine(_lib.NoCopy):
     """Continuous batching over one model (C: kvc_engine)."""
 
     def __init__(self, model: Model, *, kv_dtype="float16", num_threads=None, page_size=16,
                  kv_capacity_tokens=16384, max_step_tokens=512, max_running=64,
                  enable_prefix_caching=True, quant_group=8):
         self._ptr = None
-        self._model = model  # keeps the weights mapped
+        if not isinstance(model, Model):
+            raise InvalidArgumentError(f"model must be a kvcache.model.Model, got "
+                                       f"{type(model).__name__}")
+        self._model = model  # its methods check the model is still open
         p = kvc_engine_default_params()
         p.n_threads = _threads(num_threads)
         p.kv_dtype = _kv_dtype(kv_dtype)[1]
-        p.quant_group = int(quant_group)
-        p.page_size = int(page_size)
-        p.kv_capacity_tokens = int(kv_capacity_tokens)
-        p.max_step_tokens = int(max_step_tokens)
-        p.max_running = int(max_running)
+        p.quant_group = _lib.int32_attr(_index(quant_group, "quant_group"), "quant_group")
+        p.page_size = _lib.int32_attr(_index(page_size, "page_size"), "page_size")
+        cap = _index(kv_capacity_tokens, "kv_capacity_tokens")
+        if not -(2**63) <= cap < 2**63:
+            raise InvalidArgumentError(f"kv_capacity_tokens = {cap} does not fit in int64")
+        p.kv_capacity_tokens = cap
+        p.max_step_tokens = _lib.int32_attr(_index(max_step_tokens, "max_step_tokens"),
+                                            "max_step_tokens")
+        p.max_running = _lib.int32_attr(_index(max_running, "max_running"), "max_running")
         p.enable_prefix_caching = 1 if enable_prefix_caching else 0
         h = _vp()
         _lib.check(kvc_engine_create(model._live(), ctypes.byref(p), ctypes.byref(h)))
@@ -306,30 +353,41 @@ class Engine:
         except Exception:
             pass
 
+    def _live(self) -> int:
+        """The engine pointer; raises once the engine or its model is closed."""
+        if not self._ptr:
+            raise InvalidArgumentError("the engine is closed")
+        self._model._live()  # the weights it reads must still be mapped
+        return self._ptr
+
     def add_request(self, prompt, max_new_tokens, *, temperature=0.0, top_k=0, top_p=1.0,
                     seed=0, ignore_eos=False) -> int:
-        t = np.ascontiguousarray(np.asarray(prompt, np.int64)).astype(np.int32).reshape(-1)
+        t = _lib.int32_array(prompt, "prompt").reshape(-1)
+        n_new = _lib.int32_attr(_index(max_new_tokens, "max_new_tokens"), "max_new_tokens")
         sp = _sampling(temperature, top_k, top_p, seed)
         rid = _i64()
-        _lib.check(kvc_engine_add_request(self._ptr, t.ctypes.data, t.size, int(max_new_tokens),
+        _lib.check(kvc_engine_add_request(self._live(), t.ctypes.data, t.size, n_new,
                                           ctypes.byref(sp), 1 if ignore_eos else 0,
                                           ctypes.byref(rid)))
         self._out[rid.value] = []
         return rid.value
 
     def cancel(self, request_id):
-        _lib.check(kvc_engine_cancel(self._ptr, int(request_id)))
+        rid = _index(request_id, "request_id")
+        if not -(2**63) <= rid < 2**63:
+            raise InvalidArgumentError(f"no pending request {rid}")
+        _lib.check(kvc_engine_cancel(self._live(), rid))
 
     @property
     def pending(self) -> int:
-        return kvc_engine_pending(self._ptr)
+        return kvc_engine_pending(self._live())
 
     def step(self) -> list[tuple[int, int, int]]:
         """One scheduling step; returns (request_id, token, finish) events."""
         cap = max(1, min(self.pending, self._max_running))
         ev = (EngineEvent * cap)()
         n = _i64()
-        _lib.check(kvc_engine_step(self._ptr, ev, cap, ctypes.byref(n)))
+        _lib.check(kvc_engine_step(self._live(), ev, cap, ctypes.byref(n)))
         out = []
         for i in range(n.value):
             e = ev[i]
@@ -347,7 +405,7 @@ class Engine:
 
     def stats(self) -> dict:
         s = EngineStats()
-        _lib.check(kvc_engine_get_stats(self._ptr, ctypes.byref(s)))
+        _lib.check(kvc_engine_get_stats(self._live(), ctypes.byref(s)))
         return {f: getattr(s, f) for f, _ in EngineStats._fields_}
 
 
@@ -355,9 +413,16 @@ def sample(logits, temperature=0.0, top_k=0, top_p=1.0, seed=0, state=None):
     """Samples one token id from logits (n_vocab,) as the engine does.
     ``state`` (a one-element uint64 array) carries the generator between
     calls; without it, a fresh state seeded with ``seed`` is used."""
-    x = np.ascontiguousarray(logits, np.float32).reshape(-1)
+    x = _lib.as_array(logits, "logits")
+    if x.ndim != 1 or x.dtype.kind not in "fiu":
+        raise InvalidArgumentError(f"logits must be a 1-D array of numbers (n_vocab,), got shape "
+                                   f"{x.shape} dtype {x.dtype}")
+    x = np.ascontiguousarray(x, np.float32)
     sp = _sampling(temperature, top_k, top_p, seed)
-    st = ctypes.c_uint64(int(seed) if state is None else int(state[0]))
+    if state is not None and not (isinstance(state, np.ndarray) and state.dtype == np.uint64
+                                  and state.shape == (1,) and state.flags.writeable):
+        raise InvalidArgumentError("state must be a writeable numpy uint64 array of shape (1,)")
+    st = ctypes.c_uint64(sp.seed if state is None else int(state[0]))
     tok = _i32()
     _lib.check(kvc_sample(x.ctypes.data, x.size, ctypes.byref(sp), ctypes.byref(st),
                           ctypes.byref(tok)))

@@ -262,7 +262,7 @@ def single_prefill_with_kv_cache_return_lse(q, k, v, scale_q=None, scale_k=None,
 # Batched prefill
 
 
-class _PrefillWrapperBase:
+class _PrefillWrapperBase(_lib.NoCopy):
     """Shared plan state of the paged and ragged wrappers."""
 
     _name = "BatchPrefillWrapper"

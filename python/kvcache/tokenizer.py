@@ -126,16 +126,30 @@ def _strings(items, name):
 
 def _id(value, name) -> int:
     try:
-        return operator.index(value)
-    except TypeError:
-        raise InvalidArgumentError(f"{name} must be an integer, not {value!r}") from None
+        return _lib.int32_attr(value, name)  # an int32 in C: refuse, never wrap
+    except InvalidArgumentError:
+        raise InvalidArgumentError(f"{name} must be an int32 integer, not {value!r}") from None
 
 
-class Tokenizer:
-    """A byte-level BPE tokenizer (see the module docstring)."""
+_MAKE = object()  # Tokenizer objects come from from_gguf / from_vocab / Model.tokenizer
 
-    def __init__(self, handle: int):
+
+class Tokenizer(_lib.NoCopy):
+    """A byte-level BPE tokenizer (see the module docstring). Create one with
+    Tokenizer.from_gguf(path) or Tokenizer.from_vocab(...), or take a model's
+    with kvcache.model.Model(path).tokenizer."""
+
+    def __init__(self, handle, _key=None, _owner=None):
+        self._h = None
+        if _key is not _MAKE:
+            raise TypeError("create a Tokenizer with Tokenizer.from_gguf(path), "
+                            "Tokenizer.from_vocab(...) or Model(path).tokenizer")
         self._h = handle
+        self._owner = _owner  # a Model whose tokenizer this borrows, or None (owned)
+
+    @classmethod
+    def _borrowed(cls, handle: int, owner) -> "Tokenizer":
+        return cls(handle, _MAKE, owner)
 
     # ---- construction ------------------------------------------------------------
 
@@ -147,7 +161,7 @@ class Tokenizer:
         try:
             h = _vp()
             _lib.check(_from_gguf(g, ctypes.byref(h)))
-            return cls(h.value)
+            return cls(h.value, _MAKE)
         finally:
             _gguf_close(g)
 
@@ -165,7 +179,8 @@ class Tokenizer:
         v.token_lens = tok_lens
         types = None
         if token_types is not None:
-            types = (_i32 * max(len(token_types), 1))(*[int(x) for x in token_types])
+            types = (_i32 * max(len(token_types), 1))(
+                *[_id(x, "token_types[]") for x in token_types])
             if len(token_types) != len(keep1):
                 raise InvalidArgumentError(f"token_types has {len(token_types)} entries for "
                                            f"{len(keep1)} tokens")
@@ -179,19 +194,22 @@ class Tokenizer:
         v.add_bos = 1 if add_bos else 0
         h = _vp()
         _lib.check(_create(ctypes.byref(v), ctypes.byref(h)))
-        return cls(h.value)
+        return cls(h.value, _MAKE)
 
     # ---- lifetime ------------------------------------------------------------------
 
     def _ptr(self) -> int:
         if not self._h:
             raise InvalidArgumentError("the tokenizer is closed")
+        if self._owner is not None:
+            self._owner._live()  # a borrowed tokenizer dies with its model
         return self._h
 
     def close(self) -> None:
-        """Frees the C tokenizer (idempotent)."""
+        """Frees the C tokenizer (idempotent); a model's borrowed tokenizer
+        is only detached (the model frees it)."""
         h, self._h = self._h, None
-        if h:
+        if h and self._owner is None:
             _destroy(h)
 
     def __enter__(self):
@@ -234,9 +252,12 @@ class Tokenizer:
 
     def is_eog(self, token_id: int) -> bool:
         """True if generation stops at token_id (eos, eot, other end controls)."""
-        tid = _id(token_id, "token_id")
+        try:
+            tid = operator.index(token_id)
+        except TypeError:
+            raise InvalidArgumentError(f"token_id must be an integer, not {token_id!r}") from None
         if not -(2**31) <= tid <= _INT32_MAX:
-            return False
+            return False  # no token has that id
         return bool(_is_eog(self._ptr(), tid))
 
     # ---- encode / decode -----------------------------------------------------------

@@ -339,3 +339,84 @@ def test_default_model_answers_through_the_engine(smol):
         text = tok.decode(outs[0])
         assert "Paris" in text, (kv, text)
         assert outs[0][-1] == tok.eot or len(outs[0]) == 12
+
+
+def test_objects_owning_c_handles_refuse_copy_and_pickle(tmp_path):
+    """A copy or pickle would carry the raw pointer and free it twice (the
+    copies once aborted with a double free or segfaulted)."""
+    import copy
+    import pickle
+
+    from kvcache.gguf import GGUFFile
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, n_layer=2)
+    m = Model(path)
+    objs = [m, Engine(m, kv_capacity_tokens=64), m.tokenizer, GGUFFile(path),
+            kvcache.Tokenizer.from_gguf(path), kvcache.PagedKVCache(1, 1, 8, 4, num_pages=4),
+            kvcache.BatchDecodeWithPagedKVCacheWrapper(), kvcache.BatchPrefillWithPagedKVCacheWrapper(),
+            kvcache.BatchPrefillWithRaggedKVCacheWrapper(), kvcache.MultiLevelCascadeAttentionWrapper(2),
+            kvcache.BatchMLAPagedAttentionWrapper()]
+    for o in objs:
+        for f in (copy.copy, copy.deepcopy, pickle.dumps):
+            with pytest.raises(TypeError, match="cannot be copied or pickled"):
+                f(o)
+    assert objs[3].get("llama.block_count") == 2  # the originals still work
+    assert objs[2].encode("hi") == objs[4].encode("hi")
+
+
+def test_borrowed_tokenizer_and_engine_after_model_close(tmp_path):
+    """Model.tokenizer borrows the model's tokenizer (Tokenizer(handle) is not
+    public: it took ownership and freed the model's); an engine or borrowed
+    tokenizer used after Model.close() raises instead of reading freed
+    weights (once a segfault)."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, n_layer=2)
+    m = Model(path)
+    with pytest.raises(TypeError, match="from_gguf"):
+        kvcache.Tokenizer(m.tokenizer_handle)
+    tok = m.tokenizer
+    ids = tok.encode("hello")
+    tok.close()  # detaches only
+    assert m.tokenizer.encode("hello") == ids
+    e = Engine(m, kv_capacity_tokens=64)
+    e.add_request([1, 2, 3], 4)
+    tok2 = m.tokenizer
+    m.close()
+    for call in (e.run, e.step, e.stats, lambda: e.add_request([1], 2), lambda: tok2.encode("x")):
+        with pytest.raises(kvcache.InvalidArgumentError, match="closed"):
+            call()
+    e.close()
+    with pytest.raises(kvcache.InvalidArgumentError, match="closed"):
+        e.pending
+
+
+def test_integer_arguments_are_not_truncated(tiny):
+    """Token ids and counts beyond int32, floats and bools where integers are
+    expected raise instead of wrapping (2**32 + 1 once ran as 1)."""
+    _, _, m, _ = tiny
+    E = kvcache.InvalidArgumentError
+    for bad in (np.array([2**32 + 1, 2, 3]), [1.9, 2.2, 3.7]):
+        with pytest.raises(E):
+            m.eval(bad)
+    eng = Engine(m, kv_capacity_tokens=64)
+    with pytest.raises(E):
+        eng.add_request(np.array([2**32 + 1]), 2)
+    with pytest.raises(E):
+        eng.add_request([1, 2], 2**32 + 2)
+    with pytest.raises(E):
+        eng.cancel(0.5)
+    eng.close()
+    for kw in ({"page_size": 2**32 + 16}, {"num_threads": 2**32 + 1}, {"max_running": 1.5}):
+        with pytest.raises(E):
+            Engine(m, **kw)
+    with pytest.raises(E):
+        Engine(None)
+    from kvcache.model import sample
+    with pytest.raises(E):
+        sample(np.zeros((2, 8), np.float32))
+    with pytest.raises(E):
+        sample(np.zeros(8, np.float32), top_k=2**32 + 1)
+    with pytest.raises(E):
+        sample(np.zeros(8, np.float32), state=np.zeros(1, np.int64))
+    assert sample(np.arange(8, dtype=np.float32), state=np.zeros(1, np.uint64)) == 7  # greedy
