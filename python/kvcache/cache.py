@@ -561,7 +561,7 @@ class PagedKVCache(_lib.NoCopy):
         of each page of each sequence, -1 after its last page.
 
         max_pages: columns; None = the most pages of any sequence (at least
-        1). Must be >= the pages of every sequence.
+        1). Must be >= the pages of every sequence and <= num_pages.
         """
         seqs = _seq_ids(seq_ids)
         if max_pages is not None:

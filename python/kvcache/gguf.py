@@ -3,7 +3,7 @@
 >>> with GGUFFile("model.gguf") as f:
 ...     f.metadata["llama.block_count"]           # int
 ...     t = f.tensor("blk.0.attn_q.weight")
-...     t.type_name, t.ne, t.shape                 # "Q4_1", [576, 576], (576, 576)
+...     t.type_name, t.ne, t.shape                 # "Q4_1", (576, 576), (576, 576)
 ...     raw = t.raw()                              # bytes of the stored blocks
 
 Metadata values become Python objects: integers -> int, bool -> bool,

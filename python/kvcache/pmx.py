@@ -19,8 +19,10 @@ Dtypes (T1 = inputs/outputs, T2 = cache, T3 = scale):
 
 ``cache`` and ``scale`` are updated in place and therefore never copied: they
 must be writeable numpy arrays with a contiguous last dimension (other strides
-are free, so slices of larger arrays work). Inputs may be any array-like; they
-are copied only if their layout cannot be passed as is. Every argument is
+are free, so slices of larger arrays work). Inputs may be any array-like of a
+supported dtype (float32/float16/bfloat16 K/V, so a Python list of floats, which
+numpy makes float64, is refused: convert it first); they are copied only if their
+layout cannot be passed as is. Every argument is
 validated by the C library before anything is written: a failing call raises
 :class:`kvcache.InvalidArgumentError` and leaves cache and scale unchanged.
 
