@@ -171,12 +171,13 @@ static inline int kvc__quant_split_fast(kvc_dtype xd, int g) {
     return g == 8 && (xd == KVC_F16 || xd == KVC_BF16);
 }
 
-/* Magnitude every input of a quantized store must stay below (SEMANTICS
- * section 1): finite, and with float16 scales below 65520 * qmax, where
- * absmax / qmax (a float32 division) reaches 65520 and the scale would round
- * to float16 infinity (dequantizing to NaN). 65520 * qmax is exact in float32
- * and the smallest input that overflows: the float32 below it, divided by
- * 127 or 7, rounds to less than 65520 (test_quant checks both sides). */
+/* Magnitude every input of a quantized store must stay below: finite
+ * (SEMANTICS section 1) and, with float16 scales (a case SEMANTICS leaves
+ * open, refused here like NaN), below 65520 * qmax, where absmax / qmax (a
+ * float32 division) reaches 65520 and the scale would round to float16
+ * infinity (dequantizing to NaN). 65520 * qmax is exact in float32 and the
+ * smallest input that overflows: the float32 below it, divided by 127 or 7,
+ * rounds to less than 65520 (test_quant checks both sides). */
 static inline float kvc__quant_limit(int bits, kvc_dtype sd) {
     return sd == KVC_F16 ? 65520.0f * (bits == 8 ? 127.0f : 7.0f) : (float)INFINITY;
 }
