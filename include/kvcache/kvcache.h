@@ -12,7 +12,7 @@
  *   kvcache/prefill.h    prefill attention (single, batched paged/ragged), cascade
  *   kvcache/mla.h        MLA decode over ckv/kpe pages
  *   kvcache/gguf.h       GGUF reader
- *   kvcache/tokenizer.h  GGUF tokenizers (BPE, SentencePiece)
+ *   kvcache/tokenizer.h  GGUF byte-level BPE tokenizers ("gpt2"), chat templates
  *   kvcache/model.h      model runtime: a GGUF transformer served through the cache
  *
  * Minimal use (store one token of a float16 batch into an int8 cache):

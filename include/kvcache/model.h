@@ -177,7 +177,8 @@ typedef struct kvc_engine_event {
  * request is preempted: its sequence is freed (its full pages stay in the
  * prefix cache) and it is requeued at the front, to be recomputed later.
  * Writes one event per token generated (at most cap; *n_events the count;
- * KVC_ERR_INVALID_ARG if cap < the number of running requests).
+ * KVC_ERR_INVALID_ARG if cap < min(running + queued requests, max_running),
+ * the most that can run this step).
  */
 KVC_API kvc_status kvc_engine_step(kvc_engine *engine, kvc_engine_event *events, int64_t cap,
                                    int64_t *n_events);

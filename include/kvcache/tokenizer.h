@@ -17,7 +17,8 @@
  *        "llama-bpe" / "llama3" (also dbrx, smaug-bpe):
  *            (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}
  *            | ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
- *            and a piece that is itself a token is not merged (ignore_merges)
+ *            and, for llama-bpe / llama3 only, a piece that is itself a token
+ *            is not merged (ignore_merges)
  *        "qwen2" (also stablelm2): as llama3 with \p{N} instead of \p{N}{1,3}
  *      (the contractions' case folding is ASCII-only);
  *   3. each piece's bytes become GPT-2 byte tokens (bytes_to_unicode), then

@@ -142,6 +142,12 @@ class MultiLevelCascadeAttentionWrapper(_lib.NoCopy):
         self._plan = ptr.value
         self._info = info
 
+    #: FlashInfer's deprecated name for plan.
+    begin_forward = plan
+
+    def end_forward(self) -> None:
+        """FlashInfer's deprecated end_forward(): nothing to do."""
+
     def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False, *, q_scale=None,
             k_scale=None, v_scale=None, out=None, lse=None):
         """Cascade attention for one layer.

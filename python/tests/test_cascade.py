@@ -227,6 +227,12 @@ def test_cascade_one_level_is_batch_prefill(rng):
     assert np.all(o[17:20] == 0) and np.all(np.isneginf(lse[17:20]))
     o2 = w.run(q, pg.cache)
     ref.assert_same_bytes(o2, o, "o without lse")
+    # FlashInfer's deprecated begin_forward / end_forward names
+    w2 = kvcache.MultiLevelCascadeAttentionWrapper(1, kv_layout="NHD")
+    w2.begin_forward([qo_indptr], [pg.indptr], [pg.indices], [pg.last], 8, 2, 64, 16,
+                     causal=True)
+    ref.assert_same_bytes(w2.run(q, pg.cache), o, "o after begin_forward")
+    w2.end_forward()
 
 
 @needs_cascade

@@ -3,7 +3,7 @@
  * helpers every subcommand shares (option values, CPU facts).
  *
  *   kvcache info            library version, ISA, CPUs
- *   kvcache bench [TARGET]  micro-benchmarks (TARGET: pmx)
+ *   kvcache bench [TARGET]  micro-benchmarks (kvcache bench --help lists them)
  *
  * Exit status: 0 success, 1 the work failed, 2 bad command line.
  */
@@ -25,7 +25,8 @@ static const char usage_text[] =
     "  run              generate text with a GGUF model through the cache\n"
     "  bench-serve      continuous-batching throughput of a GGUF model\n"
     "  info             library version, ISA in use and supported, CPUs\n"
-    "  bench [TARGET]   micro-benchmarks; TARGET: pmx (default)\n"
+    "  bench [TARGET]   micro-benchmarks; TARGET: pmx (default), append, cache,\n"
+    "                   attention, prefill, mla, gemm, kernel\n"
     "  help [COMMAND]   this text, or the help of COMMAND\n"
     "  version          print the library version\n"
     "\n"
