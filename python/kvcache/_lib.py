@@ -551,7 +551,9 @@ def int64_array(x, name: str) -> np.ndarray:
         if arr.dtype.kind == "f" and arr.size == 0:
             arr = arr.astype(np.int64)
         else:
-            raise InvalidArgumentError(f"{name} must hold integers, got dtype {arr.dtype}")
+            raise InvalidArgumentError(f"{name} must hold integers"
+                                       f"{' within int64' if arr.dtype.kind == 'O' else ''}, "
+                                       f"got dtype {arr.dtype}")
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
         raise InvalidArgumentError(f"{name} has values beyond int64")
     if arr.ndim > KVC_MAX_DIMS:
@@ -569,7 +571,9 @@ def int32_array(x, name: str) -> np.ndarray:
         if arr.dtype.kind == "f" and arr.size == 0:
             arr = arr.astype(np.int32)
         else:
-            raise InvalidArgumentError(f"{name} must hold integers, got dtype {arr.dtype}")
+            raise InvalidArgumentError(f"{name} must hold integers"
+                                       f"{' within int64' if arr.dtype.kind == 'O' else ''}, "
+                                       f"got dtype {arr.dtype}")
     if arr.ndim > KVC_MAX_DIMS:
         raise InvalidArgumentError(f"{name}: {arr.ndim} dimensions, at most {KVC_MAX_DIMS}")
     if arr.dtype != np.int32 and arr.size:

@@ -204,6 +204,9 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz):
     """
     indptr = _lib.int32_array(append_indptr, "append_indptr")
     lens = _lib.int32_array(seq_lens, "seq_lens")
+    if indptr.ndim != 1 or indptr.size == 0:
+        raise InvalidArgumentError(f"get_batch_indices_positions: append_indptr must be 1-D "
+                                   f"(B+1), got shape {indptr.shape}")
     nnz_arr = _lib.scalar_int64(nnz, "nnz")
     n = int(nnz_arr)
     total = int(indptr[-1]) if indptr.ndim == 1 and indptr.size else 0
