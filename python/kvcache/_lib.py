@@ -406,15 +406,9 @@ class NoCopy:
 
     __slots__ = ()
 
-    def __reduce_ex__(self, protocol):
+    def __reduce_ex__(self, protocol):  # pickle, copy.copy and copy.deepcopy all use it
         raise TypeError(f"{type(self).__name__} owns a C object and cannot be copied or "
                         f"pickled; create another one instead")
-
-    def __copy__(self):
-        self.__reduce_ex__(2)
-
-    def __deepcopy__(self, memo):
-        self.__reduce_ex__(2)
 
 
 def dtype_str(dtype) -> str:

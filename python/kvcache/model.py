@@ -147,7 +147,7 @@ def _real(x, name: str) -> float:
 def _sampling(temperature, top_k, top_p, seed) -> SamplingParams:
     sp = SamplingParams()
     sp.temperature = _real(temperature, "temperature")
-    sp.top_k = _lib.int32_attr(_index(top_k, "top_k"), "top_k")
+    sp.top_k = _lib.int32_attr(top_k, "top_k")
     sp.top_p = _real(top_p, "top_p")
     sp.seed = _index(seed, "seed") & (2**64 - 1)
     return sp
@@ -325,15 +325,14 @@ class Engine(_lib.NoCopy):
         p = kvc_engine_default_params()
         p.n_threads = _threads(num_threads)
         p.kv_dtype = _kv_dtype(kv_dtype)[1]
-        p.quant_group = _lib.int32_attr(_index(quant_group, "quant_group"), "quant_group")
-        p.page_size = _lib.int32_attr(_index(page_size, "page_size"), "page_size")
+        p.quant_group = _lib.int32_attr(quant_group, "quant_group")
+        p.page_size = _lib.int32_attr(page_size, "page_size")
         cap = _index(kv_capacity_tokens, "kv_capacity_tokens")
         if not -(2**63) <= cap < 2**63:
             raise InvalidArgumentError(f"kv_capacity_tokens = {cap} does not fit in int64")
         p.kv_capacity_tokens = cap
-        p.max_step_tokens = _lib.int32_attr(_index(max_step_tokens, "max_step_tokens"),
-                                            "max_step_tokens")
-        p.max_running = _lib.int32_attr(_index(max_running, "max_running"), "max_running")
+        p.max_step_tokens = _lib.int32_attr(max_step_tokens, "max_step_tokens")
+        p.max_running = _lib.int32_attr(max_running, "max_running")
         p.enable_prefix_caching = 1 if enable_prefix_caching else 0
         h = _vp()
         _lib.check(kvc_engine_create(model._live(), ctypes.byref(p), ctypes.byref(h)))
@@ -363,7 +362,7 @@ class Engine(_lib.NoCopy):
     def add_request(self, prompt, max_new_tokens, *, temperature=0.0, top_k=0, top_p=1.0,
                     seed=0, ignore_eos=False) -> int:
         t = _lib.int32_array(prompt, "prompt").reshape(-1)
-        n_new = _lib.int32_attr(_index(max_new_tokens, "max_new_tokens"), "max_new_tokens")
+        n_new = _lib.int32_attr(max_new_tokens, "max_new_tokens")
         sp = _sampling(temperature, top_k, top_p, seed)
         rid = _i64()
         _lib.check(kvc_engine_add_request(self._live(), t.ctypes.data, t.size, n_new,

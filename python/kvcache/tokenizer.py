@@ -125,10 +125,7 @@ def _strings(items, name):
 
 
 def _id(value, name) -> int:
-    try:
-        return _lib.int32_attr(value, name)  # an int32 in C: refuse, never wrap
-    except InvalidArgumentError:
-        raise InvalidArgumentError(f"{name} must be an int32 integer, not {value!r}") from None
+    return _lib.int32_attr(value, name)  # an int32 in C: refuse, never wrap
 
 
 _MAKE = object()  # Tokenizer objects come from from_gguf / from_vocab / Model.tokenizer
