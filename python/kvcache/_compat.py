@@ -65,19 +65,14 @@ def scaled_params(params, head_dim: int, q_scale, k_scale):
     return p
 
 
-def _flag(x, name: str) -> None:
-    if not isinstance(x, (bool, np.bool_)):
-        raise InvalidArgumentError(f"{name} must be a bool, got {x!r}")
-
-
 def host_options(non_blocking=True, fixed_split_size=None, disable_split_kv=False) -> None:
     """FlashInfer plan() options about device copies and split-KV scheduling,
     checked and ignored: plan copies nothing to a device, and a request's
     split into chunks is a function of its own length alone (never of the
     batch or the thread count), so results are already deterministic and
     batch-invariant, which is what fixed_split_size asks for."""
-    _flag(non_blocking, "non_blocking")
-    _flag(disable_split_kv, "disable_split_kv")
+    _lib.flag(non_blocking, "non_blocking")
+    _lib.flag(disable_split_kv, "disable_split_kv")
     if fixed_split_size is not None and (isinstance(fixed_split_size, (bool, np.bool_)) or
                                          not isinstance(fixed_split_size, numbers.Integral)):
         raise InvalidArgumentError(f"fixed_split_size must be an int or None, got "
@@ -98,7 +93,7 @@ def run_options(planned_window: int, window_left=None, enable_pdl=None) -> None:
     window_left must be None or the planned value (FlashInfer's rule outside
     its trtllm-gen backend)."""
     if enable_pdl is not None:
-        _flag(enable_pdl, "enable_pdl")
+        _lib.flag(enable_pdl, "enable_pdl")
     if window_left is not None:
         if (isinstance(window_left, (bool, np.bool_)) or
                 not isinstance(window_left, numbers.Integral)):
@@ -192,6 +187,7 @@ class Outputs:
 
     def __init__(self, o_shape, o_dtype, lse_shape, return_lse, out=None, lse=None,
                  v_scale=None):
+        _lib.flag(return_lse, "return_lse")
         o_dtype = np.dtype(o_dtype)
         self.v_scale = v_scale
         self.out = None if out is None else _buffer(out, "out", o_shape, o_dtype)

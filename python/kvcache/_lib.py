@@ -373,6 +373,17 @@ _NUMPY_CODES = {
 
 FLOAT_CODES = (KVC_F32, KVC_F16, KVC_BF16)
 
+_CODE_NAMES = {KVC_F32: "float32", KVC_F16: "float16", KVC_BF16: "bfloat16", KVC_I8: "int8",
+               KVC_I4: "int4", KVC_FP8_E4M3: "float8_e4m3", KVC_I32: "int32", KVC_I64: "int64",
+               KVC_U8: "uint8"}
+
+
+def _accepted(allowed) -> str:
+    """' (accepted: float32, float16, bfloat16)' for an error message."""
+    if not allowed:
+        return ""
+    return " (accepted: " + ", ".join(_CODE_NAMES.get(c, str(c)) for c in allowed) + ")"
+
 
 def resolve_dtype(dtype) -> np.dtype:
     """numpy dtype from a numpy dtype/type or a name ("float32", "bfloat16", ...)."""
@@ -397,6 +408,15 @@ def dtype_code(dtype: np.dtype) -> int | None:
     if bf is not None and dtype == bf:
         return KVC_BF16
     return None
+
+
+def flag(x, name: str) -> bool:
+    """A boolean argument: True/False, numpy bools, or the integers 0 and 1 (as
+    C callers pass them); anything else (None, strings, 2) is refused rather than
+    read by its truthiness."""
+    if isinstance(x, (bool, np.bool_, int, np.integer)) and int(x) in (0, 1):
+        return bool(x)
+    raise InvalidArgumentError(f"{name} must be a bool, got {x!r}")
 
 
 class NoCopy:
@@ -497,7 +517,7 @@ def input_array(x, name: str, allowed=None) -> np.ndarray:
     arr = as_array(x, name)
     code = dtype_code(arr.dtype)
     if code is None or (allowed is not None and code not in allowed):
-        raise InvalidArgumentError(f"{name}: unsupported dtype {arr.dtype}")
+        raise InvalidArgumentError(f"{name}: unsupported dtype {arr.dtype}{_accepted(allowed)}")
     if arr.ndim > KVC_MAX_DIMS:
         raise InvalidArgumentError(f"{name}: {arr.ndim} dimensions, at most {KVC_MAX_DIMS}")
     if _element_strides(arr) is None or not arr.flags.aligned:

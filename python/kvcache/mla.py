@@ -132,8 +132,7 @@ class BatchMLAPagedAttentionWrapper(_lib.NoCopy):
         ints = [_lib.int32_attr(x, n) for x, n in (
             (num_heads, "num_heads"), (head_dim_ckv, "head_dim_ckv"),
             (head_dim_kpe, "head_dim_kpe"), (page_size, "page_size"))]
-        if not isinstance(causal, (bool, np.bool_, int, np.integer)) or int(causal) not in (0, 1):
-            raise InvalidArgumentError(f"causal must be a bool, got {causal!r}")
+        causal = _lib.flag(causal, "causal")
         if sm_scale is None:
             raise InvalidArgumentError("sm_scale is required for MLA (e.g. 1/sqrt(128 + 64))")
         scale = _number(sm_scale, "sm_scale", "and nonzero")
@@ -183,6 +182,8 @@ class BatchMLAPagedAttentionWrapper(_lib.NoCopy):
                 raise UnsupportedError(f"BatchMLAPagedAttentionWrapper.run: {n} is not "
                                        f"supported (the plan holds the page table)")
         info = self._info
+        return_lse = _lib.flag(return_lse, "return_lse")
+        _lib.flag(return_lse_base_on_e, "return_lse_base_on_e")
         qn = _lib.input_array(q_nope, "q_nope", _lib.FLOAT_CODES)
         qp = _lib.input_array(q_pe, "q_pe", _lib.FLOAT_CODES)
         ckv = _lib.input_array(ckv_cache, "ckv_cache", _lib.FLOAT_CODES)

@@ -291,9 +291,7 @@ def dynamic_multi_head_cache_attention(query, current_key, current_value, seqsta
                         ("num_kv_heads", num_kv_heads)):
         setattr(p, name, _lib.int32_attr(value, name))
     for name, value in (("is_causal", is_causal), ("is_alibi", is_alibi)):
-        if not isinstance(value, (bool, np.bool_, int, np.integer)) or int(value) not in (0, 1):
-            raise InvalidArgumentError(f"{name} must be a bool, got {value!r}")
-        setattr(p, name, int(value))
+        setattr(p, name, int(_lib.flag(value, name)))
 
     qa = _lib.input_array(query, "query", _Q_CODES)
     ck = _lib.input_array(current_key, "current_key", _T1_CODES)

@@ -113,9 +113,7 @@ kvc_prefill_run_ragged = _lib.optional_proto(
 
 
 def _causal_flag(causal) -> int:
-    if isinstance(causal, (bool, np.bool_, int, np.integer)) and int(causal) in (0, 1):
-        return int(causal)
-    raise InvalidArgumentError(f"causal must be a bool, got {causal!r}")
+    return int(_lib.flag(causal, "causal"))
 
 
 def _mask_arrays(custom_mask, packed_custom_mask):

@@ -235,3 +235,34 @@ def test_input_copied_only_when_needed():
     q, s = kvcache.quantize(m, 8, 8)
     q2, s2 = kvcache.quantize(np.ascontiguousarray(m), 8, 8)
     assert (q == q2).all() and (s == s2).all()
+
+
+def test_boolean_arguments_take_bools_and_0_1_only():
+    """Every boolean argument goes through one rule: bools, numpy bools and the
+    integers 0/1 are accepted; None, strings and other integers are refused
+    rather than read by their truthiness."""
+    for ok in (True, False, np.bool_(True), 0, 1, np.int32(1)):
+        assert _lib.flag(ok, "x") is bool(ok)
+    for bad in (None, "yes", 2, -1, 0.0, np.float32(1)):
+        with pytest.raises(kvcache.InvalidArgumentError, match="x must be a bool"):
+            _lib.flag(bad, "x")
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((4, 16)).astype(np.float32)
+    k = rng.standard_normal((5, 2, 16)).astype(np.float32)
+    o = kvcache.single_decode_with_kv_cache(q, k, k, return_lse=1)
+    assert isinstance(o, tuple) and len(o) == 2
+    with pytest.raises(kvcache.InvalidArgumentError, match="return_lse"):
+        kvcache.single_decode_with_kv_cache(q, k, k, return_lse="no")
+    qp = rng.standard_normal((3, 4, 16)).astype(np.float32)
+    o1 = kvcache.single_prefill_with_kv_cache(qp, k, k, causal=1)
+    o2 = kvcache.single_prefill_with_kv_cache(qp, k, k, causal=True)
+    np.testing.assert_array_equal(o1, o2)
+    with pytest.raises(kvcache.InvalidArgumentError, match="causal"):
+        kvcache.single_prefill_with_kv_cache(qp, k, k, causal=2)
+    w = kvcache.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
+    one = np.array([0, 1], np.int32)
+    w.plan(one, np.array([0], np.int32), np.array([5], np.int32), 4, 2, 16, 5,
+           non_blocking=1)
+    with pytest.raises(kvcache.InvalidArgumentError, match="non_blocking"):
+        w.plan(one, np.array([0], np.int32), np.array([5], np.int32), 4, 2, 16, 5,
+               non_blocking="yes")

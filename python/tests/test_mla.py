@@ -281,6 +281,9 @@ def test_run_errors_write_nothing(rng):
         with pytest.raises(kvcache.InvalidArgumentError):
             w.run(*args, out=out, lse=lse)
         assert np.all(out == 7.0) and np.all(lse == 7.0)
+    with pytest.raises(kvcache.InvalidArgumentError, match=r"uint8 \(accepted: float32, "
+                       r"float16, bfloat16\)"):
+        w.run(qn, qp, np.zeros(ckv.shape, np.uint8), kpe)
     with pytest.raises(kvcache.InvalidArgumentError):
         w.run(qn, qp, ckv, kpe, out=np.empty((2, 4, 16), F32))
     with pytest.raises(kvcache.InvalidArgumentError, match="float32"):
