@@ -4,6 +4,7 @@
  * them too. Numerical agreement with an independent numpy llama is tested in
  * Python (python/tests/test_model.py). */
 #define _POSIX_C_SOURCE 200809L /* mkstemp, fdopen */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -235,15 +236,18 @@ TEST(tiny_cache_equals_recompute) {
     return 0;
 }
 
-/* Runs every prompt through one engine; out[r] receives request r's tokens. */
+/* Runs every prompt through one engine, request r for max_new[r] tokens (at
+ * most 16); out[r] receives its tokens. */
 static int run_engine(const kvc_model *m, kvc_engine_params ep, int n_req, const int32_t *prompts,
-                      const int *lens, int max_new, int32_t out[][16], kvc_engine_stats *st) {
+                      const int *lens, const int *max_new, int32_t out[][16],
+                      kvc_engine_stats *st) {
     kvc_engine *e;
     if (kvc_engine_create(m, &ep, &e) != KVC_OK) return -1;
     int64_t ids[8];
     int got[8] = {0};
     for (int r = 0, off = 0; r < n_req; off += lens[r], r++)
-        if (kvc_engine_add_request(e, prompts + off, lens[r], max_new, NULL, 1, &ids[r]) != KVC_OK)
+        if (kvc_engine_add_request(e, prompts + off, lens[r], max_new[r], NULL, 1, &ids[r]) !=
+            KVC_OK)
             return -1;
     kvc_engine_event ev[8];
     while (kvc_engine_pending(e) > 0) {
@@ -255,7 +259,7 @@ static int run_engine(const kvc_model *m, kvc_engine_params ep, int n_req, const
                 if (ids[r] == ev[i].request_id && got[r] < 16) out[r][got[r]++] = ev[i].token;
     }
     for (int r = 0; r < n_req; r++)
-        if (got[r] != max_new) return -1;
+        if (got[r] != max_new[r]) return -1;
     if (st) kvc_engine_get_stats(e, st);
     kvc_engine_destroy(e);
     return 0;
@@ -274,14 +278,14 @@ TEST(tiny_engine_batched_equals_alone) {
             if (r == 3) t = (int32_t)((11 * i + 5) % 300);
             prompts[off++] = t;
         }
-    const int max_new = 6;
+    const int max_new[4] = {6, 6, 6, 6};
     int32_t alone[4][16] = {{0}}, together[4][16] = {{0}}, tight[4][16] = {{0}};
     kvc_engine_params ep = kvc_engine_default_params();
     ep.page_size = 4;
     ep.kv_capacity_tokens = 256;
     for (int r = 0, o = 0; r < 4; o += lens[r], r++) {
         int32_t one[1][16] = {{0}};
-        ASSERT_TRUE(run_engine(m, ep, 1, prompts + o, &lens[r], max_new, one, NULL) == 0);
+        ASSERT_TRUE(run_engine(m, ep, 1, prompts + o, &lens[r], &max_new[r], one, NULL) == 0);
         memcpy(alone[r], one[0], sizeof one[0]);
     }
     ep.max_step_tokens = 8; /* chunked prefill mixed with decode rows */
@@ -294,6 +298,115 @@ TEST(tiny_engine_batched_equals_alone) {
     ASSERT_TRUE(run_engine(m, ep, 4, prompts, lens, max_new, tight, &st) == 0);
     ASSERT_MEM_EQ(tight, alone, sizeof alone);
     ASSERT_TRUE(st.preemptions > 0);
+    kvc_model_destroy(m);
+    return 0;
+}
+
+/* A prompt chunk's reservation that preempts a request already in the step's
+ * batch and still does not fit: the batch must lose the preempted request
+ * (it used to be forwarded with its freed sequence: "unknown sequence").
+ * Generation lengths are fixed (ignore_eos), so the schedule does not depend
+ * on the model's tokens. */
+TEST(tiny_engine_preemption_inside_prompt_chunks) {
+    NEED_TINY(m);
+    int32_t prompts[92];
+    const int lens[5] = {27, 20, 1, 43, 1}, max_new[5] = {15, 5, 11, 1, 2};
+    for (int r = 0, off = 0; r < 5; off += lens[r], r++)
+        for (int i = 0; i < lens[r]; i++) prompts[off + i] = (int32_t)(3 + (i * 37) % 300);
+    kvc_engine_params ep = kvc_engine_default_params();
+    ep.kv_dtype = KVC_F32;
+    ep.enable_prefix_caching = 0;
+    int32_t alone[5][16] = {{0}}, tight[5][16] = {{0}};
+    for (int r = 0, o = 0; r < 5; o += lens[r], r++) {
+        int32_t one[1][16] = {{0}};
+        ASSERT_TRUE(run_engine(m, ep, 1, prompts + o, &lens[r], &max_new[r], one, NULL) == 0);
+        memcpy(alone[r], one[0], sizeof one[0]);
+    }
+    ep.page_size = 1;
+    ep.kv_capacity_tokens = 44;
+    ep.max_step_tokens = 5;
+    ep.max_running = 3;
+    kvc_engine_stats st;
+    ASSERT_TRUE(run_engine(m, ep, 5, prompts, lens, max_new, tight, &st) == 0);
+    ASSERT_MEM_EQ(tight, alone, sizeof alone);
+    ASSERT_TRUE(st.preemptions > 0);
+    kvc_model_destroy(m);
+    return 0;
+}
+
+/* The tiny model with output_norm.weight[0] = NaN, written to a temp file:
+ * every logit is NaN, so kvc_sample fails inside kvc_engine_step. */
+static kvc_model *nan_model(const char *tiny) {
+    FILE *f = fopen(tiny, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    unsigned char *buf = malloc((size_t)size);
+    kvc_model *m = NULL;
+    if (buf && fread(buf, 1, (size_t)size, f) == (size_t)size) {
+        kvc_gguf *g;
+        kvc_gguf_tensor t;
+        if (kvc_gguf_open_memory(buf, (size_t)size, &g) == KVC_OK) {
+            int64_t i = kvc_gguf_find_tensor(g, "output_norm.weight");
+            if (i >= 0 && kvc_gguf_get_tensor(g, i, &t) == KVC_OK && t.type == 0 /* F32 */) {
+                const size_t off = (size_t)((const unsigned char *)t.data - buf);
+                const float nan = NAN;
+                kvc_gguf_close(g);
+                g = NULL;
+                memcpy(buf + off, &nan, sizeof nan);
+                char path[] = "/tmp/kvc_test_nan_XXXXXX";
+                int fd = mkstemp(path);
+                FILE *o = fd >= 0 ? fdopen(fd, "wb") : NULL;
+                if (o) {
+                    int ok = fwrite(buf, 1, (size_t)size, o) == (size_t)size;
+                    if (fclose(o) == 0 && ok && kvc_model_load(path, NULL, &m) != KVC_OK) m = NULL;
+                }
+                if (fd >= 0) remove(path);
+            }
+            kvc_gguf_close(g);
+        }
+    }
+    free(buf);
+    fclose(f);
+    return m;
+}
+
+/* A step whose sampling fails (NaN logits) commits nothing: the request is
+ * neither advanced nor retired, the same step fails the same way again (it
+ * used to write before its batch arrays on the next step), and the request
+ * can still be cancelled with every page released. */
+TEST(tiny_engine_failed_step_changes_nothing) {
+    NEED_TINY(good);
+    kvc_model_destroy(good);
+    kvc_model *m = nan_model(getenv("KVC_TINY_GGUF"));
+    ASSERT_TRUE(m != NULL);
+    kvc_engine_params ep = kvc_engine_default_params();
+    ep.page_size = 4;
+    ep.kv_capacity_tokens = 64;
+    kvc_engine *e;
+    ASSERT_OK(kvc_engine_create(m, &ep, &e));
+    const int32_t p[6] = {5, 6, 7, 8, 9, 10};
+    int64_t id;
+    ASSERT_OK(kvc_engine_add_request(e, p, 6, 4, NULL, 0, &id));
+    kvc_engine_event ev[1];
+    int64_t ne = -1;
+    for (int k = 0; k < 3; k++) {
+        ASSERT_STATUS(kvc_engine_step(e, ev, 1, &ne), KVC_ERR_INVALID_ARG);
+        ASSERT_STR_CONTAINS(kvc_last_error(), "NaN");
+        ASSERT_STR_CONTAINS(kvc_last_error(), "request 0");
+        ASSERT_EQ_I64(ne, 0);
+        ASSERT_EQ_I64(kvc_engine_pending(e), 1);
+        ASSERT_OK(kvc_cache_check(kvc_engine_cache(e)));
+    }
+    kvc_engine_stats st;
+    ASSERT_OK(kvc_engine_get_stats(e, &st));
+    ASSERT_EQ_I64(st.decode_tokens, 0);
+    ASSERT_OK(kvc_engine_cancel(e, id));
+    kvc_cache_stats cs;
+    ASSERT_OK(kvc_cache_get_stats(kvc_engine_cache(e), &cs));
+    ASSERT_EQ_I64(cs.used_pages, 0);
+    kvc_engine_destroy(e);
     kvc_model_destroy(m);
     return 0;
 }
@@ -315,6 +428,12 @@ TEST(tiny_engine_errors_and_cancel) {
     kvc_sampling_params sp = kvc_sampling_default_params();
     sp.top_p = 2.0f;
     ASSERT_STATUS(kvc_engine_add_request(e, p, 4, 4, &sp, 0, &id), KVC_ERR_INVALID_ARG);
+    sp = kvc_sampling_default_params();
+    sp.temperature = INFINITY; /* kvc_sample refuses it: so must the request */
+    ASSERT_STATUS(kvc_engine_add_request(e, p, 4, 4, &sp, 0, &id), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "temperature inf");
+    /* no signed overflow in the capacity check, no read past the prompt */
+    ASSERT_STATUS(kvc_engine_add_request(e, p, INT64_MAX, 1, NULL, 0, &id), KVC_ERR_INVALID_ARG);
     ASSERT_EQ_I64(kvc_engine_pending(e), 0);
     ASSERT_OK(kvc_engine_add_request(e, p, 4, 4, NULL, 1, &id));
     ASSERT_OK(kvc_engine_add_request(e, p, 6, 4, NULL, 1, &id2));
@@ -368,6 +487,8 @@ const test_case test_suite[] = {
     TEST_ENTRY(tiny_info_and_eval),
     TEST_ENTRY(tiny_cache_equals_recompute),
     TEST_ENTRY(tiny_engine_batched_equals_alone),
+    TEST_ENTRY(tiny_engine_preemption_inside_prompt_chunks),
+    TEST_ENTRY(tiny_engine_failed_step_changes_nothing),
     TEST_ENTRY(tiny_engine_errors_and_cancel),
     {0, 0},
 };

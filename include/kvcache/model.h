@@ -178,7 +178,9 @@ typedef struct kvc_engine_event {
  * prefix cache) and it is requeued at the front, to be recomputed later.
  * Writes one event per token generated (at most cap; *n_events the count;
  * KVC_ERR_INVALID_ARG if cap < min(running + queued requests, max_running),
- * the most that can run this step).
+ * the most that can run this step). A step that fails commits nothing (no
+ * token, no event; preemptions aside): e.g. NaN logits from a broken model
+ * fail every step naming the request, which kvc_engine_cancel removes.
  */
 KVC_API kvc_status kvc_engine_step(kvc_engine *engine, kvc_engine_event *events, int64_t cap,
                                    int64_t *n_events);

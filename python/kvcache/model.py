@@ -149,7 +149,10 @@ def _sampling(temperature, top_k, top_p, seed) -> SamplingParams:
     sp.temperature = _real(temperature, "temperature")
     sp.top_k = _lib.int32_attr(top_k, "top_k")
     sp.top_p = _real(top_p, "top_p")
-    sp.seed = _index(seed, "seed") & (2**64 - 1)
+    s = _index(seed, "seed")
+    if not 0 <= s < 2**64:  # a uint64 in C: no silent wrap of -1 or 2**64
+        raise InvalidArgumentError(f"seed must be in [0, 2**64), got {s}")
+    sp.seed = s
     return sp
 
 

@@ -294,6 +294,11 @@ def test_sampling():
         assert kvcache.model.sample(lg, temperature=1.0, top_p=0.8, state=state) in (1, 3)
     with pytest.raises(kvcache.InvalidArgumentError):
         kvcache.model.sample(lg, temperature=-1.0)
+    # seeds are uint64: the full range is accepted, nothing outside it wraps
+    kvcache.model.sample(lg, temperature=1.0, seed=2**64 - 1)
+    for bad in (-1, 2**64):
+        with pytest.raises(kvcache.InvalidArgumentError, match="seed"):
+            kvcache.model.sample(lg, temperature=1.0, seed=bad)
 
 
 # ---- the default model (downloaded by scripts/fetch_model.sh; CI fetches it) ----

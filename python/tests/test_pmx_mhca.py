@@ -231,6 +231,46 @@ def test_mhca_fully_masked_rows_give_zeros(rng):
 
 
 @needs_mhca
+def test_mhca_huge_finite_mask_values_rank_keys(isa):
+    """Finite masks beyond FLT_MAX / log2(e) (~2.36e38; torch.finfo(float32).min
+    pads rows) are not -inf: a row masked by finfo.min everywhere attends like
+    float32 scores plus that mask do (uniformly, the scores being absorbed),
+    and +3e38 puts all the weight on its key. Only -inf hides a key."""
+    x = np.ones((1, 1, 8), F32)
+    v = np.array([[[1.0] * 8], [[2.0] * 8]], F32)  # V of keys 0 and 1 (key 1 is new)
+
+    def attend(mask):
+        cache = np.zeros((16, 1, 2, 1, 8), F32)
+        cache[0, 0, 1] = v[0]  # key 0 is in the cache at slot 0
+        cache[0, 0, 0] = x[0]
+        return mhca(x, x, v[1:], [0, 1], [0, 2], [0], [1], 0, 1, 2, cache, None,
+                    np.array([mask], F32), num_heads=1, head_dim=8)[0, 0, 0]
+
+    fmin = np.finfo(F32).min
+    assert attend([fmin, fmin]) == pytest.approx(1.5, abs=1e-6)
+    assert attend([-2.4e38, -2.4e38]) == pytest.approx(1.5, abs=1e-6)
+    assert attend([0.0, 3e38]) == pytest.approx(2.0, abs=1e-6)
+    assert attend([3e38, 0.0]) == pytest.approx(1.0, abs=1e-6)
+    assert attend([0.0, fmin]) == pytest.approx(1.0, abs=1e-6)
+    assert attend([-np.inf, -np.inf]) == 0.0
+
+
+@needs_mhca
+def test_mhca_lengths_the_store_refuses_allocate_nothing_large():
+    """kv lengths of 2^31 - 1 per batch that disagree with start_pos + seqlen
+    are an argument error, not an out-of-memory after sizing the page list
+    from them (64 GiB here)."""
+    B = 4
+    x = np.ones((B, 1, 8), F32)
+    cache = np.zeros((16, 1, 2, 1, 8), F32)
+    kvs = np.arange(B + 1, dtype=np.int64) * (2**31 - 1)
+    with pytest.raises(kvcache.InvalidArgumentError, match="start_pos"):
+        mhca(x, x, x, np.arange(B + 1), kvs, np.zeros((B, 1), np.int64), np.zeros(B, np.int64),
+             0, 1, 2**31, cache, num_heads=1, head_dim=8, cache_mode=1, page_size=1)
+    assert not cache.any()
+
+
+@needs_mhca
 def test_mhca_empty_sequences_and_strided_cache(rng):
     """Batches with no new token (S_b = 0: nothing stored, no output row)
     and a cache that is a strided view of a larger buffer."""

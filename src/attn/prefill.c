@@ -15,6 +15,7 @@
  *   out = Ot / l, lse = m + log2 l         (0 / -inf for rows with no key)
  */
 #define _POSIX_C_SOURCE 200809L /* sysconf */
+#include <float.h>
 #include <math.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -213,8 +214,13 @@ static void fill_bias(const pf_ctx *c, int64_t r, int64_t i0, int64_t ng, int64_
             }
         } else {
             const int64_t e0 = hq * mk->add_sh + (mk->row0[r] + i) * mk->add_sr + mk->col0[r] + ja;
-            for (int64_t t = 0; t < n; t++)
-                bias[t * Mp + m] = load_elem(mk->add, mk->add_dt, e0 + t) * LOG2E;
+            for (int64_t t = 0; t < n; t++) {
+                /* finite masks past FLT_MAX / log2(e) (torch.finfo(float32).min
+                 * pads rows) stay finite: as float32 scores plus such a mask
+                 * they rank keys, they do not hide them like -inf */
+                const float a = load_elem(mk->add, mk->add_dt, e0 + t), v = a * LOG2E;
+                bias[t * Mp + m] = isinf(v) && !isinf(a) ? copysignf(FLT_MAX, a) : v;
+            }
         }
     }
     for (int64_t m = M; m < Mp; m++)

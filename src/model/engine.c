@@ -19,9 +19,13 @@
  * a request preempted after reserving in the step is rolled back first
  * (drop_seq, kvc_cache_rollback).
  * The row at a request's last token gives logits, sampled into a new token.
+ * A step that fails (forward or sampling) commits nothing: every request of
+ * its batch is rolled back to its computed tokens and will redo the rows.
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, isatty */
 
+#include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -60,6 +64,8 @@ struct kvc_engine {
     req **b_req;
     int32_t *b_tok;
     uint8_t *b_want;
+    int32_t *b_new;  /* sampled token per batch entry, committed once all are drawn */
+    uint64_t *b_rng; /* the entry's generator state after its draw */
     float *logits;
     int64_t cap_b, cap_rows;
 };
@@ -103,6 +109,8 @@ void kvc_engine_destroy(kvc_engine *e) {
     free(e->b_req);
     free(e->b_tok);
     free(e->b_want);
+    free(e->b_new);
+    free(e->b_rng);
     free(e->logits);
     kvc_model_ctx_destroy(e->ctx);
     kvc_cache_destroy(e->cache);
@@ -175,15 +183,18 @@ kvc_status kvc_engine_add_request(kvc_engine *e, const int32_t *prompt, int64_t 
     KVC_CHECK(n_prompt >= 1, "%s: the prompt needs at least one token", fn);
     KVC_CHECK(max_new_tokens >= 1, "%s: max_new_tokens %d must be >= 1", fn, (int)max_new_tokens);
     const int64_t cap = kvc_cache_capacity_tokens(e->cache);
-    KVC_CHECK(n_prompt + max_new_tokens <= cap,
+    KVC_CHECK(n_prompt <= cap - max_new_tokens,
               "%s: prompt (%lld) + max_new_tokens (%d) exceeds the cache capacity of %lld tokens",
               fn, (long long)n_prompt, (int)max_new_tokens, (long long)cap);
     for (int64_t i = 0; i < n_prompt; i++)
         KVC_CHECK(prompt[i] >= 0 && prompt[i] < e->n_vocab, "%s: token %d at %lld outside "
                   "[0, %d)", fn, (int)prompt[i], (long long)i, (int)e->n_vocab);
     kvc_sampling_params sp = sampling ? *sampling : kvc_sampling_default_params();
-    KVC_CHECK(sp.temperature >= 0.0f && sp.top_k >= 0 && sp.top_p > 0.0f && sp.top_p <= 1.0f,
-              "%s: bad sampling parameters (temperature >= 0, top_k >= 0, 0 < top_p <= 1)", fn);
+    KVC_CHECK(isfinite(sp.temperature) && sp.temperature >= 0.0f && sp.top_k >= 0 &&
+                  sp.top_p > 0.0f && sp.top_p <= 1.0f,
+              "%s: bad sampling parameters (temperature %g, top_k %d, top_p %g: need a finite "
+              "temperature >= 0, top_k >= 0, 0 < top_p <= 1)", fn, (double)sp.temperature,
+              (int)sp.top_k, (double)sp.top_p);
     req *r = calloc(1, sizeof *r);
     if (!r) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
     r->cap = n_prompt + max_new_tokens;
@@ -300,7 +311,11 @@ static kvc_status ensure_batch(kvc_engine *e, int64_t nb, int64_t rows) {
         if (f) e->b_req = f;
         void *g = realloc(e->logits, (size_t)c * (size_t)e->n_vocab * sizeof(float));
         if (g) e->logits = g;
-        if (!a || !b || !d || !f || !g || !h)
+        void *t = realloc(e->b_new, (size_t)c * sizeof(int32_t));
+        if (t) e->b_new = t;
+        void *u = realloc(e->b_rng, (size_t)c * sizeof(uint64_t));
+        if (u) e->b_rng = u;
+        if (!a || !b || !d || !f || !g || !h || !t || !u)
             return kvc__error(KVC_ERR_NOMEM, "kvc_engine_step: out of memory");
         e->cap_b = c;
     }
@@ -313,6 +328,47 @@ static kvc_status ensure_batch(kvc_engine *e, int64_t nb, int64_t rows) {
         e->cap_rows = rows;
     }
     return KVC_OK;
+}
+
+/* A step that fails after reserving: the batch's slots past their computed
+ * tokens go (their pages must not stay findable without K/V), so every
+ * request is as before the step but for preemptions, and the next step
+ * redoes the rows. Returns st; the error message stays the one that failed. */
+static kvc_status fail_step(kvc_engine *e, int64_t nb, kvc_status st) {
+    for (int64_t b = 0; b < nb; b++) {
+        req *r = e->b_req[b];
+        if (r->seq >= 0 && r->n_resv > r->n_done &&
+            kvc_cache_rollback(e->cache, r->seq, r->n_done) == KVC_OK)
+            r->n_resv = r->n_done;
+    }
+    return st;
+}
+
+/* Drops the batch entries of requests that are no longer running (preempted
+ * by a reservation), giving their rows back to the budget. */
+static void compact_batch(kvc_engine *e, int64_t *nb, int64_t *rows, int64_t *budget) {
+    int64_t keep = 0, krows = 0, off = 0;
+    for (int64_t b = 0; b < *nb; b++) {
+        int alive = 0;
+        for (int64_t j = 0; j < e->n_run; j++) alive |= e->run[j] == e->b_req[b];
+        if (alive) {
+            if (keep != b) {
+                e->b_req[keep] = e->b_req[b];
+                e->b_seq[keep] = e->b_seq[b];
+                e->b_pos0[keep] = e->b_pos0[b];
+                e->b_n[keep] = e->b_n[b];
+                memmove(e->b_tok + krows, e->b_tok + off, (size_t)e->b_n[b] * sizeof(int32_t));
+                memmove(e->b_want + krows, e->b_want + off, (size_t)e->b_n[b]);
+            }
+            keep++;
+            krows += e->b_n[b];
+        } else {
+            *budget += e->b_n[b];
+        }
+        off += e->b_n[b];
+    }
+    *nb = keep;
+    *rows = krows;
 }
 
 kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
@@ -349,7 +405,7 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
             i = -1, nb = 0, rows = 0, n_decode = 0, budget = e->p.max_step_tokens;
             continue;
         }
-        if (st != KVC_OK) return st;
+        if (st != KVC_OK) return fail_step(e, nb, st);
         if (e->n_run != before) { /* someone was preempted: rebuild the batch */
             i = -1, nb = 0, rows = 0, n_decode = 0, budget = e->p.max_step_tokens;
             continue;
@@ -372,35 +428,15 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
         int64_t chunk = r->n_tok - r->n_done;
         if (chunk > budget) chunk = budget;
         st = reserve(e, r, r->n_done + chunk);
+        /* preemption may have removed requests already in the batch, even
+         * when r still did not fit */
+        compact_batch(e, &nb, &rows, &budget);
         if (st == KVC_ERR_NO_SPACE) {
             kvc_clear_error();
             st = KVC_OK;
             break;
         }
-        if (st != KVC_OK) return st;
-        /* preemption may have removed requests already in the batch */
-        int64_t keep = 0, krows = 0, off = 0;
-        for (int64_t b = 0; b < nb; b++) {
-            int alive = 0;
-            for (int64_t j = 0; j < e->n_run; j++) alive |= e->run[j] == e->b_req[b];
-            if (alive) {
-                if (keep != b) {
-                    e->b_req[keep] = e->b_req[b];
-                    e->b_seq[keep] = e->b_seq[b];
-                    e->b_pos0[keep] = e->b_pos0[b];
-                    e->b_n[keep] = e->b_n[b];
-                    memmove(e->b_tok + krows, e->b_tok + off, (size_t)e->b_n[b] * sizeof(int32_t));
-                    memmove(e->b_want + krows, e->b_want + off, (size_t)e->b_n[b]);
-                }
-                keep++;
-                krows += e->b_n[b];
-            } else {
-                budget += e->b_n[b];
-            }
-            off += e->b_n[b];
-        }
-        nb = keep;
-        rows = krows;
+        if (st != KVC_OK) return fail_step(e, nb, st);
         /* find r's index again (the run array may have shifted) */
         for (i = 0; i < e->n_run && e->run[i] != r; i++) {}
         e->b_req[nb] = r;
@@ -416,7 +452,10 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
     while (budget > 0 && e->n_wait > 0 && e->n_run < e->p.max_running) {
         req *r = e->wait[0];
         int64_t hit = 0;
-        if (e->p.enable_prefix_caching) KVC_TRY(kvc_cache_lookup_prefix(e->cache, r->tok, r->n_tok, 0, &hit));
+        if (e->p.enable_prefix_caching) {
+            st = kvc_cache_lookup_prefix(e->cache, r->tok, r->n_tok, 0, &hit);
+            if (st != KVC_OK) return fail_step(e, nb, st);
+        }
         int64_t chunk = r->n_tok - hit;
         if (chunk > budget) chunk = budget;
         int64_t n_cached = 0;
@@ -428,10 +467,10 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
             st = KVC_OK;
             break;
         }
-        if (st != KVC_OK) return st;
+        if (st != KVC_OK) return fail_step(e, nb, st);
         if (!push(&e->run, &e->n_run, &e->cap_run, r, 0)) {
             kvc_cache_free_sequence(e->cache, seq);
-            return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+            return fail_step(e, nb, kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn));
         }
         remove_at(e->wait, &e->n_wait, 0);
         r->seq = seq;
@@ -465,9 +504,25 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
     for (int64_t b = 0; b < nb; b++) e->b_dec[b] = e->b_req[b]->n_prompt;
     st = kvc_model_forward(e->ctx, e->cache, (int32_t)nb, e->b_seq, e->b_pos0, e->b_n, e->b_dec,
                            e->b_tok, e->b_want, e->logits);
-    if (st != KVC_OK) return st;
-    /* 5. sample, emit, retire */
-    int64_t li = 0, ne = 0, row = 0;
+    if (st != KVC_OK) return fail_step(e, nb, st);
+    /* 5. sample (all draws before any commit: a failed draw, e.g. NaN
+     * logits, leaves every request as it was), then emit and retire */
+    for (int64_t b = 0, li = 0, row = 0; b < nb; b++) {
+        req *r = e->b_req[b];
+        row += e->b_n[b];
+        if (!e->b_want[row - 1]) continue;
+        e->b_rng[b] = r->rng;
+        st = kvc_sample(e->logits + li * e->n_vocab, e->n_vocab, &r->sp, &e->b_rng[b],
+                        &e->b_new[b]);
+        if (st != KVC_OK) {
+            char msg[256];
+            snprintf(msg, sizeof msg, "%s", kvc_last_error());
+            return fail_step(e, nb, kvc__error(st, "%s: request %lld: %s", fn, (long long)r->id,
+                                               msg));
+        }
+        li++;
+    }
+    int64_t ne = 0, row = 0;
     for (int64_t b = 0; b < nb; b++) {
         req *r = e->b_req[b];
         const int want = e->b_want[row + e->b_n[b] - 1];
@@ -475,9 +530,8 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
         if (r->n_gen == 0 || r->n_done != r->n_tok - 1) e->st.prefill_tokens += e->b_n[b];
         r->n_done += e->b_n[b];
         if (!want) continue;
-        int32_t t;
-        KVC_TRY(kvc_sample(e->logits + li * e->n_vocab, e->n_vocab, &r->sp, &r->rng, &t));
-        li++;
+        const int32_t t = e->b_new[b];
+        r->rng = e->b_rng[b];
         r->tok[r->n_tok++] = t;
         r->n_gen++;
         e->st.decode_tokens++;

@@ -21,6 +21,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include "gemm.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -212,14 +213,21 @@ void kvc__gemm_quantize_x(const float *x, int64_t cols, int L, int bits, void *x
         const int bi = (int)(b % G), j = bi / L, k = bi % L, p = 4 * k + j;
         const float *xb = x + b * KVC_GEMM_QK;
         float amax = 0.0f;
+        int bad = 0;
         for (int e = 0; e < KVC_GEMM_QK; e++) {
             const float a = fabsf(xb[e]); /* andps: a sign branch would mispredict */
             amax = a > amax ? a : amax;
+            bad |= !(a <= FLT_MAX);
         }
         int32_t q[KVC_GEMM_QK] = {0};
         float d = 0.0f;
         int32_t qsum = 0;
-        if (amax >= 0x1p-120f) {
+        if (bad) {
+            /* NaN/Inf activations (a broken model): a NaN scale makes the
+             * products NaN, as a float product would, instead of converting
+             * NaN to an integer (undefined) and computing on garbage */
+            d = NAN;
+        } else if (amax >= 0x1p-120f) {
             d = amax / qmax;
             const float id = qmax / amax;
             for (int e = 0; e < KVC_GEMM_QK; e++) {

@@ -104,6 +104,16 @@ kvc_status kvc_pmx_dynamic_multi_head_cache_attention(
     KVC_CHECK(kvstarts->shape[0] == B + 1, "%s: kvstarts must have B+1 = %lld entries", fn,
               (long long)(B + 1));
     const int64_t nq = i64_1d(seqstarts, B), nkv = i64_1d(kvstarts, B);
+    /* shapes under the operator's own names first (the shared check says q/out) */
+    KVC_TRY(kvc__check_tensor(query, "query", 1));
+    KVC_TRY(kvc__check_tensor(attn_output, "attn_output", 1));
+    for (int i = 0; i < 2; i++) {
+        const kvc_tensor *t = i ? attn_output : query;
+        KVC_CHECK(t->ndim == 3 && t->shape[0] == nq && t->shape[1] == Hq && t->shape[2] == D,
+                  "%s: %s %s must be (seqstarts[B]=%lld, num_heads=%lld, head_dim=%lld)", fn,
+                  i ? "attn_output" : "query", kvc__shape_str(t, b1, sizeof b1), (long long)nq,
+                  (long long)Hq, (long long)D);
+    }
     KVC_TRY(kvc__pf_check_io(fn, query, attn_output, NULL, nq, Hq, D));
     KVC_CHECK(attn_output->dtype == query->dtype, "%s: attn_output must have query's dtype %s, "
               "not %s", fn, kvc_dtype_name(query->dtype), kvc_dtype_name(attn_output->dtype));
@@ -127,14 +137,21 @@ kvc_status kvc_pmx_dynamic_multi_head_cache_attention(
         KVC_CHECK(i64_1d(kvstarts, b + 1) - i64_1d(kvstarts, b) <= INT32_MAX,
                   "%s: batch %lld is too long", fn, (long long)b);
 
-    /* Everything the attention needs, allocated before the store. */
+    /* Everything the attention needs, allocated before the store. A batch
+     * uses at most cachestarts' MaxP pages (more fails the store's checks),
+     * so lengths the store will refuse cannot ask for a huge buffer. */
     const int mode = params->kv.cache_mode;
     const int64_t ps = params->kv.page_size;
+    const int64_t max_p = cachestarts && cachestarts->ndim == 2 ? cachestarts->shape[1] : 0;
     int64_t n_pages = 0, maxkv = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t kl = i64_1d(kvstarts, b + 1) - i64_1d(kvstarts, b);
-        n_pages += mode == 0 ? 1 : (kl + ps - 1) / ps;
+        const int64_t np_b = (kl + ps - 1) / ps;
+        n_pages += mode == 0 ? 1 : np_b < max_p ? np_b : max_p;
         if (kl > maxkv) maxkv = kl;
+        if (n_pages > ((int64_t)1 << 40))
+            return kvc__error(KVC_ERR_NOMEM, "%s: %lld pages: out of memory", fn,
+                              (long long)n_pages);
     }
     const size_t nb = (size_t)(B > 0 ? B : 1);
     int64_t *buf = malloc((7 * nb + 1 + (size_t)n_pages + 1) * sizeof(int64_t));

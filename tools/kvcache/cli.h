@@ -52,6 +52,13 @@ int cli_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out);
 /* Parses a positive decimal number (e.g. "0.3") in (0, hi]; 0 or -1. */
 int cli_parse_seconds(const char *s, double hi, double *out);
 
+/* A whole decimal number (strtod syntax, nothing after it, not empty, not
+ * NaN, finite) into *out; -1 if s is not one. Range checks are the caller's. */
+int cli_parse_f64(const char *s, double *out);
+
+/* A whole non-negative decimal integer up to UINT64_MAX; -1 otherwise. */
+int cli_parse_u64(const char *s, uint64_t *out);
+
 /* Number of online CPUs (>= 1). */
 int cli_online_cpus(void);
 

@@ -30,7 +30,8 @@ static const char serve_usage[] =
     "                       copies); default: a different random prompt each\n"
     "  --step-tokens N      token rows per engine step (default 512)\n"
     "  -t, --threads N      threads (default 2)\n"
-    "  --quick              prompt 64, gen 8, batch 1,4, f16: a smoke test\n"
+    "  --quick              prompt 64, gen 8, batch 1,4, f16: a smoke test (options\n"
+    "                       given explicitly keep their values)\n"
     "  --json               one JSON object per line\n"
     "  -h, --help           this text\n"
     "\n"
@@ -39,19 +40,30 @@ static const char serve_usage[] =
     "context then spans prompt-len .. prompt-len + gen); KV B/token: cache bytes per\n"
     "token slot over all layers (K, V and scales).\n";
 
-static int parse_list(const char *s, int64_t *out, int max, int64_t hi) {
+/* Splits a comma-separated list into items of fewer than 32 characters:
+ * calls item(buf, i, ctx) for each; -1 for an empty list or item (",", "1,")
+ * or more than max items or an item refused, else the count. */
+static int split_list(const char *s, int max, int (*item)(const char *, int, void *), void *ctx) {
     int n = 0;
-    while (*s) {
+    for (;;) {
         char buf[32];
         size_t len = strcspn(s, ",");
         if (len == 0 || len >= sizeof buf || n == max) return -1;
         memcpy(buf, s, len);
         buf[len] = '\0';
-        if (cli_parse_i64(buf, 1, hi, &out[n++])) return -1;
+        if (item(buf, n++, ctx)) return -1;
         s += len;
-        if (*s == ',') s++;
+        if (*s == '\0') return n;
+        s++; /* the comma: an item must follow */
     }
-    return n;
+}
+
+static int batch_item(const char *s, int i, void *out) {
+    return cli_parse_i64(s, 1, 1024, (int64_t *)out + i);
+}
+
+static int dtype_item(const char *s, int i, void *out) {
+    return cli_parse_kv_dtype(s, (int *)out + i);
 }
 
 int cmd_bench_serve(int argc, char **argv) {
@@ -59,6 +71,7 @@ int cmd_bench_serve(int argc, char **argv) {
     const char *model_path = cli_default_model();
     int64_t batches[16] = {1, 16}, prompt_len = 2048, gen = 32, threads = 2, step_tokens = 512;
     int n_batches = 2, n_dtypes = 2, shared = 0, quick = 0, json = 0;
+    int set_batch = 0, set_prompt = 0, set_gen = 0, set_dtype = 0; /* win over --quick */
     int dtypes[8] = {KVC_F16, KVC_I8};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -84,14 +97,19 @@ int cmd_bench_serve(int argc, char **argv) {
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
             model_path = v;
         } else if (!strcmp(a, "--batch")) {
-            n_batches = parse_list(v, batches, 16, 1024);
-            if (n_batches <= 0) return cli_usage_error(cmd, "--batch: bad list '%s'", v);
+            n_batches = split_list(v, 16, batch_item, batches);
+            if (n_batches <= 0)
+                return cli_usage_error(cmd, "--batch: expected up to 16 integers in [1, 1024], "
+                                       "comma-separated, got '%s'", v);
+            set_batch = 1;
         } else if (!strcmp(a, "--prompt-len")) {
             if (cli_parse_i64(v, 1, 1 << 20, &prompt_len))
                 return cli_usage_error(cmd, "--prompt-len: bad value '%s'", v);
+            set_prompt = 1;
         } else if (!strcmp(a, "--gen")) {
             if (cli_parse_i64(v, 1, 1 << 20, &gen))
                 return cli_usage_error(cmd, "--gen: bad value '%s'", v);
+            set_gen = 1;
         } else if (!strcmp(a, "--step-tokens")) {
             if (cli_parse_i64(v, 1, 1 << 20, &step_tokens))
                 return cli_usage_error(cmd, "--step-tokens: bad value '%s'", v);
@@ -99,31 +117,27 @@ int cmd_bench_serve(int argc, char **argv) {
             if (cli_parse_i64(v, 1, 256, &threads))
                 return cli_usage_error(cmd, "-t: bad value '%s'", v);
         } else if (!strcmp(a, "--kv-dtype")) {
-            n_dtypes = 0;
-            for (const char *p = v; *p;) {
-                char buf[16];
-                size_t len = strcspn(p, ",");
-                if (len == 0 || len >= sizeof buf || n_dtypes == 8)
-                    return cli_usage_error(cmd, "--kv-dtype: bad list '%s'", v);
-                memcpy(buf, p, len);
-                buf[len] = '\0';
-                if (cli_parse_kv_dtype(buf, &dtypes[n_dtypes++]))
-                    return cli_usage_error(cmd, "--kv-dtype: unknown type '%s'", buf);
-                p += len;
-                if (*p == ',') p++;
-            }
+            n_dtypes = split_list(v, 8, dtype_item, dtypes);
+            if (n_dtypes <= 0)
+                return cli_usage_error(cmd, "--kv-dtype: expected up to 8 of f32, f16, bf16, "
+                                       "int8, int4, comma-separated, got '%s'", v);
+            set_dtype = 1;
         } else {
             return cli_usage_error(cmd, "unexpected argument '%s'", a);
         }
     }
     if (quick) {
-        prompt_len = 64;
-        gen = 8;
-        batches[0] = 1;
-        batches[1] = 4;
-        n_batches = 2;
-        dtypes[0] = KVC_F16;
-        n_dtypes = 1;
+        if (!set_prompt) prompt_len = 64;
+        if (!set_gen) gen = 8;
+        if (!set_batch) {
+            batches[0] = 1;
+            batches[1] = 4;
+            n_batches = 2;
+        }
+        if (!set_dtype) {
+            dtypes[0] = KVC_F16;
+            n_dtypes = 1;
+        }
     }
     const int tty = isatty(2);
     kvc_model_params mp = kvc_model_default_params();
@@ -135,6 +149,12 @@ int cmd_bench_serve(int argc, char **argv) {
     }
     kvc_model_info info;
     kvc_model_get_info(model, &info);
+    if (prompt_len + gen > info.n_ctx_train) { /* as `kvcache run` refuses such prompts */
+        kvc_model_destroy(model);
+        return cli_usage_error(cmd, "--prompt-len %lld + --gen %lld exceed the model's trained "
+                               "context of %d tokens", (long long)prompt_len, (long long)gen,
+                               (int)info.n_ctx_train);
+    }
     char cpu[128];
     if (!json) {
         printf("# model: %s (%s), %d layers, %d heads / %d kv heads, head dim %d\n", model_path,

@@ -48,7 +48,8 @@ int cmd_run(int argc, char **argv) {
     const char *cmd = "run";
     const char *model_path = cli_default_model(), *prompt = NULL, *system = NULL;
     int chat = 0, quiet = 0, ignore_eos = 0, kv_dtype = KVC_F16;
-    int64_t n_predict = 128, threads = cli_online_cpus(), seed = 0, top_k = 40;
+    int64_t n_predict = 128, threads = cli_online_cpus(), top_k = 40;
+    uint64_t seed = 0;
     double temp = 0.0, top_p = 0.95;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -87,23 +88,21 @@ int cmd_run(int argc, char **argv) {
                 return cli_usage_error(cmd, "-t: expected an integer in [1, 256], got '%s'", v);
         } else if (!strcmp(a, "--seed")) {
             NEED_VALUE();
-            if (cli_parse_i64(v, 0, INT64_MAX, &seed))
-                return cli_usage_error(cmd, "--seed: expected a non-negative integer, got '%s'", v);
+            if (cli_parse_u64(v, &seed))
+                return cli_usage_error(cmd, "--seed: expected an integer in [0, 2^64), got '%s'",
+                                       v);
         } else if (!strcmp(a, "--top-k")) {
             NEED_VALUE();
             if (cli_parse_i64(v, 0, 1 << 30, &top_k))
                 return cli_usage_error(cmd, "--top-k: expected an integer >= 0, got '%s'", v);
         } else if (!strcmp(a, "--temp")) {
             NEED_VALUE();
-            char *end;
-            temp = strtod(v, &end);
-            if (*end || !(temp >= 0 && temp <= 100))
+            if (cli_parse_f64(v, &temp) || !(temp >= 0 && temp <= 100))
                 return cli_usage_error(cmd, "--temp: expected a number in [0, 100], got '%s'", v);
         } else if (!strcmp(a, "--top-p")) {
             NEED_VALUE();
-            char *end;
-            top_p = strtod(v, &end);
-            if (*end || !(top_p > 0 && top_p <= 1))
+            /* > 0 as the float the sampler gets, not only as a double */
+            if (cli_parse_f64(v, &top_p) || !((float)top_p > 0 && top_p <= 1))
                 return cli_usage_error(cmd, "--top-p: expected a number in (0, 1], got '%s'", v);
         } else if (!strcmp(a, "--kv-dtype")) {
             NEED_VALUE();
@@ -183,7 +182,7 @@ int cmd_run(int argc, char **argv) {
     sp.temperature = (float)temp;
     sp.top_k = (int32_t)top_k;
     sp.top_p = (float)top_p;
-    sp.seed = (uint64_t)seed;
+    sp.seed = seed;
     int64_t rid;
     if (kvc_engine_add_request(eng, ids, n_ids, (int32_t)n_predict, &sp, ignore_eos, &rid) !=
         KVC_OK)

@@ -9,6 +9,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -70,6 +71,27 @@ int cli_parse_seconds(const char *s, double hi, double *out) {
     if (errno != 0 || end == s || *end != '\0') return -1;
     if (!(v > 0.0) || !(v <= hi)) return -1; /* also rejects NaN */
     *out = v;
+    return 0;
+}
+
+int cli_parse_f64(const char *s, double *out) {
+    if (s == NULL || *s == '\0') return -1;
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno != 0 || end == s || *end != '\0' || !isfinite(v)) return -1;
+    *out = v;
+    return 0;
+}
+
+int cli_parse_u64(const char *s, uint64_t *out) {
+    /* strtoull accepts "-1" (as UINT64_MAX) and leading spaces: digits only */
+    if (s == NULL || *s < '0' || *s > '9') return -1;
+    char *end = NULL;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno != 0 || *end != '\0') return -1;
+    *out = (uint64_t)v;
     return 0;
 }
 
