@@ -118,7 +118,8 @@ KVC_API kvc_status kvc_pmx_dynamic_key_value_cache(
  *   attn_mask      NULL or an additive float32/float16 mask, (Sum seq,
  *                  >= Sum kv) or (num_heads, Sum seq, >= Sum kv); batch b
  *                  uses [.., seqstarts[b]:seqstarts[b+1],
- *                  kvstarts[b]:kvstarts[b+1]] (-inf masks a key)
+ *                  kvstarts[b]:kvstarts[b+1]] (-inf masks a key; finite
+ *                  values, -FLT_MAX padding included, only rank keys)
  *   attn_output    (seqstarts[B], num_heads, Dh), dtype of query
  * Everything (attention inputs included) is validated before the store: a
  * failed call changes neither cache, scale nor attn_output. int8/int4
