@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the build into a temporary prefix and builds a consumer with
-# pkg-config, statically and dynamically: the install rules and kvcache.pc work.
+# pkg-config and with CMake's find_package, statically and dynamically: the
+# install rules, kvcache.pc and the CMake package config work.
 set -euo pipefail
 build=$1; src=$2
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -24,4 +25,24 @@ cc -std=c11 "$tmp/use.c" -o "$tmp/use_static" $(PKG_CONFIG_PATH="$pcdir" pkg-con
     "$libdir/libkvcache.a" -lpthread -lm
 "$tmp/use_static"
 test -x "$tmp/prefix/bin/kvcache"
+# find_package(kvcache): a CMake consumer of each imported target
+if command -v cmake >/dev/null; then
+    mkdir "$tmp/cm"
+    cp "$tmp/use.c" "$tmp/cm/use.c"
+    cat > "$tmp/cm/CMakeLists.txt" <<'CM'
+cmake_minimum_required(VERSION 3.20)
+project(use_kvcache C)
+find_package(kvcache 0.1 REQUIRED)
+add_executable(use_shared use.c)
+target_link_libraries(use_shared PRIVATE kvcache::kvcache)
+add_executable(use_static use.c)
+target_link_libraries(use_static PRIVATE kvcache::kvcache_static)
+CM
+    # the consumer is a plain build: no sanitizer flags from the environment
+    env -u CFLAGS -u LDFLAGS cmake -S "$tmp/cm" -B "$tmp/cm/build" \
+        -DCMAKE_PREFIX_PATH="$tmp/prefix" -DCMAKE_BUILD_RPATH="$libdir" >/dev/null
+    cmake --build "$tmp/cm/build" >/dev/null
+    "$tmp/cm/build/use_shared"
+    "$tmp/cm/build/use_static"
+fi
 echo "install: 1 passed, 0 failed"

@@ -4,6 +4,7 @@
  * single and paged, all storage dtypes, GQA ratios, odd head dims, chunk
  * boundaries, soft cap, window, lse, rejected inputs.
  */
+#include <pthread.h>
 #include <stdlib.h>
 
 #include "test_elems.h"
@@ -845,6 +846,45 @@ TEST(paged_ragged) {
     return 0;
 }
 
+/* core.h promises decode runs in 256 KiB of stack (the per-task state lives
+ * there): the float path (float16, the largest head dim) and the AMX/int8
+ * path, multi-chunk requests, on a thread created with exactly that stack.
+ * Sanitizer builds grow every frame, so they get 8x as much. */
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define SMALL_STACK_KIB 2048
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define SMALL_STACK_KIB 2048
+#endif
+#endif
+#ifndef SMALL_STACK_KIB
+#define SMALL_STACK_KIB 256
+#endif
+
+static void *small_stack_decode(void *arg) {
+    int *rc = arg;
+    const int64_t lens[3] = {1500, 3, 700};
+    *rc = run_paged(KVC_F16, KVC_F32, KVC_NHD, 16, 8, 2, KVC_ATTN_MAX_DIM, 3, lens, 0.0f, -1) ||
+          run_paged(KVC_I8, KVC_F16, KVC_NHD, 16, 32, 8, 128, 3, lens, 0.0f, -1) ||
+          run_paged(KVC_I4, KVC_F32, KVC_HND, 5, 12, 3, 64, 3, lens, 0.0f, -1);
+    return NULL;
+}
+
+TEST(decode_in_256k_of_stack) {
+    FOR_EACH_ISA({
+        pthread_attr_t attr;
+        pthread_t th;
+        int rc = 1;
+        ASSERT_TRUE(pthread_attr_init(&attr) == 0);
+        ASSERT_TRUE(pthread_attr_setstacksize(&attr, (size_t)SMALL_STACK_KIB << 10) == 0);
+        ASSERT_TRUE(pthread_create(&th, &attr, small_stack_decode, &rc) == 0);
+        pthread_join(th, NULL);
+        pthread_attr_destroy(&attr);
+        ASSERT_TRUE(rc == 0);
+    });
+    return 0;
+}
+
 TEST(paged_int8_grouped) {
     /* page sizes that split 16-key blocks (1, 5, 24) and ones that hold them
      * (16, 64): rows copied or read in place by the tiles (int4 rows are
@@ -1165,6 +1205,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(single_int8_query_precision),
     TEST_ENTRY(single_register_tiles),
     TEST_ENTRY(single_int8_grouped),
+    TEST_ENTRY(decode_in_256k_of_stack),
     TEST_ENTRY(paged_int8_grouped),
     TEST_ENTRY(amx_level_tables),
     TEST_ENTRY(prefill_gemm_chains),

@@ -98,7 +98,9 @@ KVC_API kvc_status kvc_single_decode(const kvc_tensor *q, const kvc_tensor *k,
  * Batched decode over a paged cache, split like FlashInfer's wrapper: a plan
  * per batch composition (validates the page table, partitions work: long
  * requests are split into chunks of keys that threads process separately and
- * merge by log-sum-exp), then run per layer with no allocation.
+ * merge by log-sum-exp), then run per layer with no allocation. The plan
+ * holds the chunks' partial states: one run at a time per plan (threads that
+ * decode the same batch composition concurrently need a plan each).
  */
 typedef struct kvc_decode_plan kvc_decode_plan;
 

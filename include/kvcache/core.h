@@ -159,6 +159,12 @@ KVC_API kvc_status kvc_set_isa(kvc_isa isa);
  * A pool also keeps scratch memory some operators need between calls (the
  * largest block asked for so far, e.g. 1/8 to 1/4 of the input of the
  * largest quantized append), released by kvc_threadpool_destroy.
+ * Stack: attention tasks keep their state on the stack of the thread that
+ * runs them (no allocation per call), so a thread that calls a decode,
+ * prefill, cascade or MLA run (or the model runtime) needs 256 KiB of stack
+ * or more. glibc's default is 8 MiB; musl gives new threads 128 KiB, too
+ * little: create such threads with a larger stack. Pool workers get 1 MiB
+ * or the C library's default, whichever is larger.
  */
 typedef struct kvc_threadpool kvc_threadpool;
 

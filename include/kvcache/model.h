@@ -19,6 +19,11 @@
  * inputs (matrix kernels and attention are row-independent), so generation
  * through the cache gives bitwise the logits of recomputing the whole
  * sequence with float32 storage.
+ *
+ * Threads: a loaded kvc_model is read-only, so any number of threads may use
+ * one model at once (each through its own context, engine or eval call); a
+ * kvc_model_ctx, a kvc_engine and the cache they run on are used by one
+ * thread at a time. Each call runs on its own thread pool of n_threads.
  */
 #ifndef KVCACHE_MODEL_H
 #define KVCACHE_MODEL_H

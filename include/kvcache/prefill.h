@@ -129,7 +129,8 @@ KVC_API kvc_status kvc_prefill_run_ragged(kvc_prefill_plan *plan, const kvc_tens
  * own qo_indptr[l] (all ending at the same total of query rows) and page
  * table; causal applies to the last level only; the levels' states are
  * merged with merge_state in level order. Parameters (window included)
- * apply to each level as to a batched prefill.
+ * apply to each level as to a batched prefill. The plan holds work buffers:
+ * one run at a time per plan.
  *   qo_indptr, kv_indptr, kv_indices, kv_last_page_len: arrays of num_levels tensors
  */
 typedef struct kvc_cascade_plan kvc_cascade_plan;

@@ -638,8 +638,8 @@ def threadpool(n_threads: int | None) -> tuple[int, threading.Lock]:
         except TypeError as exc:
             raise InvalidArgumentError(f"num_threads must be an integer or None, "
                                        f"got {n_threads!r}") from exc
-        if n < 1 or n > 4096:
-            raise InvalidArgumentError(f"num_threads must be in [1, 4096] or None, got {n}")
+        if n < 1 or n > 1024:
+            raise InvalidArgumentError(f"num_threads must be in [1, 1024] or None, got {n}")
     with _pools_lock:
         entry = _pools.get(n)
         if entry is None:

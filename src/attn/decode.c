@@ -375,19 +375,11 @@ static __attribute__((noinline)) void chunk_amx(const attn_ctx *c, int64_t b, in
  * block before the next one starts: the cache is streamed token row by
  * token row (an NHD row holds every head) instead of one head's slice at a
  * time, which read each row H times with strided, prefetch-hostile access.
+ * Not inlined into chunk_task, like chunk_amx: a thread's stack holds one
+ * path's arrays, not both (DESIGN "Threads": the stack a caller needs).
  */
-static void chunk_task(void *ctx, int64_t t) {
-    const attn_ctx *c = ctx;
-    const int64_t b = task_request(c, t), ch = t - c->task0[b], nch = c->nch[b];
-    const int64_t a = first_key(c, b), L = c->len[b];
-    const int64_t cl = chunk_len(L);
-    int64_t j0 = ch * cl, j1 = j0 + cl;
-    if (j0 < a) j0 = a;
-    if (j1 > L) j1 = L;
-    if (c->amx) {
-        chunk_amx(c, b, ch, nch, j0, j1);
-        return;
-    }
+static __attribute__((noinline)) void chunk_float(const attn_ctx *c, int64_t b, int64_t ch,
+                                                  int64_t nch, int64_t j0, int64_t j1) {
     float qb[ATTN_STATE_FLOATS] __attribute__((aligned(64)));
     float acc[ATTN_STATE_FLOATS] __attribute__((aligned(64)));
     float m[ATTN_STATE_FLOATS / 16], l[ATTN_STATE_FLOATS / 16];
@@ -462,6 +454,20 @@ static void chunk_task(void *ctx, int64_t t) {
         }
         s0 = s1;
     }
+}
+
+static void chunk_task(void *ctx, int64_t t) {
+    const attn_ctx *c = ctx;
+    const int64_t b = task_request(c, t), ch = t - c->task0[b], nch = c->nch[b];
+    const int64_t a = first_key(c, b), L = c->len[b];
+    const int64_t cl = chunk_len(L);
+    int64_t j0 = ch * cl, j1 = j0 + cl;
+    if (j0 < a) j0 = a;
+    if (j1 > L) j1 = L;
+    if (c->amx)
+        chunk_amx(c, b, ch, nch, j0, j1);
+    else
+        chunk_float(c, b, ch, nch, j0, j1);
 }
 
 /* Merges the chunks of request b, KV head h (multi-chunk requests only),

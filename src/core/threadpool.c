@@ -24,6 +24,7 @@
  * then yields, until it reaches 0.
  */
 #define SPIN_ITERS 20000 /* ~0.1-0.3 ms of pause instructions before blocking */
+#define KVC__WORKER_STACK ((size_t)1 << 20) /* 1 MiB: several times what a task needs */
 
 struct kvc_threadpool {
     int n_threads;
@@ -101,14 +102,25 @@ kvc_status kvc_threadpool_create(int n_threads, kvc_threadpool **out) {
             kvc_threadpool_destroy(p);
             return kvc__error(KVC_ERR_NOMEM, "kvc_threadpool_create: out of memory");
         }
+        /* Kernels keep their per-task state on the stack (up to ~300 KiB,
+         * core.h): workers get at least KVC__WORKER_STACK whatever the C
+         * library's default (musl's is 128 KiB; glibc's follows ulimit -s). */
+        pthread_attr_t attr;
+        size_t stack = 0;
+        const int have_attr = pthread_attr_init(&attr) == 0;
+        if (have_attr && pthread_attr_getstacksize(&attr, &stack) == 0 &&
+            stack < KVC__WORKER_STACK)
+            pthread_attr_setstacksize(&attr, KVC__WORKER_STACK);
         for (int i = 0; i < n_threads - 1; i++) {
-            if (pthread_create(&p->workers[i], NULL, worker_main, p) != 0) {
+            if (pthread_create(&p->workers[i], have_attr ? &attr : NULL, worker_main, p) != 0) {
+                if (have_attr) pthread_attr_destroy(&attr);
                 p->n_threads = i + 1; /* destroy joins only the started ones */
                 kvc_threadpool_destroy(p);
                 return kvc__error(KVC_ERR_NOMEM, "kvc_threadpool_create: cannot start thread %d",
                                   i);
             }
         }
+        if (have_attr) pthread_attr_destroy(&attr);
     }
     *out = p;
     return KVC_OK;

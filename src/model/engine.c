@@ -122,6 +122,8 @@ kvc_status kvc_engine_create(const kvc_model *m, const kvc_engine_params *params
     static const char fn[] = "kvc_engine_create";
     KVC_CHECK(m != NULL && out != NULL, "%s: model and out must not be NULL", fn);
     kvc_engine_params p = params ? *params : kvc_engine_default_params();
+    KVC_CHECK(p.n_threads >= 1 && p.n_threads <= 1024, "%s: n_threads %d must be in [1, 1024]",
+              fn, (int)p.n_threads); /* checked here, not in kvc_model_ctx_create's name */
     KVC_CHECK(p.max_step_tokens >= 1 && p.max_running >= 1 && p.page_size >= 1 &&
                   p.kv_capacity_tokens >= 1,
               "%s: max_step_tokens, max_running, page_size and kv_capacity_tokens must be >= 1",
