@@ -141,6 +141,14 @@ void bench_free(void *p);
 /* Folds `bytes` bytes at p into the running hash h (order dependent). */
 uint64_t bench_checksum(uint64_t h, const void *p, size_t bytes);
 
+/* An operator's output is poisoned before it is timed (all-ones bytes: NaN
+ * in float32, float16 and bfloat16) and checked afterwards: a call that
+ * returns KVC_OK without writing its output fails the case rather than
+ * being timed as fast. bench_output_finite: 1 if all n elements of dtype dt
+ * (KVC_F32/F16/BF16) are finite. */
+void bench_poison(void *p, size_t bytes);
+int bench_output_finite(const void *p, size_t n, int dt);
+
 /* splitmix64 finaliser: deterministic pseudo-random values for test data. */
 uint64_t bench_mix64(uint64_t x);
 

@@ -63,10 +63,12 @@ static uint64_t bc_rng(uint64_t *s) {
 static void row(const bench_opts *o, const char *name, double value, const char *unit,
                 const char *note) {
     if (o->json) {
-        printf("{\"target\":\"cache\",\"case\":");
+        printf("{\"type\":\"case\",\"target\":\"cache\",\"case\":");
         bench_json_str(stdout, name);
         printf(",\"value\":%.6g,\"unit\":", value);
         bench_json_str(stdout, unit);
+        printf(",\"note\":");
+        bench_json_str(stdout, note ? note : "");
         printf("}\n");
     } else {
         printf("%-34s %14.4g %-12s %s\n", name, value, unit, note ? note : "");
@@ -274,6 +276,7 @@ int bench_cache(const bench_opts *o) {
         FAIL_IF(bench_membw_measure(mb, o->threads[0] > 0 ? o->threads[0] : 1,
                                     quick ? 0.05 : 0.5, 1, &bw) != 0,
                 "membw");
+        /* the sequences grow from L0 to L0 + steps: their mean length */
         double bytes = (double)B * (double)(L0 + steps / 2) * 131072.0;
         double read_gbs = bw.read_gbs > 0 ? bw.read_gbs : bw.copy_gbs / 2;
         double step_s = bytes / (read_gbs * 1e9);

@@ -17,7 +17,9 @@
 #endif
 
 #define BENCH_FMA_CHAINS 12  /* > FMA latency x FMA ports on current cores */
-#define BENCH_FMA_ITERS 131072 /* per thread and pass (~0.6 ms): thread starts < 2% */
+#define BENCH_FMA_ITERS 2097152 /* per thread and pass (~3.5 ms at 2.4 GFMA/s/lane): with
+                                  * 131072 (~0.2 ms) starting the threads cost
+                                  * two threads ~25% of their peak */
 
 /* Each runs one thread's loop and returns its FLOPs (2 per lane FMA); the
  * chains' sum goes to *sink (x * 0.999999 + tiny stays finite). */

@@ -40,7 +40,9 @@
 
 /* ---- instruction peaks ----------------------------------------------------------- */
 
-#define PEAK_ITERS 4096 /* loop trips per call per thread */
+#define PEAK_ITERS (1 << 20) /* loop trips per call per thread (16 instructions, ~3 ms):
+                              * a pass must dwarf starting its threads (4096 gave 2
+                              * threads a seventh of 1 thread's peak, 65536 1.3x) */
 
 typedef enum peak_kind {
     PEAK_NONE,
@@ -361,6 +363,7 @@ int bench_gemm(const bench_opts *o) {
                         double bound = 0;
                         int rc;
                         cases++;
+                        bench_poison(c.y, (size_t)(c.n * c.rows) * sizeof(float));
                         if (c.n == 1) {
                             rc = time_with_read(&c, o->time_s, mb, ref_budget, nt, &tm, &bound);
                         } else {
@@ -374,6 +377,12 @@ int bench_gemm(const bench_opts *o) {
                         if (rc != 0) {
                             fprintf(stderr, "kvcache: bench gemm: %s\n",
                                     rc > 0 ? kvc_last_error() : "reference failed");
+                            failed++;
+                            continue;
+                        }
+                        if (!bench_output_finite(c.y, (size_t)(c.n * c.rows), KVC_F32)) {
+                            fprintf(stderr, "kvcache: bench gemm: output not written (or not "
+                                    "finite)\n");
                             failed++;
                             continue;
                         }

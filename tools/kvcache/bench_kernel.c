@@ -5,8 +5,10 @@
  * run), the calls in the driver's order: every KV head's call for a run of
  * keys before the next keys (runs of 64 for the AMX kernel, blocks of 16 for
  * the float kernels), each given the next call's rows to prefetch as the
- * driver gives them. L = 64 keeps the K/V rows in L1, 512 in L2 (Dh 128,
- * H 8: 1 MiB of int8), 4096 beyond. A timed call sets the head sets up
+ * driver gives them. With Dh 128, H 8 the K/V rows take L x 4 KiB in float16,
+ * L x 2 KiB in int8 (plus scales), L x 1 KiB in int4: L = 64 is 256/128/64 KiB
+ * (L2 on current cores, not L1), L = 512 2/1/0.5 MiB (float16 past a 1 MiB
+ * L2 where int8 still fits), 4096 beyond L2. A timed call sets the head sets up
  * (amx_begin: the query as tile digits) and passes over the keys until
  * 4096 have gone by (64 passes at L 64): the set-up weighs as in a chunk of
  * 4096 keys, and repeated keys leave the normalized output unchanged.

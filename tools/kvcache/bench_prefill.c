@@ -239,6 +239,8 @@ int bench_prefill(const bench_opts *o) {
                         bench_fma_prepare(&pk, nt);
                         bench_timing tm;
                         double peak = 0;
+                        const size_t n_out = (size_t)(B * c.L * s.Hq * s.D);
+                        bench_poison(c.out, n_out * 2);
                         int rc = time_with_peak(&c, o->time_s, &pk, ref_budget, &tm, &peak);
                         kvc_threadpool_destroy(c.pool);
                         c.pool = NULL;
@@ -250,7 +252,13 @@ int bench_prefill(const bench_opts *o) {
                             failed++;
                             continue;
                         }
-                        bench_sink(bench_checksum(0, c.out, (size_t)(B * c.L * s.Hq * s.D) * 2));
+                        if (!bench_output_finite(c.out, n_out, KVC_F16)) {
+                            fprintf(stderr, "kvcache: bench prefill: output not written (or "
+                                    "not finite)\n");
+                            failed++;
+                            continue;
+                        }
+                        bench_sink(bench_checksum(0, c.out, n_out * 2));
                         const double gf = c.flops / tm.median_s * 1e-9, ratio = gf / peak;
                         int met = -1;
                         if (s.D == 128) {

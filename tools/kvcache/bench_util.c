@@ -132,6 +132,27 @@ uint64_t bench_checksum(uint64_t h, const void *p, size_t bytes) {
     return r ^ (r >> 32);
 }
 
+void bench_poison(void *p, size_t bytes) {
+    memset(p, 0xff, bytes);
+}
+
+int bench_output_finite(const void *p, size_t n, int dt) {
+    const unsigned char *c = p;
+    for (size_t i = 0; i < n; i++) {
+        if (dt == KVC_F32) {
+            uint32_t w;
+            memcpy(&w, c + 4 * i, 4);
+            if ((w & 0x7f800000u) == 0x7f800000u) return 0;
+        } else {
+            uint16_t h;
+            memcpy(&h, c + 2 * i, 2);
+            const uint16_t e = dt == KVC_BF16 ? 0x7f80 : 0x7c00;
+            if ((h & e) == e) return 0;
+        }
+    }
+    return 1;
+}
+
 static volatile uint64_t g_sink;
 
 void bench_sink(uint64_t v) {

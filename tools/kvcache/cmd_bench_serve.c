@@ -37,8 +37,10 @@ static const char serve_usage[] =
     "\n"
     "prefill tok/s: prompt token rows computed / time of steps that were not pure\n"
     "decode; decode tok/s: tokens generated in pure decode steps / their time (the\n"
-    "context then spans prompt-len .. prompt-len + gen); KV B/token: cache bytes per\n"
-    "token slot over all layers (K, V and scales).\n";
+    "context then spans prompt-len .. prompt-len + gen); dec_B: the mean batch of\n"
+    "those steps (prompts are prefilled in turn within --step-tokens rows a step, so\n"
+    "early sequences decode in mixed steps and dec_B can be well below B); KV\n"
+    "B/token: cache bytes per token slot over all layers (K, V and scales).\n";
 
 /* Splits a comma-separated list into items of fewer than 32 characters:
  * calls item(buf, i, ctx) for each; -1 for an empty list or item (",", "1,")
@@ -165,8 +167,9 @@ int cmd_bench_serve(int argc, char **argv) {
         printf("# prompt %lld tokens (%s), gen %lld tokens, step rows %lld\n",
                (long long)prompt_len, shared ? "shared" : "distinct", (long long)gen,
                (long long)step_tokens);
-        printf("%-6s %4s %10s %12s %10s %12s %11s %8s %6s\n", "kv", "B", "prefill_s",
-               "prefill_t/s", "decode_s", "decode_t/s", "KV_B/token", "cached", "preempt");
+        printf("%-6s %4s %10s %12s %10s %12s %6s %11s %8s %6s\n", "kv", "B", "prefill_s",
+               "prefill_t/s", "decode_s", "decode_t/s", "dec_B", "KV_B/token", "cached",
+               "preempt");
     }
     int rc = CLI_EXIT_OK;
     int32_t *prompt = malloc((size_t)prompt_len * sizeof(int32_t));
@@ -201,7 +204,7 @@ int cmd_bench_serve(int argc, char **argv) {
                     rc = CLI_EXIT_FAIL;
                 }
             }
-            int64_t done_tokens = 0;
+            int64_t done_tokens = 0, dec_steps = 0, dec_before = 0;
             while (rc == CLI_EXIT_OK && kvc_engine_pending(eng) > 0) {
                 int64_t ne = 0;
                 if (kvc_engine_step(eng, ev, B, &ne) != KVC_OK) {
@@ -210,6 +213,10 @@ int cmd_bench_serve(int argc, char **argv) {
                     break;
                 }
                 done_tokens += ne;
+                kvc_engine_stats sd;
+                kvc_engine_get_stats(eng, &sd);
+                if (sd.decode_only_tokens > dec_before) dec_steps++; /* a pure decode step */
+                dec_before = sd.decode_only_tokens;
                 if (tty && !json) {
                     kvc_engine_stats s;
                     kvc_engine_get_stats(eng, &s);
@@ -226,21 +233,35 @@ int cmd_bench_serve(int argc, char **argv) {
             const double pre_tps = pre_s > 0 ? (double)s.prefill_tokens / pre_s : 0;
             const double dec_tps = s.decode_seconds > 0 ? (double)s.decode_only_tokens /
                                                               s.decode_seconds : 0;
+            /* the batch those steps had: prompts are prefilled in turn, so with
+             * B > 1 the early sequences decode in mixed steps and the pure
+             * decode steps come at the end, with fewer sequences left */
+            const double dec_b = dec_steps > 0 ? (double)s.decode_only_tokens / (double)dec_steps
+                                               : 0;
             if (rc == CLI_EXIT_OK) {
-                if (json)
-                    printf("{\"kv\": \"%s\", \"batch\": %lld, \"prompt_len\": %lld, \"gen\": %lld, "
-                           "\"threads\": %d, \"prefill_s\": %.4f, \"prefill_tok_s\": %.1f, "
-                           "\"decode_s\": %.4f, \"decode_tok_s\": %.2f, \"kv_bytes_per_token\": "
-                           "%lld, \"cached_tokens\": %lld, \"preemptions\": %lld}\n",
-                           kvc_dtype_name(ep.kv_dtype), (long long)B, (long long)prompt_len,
-                           (long long)gen, (int)threads, pre_s, pre_tps, s.decode_seconds,
-                           dec_tps, (long long)s.kv_bytes_per_token, (long long)s.cached_tokens,
+                if (json) {
+                    fputs("{\"type\": \"case\", \"target\": \"bench-serve\", \"model\": ", stdout);
+                    bench_json_str(stdout, info.name);
+                    fputs(", \"cpu\": ", stdout);
+                    bench_json_str(stdout, cli_cpu_model(cpu, sizeof cpu));
+                    printf(", \"isa\": \"%s\", \"kv\": \"%s\", "
+                           "\"batch\": %lld, \"prompt_len\": %lld, \"gen\": %lld, "
+                           "\"shared_prompt\": %s, \"step_tokens\": %lld, \"threads\": %d, "
+                           "\"prefill_s\": %.4f, \"prefill_tok_s\": %.1f, \"decode_s\": %.4f, "
+                           "\"decode_tok_s\": %.2f, \"decode_mean_batch\": %.2f, "
+                           "\"kv_bytes_per_token\": %lld, \"cached_tokens\": %lld, "
+                           "\"preemptions\": %lld}\n",
+                           kvc_isa_name(kvc_get_isa()), kvc_dtype_name(ep.kv_dtype),
+                           (long long)B, (long long)prompt_len, (long long)gen, shared ? "true" : "false", (long long)step_tokens,
+                           (int)threads, pre_s, pre_tps, s.decode_seconds, dec_tps, dec_b,
+                           (long long)s.kv_bytes_per_token, (long long)s.cached_tokens,
                            (long long)s.preemptions);
-                else
-                    printf("%-6s %4lld %10.3f %12.1f %10.3f %12.2f %11lld %8lld %6lld\n",
+                } else {
+                    printf("%-6s %4lld %10.3f %12.1f %10.3f %12.2f %6.1f %11lld %8lld %6lld\n",
                            kvc_dtype_name(ep.kv_dtype), (long long)B, pre_s, pre_tps,
-                           s.decode_seconds, dec_tps, (long long)s.kv_bytes_per_token,
+                           s.decode_seconds, dec_tps, dec_b, (long long)s.kv_bytes_per_token,
                            (long long)s.cached_tokens, (long long)s.preemptions);
+                }
                 fflush(stdout);
             }
             kvc_engine_destroy(eng);
