@@ -33,6 +33,7 @@ typedef struct bench_opts {
     int64_t batch, kvlen, heads, head_dim; /* 0: the target's default */
     int64_t group;   /* int8/int4 quant group (attention; 0: the target's default) */
     int64_t layers;  /* attention: caches the calls rotate over (0: 1) */
+    double soft_cap; /* attention: logits_soft_cap of the calls (0: none) */
     double time_s;   /* time budget per case, seconds */
     size_t membw_bytes; /* memcpy reference buffer size */
     int quick;       /* tiny sizes, short budget: a smoke test */

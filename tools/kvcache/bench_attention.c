@@ -54,6 +54,7 @@ typedef struct att_case {
     kvc_decode_plan *plan;
     kvc_threadpool *pool;
     kvc_status st;
+    float soft_cap; /* logits_soft_cap of every call (0: none) */
     double kv_bytes;
     double lane_ops; /* FMA lanes + converted elements one step needs */
 } att_case;
@@ -61,6 +62,7 @@ typedef struct att_case {
 static int att_call(void *ctx) {
     att_case *c = ctx;
     kvc_attn_params p = kvc_attn_default_params();
+    p.logits_soft_cap = c->soft_cap;
     if (c->layers > 1) {
         c->layer = c->layer + 1 == c->layers ? 0 : c->layer + 1;
         c->pc.k.data = c->k + (size_t)c->layer * c->kv_stride;
@@ -260,6 +262,7 @@ static int run_case(att_run *r, att_shape s, int64_t B, int64_t L, kvc_kv_layout
     const char *lay = layout == KVC_HND ? "HND" : "NHD";
     att_case c;
     if (setup(&c, s, B, L, dt, name, r->group, layers, layout) != 0) return -1;
+    c.soft_cap = (float)o->soft_cap;
     for (int ti = 0; ti < o->n_thread_counts; ti++) {
         const int nt = o->threads[ti];
         r->cases++;
@@ -317,14 +320,15 @@ static int run_case(att_run *r, att_shape s, int64_t B, int64_t L, kvc_kv_layout
         if (o->json) {
             printf("{\"type\":\"case\",\"target\":\"attention\",\"hq\":%lld,"
                    "\"h\":%lld,\"head_dim\":%lld,\"layout\":\"%s\",\"cache\":\"%s\","
-                   "\"quant_group\":%lld,\"batch\":%lld,\"kv\":%lld,\"layers\":%lld,"
+                   "\"quant_group\":%lld,\"soft_cap\":%g,\"batch\":%lld,\"kv\":%lld,"
+                   "\"layers\":%lld,"
                    "\"threads\":%d,\"isa\":\"%s\",\"us_per_layer\":"
                    "%.3f,\"us_min\":%.3f,\"bytes\":%.0f,\"gbs\":%.3f,"
                    "\"read_gbs\":%.3f,\"ratio\":%.4f,\"fma_gfmas\":%.2f,"
                    "\"lane_ops\":%.0f,\"fma_ratio\":%.4f,"
                    "\"speedup_vs_f16\":%.3f,\"goal\":\"%s\",\"goal_met\":%s}\n",
                    (long long)s.Hq, (long long)s.H, (long long)s.D, lay, c.name,
-                   (long long)r->group, (long long)c.B, (long long)c.L, (long long)c.layers, nt,
+                   (long long)r->group, o->soft_cap, (long long)c.B, (long long)c.L, (long long)c.layers, nt,
                    kvc_isa_name(kvc_get_isa()), us, tm.min_s * 1e6, c.kv_bytes, gbs, rd, ratio,
                    fps * 1e-9, c.lane_ops, fma_ratio, speed, goal,
                    met < 0 ? "null" : met ? "true" : "false");
@@ -392,6 +396,8 @@ int bench_attention(const bench_opts *o) {
                "mem = read-bound time / time; GFMA/s: FMA-lane peak of the ISA, same threads, "
                "interleaved; fma = (2*Hq*Dh FMAs + 2*H*Dh conversions per token) / peak / time\n",
                ATT_PAGE, (int)group, o->time_s);
+    if (!o->json && o->soft_cap > 0)
+        printf("# logits_soft_cap %g on every call\n", o->soft_cap);
     if (!o->json && want_layers > 1)
         printf("# each call reads the next of %lld layers' caches (fewer where marked: 8 GiB "
                "in all)\n",

@@ -50,6 +50,7 @@ static const char bench_usage[] =
     "                    calls taking them in turn as a model's decode step does\n"
     "                    (default 1: every call reads the same, cache-warm K/V);\n"
     "                    fewer where N caches would pass 8 GiB\n"
+    "  --soft-cap X      attention: logits_soft_cap X > 0 (default none)\n"
     "  --cache LIST      cache types among f16,int8,int4 (default: pmx all, append\n"
     "                    f16,int8)\n"
     "  --op LIST         pmx operators among static,dynamic (default both)\n"
@@ -147,6 +148,7 @@ int cmd_bench(int argc, char **argv) {
     o.modes = 3;
     const char *target = "pmx";
     const char *isa_name = NULL;
+    int threads_given = 0;
     int first = 1;
     if (argc > 1 && argv[1][0] != '-') {
         target = argv[1];
@@ -177,6 +179,7 @@ int cmd_bench(int argc, char **argv) {
             o.json = 1;
         } else if ((r = opt_value(argc, argv, &i, "--threads", &v)) != 0) {
             if (r < 0) return cli_usage_error(cmd, "bench: --threads needs a value");
+            threads_given = 1;
             if (parse_threads(v, &o) != 0)
                 return cli_usage_error(cmd,
                                        "bench: --threads '%s': expected a comma-separated list "
@@ -208,6 +211,9 @@ int cmd_bench(int argc, char **argv) {
             if (r < 0 || cli_parse_i64(v, 1, 1024, &n) != 0)
                 return cli_usage_error(cmd, "bench: --layers expects an integer in [1, 1024]");
             o.layers = n;
+        } else if ((r = opt_value(argc, argv, &i, "--soft-cap", &v)) != 0) {
+            if (r < 0 || cli_parse_f64(v, &o.soft_cap) != 0 || !(o.soft_cap > 0))
+                return cli_usage_error(cmd, "bench: --soft-cap expects a number > 0");
         } else if ((r = opt_value(argc, argv, &i, "--cache", &v)) != 0) {
             if (r < 0 || parse_names(v, cache_names, 3, &o.caches) != 0)
                 return cli_usage_error(cmd, "bench: --cache expects a list of f16,int8,int4");
@@ -247,6 +253,17 @@ int cmd_bench(int argc, char **argv) {
             return CLI_EXIT_USAGE;
         }
     }
+    /* options a target does not use are said, not silently dropped */
+    const int grouped = !strcmp(target, "attention") || !strcmp(target, "kernel");
+    if (o.group && !grouped)
+        fprintf(stderr, "kvcache: bench %s: --group is ignored (attention and kernel only; "
+                "this target's group is fixed, see its header)\n", target);
+    if (o.layers && strcmp(target, "attention") != 0)
+        fprintf(stderr, "kvcache: bench %s: --layers is ignored (attention only)\n", target);
+    if (o.soft_cap > 0 && strcmp(target, "attention") != 0)
+        fprintf(stderr, "kvcache: bench %s: --soft-cap is ignored (attention only)\n", target);
+    if (threads_given && !strcmp(target, "kernel"))
+        fprintf(stderr, "kvcache: bench kernel: --threads is ignored (one thread)\n");
     if (o.time_s == 0) o.time_s = o.quick ? 0.01 : 0.3;
     o.membw_bytes = (size_t)(o.quick ? 64 : 256) << 20;
     if (strcmp(target, "cache") == 0) return bench_cache(&o);
