@@ -334,9 +334,11 @@ TEST(tiny_engine_preemption_inside_prompt_chunks) {
     return 0;
 }
 
-/* The tiny model with output_norm.weight[0] = NaN, written to a temp file:
- * every logit is NaN, so kvc_sample fails inside kvc_engine_step. */
-static kvc_model *nan_model(const char *tiny) {
+/* The tiny model with tensor[0] = NaN (an F32 tensor), written to a temp
+ * file: output_norm.weight makes every logit NaN (kvc_sample fails inside
+ * kvc_engine_step); blk.1.attn_norm.weight makes layer 1's q/k/v NaN, which
+ * kvc_model_forward refuses after layer 0 stored its K/V. */
+static kvc_model *nan_model(const char *tiny, const char *tensor) {
     FILE *f = fopen(tiny, "rb");
     if (!f) return NULL;
     fseek(f, 0, SEEK_END);
@@ -348,7 +350,7 @@ static kvc_model *nan_model(const char *tiny) {
         kvc_gguf *g;
         kvc_gguf_tensor t;
         if (kvc_gguf_open_memory(buf, (size_t)size, &g) == KVC_OK) {
-            int64_t i = kvc_gguf_find_tensor(g, "output_norm.weight");
+            int64_t i = kvc_gguf_find_tensor(g, tensor);
             if (i >= 0 && kvc_gguf_get_tensor(g, i, &t) == KVC_OK && t.type == 0 /* F32 */) {
                 const size_t off = (size_t)((const unsigned char *)t.data - buf);
                 const float nan = NAN;
@@ -379,7 +381,7 @@ static kvc_model *nan_model(const char *tiny) {
 TEST(tiny_engine_failed_step_changes_nothing) {
     NEED_TINY(good);
     kvc_model_destroy(good);
-    kvc_model *m = nan_model(getenv("KVC_TINY_GGUF"));
+    kvc_model *m = nan_model(getenv("KVC_TINY_GGUF"), "output_norm.weight");
     ASSERT_TRUE(m != NULL);
     kvc_engine_params ep = kvc_engine_default_params();
     ep.page_size = 4;
@@ -395,17 +397,63 @@ TEST(tiny_engine_failed_step_changes_nothing) {
         ASSERT_STATUS(kvc_engine_step(e, ev, 1, &ne), KVC_ERR_INVALID_ARG);
         ASSERT_STR_CONTAINS(kvc_last_error(), "NaN");
         ASSERT_STR_CONTAINS(kvc_last_error(), "request 0");
-        ASSERT_EQ_I64(ne, 0);
         ASSERT_EQ_I64(kvc_engine_pending(e), 1);
         ASSERT_OK(kvc_cache_check(kvc_engine_cache(e)));
     }
     kvc_engine_stats st;
     ASSERT_OK(kvc_engine_get_stats(e, &st));
     ASSERT_EQ_I64(st.decode_tokens, 0);
+    ASSERT_EQ_I64(st.prompt_tokens, 0); /* the admission was undone with the step */
     ASSERT_OK(kvc_engine_cancel(e, id));
     kvc_cache_stats cs;
     ASSERT_OK(kvc_cache_get_stats(kvc_engine_cache(e), &cs));
     ASSERT_EQ_I64(cs.used_pages, 0);
+    kvc_engine_destroy(e);
+    kvc_model_destroy(m);
+    return 0;
+}
+
+/* A forward that fails after layer 0 stored K/V (layer 1's q/k/v are NaN),
+ * with two identical prompts admitted in the same step: the second hits the
+ * pages the first reserved in that step. The failed step must leave no page
+ * findable (none holds K/V for every layer), both requests queued in their
+ * order with nothing counted, and fail the same way when retried. */
+TEST(tiny_engine_failed_forward_leaves_no_page_findable) {
+    NEED_TINY(good);
+    kvc_model_destroy(good);
+    kvc_model *m = nan_model(getenv("KVC_TINY_GGUF"), "blk.1.attn_norm.weight");
+    ASSERT_TRUE(m != NULL);
+    kvc_engine_params ep = kvc_engine_default_params();
+    ep.page_size = 4;
+    ep.kv_capacity_tokens = 64;
+    kvc_engine *e;
+    ASSERT_OK(kvc_engine_create(m, &ep, &e));
+    int32_t p[13];
+    for (int i = 0; i < 13; i++) p[i] = 7 + 3 * i;
+    int64_t id[2];
+    ASSERT_OK(kvc_engine_add_request(e, p, 13, 2, NULL, 1, &id[0]));
+    ASSERT_OK(kvc_engine_add_request(e, p, 13, 2, NULL, 1, &id[1]));
+    const kvc_cache *cache = kvc_engine_cache(e);
+    kvc_engine_event ev[2];
+    int64_t ne, hit = -1;
+    for (int k = 0; k < 2; k++) {
+        ASSERT_STATUS(kvc_engine_step(e, ev, 2, &ne), KVC_ERR_CORRUPT);
+        ASSERT_STR_CONTAINS(kvc_last_error(), "layer 1");
+        ASSERT_EQ_I64(kvc_engine_pending(e), 2);
+        ASSERT_OK(kvc_cache_check(cache));
+        ASSERT_OK(kvc_cache_lookup_prefix(cache, p, 13, 0, &hit));
+        ASSERT_EQ_I64(hit, 0);
+        kvc_cache_stats cs;
+        ASSERT_OK(kvc_cache_get_stats(cache, &cs));
+        ASSERT_EQ_I64(cs.used_pages, 0);
+        kvc_engine_stats st;
+        ASSERT_OK(kvc_engine_get_stats(e, &st));
+        ASSERT_EQ_I64(st.prompt_tokens, 0);
+    }
+    /* both still queued */
+    ASSERT_OK(kvc_engine_cancel(e, id[0]));
+    ASSERT_OK(kvc_engine_cancel(e, id[1]));
+    ASSERT_EQ_I64(kvc_engine_pending(e), 0);
     kvc_engine_destroy(e);
     kvc_model_destroy(m);
     return 0;
@@ -489,6 +537,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(tiny_engine_batched_equals_alone),
     TEST_ENTRY(tiny_engine_preemption_inside_prompt_chunks),
     TEST_ENTRY(tiny_engine_failed_step_changes_nothing),
+    TEST_ENTRY(tiny_engine_failed_forward_leaves_no_page_findable),
     TEST_ENTRY(tiny_engine_errors_and_cancel),
     {0, 0},
 };

@@ -19,8 +19,9 @@
  * a request preempted after reserving in the step is rolled back first
  * (drop_seq, kvc_cache_rollback).
  * The row at a request's last token gives logits, sampled into a new token.
- * A step that fails (forward or sampling) commits nothing: every request of
- * its batch is rolled back to its computed tokens and will redo the rows.
+ * A step that fails (forward or sampling) commits nothing but its
+ * preemptions: requests it admitted go back to the queue, the others are
+ * rolled back to their computed tokens and will redo the rows (fail_step).
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, isatty */
 
@@ -39,6 +40,8 @@ typedef struct req {
     int64_t n_tok, cap, n_prompt;
     int32_t max_new, n_gen, ignore_eos;
     int32_t admitted_once; /* its prompt is counted in the stats */
+    int64_t counted_at;    /* the admission that counted it, and its cached tokens */
+    int64_t counted_cached;
     kvc_sampling_params sp;
     uint64_t rng;
     kvc_seq_id seq; /* -1 when not admitted */
@@ -122,8 +125,9 @@ kvc_status kvc_engine_create(const kvc_model *m, const kvc_engine_params *params
     static const char fn[] = "kvc_engine_create";
     KVC_CHECK(m != NULL && out != NULL, "%s: model and out must not be NULL", fn);
     kvc_engine_params p = params ? *params : kvc_engine_default_params();
+    /* here, so that the message names this function rather than kvc_model_ctx_create */
     KVC_CHECK(p.n_threads >= 1 && p.n_threads <= 1024, "%s: n_threads %d must be in [1, 1024]",
-              fn, (int)p.n_threads); /* checked here, not in kvc_model_ctx_create's name */
+              fn, (int)p.n_threads);
     KVC_CHECK(p.max_step_tokens >= 1 && p.max_running >= 1 && p.page_size >= 1 &&
                   p.kv_capacity_tokens >= 1,
               "%s: max_step_tokens, max_running, page_size and kv_capacity_tokens must be >= 1",
@@ -332,13 +336,32 @@ static kvc_status ensure_batch(kvc_engine *e, int64_t nb, int64_t rows) {
     return KVC_OK;
 }
 
-/* A step that fails after reserving: the batch's slots past their computed
- * tokens go (their pages must not stay findable without K/V), so every
- * request is as before the step but for preemptions, and the next step
- * redoes the rows. Returns st; the error message stays the one that failed. */
-static kvc_status fail_step(kvc_engine *e, int64_t nb, kvc_status st) {
-    for (int64_t b = 0; b < nb; b++) {
-        req *r = e->b_req[b];
+/* Undoes a step that failed after reserving (admit0: the admission counter
+ * when it began), so that every request is as before it but for
+ * preemptions. Requests it admitted go back to the queue in their order,
+ * their sequences freed and their prompts uncounted: a prefix hit of theirs
+ * may be on pages that another request reserved in this step and never
+ * wrote. Every other running request (in the batch or not: a restarted
+ * decode scan rebuilds the batch) loses the slots past its computed tokens,
+ * so no page stays findable without its K/V. Returns st; the error message
+ * stays the one that failed. */
+static kvc_status fail_step(kvc_engine *e, int64_t admit0, kvc_status st) {
+    /* newest first, each to the queue's front: the queue's order again */
+    for (int64_t i = e->n_run - 1; i >= 0; i--) {
+        req *r = e->run[i];
+        if (r->admit < admit0) continue;
+        drop_seq(e, r);
+        if (r->admitted_once && r->counted_at >= admit0) {
+            r->admitted_once = 0;
+            e->st.prompt_tokens -= r->n_prompt;
+            e->st.cached_tokens -= r->counted_cached;
+        }
+        remove_at(e->run, &e->n_run, i);
+        if (!push(&e->wait, &e->n_wait, &e->cap_wait, r, 1))
+            req_free(r); /* unreachable: admission left the room it takes */
+    }
+    for (int64_t i = 0; i < e->n_run; i++) {
+        req *r = e->run[i];
         if (r->seq >= 0 && r->n_resv > r->n_done &&
             kvc_cache_rollback(e->cache, r->seq, r->n_done) == KVC_OK)
             r->n_resv = r->n_done;
@@ -347,9 +370,11 @@ static kvc_status fail_step(kvc_engine *e, int64_t nb, kvc_status st) {
 }
 
 /* Drops the batch entries of requests that are no longer running (preempted
- * by a reservation), giving their rows back to the budget. */
-static void compact_batch(kvc_engine *e, int64_t *nb, int64_t *rows, int64_t *budget) {
-    int64_t keep = 0, krows = 0, off = 0;
+ * by a reservation), giving their rows back to the budget; the first
+ * *n_decode entries are decode rows (step 1 comes first). */
+static void compact_batch(kvc_engine *e, int64_t *nb, int64_t *rows, int64_t *budget,
+                          int64_t *n_decode) {
+    int64_t keep = 0, krows = 0, off = 0, kdec = 0;
     for (int64_t b = 0; b < *nb; b++) {
         int alive = 0;
         for (int64_t j = 0; j < e->n_run; j++) alive |= e->run[j] == e->b_req[b];
@@ -364,6 +389,7 @@ static void compact_batch(kvc_engine *e, int64_t *nb, int64_t *rows, int64_t *bu
             }
             keep++;
             krows += e->b_n[b];
+            kdec += b < *n_decode;
         } else {
             *budget += e->b_n[b];
         }
@@ -371,6 +397,7 @@ static void compact_batch(kvc_engine *e, int64_t *nb, int64_t *rows, int64_t *bu
     }
     *nb = keep;
     *rows = krows;
+    *n_decode = kdec;
 }
 
 kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
@@ -388,6 +415,7 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
     const double t0 = now_s();
     KVC_TRY(ensure_batch(e, max_b, e->p.max_step_tokens + max_b));
     int64_t budget = e->p.max_step_tokens, nb = 0, rows = 0, n_decode = 0;
+    const int64_t admit0 = e->admit_counter; /* requests admitted from here on are this step's */
     kvc_status st = KVC_OK;
 
     /* 1. decode rows (a preempted request leaves run: restart the scan) */
@@ -399,15 +427,15 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
         if (st == KVC_ERR_NO_SPACE) { /* r itself is the newest: preempt it */
             kvc_clear_error();
             st = KVC_OK;
+            if (!push(&e->wait, &e->n_wait, &e->cap_wait, r, 1)) /* first: r is never lost */
+                return fail_step(e, admit0, kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn));
             drop_seq(e, r);
             remove_at(e->run, &e->n_run, i);
-            if (!push(&e->wait, &e->n_wait, &e->cap_wait, r, 1))
-                return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
             e->st.preemptions++;
             i = -1, nb = 0, rows = 0, n_decode = 0, budget = e->p.max_step_tokens;
             continue;
         }
-        if (st != KVC_OK) return fail_step(e, nb, st);
+        if (st != KVC_OK) return fail_step(e, admit0, st);
         if (e->n_run != before) { /* someone was preempted: rebuild the batch */
             i = -1, nb = 0, rows = 0, n_decode = 0, budget = e->p.max_step_tokens;
             continue;
@@ -432,13 +460,13 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
         st = reserve(e, r, r->n_done + chunk);
         /* preemption may have removed requests already in the batch, even
          * when r still did not fit */
-        compact_batch(e, &nb, &rows, &budget);
+        compact_batch(e, &nb, &rows, &budget, &n_decode);
         if (st == KVC_ERR_NO_SPACE) {
             kvc_clear_error();
             st = KVC_OK;
             break;
         }
-        if (st != KVC_OK) return fail_step(e, nb, st);
+        if (st != KVC_OK) return fail_step(e, admit0, st);
         /* find r's index again (the run array may have shifted) */
         for (i = 0; i < e->n_run && e->run[i] != r; i++) {}
         e->b_req[nb] = r;
@@ -456,7 +484,7 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
         int64_t hit = 0;
         if (e->p.enable_prefix_caching) {
             st = kvc_cache_lookup_prefix(e->cache, r->tok, r->n_tok, 0, &hit);
-            if (st != KVC_OK) return fail_step(e, nb, st);
+            if (st != KVC_OK) return fail_step(e, admit0, st);
         }
         int64_t chunk = r->n_tok - hit;
         if (chunk > budget) chunk = budget;
@@ -469,10 +497,11 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
             st = KVC_OK;
             break;
         }
-        if (st != KVC_OK) return fail_step(e, nb, st);
+        if (st != KVC_OK) return fail_step(e, admit0, st);
         if (!push(&e->run, &e->n_run, &e->cap_run, r, 0)) {
+            kvc_cache_rollback(e->cache, seq, n_cached); /* reserved, never written */
             kvc_cache_free_sequence(e->cache, seq);
-            return fail_step(e, nb, kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn));
+            return fail_step(e, admit0, kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn));
         }
         remove_at(e->wait, &e->n_wait, 0);
         r->seq = seq;
@@ -482,8 +511,10 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
         chunk = r->n_resv - r->n_done;
         if (!r->admitted_once) { /* first admission: count the prompt */
             r->admitted_once = 1;
+            r->counted_at = r->admit;
+            r->counted_cached = n_cached < r->n_prompt ? n_cached : r->n_prompt;
             e->st.prompt_tokens += r->n_prompt;
-            e->st.cached_tokens += n_cached < r->n_prompt ? n_cached : r->n_prompt;
+            e->st.cached_tokens += r->counted_cached;
         }
         e->b_req[nb] = r;
         e->b_seq[nb] = r->seq;
@@ -506,7 +537,7 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
     for (int64_t b = 0; b < nb; b++) e->b_dec[b] = e->b_req[b]->n_prompt;
     st = kvc_model_forward(e->ctx, e->cache, (int32_t)nb, e->b_seq, e->b_pos0, e->b_n, e->b_dec,
                            e->b_tok, e->b_want, e->logits);
-    if (st != KVC_OK) return fail_step(e, nb, st);
+    if (st != KVC_OK) return fail_step(e, admit0, st);
     /* 5. sample (all draws before any commit: a failed draw, e.g. NaN
      * logits, leaves every request as it was), then emit and retire */
     for (int64_t b = 0, li = 0, row = 0; b < nb; b++) {
@@ -519,8 +550,8 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
         if (st != KVC_OK) {
             char msg[256];
             snprintf(msg, sizeof msg, "%s", kvc_last_error());
-            return fail_step(e, nb, kvc__error(st, "%s: request %lld: %s", fn, (long long)r->id,
-                                               msg));
+            return fail_step(e, admit0,
+                             kvc__error(st, "%s: request %lld: %s", fn, (long long)r->id, msg));
         }
         li++;
     }
