@@ -14,8 +14,10 @@ Nothing here is public API; use the functions re-exported by ``kvcache``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import ctypes.util
+import functools
 import operator
 import os
 import sys
@@ -419,6 +421,74 @@ def flag(x, name: str) -> bool:
     raise InvalidArgumentError(f"{name} must be a bool, got {x!r}")
 
 
+# ---------------------------------------------------------------------------
+# Threads. ctypes releases the GIL during C calls, so Python threads that share
+# an object run its C code at the same time. Objects whose C side is used by
+# one thread at a time (plans, engines, files) serialize their methods with
+# `locked`; shareable ones (models, tokenizers) count their calls in flight
+# with a Lifetime, so that close() waits for them instead of freeing the C
+# object under them.
+
+
+def locked(method):
+    """Runs the method holding the object's own lock (an RLock made on first
+    use): its C object is used by one thread at a time, and a plan() or
+    close() cannot free it under another thread's run()."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        lock = self.__dict__.get("_call_lock")
+        if lock is None:  # setdefault is atomic: racing threads get one lock
+            lock = self.__dict__.setdefault("_call_lock", threading.RLock())
+        with lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+class Lifetime:
+    """The calls in flight on a shareable C object. Each C call runs inside
+    ``with life.use():`` (raising InvalidArgumentError "<what> is closed"
+    once closed); close() refuses new calls, waits for those running, and
+    returns True to the one caller that must then free the object. Do not
+    close from inside a call on the same thread (it would wait forever)."""
+
+    __slots__ = ("_cv", "_n", "_closed", "_what")
+
+    def __init__(self, what: str):
+        self._cv = threading.Condition(threading.Lock())
+        self._n = 0
+        self._closed = False
+        self._what = what
+
+    @contextlib.contextmanager
+    def use(self):
+        with self._cv:
+            if self._closed:
+                raise InvalidArgumentError(f"{self._what} is closed")
+            self._n += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._n -= 1
+                if self._n == 0:
+                    self._cv.notify_all()
+
+    def close(self) -> bool:
+        with self._cv:
+            if self._closed:
+                return False
+            self._closed = True
+            while self._n:
+                self._cv.wait()
+        return True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+
 class NoCopy:
     """Base of the classes that own a C object (a plan, cache, file, model...):
     a copy or a pickle would carry the raw pointer and free it twice, so
@@ -621,15 +691,26 @@ def int32_attr(value, name: str) -> int:
 # ---------------------------------------------------------------------------
 # Thread pools: one per thread count, kept for the life of the process.
 
-_pools: dict[int, tuple[int, threading.Lock]] = {}
+class Pool:
+    """A kvc_threadpool and the lock its callers hold for the duration of a
+    C call (a pool runs one operator at a time). Read ``ptr`` while holding
+    ``lock``: at interpreter exit the pools are destroyed under their locks
+    and ptr becomes None (the calling thread alone, as C's NULL pool)."""
+
+    __slots__ = ("ptr", "lock")
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+        self.lock = threading.Lock()
+
+
+_pools: dict[int, Pool] = {}
 _pools_lock = threading.Lock()
+_pools_closed = False
 
 
-def threadpool(n_threads: int | None) -> tuple[int, threading.Lock]:
-    """(kvc_threadpool pointer, lock) for n_threads (None: os.cpu_count()).
-
-    A kvc_threadpool runs one operator at a time; callers hold the lock for
-    the duration of the C call (ctypes releases the GIL)."""
+def threadpool(n_threads: int | None) -> Pool:
+    """The Pool for n_threads (None: os.cpu_count()), made on first use."""
     if n_threads is None:
         n = os.cpu_count() or 1
     else:
@@ -643,10 +724,11 @@ def threadpool(n_threads: int | None) -> tuple[int, threading.Lock]:
     with _pools_lock:
         entry = _pools.get(n)
         if entry is None:
+            if _pools_closed:  # exiting: no new pools
+                return Pool(None)
             ptr = ctypes.c_void_p()
             check(kvc_threadpool_create(n, ctypes.byref(ptr)))
-            entry = (ptr.value, threading.Lock())
-            _pools[n] = entry
+            entry = _pools[n] = Pool(ptr.value)
         return entry
 
 
@@ -661,18 +743,25 @@ def threads_arg(num_threads, n_threads):
 def call_pooled(fn, args, n_threads) -> None:
     """fn(*args, pool) on the pool for n_threads, holding its lock; raises the
     C error if the status is not KVC_OK."""
-    pool, lock = threadpool(n_threads)
-    with lock:
-        status = fn(*args, pool)
+    pool = threadpool(n_threads)
+    with pool.lock:
+        status = fn(*args, pool.ptr)
     check(status)
 
 
 @atexit.register
 def _destroy_pools() -> None:
+    """Each pool is destroyed holding its lock, so a call still running in a
+    daemon thread finishes first; later calls run on their own thread."""
+    global _pools_closed
     with _pools_lock:
-        for ptr, _lock in _pools.values():
-            kvc_threadpool_destroy(ptr)
-        _pools.clear()
+        _pools_closed = True
+        pools = list(_pools.values())
+    for pool in pools:
+        with pool.lock:
+            ptr, pool.ptr = pool.ptr, None
+            if ptr:
+                kvc_threadpool_destroy(ptr)
 
 
 # ---------------------------------------------------------------------------

@@ -204,8 +204,9 @@ def _kv_array(x, name: str):
 
 
 def _threads(num_threads) -> int:
-    pool, _lock = _lib.threadpool(num_threads)
-    return int(_lib.kvc_threadpool_n_threads(pool))
+    pool = _lib.threadpool(num_threads)
+    with pool.lock:
+        return int(_lib.kvc_threadpool_n_threads(pool.ptr))
 
 
 # ---------------------------------------------------------------------------
@@ -423,6 +424,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
     def kv_layout(self) -> str:
         return "NHD" if self._layout == _lib.KVC_NHD else "HND"
 
+    @_lib.locked
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
              page_size, *, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None,
              q_data_type=None, kv_data_type=None, o_data_type=None, data_type=None,
@@ -493,6 +495,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
     #: FlashInfer's deprecated name for plan.
     begin_forward = plan
 
+    @_lib.locked
     def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False, *, q_scale=None,
             k_scale=None, v_scale=None, out=None, lse=None, window_left=None, enable_pdl=None,
             sinks=None):
@@ -545,6 +548,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
     #: FlashInfer's run_return_lse: run(..., return_lse=True), returning (o, lse).
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
+    @_lib.locked
     def forward(self, q, paged_kv_cache, pos_encoding_mode="NONE", q_scale=None, k_scale=None,
                 v_scale=None, window_left=-1, logits_soft_cap=None, sm_scale=None,
                 rope_scale=None, rope_theta=None, return_lse=False, *, kv_scale=None):

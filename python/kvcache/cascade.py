@@ -88,6 +88,7 @@ class MultiLevelCascadeAttentionWrapper(_lib.NoCopy):
     def kv_layout(self) -> str:
         return "NHD" if self._layout == _lib.KVC_NHD else "HND"
 
+    @_lib.locked
     def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
              paged_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
              causal=False, *, pos_encoding_mode="NONE", use_fp16_qk_reduction=False,
@@ -148,6 +149,7 @@ class MultiLevelCascadeAttentionWrapper(_lib.NoCopy):
     def end_forward(self) -> None:
         """FlashInfer's deprecated end_forward(): nothing to do."""
 
+    @_lib.locked
     def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False, *, q_scale=None,
             k_scale=None, v_scale=None, out=None, lse=None):
         """Cascade attention for one layer.

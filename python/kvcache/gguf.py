@@ -19,13 +19,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import os
 from typing import Self
 
 import numpy as np
 
 from . import _lib
-from ._lib import NoCopy, check, optional_proto
+from ._lib import Lifetime, NoCopy, check, optional_proto
 from .errors import InvalidArgumentError
 
 __all__ = ["GGUFFile", "GGUFTensor", "ggml_block_bytes", "ggml_block_size", "ggml_type_name"]
@@ -141,8 +142,8 @@ class GGUFTensor:
         return tuple(reversed(self.ne))
 
     def raw(self) -> bytes:
-        self.file._check_open()
-        return _bytes_at(self.data_ptr, self.size)
+        with self.file._life.use():  # the mapping stays while the bytes are copied
+            return _bytes_at(self.data_ptr, self.size)
 
 
 def _name(b: bytes) -> str:
@@ -159,14 +160,27 @@ def _name_bytes(name: str) -> bytes:
     return name.encode("utf-8", "surrogateescape")
 
 
+def _in_use(method):
+    """Runs the method inside a use of the file (close() waits for it)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._life.use():
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class GGUFFile(NoCopy):
     """A GGUF file opened (mmapped and validated) by the C reader; or an
     in-memory image (bytes), which is copied and kept alive with the handle.
     Errors are raised as kvcache exceptions (CorruptError, UnsupportedError,
-    KvcacheIOError) carrying the C message."""
+    KvcacheIOError) carrying the C message. Threads may share one; close()
+    waits for the calls running in others."""
 
     def __init__(self, source: str | os.PathLike | bytes | bytearray | memoryview):
         self._h = None
+        self._life = Lifetime("GGUFFile")
         self._buf = None
         h = ctypes.c_void_p()
         if isinstance(source, (bytes, bytearray, memoryview)):
@@ -182,7 +196,7 @@ class GGUFFile(NoCopy):
 
     # -- lifetime ------------------------------------------------------------
     def close(self) -> None:
-        if self._h:
+        if self._life.close() and self._h:
             kvc_gguf_close(self._h)
             self._h = None
 
@@ -201,20 +215,24 @@ class GGUFFile(NoCopy):
             raise InvalidArgumentError("GGUFFile is closed")
     # -- header ----------------------------------------------------------------
     @property
+    @_in_use
     def version(self) -> int:
         self._check_open()
         return int(kvc_gguf_version(self._h))
 
     @property
+    @_in_use
     def alignment(self) -> int:
         self._check_open()
         return int(kvc_gguf_alignment(self._h))
 
     # -- key-values --------------------------------------------------------------
+    @_in_use
     def keys(self) -> list[str]:
         self._check_open()
         return [_name(kvc_gguf_key(self._h, i)) for i in range(kvc_gguf_n_kv(self._h))]
 
+    @_in_use
     def kv_type(self, key: str) -> tuple[int, int, int]:
         """(value type, element type, count) of key (scalars: (t, t, 1))."""
         self._check_open()
@@ -225,6 +243,7 @@ class GGUFFile(NoCopy):
         check(kvc_gguf_kv_type(self._h, i, ctypes.byref(t), ctypes.byref(et), ctypes.byref(n)))
         return t.value, et.value, n.value
 
+    @_in_use
     def get(self, key: str):
         """Value of key as a Python object (see the module doc); KeyError if absent."""
         t, et, n = self.kv_type(key)
@@ -264,6 +283,7 @@ class GGUFFile(NoCopy):
         return bool(v.value) if t == BOOL else v.value
 
     @property
+    @_in_use
     def metadata(self) -> dict:
         """All key-values, in file order (computed once)."""
         if self._metadata is None:
@@ -279,12 +299,14 @@ class GGUFFile(NoCopy):
                           int(ct.n_dims), ne, int(ct.size), int(ct.data))
 
     @property
+    @_in_use
     def tensors(self) -> list[GGUFTensor]:
         self._check_open()
         if self._tensors is None:
             self._tensors = [self._tensor_at(i) for i in range(kvc_gguf_n_tensors(self._h))]
         return self._tensors
 
+    @_in_use
     def tensor(self, name: str) -> GGUFTensor:
         self._check_open()
         i = kvc_gguf_find_tensor(self._h, _name_bytes(name))

@@ -99,12 +99,12 @@ class BatchMLAPagedAttentionWrapper(_lib.NoCopy):
                  kv_indptr=None, kv_indices=None, kv_len_arr=None, backend="auto", *,
                  num_threads=None, workspace_buffer=None):
         _compat.backend(backend)
-        pool, _lock = _lib.threadpool(num_threads)  # validates num_threads early
-        del pool
+        _lib.threadpool(num_threads)  # validates num_threads early
         self._num_threads = num_threads
         self._plan = None  # kvc_mla_plan pointer
         self._info = None
 
+    @_lib.locked
     def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv,
              head_dim_kpe, page_size, causal, sm_scale, q_data_type=None, kv_data_type=None,
              use_profiler=False, *, logits_soft_cap=None) -> None:
@@ -153,6 +153,7 @@ class BatchMLAPagedAttentionWrapper(_lib.NoCopy):
         self._info = {"rows": rows, "num_heads": ints[0], "head_dim_ckv": ints[1],
                       "head_dim_kpe": ints[2], "q_data_type": q_dt, "kv_data_type": kv_dt}
 
+    @_lib.locked
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False,
             profiler_buffer=None, kv_len=None, page_table=None, return_lse_base_on_e=False):
         """MLA attention for one layer.

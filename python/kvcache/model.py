@@ -160,10 +160,14 @@ class Model(_lib.NoCopy):
     """A GGUF model (llama architecture) mapped read-only.
 
     Attributes: ``info`` (dict of the architecture's sizes), ``n_vocab``.
+    Threads: any number may call eval/forward/generate and use Engines and
+    the tokenizer of one model at once; close() waits for the calls running
+    in other threads, and later calls raise.
     """
 
     def __init__(self, path):
         self._ptr = None
+        self._life = _lib.Lifetime("the model")
         p = kvc_model_default_params()
         h = _vp()
         _lib.check(kvc_model_load(os.fsencode(path), ctypes.byref(p), ctypes.byref(h)))
@@ -179,6 +183,10 @@ class Model(_lib.NoCopy):
         self.path = os.fspath(path)
 
     def close(self):
+        """Frees the model once the calls running in other threads are done
+        (engines and the borrowed tokenizer then raise). Idempotent."""
+        if not self._life.close():
+            return
         for c in self._ctx.values():
             kvc_model_ctx_destroy(c)
         self._ctx = {}
@@ -229,8 +237,10 @@ class Model(_lib.NoCopy):
         out = np.empty((t.size, self.n_vocab), np.float32)
         _, code = _kv_dtype(kv_dtype)
         df = -1 if decode_from is None else _index(decode_from, "decode_from")
-        _lib.check(kvc_model_eval(self._live(), t.ctypes.data, t.size, df, code, out.ctypes.data,
-                                  _threads(num_threads)))
+        nt = _threads(num_threads)
+        with self._life.use():
+            _lib.check(kvc_model_eval(self._ptr, t.ctypes.data, t.size, df, code,
+                                      out.ctypes.data, nt))
         return out
 
     def new_cache(self, capacity_tokens, kv_dtype="float16", page_size=16,
@@ -285,11 +295,13 @@ class Model(_lib.NoCopy):
             dec_ptr = dec.ctypes.data
         out = np.empty((n_want, self.n_vocab), np.float32)
         nt = _threads(num_threads)
-        with self._lock:
+        # the model stays open, one forward at a time uses the contexts, and
+        # the cache's own lock keeps its other users (append, free...) out
+        with self._life.use(), self._lock, cache._lock:
             ctx = self._ctx.get(nt)
             if ctx is None:
                 h = _vp()
-                _lib.check(kvc_model_ctx_create(self._live(), nt, ctypes.byref(h)))
+                _lib.check(kvc_model_ctx_create(self._ptr, nt, ctypes.byref(h)))
                 ctx = self._ctx[nt] = h.value
             handle = cache._handle
             if handle is None:
@@ -315,7 +327,9 @@ class Model(_lib.NoCopy):
 
 
 class Engine(_lib.NoCopy):
-    """Continuous batching over one model (C: kvc_engine)."""
+    """Continuous batching over one model (C: kvc_engine). Its methods are
+    serialized (one C engine, one thread at a time); engines of one model
+    run in parallel."""
 
     def __init__(self, model: Model, *, kv_dtype="float16", num_threads=None, page_size=16,
                  kv_capacity_tokens=16384, max_step_tokens=512, max_running=64,
@@ -344,6 +358,7 @@ class Engine(_lib.NoCopy):
         self._out: dict[int, list[int]] = {}
         self.finish_reason: dict[int, int] = {}
 
+    @_lib.locked
     def close(self):
         if self._ptr:
             kvc_engine_destroy(self._ptr)
@@ -351,7 +366,9 @@ class Engine(_lib.NoCopy):
 
     def __del__(self):
         try:
-            self.close()
+            if self._ptr:  # nobody else holds it: no lock needed
+                kvc_engine_destroy(self._ptr)
+                self._ptr = None
         except Exception:
             pass
 
@@ -362,6 +379,7 @@ class Engine(_lib.NoCopy):
         self._model._live()  # the weights it reads must still be mapped
         return self._ptr
 
+    @_lib.locked
     def add_request(self, prompt, max_new_tokens, *, temperature=0.0, top_k=0, top_p=1.0,
                     seed=0, ignore_eos=False) -> int:
         t = _lib.int32_array(prompt, "prompt").reshape(-1)
@@ -374,6 +392,7 @@ class Engine(_lib.NoCopy):
         self._out[rid.value] = []
         return rid.value
 
+    @_lib.locked
     def cancel(self, request_id):
         rid = _index(request_id, "request_id")
         if not -(2**63) <= rid < 2**63:
@@ -381,15 +400,18 @@ class Engine(_lib.NoCopy):
         _lib.check(kvc_engine_cancel(self._live(), rid))
 
     @property
+    @_lib.locked
     def pending(self) -> int:
         return kvc_engine_pending(self._live())
 
+    @_lib.locked
     def step(self) -> list[tuple[int, int, int]]:
         """One scheduling step; returns (request_id, token, finish) events."""
         cap = max(1, min(self.pending, self._max_running))
         ev = (EngineEvent * cap)()
         n = _i64()
-        _lib.check(kvc_engine_step(self._live(), ev, cap, ctypes.byref(n)))
+        with self._model._life.use():  # the step reads the model's weights
+            _lib.check(kvc_engine_step(self._live(), ev, cap, ctypes.byref(n)))
         out = []
         for i in range(n.value):
             e = ev[i]
@@ -399,12 +421,14 @@ class Engine(_lib.NoCopy):
             out.append((e.request_id, e.token, e.finish))
         return out
 
+    @_lib.locked
     def run(self) -> dict[int, list[int]]:
         """Steps until no request is pending; returns every request's tokens."""
         while self.pending > 0:
             self.step()
         return dict(self._out)
 
+    @_lib.locked
     def stats(self) -> dict:
         s = EngineStats()
         _lib.check(kvc_engine_get_stats(self._live(), ctypes.byref(s)))

@@ -92,10 +92,7 @@ def _ptr(t):
 
 
 def _call(fn, args, n_threads):
-    pool, lock = _lib.threadpool(n_threads)
-    with lock:
-        status = fn(*args, pool)
-    _lib.check(status)
+    _lib.call_pooled(fn, args, n_threads)
 
 
 def key_value_cache(current_key, current_value, start_pos, cache, scale=None, num_layer=1,

@@ -390,6 +390,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph,
                          num_threads=num_threads, workspace_buffer=workspace_buffer)
 
+    @_lib.locked
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, head_dim_vo=None,
              custom_mask=None, packed_custom_mask=None, causal=False, *,
@@ -445,6 +446,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
     #: FlashInfer's deprecated name for plan.
     begin_forward = plan
 
+    @_lib.locked
     def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False, *, q_scale=None,
             k_scale=None, v_scale=None, out=None, lse=None, window_left=None, enable_pdl=None,
             sinks=None):
@@ -495,6 +497,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
     #: FlashInfer's run_return_lse: run(..., return_lse=True), returning (o, lse).
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
+    @_lib.locked
     def forward(self, q, paged_kv_cache, causal=False, pos_encoding_mode="NONE",
                 use_fp16_qk_reduction=False, k_scale=None, v_scale=None, window_left=-1,
                 logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None,
@@ -539,6 +542,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph,
                          num_threads=num_threads, workspace_buffer=workspace_buffer)
 
+    @_lib.locked
     def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk,
              head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False, *,
              pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None,
@@ -569,6 +573,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
     #: FlashInfer's deprecated name for plan.
     begin_forward = plan
 
+    @_lib.locked
     def run(self, q, k, v, kv_scale=None, return_lse=False, *, q_scale=None, k_scale=None,
             v_scale=None, out=None, lse=None, window_left=None, enable_pdl=None, sinks=None):
         """Prefill attention for one layer.
@@ -617,6 +622,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
     #: FlashInfer's run_return_lse: run(..., return_lse=True), returning (o, lse).
     run_return_lse = functools.partialmethod(run, return_lse=True)
 
+    @_lib.locked
     def forward(self, q, k, v, causal=False, pos_encoding_mode="NONE",
                 use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None,
                 sm_scale=None, rope_scale=None, rope_theta=None, return_lse=False, *,

@@ -13,7 +13,9 @@ replaced, or kept as surrogates with ``errors="surrogateescape"``);
 :meth:`Tokenizer.decode_bytes` and :meth:`Tokenizer.token_to_bytes` return
 the raw bytes, which a stream of tokens may cut inside a UTF-8 character.
 
-A Tokenizer is immutable after creation: any number of threads may use one.
+A Tokenizer is immutable after creation: any number of threads may use one;
+close() waits for the calls running in other threads (a model's borrowed
+tokenizer: Model.close() does).
 Errors raise :class:`kvcache.InvalidArgumentError` (bad ids, a template that
 calls ``raise_exception``), :class:`kvcache.UnsupportedError` (a tokenizer
 model or pre-tokenizer this library does not implement, template syntax
@@ -23,7 +25,9 @@ outside the supported Jinja subset), :class:`kvcache.CorruptError` /
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import operator
 import os
 
@@ -131,6 +135,18 @@ def _id(value, name) -> int:
 _MAKE = object()  # Tokenizer objects come from from_gguf / from_vocab / Model.tokenizer
 
 
+def _in_use(method):
+    """Runs the method inside a use of the tokenizer's C object (its own, or
+    its model's when borrowed), so close() cannot free it meanwhile."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._using():
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class Tokenizer(_lib.NoCopy):
     """A byte-level BPE tokenizer (see the module docstring). Create one with
     Tokenizer.from_gguf(path) or Tokenizer.from_vocab(...), or take a model's
@@ -138,6 +154,8 @@ class Tokenizer(_lib.NoCopy):
 
     def __init__(self, handle, _key=None, _owner=None):
         self._h = None
+        self._owner = None
+        self._life = _lib.Lifetime("the tokenizer")
         if _key is not _MAKE:
             raise TypeError("create a Tokenizer with Tokenizer.from_gguf(path), "
                             "Tokenizer.from_vocab(...) or Model(path).tokenizer")
@@ -195,6 +213,13 @@ class Tokenizer(_lib.NoCopy):
 
     # ---- lifetime ------------------------------------------------------------------
 
+    def _using(self):
+        """A use of the C tokenizer: the model's for a borrowed one (it dies
+        with its model), else its own."""
+        if self._owner is not None:
+            return self._owner._life.use()
+        return self._life.use()
+
     def _ptr(self) -> int:
         if not self._h:
             raise InvalidArgumentError("the tokenizer is closed")
@@ -203,11 +228,16 @@ class Tokenizer(_lib.NoCopy):
         return self._h
 
     def close(self) -> None:
-        """Frees the C tokenizer (idempotent); a model's borrowed tokenizer
-        is only detached (the model frees it)."""
-        h, self._h = self._h, None
-        if h and self._owner is None:
-            _destroy(h)
+        """Frees the C tokenizer once the calls running in other threads are
+        done (idempotent); a model's borrowed tokenizer is only detached (the
+        model frees it)."""
+        if self._owner is not None:
+            self._h = None
+            return
+        if self._life.close():
+            h, self._h = self._h, None
+            if h:
+                _destroy(h)
 
     def __enter__(self):
         return self
@@ -229,24 +259,29 @@ class Tokenizer(_lib.NoCopy):
     # ---- properties ----------------------------------------------------------------
 
     @property
+    @_in_use
     def n_vocab(self) -> int:
         return _n_vocab(self._ptr())
 
     @property
+    @_in_use
     def bos(self) -> int:
         """Beginning-of-sequence id, -1 if none."""
         return _bos(self._ptr())
 
     @property
+    @_in_use
     def eos(self) -> int:
         """End-of-sequence id, -1 if none."""
         return _eos(self._ptr())
 
     @property
+    @_in_use
     def eot(self) -> int:
         """End-of-turn id (<|im_end|>, <|eot_id|>, ...), else eos."""
         return _eot(self._ptr())
 
+    @_in_use
     def is_eog(self, token_id: int) -> bool:
         """True if generation stops at token_id (eos, eot, other end controls)."""
         try:
@@ -259,6 +294,7 @@ class Tokenizer(_lib.NoCopy):
 
     # ---- encode / decode -----------------------------------------------------------
 
+    @_in_use
     def encode(self, text, add_bos: bool = False, parse_special: bool = True) -> list[int]:
         """Token ids of text (str or bytes). add_bos prepends BOS when the
         vocabulary has one; parse_special recognises control-token text such as
@@ -281,6 +317,7 @@ class Tokenizer(_lib.NoCopy):
                 raise InvalidArgumentError(f"token id {x} is outside [0, {self.n_vocab})")
         return (_i32 * max(len(seq), 1))(*seq), len(seq)
 
+    @_in_use
     def decode_bytes(self, ids) -> bytes:
         """Concatenated raw bytes of the tokens."""
         arr, n = self._ids(ids)
@@ -301,6 +338,7 @@ class Tokenizer(_lib.NoCopy):
         """Text of the tokens; invalid UTF-8 handled by errors (as bytes.decode)."""
         return self.decode_bytes(ids).decode("utf-8", errors)
 
+    @_in_use
     def token_to_bytes(self, token_id: int) -> bytes:
         """Raw bytes of one token (special tokens give their text)."""
         tid = _id(token_id, "token_id")
@@ -317,6 +355,7 @@ class Tokenizer(_lib.NoCopy):
 
     # ---- chat template -------------------------------------------------------------
 
+    @_in_use
     def apply_chat_template(self, messages, add_generation_prompt: bool = True,
                             template=None) -> str:
         """Renders messages (dicts with "role" and "content"; content may be
@@ -344,19 +383,20 @@ def render_chat_template(template, messages, add_generation_prompt=True, tokeniz
         arr[i].role = r
         arr[i].content = c
     tmpl = _c_string(template, "template")
-    h = tokenizer._ptr() if tokenizer is not None else None
-    if h is None and tmpl is None:
+    if tokenizer is None and tmpl is None:
         raise InvalidArgumentError("no template given and no tokenizer to take one from")
-    need = _size()
-    cap = 4096
-    for _ in range(3):
-        buf = ctypes.create_string_buffer(cap)
-        st = _apply_template(h, tmpl, arr, len(msgs), 1 if add_generation_prompt else 0, buf, cap,
-                             ctypes.byref(need))
-        if st == 0:
-            return buf.raw[: need.value].decode("utf-8", "surrogateescape")
-        if need.value <= cap:
-            break
-        cap = need.value
+    with tokenizer._using() if tokenizer is not None else contextlib.nullcontext():
+        h = tokenizer._ptr() if tokenizer is not None else None
+        need = _size()
+        cap = 4096
+        for _ in range(3):
+            buf = ctypes.create_string_buffer(cap)
+            st = _apply_template(h, tmpl, arr, len(msgs), 1 if add_generation_prompt else 0, buf,
+                                 cap, ctypes.byref(need))
+            if st == 0:
+                return buf.raw[: need.value].decode("utf-8", "surrogateescape")
+            if need.value <= cap:
+                break
+            cap = need.value
     _lib.check(st)
     return ""  # not reached

@@ -139,10 +139,9 @@ def test_error_classes():
 
 
 def test_thread_pool_cache():
-    p1, _ = _lib.threadpool(1)
-    p2, _ = _lib.threadpool(2)
+    p1, p2 = _lib.threadpool(1).ptr, _lib.threadpool(2).ptr
     assert p1 and p2 and p1 != p2
-    assert _lib.threadpool(2)[0] == p2
+    assert _lib.threadpool(2).ptr == p2
     assert _lib.kvc_threadpool_n_threads(p2) == 2
     with pytest.raises(kvcache.InvalidArgumentError):
         _lib.threadpool(0)
