@@ -39,10 +39,20 @@ add_executable(use_static use.c)
 target_link_libraries(use_static PRIVATE kvcache::kvcache_static)
 CM
     # the consumer is a plain build: no sanitizer flags from the environment
+    # (no rpath given: CMake's build rpath for the imported library must do)
     env -u CFLAGS -u LDFLAGS cmake -S "$tmp/cm" -B "$tmp/cm/build" \
-        -DCMAKE_PREFIX_PATH="$tmp/prefix" -DCMAKE_BUILD_RPATH="$libdir" >/dev/null
+        -DCMAKE_PREFIX_PATH="$tmp/prefix" >/dev/null
     cmake --build "$tmp/cm/build" >/dev/null
     "$tmp/cm/build/use_shared"
     "$tmp/cm/build/use_static"
+    # each target links what it names: the shared one needs libkvcache.so,
+    # the static one must not
+    if command -v readelf >/dev/null; then
+        readelf -d "$tmp/cm/build/use_shared" | grep -q 'NEEDED.*libkvcache'
+        if readelf -d "$tmp/cm/build/use_static" | grep -q 'NEEDED.*libkvcache'; then
+            echo "use_static needs libkvcache.so" >&2
+            exit 1
+        fi
+    fi
 fi
 echo "install: 1 passed, 0 failed"

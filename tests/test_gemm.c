@@ -215,7 +215,13 @@ static void ref_dequant(int32_t t, const uint8_t *row, int64_t cols, double *out
 static float quantize_ref(const float *x, int32_t *q, int bits) {
     const float Q = bits == 16 ? 32767.0f : 127.0f;
     float amax = 0;
-    for (int e = 0; e < 32; e++) amax = fmaxf(amax, fabsf(x[e]));
+    for (int e = 0; e < 32; e++) {
+        if (!isfinite(x[e])) { /* NaN/Inf: a NaN scale, zero codes */
+            memset(q, 0, 32 * sizeof *q);
+            return NAN;
+        }
+        amax = fmaxf(amax, fabsf(x[e]));
+    }
     if (amax < 0x1p-120f) {
         memset(q, 0, 32 * sizeof *q);
         return 0.0f;
@@ -640,17 +646,20 @@ TEST(quantize_rule) {
         put16(W + 34 * k, kvc_f32_to_f16(1.0f));
         W[34 * k + 2 + k] = 1;
     }
-    float X[3][32], Y[3][32];
+    float X[5][32], Y[5][32];
     for (int e = 0; e < 32; e++) {
         X[0][e] = (float)(e - 16) * 0.5f; /* amax 8 (element 0): q = rne(x * 127 / 8) */
         X[1][e] = 0.0f;
         X[2][e] = 1e-38f * (float)(e + 1); /* amax < 2^-120 */
+        X[3][e] = X[4][e] = 1.0f;
     }
+    X[3][5] = NAN; /* one non-finite element: every product of the block NaN */
+    X[4][9] = -INFINITY;
     int rc = 0;
     for (int vb = 0; vb < N_VARIANTS * 2 && !rc; vb++) {
         const int vi = vb / 2, bits = act_bits_g[vb % 2];
         if (!use_variant(&variants[vi]) || !use_bits(bits)) continue;
-        if (kvc__gemm(KVC_GGML_Q8_0, W, 32, 32, &X[0][0], 32, 3, &Y[0][0], 32, NULL) != KVC_OK) {
+        if (kvc__gemm(KVC_GGML_Q8_0, W, 32, 32, &X[0][0], 32, 5, &Y[0][0], 32, NULL) != KVC_OK) {
             rc = 1;
             break;
         }
@@ -659,7 +668,8 @@ TEST(quantize_rule) {
             const float q = (float)rint((double)(X[0][e] * id)), want = d * q;
             /* the tie of e = 24 and -Q at e = 0, written out */
             const float q_hand = e == 24 ? (bits == 16 ? 16384.0f : 64.0f) : e == 0 ? -Q : q;
-            if (Y[0][e] != want || q != q_hand || Y[1][e] != 0.0f || Y[2][e] != 0.0f) {
+            if (Y[0][e] != want || q != q_hand || Y[1][e] != 0.0f || Y[2][e] != 0.0f ||
+                !isnan(Y[3][e]) || !isnan(Y[4][e])) {
                 fprintf(stderr, "  %s act %d element %d: %.9g (want %.9g), %g, %g\n",
                         variants[vi].name, bits, e, (double)Y[0][e], (double)want,
                         (double)Y[1][e], (double)Y[2][e]);

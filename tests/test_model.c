@@ -5,6 +5,7 @@
  * Python (python/tests/test_model.py). */
 #define _POSIX_C_SOURCE 200809L /* mkstemp, fdopen */
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -302,6 +303,63 @@ TEST(tiny_engine_batched_equals_alone) {
     return 0;
 }
 
+/* core.h promises the runtime (prefill, decode, matrix products) works in
+ * 256 KiB of stack: kvc_model_eval with prefill and decode rows and 2
+ * threads, on a thread created with exactly that (8x under sanitizers,
+ * which grow every frame), on every ISA, same logits as on the main thread. */
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define SMALL_STACK_KIB 2048
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define SMALL_STACK_KIB 2048
+#endif
+#endif
+#ifndef SMALL_STACK_KIB
+#define SMALL_STACK_KIB 256
+#endif
+
+typedef struct eval_job {
+    const kvc_model *m;
+    const int32_t *tok;
+    int64_t n;
+    float *logits;
+    kvc_status st;
+} eval_job;
+
+static void *eval_thread(void *arg) {
+    eval_job *j = arg;
+    j->st = kvc_model_eval(j->m, j->tok, j->n, j->n - 3, KVC_I8, j->logits, 2);
+    return NULL;
+}
+
+TEST(tiny_eval_in_256k_of_stack) {
+    NEED_TINY(m);
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    int32_t tok[40];
+    for (int i = 0; i < 40; i++) tok[i] = (int32_t)((i * 29 + 3) % in.n_vocab);
+    const size_t bytes = (size_t)40 * (size_t)in.n_vocab * sizeof(float);
+    float *want = malloc(bytes), *got = malloc(bytes);
+    ASSERT_TRUE(want && got);
+    FOR_EACH_ISA({
+        ASSERT_OK(kvc_model_eval(m, tok, 40, 37, KVC_I8, want, 2));
+        eval_job j = {m, tok, 40, got, KVC_ERR_INTERNAL};
+        pthread_attr_t attr;
+        pthread_t th;
+        ASSERT_TRUE(pthread_attr_init(&attr) == 0);
+        ASSERT_TRUE(pthread_attr_setstacksize(&attr, (size_t)SMALL_STACK_KIB << 10) == 0);
+        ASSERT_TRUE(pthread_create(&th, &attr, eval_thread, &j) == 0);
+        pthread_join(th, NULL);
+        pthread_attr_destroy(&attr);
+        ASSERT_OK(j.st);
+        ASSERT_MEM_EQ(got, want, bytes);
+    });
+    free(want);
+    free(got);
+    kvc_model_destroy(m);
+    return 0;
+}
+
 /* A prompt chunk's reservation that preempts a request already in the step's
  * batch and still does not fit: the batch must lose the preempted request
  * (it used to be forwarded with its freed sequence: "unknown sequence").
@@ -534,6 +592,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(load_errors),
     TEST_ENTRY(tiny_info_and_eval),
     TEST_ENTRY(tiny_cache_equals_recompute),
+    TEST_ENTRY(tiny_eval_in_256k_of_stack),
     TEST_ENTRY(tiny_engine_batched_equals_alone),
     TEST_ENTRY(tiny_engine_preemption_inside_prompt_chunks),
     TEST_ENTRY(tiny_engine_failed_step_changes_nothing),

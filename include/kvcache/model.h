@@ -94,6 +94,9 @@ KVC_API kvc_cache_params kvc_model_cache_params(const kvc_model *model, kvc_dtyp
  *   want_logits  (sum n) uint8 or NULL (= the last row of each sequence)
  *   logits       (rows wanted, n_vocab) float32, in row order
  * A context holds the step's scratch (grown as needed, reused across steps).
+ * KVC_ERR_CORRUPT if a layer's queries, keys or values are not finite (NaN
+ * or Inf weights): earlier layers' K/V are then written, later ones not, so
+ * roll the rows' slots back (kvc_cache_rollback) before reusing them.
  */
 typedef struct kvc_model_ctx kvc_model_ctx;
 
@@ -183,9 +186,10 @@ typedef struct kvc_engine_event {
  * prefix cache) and it is requeued at the front, to be recomputed later.
  * Writes one event per token generated (at most cap; *n_events the count;
  * KVC_ERR_INVALID_ARG if cap < min(running + queued requests, max_running),
- * the most that can run this step). A step that fails commits nothing (no
- * token, no event; preemptions aside): e.g. NaN logits from a broken model
- * fail every step naming the request, which kvc_engine_cancel removes.
+ * the most that can run this step). A step that fails commits nothing but
+ * its preemptions (no token, no event; requests it admitted are queued
+ * again): e.g. NaN logits from a broken model fail every step naming the
+ * request, which kvc_engine_cancel removes.
  */
 KVC_API kvc_status kvc_engine_step(kvc_engine *engine, kvc_engine_event *events, int64_t cap,
                                    int64_t *n_events);

@@ -119,7 +119,8 @@ KVC_API kvc_status kvc_pmx_dynamic_key_value_cache(
  *                  >= Sum kv) or (num_heads, Sum seq, >= Sum kv); batch b
  *                  uses [.., seqstarts[b]:seqstarts[b+1],
  *                  kvstarts[b]:kvstarts[b+1]] (-inf masks a key; finite
- *                  values, -FLT_MAX padding included, only rank keys)
+ *                  values, -FLT_MAX padding included, never do: those
+ *                  beyond +-FLT_MAX / log2(e) all count as +-FLT_MAX)
  *   attn_output    (seqstarts[B], num_heads, Dh), dtype of query
  * Everything (attention inputs included) is validated before the store: a
  * failed call changes neither cache, scale nor attn_output. int8/int4

@@ -262,7 +262,7 @@ def dynamic_multi_head_cache_attention(query, current_key, current_value, seqsta
         attn_mask: optional additive mask, float32/float16 (bfloat16 is
             converted to float32, exactly), (seqstarts[B], >= kvstarts[B])
             or (num_heads, seqstarts[B], >= kvstarts[B]); -inf hides a key
-            (finite values, np.finfo(np.float32).min included, only rank keys).
+            (finite values, np.finfo(np.float32).min included, never do).
         num_heads, head_dim: required; is_causal (default True);
         num_kv_heads (0: num_heads; divides num_heads); num_layer,
         layer_idx, quant_bit (0/8/4), quant_group, cache_mode (0/1),

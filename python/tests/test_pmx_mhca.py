@@ -259,8 +259,9 @@ def test_mhca_huge_finite_mask_values_rank_keys(isa):
 def test_mhca_lengths_the_store_refuses_allocate_nothing_large():
     """kv lengths of 2^31 - 1 per batch that disagree with start_pos + seqlen
     are an argument error, not an out-of-memory after sizing the page list
-    from them (64 GiB here)."""
-    B = 4
+    from them (1 TiB here: more than overcommit grants, so the old code
+    failed with out-of-memory)."""
+    B = 64
     x = np.ones((B, 1, 8), F32)
     cache = np.zeros((16, 1, 2, 1, 8), F32)
     kvs = np.arange(B + 1, dtype=np.int64) * (2**31 - 1)

@@ -102,9 +102,10 @@ kvc_status kvc_threadpool_create(int n_threads, kvc_threadpool **out) {
             kvc_threadpool_destroy(p);
             return kvc__error(KVC_ERR_NOMEM, "kvc_threadpool_create: out of memory");
         }
-        /* Kernels keep their per-task state on the stack (up to ~300 KiB,
-         * core.h): workers get at least KVC__WORKER_STACK whatever the C
-         * library's default (musl's is 128 KiB; glibc's follows ulimit -s). */
+        /* Kernels keep their per-task state on the stack (about 200 KiB at
+         * most; callers need 256 KiB, core.h): workers get at least
+         * KVC__WORKER_STACK whatever the C library's default (musl's is 128
+         * KiB; glibc's follows ulimit -s). */
         pthread_attr_t attr;
         size_t stack = 0;
         const int have_attr = pthread_attr_init(&attr) == 0;

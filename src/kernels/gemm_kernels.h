@@ -66,7 +66,8 @@
  *   amax < 2^-120 (zero included): d = 0, q[e] = 0
  *   else: d = amax / Q, id = Q / amax (float32 divisions),
  *         q[e] = round_half_even(x[e] * id) (float32 product; |q| <= Q)
- * X must be finite.
+ *   any x[e] NaN or +-Inf: d = NaN, q[e] = 0 (the block's products are NaN,
+ *   as in float arithmetic, instead of integers converted from NaN)
  */
 #define KVC_GEMM_QK 32 /* elements per block, every quantized type */
 

@@ -328,7 +328,8 @@ static int run_case(att_run *r, att_shape s, int64_t B, int64_t L, kvc_kv_layout
                    "\"lane_ops\":%.0f,\"fma_ratio\":%.4f,"
                    "\"speedup_vs_f16\":%.3f,\"goal\":\"%s\",\"goal_met\":%s}\n",
                    (long long)s.Hq, (long long)s.H, (long long)s.D, lay, c.name,
-                   (long long)r->group, o->soft_cap, (long long)c.B, (long long)c.L, (long long)c.layers, nt,
+                   (long long)r->group, o->soft_cap, (long long)c.B, (long long)c.L,
+                   (long long)c.layers, nt,
                    kvc_isa_name(kvc_get_isa()), us, tm.min_s * 1e6, c.kv_bytes, gbs, rd, ratio,
                    fps * 1e-9, c.lane_ops, fma_ratio, speed, goal,
                    met < 0 ? "null" : met ? "true" : "false");

@@ -151,7 +151,9 @@ int cmd_bench_serve(int argc, char **argv) {
     }
     kvc_model_info info;
     kvc_model_get_info(model, &info);
-    if (prompt_len + gen > info.n_ctx_train) { /* as `kvcache run` refuses such prompts */
+    /* positions past the trained context would time a model outside its
+     * range (`kvcache run` refuses such prompts and shortens -n instead) */
+    if (prompt_len + gen > info.n_ctx_train) {
         kvc_model_destroy(model);
         return cli_usage_error(cmd, "--prompt-len %lld + --gen %lld exceed the model's trained "
                                "context of %d tokens", (long long)prompt_len, (long long)gen,
@@ -252,7 +254,8 @@ int cmd_bench_serve(int argc, char **argv) {
                            "\"kv_bytes_per_token\": %lld, \"cached_tokens\": %lld, "
                            "\"preemptions\": %lld}\n",
                            kvc_isa_name(kvc_get_isa()), kvc_dtype_name(ep.kv_dtype),
-                           (long long)B, (long long)prompt_len, (long long)gen, shared ? "true" : "false", (long long)step_tokens,
+                           (long long)B, (long long)prompt_len, (long long)gen,
+                           shared ? "true" : "false", (long long)step_tokens,
                            (int)threads, pre_s, pre_tps, s.decode_seconds, dec_tps, dec_b,
                            (long long)s.kv_bytes_per_token, (long long)s.cached_tokens,
                            (long long)s.preemptions);
