@@ -503,4 +503,27 @@ def test_template_limits():
         with pytest.raises(kvcache.UnsupportedError, match="deep"):
             kvcache.render_chat_template(chain, [])
     assert kvcache.render_chat_template("{{ 1" + " + 1" * 900 + " }}", []) == "901"
+    # string work is capped too: a short loop over a 10 MB string is refused
+    # (with the 50-million-step cap alone it could run for weeks)
+    slow = "{% set h = 'a' * 10000000 %}{% for i in range(1000) %}{% if 'b' in h %}" \
+           "{% endif %}{% endfor %}"
+    with pytest.raises(kvcache.InvalidArgumentError, match="line 1: string operations over"):
+        kvcache.render_chat_template(slow, [])
+
+
+def test_template_search_and_strip_on_adversarial_strings():
+    """Substring search and strip(chars) on inputs where a naive scan is
+    n * m ('aaa...ab' in 'aaa...a'): the same answers as Python/jinja2."""
+    cases = {
+        "{% set h = 'a' * 200000 %}{% set n = 'a' * 100000 + 'b' %}{{ n in h }}": "False",
+        "{% set h = 'a' * 200000 + 'b' %}{% set n = 'a' * 100000 + 'b' %}{{ n in h }}": "True",
+        "{% set h = 'a' * 50000 %}{% set c = 'b' * 50000 + 'a' %}{{ h.strip(c)|length }}": "0",
+        "{% set h = 'xa' * 1000 + 'y' %}{{ h.rstrip('zzzzya')|length }}": "1999",
+        "{{ ('ab' * 50000).split('b')|length }}": "50001",
+        "{{ ('aab' * 3).replace('ab', 'X') }}": "aXaXaX",
+        "{{ 'é-é'.strip('é') }} {{ '  x '.strip() }}": "- x",
+    }
+    for template, want in cases.items():
+        assert kvcache.render_chat_template(template, []) == want, template
+        assert _jinja(template, [], False) == want, template
     assert kvcache.render_chat_template("{% set x %}{% endset %}[{{ x }}]", []) == "[]"

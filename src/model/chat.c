@@ -31,7 +31,11 @@
  * Memory: everything (tokens, AST, values, strings) lives in one arena freed
  * at the end of the call; output and arena are capped so no template can
  * exhaust memory, and parser nesting is capped so none can exhaust the stack.
+ * Time (templates come from model files): loop iterations are capped, and
+ * so are the bytes string operations go through (MAX_WORK); substring
+ * search and strip(chars) are linear-ish, not n * m.
  */
+#define _GNU_SOURCE /* memmem */
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -47,6 +51,7 @@
 #define MAX_EVAL_DEPTH 1000                   /* expression tree depth when evaluated */
 #define MAX_BYTES ((size_t)256 << 20)         /* arena and output, each */
 #define MAX_STEPS ((int64_t)50 * 1000 * 1000) /* loop iterations, all loops */
+#define MAX_WORK ((int64_t)4 << 30) /* bytes searched, stripped, split, copied: a few s */
 
 /* ---- arena ------------------------------------------------------------------ */
 
@@ -205,6 +210,8 @@ typedef struct ctx {
     char *out;
     size_t out_n, out_cap;
     int64_t steps;
+    int64_t work;     /* bytes string operations went through (MAX_WORK) */
+    const node *cur;  /* the node being evaluated or executed (error lines) */
     int loop_ctl; /* 1 break, 2 continue, pending */
     /* globals */
     value messages, add_generation_prompt, bos_token, eos_token;
@@ -226,6 +233,18 @@ static kvc_status syntax_error(ctx *c, const token *t, const char *fmt, ...) {
 static kvc_status nomem(void) {
     return kvc__error(KVC_ERR_NOMEM, "chat template: out of memory (or over the %zu MiB limit)",
                       MAX_BYTES >> 20);
+}
+
+/* Counts bytes a string operation goes through: a loop of 50 million steps
+ * over 100 MB strings would otherwise run for weeks within every cap. */
+static kvc_status runtime_error(const node *n, const char *fmt, ...) KVC_PRINTF(2, 3);
+
+static kvc_status charge(ctx *c, size_t bytes) {
+    c->work += (int64_t)(bytes < (size_t)MAX_WORK ? bytes : (size_t)MAX_WORK);
+    if (c->work > MAX_WORK)
+        return runtime_error(c->cur, "string operations over %lld GiB in all (a template this "
+                             "expensive is refused)", (long long)(MAX_WORK >> 30));
+    return KVC_OK;
 }
 
 #define ALLOC(c, ptr, count)                                                                       \
@@ -1186,7 +1205,6 @@ static kvc_status parse_block(ctx *c, const char *const *stop, int n_stop, node 
 
 /* ---- evaluation helpers ------------------------------------------------------ */
 
-static kvc_status runtime_error(const node *n, const char *fmt, ...) KVC_PRINTF(2, 3);
 static kvc_status runtime_error(const node *n, const char *fmt, ...) {
     char msg[256];
     va_list ap;
@@ -1216,6 +1234,7 @@ typedef struct sbuf {
 } sbuf;
 
 static kvc_status sb_put(ctx *c, sbuf *b, const char *p, size_t n) {
+    KVC_TRY(charge(c, n));
     if (b->n + n > b->cap) {
         size_t cap = b->cap ? b->cap : 64;
         while (cap < b->n + n) cap *= 2;
@@ -1582,26 +1601,44 @@ static kvc_status map_case(ctx *c, str s, char mode, value *out) {
     return KVC_OK;
 }
 
-/* Python strip/lstrip/rstrip: chars NULL strips str.isspace() code points. */
-static str strip_str(str s, const str *chars, int left, int right) {
+static int cmp_u32(const void *x, const void *y) {
+    const uint32_t a = *(const uint32_t *)x, b = *(const uint32_t *)y;
+    return (a > b) - (a < b);
+}
+
+/* The code points of chars, sorted (set->n 0 if there are none), so that
+ * strip(chars) looks each code point up instead of scanning chars (n * m). */
+typedef struct cp_set {
+    uint32_t *cp;
+    size_t n;
+} cp_set;
+
+static kvc_status cp_set_make(ctx *c, str chars, cp_set *set) {
+    ALLOC(c, set->cp, chars.n * sizeof(uint32_t) + sizeof(uint32_t));
+    set->n = 0;
+    for (size_t j = 0; j < chars.n;) {
+        int l2;
+        set->cp[set->n++] = kvc__utf8_decode((const unsigned char *)chars.p + j, chars.n - j, &l2);
+        j += (size_t)l2;
+    }
+    qsort(set->cp, set->n, sizeof(uint32_t), cmp_u32);
+    return KVC_OK;
+}
+
+static int strip_hit(uint32_t cp, const cp_set *set) {
+    if (!set) return kvc__py_isspace(cp);
+    return set->n && bsearch(&cp, set->cp, set->n, sizeof(uint32_t), cmp_u32) != NULL;
+}
+
+/* Python strip/lstrip/rstrip: set NULL strips str.isspace()
+ * code points, else those in the set. */
+static str strip_set(str s, const cp_set *set, int left, int right) {
     size_t a = 0, b = s.n;
     for (;;) { /* from the left */
         if (!left || a >= b) break;
         int len;
         uint32_t cp = kvc__utf8_decode((const unsigned char *)s.p + a, b - a, &len);
-        int hit = 0;
-        if (!chars) {
-            hit = kvc__py_isspace(cp);
-        } else {
-            for (size_t j = 0; j < chars->n;) {
-                int l2;
-                uint32_t q =
-                    kvc__utf8_decode((const unsigned char *)chars->p + j, chars->n - j, &l2);
-                if (q == cp) hit = 1;
-                j += (size_t)l2;
-            }
-        }
-        if (!hit) break;
+        if (!strip_hit(cp, set)) break;
         a += (size_t)len;
     }
     while (right && b > a) { /* from the right: find the last code point's start */
@@ -1613,34 +1650,39 @@ static str strip_str(str s, const str *chars, int left, int right) {
             st = b - 1;
             cp = kvc__utf8_decode((const unsigned char *)s.p + st, 1, &len);
         }
-        int hit = 0;
-        if (!chars) {
-            hit = kvc__py_isspace(cp);
-        } else {
-            for (size_t j = 0; j < chars->n;) {
-                int l2;
-                uint32_t q =
-                    kvc__utf8_decode((const unsigned char *)chars->p + j, chars->n - j, &l2);
-                if (q == cp) hit = 1;
-                j += (size_t)l2;
-            }
-        }
-        if (!hit) break;
+        if (!strip_hit(cp, set)) break;
         b = st;
     }
     str r = {s.p + a, b - a};
     return r;
 }
 
+/* strip_set for whitespace (no set). */
+static str strip_str(str s, int left, int right) {
+    return strip_set(s, NULL, left, right);
+}
+
+/* strip/lstrip/rstrip with chars (NULL: whitespace) as the template calls
+ * them: the chars made into a set first, the bytes charged to MAX_WORK. */
+static kvc_status strip_chars(ctx *c, str s, const str *chars, int left, int right, str *out) {
+    KVC_TRY(charge(c, s.n + (chars ? chars->n : 0)));
+    cp_set set = {NULL, 0};
+    if (chars) KVC_TRY(cp_set_make(c, *chars, &set));
+    *out = strip_set(s, chars ? &set : NULL, left, right);
+    return KVC_OK;
+}
+
+/* First occurrence of needle in hay at or after from (memmem: linear, not
+ * n * m as a naive scan is on 'aaa...ab' needles). */
 static const char *find_sub(str hay, str needle, size_t from) {
     if (needle.n == 0) return hay.p + from;
-    for (size_t i = from; i + needle.n <= hay.n; i++)
-        if (memcmp(hay.p + i, needle.p, needle.n) == 0) return hay.p + i;
-    return NULL;
+    if (from > hay.n || needle.n > hay.n - from) return NULL;
+    return memmem(hay.p + from, hay.n - from, needle.p, needle.n);
 }
 
 static kvc_status str_replace(ctx *c, const node *n, str s, str old, str rep, int64_t count,
                               value *out) {
+    KVC_TRY(charge(c, s.n)); /* the search; sb_put charges the copies */
     sbuf b = {NULL, 0, 0};
     if (old.n == 0) { /* Python inserts rep around every character */
         value chars;
@@ -1670,6 +1712,7 @@ static kvc_status str_replace(ctx *c, const node *n, str s, str old, str rep, in
 /* Python str.split(sep=None, maxsplit=-1). */
 static kvc_status str_split(ctx *c, const node *n, str s, const value *sep, int64_t maxsplit,
                             value *out) {
+    KVC_TRY(charge(c, s.n));
     KVC_TRY(new_list(c, 4, out));
     if (!sep || sep->t == V_NONE) {
         size_t i = 0;
@@ -1679,7 +1722,7 @@ static kvc_status str_split(ctx *c, const node *n, str s, const value *sep, int6
             while (i < s.n && space_at(s.p, s.n, i, &len)) i += (size_t)len;
             if (i >= s.n) break;
             if (maxsplit >= 0 && splits >= maxsplit) {
-                str rest = strip_str((str){s.p + i, s.n - i}, NULL, 0, 1);
+                str rest = strip_str((str){s.p + i, s.n - i}, 0, 1);
                 KVC_TRY(list_push(c, out->u.l, v_str(rest.p, rest.n)));
                 break;
             }
@@ -1706,6 +1749,7 @@ static kvc_status str_split(ctx *c, const node *n, str s, const value *sep, int6
 
 static kvc_status concat(ctx *c, str a, str b, value *out) {
     if (a.n + b.n > MAX_BYTES) return nomem();
+    KVC_TRY(charge(c, a.n + b.n));
     char *p;
     ALLOC(c, p, a.n + b.n + 1);
     if (a.n) memcpy(p, a.p, a.n);
@@ -1848,8 +1892,9 @@ static kvc_status call_method(ctx *c, const node *n, const value *obj, str m, co
             const value *ch = arg(a, 0, "chars");
             str chars = {NULL, 0};
             if (ch && ch->t != V_NONE) KVC_TRY(want_str(n, ch, "strip() chars", &chars));
-            str r =
-                strip_str(s, ch && ch->t != V_NONE ? &chars : NULL, m.p[0] != 'r', m.p[0] != 'l');
+            str r;
+            KVC_TRY(strip_chars(c, s, ch && ch->t != V_NONE ? &chars : NULL, m.p[0] != 'r',
+                                m.p[0] != 'l', &r));
             *out = v_str(r.p, r.n);
             return KVC_OK;
         }
@@ -2039,7 +2084,7 @@ static kvc_status eval_filter(ctx *c, const node *n, value *out) {
         const value *d = arg(&a, 0, "default");
         *out = d ? *d : v_int(0);
         if (x.t == V_STR) { /* Python int(): optional sign, digits, surrounding spaces */
-            str t = strip_str(x.u.s, NULL, 1, 1);
+            str t = strip_str(x.u.s, 1, 1);
             size_t i = 0;
             int neg = 0;
             if (i < t.n && (t.p[i] == '+' || t.p[i] == '-')) neg = t.p[i++] == '-';
@@ -2062,7 +2107,8 @@ static kvc_status eval_filter(ctx *c, const node *n, value *out) {
         const value *ch = arg(&a, 0, "chars");
         str chars = {NULL, 0};
         if (ch && ch->t != V_NONE) KVC_TRY(want_str(n, ch, "trim() chars", &chars));
-        str r = strip_str(s, ch && ch->t != V_NONE ? &chars : NULL, 1, 1);
+        str r;
+        KVC_TRY(strip_chars(c, s, ch && ch->t != V_NONE ? &chars : NULL, 1, 1, &r));
         *out = v_str(r.p, r.n);
         return KVC_OK;
     }
@@ -2177,9 +2223,9 @@ static kvc_status arith(ctx *c, const node *n, const value *a, const value *b, v
 }
 
 static kvc_status contains(ctx *c, const node *n, const value *x, const value *coll, int *r) {
-    (void)c;
     if (coll->t == V_STR) {
         if (x->t != V_STR) return runtime_error(n, "'in <string>' requires a string on the left");
+        KVC_TRY(charge(c, coll->u.s.n));
         *r = find_sub(coll->u.s, x->u.s, 0) != NULL;
     } else if (coll->t == V_LIST) {
         *r = 0;
@@ -2233,6 +2279,7 @@ static kvc_status eval_node(ctx *c, const node *n, value *out);
  * operator chains build trees as deep as they are long (a 100k-link chain
  * overflowed the stack): evaluation depth is bounded here. */
 static kvc_status eval(ctx *c, const node *n, value *out) {
+    c->cur = n;
     if (c->eval_depth >= MAX_EVAL_DEPTH)
         return kvc__error(KVC_ERR_UNSUPPORTED,
                           "chat template, line %d: expression nested too deeply (chains of more "
@@ -2413,6 +2460,7 @@ static kvc_status exec_for(ctx *c, const node *n) {
 
 static kvc_status exec(ctx *c, const node *n) {
     value v;
+    c->cur = n;
     switch (n->k) {
     case S_BLOCK:
         for (size_t i = 0; i < n->nv && !c->loop_ctl; i++) KVC_TRY(exec(c, n->v[i]));
