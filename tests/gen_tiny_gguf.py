@@ -17,8 +17,12 @@ def main():
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
-    # GQA (4 query / 2 KV heads) and the writer's default mix of weight types
-    mod.write_tiny_llama(out, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, seed=3)
+    # GQA (4 query / 2 KV heads) and the writer's default mix of weight types;
+    # attention weighted up so that generated tokens depend on the context
+    # (at gain 1 they follow the last token alone, and the engine tests could
+    # not tell K/V read from the cache from garbage)
+    mod.write_tiny_llama(out, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, seed=3,
+                         attn_gain=4.0)
 
 
 if __name__ == "__main__":

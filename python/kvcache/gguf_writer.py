@@ -527,6 +527,7 @@ def write_tiny_llama(
     rms_eps: float = 1e-5,
     weight_types: str | Mapping[str, str] | None = None,
     seed: int = 0,
+    attn_gain: float = 1.0,
     tied_output: bool = True,
     vocab: tuple[Sequence[str], Sequence[str]] | None = None,
     version: int = 3,
@@ -561,6 +562,9 @@ def write_tiny_llama(
     weight_types: one type for every matrix, or {short name or tensor name
     (with or without ".weight"): type} overriding DEFAULT_WEIGHT_TYPES (short names: token_embd,
     attn_q, attn_k, attn_v, attn_output, ffn_gate, ffn_up, ffn_down, output).
+    attn_gain: a factor on the attn_v and attn_output weights (1: the usual
+    1/sqrt(fan-in) scale, at which a 2-layer model's next token follows the
+    last token alone; 4 makes it depend on the context).
     """
     if n_embd % n_head or n_head % n_head_kv:
         raise ValueError("n_embd must divide by n_head and n_head by n_head_kv")
@@ -661,6 +665,8 @@ def write_tiny_llama(
         else:
             t = type_of(name)
             scale = 1.0 if name == "token_embd.weight" else 1.0 / np.sqrt(shape[1])
+            if name.endswith(("attn_v.weight", "attn_output.weight")):
+                scale *= attn_gain  # > 1: the context weighs more against the token
             x = scale * rng.standard_normal(shape)
         x = x.astype(np.float32)
         code = GGMLType.parse(t)
