@@ -20,9 +20,10 @@ def main():
     # GQA (4 query / 2 KV heads) and the writer's default mix of weight types;
     # attention weighted up so that generated tokens depend on the context
     # (at gain 1 they follow the last token alone, and the engine tests could
-    # not tell K/V read from the cache from garbage)
+    # not tell K/V read from the cache from garbage); an output matrix of its
+    # own, so that one token's embedding can be broken without its logit
     mod.write_tiny_llama(out, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, seed=3,
-                         attn_gain=4.0)
+                         attn_gain=4.0, tied_output=False)
 
 
 if __name__ == "__main__":

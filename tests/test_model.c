@@ -392,10 +392,11 @@ TEST(tiny_engine_preemption_inside_prompt_chunks) {
     return 0;
 }
 
-/* The tiny model with tensor[0] = NaN (an F32 tensor), written to a temp
- * file: output_norm.weight makes every logit NaN (kvc_sample fails inside
- * kvc_engine_step); blk.1.attn_norm.weight makes layer 1's q/k/v NaN, which
- * kvc_model_forward refuses after layer 0 stored its K/V. */
+/* The tiny model with tensor[0] = NaN (F32, or a Q8_0 block scale),
+ * written to a temp file: output_norm.weight makes every logit NaN
+ * (kvc_sample fails inside kvc_engine_step); blk.1.attn_norm.weight makes
+ * layer 1's q/k/v NaN, which kvc_model_forward refuses after layer 0 stored
+ * its K/V; token_embd.weight does so for token 0 only, at layer 0. */
 static kvc_model *nan_model(const char *tiny, const char *tensor) {
     FILE *f = fopen(tiny, "rb");
     if (!f) return NULL;
@@ -409,12 +410,18 @@ static kvc_model *nan_model(const char *tiny, const char *tensor) {
         kvc_gguf_tensor t;
         if (kvc_gguf_open_memory(buf, (size_t)size, &g) == KVC_OK) {
             int64_t i = kvc_gguf_find_tensor(g, tensor);
-            if (i >= 0 && kvc_gguf_get_tensor(g, i, &t) == KVC_OK && t.type == 0 /* F32 */) {
+            /* F32: element 0; Q8_0: the scale of block 0 (row 0's first 32) */
+            if (i >= 0 && kvc_gguf_get_tensor(g, i, &t) == KVC_OK && (t.type == 0 || t.type == 8)) {
                 const size_t off = (size_t)((const unsigned char *)t.data - buf);
                 const float nan = NAN;
+                const uint16_t nan16 = 0x7e00;
+                const int f32 = t.type == 0;
                 kvc_gguf_close(g);
                 g = NULL;
-                memcpy(buf + off, &nan, sizeof nan);
+                if (f32)
+                    memcpy(buf + off, &nan, sizeof nan);
+                else
+                    memcpy(buf + off, &nan16, sizeof nan16);
                 char path[] = "/tmp/kvc_test_nan_XXXXXX";
                 int fd = mkstemp(path);
                 FILE *o = fd >= 0 ? fdopen(fd, "wb") : NULL;
@@ -517,6 +524,54 @@ TEST(tiny_engine_failed_forward_leaves_no_page_findable) {
     return 0;
 }
 
+/* A failed step with a request admitted in an earlier step running: token 0
+ * embeds to NaN, so the step that admits a prompt holding it fails while A
+ * decodes. A must be rolled back to its computed tokens and, once the bad
+ * request is cancelled, finish with exactly the tokens it gets alone. */
+TEST(tiny_engine_failed_step_rolls_back_running_requests) {
+    NEED_TINY(good);
+    kvc_model_destroy(good);
+    kvc_model *m = nan_model(getenv("KVC_TINY_GGUF"), "token_embd.weight");
+    ASSERT_TRUE(m != NULL);
+    kvc_engine_params ep = kvc_engine_default_params();
+    ep.page_size = 4;
+    ep.kv_capacity_tokens = 128;
+    const int32_t a[11] = {5, 17, 29, 41, 53, 65, 77, 89, 101, 113, 125};
+    const int32_t bad[6] = {9, 8, 0, 7, 6, 5};
+    const int len_a = 11, max_a = 8;
+    int32_t alone[1][16] = {{0}};
+    ASSERT_TRUE(run_engine(m, ep, 1, a, &len_a, &max_a, alone, NULL) == 0);
+    kvc_engine *e;
+    ASSERT_OK(kvc_engine_create(m, &ep, &e));
+    int64_t id_a, id_b;
+    ASSERT_OK(kvc_engine_add_request(e, a, len_a, max_a, NULL, 1, &id_a));
+    kvc_engine_event ev[2];
+    int64_t ne;
+    int32_t got[16];
+    int n_got = 0;
+    ASSERT_OK(kvc_engine_step(e, ev, 2, &ne)); /* A's prompt and first token */
+    ASSERT_EQ_I64(ne, 1);
+    got[n_got++] = ev[0].token;
+    ASSERT_OK(kvc_engine_add_request(e, bad, 6, 4, NULL, 1, &id_b));
+    for (int k = 0; k < 2; k++) { /* A's decode row + B's admission: fails, twice */
+        ASSERT_STATUS(kvc_engine_step(e, ev, 2, &ne), KVC_ERR_CORRUPT);
+        ASSERT_STR_CONTAINS(kvc_last_error(), "layer 0");
+        ASSERT_EQ_I64(kvc_engine_pending(e), 2);
+        ASSERT_OK(kvc_cache_check(kvc_engine_cache(e)));
+    }
+    ASSERT_OK(kvc_engine_cancel(e, id_b));
+    while (kvc_engine_pending(e) > 0) {
+        ASSERT_OK(kvc_engine_step(e, ev, 2, &ne));
+        for (int64_t i = 0; i < ne; i++)
+            if (ev[i].request_id == id_a && n_got < 16) got[n_got++] = ev[i].token;
+    }
+    ASSERT_EQ_I64(n_got, max_a);
+    ASSERT_MEM_EQ(got, alone[0], (size_t)max_a * sizeof(int32_t));
+    kvc_engine_destroy(e);
+    kvc_model_destroy(m);
+    return 0;
+}
+
 TEST(tiny_engine_errors_and_cancel) {
     NEED_TINY(m);
     kvc_engine_params ep = kvc_engine_default_params();
@@ -597,6 +652,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(tiny_engine_preemption_inside_prompt_chunks),
     TEST_ENTRY(tiny_engine_failed_step_changes_nothing),
     TEST_ENTRY(tiny_engine_failed_forward_leaves_no_page_findable),
+    TEST_ENTRY(tiny_engine_failed_step_rolls_back_running_requests),
     TEST_ENTRY(tiny_engine_errors_and_cancel),
     {0, 0},
 };

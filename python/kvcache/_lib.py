@@ -14,7 +14,6 @@ Nothing here is public API; use the functions re-exported by ``kvcache``.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -451,37 +450,43 @@ class Lifetime:
     ``with life.use():`` (raising InvalidArgumentError "<what> is closed"
     once closed); close() refuses new calls, waits for those running, and
     returns True to the one caller that must then free the object. Do not
-    close from inside a call on the same thread (it would wait forever)."""
+    close from inside a call on the same thread (it would wait forever).
+    A use is two acquisitions of a plain lock (~0.2 us): no generator, and an
+    Event only once a close() is waiting."""
 
-    __slots__ = ("_cv", "_n", "_closed", "_what")
+    __slots__ = ("_lock", "_n", "_closed", "_what", "_idle")
 
     def __init__(self, what: str):
-        self._cv = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
         self._n = 0
         self._closed = False
         self._what = what
+        self._idle = None  # set by close() while calls are running
 
-    @contextlib.contextmanager
-    def use(self):
-        with self._cv:
+    def use(self) -> "Lifetime":
+        return self
+
+    def __enter__(self) -> None:
+        with self._lock:
             if self._closed:
                 raise InvalidArgumentError(f"{self._what} is closed")
             self._n += 1
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._n -= 1
-                if self._n == 0:
-                    self._cv.notify_all()
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._n -= 1
+            if self._n == 0 and self._idle is not None:
+                self._idle.set()
 
     def close(self) -> bool:
-        with self._cv:
+        with self._lock:
             if self._closed:
                 return False
             self._closed = True
-            while self._n:
-                self._cv.wait()
+            if self._n == 0:
+                return True
+            self._idle = threading.Event()
+        self._idle.wait()
         return True
 
     @property
@@ -697,11 +702,12 @@ class Pool:
     ``lock``: at interpreter exit the pools are destroyed under their locks
     and ptr becomes None (the calling thread alone, as C's NULL pool)."""
 
-    __slots__ = ("ptr", "lock")
+    __slots__ = ("ptr", "lock", "n_threads")
 
-    def __init__(self, ptr):
+    def __init__(self, ptr, n_threads: int = 1):
         self.ptr = ptr
         self.lock = threading.Lock()
+        self.n_threads = n_threads  # what kvc_threadpool_n_threads(ptr) says
 
 
 _pools: dict[int, Pool] = {}
@@ -728,7 +734,7 @@ def threadpool(n_threads: int | None) -> Pool:
                 return Pool(None)
             ptr = ctypes.c_void_p()
             check(kvc_threadpool_create(n, ctypes.byref(ptr)))
-            entry = _pools[n] = Pool(ptr.value)
+            entry = _pools[n] = Pool(ptr.value, int(kvc_threadpool_n_threads(ptr.value)))
         return entry
 
 

@@ -204,9 +204,7 @@ def _kv_array(x, name: str):
 
 
 def _threads(num_threads) -> int:
-    pool = _lib.threadpool(num_threads)
-    with pool.lock:
-        return int(_lib.kvc_threadpool_n_threads(pool.ptr))
+    return _lib.threadpool(num_threads).n_threads
 
 
 # ---------------------------------------------------------------------------

@@ -215,7 +215,8 @@ class Model(_lib.NoCopy):
     def tokenizer_handle(self) -> int:
         """The C kvc_tokenizer pointer owned by the model (for C callers; from
         Python use ``tokenizer``)."""
-        return kvc_model_tokenizer(self._live())
+        with self._life.use():
+            return kvc_model_tokenizer(self._ptr)
 
     @property
     def tokenizer(self):
@@ -352,7 +353,8 @@ class Engine(_lib.NoCopy):
         p.max_running = _lib.int32_attr(max_running, "max_running")
         p.enable_prefix_caching = 1 if enable_prefix_caching else 0
         h = _vp()
-        _lib.check(kvc_engine_create(model._live(), ctypes.byref(p), ctypes.byref(h)))
+        with model._life.use():  # the engine reads the model's sizes
+            _lib.check(kvc_engine_create(model._ptr, ctypes.byref(p), ctypes.byref(h)))
         self._ptr = h.value
         self._max_running = p.max_running
         self._out: dict[int, list[int]] = {}

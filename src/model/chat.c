@@ -1422,6 +1422,13 @@ static kvc_status new_dict(ctx *c, size_t cap, value *out) {
     return KVC_OK;
 }
 
+/* What comparing or looking up v costs, for charge(): a string's bytes, a
+ * list's or dict's entries (their strings are charged as they are compared
+ * in turn only when equal in length, rare enough to leave out). */
+static size_t cost_of(const value *v) {
+    return v->t == V_STR ? v->u.s.n : v->t == V_LIST ? v->u.l->n : v->t == V_DICT ? v->u.d->n : 0;
+}
+
 static value *dict_find(dict *d, str key) {
     for (size_t i = 0; i < d->n; i++)
         if (d->keys[i].n == key.n && memcmp(d->keys[i].p, key.p, key.n) == 0) return &d->vals[i];
@@ -1613,8 +1620,9 @@ typedef struct cp_set {
     size_t n;
 } cp_set;
 
+/* set->cp: room for 64 code points, or NULL; the arena is used for more. */
 static kvc_status cp_set_make(ctx *c, str chars, cp_set *set) {
-    ALLOC(c, set->cp, chars.n * sizeof(uint32_t) + sizeof(uint32_t));
+    if (chars.n > 64 || !set->cp) ALLOC(c, set->cp, chars.n + 1); /* <= 1 code point a byte */
     set->n = 0;
     for (size_t j = 0; j < chars.n;) {
         int l2;
@@ -1666,7 +1674,8 @@ static str strip_str(str s, int left, int right) {
  * them: the chars made into a set first, the bytes charged to MAX_WORK. */
 static kvc_status strip_chars(ctx *c, str s, const str *chars, int left, int right, str *out) {
     KVC_TRY(charge(c, s.n + (chars ? chars->n : 0)));
-    cp_set set = {NULL, 0};
+    uint32_t local[64]; /* short chars (the usual case): no arena allocation per call */
+    cp_set set = {local, 0};
     if (chars) KVC_TRY(cp_set_make(c, *chars, &set));
     *out = strip_set(s, chars ? &set : NULL, left, right);
     return KVC_OK;
@@ -1775,6 +1784,7 @@ static kvc_status get_item(ctx *c, const node *n, const value *obj, const value 
     if (obj->t == V_UNDEF) return undefined_error(n->a);
     if (obj->t == V_DICT) {
         if (key->t == V_STR) {
+            KVC_TRY(charge(c, key->u.s.n));
             value *v = dict_find(obj->u.d, key->u.s);
             if (v) *out = *v;
         }
@@ -1900,6 +1910,7 @@ static kvc_status call_method(ctx *c, const node *n, const value *obj, str m, co
         }
         if (str_eq(m, "startswith") || str_eq(m, "endswith")) {
             KVC_TRY(want_str(n, arg(a, 0, "prefix"), "the prefix", &x));
+            KVC_TRY(charge(c, x.n));
             int hit = x.n <= s.n && memcmp(m.p[0] == 's' ? s.p : s.p + s.n - x.n, x.p, x.n) == 0;
             *out = v_bool(hit);
             return KVC_OK;
@@ -1927,6 +1938,7 @@ static kvc_status call_method(ctx *c, const node *n, const value *obj, str m, co
             str key = {NULL, 0};
             const value *dflt = arg(a, 1, "default");
             KVC_TRY(want_str(n, arg(a, 0, "key"), "get() key", &key));
+            KVC_TRY(charge(c, key.n));
             value *v = dict_find(d, key);
             *out = v ? *v : dflt ? *dflt : v_none();
             return KVC_OK;
@@ -2027,7 +2039,10 @@ static kvc_status eval_filter(ctx *c, const node *n, value *out) {
     }
     if (str_eq(f, "length") || str_eq(f, "count")) {
         switch (x.t) {
-        case V_STR: *out = v_int((int64_t)str_len_cp(x.u.s)); return KVC_OK;
+        case V_STR:
+            KVC_TRY(charge(c, x.u.s.n));
+            *out = v_int((int64_t)str_len_cp(x.u.s));
+            return KVC_OK;
         case V_LIST: *out = v_int((int64_t)x.u.l->n); return KVC_OK;
         case V_DICT: *out = v_int((int64_t)x.u.d->n); return KVC_OK;
         case V_UNDEF: *out = v_int(0); return KVC_OK;
@@ -2084,6 +2099,7 @@ static kvc_status eval_filter(ctx *c, const node *n, value *out) {
         const value *d = arg(&a, 0, "default");
         *out = d ? *d : v_int(0);
         if (x.t == V_STR) { /* Python int(): optional sign, digits, surrounding spaces */
+            KVC_TRY(charge(c, x.u.s.n));
             str t = strip_str(x.u.s, 1, 1);
             size_t i = 0;
             int neg = 0;
@@ -2181,7 +2197,11 @@ static kvc_status arith(ctx *c, const node *n, const value *a, const value *b, v
     if (op == '*' && ((a->t == V_STR && is_num(b)) || (is_num(a) && b->t == V_STR))) {
         str s = a->t == V_STR ? a->u.s : b->u.s;
         int64_t k = a->t == V_STR ? b->u.i : a->u.i;
-        if (k > 0 && s.n && (uint64_t)k > MAX_BYTES / s.n) return nomem();
+        if (k <= 0 || s.n == 0) { /* '' * 10**18 must not loop 10**18 times */
+            *out = v_str("", 0);
+            return KVC_OK;
+        }
+        if ((uint64_t)k > MAX_BYTES / s.n) return nomem();
         sbuf buf = {NULL, 0, 0};
         for (int64_t i = 0; i < k; i++) KVC_TRY(sb_put(c, &buf, s.p, s.n));
         *out = v_str(buf.p ? buf.p : "", buf.n);
@@ -2228,9 +2248,11 @@ static kvc_status contains(ctx *c, const node *n, const value *x, const value *c
         KVC_TRY(charge(c, coll->u.s.n));
         *r = find_sub(coll->u.s, x->u.s, 0) != NULL;
     } else if (coll->t == V_LIST) {
+        KVC_TRY(charge(c, (cost_of(x) + 1) * coll->u.l->n));
         *r = 0;
         for (size_t i = 0; i < coll->u.l->n && !*r; i++) *r = values_equal(x, &coll->u.l->items[i]);
     } else if (coll->t == V_DICT) {
+        KVC_TRY(charge(c, cost_of(x)));
         *r = x->t == V_STR && dict_find(coll->u.d, x->u.s) != NULL;
     } else if (coll->t == V_UNDEF) {
         *r = 0; /* iterating an undefined value gives nothing */
@@ -2248,6 +2270,7 @@ static kvc_status eval_cmp(ctx *c, const node *n, value *out) {
         KVC_TRY(eval(c, n->v[i], &right));
         str op = n->names[i];
         int r = 0;
+        KVC_TRY(charge(c, cost_of(&left) + cost_of(&right)));
         if (str_eq(op, "=="))
             r = values_equal(&left, &right);
         else if (str_eq(op, "!="))

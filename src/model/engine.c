@@ -272,12 +272,9 @@ static int preempt_newest(kvc_engine *e, const req *self) {
     if (vi < 0) return -1;
     req *v = e->run[vi];
     if (v == self) return 0;
+    if (!push(&e->wait, &e->n_wait, &e->cap_wait, v, 1)) return -2; /* first: v is never lost */
     drop_seq(e, v);
     remove_at(e->run, &e->n_run, vi);
-    if (!push(&e->wait, &e->n_wait, &e->cap_wait, v, 1)) {
-        req_free(v);
-        return -2;
-    }
     e->st.preemptions++;
     return 1;
 }
