@@ -423,10 +423,10 @@ def flag(x, name: str) -> bool:
 # ---------------------------------------------------------------------------
 # Threads. ctypes releases the GIL during C calls, so Python threads that share
 # an object run its C code at the same time. Objects whose C side is used by
-# one thread at a time (plans, engines, files) serialize their methods with
-# `locked`; shareable ones (models, tokenizers) count their calls in flight
-# with a Lifetime, so that close() waits for them instead of freeing the C
-# object under them.
+# one thread at a time (plans, engines) serialize their methods with
+# `locked`; shareable ones (models, tokenizers, GGUF files) count their calls
+# in flight with a Lifetime, so that close() waits for them instead of
+# freeing the C object under them.
 
 
 def locked(method):
@@ -451,8 +451,8 @@ class Lifetime:
     once closed); close() refuses new calls, waits for those running, and
     returns True to the one caller that must then free the object. Do not
     close from inside a call on the same thread (it would wait forever).
-    A use is two acquisitions of a plain lock (~0.2 us): no generator, and an
-    Event only once a close() is waiting."""
+    A use is two acquisitions of a plain lock: no generator, and an Event
+    only once a close() is waiting."""
 
     __slots__ = ("_lock", "_n", "_closed", "_what", "_idle")
 
