@@ -467,7 +467,7 @@ def test_template_errors():
         kvcache.render_chat_template("{{ raise_exception('boom') }}", msgs)
     for bad in ["{% macro m() %}{% endmacro %}", "{{ x | tojson }}", "{{ 1.5 }}", "{% if %}",
                 "{% for %}", "{{ ", "{% if true %}", "{{ a.b( }}", "{% endfor %}", "{{ 'a' is foo }}",
-                "{{ strftime_now('%Y') }}", "{{ (1, 2) }}", "{{ 1 / 2 }}", "{#"]:
+                "{{ strftime_now('%Y') }}", "{{ (1, 2) }}", "{{ 1 / 2 }}", "{#", "{{ 07 }}"]:
         with pytest.raises(kvcache.UnsupportedError):
             kvcache.render_chat_template(bad, msgs)
     for bad in ["{{ 'a' + 1 }}", "{{ undefined_x.y }}", "{{ 1 // 0 }}", "{% for x in 5 %}{% endfor %}",
@@ -481,7 +481,8 @@ def test_template_errors():
         with pytest.raises(kvcache.UnsupportedError, match="line 2"):
             kvcache.render_chat_template(bad, msgs)
     # as jinja2 renders them
-    for good in ["{{ +3 }} {{ - -2 }} {{ +true }}", "{% set ns = namespace(a=1) %}{{ ns }}"]:
+    for good in ["{{ +3 }} {{ - -2 }} {{ +true }}", "{% set ns = namespace(a=1) %}{{ ns }}",
+                 "{{ u is sequence }} {{ u is iterable }} {{ u is mapping }} {{ 00 }}"]:
         assert kvcache.render_chat_template(good, msgs) == _jinja(good, msgs, True), good
 
 

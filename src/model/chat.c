@@ -438,6 +438,8 @@ static kvc_status lex_tag(ctx *c, size_t *pos, int is_block, int *line, int *new
                  s[j] == 'b') &&
                 j + 1 < n && s[j + 1] != '.' && !(s[j] == '.' && is_name_start(s[j + 1])))
                 return syntax_error(c, NULL, "only decimal integer literals are supported");
+            if (s[i] == '0' && v != 0) /* as jinja2 (and Python 3): 07 is an error, 00 is 0 */
+                return syntax_error(c, NULL, "leading zeros in a decimal integer literal");
             KVC_TRY(add_token(c, T_INT, s + i, j - i, *line));
             c->toks[c->n_toks - 1].i = v;
             i = j;
@@ -2167,8 +2169,8 @@ static kvc_status eval_test(ctx *c, const node *n, value *out) {
         r = x.t == V_BOOL && !x.u.i;
     else if (str_eq(t, "mapping"))
         r = x.t == V_DICT;
-    else if (str_eq(t, "sequence") || str_eq(t, "iterable"))
-        r = x.t == V_STR || x.t == V_LIST || x.t == V_DICT;
+    else if (str_eq(t, "sequence") || str_eq(t, "iterable")) /* Undefined: empty, as jinja2 */
+        r = x.t == V_STR || x.t == V_LIST || x.t == V_DICT || x.t == V_UNDEF;
     else { /* even / odd */
         if (!is_num(&x)) return runtime_error(n, "'%.*s' test needs an integer", (int)t.n, t.p);
         r = (x.u.i % 2 != 0) == str_eq(t, "odd");
