@@ -482,7 +482,8 @@ def test_template_errors():
             kvcache.render_chat_template(bad, msgs)
     # as jinja2 renders them
     for good in ["{{ +3 }} {{ - -2 }} {{ +true }}", "{% set ns = namespace(a=1) %}{{ ns }}",
-                 "{{ u is sequence }} {{ u is iterable }} {{ u is mapping }} {{ 00 }}"]:
+                 "{{ u is sequence }} {{ u is iterable }} {{ u is mapping }} {{ 00 }}",
+                 "{{ [1, u] }} {{ {'a': u} }} {{ u }}"]:
         assert kvcache.render_chat_template(good, msgs) == _jinja(good, msgs, True), good
 
 

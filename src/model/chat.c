@@ -1284,7 +1284,7 @@ static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr);
 static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr) {
     char num[32];
     switch (v->t) {
-    case V_UNDEF: return KVC_OK;
+    case V_UNDEF: return repr ? sb_cstr(c, b, "Undefined") : KVC_OK; /* jinja2's repr */
     case V_NONE: return sb_cstr(c, b, "None");
     case V_BOOL: return sb_cstr(c, b, v->u.i ? "True" : "False");
     case V_INT: snprintf(num, sizeof num, "%lld", (long long)v->u.i); return sb_cstr(c, b, num);
