@@ -483,7 +483,10 @@ def test_template_errors():
     # as jinja2 renders them
     for good in ["{{ +3 }} {{ - -2 }} {{ +true }}", "{% set ns = namespace(a=1) %}{{ ns }}",
                  "{{ u is sequence }} {{ u is iterable }} {{ u is mapping }} {{ 00 }}",
-                 "{{ [1, u] }} {{ {'a': u} }} {{ u }}"]:
+                 "{{ [1, u] }} {{ {'a': u} }} {{ u }}",
+                 "{% set d = {'a': 1, 'b': 'x'} %}{% for p in d.items() %}{{ p }}{% endfor %}"
+                 "{{ d.items()|list }} {% for k, v in d.items() %}{{ k }}={{ v }};{% endfor %}"
+                 "{{ (d.items()|list)[0]|list }}"]:
         assert kvcache.render_chat_template(good, msgs) == _jinja(good, msgs, True), good
 
 

@@ -119,6 +119,7 @@ typedef struct value {
 struct list {
     value *items;
     size_t n, cap;
+    int is_tuple; /* an items() pair: prints as (k, v), like Python's tuple */
 };
 
 struct dict {
@@ -1290,12 +1291,12 @@ static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr) {
     case V_INT: snprintf(num, sizeof num, "%lld", (long long)v->u.i); return sb_cstr(c, b, num);
     case V_STR: return repr ? repr_str(c, b, v->u.s) : sb_put(c, b, v->u.s.p, v->u.s.n);
     case V_LIST:
-        KVC_TRY(sb_cstr(c, b, "["));
+        KVC_TRY(sb_cstr(c, b, v->u.l->is_tuple ? "(" : "["));
         for (size_t i = 0; i < v->u.l->n; i++) {
             if (i) KVC_TRY(sb_cstr(c, b, ", "));
             KVC_TRY(write_value(c, b, &v->u.l->items[i], 1));
         }
-        return sb_cstr(c, b, "]");
+        return sb_cstr(c, b, v->u.l->is_tuple ? ")" : "]");
     case V_DICT: /* a namespace() prints as Jinja's Namespace object */
         KVC_TRY(sb_cstr(c, b, v->u.d->is_namespace ? "<Namespace {" : "{"));
         for (size_t i = 0; i < v->u.d->n; i++) {
@@ -1393,6 +1394,7 @@ static kvc_status new_list(ctx *c, size_t cap, value *out) {
     list *l;
     ALLOC(c, l, 1);
     l->n = 0;
+    l->is_tuple = 0;
     l->cap = cap ? cap : 1;
     ALLOC(c, l->items, l->cap);
     out->t = V_LIST;
@@ -1955,6 +1957,7 @@ static kvc_status call_method(ctx *c, const node *n, const value *obj, str m, co
                     item = d->vals[i];
                 } else {
                     KVC_TRY(new_list(c, 2, &item));
+                    item.u.l->is_tuple = 1;
                     KVC_TRY(list_push(c, item.u.l, k));
                     KVC_TRY(list_push(c, item.u.l, d->vals[i]));
                 }
@@ -2057,7 +2060,17 @@ static kvc_status eval_filter(ctx *c, const node *n, value *out) {
         *out = items.u.l->n ? items.u.l->items[f.p[0] == 'f' ? 0 : items.u.l->n - 1] : v_undef();
         return KVC_OK;
     }
-    if (str_eq(f, "list")) return iter_items(c, n, &x, out);
+    if (str_eq(f, "list")) {
+        KVC_TRY(iter_items(c, n, &x, out));
+        if (out->t == V_LIST && out->u.l->is_tuple) { /* list(pair) is a list */
+            value l;
+            KVC_TRY(new_list(c, out->u.l->n, &l));
+            for (size_t i = 0; i < out->u.l->n; i++)
+                KVC_TRY(list_push(c, l.u.l, out->u.l->items[i]));
+            *out = l;
+        }
+        return KVC_OK;
+    }
     if (str_eq(f, "safe")) {
         *out = x;
         return KVC_OK;
