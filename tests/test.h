@@ -102,6 +102,11 @@ extern uint64_t test_seed;
  * when the suite ends (test_main.c); NULL if it cannot be created. */
 kvc_threadpool *test_pool(int n_threads);
 
+/* Runs fn(arg) on a thread created with the 256 KiB of stack core.h promises
+ * callers need (8x under sanitizers, which grow every frame) and joins it;
+ * 0, or -1 if the thread could not be made. */
+int test_on_small_stack(void *(*fn)(void *), void *arg);
+
 /* Runs the body for every ISA the CPU supports (notes the others) and
  * restores the best one after. */
 #define FOR_EACH_ISA(...)                                                                          \

@@ -4,7 +4,6 @@
  * single and paged, all storage dtypes, GQA ratios, odd head dims, chunk
  * boundaries, soft cap, window, lse, rejected inputs.
  */
-#include <pthread.h>
 #include <stdlib.h>
 
 #include "test_elems.h"
@@ -848,18 +847,8 @@ TEST(paged_ragged) {
 
 /* core.h promises decode runs in 256 KiB of stack (the per-task state lives
  * there): the float path (float16, the largest head dim) and the AMX/int8
- * path, multi-chunk requests, on a thread created with exactly that stack.
- * Sanitizer builds grow every frame, so they get 8x as much. */
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define SMALL_STACK_KIB 2048
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define SMALL_STACK_KIB 2048
-#endif
-#endif
-#ifndef SMALL_STACK_KIB
-#define SMALL_STACK_KIB 256
-#endif
+ * path, multi-chunk requests, on a thread created with exactly that stack
+ * (test_on_small_stack). */
 
 static void *small_stack_decode(void *arg) {
     int *rc = arg;
@@ -872,14 +861,8 @@ static void *small_stack_decode(void *arg) {
 
 TEST(decode_in_256k_of_stack) {
     FOR_EACH_ISA({
-        pthread_attr_t attr;
-        pthread_t th;
         int rc = 1;
-        ASSERT_TRUE(pthread_attr_init(&attr) == 0);
-        ASSERT_TRUE(pthread_attr_setstacksize(&attr, (size_t)SMALL_STACK_KIB << 10) == 0);
-        ASSERT_TRUE(pthread_create(&th, &attr, small_stack_decode, &rc) == 0);
-        pthread_join(th, NULL);
-        pthread_attr_destroy(&attr);
+        ASSERT_TRUE(test_on_small_stack(small_stack_decode, &rc) == 0);
         ASSERT_TRUE(rc == 0);
     });
     return 0;

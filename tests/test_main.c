@@ -1,4 +1,5 @@
 /* Runner shared by every C suite: filters, seeds, counts. */
+#include <pthread.h>
 #include <stdlib.h>
 
 #include "test.h"
@@ -12,6 +13,30 @@ kvc_threadpool *test_pool(int n_threads) {
     if (!pools[n_threads] && kvc_threadpool_create(n_threads, &pools[n_threads]) != KVC_OK)
         return NULL;
     return pools[n_threads];
+}
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define SMALL_STACK_KIB 2048
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define SMALL_STACK_KIB 2048
+#endif
+#endif
+#ifndef SMALL_STACK_KIB
+#define SMALL_STACK_KIB 256
+#endif
+
+int test_on_small_stack(void *(*fn)(void *), void *arg) {
+    pthread_attr_t attr;
+    pthread_t th;
+    if (pthread_attr_init(&attr) != 0) return -1;
+    int rc = pthread_attr_setstacksize(&attr, (size_t)SMALL_STACK_KIB << 10) == 0 &&
+                     pthread_create(&th, &attr, fn, arg) == 0
+                 ? 0
+                 : -1;
+    pthread_attr_destroy(&attr);
+    if (rc == 0) pthread_join(th, NULL);
+    return rc;
 }
 
 int main(int argc, char **argv) {

@@ -5,7 +5,6 @@
  * Python (python/tests/test_model.py). */
 #define _POSIX_C_SOURCE 200809L /* mkstemp, fdopen */
 #include <math.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -147,6 +146,13 @@ static kvc_model *tiny_model(void) {
     }
     return m;
 }
+
+/* m: the tiny model with `tensor` broken by nan_model (below). */
+#define NEED_NAN_TINY(m, tensor)                                                                   \
+    NEED_TINY(m##_good);                                                                           \
+    kvc_model_destroy(m##_good);                                                                   \
+    kvc_model *m = nan_model(getenv("KVC_TINY_GGUF"), tensor);                                     \
+    ASSERT_TRUE(m != NULL)
 
 #define NEED_TINY(m)                                                                               \
     kvc_model *m = tiny_model();                                                                   \
@@ -305,18 +311,8 @@ TEST(tiny_engine_batched_equals_alone) {
 
 /* core.h promises the runtime (prefill, decode, matrix products) works in
  * 256 KiB of stack: kvc_model_eval with prefill and decode rows and 2
- * threads, on a thread created with exactly that (8x under sanitizers,
- * which grow every frame), on every ISA, same logits as on the main thread. */
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define SMALL_STACK_KIB 2048
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define SMALL_STACK_KIB 2048
-#endif
-#endif
-#ifndef SMALL_STACK_KIB
-#define SMALL_STACK_KIB 256
-#endif
+ * threads, on a thread created with exactly that (test_on_small_stack), on
+ * every ISA, same logits as on the main thread. */
 
 typedef struct eval_job {
     const kvc_model *m;
@@ -344,13 +340,7 @@ TEST(tiny_eval_in_256k_of_stack) {
     FOR_EACH_ISA({
         ASSERT_OK(kvc_model_eval(m, tok, 40, 37, KVC_I8, want, 2));
         eval_job j = {m, tok, 40, got, KVC_ERR_INTERNAL};
-        pthread_attr_t attr;
-        pthread_t th;
-        ASSERT_TRUE(pthread_attr_init(&attr) == 0);
-        ASSERT_TRUE(pthread_attr_setstacksize(&attr, (size_t)SMALL_STACK_KIB << 10) == 0);
-        ASSERT_TRUE(pthread_create(&th, &attr, eval_thread, &j) == 0);
-        pthread_join(th, NULL);
-        pthread_attr_destroy(&attr);
+        ASSERT_TRUE(test_on_small_stack(eval_thread, &j) == 0);
         ASSERT_OK(j.st);
         ASSERT_MEM_EQ(got, want, bytes);
     });
@@ -444,10 +434,7 @@ static kvc_model *nan_model(const char *tiny, const char *tensor) {
  * used to write before its batch arrays on the next step), and the request
  * can still be cancelled with every page released. */
 TEST(tiny_engine_failed_step_changes_nothing) {
-    NEED_TINY(good);
-    kvc_model_destroy(good);
-    kvc_model *m = nan_model(getenv("KVC_TINY_GGUF"), "output_norm.weight");
-    ASSERT_TRUE(m != NULL);
+    NEED_NAN_TINY(m, "output_norm.weight");
     kvc_engine_params ep = kvc_engine_default_params();
     ep.page_size = 4;
     ep.kv_capacity_tokens = 64;
@@ -484,10 +471,7 @@ TEST(tiny_engine_failed_step_changes_nothing) {
  * findable (none holds K/V for every layer), both requests queued in their
  * order with nothing counted, and fail the same way when retried. */
 TEST(tiny_engine_failed_forward_leaves_no_page_findable) {
-    NEED_TINY(good);
-    kvc_model_destroy(good);
-    kvc_model *m = nan_model(getenv("KVC_TINY_GGUF"), "blk.1.attn_norm.weight");
-    ASSERT_TRUE(m != NULL);
+    NEED_NAN_TINY(m, "blk.1.attn_norm.weight");
     kvc_engine_params ep = kvc_engine_default_params();
     ep.page_size = 4;
     ep.kv_capacity_tokens = 64;
@@ -529,10 +513,7 @@ TEST(tiny_engine_failed_forward_leaves_no_page_findable) {
  * decodes. A must be rolled back to its computed tokens and, once the bad
  * request is cancelled, finish with exactly the tokens it gets alone. */
 TEST(tiny_engine_failed_step_rolls_back_running_requests) {
-    NEED_TINY(good);
-    kvc_model_destroy(good);
-    kvc_model *m = nan_model(getenv("KVC_TINY_GGUF"), "token_embd.weight");
-    ASSERT_TRUE(m != NULL);
+    NEED_NAN_TINY(m, "token_embd.weight");
     kvc_engine_params ep = kvc_engine_default_params();
     ep.page_size = 4;
     ep.kv_capacity_tokens = 128;

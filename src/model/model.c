@@ -13,7 +13,6 @@
  * (see gemm.h and prefill.h on row independence), which is what makes cached
  * generation equal to recomputation.
  */
-#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,6 +24,7 @@
 #include "kvcache/prefill.h"
 #include "../core/internal.h"
 #include "gemm.h"
+#include "../kernels/kernels.h"
 
 typedef struct weight {
     int32_t type;
@@ -427,13 +427,6 @@ static void rmsnorm(const float *x, const float *w, int64_t E, float eps, float 
     for (int64_t i = 0; i < E; i++) y[i] = x[i] * r * w[i];
 }
 
-/* 1 if all n floats are finite. */
-static int all_finite(const float *x, int64_t n) {
-    int bad = 0;
-    for (int64_t i = 0; i < n; i++) bad |= !(fabsf(x[i]) <= FLT_MAX); /* NaN too */
-    return !bad;
-}
-
 /* Rotates adjacent pairs of the first n_rot dims of each of nh heads. */
 static void rope(float *x, int64_t nh, int64_t Dh, int64_t n_rot, const double *inv_freq,
                  int64_t pos) {
@@ -669,8 +662,10 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
         /* attention reads a NaN score like a masked key (a row of them gives
          * zeros), so a broken model would go on silently: refuse it here,
          * before its K/V are stored */
-        if (!all_finite(c->q, N * Hq * Dh) || !all_finite(c->k, N * H * Dh) ||
-            !all_finite(c->v, N * H * Dh)) {
+        const kvc_kernels *kk = kvc__kernels(); /* the stores' finiteness check */
+        if (!kk->all_finite(c->q, KVC_F32, N * Hq * Dh, INFINITY) ||
+            !kk->all_finite(c->k, KVC_F32, N * H * Dh, INFINITY) ||
+            !kk->all_finite(c->v, KVC_F32, N * H * Dh, INFINITY)) {
             st = kvc__error(KVC_ERR_CORRUPT, "kvc_model_forward: layer %d: the queries, keys or "
                             "values are not finite (NaN/Inf weights or activations)", (int)l);
             break;
