@@ -5,10 +5,9 @@
  * and tensor, touching the first and last byte of each string, array and
  * tensor the reader hands out.
  *
- * Built with clang -fsanitize=fuzzer,address,undefined when -DKVC_FUZZ=ON.
- * With -DKVC_FUZZ_REPLAY it gets its own main() instead, which replays the
- * files and directories named on the command line (the seed corpus) through
- * the same entry point: ctest runs that with any compiler.
+ * Built with clang -fsanitize=fuzzer,address,undefined when -DKVC_FUZZ=ON;
+ * otherwise fuzz_replay.c replays the seed corpus through the same entry
+ * point, so ctest runs it with any compiler.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <stdint.h>
@@ -86,56 +85,3 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     free(copy);
     return 0;
 }
-
-#ifdef KVC_FUZZ_REPLAY
-#include <dirent.h>
-
-static int replay_file(const char *path) {
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        fprintf(stderr, "fuzz_gguf: cannot open %s\n", path);
-        return 1;
-    }
-    size_t cap = 4096, n = 0;
-    uint8_t *buf = malloc(cap);
-    for (;;) {
-        if (!buf) {
-            fclose(f);
-            return 1;
-        }
-        n += fread(buf + n, 1, cap - n, f);
-        if (n < cap) break;
-        cap *= 2;
-        uint8_t *p = realloc(buf, cap);
-        if (!p) free(buf);
-        buf = p;
-    }
-    fclose(f);
-    LLVMFuzzerTestOneInput(buf, n);
-    free(buf);
-    return 0;
-}
-
-int main(int argc, char **argv) {
-    int n_files = 0, failed = 0;
-    for (int a = 1; a < argc; a++) {
-        DIR *d = opendir(argv[a]);
-        if (!d) {
-            failed |= replay_file(argv[a]);
-            n_files++;
-            continue;
-        }
-        struct dirent *e;
-        while ((e = readdir(d)) != NULL) {
-            if (e->d_name[0] == '.') continue;
-            char path[4096];
-            snprintf(path, sizeof path, "%s/%s", argv[a], e->d_name);
-            failed |= replay_file(path);
-            n_files++;
-        }
-        closedir(d);
-    }
-    printf("fuzz_gguf: replayed %d inputs\n", n_files);
-    return failed || n_files == 0;
-}
-#endif
