@@ -66,7 +66,7 @@ typedef struct arena {
     size_t total;
 } arena;
 
-static void *arena_alloc(arena *a, size_t n) {
+static void *kvc__chat_arena_alloc(arena *a, size_t n) {
     n = (n + 15) & ~(size_t)15;
     if (!a->head || a->head->cap - a->head->used < n) {
         size_t cap = n > 65536 ? n : 65536;
@@ -84,7 +84,7 @@ static void *arena_alloc(arena *a, size_t n) {
     return p;
 }
 
-static void arena_free(arena *a) {
+static void kvc__chat_arena_free(arena *a) {
     while (a->head) {
         chunk *c = a->head;
         a->head = c->next;
@@ -220,8 +220,9 @@ typedef struct ctx {
 
 /* ---- errors ------------------------------------------------------------------ */
 
-static kvc_status syntax_error(ctx *c, const token *t, const char *fmt, ...) KVC_PRINTF(3, 4);
-static kvc_status syntax_error(ctx *c, const token *t, const char *fmt, ...) {
+static kvc_status kvc__chat_syntax_error(ctx *c, const token *t, const char *fmt, ...)
+    KVC_PRINTF(3, 4);
+static kvc_status kvc__chat_syntax_error(ctx *c, const token *t, const char *fmt, ...) {
     char msg[256];
     va_list ap;
     va_start(ap, fmt);
@@ -231,27 +232,29 @@ static kvc_status syntax_error(ctx *c, const token *t, const char *fmt, ...) {
                       msg);
 }
 
-static kvc_status nomem(void) {
+static kvc_status kvc__chat_nomem(void) {
     return kvc__error(KVC_ERR_NOMEM, "chat template: out of memory (or over the %zu MiB limit)",
                       MAX_BYTES >> 20);
 }
 
 /* Counts bytes a string operation goes through: a loop of 50 million steps
  * over 100 MB strings would otherwise run for weeks within every cap. */
-static kvc_status runtime_error(const node *n, const char *fmt, ...) KVC_PRINTF(2, 3);
+static kvc_status kvc__chat_runtime_error(const node *n, const char *fmt, ...) KVC_PRINTF(2, 3);
 
 static kvc_status charge(ctx *c, size_t bytes) {
     c->work += (int64_t)(bytes < (size_t)MAX_WORK ? bytes : (size_t)MAX_WORK);
     if (c->work > MAX_WORK)
-        return runtime_error(c->cur, "string operations over %lld GiB in all (a template this "
-                             "expensive is refused)", (long long)(MAX_WORK >> 30));
+        return kvc__chat_runtime_error(c->cur,
+                                       "string operations over %lld GiB in all (a template this "
+                                       "expensive is refused)",
+                                       (long long)(MAX_WORK >> 30));
     return KVC_OK;
 }
 
 #define ALLOC(c, ptr, count)                                                                       \
     do {                                                                                           \
-        (ptr) = arena_alloc(&(c)->ar, sizeof *(ptr) * (size_t)(count));                            \
-        if (!(ptr)) return nomem();                                                                \
+        (ptr) = kvc__chat_arena_alloc(&(c)->ar, sizeof *(ptr) * (size_t)(count));                  \
+        if (!(ptr)) return kvc__chat_nomem();                                                      \
     } while (0)
 
 /* ---- lexer ----------------------------------------------------------------------- */
@@ -259,8 +262,8 @@ static kvc_status charge(ctx *c, size_t bytes) {
 static kvc_status add_token(ctx *c, tkind k, const char *p, size_t n, int line) {
     if (c->n_toks == c->cap_toks) {
         size_t cap = c->cap_toks ? 2 * c->cap_toks : 256;
-        token *nt = arena_alloc(&c->ar, cap * sizeof *nt);
-        if (!nt) return nomem();
+        token *nt = kvc__chat_arena_alloc(&c->ar, cap * sizeof *nt);
+        if (!nt) return kvc__chat_nomem();
         if (c->n_toks) memcpy(nt, c->toks, c->n_toks * sizeof *nt);
         c->toks = nt;
         c->cap_toks = cap;
@@ -366,11 +369,12 @@ static kvc_status decode_string(ctx *c, const char *s, size_t n, str *out) {
             uint32_t v = 0;
             for (int m = 0; m < digits; m++) {
                 int h = i + 1 + (size_t)m < n ? hex_val(s[i + 1 + (size_t)m]) : -1;
-                if (h < 0) return syntax_error(c, NULL, "bad \\%c escape", e);
+                if (h < 0) return kvc__chat_syntax_error(c, NULL, "bad \\%c escape", e);
                 v = v * 16 + (uint32_t)h;
             }
             if (v > 0x10FFFF || (v >= 0xD800 && v <= 0xDFFF))
-                return syntax_error(c, NULL, "escape U+%X is not a character", (unsigned)v);
+                return kvc__chat_syntax_error(c, NULL, "escape U+%X is not a character",
+                                              (unsigned)v);
             i += (size_t)digits;
             k += (size_t)kvc__utf8_encode(v, (unsigned char *)o + k);
         }
@@ -396,7 +400,8 @@ static kvc_status lex_tag(ctx *c, size_t *pos, int is_block, int *line, int *new
             if (s[i] == '\n') (*line)++;
             i++;
         }
-        if (i >= n) return syntax_error(c, NULL, "unterminated %s tag", is_block ? "{%" : "{{");
+        if (i >= n)
+            return kvc__chat_syntax_error(c, NULL, "unterminated %s tag", is_block ? "{%" : "{{");
         char ch = s[i];
         if (balance == 0) {
             const char *end = is_block ? "%}" : "}}";
@@ -429,7 +434,7 @@ static kvc_status lex_tag(ctx *c, size_t *pos, int is_block, int *line, int *new
             while (j < n && ((s[j] >= '0' && s[j] <= '9') || s[j] == '_')) {
                 if (s[j] != '_') {
                     if (v > (INT64_MAX - (s[j] - '0')) / 10)
-                        return syntax_error(c, NULL, "integer literal too large");
+                        return kvc__chat_syntax_error(c, NULL, "integer literal too large");
                     v = v * 10 + (s[j] - '0');
                 }
                 j++;
@@ -438,16 +443,18 @@ static kvc_status lex_tag(ctx *c, size_t *pos, int is_block, int *line, int *new
                 (s[j] == '.' || s[j] == 'e' || s[j] == 'E' || s[j] == 'x' || s[j] == 'o' ||
                  s[j] == 'b') &&
                 j + 1 < n && s[j + 1] != '.' && !(s[j] == '.' && is_name_start(s[j + 1])))
-                return syntax_error(c, NULL, "only decimal integer literals are supported");
+                return kvc__chat_syntax_error(c, NULL,
+                                              "only decimal integer literals are supported");
             if (s[i] == '0' && v != 0) /* as jinja2 (and Python 3): 07 is an error, 00 is 0 */
-                return syntax_error(c, NULL, "leading zeros in a decimal integer literal");
+                return kvc__chat_syntax_error(c, NULL,
+                                              "leading zeros in a decimal integer literal");
             KVC_TRY(add_token(c, T_INT, s + i, j - i, *line));
             c->toks[c->n_toks - 1].i = v;
             i = j;
         } else if (ch == '\'' || ch == '"') {
             size_t j = i + 1;
             while (j < n && s[j] != ch) j += s[j] == '\\' ? 2 : 1;
-            if (j >= n) return syntax_error(c, NULL, "unterminated string literal");
+            if (j >= n) return kvc__chat_syntax_error(c, NULL, "unterminated string literal");
             KVC_TRY(add_token(c, T_STRING, s + i, j + 1 - i, *line));
             token *t = &c->toks[c->n_toks - 1];
             KVC_TRY(decode_string(c, s + i + 1, j - i - 1, &t->s));
@@ -459,10 +466,10 @@ static kvc_status lex_tag(ctx *c, size_t *pos, int is_block, int *line, int *new
                 if (i + 1 < n && memcmp(s + i, ops2[k], 2) == 0) len = 2;
             if (!len && strchr("+-/*%~[](){}=.:|,<>!", ch) && ch) len = 1;
             if (!len || (len == 1 && ch == '!'))
-                return syntax_error(c, NULL, "unexpected character '%c' in a tag", ch);
+                return kvc__chat_syntax_error(c, NULL, "unexpected character '%c' in a tag", ch);
             if (ch == '(' || ch == '[' || ch == '{') balance++;
             if ((ch == ')' || ch == ']' || ch == '}') && len == 1) {
-                if (balance == 0) return syntax_error(c, NULL, "unbalanced '%c'", ch);
+                if (balance == 0) return kvc__chat_syntax_error(c, NULL, "unbalanced '%c'", ch);
                 balance--;
             }
             KVC_TRY(add_token(c, T_OP, s + i, len, *line));
@@ -473,7 +480,7 @@ static kvc_status lex_tag(ctx *c, size_t *pos, int is_block, int *line, int *new
 
 /* Splits the normalised source into tokens (Jinja's lexer rules for
  * trim_blocks, lstrip_blocks and `-`/`+` whitespace control). */
-static kvc_status lex(ctx *c) {
+static kvc_status kvc__chat_lex(ctx *c) {
     const char *s = c->src;
     size_t n = c->src_n, pos = 0;
     int line = 1, line_starting = 1;
@@ -504,7 +511,8 @@ static kvc_status lex(ctx *c) {
         if (kind == '#') {
             size_t e = body;
             while (e + 1 < n && !(s[e] == '#' && s[e + 1] == '}')) e++;
-            if (e + 1 >= n) return syntax_error(c, NULL, "unterminated comment (line %d)", line);
+            if (e + 1 >= n)
+                return kvc__chat_syntax_error(c, NULL, "unterminated comment (line %d)", line);
             char ectl = e > body && (s[e - 1] == '-' || s[e - 1] == '+') ? s[e - 1] : 0;
             line += count_lines(s + q, e - q);
             e += 2;
@@ -636,8 +644,8 @@ static const char *tok_desc(const token *t, char *buf, size_t n) {
 }
 static kvc_status unexpected(ctx *c, const char *want) {
     char buf[64];
-    return syntax_error(c, peek(c), "expected %s, got %s", want,
-                        tok_desc(peek(c), buf, sizeof buf));
+    return kvc__chat_syntax_error(c, peek(c), "expected %s, got %s", want,
+                                  tok_desc(peek(c), buf, sizeof buf));
 }
 static kvc_status expect_op(ctx *c, const char *op) {
     if (!is_op(peek(c), op)) {
@@ -681,7 +689,8 @@ static kvc_status parse_args(ctx *c, node *n) {
             KVC_TRY(push_node(c, &n->w, &n->nw, x));
         } else {
             if (n->nw)
-                return syntax_error(c, peek(c), "positional argument after keyword argument");
+                return kvc__chat_syntax_error(c, peek(c),
+                                              "positional argument after keyword argument");
             KVC_TRY(parse_expr(c, &x));
             KVC_TRY(push_node(c, &n->v, &n->nv, x));
         }
@@ -726,7 +735,8 @@ static kvc_status parse_primary(ctx *c, node **out) {
     } else if (is_op(t, "(")) {
         c->pos++;
         KVC_TRY(parse_expr(c, &n));
-        if (is_op(peek(c), ",")) return syntax_error(c, peek(c), "tuples are not supported");
+        if (is_op(peek(c), ","))
+            return kvc__chat_syntax_error(c, peek(c), "tuples are not supported");
         KVC_TRY(expect_op(c, ")"));
     } else if (is_op(t, "[")) {
         c->pos++;
@@ -794,7 +804,7 @@ static kvc_status parse_postfix(ctx *c, node **io) {
             }
             KVC_TRY(expect_op(c, "]"));
             if (np == 0) {
-                if (!parts[0]) return syntax_error(c, peek(c), "empty subscript");
+                if (!parts[0]) return kvc__chat_syntax_error(c, peek(c), "empty subscript");
                 n->b = parts[0];
             } else {
                 n->k = E_SLICE;
@@ -837,8 +847,8 @@ static kvc_status parse_filter_expr(ctx *c, node **io) {
             KVC_TRY(new_node(c, E_FILTER, &n));
             KVC_TRY(expect_name(c, &n->name));
             if (!in_list(n->name, filter_names, sizeof filter_names / sizeof filter_names[0]))
-                return syntax_error(c, peek(c), "filter '%.*s' is not supported", (int)n->name.n,
-                                    n->name.p);
+                return kvc__chat_syntax_error(c, peek(c), "filter '%.*s' is not supported",
+                                              (int)n->name.n, n->name.p);
             if (is_op(peek(c), "(")) KVC_TRY(parse_args(c, n));
         } else if (is_name(peek(c), "is")) {
             c->pos++;
@@ -852,8 +862,8 @@ static kvc_status parse_filter_expr(ctx *c, node **io) {
             if (str_eq(n->name, "true") || str_eq(n->name, "True")) n->name.p = "true";
             if (str_eq(n->name, "false") || str_eq(n->name, "False")) n->name.p = "false";
             if (!in_list(n->name, test_names, sizeof test_names / sizeof test_names[0]))
-                return syntax_error(c, peek(c), "test '%.*s' is not supported", (int)n->name.n,
-                                    n->name.p);
+                return kvc__chat_syntax_error(c, peek(c), "test '%.*s' is not supported",
+                                              (int)n->name.n, n->name.p);
             if (is_op(peek(c), "(")) {
                 KVC_TRY(parse_args(c, n));
             } else { /* Jinja would read one argument here, without parentheses */
@@ -861,9 +871,9 @@ static kvc_status parse_filter_expr(ctx *c, node **io) {
                 if ((t->k == T_NAME && !is_name(t, "else") && !is_name(t, "or") &&
                      !is_name(t, "and")) ||
                     t->k == T_STRING || t->k == T_INT || is_op(t, "[") || is_op(t, "{"))
-                    return syntax_error(c, t,
-                                        "test arguments without parentheses are not "
-                                        "supported");
+                    return kvc__chat_syntax_error(c, t,
+                                                  "test arguments without parentheses are not "
+                                                  "supported");
             }
         } else {
             return KVC_OK;
@@ -874,7 +884,8 @@ static kvc_status parse_filter_expr(ctx *c, node **io) {
 }
 
 static kvc_status parse_unary(ctx *c, int with_filter, node **out) {
-    if (++c->depth > MAX_DEPTH) return syntax_error(c, peek(c), "expression nested too deeply");
+    if (++c->depth > MAX_DEPTH)
+        return kvc__chat_syntax_error(c, peek(c), "expression nested too deeply");
     node *n;
     if (is_op(peek(c), "-") || is_op(peek(c), "+")) {
         int neg = is_op(peek(c), "-");
@@ -905,7 +916,7 @@ static kvc_status make_bin(ctx *c, nkind k, const char *op, node *a, node *b, no
 
 static kvc_status parse_pow(ctx *c, node **out) {
     KVC_TRY(parse_unary(c, 1, out));
-    if (is_op(peek(c), "**")) return syntax_error(c, peek(c), "'**' is not supported");
+    if (is_op(peek(c), "**")) return kvc__chat_syntax_error(c, peek(c), "'**' is not supported");
     return KVC_OK;
 }
 
@@ -913,7 +924,8 @@ static kvc_status parse_math2(ctx *c, node **out) {
     KVC_TRY(parse_pow(c, out));
     for (;;) {
         token *t = peek(c);
-        if (is_op(t, "/")) return syntax_error(c, t, "'/' (float division) is not supported");
+        if (is_op(t, "/"))
+            return kvc__chat_syntax_error(c, t, "'/' (float division) is not supported");
         if (!is_op(t, "*") && !is_op(t, "//") && !is_op(t, "%")) return KVC_OK;
         c->pos++;
         node *b;
@@ -985,7 +997,8 @@ static kvc_status parse_compare(ctx *c, node **out) {
 
 static kvc_status parse_not(ctx *c, node **out) {
     if (is_name(peek(c), "not")) {
-        if (++c->depth > MAX_DEPTH) return syntax_error(c, peek(c), "expression nested too deeply");
+        if (++c->depth > MAX_DEPTH)
+            return kvc__chat_syntax_error(c, peek(c), "expression nested too deeply");
         c->pos++;
         node *n;
         KVC_TRY(new_node(c, E_NOT, &n));
@@ -1021,7 +1034,8 @@ static kvc_status parse_or(ctx *c, node **out) {
 
 /* `x if cond else y` (else optional), Jinja's condexpr. */
 static kvc_status parse_expr(ctx *c, node **out) {
-    if (++c->depth > MAX_DEPTH) return syntax_error(c, peek(c), "expression nested too deeply");
+    if (++c->depth > MAX_DEPTH)
+        return kvc__chat_syntax_error(c, peek(c), "expression nested too deeply");
     KVC_TRY(parse_or(c, out));
     while (is_name(peek(c), "if")) {
         c->pos++;
@@ -1043,7 +1057,8 @@ static kvc_status parse_expr(ctx *c, node **out) {
 
 /* Parses statements until `{% word` with word in stop[]; leaves the parser
  * on that word (after the {%) and its index in *which. stop NULL: until EOF. */
-static kvc_status parse_block(ctx *c, const char *const *stop, int n_stop, node **out, int *which);
+static kvc_status kvc__chat_parse_block(ctx *c, const char *const *stop, int n_stop, node **out,
+                                        int *which);
 
 static kvc_status end_tag(ctx *c) {
     return expect_kind(c, T_BEND, "'%}'");
@@ -1056,13 +1071,13 @@ static kvc_status parse_if(ctx *c, node **out) {
     KVC_TRY(parse_or(c, &n->a)); /* no `x if y` here, as in jinja2 (parentheses allow it) */
     KVC_TRY(end_tag(c));
     int which = 0;
-    KVC_TRY(parse_block(c, stops, 3, &n->b, &which));
+    KVC_TRY(kvc__chat_parse_block(c, stops, 3, &n->b, &which));
     c->pos++; /* the stop word */
     if (which == 0) {
         KVC_TRY(parse_if(c, &n->c)); /* elif: a nested if that consumes endif */
     } else if (which == 1) {
         KVC_TRY(end_tag(c));
-        KVC_TRY(parse_block(c, stops + 2, 1, &n->c, &which));
+        KVC_TRY(kvc__chat_parse_block(c, stops + 2, 1, &n->c, &which));
         c->pos++;
         KVC_TRY(end_tag(c));
     } else {
@@ -1085,7 +1100,7 @@ static kvc_status parse_for(ctx *c, node **out) {
     if (!is_name(peek(c), "in")) return unexpected(c, "'in'");
     c->pos++;
     /* The iterable is parsed without condexpr so `if` starts the filter. */
-    if (++c->depth > MAX_DEPTH) return syntax_error(c, peek(c), "nested too deeply");
+    if (++c->depth > MAX_DEPTH) return kvc__chat_syntax_error(c, peek(c), "nested too deeply");
     KVC_TRY(parse_or(c, &n->a));
     c->depth--;
     if (is_name(peek(c), "if")) {
@@ -1093,14 +1108,14 @@ static kvc_status parse_for(ctx *c, node **out) {
         KVC_TRY(parse_expr(c, &n->d));
     }
     if (is_name(peek(c), "recursive"))
-        return syntax_error(c, peek(c), "recursive loops are not supported");
+        return kvc__chat_syntax_error(c, peek(c), "recursive loops are not supported");
     KVC_TRY(end_tag(c));
     int which = 0;
-    KVC_TRY(parse_block(c, stops, 2, &n->b, &which));
+    KVC_TRY(kvc__chat_parse_block(c, stops, 2, &n->b, &which));
     c->pos++;
     KVC_TRY(end_tag(c));
     if (which == 0) {
-        KVC_TRY(parse_block(c, stops + 1, 1, &n->c, &which));
+        KVC_TRY(kvc__chat_parse_block(c, stops + 1, 1, &n->c, &which));
         c->pos++;
         KVC_TRY(end_tag(c));
     }
@@ -1117,13 +1132,14 @@ static kvc_status parse_set(ctx *c, node **out) {
         n->k = S_SETATTR;
         KVC_TRY(expect_name(c, &n->attr));
     }
-    if (is_op(peek(c), ",")) return syntax_error(c, peek(c), "tuple assignment is not supported");
+    if (is_op(peek(c), ","))
+        return kvc__chat_syntax_error(c, peek(c), "tuple assignment is not supported");
     if (n->k == S_SET && peek(c)->k == T_BEND) { /* {% set x %}...{% endset %} */
         static const char *const stops[] = {"endset"};
         int which = 0;
         c->pos++;
         n->k = S_SETBLOCK;
-        KVC_TRY(parse_block(c, stops, 1, &n->b, &which));
+        KVC_TRY(kvc__chat_parse_block(c, stops, 1, &n->b, &which));
         c->pos++;
         KVC_TRY(end_tag(c));
         *out = n;
@@ -1152,23 +1168,25 @@ static kvc_status parse_statement(ctx *c, node **out) {
         static const char *const stops[] = {"endgeneration"};
         int which = 0;
         KVC_TRY(end_tag(c));
-        KVC_TRY(parse_block(c, stops, 1, out, &which));
+        KVC_TRY(kvc__chat_parse_block(c, stops, 1, out, &which));
         c->pos++;
         return end_tag(c);
     }
-    return syntax_error(c, t, "statement '%.*s' is not supported", (int)(t->s.n < 40 ? t->s.n : 40),
-                        t->s.p);
+    return kvc__chat_syntax_error(c, t, "statement '%.*s' is not supported",
+                                  (int)(t->s.n < 40 ? t->s.n : 40), t->s.p);
 }
 
-static kvc_status parse_block(ctx *c, const char *const *stop, int n_stop, node **out, int *which) {
-    if (++c->depth > MAX_DEPTH) return syntax_error(c, peek(c), "blocks nested too deeply");
+static kvc_status kvc__chat_parse_block(ctx *c, const char *const *stop, int n_stop, node **out,
+                                        int *which) {
+    if (++c->depth > MAX_DEPTH)
+        return kvc__chat_syntax_error(c, peek(c), "blocks nested too deeply");
     node *blk;
     KVC_TRY(new_node(c, S_BLOCK, &blk));
     for (;;) {
         token *t = peek(c);
         node *n = NULL;
         if (t->k == T_EOF) {
-            if (stop) return syntax_error(c, t, "missing {%% %s %%}", stop[n_stop - 1]);
+            if (stop) return kvc__chat_syntax_error(c, t, "missing {%% %s %%}", stop[n_stop - 1]);
             break;
         }
         if (t->k == T_TEXT) {
@@ -1194,7 +1212,7 @@ static kvc_status parse_block(ctx *c, const char *const *stop, int n_stop, node 
             if (kw->k == T_NAME && (str_eq(kw->s, "elif") || str_eq(kw->s, "else") ||
                                     str_eq(kw->s, "endif") || str_eq(kw->s, "endfor") ||
                                     str_eq(kw->s, "endset") || str_eq(kw->s, "endgeneration")))
-                return syntax_error(c, kw, "unexpected '%.*s'", (int)kw->s.n, kw->s.p);
+                return kvc__chat_syntax_error(c, kw, "unexpected '%.*s'", (int)kw->s.n, kw->s.p);
             KVC_TRY(parse_statement(c, &n));
         } else {
             return unexpected(c, "template text or a tag");
@@ -1208,7 +1226,7 @@ static kvc_status parse_block(ctx *c, const char *const *stop, int n_stop, node 
 
 /* ---- evaluation helpers ------------------------------------------------------ */
 
-static kvc_status runtime_error(const node *n, const char *fmt, ...) {
+static kvc_status kvc__chat_runtime_error(const node *n, const char *fmt, ...) {
     char msg[256];
     va_list ap;
     va_start(ap, fmt);
@@ -1217,7 +1235,7 @@ static kvc_status runtime_error(const node *n, const char *fmt, ...) {
     return kvc__error(KVC_ERR_INVALID_ARG, "chat template, line %d: %s", n ? n->line : 0, msg);
 }
 
-static const char *type_name(const value *v) {
+static const char *kvc__chat_type_name(const value *v) {
     switch (v->t) {
     case V_UNDEF: return "undefined";
     case V_NONE: return "NoneType";
@@ -1236,12 +1254,12 @@ typedef struct sbuf {
     size_t n, cap;
 } sbuf;
 
-static kvc_status sb_put(ctx *c, sbuf *b, const char *p, size_t n) {
+static kvc_status kvc__chat_sb_put(ctx *c, sbuf *b, const char *p, size_t n) {
     KVC_TRY(charge(c, n));
     if (b->n + n > b->cap) {
         size_t cap = b->cap ? b->cap : 64;
         while (cap < b->n + n) cap *= 2;
-        if (cap > MAX_BYTES) return nomem();
+        if (cap > MAX_BYTES) return kvc__chat_nomem();
         char *q;
         ALLOC(c, q, cap);
         if (b->n) memcpy(q, b->p, b->n);
@@ -1254,30 +1272,30 @@ static kvc_status sb_put(ctx *c, sbuf *b, const char *p, size_t n) {
 }
 
 static kvc_status sb_cstr(ctx *c, sbuf *b, const char *s) {
-    return sb_put(c, b, s, strlen(s));
+    return kvc__chat_sb_put(c, b, s, strlen(s));
 }
 
 /* Python's repr() of a string: single quotes unless it holds ' and no ". */
 static kvc_status repr_str(ctx *c, sbuf *b, str s) {
     char q = memchr(s.p, '\'', s.n) && !memchr(s.p, '"', s.n) ? '"' : '\'';
-    KVC_TRY(sb_put(c, b, &q, 1));
+    KVC_TRY(kvc__chat_sb_put(c, b, &q, 1));
     for (size_t i = 0; i < s.n; i++) {
         unsigned char ch = (unsigned char)s.p[i];
         char esc[8];
         if (ch == '\\' || ch == (unsigned char)q) {
             esc[0] = '\\';
             esc[1] = (char)ch;
-            KVC_TRY(sb_put(c, b, esc, 2));
+            KVC_TRY(kvc__chat_sb_put(c, b, esc, 2));
         } else if (ch == '\n' || ch == '\r' || ch == '\t') {
             KVC_TRY(sb_cstr(c, b, ch == '\n' ? "\\n" : ch == '\r' ? "\\r" : "\\t"));
         } else if (ch < 0x20 || ch == 0x7F) {
             snprintf(esc, sizeof esc, "\\x%02x", ch);
             KVC_TRY(sb_cstr(c, b, esc));
         } else {
-            KVC_TRY(sb_put(c, b, (const char *)&ch, 1));
+            KVC_TRY(kvc__chat_sb_put(c, b, (const char *)&ch, 1));
         }
     }
-    return sb_put(c, b, &q, 1);
+    return kvc__chat_sb_put(c, b, &q, 1);
 }
 
 static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr);
@@ -1289,7 +1307,7 @@ static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr) {
     case V_NONE: return sb_cstr(c, b, "None");
     case V_BOOL: return sb_cstr(c, b, v->u.i ? "True" : "False");
     case V_INT: snprintf(num, sizeof num, "%lld", (long long)v->u.i); return sb_cstr(c, b, num);
-    case V_STR: return repr ? repr_str(c, b, v->u.s) : sb_put(c, b, v->u.s.p, v->u.s.n);
+    case V_STR: return repr ? repr_str(c, b, v->u.s) : kvc__chat_sb_put(c, b, v->u.s.p, v->u.s.n);
     case V_LIST:
         KVC_TRY(sb_cstr(c, b, v->u.l->is_tuple ? "(" : "["));
         for (size_t i = 0; i < v->u.l->n; i++) {
@@ -1311,7 +1329,7 @@ static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr) {
 }
 
 /* str(v) as Jinja prints it (undefined prints nothing). */
-static kvc_status to_str(ctx *c, const value *v, str *out) {
+static kvc_status kvc__chat_to_str(ctx *c, const value *v, str *out) {
     if (v->t == V_STR) {
         *out = v->u.s;
         return KVC_OK;
@@ -1339,7 +1357,7 @@ static int is_num(const value *v) {
     return v->t == V_INT || v->t == V_BOOL;
 }
 
-static int values_equal(const value *a, const value *b) {
+static int kvc__chat_values_equal(const value *a, const value *b) {
     if (is_num(a) && is_num(b)) return a->u.i == b->u.i;
     if (a->t != b->t) return 0;
     switch (a->t) {
@@ -1349,7 +1367,7 @@ static int values_equal(const value *a, const value *b) {
     case V_LIST:
         if (a->u.l->n != b->u.l->n) return 0;
         for (size_t i = 0; i < a->u.l->n; i++)
-            if (!values_equal(&a->u.l->items[i], &b->u.l->items[i])) return 0;
+            if (!kvc__chat_values_equal(&a->u.l->items[i], &b->u.l->items[i])) return 0;
         return 1;
     case V_DICT:
         if (a->u.d->n != b->u.d->n) return 0;
@@ -1359,7 +1377,8 @@ static int values_equal(const value *a, const value *b) {
                    !(a->u.d->keys[i].n == b->u.d->keys[j].n &&
                      memcmp(a->u.d->keys[i].p, b->u.d->keys[j].p, a->u.d->keys[i].n) == 0))
                 j++;
-            if (j == b->u.d->n || !values_equal(&a->u.d->vals[i], &b->u.d->vals[j])) return 0;
+            if (j == b->u.d->n || !kvc__chat_values_equal(&a->u.d->vals[i], &b->u.d->vals[j]))
+                return 0;
         }
         return 1;
     case V_FUNC: return a->u.i == b->u.i;
@@ -1368,7 +1387,7 @@ static int values_equal(const value *a, const value *b) {
 }
 
 /* Python's a < b (-1 / 0 / 1 into *cmp) for numbers, strings and lists. */
-static kvc_status order(const node *n, const value *a, const value *b, int *cmp) {
+static kvc_status kvc__chat_order(const node *n, const value *a, const value *b, int *cmp) {
     if (is_num(a) && is_num(b)) {
         *cmp = a->u.i < b->u.i ? -1 : a->u.i > b->u.i;
         return KVC_OK;
@@ -1381,16 +1400,17 @@ static kvc_status order(const node *n, const value *a, const value *b, int *cmp)
     }
     if (a->t == V_LIST && b->t == V_LIST) {
         for (size_t i = 0; i < a->u.l->n && i < b->u.l->n; i++) {
-            if (values_equal(&a->u.l->items[i], &b->u.l->items[i])) continue;
-            return order(n, &a->u.l->items[i], &b->u.l->items[i], cmp);
+            if (kvc__chat_values_equal(&a->u.l->items[i], &b->u.l->items[i])) continue;
+            return kvc__chat_order(n, &a->u.l->items[i], &b->u.l->items[i], cmp);
         }
         *cmp = a->u.l->n < b->u.l->n ? -1 : a->u.l->n > b->u.l->n;
         return KVC_OK;
     }
-    return runtime_error(n, "cannot order %s and %s", type_name(a), type_name(b));
+    return kvc__chat_runtime_error(n, "cannot order %s and %s", kvc__chat_type_name(a),
+                                   kvc__chat_type_name(b));
 }
 
-static kvc_status new_list(ctx *c, size_t cap, value *out) {
+static kvc_status kvc__chat_new_list(ctx *c, size_t cap, value *out) {
     list *l;
     ALLOC(c, l, 1);
     l->n = 0;
@@ -1402,7 +1422,7 @@ static kvc_status new_list(ctx *c, size_t cap, value *out) {
     return KVC_OK;
 }
 
-static kvc_status list_push(ctx *c, list *l, value v) {
+static kvc_status kvc__chat_list_push(ctx *c, list *l, value v) {
     if (l->n == l->cap) {
         value *items;
         ALLOC(c, items, 2 * l->cap);
@@ -1414,7 +1434,7 @@ static kvc_status list_push(ctx *c, list *l, value v) {
     return KVC_OK;
 }
 
-static kvc_status new_dict(ctx *c, size_t cap, value *out) {
+static kvc_status kvc__chat_new_dict(ctx *c, size_t cap, value *out) {
     dict *d;
     ALLOC(c, d, 1);
     memset(d, 0, sizeof *d);
@@ -1433,14 +1453,14 @@ static size_t cost_of(const value *v) {
     return v->t == V_STR ? v->u.s.n : v->t == V_LIST ? v->u.l->n : v->t == V_DICT ? v->u.d->n : 0;
 }
 
-static value *dict_find(dict *d, str key) {
+static value *kvc__chat_dict_find(dict *d, str key) {
     for (size_t i = 0; i < d->n; i++)
         if (d->keys[i].n == key.n && memcmp(d->keys[i].p, key.p, key.n) == 0) return &d->vals[i];
     return NULL;
 }
 
-static kvc_status dict_set(ctx *c, dict *d, str key, value v) {
-    value *slot = dict_find(d, key);
+static kvc_status kvc__chat_dict_set(ctx *c, dict *d, str key, value v) {
+    value *slot = kvc__chat_dict_find(d, key);
     if (slot) {
         *slot = v;
         return KVC_OK;
@@ -1467,18 +1487,18 @@ static str cstr(const char *s) {
 }
 
 /* Code points of a string, as a list of one-character strings. */
-static kvc_status str_chars(ctx *c, str s, value *out) {
-    KVC_TRY(new_list(c, s.n, out));
+static kvc_status kvc__chat_str_chars(ctx *c, str s, value *out) {
+    KVC_TRY(kvc__chat_new_list(c, s.n, out));
     for (size_t i = 0; i < s.n;) {
         int len;
         kvc__utf8_decode((const unsigned char *)s.p + i, s.n - i, &len);
-        KVC_TRY(list_push(c, out->u.l, v_str(s.p + i, (size_t)len)));
+        KVC_TRY(kvc__chat_list_push(c, out->u.l, v_str(s.p + i, (size_t)len)));
         i += (size_t)len;
     }
     return KVC_OK;
 }
 
-static size_t str_len_cp(str s) {
+static size_t kvc__chat_str_len_cp(str s) {
     size_t k = 0;
     for (size_t i = 0; i < s.n; k++) {
         int len;
@@ -1490,25 +1510,25 @@ static size_t str_len_cp(str s) {
 
 /* Items a for loop visits: a list's items, a dict's keys, a string's
  * characters; undefined iterates as empty. */
-static kvc_status iter_items(ctx *c, const node *n, const value *v, value *out) {
+static kvc_status kvc__chat_iter_items(ctx *c, const node *n, const value *v, value *out) {
     if (v->t == V_LIST) {
         *out = *v;
         return KVC_OK;
     }
-    if (v->t == V_STR) return str_chars(c, v->u.s, out);
-    if (v->t == V_UNDEF) return new_list(c, 0, out);
+    if (v->t == V_STR) return kvc__chat_str_chars(c, v->u.s, out);
+    if (v->t == V_UNDEF) return kvc__chat_new_list(c, 0, out);
     if (v->t == V_DICT) {
-        KVC_TRY(new_list(c, v->u.d->n, out));
+        KVC_TRY(kvc__chat_new_list(c, v->u.d->n, out));
         for (size_t i = 0; i < v->u.d->n; i++)
-            KVC_TRY(list_push(c, out->u.l, v_str(v->u.d->keys[i].p, v->u.d->keys[i].n)));
+            KVC_TRY(kvc__chat_list_push(c, out->u.l, v_str(v->u.d->keys[i].p, v->u.d->keys[i].n)));
         return KVC_OK;
     }
-    return runtime_error(n, "'%s' object is not iterable", type_name(v));
+    return kvc__chat_runtime_error(n, "'%s' object is not iterable", kvc__chat_type_name(v));
 }
 
 /* ---- scopes ------------------------------------------------------------------- */
 
-static int lookup(ctx *c, str name, value *out) {
+static int kvc__chat_lookup(ctx *c, str name, value *out) {
     for (int f = c->n_frames - 1; f >= 0; f--) {
         frame *fr = &c->frames[f];
         for (size_t i = fr->n; i-- > 0;)
@@ -1544,7 +1564,7 @@ static int lookup(ctx *c, str name, value *out) {
     return 1;
 }
 
-static kvc_status set_var(ctx *c, str name, value v) {
+static kvc_status kvc__chat_set_var(ctx *c, str name, value v) {
     frame *fr = &c->frames[c->n_frames - 1];
     for (size_t i = 0; i < fr->n; i++)
         if (fr->names[i].n == name.n && memcmp(fr->names[i].p, name.p, name.n) == 0) {
@@ -1583,7 +1603,7 @@ static int ascii_lower_ch(int ch) {
  * 'c' capitalize (first upper, rest lower), 't' Jinja's title filter (first
  * letter of every item split at runs of [-\s({[<] upper, rest lower),
  * 'T' Python's str.title() (upper after a non-letter, lower after a letter). */
-static kvc_status map_case(ctx *c, str s, char mode, value *out) {
+static kvc_status kvc__chat_map_case(ctx *c, str s, char mode, value *out) {
     char *p;
     ALLOC(c, p, s.n + 1);
     int word_start = 1;
@@ -1670,13 +1690,14 @@ static str strip_set(str s, const cp_set *set, int left, int right) {
 }
 
 /* strip_set for whitespace (no set). */
-static str strip_str(str s, int left, int right) {
+static str kvc__chat_strip_str(str s, int left, int right) {
     return strip_set(s, NULL, left, right);
 }
 
 /* strip/lstrip/rstrip with chars (NULL: whitespace) as the template calls
  * them: the chars made into a set first, the bytes charged to MAX_WORK. */
-static kvc_status strip_chars(ctx *c, str s, const str *chars, int left, int right, str *out) {
+static kvc_status kvc__chat_strip_chars(ctx *c, str s, const str *chars, int left, int right,
+                                        str *out) {
     KVC_TRY(charge(c, s.n + (chars ? chars->n : 0)));
     uint32_t local[64]; /* short chars (the usual case): no arena allocation per call */
     cp_set set = {local, 0};
@@ -1687,35 +1708,36 @@ static kvc_status strip_chars(ctx *c, str s, const str *chars, int left, int rig
 
 /* First occurrence of needle in hay at or after from (memmem: linear, not
  * n * m as a naive scan is on 'aaa...ab' needles). */
-static const char *find_sub(str hay, str needle, size_t from) {
+static const char *kvc__chat_find_sub(str hay, str needle, size_t from) {
     if (needle.n == 0) return hay.p + from;
     if (from > hay.n || needle.n > hay.n - from) return NULL;
     return memmem(hay.p + from, hay.n - from, needle.p, needle.n);
 }
 
-static kvc_status str_replace(ctx *c, const node *n, str s, str old, str rep, int64_t count,
-                              value *out) {
+static kvc_status kvc__chat_str_replace(ctx *c, const node *n, str s, str old, str rep,
+                                        int64_t count, value *out) {
     KVC_TRY(charge(c, s.n)); /* the search; sb_put charges the copies */
     sbuf b = {NULL, 0, 0};
     if (old.n == 0) { /* Python inserts rep around every character */
         value chars;
-        KVC_TRY(str_chars(c, s, &chars));
+        KVC_TRY(kvc__chat_str_chars(c, s, &chars));
         for (size_t i = 0; i <= chars.u.l->n; i++) {
-            if (count < 0 || (int64_t)i < count) KVC_TRY(sb_put(c, &b, rep.p, rep.n));
+            if (count < 0 || (int64_t)i < count) KVC_TRY(kvc__chat_sb_put(c, &b, rep.p, rep.n));
             if (i < chars.u.l->n)
-                KVC_TRY(sb_put(c, &b, chars.u.l->items[i].u.s.p, chars.u.l->items[i].u.s.n));
+                KVC_TRY(
+                    kvc__chat_sb_put(c, &b, chars.u.l->items[i].u.s.p, chars.u.l->items[i].u.s.n));
         }
     } else {
         size_t pos = 0;
         int64_t done = 0;
         const char *hit;
-        while ((count < 0 || done < count) && (hit = find_sub(s, old, pos)) != NULL) {
-            KVC_TRY(sb_put(c, &b, s.p + pos, (size_t)(hit - s.p) - pos));
-            KVC_TRY(sb_put(c, &b, rep.p, rep.n));
+        while ((count < 0 || done < count) && (hit = kvc__chat_find_sub(s, old, pos)) != NULL) {
+            KVC_TRY(kvc__chat_sb_put(c, &b, s.p + pos, (size_t)(hit - s.p) - pos));
+            KVC_TRY(kvc__chat_sb_put(c, &b, rep.p, rep.n));
             pos = (size_t)(hit - s.p) + old.n;
             done++;
         }
-        KVC_TRY(sb_put(c, &b, s.p + pos, s.n - pos));
+        KVC_TRY(kvc__chat_sb_put(c, &b, s.p + pos, s.n - pos));
     }
     (void)n;
     *out = v_str(b.p ? b.p : "", b.n);
@@ -1723,10 +1745,10 @@ static kvc_status str_replace(ctx *c, const node *n, str s, str old, str rep, in
 }
 
 /* Python str.split(sep=None, maxsplit=-1). */
-static kvc_status str_split(ctx *c, const node *n, str s, const value *sep, int64_t maxsplit,
-                            value *out) {
+static kvc_status kvc__chat_str_split(ctx *c, const node *n, str s, const value *sep,
+                                      int64_t maxsplit, value *out) {
     KVC_TRY(charge(c, s.n));
-    KVC_TRY(new_list(c, 4, out));
+    KVC_TRY(kvc__chat_new_list(c, 4, out));
     if (!sep || sep->t == V_NONE) {
         size_t i = 0;
         int64_t splits = 0;
@@ -1735,33 +1757,34 @@ static kvc_status str_split(ctx *c, const node *n, str s, const value *sep, int6
             while (i < s.n && space_at(s.p, s.n, i, &len)) i += (size_t)len;
             if (i >= s.n) break;
             if (maxsplit >= 0 && splits >= maxsplit) {
-                str rest = strip_str((str){s.p + i, s.n - i}, 0, 1);
-                KVC_TRY(list_push(c, out->u.l, v_str(rest.p, rest.n)));
+                str rest = kvc__chat_strip_str((str){s.p + i, s.n - i}, 0, 1);
+                KVC_TRY(kvc__chat_list_push(c, out->u.l, v_str(rest.p, rest.n)));
                 break;
             }
             size_t j = i;
             while (j < s.n && !space_at(s.p, s.n, j, &len)) j += (size_t)len;
-            KVC_TRY(list_push(c, out->u.l, v_str(s.p + i, j - i)));
+            KVC_TRY(kvc__chat_list_push(c, out->u.l, v_str(s.p + i, j - i)));
             splits++;
             i = j;
         }
         return KVC_OK;
     }
-    if (sep->t != V_STR) return runtime_error(n, "split() separator must be a string");
-    if (sep->u.s.n == 0) return runtime_error(n, "split(): empty separator");
+    if (sep->t != V_STR) return kvc__chat_runtime_error(n, "split() separator must be a string");
+    if (sep->u.s.n == 0) return kvc__chat_runtime_error(n, "split(): empty separator");
     size_t pos = 0;
     int64_t splits = 0;
     const char *hit;
-    while ((maxsplit < 0 || splits < maxsplit) && (hit = find_sub(s, sep->u.s, pos)) != NULL) {
-        KVC_TRY(list_push(c, out->u.l, v_str(s.p + pos, (size_t)(hit - s.p) - pos)));
+    while ((maxsplit < 0 || splits < maxsplit) &&
+           (hit = kvc__chat_find_sub(s, sep->u.s, pos)) != NULL) {
+        KVC_TRY(kvc__chat_list_push(c, out->u.l, v_str(s.p + pos, (size_t)(hit - s.p) - pos)));
         pos = (size_t)(hit - s.p) + sep->u.s.n;
         splits++;
     }
-    return list_push(c, out->u.l, v_str(s.p + pos, s.n - pos));
+    return kvc__chat_list_push(c, out->u.l, v_str(s.p + pos, s.n - pos));
 }
 
-static kvc_status concat(ctx *c, str a, str b, value *out) {
-    if (a.n + b.n > MAX_BYTES) return nomem();
+static kvc_status kvc__chat_concat(ctx *c, str a, str b, value *out) {
+    if (a.n + b.n > MAX_BYTES) return kvc__chat_nomem();
     KVC_TRY(charge(c, a.n + b.n));
     char *p;
     ALLOC(c, p, a.n + b.n + 1);
@@ -1773,13 +1796,13 @@ static kvc_status concat(ctx *c, str a, str b, value *out) {
 
 /* ---- expressions --------------------------------------------------------------- */
 
-static kvc_status eval(ctx *c, const node *n, value *out);
+static kvc_status kvc__chat_eval(ctx *c, const node *n, value *out);
 
 static kvc_status undefined_error(const node *n) {
     if (n->k == E_NAME)
-        return runtime_error(n, "'%.*s' is undefined", (int)(n->name.n < 60 ? n->name.n : 60),
-                             n->name.p);
-    return runtime_error(n, "an undefined value is used");
+        return kvc__chat_runtime_error(n, "'%.*s' is undefined",
+                                       (int)(n->name.n < 60 ? n->name.n : 60), n->name.p);
+    return kvc__chat_runtime_error(n, "an undefined value is used");
 }
 
 /* Python indexing: list/str by (possibly negative) int, dict by key. */
@@ -1789,14 +1812,14 @@ static kvc_status get_item(ctx *c, const node *n, const value *obj, const value 
     if (obj->t == V_DICT) {
         if (key->t == V_STR) {
             KVC_TRY(charge(c, key->u.s.n));
-            value *v = dict_find(obj->u.d, key->u.s);
+            value *v = kvc__chat_dict_find(obj->u.d, key->u.s);
             if (v) *out = *v;
         }
         return KVC_OK;
     }
     if ((obj->t == V_LIST || obj->t == V_STR) && is_num(key)) {
         value items = *obj;
-        if (obj->t == V_STR) KVC_TRY(str_chars(c, obj->u.s, &items));
+        if (obj->t == V_STR) KVC_TRY(kvc__chat_str_chars(c, obj->u.s, &items));
         int64_t len = (int64_t)items.u.l->n, i = key->u.i;
         if (i < 0) i += len;
         if (i >= 0 && i < len) *out = items.u.l->items[i];
@@ -1808,7 +1831,7 @@ static kvc_status get_attr(const node *n, const value *obj, str name, value *out
     *out = v_undef();
     if (obj->t == V_UNDEF) return undefined_error(n->a);
     if (obj->t == V_DICT) {
-        value *v = dict_find(obj->u.d, name);
+        value *v = kvc__chat_dict_find(obj->u.d, name);
         if (v) *out = *v;
     }
     return KVC_OK;
@@ -1816,22 +1839,22 @@ static kvc_status get_attr(const node *n, const value *obj, str name, value *out
 
 static kvc_status eval_slice(ctx *c, const node *n, value *out) {
     value obj, bounds[3];
-    KVC_TRY(eval(c, n->a, &obj));
+    KVC_TRY(kvc__chat_eval(c, n->a, &obj));
     const node *parts[3] = {n->b, n->c, n->d};
     for (int i = 0; i < 3; i++) {
         bounds[i] = v_none();
-        if (parts[i]) KVC_TRY(eval(c, parts[i], &bounds[i]));
+        if (parts[i]) KVC_TRY(kvc__chat_eval(c, parts[i], &bounds[i]));
         if (bounds[i].t != V_NONE && !is_num(&bounds[i]))
-            return runtime_error(n, "slice indices must be integers");
+            return kvc__chat_runtime_error(n, "slice indices must be integers");
     }
     if (obj.t == V_UNDEF) return undefined_error(n->a);
     if (obj.t != V_LIST && obj.t != V_STR)
-        return runtime_error(n, "cannot slice a %s", type_name(&obj));
+        return kvc__chat_runtime_error(n, "cannot slice a %s", kvc__chat_type_name(&obj));
     value items = obj;
-    if (obj.t == V_STR) KVC_TRY(str_chars(c, obj.u.s, &items));
+    if (obj.t == V_STR) KVC_TRY(kvc__chat_str_chars(c, obj.u.s, &items));
     int64_t len = (int64_t)items.u.l->n;
     int64_t step = bounds[2].t == V_NONE ? 1 : bounds[2].u.i;
-    if (step == 0) return runtime_error(n, "slice step cannot be zero");
+    if (step == 0) return kvc__chat_runtime_error(n, "slice step cannot be zero");
     int64_t start, stop;
     for (int i = 0; i < 2; i++) {
         int64_t *dst = i == 0 ? &start : &stop;
@@ -1848,16 +1871,16 @@ static kvc_status eval_slice(ctx *c, const node *n, value *out) {
         *dst = x;
     }
     value res;
-    KVC_TRY(new_list(c, 4, &res));
+    KVC_TRY(kvc__chat_new_list(c, 4, &res));
     for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step)
-        KVC_TRY(list_push(c, res.u.l, items.u.l->items[i]));
+        KVC_TRY(kvc__chat_list_push(c, res.u.l, items.u.l->items[i]));
     if (obj.t == V_LIST) {
         *out = res;
         return KVC_OK;
     }
     sbuf b = {NULL, 0, 0};
     for (size_t i = 0; i < res.u.l->n; i++)
-        KVC_TRY(sb_put(c, &b, res.u.l->items[i].u.s.p, res.u.l->items[i].u.s.n));
+        KVC_TRY(kvc__chat_sb_put(c, &b, res.u.l->items[i].u.s.p, res.u.l->items[i].u.s.n));
     *out = v_str(b.p ? b.p : "", b.n);
     return KVC_OK;
 }
@@ -1872,13 +1895,13 @@ typedef struct args {
 } args;
 
 static kvc_status eval_args(ctx *c, const node *n, args *a) {
-    if (n->nv > 8 || n->nw > 8) return runtime_error(n, "too many arguments");
+    if (n->nv > 8 || n->nw > 8) return kvc__chat_runtime_error(n, "too many arguments");
     a->n_pos = n->nv;
     a->n_kw = n->nw;
-    for (size_t i = 0; i < n->nv; i++) KVC_TRY(eval(c, n->v[i], &a->pos[i]));
+    for (size_t i = 0; i < n->nv; i++) KVC_TRY(kvc__chat_eval(c, n->v[i], &a->pos[i]));
     for (size_t i = 0; i < n->nw; i++) {
         a->kw_names[i] = n->names[i];
-        KVC_TRY(eval(c, n->w[i], &a->kw[i]));
+        KVC_TRY(kvc__chat_eval(c, n->w[i], &a->kw[i]));
     }
     return KVC_OK;
 }
@@ -1892,7 +1915,7 @@ static const value *arg(const args *a, size_t i, const char *name) {
 }
 
 static kvc_status want_str(const node *n, const value *v, const char *what, str *out) {
-    if (!v || v->t != V_STR) return runtime_error(n, "%s must be a string", what);
+    if (!v || v->t != V_STR) return kvc__chat_runtime_error(n, "%s must be a string", what);
     *out = v->u.s;
     return KVC_OK;
 }
@@ -1907,8 +1930,8 @@ static kvc_status call_method(ctx *c, const node *n, const value *obj, str m, co
             str chars = {NULL, 0};
             if (ch && ch->t != V_NONE) KVC_TRY(want_str(n, ch, "strip() chars", &chars));
             str r;
-            KVC_TRY(strip_chars(c, s, ch && ch->t != V_NONE ? &chars : NULL, m.p[0] != 'r',
-                                m.p[0] != 'l', &r));
+            KVC_TRY(kvc__chat_strip_chars(c, s, ch && ch->t != V_NONE ? &chars : NULL,
+                                          m.p[0] != 'r', m.p[0] != 'l', &r));
             *out = v_str(r.p, r.n);
             return KVC_OK;
         }
@@ -1919,22 +1942,22 @@ static kvc_status call_method(ctx *c, const node *n, const value *obj, str m, co
             *out = v_bool(hit);
             return KVC_OK;
         }
-        if (str_eq(m, "upper")) return map_case(c, s, 'u', out);
-        if (str_eq(m, "lower")) return map_case(c, s, 'l', out);
-        if (str_eq(m, "title")) return map_case(c, s, 'T', out);
-        if (str_eq(m, "capitalize")) return map_case(c, s, 'c', out);
+        if (str_eq(m, "upper")) return kvc__chat_map_case(c, s, 'u', out);
+        if (str_eq(m, "lower")) return kvc__chat_map_case(c, s, 'l', out);
+        if (str_eq(m, "title")) return kvc__chat_map_case(c, s, 'T', out);
+        if (str_eq(m, "capitalize")) return kvc__chat_map_case(c, s, 'c', out);
         if (str_eq(m, "split")) {
             const value *ms = arg(a, 1, "maxsplit");
-            if (ms && !is_num(ms)) return runtime_error(n, "maxsplit must be an integer");
-            return str_split(c, n, s, arg(a, 0, "sep"), ms ? ms->u.i : -1, out);
+            if (ms && !is_num(ms)) return kvc__chat_runtime_error(n, "maxsplit must be an integer");
+            return kvc__chat_str_split(c, n, s, arg(a, 0, "sep"), ms ? ms->u.i : -1, out);
         }
         if (str_eq(m, "replace")) {
             str old = {NULL, 0}, rep = {NULL, 0};
             KVC_TRY(want_str(n, arg(a, 0, "old"), "replace() old", &old));
             KVC_TRY(want_str(n, arg(a, 1, "new"), "replace() new", &rep));
             const value *cnt = arg(a, 2, "count");
-            if (cnt && !is_num(cnt)) return runtime_error(n, "count must be an integer");
-            return str_replace(c, n, s, old, rep, cnt ? cnt->u.i : -1, out);
+            if (cnt && !is_num(cnt)) return kvc__chat_runtime_error(n, "count must be an integer");
+            return kvc__chat_str_replace(c, n, s, old, rep, cnt ? cnt->u.i : -1, out);
         }
     } else if (obj->t == V_DICT) {
         dict *d = obj->u.d;
@@ -1943,12 +1966,12 @@ static kvc_status call_method(ctx *c, const node *n, const value *obj, str m, co
             const value *dflt = arg(a, 1, "default");
             KVC_TRY(want_str(n, arg(a, 0, "key"), "get() key", &key));
             KVC_TRY(charge(c, key.n));
-            value *v = dict_find(d, key);
+            value *v = kvc__chat_dict_find(d, key);
             *out = v ? *v : dflt ? *dflt : v_none();
             return KVC_OK;
         }
         if (str_eq(m, "items") || str_eq(m, "keys") || str_eq(m, "values")) {
-            KVC_TRY(new_list(c, d->n, out));
+            KVC_TRY(kvc__chat_new_list(c, d->n, out));
             for (size_t i = 0; i < d->n; i++) {
                 value k = v_str(d->keys[i].p, d->keys[i].n), item;
                 if (m.p[0] == 'k') {
@@ -1956,51 +1979,52 @@ static kvc_status call_method(ctx *c, const node *n, const value *obj, str m, co
                 } else if (m.p[0] == 'v') {
                     item = d->vals[i];
                 } else {
-                    KVC_TRY(new_list(c, 2, &item));
+                    KVC_TRY(kvc__chat_new_list(c, 2, &item));
                     item.u.l->is_tuple = 1;
-                    KVC_TRY(list_push(c, item.u.l, k));
-                    KVC_TRY(list_push(c, item.u.l, d->vals[i]));
+                    KVC_TRY(kvc__chat_list_push(c, item.u.l, k));
+                    KVC_TRY(kvc__chat_list_push(c, item.u.l, d->vals[i]));
                 }
-                KVC_TRY(list_push(c, out->u.l, item));
+                KVC_TRY(kvc__chat_list_push(c, out->u.l, item));
             }
             return KVC_OK;
         }
     }
     return kvc__error(KVC_ERR_UNSUPPORTED,
                       "chat template, line %d: method %s.%.*s() is not supported", n->line,
-                      type_name(obj), (int)(m.n < 40 ? m.n : 40), m.p);
+                      kvc__chat_type_name(obj), (int)(m.n < 40 ? m.n : 40), m.p);
 }
 
 static kvc_status call_builtin(ctx *c, const node *n, int fn, const args *a, value *out) {
     if (fn == F_RAISE) {
         str msg = {"", 0};
-        if (a->n_pos) KVC_TRY(to_str(c, &a->pos[0], &msg));
+        if (a->n_pos) KVC_TRY(kvc__chat_to_str(c, &a->pos[0], &msg));
         return kvc__error(KVC_ERR_INVALID_ARG, "chat template raised an exception: %.*s",
                           (int)(msg.n < 400 ? msg.n : 400), msg.p);
     }
     if (fn == F_NAMESPACE) {
-        if (a->n_pos) return runtime_error(n, "namespace() takes keyword arguments only here");
-        KVC_TRY(new_dict(c, a->n_kw, out));
+        if (a->n_pos)
+            return kvc__chat_runtime_error(n, "namespace() takes keyword arguments only here");
+        KVC_TRY(kvc__chat_new_dict(c, a->n_kw, out));
         out->u.d->is_namespace = 1;
         for (size_t i = 0; i < a->n_kw; i++)
-            KVC_TRY(dict_set(c, out->u.d, a->kw_names[i], a->kw[i]));
+            KVC_TRY(kvc__chat_dict_set(c, out->u.d, a->kw_names[i], a->kw[i]));
         return KVC_OK;
     }
     /* range(stop) / range(start, stop[, step]) */
     int64_t r[3] = {0, 0, 1};
     if (a->n_pos < 1 || a->n_pos > 3 || a->n_kw)
-        return runtime_error(n, "range() takes 1 to 3 integers");
+        return kvc__chat_runtime_error(n, "range() takes 1 to 3 integers");
     for (size_t i = 0; i < a->n_pos; i++)
-        if (!is_num(&a->pos[i])) return runtime_error(n, "range() takes integers");
+        if (!is_num(&a->pos[i])) return kvc__chat_runtime_error(n, "range() takes integers");
     if (a->n_pos == 1)
         r[1] = a->pos[0].u.i;
     else
         for (size_t i = 0; i < a->n_pos; i++) r[i] = a->pos[i].u.i;
-    if (r[2] == 0) return runtime_error(n, "range() step must not be zero");
-    KVC_TRY(new_list(c, 4, out));
+    if (r[2] == 0) return kvc__chat_runtime_error(n, "range() step must not be zero");
+    KVC_TRY(kvc__chat_new_list(c, 4, out));
     for (int64_t i = r[0]; r[2] > 0 ? i < r[1] : i > r[1]; i += r[2]) {
-        if (out->u.l->n >= 1000000) return runtime_error(n, "range() is too long");
-        KVC_TRY(list_push(c, out->u.l, v_int(i)));
+        if (out->u.l->n >= 1000000) return kvc__chat_runtime_error(n, "range() is too long");
+        KVC_TRY(kvc__chat_list_push(c, out->u.l, v_int(i)));
         if ((r[2] > 0 && i > INT64_MAX - r[2]) || (r[2] < 0 && i < INT64_MIN - r[2])) break;
     }
     return KVC_OK;
@@ -2010,21 +2034,22 @@ static kvc_status eval_call(ctx *c, const node *n, value *out) {
     args a;
     if (n->a->k == E_ATTR) { /* method call */
         value obj;
-        KVC_TRY(eval(c, n->a->a, &obj));
+        KVC_TRY(kvc__chat_eval(c, n->a->a, &obj));
         KVC_TRY(eval_args(c, n, &a));
         return call_method(c, n, &obj, n->a->name, &a, out);
     }
     value f;
     if (n->a->k == E_NAME) {
-        if (!lookup(c, n->a->name, &f))
+        if (!kvc__chat_lookup(c, n->a->name, &f))
             return kvc__error(KVC_ERR_UNSUPPORTED,
                               "chat template, line %d: function '%.*s' is not "
                               "supported",
                               n->line, (int)(n->a->name.n < 40 ? n->a->name.n : 40), n->a->name.p);
     } else {
-        KVC_TRY(eval(c, n->a, &f));
+        KVC_TRY(kvc__chat_eval(c, n->a, &f));
     }
-    if (f.t != V_FUNC) return runtime_error(n, "'%s' object is not callable", type_name(&f));
+    if (f.t != V_FUNC)
+        return kvc__chat_runtime_error(n, "'%s' object is not callable", kvc__chat_type_name(&f));
     KVC_TRY(eval_args(c, n, &a));
     return call_builtin(c, n, (int)f.u.i, &a, out);
 }
@@ -2032,7 +2057,7 @@ static kvc_status eval_call(ctx *c, const node *n, value *out) {
 static kvc_status eval_filter(ctx *c, const node *n, value *out) {
     value x;
     args a;
-    KVC_TRY(eval(c, n->a, &x));
+    KVC_TRY(kvc__chat_eval(c, n->a, &x));
     KVC_TRY(eval_args(c, n, &a));
     str f = n->name, s;
     if (str_eq(f, "default") || str_eq(f, "d")) {
@@ -2046,27 +2071,29 @@ static kvc_status eval_filter(ctx *c, const node *n, value *out) {
         switch (x.t) {
         case V_STR:
             KVC_TRY(charge(c, x.u.s.n));
-            *out = v_int((int64_t)str_len_cp(x.u.s));
+            *out = v_int((int64_t)kvc__chat_str_len_cp(x.u.s));
             return KVC_OK;
         case V_LIST: *out = v_int((int64_t)x.u.l->n); return KVC_OK;
         case V_DICT: *out = v_int((int64_t)x.u.d->n); return KVC_OK;
         case V_UNDEF: *out = v_int(0); return KVC_OK;
-        default: return runtime_error(n, "object of type '%s' has no len()", type_name(&x));
+        default:
+            return kvc__chat_runtime_error(n, "object of type '%s' has no len()",
+                                           kvc__chat_type_name(&x));
         }
     }
     if (str_eq(f, "first") || str_eq(f, "last")) {
         value items;
-        KVC_TRY(iter_items(c, n, &x, &items));
+        KVC_TRY(kvc__chat_iter_items(c, n, &x, &items));
         *out = items.u.l->n ? items.u.l->items[f.p[0] == 'f' ? 0 : items.u.l->n - 1] : v_undef();
         return KVC_OK;
     }
     if (str_eq(f, "list")) {
-        KVC_TRY(iter_items(c, n, &x, out));
+        KVC_TRY(kvc__chat_iter_items(c, n, &x, out));
         if (out->t == V_LIST && out->u.l->is_tuple) { /* list(pair) is a list */
             value l;
-            KVC_TRY(new_list(c, out->u.l->n, &l));
+            KVC_TRY(kvc__chat_new_list(c, out->u.l->n, &l));
             for (size_t i = 0; i < out->u.l->n; i++)
-                KVC_TRY(list_push(c, l.u.l, out->u.l->items[i]));
+                KVC_TRY(kvc__chat_list_push(c, l.u.l, out->u.l->items[i]));
             *out = l;
         }
         return KVC_OK;
@@ -2079,30 +2106,31 @@ static kvc_status eval_filter(ctx *c, const node *n, value *out) {
         value items;
         str sep = {"", 0};
         const value *d = arg(&a, 0, "d");
-        if (d) KVC_TRY(to_str(c, d, &sep));
-        KVC_TRY(iter_items(c, n, &x, &items));
+        if (d) KVC_TRY(kvc__chat_to_str(c, d, &sep));
+        KVC_TRY(kvc__chat_iter_items(c, n, &x, &items));
         sbuf b = {NULL, 0, 0};
         for (size_t i = 0; i < items.u.l->n; i++) {
             str e;
-            if (i) KVC_TRY(sb_put(c, &b, sep.p, sep.n));
-            KVC_TRY(to_str(c, &items.u.l->items[i], &e));
-            KVC_TRY(sb_put(c, &b, e.p, e.n));
+            if (i) KVC_TRY(kvc__chat_sb_put(c, &b, sep.p, sep.n));
+            KVC_TRY(kvc__chat_to_str(c, &items.u.l->items[i], &e));
+            KVC_TRY(kvc__chat_sb_put(c, &b, e.p, e.n));
         }
         *out = v_str(b.p ? b.p : "", b.n);
         return KVC_OK;
     }
     if (str_eq(f, "reverse")) {
         value items, res;
-        KVC_TRY(iter_items(c, n, &x, &items));
-        KVC_TRY(new_list(c, items.u.l->n, &res));
-        for (size_t i = items.u.l->n; i-- > 0;) KVC_TRY(list_push(c, res.u.l, items.u.l->items[i]));
+        KVC_TRY(kvc__chat_iter_items(c, n, &x, &items));
+        KVC_TRY(kvc__chat_new_list(c, items.u.l->n, &res));
+        for (size_t i = items.u.l->n; i-- > 0;)
+            KVC_TRY(kvc__chat_list_push(c, res.u.l, items.u.l->items[i]));
         if (x.t != V_STR) {
             *out = res;
             return KVC_OK;
         }
         sbuf b = {NULL, 0, 0};
         for (size_t i = 0; i < res.u.l->n; i++)
-            KVC_TRY(sb_put(c, &b, res.u.l->items[i].u.s.p, res.u.l->items[i].u.s.n));
+            KVC_TRY(kvc__chat_sb_put(c, &b, res.u.l->items[i].u.s.p, res.u.l->items[i].u.s.n));
         *out = v_str(b.p ? b.p : "", b.n);
         return KVC_OK;
     }
@@ -2115,7 +2143,7 @@ static kvc_status eval_filter(ctx *c, const node *n, value *out) {
         *out = d ? *d : v_int(0);
         if (x.t == V_STR) { /* Python int(): optional sign, digits, surrounding spaces */
             KVC_TRY(charge(c, x.u.s.n));
-            str t = strip_str(x.u.s, 1, 1);
+            str t = kvc__chat_strip_str(x.u.s, 1, 1);
             size_t i = 0;
             int neg = 0;
             if (i < t.n && (t.p[i] == '+' || t.p[i] == '-')) neg = t.p[i++] == '-';
@@ -2129,7 +2157,7 @@ static kvc_status eval_filter(ctx *c, const node *n, value *out) {
         return KVC_OK;
     }
     /* The rest work on str(x). */
-    KVC_TRY(to_str(c, &x, &s));
+    KVC_TRY(kvc__chat_to_str(c, &x, &s));
     if (str_eq(f, "string")) {
         *out = v_str(s.p, s.n);
         return KVC_OK;
@@ -2139,27 +2167,27 @@ static kvc_status eval_filter(ctx *c, const node *n, value *out) {
         str chars = {NULL, 0};
         if (ch && ch->t != V_NONE) KVC_TRY(want_str(n, ch, "trim() chars", &chars));
         str r;
-        KVC_TRY(strip_chars(c, s, ch && ch->t != V_NONE ? &chars : NULL, 1, 1, &r));
+        KVC_TRY(kvc__chat_strip_chars(c, s, ch && ch->t != V_NONE ? &chars : NULL, 1, 1, &r));
         *out = v_str(r.p, r.n);
         return KVC_OK;
     }
-    if (str_eq(f, "upper")) return map_case(c, s, 'u', out);
-    if (str_eq(f, "lower")) return map_case(c, s, 'l', out);
-    if (str_eq(f, "capitalize")) return map_case(c, s, 'c', out);
-    if (str_eq(f, "title")) return map_case(c, s, 't', out);
+    if (str_eq(f, "upper")) return kvc__chat_map_case(c, s, 'u', out);
+    if (str_eq(f, "lower")) return kvc__chat_map_case(c, s, 'l', out);
+    if (str_eq(f, "capitalize")) return kvc__chat_map_case(c, s, 'c', out);
+    if (str_eq(f, "title")) return kvc__chat_map_case(c, s, 't', out);
     /* replace */
     str old = {NULL, 0}, rep = {NULL, 0};
     KVC_TRY(want_str(n, arg(&a, 0, "old"), "replace() old", &old));
     KVC_TRY(want_str(n, arg(&a, 1, "new"), "replace() new", &rep));
     const value *cnt = arg(&a, 2, "count");
     if (cnt && cnt->t != V_NONE && !is_num(cnt))
-        return runtime_error(n, "count must be an integer");
-    return str_replace(c, n, s, old, rep, cnt && cnt->t != V_NONE ? cnt->u.i : -1, out);
+        return kvc__chat_runtime_error(n, "count must be an integer");
+    return kvc__chat_str_replace(c, n, s, old, rep, cnt && cnt->t != V_NONE ? cnt->u.i : -1, out);
 }
 
 static kvc_status eval_test(ctx *c, const node *n, value *out) {
     value x;
-    KVC_TRY(eval(c, n->a, &x));
+    KVC_TRY(kvc__chat_eval(c, n->a, &x));
     str t = n->name;
     int r;
     if (str_eq(t, "defined"))
@@ -2185,7 +2213,8 @@ static kvc_status eval_test(ctx *c, const node *n, value *out) {
     else if (str_eq(t, "sequence") || str_eq(t, "iterable")) /* Undefined: empty, as jinja2 */
         r = x.t == V_STR || x.t == V_LIST || x.t == V_DICT || x.t == V_UNDEF;
     else { /* even / odd */
-        if (!is_num(&x)) return runtime_error(n, "'%.*s' test needs an integer", (int)t.n, t.p);
+        if (!is_num(&x))
+            return kvc__chat_runtime_error(n, "'%.*s' test needs an integer", (int)t.n, t.p);
         r = (x.u.i % 2 != 0) == str_eq(t, "odd");
     }
     *out = v_bool(n->neg ? !r : r);
@@ -2197,16 +2226,19 @@ static kvc_status arith(ctx *c, const node *n, const value *a, const value *b, v
     int floor_div = str_eq(n->name, "//");
     if (op == '~') {
         str x = {NULL, 0}, y = {NULL, 0};
-        KVC_TRY(to_str(c, a, &x));
-        KVC_TRY(to_str(c, b, &y));
-        return concat(c, x, y, out);
+        KVC_TRY(kvc__chat_to_str(c, a, &x));
+        KVC_TRY(kvc__chat_to_str(c, b, &y));
+        return kvc__chat_concat(c, x, y, out);
     }
     if (a->t == V_UNDEF || b->t == V_UNDEF) return undefined_error(a->t == V_UNDEF ? n->a : n->b);
-    if (op == '+' && a->t == V_STR && b->t == V_STR) return concat(c, a->u.s, b->u.s, out);
+    if (op == '+' && a->t == V_STR && b->t == V_STR)
+        return kvc__chat_concat(c, a->u.s, b->u.s, out);
     if (op == '+' && a->t == V_LIST && b->t == V_LIST) {
-        KVC_TRY(new_list(c, a->u.l->n + b->u.l->n, out));
-        for (size_t i = 0; i < a->u.l->n; i++) KVC_TRY(list_push(c, out->u.l, a->u.l->items[i]));
-        for (size_t i = 0; i < b->u.l->n; i++) KVC_TRY(list_push(c, out->u.l, b->u.l->items[i]));
+        KVC_TRY(kvc__chat_new_list(c, a->u.l->n + b->u.l->n, out));
+        for (size_t i = 0; i < a->u.l->n; i++)
+            KVC_TRY(kvc__chat_list_push(c, out->u.l, a->u.l->items[i]));
+        for (size_t i = 0; i < b->u.l->n; i++)
+            KVC_TRY(kvc__chat_list_push(c, out->u.l, b->u.l->items[i]));
         return KVC_OK;
     }
     if (op == '*' && ((a->t == V_STR && is_num(b)) || (is_num(a) && b->t == V_STR))) {
@@ -2216,15 +2248,16 @@ static kvc_status arith(ctx *c, const node *n, const value *a, const value *b, v
             *out = v_str("", 0);
             return KVC_OK;
         }
-        if ((uint64_t)k > MAX_BYTES / s.n) return nomem();
+        if ((uint64_t)k > MAX_BYTES / s.n) return kvc__chat_nomem();
         sbuf buf = {NULL, 0, 0};
-        for (int64_t i = 0; i < k; i++) KVC_TRY(sb_put(c, &buf, s.p, s.n));
+        for (int64_t i = 0; i < k; i++) KVC_TRY(kvc__chat_sb_put(c, &buf, s.p, s.n));
         *out = v_str(buf.p ? buf.p : "", buf.n);
         return KVC_OK;
     }
     if (!is_num(a) || !is_num(b))
-        return runtime_error(n, "unsupported operand types for %.*s: '%s' and '%s'", (int)n->name.n,
-                             n->name.p, type_name(a), type_name(b));
+        return kvc__chat_runtime_error(n, "unsupported operand types for %.*s: '%s' and '%s'",
+                                       (int)n->name.n, n->name.p, kvc__chat_type_name(a),
+                                       kvc__chat_type_name(b));
     int64_t x = a->u.i, y = b->u.i, r;
     int ovf = 0;
     switch (op) {
@@ -2242,7 +2275,7 @@ static kvc_status arith(ctx *c, const node *n, const value *a, const value *b, v
         r = ovf ? 0 : x * y;
         break;
     default: /* // and %, Python's floor semantics */
-        if (y == 0) return runtime_error(n, "integer division or modulo by zero");
+        if (y == 0) return kvc__chat_runtime_error(n, "integer division or modulo by zero");
         if (x == INT64_MIN && y == -1) {
             ovf = 1;
             r = 0;
@@ -2252,50 +2285,53 @@ static kvc_status arith(ctx *c, const node *n, const value *a, const value *b, v
         if (x % y != 0 && ((x < 0) != (y < 0))) r--;
         if (!floor_div) r = x - r * y;
     }
-    if (ovf) return runtime_error(n, "integer overflow");
+    if (ovf) return kvc__chat_runtime_error(n, "integer overflow");
     *out = v_int(r);
     return KVC_OK;
 }
 
 static kvc_status contains(ctx *c, const node *n, const value *x, const value *coll, int *r) {
     if (coll->t == V_STR) {
-        if (x->t != V_STR) return runtime_error(n, "'in <string>' requires a string on the left");
+        if (x->t != V_STR)
+            return kvc__chat_runtime_error(n, "'in <string>' requires a string on the left");
         KVC_TRY(charge(c, coll->u.s.n));
-        *r = find_sub(coll->u.s, x->u.s, 0) != NULL;
+        *r = kvc__chat_find_sub(coll->u.s, x->u.s, 0) != NULL;
     } else if (coll->t == V_LIST) {
         KVC_TRY(charge(c, (cost_of(x) + 1) * coll->u.l->n));
         *r = 0;
-        for (size_t i = 0; i < coll->u.l->n && !*r; i++) *r = values_equal(x, &coll->u.l->items[i]);
+        for (size_t i = 0; i < coll->u.l->n && !*r; i++)
+            *r = kvc__chat_values_equal(x, &coll->u.l->items[i]);
     } else if (coll->t == V_DICT) {
         KVC_TRY(charge(c, cost_of(x)));
-        *r = x->t == V_STR && dict_find(coll->u.d, x->u.s) != NULL;
+        *r = x->t == V_STR && kvc__chat_dict_find(coll->u.d, x->u.s) != NULL;
     } else if (coll->t == V_UNDEF) {
         *r = 0; /* iterating an undefined value gives nothing */
     } else {
-        return runtime_error(n, "argument of type '%s' is not iterable", type_name(coll));
+        return kvc__chat_runtime_error(n, "argument of type '%s' is not iterable",
+                                       kvc__chat_type_name(coll));
     }
     return KVC_OK;
 }
 
 static kvc_status eval_cmp(ctx *c, const node *n, value *out) {
     value left;
-    KVC_TRY(eval(c, n->a, &left));
+    KVC_TRY(kvc__chat_eval(c, n->a, &left));
     for (size_t i = 0; i < n->nv; i++) {
         value right;
-        KVC_TRY(eval(c, n->v[i], &right));
+        KVC_TRY(kvc__chat_eval(c, n->v[i], &right));
         str op = n->names[i];
         int r = 0;
         KVC_TRY(charge(c, cost_of(&left) + cost_of(&right)));
         if (str_eq(op, "=="))
-            r = values_equal(&left, &right);
+            r = kvc__chat_values_equal(&left, &right);
         else if (str_eq(op, "!="))
-            r = !values_equal(&left, &right);
+            r = !kvc__chat_values_equal(&left, &right);
         else if (str_eq(op, "in") || str_eq(op, "not in")) {
             KVC_TRY(contains(c, n, &left, &right, &r));
             if (op.p[0] == 'n') r = !r;
         } else {
             int cmp = 0;
-            KVC_TRY(order(n, &left, &right, &cmp));
+            KVC_TRY(kvc__chat_order(n, &left, &right, &cmp));
             r = str_eq(op, "<")    ? cmp < 0
                 : str_eq(op, ">")  ? cmp > 0
                 : str_eq(op, "<=") ? cmp <= 0
@@ -2316,7 +2352,7 @@ static kvc_status eval_node(ctx *c, const node *n, value *out);
 /* The parser bounds bracket nesting, but attribute, subscript, filter and
  * operator chains build trees as deep as they are long (a 100k-link chain
  * overflowed the stack): evaluation depth is bounded here. */
-static kvc_status eval(ctx *c, const node *n, value *out) {
+static kvc_status kvc__chat_eval(ctx *c, const node *n, value *out) {
     c->cur = n;
     if (c->eval_depth >= MAX_EVAL_DEPTH)
         return kvc__error(KVC_ERR_UNSUPPORTED,
@@ -2332,72 +2368,75 @@ static kvc_status eval_node(ctx *c, const node *n, value *out) {
     value a, b;
     switch (n->k) {
     case E_LIT: *out = n->lit; return KVC_OK;
-    case E_NAME: lookup(c, n->name, out); return KVC_OK;
-    case E_ATTR: KVC_TRY(eval(c, n->a, &a)); return get_attr(n, &a, n->name, out);
+    case E_NAME: kvc__chat_lookup(c, n->name, out); return KVC_OK;
+    case E_ATTR: KVC_TRY(kvc__chat_eval(c, n->a, &a)); return get_attr(n, &a, n->name, out);
     case E_INDEX:
-        KVC_TRY(eval(c, n->a, &a));
-        KVC_TRY(eval(c, n->b, &b));
+        KVC_TRY(kvc__chat_eval(c, n->a, &a));
+        KVC_TRY(kvc__chat_eval(c, n->b, &b));
         return get_item(c, n, &a, &b, out);
     case E_SLICE: return eval_slice(c, n, out);
     case E_CALL: return eval_call(c, n, out);
     case E_FILTER: return eval_filter(c, n, out);
     case E_TEST: return eval_test(c, n, out);
     case E_NEG:
-        KVC_TRY(eval(c, n->a, &a));
+        KVC_TRY(kvc__chat_eval(c, n->a, &a));
         if (!is_num(&a))
-            return runtime_error(n, "bad operand type for unary -: '%s'", type_name(&a));
-        if (a.u.i == INT64_MIN) return runtime_error(n, "integer overflow");
+            return kvc__chat_runtime_error(n, "bad operand type for unary -: '%s'",
+                                           kvc__chat_type_name(&a));
+        if (a.u.i == INT64_MIN) return kvc__chat_runtime_error(n, "integer overflow");
         *out = v_int(-a.u.i);
         return KVC_OK;
     case E_POS:
-        KVC_TRY(eval(c, n->a, &a));
+        KVC_TRY(kvc__chat_eval(c, n->a, &a));
         if (!is_num(&a))
-            return runtime_error(n, "bad operand type for unary +: '%s'", type_name(&a));
+            return kvc__chat_runtime_error(n, "bad operand type for unary +: '%s'",
+                                           kvc__chat_type_name(&a));
         *out = v_int(a.u.i);
         return KVC_OK;
     case E_NOT:
-        KVC_TRY(eval(c, n->a, &a));
+        KVC_TRY(kvc__chat_eval(c, n->a, &a));
         *out = v_bool(!truthy(&a));
         return KVC_OK;
     case E_AND: /* Python: the deciding operand itself */
-        KVC_TRY(eval(c, n->a, &a));
+        KVC_TRY(kvc__chat_eval(c, n->a, &a));
         if (!truthy(&a)) {
             *out = a;
             return KVC_OK;
         }
-        return eval(c, n->b, out);
+        return kvc__chat_eval(c, n->b, out);
     case E_OR:
-        KVC_TRY(eval(c, n->a, &a));
+        KVC_TRY(kvc__chat_eval(c, n->a, &a));
         if (truthy(&a)) {
             *out = a;
             return KVC_OK;
         }
-        return eval(c, n->b, out);
+        return kvc__chat_eval(c, n->b, out);
     case E_BIN:
-        KVC_TRY(eval(c, n->a, &a));
-        KVC_TRY(eval(c, n->b, &b));
+        KVC_TRY(kvc__chat_eval(c, n->a, &a));
+        KVC_TRY(kvc__chat_eval(c, n->b, &b));
         return arith(c, n, &a, &b, out);
     case E_CMP: return eval_cmp(c, n, out);
     case E_COND:
-        KVC_TRY(eval(c, n->a, &a));
-        if (truthy(&a)) return eval(c, n->b, out);
-        if (n->c) return eval(c, n->c, out);
+        KVC_TRY(kvc__chat_eval(c, n->a, &a));
+        if (truthy(&a)) return kvc__chat_eval(c, n->b, out);
+        if (n->c) return kvc__chat_eval(c, n->c, out);
         *out = v_undef();
         return KVC_OK;
     case E_LIST:
-        KVC_TRY(new_list(c, n->nv, out));
+        KVC_TRY(kvc__chat_new_list(c, n->nv, out));
         for (size_t i = 0; i < n->nv; i++) {
-            KVC_TRY(eval(c, n->v[i], &a));
-            KVC_TRY(list_push(c, out->u.l, a));
+            KVC_TRY(kvc__chat_eval(c, n->v[i], &a));
+            KVC_TRY(kvc__chat_list_push(c, out->u.l, a));
         }
         return KVC_OK;
     case E_DICT:
-        KVC_TRY(new_dict(c, n->nv, out));
+        KVC_TRY(kvc__chat_new_dict(c, n->nv, out));
         for (size_t i = 0; i < n->nv; i++) {
-            KVC_TRY(eval(c, n->v[i], &a));
-            KVC_TRY(eval(c, n->w[i], &b));
-            if (a.t != V_STR) return runtime_error(n, "only string dictionary keys are supported");
-            KVC_TRY(dict_set(c, out->u.d, a.u.s, b));
+            KVC_TRY(kvc__chat_eval(c, n->v[i], &a));
+            KVC_TRY(kvc__chat_eval(c, n->w[i], &b));
+            if (a.t != V_STR)
+                return kvc__chat_runtime_error(n, "only string dictionary keys are supported");
+            KVC_TRY(kvc__chat_dict_set(c, out->u.d, a.u.s, b));
         }
         return KVC_OK;
     default:
@@ -2415,7 +2454,7 @@ static kvc_status out_put(ctx *c, const char *p, size_t n) {
         size_t cap = c->out_cap ? c->out_cap : 4096;
         while (cap < c->out_n + n) cap *= 2;
         char *q = realloc(c->out, cap);
-        if (!q) return nomem();
+        if (!q) return kvc__chat_nomem();
         c->out = q;
         c->out_cap = cap;
     }
@@ -2428,62 +2467,64 @@ static kvc_status exec(ctx *c, const node *n);
 
 static kvc_status exec_for(ctx *c, const node *n) {
     value iter, items;
-    KVC_TRY(eval(c, n->a, &iter));
-    KVC_TRY(iter_items(c, n, &iter, &items));
-    if (c->n_frames >= MAX_DEPTH + 1) return runtime_error(n, "loops nested too deeply");
+    KVC_TRY(kvc__chat_eval(c, n->a, &iter));
+    KVC_TRY(kvc__chat_iter_items(c, n, &iter, &items));
+    if (c->n_frames >= MAX_DEPTH + 1) return kvc__chat_runtime_error(n, "loops nested too deeply");
     frame *fr = &c->frames[c->n_frames++];
     fr->n = 0;
     list *all = items.u.l;
     kvc_status st = KVC_OK;
     if (n->d) { /* `for x in xs if cond`: loop over the items that pass */
         value kept;
-        st = new_list(c, all->n, &kept);
+        st = kvc__chat_new_list(c, all->n, &kept);
         for (size_t i = 0; st == KVC_OK && i < all->n; i++) {
             fr->n = 0;
             value ok;
-            st = set_var(c, n->names[0], all->items[i]);
+            st = kvc__chat_set_var(c, n->names[0], all->items[i]);
             if (st == KVC_OK && n->nnames > 1)
-                st = runtime_error(n, "tuple targets with a loop filter are not supported");
-            if (st == KVC_OK) st = eval(c, n->d, &ok);
-            if (st == KVC_OK && truthy(&ok)) st = list_push(c, kept.u.l, all->items[i]);
+                st = kvc__chat_runtime_error(n,
+                                             "tuple targets with a loop filter are not supported");
+            if (st == KVC_OK) st = kvc__chat_eval(c, n->d, &ok);
+            if (st == KVC_OK && truthy(&ok)) st = kvc__chat_list_push(c, kept.u.l, all->items[i]);
         }
         if (st == KVC_OK) all = kept.u.l;
     }
     value loop;
-    if (st == KVC_OK) st = new_dict(c, 10, &loop);
+    if (st == KVC_OK) st = kvc__chat_new_dict(c, 10, &loop);
     int64_t len = (int64_t)all->n;
     for (int64_t i = 0; st == KVC_OK && i < len; i++) {
         if (++c->steps > MAX_STEPS) {
-            st = runtime_error(n, "more than %lld loop iterations", (long long)MAX_STEPS);
+            st = kvc__chat_runtime_error(n, "more than %lld loop iterations", (long long)MAX_STEPS);
             break;
         }
         fr->n = 0; /* every iteration starts a fresh scope, as in Jinja */
         value item = all->items[i];
         if (n->nnames == 1) {
-            st = set_var(c, n->names[0], item);
+            st = kvc__chat_set_var(c, n->names[0], item);
         } else { /* for a, b in pairs */
             value parts = item;
-            if (item.t == V_STR) st = str_chars(c, item.u.s, &parts);
+            if (item.t == V_STR) st = kvc__chat_str_chars(c, item.u.s, &parts);
             if (st == KVC_OK && (parts.t != V_LIST || parts.u.l->n != n->nnames))
-                st = runtime_error(n, "cannot unpack a %s into %zu names", type_name(&item),
-                                   n->nnames);
+                st = kvc__chat_runtime_error(n, "cannot unpack a %s into %zu names",
+                                             kvc__chat_type_name(&item), n->nnames);
             for (size_t k = 0; st == KVC_OK && k < n->nnames; k++)
-                st = set_var(c, n->names[k], parts.u.l->items[k]);
+                st = kvc__chat_set_var(c, n->names[k], parts.u.l->items[k]);
         }
         dict *d = loop.u.d;
         d->n = 0;
-        if (st == KVC_OK) st = dict_set(c, d, cstr("index"), v_int(i + 1));
-        if (st == KVC_OK) st = dict_set(c, d, cstr("index0"), v_int(i));
-        if (st == KVC_OK) st = dict_set(c, d, cstr("revindex"), v_int(len - i));
-        if (st == KVC_OK) st = dict_set(c, d, cstr("revindex0"), v_int(len - i - 1));
-        if (st == KVC_OK) st = dict_set(c, d, cstr("first"), v_bool(i == 0));
-        if (st == KVC_OK) st = dict_set(c, d, cstr("last"), v_bool(i == len - 1));
-        if (st == KVC_OK) st = dict_set(c, d, cstr("length"), v_int(len));
+        if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("index"), v_int(i + 1));
+        if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("index0"), v_int(i));
+        if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("revindex"), v_int(len - i));
+        if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("revindex0"), v_int(len - i - 1));
+        if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("first"), v_bool(i == 0));
+        if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("last"), v_bool(i == len - 1));
+        if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("length"), v_int(len));
         if (st == KVC_OK)
-            st = dict_set(c, d, cstr("previtem"), i > 0 ? all->items[i - 1] : v_undef());
+            st = kvc__chat_dict_set(c, d, cstr("previtem"), i > 0 ? all->items[i - 1] : v_undef());
         if (st == KVC_OK)
-            st = dict_set(c, d, cstr("nextitem"), i + 1 < len ? all->items[i + 1] : v_undef());
-        if (st == KVC_OK) st = set_var(c, cstr("loop"), loop);
+            st = kvc__chat_dict_set(c, d, cstr("nextitem"),
+                                    i + 1 < len ? all->items[i + 1] : v_undef());
+        if (st == KVC_OK) st = kvc__chat_set_var(c, cstr("loop"), loop);
         if (st == KVC_OK) st = exec(c, n->b);
         if (c->loop_ctl == 1) {
             c->loop_ctl = 0;
@@ -2506,24 +2547,25 @@ static kvc_status exec(ctx *c, const node *n) {
     case S_TEXT: return out_put(c, n->name.p, n->name.n);
     case S_OUT: {
         str s;
-        KVC_TRY(eval(c, n->a, &v));
-        KVC_TRY(to_str(c, &v, &s));
+        KVC_TRY(kvc__chat_eval(c, n->a, &v));
+        KVC_TRY(kvc__chat_to_str(c, &v, &s));
         return out_put(c, s.p, s.n);
     }
     case S_IF:
-        KVC_TRY(eval(c, n->a, &v));
+        KVC_TRY(kvc__chat_eval(c, n->a, &v));
         if (truthy(&v)) return exec(c, n->b);
         return n->c ? exec(c, n->c) : KVC_OK;
     case S_FOR: return exec_for(c, n);
-    case S_SET: KVC_TRY(eval(c, n->a, &v)); return set_var(c, n->name, v);
+    case S_SET: KVC_TRY(kvc__chat_eval(c, n->a, &v)); return kvc__chat_set_var(c, n->name, v);
     case S_SETATTR: {
         value ns;
-        lookup(c, n->name, &ns);
+        kvc__chat_lookup(c, n->name, &ns);
         if (ns.t != V_DICT || !ns.u.d->is_namespace)
-            return runtime_error(n, "cannot assign attribute on a %s (only on a namespace())",
-                                 type_name(&ns));
-        KVC_TRY(eval(c, n->a, &v));
-        return dict_set(c, ns.u.d, n->attr, v);
+            return kvc__chat_runtime_error(
+                n, "cannot assign attribute on a %s (only on a namespace())",
+                kvc__chat_type_name(&ns));
+        KVC_TRY(kvc__chat_eval(c, n->a, &v));
+        return kvc__chat_dict_set(c, ns.u.d, n->attr, v);
     }
     case S_SETBLOCK: { /* render the body, then take it back out of the output */
         size_t mark = c->out_n;
@@ -2533,11 +2575,12 @@ static kvc_status exec(ctx *c, const node *n) {
         if (c->out_n > mark) memcpy(p, c->out + mark, c->out_n - mark); /* out may be NULL */
         v = v_str(p, c->out_n - mark);
         c->out_n = mark;
-        return set_var(c, n->name, v);
+        return kvc__chat_set_var(c, n->name, v);
     }
     case S_BREAK:
     case S_CONTINUE:
-        if (c->n_frames < 2) return runtime_error(n, "'break' / 'continue' outside a loop");
+        if (c->n_frames < 2)
+            return kvc__chat_runtime_error(n, "'break' / 'continue' outside a loop");
         c->loop_ctl = n->k == S_BREAK ? 1 : 2;
         return KVC_OK;
     default: return kvc__error(KVC_ERR_INTERNAL, "chat template: bad statement node %d", (int)n->k);
@@ -2575,19 +2618,20 @@ static kvc_status token_value(const kvc_tokenizer *t, int32_t id, value *out) {
 static kvc_status render(ctx *c, const char *tmpl, size_t tmpl_n, const kvc_tokenizer *t,
                          const kvc_chat_message *messages, int64_t n_messages, int add_gen) {
     KVC_TRY(normalise(c, tmpl, tmpl_n));
-    KVC_TRY(lex(c));
+    KVC_TRY(kvc__chat_lex(c));
     node *root;
     int which = 0;
-    KVC_TRY(parse_block(c, NULL, 0, &root, &which));
-    KVC_TRY(new_list(c, (size_t)n_messages, &c->messages));
+    KVC_TRY(kvc__chat_parse_block(c, NULL, 0, &root, &which));
+    KVC_TRY(kvc__chat_new_list(c, (size_t)n_messages, &c->messages));
     for (int64_t i = 0; i < n_messages; i++) {
         value m;
-        KVC_TRY(new_dict(c, 2, &m));
+        KVC_TRY(kvc__chat_new_dict(c, 2, &m));
         const kvc_chat_message *msg = &messages[i];
-        KVC_TRY(dict_set(c, m.u.d, cstr("role"), msg->role ? v_cstr(msg->role) : v_none()));
         KVC_TRY(
-            dict_set(c, m.u.d, cstr("content"), msg->content ? v_cstr(msg->content) : v_none()));
-        KVC_TRY(list_push(c, c->messages.u.l, m));
+            kvc__chat_dict_set(c, m.u.d, cstr("role"), msg->role ? v_cstr(msg->role) : v_none()));
+        KVC_TRY(kvc__chat_dict_set(c, m.u.d, cstr("content"),
+                                   msg->content ? v_cstr(msg->content) : v_none()));
+        KVC_TRY(kvc__chat_list_push(c, c->messages.u.l, m));
     }
     c->add_generation_prompt = v_bool(add_gen);
     KVC_TRY(token_value(t, t ? kvc_tokenizer_bos(t) : -1, &c->bos_token));
@@ -2619,7 +2663,7 @@ kvc_status kvc_chat_apply_template(const kvc_tokenizer *t, const char *template_
                                                  "tokenizer.chat_template; pass a template");
     }
     ctx *c = calloc(1, sizeof *c);
-    if (!c) return nomem();
+    if (!c) return kvc__chat_nomem();
     kvc_status st = render(c, tmpl, tmpl_n, t, messages, n_messages, add_generation_prompt);
     if (st == KVC_OK && c->loop_ctl)
         st = kvc__error(KVC_ERR_INTERNAL, "chat template: stray break");
@@ -2634,7 +2678,7 @@ kvc_status kvc_chat_apply_template(const kvc_tokenizer *t, const char *template_
             memcpy(buf, c->out, c->out_n);
     }
     free(c->out);
-    arena_free(&c->ar);
+    kvc__chat_arena_free(&c->ar);
     free(c);
     return st;
 }
