@@ -1,0 +1,662 @@
+/* Chat templates (see chat.c): evaluation of expressions: names, attributes,
+ * subscripts and slices, calls (string and dict methods, the builtins),
+ * filters, tests, arithmetic and comparisons. */
+#include <stdint.h>
+#include <string.h>
+
+#include "chat_internal.h"
+
+/* ---- expressions --------------------------------------------------------------- */
+
+static kvc_status undefined_error(const node *n) {
+    if (n->k == E_NAME)
+        return kvc__chat_runtime_error(n, "'%.*s' is undefined",
+                                       (int)(n->name.n < 60 ? n->name.n : 60), n->name.p);
+    return kvc__chat_runtime_error(n, "an undefined value is used");
+}
+
+/* Python indexing: list/str by (possibly negative) int, dict by key. */
+static kvc_status get_item(ctx *c, const node *n, const value *obj, const value *key, value *out) {
+    *out = v_undef();
+    if (obj->t == V_UNDEF) return undefined_error(n->a);
+    if (obj->t == V_DICT) {
+        if (key->t == V_STR) {
+            KVC_TRY(charge(c, key->u.s.n));
+            value *v = kvc__chat_dict_find(obj->u.d, key->u.s);
+            if (v) *out = *v;
+        }
+        return KVC_OK;
+    }
+    if ((obj->t == V_LIST || obj->t == V_STR) && is_num(key)) {
+        value items = *obj;
+        if (obj->t == V_STR) KVC_TRY(kvc__chat_str_chars(c, obj->u.s, &items));
+        int64_t len = (int64_t)items.u.l->n, i = key->u.i;
+        if (i < 0) i += len;
+        if (i >= 0 && i < len) *out = items.u.l->items[i];
+    }
+    return KVC_OK;
+}
+
+static kvc_status get_attr(const node *n, const value *obj, str name, value *out) {
+    *out = v_undef();
+    if (obj->t == V_UNDEF) return undefined_error(n->a);
+    if (obj->t == V_DICT) {
+        value *v = kvc__chat_dict_find(obj->u.d, name);
+        if (v) *out = *v;
+    }
+    return KVC_OK;
+}
+
+static kvc_status eval_slice(ctx *c, const node *n, value *out) {
+    value obj, bounds[3];
+    KVC_TRY(kvc__chat_eval(c, n->a, &obj));
+    const node *parts[3] = {n->b, n->c, n->d};
+    for (int i = 0; i < 3; i++) {
+        bounds[i] = v_none();
+        if (parts[i]) KVC_TRY(kvc__chat_eval(c, parts[i], &bounds[i]));
+        if (bounds[i].t != V_NONE && !is_num(&bounds[i]))
+            return kvc__chat_runtime_error(n, "slice indices must be integers");
+    }
+    if (obj.t == V_UNDEF) return undefined_error(n->a);
+    if (obj.t != V_LIST && obj.t != V_STR)
+        return kvc__chat_runtime_error(n, "cannot slice a %s", kvc__chat_type_name(&obj));
+    value items = obj;
+    if (obj.t == V_STR) KVC_TRY(kvc__chat_str_chars(c, obj.u.s, &items));
+    int64_t len = (int64_t)items.u.l->n;
+    int64_t step = bounds[2].t == V_NONE ? 1 : bounds[2].u.i;
+    if (step == 0) return kvc__chat_runtime_error(n, "slice step cannot be zero");
+    int64_t start, stop;
+    for (int i = 0; i < 2; i++) {
+        int64_t *dst = i == 0 ? &start : &stop;
+        if (bounds[i].t == V_NONE) {
+            *dst = step > 0 ? (i == 0 ? 0 : len) : (i == 0 ? len - 1 : -1);
+            continue;
+        }
+        int64_t x = bounds[i].u.i;
+        if (x < 0) x += len;
+        if (step > 0)
+            x = x < 0 ? 0 : x > len ? len : x;
+        else
+            x = x < 0 ? -1 : x >= len ? len - 1 : x;
+        *dst = x;
+    }
+    value res;
+    KVC_TRY(kvc__chat_new_list(c, 4, &res));
+    for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step)
+        KVC_TRY(kvc__chat_list_push(c, res.u.l, items.u.l->items[i]));
+    if (obj.t == V_LIST) {
+        *out = res;
+        return KVC_OK;
+    }
+    sbuf b = {NULL, 0, 0};
+    for (size_t i = 0; i < res.u.l->n; i++)
+        KVC_TRY(kvc__chat_sb_put(c, &b, res.u.l->items[i].u.s.p, res.u.l->items[i].u.s.n));
+    *out = v_str(b.p ? b.p : "", b.n);
+    return KVC_OK;
+}
+
+/* Evaluates call arguments into pos[] / kw[] (at most 8 of each). */
+typedef struct args {
+    value pos[8];
+    size_t n_pos;
+    str kw_names[8];
+    value kw[8];
+    size_t n_kw;
+} args;
+
+static kvc_status eval_args(ctx *c, const node *n, args *a) {
+    if (n->nv > 8 || n->nw > 8) return kvc__chat_runtime_error(n, "too many arguments");
+    a->n_pos = n->nv;
+    a->n_kw = n->nw;
+    for (size_t i = 0; i < n->nv; i++) KVC_TRY(kvc__chat_eval(c, n->v[i], &a->pos[i]));
+    for (size_t i = 0; i < n->nw; i++) {
+        a->kw_names[i] = n->names[i];
+        KVC_TRY(kvc__chat_eval(c, n->w[i], &a->kw[i]));
+    }
+    return KVC_OK;
+}
+
+/* Argument i by position or by keyword name; NULL if absent. */
+static const value *arg(const args *a, size_t i, const char *name) {
+    if (i < a->n_pos) return &a->pos[i];
+    for (size_t k = 0; k < a->n_kw; k++)
+        if (str_eq(a->kw_names[k], name)) return &a->kw[k];
+    return NULL;
+}
+
+static kvc_status want_str(const node *n, const value *v, const char *what, str *out) {
+    if (!v || v->t != V_STR) return kvc__chat_runtime_error(n, "%s must be a string", what);
+    *out = v->u.s;
+    return KVC_OK;
+}
+
+static kvc_status call_method(ctx *c, const node *n, const value *obj, str m, const args *a,
+                              value *out) {
+    if (obj->t == V_UNDEF) return undefined_error(n->a->a);
+    if (obj->t == V_STR) {
+        str s = obj->u.s, x = {NULL, 0};
+        if (str_eq(m, "strip") || str_eq(m, "lstrip") || str_eq(m, "rstrip")) {
+            const value *ch = arg(a, 0, "chars");
+            str chars = {NULL, 0};
+            if (ch && ch->t != V_NONE) KVC_TRY(want_str(n, ch, "strip() chars", &chars));
+            str r;
+            KVC_TRY(kvc__chat_strip_chars(c, s, ch && ch->t != V_NONE ? &chars : NULL,
+                                          m.p[0] != 'r', m.p[0] != 'l', &r));
+            *out = v_str(r.p, r.n);
+            return KVC_OK;
+        }
+        if (str_eq(m, "startswith") || str_eq(m, "endswith")) {
+            KVC_TRY(want_str(n, arg(a, 0, "prefix"), "the prefix", &x));
+            KVC_TRY(charge(c, x.n));
+            int hit = x.n <= s.n && memcmp(m.p[0] == 's' ? s.p : s.p + s.n - x.n, x.p, x.n) == 0;
+            *out = v_bool(hit);
+            return KVC_OK;
+        }
+        if (str_eq(m, "upper")) return kvc__chat_map_case(c, s, 'u', out);
+        if (str_eq(m, "lower")) return kvc__chat_map_case(c, s, 'l', out);
+        if (str_eq(m, "title")) return kvc__chat_map_case(c, s, 'T', out);
+        if (str_eq(m, "capitalize")) return kvc__chat_map_case(c, s, 'c', out);
+        if (str_eq(m, "split")) {
+            const value *ms = arg(a, 1, "maxsplit");
+            if (ms && !is_num(ms)) return kvc__chat_runtime_error(n, "maxsplit must be an integer");
+            return kvc__chat_str_split(c, n, s, arg(a, 0, "sep"), ms ? ms->u.i : -1, out);
+        }
+        if (str_eq(m, "replace")) {
+            str old = {NULL, 0}, rep = {NULL, 0};
+            KVC_TRY(want_str(n, arg(a, 0, "old"), "replace() old", &old));
+            KVC_TRY(want_str(n, arg(a, 1, "new"), "replace() new", &rep));
+            const value *cnt = arg(a, 2, "count");
+            if (cnt && !is_num(cnt)) return kvc__chat_runtime_error(n, "count must be an integer");
+            return kvc__chat_str_replace(c, n, s, old, rep, cnt ? cnt->u.i : -1, out);
+        }
+    } else if (obj->t == V_DICT) {
+        dict *d = obj->u.d;
+        if (str_eq(m, "get")) {
+            str key = {NULL, 0};
+            const value *dflt = arg(a, 1, "default");
+            KVC_TRY(want_str(n, arg(a, 0, "key"), "get() key", &key));
+            KVC_TRY(charge(c, key.n));
+            value *v = kvc__chat_dict_find(d, key);
+            *out = v ? *v : dflt ? *dflt : v_none();
+            return KVC_OK;
+        }
+        if (str_eq(m, "items") || str_eq(m, "keys") || str_eq(m, "values")) {
+            KVC_TRY(kvc__chat_new_list(c, d->n, out));
+            for (size_t i = 0; i < d->n; i++) {
+                value k = v_str(d->keys[i].p, d->keys[i].n), item;
+                if (m.p[0] == 'k') {
+                    item = k;
+                } else if (m.p[0] == 'v') {
+                    item = d->vals[i];
+                } else {
+                    KVC_TRY(kvc__chat_new_list(c, 2, &item));
+                    item.u.l->is_tuple = 1;
+                    KVC_TRY(kvc__chat_list_push(c, item.u.l, k));
+                    KVC_TRY(kvc__chat_list_push(c, item.u.l, d->vals[i]));
+                }
+                KVC_TRY(kvc__chat_list_push(c, out->u.l, item));
+            }
+            return KVC_OK;
+        }
+    }
+    return kvc__error(KVC_ERR_UNSUPPORTED,
+                      "chat template, line %d: method %s.%.*s() is not supported", n->line,
+                      kvc__chat_type_name(obj), (int)(m.n < 40 ? m.n : 40), m.p);
+}
+
+static kvc_status call_builtin(ctx *c, const node *n, int fn, const args *a, value *out) {
+    if (fn == F_RAISE) {
+        str msg = {"", 0};
+        if (a->n_pos) KVC_TRY(kvc__chat_to_str(c, &a->pos[0], &msg));
+        return kvc__error(KVC_ERR_INVALID_ARG, "chat template raised an exception: %.*s",
+                          (int)(msg.n < 400 ? msg.n : 400), msg.p);
+    }
+    if (fn == F_NAMESPACE) {
+        if (a->n_pos)
+            return kvc__chat_runtime_error(n, "namespace() takes keyword arguments only here");
+        KVC_TRY(kvc__chat_new_dict(c, a->n_kw, out));
+        out->u.d->is_namespace = 1;
+        for (size_t i = 0; i < a->n_kw; i++)
+            KVC_TRY(kvc__chat_dict_set(c, out->u.d, a->kw_names[i], a->kw[i]));
+        return KVC_OK;
+    }
+    /* range(stop) / range(start, stop[, step]) */
+    int64_t r[3] = {0, 0, 1};
+    if (a->n_pos < 1 || a->n_pos > 3 || a->n_kw)
+        return kvc__chat_runtime_error(n, "range() takes 1 to 3 integers");
+    for (size_t i = 0; i < a->n_pos; i++)
+        if (!is_num(&a->pos[i])) return kvc__chat_runtime_error(n, "range() takes integers");
+    if (a->n_pos == 1)
+        r[1] = a->pos[0].u.i;
+    else
+        for (size_t i = 0; i < a->n_pos; i++) r[i] = a->pos[i].u.i;
+    if (r[2] == 0) return kvc__chat_runtime_error(n, "range() step must not be zero");
+    KVC_TRY(kvc__chat_new_list(c, 4, out));
+    for (int64_t i = r[0]; r[2] > 0 ? i < r[1] : i > r[1]; i += r[2]) {
+        if (out->u.l->n >= 1000000) return kvc__chat_runtime_error(n, "range() is too long");
+        KVC_TRY(kvc__chat_list_push(c, out->u.l, v_int(i)));
+        if ((r[2] > 0 && i > INT64_MAX - r[2]) || (r[2] < 0 && i < INT64_MIN - r[2])) break;
+    }
+    return KVC_OK;
+}
+
+static kvc_status eval_call(ctx *c, const node *n, value *out) {
+    args a;
+    if (n->a->k == E_ATTR) { /* method call */
+        value obj;
+        KVC_TRY(kvc__chat_eval(c, n->a->a, &obj));
+        KVC_TRY(eval_args(c, n, &a));
+        return call_method(c, n, &obj, n->a->name, &a, out);
+    }
+    value f;
+    if (n->a->k == E_NAME) {
+        if (!kvc__chat_lookup(c, n->a->name, &f))
+            return kvc__error(KVC_ERR_UNSUPPORTED,
+                              "chat template, line %d: function '%.*s' is not "
+                              "supported",
+                              n->line, (int)(n->a->name.n < 40 ? n->a->name.n : 40), n->a->name.p);
+    } else {
+        KVC_TRY(kvc__chat_eval(c, n->a, &f));
+    }
+    if (f.t != V_FUNC)
+        return kvc__chat_runtime_error(n, "'%s' object is not callable", kvc__chat_type_name(&f));
+    KVC_TRY(eval_args(c, n, &a));
+    return call_builtin(c, n, (int)f.u.i, &a, out);
+}
+
+static kvc_status eval_filter(ctx *c, const node *n, value *out) {
+    value x;
+    args a;
+    KVC_TRY(kvc__chat_eval(c, n->a, &x));
+    KVC_TRY(eval_args(c, n, &a));
+    str f = n->name, s;
+    if (str_eq(f, "default") || str_eq(f, "d")) {
+        const value *dflt = arg(&a, 0, "default_value");
+        const value *boolean = arg(&a, 1, "boolean");
+        int use = x.t == V_UNDEF || (boolean && truthy(boolean) && !truthy(&x));
+        *out = use ? (dflt ? *dflt : v_str("", 0)) : x;
+        return KVC_OK;
+    }
+    if (str_eq(f, "length") || str_eq(f, "count")) {
+        switch (x.t) {
+        case V_STR:
+            KVC_TRY(charge(c, x.u.s.n));
+            *out = v_int((int64_t)kvc__chat_str_len_cp(x.u.s));
+            return KVC_OK;
+        case V_LIST: *out = v_int((int64_t)x.u.l->n); return KVC_OK;
+        case V_DICT: *out = v_int((int64_t)x.u.d->n); return KVC_OK;
+        case V_UNDEF: *out = v_int(0); return KVC_OK;
+        default:
+            return kvc__chat_runtime_error(n, "object of type '%s' has no len()",
+                                           kvc__chat_type_name(&x));
+        }
+    }
+    if (str_eq(f, "first") || str_eq(f, "last")) {
+        value items;
+        KVC_TRY(kvc__chat_iter_items(c, n, &x, &items));
+        *out = items.u.l->n ? items.u.l->items[f.p[0] == 'f' ? 0 : items.u.l->n - 1] : v_undef();
+        return KVC_OK;
+    }
+    if (str_eq(f, "list")) {
+        KVC_TRY(kvc__chat_iter_items(c, n, &x, out));
+        if (out->t == V_LIST && out->u.l->is_tuple) { /* list(pair) is a list */
+            value l;
+            KVC_TRY(kvc__chat_new_list(c, out->u.l->n, &l));
+            for (size_t i = 0; i < out->u.l->n; i++)
+                KVC_TRY(kvc__chat_list_push(c, l.u.l, out->u.l->items[i]));
+            *out = l;
+        }
+        return KVC_OK;
+    }
+    if (str_eq(f, "safe")) {
+        *out = x;
+        return KVC_OK;
+    }
+    if (str_eq(f, "join")) {
+        value items;
+        str sep = {"", 0};
+        const value *d = arg(&a, 0, "d");
+        if (d) KVC_TRY(kvc__chat_to_str(c, d, &sep));
+        KVC_TRY(kvc__chat_iter_items(c, n, &x, &items));
+        sbuf b = {NULL, 0, 0};
+        for (size_t i = 0; i < items.u.l->n; i++) {
+            str e;
+            if (i) KVC_TRY(kvc__chat_sb_put(c, &b, sep.p, sep.n));
+            KVC_TRY(kvc__chat_to_str(c, &items.u.l->items[i], &e));
+            KVC_TRY(kvc__chat_sb_put(c, &b, e.p, e.n));
+        }
+        *out = v_str(b.p ? b.p : "", b.n);
+        return KVC_OK;
+    }
+    if (str_eq(f, "reverse")) {
+        value items, res;
+        KVC_TRY(kvc__chat_iter_items(c, n, &x, &items));
+        KVC_TRY(kvc__chat_new_list(c, items.u.l->n, &res));
+        for (size_t i = items.u.l->n; i-- > 0;)
+            KVC_TRY(kvc__chat_list_push(c, res.u.l, items.u.l->items[i]));
+        if (x.t != V_STR) {
+            *out = res;
+            return KVC_OK;
+        }
+        sbuf b = {NULL, 0, 0};
+        for (size_t i = 0; i < res.u.l->n; i++)
+            KVC_TRY(kvc__chat_sb_put(c, &b, res.u.l->items[i].u.s.p, res.u.l->items[i].u.s.n));
+        *out = v_str(b.p ? b.p : "", b.n);
+        return KVC_OK;
+    }
+    if (str_eq(f, "int")) {
+        if (is_num(&x)) {
+            *out = v_int(x.u.i);
+            return KVC_OK;
+        }
+        const value *d = arg(&a, 0, "default");
+        *out = d ? *d : v_int(0);
+        if (x.t == V_STR) { /* Python int(): optional sign, digits, surrounding spaces */
+            KVC_TRY(charge(c, x.u.s.n));
+            str t = kvc__chat_strip_str(x.u.s, 1, 1);
+            size_t i = 0;
+            int neg = 0;
+            if (i < t.n && (t.p[i] == '+' || t.p[i] == '-')) neg = t.p[i++] == '-';
+            int64_t v = 0;
+            size_t digits = 0;
+            for (; i < t.n && t.p[i] >= '0' && t.p[i] <= '9' && v < INT64_MAX / 10 - 9;
+                 i++, digits++)
+                v = v * 10 + (t.p[i] - '0');
+            if (digits && i == t.n) *out = v_int(neg ? -v : v);
+        }
+        return KVC_OK;
+    }
+    /* The rest work on str(x). */
+    KVC_TRY(kvc__chat_to_str(c, &x, &s));
+    if (str_eq(f, "string")) {
+        *out = v_str(s.p, s.n);
+        return KVC_OK;
+    }
+    if (str_eq(f, "trim")) {
+        const value *ch = arg(&a, 0, "chars");
+        str chars = {NULL, 0};
+        if (ch && ch->t != V_NONE) KVC_TRY(want_str(n, ch, "trim() chars", &chars));
+        str r;
+        KVC_TRY(kvc__chat_strip_chars(c, s, ch && ch->t != V_NONE ? &chars : NULL, 1, 1, &r));
+        *out = v_str(r.p, r.n);
+        return KVC_OK;
+    }
+    if (str_eq(f, "upper")) return kvc__chat_map_case(c, s, 'u', out);
+    if (str_eq(f, "lower")) return kvc__chat_map_case(c, s, 'l', out);
+    if (str_eq(f, "capitalize")) return kvc__chat_map_case(c, s, 'c', out);
+    if (str_eq(f, "title")) return kvc__chat_map_case(c, s, 't', out);
+    /* replace */
+    str old = {NULL, 0}, rep = {NULL, 0};
+    KVC_TRY(want_str(n, arg(&a, 0, "old"), "replace() old", &old));
+    KVC_TRY(want_str(n, arg(&a, 1, "new"), "replace() new", &rep));
+    const value *cnt = arg(&a, 2, "count");
+    if (cnt && cnt->t != V_NONE && !is_num(cnt))
+        return kvc__chat_runtime_error(n, "count must be an integer");
+    return kvc__chat_str_replace(c, n, s, old, rep, cnt && cnt->t != V_NONE ? cnt->u.i : -1, out);
+}
+
+static kvc_status eval_test(ctx *c, const node *n, value *out) {
+    value x;
+    KVC_TRY(kvc__chat_eval(c, n->a, &x));
+    str t = n->name;
+    int r;
+    if (str_eq(t, "defined"))
+        r = x.t != V_UNDEF;
+    else if (str_eq(t, "undefined"))
+        r = x.t == V_UNDEF;
+    else if (str_eq(t, "none"))
+        r = x.t == V_NONE;
+    else if (str_eq(t, "string"))
+        r = x.t == V_STR;
+    else if (str_eq(t, "number"))
+        r = is_num(&x);
+    else if (str_eq(t, "integer"))
+        r = x.t == V_INT;
+    else if (str_eq(t, "boolean"))
+        r = x.t == V_BOOL;
+    else if (str_eq(t, "true"))
+        r = x.t == V_BOOL && x.u.i;
+    else if (str_eq(t, "false"))
+        r = x.t == V_BOOL && !x.u.i;
+    else if (str_eq(t, "mapping"))
+        r = x.t == V_DICT;
+    else if (str_eq(t, "sequence") || str_eq(t, "iterable")) /* Undefined: empty, as jinja2 */
+        r = x.t == V_STR || x.t == V_LIST || x.t == V_DICT || x.t == V_UNDEF;
+    else { /* even / odd */
+        if (!is_num(&x))
+            return kvc__chat_runtime_error(n, "'%.*s' test needs an integer", (int)t.n, t.p);
+        r = (x.u.i % 2 != 0) == str_eq(t, "odd");
+    }
+    *out = v_bool(n->neg ? !r : r);
+    return KVC_OK;
+}
+
+static kvc_status arith(ctx *c, const node *n, const value *a, const value *b, value *out) {
+    char op = n->name.p[0];
+    int floor_div = str_eq(n->name, "//");
+    if (op == '~') {
+        str x = {NULL, 0}, y = {NULL, 0};
+        KVC_TRY(kvc__chat_to_str(c, a, &x));
+        KVC_TRY(kvc__chat_to_str(c, b, &y));
+        return kvc__chat_concat(c, x, y, out);
+    }
+    if (a->t == V_UNDEF || b->t == V_UNDEF) return undefined_error(a->t == V_UNDEF ? n->a : n->b);
+    if (op == '+' && a->t == V_STR && b->t == V_STR)
+        return kvc__chat_concat(c, a->u.s, b->u.s, out);
+    if (op == '+' && a->t == V_LIST && b->t == V_LIST) {
+        KVC_TRY(kvc__chat_new_list(c, a->u.l->n + b->u.l->n, out));
+        for (size_t i = 0; i < a->u.l->n; i++)
+            KVC_TRY(kvc__chat_list_push(c, out->u.l, a->u.l->items[i]));
+        for (size_t i = 0; i < b->u.l->n; i++)
+            KVC_TRY(kvc__chat_list_push(c, out->u.l, b->u.l->items[i]));
+        return KVC_OK;
+    }
+    if (op == '*' && ((a->t == V_STR && is_num(b)) || (is_num(a) && b->t == V_STR))) {
+        str s = a->t == V_STR ? a->u.s : b->u.s;
+        int64_t k = a->t == V_STR ? b->u.i : a->u.i;
+        if (k <= 0 || s.n == 0) { /* '' * 10**18 must not loop 10**18 times */
+            *out = v_str("", 0);
+            return KVC_OK;
+        }
+        if ((uint64_t)k > MAX_BYTES / s.n) return kvc__chat_nomem();
+        sbuf buf = {NULL, 0, 0};
+        for (int64_t i = 0; i < k; i++) KVC_TRY(kvc__chat_sb_put(c, &buf, s.p, s.n));
+        *out = v_str(buf.p ? buf.p : "", buf.n);
+        return KVC_OK;
+    }
+    if (!is_num(a) || !is_num(b))
+        return kvc__chat_runtime_error(n, "unsupported operand types for %.*s: '%s' and '%s'",
+                                       (int)n->name.n, n->name.p, kvc__chat_type_name(a),
+                                       kvc__chat_type_name(b));
+    int64_t x = a->u.i, y = b->u.i, r;
+    int ovf = 0;
+    switch (op) {
+    case '+':
+        ovf = (y > 0 && x > INT64_MAX - y) || (y < 0 && x < INT64_MIN - y);
+        r = ovf ? 0 : x + y;
+        break;
+    case '-':
+        ovf = (y < 0 && x > INT64_MAX + y) || (y > 0 && x < INT64_MIN + y);
+        r = ovf ? 0 : x - y;
+        break;
+    case '*': /* CERT INT32-C's pre-check, without the undefined multiply */
+        ovf = x > 0 ? (y > 0 ? x > INT64_MAX / y : y < INT64_MIN / x)
+                    : (y > 0 ? x < INT64_MIN / y : x != 0 && y < INT64_MAX / x);
+        r = ovf ? 0 : x * y;
+        break;
+    default: /* // and %, Python's floor semantics */
+        if (y == 0) return kvc__chat_runtime_error(n, "integer division or modulo by zero");
+        if (x == INT64_MIN && y == -1) {
+            ovf = 1;
+            r = 0;
+            break;
+        }
+        r = x / y;
+        if (x % y != 0 && ((x < 0) != (y < 0))) r--;
+        if (!floor_div) r = x - r * y;
+    }
+    if (ovf) return kvc__chat_runtime_error(n, "integer overflow");
+    *out = v_int(r);
+    return KVC_OK;
+}
+
+/* What comparing or looking up v costs, for charge(): a string's bytes, a
+ * list's or dict's entries (their strings are charged as they are compared
+ * in turn only when equal in length, rare enough to leave out). */
+static size_t cost_of(const value *v) {
+    return v->t == V_STR ? v->u.s.n : v->t == V_LIST ? v->u.l->n : v->t == V_DICT ? v->u.d->n : 0;
+}
+
+static kvc_status contains(ctx *c, const node *n, const value *x, const value *coll, int *r) {
+    if (coll->t == V_STR) {
+        if (x->t != V_STR)
+            return kvc__chat_runtime_error(n, "'in <string>' requires a string on the left");
+        KVC_TRY(charge(c, coll->u.s.n));
+        *r = kvc__chat_find_sub(coll->u.s, x->u.s, 0) != NULL;
+    } else if (coll->t == V_LIST) {
+        KVC_TRY(charge(c, (cost_of(x) + 1) * coll->u.l->n));
+        *r = 0;
+        for (size_t i = 0; i < coll->u.l->n && !*r; i++)
+            *r = kvc__chat_values_equal(x, &coll->u.l->items[i]);
+    } else if (coll->t == V_DICT) {
+        KVC_TRY(charge(c, cost_of(x)));
+        *r = x->t == V_STR && kvc__chat_dict_find(coll->u.d, x->u.s) != NULL;
+    } else if (coll->t == V_UNDEF) {
+        *r = 0; /* iterating an undefined value gives nothing */
+    } else {
+        return kvc__chat_runtime_error(n, "argument of type '%s' is not iterable",
+                                       kvc__chat_type_name(coll));
+    }
+    return KVC_OK;
+}
+
+static kvc_status eval_cmp(ctx *c, const node *n, value *out) {
+    value left;
+    KVC_TRY(kvc__chat_eval(c, n->a, &left));
+    for (size_t i = 0; i < n->nv; i++) {
+        value right;
+        KVC_TRY(kvc__chat_eval(c, n->v[i], &right));
+        str op = n->names[i];
+        int r = 0;
+        KVC_TRY(charge(c, cost_of(&left) + cost_of(&right)));
+        if (str_eq(op, "=="))
+            r = kvc__chat_values_equal(&left, &right);
+        else if (str_eq(op, "!="))
+            r = !kvc__chat_values_equal(&left, &right);
+        else if (str_eq(op, "in") || str_eq(op, "not in")) {
+            KVC_TRY(contains(c, n, &left, &right, &r));
+            if (op.p[0] == 'n') r = !r;
+        } else {
+            int cmp = 0;
+            KVC_TRY(kvc__chat_order(n, &left, &right, &cmp));
+            r = str_eq(op, "<")    ? cmp < 0
+                : str_eq(op, ">")  ? cmp > 0
+                : str_eq(op, "<=") ? cmp <= 0
+                                   : cmp >= 0;
+        }
+        if (!r) {
+            *out = v_bool(0);
+            return KVC_OK;
+        }
+        left = right;
+    }
+    *out = v_bool(1);
+    return KVC_OK;
+}
+
+static kvc_status eval_node(ctx *c, const node *n, value *out);
+
+/* The parser bounds bracket nesting, but attribute, subscript, filter and
+ * operator chains build trees as deep as they are long (a 100k-link chain
+ * overflowed the stack): evaluation depth is bounded here. */
+kvc_status kvc__chat_eval(ctx *c, const node *n, value *out) {
+    c->cur = n;
+    if (c->eval_depth >= MAX_EVAL_DEPTH)
+        return kvc__error(KVC_ERR_UNSUPPORTED,
+                          "chat template, line %d: expression nested too deeply (chains of more "
+                          "than %d links)", n->line, MAX_EVAL_DEPTH);
+    c->eval_depth++;
+    const kvc_status st = eval_node(c, n, out);
+    c->eval_depth--;
+    return st;
+}
+
+static kvc_status eval_node(ctx *c, const node *n, value *out) {
+    value a, b;
+    switch (n->k) {
+    case E_LIT: *out = n->lit; return KVC_OK;
+    case E_NAME: kvc__chat_lookup(c, n->name, out); return KVC_OK;
+    case E_ATTR: KVC_TRY(kvc__chat_eval(c, n->a, &a)); return get_attr(n, &a, n->name, out);
+    case E_INDEX:
+        KVC_TRY(kvc__chat_eval(c, n->a, &a));
+        KVC_TRY(kvc__chat_eval(c, n->b, &b));
+        return get_item(c, n, &a, &b, out);
+    case E_SLICE: return eval_slice(c, n, out);
+    case E_CALL: return eval_call(c, n, out);
+    case E_FILTER: return eval_filter(c, n, out);
+    case E_TEST: return eval_test(c, n, out);
+    case E_NEG:
+        KVC_TRY(kvc__chat_eval(c, n->a, &a));
+        if (!is_num(&a))
+            return kvc__chat_runtime_error(n, "bad operand type for unary -: '%s'",
+                                           kvc__chat_type_name(&a));
+        if (a.u.i == INT64_MIN) return kvc__chat_runtime_error(n, "integer overflow");
+        *out = v_int(-a.u.i);
+        return KVC_OK;
+    case E_POS:
+        KVC_TRY(kvc__chat_eval(c, n->a, &a));
+        if (!is_num(&a))
+            return kvc__chat_runtime_error(n, "bad operand type for unary +: '%s'",
+                                           kvc__chat_type_name(&a));
+        *out = v_int(a.u.i);
+        return KVC_OK;
+    case E_NOT:
+        KVC_TRY(kvc__chat_eval(c, n->a, &a));
+        *out = v_bool(!truthy(&a));
+        return KVC_OK;
+    case E_AND: /* Python: the deciding operand itself */
+        KVC_TRY(kvc__chat_eval(c, n->a, &a));
+        if (!truthy(&a)) {
+            *out = a;
+            return KVC_OK;
+        }
+        return kvc__chat_eval(c, n->b, out);
+    case E_OR:
+        KVC_TRY(kvc__chat_eval(c, n->a, &a));
+        if (truthy(&a)) {
+            *out = a;
+            return KVC_OK;
+        }
+        return kvc__chat_eval(c, n->b, out);
+    case E_BIN:
+        KVC_TRY(kvc__chat_eval(c, n->a, &a));
+        KVC_TRY(kvc__chat_eval(c, n->b, &b));
+        return arith(c, n, &a, &b, out);
+    case E_CMP: return eval_cmp(c, n, out);
+    case E_COND:
+        KVC_TRY(kvc__chat_eval(c, n->a, &a));
+        if (truthy(&a)) return kvc__chat_eval(c, n->b, out);
+        if (n->c) return kvc__chat_eval(c, n->c, out);
+        *out = v_undef();
+        return KVC_OK;
+    case E_LIST:
+        KVC_TRY(kvc__chat_new_list(c, n->nv, out));
+        for (size_t i = 0; i < n->nv; i++) {
+            KVC_TRY(kvc__chat_eval(c, n->v[i], &a));
+            KVC_TRY(kvc__chat_list_push(c, out->u.l, a));
+        }
+        return KVC_OK;
+    case E_DICT:
+        KVC_TRY(kvc__chat_new_dict(c, n->nv, out));
+        for (size_t i = 0; i < n->nv; i++) {
+            KVC_TRY(kvc__chat_eval(c, n->v[i], &a));
+            KVC_TRY(kvc__chat_eval(c, n->w[i], &b));
+            if (a.t != V_STR)
+                return kvc__chat_runtime_error(n, "only string dictionary keys are supported");
+            KVC_TRY(kvc__chat_dict_set(c, out->u.d, a.u.s, b));
+        }
+        return KVC_OK;
+    default:
+        return kvc__error(KVC_ERR_INTERNAL, "chat template: bad expression node %d", (int)n->k);
+    }
+}

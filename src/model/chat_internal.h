@@ -1,0 +1,355 @@
+/*
+ * Internal to the chat-template interpreter (see chat.c): the types all its
+ * parts share and the functions they call across files. Nothing here is
+ * exported: the shared functions carry the library's kvc__ prefix and
+ * hidden visibility. chat_lex.c turns the source into tokens, chat_parse.c
+ * tokens into an AST, chat_eval.c evaluates expressions over the values and
+ * helpers of chat_value.c, and chat.c runs the statements.
+ */
+#ifndef KVC_MODEL_CHAT_INTERNAL_H
+#define KVC_MODEL_CHAT_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../core/internal.h"
+#include "unicode.h"
+
+#define MAX_DEPTH 200                         /* parser / evaluator nesting */
+#define MAX_EVAL_DEPTH 1000                   /* expression tree depth when evaluated */
+#define MAX_BYTES ((size_t)256 << 20)         /* arena and output, each */
+#define MAX_STEPS ((int64_t)50 * 1000 * 1000) /* loop iterations, all loops */
+#define MAX_WORK ((int64_t)4 << 30) /* bytes searched, stripped, split, copied: a few s */
+
+/* ---- arena ------------------------------------------------------------------ */
+
+typedef struct chunk {
+    struct chunk *next;
+    size_t used, cap;
+    _Alignas(16) unsigned char data[];
+} chunk;
+
+typedef struct arena {
+    chunk *head;
+    size_t total;
+} arena;
+
+/* 16-byte aligned n bytes that live until kvc__chat_arena_free, or NULL (out
+ * of memory, or the arena would pass MAX_BYTES). Inline: every token, node,
+ * value and string is allocated here. */
+static inline void *kvc__chat_arena_alloc(arena *a, size_t n) {
+    n = (n + 15) & ~(size_t)15;
+    if (!a->head || a->head->cap - a->head->used < n) {
+        size_t cap = n > 65536 ? n : 65536;
+        if (a->total + cap > MAX_BYTES) return NULL;
+        chunk *c = malloc(sizeof *c + cap);
+        if (!c) return NULL;
+        c->next = a->head;
+        c->used = 0;
+        c->cap = cap;
+        a->head = c;
+        a->total += cap;
+    }
+    void *p = a->head->data + a->head->used;
+    a->head->used += n;
+    return p;
+}
+
+void kvc__chat_arena_free(arena *a);
+
+/* ---- values ----------------------------------------------------------------- */
+
+typedef enum vtype { V_UNDEF, V_NONE, V_BOOL, V_INT, V_STR, V_LIST, V_DICT, V_FUNC } vtype;
+
+typedef enum builtin { F_RAISE, F_NAMESPACE, F_RANGE } builtin;
+
+typedef struct str {
+    const char *p;
+    size_t n;
+} str;
+
+typedef struct list list;
+typedef struct dict dict;
+
+typedef struct value {
+    vtype t;
+    union {
+        int64_t i; /* V_BOOL, V_INT, V_FUNC (builtin) */
+        str s;
+        list *l;
+        dict *d;
+    } u;
+} value;
+
+struct list {
+    value *items;
+    size_t n, cap;
+    int is_tuple; /* an items() pair: prints as (k, v), like Python's tuple */
+};
+
+struct dict {
+    str *keys;
+    value *vals;
+    size_t n, cap;
+    int is_namespace;
+};
+
+static inline value v_undef(void) {
+    value v = {V_UNDEF, {0}};
+    return v;
+}
+static inline value v_none(void) {
+    value v = {V_NONE, {0}};
+    return v;
+}
+static inline value v_bool(int b) {
+    value v = {V_BOOL, {0}};
+    v.u.i = b != 0;
+    return v;
+}
+static inline value v_int(int64_t i) {
+    value v = {V_INT, {0}};
+    v.u.i = i;
+    return v;
+}
+static inline value v_str(const char *p, size_t n) {
+    value v = {V_STR, {0}};
+    v.u.s.p = p;
+    v.u.s.n = n;
+    return v;
+}
+static inline value v_cstr(const char *p) {
+    return v_str(p, strlen(p));
+}
+
+static inline int str_eq(str a, const char *b) {
+    size_t n = strlen(b);
+    return a.n == n && memcmp(a.p, b, n) == 0;
+}
+
+/* ---- tokens ----------------------------------------------------------------- */
+
+typedef enum tkind {
+    T_TEXT,   /* template data */
+    T_VBEGIN, /* {{ */
+    T_VEND,   /* }} */
+    T_BBEGIN, /* {% */
+    T_BEND,   /* %} */
+    T_NAME,
+    T_STRING, /* decoded value in s */
+    T_INT,
+    T_OP, /* s: the operator */
+    T_EOF
+} tkind;
+
+typedef struct token {
+    tkind k;
+    str s;
+    int64_t i;
+    int line;
+} token;
+
+/* ---- interpreter state ---------------------------------------------------------- */
+
+typedef struct node node;
+
+typedef struct frame { /* one scope: the template's top level or one loop iteration */
+    str *names;
+    value *vals;
+    size_t n, cap;
+} frame;
+
+typedef struct ctx {
+    arena ar;
+    /* lexer */
+    char *src; /* normalised source */
+    size_t src_n;
+    token *toks;
+    size_t n_toks, cap_toks;
+    size_t pos;   /* parser position */
+    int lex_line; /* line the lexer is on (for its error messages) */
+    int depth;
+    /* evaluation */
+    frame frames[MAX_DEPTH + 2];
+    int n_frames;
+    int eval_depth; /* eval recursion: chains (a.b.c, x + y + z, |f|g) nest too */
+    char *out;
+    size_t out_n, out_cap;
+    int64_t steps;
+    int64_t work;     /* bytes string operations went through (MAX_WORK) */
+    const node *cur;  /* the node being evaluated or executed (error lines) */
+    int loop_ctl; /* 1 break, 2 continue, pending */
+    /* globals */
+    value messages, add_generation_prompt, bos_token, eos_token;
+} ctx;
+
+/* ---- AST ---------------------------------------------------------------------- */
+
+typedef enum nkind {
+    /* statements */
+    S_BLOCK,    /* v: statements */
+    S_TEXT,     /* name: the text */
+    S_OUT,      /* a: expression */
+    S_IF,       /* a: condition, b: then block, c: else block (or NULL) */
+    S_FOR,      /* names: targets, a: iterable, b: body, c: else, d: filter */
+    S_SET,      /* name: variable, a: value */
+    S_SETATTR,  /* name: namespace variable, attr: attribute, a: value */
+    S_SETBLOCK, /* name: variable, b: body */
+    S_BREAK,
+    S_CONTINUE,
+    /* expressions */
+    E_LIT,    /* lit */
+    E_NAME,   /* name */
+    E_ATTR,   /* a.name */
+    E_INDEX,  /* a[b] */
+    E_SLICE,  /* a[b:c:d], each of b c d may be NULL */
+    E_CALL,   /* a(v..., names[i]=w[i]...) */
+    E_FILTER, /* a | name(v..., names=w...) */
+    E_TEST,   /* a is [not] name(v...) */
+    E_NEG,
+    E_POS, /* unary +: numbers only, as in Python */
+    E_NOT,
+    E_AND,
+    E_OR,
+    E_BIN,  /* a op b, op in name */
+    E_CMP,  /* a (names[i] v[i])... chained */
+    E_COND, /* b if a else c */
+    E_LIST, /* v */
+    E_DICT  /* v: keys, w: values */
+} nkind;
+
+struct node {
+    nkind k;
+    int line;
+    int neg;  /* E_TEST: `is not` */
+    str name; /* names, operators, texts */
+    str attr;
+    value lit;
+    node *a, *b, *c, *d;
+    node **v, **w;
+    size_t nv, nw;
+    str *names;
+    size_t nnames;
+};
+
+/* ---- errors ------------------------------------------------------------------ */
+
+/* KVC_ERR_UNSUPPORTED "chat template, line N: ..." with the line of token t
+ * (NULL: the line the lexer is on). */
+kvc_status kvc__chat_syntax_error(ctx *c, const token *t, const char *fmt, ...) KVC_PRINTF(3, 4);
+
+/* KVC_ERR_NOMEM (also for what would pass MAX_BYTES). */
+kvc_status kvc__chat_nomem(void);
+
+/* KVC_ERR_INVALID_ARG "chat template, line N: ..." with the line of node n (NULL: 0). */
+kvc_status kvc__chat_runtime_error(const node *n, const char *fmt, ...) KVC_PRINTF(2, 3);
+
+/* Counts bytes a string operation goes through: a loop of 50 million steps
+ * over 100 MB strings would otherwise run for weeks within every cap. */
+static inline kvc_status charge(ctx *c, size_t bytes) {
+    c->work += (int64_t)(bytes < (size_t)MAX_WORK ? bytes : (size_t)MAX_WORK);
+    if (c->work > MAX_WORK)
+        return kvc__chat_runtime_error(c->cur,
+                                       "string operations over %lld GiB in all (a template this "
+                                       "expensive is refused)",
+                                       (long long)(MAX_WORK >> 30));
+    return KVC_OK;
+}
+
+#define ALLOC(c, ptr, count)                                                                       \
+    do {                                                                                           \
+        (ptr) = kvc__chat_arena_alloc(&(c)->ar, sizeof *(ptr) * (size_t)(count));                  \
+        if (!(ptr)) return kvc__chat_nomem();                                                      \
+    } while (0)
+
+/* ---- values, lists, dicts, scopes, strings (chat_value.c) ------------------- */
+
+/* A growable string in the arena (old storage is abandoned on growth). */
+typedef struct sbuf {
+    char *p;
+    size_t n, cap;
+} sbuf;
+
+/* Appends p[0..n) to b (charged to MAX_WORK). */
+kvc_status kvc__chat_sb_put(ctx *c, sbuf *b, const char *p, size_t n);
+
+/* Python's type name of v, for messages. */
+const char *kvc__chat_type_name(const value *v);
+
+/* str(v) as Jinja prints it (undefined prints nothing). */
+kvc_status kvc__chat_to_str(ctx *c, const value *v, str *out);
+
+static inline int truthy(const value *v) {
+    switch (v->t) {
+    case V_BOOL:
+    case V_INT: return v->u.i != 0;
+    case V_STR: return v->u.s.n != 0;
+    case V_LIST: return v->u.l->n != 0;
+    case V_DICT: return v->u.d->n != 0;
+    case V_FUNC: return 1;
+    default: return 0;
+    }
+}
+
+static inline int is_num(const value *v) {
+    return v->t == V_INT || v->t == V_BOOL;
+}
+
+/* Python's ==, and a < b (-1 / 0 / 1 into *cmp) for numbers, strings and lists. */
+int kvc__chat_values_equal(const value *a, const value *b);
+kvc_status kvc__chat_order(const node *n, const value *a, const value *b, int *cmp);
+
+/* Lists and dicts in the arena; dict_find gives NULL for a missing key. */
+kvc_status kvc__chat_new_list(ctx *c, size_t cap, value *out);
+kvc_status kvc__chat_list_push(ctx *c, list *l, value v);
+kvc_status kvc__chat_new_dict(ctx *c, size_t cap, value *out);
+value *kvc__chat_dict_find(dict *d, str key);
+kvc_status kvc__chat_dict_set(ctx *c, dict *d, str key, value v);
+
+/* The code points of s as one-character strings, and their count. */
+kvc_status kvc__chat_str_chars(ctx *c, str s, value *out);
+size_t kvc__chat_str_len_cp(str s);
+
+/* Items a for loop visits: a list's items, a dict's keys, a string's
+ * characters; undefined iterates as empty. */
+kvc_status kvc__chat_iter_items(ctx *c, const node *n, const value *v, value *out);
+
+/* Variables: lookup searches the scopes (innermost first), then the builtins
+ * and the globals, and returns 0 (*out undefined) for an unknown name; set_var
+ * sets in the innermost scope. */
+int kvc__chat_lookup(ctx *c, str name, value *out);
+kvc_status kvc__chat_set_var(ctx *c, str name, value v);
+
+/* String methods and filters (see their definitions). */
+kvc_status kvc__chat_map_case(ctx *c, str s, char mode, value *out);
+str kvc__chat_strip_str(str s, int left, int right);
+kvc_status kvc__chat_strip_chars(ctx *c, str s, const str *chars, int left, int right, str *out);
+const char *kvc__chat_find_sub(str hay, str needle, size_t from);
+kvc_status kvc__chat_str_replace(ctx *c, const node *n, str s, str old, str rep, int64_t count,
+                                 value *out);
+kvc_status kvc__chat_str_split(ctx *c, const node *n, str s, const value *sep, int64_t maxsplit,
+                               value *out);
+kvc_status kvc__chat_concat(ctx *c, str a, str b, value *out);
+
+/* Python str.isspace() on the code point at s[i]; *len receives its length. */
+static inline int space_at(const char *s, size_t n, size_t i, int *len) {
+    uint32_t cp = kvc__utf8_decode((const unsigned char *)s + i, n - i, len);
+    return kvc__py_isspace(cp);
+}
+
+/* ---- lexer (chat_lex.c), parser (chat_parse.c), evaluator (chat_eval.c) ---- */
+
+/* Splits the normalised source c->src into c->toks. */
+kvc_status kvc__chat_lex(ctx *c);
+
+/* Parses statements until `{% word` with word in stop[]; leaves the parser
+ * on that word (after the {%) and its index in *which. stop NULL: until EOF. */
+kvc_status kvc__chat_parse_block(ctx *c, const char *const *stop, int n_stop, node **out,
+                                 int *which);
+
+/* Evaluates expression n into *out. */
+kvc_status kvc__chat_eval(ctx *c, const node *n, value *out);
+
+#endif

@@ -1,0 +1,572 @@
+/* Chat templates (see chat.c): the arena, errors, values, lists and dicts,
+ * scopes, and the string operations the evaluator calls. */
+#define _GNU_SOURCE /* memmem */
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chat_internal.h"
+
+/* ---- arena ------------------------------------------------------------------ */
+
+void kvc__chat_arena_free(arena *a) {
+    while (a->head) {
+        chunk *c = a->head;
+        a->head = c->next;
+        free(c);
+    }
+}
+
+/* ---- errors ------------------------------------------------------------------ */
+
+kvc_status kvc__chat_syntax_error(ctx *c, const token *t, const char *fmt, ...) {
+    char msg[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    return kvc__error(KVC_ERR_UNSUPPORTED, "chat template, line %d: %s", t ? t->line : c->lex_line,
+                      msg);
+}
+
+kvc_status kvc__chat_nomem(void) {
+    return kvc__error(KVC_ERR_NOMEM, "chat template: out of memory (or over the %zu MiB limit)",
+                      MAX_BYTES >> 20);
+}
+
+kvc_status kvc__chat_runtime_error(const node *n, const char *fmt, ...) {
+    char msg[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    return kvc__error(KVC_ERR_INVALID_ARG, "chat template, line %d: %s", n ? n->line : 0, msg);
+}
+
+/* ---- evaluation helpers ------------------------------------------------------ */
+
+const char *kvc__chat_type_name(const value *v) {
+    switch (v->t) {
+    case V_UNDEF: return "undefined";
+    case V_NONE: return "NoneType";
+    case V_BOOL: return "bool";
+    case V_INT: return "int";
+    case V_STR: return "str";
+    case V_LIST: return "list";
+    case V_DICT: return "dict";
+    default: return "function";
+    }
+}
+
+kvc_status kvc__chat_sb_put(ctx *c, sbuf *b, const char *p, size_t n) {
+    KVC_TRY(charge(c, n));
+    if (b->n + n > b->cap) {
+        size_t cap = b->cap ? b->cap : 64;
+        while (cap < b->n + n) cap *= 2;
+        if (cap > MAX_BYTES) return kvc__chat_nomem();
+        char *q;
+        ALLOC(c, q, cap);
+        if (b->n) memcpy(q, b->p, b->n);
+        b->p = q;
+        b->cap = cap;
+    }
+    if (n) memcpy(b->p + b->n, p, n);
+    b->n += n;
+    return KVC_OK;
+}
+
+static kvc_status sb_cstr(ctx *c, sbuf *b, const char *s) {
+    return kvc__chat_sb_put(c, b, s, strlen(s));
+}
+
+/* Python's repr() of a string: single quotes unless it holds ' and no ". */
+static kvc_status repr_str(ctx *c, sbuf *b, str s) {
+    char q = memchr(s.p, '\'', s.n) && !memchr(s.p, '"', s.n) ? '"' : '\'';
+    KVC_TRY(kvc__chat_sb_put(c, b, &q, 1));
+    for (size_t i = 0; i < s.n; i++) {
+        unsigned char ch = (unsigned char)s.p[i];
+        char esc[8];
+        if (ch == '\\' || ch == (unsigned char)q) {
+            esc[0] = '\\';
+            esc[1] = (char)ch;
+            KVC_TRY(kvc__chat_sb_put(c, b, esc, 2));
+        } else if (ch == '\n' || ch == '\r' || ch == '\t') {
+            KVC_TRY(sb_cstr(c, b, ch == '\n' ? "\\n" : ch == '\r' ? "\\r" : "\\t"));
+        } else if (ch < 0x20 || ch == 0x7F) {
+            snprintf(esc, sizeof esc, "\\x%02x", ch);
+            KVC_TRY(sb_cstr(c, b, esc));
+        } else {
+            KVC_TRY(kvc__chat_sb_put(c, b, (const char *)&ch, 1));
+        }
+    }
+    return kvc__chat_sb_put(c, b, &q, 1);
+}
+
+static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr);
+
+static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr) {
+    char num[32];
+    switch (v->t) {
+    case V_UNDEF: return repr ? sb_cstr(c, b, "Undefined") : KVC_OK; /* jinja2's repr */
+    case V_NONE: return sb_cstr(c, b, "None");
+    case V_BOOL: return sb_cstr(c, b, v->u.i ? "True" : "False");
+    case V_INT: snprintf(num, sizeof num, "%lld", (long long)v->u.i); return sb_cstr(c, b, num);
+    case V_STR: return repr ? repr_str(c, b, v->u.s) : kvc__chat_sb_put(c, b, v->u.s.p, v->u.s.n);
+    case V_LIST:
+        KVC_TRY(sb_cstr(c, b, v->u.l->is_tuple ? "(" : "["));
+        for (size_t i = 0; i < v->u.l->n; i++) {
+            if (i) KVC_TRY(sb_cstr(c, b, ", "));
+            KVC_TRY(write_value(c, b, &v->u.l->items[i], 1));
+        }
+        return sb_cstr(c, b, v->u.l->is_tuple ? ")" : "]");
+    case V_DICT: /* a namespace() prints as Jinja's Namespace object */
+        KVC_TRY(sb_cstr(c, b, v->u.d->is_namespace ? "<Namespace {" : "{"));
+        for (size_t i = 0; i < v->u.d->n; i++) {
+            if (i) KVC_TRY(sb_cstr(c, b, ", "));
+            KVC_TRY(repr_str(c, b, v->u.d->keys[i]));
+            KVC_TRY(sb_cstr(c, b, ": "));
+            KVC_TRY(write_value(c, b, &v->u.d->vals[i], 1));
+        }
+        return sb_cstr(c, b, v->u.d->is_namespace ? "}>" : "}");
+    default: return sb_cstr(c, b, "<function>");
+    }
+}
+
+/* str(v) as Jinja prints it (undefined prints nothing). */
+kvc_status kvc__chat_to_str(ctx *c, const value *v, str *out) {
+    if (v->t == V_STR) {
+        *out = v->u.s;
+        return KVC_OK;
+    }
+    sbuf b = {NULL, 0, 0};
+    KVC_TRY(write_value(c, &b, v, 0));
+    out->p = b.p ? b.p : "";
+    out->n = b.n;
+    return KVC_OK;
+}
+
+int kvc__chat_values_equal(const value *a, const value *b) {
+    if (is_num(a) && is_num(b)) return a->u.i == b->u.i;
+    if (a->t != b->t) return 0;
+    switch (a->t) {
+    case V_UNDEF:
+    case V_NONE: return 1;
+    case V_STR: return a->u.s.n == b->u.s.n && memcmp(a->u.s.p, b->u.s.p, a->u.s.n) == 0;
+    case V_LIST:
+        if (a->u.l->n != b->u.l->n) return 0;
+        for (size_t i = 0; i < a->u.l->n; i++)
+            if (!kvc__chat_values_equal(&a->u.l->items[i], &b->u.l->items[i])) return 0;
+        return 1;
+    case V_DICT:
+        if (a->u.d->n != b->u.d->n) return 0;
+        for (size_t i = 0; i < a->u.d->n; i++) {
+            size_t j = 0;
+            while (j < b->u.d->n &&
+                   !(a->u.d->keys[i].n == b->u.d->keys[j].n &&
+                     memcmp(a->u.d->keys[i].p, b->u.d->keys[j].p, a->u.d->keys[i].n) == 0))
+                j++;
+            if (j == b->u.d->n || !kvc__chat_values_equal(&a->u.d->vals[i], &b->u.d->vals[j]))
+                return 0;
+        }
+        return 1;
+    case V_FUNC: return a->u.i == b->u.i;
+    default: return 0;
+    }
+}
+
+/* Python's a < b (-1 / 0 / 1 into *cmp) for numbers, strings and lists. */
+kvc_status kvc__chat_order(const node *n, const value *a, const value *b, int *cmp) {
+    if (is_num(a) && is_num(b)) {
+        *cmp = a->u.i < b->u.i ? -1 : a->u.i > b->u.i;
+        return KVC_OK;
+    }
+    if (a->t == V_STR && b->t == V_STR) { /* UTF-8 byte order is code point order */
+        size_t m = a->u.s.n < b->u.s.n ? a->u.s.n : b->u.s.n;
+        int r = m ? memcmp(a->u.s.p, b->u.s.p, m) : 0;
+        *cmp = r ? (r < 0 ? -1 : 1) : a->u.s.n < b->u.s.n ? -1 : a->u.s.n > b->u.s.n;
+        return KVC_OK;
+    }
+    if (a->t == V_LIST && b->t == V_LIST) {
+        for (size_t i = 0; i < a->u.l->n && i < b->u.l->n; i++) {
+            if (kvc__chat_values_equal(&a->u.l->items[i], &b->u.l->items[i])) continue;
+            return kvc__chat_order(n, &a->u.l->items[i], &b->u.l->items[i], cmp);
+        }
+        *cmp = a->u.l->n < b->u.l->n ? -1 : a->u.l->n > b->u.l->n;
+        return KVC_OK;
+    }
+    return kvc__chat_runtime_error(n, "cannot order %s and %s", kvc__chat_type_name(a),
+                                   kvc__chat_type_name(b));
+}
+
+kvc_status kvc__chat_new_list(ctx *c, size_t cap, value *out) {
+    list *l;
+    ALLOC(c, l, 1);
+    l->n = 0;
+    l->is_tuple = 0;
+    l->cap = cap ? cap : 1;
+    ALLOC(c, l->items, l->cap);
+    out->t = V_LIST;
+    out->u.l = l;
+    return KVC_OK;
+}
+
+kvc_status kvc__chat_list_push(ctx *c, list *l, value v) {
+    if (l->n == l->cap) {
+        value *items;
+        ALLOC(c, items, 2 * l->cap);
+        memcpy(items, l->items, l->n * sizeof *items);
+        l->items = items;
+        l->cap *= 2;
+    }
+    l->items[l->n++] = v;
+    return KVC_OK;
+}
+
+kvc_status kvc__chat_new_dict(ctx *c, size_t cap, value *out) {
+    dict *d;
+    ALLOC(c, d, 1);
+    memset(d, 0, sizeof *d);
+    d->cap = cap ? cap : 1;
+    ALLOC(c, d->keys, d->cap);
+    ALLOC(c, d->vals, d->cap);
+    out->t = V_DICT;
+    out->u.d = d;
+    return KVC_OK;
+}
+
+value *kvc__chat_dict_find(dict *d, str key) {
+    for (size_t i = 0; i < d->n; i++)
+        if (d->keys[i].n == key.n && memcmp(d->keys[i].p, key.p, key.n) == 0) return &d->vals[i];
+    return NULL;
+}
+
+kvc_status kvc__chat_dict_set(ctx *c, dict *d, str key, value v) {
+    value *slot = kvc__chat_dict_find(d, key);
+    if (slot) {
+        *slot = v;
+        return KVC_OK;
+    }
+    if (d->n == d->cap) {
+        str *keys;
+        value *vals;
+        ALLOC(c, keys, 2 * d->cap);
+        ALLOC(c, vals, 2 * d->cap);
+        memcpy(keys, d->keys, d->n * sizeof *keys);
+        memcpy(vals, d->vals, d->n * sizeof *vals);
+        d->keys = keys;
+        d->vals = vals;
+        d->cap *= 2;
+    }
+    d->keys[d->n] = key;
+    d->vals[d->n++] = v;
+    return KVC_OK;
+}
+
+/* Code points of a string, as a list of one-character strings. */
+kvc_status kvc__chat_str_chars(ctx *c, str s, value *out) {
+    KVC_TRY(kvc__chat_new_list(c, s.n, out));
+    for (size_t i = 0; i < s.n;) {
+        int len;
+        kvc__utf8_decode((const unsigned char *)s.p + i, s.n - i, &len);
+        KVC_TRY(kvc__chat_list_push(c, out->u.l, v_str(s.p + i, (size_t)len)));
+        i += (size_t)len;
+    }
+    return KVC_OK;
+}
+
+size_t kvc__chat_str_len_cp(str s) {
+    size_t k = 0;
+    for (size_t i = 0; i < s.n; k++) {
+        int len;
+        kvc__utf8_decode((const unsigned char *)s.p + i, s.n - i, &len);
+        i += (size_t)len;
+    }
+    return k;
+}
+
+/* Items a for loop visits: a list's items, a dict's keys, a string's
+ * characters; undefined iterates as empty. */
+kvc_status kvc__chat_iter_items(ctx *c, const node *n, const value *v, value *out) {
+    if (v->t == V_LIST) {
+        *out = *v;
+        return KVC_OK;
+    }
+    if (v->t == V_STR) return kvc__chat_str_chars(c, v->u.s, out);
+    if (v->t == V_UNDEF) return kvc__chat_new_list(c, 0, out);
+    if (v->t == V_DICT) {
+        KVC_TRY(kvc__chat_new_list(c, v->u.d->n, out));
+        for (size_t i = 0; i < v->u.d->n; i++)
+            KVC_TRY(kvc__chat_list_push(c, out->u.l, v_str(v->u.d->keys[i].p, v->u.d->keys[i].n)));
+        return KVC_OK;
+    }
+    return kvc__chat_runtime_error(n, "'%s' object is not iterable", kvc__chat_type_name(v));
+}
+
+/* ---- scopes ------------------------------------------------------------------- */
+
+int kvc__chat_lookup(ctx *c, str name, value *out) {
+    for (int f = c->n_frames - 1; f >= 0; f--) {
+        frame *fr = &c->frames[f];
+        for (size_t i = fr->n; i-- > 0;)
+            if (fr->names[i].n == name.n && memcmp(fr->names[i].p, name.p, name.n) == 0) {
+                *out = fr->vals[i];
+                return 1;
+            }
+    }
+    static const struct {
+        const char *name;
+        int fn;
+    } fns[] = {{"raise_exception", F_RAISE}, {"namespace", F_NAMESPACE}, {"range", F_RANGE}};
+    for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++)
+        if (str_eq(name, fns[i].name)) {
+            out->t = V_FUNC;
+            out->u.i = fns[i].fn;
+            return 1;
+        }
+    if (str_eq(name, "messages"))
+        *out = c->messages;
+    else if (str_eq(name, "add_generation_prompt"))
+        *out = c->add_generation_prompt;
+    else if (str_eq(name, "bos_token"))
+        *out = c->bos_token;
+    else if (str_eq(name, "eos_token"))
+        *out = c->eos_token;
+    else if (str_eq(name, "tools") || str_eq(name, "documents"))
+        *out = v_none();
+    else {
+        *out = v_undef();
+        return 0;
+    }
+    return 1;
+}
+
+kvc_status kvc__chat_set_var(ctx *c, str name, value v) {
+    frame *fr = &c->frames[c->n_frames - 1];
+    for (size_t i = 0; i < fr->n; i++)
+        if (fr->names[i].n == name.n && memcmp(fr->names[i].p, name.p, name.n) == 0) {
+            fr->vals[i] = v;
+            return KVC_OK;
+        }
+    if (fr->n == fr->cap) {
+        size_t cap = fr->cap ? 2 * fr->cap : 8;
+        str *names;
+        value *vals;
+        ALLOC(c, names, cap);
+        ALLOC(c, vals, cap);
+        if (fr->n) {
+            memcpy(names, fr->names, fr->n * sizeof *names);
+            memcpy(vals, fr->vals, fr->n * sizeof *vals);
+        }
+        fr->names = names;
+        fr->vals = vals;
+        fr->cap = cap;
+    }
+    fr->names[fr->n] = name;
+    fr->vals[fr->n++] = v;
+    return KVC_OK;
+}
+
+/* ---- strings ------------------------------------------------------------------ */
+
+static int ascii_upper(int ch) {
+    return ch >= 'a' && ch <= 'z' ? ch - 32 : ch;
+}
+static int ascii_lower_ch(int ch) {
+    return ch >= 'A' && ch <= 'Z' ? ch + 32 : ch;
+}
+
+/* Copy of s with every ASCII letter mapped by mode: 'u' upper, 'l' lower,
+ * 'c' capitalize (first upper, rest lower), 't' Jinja's title filter (first
+ * letter of every item split at runs of [-\s({[<] upper, rest lower),
+ * 'T' Python's str.title() (upper after a non-letter, lower after a letter). */
+kvc_status kvc__chat_map_case(ctx *c, str s, char mode, value *out) {
+    char *p;
+    ALLOC(c, p, s.n + 1);
+    int word_start = 1;
+    for (size_t i = 0; i < s.n; i++) {
+        int ch = (unsigned char)s.p[i];
+        int letter = (ch | 32) >= 'a' && (ch | 32) <= 'z';
+        switch (mode) {
+        case 'u': ch = ascii_upper(ch); break;
+        case 'l': ch = ascii_lower_ch(ch); break;
+        case 'c': ch = i == 0 ? ascii_upper(ch) : ascii_lower_ch(ch); break;
+        case 't': {
+            int sep = ch == '-' || ch == '(' || ch == '{' || ch == '[' || ch == '<' || ch == ' ' ||
+                      (ch >= '\t' && ch <= '\r');
+            ch = word_start && !sep ? ascii_upper(ch) : ascii_lower_ch(ch);
+            word_start = sep;
+            break;
+        }
+        default: /* 'T' */
+            ch = word_start ? ascii_upper(ch) : ascii_lower_ch(ch);
+            word_start = !letter && !(ch & 0x80);
+            break;
+        }
+        p[i] = (char)ch;
+    }
+    *out = v_str(p, s.n);
+    return KVC_OK;
+}
+
+static int cmp_u32(const void *x, const void *y) {
+    const uint32_t a = *(const uint32_t *)x, b = *(const uint32_t *)y;
+    return (a > b) - (a < b);
+}
+
+/* The code points of chars, sorted (set->n 0 if there are none), so that
+ * strip(chars) looks each code point up instead of scanning chars (n * m). */
+typedef struct cp_set {
+    uint32_t *cp;
+    size_t n;
+} cp_set;
+
+/* set->cp: room for 64 code points, or NULL; the arena is used for more. */
+static kvc_status cp_set_make(ctx *c, str chars, cp_set *set) {
+    if (chars.n > 64 || !set->cp) ALLOC(c, set->cp, chars.n + 1); /* <= 1 code point a byte */
+    set->n = 0;
+    for (size_t j = 0; j < chars.n;) {
+        int l2;
+        set->cp[set->n++] = kvc__utf8_decode((const unsigned char *)chars.p + j, chars.n - j, &l2);
+        j += (size_t)l2;
+    }
+    qsort(set->cp, set->n, sizeof(uint32_t), cmp_u32);
+    return KVC_OK;
+}
+
+static int strip_hit(uint32_t cp, const cp_set *set) {
+    if (!set) return kvc__py_isspace(cp);
+    return set->n && bsearch(&cp, set->cp, set->n, sizeof(uint32_t), cmp_u32) != NULL;
+}
+
+/* Python strip/lstrip/rstrip: set NULL strips str.isspace()
+ * code points, else those in the set. */
+static str strip_set(str s, const cp_set *set, int left, int right) {
+    size_t a = 0, b = s.n;
+    for (;;) { /* from the left */
+        if (!left || a >= b) break;
+        int len;
+        uint32_t cp = kvc__utf8_decode((const unsigned char *)s.p + a, b - a, &len);
+        if (!strip_hit(cp, set)) break;
+        a += (size_t)len;
+    }
+    while (right && b > a) { /* from the right: find the last code point's start */
+        size_t st = b - 1;
+        while (st > a && ((unsigned char)s.p[st] & 0xC0) == 0x80 && b - st < 4) st--;
+        int len;
+        uint32_t cp = kvc__utf8_decode((const unsigned char *)s.p + st, b - st, &len);
+        if (st + (size_t)len != b) { /* not one well-formed sequence: the last byte alone */
+            st = b - 1;
+            cp = kvc__utf8_decode((const unsigned char *)s.p + st, 1, &len);
+        }
+        if (!strip_hit(cp, set)) break;
+        b = st;
+    }
+    str r = {s.p + a, b - a};
+    return r;
+}
+
+/* strip_set for whitespace (no set). */
+str kvc__chat_strip_str(str s, int left, int right) {
+    return strip_set(s, NULL, left, right);
+}
+
+/* strip/lstrip/rstrip with chars (NULL: whitespace) as the template calls
+ * them: the chars made into a set first, the bytes charged to MAX_WORK. */
+kvc_status kvc__chat_strip_chars(ctx *c, str s, const str *chars, int left, int right, str *out) {
+    KVC_TRY(charge(c, s.n + (chars ? chars->n : 0)));
+    uint32_t local[64]; /* short chars (the usual case): no arena allocation per call */
+    cp_set set = {local, 0};
+    if (chars) KVC_TRY(cp_set_make(c, *chars, &set));
+    *out = strip_set(s, chars ? &set : NULL, left, right);
+    return KVC_OK;
+}
+
+/* First occurrence of needle in hay at or after from (memmem: linear, not
+ * n * m as a naive scan is on 'aaa...ab' needles). */
+const char *kvc__chat_find_sub(str hay, str needle, size_t from) {
+    if (needle.n == 0) return hay.p + from;
+    if (from > hay.n || needle.n > hay.n - from) return NULL;
+    return memmem(hay.p + from, hay.n - from, needle.p, needle.n);
+}
+
+kvc_status kvc__chat_str_replace(ctx *c, const node *n, str s, str old, str rep, int64_t count,
+                                 value *out) {
+    KVC_TRY(charge(c, s.n)); /* the search; sb_put charges the copies */
+    sbuf b = {NULL, 0, 0};
+    if (old.n == 0) { /* Python inserts rep around every character */
+        value chars;
+        KVC_TRY(kvc__chat_str_chars(c, s, &chars));
+        for (size_t i = 0; i <= chars.u.l->n; i++) {
+            if (count < 0 || (int64_t)i < count) KVC_TRY(kvc__chat_sb_put(c, &b, rep.p, rep.n));
+            if (i < chars.u.l->n)
+                KVC_TRY(
+                    kvc__chat_sb_put(c, &b, chars.u.l->items[i].u.s.p, chars.u.l->items[i].u.s.n));
+        }
+    } else {
+        size_t pos = 0;
+        int64_t done = 0;
+        const char *hit;
+        while ((count < 0 || done < count) && (hit = kvc__chat_find_sub(s, old, pos)) != NULL) {
+            KVC_TRY(kvc__chat_sb_put(c, &b, s.p + pos, (size_t)(hit - s.p) - pos));
+            KVC_TRY(kvc__chat_sb_put(c, &b, rep.p, rep.n));
+            pos = (size_t)(hit - s.p) + old.n;
+            done++;
+        }
+        KVC_TRY(kvc__chat_sb_put(c, &b, s.p + pos, s.n - pos));
+    }
+    (void)n;
+    *out = v_str(b.p ? b.p : "", b.n);
+    return KVC_OK;
+}
+
+/* Python str.split(sep=None, maxsplit=-1). */
+kvc_status kvc__chat_str_split(ctx *c, const node *n, str s, const value *sep, int64_t maxsplit,
+                               value *out) {
+    KVC_TRY(charge(c, s.n));
+    KVC_TRY(kvc__chat_new_list(c, 4, out));
+    if (!sep || sep->t == V_NONE) {
+        size_t i = 0;
+        int64_t splits = 0;
+        for (;;) {
+            int len;
+            while (i < s.n && space_at(s.p, s.n, i, &len)) i += (size_t)len;
+            if (i >= s.n) break;
+            if (maxsplit >= 0 && splits >= maxsplit) {
+                str rest = kvc__chat_strip_str((str){s.p + i, s.n - i}, 0, 1);
+                KVC_TRY(kvc__chat_list_push(c, out->u.l, v_str(rest.p, rest.n)));
+                break;
+            }
+            size_t j = i;
+            while (j < s.n && !space_at(s.p, s.n, j, &len)) j += (size_t)len;
+            KVC_TRY(kvc__chat_list_push(c, out->u.l, v_str(s.p + i, j - i)));
+            splits++;
+            i = j;
+        }
+        return KVC_OK;
+    }
+    if (sep->t != V_STR) return kvc__chat_runtime_error(n, "split() separator must be a string");
+    if (sep->u.s.n == 0) return kvc__chat_runtime_error(n, "split(): empty separator");
+    size_t pos = 0;
+    int64_t splits = 0;
+    const char *hit;
+    while ((maxsplit < 0 || splits < maxsplit) &&
+           (hit = kvc__chat_find_sub(s, sep->u.s, pos)) != NULL) {
+        KVC_TRY(kvc__chat_list_push(c, out->u.l, v_str(s.p + pos, (size_t)(hit - s.p) - pos)));
+        pos = (size_t)(hit - s.p) + sep->u.s.n;
+        splits++;
+    }
+    return kvc__chat_list_push(c, out->u.l, v_str(s.p + pos, s.n - pos));
+}
+
+kvc_status kvc__chat_concat(ctx *c, str a, str b, value *out) {
+    if (a.n + b.n > MAX_BYTES) return kvc__chat_nomem();
+    KVC_TRY(charge(c, a.n + b.n));
+    char *p;
+    ALLOC(c, p, a.n + b.n + 1);
+    if (a.n) memcpy(p, a.p, a.n);
+    if (b.n) memcpy(p + a.n, b.p, b.n);
+    *out = v_str(p, a.n + b.n);
+    return KVC_OK;
+}
