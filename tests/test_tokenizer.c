@@ -556,6 +556,12 @@ TEST(chat_errors) {
                                           1, 1, buf, sizeof buf, &len),
                   KVC_ERR_INVALID_ARG);
     ASSERT_STR_CONTAINS(kvc_last_error(), "roles must alternate");
+    ASSERT_STR_CONTAINS(kvc_last_error(), "line 1:"); /* every message names its line */
+    ASSERT_STATUS(kvc_chat_apply_template(NULL, "a\n{% for i in range(2) %}\n"
+                                          "{{ raise_exception('x' * 500) }}{% endfor %}", m, 1, 1,
+                                          buf, sizeof buf, &len),
+                  KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "line 3: raised an exception: xxxx");
     const char *unsupported[] = {"{% macro f() %}{% endmacro %}",
                                  "{{ x | tojson }}",
                                  "{{ 1.5 }}",

@@ -490,6 +490,46 @@ def test_template_errors():
         assert kvcache.render_chat_template(good, msgs) == _jinja(good, msgs, True), good
 
 
+INT_FILTER_CASES = [
+    "42", " -7 ", "+3", "1_000", "1__0", "_1", "1_", "42.23", "-42.9", "1e3", "1E-2", ".5", "5.",
+    "1_0.5", "1._5", "nan", "NaN", "-inf", "1e400", "abc", "", " ", "0x1A", "0b101", "0o17",
+    "9223372036854775807", "-9223372036854775808", "9223372036854775800", "007",
+    "9.2e18", "-9.2e18", "٣", "0x", "1e", "e5", ".", "+-1",
+]
+INT_FILTER_CALLS = ["|int", "|int(5)", "|int(0, 16)", "|int(base=16)", "|int(0, 0)",
+                    "|int(0, 2)", "|int(0, 36)", "|int(0, 1)", "|int(default=-1, base=8)"]
+
+
+def test_int_filter_matches_jinja():
+    """jinja2's int filter: int(s, base), then int(float(s)), else the default."""
+    msgs = CONVERSATIONS[0]
+    n = 0
+    for case in INT_FILTER_CASES:
+        for call in INT_FILTER_CALLS:
+            tmpl = "{{ %r%s }}" % (case, call)
+            want = _jinja(tmpl, msgs, True)
+            if abs(int(want)) >= 2 ** 63 - 1 and want not in ("9223372036854775807",
+                                                               "-9223372036854775808"):
+                with pytest.raises(kvcache.InvalidArgumentError, match="64-bit"):
+                    kvcache.render_chat_template(tmpl, msgs)
+                continue
+            if case == "٣":  # Python's int() takes every Unicode decimal digit; we take ASCII
+                default = _jinja("{{ '?'%s }}" % call, msgs, True)
+                assert kvcache.render_chat_template(tmpl, msgs) == default
+                continue
+            assert kvcache.render_chat_template(tmpl, msgs) == want, tmpl
+            n += 1
+    assert n > 250
+    for good in ["{{ true|int }} {{ none|int }} {{ [1]|int(7) }} {{ 3|int }}",
+                 "{{ '99999999999999999999'|int }}"]:
+        want = _jinja(good, msgs, True)
+        if "9999" in good:
+            with pytest.raises(kvcache.InvalidArgumentError, match="64-bit"):
+                kvcache.render_chat_template(good, msgs)
+        else:
+            assert kvcache.render_chat_template(good, msgs) == want
+
+
 def test_template_limits():
     deep = "{{ " + "(" * 500 + "1" + ")" * 500 + " }}"
     with pytest.raises(kvcache.UnsupportedError, match="deep"):

@@ -55,11 +55,11 @@ static str cstr(const char *s) {
     return r;
 }
 
-static kvc_status out_put(ctx *c, const char *p, size_t n) {
+/* Appends n bytes that statement `at` produced (its line goes in errors). */
+static kvc_status out_put(ctx *c, const node *at, const char *p, size_t n) {
     if (c->out_n + n > c->out_cap) {
         if (c->out_n + n > MAX_BYTES)
-            return kvc__error(KVC_ERR_INVALID_ARG, "chat template: output exceeds %zu MiB",
-                              MAX_BYTES >> 20);
+            return kvc__chat_runtime_error(at, "output exceeds %zu MiB", MAX_BYTES >> 20);
         size_t cap = c->out_cap ? c->out_cap : 4096;
         while (cap < c->out_n + n) cap *= 2;
         char *q = realloc(c->out, cap);
@@ -153,12 +153,12 @@ static kvc_status exec(ctx *c, const node *n) {
     case S_BLOCK:
         for (size_t i = 0; i < n->nv && !c->loop_ctl; i++) KVC_TRY(exec(c, n->v[i]));
         return KVC_OK;
-    case S_TEXT: return out_put(c, n->name.p, n->name.n);
+    case S_TEXT: return out_put(c, n, n->name.p, n->name.n);
     case S_OUT: {
         str s;
         KVC_TRY(kvc__chat_eval(c, n->a, &v));
         KVC_TRY(kvc__chat_to_str(c, &v, &s));
-        return out_put(c, s.p, s.n);
+        return out_put(c, n, s.p, s.n);
     }
     case S_IF:
         KVC_TRY(kvc__chat_eval(c, n->a, &v));

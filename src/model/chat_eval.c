@@ -2,6 +2,7 @@
  * subscripts and slices, calls (string and dict methods, the builtins),
  * filters, tests, arithmetic and comparisons. */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "chat_internal.h"
@@ -208,8 +209,8 @@ static kvc_status call_builtin(ctx *c, const node *n, int fn, const args *a, val
     if (fn == F_RAISE) {
         str msg = {"", 0};
         if (a->n_pos) KVC_TRY(kvc__chat_to_str(c, &a->pos[0], &msg));
-        return kvc__error(KVC_ERR_INVALID_ARG, "chat template raised an exception: %.*s",
-                          (int)(msg.n < 400 ? msg.n : 400), msg.p);
+        return kvc__chat_runtime_error(n, "raised an exception: %.*s",
+                                       (int)(msg.n < 400 ? msg.n : 400), msg.p);
     }
     if (fn == F_NAMESPACE) {
         if (a->n_pos)
@@ -262,6 +263,108 @@ static kvc_status eval_call(ctx *c, const node *n, value *out) {
         return kvc__chat_runtime_error(n, "'%s' object is not callable", kvc__chat_type_name(&f));
     KVC_TRY(eval_args(c, n, &a));
     return call_builtin(c, n, (int)f.u.i, &a, out);
+}
+
+/* Python's int(t, base) on a stripped string: optional sign, the base's
+ * prefix (0x/0o/0b; base 0 takes it from the prefix, and refuses leading
+ * zeros in decimal), digits 0-9a-z below the base with single underscores
+ * between them. 1 and *v: a valid literal; 0: ValueError (also for a base
+ * outside 0 and 2..36); 2: valid but beyond int64 (Python has big ints).
+ * ASCII digits only: Python also takes other Unicode decimal digits. */
+static int py_int(str t, int64_t base, int64_t *v) {
+    size_t i = 0;
+    int neg = 0;
+    if (base != 0 && (base < 2 || base > 36)) return 0;
+    if (i < t.n && (t.p[i] == '+' || t.p[i] == '-')) neg = t.p[i++] == '-';
+    if (i + 1 < t.n && t.p[i] == '0') {
+        char p = (char)(t.p[i + 1] | 0x20);
+        int pb = p == 'x' ? 16 : p == 'o' ? 8 : p == 'b' ? 2 : 0;
+        if (pb && (base == 0 || base == pb)) {
+            base = pb;
+            i += 2;
+            if (i < t.n && t.p[i] == '_') i++; /* 0x_ff */
+        }
+    }
+    int decimal0 = base == 0; /* base 0 without a prefix: decimal, no leading zeros */
+    if (base == 0) base = 10;
+    uint64_t m = 0, lim = neg ? (uint64_t)INT64_MAX + 1 : (uint64_t)INT64_MAX;
+    int over = 0, nonzero = 0;
+    size_t digits = 0, first = i;
+    for (; i < t.n; i++) {
+        char ch = t.p[i];
+        if (ch == '_') {
+            if (i + 1 >= t.n || i == first || t.p[i - 1] == '_') return 0;
+            continue;
+        }
+        int dv = ch >= '0' && ch <= '9'   ? ch - '0'
+                 : ch >= 'a' && ch <= 'z' ? ch - 'a' + 10
+                 : ch >= 'A' && ch <= 'Z' ? ch - 'A' + 10
+                                          : 99;
+        if (dv >= base) return 0;
+        if (dv) nonzero = 1;
+        if (m > (lim - (uint64_t)dv) / (uint64_t)base) over = 1;
+        else m = m * (uint64_t)base + (uint64_t)dv;
+        digits++;
+    }
+    if (!digits) return 0;
+    if (decimal0 && nonzero && t.p[first] == '0') return 0; /* int('010', 0) */
+    if (over) return 2;
+    *v = !neg ? (int64_t)m : m > (uint64_t)INT64_MAX ? INT64_MIN : -(int64_t)m;
+    return 1;
+}
+
+/* int(float(t)) for a stripped string: Python's float() syntax (decimal
+ * with optional fraction and exponent, underscores between digits, inf /
+ * infinity / nan in any case, optional sign). 1 and *v: the value truncated
+ * toward zero; 0: ValueError or OverflowError (NaN, infinity, 1e400), which
+ * jinja2 turns into the default; 2: finite but beyond int64. */
+static int py_float_to_int(str t, int64_t *v) {
+    char buf[128];
+    size_t n = 0, i = 0;
+    if (t.n == 0 || t.n >= sizeof buf) return 0; /* longer floats: not worth a parser */
+    if (t.p[i] == '+' || t.p[i] == '-') buf[n++] = t.p[i++];
+    str rest = {t.p + i, t.n - i};
+    int special = 0;
+    static const char *const words[] = {"inf", "infinity", "nan"};
+    for (int w = 0; w < 3; w++) {
+        size_t wl = strlen(words[w]);
+        if (rest.n != wl) continue;
+        size_t k = 0;
+        while (k < wl && (rest.p[k] | 0x20) == words[w][k]) k++;
+        if (k == wl) special = w == 2 ? 2 : 1;
+    }
+    if (special) return 0;
+    int digits = 0, in_exp = 0, seen_dot = 0;
+    for (; i < t.n; i++) {
+        char ch = t.p[i];
+        int prev_digit = i > 0 && t.p[i - 1] >= '0' && t.p[i - 1] <= '9';
+        int next_digit = i + 1 < t.n && t.p[i + 1] >= '0' && t.p[i + 1] <= '9';
+        if (ch >= '0' && ch <= '9') {
+            digits++;
+        } else if (ch == '_') {
+            if (!prev_digit || !next_digit) return 0;
+            continue;
+        } else if (ch == '.' && !seen_dot && !in_exp) {
+            seen_dot = 1;
+        } else if ((ch | 0x20) == 'e' && digits && !in_exp) {
+            in_exp = 1;
+            buf[n++] = 'e';
+            if (i + 1 < t.n && (t.p[i + 1] == '+' || t.p[i + 1] == '-')) buf[n++] = t.p[++i];
+            if (!next_digit && !(i + 1 < t.n && t.p[i + 1] >= '0' && t.p[i + 1] <= '9'))
+                return 0;
+            continue;
+        } else {
+            return 0;
+        }
+        buf[n++] = ch;
+    }
+    if (!digits) return 0;
+    buf[n] = 0;
+    double f = strtod(buf, NULL);
+    if (f - f != 0) return 0; /* 1e400: infinity */
+    if (f >= 9223372036854775808.0 || f < -9223372036854775808.0) return 2;
+    *v = (int64_t)f;
+    return 1;
 }
 
 static kvc_status eval_filter(ctx *c, const node *n, value *out) {
@@ -349,21 +452,21 @@ static kvc_status eval_filter(ctx *c, const node *n, value *out) {
             *out = v_int(x.u.i);
             return KVC_OK;
         }
-        const value *d = arg(&a, 0, "default");
+        const value *d = arg(&a, 0, "default"), *b = arg(&a, 1, "base");
         *out = d ? *d : v_int(0);
-        if (x.t == V_STR) { /* Python int(): optional sign, digits, surrounding spaces */
-            KVC_TRY(charge(c, x.u.s.n));
-            str t = kvc__chat_strip_str(x.u.s, 1, 1);
-            size_t i = 0;
-            int neg = 0;
-            if (i < t.n && (t.p[i] == '+' || t.p[i] == '-')) neg = t.p[i++] == '-';
-            int64_t v = 0;
-            size_t digits = 0;
-            for (; i < t.n && t.p[i] >= '0' && t.p[i] <= '9' && v < INT64_MAX / 10 - 9;
-                 i++, digits++)
-                v = v * 10 + (t.p[i] - '0');
-            if (digits && i == t.n) *out = v_int(neg ? -v : v);
-        }
+        if (x.t != V_STR) return KVC_OK; /* int(None), int([..]): TypeError, the default */
+        KVC_TRY(charge(c, x.u.s.n));
+        /* jinja2: int(s, base), and when that raises ValueError int(float(s))
+         * ("42.23"|int is 42), and when that fails too the default; a base
+         * that is not an integer fails the same way as a bad digit. Python's
+         * big ints are refused. */
+        str t = kvc__chat_strip_str(x.u.s, 1, 1);
+        int64_t v;
+        int r = py_int(t, b ? (is_num(b) ? b->u.i : -1) : 10, &v);
+        if (r == 0) r = py_float_to_int(t, &v);
+        if (r == 2) return kvc__chat_runtime_error(n, "int: '%.*s' is beyond 64-bit integers",
+                                                   (int)(t.n < 40 ? t.n : 40), t.p);
+        if (r == 1) *out = v_int(v);
         return KVC_OK;
     }
     /* The rest work on str(x). */

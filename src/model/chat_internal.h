@@ -19,9 +19,21 @@
 
 #define MAX_DEPTH 200                         /* parser / evaluator nesting */
 #define MAX_EVAL_DEPTH 1000                   /* expression tree depth when evaluated */
-#define MAX_BYTES ((size_t)256 << 20)         /* arena and output, each */
-#define MAX_STEPS ((int64_t)50 * 1000 * 1000) /* loop iterations, all loops */
-#define MAX_WORK ((int64_t)4 << 30) /* bytes searched, stripped, split, copied: a few s */
+/* The caps below can be lowered at compile time: the fuzz target
+ * (tests/fuzz_chat.c) builds these files with smaller ones so every input
+ * runs in milliseconds under the sanitizers. */
+#ifndef KVC_CHAT_MAX_BYTES
+#define KVC_CHAT_MAX_BYTES ((size_t)256 << 20)
+#endif
+#ifndef KVC_CHAT_MAX_STEPS
+#define KVC_CHAT_MAX_STEPS ((int64_t)50 * 1000 * 1000)
+#endif
+#ifndef KVC_CHAT_MAX_WORK
+#define KVC_CHAT_MAX_WORK ((int64_t)4 << 30)
+#endif
+#define MAX_BYTES KVC_CHAT_MAX_BYTES /* arena and output, each */
+#define MAX_STEPS KVC_CHAT_MAX_STEPS /* loop iterations, all loops */
+#define MAX_WORK KVC_CHAT_MAX_WORK   /* bytes searched, stripped, split, copied: a few s */
 
 /* ---- arena ------------------------------------------------------------------ */
 

@@ -37,7 +37,7 @@ kvc_status kvc__chat_nomem(void) {
 }
 
 kvc_status kvc__chat_runtime_error(const node *n, const char *fmt, ...) {
-    char msg[256];
+    char msg[512]; /* room for a raise_exception message of 400 bytes */
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);

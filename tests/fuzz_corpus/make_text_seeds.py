@@ -3,7 +3,9 @@
 
 fuzz_tokenizer: one setup byte (bits 0-3 pre-tokenizer, 4 add_bos,
 5 parse_special, 6 drop 0xFF's byte token, 7 and no unknown token), then the
-text. Run from anywhere; it writes next to itself.
+text. fuzz_chat: one setup byte (bits 0-2 messages, 3 add_generation_prompt,
+4 tokenizer, 5 NULL last role, 6 NULL last content), the template, NUL, the
+contents separated by NULs. Run from anywhere; it writes next to itself.
 """
 import os
 
@@ -21,7 +23,67 @@ TEXTS = {
 }
 
 
+SMOLLM2 = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+LLAMA3 = (
+    "{{- bos_token }}\n{%- if messages[0]['role'] == 'system' %}\n"
+    "    {%- set system_message = messages[0]['content']|trim %}\n"
+    "    {%- set messages = messages[1:] %}\n{%- else %}\n"
+    "    {%- set system_message = \"\" %}\n{%- endif %}\n"
+    "{{- \"<|start_header_id|>system<|end_header_id|>\\n\\n\" }}\n"
+    "{{- system_message }}\n{{- \"<|eot_id|>\" }}\n"
+    "{%- for message in messages %}\n"
+    "    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    "+ message['content'] | trim + '<|eot_id|>' }}\n{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n{%- endif %}\n"
+)
+FEATURES = (
+    "{% set ns = namespace(n=0, seen=[]) %}{# comment #}\n"
+    "{% for m in messages if m.content is string %}{% set ns.n = ns.n + loop.index %}"
+    "{{ loop.index0 }}:{{ m.role|upper }}={{ m['content'][:5]|replace('a', 'b')|title }}"
+    "{% if loop.last %}.{% elif loop.previtem %},{% else %};{% endif %}{% endfor %}\n"
+    "{%- for k, v in {'a': 1, 'b': [1, 2, 3]}.items() -%} {{ k ~ v|length if v is "
+    "sequence else k ~ v }} {%+ endfor %}\n"
+    "{{ ns.n // 2 }} {{ 7 % 3 }} {{ 'x' * 3 }} {{ [1, 2, 3]|join('-') }} "
+    "{{ 'a,b,,c'.split(',') }} {{ '  pad  '.strip() }}|{{ none|default('d') }}\n"
+    "{% for i in range(3) %}{% if i == 1 %}{% continue %}{% endif %}{{ i }}"
+    "{% if i > 1 %}{% break %}{% endif %}{% else %}empty{% endfor %}\n"
+    "{% set s %}captured {{ messages|length }}{% endset %}{{ s|trim }} "
+    "{{ 'yes' if add_generation_prompt else 'no' }} {{ bos_token ~ eos_token }}\n"
+    "{% if messages|length > 5 %}{{ raise_exception('too many messages') }}{% endif %}"
+)
+BROKEN = "{% for m in messages %}{{ m.content + 1 }}{% endfor %}\n{% macro x() %}{% endmacro %}"
+
+CHATS = {
+    "smollm2": SMOLLM2,
+    "llama3": LLAMA3,
+    "features": FEATURES,
+    "broken": BROKEN,
+    "empty": "",
+    "text_only": "plain text {{ 'and' }} {% raw %}{{ raw }}{% endraw %}",
+}
+CONTENTS = [b"You are terse.", b"Hello \xc3\xa9 <|im_start|> world", b"Hi! {{ not code }}",
+            b"a" * 40, b"", b"last"]
+
+
+def chat_seeds():
+    d = os.path.join(here, "chat")
+    os.makedirs(d, exist_ok=True)
+    for i, (name, tmpl) in enumerate(CHATS.items()):
+        # message counts 0..6, generation prompt, tokenizer, NULL role/content
+        for j, mode in enumerate((3 | 8 | 16, (i + 1) % 7, 6 | 16 | 32 | 64)):
+            with open(os.path.join(d, f"{name}_{j}"), "wb") as f:
+                f.write(bytes([mode]) + tmpl.encode() + b"\0" + b"\0".join(CONTENTS))
+
+
 def main():
+    chat_seeds()
     d = os.path.join(here, "tokenizer")
     os.makedirs(d, exist_ok=True)
     for i, (name, text) in enumerate(TEXTS.items()):
