@@ -185,26 +185,39 @@ class Outputs:
     what the Python call returns. With v_scale C writes float32 and the
     scaled values are rounded once into o's dtype."""
 
+    __slots__ = ("v_scale", "out", "lse", "o_c", "lse_c", "o_dtype")
+
     def __init__(self, o_shape, o_dtype, lse_shape, return_lse, out=None, lse=None,
                  v_scale=None):
-        _lib.flag(return_lse, "return_lse")
+        if return_lse is not False and return_lse is not True:
+            _lib.flag(return_lse, "return_lse")
         o_dtype = np.dtype(o_dtype)
         self.v_scale = v_scale
+        self.o_dtype = o_dtype
+        if out is None and lse is None and v_scale is None:  # the common case
+            self.out = self.lse = None
+            self.o_c = np.empty(o_shape, o_dtype)
+            self.lse_c = np.empty(lse_shape, _F32) if return_lse else None
+            return
         self.out = None if out is None else _buffer(out, "out", o_shape, o_dtype)
         self.lse = None if lse is None else _buffer(lse, "lse", lse_shape, _F32)
         if v_scale is not None:
             self.o_c = np.empty(o_shape, _F32)
-        elif self.out is not None and _lib._element_strides(self.out) is not None:
+        elif self.out is not None and _lib.layout_ok(self.out):
             self.o_c = self.out
         else:
             self.o_c = np.empty(o_shape, o_dtype)
-        self.o_dtype = o_dtype
-        if self.lse is not None and _lib._element_strides(self.lse) is not None:
+        if self.lse is not None and _lib.layout_ok(self.lse):
             self.lse_c = self.lse
         elif self.lse is not None or return_lse:
             self.lse_c = np.empty(lse_shape, _F32)
         else:
             self.lse_c = None
+
+    def tensors(self):
+        """(o tensor, lse tensor or None) for C."""
+        lse_c = self.lse_c
+        return _lib.make_tensor(self.o_c), None if lse_c is None else _lib.make_tensor(lse_c)
 
     def result(self, return_lse: bool):
         o = self.o_c

@@ -373,6 +373,7 @@ _NUMPY_CODES = {
 }
 
 FLOAT_CODES = (KVC_F32, KVC_F16, KVC_BF16)
+_I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
 
 _CODE_NAMES = {KVC_F32: "float32", KVC_F16: "float16", KVC_BF16: "bfloat16", KVC_I8: "int8",
                KVC_I4: "int4", KVC_FP8_E4M3: "float8_e4m3", KVC_I32: "int32", KVC_I64: "int64",
@@ -401,7 +402,8 @@ def resolve_dtype(dtype) -> np.dtype:
 
 def dtype_code(dtype: np.dtype) -> int | None:
     """kvc_dtype code of a numpy dtype, or None if kvcache has no such dtype."""
-    dtype = np.dtype(dtype)
+    if not isinstance(dtype, np.dtype):
+        dtype = np.dtype(dtype)
     code = _NUMPY_CODES.get(dtype)
     if code is not None:
         return code
@@ -544,12 +546,52 @@ def _element_strides(arr: np.ndarray) -> list[int] | None:
     return out
 
 
-def make_tensor(arr: np.ndarray, code: int | None = None, int4: bool = False) -> Tensor:
-    """kvc_tensor describing arr's memory (arr must be valid for _element_strides).
+def _data_ptr_numpy(arr: np.ndarray) -> int | None:
+    return arr.ctypes.data
 
-    With int4=True, arr is a uint8 array whose bytes hold two 4-bit elements
-    each: the tensor's last dimension is doubled and every stride is counted in
-    nibbles (doubled)."""
+
+_DATA_OFFSET = object.__basicsize__
+_vp_at = ctypes.c_void_p.from_address
+
+
+def _data_ptr_field(arr: np.ndarray) -> int | None:
+    """arr's data pointer read from the ndarray object itself: numpy's
+    PyArrayObject starts with the object header and then ``char *data`` (the
+    field numpy's own PyArray_DATA reads, part of its stable C ABI). A tenth
+    of the cost of ``arr.ctypes.data``, which builds a helper object per call.
+    Used only after _pick_data_ptr verified it on this interpreter."""
+    return _vp_at(id(arr) + _DATA_OFFSET).value
+
+
+def _pick_data_ptr():
+    """_data_ptr_field where it gives what ``arr.ctypes.data`` gives for a
+    set of probe arrays (CPython: id() is the address), else ``arr.ctypes.data``."""
+    if sys.implementation.name != "cpython":
+        return _data_ptr_numpy
+    try:
+        base = np.arange(64, dtype=np.float64)
+        ro = np.zeros((3, 4), np.int8)
+        ro.flags.writeable = False
+
+        class Sub(np.ndarray):
+            pass
+
+        probes = [base, base[3:], base[1::3], base.reshape(8, 8).T, base[::-1], ro,
+                  np.empty(0, np.float16), np.zeros(()), np.frombuffer(b"abcdefgh", np.uint8)[1:],
+                  base.view(Sub)[5:], np.zeros((2, 3), np.float32, order="F")]
+        if all(_data_ptr_field(a) == a.ctypes.data for a in probes):
+            return _data_ptr_field
+    except Exception:  # noqa: BLE001 (any surprise: use numpy's own accessor)
+        pass
+    return _data_ptr_numpy
+
+
+data_ptr = _pick_data_ptr()
+
+
+def _make_template(arr: np.ndarray, code: int | None, int4: bool) -> Tensor:
+    """kvc_tensor for arr's dtype/shape/strides with a NULL data pointer;
+    raises as make_tensor does."""
     if arr.ndim > KVC_MAX_DIMS:
         raise InvalidArgumentError(f"array has {arr.ndim} dimensions; kvcache supports at most "
                                    f"{KVC_MAX_DIMS}")
@@ -557,7 +599,6 @@ def make_tensor(arr: np.ndarray, code: int | None = None, int4: bool = False) ->
     if strides is None:
         raise InternalError("make_tensor: array layout not representable")
     t = Tensor()
-    t.data = arr.ctypes.data
     if code is None:
         code = dtype_code(arr.dtype)
         if code is None:
@@ -575,6 +616,66 @@ def make_tensor(arr: np.ndarray, code: int | None = None, int4: bool = False) ->
     return t
 
 
+# Layouts seen before: (dtype, shape, strides, int4) -> _Layout. A hit means
+# the array's dtype is one kvcache knows, it has at most KVC_MAX_DIMS
+# dimensions and its strides are representable (_element_strides is not
+# None): everything about an array that decides those is in the key, so the
+# hot paths (a run() per layer per step sees the same few layouts) look them
+# up instead of recomputing them. Alignment, writeability and the data
+# pointer are per array and are read on every call. Entries are immutable;
+# dict get/set are atomic, so threads share the table without a lock.
+_LAYOUTS: dict = {}
+_LAYOUTS_MAX = 4096
+
+
+class _Layout:
+    __slots__ = ("template", "code", "overlaps")
+
+    def __init__(self, template: Tensor, code: int, overlaps: bool):
+        self.template = template  # kvc_tensor with data NULL, copied per call
+        self.code = code  # kvc_dtype of the numpy dtype (KVC_U8 for int4 bytes)
+        self.overlaps = overlaps  # a zero stride over a dimension > 1 of a non-empty array
+
+
+def _layout(arr: np.ndarray, int4: bool = False) -> _Layout | None:
+    """arr's _Layout, None if make_tensor would refuse arr (unknown dtype,
+    too many dimensions, strides not representable)."""
+    key = (arr.dtype, arr.shape, arr.strides, int4)
+    entry = _LAYOUTS.get(key)
+    if entry is not None:
+        return entry
+    code = dtype_code(arr.dtype)
+    if code is None or arr.ndim > KVC_MAX_DIMS or _element_strides(arr) is None:
+        return None
+    overlaps = bool(arr.size) and any(size > 1 and st == 0
+                                      for size, st in zip(arr.shape, arr.strides, strict=True))
+    entry = _Layout(_make_template(arr, code, int4), code, overlaps)
+    if len(_LAYOUTS) >= _LAYOUTS_MAX:
+        _LAYOUTS.clear()
+    _LAYOUTS[key] = entry
+    return entry
+
+
+_copy_tensor = Tensor.from_buffer_copy
+
+
+def make_tensor(arr: np.ndarray, code: int | None = None, int4: bool = False) -> Tensor:
+    """kvc_tensor describing arr's memory (arr must be valid for _element_strides).
+
+    With int4=True, arr is a uint8 array whose bytes hold two 4-bit elements
+    each: the tensor's last dimension is doubled and every stride is counted in
+    nibbles (doubled)."""
+    if code is None:
+        entry = _LAYOUTS.get((arr.dtype, arr.shape, arr.strides, int4)) or _layout(arr, int4)
+        if entry is not None:
+            t = _copy_tensor(entry.template)
+            t.data = data_ptr(arr)
+            return t
+    t = _make_template(arr, code, int4)  # raises what the layout check refused
+    t.data = data_ptr(arr)
+    return t
+
+
 def as_array(x, name: str) -> np.ndarray:
     """np.asarray(x), with numpy's conversion errors (ragged lists, objects)
     reported as InvalidArgumentError naming the argument."""
@@ -589,6 +690,11 @@ def input_array(x, name: str, allowed=None) -> np.ndarray:
     strides cannot be passed as they are (last dim not contiguous, negative or
     misaligned strides). allowed: tuple of kvc_dtype codes, or None for any
     dtype kvcache knows."""
+    if type(x) is np.ndarray:  # fast path: a known layout, aligned, allowed dtype
+        entry = _LAYOUTS.get((x.dtype, x.shape, x.strides, False))
+        if (entry is not None and x.flags.aligned and
+                (allowed is None or entry.code in allowed)):
+            return x
     arr = as_array(x, name)
     code = dtype_code(arr.dtype)
     if code is None or (allowed is not None and code not in allowed):
@@ -600,10 +706,30 @@ def input_array(x, name: str, allowed=None) -> np.ndarray:
     return arr
 
 
+def input_tensor(x, name: str, allowed=None, int4: bool = False):
+    """(input_array(x, name, allowed), its kvc_tensor): the same checks and
+    copies, one layout lookup for both on the fast path."""
+    if type(x) is np.ndarray:
+        entry = _LAYOUTS.get((x.dtype, x.shape, x.strides, int4))
+        if (entry is not None and x.flags.aligned and
+                (allowed is None or entry.code in allowed)):
+            t = _copy_tensor(entry.template)
+            t.data = data_ptr(x)
+            return x, t
+    arr = input_array(x, name, allowed)
+    return arr, make_tensor(arr, int4=int4)
+
+
 def inplace_array(x, name: str, writable: bool = True) -> np.ndarray:
     """Checks that C can use x in place (a numpy array with a contiguous last
     dimension and non-negative, element-aligned strides; writeable unless
     writable is False, for arrays C only reads); never copies."""
+    if isinstance(x, np.ndarray):  # fast path: every check below, from a known layout
+        entry = _LAYOUTS.get((x.dtype, x.shape, x.strides, False))
+        if entry is not None:
+            flags = x.flags
+            if flags.aligned and (not writable or (flags.writeable and not entry.overlaps)):
+                return x
     how = "updated in place" if writable else "read in place"
     if not isinstance(x, np.ndarray):
         raise InvalidArgumentError(f"{name} must be a numpy.ndarray (it is {how}), "
@@ -632,9 +758,34 @@ def inplace_array(x, name: str, writable: bool = True) -> np.ndarray:
     return x
 
 
+def inplace_tensor(x, name: str, writable: bool = True, int4: bool = False):
+    """(inplace_array(x, name, writable), its kvc_tensor): the same checks,
+    one layout lookup for both on the fast path."""
+    if isinstance(x, np.ndarray):
+        entry = _LAYOUTS.get((x.dtype, x.shape, x.strides, int4))
+        if entry is not None:
+            flags = x.flags
+            if flags.aligned and (not writable or (flags.writeable and not entry.overlaps)):
+                t = _copy_tensor(entry.template)
+                t.data = data_ptr(x)
+                return x, t
+    arr = inplace_array(x, name, writable)
+    return arr, make_tensor(arr, int4=int4)
+
+
+def layout_ok(arr: np.ndarray) -> bool:
+    """_element_strides(arr) is not None, from the layout table when it can."""
+    if _LAYOUTS.get((arr.dtype, arr.shape, arr.strides, False)) is not None:
+        return True
+    return _element_strides(arr) is not None
+
+
 def int64_array(x, name: str) -> np.ndarray:
     """A C-contiguous int64 copy (or view) of an index input (ints, lists, any
     integer array). Refuses non-integer data rather than truncating it."""
+    if type(x) is np.ndarray and x.dtype == _I64 and x.flags.c_contiguous and (
+            x.ndim <= KVC_MAX_DIMS):
+        return x  # what the general path returns for it (np.array(copy=False))
     arr = as_array(x, name)
     if arr.dtype.kind not in "iu":
         if arr.dtype.kind == "f" and arr.size == 0:
@@ -655,6 +806,9 @@ def int32_array(x, name: str) -> np.ndarray:
     """A C-contiguous int32 copy (or view) of an index input (ints, lists, any
     integer array). Refuses non-integer data and values outside int32 rather
     than truncating them."""
+    if type(x) is np.ndarray and x.dtype == _I32 and x.flags.c_contiguous and (
+            x.ndim <= KVC_MAX_DIMS):
+        return x  # what the general path returns for it (np.array(copy=False))
     arr = as_array(x, name)
     if arr.dtype.kind not in "iu":
         if arr.dtype.kind == "f" and arr.size == 0:
@@ -727,6 +881,9 @@ def threadpool(n_threads: int | None) -> Pool:
                                        f"got {n_threads!r}") from exc
         if n < 1 or n > 1024:
             raise InvalidArgumentError(f"num_threads must be in [1, 1024] or None, got {n}")
+    entry = _pools.get(n)  # pools are never removed: a hit needs no lock
+    if entry is not None:
+        return entry
     with _pools_lock:
         entry = _pools.get(n)
         if entry is None:
@@ -749,10 +906,17 @@ def threads_arg(num_threads, n_threads):
 def call_pooled(fn, args, n_threads) -> None:
     """fn(*args, pool) on the pool for n_threads, holding its lock; raises the
     C error if the status is not KVC_OK."""
-    pool = threadpool(n_threads)
+    call_on(threadpool(n_threads), fn, args)
+
+
+def call_on(pool: Pool, fn, args) -> None:
+    """fn(*args, pool.ptr) holding pool.lock (call_pooled for a Pool already
+    looked up, as wrappers keep theirs); raises the C error if the status is
+    not KVC_OK."""
     with pool.lock:
         status = fn(*args, pool.ptr)
-    check(status)
+    if status:
+        check(status)
 
 
 @atexit.register

@@ -57,8 +57,11 @@ _KV_CODES = (_lib.KVC_F32, _lib.KVC_F16, _lib.KVC_BF16, _lib.KVC_I8, _lib.KVC_U8
 _SCALE_CODES = (_lib.KVC_F32, _lib.KVC_F16)
 
 
+_byref = ctypes.byref
+
+
 def _ref(t):
-    return ctypes.byref(t) if t is not None else None
+    return _byref(t) if t is not None else None
 
 
 # ---------------------------------------------------------------------------
@@ -71,6 +74,8 @@ def _v_array(x, name: str) -> np.ndarray:
 
 def _s_array(x, name: str) -> np.ndarray:
     """A read-only lse input as float32 (FlashInfer casts s to float32)."""
+    if type(x) is np.ndarray and x.dtype == _F32:
+        return _lib.input_array(x, name, (_lib.KVC_F32,))
     arr = _lib.as_array(x, name)
     if arr.dtype.kind not in "fiu" and _lib.dtype_code(arr.dtype) not in _lib.FLOAT_CODES:
         raise InvalidArgumentError(f"{name}: unsupported dtype {arr.dtype}")
@@ -98,15 +103,18 @@ def merge_state(v_a, s_a, v_b, s_b):
     Returns:
         (v (N, H, D) of v_a's dtype, s (N, H) float32).
     """
-    va = _v_array(v_a, "v_a")
-    vb = _v_array(v_b, "v_b")
+    va, va_t = _lib.input_tensor(v_a, "v_a", _lib.FLOAT_CODES)
+    vb, vb_t = _lib.input_tensor(v_b, "v_b", _lib.FLOAT_CODES)
     sa = _s_array(s_a, "s_a")
     sb = _s_array(s_b, "s_b")
     _ndim(va, "v_a", 3, "(N, H, D)")
     v = np.empty(va.shape, va.dtype)
     s = np.empty(va.shape[:2], _F32)
-    ts = [_lib.make_tensor(a) for a in (va, sa, vb, sb, v, s)]
-    _lib.check(_lib.kvc_merge_state(*(ctypes.byref(t) for t in ts)))
+    mt = _lib.make_tensor
+    status = _lib.kvc_merge_state(_byref(va_t), _byref(mt(sa)), _byref(vb_t), _byref(mt(sb)),
+                                  _byref(mt(v)), _byref(mt(s)))
+    if status:
+        _lib.check(status)
     return v, s
 
 
@@ -199,6 +207,8 @@ def _attn_params(sm_scale, logits_soft_cap, window_left) -> _lib.AttnParams:
 
 def _kv_array(x, name: str):
     """(array, tensor) for a read-only K or V input; uint8 means packed int4."""
+    if type(x) is np.ndarray:
+        return _lib.input_tensor(x, name, _KV_CODES, int4=x.dtype == _U8)
     arr = _lib.input_array(x, name, _KV_CODES)
     return arr, _lib.make_tensor(arr, int4=arr.dtype == _U8)
 
@@ -232,8 +242,7 @@ def _scale_pair(k_scale, v_scale, ka, va, names=("k_scale", "v_scale")):
                 raise InvalidArgumentError(
                     f"{name} as an array is only for int8/int4 {kv}; {kv} is "
                     f"{arr.dtype}{hint}")
-            sa = _lib.input_array(sc, name, _SCALE_CODES)
-            out.append((sa, _lib.make_tensor(sa)))
+            out.append(_lib.input_tensor(sc, name, _SCALE_CODES))
     return out
 
 
@@ -253,15 +262,16 @@ def _kv_name(dt) -> str:
     return "int4 (uint8)" if np.dtype(dt) == _U8 else str(np.dtype(dt))
 
 
-def _paged_run_inputs(info, q, paged_kv_cache, kv_scale, layout_name, q_shape):
+def _paged_run_inputs(info, q, paged_kv_cache, kv_scale, layout, q_shape):
     """The run() inputs of a planned paged wrapper: q (checked against the
     plan's q_data_type and 3-D), the paged cache (against kv_data_type).
-    Returns (q array, PagedCache, arrays to keep alive)."""
-    qa = _lib.input_array(q, "q", _lib.FLOAT_CODES)
+    layout: the wrapper's kvc_kv_layout code. Returns (q array, q tensor,
+    PagedCache, arrays to keep alive)."""
+    qa, q_t = _lib.input_tensor(q, "q", _lib.FLOAT_CODES)
     if info["q_data_type"] is not None and qa.dtype != info["q_data_type"]:
         raise InvalidArgumentError(f"q is {qa.dtype} but plan() was given q_data_type "
                                    f"{info['q_data_type']}")
-    pc, keep = _paged_cache(paged_kv_cache, kv_scale, layout_name, info["quant_group"], True,
+    pc, keep = _paged_cache(paged_kv_cache, kv_scale, layout, info["quant_group"], True,
                             writable=False)
     kv_dt = info["kv_data_type"]
     if kv_dt is not None:
@@ -271,27 +281,31 @@ def _paged_run_inputs(info, q, paged_kv_cache, kv_scale, layout_name, q_shape):
                 raise InvalidArgumentError(f"paged_kv_cache is {_kv_name(arr.dtype)} but plan() "
                                            f"was given kv_data_type {_kv_name(kv_dt)}")
     _ndim(qa, "q", 3, q_shape)
-    return qa, pc, keep
+    return qa, q_t, pc, keep
 
 
 def _run_knobs(info, q_scale, k_scale, v_scale, window_left=None, enable_pdl=None, sinks=None):
     """A planned wrapper's run(): (params with q_scale * k_scale folded into
-    sm_scale, f(qa, return_lse, out, lse) -> _compat.Outputs for o of the
-    plan's o_data_type (None: q's) and lse (o's first two dimensions)).
-    window_left, enable_pdl: _compat.run_options; sinks: _compat.with_sinks."""
+    sm_scale, v_scale as a float or None for _run_outputs). window_left,
+    enable_pdl: _compat.run_options; sinks: _compat.with_sinks."""
+    if (q_scale is None and k_scale is None and v_scale is None and window_left is None and
+            enable_pdl is None and sinks is None):
+        return info["params"], None  # what the checks below give for all None
     _compat.run_options(int(info["params"].window_left), window_left, enable_pdl)
     qc, kc = _compat.calib(q_scale, "q_scale"), _compat.calib(k_scale, "k_scale")
     vc = _compat.calib(v_scale, "v_scale")
     params = _compat.scaled_params(info["params"], info["head_dim"], qc, kc)
     if sinks is not None:
         params = _compat.with_sinks(params, sinks, info["num_qo_heads"])
+    return params, vc
 
-    def outputs(qa, return_lse, out, lse):
-        o_dt = info.get("o_data_type")
-        o_dt = qa.dtype if o_dt is None else o_dt
-        return _compat.Outputs(qa.shape, o_dt, qa.shape[:2], return_lse, out, lse, vc)
 
-    return params, outputs
+def _run_outputs(info, qa, return_lse, out, lse, v_scale):
+    """_compat.Outputs of a planned wrapper's run(): o of the plan's
+    o_data_type (None: q's), lse (o's first two dimensions)."""
+    o_dt = info.get("o_data_type")
+    o_dt = qa.dtype if o_dt is None else o_dt
+    return _compat.Outputs(qa.shape, o_dt, qa.shape[:2], return_lse, out, lse, v_scale)
 
 
 def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NONE",
@@ -415,6 +429,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
         self._layout_name = kv_layout
         self._layout = _layout_code(kv_layout)
         self._num_threads = _threads(num_threads)
+        self._pool = _lib.threadpool(self._num_threads)  # what call_pooled would look up
         self._plan = None  # kvc_decode_plan pointer
         self._info = None
 
@@ -528,18 +543,14 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
         if self._plan is None:
             raise InvalidArgumentError("BatchDecodeWithPagedKVCacheWrapper.run: call plan() first")
         info = self._info
-        params, outs = _run_knobs(info, q_scale, k_scale, v_scale, window_left, enable_pdl,
-                                  sinks)
-        qa, pc, keep = _paged_run_inputs(info, q, paged_kv_cache, kv_scale, self._layout_name,
-                                         "(batch_size, num_qo_heads, head_dim)")
-        outs = outs(qa, return_lse, out, lse)
-        q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(outs.o_c)
-        lse_t = _lib.make_tensor(outs.lse_c) if outs.lse_c is not None else None
-        _lib.call_pooled(
-            _lib.kvc_decode_run,
-            (self._plan, ctypes.byref(q_t), ctypes.byref(pc), ctypes.byref(params),
-             ctypes.byref(o_t), _ref(lse_t)),
-            self._num_threads)
+        params, vc = _run_knobs(info, q_scale, k_scale, v_scale, window_left, enable_pdl, sinks)
+        qa, q_t, pc, keep = _paged_run_inputs(info, q, paged_kv_cache, kv_scale, self._layout,
+                                              "(batch_size, num_qo_heads, head_dim)")
+        outs = _run_outputs(info, qa, return_lse, out, lse, vc)
+        o_t, lse_t = outs.tensors()
+        _lib.call_on(self._pool, _lib.kvc_decode_run,
+                     (self._plan, _byref(q_t), _byref(pc), _byref(params), _byref(o_t),
+                      _ref(lse_t)))
         del keep
         return outs.result(return_lse)
 

@@ -17,10 +17,18 @@ from __future__ import annotations
 import ctypes
 
 from . import _compat, _lib
-from .attention import _attn_params, _data_type, _paged_run_inputs, _ref, _run_knobs, _threads
+from .attention import (
+    _attn_params,
+    _data_type,
+    _paged_run_inputs,
+    _ref,
+    _run_knobs,
+    _run_outputs,
+    _threads,
+)
 from .errors import InvalidArgumentError
 from .paged import _layout_code
-from .prefill import _causal_flag, _check_flashinfer_only, _opt_tensor
+from .prefill import _causal_flag, _check_flashinfer_only
 
 __all__ = ["MultiLevelCascadeAttentionWrapper"]
 
@@ -77,6 +85,7 @@ class MultiLevelCascadeAttentionWrapper(_lib.NoCopy):
         self._layout_name = kv_layout
         self._layout = _layout_code(kv_layout)
         self._num_threads = _threads(num_threads)
+        self._pool = _lib.threadpool(self._num_threads)  # what call_pooled would look up
         self._plan = None  # kvc_cascade_plan pointer
         self._info = None
 
@@ -171,17 +180,14 @@ class MultiLevelCascadeAttentionWrapper(_lib.NoCopy):
         if self._plan is None:
             raise InvalidArgumentError("MultiLevelCascadeAttentionWrapper.run: call plan() first")
         info = self._info
-        params, outs = _run_knobs(info, q_scale, k_scale, v_scale)
-        qa, pc, keep = _paged_run_inputs(info, q, paged_kv_cache, kv_scale, self._layout_name,
-                                         "(nnz, num_qo_heads, head_dim)")
-        outs = outs(qa, return_lse, out, lse)
-        q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(outs.o_c)
-        lse_t = _opt_tensor(outs.lse_c)
-        _lib.call_pooled(
-            kvc_cascade_run,
-            (self._plan, ctypes.byref(q_t), ctypes.byref(pc), ctypes.byref(params),
-             ctypes.byref(o_t), _ref(lse_t)),
-            self._num_threads)
+        params, vc = _run_knobs(info, q_scale, k_scale, v_scale)
+        qa, q_t, pc, keep = _paged_run_inputs(info, q, paged_kv_cache, kv_scale, self._layout,
+                                              "(nnz, num_qo_heads, head_dim)")
+        outs = _run_outputs(info, qa, return_lse, out, lse, vc)
+        o_t, lse_t = outs.tensors()
+        br = ctypes.byref
+        _lib.call_on(self._pool, kvc_cascade_run,
+                     (self._plan, br(q_t), br(pc), br(params), br(o_t), _ref(lse_t)))
         del keep
         return outs.result(return_lse)
 

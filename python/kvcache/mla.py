@@ -185,10 +185,10 @@ class BatchMLAPagedAttentionWrapper(_lib.NoCopy):
         info = self._info
         return_lse = _lib.flag(return_lse, "return_lse")
         _lib.flag(return_lse_base_on_e, "return_lse_base_on_e")
-        qn = _lib.input_array(q_nope, "q_nope", _lib.FLOAT_CODES)
-        qp = _lib.input_array(q_pe, "q_pe", _lib.FLOAT_CODES)
-        ckv = _lib.input_array(ckv_cache, "ckv_cache", _lib.FLOAT_CODES)
-        kpe = _lib.input_array(kpe_cache, "kpe_cache", _lib.FLOAT_CODES)
+        qn, qn_t = _lib.input_tensor(q_nope, "q_nope", _lib.FLOAT_CODES)
+        qp, qp_t = _lib.input_tensor(q_pe, "q_pe", _lib.FLOAT_CODES)
+        ckv, ckv_t = _lib.input_tensor(ckv_cache, "ckv_cache", _lib.FLOAT_CODES)
+        kpe, kpe_t = _lib.input_tensor(kpe_cache, "kpe_cache", _lib.FLOAT_CODES)
         for arr, name, key in ((qn, "q_nope", "q_data_type"), (qp, "q_pe", "q_data_type"),
                                (ckv, "ckv_cache", "kv_data_type"),
                                (kpe, "kpe_cache", "kv_data_type")):
@@ -214,10 +214,12 @@ class BatchMLAPagedAttentionWrapper(_lib.NoCopy):
             lse_arr = np.empty(qn.shape[:2] if qn.ndim == 3 else (0, 0), _F32)
         else:
             lse_arr = None
-        ts = [_lib.make_tensor(a) for a in (qn, qp, ckv, kpe, o)]
+        o_t = _lib.make_tensor(o)
         lse_t = _lib.make_tensor(lse_arr) if lse_arr is not None else None
+        br = ctypes.byref
         _lib.call_pooled(_kvc_mla_run,
-                         (self._plan, *(ctypes.byref(t) for t in ts), _ref(lse_t)),
+                         (self._plan, br(qn_t), br(qp_t), br(ckv_t), br(kpe_t), br(o_t),
+                          _ref(lse_t)),
                          self._num_threads)
         if lse_arr is not None and return_lse_base_on_e:
             lse_arr *= np.float32(math.log(2.0))

@@ -67,7 +67,14 @@ def _ref(t):
     return ctypes.byref(t) if t is not None else None
 
 
+_LAYOUT_NAMES = {"NHD": _lib.KVC_NHD, "HND": _lib.KVC_HND}
+
+
 def _layout_code(kv_layout) -> int:
+    if type(kv_layout) is str:
+        code = _LAYOUT_NAMES.get(kv_layout)  # the usual spelling, as it is
+        if code is not None:
+            return code
     if isinstance(kv_layout, str):
         key = kv_layout.strip().upper()
         if key == "NHD":
@@ -79,32 +86,63 @@ def _layout_code(kv_layout) -> int:
 
 def _cache_tensor(arr, name: str, writable: bool = True):
     """(array, tensor) for an in-place cache; uint8 means packed int4."""
-    arr = _lib.inplace_array(arr, name, writable)
-    return arr, _lib.make_tensor(arr, int4=arr.dtype == _U8)
+    return _lib.inplace_tensor(arr, name, writable,
+                               int4=isinstance(arr, np.ndarray) and arr.dtype == _U8)
 
 
 def _scale_tensor(arr, name: str, writable: bool = True):
-    arr = _lib.inplace_array(arr, name, writable)
-    return arr, _lib.make_tensor(arr)
+    return _lib.inplace_tensor(arr, name, writable)
 
 
 def _is_pair(x) -> bool:
     return isinstance(x, (tuple, list))
 
 
-def _paged_cache(paged_kv_cache, kv_scale, kv_layout, quant_group, quantizing,
+# A combined cache's PagedCache by what decides it and its checks:
+# (cache dtype, shape, strides, data pointer, the same for kv_scale or None,
+# layout, quant_group, quantizing, writable) -> PagedCache. Everything the
+# checks of the general path look at is in the key except the flags a
+# caller can change on the array itself (aligned, writeable), which a hit
+# still reads; and kvc_paged_cache_from_combined reads only the tensors'
+# descriptions, never the data, so a hit is what it would return. The key
+# holds data pointers and the caller's arrays are alive for the call, so the
+# views are valid. Only successes are kept; errors are raised each time.
+_COMBINED: dict = {}
+_COMBINED_MAX = 1024
+
+
+def _flags_ok(a, writable: bool) -> bool:
+    f = a.flags
+    return f.aligned and (not writable or f.writeable)
+
+
+def _paged_cache(paged_kv_cache, kv_scale, layout, quant_group, quantizing,
                  writable: bool = True):
     """kvc_paged_cache for the cache/scale arguments of append_paged_kv_cache,
-    plus the arrays it points into (kept alive by the caller). quantizing:
-    the inputs are floats (so an int8/int4 cache needs scales); writable
-    False for readers (attention), which accept read-only arrays."""
-    layout = _layout_code(kv_layout)
-    quant_group = _lib.int32_attr(quant_group, "quant_group")
+    plus the arrays it points into (kept alive by the caller). layout: a
+    kvc_kv_layout code (_layout_code); quant_group: checked by int32_attr;
+    quantizing: the inputs are floats (so an int8/int4 cache needs scales);
+    writable False for readers (attention), which accept read-only arrays.
+    A reader gets a PagedCache it must not modify (C takes it as const)."""
+    key = None
+    if isinstance(paged_kv_cache, np.ndarray) and (
+            kv_scale is None or isinstance(kv_scale, np.ndarray)):
+        c = paged_kv_cache
+        sk = None if kv_scale is None else (kv_scale.dtype, kv_scale.shape, kv_scale.strides,
+                                            _lib.data_ptr(kv_scale))
+        key = (c.dtype, c.shape, c.strides, _lib.data_ptr(c), sk, layout, quant_group,
+               quantizing, writable)
+        pc = _COMBINED.get(key)
+        if pc is not None and _flags_ok(c, writable) and (
+                kv_scale is None or _flags_ok(kv_scale, writable)):
+            keep = [c] if kv_scale is None else [c, kv_scale]
+            # a writer gets its own copy (C's parameter is not const)
+            return (_lib.PagedCache.from_buffer_copy(pc) if writable else pc), keep
     keep = []
     if isinstance(paged_kv_cache, np.ndarray):
         cache, cache_t = _cache_tensor(paged_kv_cache, "paged_kv_cache", writable)
         keep.append(cache)
-        _check_scale_presence([cache.dtype], kv_scale, quantizing)
+        _check_scale_presence((cache.dtype,), kv_scale, quantizing)
         scale_t = None
         if kv_scale is not None:
             if _is_pair(kv_scale):
@@ -116,6 +154,10 @@ def _paged_cache(paged_kv_cache, kv_scale, kv_layout, quant_group, quantizing,
         pc = _lib.PagedCache()
         _lib.check(_lib.kvc_paged_cache_from_combined(
             ctypes.byref(cache_t), _ref(scale_t), layout, quant_group, ctypes.byref(pc)))
+        if key is not None:
+            if len(_COMBINED) >= _COMBINED_MAX:
+                _COMBINED.clear()
+            _COMBINED[key] = _lib.PagedCache.from_buffer_copy(pc)
         return pc, keep
     if _is_pair(paged_kv_cache):
         if len(paged_kv_cache) != 2:
@@ -125,7 +167,7 @@ def _paged_cache(paged_kv_cache, kv_scale, kv_layout, quant_group, quantizing,
         k, k_t = _cache_tensor(paged_kv_cache[0], "paged_kv_cache[0] (k_cache)", writable)
         v, v_t = _cache_tensor(paged_kv_cache[1], "paged_kv_cache[1] (v_cache)", writable)
         keep += [k, v]
-        _check_scale_presence([k.dtype, v.dtype], kv_scale, quantizing)
+        _check_scale_presence((k.dtype, v.dtype), kv_scale, quantizing)
         pc = _lib.PagedCache()
         pc.k, pc.v = k_t, v_t
         if kv_scale is not None:
@@ -146,7 +188,10 @@ def _paged_cache(paged_kv_cache, kv_scale, kv_layout, quant_group, quantizing,
 
 
 def _check_scale_presence(cache_dtypes, kv_scale, quantizing) -> None:
-    quantized = any(dt in _QUANT_CACHE_DTYPES for dt in cache_dtypes)
+    quantized = False
+    for dt in cache_dtypes:
+        if dt in _QUANT_CACHE_DTYPES:
+            quantized = True
     if quantized and quantizing and kv_scale is None:
         kind = "int4 (uint8)" if any(dt == _U8 for dt in cache_dtypes) else "int8"
         raise InvalidArgumentError(f"an {kind} paged cache needs kv_scale (float32 or float16 "
@@ -269,20 +314,23 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
             written then. If two rows name the same slot, which one is
             stored is unspecified.
     """
-    ak = _lib.input_array(append_key, "append_key", _APPEND_CODES)
-    av = _lib.input_array(append_value, "append_value", _APPEND_CODES)
-    quantizing = _lib.dtype_code(ak.dtype) in _lib.FLOAT_CODES
-    pc, keep = _paged_cache(paged_kv_cache, kv_scale, kv_layout, quant_group, quantizing)
-    idx = [_lib.int32_array(x, name) for x, name in (
-        (batch_indices, "batch_indices"), (positions, "positions"), (kv_indices, "kv_indices"),
-        (kv_indptr, "kv_indptr"), (kv_last_page_len, "kv_last_page_len"))]
-    ts = [_lib.make_tensor(a) for a in [ak, av] + idx]
+    ak, ak_t = _lib.input_tensor(append_key, "append_key", _APPEND_CODES)
+    av, av_t = _lib.input_tensor(append_value, "append_value", _APPEND_CODES)
+    quantizing = ak_t.dtype in _lib.FLOAT_CODES  # the tensor's dtype is ak's kvc_dtype
+    pc, keep = _paged_cache(paged_kv_cache, kv_scale, _layout_code(kv_layout),
+                            _lib.int32_attr(quant_group, "quant_group"), quantizing)
+    i32, mt, br = _lib.int32_array, _lib.make_tensor, ctypes.byref
+    bi = i32(batch_indices, "batch_indices")
+    pos = i32(positions, "positions")
+    ind = i32(kv_indices, "kv_indices")
+    ptr = i32(kv_indptr, "kv_indptr")
+    last = i32(kv_last_page_len, "kv_last_page_len")
     _lib.call_pooled(
         _lib.kvc_append_paged_kv_cache,
-        (ctypes.byref(ts[0]), ctypes.byref(ts[1]), ctypes.byref(ts[2]), ctypes.byref(ts[3]),
-         ctypes.byref(pc), ctypes.byref(ts[4]), ctypes.byref(ts[5]), ctypes.byref(ts[6])),
+        (br(ak_t), br(av_t), br(mt(bi)), br(mt(pos)), br(pc), br(mt(ind)), br(mt(ptr)),
+         br(mt(last))),
         _lib.threads_arg(num_threads, n_threads))
-    del keep
+    del keep, ak, av, bi, pos, ind, ptr, last
 
 
 def append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, ckv_cache,

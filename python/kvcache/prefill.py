@@ -60,6 +60,7 @@ from .attention import (
     _paged_run_inputs,
     _ref,
     _run_knobs,
+    _run_outputs,
     _scale_pair,
     _split_scales,
     _threads,
@@ -271,6 +272,7 @@ class _PrefillWrapperBase(_lib.NoCopy):
         self._layout_name = kv_layout
         self._layout = _layout_code(kv_layout)
         self._num_threads = _threads(num_threads)
+        self._pool = _lib.threadpool(self._num_threads)  # what call_pooled would look up
         self._plan = None  # kvc_prefill_plan pointer
         self._info = None
 
@@ -325,15 +327,16 @@ class _PrefillWrapperBase(_lib.NoCopy):
         """FlashInfer's deprecated end_forward(): nothing to do."""
 
     def _check_q(self, q):
+        """(q array, q tensor), checked against the plan."""
         if self._plan is None:
             raise InvalidArgumentError(f"{self._name}.run: call plan() first")
         info = self._info
-        qa = _lib.input_array(q, "q", _lib.FLOAT_CODES)
+        qa, q_t = _lib.input_tensor(q, "q", _lib.FLOAT_CODES)
         if info["q_data_type"] is not None and qa.dtype != info["q_data_type"]:
             raise InvalidArgumentError(f"q is {qa.dtype} but plan() was given q_data_type "
                                        f"{info['q_data_type']}")
         _ndim(qa, "q", 3, "(qo_indptr[-1], num_qo_heads, head_dim)")
-        return qa
+        return qa, q_t
 
     def _check_kv_dtype(self, arrays, what) -> None:
         kv_dt = self._info["kv_data_type"]
@@ -479,18 +482,14 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         if self._plan is None:
             raise InvalidArgumentError(f"{self._name}.run: call plan() first")
         info = self._info
-        params, outs = _run_knobs(info, q_scale, k_scale, v_scale, window_left, enable_pdl,
-                                  sinks)
-        qa, pc, keep = _paged_run_inputs(info, q, paged_kv_cache, kv_scale, self._layout_name,
-                                         "(qo_indptr[-1], num_qo_heads, head_dim)")
-        outs = outs(qa, return_lse, out, lse)
-        q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(outs.o_c)
-        lse_t = _opt_tensor(outs.lse_c)
-        _lib.call_pooled(
-            kvc_prefill_run_paged,
-            (self._plan, ctypes.byref(q_t), ctypes.byref(pc), ctypes.byref(params),
-             ctypes.byref(o_t), _ref(lse_t)),
-            self._num_threads)
+        params, vc = _run_knobs(info, q_scale, k_scale, v_scale, window_left, enable_pdl, sinks)
+        qa, q_t, pc, keep = _paged_run_inputs(info, q, paged_kv_cache, kv_scale, self._layout,
+                                              "(qo_indptr[-1], num_qo_heads, head_dim)")
+        outs = _run_outputs(info, qa, return_lse, out, lse, vc)
+        o_t, lse_t = outs.tensors()
+        br = ctypes.byref
+        _lib.call_on(self._pool, kvc_prefill_run_paged,
+                     (self._plan, br(q_t), br(pc), br(params), br(o_t), _ref(lse_t)))
         del keep
         return outs.result(return_lse)
 
@@ -592,10 +591,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         Returns:
             o, or (o, lse) with return_lse, as the paged wrapper.
         """
-        qa = self._check_q(q)
+        qa, q_t = self._check_q(q)
         info = self._info
-        params, outs = _run_knobs(info, q_scale, k_scale, v_scale, window_left, enable_pdl,
-                                  sinks)
+        params, vc = _run_knobs(info, q_scale, k_scale, v_scale, window_left, enable_pdl, sinks)
         ka, k_t = _kv_array(k, "k")
         va, v_t = _kv_array(v, "v")
         self._check_kv_dtype((ka, va), "k/v")
@@ -607,15 +605,13 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
             raise InvalidArgumentError("kv_scale must be a (k_scale, v_scale) pair for ragged "
                                        "k and v")
         scales = _scale_pair(kg, vg, ka, va, ("kv_scale[0]", "kv_scale[1]"))
-        outs = outs(qa, return_lse, out, lse)
-        q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(outs.o_c)
-        lse_t = _opt_tensor(outs.lse_c)
-        _lib.call_pooled(
-            kvc_prefill_run_ragged,
-            (self._plan, ctypes.byref(q_t), ctypes.byref(k_t), ctypes.byref(v_t),
-             _ref(scales[0][1]), _ref(scales[1][1]), info["quant_group"], self._layout,
-             ctypes.byref(params), ctypes.byref(o_t), _ref(lse_t)),
-            self._num_threads)
+        outs = _run_outputs(info, qa, return_lse, out, lse, vc)
+        o_t, lse_t = outs.tensors()
+        br = ctypes.byref
+        _lib.call_on(
+            self._pool, kvc_prefill_run_ragged,
+            (self._plan, br(q_t), br(k_t), br(v_t), _ref(scales[0][1]), _ref(scales[1][1]),
+             info["quant_group"], self._layout, br(params), br(o_t), _ref(lse_t)))
         del ka, va, scales
         return outs.result(return_lse)
 
