@@ -133,11 +133,15 @@ def salt_hash(salt) -> int:
 
 
 def _i32p(arr):
-    return arr.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)) if arr is not None else None
+    """A pointer to an int32 array's first element (arr.ctypes.data_as,
+    without building numpy's ctypes helper object)."""
+    if arr is None:
+        return None
+    return ctypes.byref(ctypes.c_int32.from_address(_lib.data_ptr(arr)))
 
 
 def _i64p(arr):
-    return arr.ctypes.data_as(ctypes.POINTER(ctypes.c_int64))
+    return ctypes.byref(ctypes.c_int64.from_address(_lib.data_ptr(arr)))
 
 
 def _token_ids(x, name: str):
@@ -275,6 +279,7 @@ class PagedKVCache(_lib.NoCopy):
                  *, scale_dtype="float16", max_bytes=None):
         self._handle = None
         self._lock = threading.Lock()
+        self._table_capacity = 64  # page ids a page table's first C call has room for
         p = _lib.kvc_cache_default_params()
         p.num_layers = _lib.int32_attr(num_layers, "num_layers")
         p.num_kv_heads = _lib.int32_attr(num_kv_heads, "num_kv_heads")
@@ -516,16 +521,36 @@ class PagedKVCache(_lib.NoCopy):
         self._call(_lib.kvc_cache_seq_len, _seq_id(seq_id), ctypes.byref(n))
         return n.value
 
-    def _pages_locked(self, ptr: int, seqs: np.ndarray) -> list[int]:
-        """Pages of each sequence; the caller holds self._lock through the
-        call that fills a table of this size, so no append can come between."""
-        ps = self._page_size
-        n = ctypes.c_int64(0)
-        pages = []
-        for s in seqs:
-            _lib.check(_lib.kvc_cache_seq_len(ptr, int(s), ctypes.byref(n)))
-            pages.append((n.value + ps - 1) // ps)
-        return pages
+    def _table_locked(self, ptr: int, seqs: np.ndarray):
+        """(kv_indptr, kv_indices (at least the total), kv_last_page_len,
+        total) of seqs; the caller holds self._lock, so no append comes
+        between sizing the table and filling it. One C call sizes and fills
+        it when the indices fit the capacity the last tables needed; if not,
+        C reports the total it needs (KVC_ERR_INVALID_ARG with the total in
+        *n_indices, nothing written) and a second call fills an array of
+        that size. (Sizing by a kvc_cache_seq_len per sequence cost a ctypes
+        call per request.)"""
+        b = seqs.shape[0]
+        indptr = np.empty(b + 1, np.int32)
+        last = np.empty(b, np.int32)
+        n = ctypes.c_int64(-1)
+        cap = self._table_capacity
+        indices = np.empty(cap, np.int32)
+        status = _lib.kvc_cache_page_table(ptr, _i64p(seqs), b, _i32p(indptr), _i32p(indices),
+                                           cap, _i32p(last), ctypes.byref(n))
+        if status and n.value > cap:  # too small; n.value is the total
+            cap = n.value
+            self._table_capacity = max(64, 1 << (cap - 1).bit_length())
+            indices = np.empty(cap, np.int32)
+            n.value = -1
+            status = _lib.kvc_cache_page_table(ptr, _i64p(seqs), b, _i32p(indptr),
+                                               _i32p(indices), cap, _i32p(last),
+                                               ctypes.byref(n))
+            if not status and n.value != cap:
+                raise InternalError(f"kvc_cache_page_table wrote {n.value} indices, expected "
+                                    f"{cap}")
+        _lib.check(status)
+        return indptr, indices, last, n.value
 
     # -- page tables --------------------------------------------------------
 
@@ -541,19 +566,8 @@ class PagedKVCache(_lib.NoCopy):
             FlashInfer's order (kv_indices, kv_indptr, kv_last_page_len).
         """
         seqs = _seq_ids(seq_ids)
-        b = seqs.shape[0]
-        indptr = np.empty(b + 1, np.int32)
-        last = np.empty(b, np.int32)
-        n = ctypes.c_int64(0)
         with self._lock:
-            ptr = self._ptr()
-            total = sum(self._pages_locked(ptr, seqs))
-            indices = np.empty(max(total, 1), np.int32)
-            _lib.check(_lib.kvc_cache_page_table(ptr, _i64p(seqs), b, _i32p(indptr),
-                                                 _i32p(indices), total, _i32p(last),
-                                                 ctypes.byref(n)))
-        if n.value != total:
-            raise InternalError(f"kvc_cache_page_table wrote {n.value} indices, expected {total}")
+            indptr, indices, last, total = self._table_locked(self._ptr(), seqs)
         return indptr, indices[:total].copy(), last
 
     def cachestarts(self, seq_ids, max_pages=None) -> np.ndarray:
@@ -568,7 +582,11 @@ class PagedKVCache(_lib.NoCopy):
             max_pages = _int(max_pages, "max_pages", 0, max(self._num_pages, 1))
         with self._lock:
             ptr = self._ptr()
-            max_p = max([1] + self._pages_locked(ptr, seqs)) if max_pages is None else max_pages
+            if max_pages is None:
+                indptr = self._table_locked(ptr, seqs)[0]
+                max_p = max(1, int(np.diff(indptr).max())) if seqs.shape[0] else 1
+            else:
+                max_p = max_pages
             out = np.empty((seqs.shape[0], max_p), np.int64)
             _lib.check(_lib.kvc_cache_cachestarts(ptr, _i64p(seqs), seqs.shape[0], _i64p(out),
                                                   max_p))

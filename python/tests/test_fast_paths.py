@@ -1,5 +1,5 @@
-"""The binding's per-call fast paths (python/kvcache/_lib.py, paged.py)
-give what the general paths give and keep every check:
+"""The binding's per-call fast paths (python/kvcache/_lib.py, paged.py,
+cache.py) give what the general paths give and keep every check:
 
 - the data pointer read from the ndarray object equals ``arr.ctypes.data``;
 - the layout table (dtype/shape/strides -> kvc_tensor template) builds the
@@ -14,7 +14,8 @@ give what the general paths give and keep every check:
 - the combined paged cache remembered for a layout and pointer follows the
   arrays a caller passes (another cache, new contents, flags turned off);
 - out= buffers of every kind, and q/cache changing between calls;
-- the index fast path of int32_array;
+- page tables larger than the first call's capacity, and the index fast
+  path of int32_array;
 - threads sharing the tables.
 
 No timing here (python3 -m kvcache.bench_overhead measures the overhead).
@@ -22,6 +23,7 @@ No timing here (python3 -m kvcache.bench_overhead measures the overhead).
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import numpy as np
@@ -355,6 +357,26 @@ def test_combined_cache_table_is_keyed_by_everything(rng):
         paged._paged_cache(cache[0], None, _lib.KVC_NHD, 8, True, writable=False)
 
 
+def test_page_table_grows_past_its_first_capacity():
+    pc = kvcache.PagedKVCache(1, 1, 8, 1, num_pages=512, enable_prefix_caching=False)
+    small, _ = pc.add_sequence(3)
+    big, _ = pc.add_sequence(200)  # 200 pages: more than the first call has room for
+    for _ in range(2):  # the second time the capacity has grown: one call
+        indptr, indices, last = pc.page_table([small, big, small])
+        assert indptr.tolist() == [0, 3, 203, 206] and last.tolist() == [1, 1, 1]
+        assert len(indices) == 206 and len(set(indices[3:203].tolist())) == 200
+        np.testing.assert_array_equal(indices[:3], indices[203:])
+    assert pc.cachestarts([small, big]).shape == (2, 200)
+    assert [len(x) for x in pc.page_table([])] == [1, 0, 0]
+    empty, _ = pc.add_sequence(None)
+    ip, ind, la = pc.page_table([empty, small])
+    assert ip.tolist() == [0, 0, 3] and la.tolist() == [0, 1] and len(ind) == 3
+    assert pc.cachestarts([empty]).tolist() == [[-1]]
+    with pytest.raises(kvcache.NotFoundError):
+        pc.page_table([small, 12345])
+    pc.check()
+
+
 # ---------------------------------------------------------------------------
 # Threads sharing the layout tables
 
@@ -382,3 +404,14 @@ def test_threads_share_the_tables(rng):
     for t in threads:
         t.join(120)
     assert not errors and not wrong
+
+
+def test_pointers_passed_to_the_cache_manager():
+    # _i32p/_i64p point at the arrays' first elements
+    from kvcache import cache as cache_mod
+
+    a = np.arange(5, dtype=np.int32)[1:]
+    assert ctypes.addressof(cache_mod._i32p(a)._obj) == a.ctypes.data
+    assert cache_mod._i32p(None) is None
+    b = np.arange(3, dtype=np.int64)
+    assert ctypes.addressof(cache_mod._i64p(b)._obj) == b.ctypes.data
