@@ -828,6 +828,19 @@ def int32_array(x, name: str) -> np.ndarray:
         arr.dtype == np.int32 and arr.flags.c_contiguous))
 
 
+def int32_tensor(x, name: str):
+    """(int32_array(x, name), its kvc_tensor): an index input already int32
+    and C-contiguous passes with one layout lookup."""
+    if type(x) is np.ndarray:
+        entry = _LAYOUTS.get((x.dtype, x.shape, x.strides, False))
+        if entry is not None and entry.code == KVC_I32 and x.flags.c_contiguous:
+            t = _copy_tensor(entry.template)
+            t.data = data_ptr(x)
+            return x, t
+    arr = int32_array(x, name)
+    return arr, make_tensor(arr)
+
+
 def scalar_int64(x, name: str) -> np.ndarray:
     """A 0-d int64 array from an int or a one-element integer array."""
     arr = int64_array(x, name)

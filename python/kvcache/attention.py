@@ -347,15 +347,14 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NON
     quant_group = _lib.int32_attr(quant_group, "quant_group")
     qc = _compat.calib(q_scale, "q_scale")
     kg, vg, kc, vc = _split_scales(k_scale, v_scale)
-    qa = _lib.input_array(q, "q", _lib.FLOAT_CODES)
+    qa, q_t = _lib.input_tensor(q, "q", _lib.FLOAT_CODES)
     ka, k_t = _kv_array(k, "k")
     va, v_t = _kv_array(v, "v")
     scales = _scale_pair(kg, vg, ka, va)
     _ndim(qa, "q", 2, "(num_qo_heads, head_dim)")
     params = _compat.scaled_params(params, qa.shape[1], qc, kc)
     outs = _compat.Outputs(qa.shape, qa.dtype, qa.shape[:1], return_lse, v_scale=vc)
-    q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(outs.o_c)
-    lse_t = _lib.make_tensor(outs.lse_c) if outs.lse_c is not None else None
+    o_t, lse_t = outs.tensors()
     _lib.call_pooled(
         _lib.kvc_single_decode,
         (ctypes.byref(q_t), ctypes.byref(k_t), ctypes.byref(v_t), _ref(scales[0][1]),

@@ -319,16 +319,15 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     quantizing = ak_t.dtype in _lib.FLOAT_CODES  # the tensor's dtype is ak's kvc_dtype
     pc, keep = _paged_cache(paged_kv_cache, kv_scale, _layout_code(kv_layout),
                             _lib.int32_attr(quant_group, "quant_group"), quantizing)
-    i32, mt, br = _lib.int32_array, _lib.make_tensor, ctypes.byref
-    bi = i32(batch_indices, "batch_indices")
-    pos = i32(positions, "positions")
-    ind = i32(kv_indices, "kv_indices")
-    ptr = i32(kv_indptr, "kv_indptr")
-    last = i32(kv_last_page_len, "kv_last_page_len")
+    i32, br = _lib.int32_tensor, ctypes.byref
+    bi, bi_t = i32(batch_indices, "batch_indices")
+    pos, pos_t = i32(positions, "positions")
+    ind, ind_t = i32(kv_indices, "kv_indices")
+    ptr, ptr_t = i32(kv_indptr, "kv_indptr")
+    last, last_t = i32(kv_last_page_len, "kv_last_page_len")
     _lib.call_pooled(
         _lib.kvc_append_paged_kv_cache,
-        (br(ak_t), br(av_t), br(mt(bi)), br(mt(pos)), br(pc), br(mt(ind)), br(mt(ptr)),
-         br(mt(last))),
+        (br(ak_t), br(av_t), br(bi_t), br(pos_t), br(pc), br(ind_t), br(ptr_t), br(last_t)),
         _lib.threads_arg(num_threads, n_threads))
     del keep, ak, av, bi, pos, ind, ptr, last
 
@@ -359,19 +358,20 @@ def append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, 
     """
     ckv, ckv_t = _cache_tensor(ckv_cache, "ckv_cache")
     kpe, kpe_t = _cache_tensor(kpe_cache, "kpe_cache")
-    ac = _lib.input_array(append_ckv, "append_ckv", _lib.FLOAT_CODES)
-    ap = _lib.input_array(append_kpe, "append_kpe", _lib.FLOAT_CODES)
-    idx = [_lib.int32_array(x, name) for x, name in (
-        (batch_indices, "batch_indices"), (positions, "positions"), (kv_indices, "kv_indices"),
-        (kv_indptr, "kv_indptr"), (kv_last_page_len, "kv_last_page_len"))]
-    ts = [_lib.make_tensor(a) for a in [ac, ap] + idx]
+    ac, ac_t = _lib.input_tensor(append_ckv, "append_ckv", _lib.FLOAT_CODES)
+    ap, ap_t = _lib.input_tensor(append_kpe, "append_kpe", _lib.FLOAT_CODES)
+    i32, br = _lib.int32_tensor, ctypes.byref
+    bi, bi_t = i32(batch_indices, "batch_indices")
+    pos, pos_t = i32(positions, "positions")
+    ind, ind_t = i32(kv_indices, "kv_indices")
+    ptr, ptr_t = i32(kv_indptr, "kv_indptr")
+    last, last_t = i32(kv_last_page_len, "kv_last_page_len")
     _lib.call_pooled(
         _lib.kvc_append_paged_mla_kv_cache,
-        (ctypes.byref(ts[0]), ctypes.byref(ts[1]), ctypes.byref(ts[2]), ctypes.byref(ts[3]),
-         ctypes.byref(ckv_t), ctypes.byref(kpe_t), ctypes.byref(ts[4]), ctypes.byref(ts[5]),
-         ctypes.byref(ts[6])),
+        (br(ac_t), br(ap_t), br(bi_t), br(pos_t), br(ckv_t), br(kpe_t), br(ind_t), br(ptr_t),
+         br(last_t)),
         _lib.threads_arg(num_threads, n_threads))
-    del ckv, kpe
+    del ckv, kpe, ac, ap, bi, pos, ind, ptr, last
 
 
 # ---------------------------------------------------------------------------

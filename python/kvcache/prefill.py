@@ -217,7 +217,7 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
     quant_group = _lib.int32_attr(quant_group, "quant_group")
     causal = _causal_flag(causal)
     kg, vg, kc, vc = _split_scales(k_scale, v_scale)
-    qa = _lib.input_array(q, "q", _lib.FLOAT_CODES)
+    qa, q_t = _lib.input_tensor(q, "q", _lib.FLOAT_CODES)
     ka, k_t = _kv_array(k, "k")
     va, v_t = _kv_array(v, "v")
     scales = _scale_pair(kg, vg, ka, va)
@@ -226,8 +226,7 @@ def single_prefill_with_kv_cache(q, k, v, scale_q=None, scale_k=None, scale_v=No
     params = _compat.scaled_params(params, qa.shape[2], None, kc)
     o_dt = qa.dtype if o_dtype is None else _data_type(o_dtype, "o_dtype", False)
     outs = _compat.Outputs(qa.shape, o_dt, qa.shape[:2], return_lse, v_scale=vc)
-    q_t, o_t = _lib.make_tensor(qa), _lib.make_tensor(outs.o_c)
-    lse_t = _opt_tensor(outs.lse_c)
+    o_t, lse_t = outs.tensors()
     cm_t, pm_t = _opt_tensor(custom), _opt_tensor(packed)
     _lib.call_pooled(
         kvc_single_prefill,

@@ -199,6 +199,17 @@ def test_int32_index_fast_path():
         _lib.int32_array(np.array([2**31], np.int64), "x")
     b = np.arange(4, dtype=np.int64)
     assert _lib.int64_array(b, "x") is b
+    # int32_tensor: the array int32_array gives and its tensor, fast path or not
+    for x in (a, v, b, [1, 2, 3], np.arange(3, dtype=np.int32).view(type("Sub", (np.ndarray,), {})),
+              np.zeros((2, 3), np.int32)[:, :2], np.zeros((2, 0), np.int32)):
+        for _ in range(2):
+            arr, t = _lib.int32_tensor(x, "x")
+            want = _lib.int32_array(x, "x")
+            assert arr.dtype == np.int32 and arr.flags.c_contiguous and (arr == want).all()
+            assert bytes(t) == bytes(_reference_tensor(arr))
+    assert _lib.int32_tensor(a, "x")[0] is a
+    with pytest.raises(InvalidArgumentError, match="integers"):
+        _lib.int32_tensor(np.zeros(3, np.float32), "x")
     with pytest.raises(InvalidArgumentError, match="dimensions"):
         _lib.int32_array(np.zeros((1,) * 9, np.int32), "x")
 
