@@ -426,3 +426,17 @@ def test_pointers_passed_to_the_cache_manager():
     assert cache_mod._i32p(None) is None
     b = np.arange(3, dtype=np.int64)
     assert ctypes.addressof(cache_mod._i64p(b)._obj) == b.ctypes.data
+
+
+def test_overhead_benchmark_runs_and_both_sides_agree(capsys):
+    """python3 -m kvcache.bench_overhead: every case's public call and its
+    prebuilt C call give the same outputs (each case checks that before
+    timing); no timing is asserted."""
+    import json
+
+    from kvcache import bench_overhead
+
+    assert bench_overhead.main(["--calls", "2", "--rounds", "1", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == len(bench_overhead.CASE_KEYS)
+    assert all(r["py_us"] > 0 and r["c_us"] > 0 for r in rows)
