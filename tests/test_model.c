@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "test.h"
+#include "test_oom.h"
 
 const char *test_suite_name = "model";
 
@@ -621,6 +622,125 @@ TEST(tiny_engine_errors_and_cancel) {
     return 0;
 }
 
+/* ---- out of memory ----------------------------------------------------------- */
+
+/* Bytes of every layer's K/V storage and scales of c, copied to buf unless
+ * NULL. */
+static size_t cache_storage(const kvc_cache *c, int32_t n_layer, unsigned char *buf) {
+    size_t o = 0;
+    for (int32_t l = 0; l < n_layer; l++) {
+        kvc_tensor t[2];
+        if (kvc_cache_layer_tensors(c, l, &t[0], &t[1]) != KVC_OK) return 0;
+        for (int i = 0; i < 2; i++) {
+            if (!t[i].data) continue; /* a float cache has no scales */
+            const size_t b =
+                (size_t)kvc_tensor_numel(&t[i]) * (size_t)kvc_dtype_bits(t[i].dtype) / 8;
+            if (buf) memcpy(buf + o, t[i].data, b);
+            o += b;
+        }
+    }
+    return o;
+}
+
+enum { OOM_NA = 160, OOM_NB = 8 };
+
+/* A cache holding sequence *sb with OOM_NB computed tokens of tb and one
+ * more slot, and sequence *sa with OOM_NA slots, nothing computed. */
+static int oom_cache(kvc_model_ctx *ctx, const kvc_cache_params *cp, const int32_t *tb,
+                     float *logits, kvc_cache **c, kvc_seq_id *sa, kvc_seq_id *sb) {
+    const int64_t pos0 = 0, n = OOM_NB;
+    if (kvc_cache_create(cp, c) != KVC_OK) return 1;
+    if (kvc_cache_add_sequence(*c, NULL, OOM_NB + 1, 0, sb, NULL) != KVC_OK ||
+        kvc_model_forward(ctx, *c, 1, sb, &pos0, &n, &n, tb, NULL, logits) != KVC_OK ||
+        kvc_cache_add_sequence(*c, NULL, OOM_NA, 0, sa, NULL) != KVC_OK)
+        return 1;
+    return 0;
+}
+
+/* A step that runs out of memory fails before it writes any K/V: every
+ * allocation of a forward step (a 160-row prefill batched with a decode
+ * row; float16 and int8 caches; one and two threads; a fresh context and
+ * one whose scratch already fits) failed in turn gives KVC_ERR_NOMEM with
+ * every layer's storage unchanged, and the context then computes the
+ * logits of a run without failures. Layer 1's matrix products and int8
+ * appends used to allocate after layer 0 had stored its K/V. */
+TEST(tiny_forward_out_of_memory_writes_nothing) {
+    if (!test_oom_available()) SKIP("allocation failures need the linker's --wrap");
+    NEED_TINY(m);
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    const int64_t V = in.n_vocab;
+    int32_t rows[OOM_NA + 1], tb[OOM_NB + 1];
+    for (int i = 0; i < OOM_NA; i++) rows[i] = (13 * i + 5) % (int32_t)V;
+    for (int i = 0; i <= OOM_NB; i++) tb[i] = (7 * i + 2) % (int32_t)V;
+    rows[OOM_NA] = tb[OOM_NB];
+    const int64_t p0[2] = {0, OOM_NB}, n[2] = {OOM_NA, 1}, dec[2] = {OOM_NA, OOM_NB};
+    const size_t lbytes = 2 * (size_t)V * sizeof(float);
+    float *ref = malloc(lbytes), *lg = malloc(lbytes);
+    ASSERT_TRUE(ref && lg);
+    const kvc_dtype dts[2] = {KVC_F16, KVC_I8};
+    int points = 0;
+    for (int d = 0; d < 2; d++) {
+        kvc_cache_params cp = kvc_model_cache_params(m, dts[d], OOM_NA + OOM_NB + 8);
+        for (int32_t threads = 1; threads <= 2; threads++) {
+            kvc_model_ctx *warm, *ctx;
+            kvc_cache *c;
+            kvc_seq_id s[2];
+            ASSERT_OK(kvc_model_ctx_create(m, threads, &warm));
+            ASSERT_TRUE(oom_cache(warm, &cp, tb, lg, &c, &s[0], &s[1]) == 0);
+            ASSERT_OK(kvc_model_forward(warm, c, 2, s, p0, n, dec, rows, NULL, ref));
+            const size_t bytes = cache_storage(c, in.n_layer, NULL);
+            kvc_cache_destroy(c);
+            unsigned char *before = malloc(bytes), *after = malloc(bytes);
+            ASSERT_TRUE(before && after && bytes > 0);
+            for (int w = 0; w < 2; w++) {
+                for (long k = 1;; k++) {
+                    ctx = warm;
+                    if (!w) ASSERT_OK(kvc_model_ctx_create(m, threads, &ctx));
+                    ASSERT_TRUE(oom_cache(ctx, &cp, tb, lg, &c, &s[0], &s[1]) == 0);
+                    cache_storage(c, in.n_layer, before);
+                    kvc_clear_error();
+                    test_oom_arm(k, 0);
+                    kvc_status st = kvc_model_forward(ctx, c, 2, s, p0, n, dec, rows, NULL, lg);
+                    const long failed = test_oom_disarm();
+                    if (failed == 0) { /* the step made fewer than k allocations */
+                        ASSERT_OK(st);
+                    } else {
+                        if (st != KVC_ERR_NOMEM)
+                            TEST_FAIL_("%s cache, %d threads, %s context: allocation %ld "
+                                       "failed, the step returned %s",
+                                       kvc_dtype_name(dts[d]), (int)threads, w ? "warm" : "new",
+                                       k, kvc_status_str(st));
+                        ASSERT_TRUE(kvc_last_error()[0] != '\0');
+                        cache_storage(c, in.n_layer, after);
+                        if (memcmp(before, after, bytes) != 0)
+                            TEST_FAIL_("%s cache, %d threads, %s context: allocation %ld "
+                                       "failed and the cache changed",
+                                       kvc_dtype_name(dts[d]), (int)threads, w ? "warm" : "new",
+                                       k);
+                        ASSERT_OK(kvc_cache_check(c));
+                        ASSERT_OK(kvc_model_forward(ctx, c, 2, s, p0, n, dec, rows, NULL, lg));
+                        points++;
+                    }
+                    ASSERT_MEM_EQ(lg, ref, lbytes);
+                    kvc_cache_destroy(c);
+                    if (!w) kvc_model_ctx_destroy(ctx);
+                    if (failed == 0) break;
+                    ASSERT_TRUE(k < 1000);
+                }
+            }
+            free(before);
+            free(after);
+            kvc_model_ctx_destroy(warm);
+        }
+    }
+    ASSERT_TRUE(points >= 40);
+    free(ref);
+    free(lg);
+    kvc_model_destroy(m);
+    return 0;
+}
+
 const test_case test_suite[] = {
     TEST_ENTRY(sample_greedy_and_ties),
     TEST_ENTRY(sample_distribution_top_k_top_p),
@@ -635,5 +755,6 @@ const test_case test_suite[] = {
     TEST_ENTRY(tiny_engine_failed_forward_leaves_no_page_findable),
     TEST_ENTRY(tiny_engine_failed_step_rolls_back_running_requests),
     TEST_ENTRY(tiny_engine_errors_and_cancel),
+    TEST_ENTRY(tiny_forward_out_of_memory_writes_nothing),
     {0, 0},
 };

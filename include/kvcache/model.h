@@ -96,7 +96,9 @@ KVC_API kvc_cache_params kvc_model_cache_params(const kvc_model *model, kvc_dtyp
  * A context holds the step's scratch (grown as needed, reused across steps).
  * KVC_ERR_CORRUPT if a layer's queries, keys or values are not finite (NaN
  * or Inf weights): earlier layers' K/V are then written, later ones not, so
- * roll the rows' slots back (kvc_cache_rollback) before reusing them.
+ * roll the rows' slots back (kvc_cache_rollback) before reusing them. Every
+ * other failure, KVC_ERR_NOMEM included, comes before the first K/V write:
+ * the cache is then unchanged.
  */
 typedef struct kvc_model_ctx kvc_model_ctx;
 

@@ -72,10 +72,13 @@ static inline int64_t kvc__i64_at(const kvc_tensor *t, int64_t offset_elems) {
 typedef void (*kvc__task_fn)(void *ctx, int64_t task);
 void kvc__parallel_for(kvc_threadpool *pool, int64_t n_tasks, kvc__task_fn fn, void *ctx);
 
-/* Scratch memory for one operator call: the pool keeps its largest block for
- * the next call (a fresh multi-MB block would cost a page fault per 4 KiB on
- * first touch, every call); NULL pool: a malloc. NULL when out of memory.
- * Pair with kvc__scratch_release. One operator at a time per pool. */
+/* Scratch memory for one operator call, 64-byte aligned: the pool keeps its
+ * largest block for the next call (a fresh multi-MB block would cost a page
+ * fault per 4 KiB on first touch, every call); NULL pool: an allocation of
+ * its own. NULL when out of memory. Pair with kvc__scratch_release. One
+ * operator at a time per pool. A caller that must not fail half way (the
+ * model's forward step, between layers) gets the largest block its
+ * operators will ask for first: calls asking for no more then cannot fail. */
 void *kvc__scratch_get(kvc_threadpool *pool, size_t bytes);
 void kvc__scratch_release(kvc_threadpool *pool, void *p);
 

@@ -8,6 +8,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -144,11 +145,18 @@ void kvc_threadpool_destroy(kvc_threadpool *p) {
 
 int kvc_threadpool_n_threads(const kvc_threadpool *p) { return p ? p->n_threads : 1; }
 
+/* 64-byte aligned: the matrix products keep quantized rows there, as their
+ * own blocks were (aligned_alloc needs a multiple of the alignment). */
+static void *scratch_alloc(size_t bytes) {
+    if (bytes > SIZE_MAX - 63) return NULL;
+    return aligned_alloc(64, bytes ? (bytes + 63) / 64 * 64 : 64);
+}
+
 void *kvc__scratch_get(kvc_threadpool *pool, size_t bytes) {
-    if (!pool) return malloc(bytes ? bytes : 1);
+    if (!pool) return scratch_alloc(bytes);
     if (pool->scratch_bytes < bytes) {
         free(pool->scratch);
-        pool->scratch = malloc(bytes);
+        pool->scratch = scratch_alloc(bytes);
         pool->scratch_bytes = pool->scratch ? bytes : 0;
     }
     return pool->scratch;

@@ -403,8 +403,9 @@ kvc_status kvc__gemm(int32_t wt, const void *W, int64_t rows, int64_t cols, cons
         if (need <= sizeof stack_xq) {
             c.xq = stack_xq;
         } else {
-            /* aligned_alloc needs a multiple of the alignment */
-            heap = aligned_alloc(64, (need + 63) / 64 * 64);
+            /* the pool's scratch (kept between calls; kvc__gemm_scratch_bytes
+             * tells a caller how much to reserve so that this cannot fail) */
+            heap = kvc__scratch_get(pool, need);
             if (heap == NULL)
                 return kvc__error(KVC_ERR_NOMEM, "gemm: cannot allocate %zu bytes of scratch",
                                   need);
@@ -415,6 +416,16 @@ kvc_status kvc__gemm(int32_t wt, const void *W, int64_t rows, int64_t cols, cons
     kvc__parallel_for(pool,
                       (rows + GEMM_CHUNK - 1) / GEMM_CHUNK * ((n + GEMM_XBLOCK - 1) / GEMM_XBLOCK),
                       gemm_task, &c);
-    free(heap);
+    if (heap) kvc__scratch_release(pool, heap);
     return KVC_OK;
+}
+
+size_t kvc__gemm_scratch_bytes(int32_t wt, int64_t cols, int64_t n) {
+    const gemm_type *ty = find_type(wt);
+    if (ty == NULL || !ty->gemm || ty->block == 1 || cols <= 0 || n <= 0) return 0;
+    const gemm_sel sel = select_kernels();
+    const int64_t stride = kvc__gemm_xq_row_bytes(cols, sel.q->lanes, atomic_load(&g_act_bits));
+    if (stride <= 0 || n > INT64_MAX / 2 / stride) return 0; /* kvc__gemm refuses it */
+    const size_t need = (size_t)(n * stride);
+    return need <= GEMM_STACK_XQ ? 0 : need;
 }

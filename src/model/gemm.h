@@ -69,9 +69,16 @@ int64_t kvc__ggml_row_bytes(int32_t wt, int64_t cols);
  * block size, a negative shape, ldx < cols, ldy < rows or a NULL pointer
  * (pointers may be NULL when n == 0 or rows == 0: nothing is done);
  * KVC_ERR_NOMEM if scratch cannot be allocated (Y is then unchanged).
- * pool may be NULL (calling thread only). */
+ * pool may be NULL (calling thread only). Quantized weights take
+ * kvc__gemm_scratch_bytes of the pool's scratch (kvc__scratch_get). */
 kvc_status kvc__gemm(int32_t wt, const void *W, int64_t rows, int64_t cols, const float *X,
                      int64_t ldx, int64_t n, float *Y, int64_t ldy, kvc_threadpool *pool);
+
+/* Bytes of pool scratch kvc__gemm(wt, ..., cols, ..., n, ...) asks for with
+ * the kernels and activation width selected now (0: none). A caller that
+ * gets that much from kvc__scratch_get first makes the product's allocation
+ * unable to fail. */
+size_t kvc__gemm_scratch_bytes(int32_t wt, int64_t cols, int64_t n);
 
 /* One row of n elements of type t to float32 (embedding lookups): the gemm
  * types plus Q5_0, Q5_1, Q4_K and Q6_K (n a multiple of the block size). */

@@ -23,6 +23,7 @@
 #include "kvcache/paged.h"
 #include "kvcache/prefill.h"
 #include "../core/internal.h"
+#include "../paged/paged_internal.h"
 #include "gemm.h"
 #include "../kernels/kernels.h"
 
@@ -360,12 +361,12 @@ kvc_status kvc_model_ctx_create(const kvc_model *m, int32_t n_threads, kvc_model
     if (!c) return kvc__error(KVC_ERR_NOMEM, "kvc_model_ctx_create: out of memory");
     c->m = m;
     c->n_threads = n_threads;
-    if (n_threads > 1) {
-        kvc_status st = kvc_threadpool_create(n_threads, &c->pool);
-        if (st != KVC_OK) {
-            free(c);
-            return st;
-        }
+    /* a pool even for one thread (no workers then): it keeps the scratch a
+     * step reserves before writing the cache (reserve_scratch) */
+    kvc_status st = kvc_threadpool_create(n_threads, &c->pool);
+    if (st != KVC_OK) {
+        free(c);
+        return st;
     }
     *out = c;
     return KVC_OK;
@@ -389,6 +390,32 @@ static int need(ibuf *b, int64_t n, size_t elem) {
 
 #define I32(b) ((int32_t *)(b).p)
 #define I64(b) ((int64_t *)(b).p)
+
+/* Gets the pool's scratch for the step's largest matrix product (N rows;
+ * n_want for the output head) and K/V append into pc's dtype, so that
+ * neither can fail for want of memory once layer 0 has written the cache:
+ * a step that runs out of memory then fails before changing anything. */
+static int reserve_scratch(kvc_model_ctx *c, const kvc_paged_cache *pc, int64_t N,
+                           int64_t n_want) {
+    const kvc_model *m = c->m;
+    const kvc_model_info *in = &m->info;
+    size_t need = kvc__append_scratch_bytes(N, in->n_head_kv, in->head_dim, pc->quant_group,
+                                            pc->k.dtype);
+    size_t g = kvc__gemm_scratch_bytes(m->output.type, m->output.cols, n_want);
+    if (g > need) need = g;
+    for (int32_t l = 0; l < in->n_layer; l++) {
+        const layer *L = &m->layers[l];
+        const weight *w[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->wg, &L->wu, &L->wd};
+        for (int i = 0; i < 7; i++) {
+            g = kvc__gemm_scratch_bytes(w[i]->type, w[i]->cols, N);
+            if (g > need) need = g;
+        }
+    }
+    if (need == 0) return 1;
+    void *p = kvc__scratch_get(c->pool, need); /* kept by the pool for the step's operators */
+    if (p) kvc__scratch_release(c->pool, p);
+    return p != NULL;
+}
 
 static kvc_status ensure_rows(kvc_model_ctx *c, int64_t rows, int64_t logit_rows) {
     const kvc_model_info *in = &c->m->info;
@@ -572,6 +599,8 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
                               I32(c->full_indices), c->full_indices.cap, I32(c->full_last),
                               &total);
     KVC_TRY(st);
+    if (!reserve_scratch(c, &pc, N, n_want))
+        return kvc__error(KVC_ERR_NOMEM, "%s: out of memory (work buffers)", fn);
 
     /* internal row order: every prefill row (sequence by sequence), then every
      * decode row; append / prefill / decode tables */

@@ -25,6 +25,7 @@
  */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "paged_internal.h"
 #include "../pmx/pmx_common.h"
@@ -199,17 +200,15 @@ static kvc_status check_finite(const char *fn, append_call *c, const char *const
             bytes[kv] = (size_t)kvc__bytes(h->slot0.sdtype, c->nnz * h->op.H * row_groups(h));
         bytes[kv] = (bytes[kv] + 63) & ~(size_t)63; /* V's scales start 64-byte aligned */
     }
-    if (bytes[0] + bytes[1]) {
-        c->scratch = kvc__scratch_get(pool, bytes[0] + bytes[1]);
-        if (!c->scratch) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
-        if (bytes[0]) c->half[0].qs = c->scratch;
-        if (bytes[1]) c->half[1].qs = (char *)c->scratch + bytes[0];
-    }
-    c->bad = calloc((size_t)c->n_chunks, 1);
-    if (!c->bad) {
-        free_scales(c, pool);
-        return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
-    }
+    /* One block of the pool's scratch holds the scales and, after them, the
+     * chunk flags: a caller that reserved kvc__append_scratch_bytes (the
+     * model's forward step) makes this call unable to fail here. */
+    c->scratch = kvc__scratch_get(pool, bytes[0] + bytes[1] + (size_t)c->n_chunks);
+    if (!c->scratch) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+    if (bytes[0]) c->half[0].qs = c->scratch;
+    if (bytes[1]) c->half[1].qs = (char *)c->scratch + bytes[0];
+    c->bad = (unsigned char *)c->scratch + bytes[0] + bytes[1];
+    memset(c->bad, 0, (size_t)c->n_chunks);
     kvc__parallel_for(pool, c->n_chunks, finite_task, c);
     kvc_status st = KVC_OK;
     for (int64_t t = 0; t < c->n_chunks && st == KVC_OK; t++) {
@@ -227,7 +226,6 @@ static kvc_status check_finite(const char *fn, append_call *c, const char *const
             }
         }
     }
-    free(c->bad);
     c->bad = NULL;
     if (st != KVC_OK) free_scales(c, pool);
     return st;
@@ -318,6 +316,16 @@ static kvc_status run_append(const char *fn, append_call *c, const char *const n
     if (c->nnz > 0) kvc__parallel_for(pool, c->halves * c->n_chunks, store_task, c);
     free_scales(c, pool);
     return KVC_OK;
+}
+
+size_t kvc__append_scratch_bytes(int64_t nnz, int64_t H, int64_t Dh, int32_t quant_group,
+                                 kvc_dtype cache_dtype) {
+    if ((cache_dtype != KVC_I8 && cache_dtype != KVC_I4) || nnz <= 0 || quant_group < 1)
+        return 0;
+    /* check_finite: scales of both halves (float32 at most, each rounded up
+     * to 64 bytes), then one flag per chunk */
+    const size_t scales = ((size_t)(nnz * H * (Dh / quant_group)) * 4 + 63) & ~(size_t)63;
+    return 2 * scales + (size_t)((nnz + PAGED_CHUNK - 1) / PAGED_CHUNK);
 }
 
 /* ---- public functions ----------------------------------------------------------- */

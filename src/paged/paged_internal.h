@@ -48,4 +48,14 @@ static inline int kvc__paged_pos_ok(const kvc_tensor *kv_indptr,
     return page == pages - 1 && pos % page_size < kvc__i32_1d(kv_last_page_len, b);
 }
 
+/*
+ * At least the bytes of pool scratch kvc_append_paged_kv_cache asks for
+ * (kvc__scratch_get) to append nnz rows of H heads of Dh into a cache of
+ * cache_dtype with quant_group (0 for float caches, which take none). A
+ * caller that gets that much first makes the append's allocation unable to
+ * fail (the model's forward step, which must not fail between layers).
+ */
+size_t kvc__append_scratch_bytes(int64_t nnz, int64_t H, int64_t Dh, int32_t quant_group,
+                                 kvc_dtype cache_dtype);
+
 #endif
