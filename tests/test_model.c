@@ -741,6 +741,107 @@ TEST(tiny_forward_out_of_memory_writes_nothing) {
     return 0;
 }
 
+/* Runs e to the end, appending request r's tokens (ids[r]) to got[r]. */
+static int finish_engine(kvc_engine *e, const int64_t *ids, int n_req, int32_t got[][16],
+                         int *n_got) {
+    kvc_engine_event ev[4];
+    int64_t ne;
+    for (int guard = 0; kvc_engine_pending(e) > 0; guard++) {
+        if (guard > 100 || kvc_engine_step(e, ev, 4, &ne) != KVC_OK) return 1;
+        for (int64_t i = 0; i < ne; i++)
+            for (int r = 0; r < n_req; r++)
+                if (ev[i].request_id == ids[r] && n_got[r] < 16) got[r][n_got[r]++] = ev[i].token;
+    }
+    return 0;
+}
+
+/* Engine steps that run out of memory commit nothing: each allocation of
+ * each step of a run (chunked prompts, decode rows, a prefix hit, a sampled
+ * request) failed in turn gives KVC_ERR_NOMEM and no event, leaves the cache
+ * consistent and every request pending, and the run then ends with the
+ * tokens of a run without failures. */
+TEST(tiny_engine_out_of_memory_changes_nothing) {
+    if (!test_oom_available()) SKIP("allocation failures need the linker's --wrap");
+    NEED_TINY(m);
+    kvc_engine_params ep = kvc_engine_default_params();
+    ep.page_size = 4;
+    ep.kv_capacity_tokens = 64;
+    ep.max_step_tokens = 6;
+    enum { R = 3 };
+    static const int32_t prompts[R][9] = {{5, 9, 2, 7, 1, 3, 8, 4, 6}, {11, 12, 13, 14, 15},
+                                          {5, 9, 2, 7, 1, 3, 8, 4, 6}};
+    const int lens[R] = {9, 5, 9}, max_new[R] = {3, 3, 2};
+    kvc_sampling_params sp[R];
+    for (int r = 0; r < R; r++) sp[r] = kvc_sampling_default_params();
+    sp[1].temperature = 0.8f;
+    sp[1].seed = 7;
+    int64_t ids[R];
+    int32_t want[R][16], got[R][16];
+    int n_want[R] = {0}, n_got[R];
+    kvc_engine *e;
+    ASSERT_OK(kvc_engine_create(m, &ep, &e));
+    for (int r = 0; r < R; r++)
+        ASSERT_OK(kvc_engine_add_request(e, prompts[r], lens[r], max_new[r], &sp[r], 1, &ids[r]));
+    ASSERT_TRUE(finish_engine(e, ids, R, want, n_want) == 0);
+    kvc_engine_stats st;
+    ASSERT_OK(kvc_engine_get_stats(e, &st));
+    const int64_t steps = st.steps;
+    ASSERT_TRUE(st.cached_tokens > 0);
+    kvc_engine_destroy(e);
+    int points = 0;
+    for (int64_t k = 0; k < steps; k++) {
+        for (long a = 1;; a++) {
+            ASSERT_OK(kvc_engine_create(m, &ep, &e));
+            for (int r = 0; r < R; r++) {
+                ASSERT_OK(kvc_engine_add_request(e, prompts[r], lens[r], max_new[r], &sp[r], 1,
+                                                 &ids[r]));
+                n_got[r] = 0;
+            }
+            kvc_engine_event ev[4];
+            int64_t ne;
+            for (int64_t i = 0; i < k; i++) {
+                ASSERT_OK(kvc_engine_step(e, ev, 4, &ne));
+                for (int64_t j = 0; j < ne; j++)
+                    for (int r = 0; r < R; r++)
+                        if (ev[j].request_id == ids[r]) got[r][n_got[r]++] = ev[j].token;
+            }
+            const int64_t pending = kvc_engine_pending(e);
+            ne = -1;
+            test_oom_arm(a, 0);
+            kvc_status s = kvc_engine_step(e, ev, 4, &ne);
+            const long failed = test_oom_disarm();
+            if (failed) {
+                if (s != KVC_ERR_NOMEM)
+                    TEST_FAIL_("step %lld, allocation %ld failed: %s", (long long)k, a,
+                               kvc_status_str(s));
+                ASSERT_EQ_I64(ne, 0);
+                ASSERT_EQ_I64(kvc_engine_pending(e), pending);
+                ASSERT_OK(kvc_cache_check(kvc_engine_cache(e)));
+                points++;
+            } else {
+                ASSERT_OK(s);
+                for (int64_t j = 0; j < ne; j++)
+                    for (int r = 0; r < R; r++)
+                        if (ev[j].request_id == ids[r]) got[r][n_got[r]++] = ev[j].token;
+            }
+            ASSERT_TRUE(finish_engine(e, ids, R, got, n_got) == 0);
+            for (int r = 0; r < R; r++) {
+                ASSERT_EQ_I64(n_got[r], n_want[r]);
+                ASSERT_MEM_EQ(got[r], want[r], (size_t)n_want[r] * sizeof(int32_t));
+            }
+            kvc_cache_stats cs;
+            ASSERT_OK(kvc_cache_get_stats(kvc_engine_cache(e), &cs));
+            ASSERT_EQ_I64(cs.used_pages, 0);
+            kvc_engine_destroy(e);
+            if (!failed) break;
+            ASSERT_TRUE(a < 1000);
+        }
+    }
+    ASSERT_TRUE(points >= 20);
+    kvc_model_destroy(m);
+    return 0;
+}
+
 const test_case test_suite[] = {
     TEST_ENTRY(sample_greedy_and_ties),
     TEST_ENTRY(sample_distribution_top_k_top_p),
@@ -756,5 +857,6 @@ const test_case test_suite[] = {
     TEST_ENTRY(tiny_engine_failed_step_rolls_back_running_requests),
     TEST_ENTRY(tiny_engine_errors_and_cancel),
     TEST_ENTRY(tiny_forward_out_of_memory_writes_nothing),
+    TEST_ENTRY(tiny_engine_out_of_memory_changes_nothing),
     {0, 0},
 };
