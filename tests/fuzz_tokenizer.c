@@ -191,7 +191,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     kvc_status st;
     if (no_unk && has_ff) {
         int32_t canary[4] = {-7, -7, -7, -7};
-        n = -5;
         CHECK(kvc_tokenize(t, text, len, add_bos, special, canary, 4, &n) == KVC_ERR_INVALID_ARG);
         CHECK(canary[0] == -7 && canary[3] == -7 && kvc_last_error()[0] != 0);
         return 0;

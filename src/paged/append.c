@@ -320,12 +320,13 @@ static kvc_status run_append(const char *fn, append_call *c, const char *const n
 
 size_t kvc__append_scratch_bytes(int64_t nnz, int64_t H, int64_t Dh, int32_t quant_group,
                                  kvc_dtype cache_dtype) {
-    if ((cache_dtype != KVC_I8 && cache_dtype != KVC_I4) || nnz <= 0 || quant_group < 1)
-        return 0;
-    /* check_finite: scales of both halves (float32 at most, each rounded up
-     * to 64 bytes), then one flag per chunk */
+    if (nnz <= 0) return 0;
+    /* check_finite: scales of both halves (quantized caches; float32 at most,
+     * each rounded up to 64 bytes), then one flag per chunk (every cache) */
+    const size_t flags = (size_t)((nnz + PAGED_CHUNK - 1) / PAGED_CHUNK);
+    if ((cache_dtype != KVC_I8 && cache_dtype != KVC_I4) || quant_group < 1) return flags;
     const size_t scales = ((size_t)(nnz * H * (Dh / quant_group)) * 4 + 63) & ~(size_t)63;
-    return 2 * scales + (size_t)((nnz + PAGED_CHUNK - 1) / PAGED_CHUNK);
+    return 2 * scales + flags;
 }
 
 /* ---- public functions ----------------------------------------------------------- */

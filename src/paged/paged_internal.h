@@ -51,7 +51,7 @@ static inline int kvc__paged_pos_ok(const kvc_tensor *kv_indptr,
 /*
  * At least the bytes of pool scratch kvc_append_paged_kv_cache asks for
  * (kvc__scratch_get) to append nnz rows of H heads of Dh into a cache of
- * cache_dtype with quant_group (0 for float caches, which take none). A
+ * cache_dtype with quant_group (float caches: one flag byte per chunk). A
  * caller that gets that much first makes the append's allocation unable to
  * fail (the model's forward step, which must not fail between layers).
  */
