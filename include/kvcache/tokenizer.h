@@ -186,12 +186,12 @@ typedef struct kvc_chat_message {
  * tuples, tojson, unknown filters/tests/functions) or nesting deeper than
  * 200; KVC_ERR_INVALID_ARG for a template that calls raise_exception (its
  * message in kvc_last_error()) or fails at run time (type errors, undefined
- * values used, integers beyond 64 bits, output over 256 MiB, more than 50
- * million loop iterations, more than 4 GiB searched, split, stripped or
- * copied by string operations: templates come from model files, so none can
- * run for long); KVC_ERR_NOMEM when memory, or the 256 MiB cap on the
- * interpreter's own memory, runs out. All messages but KVC_ERR_NOMEM's carry
- * the template line.
+ * values used, integers beyond 64 bits, output over 256 MiB, strings, lists
+ * and parse tree over 256 MiB together, more than 50 million loop
+ * iterations, more than 4 GiB searched, split, stripped or copied by string
+ * operations: templates come from model files, so none can run for long or
+ * take much memory), all with the template line in the message;
+ * KVC_ERR_NOMEM when the machine's memory runs out.
  */
 KVC_API kvc_status kvc_chat_apply_template(const kvc_tokenizer *t, const char *template_str,
                                            const kvc_chat_message *messages, int64_t n_messages,

@@ -561,7 +561,7 @@ static kvc_status arith(ctx *c, const node *n, const value *a, const value *b, v
             *out = v_str("", 0);
             return KVC_OK;
         }
-        if ((uint64_t)k > MAX_BYTES / s.n) return kvc__chat_nomem();
+        if ((uint64_t)k > MAX_BYTES / s.n) return kvc__chat_over_cap(c);
         sbuf buf = {NULL, 0, 0};
         for (int64_t i = 0; i < k; i++) KVC_TRY(kvc__chat_sb_put(c, &buf, s.p, s.n));
         *out = v_str(buf.p ? buf.p : "", buf.n);

@@ -46,6 +46,7 @@ typedef struct chunk {
 typedef struct arena {
     chunk *head;
     size_t total;
+    int over; /* an allocation was refused for passing MAX_BYTES */
 } arena;
 
 /* 16-byte aligned n bytes that live until kvc__chat_arena_free, or NULL (out
@@ -55,7 +56,10 @@ static inline void *kvc__chat_arena_alloc(arena *a, size_t n) {
     n = (n + 15) & ~(size_t)15;
     if (!a->head || a->head->cap - a->head->used < n) {
         size_t cap = n > 65536 ? n : 65536;
-        if (a->total + cap > MAX_BYTES) return NULL;
+        if (a->total + cap > MAX_BYTES) {
+            a->over = 1;
+            return NULL;
+        }
         chunk *c = malloc(sizeof *c + cap);
         if (!c) return NULL;
         c->next = a->head;
@@ -254,6 +258,11 @@ kvc_status kvc__chat_syntax_error(ctx *c, const token *t, const char *fmt, ...) 
 
 /* KVC_ERR_NOMEM (also for what would pass MAX_BYTES). */
 kvc_status kvc__chat_nomem(void);
+/* A template past the MAX_BYTES cap (arena, a string or list being built):
+ * KVC_ERR_INVALID_ARG with the line, as the other run-time limits. */
+kvc_status kvc__chat_over_cap(const ctx *c);
+/* What an arena allocation that returned NULL means: the cap, or memory. */
+kvc_status kvc__chat_alloc_failed(const ctx *c);
 
 /* KVC_ERR_INVALID_ARG "chat template, line N: ..." with the line of node n (NULL: 0). */
 kvc_status kvc__chat_runtime_error(const node *n, const char *fmt, ...) KVC_PRINTF(2, 3);
@@ -273,7 +282,7 @@ static inline kvc_status charge(ctx *c, size_t bytes) {
 #define ALLOC(c, ptr, count)                                                                       \
     do {                                                                                           \
         (ptr) = kvc__chat_arena_alloc(&(c)->ar, sizeof *(ptr) * (size_t)(count));                  \
-        if (!(ptr)) return kvc__chat_nomem();                                                      \
+        if (!(ptr)) return kvc__chat_alloc_failed(c);                                              \
     } while (0)
 
 /* ---- values, lists, dicts, scopes, strings (chat_value.c) ------------------- */

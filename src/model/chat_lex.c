@@ -11,7 +11,7 @@ static kvc_status add_token(ctx *c, tkind k, const char *p, size_t n, int line) 
     if (c->n_toks == c->cap_toks) {
         size_t cap = c->cap_toks ? 2 * c->cap_toks : 256;
         token *nt = kvc__chat_arena_alloc(&c->ar, cap * sizeof *nt);
-        if (!nt) return kvc__chat_nomem();
+        if (!nt) return kvc__chat_alloc_failed(c);
         if (c->n_toks) memcpy(nt, c->toks, c->n_toks * sizeof *nt);
         c->toks = nt;
         c->cap_toks = cap;

@@ -32,8 +32,18 @@ kvc_status kvc__chat_syntax_error(ctx *c, const token *t, const char *fmt, ...) 
 }
 
 kvc_status kvc__chat_nomem(void) {
-    return kvc__error(KVC_ERR_NOMEM, "chat template: out of memory (or over the %zu MiB limit)",
-                      MAX_BYTES >> 20);
+    return kvc__error(KVC_ERR_NOMEM, "chat template: out of memory");
+}
+
+kvc_status kvc__chat_over_cap(const ctx *c) {
+    return kvc__error(KVC_ERR_INVALID_ARG,
+                      "chat template, line %d: the template's strings, lists and parse tree "
+                      "pass %zu MiB (a template this large is refused)",
+                      c->cur ? c->cur->line : c->lex_line, MAX_BYTES >> 20);
+}
+
+kvc_status kvc__chat_alloc_failed(const ctx *c) {
+    return c->ar.over ? kvc__chat_over_cap(c) : kvc__chat_nomem();
 }
 
 kvc_status kvc__chat_runtime_error(const node *n, const char *fmt, ...) {
@@ -65,7 +75,7 @@ kvc_status kvc__chat_sb_put(ctx *c, sbuf *b, const char *p, size_t n) {
     if (b->n + n > b->cap) {
         size_t cap = b->cap ? b->cap : 64;
         while (cap < b->n + n) cap *= 2;
-        if (cap > MAX_BYTES) return kvc__chat_nomem();
+        if (cap > MAX_BYTES) return kvc__chat_over_cap(c);
         char *q;
         ALLOC(c, q, cap);
         if (b->n) memcpy(q, b->p, b->n);
@@ -561,7 +571,7 @@ kvc_status kvc__chat_str_split(ctx *c, const node *n, str s, const value *sep, i
 }
 
 kvc_status kvc__chat_concat(ctx *c, str a, str b, value *out) {
-    if (a.n + b.n > MAX_BYTES) return kvc__chat_nomem();
+    if (a.n + b.n > MAX_BYTES) return kvc__chat_over_cap(c);
     KVC_TRY(charge(c, a.n + b.n));
     char *p;
     ALLOC(c, p, a.n + b.n + 1);
