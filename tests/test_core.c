@@ -135,9 +135,63 @@ TEST(threadpool) {
     return 0;
 }
 
+/* Every creator sets *out to NULL when it fails (core.h), whatever *out held. */
+TEST(creators_leave_out_null_on_failure) {
+    static char sentinel;
+    void *const bad = &sentinel;
+    int32_t one[1] = {0};
+    int64_t shape[1] = {1};
+    kvc_tensor t = kvc_tensor_make(one, KVC_I32, 1, shape); /* B + 1 = 1 entries: B = 0 */
+    kvc_threadpool *pool = bad;
+    ASSERT_STATUS(kvc_threadpool_create(5000, &pool), KVC_ERR_INVALID_ARG);
+    ASSERT_TRUE(pool == NULL);
+    kvc_decode_plan *dp = bad;
+    ASSERT_TRUE(kvc_decode_plan_create(&t, &t, &t, 4, 3, 64, 16, 1, &dp) < 0); /* 4 % 3 heads */
+    ASSERT_TRUE(dp == NULL);
+    kvc_prefill_plan *pp = bad;
+    ASSERT_TRUE(kvc_prefill_plan_create_ragged(&t, &t, 4, 3, 64, 0, NULL, NULL, 1, &pp) < 0);
+    ASSERT_TRUE(pp == NULL);
+    pp = bad;
+    ASSERT_TRUE(kvc_prefill_plan_create_paged(&t, &t, &t, &t, 4, 3, 64, 16, 0, NULL, NULL, 1,
+                                              &pp) < 0);
+    ASSERT_TRUE(pp == NULL);
+    kvc_cascade_plan *cp = bad;
+    ASSERT_TRUE(kvc_cascade_plan_create(0, &t, &t, &t, &t, 4, 4, 64, 16, 0, 1, &cp) < 0);
+    ASSERT_TRUE(cp == NULL);
+    kvc_mla_plan *mp = bad;
+    ASSERT_TRUE(kvc_mla_plan_create(&t, &t, &t, &t, 0, 512, 64, 16, 0, 0.f, 0.f, &mp) < 0);
+    ASSERT_TRUE(mp == NULL);
+    kvc_cache_params cparams = kvc_cache_default_params();
+    cparams.num_layers = 0;
+    kvc_cache *cache = bad;
+    ASSERT_STATUS(kvc_cache_create(&cparams, &cache), KVC_ERR_INVALID_ARG);
+    ASSERT_TRUE(cache == NULL);
+    kvc_model *model = bad;
+    ASSERT_TRUE(kvc_model_load("/nonexistent/kvcache-test.gguf", NULL, &model) < 0);
+    ASSERT_TRUE(model == NULL);
+    kvc_gguf *g = bad;
+    ASSERT_TRUE(kvc_gguf_open("/nonexistent/kvcache-test.gguf", &g) < 0);
+    ASSERT_TRUE(g == NULL);
+    kvc_model_ctx *ctx = bad;
+    ASSERT_STATUS(kvc_model_ctx_create(NULL, 1, &ctx), KVC_ERR_INVALID_ARG);
+    ASSERT_TRUE(ctx == NULL);
+    kvc_engine *engine = bad;
+    ASSERT_STATUS(kvc_engine_create(NULL, NULL, &engine), KVC_ERR_INVALID_ARG);
+    ASSERT_TRUE(engine == NULL);
+    cache = bad;
+    ASSERT_STATUS(kvc_cache_create(NULL, &cache), KVC_ERR_INVALID_ARG);
+    ASSERT_TRUE(cache == NULL);
+    kvc_tokenizer_vocab vocab = {0};
+    kvc_tokenizer *tok = bad;
+    ASSERT_STATUS(kvc_tokenizer_create(&vocab, &tok), KVC_ERR_INVALID_ARG); /* n_vocab 0 */
+    ASSERT_TRUE(tok == NULL);
+    return 0;
+}
+
 const char *test_suite_name = "core";
 const test_case test_suite[] = {
     TEST_ENTRY(status_strings), TEST_ENTRY(version), TEST_ENTRY(dtypes),
     TEST_ENTRY(tensor_make), TEST_ENTRY(errors_are_per_thread_messages),
-    TEST_ENTRY(isa_selection), TEST_ENTRY(threadpool), {0, 0},
+    TEST_ENTRY(isa_selection), TEST_ENTRY(threadpool),
+    TEST_ENTRY(creators_leave_out_null_on_failure), {0, 0},
 };

@@ -498,6 +498,11 @@ TEST(plan_chunks) {
 /* ---- errors
  * -------------------------------------------------------------------- */
 
+/* st, or KVC_ERR_INTERNAL if the call failed without leaving *plan NULL (core.h). */
+static kvc_status mla_plan_null_on_error(kvc_status st, kvc_mla_plan *const *plan) {
+    return st != KVC_OK && *plan != NULL ? KVC_ERR_INTERNAL : st;
+}
+
 TEST(plan_errors) {
     int32_t qo[3] = {0, 1, 2}, kvp[3] = {0, 2, 3}, idx[4] = {0, 1, 2, 3}, len[2] = {100, 64};
     int64_t n3 = 3, n2 = 2, n4 = 4;
@@ -505,9 +510,10 @@ TEST(plan_errors) {
                tkvp = kvc_tensor_make(kvp, KVC_I32, 1, &n3);
     kvc_tensor tidx = kvc_tensor_make(idx, KVC_I32, 1, &n4),
                tlen = kvc_tensor_make(len, KVC_I32, 1, &n2);
-    kvc_mla_plan *plan = (kvc_mla_plan *)(void *)&plan; /* must stay untouched on error */
+    kvc_mla_plan *plan = (kvc_mla_plan *)(void *)&plan; /* must become NULL on error */
     kvc_mla_plan *const sentinel = plan;
-#define PLAN(...) kvc_mla_plan_create(__VA_ARGS__, &plan)
+#define PLAN(...)                                                                                  \
+    mla_plan_null_on_error((plan = sentinel, kvc_mla_plan_create(__VA_ARGS__, &plan)), &plan)
     ASSERT_STATUS(PLAN(&tqo, &tkvp, &tidx, &tlen, 16, 512, 64, 64, 0, 0.1f, 0.0f), KVC_OK);
     kvc_mla_plan_destroy(plan);
     plan = sentinel;
@@ -570,7 +576,7 @@ TEST(plan_errors) {
         kvc_mla_plan_create(&tqo, &tkvp, &tidx, &tlen, 16, 512, 64, 64, 0, 0.1f, 0.0f, NULL),
         KVC_ERR_INVALID_ARG);
 #undef PLAN
-    ASSERT_TRUE(plan == sentinel);
+    ASSERT_TRUE(plan == NULL);
     return 0;
 }
 

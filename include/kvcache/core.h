@@ -6,6 +6,9 @@
  *   - Fallible functions return kvc_status (KVC_OK == 0, errors negative) and,
  *     on error, set a per-thread message readable with kvc_last_error().
  *   - A call that fails leaves every caller buffer (caches included) unchanged.
+ *   - Handles: kvc_X_create / open / load(..., kvc_X **out) set *out to NULL
+ *     when they fail (out itself must not be NULL); kvc_X_destroy / close
+ *     accept NULL.
  *   - Shapes are written (d0, d1, ...), row-major; strides are in elements.
  *   - The caller owns every buffer; the library keeps no pointer past a call.
  *   - Objects are not internally locked; kernels are reentrant.

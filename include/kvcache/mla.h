@@ -74,7 +74,7 @@ typedef struct kvc_mla_plan kvc_mla_plan;
  *   logits_soft_cap  0 disables; > 0 applies cap * tanh(s / cap)
  * The index arrays are copied; page ids are checked against the caches at
  * run. Errors: KVC_ERR_INVALID_ARG (bad table or attribute),
- * KVC_ERR_UNSUPPORTED (head dims), KVC_ERR_NOMEM; *out is untouched then.
+ * KVC_ERR_UNSUPPORTED (head dims), KVC_ERR_NOMEM; *out is NULL then.
  */
 KVC_API kvc_status kvc_mla_plan_create(const kvc_tensor *qo_indptr, const kvc_tensor *kv_indptr,
                                        const kvc_tensor *kv_indices, const kvc_tensor *kv_len_arr,

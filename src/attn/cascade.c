@@ -44,6 +44,7 @@ kvc_status kvc_cascade_plan_create(int32_t num_levels, const kvc_tensor *qo_indp
                                    int32_t causal, int32_t n_threads, kvc_cascade_plan **out) {
     static const char fn[] = "kvc_cascade_plan_create";
     KVC_CHECK(out != NULL, "%s: out is NULL", fn);
+    *out = NULL; /* what a failure leaves */
     KVC_CHECK(causal == 0 || causal == 1, "%s: causal must be 0 or 1, got %d", fn, (int)causal);
     KVC_CHECK(num_levels >= 1 && num_levels <= CASCADE_MAX_LEVELS,
               "%s: num_levels %d outside [1, %d]", fn, (int)num_levels, CASCADE_MAX_LEVELS);

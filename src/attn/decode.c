@@ -640,6 +640,7 @@ kvc_status kvc_decode_plan_create(const kvc_tensor *kv_indptr, const kvc_tensor 
                                   int32_t n_threads, kvc_decode_plan **out) {
     static const char fn[] = "kvc_decode_plan_create";
     KVC_CHECK(out != NULL, "%s: out is NULL", fn);
+    *out = NULL; /* what a failure leaves */
     KVC_CHECK(page_size >= 1, "%s: page_size %d must be >= 1", fn, (int)page_size);
     KVC_CHECK(n_threads <= 1024, "%s: n_threads %d > 1024", fn, (int)n_threads);
     KVC_TRY(kvc__attn_check_heads(fn, num_qo_heads, num_kv_heads, head_dim));

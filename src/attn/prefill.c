@@ -608,6 +608,7 @@ kvc_status kvc_prefill_plan_set_causal(kvc_prefill_plan *plan, int32_t causal) {
 static kvc_status check_plan_args(const char *fn, int32_t Hq, int32_t H, int32_t D,
                                   int32_t n_threads, kvc_prefill_plan **out) {
     KVC_CHECK(out != NULL, "%s: out is NULL", fn);
+    *out = NULL; /* what a failure leaves */
     KVC_TRY(kvc__attn_check_heads(fn, Hq, H, D));
     KVC_CHECK(n_threads <= 1024, "%s: n_threads %d > 1024", fn, (int)n_threads);
     return KVC_OK;

@@ -123,6 +123,7 @@ void kvc_engine_destroy(kvc_engine *e) {
 kvc_status kvc_engine_create(const kvc_model *m, const kvc_engine_params *params,
                              kvc_engine **out) {
     static const char fn[] = "kvc_engine_create";
+    if (out) *out = NULL; /* what a failure leaves */
     KVC_CHECK(m != NULL && out != NULL, "%s: model and out must not be NULL", fn);
     kvc_engine_params p = params ? *params : kvc_engine_default_params();
     /* here, so that the message names this function rather than kvc_model_ctx_create */

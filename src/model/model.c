@@ -300,6 +300,7 @@ static kvc_status load_all(kvc_model *m, const kvc_model_params *p) {
 }
 
 kvc_status kvc_model_load(const char *path, const kvc_model_params *params, kvc_model **out) {
+    if (out) *out = NULL; /* what a failure leaves */
     KVC_CHECK(path != NULL && out != NULL, "kvc_model_load: path and out must not be NULL");
     kvc_model_params p = params ? *params : kvc_model_default_params();
     kvc_model *m = calloc(1, sizeof *m);
@@ -354,6 +355,7 @@ void kvc_model_ctx_destroy(kvc_model_ctx *c) {
 }
 
 kvc_status kvc_model_ctx_create(const kvc_model *m, int32_t n_threads, kvc_model_ctx **out) {
+    if (out) *out = NULL; /* what a failure leaves */
     KVC_CHECK(m != NULL && out != NULL, "kvc_model_ctx_create: model and out must not be NULL");
     KVC_CHECK(n_threads >= 1 && n_threads <= 1024, "kvc_model_ctx_create: n_threads %d "
               "outside [1, 1024]", (int)n_threads);
