@@ -477,7 +477,8 @@ def test_template_errors():
     with pytest.raises(kvcache.UnsupportedError):  # jinja2: a syntax error too
         kvcache.render_chat_template("{% if messages if true %}X{% endif %}", msgs)
     assert kvcache.render_chat_template("{% if (1 if true else 0) %}X{% endif %}", msgs) == "X"
-    for bad in ["a\n{{ '\\xZZ' }}", "a\n{{ '\\ud800' }}"]:  # escapes report their line too
+    for bad in ["a\n{{ '\\xZZ' }}", "a\n{{ '\\ud800' }}",  # escapes report their line too
+                "a\n{# open\nstill open"]:  # an unterminated comment: the line it starts on
         with pytest.raises(kvcache.UnsupportedError, match="line 2"):
             kvcache.render_chat_template(bad, msgs)
     # as jinja2 renders them

@@ -147,7 +147,7 @@ static kvc_status lex_tag(ctx *c, size_t *pos, int is_block, int *line, int *new
         char ch = s[i];
         if (balance == 0) {
             const char *end = is_block ? "%}" : "}}";
-            int ctl = (ch == '-' || (is_block && ch == '+')) && i + 2 < n + 0 &&
+            int ctl = (ch == '-' || (is_block && ch == '+')) && i + 2 < n &&
                       memcmp(s + i + 1, end, 2) == 0;
             if (ctl || (i + 1 < n && memcmp(s + i, end, 2) == 0)) {
                 size_t e = i + (ctl ? 3 : 2);
@@ -253,8 +253,10 @@ kvc_status kvc__chat_lex(ctx *c) {
         if (kind == '#') {
             size_t e = body;
             while (e + 1 < n && !(s[e] == '#' && s[e + 1] == '}')) e++;
-            if (e + 1 >= n)
-                return kvc__chat_syntax_error(c, NULL, "unterminated comment (line %d)", line);
+            if (e + 1 >= n) {
+                c->lex_line = line; /* where the comment starts */
+                return kvc__chat_syntax_error(c, NULL, "unterminated comment");
+            }
             char ectl = e > body && (s[e - 1] == '-' || s[e - 1] == '+') ? s[e - 1] : 0;
             line += count_lines(s + q, e - q);
             e += 2;

@@ -516,7 +516,7 @@ static kvc_status parse_for(ctx *c, node **out) {
     if (!is_name(peek(c), "in")) return unexpected(c, "'in'");
     c->pos++;
     /* The iterable is parsed without condexpr so `if` starts the filter. */
-    if (++c->depth > MAX_DEPTH) return kvc__chat_syntax_error(c, peek(c), "nested too deeply");
+    if (++c->depth > MAX_DEPTH) return kvc__chat_syntax_error(c, peek(c), "expression nested too deeply");
     KVC_TRY(parse_or(c, &n->a));
     c->depth--;
     if (is_name(peek(c), "if")) {

@@ -114,8 +114,6 @@ static kvc_status repr_str(ctx *c, sbuf *b, str s) {
     return kvc__chat_sb_put(c, b, &q, 1);
 }
 
-static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr);
-
 static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr) {
     char num[32];
     switch (v->t) {
