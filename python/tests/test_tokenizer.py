@@ -487,7 +487,11 @@ def test_template_errors():
                  "{{ [1, u] }} {{ {'a': u} }} {{ u }}",
                  "{% set d = {'a': 1, 'b': 'x'} %}{% for p in d.items() %}{{ p }}{% endfor %}"
                  "{{ d.items()|list }} {% for k, v in d.items() %}{{ k }}={{ v }};{% endfor %}"
-                 "{{ (d.items()|list)[0]|list }}"]:
+                 "{{ (d.items()|list)[0]|list }}",
+                 # a tuple never equals a list; list(pair) does; tuples order among themselves
+                 "{% set d = {'a': 1, 'b': 2} %}{% for p in d.items() %}{{ p == ['a', 1] }} "
+                 "{{ p|list == ['a', 1] }} {{ p in [['a', 1]] }} {{ p == p }} {{ p is sequence }}"
+                 "{% endfor %}{{ (d.items()|list)[0] < (d.items()|list)[1] }}"]:
         assert kvcache.render_chat_template(good, msgs) == _jinja(good, msgs, True), good
 
 

@@ -64,7 +64,7 @@ const char *kvc__chat_type_name(const value *v) {
     case V_BOOL: return "bool";
     case V_INT: return "int";
     case V_STR: return "str";
-    case V_LIST: return "list";
+    case V_LIST: return v->u.l->is_tuple ? "tuple" : "list";
     case V_DICT: return "dict";
     default: return "function";
     }
@@ -162,8 +162,8 @@ int kvc__chat_values_equal(const value *a, const value *b) {
     case V_UNDEF:
     case V_NONE: return 1;
     case V_STR: return a->u.s.n == b->u.s.n && memcmp(a->u.s.p, b->u.s.p, a->u.s.n) == 0;
-    case V_LIST:
-        if (a->u.l->n != b->u.l->n) return 0;
+    case V_LIST: /* a tuple (items() pair) never equals a list, as in Python */
+        if (a->u.l->n != b->u.l->n || a->u.l->is_tuple != b->u.l->is_tuple) return 0;
         for (size_t i = 0; i < a->u.l->n; i++)
             if (!kvc__chat_values_equal(&a->u.l->items[i], &b->u.l->items[i])) return 0;
         return 1;
@@ -196,7 +196,7 @@ kvc_status kvc__chat_order(const node *n, const value *a, const value *b, int *c
         *cmp = r ? (r < 0 ? -1 : 1) : a->u.s.n < b->u.s.n ? -1 : a->u.s.n > b->u.s.n;
         return KVC_OK;
     }
-    if (a->t == V_LIST && b->t == V_LIST) {
+    if (a->t == V_LIST && b->t == V_LIST && a->u.l->is_tuple == b->u.l->is_tuple) {
         for (size_t i = 0; i < a->u.l->n && i < b->u.l->n; i++) {
             if (kvc__chat_values_equal(&a->u.l->items[i], &b->u.l->items[i])) continue;
             return kvc__chat_order(n, &a->u.l->items[i], &b->u.l->items[i], cmp);
