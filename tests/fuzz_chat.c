@@ -7,8 +7,9 @@
  *   then       the template text up to the first NUL byte, then the
  *              messages' contents separated by NUL bytes (missing ones "")
  * Roles cycle system, user, assistant. Checked on every input:
- *   - the status is OK or a documented error (UNSUPPORTED, INVALID_ARG,
- *     NOMEM for the caps) with a message naming a template line;
+ *   - the status is OK or a documented error (UNSUPPORTED, INVALID_ARG for
+ *     run-time errors and the caps) whose message names a template line
+ *     (>= 1), or NOMEM (the machine's memory);
  *   - measuring (cap 0) and rendering agree on the length; one byte short is
  *     KVC_ERR_NO_SPACE with nothing written; a failed render writes nothing;
  *   - rendering is deterministic (twice, byte for byte).
@@ -53,8 +54,13 @@ static kvc_tokenizer *make_tokenizer(void) {
     return t;
 }
 
+/* 1 if msg names a template line: "chat template, line N: ..." with N >= 1. */
 static int line_named(const char *msg) {
-    return strstr(msg, "line ") != NULL;
+    const char *p = strstr(msg, "chat template, line ");
+    if (!p) return 0;
+    char *end;
+    long line = strtol(p + strlen("chat template, line "), &end, 10);
+    return line >= 1 && *end == ':';
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -88,7 +94,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (st != KVC_OK && st != KVC_ERR_NO_SPACE) {
         CHECK(st == KVC_ERR_UNSUPPORTED || st == KVC_ERR_INVALID_ARG || st == KVC_ERR_NOMEM);
         CHECK(kvc_last_error()[0] != 0);
-        /* caps (NOMEM) are the only errors that may not know their line */
+        /* only the machine running out of memory may not know the line */
         if (st != KVC_ERR_NOMEM) CHECK(line_named(kvc_last_error()));
         char canary[8];
         memset(canary, 0x5A, sizeof canary);

@@ -21,8 +21,11 @@ def main():
     # attention weighted up so that generated tokens depend on the context
     # (at gain 1 they follow the last token alone, and the engine tests could
     # not tell K/V read from the cache from garbage); an output matrix of its
-    # own, so that one token's embedding can be broken without its logit
-    mod.write_tiny_llama(out, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, seed=3,
+    # own, so that one token's embedding can be broken without its logit; an
+    # FFN wider than the model (n_ff 1024), so that ffn_down's product needs
+    # more scratch than layer 0's first product: without the forward step's
+    # scratch reservation tiny_forward_out_of_memory_writes_nothing fails
+    mod.write_tiny_llama(out, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=1024, seed=3,
                          attn_gain=4.0, tied_output=False)
 
 

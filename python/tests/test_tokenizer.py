@@ -4,7 +4,9 @@ in the environment transformers uses."""
 
 from __future__ import annotations
 
+import os
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -500,6 +502,10 @@ INT_FILTER_CASES = [
     "1_0.5", "1._5", "nan", "NaN", "-inf", "1e400", "abc", "", " ", "0x1A", "0b101", "0o17",
     "9223372036854775807", "-9223372036854775808", "9223372036854775800", "007",
     "9.2e18", "-9.2e18", "٣", "0x", "1e", "e5", ".", "+-1",
+    # int() and float() strip str.isspace() except U+001C..U+001F
+    "\x1c5", "5\x1f", "\x1d-0x1f", "\u20005\u3000", "\x855\xa0",
+    # floats longer than any fixed buffer
+    "0" * 126 + ".9", "1." + "0" * 130, "-" + "0" * 300 + "7.5e-1",
 ]
 INT_FILTER_CALLS = ["|int", "|int(5)", "|int(0, 16)", "|int(base=16)", "|int(0, 0)",
                     "|int(0, 2)", "|int(0, 36)", "|int(0, 1)", "|int(default=-1, base=8)"]
@@ -525,6 +531,13 @@ def test_int_filter_matches_jinja():
             assert kvcache.render_chat_template(tmpl, msgs) == want, tmpl
             n += 1
     assert n > 250
+    # jinja2 raises for these: bad arguments (TypeError), an undefined value
+    for bad in ["{{ '10'|int(5, 16, 3) }}", "{{ '10'|int(foo=1) }}", "{{ '10'|int(5, default=6) }}",
+                "{{ nope|int(-7) }}"]:
+        with pytest.raises(Exception):
+            _jinja(bad, msgs, True)
+        with pytest.raises(kvcache.InvalidArgumentError):
+            kvcache.render_chat_template(bad, msgs)
     for good in ["{{ true|int }} {{ none|int }} {{ [1]|int(7) }} {{ 3|int }}",
                  "{{ '99999999999999999999'|int }}"]:
         want = _jinja(good, msgs, True)
@@ -533,6 +546,52 @@ def test_int_filter_matches_jinja():
                 kvcache.render_chat_template(good, msgs)
         else:
             assert kvcache.render_chat_template(good, msgs) == want
+
+
+def test_int_filter_ignores_the_process_locale(tmp_path):
+    """'2.5'|int is 2 even when the host process uses a decimal comma."""
+    import locale
+    import subprocess
+    tmpl = "{{ '1.9e1'|int }} {{ '2.5'|int }} {{ '0.5e1'|int }}"
+    assert kvcache.render_chat_template(tmpl, []) == "19 2 5"
+    old = locale.setlocale(locale.LC_NUMERIC)
+    names = ["de_DE.UTF-8", "de_DE.utf8", "fr_FR.UTF-8", "ru_RU.UTF-8"]
+    if not any(_try_setlocale(n) for n in names):
+        # build one (glibc's localedef) where LOCPATH can find it, in a child process
+        loc = tmp_path / "loc"
+        loc.mkdir()
+        r = subprocess.run(["localedef", "-i", "de_DE", "-f", "UTF-8", str(loc / "de_DE.UTF-8")],
+                           capture_output=True)
+        if r.returncode not in (0, 1) or not (loc / "de_DE.UTF-8").exists():
+            pytest.skip("no locale with a decimal comma here, and localedef cannot build one")
+        code = ("import locale, kvcache\n"
+                "locale.setlocale(locale.LC_NUMERIC, 'de_DE.UTF-8')\n"
+                "assert locale.localeconv()['decimal_point'] == ','\n"
+                f"print(kvcache.render_chat_template({tmpl!r}, []))\n")
+        pkg_parent = str(Path(kvcache.__file__).resolve().parent.parent)
+        env = dict(os.environ, LOCPATH=str(loc),
+                   PYTHONPATH=os.pathsep.join([pkg_parent, os.environ.get("PYTHONPATH", "")]))
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True).stdout
+        assert out.strip() == "19 2 5"
+        return
+    try:
+        assert locale.localeconv()["decimal_point"] == ","
+        assert kvcache.render_chat_template(tmpl, []) == "19 2 5"
+    finally:
+        locale.setlocale(locale.LC_NUMERIC, old)
+
+
+def _try_setlocale(name):
+    import locale
+    try:
+        locale.setlocale(locale.LC_NUMERIC, name)
+    except locale.Error:
+        return False
+    if locale.localeconv()["decimal_point"] == ",":
+        return True
+    locale.setlocale(locale.LC_NUMERIC, "C")
+    return False
 
 
 def test_template_limits():

@@ -1,6 +1,9 @@
 /* Chat templates (see chat.c): evaluation of expressions: names, attributes,
  * subscripts and slices, calls (string and dict methods, the builtins),
  * filters, tests, arithmetic and comparisons. */
+#define _POSIX_C_SOURCE 200809L /* newlocale, uselocale */
+#include <locale.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -265,6 +268,49 @@ static kvc_status eval_call(ctx *c, const node *n, value *out) {
     return call_builtin(c, n, (int)f.u.i, &a, out);
 }
 
+/* The whitespace Python's int() and float() strip: str.isspace() but for
+ * U+001C..U+001F (which str.strip() does strip). */
+static str strip_num_space(str s) {
+    size_t i = 0, e = s.n;
+    int len;
+    while (i < e && !((unsigned char)s.p[i] >= 0x1C && (unsigned char)s.p[i] <= 0x1F) &&
+           space_at(s.p, e, i, &len))
+        i += (size_t)len;
+    while (e > i) {
+        size_t j = e - 1;
+        while (j > i && ((unsigned char)s.p[j] & 0xC0) == 0x80) j--; /* last code point */
+        if (((unsigned char)s.p[j] >= 0x1C && (unsigned char)s.p[j] <= 0x1F) ||
+            !space_at(s.p, e, j, &len) || j + (size_t)len != e)
+            break;
+        e = j;
+    }
+    str r = {s.p + i, e - i};
+    return r;
+}
+
+/* Python's argument binding for a filter taking names[0..n_names) (by
+ * position or keyword): too many, unknown or repeated arguments are a
+ * TypeError in jinja2, so a run-time error here. */
+static kvc_status check_params(const node *n, const args *a, const char *fname,
+                               const char *const *names, size_t n_names) {
+    if (a->n_pos > n_names)
+        return kvc__chat_runtime_error(n, "%s() takes at most %zu arguments (%zu given)", fname,
+                                       n_names, a->n_pos);
+    for (size_t k = 0; k < a->n_kw; k++) {
+        size_t i = 0;
+        while (i < n_names && !str_eq(a->kw_names[k], names[i])) i++;
+        if (i == n_names)
+            return kvc__chat_runtime_error(n, "%s() got an unexpected keyword argument '%.*s'",
+                                           fname, (int)(a->kw_names[k].n < 40 ? a->kw_names[k].n
+                                                                                 : 40),
+                                           a->kw_names[k].p);
+        if (i < a->n_pos)
+            return kvc__chat_runtime_error(n, "%s() got multiple values for argument '%s'",
+                                           fname, names[i]);
+    }
+    return KVC_OK;
+}
+
 /* Python's int(t, base) on a stripped string: optional sign, the base's
  * prefix (0x/0o/0b; base 0 takes it from the prefix, and refuses leading
  * zeros in decimal), digits 0-9a-z below the base with single underscores
@@ -315,13 +361,31 @@ static int py_int(str t, int64_t base, int64_t *v) {
 
 /* int(float(t)) for a stripped string: Python's float() syntax (decimal
  * with optional fraction and exponent, underscores between digits, inf /
- * infinity / nan in any case, optional sign). 1 and *v: the value truncated
- * toward zero; 0: ValueError or OverflowError (NaN, infinity, 1e400), which
- * jinja2 turns into the default; 2: finite but beyond int64. */
-static int py_float_to_int(str t, int64_t *v) {
-    char buf[128];
+ * infinity / nan in any case, optional sign), parsed in the "C" locale.
+ * *r = 1 and *v: the value truncated toward zero; *r = 0: ValueError or
+ * OverflowError (NaN, infinity, 1e400), which jinja2 turns into the default;
+ * *r = 2: finite but beyond int64. Fails only for the arena. */
+static locale_t c_numeric;
+static pthread_once_t c_numeric_once = PTHREAD_ONCE_INIT;
+static void make_c_numeric(void) { c_numeric = newlocale(LC_NUMERIC_MASK, "C", (locale_t)0); }
+
+/* strtod in the "C" locale whatever the host process set (a decimal comma
+ * would stop it at the '.'); uselocale is per thread. */
+static double strtod_c(const char *s) {
+    pthread_once(&c_numeric_once, make_c_numeric);
+    if (c_numeric == (locale_t)0) return strtod(s, NULL); /* no memory: as the process */
+    locale_t old = uselocale(c_numeric);
+    double f = strtod(s, NULL);
+    uselocale(old);
+    return f;
+}
+
+static kvc_status py_float_to_int(ctx *c, str t, int64_t *v, int *r) {
     size_t n = 0, i = 0;
-    if (t.n == 0 || t.n >= sizeof buf) return 0; /* longer floats: not worth a parser */
+    *r = 0;
+    if (t.n == 0) return KVC_OK;
+    char *buf; /* t without underscores, NUL-terminated */
+    ALLOC(c, buf, t.n + 1);
     if (t.p[i] == '+' || t.p[i] == '-') buf[n++] = t.p[i++];
     str rest = {t.p + i, t.n - i};
     int special = 0;
@@ -333,7 +397,7 @@ static int py_float_to_int(str t, int64_t *v) {
         while (k < wl && (rest.p[k] | 0x20) == words[w][k]) k++;
         if (k == wl) special = w == 2 ? 2 : 1;
     }
-    if (special) return 0;
+    if (special) return KVC_OK;
     int digits = 0, in_exp = 0, seen_dot = 0;
     for (; i < t.n; i++) {
         char ch = t.p[i];
@@ -342,7 +406,7 @@ static int py_float_to_int(str t, int64_t *v) {
         if (ch >= '0' && ch <= '9') {
             digits++;
         } else if (ch == '_') {
-            if (!prev_digit || !next_digit) return 0;
+            if (!prev_digit || !next_digit) return KVC_OK;
             continue;
         } else if (ch == '.' && !seen_dot && !in_exp) {
             seen_dot = 1;
@@ -351,20 +415,24 @@ static int py_float_to_int(str t, int64_t *v) {
             buf[n++] = 'e';
             if (i + 1 < t.n && (t.p[i + 1] == '+' || t.p[i + 1] == '-')) buf[n++] = t.p[++i];
             if (!next_digit && !(i + 1 < t.n && t.p[i + 1] >= '0' && t.p[i + 1] <= '9'))
-                return 0;
+                return KVC_OK;
             continue;
         } else {
-            return 0;
+            return KVC_OK;
         }
         buf[n++] = ch;
     }
-    if (!digits) return 0;
+    if (!digits) return KVC_OK;
     buf[n] = 0;
-    double f = strtod(buf, NULL);
-    if (f - f != 0) return 0; /* 1e400: infinity */
-    if (f >= 9223372036854775808.0 || f < -9223372036854775808.0) return 2;
+    double f = strtod_c(buf);
+    if (f - f != 0) return KVC_OK; /* 1e400: infinity */
+    if (f >= 9223372036854775808.0 || f < -9223372036854775808.0) {
+        *r = 2;
+        return KVC_OK;
+    }
     *v = (int64_t)f;
-    return 1;
+    *r = 1;
+    return KVC_OK;
 }
 
 static kvc_status eval_filter(ctx *c, const node *n, value *out) {
@@ -448,6 +516,9 @@ static kvc_status eval_filter(ctx *c, const node *n, value *out) {
         return KVC_OK;
     }
     if (str_eq(f, "int")) {
+        static const char *const params[] = {"default", "base"};
+        KVC_TRY(check_params(n, &a, "int", params, 2));
+        if (x.t == V_UNDEF) return undefined_error(n->a); /* int(Undefined) raises */
         if (is_num(&x)) {
             *out = v_int(x.u.i);
             return KVC_OK;
@@ -460,10 +531,10 @@ static kvc_status eval_filter(ctx *c, const node *n, value *out) {
          * ("42.23"|int is 42), and when that fails too the default; a base
          * that is not an integer fails the same way as a bad digit. Python's
          * big ints are refused. */
-        str t = kvc__chat_strip_str(x.u.s, 1, 1);
+        str t = strip_num_space(x.u.s);
         int64_t v;
         int r = py_int(t, b ? (is_num(b) ? b->u.i : -1) : 10, &v);
-        if (r == 0) r = py_float_to_int(t, &v);
+        if (r == 0) KVC_TRY(py_float_to_int(c, t, &v, &r));
         if (r == 2) return kvc__chat_runtime_error(n, "int: '%.*s' is beyond 64-bit integers",
                                                    (int)(t.n < 40 ? t.n : 40), t.p);
         if (r == 1) *out = v_int(v);
