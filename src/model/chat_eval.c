@@ -359,12 +359,6 @@ static int py_int(str t, int64_t base, int64_t *v) {
     return 1;
 }
 
-/* int(float(t)) for a stripped string: Python's float() syntax (decimal
- * with optional fraction and exponent, underscores between digits, inf /
- * infinity / nan in any case, optional sign), parsed in the "C" locale.
- * *r = 1 and *v: the value truncated toward zero; *r = 0: ValueError or
- * OverflowError (NaN, infinity, 1e400), which jinja2 turns into the default;
- * *r = 2: finite but beyond int64. Fails only for the arena. */
 static locale_t c_numeric;
 static pthread_once_t c_numeric_once = PTHREAD_ONCE_INIT;
 static void make_c_numeric(void) { c_numeric = newlocale(LC_NUMERIC_MASK, "C", (locale_t)0); }
@@ -380,6 +374,12 @@ static double strtod_c(const char *s) {
     return f;
 }
 
+/* int(float(t)) for a stripped string: Python's float() syntax (decimal
+ * with optional fraction and exponent, underscores between digits, inf /
+ * infinity / nan in any case, optional sign), parsed in the "C" locale.
+ * *r = 1 and *v: the value truncated toward zero; *r = 0: ValueError or
+ * OverflowError (NaN, infinity, 1e400), which jinja2 turns into the default;
+ * *r = 2: finite but beyond int64. Fails only for the arena. */
 static kvc_status py_float_to_int(ctx *c, str t, int64_t *v, int *r) {
     size_t n = 0, i = 0;
     *r = 0;
@@ -388,16 +388,14 @@ static kvc_status py_float_to_int(ctx *c, str t, int64_t *v, int *r) {
     ALLOC(c, buf, t.n + 1);
     if (t.p[i] == '+' || t.p[i] == '-') buf[n++] = t.p[i++];
     str rest = {t.p + i, t.n - i};
-    int special = 0;
-    static const char *const words[] = {"inf", "infinity", "nan"};
+    static const char *const words[] = {"inf", "infinity", "nan"}; /* int() refuses all */
     for (int w = 0; w < 3; w++) {
         size_t wl = strlen(words[w]);
         if (rest.n != wl) continue;
         size_t k = 0;
         while (k < wl && (rest.p[k] | 0x20) == words[w][k]) k++;
-        if (k == wl) special = w == 2 ? 2 : 1;
+        if (k == wl) return KVC_OK;
     }
-    if (special) return KVC_OK;
     int digits = 0, in_exp = 0, seen_dot = 0;
     for (; i < t.n; i++) {
         char ch = t.p[i];
