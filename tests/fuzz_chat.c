@@ -25,17 +25,7 @@
 #include <string.h>
 
 #include "kvcache/tokenizer.h"
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-#define CHECK(cond)                                                                                \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            fprintf(stderr, "fuzz_chat: %s failed at line %d (%s)\n", #cond, __LINE__,             \
-                    kvc_last_error());                                                             \
-            __builtin_trap();                                                                      \
-        }                                                                                          \
-    } while (0)
+#include "fuzz.h"
 
 /* A minimal vocabulary whose BOS/EOS texts the templates can print. */
 static kvc_tokenizer *make_tokenizer(void) {

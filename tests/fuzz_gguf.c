@@ -16,8 +16,7 @@
 #include <string.h>
 
 #include "kvcache/gguf.h"
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+#include "fuzz.h"
 
 /* Sums bytes so the reads cannot be optimized away. */
 static volatile uint64_t sink;

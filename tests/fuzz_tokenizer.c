@@ -28,17 +28,7 @@
 
 #include "kvcache/tokenizer.h"
 #include "../src/model/tokenizer_internal.h"
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
-
-#define CHECK(cond)                                                                                \
-    do {                                                                                           \
-        if (!(cond)) {                                                                             \
-            fprintf(stderr, "fuzz_tokenizer: %s failed at line %d (%s)\n", #cond, __LINE__,        \
-                    kvc_last_error());                                                             \
-            __builtin_trap();                                                                      \
-        }                                                                                          \
-    } while (0)
+#include "fuzz.h"
 
 static const char *const pres[16] = {
     "gpt2",   "smollm", "llama-bpe", "llama3",    "qwen2", "starcoder", "dbrx", "mpt",

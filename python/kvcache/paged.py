@@ -270,6 +270,18 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz):
 # Appends
 
 
+def _append_tables(batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len):
+    """The appends' index arrays as int32: (arrays to keep alive, their
+    kvc_tensors in the order given)."""
+    i32 = _lib.int32_tensor  # straight-line: a per-call hot path
+    bi, bi_t = i32(batch_indices, "batch_indices")
+    pos, pos_t = i32(positions, "positions")
+    ind, ind_t = i32(kv_indices, "kv_indices")
+    ptr, ptr_t = i32(kv_indptr, "kv_indptr")
+    last, last_t = i32(kv_last_page_len, "kv_last_page_len")
+    return (bi, pos, ind, ptr, last), (bi_t, pos_t, ind_t, ptr_t, last_t)
+
+
 def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache,
                           kv_indices, kv_indptr, kv_last_page_len, kv_layout="NHD",
                           kv_scale=None, quant_group=8, n_threads=None, *,
@@ -319,17 +331,14 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     quantizing = ak_t.dtype in _lib.FLOAT_CODES  # the tensor's dtype is ak's kvc_dtype
     pc, keep = _paged_cache(paged_kv_cache, kv_scale, _layout_code(kv_layout),
                             _lib.int32_attr(quant_group, "quant_group"), quantizing)
-    i32, br = _lib.int32_tensor, ctypes.byref
-    bi, bi_t = i32(batch_indices, "batch_indices")
-    pos, pos_t = i32(positions, "positions")
-    ind, ind_t = i32(kv_indices, "kv_indices")
-    ptr, ptr_t = i32(kv_indptr, "kv_indptr")
-    last, last_t = i32(kv_last_page_len, "kv_last_page_len")
+    br = ctypes.byref
+    rows, (bi_t, pos_t, ind_t, ptr_t, last_t) = _append_tables(
+        batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len)
     _lib.call_pooled(
         _lib.kvc_append_paged_kv_cache,
         (br(ak_t), br(av_t), br(bi_t), br(pos_t), br(pc), br(ind_t), br(ptr_t), br(last_t)),
         _lib.threads_arg(num_threads, n_threads))
-    del keep, ak, av, bi, pos, ind, ptr, last
+    del keep, ak, av, rows
 
 
 def append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, ckv_cache,
@@ -360,18 +369,15 @@ def append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, 
     kpe, kpe_t = _cache_tensor(kpe_cache, "kpe_cache")
     ac, ac_t = _lib.input_tensor(append_ckv, "append_ckv", _lib.FLOAT_CODES)
     ap, ap_t = _lib.input_tensor(append_kpe, "append_kpe", _lib.FLOAT_CODES)
-    i32, br = _lib.int32_tensor, ctypes.byref
-    bi, bi_t = i32(batch_indices, "batch_indices")
-    pos, pos_t = i32(positions, "positions")
-    ind, ind_t = i32(kv_indices, "kv_indices")
-    ptr, ptr_t = i32(kv_indptr, "kv_indptr")
-    last, last_t = i32(kv_last_page_len, "kv_last_page_len")
+    br = ctypes.byref
+    rows, (bi_t, pos_t, ind_t, ptr_t, last_t) = _append_tables(
+        batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len)
     _lib.call_pooled(
         _lib.kvc_append_paged_mla_kv_cache,
         (br(ac_t), br(ap_t), br(bi_t), br(pos_t), br(ckv_t), br(kpe_t), br(ind_t), br(ptr_t),
          br(last_t)),
         _lib.threads_arg(num_threads, n_threads))
-    del ckv, kpe, ac, ap, bi, pos, ind, ptr, last
+    del ckv, kpe, ac, ap, rows
 
 
 # ---------------------------------------------------------------------------
