@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Generates src/model/unicode_tables.h: the code-point classes the
-tokenizer's pre-tokenizers need, as sorted ranges, from Python's unicodedata.
+tokenizer's pre-tokenizers need, as sorted ranges, from Python's unicodedata,
+and the code points str.isprintable() refuses (the chat templates' repr())
+and the cased ones (their str.title()).
 
 Classes (mutually exclusive; everything else is "other"):
     KVC__CP_LETTER   general category L* (Lu Ll Lt Lm Lo)  = regex \\p{L}
@@ -57,6 +59,36 @@ def ranges() -> list[tuple[int, int, int]]:
     return [tuple(r) for r in out]
 
 
+def nonprintable() -> list[tuple[int, int]]:
+    """Ranges of the code points Python's str.isprintable() refuses (general
+    categories Cc Cf Cs Co Cn Zl Zp, and Zs but for the space): what repr()
+    writes as an escape."""
+    out: list[list[int]] = []
+    for cp in range(0x110000):
+        if chr(cp).isprintable():
+            continue
+        if out and out[-1][1] == cp - 1:
+            out[-1][1] = cp
+        else:
+            out.append([cp, cp])
+    return [tuple(r) for r in out]
+
+
+def cased() -> list[tuple[int, int]]:
+    """Ranges of the cased code points (Unicode's Cased property: Lu, Ll, Lt,
+    Other_Uppercase, Other_Lowercase), after which str.title() lowercases:
+    the 'a' in c + 'a' stays lowercase exactly when c is cased."""
+    out: list[list[int]] = []
+    for cp in range(0x110000):
+        if 0xD800 <= cp <= 0xDFFF or (chr(cp) + "a").title()[-1] != "a":
+            continue
+        if out and out[-1][1] == cp - 1:
+            out[-1][1] = cp
+        else:
+            out.append([cp, cp])
+    return [tuple(r) for r in out]
+
+
 def check_white_space() -> None:
     try:
         import regex  # noqa: PLC0415 (optional cross-check)
@@ -89,9 +121,27 @@ def main() -> None:
     ]
     for lo, hi, cls in rs:
         lines.append(f"    {{0x{lo:05X}, 0x{hi:05X}, {NAMES[cls]}}},")
+    lines += ["};", ""]
+    np = nonprintable()
+    lines += [
+        "/* Code points Python's str.isprintable() refuses (repr() escapes them):",
+        " * categories Cc Cf Cs Co Cn Zl Zp, and Zs but for U+0020. */",
+        f"static const kvc__cp_span kvc__nonprint_ranges[{len(np)}] = {{",
+    ]
+    for lo, hi in np:
+        lines.append(f"    {{0x{lo:05X}, 0x{hi:05X}}},")
+    lines += ["};", ""]
+    cs = cased()
+    lines += [
+        "/* Cased code points (Lu Ll Lt, Other_Uppercase, Other_Lowercase): after",
+        " * one, Python's str.title() lowercases; after any other, it titlecases. */",
+        f"static const kvc__cp_span kvc__cased_ranges[{len(cs)}] = {{",
+    ]
+    for lo, hi in cs:
+        lines.append(f"    {{0x{lo:05X}, 0x{hi:05X}}},")
     lines += ["};", "", "#endif", ""]
     out.write_text("\n".join(lines))
-    print(f"{out}: {len(rs)} ranges, Unicode {unicodedata.unidata_version}")
+    print(f"{out}: {len(rs)} + {len(np)} + {len(cs)} ranges, Unicode {unicodedata.unidata_version}")
 
 
 if __name__ == "__main__":

@@ -548,6 +548,49 @@ TEST(chat_whitespace_and_expressions) {
     return 0;
 }
 
+/* Differences from jinja2 that the random differential test
+ * (python/tests/chat_diff.py) found, minimized; the outputs are jinja2's. */
+TEST(chat_differential_regressions) {
+    kvc_chat_message m[] = {{"user", "hi"}};
+    char buf[512];
+    kvc_status st;
+    static const struct {
+        const char *tmpl, *want; /* want NULL: an error */
+    } cases[] = {
+        {"{% for i in [1, 2] %}{{ i }}{% break %}{% else %}E{% endfor %}", "1E"},
+        {"{% for i in [1, 2] %}{% continue %}{% else %}E{% endfor %}", "E"},
+        {"{% for i in [1] %}{% else %}E{% endfor %}", ""},
+        {"{% set y = 0 %}{% for x in [] %}{% else %}{% set y = 1 %}{{ y }}{% endfor %}{{ y }}",
+         "10"},
+        {"{% set x %}{% set y = 1 %}{{ y }}{% endset %}{{ x }}[{{ y }}]", "1[]"},
+        {"{% if false %}{% break %}{% endif %}", NULL},
+        {"{% for k, v in {'a': 1, 'b': 2}.items() if v > 1 %}{{ k }}{% endfor %}", "b"},
+        {"{{ ['\\u2028', '\\xa0', '\\U000e0001', '\\u00e9'] }}",
+         "['\\u2028', '\\xa0', '\\U000e0001', '\xc3\xa9']"},
+        {"{{ 'a\\u3000b' | title }} {{ '\\u65e5x'.title() }}", "A\xe3\x80\x80" "B \xe6\x97\xa5" "X"},
+        {"{{ range(3) + [1] }}", NULL},
+        {"{{ {'a': 1}.keys()[0] }}|{{ {'a': 1}.keys() is sequence }}", "|False"},
+        {"{{ [1, 'a'] * 2 }}", "[1, 'a', 1, 'a']"},
+        {"{{ {} in {} }}", NULL},
+        {"{{ [7, 8][1::9223372036854775807] }}", "[8]"},
+        {"{{ 'x' * 1 | safe }}", NULL},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        render(cases[i].tmpl, m, 1, 1, buf, sizeof buf, &st);
+        if (!cases[i].want) {
+            if (st == KVC_OK) TEST_FAIL_("case %zu: rendered \"%s\", want an error", i, buf);
+            continue;
+        }
+        if (st != KVC_OK) TEST_FAIL_("case %zu: %s", i, kvc_last_error());
+        if (strcmp(buf, cases[i].want) != 0)
+            TEST_FAIL_("case %zu: got \"%s\", want \"%s\"", i, buf, cases[i].want);
+    }
+    /* outside the subset (jinja2 renders it): UNSUPPORTED, not a template error */
+    render("{{ {1: 'a'} }}", m, 1, 1, buf, sizeof buf, &st);
+    ASSERT_STATUS(st, KVC_ERR_UNSUPPORTED);
+    return 0;
+}
+
 TEST(chat_errors) {
     kvc_chat_message m[] = {{"user", "hi"}};
     char buf[256];
@@ -739,6 +782,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(long_inputs),
     TEST_ENTRY(chat_smollm_template),
     TEST_ENTRY(chat_whitespace_and_expressions),
+    TEST_ENTRY(chat_differential_regressions),
     TEST_ENTRY(chat_errors),
     TEST_ENTRY(chat_fuzz),
     TEST_ENTRY(real_model),

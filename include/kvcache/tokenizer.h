@@ -178,6 +178,11 @@ typedef struct kvc_chat_message {
  * int, list, reverse, replace, safe; str methods strip, lstrip, rstrip,
  * startswith, endswith, upper, lower, split, replace, title, capitalize;
  * dict methods get, items, keys, values. Case mapping is ASCII-only.
+ * Known differences (python/tests/chat_diff.py): range() and dict views act
+ * as range and views (no +, views not subscriptable) but print as lists;
+ * reverse gives a list, not an iterator; safe gives a plain string (no
+ * Markup escaping); dict keys must be strings (else UNSUPPORTED); a bad
+ * slice of constants is an error (jinja2 folds it to undefined).
  * template_str NULL: the tokenizer's own template (tokenizer.chat_template;
  * KVC_ERR_NOT_FOUND if it has none); t may be NULL when template_str is
  * given. Output bytes are kvc_tokenize's input (parse_special on); *len the

@@ -548,6 +548,63 @@ def test_int_filter_matches_jinja():
             assert kvcache.render_chat_template(good, msgs) == want
 
 
+# Differences the random differential test (chat_diff.py) found, minimized;
+# each renders (or fails) as in jinja2.
+DIFFERENTIAL_REGRESSIONS = [
+    # for-else runs unless some iteration reached the end of the body
+    "{% for i in [1, 2] %}{{ i }}{% break %}{% else %}E{% endfor %}",
+    "{% for i in [1, 2] %}{% continue %}{% else %}E{% endfor %}",
+    "{% for i in [1, 2] %}{% if i == 2 %}{% continue %}{% endif %}{% else %}E{% endfor %}",
+    # ... in a scope of its own
+    "{% set y = 0 %}{% for x in [] %}{% else %}{% set y = 1 %}{{ y }}{% endfor %}{{ y }}",
+    "{% for x in [] %}{% else %}{% set ns = namespace(a=1) %}{% endfor %}{% set ns.a = 2 %}",
+    # break / continue outside a loop: refused even where never run
+    "{% if false %}{% break %}{% endif %}",
+    "{% for x in [] %}{% else %}{% continue %}{% endfor %}",
+    "{% for a in [1, 2] %}{% for b in [] %}{% else %}{% break %}{% endfor %}{{ a }}{% endfor %}",
+    # tuple targets with a loop filter
+    "{% for k, v in {'a': 1, 'b': 2}.items() if v > 1 %}{{ k }}{% endfor %}",
+    # repr() escapes what str.isprintable() refuses
+    "{{ ['\u2028', '\xa0x', '\u200b', '\U000e0001', '\x85', '\u3000', 'é😀', '\x7f'] }}",
+    "{{ {'k': '\ufeff'} }}",
+    # the title filter splits at str.isspace(); str.title() after uncased code points
+    "{{ 'a\u3000b c\x1cd-e(f' | title }} {{ '日x \xa0x 1x'.title() }}",
+    # ranges and dict views are not lists: no +, views not subscriptable
+    "{{ range(3) + [1] }}", "{{ [1] + range(2) }}", "{{ {'a': 1}.values() + [1] }}",
+    "{{ {'a': 1}.keys()[0] }}|{{ {'a': 1}.keys() is sequence }}|{{ range(3) is sequence }}",
+    "{{ {'a': 1}.items()[:1] }}", "{{ range(3) == [0, 1, 2] }} {{ range(2) == range(2) }}",
+    "{{ {'a': 1, 'b': 2}.keys() == {'b': 2, 'a': 1}.keys() }} {{ range(3)[1:] | list }}",
+    "{{ (range(2) | list) + [5] }} {{ range(2) | list == [0, 1] }}",
+    # list * int
+    "{{ [1, 'a'] * 2 }} {{ 2 * [[1]] }} {{ [1] * 0 }} {{ [1] * -1 }} {{ [] * 3 }}",
+    "{{ range(2) * 2 }}",
+    # dicts and lists are unhashable
+    "{{ {} in {} }}", "{{ [1] in {'a': 1} }}", "{{ none in {} }} {{ 1 in {} }}",
+    # a block set's body has a scope of its own
+    "{% set x %}{% set y = 1 %}{{ y }}{% endset %}{{ x }}[{{ y }}]",
+    # slice steps near INT64_MAX (i + step overflowed)
+    "{{ ['s', 7][1::9223372036854775807] }}{{ [1, 2, 3][-1::-9223372036854775807] }}",
+    # safe makes a string
+    "{{ 'x' * 1 | safe }}", "{{ (1 | safe) ~ (none | safe) ~ (u | safe) }}",
+]
+
+
+def test_differential_regressions_match_jinja():
+    msgs = CONVERSATIONS[0]
+    for template in DIFFERENTIAL_REGRESSIONS:
+        try:
+            want = _jinja(template, msgs, True)
+        except Exception:  # any jinja2 failure: kvcache fails too
+            with pytest.raises(kvcache.KvcacheError):
+                kvcache.render_chat_template(template, msgs)
+            continue
+        assert kvcache.render_chat_template(template, msgs) == want, template
+    # outside the subset, not an error in jinja2: UNSUPPORTED, not INVALID_ARG
+    assert _jinja("{{ {1: 'a'}[1] }}", msgs, True) == "a"
+    with pytest.raises(kvcache.UnsupportedError, match="string dictionary keys"):
+        kvcache.render_chat_template("{{ {1: 'a'}[1] }}", msgs)
+
+
 def test_int_filter_ignores_the_process_locale(tmp_path):
     """'2.5'|int is 2 even when the host process uses a decimal comma."""
     import locale

@@ -74,6 +74,20 @@ static kvc_status out_put(ctx *c, const node *at, const char *p, size_t n) {
 
 static kvc_status exec(ctx *c, const node *n);
 
+/* Sets the loop's target names to item: `for x in ...` or, with several
+ * names, `for a, b in ...` unpacking a list, pair or string. */
+static kvc_status bind_targets(ctx *c, const node *n, value item) {
+    if (n->nnames == 1) return kvc__chat_set_var(c, n->names[0], item);
+    value parts = item;
+    if (item.t == V_STR) KVC_TRY(kvc__chat_str_chars(c, item.u.s, &parts));
+    if (parts.t != V_LIST || parts.u.l->n != n->nnames)
+        return kvc__chat_runtime_error(n, "cannot unpack a %s into %zu names",
+                                       kvc__chat_type_name(&item), n->nnames);
+    for (size_t k = 0; k < n->nnames; k++)
+        KVC_TRY(kvc__chat_set_var(c, n->names[k], parts.u.l->items[k]));
+    return KVC_OK;
+}
+
 static kvc_status exec_for(ctx *c, const node *n) {
     value iter, items;
     KVC_TRY(kvc__chat_eval(c, n->a, &iter));
@@ -89,10 +103,7 @@ static kvc_status exec_for(ctx *c, const node *n) {
         for (size_t i = 0; st == KVC_OK && i < all->n; i++) {
             fr->n = 0;
             value ok;
-            st = kvc__chat_set_var(c, n->names[0], all->items[i]);
-            if (st == KVC_OK && n->nnames > 1)
-                st = kvc__chat_runtime_error(n,
-                                             "tuple targets with a loop filter are not supported");
+            st = bind_targets(c, n, all->items[i]);
             if (st == KVC_OK) st = kvc__chat_eval(c, n->d, &ok);
             if (st == KVC_OK && truthy(&ok)) st = kvc__chat_list_push(c, kept.u.l, all->items[i]);
         }
@@ -101,24 +112,14 @@ static kvc_status exec_for(ctx *c, const node *n) {
     value loop;
     if (st == KVC_OK) st = kvc__chat_new_dict(c, 10, &loop);
     int64_t len = (int64_t)all->n;
+    int completed = 0; /* an iteration ran to the end of the body */
     for (int64_t i = 0; st == KVC_OK && i < len; i++) {
         if (++c->steps > MAX_STEPS) {
             st = kvc__chat_runtime_error(n, "more than %lld loop iterations", (long long)MAX_STEPS);
             break;
         }
         fr->n = 0; /* every iteration starts a fresh scope, as in Jinja */
-        value item = all->items[i];
-        if (n->nnames == 1) {
-            st = kvc__chat_set_var(c, n->names[0], item);
-        } else { /* for a, b in pairs */
-            value parts = item;
-            if (item.t == V_STR) st = kvc__chat_str_chars(c, item.u.s, &parts);
-            if (st == KVC_OK && (parts.t != V_LIST || parts.u.l->n != n->nnames))
-                st = kvc__chat_runtime_error(n, "cannot unpack a %s into %zu names",
-                                             kvc__chat_type_name(&item), n->nnames);
-            for (size_t k = 0; st == KVC_OK && k < n->nnames; k++)
-                st = kvc__chat_set_var(c, n->names[k], parts.u.l->items[k]);
-        }
+        st = bind_targets(c, n, all->items[i]);
         dict *d = loop.u.d;
         d->n = 0;
         if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("index"), v_int(i + 1));
@@ -135,14 +136,22 @@ static kvc_status exec_for(ctx *c, const node *n) {
                                     i + 1 < len ? all->items[i + 1] : v_undef());
         if (st == KVC_OK) st = kvc__chat_set_var(c, cstr("loop"), loop);
         if (st == KVC_OK) st = exec(c, n->b);
+        if (st == KVC_OK && !c->loop_ctl) completed = 1;
         if (c->loop_ctl == 1) {
             c->loop_ctl = 0;
             break;
         }
         c->loop_ctl = 0;
     }
+    /* jinja2 runs the else block unless some iteration reached the end of
+     * the body: an empty loop, but also one whose every iteration ended in
+     * break or continue. It has a scope of its own (without the loop's
+     * variables): what it sets stays there. */
+    if (st == KVC_OK && !completed && n->c) {
+        fr->n = 0;
+        st = exec(c, n->c);
+    }
     c->n_frames--;
-    if (st == KVC_OK && len == 0 && n->c) st = exec(c, n->c);
     return st;
 }
 
@@ -178,7 +187,12 @@ static kvc_status exec(ctx *c, const node *n) {
     }
     case S_SETBLOCK: { /* render the body, then take it back out of the output */
         size_t mark = c->out_n;
-        KVC_TRY(exec(c, n->b));
+        /* the body has a scope of its own, as in jinja2: what it sets stays there */
+        if (c->n_frames >= MAX_DEPTH + 1) return kvc__chat_runtime_error(n, "nested too deeply");
+        c->frames[c->n_frames++].n = 0;
+        kvc_status st = exec(c, n->b);
+        c->n_frames--;
+        KVC_TRY(st);
         char *p;
         ALLOC(c, p, c->out_n - mark + 1);
         if (c->out_n > mark) memcpy(p, c->out + mark, c->out_n - mark); /* out may be NULL */

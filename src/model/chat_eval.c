@@ -31,7 +31,7 @@ static kvc_status get_item(ctx *c, const node *n, const value *obj, const value 
         }
         return KVC_OK;
     }
-    if ((obj->t == V_LIST || obj->t == V_STR) && is_num(key)) {
+    if ((obj->t == V_STR || (obj->t == V_LIST && obj->u.l->kind <= L_RANGE)) && is_num(key)) {
         value items = *obj;
         if (obj->t == V_STR) KVC_TRY(kvc__chat_str_chars(c, obj->u.s, &items));
         int64_t len = (int64_t)items.u.l->n, i = key->u.i;
@@ -62,7 +62,7 @@ static kvc_status eval_slice(ctx *c, const node *n, value *out) {
             return kvc__chat_runtime_error(n, "slice indices must be integers");
     }
     if (obj.t == V_UNDEF) return undefined_error(n->a);
-    if (obj.t != V_LIST && obj.t != V_STR)
+    if ((obj.t != V_LIST && obj.t != V_STR) || (obj.t == V_LIST && obj.u.l->kind > L_RANGE))
         return kvc__chat_runtime_error(n, "cannot slice a %s", kvc__chat_type_name(&obj));
     value items = obj;
     if (obj.t == V_STR) KVC_TRY(kvc__chat_str_chars(c, obj.u.s, &items));
@@ -86,8 +86,11 @@ static kvc_status eval_slice(ctx *c, const node *n, value *out) {
     }
     value res;
     KVC_TRY(kvc__chat_new_list(c, 4, &res));
-    for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step)
+    res.u.l->kind = obj.t == V_LIST ? obj.u.l->kind : L_LIST; /* a range's slice is a range */
+    for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
         KVC_TRY(kvc__chat_list_push(c, res.u.l, items.u.l->items[i]));
+        if (step > 0 ? stop - i <= step : i - stop <= -step) break; /* i + step: no overflow */
+    }
     if (obj.t == V_LIST) {
         *out = res;
         return KVC_OK;
@@ -186,6 +189,7 @@ static kvc_status call_method(ctx *c, const node *n, const value *obj, str m, co
         }
         if (str_eq(m, "items") || str_eq(m, "keys") || str_eq(m, "values")) {
             KVC_TRY(kvc__chat_new_list(c, d->n, out));
+            out->u.l->kind = m.p[0] == 'k' ? L_KEYS : m.p[0] == 'v' ? L_VALUES : L_ITEMS;
             for (size_t i = 0; i < d->n; i++) {
                 value k = v_str(d->keys[i].p, d->keys[i].n), item;
                 if (m.p[0] == 'k') {
@@ -194,7 +198,7 @@ static kvc_status call_method(ctx *c, const node *n, const value *obj, str m, co
                     item = d->vals[i];
                 } else {
                     KVC_TRY(kvc__chat_new_list(c, 2, &item));
-                    item.u.l->is_tuple = 1;
+                    item.u.l->kind = L_TUPLE;
                     KVC_TRY(kvc__chat_list_push(c, item.u.l, k));
                     KVC_TRY(kvc__chat_list_push(c, item.u.l, d->vals[i]));
                 }
@@ -236,6 +240,7 @@ static kvc_status call_builtin(ctx *c, const node *n, int fn, const args *a, val
         for (size_t i = 0; i < a->n_pos; i++) r[i] = a->pos[i].u.i;
     if (r[2] == 0) return kvc__chat_runtime_error(n, "range() step must not be zero");
     KVC_TRY(kvc__chat_new_list(c, 4, out));
+    out->u.l->kind = L_RANGE;
     for (int64_t i = r[0]; r[2] > 0 ? i < r[1] : i > r[1]; i += r[2]) {
         if (out->u.l->n >= 1000000) return kvc__chat_runtime_error(n, "range() is too long");
         KVC_TRY(kvc__chat_list_push(c, out->u.l, v_int(i)));
@@ -468,7 +473,7 @@ static kvc_status eval_filter(ctx *c, const node *n, value *out) {
     }
     if (str_eq(f, "list")) {
         KVC_TRY(kvc__chat_iter_items(c, n, &x, out));
-        if (out->t == V_LIST && out->u.l->is_tuple) { /* list(pair) is a list */
+        if (out->t == V_LIST && out->u.l->kind != L_LIST) { /* list(pair), list(range) */
             value l;
             KVC_TRY(kvc__chat_new_list(c, out->u.l->n, &l));
             for (size_t i = 0; i < out->u.l->n; i++)
@@ -477,8 +482,13 @@ static kvc_status eval_filter(ctx *c, const node *n, value *out) {
         }
         return KVC_OK;
     }
-    if (str_eq(f, "safe")) {
-        *out = x;
+    if (str_eq(f, "safe")) { /* jinja2's Markup(x): a string (that escapes what + adds) */
+        if (x.t == V_STR) {
+            *out = x;
+            return KVC_OK;
+        }
+        KVC_TRY(kvc__chat_to_str(c, &x, &s));
+        *out = v_str(s.p, s.n);
         return KVC_OK;
     }
     if (str_eq(f, "join")) {
@@ -592,8 +602,11 @@ static kvc_status eval_test(ctx *c, const node *n, value *out) {
         r = x.t == V_BOOL && !x.u.i;
     else if (str_eq(t, "mapping"))
         r = x.t == V_DICT;
-    else if (str_eq(t, "sequence") || str_eq(t, "iterable")) /* Undefined: empty, as jinja2 */
+    else if (str_eq(t, "iterable")) /* Undefined: empty, as jinja2 */
         r = x.t == V_STR || x.t == V_LIST || x.t == V_DICT || x.t == V_UNDEF;
+    else if (str_eq(t, "sequence")) /* len() and [] both work: not on dict views */
+        r = x.t == V_STR || (x.t == V_LIST && x.u.l->kind <= L_RANGE) || x.t == V_DICT ||
+            x.t == V_UNDEF;
     else { /* even / odd */
         if (!is_num(&x))
             return kvc__chat_runtime_error(n, "'%.*s' test needs an integer", (int)t.n, t.p);
@@ -615,8 +628,11 @@ static kvc_status arith(ctx *c, const node *n, const value *a, const value *b, v
     if (a->t == V_UNDEF || b->t == V_UNDEF) return undefined_error(a->t == V_UNDEF ? n->a : n->b);
     if (op == '+' && a->t == V_STR && b->t == V_STR)
         return kvc__chat_concat(c, a->u.s, b->u.s, out);
-    if (op == '+' && a->t == V_LIST && b->t == V_LIST) {
+    /* list + list, tuple + tuple; not ranges or views (TypeError in Python) */
+    if (op == '+' && a->t == V_LIST && b->t == V_LIST && a->u.l->kind == b->u.l->kind &&
+        a->u.l->kind <= L_TUPLE) {
         KVC_TRY(kvc__chat_new_list(c, a->u.l->n + b->u.l->n, out));
+        out->u.l->kind = a->u.l->kind;
         for (size_t i = 0; i < a->u.l->n; i++)
             KVC_TRY(kvc__chat_list_push(c, out->u.l, a->u.l->items[i]));
         for (size_t i = 0; i < b->u.l->n; i++)
@@ -634,6 +650,18 @@ static kvc_status arith(ctx *c, const node *n, const value *a, const value *b, v
         sbuf buf = {NULL, 0, 0};
         for (int64_t i = 0; i < k; i++) KVC_TRY(kvc__chat_sb_put(c, &buf, s.p, s.n));
         *out = v_str(buf.p ? buf.p : "", buf.n);
+        return KVC_OK;
+    }
+    if (op == '*' && ((a->t == V_LIST && is_num(b)) || (is_num(a) && b->t == V_LIST)) &&
+        (a->t == V_LIST ? a : b)->u.l->kind <= L_TUPLE) { /* list or tuple * n */
+        const list *l = (a->t == V_LIST ? a : b)->u.l;
+        int64_t k = a->t == V_LIST ? b->u.i : a->u.i;
+        KVC_TRY(kvc__chat_new_list(c, 4, out));
+        out->u.l->kind = l->kind;
+        if (k <= 0 || l->n == 0) return KVC_OK;
+        if ((uint64_t)k > MAX_BYTES / sizeof(value) / l->n) return kvc__chat_over_cap(c);
+        for (int64_t i = 0; i < k; i++)
+            for (size_t j = 0; j < l->n; j++) KVC_TRY(kvc__chat_list_push(c, out->u.l, l->items[j]));
         return KVC_OK;
     }
     if (!is_num(a) || !is_num(b))
@@ -691,6 +719,8 @@ static kvc_status contains(ctx *c, const node *n, const value *x, const value *c
         for (size_t i = 0; i < coll->u.l->n && !*r; i++)
             *r = kvc__chat_values_equal(x, &coll->u.l->items[i]);
     } else if (coll->t == V_DICT) {
+        if (x->t == V_DICT || (x->t == V_LIST && x->u.l->kind != L_TUPLE && x->u.l->kind != L_RANGE))
+            return kvc__chat_runtime_error(n, "unhashable type: '%s'", kvc__chat_type_name(x));
         KVC_TRY(charge(c, cost_of(x)));
         *r = x->t == V_STR && kvc__chat_dict_find(coll->u.d, x->u.s) != NULL;
     } else if (coll->t == V_UNDEF) {
@@ -823,8 +853,10 @@ static kvc_status eval_node(ctx *c, const node *n, value *out) {
         for (size_t i = 0; i < n->nv; i++) {
             KVC_TRY(kvc__chat_eval(c, n->v[i], &a));
             KVC_TRY(kvc__chat_eval(c, n->w[i], &b));
-            if (a.t != V_STR)
-                return kvc__chat_runtime_error(n, "only string dictionary keys are supported");
+            if (a.t != V_STR) /* outside the subset, not an error in jinja2 */
+                return kvc__error(KVC_ERR_UNSUPPORTED,
+                                  "chat template, line %d: only string dictionary keys are "
+                                  "supported (got a %s)", n->line, kvc__chat_type_name(&a));
             KVC_TRY(kvc__chat_dict_set(c, out->u.d, a.u.s, b));
         }
         return KVC_OK;

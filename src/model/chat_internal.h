@@ -99,10 +99,24 @@ typedef struct value {
     } u;
 } value;
 
+/* What Python object a list stands for. jinja2 hands templates these as
+ * they are; kvcache keeps their items in a list and their kind, which
+ * decides +, *, subscripts, comparisons and the sequence test as Python
+ * would (they print as lists, though: kvcache has no range(0, 3) or
+ * dict_keys([...]) text). */
+typedef enum lkind {
+    L_LIST,
+    L_TUPLE,  /* an items() pair: prints as (k, v) */
+    L_RANGE,  /* range(...) */
+    L_KEYS,   /* dict.keys(), dict.values(), dict.items(): views, not */
+    L_VALUES, /* subscriptable, no + or * */
+    L_ITEMS
+} lkind;
+
 struct list {
     value *items;
     size_t n, cap;
-    int is_tuple; /* an items() pair: prints as (k, v), like Python's tuple */
+    lkind kind;
 };
 
 struct dict {
@@ -187,6 +201,7 @@ typedef struct ctx {
     size_t pos;   /* parser position */
     int lex_line; /* line the lexer is on (for its error messages) */
     int depth;
+    int loop_depth; /* for bodies the parser is in (break / continue need one) */
     /* evaluation */
     frame frames[MAX_DEPTH + 2];
     int n_frames;

@@ -527,7 +527,9 @@ static kvc_status parse_for(ctx *c, node **out) {
         return kvc__chat_syntax_error(c, peek(c), "recursive loops are not supported");
     KVC_TRY(end_tag(c));
     int which = 0;
+    c->loop_depth++;
     KVC_TRY(kvc__chat_parse_block(c, stops, 2, &n->b, &which));
+    c->loop_depth--; /* the else block is outside the loop */
     c->pos++;
     KVC_TRY(end_tag(c));
     if (which == 0) {
@@ -577,6 +579,8 @@ static kvc_status parse_statement(ctx *c, node **out) {
     if (str_eq(t->s, "for")) return parse_for(c, out);
     if (str_eq(t->s, "set")) return parse_set(c, out);
     if (str_eq(t->s, "break") || str_eq(t->s, "continue")) {
+        if (c->loop_depth == 0) /* jinja2 refuses the template, even if never run there */
+            return kvc__chat_syntax_error(c, t, "'%.*s' outside a loop", (int)t->s.n, t->s.p);
         KVC_TRY(new_node(c, str_eq(t->s, "break") ? S_BREAK : S_CONTINUE, out));
         return end_tag(c);
     }

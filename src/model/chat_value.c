@@ -64,7 +64,11 @@ const char *kvc__chat_type_name(const value *v) {
     case V_BOOL: return "bool";
     case V_INT: return "int";
     case V_STR: return "str";
-    case V_LIST: return v->u.l->is_tuple ? "tuple" : "list";
+    case V_LIST: {
+        static const char *const names[] = {"list",      "tuple",       "range",
+                                            "dict_keys", "dict_values", "dict_items"};
+        return names[v->u.l->kind];
+    }
     case V_DICT: return "dict";
     default: return "function";
     }
@@ -91,25 +95,30 @@ static kvc_status sb_cstr(ctx *c, sbuf *b, const char *s) {
     return kvc__chat_sb_put(c, b, s, strlen(s));
 }
 
-/* Python's repr() of a string: single quotes unless it holds ' and no ". */
+/* Python's repr() of a string: single quotes unless it holds ' and no ";
+ * code points str.isprintable() refuses as \xhh, \uhhhh or \Uhhhhhhhh (an
+ * invalid byte b is U+DC00 + b, as Python's surrogateescape has it). */
 static kvc_status repr_str(ctx *c, sbuf *b, str s) {
     char q = memchr(s.p, '\'', s.n) && !memchr(s.p, '"', s.n) ? '"' : '\'';
     KVC_TRY(kvc__chat_sb_put(c, b, &q, 1));
-    for (size_t i = 0; i < s.n; i++) {
-        unsigned char ch = (unsigned char)s.p[i];
-        char esc[8];
-        if (ch == '\\' || ch == (unsigned char)q) {
+    for (size_t i = 0; i < s.n;) {
+        int len;
+        uint32_t cp = kvc__utf8_decode((const unsigned char *)s.p + i, s.n - i, &len);
+        char esc[16];
+        if (cp == '\\' || cp == (unsigned char)q) {
             esc[0] = '\\';
-            esc[1] = (char)ch;
+            esc[1] = (char)cp;
             KVC_TRY(kvc__chat_sb_put(c, b, esc, 2));
-        } else if (ch == '\n' || ch == '\r' || ch == '\t') {
-            KVC_TRY(sb_cstr(c, b, ch == '\n' ? "\\n" : ch == '\r' ? "\\r" : "\\t"));
-        } else if (ch < 0x20 || ch == 0x7F) {
-            snprintf(esc, sizeof esc, "\\x%02x", ch);
+        } else if (cp == '\n' || cp == '\r' || cp == '\t') {
+            KVC_TRY(sb_cstr(c, b, cp == '\n' ? "\\n" : cp == '\r' ? "\\r" : "\\t"));
+        } else if (!kvc__py_isprintable(cp)) {
+            snprintf(esc, sizeof esc, cp < 0x100 ? "\\x%02x" : cp < 0x10000 ? "\\u%04x" : "\\U%08x",
+                     (unsigned)cp);
             KVC_TRY(sb_cstr(c, b, esc));
         } else {
-            KVC_TRY(kvc__chat_sb_put(c, b, (const char *)&ch, 1));
+            KVC_TRY(kvc__chat_sb_put(c, b, s.p + i, (size_t)len));
         }
+        i += (size_t)len;
     }
     return kvc__chat_sb_put(c, b, &q, 1);
 }
@@ -123,12 +132,12 @@ static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr) {
     case V_INT: snprintf(num, sizeof num, "%lld", (long long)v->u.i); return sb_cstr(c, b, num);
     case V_STR: return repr ? repr_str(c, b, v->u.s) : kvc__chat_sb_put(c, b, v->u.s.p, v->u.s.n);
     case V_LIST:
-        KVC_TRY(sb_cstr(c, b, v->u.l->is_tuple ? "(" : "["));
+        KVC_TRY(sb_cstr(c, b, v->u.l->kind == L_TUPLE ? "(" : "["));
         for (size_t i = 0; i < v->u.l->n; i++) {
             if (i) KVC_TRY(sb_cstr(c, b, ", "));
             KVC_TRY(write_value(c, b, &v->u.l->items[i], 1));
         }
-        return sb_cstr(c, b, v->u.l->is_tuple ? ")" : "]");
+        return sb_cstr(c, b, v->u.l->kind == L_TUPLE ? ")" : "]");
     case V_DICT: /* a namespace() prints as Jinja's Namespace object */
         KVC_TRY(sb_cstr(c, b, v->u.d->is_namespace ? "<Namespace {" : "{"));
         for (size_t i = 0; i < v->u.d->n; i++) {
@@ -162,10 +171,20 @@ int kvc__chat_values_equal(const value *a, const value *b) {
     case V_UNDEF:
     case V_NONE: return 1;
     case V_STR: return a->u.s.n == b->u.s.n && memcmp(a->u.s.p, b->u.s.p, a->u.s.n) == 0;
-    case V_LIST: /* a tuple (items() pair) never equals a list, as in Python */
-        if (a->u.l->n != b->u.l->n || a->u.l->is_tuple != b->u.l->is_tuple) return 0;
-        for (size_t i = 0; i < a->u.l->n; i++)
-            if (!kvc__chat_values_equal(&a->u.l->items[i], &b->u.l->items[i])) return 0;
+    case V_LIST: /* a tuple, range or view never equals a list, as in Python */
+        if (a->u.l->n != b->u.l->n || a->u.l->kind != b->u.l->kind) return 0;
+        if (a->u.l->kind == L_VALUES) return 0; /* values views compare by identity */
+        for (size_t i = 0; i < a->u.l->n; i++) {
+            if (a->u.l->kind == L_KEYS || a->u.l->kind == L_ITEMS) { /* as sets */
+                size_t j = 0;
+                while (j < b->u.l->n && !kvc__chat_values_equal(&a->u.l->items[i],
+                                                                &b->u.l->items[j]))
+                    j++;
+                if (j == b->u.l->n) return 0;
+            } else if (!kvc__chat_values_equal(&a->u.l->items[i], &b->u.l->items[i])) {
+                return 0;
+            }
+        }
         return 1;
     case V_DICT:
         if (a->u.d->n != b->u.d->n) return 0;
@@ -184,7 +203,8 @@ int kvc__chat_values_equal(const value *a, const value *b) {
     }
 }
 
-/* Python's a < b (-1 / 0 / 1 into *cmp) for numbers, strings and lists. */
+/* Python's a < b (-1 / 0 / 1 into *cmp) for numbers, strings, lists and
+ * tuples (not ranges; views order as sets in Python: refused here). */
 kvc_status kvc__chat_order(const node *n, const value *a, const value *b, int *cmp) {
     if (is_num(a) && is_num(b)) {
         *cmp = a->u.i < b->u.i ? -1 : a->u.i > b->u.i;
@@ -196,7 +216,8 @@ kvc_status kvc__chat_order(const node *n, const value *a, const value *b, int *c
         *cmp = r ? (r < 0 ? -1 : 1) : a->u.s.n < b->u.s.n ? -1 : a->u.s.n > b->u.s.n;
         return KVC_OK;
     }
-    if (a->t == V_LIST && b->t == V_LIST && a->u.l->is_tuple == b->u.l->is_tuple) {
+    if (a->t == V_LIST && b->t == V_LIST && a->u.l->kind == b->u.l->kind &&
+        a->u.l->kind <= L_TUPLE) {
         for (size_t i = 0; i < a->u.l->n && i < b->u.l->n; i++) {
             if (kvc__chat_values_equal(&a->u.l->items[i], &b->u.l->items[i])) continue;
             return kvc__chat_order(n, &a->u.l->items[i], &b->u.l->items[i], cmp);
@@ -212,7 +233,7 @@ kvc_status kvc__chat_new_list(ctx *c, size_t cap, value *out) {
     list *l;
     ALLOC(c, l, 1);
     l->n = 0;
-    l->is_tuple = 0;
+    l->kind = L_LIST;
     l->cap = cap ? cap : 1;
     ALLOC(c, l->items, l->cap);
     out->t = V_LIST;
@@ -387,32 +408,36 @@ static int ascii_lower_ch(int ch) {
 
 /* Copy of s with every ASCII letter mapped by mode: 'u' upper, 'l' lower,
  * 'c' capitalize (first upper, rest lower), 't' Jinja's title filter (first
- * letter of every item split at runs of [-\s({[<] upper, rest lower),
- * 'T' Python's str.title() (upper after a non-letter, lower after a letter). */
+ * letter of every item split at runs of [-\s({[<] upper, rest lower; \s is
+ * str.isspace()), 'T' Python's str.title() (upper after a code point that
+ * is not cased, lower after a cased one). Other code points are copied. */
 kvc_status kvc__chat_map_case(ctx *c, str s, char mode, value *out) {
     char *p;
     ALLOC(c, p, s.n + 1);
+    memcpy(p, s.p, s.n);
     int word_start = 1;
-    for (size_t i = 0; i < s.n; i++) {
-        int ch = (unsigned char)s.p[i];
-        int letter = (ch | 32) >= 'a' && (ch | 32) <= 'z';
+    for (size_t i = 0; i < s.n;) {
+        int len;
+        uint32_t cp = kvc__utf8_decode((const unsigned char *)s.p + i, s.n - i, &len);
+        int ch = (unsigned char)s.p[i]; /* mapped only when ASCII (cp < 128) */
         switch (mode) {
         case 'u': ch = ascii_upper(ch); break;
         case 'l': ch = ascii_lower_ch(ch); break;
         case 'c': ch = i == 0 ? ascii_upper(ch) : ascii_lower_ch(ch); break;
         case 't': {
-            int sep = ch == '-' || ch == '(' || ch == '{' || ch == '[' || ch == '<' || ch == ' ' ||
-                      (ch >= '\t' && ch <= '\r');
+            int sep = cp == '-' || cp == '(' || cp == '{' || cp == '[' || cp == '<' ||
+                      kvc__py_isspace(cp);
             ch = word_start && !sep ? ascii_upper(ch) : ascii_lower_ch(ch);
             word_start = sep;
             break;
         }
         default: /* 'T' */
             ch = word_start ? ascii_upper(ch) : ascii_lower_ch(ch);
-            word_start = !letter && !(ch & 0x80);
+            word_start = !kvc__is_cased(cp);
             break;
         }
-        p[i] = (char)ch;
+        if (cp < 128) p[i] = (char)ch;
+        i += (size_t)len;
     }
     *out = v_str(p, s.n);
     return KVC_OK;

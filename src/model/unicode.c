@@ -114,6 +114,31 @@ int kvc__py_isspace(uint32_t cp) {
     return kvc__cp_class(cp) == KVC__CP_SPACE;
 }
 
+/* Whether cp lies in one of the n sorted, disjoint spans. */
+static int in_spans(const kvc__cp_span *spans, size_t n, uint32_t cp) {
+    size_t lo = 0, hi = n;
+    while (lo < hi) { /* first span whose last >= cp */
+        size_t mid = lo + (hi - lo) / 2;
+        if (spans[mid].last < cp)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < n && spans[lo].first <= cp;
+}
+
+int kvc__py_isprintable(uint32_t cp) {
+    if (cp < 128) return cp >= 0x20 && cp < 0x7F;
+    return !in_spans(kvc__nonprint_ranges,
+                     sizeof kvc__nonprint_ranges / sizeof kvc__nonprint_ranges[0], cp);
+}
+
+int kvc__is_cased(uint32_t cp) {
+    if (cp < 128) return (cp | 32) >= 'a' && (cp | 32) <= 'z';
+    return in_spans(kvc__cased_ranges, sizeof kvc__cased_ranges / sizeof kvc__cased_ranges[0],
+                    cp);
+}
+
 const char *kvc__unicode_version(void) {
     return KVC__UNICODE_VERSION;
 }

@@ -24,6 +24,10 @@ typedef struct kvc__cp_range {
     uint8_t cls;          /* KVC__CP_* */
 } kvc__cp_range;
 
+typedef struct kvc__cp_span {
+    uint32_t first, last; /* inclusive */
+} kvc__cp_span;
+
 /* First code point of an invalid byte b: U+DC00 + b, as Python's
  * "surrogateescape" error handler does. Lone surrogates cannot come out of
  * valid UTF-8, so the mapping is unambiguous, and they are class OTHER
@@ -50,6 +54,15 @@ int kvc__cp_class(uint32_t cp);
 /* Python's str.isspace() for one code point (what Jinja's trim filter and
  * whitespace control strip): White_Space plus U+001C..U+001F. */
 int kvc__py_isspace(uint32_t cp);
+
+/* Python's str.isprintable() for one code point: 0 for the code points
+ * repr() escapes (controls, format characters, surrogates, private use,
+ * unassigned, line and paragraph separators, spaces other than U+0020). */
+int kvc__py_isprintable(uint32_t cp);
+
+/* Unicode's Cased property (Lu, Ll, Lt, Other_Uppercase, Other_Lowercase):
+ * Python's str.title() lowercases after a cased code point. */
+int kvc__is_cased(uint32_t cp);
 
 /* GPT-2 byte-level mapping: byte b -> code point (printable bytes map to
  * themselves, the other 68 to U+0100.. in byte order). */
