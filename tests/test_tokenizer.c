@@ -573,6 +573,7 @@ TEST(chat_differential_regressions) {
         {"{{ [1, 'a'] * 2 }}", "[1, 'a', 1, 'a']"},
         {"{{ {} in {} }}", NULL},
         {"{{ [7, 8][1::9223372036854775807] }}", "[8]"},
+        {"{{ [1, 2, 3][::-9223372036854775807 - 1] }}", "[3]"}, /* step INT64_MIN */
         {"{{ 'x' * 1 | safe }}", NULL},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {

@@ -89,7 +89,9 @@ static kvc_status eval_slice(ctx *c, const node *n, value *out) {
     res.u.l->kind = obj.t == V_LIST ? obj.u.l->kind : L_LIST; /* a range's slice is a range */
     for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
         KVC_TRY(kvc__chat_list_push(c, res.u.l, items.u.l->items[i]));
-        if (step > 0 ? stop - i <= step : i - stop <= -step) break; /* i + step: no overflow */
+        /* stop on the last index before i + step could overflow (|step| in
+         * unsigned: step may be INT64_MIN) */
+        if (step > 0 ? stop - i <= step : (uint64_t)(i - stop) <= 0 - (uint64_t)step) break;
     }
     if (obj.t == V_LIST) {
         *out = res;
