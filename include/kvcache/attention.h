@@ -131,6 +131,7 @@ KVC_API kvc_status kvc_decode_run(kvc_decode_plan *plan, const kvc_tensor *q,
  * Attention-state merging (SEMANTICS section 5): with m = max(s_a, s_b),
  * w_a = 2^(s_a - m), w_b = 2^(s_b - m): v = (w_a v_a + w_b v_b) / (w_a + w_b),
  * s = m + log2(w_a + w_b); two empty states (-inf) give v = 0, s = -inf.
+ * The s tensors of the three merges may have any strides (last dim too).
  *   v_a, v_b, v_out  (N, H, D) float32/float16/bfloat16 (same dtype)
  *   s_a, s_b, s_out  (N, H) float32
  */

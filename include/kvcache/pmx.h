@@ -16,8 +16,9 @@
  * nearest even), int8 (quant_bit 8, or 0 with int8 T1) or int4 (quant_bit 4).
  * T3 (scale) float32 or float16. Outputs have the dtype of current_key.
  *
- * Every tensor needs a contiguous last dimension (stride 1); the other
- * strides are free. Every input is validated before anything is written: a
+ * Every tensor needs a contiguous last dimension (stride 1) but the int64
+ * index tensors (seqstarts, kvstarts, cachestarts, start_pos, ...), which
+ * may be strided as in paged.h; the other strides are free. Every input is validated before anything is written: a
  * failed call changes neither cache nor scale nor outputs.
  */
 #ifndef KVCACHE_PMX_H
