@@ -30,6 +30,12 @@
  * float32 rounding, and masked keys, -inf, never win). A soft cap, an
  * additive mask (pmx) or a negative sm_scale scale q first instead, which
  * rounds each product at the score's magnitude (~2^-24 |s|).
+ * Scores must stay below 2^31 in log2 units (|sm_scale * q.k| * log2 e;
+ * ~1.5e9 in natural units, where models' logits stay below ~1e3): every
+ * exponent carries the float32 rounding of the running max (up to 2^-24 of
+ * it), which past 2^31 leaves float32's exponent range, so results there
+ * are unspecified (zeros or NaN, differing between ISAs). Prefill, cascade,
+ * MLA and the pmx operator likewise.
  *
  * int8/int4 decode on the "amx" ISA multiplies integers on the tile unit:
  * each query head is rounded to fixed point relative to its largest

@@ -87,7 +87,8 @@ KVC_API void kvc_mla_plan_destroy(kvc_mla_plan *plan); /* NULL is a no-op */
 /*
  * MLA attention for one layer. N = qo_indptr[B] query rows.
  *   q_nope     (N, Hq, D_ckv) float32/float16/bfloat16
- *   q_pe       (N, Hq, D_kpe) float32/float16/bfloat16
+ *   q_pe       (N, Hq, D_kpe) float32/float16/bfloat16 (with kpe_cache,
+ *              may be NULL when the plan's D_kpe is 0)
  *   ckv_cache  (max_pages, page_size, D_ckv) float32/float16/bfloat16
  *   kpe_cache  (max_pages, page_size, D_kpe) float32/float16/bfloat16; both
  *              may be slices of one (max_pages, page_size, D_ckv + D_kpe)

@@ -92,8 +92,9 @@ KVC_API kvc_status kvc_get_batch_indices_positions(const kvc_tensor *append_indp
  * Writes row j of append_key/append_value (nnz, H, Dh) to page
  * kv_indices[kv_indptr[b] + positions[j] / page_size], slot
  * positions[j] % page_size, of b = batch_indices[j] (K and V).
- *   append_key, append_value  (nnz, H, Dh) float32/float16/bfloat16
- *                             (or the cache's own dtype for a plain copy)
+ *   append_key, append_value  (nnz, H, Dh) float32/float16/bfloat16, one
+ *                             dtype for both (or the cache's own dtype for
+ *                             a plain copy)
  *   batch_indices, positions  (nnz) int32
  *   cache                     paged cache; page tables must already include
  *                             the appended tokens

@@ -18,8 +18,9 @@
  *
  * Every tensor needs a contiguous last dimension (stride 1) but the int64
  * index tensors (seqstarts, kvstarts, cachestarts, start_pos, ...), which
- * may be strided as in paged.h; the other strides are free. Every input is validated before anything is written: a
- * failed call changes neither cache nor scale nor outputs.
+ * may be strided as in paged.h; the other strides are free. Every input
+ * is validated before anything is written: a failed call changes neither
+ * cache nor scale nor outputs.
  */
 #ifndef KVCACHE_PMX_H
 #define KVCACHE_PMX_H
