@@ -55,4 +55,22 @@ CM
         fi
     fi
 fi
+# The Python package as pip installs it (python/pyproject.toml), outside the
+# repository, finding the installed library through the loader's path.
+if command -v python3 >/dev/null && python3 -c 'import numpy' 2>/dev/null; then
+    mkdir "$tmp/pysrc"   # pip builds in the source tree: build a copy
+    cp -r "$src/python/kvcache" "$src/python/pyproject.toml" "$tmp/pysrc/"
+    # with setuptools and wheel at hand, no download of the build backend
+    iso=(); python3 -c 'import setuptools, wheel' 2>/dev/null && iso=(--no-build-isolation)
+    python3 -m pip install -q --disable-pip-version-check --root-user-action=ignore \
+        "${iso[@]}" --no-deps --target "$tmp/py" "$tmp/pysrc"
+    (cd "$tmp" && env -u KVCACHE_LIBRARY PYTHONPATH="$tmp/py" LD_LIBRARY_PATH="$libdir" \
+        python3 -c '
+import sys, kvcache, numpy as np
+assert kvcache.__file__.startswith(sys.argv[1]), kvcache.__file__
+x = np.arange(8, dtype=np.float32)
+assert (kvcache.convert(x, np.float16) == x).all()
+print("python package", kvcache.__version__, "loads", kvcache.library_path, kvcache.get_isa())
+' "$tmp/py")
+fi
 echo "install: 1 passed, 0 failed"

@@ -83,8 +83,9 @@ def _load_library() -> tuple[ctypes.CDLL, str]:
     raise ImportError(
         "kvcache: libkvcache shared library not found (tried: "
         + ", ".join(tried)
-        + f"). Build it (cmake -S . -B build -G Ninja && cmake --build build) "
-        f"or set {_ENV_VAR} to its path."
+        + f"). Build it (cmake -S . -B build -G Ninja && cmake --build build), install it "
+        f"where the loader looks (cmake --install build --prefix PREFIX; PREFIX/lib in "
+        f"LD_LIBRARY_PATH or the ldconfig cache), or set {_ENV_VAR} to its path."
     )
 
 

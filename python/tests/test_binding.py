@@ -4,6 +4,7 @@ own argument checks."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,14 @@ def test_version():
     major, minor, patch = (int(p) for p in parts[:3])
     # KVC_VERSION_NUMBER is MAJOR*10000 + MINOR*100 + PATCH (version.h).
     assert kvcache.version_number() == major * 10000 + minor * 100 + patch
+
+
+def test_package_version_is_the_library_version():
+    """python/pyproject.toml (pip install ./python) carries the C library's version."""
+    text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    m = re.search(r'^version = "([^"]+)"', text, re.M)
+    assert m, "pyproject.toml has no version"
+    assert m.group(1) == kvcache.__version__
 
 
 def test_isa_queries():
