@@ -467,9 +467,10 @@ def test_template_errors():
     msgs = CONVERSATIONS[0]
     with pytest.raises(kvcache.InvalidArgumentError, match="boom"):
         kvcache.render_chat_template("{{ raise_exception('boom') }}", msgs)
-    for bad in ["{% macro m() %}{% endmacro %}", "{{ x | tojson }}", "{{ 1.5 }}", "{% if %}",
+    for bad in ["{% call m() %}{% endcall %}", "{{ x | no_such }}", "{{ 1.5 }}", "{% if %}",
                 "{% for %}", "{{ ", "{% if true %}", "{{ a.b( }}", "{% endfor %}", "{{ 'a' is foo }}",
-                "{{ strftime_now('%Y') }}", "{{ (1, 2) }}", "{{ 1 / 2 }}", "{#", "{{ 07 }}"]:
+                "{{ (1, 2) }}", "{{ 1 / 2 }}", "{#", "{{ 07 }}", "{{ 'a b' | wordcount }}",
+                "{{ [1] | map('string') }}", "{% macro m() %}{{ caller }}{% endmacro %}{{ m() }}"]:
         with pytest.raises(kvcache.UnsupportedError):
             kvcache.render_chat_template(bad, msgs)
     for bad in ["{{ 'a' + 1 }}", "{{ undefined_x.y }}", "{{ 1 // 0 }}", "{% for x in 5 %}{% endfor %}",

@@ -95,6 +95,7 @@ static kvc_status exec_for(ctx *c, const node *n) {
     if (c->n_frames >= MAX_DEPTH + 1) return kvc__chat_runtime_error(n, "loops nested too deeply");
     frame *fr = &c->frames[c->n_frames++];
     fr->n = 0;
+    fr->serial = ++c->next_serial;
     list *all = items.u.l;
     kvc_status st = KVC_OK;
     if (n->d) { /* `for x in xs if cond`: loop over the items that pass */
@@ -189,7 +190,8 @@ static kvc_status exec(ctx *c, const node *n) {
         size_t mark = c->out_n;
         /* the body has a scope of its own, as in jinja2: what it sets stays there */
         if (c->n_frames >= MAX_DEPTH + 1) return kvc__chat_runtime_error(n, "nested too deeply");
-        c->frames[c->n_frames++].n = 0;
+        c->frames[c->n_frames].n = 0;
+        c->frames[c->n_frames++].serial = ++c->next_serial;
         kvc_status st = exec(c, n->b);
         c->n_frames--;
         KVC_TRY(st);
@@ -200,6 +202,20 @@ static kvc_status exec(ctx *c, const node *n) {
         c->out_n = mark;
         return kvc__chat_set_var(c, n->name, v);
     }
+    case S_MACRO: {
+        if (c->scope_floor > 0) /* its scopes would be the macro's and the macro's definer's */
+            return kvc__error(KVC_ERR_UNSUPPORTED,
+                              "chat template, line %d: a macro defined inside a macro is not "
+                              "supported", n->line);
+        macro_ref *m;
+        ALLOC(c, m, 1);
+        m->def = n;
+        m->depth = c->n_frames;
+        m->serial = c->frames[c->n_frames - 1].serial;
+        v.t = V_MACRO;
+        v.u.m = m;
+        return kvc__chat_set_var(c, n->name, v);
+    }
     case S_BREAK:
     case S_CONTINUE:
         if (c->n_frames < 2)
@@ -208,6 +224,74 @@ static kvc_status exec(ctx *c, const node *n) {
         return KVC_OK;
     default: return kvc__error(KVC_ERR_INTERNAL, "chat template: bad statement node %d", (int)n->k);
     }
+}
+
+/* ---- macros ------------------------------------------------------------------------ */
+
+kvc_status kvc__chat_call_macro(ctx *c, const node *n, const macro_ref *m, const args *a,
+                                value *out) {
+    const node *d = m->def;
+    int name_n = (int)(d->name.n < 40 ? d->name.n : 40);
+    if (m->depth > c->n_frames || c->frames[m->depth - 1].serial != m->serial)
+        return kvc__error(KVC_ERR_UNSUPPORTED,
+                          "chat template, line %d: macro '%.*s' called outside the scope it "
+                          "was defined in is not supported", n->line, name_n, d->name.p);
+    if (d->neg)
+        return kvc__error(KVC_ERR_UNSUPPORTED,
+                          "chat template, line %d: macro '%.*s' uses varargs, kwargs or caller "
+                          "(not supported)", n->line, name_n, d->name.p);
+    if (a->n_pos > d->nnames)
+        return kvc__chat_runtime_error(n, "macro '%.*s' takes not more than %zu argument(s)",
+                                       name_n, d->name.p, d->nnames);
+    const value *bound[256];
+    if (d->nnames > sizeof bound / sizeof bound[0])
+        return kvc__error(KVC_ERR_UNSUPPORTED, "chat template, line %d: a macro with more than "
+                          "256 parameters", n->line);
+    for (size_t i = 0; i < d->nnames; i++) bound[i] = i < a->n_pos ? &a->pos[i] : NULL;
+    for (size_t k = 0; k < a->n_kw; k++) {
+        size_t i = 0;
+        while (i < d->nnames && !(d->names[i].n == a->kw_names[k].n &&
+                                  memcmp(d->names[i].p, a->kw_names[k].p, d->names[i].n) == 0))
+            i++;
+        if (i == d->nnames || bound[i]) /* jinja2 says the same for both */
+            return kvc__chat_runtime_error(n, "macro '%.*s' takes no keyword argument '%.*s'",
+                                           name_n, d->name.p,
+                                           (int)(a->kw_names[k].n < 40 ? a->kw_names[k].n : 40),
+                                           a->kw_names[k].p);
+        bound[i] = &a->kw[k];
+    }
+    if (++c->steps > MAX_STEPS) /* a macro calling itself twice per call would run for ages */
+        return kvc__chat_runtime_error(n, "more than %lld loop iterations and macro calls",
+                                       (long long)MAX_STEPS);
+    if (c->n_frames >= MAX_DEPTH + 1)
+        return kvc__chat_runtime_error(n, "macro calls and loops nested too deeply");
+    frame *fr = &c->frames[c->n_frames++];
+    fr->n = 0;
+    fr->serial = ++c->next_serial;
+    int floor = c->scope_floor, def_depth = c->def_depth;
+    c->scope_floor = c->n_frames - 1; /* the body sees its own scope and its definer's */
+    c->def_depth = m->depth;
+    size_t mark = c->out_n;
+    kvc_status st = KVC_OK;
+    for (size_t i = 0; st == KVC_OK && i < d->nnames; i++) {
+        value v = v_undef();
+        if (bound[i])
+            v = *bound[i];
+        else if (d->w[i]) /* defaults are evaluated in the macro's scope, at each call */
+            st = kvc__chat_eval(c, d->w[i], &v);
+        if (st == KVC_OK) st = kvc__chat_set_var(c, d->names[i], v);
+    }
+    if (st == KVC_OK) st = exec(c, d->b);
+    c->scope_floor = floor;
+    c->def_depth = def_depth;
+    c->n_frames--;
+    KVC_TRY(st);
+    char *p;
+    ALLOC(c, p, c->out_n - mark + 1);
+    if (c->out_n > mark) memcpy(p, c->out + mark, c->out_n - mark);
+    *out = v_str(p, c->out_n - mark);
+    c->out_n = mark;
+    return KVC_OK;
 }
 
 /* ---- entry point ------------------------------------------------------------------ */
@@ -260,6 +344,7 @@ static kvc_status render(ctx *c, const char *tmpl, size_t tmpl_n, const kvc_toke
     KVC_TRY(token_value(t, t ? kvc_tokenizer_bos(t) : -1, &c->bos_token));
     KVC_TRY(token_value(t, t ? kvc_tokenizer_eos(t) : -1, &c->eos_token));
     c->n_frames = 1;
+    c->frames[0].serial = ++c->next_serial;
     return exec(c, root);
 }
 

@@ -1,9 +1,7 @@
 /* Chat templates (see chat.c): evaluation of expressions: names, attributes,
- * subscripts and slices, calls (string and dict methods, the builtins),
- * filters, tests, arithmetic and comparisons. */
-#define _POSIX_C_SOURCE 200809L /* newlocale, uselocale */
-#include <locale.h>
-#include <pthread.h>
+ * subscripts and slices, calls (string and dict methods, the builtins,
+ * macros), arithmetic and comparisons; filters and tests are in
+ * chat_filter.c. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,7 +10,7 @@
 
 /* ---- expressions --------------------------------------------------------------- */
 
-static kvc_status undefined_error(const node *n) {
+kvc_status kvc__chat_undefined_error(const node *n) {
     if (n->k == E_NAME)
         return kvc__chat_runtime_error(n, "'%.*s' is undefined",
                                        (int)(n->name.n < 60 ? n->name.n : 60), n->name.p);
@@ -22,7 +20,7 @@ static kvc_status undefined_error(const node *n) {
 /* Python indexing: list/str by (possibly negative) int, dict by key. */
 static kvc_status get_item(ctx *c, const node *n, const value *obj, const value *key, value *out) {
     *out = v_undef();
-    if (obj->t == V_UNDEF) return undefined_error(n->a);
+    if (obj->t == V_UNDEF) return kvc__chat_undefined_error(n->a);
     if (obj->t == V_DICT) {
         if (key->t == V_STR) {
             KVC_TRY(charge(c, key->u.s.n));
@@ -43,7 +41,7 @@ static kvc_status get_item(ctx *c, const node *n, const value *obj, const value 
 
 static kvc_status get_attr(const node *n, const value *obj, str name, value *out) {
     *out = v_undef();
-    if (obj->t == V_UNDEF) return undefined_error(n->a);
+    if (obj->t == V_UNDEF) return kvc__chat_undefined_error(n->a);
     if (obj->t == V_DICT) {
         value *v = kvc__chat_dict_find(obj->u.d, name);
         if (v) *out = *v;
@@ -61,7 +59,7 @@ static kvc_status eval_slice(ctx *c, const node *n, value *out) {
         if (bounds[i].t != V_NONE && !is_num(&bounds[i]))
             return kvc__chat_runtime_error(n, "slice indices must be integers");
     }
-    if (obj.t == V_UNDEF) return undefined_error(n->a);
+    if (obj.t == V_UNDEF) return kvc__chat_undefined_error(n->a);
     if ((obj.t != V_LIST && obj.t != V_STR) || (obj.t == V_LIST && obj.u.l->kind > L_RANGE))
         return kvc__chat_runtime_error(n, "cannot slice a %s", kvc__chat_type_name(&obj));
     value items = obj;
@@ -104,16 +102,7 @@ static kvc_status eval_slice(ctx *c, const node *n, value *out) {
     return KVC_OK;
 }
 
-/* Evaluates call arguments into pos[] / kw[] (at most 8 of each). */
-typedef struct args {
-    value pos[8];
-    size_t n_pos;
-    str kw_names[8];
-    value kw[8];
-    size_t n_kw;
-} args;
-
-static kvc_status eval_args(ctx *c, const node *n, args *a) {
+kvc_status kvc__chat_eval_args(ctx *c, const node *n, args *a) {
     if (n->nv > 8 || n->nw > 8) return kvc__chat_runtime_error(n, "too many arguments");
     a->n_pos = n->nv;
     a->n_kw = n->nw;
@@ -125,15 +114,7 @@ static kvc_status eval_args(ctx *c, const node *n, args *a) {
     return KVC_OK;
 }
 
-/* Argument i by position or by keyword name; NULL if absent. */
-static const value *arg(const args *a, size_t i, const char *name) {
-    if (i < a->n_pos) return &a->pos[i];
-    for (size_t k = 0; k < a->n_kw; k++)
-        if (str_eq(a->kw_names[k], name)) return &a->kw[k];
-    return NULL;
-}
-
-static kvc_status want_str(const node *n, const value *v, const char *what, str *out) {
+kvc_status kvc__chat_want_str(const node *n, const value *v, const char *what, str *out) {
     if (!v || v->t != V_STR) return kvc__chat_runtime_error(n, "%s must be a string", what);
     *out = v->u.s;
     return KVC_OK;
@@ -141,13 +122,13 @@ static kvc_status want_str(const node *n, const value *v, const char *what, str 
 
 static kvc_status call_method(ctx *c, const node *n, const value *obj, str m, const args *a,
                               value *out) {
-    if (obj->t == V_UNDEF) return undefined_error(n->a->a);
+    if (obj->t == V_UNDEF) return kvc__chat_undefined_error(n->a->a);
     if (obj->t == V_STR) {
         str s = obj->u.s, x = {NULL, 0};
         if (str_eq(m, "strip") || str_eq(m, "lstrip") || str_eq(m, "rstrip")) {
-            const value *ch = arg(a, 0, "chars");
+            const value *ch = kvc__chat_arg(a, 0, "chars");
             str chars = {NULL, 0};
-            if (ch && ch->t != V_NONE) KVC_TRY(want_str(n, ch, "strip() chars", &chars));
+            if (ch && ch->t != V_NONE) KVC_TRY(kvc__chat_want_str(n, ch, "strip() chars", &chars));
             str r;
             KVC_TRY(kvc__chat_strip_chars(c, s, ch && ch->t != V_NONE ? &chars : NULL,
                                           m.p[0] != 'r', m.p[0] != 'l', &r));
@@ -155,7 +136,7 @@ static kvc_status call_method(ctx *c, const node *n, const value *obj, str m, co
             return KVC_OK;
         }
         if (str_eq(m, "startswith") || str_eq(m, "endswith")) {
-            KVC_TRY(want_str(n, arg(a, 0, "prefix"), "the prefix", &x));
+            KVC_TRY(kvc__chat_want_str(n, kvc__chat_arg(a, 0, "prefix"), "the prefix", &x));
             KVC_TRY(charge(c, x.n));
             int hit = x.n <= s.n && memcmp(m.p[0] == 's' ? s.p : s.p + s.n - x.n, x.p, x.n) == 0;
             *out = v_bool(hit);
@@ -166,15 +147,15 @@ static kvc_status call_method(ctx *c, const node *n, const value *obj, str m, co
         if (str_eq(m, "title")) return kvc__chat_map_case(c, s, 'T', out);
         if (str_eq(m, "capitalize")) return kvc__chat_map_case(c, s, 'c', out);
         if (str_eq(m, "split")) {
-            const value *ms = arg(a, 1, "maxsplit");
+            const value *ms = kvc__chat_arg(a, 1, "maxsplit");
             if (ms && !is_num(ms)) return kvc__chat_runtime_error(n, "maxsplit must be an integer");
-            return kvc__chat_str_split(c, n, s, arg(a, 0, "sep"), ms ? ms->u.i : -1, out);
+            return kvc__chat_str_split(c, n, s, kvc__chat_arg(a, 0, "sep"), ms ? ms->u.i : -1, out);
         }
         if (str_eq(m, "replace")) {
             str old = {NULL, 0}, rep = {NULL, 0};
-            KVC_TRY(want_str(n, arg(a, 0, "old"), "replace() old", &old));
-            KVC_TRY(want_str(n, arg(a, 1, "new"), "replace() new", &rep));
-            const value *cnt = arg(a, 2, "count");
+            KVC_TRY(kvc__chat_want_str(n, kvc__chat_arg(a, 0, "old"), "replace() old", &old));
+            KVC_TRY(kvc__chat_want_str(n, kvc__chat_arg(a, 1, "new"), "replace() new", &rep));
+            const value *cnt = kvc__chat_arg(a, 2, "count");
             if (cnt && !is_num(cnt)) return kvc__chat_runtime_error(n, "count must be an integer");
             return kvc__chat_str_replace(c, n, s, old, rep, cnt ? cnt->u.i : -1, out);
         }
@@ -182,8 +163,8 @@ static kvc_status call_method(ctx *c, const node *n, const value *obj, str m, co
         dict *d = obj->u.d;
         if (str_eq(m, "get")) {
             str key = {NULL, 0};
-            const value *dflt = arg(a, 1, "default");
-            KVC_TRY(want_str(n, arg(a, 0, "key"), "get() key", &key));
+            const value *dflt = kvc__chat_arg(a, 1, "default");
+            KVC_TRY(kvc__chat_want_str(n, kvc__chat_arg(a, 0, "key"), "get() key", &key));
             KVC_TRY(charge(c, key.n));
             value *v = kvc__chat_dict_find(d, key);
             *out = v ? *v : dflt ? *dflt : v_none();
@@ -221,6 +202,7 @@ static kvc_status call_builtin(ctx *c, const node *n, int fn, const args *a, val
         return kvc__chat_runtime_error(n, "raised an exception: %.*s",
                                        (int)(msg.n < 400 ? msg.n : 400), msg.p);
     }
+    if (fn == F_STRFTIME) return kvc__chat_strftime_now(c, n, a, out);
     if (fn == F_NAMESPACE) {
         if (a->n_pos)
             return kvc__chat_runtime_error(n, "namespace() takes keyword arguments only here");
@@ -256,378 +238,45 @@ static kvc_status eval_call(ctx *c, const node *n, value *out) {
     if (n->a->k == E_ATTR) { /* method call */
         value obj;
         KVC_TRY(kvc__chat_eval(c, n->a->a, &obj));
-        KVC_TRY(eval_args(c, n, &a));
+        KVC_TRY(kvc__chat_eval_args(c, n, &a));
         return call_method(c, n, &obj, n->a->name, &a, out);
     }
     value f;
     if (n->a->k == E_NAME) {
-        if (!kvc__chat_lookup(c, n->a->name, &f))
+        if (!kvc__chat_lookup(c, n->a->name, &f)) {
+            for (size_t i = 0; i < c->n_macro_names; i++) /* a macro not defined (yet) */
+                if (c->macro_names[i].n == n->a->name.n &&
+                    memcmp(c->macro_names[i].p, n->a->name.p, n->a->name.n) == 0)
+                    return kvc__chat_undefined_error(n->a);
             return kvc__error(KVC_ERR_UNSUPPORTED,
                               "chat template, line %d: function '%.*s' is not "
                               "supported",
                               n->line, (int)(n->a->name.n < 40 ? n->a->name.n : 40), n->a->name.p);
+        }
     } else {
         KVC_TRY(kvc__chat_eval(c, n->a, &f));
     }
-    if (f.t != V_FUNC)
+    if (f.t == V_UNDEF) return kvc__chat_undefined_error(n->a);
+    if (f.t != V_FUNC && f.t != V_MACRO)
         return kvc__chat_runtime_error(n, "'%s' object is not callable", kvc__chat_type_name(&f));
-    KVC_TRY(eval_args(c, n, &a));
+    KVC_TRY(kvc__chat_eval_args(c, n, &a));
+    if (f.t == V_MACRO) return kvc__chat_call_macro(c, n, f.u.m, &a, out);
     return call_builtin(c, n, (int)f.u.i, &a, out);
-}
-
-/* The whitespace Python's int() and float() strip: str.isspace() but for
- * U+001C..U+001F (which str.strip() does strip). */
-static str strip_num_space(str s) {
-    size_t i = 0, e = s.n;
-    int len;
-    while (i < e && !((unsigned char)s.p[i] >= 0x1C && (unsigned char)s.p[i] <= 0x1F) &&
-           space_at(s.p, e, i, &len))
-        i += (size_t)len;
-    while (e > i) {
-        size_t j = e - 1;
-        while (j > i && ((unsigned char)s.p[j] & 0xC0) == 0x80) j--; /* last code point */
-        if (((unsigned char)s.p[j] >= 0x1C && (unsigned char)s.p[j] <= 0x1F) ||
-            !space_at(s.p, e, j, &len) || j + (size_t)len != e)
-            break;
-        e = j;
-    }
-    str r = {s.p + i, e - i};
-    return r;
-}
-
-/* Python's argument binding for a filter taking names[0..n_names) (by
- * position or keyword): too many, unknown or repeated arguments are a
- * TypeError in jinja2, so a run-time error here. */
-static kvc_status check_params(const node *n, const args *a, const char *fname,
-                               const char *const *names, size_t n_names) {
-    if (a->n_pos > n_names)
-        return kvc__chat_runtime_error(n, "%s() takes at most %zu arguments (%zu given)", fname,
-                                       n_names, a->n_pos);
-    for (size_t k = 0; k < a->n_kw; k++) {
-        size_t i = 0;
-        while (i < n_names && !str_eq(a->kw_names[k], names[i])) i++;
-        if (i == n_names)
-            return kvc__chat_runtime_error(n, "%s() got an unexpected keyword argument '%.*s'",
-                                           fname, (int)(a->kw_names[k].n < 40 ? a->kw_names[k].n
-                                                                                 : 40),
-                                           a->kw_names[k].p);
-        if (i < a->n_pos)
-            return kvc__chat_runtime_error(n, "%s() got multiple values for argument '%s'",
-                                           fname, names[i]);
-    }
-    return KVC_OK;
-}
-
-/* Python's int(t, base) on a stripped string: optional sign, the base's
- * prefix (0x/0o/0b; base 0 takes it from the prefix, and refuses leading
- * zeros in decimal), digits 0-9a-z below the base with single underscores
- * between them. 1 and *v: a valid literal; 0: ValueError (also for a base
- * outside 0 and 2..36); 2: valid but beyond int64 (Python has big ints).
- * ASCII digits only: Python also takes other Unicode decimal digits. */
-static int py_int(str t, int64_t base, int64_t *v) {
-    size_t i = 0;
-    int neg = 0;
-    if (base != 0 && (base < 2 || base > 36)) return 0;
-    if (i < t.n && (t.p[i] == '+' || t.p[i] == '-')) neg = t.p[i++] == '-';
-    if (i + 1 < t.n && t.p[i] == '0') {
-        char p = (char)(t.p[i + 1] | 0x20);
-        int pb = p == 'x' ? 16 : p == 'o' ? 8 : p == 'b' ? 2 : 0;
-        if (pb && (base == 0 || base == pb)) {
-            base = pb;
-            i += 2;
-            if (i < t.n && t.p[i] == '_') i++; /* 0x_ff */
-        }
-    }
-    int decimal0 = base == 0; /* base 0 without a prefix: decimal, no leading zeros */
-    if (base == 0) base = 10;
-    uint64_t m = 0, lim = neg ? (uint64_t)INT64_MAX + 1 : (uint64_t)INT64_MAX;
-    int over = 0, nonzero = 0;
-    size_t digits = 0, first = i;
-    for (; i < t.n; i++) {
-        char ch = t.p[i];
-        if (ch == '_') {
-            if (i + 1 >= t.n || i == first || t.p[i - 1] == '_') return 0;
-            continue;
-        }
-        int dv = ch >= '0' && ch <= '9'   ? ch - '0'
-                 : ch >= 'a' && ch <= 'z' ? ch - 'a' + 10
-                 : ch >= 'A' && ch <= 'Z' ? ch - 'A' + 10
-                                          : 99;
-        if (dv >= base) return 0;
-        if (dv) nonzero = 1;
-        if (m > (lim - (uint64_t)dv) / (uint64_t)base) over = 1;
-        else m = m * (uint64_t)base + (uint64_t)dv;
-        digits++;
-    }
-    if (!digits) return 0;
-    if (decimal0 && nonzero && t.p[first] == '0') return 0; /* int('010', 0) */
-    if (over) return 2;
-    *v = !neg ? (int64_t)m : m > (uint64_t)INT64_MAX ? INT64_MIN : -(int64_t)m;
-    return 1;
-}
-
-static locale_t c_numeric;
-static pthread_once_t c_numeric_once = PTHREAD_ONCE_INIT;
-static void make_c_numeric(void) { c_numeric = newlocale(LC_NUMERIC_MASK, "C", (locale_t)0); }
-
-/* strtod in the "C" locale whatever the host process set (a decimal comma
- * would stop it at the '.'); uselocale is per thread. */
-static double strtod_c(const char *s) {
-    pthread_once(&c_numeric_once, make_c_numeric);
-    if (c_numeric == (locale_t)0) return strtod(s, NULL); /* no memory: as the process */
-    locale_t old = uselocale(c_numeric);
-    double f = strtod(s, NULL);
-    uselocale(old);
-    return f;
-}
-
-/* int(float(t)) for a stripped string: Python's float() syntax (decimal
- * with optional fraction and exponent, underscores between digits, inf /
- * infinity / nan in any case, optional sign), parsed in the "C" locale.
- * *r = 1 and *v: the value truncated toward zero; *r = 0: ValueError or
- * OverflowError (NaN, infinity, 1e400), which jinja2 turns into the default;
- * *r = 2: finite but beyond int64. Fails only for the arena. */
-static kvc_status py_float_to_int(ctx *c, str t, int64_t *v, int *r) {
-    size_t n = 0, i = 0;
-    *r = 0;
-    if (t.n == 0) return KVC_OK;
-    char *buf; /* t without underscores, NUL-terminated */
-    ALLOC(c, buf, t.n + 1);
-    if (t.p[i] == '+' || t.p[i] == '-') buf[n++] = t.p[i++];
-    str rest = {t.p + i, t.n - i};
-    static const char *const words[] = {"inf", "infinity", "nan"}; /* int() refuses all */
-    for (int w = 0; w < 3; w++) {
-        size_t wl = strlen(words[w]);
-        if (rest.n != wl) continue;
-        size_t k = 0;
-        while (k < wl && (rest.p[k] | 0x20) == words[w][k]) k++;
-        if (k == wl) return KVC_OK;
-    }
-    int digits = 0, in_exp = 0, seen_dot = 0;
-    for (; i < t.n; i++) {
-        char ch = t.p[i];
-        int prev_digit = i > 0 && t.p[i - 1] >= '0' && t.p[i - 1] <= '9';
-        int next_digit = i + 1 < t.n && t.p[i + 1] >= '0' && t.p[i + 1] <= '9';
-        if (ch >= '0' && ch <= '9') {
-            digits++;
-        } else if (ch == '_') {
-            if (!prev_digit || !next_digit) return KVC_OK;
-            continue;
-        } else if (ch == '.' && !seen_dot && !in_exp) {
-            seen_dot = 1;
-        } else if ((ch | 0x20) == 'e' && digits && !in_exp) {
-            in_exp = 1;
-            buf[n++] = 'e';
-            if (i + 1 < t.n && (t.p[i + 1] == '+' || t.p[i + 1] == '-')) buf[n++] = t.p[++i];
-            if (!next_digit && !(i + 1 < t.n && t.p[i + 1] >= '0' && t.p[i + 1] <= '9'))
-                return KVC_OK;
-            continue;
-        } else {
-            return KVC_OK;
-        }
-        buf[n++] = ch;
-    }
-    if (!digits) return KVC_OK;
-    buf[n] = 0;
-    double f = strtod_c(buf);
-    if (f - f != 0) return KVC_OK; /* 1e400: infinity */
-    if (f >= 9223372036854775808.0 || f < -9223372036854775808.0) {
-        *r = 2;
-        return KVC_OK;
-    }
-    *v = (int64_t)f;
-    *r = 1;
-    return KVC_OK;
-}
-
-static kvc_status eval_filter(ctx *c, const node *n, value *out) {
-    value x;
-    args a;
-    KVC_TRY(kvc__chat_eval(c, n->a, &x));
-    KVC_TRY(eval_args(c, n, &a));
-    str f = n->name, s;
-    if (str_eq(f, "default") || str_eq(f, "d")) {
-        const value *dflt = arg(&a, 0, "default_value");
-        const value *boolean = arg(&a, 1, "boolean");
-        int use = x.t == V_UNDEF || (boolean && truthy(boolean) && !truthy(&x));
-        *out = use ? (dflt ? *dflt : v_str("", 0)) : x;
-        return KVC_OK;
-    }
-    if (str_eq(f, "length") || str_eq(f, "count")) {
-        switch (x.t) {
-        case V_STR:
-            KVC_TRY(charge(c, x.u.s.n));
-            *out = v_int((int64_t)kvc__chat_str_len_cp(x.u.s));
-            return KVC_OK;
-        case V_LIST: *out = v_int((int64_t)x.u.l->n); return KVC_OK;
-        case V_DICT: *out = v_int((int64_t)x.u.d->n); return KVC_OK;
-        case V_UNDEF: *out = v_int(0); return KVC_OK;
-        default:
-            return kvc__chat_runtime_error(n, "object of type '%s' has no len()",
-                                           kvc__chat_type_name(&x));
-        }
-    }
-    if (str_eq(f, "first") || str_eq(f, "last")) {
-        value items;
-        KVC_TRY(kvc__chat_iter_items(c, n, &x, &items));
-        *out = items.u.l->n ? items.u.l->items[f.p[0] == 'f' ? 0 : items.u.l->n - 1] : v_undef();
-        return KVC_OK;
-    }
-    if (str_eq(f, "list")) {
-        KVC_TRY(kvc__chat_iter_items(c, n, &x, out));
-        if (out->t == V_LIST && out->u.l->kind != L_LIST) { /* list(pair), list(range) */
-            value l;
-            KVC_TRY(kvc__chat_new_list(c, out->u.l->n, &l));
-            for (size_t i = 0; i < out->u.l->n; i++)
-                KVC_TRY(kvc__chat_list_push(c, l.u.l, out->u.l->items[i]));
-            *out = l;
-        }
-        return KVC_OK;
-    }
-    if (str_eq(f, "safe")) { /* jinja2's Markup(x): a string (that escapes what + adds) */
-        if (x.t == V_STR) {
-            *out = x;
-            return KVC_OK;
-        }
-        KVC_TRY(kvc__chat_to_str(c, &x, &s));
-        *out = v_str(s.p, s.n);
-        return KVC_OK;
-    }
-    if (str_eq(f, "join")) {
-        value items;
-        str sep = {"", 0};
-        const value *d = arg(&a, 0, "d");
-        if (d) KVC_TRY(kvc__chat_to_str(c, d, &sep));
-        KVC_TRY(kvc__chat_iter_items(c, n, &x, &items));
-        sbuf b = {NULL, 0, 0};
-        for (size_t i = 0; i < items.u.l->n; i++) {
-            str e;
-            if (i) KVC_TRY(kvc__chat_sb_put(c, &b, sep.p, sep.n));
-            KVC_TRY(kvc__chat_to_str(c, &items.u.l->items[i], &e));
-            KVC_TRY(kvc__chat_sb_put(c, &b, e.p, e.n));
-        }
-        *out = v_str(b.p ? b.p : "", b.n);
-        return KVC_OK;
-    }
-    if (str_eq(f, "reverse")) {
-        value items, res;
-        KVC_TRY(kvc__chat_iter_items(c, n, &x, &items));
-        KVC_TRY(kvc__chat_new_list(c, items.u.l->n, &res));
-        for (size_t i = items.u.l->n; i-- > 0;)
-            KVC_TRY(kvc__chat_list_push(c, res.u.l, items.u.l->items[i]));
-        if (x.t != V_STR) {
-            *out = res;
-            return KVC_OK;
-        }
-        sbuf b = {NULL, 0, 0};
-        for (size_t i = 0; i < res.u.l->n; i++)
-            KVC_TRY(kvc__chat_sb_put(c, &b, res.u.l->items[i].u.s.p, res.u.l->items[i].u.s.n));
-        *out = v_str(b.p ? b.p : "", b.n);
-        return KVC_OK;
-    }
-    if (str_eq(f, "int")) {
-        static const char *const params[] = {"default", "base"};
-        KVC_TRY(check_params(n, &a, "int", params, 2));
-        if (x.t == V_UNDEF) return undefined_error(n->a); /* int(Undefined) raises */
-        if (is_num(&x)) {
-            *out = v_int(x.u.i);
-            return KVC_OK;
-        }
-        const value *d = arg(&a, 0, "default"), *b = arg(&a, 1, "base");
-        *out = d ? *d : v_int(0);
-        if (x.t != V_STR) return KVC_OK; /* int(None), int([..]): TypeError, the default */
-        KVC_TRY(charge(c, x.u.s.n));
-        /* jinja2: int(s, base), and when that raises ValueError int(float(s))
-         * ("42.23"|int is 42), and when that fails too the default; a base
-         * that is not an integer fails the same way as a bad digit. Python's
-         * big ints are refused. */
-        str t = strip_num_space(x.u.s);
-        int64_t v;
-        int r = py_int(t, b ? (is_num(b) ? b->u.i : -1) : 10, &v);
-        if (r == 0) KVC_TRY(py_float_to_int(c, t, &v, &r));
-        if (r == 2) return kvc__chat_runtime_error(n, "int: '%.*s' is beyond 64-bit integers",
-                                                   (int)(t.n < 40 ? t.n : 40), t.p);
-        if (r == 1) *out = v_int(v);
-        return KVC_OK;
-    }
-    /* The rest work on str(x). */
-    KVC_TRY(kvc__chat_to_str(c, &x, &s));
-    if (str_eq(f, "string")) {
-        *out = v_str(s.p, s.n);
-        return KVC_OK;
-    }
-    if (str_eq(f, "trim")) {
-        const value *ch = arg(&a, 0, "chars");
-        str chars = {NULL, 0};
-        if (ch && ch->t != V_NONE) KVC_TRY(want_str(n, ch, "trim() chars", &chars));
-        str r;
-        KVC_TRY(kvc__chat_strip_chars(c, s, ch && ch->t != V_NONE ? &chars : NULL, 1, 1, &r));
-        *out = v_str(r.p, r.n);
-        return KVC_OK;
-    }
-    if (str_eq(f, "upper")) return kvc__chat_map_case(c, s, 'u', out);
-    if (str_eq(f, "lower")) return kvc__chat_map_case(c, s, 'l', out);
-    if (str_eq(f, "capitalize")) return kvc__chat_map_case(c, s, 'c', out);
-    if (str_eq(f, "title")) return kvc__chat_map_case(c, s, 't', out);
-    /* replace */
-    str old = {NULL, 0}, rep = {NULL, 0};
-    KVC_TRY(want_str(n, arg(&a, 0, "old"), "replace() old", &old));
-    KVC_TRY(want_str(n, arg(&a, 1, "new"), "replace() new", &rep));
-    const value *cnt = arg(&a, 2, "count");
-    if (cnt && cnt->t != V_NONE && !is_num(cnt))
-        return kvc__chat_runtime_error(n, "count must be an integer");
-    return kvc__chat_str_replace(c, n, s, old, rep, cnt && cnt->t != V_NONE ? cnt->u.i : -1, out);
-}
-
-static kvc_status eval_test(ctx *c, const node *n, value *out) {
-    value x;
-    KVC_TRY(kvc__chat_eval(c, n->a, &x));
-    str t = n->name;
-    int r;
-    if (str_eq(t, "defined"))
-        r = x.t != V_UNDEF;
-    else if (str_eq(t, "undefined"))
-        r = x.t == V_UNDEF;
-    else if (str_eq(t, "none"))
-        r = x.t == V_NONE;
-    else if (str_eq(t, "string"))
-        r = x.t == V_STR;
-    else if (str_eq(t, "number"))
-        r = is_num(&x);
-    else if (str_eq(t, "integer"))
-        r = x.t == V_INT;
-    else if (str_eq(t, "boolean"))
-        r = x.t == V_BOOL;
-    else if (str_eq(t, "true"))
-        r = x.t == V_BOOL && x.u.i;
-    else if (str_eq(t, "false"))
-        r = x.t == V_BOOL && !x.u.i;
-    else if (str_eq(t, "mapping"))
-        r = x.t == V_DICT;
-    else if (str_eq(t, "iterable")) /* Undefined: empty, as jinja2 */
-        r = x.t == V_STR || x.t == V_LIST || x.t == V_DICT || x.t == V_UNDEF;
-    else if (str_eq(t, "sequence")) /* len() and [] both work: not on dict views */
-        r = x.t == V_STR || (x.t == V_LIST && x.u.l->kind <= L_RANGE) || x.t == V_DICT ||
-            x.t == V_UNDEF;
-    else { /* even / odd */
-        if (!is_num(&x))
-            return kvc__chat_runtime_error(n, "'%.*s' test needs an integer", (int)t.n, t.p);
-        r = (x.u.i % 2 != 0) == str_eq(t, "odd");
-    }
-    *out = v_bool(n->neg ? !r : r);
-    return KVC_OK;
 }
 
 static kvc_status arith(ctx *c, const node *n, const value *a, const value *b, value *out) {
     char op = n->name.p[0];
     int floor_div = str_eq(n->name, "//");
+    if (str_eq(n->name, "/") || str_eq(n->name, "**")) /* float results (and big ints) */
+        return kvc__error(KVC_ERR_UNSUPPORTED, "chat template, line %d: '%.*s' is not supported",
+                          n->line, (int)n->name.n, n->name.p);
     if (op == '~') {
         str x = {NULL, 0}, y = {NULL, 0};
         KVC_TRY(kvc__chat_to_str(c, a, &x));
         KVC_TRY(kvc__chat_to_str(c, b, &y));
         return kvc__chat_concat(c, x, y, out);
     }
-    if (a->t == V_UNDEF || b->t == V_UNDEF) return undefined_error(a->t == V_UNDEF ? n->a : n->b);
+    if (a->t == V_UNDEF || b->t == V_UNDEF) return kvc__chat_undefined_error(a->t == V_UNDEF ? n->a : n->b);
     if (op == '+' && a->t == V_STR && b->t == V_STR)
         return kvc__chat_concat(c, a->u.s, b->u.s, out);
     /* list + list, tuple + tuple; not ranges or views (TypeError in Python) */
@@ -709,7 +358,7 @@ static size_t cost_of(const value *v) {
     return v->t == V_STR ? v->u.s.n : v->t == V_LIST ? v->u.l->n : v->t == V_DICT ? v->u.d->n : 0;
 }
 
-static kvc_status contains(ctx *c, const node *n, const value *x, const value *coll, int *r) {
+kvc_status kvc__chat_contains(ctx *c, const node *n, const value *x, const value *coll, int *r) {
     if (coll->t == V_STR) {
         if (x->t != V_STR)
             return kvc__chat_runtime_error(n, "'in <string>' requires a string on the left");
@@ -748,7 +397,7 @@ static kvc_status eval_cmp(ctx *c, const node *n, value *out) {
         else if (str_eq(op, "!="))
             r = !kvc__chat_values_equal(&left, &right);
         else if (str_eq(op, "in") || str_eq(op, "not in")) {
-            KVC_TRY(contains(c, n, &left, &right, &r));
+            KVC_TRY(kvc__chat_contains(c, n, &left, &right, &r));
             if (op.p[0] == 'n') r = !r;
         } else {
             int cmp = 0;
@@ -797,8 +446,8 @@ static kvc_status eval_node(ctx *c, const node *n, value *out) {
         return get_item(c, n, &a, &b, out);
     case E_SLICE: return eval_slice(c, n, out);
     case E_CALL: return eval_call(c, n, out);
-    case E_FILTER: return eval_filter(c, n, out);
-    case E_TEST: return eval_test(c, n, out);
+    case E_FILTER: return kvc__chat_eval_filter(c, n, out);
+    case E_TEST: return kvc__chat_eval_test(c, n, out);
     case E_NEG:
         KVC_TRY(kvc__chat_eval(c, n->a, &a));
         if (!is_num(&a))
@@ -862,6 +511,9 @@ static kvc_status eval_node(ctx *c, const node *n, value *out) {
             KVC_TRY(kvc__chat_dict_set(c, out->u.d, a.u.s, b));
         }
         return KVC_OK;
+    case E_UNSUP:
+        return kvc__error(KVC_ERR_UNSUPPORTED, "chat template, line %d: %.*s not supported",
+                          n->line, (int)n->name.n, n->name.p);
     default:
         return kvc__error(KVC_ERR_INTERNAL, "chat template: bad expression node %d", (int)n->k);
     }

@@ -77,9 +77,21 @@ void kvc__chat_arena_free(arena *a);
 
 /* ---- values ----------------------------------------------------------------- */
 
-typedef enum vtype { V_UNDEF, V_NONE, V_BOOL, V_INT, V_STR, V_LIST, V_DICT, V_FUNC } vtype;
+typedef enum vtype { V_UNDEF, V_NONE, V_BOOL, V_INT, V_STR, V_LIST, V_DICT, V_FUNC, V_MACRO } vtype;
 
-typedef enum builtin { F_RAISE, F_NAMESPACE, F_RANGE } builtin;
+typedef enum builtin { F_RAISE, F_NAMESPACE, F_RANGE, F_STRFTIME } builtin;
+
+typedef struct node node;
+
+/* A macro as a value: its {% macro %} node and the scopes it sees (the
+ * frames below `depth` that were live where it was defined; `serial` is the
+ * serial of the innermost of them, to tell it from a later frame at the
+ * same depth). */
+typedef struct macro_ref {
+    const node *def;
+    int depth;
+    uint64_t serial;
+} macro_ref;
 
 typedef struct str {
     const char *p;
@@ -96,6 +108,7 @@ typedef struct value {
         str s;
         list *l;
         dict *d;
+        const macro_ref *m; /* V_MACRO */
     } u;
 } value;
 
@@ -110,13 +123,16 @@ typedef enum lkind {
     L_RANGE,  /* range(...) */
     L_KEYS,   /* dict.keys(), dict.values(), dict.items(): views, not */
     L_VALUES, /* subscriptable, no + or * */
-    L_ITEMS
+    L_ITEMS,
+    L_GEN /* what select, map, items, ... give: a generator, always true, no len(),
+           * iterated once (a second time is refused), printing it is refused */
 } lkind;
 
 struct list {
     value *items;
     size_t n, cap;
     lkind kind;
+    int consumed; /* L_GEN: iterated */
 };
 
 struct dict {
@@ -170,7 +186,8 @@ typedef enum tkind {
     T_NAME,
     T_STRING, /* decoded value in s */
     T_INT,
-    T_OP, /* s: the operator */
+    T_FLOAT, /* s: the literal (refused when evaluated) */
+    T_OP,    /* s: the operator */
     T_EOF
 } tkind;
 
@@ -183,12 +200,11 @@ typedef struct token {
 
 /* ---- interpreter state ---------------------------------------------------------- */
 
-typedef struct node node;
-
-typedef struct frame { /* one scope: the template's top level or one loop iteration */
+typedef struct frame { /* one scope: the top level, a loop iteration, a macro call */
     str *names;
     value *vals;
     size_t n, cap;
+    uint64_t serial; /* unique per push (see macro_ref) */
 } frame;
 
 typedef struct ctx {
@@ -202,9 +218,16 @@ typedef struct ctx {
     int lex_line; /* line the lexer is on (for its error messages) */
     int depth;
     int loop_depth; /* for bodies the parser is in (break / continue need one) */
+    int macro_special; /* a macro body being parsed names varargs, kwargs or caller */
+    str *macro_names;  /* every macro the template defines (an undefined one called: */
+    size_t n_macro_names; /* an error, not an unknown function) */
     /* evaluation */
     frame frames[MAX_DEPTH + 2];
     int n_frames;
+    uint64_t next_serial;
+    /* Inside a macro call, lookup sees frames[scope_floor..n_frames) and
+     * then the frames below def_depth (where the macro was defined). */
+    int scope_floor, def_depth;
     int eval_depth; /* eval recursion: chains (a.b.c, x + y + z, |f|g) nest too */
     char *out;
     size_t out_n, out_cap;
@@ -230,6 +253,8 @@ typedef enum nkind {
     S_SETBLOCK, /* name: variable, b: body */
     S_BREAK,
     S_CONTINUE,
+    S_MACRO, /* name, names: parameters, w: their defaults (NULL: none), b: body,
+              * neg: the body names varargs / kwargs / caller */
     /* expressions */
     E_LIT,    /* lit */
     E_NAME,   /* name */
@@ -248,7 +273,8 @@ typedef enum nkind {
     E_CMP,  /* a (names[i] v[i])... chained */
     E_COND, /* b if a else c */
     E_LIST, /* v */
-    E_DICT  /* v: keys, w: values */
+    E_DICT, /* v: keys, w: values */
+    E_UNSUP /* name: a construct outside the subset, refused when evaluated */
 } nkind;
 
 struct node {
@@ -322,9 +348,10 @@ static inline int truthy(const value *v) {
     case V_BOOL:
     case V_INT: return v->u.i != 0;
     case V_STR: return v->u.s.n != 0;
-    case V_LIST: return v->u.l->n != 0;
+    case V_LIST: return v->u.l->n != 0 || v->u.l->kind == L_GEN;
     case V_DICT: return v->u.d->n != 0;
-    case V_FUNC: return 1;
+    case V_FUNC:
+    case V_MACRO: return 1;
     default: return 0;
     }
 }
@@ -387,5 +414,52 @@ kvc_status kvc__chat_parse_block(ctx *c, const char *const *stop, int n_stop, no
 
 /* Evaluates expression n into *out. */
 kvc_status kvc__chat_eval(ctx *c, const node *n, value *out);
+
+/* ---- shared by the evaluator's files (chat_eval.c, chat_filter.c, chat_json.c) ---- */
+
+/* Call arguments, evaluated: pos[] and kw[] (at most 8 of each). */
+typedef struct args {
+    value pos[8];
+    size_t n_pos;
+    str kw_names[8];
+    value kw[8];
+    size_t n_kw;
+} args;
+
+/* Evaluates the arguments of call / filter / test node n (n->v, n->names = n->w). */
+kvc_status kvc__chat_eval_args(ctx *c, const node *n, args *a);
+
+/* Argument i by position or by keyword name; NULL if absent. */
+static inline const value *kvc__chat_arg(const args *a, size_t i, const char *name) {
+    if (i < a->n_pos) return &a->pos[i];
+    for (size_t k = 0; k < a->n_kw; k++)
+        if (str_eq(a->kw_names[k], name)) return &a->kw[k];
+    return NULL;
+}
+
+/* The string in v (not NULL), else a run-time error "<what> must be a string". */
+kvc_status kvc__chat_want_str(const node *n, const value *v, const char *what, str *out);
+
+/* "'name' is undefined" for a name node, else "an undefined value is used". */
+kvc_status kvc__chat_undefined_error(const node *n);
+
+/* Python's `x in coll` into *r. */
+kvc_status kvc__chat_contains(ctx *c, const node *n, const value *x, const value *coll, int *r);
+
+/* The filter, or test, node n (chat_filter.c). */
+kvc_status kvc__chat_eval_filter(ctx *c, const node *n, value *out);
+kvc_status kvc__chat_eval_test(ctx *c, const node *n, value *out);
+/* Whether jinja2 has a filter / test of this name (else the template is
+ * refused when parsed, as jinja2 refuses it when compiled). */
+int kvc__chat_filter_known(str name);
+int kvc__chat_test_known(str name);
+
+/* HF's tojson filter (json.dumps) of x into *out; strftime_now(fmt) (chat_json.c). */
+kvc_status kvc__chat_tojson(ctx *c, const node *n, const value *x, const args *a, value *out);
+kvc_status kvc__chat_strftime_now(ctx *c, const node *n, const args *a, value *out);
+
+/* Calls macro m with arguments a: its rendered body into *out (chat.c). */
+kvc_status kvc__chat_call_macro(ctx *c, const node *n, const macro_ref *m, const args *a,
+                                value *out);
 
 #endif

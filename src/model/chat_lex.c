@@ -181,6 +181,31 @@ static kvc_status lex_tag(ctx *c, size_t *pos, int is_block, int *line, int *new
                 }
                 j++;
             }
+            /* a float: digits '.' digits, and / or an exponent (not after a '.':
+             * x.0.1 is two subscripts, as in jinja2) */
+            size_t k = j;
+            int is_float = 0;
+            if (!(i > 0 && s[i - 1] == '.')) {
+                if (k + 1 < n && s[k] == '.' && s[k + 1] >= '0' && s[k + 1] <= '9') {
+                    k++;
+                    while (k < n && ((s[k] >= '0' && s[k] <= '9') || s[k] == '_')) k++;
+                    is_float = 1;
+                }
+                if (k < n && (s[k] == 'e' || s[k] == 'E')) {
+                    size_t m = k + 1;
+                    if (m < n && (s[m] == '+' || s[m] == '-')) m++;
+                    if (m < n && s[m] >= '0' && s[m] <= '9') {
+                        k = m;
+                        while (k < n && ((s[k] >= '0' && s[k] <= '9') || s[k] == '_')) k++;
+                        is_float = 1;
+                    }
+                }
+            }
+            if (is_float) {
+                KVC_TRY(add_token(c, T_FLOAT, s + i, k - i, *line));
+                i = k;
+                continue;
+            }
             if (j < n &&
                 (s[j] == '.' || s[j] == 'e' || s[j] == 'E' || s[j] == 'x' || s[j] == 'o' ||
                  s[j] == 'b') &&

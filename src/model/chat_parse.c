@@ -140,6 +140,11 @@ static kvc_status parse_primary(ctx *c, node **out) {
         KVC_TRY(new_node(c, E_LIT, &n));
         n->lit = v_int(t->i);
         c->pos++;
+    } else if (t->k == T_FLOAT) { /* refused only if evaluated: dead branches may hold one */
+        KVC_TRY(new_node(c, E_UNSUP, &n));
+        n->name.p = "float literals are";
+        n->name.n = strlen(n->name.p);
+        c->pos++;
     } else if (t->k == T_NAME) {
         KVC_TRY(new_node(c, E_LIT, &n));
         if (str_eq(t->s, "true") || str_eq(t->s, "True"))
@@ -151,13 +156,25 @@ static kvc_status parse_primary(ctx *c, node **out) {
         else {
             n->k = E_NAME;
             n->name = t->s;
+            if (str_eq(t->s, "varargs") || str_eq(t->s, "kwargs") || str_eq(t->s, "caller"))
+                c->macro_special = 1; /* jinja2 changes a macro's signature for these */
         }
         c->pos++;
     } else if (is_op(t, "(")) {
         c->pos++;
-        KVC_TRY(parse_expr(c, &n));
-        if (is_op(peek(c), ","))
-            return kvc__chat_syntax_error(c, peek(c), "tuples are not supported");
+        int empty = is_op(peek(c), ")"); /* () */
+        if (!empty) KVC_TRY(parse_expr(c, &n));
+        if (empty || is_op(peek(c), ",")) { /* a tuple: refused if evaluated */
+            while (is_op(peek(c), ",")) {
+                c->pos++;
+                if (is_op(peek(c), ")")) break;
+                node *x;
+                KVC_TRY(parse_expr(c, &x));
+            }
+            KVC_TRY(new_node(c, E_UNSUP, &n));
+            n->name.p = "tuples are";
+            n->name.n = strlen(n->name.p);
+        }
         KVC_TRY(expect_op(c, ")"));
     } else if (is_op(t, "[")) {
         c->pos++;
@@ -244,21 +261,6 @@ static kvc_status parse_postfix(ctx *c, node **io) {
     }
 }
 
-static const char *const filter_names[] = {
-    "trim", "length",  "count", "upper",  "lower", "capitalize", "title",   "first",   "last",
-    "join", "default", "d",     "string", "int",   "list",       "reverse", "replace", "safe",
-};
-static const char *const test_names[] = {
-    "defined", "undefined", "none",    "string",   "number",   "integer", "boolean",
-    "true",    "false",     "mapping", "sequence", "iterable", "even",    "odd",
-};
-
-static int in_list(str s, const char *const *names, size_t n) {
-    for (size_t i = 0; i < n; i++)
-        if (str_eq(s, names[i])) return 1;
-    return 0;
-}
-
 /* Filters `| name(args)` and tests `is [not] name(args)` after a unary. */
 static kvc_status parse_filter_expr(ctx *c, node **io) {
     for (;;) {
@@ -267,9 +269,9 @@ static kvc_status parse_filter_expr(ctx *c, node **io) {
             c->pos++;
             KVC_TRY(new_node(c, E_FILTER, &n));
             KVC_TRY(expect_name(c, &n->name));
-            if (!in_list(n->name, filter_names, sizeof filter_names / sizeof filter_names[0]))
-                return kvc__chat_syntax_error(c, peek(c), "filter '%.*s' is not supported",
-                                              (int)n->name.n, n->name.p);
+            if (!kvc__chat_filter_known(n->name)) /* jinja2 refuses it when compiling */
+                return kvc__chat_syntax_error(c, peek(c), "no filter named '%.*s'",
+                                              (int)(n->name.n < 40 ? n->name.n : 40), n->name.p);
             if (is_op(peek(c), "(")) KVC_TRY(parse_args(c, n));
         } else if (is_name(peek(c), "is")) {
             c->pos++;
@@ -279,22 +281,28 @@ static kvc_status parse_filter_expr(ctx *c, node **io) {
                 c->pos++;
             }
             KVC_TRY(expect_name(c, &n->name));
-            if (str_eq(n->name, "none") || str_eq(n->name, "None")) n->name.p = "none";
-            if (str_eq(n->name, "true") || str_eq(n->name, "True")) n->name.p = "true";
-            if (str_eq(n->name, "false") || str_eq(n->name, "False")) n->name.p = "false";
-            if (!in_list(n->name, test_names, sizeof test_names / sizeof test_names[0]))
-                return kvc__chat_syntax_error(c, peek(c), "test '%.*s' is not supported",
-                                              (int)n->name.n, n->name.p);
+            if (str_eq(n->name, "None")) n->name.p = "none"; /* the parser's constants */
+            if (str_eq(n->name, "True")) n->name.p = "true";
+            if (str_eq(n->name, "False")) n->name.p = "false";
+            if (!kvc__chat_test_known(n->name))
+                return kvc__chat_syntax_error(c, peek(c), "no test named '%.*s'",
+                                              (int)(n->name.n < 40 ? n->name.n : 40), n->name.p);
             if (is_op(peek(c), "(")) {
                 KVC_TRY(parse_args(c, n));
-            } else { /* Jinja would read one argument here, without parentheses */
+            } else { /* one argument without parentheses, as jinja2 reads it */
                 token *t = peek(c);
                 if ((t->k == T_NAME && !is_name(t, "else") && !is_name(t, "or") &&
                      !is_name(t, "and")) ||
-                    t->k == T_STRING || t->k == T_INT || is_op(t, "[") || is_op(t, "{"))
-                    return kvc__chat_syntax_error(c, t,
-                                                  "test arguments without parentheses are not "
-                                                  "supported");
+                    t->k == T_STRING || t->k == T_INT || t->k == T_FLOAT || is_op(t, "[") ||
+                    is_op(t, "{")) {
+                    node *x;
+                    if (++c->depth > MAX_DEPTH)
+                        return kvc__chat_syntax_error(c, t, "expression nested too deeply");
+                    KVC_TRY(parse_primary(c, &x));
+                    KVC_TRY(parse_postfix(c, &x));
+                    c->depth--;
+                    KVC_TRY(push_node(c, &n->v, &n->nv, x));
+                }
             }
         } else {
             return KVC_OK;
@@ -337,7 +345,12 @@ static kvc_status make_bin(ctx *c, nkind k, const char *op, node *a, node *b, no
 
 static kvc_status parse_pow(ctx *c, node **out) {
     KVC_TRY(parse_unary(c, 1, out));
-    if (is_op(peek(c), "**")) return kvc__chat_syntax_error(c, peek(c), "'**' is not supported");
+    while (is_op(peek(c), "**")) { /* refused when evaluated */
+        c->pos++;
+        node *b;
+        KVC_TRY(parse_unary(c, 1, &b));
+        KVC_TRY(make_bin(c, E_BIN, "**", *out, b, out));
+    }
     return KVC_OK;
 }
 
@@ -345,15 +358,14 @@ static kvc_status parse_math2(ctx *c, node **out) {
     KVC_TRY(parse_pow(c, out));
     for (;;) {
         token *t = peek(c);
-        if (is_op(t, "/"))
-            return kvc__chat_syntax_error(c, t, "'/' (float division) is not supported");
-        if (!is_op(t, "*") && !is_op(t, "//") && !is_op(t, "%")) return KVC_OK;
+        if (!is_op(t, "*") && !is_op(t, "//") && !is_op(t, "%") && !is_op(t, "/")) return KVC_OK;
         c->pos++;
         node *b;
         KVC_TRY(parse_pow(c, &b));
         KVC_TRY(make_bin(c, E_BIN,
                          is_op(t, "*")    ? "*"
                          : is_op(t, "//") ? "//"
+                         : is_op(t, "/")  ? "/" /* refused when evaluated */
                                           : "%",
                          *out, b, out));
     }
@@ -570,6 +582,50 @@ static kvc_status parse_set(ctx *c, node **out) {
     return KVC_OK;
 }
 
+/* {% macro name(a, b=default, ...) %}body{% endmacro %} */
+static kvc_status parse_macro(ctx *c, node **out) {
+    static const char *const stops[] = {"endmacro"};
+    node *n;
+    int which = 0, defaults = 0;
+    KVC_TRY(new_node(c, S_MACRO, &n));
+    KVC_TRY(expect_name(c, &n->name));
+    KVC_TRY(expect_op(c, "("));
+    while (!is_op(peek(c), ")")) {
+        if (n->nnames) KVC_TRY(expect_op(c, ","));
+        str p = {NULL, 0};
+        node *d = NULL;
+        token *at = peek(c);
+        KVC_TRY(expect_name(c, &p));
+        for (size_t i = 0; i < n->nnames; i++)
+            if (n->names[i].n == p.n && memcmp(n->names[i].p, p.p, p.n) == 0)
+                return kvc__chat_syntax_error(c, at, "duplicate argument '%.*s'",
+                                              (int)(p.n < 40 ? p.n : 40), p.p);
+        if (is_op(peek(c), "=")) {
+            c->pos++;
+            KVC_TRY(parse_expr(c, &d));
+            defaults = 1;
+        } else if (defaults) {
+            return kvc__chat_syntax_error(c, at, "non-default argument follows default argument");
+        }
+        KVC_TRY(push_str(c, &n->names, &n->nnames, p));
+        KVC_TRY(push_node(c, &n->w, &n->nw, d));
+    }
+    c->pos++;
+    KVC_TRY(end_tag(c));
+    int loop_depth = c->loop_depth, special = c->macro_special;
+    c->loop_depth = 0; /* break / continue cannot leave the macro */
+    c->macro_special = 0;
+    KVC_TRY(kvc__chat_parse_block(c, stops, 1, &n->b, &which));
+    n->neg = c->macro_special;
+    c->loop_depth = loop_depth;
+    c->macro_special = special;
+    c->pos++;
+    KVC_TRY(end_tag(c));
+    KVC_TRY(push_str(c, &c->macro_names, &c->n_macro_names, n->name));
+    *out = n;
+    return KVC_OK;
+}
+
 /* One statement after `{%` (the parser is on its keyword). */
 static kvc_status parse_statement(ctx *c, node **out) {
     token *t = peek(c);
@@ -578,6 +634,7 @@ static kvc_status parse_statement(ctx *c, node **out) {
     if (str_eq(t->s, "if")) return parse_if(c, out);
     if (str_eq(t->s, "for")) return parse_for(c, out);
     if (str_eq(t->s, "set")) return parse_set(c, out);
+    if (str_eq(t->s, "macro")) return parse_macro(c, out);
     if (str_eq(t->s, "break") || str_eq(t->s, "continue")) {
         if (c->loop_depth == 0) /* jinja2 refuses the template, even if never run there */
             return kvc__chat_syntax_error(c, t, "'%.*s' outside a loop", (int)t->s.n, t->s.p);
@@ -631,7 +688,8 @@ kvc_status kvc__chat_parse_block(ctx *c, const char *const *stop, int n_stop, no
             }
             if (kw->k == T_NAME && (str_eq(kw->s, "elif") || str_eq(kw->s, "else") ||
                                     str_eq(kw->s, "endif") || str_eq(kw->s, "endfor") ||
-                                    str_eq(kw->s, "endset") || str_eq(kw->s, "endgeneration")))
+                                    str_eq(kw->s, "endset") || str_eq(kw->s, "endgeneration") ||
+                                    str_eq(kw->s, "endmacro")))
                 return kvc__chat_syntax_error(c, kw, "unexpected '%.*s'", (int)kw->s.n, kw->s.p);
             KVC_TRY(parse_statement(c, &n));
         } else {

@@ -65,11 +65,12 @@ const char *kvc__chat_type_name(const value *v) {
     case V_INT: return "int";
     case V_STR: return "str";
     case V_LIST: {
-        static const char *const names[] = {"list",      "tuple",       "range",
-                                            "dict_keys", "dict_values", "dict_items"};
+        static const char *const names[] = {"list",        "tuple",      "range",    "dict_keys",
+                                            "dict_values", "dict_items", "generator"};
         return names[v->u.l->kind];
     }
     case V_DICT: return "dict";
+    case V_MACRO: return "Macro";
     default: return "function";
     }
 }
@@ -132,6 +133,11 @@ static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr) {
     case V_INT: snprintf(num, sizeof num, "%lld", (long long)v->u.i); return sb_cstr(c, b, num);
     case V_STR: return repr ? repr_str(c, b, v->u.s) : kvc__chat_sb_put(c, b, v->u.s.p, v->u.s.n);
     case V_LIST:
+        if (v->u.l->kind == L_GEN) /* jinja2 prints <generator object ... at 0x...> */
+            return kvc__error(KVC_ERR_UNSUPPORTED,
+                              "chat template, line %d: printing a generator (what select, "
+                              "reject, selectattr, rejectattr, map and items give; add "
+                              "|list) is not supported", c->cur ? c->cur->line : 0);
         KVC_TRY(sb_cstr(c, b, v->u.l->kind == L_TUPLE ? "(" : "["));
         for (size_t i = 0; i < v->u.l->n; i++) {
             if (i) KVC_TRY(sb_cstr(c, b, ", "));
@@ -147,6 +153,10 @@ static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr) {
             KVC_TRY(write_value(c, b, &v->u.d->vals[i], 1));
         }
         return sb_cstr(c, b, v->u.d->is_namespace ? "}>" : "}");
+    case V_MACRO: /* jinja2: <Macro 'name'> */
+        KVC_TRY(sb_cstr(c, b, "<Macro '"));
+        KVC_TRY(kvc__chat_sb_put(c, b, v->u.m->def->name.p, v->u.m->def->name.n));
+        return sb_cstr(c, b, "'>");
     default: return sb_cstr(c, b, "<function>");
     }
 }
@@ -172,6 +182,7 @@ int kvc__chat_values_equal(const value *a, const value *b) {
     case V_NONE: return 1;
     case V_STR: return a->u.s.n == b->u.s.n && memcmp(a->u.s.p, b->u.s.p, a->u.s.n) == 0;
     case V_LIST: /* a tuple, range or view never equals a list, as in Python */
+        if (a->u.l->kind == L_GEN || b->u.l->kind == L_GEN) return a->u.l == b->u.l; /* identity */
         if (a->u.l->n != b->u.l->n || a->u.l->kind != b->u.l->kind) return 0;
         if (a->u.l->kind == L_VALUES) return 0; /* values views compare by identity */
         for (size_t i = 0; i < a->u.l->n; i++) {
@@ -199,6 +210,7 @@ int kvc__chat_values_equal(const value *a, const value *b) {
         }
         return 1;
     case V_FUNC: return a->u.i == b->u.i;
+    case V_MACRO: return a->u.m == b->u.m;
     default: return 0;
     }
 }
@@ -234,6 +246,7 @@ kvc_status kvc__chat_new_list(ctx *c, size_t cap, value *out) {
     ALLOC(c, l, 1);
     l->n = 0;
     l->kind = L_LIST;
+    l->consumed = 0;
     l->cap = cap ? cap : 1;
     ALLOC(c, l->items, l->cap);
     out->t = V_LIST;
@@ -319,6 +332,13 @@ size_t kvc__chat_str_len_cp(str s) {
  * characters; undefined iterates as empty. */
 kvc_status kvc__chat_iter_items(ctx *c, const node *n, const value *v, value *out) {
     if (v->t == V_LIST) {
+        if (v->u.l->kind == L_GEN) { /* Python's generators run once */
+            if (v->u.l->consumed)
+                return kvc__error(KVC_ERR_UNSUPPORTED,
+                                  "chat template, line %d: a generator (select, map, ...) used "
+                                  "a second time is not supported", n ? n->line : 0);
+            v->u.l->consumed = 1;
+        }
         *out = *v;
         return KVC_OK;
     }
@@ -337,6 +357,10 @@ kvc_status kvc__chat_iter_items(ctx *c, const node *n, const value *v, value *ou
 
 int kvc__chat_lookup(ctx *c, str name, value *out) {
     for (int f = c->n_frames - 1; f >= 0; f--) {
+        if (f < c->scope_floor && f >= c->def_depth) { /* in a macro: skip to its definer's */
+            f = c->def_depth;
+            continue;
+        }
         frame *fr = &c->frames[f];
         for (size_t i = fr->n; i-- > 0;)
             if (fr->names[i].n == name.n && memcmp(fr->names[i].p, name.p, name.n) == 0) {
@@ -347,7 +371,10 @@ int kvc__chat_lookup(ctx *c, str name, value *out) {
     static const struct {
         const char *name;
         int fn;
-    } fns[] = {{"raise_exception", F_RAISE}, {"namespace", F_NAMESPACE}, {"range", F_RANGE}};
+    } fns[] = {{"raise_exception", F_RAISE},
+           {"namespace", F_NAMESPACE},
+           {"range", F_RANGE},
+           {"strftime_now", F_STRFTIME}};
     for (size_t i = 0; i < sizeof fns / sizeof fns[0]; i++)
         if (str_eq(name, fns[i].name)) {
             out->t = V_FUNC;
