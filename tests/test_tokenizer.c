@@ -622,6 +622,8 @@ TEST(chat_errors) {
                                  "{{ [1] | select }}",      /* a generator printed */
                                  "{% set g = [1] | map('string') %}{{ g | list }}{{ g | list }}",
                                  "{% macro m(x) %}{{ varargs }}{% endmacro %}{{ m(1) }}",
+                                 /* a namespace could hold itself: printing it recursed forever */
+                                 "{% set ns = namespace() %}{% set ns.x = [ns] %}{{ ns }}",
                                  "{{ now() }}"};
     for (size_t i = 0; i < sizeof unsupported / sizeof unsupported[0]; i++) {
         kvc_status st =
@@ -635,7 +637,10 @@ TEST(chat_errors) {
                              "{% macro m(a) %}{% endmacro %}{{ m(1, 2) }}",
                              "{% macro m(a) %}{% endmacro %}{{ m(1, a=2) }}",
                              "{{ strftime_now(1) }}", "{{ [1] | select | length }}",
-                             "{% if false %}{{ 1.5 }}{% endif %}{{ 1 // 0 }}"};
+                             "{% if false %}{{ 1.5 }}{% endif %}{{ 1 // 0 }}",
+                             /* 100k nested lists overflowed the stack when printed */
+                             "{% set ns = namespace(x=[]) %}{% for i in range(100000) %}"
+                             "{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x }}"};
     for (size_t i = 0; i < sizeof invalid / sizeof invalid[0]; i++) {
         kvc_status st = kvc_chat_apply_template(NULL, invalid[i], m, 1, 1, buf, sizeof buf, &len);
         if (st != KVC_ERR_INVALID_ARG)

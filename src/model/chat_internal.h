@@ -133,6 +133,8 @@ struct list {
     size_t n, cap;
     lkind kind;
     int consumed; /* L_GEN: iterated */
+    int depth;    /* nesting (see MAX_VALUE_DEPTH) */
+    int has_ns;   /* holds a namespace, at any depth */
 };
 
 struct dict {
@@ -140,7 +142,14 @@ struct dict {
     value *vals;
     size_t n, cap;
     int is_namespace;
+    int depth, has_ns;
 };
+
+/* Lists and dicts nest at most this deep when built, and a namespace holds
+ * no namespace (so none holds itself): printing, comparing and tojson
+ * recurse at most twice this deep (a namespace can deepen after a list
+ * took it in). */
+#define MAX_VALUE_DEPTH 500
 
 static inline value v_undef(void) {
     value v = {V_UNDEF, {0}};

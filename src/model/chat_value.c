@@ -247,6 +247,8 @@ kvc_status kvc__chat_new_list(ctx *c, size_t cap, value *out) {
     l->n = 0;
     l->kind = L_LIST;
     l->consumed = 0;
+    l->depth = 0;
+    l->has_ns = 0;
     l->cap = cap ? cap : 1;
     ALLOC(c, l->items, l->cap);
     out->t = V_LIST;
@@ -254,7 +256,23 @@ kvc_status kvc__chat_new_list(ctx *c, size_t cap, value *out) {
     return KVC_OK;
 }
 
+/* The depth and namespace marks a container takes from a new item v. */
+static kvc_status take_marks(ctx *c, int *depth, int *has_ns, const value *v) {
+    int d = v->t == V_LIST ? v->u.l->depth : v->t == V_DICT ? v->u.d->depth : 0;
+    if (d + 1 > *depth) {
+        if (d + 1 > MAX_VALUE_DEPTH)
+            return kvc__chat_runtime_error(c->cur, "lists and dicts nested more than %d deep",
+                                           MAX_VALUE_DEPTH);
+        *depth = d + 1;
+    }
+    if ((v->t == V_LIST && v->u.l->has_ns) ||
+        (v->t == V_DICT && (v->u.d->has_ns || v->u.d->is_namespace)))
+        *has_ns = 1;
+    return KVC_OK;
+}
+
 kvc_status kvc__chat_list_push(ctx *c, list *l, value v) {
+    KVC_TRY(take_marks(c, &l->depth, &l->has_ns, &v));
     if (l->n == l->cap) {
         value *items;
         ALLOC(c, items, 2 * l->cap);
@@ -285,6 +303,11 @@ value *kvc__chat_dict_find(dict *d, str key) {
 }
 
 kvc_status kvc__chat_dict_set(ctx *c, dict *d, str key, value v) {
+    KVC_TRY(take_marks(c, &d->depth, &d->has_ns, &v));
+    if (d->is_namespace && d->has_ns) /* it could come to hold itself */
+        return kvc__error(KVC_ERR_UNSUPPORTED,
+                          "chat template, line %d: a namespace holding a namespace is not "
+                          "supported", c->cur ? c->cur->line : 0);
     value *slot = kvc__chat_dict_find(d, key);
     if (slot) {
         *slot = v;
