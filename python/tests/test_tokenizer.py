@@ -4,6 +4,8 @@ in the environment transformers uses."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import random
 import sys
@@ -19,6 +21,8 @@ MODEL = Path(__file__).resolve().parents[2] / "models" / "SmolLM2-135M-Instruct.
 
 jinja2 = pytest.importorskip("jinja2", reason="jinja2 (python/requirements.txt) is needed as the "
                                               "chat-template reference")
+import jinja2.ext  # noqa: E402
+import jinja2.nodes  # noqa: E402
 from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: E402
 
 
@@ -314,15 +318,39 @@ def test_unknown_pre_tokenizer():
 # chat templates vs jinja2
 
 
-def _jinja(template, messages, add_generation_prompt, bos_token="", eos_token=""):
+class _Generation(jinja2.ext.Extension):
+    """{% generation %}...{% endgeneration %} renders its body (transformers'
+    AssistantTracker also records where; the text is the same)."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+def _hf_tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers replaces jinja2's tojson with this (no HTML escaping, no sorting)
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _hf_env():
+    """The environment transformers' apply_chat_template renders in."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+                                        extensions=[_Generation, "jinja2.ext.loopcontrols"])
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
+    env.filters["tojson"] = _hf_tojson
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env
+
+
+def _jinja(template, messages, add_generation_prompt, bos_token="", eos_token=""):
+    return _hf_env().from_string(template).render(
         messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
         eos_token=eos_token, tools=None, documents=None)
 
@@ -716,3 +744,310 @@ def test_template_search_and_strip_on_adversarial_strings():
         assert kvcache.render_chat_template(template, []) == want, template
         assert _jinja(template, [], False) == want, template
     assert kvcache.render_chat_template("{% set x %}{% endset %}[{{ x }}]", []) == "[]"
+
+
+# ---------------------------------------------------------------------------
+# constructs real model templates use (tool branches, tojson, macros, ...);
+# the templates are written for this suite. The C API passes tools=None, so
+# each template builds its own tool list to reach the tool branches too.
+
+TOOLS_SET = """{%- set demo_tools = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather \\"now\\" in a city",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "Città"},
+                    "unit": {"type": ["string", "null"], "enum": ["c", "f"]}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "noop", "description": "Nothing\\tat\\nall",
+     "parameters": {"type": "object", "properties": {}}, "return": {"type": "integer"}}}
+] %}
+"""
+
+LLAMA31_LIKE = TOOLS_SET + """{{- bos_token }}
+{%- if not date_string is defined %}{%- set date_string = "26 Jul 2024" %}{%- endif %}
+{%- set builtin = ["brave_search", "code_interpreter", "wolfram"] %}
+{%- if messages and messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] | trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if tools is not none %}{{- "Environment: ipython\\n" }}{%- endif %}
+{{- "Tools: " + builtin | reject('equalto', 'code_interpreter') | join(", ") + "\\n\\n" }}
+{{- "Today Date: " + date_string + "\\n\\n" }}
+{%- for t in demo_tools %}
+    {{- t | tojson(indent=4) }}
+    {{- "\\n\\n" }}
+{%- endfor %}
+{{- system_message }}{{- "<|eot_id|>" }}
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}
+    {%- endif %}
+    {%- if loop.last and message.role == 'user' %}
+        {%- set call = {"name": "get_weather", "arguments": {"city": message.content, "n": loop.index}} %}
+        {{- '<|python_tag|>' + call.name + '.call(' }}
+        {%- for arg_name, arg_val in call.arguments | items %}
+            {{- arg_name + '=' + arg_val | tojson }}{% if not loop.last %}, {% endif %}
+        {%- endfor %}
+        {{- ')' }}{{- {"name": call.name, "parameters": call.arguments} | tojson }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}
+"""
+
+MISTRAL_TOOLS_LIKE = TOOLS_SET + """{%- macro render_tool(tool, sep=", ") -%}
+{{- '{"type": "function", "function": {' }}
+{%- for key, val in tool.function.items() if key != "return" %}
+    {%- if val is string %}{{- '"' + key + '": "' + val + '"' }}{%- else %}{{- '"' + key + '": ' + val|tojson }}{%- endif %}
+    {%- if not loop.last %}{{- sep }}{%- endif %}
+{%- endfor %}
+{{- "}}" }}
+{%- endmacro %}
+{%- macro inst(text, system=none) %}[INST]{% if system %}{{ system }}\\n\\n{% endif %}{{ text }}[/INST]{% endmacro %}
+{%- if messages and messages[0]["role"] == "system" %}
+    {%- set system_message = messages[0]["content"] %}{%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- set user_messages = loop_messages | selectattr("role", "equalto", "user") | list %}
+{%- set others = loop_messages | rejectattr("role", "equalto", "user") | map(attribute="role") | list %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message["role"] == "user" %}
+        {%- if message == user_messages[-1] %}
+            {{- "[AVAILABLE_TOOLS][" }}
+            {%- for tool in demo_tools %}{{- render_tool(tool) }}{{- ", " if not loop.last else "]" }}{%- endfor %}
+            {{- "[/AVAILABLE_TOOLS]" }}
+            {%- set out = {"name": "noop", "arguments": {"q": message.content}} | tojson %}
+            {{- "[TOOL_CALLS][" + out[:-1] + ', "id": "abcdefghi"}]' }}
+        {%- endif %}
+        {{- inst(message["content"], system=system_message if loop.last and system_message is defined else none) }}
+    {%- elif message["role"] == "assistant" %}
+        {{- message["content"] + eos_token }}
+    {%- endif %}
+{%- endfor %}
+{{- others | tojson }}{{- user_messages | length }}
+"""
+
+HERMES_LIKE = TOOLS_SET + """{%- macro py_type(spec) %}
+{%- set basic = {"string": "str", "number": "float", "integer": "int", "boolean": "bool"} %}
+{%- if basic[spec.type] is defined %}{{- basic[spec.type] }}
+{%- elif spec.type == "array" %}{{- "list[" + py_type(spec|items) + "]" }}
+{%- elif spec.type == "object" %}{{- "dict" }}
+{%- elif spec.type is iterable and spec.type is not string %}{{- "Union[" }}
+    {%- for t in spec.type %}{{- py_type({"type": t}) }}{%- if not loop.last %},{% endif %}{%- endfor %}
+    {{- "]" }}
+{%- else %}{{- "Any" }}
+{%- endif %}
+{%- endmacro %}
+{{- '<|im_start|>system\\n<tools>' }}
+{%- for tool in demo_tools %}
+    {%- set tool = tool.function %}
+    {{- tool.name + '(' }}
+    {%- for name, fields in tool.parameters.properties | items %}
+        {{- name + ": " + py_type(fields) }}{%- if not loop.last %}, {% endif %}
+    {%- endfor %}
+    {{- ')' }}{%- if tool.return is defined %}{{- " -> " + py_type(tool.return) }}{%- endif %}
+    {{- " - " + tool.description | trim }}
+    {%- if tool.parameters.properties | length == 0 %}{{- " {}" }}{%- else %}{{- " " + tool.parameters | tojson }}{%- endif %}
+    {{- "\\n" }}
+{%- endfor %}
+{{- '</tools><|im_end|>\\n' }}
+{%- for message in messages %}
+    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+DEAD_BRANCHES = """{%- if tools %}{{ tools | tojson }}{{ tools | wordcount }}{{ 1.5 }}{{ 3 / 2 }}
+{{ (1, 2) }}{{ 2 ** 8 }}{% endif %}
+{%- if documents is not none %}{{ documents | map(attribute='x') | sum }}{% endif %}
+{%- for m in messages %}{{ m.content | tojson }}{% if m.role is in ['user', 'system'] %}U{% endif %}{% endfor %}ok
+"""
+
+
+@pytest.mark.parametrize("name,template", [("llama31_like", LLAMA31_LIKE),
+                                           ("mistral_tools_like", MISTRAL_TOOLS_LIKE),
+                                           ("hermes_like", HERMES_LIKE),
+                                           ("dead_branches", DEAD_BRANCHES)])
+def test_tool_templates_match_jinja(name, template):
+    bos, eos = "<s>", "</s>"
+    tok = _template_tokenizer(bos, eos)
+    for msgs in CONVERSATIONS + [[{"role": "user", "content": 'é "q" \\ \x01\t🎉'}]]:
+        for agp in (True, False):
+            want = _jinja(template, msgs, agp, bos, eos)
+            got = tok.apply_chat_template(msgs, agp, template=template)
+            assert got == want, (name, msgs, agp)
+    tok.close()
+
+
+TOJSON_VALUES = [
+    "None", "true", "false", "0", "-42", "9223372036854775807", "''", "'plain'",
+    r"'q\"uote \\ back\nnl\rcr\ttab\x08bs\x0cff\x01\x1f\x7f'", r"'é ß 日本 🎉 \u2028 \U0001f600'",
+    "[]", "{}", "[1, [2, []], {}]", "{'b': 1, 'a': [true, none], 'B': {'z': {}, 'é': 'x'}}",
+    "messages", "{'a': 1}.items() | list", "[(messages | first)]",
+]
+TOJSON_ARGS = [
+    "", "(indent=2)", "(indent=0)", "(indent=-1)", "(indent='\\t')", "(indent='--')",
+    "(ensure_ascii=true)", "(sort_keys=true)", "(separators=[',', ':'])",
+    "(indent=1, separators=[';', '='], sort_keys=true, ensure_ascii=true)", "(true, 3)",
+    "(indent=true)", "(ensure_ascii=0, indent=none)",
+]
+
+
+def test_tojson_matches_transformers():
+    msgs = CONVERSATIONS[3]
+    for v in TOJSON_VALUES:
+        for a in TOJSON_ARGS:
+            template = "{{ %s | tojson%s }}" % (v, a)
+            assert kvcache.render_chat_template(template, msgs) == _jinja(template, msgs, True), \
+                template
+    for bad in ["{{ x | tojson }}", "{{ range(2) | tojson }}", "{{ {}.keys() | tojson }}",
+                "{{ namespace() | tojson }}", "{{ [1] | select | tojson }}",
+                "{{ 1 | tojson(indent=[1]) }}", "{{ 1 | tojson(separators=[1, 2]) }}",
+                "{{ 1 | tojson(nope=1) }}", "{{ 1 | tojson(1, 2, 3, 4, 5) }}"]:
+        with pytest.raises(Exception):
+            _jinja(bad, msgs, True)
+        with pytest.raises(kvcache.InvalidArgumentError):
+            kvcache.render_chat_template(bad, msgs)
+
+
+def test_strftime_now_matches_python():
+    fmts = ["%Y-%m-%d", "%d %b %Y", "%A %B %j %U %W %w %y %C %e %u %V %G", "%H:%M %p %I %%",
+            "%c | %x | %X | %D %F %R %T", "%z%Z|%%z|x", "", "no directives", "%"]
+    for f in fmts:
+        template = "{{ strftime_now(%r) }}" % f
+        for _ in range(3):  # a minute or day may turn between the two renderings
+            before = _jinja(template, [], True)
+            got = kvcache.render_chat_template(template, [])
+            after = _jinja(template, [], True)
+            if got in (before, after):
+                break
+        assert got in (before, after), (f, got, before)
+    usec = kvcache.render_chat_template("{{ strftime_now('%f') }}", [])
+    assert len(usec) == 6 and usec.isdigit()
+    for bad in ["{{ strftime_now() }}", "{{ strftime_now(1) }}", "{{ strftime_now('a', 'b') }}"]:
+        with pytest.raises(kvcache.InvalidArgumentError):
+            kvcache.render_chat_template(bad, [])
+
+
+MACRO_CASES = [
+    "{% macro m(a, b='x') %}[{{ a }}|{{ b }}]{% endmacro %}{{ m(1) }}{{ m(1, 2) }}{{ m(b=3, a=4) }}{{ m() }}",
+    "{% macro m(n) %}{% if n > 0 %}{{ n }}{{ m(n - 1) }}{% endif %}{% endmacro %}{{ m(5) }}",
+    "{% set x = 1 %}{% macro m() %}{{ x }}{% endmacro %}{% set x = 2 %}{{ m() }}",
+    "{% macro m() %}{{ y }}|{{ loop }}{% endmacro %}{% for y in [5] %}{{ m() }}{% endfor %}",
+    "{% for y in [5, 6] %}{% macro m() %}{{ y }}{% endmacro %}{% set y = y + 1 %}{{ m() }}{% endfor %}",
+    "{% macro m(a, b=a ~ '!') %}{{ b }}{% endmacro %}{{ m(1) }}",
+    "{% macro m() %}{% set z = 1 %}{{ z }}{% endmacro %}{{ m() }}{{ z }}",
+    "{% macro m() %}x{% endmacro %}{{ m() + 'y' }} {{ m() | length }} {{ m() is string }} {{ m }}",
+    "{% macro m(messages) %}{{ messages }}{% endmacro %}{{ m(2) }}{{ messages | length }}",
+    "{% set ns = namespace(a=1) %}{% macro m() %}{% set ns.a = ns.a + 4 %}{% endmacro %}{{ m() }}{{ ns.a }}",
+    "{% macro m(x) %}{% for i in x %}{% if i > 1 %}{% break %}{% endif %}{{ i }}{% endfor %}{% endmacro %}{{ m([1, 2, 3]) }}",
+    "{% macro outer(v) %}<{{ inner(v) }}>{% endmacro %}{% macro inner(v) %}{{ v | upper }}{% endmacro %}{{ outer('a') }}",
+    "{% if false %}{% macro m() %}x{% endmacro %}{% endif %}{{ m is defined }}",
+    "{% macro m(a) %}{% endmacro %}{{ m(1, 2) }}",
+    "{% macro m(a) %}{% endmacro %}{{ m(1, a=2) }}",
+    "{% macro m(a) %}{% endmacro %}{{ m(c=2) }}",
+    "{{ m() }}{% macro m() %}x{% endmacro %}",
+]
+
+
+def test_macros_match_jinja():
+    msgs = CONVERSATIONS[2]
+    for template in MACRO_CASES:
+        try:
+            want = _jinja(template, msgs, True)
+        except (TypeError, jinja2.exceptions.TemplateError):
+            with pytest.raises(kvcache.InvalidArgumentError):
+                kvcache.render_chat_template(template, msgs)
+            continue
+        assert kvcache.render_chat_template(template, msgs) == want, template
+    # endless recursion ends at the nesting cap, exponential recursion at the step cap
+    for template in ["{% macro m() %}{{ m() }}{% endmacro %}{{ m() }}",
+                     "{% macro m(n) %}{{ m(n + 1) }}{{ m(n + 1) }}{% endmacro %}{{ m(0) }}"]:
+        with pytest.raises(kvcache.InvalidArgumentError, match="line 1"):
+            kvcache.render_chat_template(template, msgs)
+
+
+FILTER_CASES = [
+    "{{ messages | selectattr('role', 'equalto', 'user') | list }}",
+    "{{ messages | rejectattr('role', 'eq', 'user') | map(attribute='role') | join(',') }}",
+    "{{ messages | map(attribute='nope', default='d') | list }}{{ messages | map(attribute='x') | list }}",
+    "{{ ['a', 'B', 'c'] | map('upper') | list }}{{ [' a ', 'b '] | map('trim') | join }}",
+    "{{ [1, 2, 3, 4] | select('odd') | list }}{{ [1, 2, 3, 4] | reject('odd') | list }}",
+    "{{ [0, 1, '', 'a', none] | select | list }}{{ [0, 1, '', 'a'] | reject | list }}",
+    "{{ [1, 5, 3] | select('gt', 2) | list }}{{ [1, 5, 3] | select('ge', 3) | list }}"
+    "{{ [1, 5, 3] | reject('lessthan', 3) | list }}{{ ['a', 'b'] | select('in', 'abc') | list }}",
+    "{% for k, v in {'a': 1, 'b': [2]} | items %}{{ k }}={{ v }};{% endfor %}"
+    "{% for k, v in undefined_x | items %}no{% endfor %}",
+    "{% if [] | select %}a generator is true{% endif %}{{ (messages | selectattr('role')) is sequence }}",
+    "{{ messages | selectattr('content') | map(attribute='role') | first }}",
+    "{{ [{'a': {'b': 1}}, {'a': {'b': 0}}] | selectattr('a.b') | list }}"
+    "{{ [[1, 2], [3, 0]] | selectattr('1') | list }}",
+    "{{ 3 is divisibleby 3 }}{{ 3 is divisibleby(2) }}{{ 'a' is in 'abc' }}{{ 1 is in [2] }}"
+    "{{ 2 is gt 1 }}{{ 2 is lessthan 1 }}{{ 'a' is eq 'a' }}{{ 1 is ne 1 }}{{ 1 is sameas none }}",
+    "{{ 'upper' is filter }}{{ 'odd' is test }}{{ 'x' is filter }}{{ 1 is float }}"
+    "{{ x is callable }}{{ range is callable }}{{ 'a' is callable }}",
+    "{{ messages | selectattr('role', 'in', ['user', 'system']) | map(attribute='content') | map('length') | list }}",
+    "{{ [1, 2] | select('nosuch') | list }}",
+    "{{ [1] | items | list }}",
+    "{{ [1, 2] | map('nosuch') | list }}",
+    "{{ (messages | select) | length }}",
+    "{{ messages | select | last }}",
+]
+
+
+def test_filters_and_tests_match_jinja():
+    msgs = CONVERSATIONS[3]
+    for template in FILTER_CASES:
+        try:
+            want = _jinja(template, msgs, True)
+        except (TypeError, jinja2.exceptions.TemplateError):
+            with pytest.raises((kvcache.InvalidArgumentError, kvcache.UnsupportedError)):
+                kvcache.render_chat_template(template, msgs)
+            continue
+        try:
+            got = kvcache.render_chat_template(template, msgs)
+        except kvcache.UnsupportedError:
+            assert "sameas" in template  # the only case here kvcache refuses
+            continue
+        assert got == want, template
+
+
+def test_unsupported_only_when_evaluated():
+    """jinja2 compiles what kvcache lacks (floats, '/', tuples, its other
+    filters and tests): a template renders while they sit in untaken
+    branches, and is refused (UnsupportedError, with the line) when one runs."""
+    msgs = CONVERSATIONS[1]
+    assert kvcache.render_chat_template(DEAD_BRANCHES, msgs) == _jinja(DEAD_BRANCHES, msgs, True)
+    for expr in ["1.5", "3 / 2", "(1, 2)", "2 ** 8", "'a b' | wordcount", "'a' is lower",
+                 "[1] | sum", "[1] | select", "1e3"]:
+        template = "line1\n{%% if messages %%}{{ %s }}{%% endif %%}" % expr
+        with pytest.raises(kvcache.UnsupportedError, match="line 2"):
+            kvcache.render_chat_template(template, msgs)
+        assert kvcache.render_chat_template(template, []) == "line1\n"
+    # names jinja2 does not know: an error when compiled, but only when run
+    # inside an if statement or a conditional expression (jinja2 compiles
+    # those "softly"), not inside a loop, macro or block set in them
+    for template, fails_anyway in [
+            ("{{ 1 | nosuch }}", True), ("{% for i in [] %}{{ 1 | nosuch }}{% endfor %}", True),
+            ("{% if x %}{% for i in [] %}{{ 1 is nosuch }}{% endfor %}{% endif %}", True),
+            ("{% if x %}{% set b %}{{ 1 | nosuch }}{% endset %}{% endif %}", True),
+            ("{% macro m() %}{{ 1 | nosuch }}{% endmacro %}", True),
+            ("{% for i in [1] if i | nosuch %}{% endfor %}", True),
+            ("{% if x %}{{ 1 | nosuch }}{% endif %}ok", False),
+            ("{% if true %}{% elif y %}{% else %}{{ 1 is nosuch }}{% endif %}ok", False),
+            ("{{ 1 | nosuch if false else 2 }}", False), ("{{ 2 if true else 1 | nosuch }}", False),
+            ("{% for i in [1] %}{% if not i %}{{ 1 is nosuch }}{% endif %}{% endfor %}ok", False),
+            ("{% if x %}{% for i in [1] | nosuch %}{% endfor %}{% endif %}ok", False)]:
+        if fails_anyway:
+            with pytest.raises(jinja2.exceptions.TemplateAssertionError):
+                _jinja(template, msgs, True)
+            with pytest.raises(kvcache.UnsupportedError):
+                kvcache.render_chat_template(template, msgs)
+        else:
+            assert kvcache.render_chat_template(template, msgs) == _jinja(template, msgs, True)
+    for template in ["{% if true %}{{ 1 | nosuch }}{% endif %}", "{{ 1 | nosuch if true }}"]:
+        with pytest.raises(jinja2.exceptions.TemplateRuntimeError):
+            _jinja(template, msgs, True)
+        with pytest.raises(kvcache.InvalidArgumentError, match="No filter named"):
+            kvcache.render_chat_template(template, msgs)

@@ -329,6 +329,13 @@ static kvc_status render(ctx *c, const char *tmpl, size_t tmpl_n, const kvc_toke
     node *root;
     int which = 0;
     KVC_TRY(kvc__chat_parse_block(c, NULL, 0, &root, &which));
+    for (size_t i = 0; i < c->n_unknown; i++) /* jinja2 refuses these when compiling */
+        if (!c->unknown[i]->soft)
+            return kvc__error(KVC_ERR_UNSUPPORTED, "chat template, line %d: no %s named '%.*s'",
+                              c->unknown[i]->line,
+                              c->unknown[i]->k == E_FILTER ? "filter" : "test",
+                              (int)(c->unknown[i]->name.n < 40 ? c->unknown[i]->name.n : 40),
+                              c->unknown[i]->name.p);
     KVC_TRY(kvc__chat_new_list(c, (size_t)n_messages, &c->messages));
     for (int64_t i = 0; i < n_messages; i++) {
         value m;

@@ -323,9 +323,17 @@ static kvc_status generator_filter(ctx *c, const node *n, str f, const value *x,
     return KVC_OK;
 }
 
+/* jinja2's TemplateRuntimeError for a name it did not know when compiling. */
+static kvc_status unknown_name(const node *n) {
+    return kvc__chat_runtime_error(n, "No %s named '%.*s' found.",
+                                   n->k == E_FILTER ? "filter" : "test",
+                                   (int)(n->name.n < 40 ? n->name.n : 40), n->name.p);
+}
+
 kvc_status kvc__chat_eval_filter(ctx *c, const node *n, value *out) {
     value x;
     args a;
+    if (n->unknown) return unknown_name(n);
     KVC_TRY(kvc__chat_eval(c, n->a, &x));
     KVC_TRY(kvc__chat_eval_args(c, n, &a));
     return apply_filter(c, n, n->name, x, &a, out);
@@ -628,6 +636,7 @@ static kvc_status apply_test(ctx *c, const node *n, str t, const value *x, const
 kvc_status kvc__chat_eval_test(ctx *c, const node *n, value *out) {
     value x;
     args a;
+    if (n->unknown) return unknown_name(n);
     KVC_TRY(kvc__chat_eval(c, n->a, &x));
     KVC_TRY(kvc__chat_eval_args(c, n, &a));
     int r = 0;

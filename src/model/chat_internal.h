@@ -228,6 +228,9 @@ typedef struct ctx {
     int depth;
     int loop_depth; /* for bodies the parser is in (break / continue need one) */
     int macro_special; /* a macro body being parsed names varargs, kwargs or caller */
+    int soft;          /* parsing inside an if statement or a conditional expression */
+    node **unknown;    /* the filter / test nodes of names jinja2 does not know */
+    size_t n_unknown;
     str *macro_names;  /* every macro the template defines (an undefined one called: */
     size_t n_macro_names; /* an error, not an unknown function) */
     /* evaluation */
@@ -290,6 +293,12 @@ struct node {
     nkind k;
     int line;
     int neg;  /* E_TEST: `is not` */
+    /* E_FILTER / E_TEST of a name jinja2 does not know: jinja2 refuses the
+     * template when compiling it, unless the node sits in an if statement or
+     * a conditional expression (a "soft" frame; not in a loop, macro or
+     * block set inside it), where it fails only when evaluated */
+    int unknown, soft;
+    size_t tok; /* the parser's token position when the node was made */
     str name; /* names, operators, texts */
     str attr;
     value lit;

@@ -13,6 +13,7 @@ static kvc_status new_node(ctx *c, nkind k, node **out) {
     memset(n, 0, sizeof *n);
     n->k = k;
     n->line = c->toks[c->pos < c->n_toks ? c->pos : c->n_toks - 1].line;
+    n->tok = c->pos;
     *out = n;
     return KVC_OK;
 }
@@ -101,7 +102,7 @@ static kvc_status parse_args(ctx *c, node *n) {
     while (!is_op(peek(c), ")")) {
         if (n->nv + n->nw) KVC_TRY(expect_op(c, ","));
         if (is_op(peek(c), ")")) break; /* trailing comma */
-        node *x;
+        node *x = NULL;
         if (peek(c)->k == T_NAME && is_op(peek_at(c, 1), "=")) {
             str key = peek(c)->s;
             c->pos += 2;
@@ -261,6 +262,13 @@ static kvc_status parse_postfix(ctx *c, node **io) {
     }
 }
 
+/* A filter or test name jinja2 does not know (see node.unknown). */
+static kvc_status mark_unknown(ctx *c, node *n) {
+    n->unknown = 1;
+    n->soft = c->soft;
+    return push_node(c, &c->unknown, &c->n_unknown, n);
+}
+
 /* Filters `| name(args)` and tests `is [not] name(args)` after a unary. */
 static kvc_status parse_filter_expr(ctx *c, node **io) {
     for (;;) {
@@ -269,9 +277,7 @@ static kvc_status parse_filter_expr(ctx *c, node **io) {
             c->pos++;
             KVC_TRY(new_node(c, E_FILTER, &n));
             KVC_TRY(expect_name(c, &n->name));
-            if (!kvc__chat_filter_known(n->name)) /* jinja2 refuses it when compiling */
-                return kvc__chat_syntax_error(c, peek(c), "no filter named '%.*s'",
-                                              (int)(n->name.n < 40 ? n->name.n : 40), n->name.p);
+            if (!kvc__chat_filter_known(n->name)) KVC_TRY(mark_unknown(c, n));
             if (is_op(peek(c), "(")) KVC_TRY(parse_args(c, n));
         } else if (is_name(peek(c), "is")) {
             c->pos++;
@@ -284,9 +290,7 @@ static kvc_status parse_filter_expr(ctx *c, node **io) {
             if (str_eq(n->name, "None")) n->name.p = "none"; /* the parser's constants */
             if (str_eq(n->name, "True")) n->name.p = "true";
             if (str_eq(n->name, "False")) n->name.p = "false";
-            if (!kvc__chat_test_known(n->name))
-                return kvc__chat_syntax_error(c, peek(c), "no test named '%.*s'",
-                                              (int)(n->name.n < 40 ? n->name.n : 40), n->name.p);
+            if (!kvc__chat_test_known(n->name)) KVC_TRY(mark_unknown(c, n));
             if (is_op(peek(c), "(")) {
                 KVC_TRY(parse_args(c, n));
             } else { /* one argument without parentheses, as jinja2 reads it */
@@ -469,9 +473,14 @@ static kvc_status parse_or(ctx *c, node **out) {
 static kvc_status parse_expr(ctx *c, node **out) {
     if (++c->depth > MAX_DEPTH)
         return kvc__chat_syntax_error(c, peek(c), "expression nested too deeply");
+    size_t start = c->pos;
+    int soft = c->soft;
     KVC_TRY(parse_or(c, out));
     while (is_name(peek(c), "if")) {
         c->pos++;
+        c->soft = 1; /* jinja2 compiles a conditional expression's three parts softly */
+        for (size_t i = c->n_unknown; i-- > 0 && c->unknown[i]->tok >= start;)
+            c->unknown[i]->soft = 1;
         node *n;
         KVC_TRY(new_node(c, E_COND, &n));
         n->b = *out;
@@ -482,6 +491,7 @@ static kvc_status parse_expr(ctx *c, node **out) {
         }
         *out = n;
     }
+    c->soft = soft;
     c->depth--;
     return KVC_OK;
 }
@@ -495,6 +505,8 @@ static kvc_status end_tag(ctx *c) {
 static kvc_status parse_if(ctx *c, node **out) {
     static const char *const stops[] = {"elif", "else", "endif"};
     node *n = NULL;
+    int soft = c->soft;
+    c->soft = 1;
     KVC_TRY(new_node(c, S_IF, &n));
     KVC_TRY(parse_or(c, &n->a)); /* no `x if y` here, as in jinja2 (parentheses allow it) */
     KVC_TRY(end_tag(c));
@@ -511,6 +523,7 @@ static kvc_status parse_if(ctx *c, node **out) {
     } else {
         KVC_TRY(end_tag(c));
     }
+    c->soft = soft;
     *out = n;
     return KVC_OK;
 }
@@ -531,6 +544,8 @@ static kvc_status parse_for(ctx *c, node **out) {
     if (++c->depth > MAX_DEPTH) return kvc__chat_syntax_error(c, peek(c), "expression nested too deeply");
     KVC_TRY(parse_or(c, &n->a));
     c->depth--;
+    int soft = c->soft;
+    c->soft = 0; /* the loop has a frame of its own */
     if (is_name(peek(c), "if")) {
         c->pos++;
         KVC_TRY(parse_expr(c, &n->d));
@@ -549,6 +564,7 @@ static kvc_status parse_for(ctx *c, node **out) {
         c->pos++;
         KVC_TRY(end_tag(c));
     }
+    c->soft = soft;
     *out = n;
     return KVC_OK;
 }
@@ -569,7 +585,10 @@ static kvc_status parse_set(ctx *c, node **out) {
         int which = 0;
         c->pos++;
         n->k = S_SETBLOCK;
+        int soft = c->soft;
+        c->soft = 0;
         KVC_TRY(kvc__chat_parse_block(c, stops, 1, &n->b, &which));
+        c->soft = soft;
         c->pos++;
         KVC_TRY(end_tag(c));
         *out = n;
@@ -612,13 +631,15 @@ static kvc_status parse_macro(ctx *c, node **out) {
     }
     c->pos++;
     KVC_TRY(end_tag(c));
-    int loop_depth = c->loop_depth, special = c->macro_special;
+    int loop_depth = c->loop_depth, special = c->macro_special, soft = c->soft;
     c->loop_depth = 0; /* break / continue cannot leave the macro */
     c->macro_special = 0;
+    c->soft = 0;
     KVC_TRY(kvc__chat_parse_block(c, stops, 1, &n->b, &which));
     n->neg = c->macro_special;
     c->loop_depth = loop_depth;
     c->macro_special = special;
+    c->soft = soft;
     c->pos++;
     KVC_TRY(end_tag(c));
     KVC_TRY(push_str(c, &c->macro_names, &c->n_macro_names, n->name));
@@ -643,9 +664,11 @@ static kvc_status parse_statement(ctx *c, node **out) {
     }
     if (str_eq(t->s, "generation")) { /* transformers' assistant-mask marker: transparent */
         static const char *const stops[] = {"endgeneration"};
-        int which = 0;
+        int which = 0, soft = c->soft;
         KVC_TRY(end_tag(c));
+        c->soft = 0; /* a scope of its own */
         KVC_TRY(kvc__chat_parse_block(c, stops, 1, out, &which));
+        c->soft = soft;
         c->pos++;
         return end_tag(c);
     }
