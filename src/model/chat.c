@@ -10,23 +10,19 @@
  * Jinja's whitespace rules, parsed by recursive descent into an AST, and
  * evaluated against the variables messages, add_generation_prompt,
  * bos_token, eos_token, tools and documents (both None, as transformers
- * passes them) and the functions raise_exception, namespace and range.
+ * passes them) and the functions raise_exception, namespace, range and
+ * strftime_now; its filters include transformers' tojson.
  *
- * Supported: {{ }}, {% %}, {# #} with `-`/`+` whitespace control; if / elif
- * / else, for (with else, an `if` filter, tuple targets, loop.index,
- * index0, revindex, revindex0, first, last, length, previtem, nextitem),
- * set (also `set ns.attr = ...` and block set), break, continue,
- * generation; literals (strings with Python escapes, integers, true /
- * false / none, lists, dicts); names, attributes, subscripts and slices;
- * + - * // % ~, comparisons (chained), in / not in, and / or / not,
- * `x if c else y`; tests defined, undefined, none, string, number,
- * integer, boolean, true, false, mapping, sequence, iterable, even, odd;
- * filters trim, length / count, upper, lower, capitalize, title, first,
- * last, join, default / d, string, int, list, reverse, replace, safe;
- * string methods strip, lstrip, rstrip, startswith, endswith, upper,
- * lower, split, replace, title, capitalize; dict methods get, items, keys,
- * values. Anything else (macros, floats, `/`, tuples, tojson, ...) is
- * KVC_ERR_UNSUPPORTED with a message naming it. Case mapping is ASCII-only.
+ * The supported subset is listed at kvc_chat_apply_template (tokenizer.h).
+ * What jinja2 compiles but kvcache lacks (floats, '/', tuples, jinja2's
+ * other filters and tests) parses into nodes that are refused
+ * (KVC_ERR_UNSUPPORTED) only when evaluated, so templates whose tool or
+ * float branches do not run still render; a filter or test jinja2 does not
+ * know at all is refused when parsed, as jinja2 refuses it, except where
+ * jinja2 defers that to run time (if statements, conditional expressions).
+ * Macros are values holding their definition and the scopes they see
+ * (scope_floor / def_depth in ctx); a call renders the body into the output
+ * buffer and takes the text back out, as a block set does.
  *
  * Memory: everything (tokens, AST, values, strings) lives in one arena freed
  * at the end of the call; output and arena are capped so no template can
@@ -37,8 +33,9 @@
  *
  * Files: chat_internal.h (the shared types), chat_lex.c (lexer), chat_parse.c
  * (parser), chat_value.c (arena, errors, values, scopes, string operations),
- * chat_eval.c (expressions, filters, tests) and this file (normalisation,
- * statements, output, the entry point).
+ * chat_eval.c (expressions, calls), chat_filter.c (filters, tests),
+ * chat_json.c (transformers' tojson and strftime_now) and this file
+ * (normalisation, statements, macro calls, output, the entry point).
  */
 #include <stdint.h>
 #include <stdlib.h>

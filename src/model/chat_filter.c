@@ -242,6 +242,11 @@ static kvc_status generator_filter(ctx *c, const node *n, str f, const value *x,
         *out = res;
         return KVC_OK;
     }
+    if (!truthy(x)) { /* jinja2 looks at nothing else, not even the names */
+        KVC_TRY(kvc__chat_new_list(c, 0, out));
+        out->u.l->kind = L_GEN;
+        return KVC_OK;
+    }
     /* jinja2 takes the test / filter / attribute name, then passes on the
      * rest of the arguments */
     args rest = *a;
@@ -588,9 +593,15 @@ static kvc_status apply_test(ctx *c, const node *n, str t, const value *x, const
     else if (str_eq(t, "sequence")) /* len() and [] both work: not on dict views */
         *r = x->t == V_STR || (x->t == V_LIST && x->u.l->kind <= L_RANGE) || x->t == V_DICT ||
              x->t == V_UNDEF;
-    else if (str_eq(t, "filter") || str_eq(t, "test"))
+    else if (str_eq(t, "filter") || str_eq(t, "test")) {
+        /* `x in env.filters`: lists, dicts and sets-like views are unhashable */
+        if ((x->t == V_DICT && !x->u.d->is_namespace) ||
+            (x->t == V_LIST && (x->u.l->kind == L_LIST || x->u.l->kind == L_KEYS ||
+                                x->u.l->kind == L_ITEMS)))
+            return kvc__chat_runtime_error(n, "unhashable type: '%s'", kvc__chat_type_name(x));
         *r = x->t == V_STR &&
              (t.p[0] == 'f' ? kvc__chat_filter_known(x->u.s) : kvc__chat_test_known(x->u.s));
+    }
     else if (str_eq(t, "even") || str_eq(t, "odd")) {
         if (!is_num(x))
             return kvc__chat_runtime_error(n, "'%.*s' test needs an integer", (int)t.n, t.p);
