@@ -60,6 +60,29 @@ FEATURES = (
 )
 BROKEN = "{% for m in messages %}{{ m.content + 1 }}{% endfor %}\n{% macro x() %}{% endmacro %}"
 
+TOOLS = (
+    "{%- set tools = [{'type': 'function', 'function': {'name': 'get', 'description': 'Q \"x\"',"
+    " 'parameters': {'type': 'object', 'properties': {'q': {'type': ['string', 'null']}}}}}] %}\n"
+    "{%- if tools is not none %}{% for t in tools %}{{ t | tojson(indent=4) }}{{ t.function |"
+    " tojson(ensure_ascii=true, sort_keys=true, separators=[',', ':']) }}{% endfor %}{% endif %}\n"
+    "{%- set users = messages | selectattr('role', 'equalto', 'user') | list %}\n"
+    "{{- messages | rejectattr('content') | map(attribute='role', default='?') | join(',') }}"
+    "{{ ['a', 'code', 'b'] | reject('equalto', 'code') | join(', ') }}\n"
+    "{%- for k, v in {'a': [1, none]} | items %}{{ k }}={{ v | tojson }}{% endfor %}"
+    "{{ users | length }}{{ 3 is divisibleby 3 }}{{ 'u' is in 'user' }}{{ strftime_now('%Y') | length }}\n"
+    "{%- if false %}{{ 1.5 }}{{ 3 / 2 }}{{ (1, 2) }}{{ x | wordcount }}{% endif %}"
+)
+MACROS = (
+    "{%- macro py_type(spec, d=0) %}{% if spec.type is string %}{{ spec.type }}"
+    "{% elif spec.type is iterable and d < 3 %}Union[{% for t in spec.type %}"
+    "{{ py_type({'type': t}, d + 1) }}{{ ',' if not loop.last }}{% endfor %}]{% else %}Any"
+    "{% endif %}{% endmacro %}\n"
+    "{%- macro turn(m, sep='\\n') -%}<|{{ m.role }}|>{{ sep }}{{ m.content | trim }}"
+    "{%- endmacro %}\n"
+    "{{ py_type({'type': ['a', ['b']]}) }}{% for m in messages %}{{ turn(m) }}"
+    "{{ turn(m, sep=' ') | length }}{% endfor %}{{ turn }}{{ py_type(1, 2, 3) }}"
+)
+
 CHATS = {
     "smollm2": SMOLLM2,
     "llama3": LLAMA3,
@@ -67,6 +90,8 @@ CHATS = {
     "broken": BROKEN,
     "empty": "",
     "text_only": "plain text {{ 'and' }} {% raw %}{{ raw }}{% endraw %}",
+    "tools": TOOLS,
+    "macros": MACROS,
 }
 CONTENTS = [b"You are terse.", b"Hello \xc3\xa9 <|im_start|> world", b"Hi! {{ not code }}",
             b"a" * 40, b"", b"last"]
