@@ -160,72 +160,34 @@ typedef struct kvc_chat_message {
  * Renders messages with a Jinja chat template, producing exactly what
  * Python's jinja2 renders in the environment Hugging Face transformers'
  * apply_chat_template uses (sandboxed, trim_blocks and lstrip_blocks on,
- * loop controls, one trailing newline of the template dropped, \r\n -> \n).
+ * loop controls, {% generation %}, its tojson filter and strftime_now; one
+ * trailing newline of the template dropped, \r\n -> \n).
  * Variables: messages (list of {"role", "content"}; a NULL role or content
  * is None), add_generation_prompt, bos_token and eos_token (the tokens' text,
  * "" without a tokenizer or token), tools and documents (None); functions
- * raise_exception, namespace, range, strftime_now(format) (local time as
- * datetime.now().strftime: the C library's strftime in the "C" locale, %f
- * the microseconds, %z and %Z empty).
- * Supported Jinja: {{ }}, {% %}, {# #}, `-`/`+` whitespace control; if /
- * elif / else, for (else, `if` filter, `a, b` targets, loop.index, index0,
- * revindex, revindex0, first, last, length, previtem, nextitem), set (also
- * `set ns.x = ...` and {% set x %}...{% endset %}), break, continue,
- * generation, macro (`{% macro m(a, b='x') %}...{% endmacro %}`, called
- * with positional and keyword arguments; it returns its rendered text; it
- * sees its parameters, what it sets, and the scopes where it was defined
- * as they are when called); literals (strings with Python escapes,
- * integers, true/false/none, lists, dicts); attributes, subscripts, slices;
- * + - * // % ~, comparisons, in / not in, and / or / not, `x if c else y`;
- * tests defined, undefined, none, string, number, integer, float (always
- * false: no floats), boolean, true, false, mapping, sequence, iterable,
- * callable, even, odd, divisibleby, in, eq / equalto / ==, ne / !=,
- * gt / greaterthan / >, ge / >=, lt / lessthan / <, le / <=, filter, test
- * (with or without parentheses around the argument); filters trim,
- * length, count, upper, lower, capitalize, title, first, last, join,
- * default/d, string, int, list, reverse, replace, safe, tojson
- * (transformers' own: json.dumps(x, ensure_ascii=False, indent=None,
- * separators=None, sort_keys=False), unescaped), items, select, reject,
- * selectattr, rejectattr (with any test above), map (a filter by name, or
- * attribute= with default=); str methods strip, lstrip, rstrip,
- * startswith, endswith, upper, lower, split, replace, title, capitalize;
- * dict methods get, items, keys, values. Case mapping is ASCII-only.
- * Refused when evaluated, not when parsed (jinja2 compiles them, so a
- * template still renders while they sit in branches that do not run):
- * float literals, '/', '**', tuples, jinja2's other filters and tests
- * (wordcount, indent, sort, sameas, lower, ...), printing a generator
- * (what select, reject, selectattr, rejectattr, map and items give:
- * jinja2 prints its address), iterating one twice, a macro defined inside
- * a macro, or using varargs, kwargs or caller, or called outside the scope
- * it was defined in, a namespace holding a namespace, non-string dict
- * keys: KVC_ERR_UNSUPPORTED, with the line. A filter or test name jinja2
- * does not know is an error when parsed (KVC_ERR_UNSUPPORTED), except
- * inside an if statement or a conditional expression (not in a loop,
- * macro or block set inside one), where jinja2 too fails only when it runs
- * (KVC_ERR_INVALID_ARG).
- * Known differences (python/tests/chat_diff.py): range() and dict views act
- * as range and views (no +, views not subscriptable) but print as lists;
- * reverse gives a list, not an iterator; safe gives a plain string (no
- * Markup escaping); select, reject, selectattr, rejectattr, map and items
- * run when the filter is evaluated, not when the generator is first
- * iterated (an error in them shows even if it never is); lists and dicts
- * nest at most 500 deep; a bad slice of constants is an error (jinja2
- * folds it to undefined).
+ * raise_exception, namespace, range, strftime_now.
+ * The supported Jinja subset (statements, macros, expressions, tests,
+ * filters, methods), what is refused only when evaluated, and the known
+ * differences from jinja2: docs/CHAT_TEMPLATES.md.
  * template_str NULL: the tokenizer's own template (tokenizer.chat_template;
  * KVC_ERR_NOT_FOUND if it has none); t may be NULL when template_str is
  * given. Output bytes are kvc_tokenize's input (parse_special on); *len the
- * full length, KVC_ERR_NO_SPACE (nothing written) if > cap. Errors:
- * KVC_ERR_UNSUPPORTED for syntax outside the subset (statements other than
- * the above, tuple assignment, ...), the constructs above when evaluated,
- * or nesting deeper than 200; KVC_ERR_INVALID_ARG for a template that calls
- * raise_exception (its message in kvc_last_error()) or fails at run time
- * (type errors, undefined values used, wrong macro or filter arguments,
- * integers beyond 64 bits, output over 256 MiB, strings, lists and parse
- * tree over 256 MiB together, more than 50 million loop iterations and
- * macro calls, more than 4 GiB searched, split, stripped or copied by
- * string operations: templates come from model files, so none can run for
- * long or take much memory), all with the template line in the message;
- * KVC_ERR_NOMEM when the machine's memory runs out.
+ * full length, KVC_ERR_NO_SPACE (nothing written) if > cap. Errors, all
+ * with the template line in the message:
+ *   KVC_ERR_UNSUPPORTED  syntax outside the subset, a construct jinja2 has
+ *                        and kvcache lacks when it is evaluated (floats,
+ *                        '/', other filters, ...), nesting deeper than 200;
+ *   KVC_ERR_INVALID_ARG  a template that calls raise_exception (its message
+ *                        in kvc_last_error()) or fails at run time (type
+ *                        errors, undefined values used, wrong macro or
+ *                        filter arguments, integers beyond 64 bits), or
+ *                        passes a cap: output over 256 MiB, strings, lists
+ *                        and parse tree over 256 MiB together, more than 50
+ *                        million loop iterations and macro calls, more than
+ *                        4 GiB searched, split, stripped or copied by string
+ *                        operations (templates come from model files, so
+ *                        none can run for long or take much memory);
+ *   KVC_ERR_NOMEM        the machine's memory ran out.
  */
 KVC_API kvc_status kvc_chat_apply_template(const kvc_tokenizer *t, const char *template_str,
                                            const kvc_chat_message *messages, int64_t n_messages,
