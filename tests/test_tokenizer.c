@@ -722,6 +722,213 @@ TEST(chat_fuzz) {
     return 0;
 }
 
+/* ---- chat templates with a JSON context -------------------------------------------- */
+
+static kvc_status render_json(const kvc_tokenizer *t, const char *tmpl, const char *json,
+                              char *buf, size_t cap) {
+    size_t len = 0;
+    kvc_status st = kvc_chat_apply_template_json(t, tmpl, json, 1, buf, cap, &len);
+    if (st == KVC_OK && len < cap) buf[len] = 0;
+    return st;
+}
+
+TEST(chat_json_values) {
+    char buf[2048];
+    static const struct {
+        const char *tmpl, *json, *want;
+    } cases[] = {
+        {"{{ messages | tojson }}", "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}",
+         "[{\"role\": \"user\", \"content\": \"hi\"}]"},
+        /* every kind of value, escapes, whitespace around everything */
+        {"{{ v | tojson }}",
+         " \t\n\r{ \"messages\" : [ ] , \"v\" : [ 1 , -0 , -9223372036854775808 , "
+         "9223372036854775807 , true , false , null , "
+         "\"a\\\"\\\\\\/\\b\\f\\n\\r\\t\\u00e9\\uD83D\\uDE00\\u20ac\" , { } , [ ] ] } \n",
+         "[1, 0, -9223372036854775808, 9223372036854775807, true, false, null, "
+         "\"a\\\"\\\\/\\b\\f\\n\\r\\t\xc3\xa9\xf0\x9f\x98\x80\xe2\x82\xac\", {}, []]"},
+        {"{{ v is string }}{{ v | length }}", "{\"messages\":[],\"v\":\"a\\u0000b\xc3\xa9\"}",
+         "True4"},
+        /* a duplicate key keeps its first place and its last value, as json.loads */
+        {"{{ d | tojson }}", "{\"messages\":[],\"d\":{\"a\":1,\"b\":2,\"a\":3}}",
+         "{\"a\": 3, \"b\": 2}"},
+        {"{{ d }}", "{\"messages\":[],\"d\":{\"a\":1,\"d\":2},\"d\":{\"x\":[]}}", "{'x': []}"},
+        /* members are variables: before the functions; tools / documents default to None */
+        {"{{ range }}|{{ tools }}|{{ documents }}", "{\"messages\":[],\"range\":\"R\"}",
+         "R|None|None"},
+        {"{{ tools[0].function.name }}{{ documents | length }}",
+         "{\"messages\":[],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],"
+         "\"documents\":[{},{}]}",
+         "f2"},
+        {"{% if enable_thinking is false %}no{% endif %}{{ date_string }}",
+         "{\"messages\":[],\"enable_thinking\":false,\"date_string\":\"26 Nov 2026\"}",
+         "no26 Nov 2026"},
+        /* the keys a message has, and only those */
+        {"{% for m in messages %}{{ m.content is defined }} {{ m.tool_calls[0].function.arguments"
+         ".city }} {{ m.tool_calls[0].function.arguments | tojson }}{% endfor %}",
+         "{\"messages\":[{\"role\":\"assistant\",\"tool_calls\":[{\"type\":\"function\","
+         "\"function\":{\"name\":\"w\",\"arguments\":{\"city\":\"Paris\",\"days\":3}}}]}]}",
+         "False Paris {\"city\": \"Paris\", \"days\": 3}"},
+        {"{{ add_generation_prompt }}{{ bos_token }}{{ eos_token }}", "{\"messages\":[]}",
+         "True"},
+        {"{{ bos_token }}{{ eos_token }}",
+         "{\"messages\":[],\"bos_token\":\"<s>\",\"eos_token\":null}", "<s>None"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        kvc_status st = render_json(NULL, cases[i].tmpl, cases[i].json, buf, sizeof buf);
+        if (st != KVC_OK) TEST_FAIL_("case %zu: %s (%s)", i, kvc_status_str(st), kvc_last_error());
+        if (strcmp(buf, cases[i].want) != 0)
+            TEST_FAIL_("case %zu: got \"%s\", want \"%s\"", i, buf, cases[i].want);
+    }
+    /* a large object (hashed duplicate search): k3 keeps its place, takes the last value */
+    char json[1024];
+    size_t k = (size_t)snprintf(json, sizeof json, "{\"messages\":[],\"d\":{");
+    for (int i = 0; i < 40; i++)
+        k += (size_t)snprintf(json + k, sizeof json - k, "\"k%d\":%d,", i, i);
+    snprintf(json + k, sizeof json - k, "\"k3\":99,\"k39\":-1}}");
+    ASSERT_OK(render_json(NULL, "{{ d | length }} {{ (d | list)[3] }} {{ d.k3 }} {{ d.k39 }}",
+                          json, buf, sizeof buf));
+    ASSERT_TRUE(strcmp(buf, "40 k3 99 -1") == 0);
+    /* the tokenizer's bos / eos unless the context sets them */
+    kvc_tokenizer *t = make_tiny("gpt2");
+    ASSERT_OK(render_json(t, "{{ bos_token }}{{ eos_token }}", "{\"messages\":[]}", buf,
+                          sizeof buf));
+    ASSERT_TRUE(strcmp(buf, "<|im_start|><|im_end|>") == 0);
+    ASSERT_OK(render_json(t, "{{ bos_token }}{{ eos_token }}",
+                          "{\"messages\":[],\"bos_token\":\"B\"}", buf, sizeof buf));
+    ASSERT_TRUE(strcmp(buf, "B<|im_end|>") == 0);
+    kvc_tokenizer_destroy(t);
+    /* the same conversation through both calls renders the same */
+    kvc_chat_message m[] = {{"system", "Be brief."}, {"user", "Hi \"you\"\n"}};
+    char buf2[1024];
+    size_t len1 = 0, len2 = 0;
+    ASSERT_OK(kvc_chat_apply_template(NULL, smollm_template, m, 2, 1, buf, sizeof buf, &len1));
+    ASSERT_OK(kvc_chat_apply_template_json(NULL, smollm_template,
+                                           "{\"messages\":[{\"role\":\"system\",\"content\":"
+                                           "\"Be brief.\"},{\"role\":\"user\",\"content\":"
+                                           "\"Hi \\\"you\\\"\\n\"}]}",
+                                           1, buf2, sizeof buf2, &len2));
+    ASSERT_EQ_I64(len1, len2);
+    ASSERT_MEM_EQ(buf, buf2, len1);
+    return 0;
+}
+
+TEST(chat_json_refused) {
+    char buf[256];
+    static const char *const invalid[] = {
+        "", " ", "[]", "1", "null", "\"messages\"", "{", "{\"messages\":[]", "{\"messages\":[],}",
+        "{\"messages\":[1,]}", "{\"messages\":[,1]}", "{messages:[]}", "{'messages':[]}",
+        "{\"messages\":[]} x", "{\"messages\":[]}{}", "{\"messages\" []}", "{\"messages\":[] \"a\":1}",
+        "{\"messages\":[01]}", "{\"messages\":[-01]}", "{\"messages\":[1.]}", "{\"messages\":[.5]}",
+        "{\"messages\":[-]}", "{\"messages\":[1e]}", "{\"messages\":[1e+]}", "{\"messages\":[+1]}",
+        "{\"messages\":[0x10]}", "{\"messages\":[True]}", "{\"messages\":[nul]}",
+        "{\"messages\":[-NaN]}", "{\"messages\":[\"abc]}", "{\"messages\":[\"a\tb\"]}",
+        "{\"messages\":[\"a\nb\"]}", "{\"messages\":[\"\\x41\"]}", "{\"messages\":[\"\\u12\"]}",
+        "{\"messages\":[\"\\u12g4\"]}", "{\"messages\":[\"\\ud800\"]}",
+        "{\"messages\":[\"\\udc00\"]}", "{\"messages\":[\"\\ud800\\u0041\"]}",
+        "{\"messages\":[\"\\ud800\\ud800\"]}", "{\"messages\":[\"\xff\"]}",
+        "{\"messages\":[\"\xc0\xaf\"]}", "{\"messages\":[\"\xed\xa0\x80\"]}",
+        "{\"messages\":[\"\xf4\x90\x80\x80\"]}", "{\"messages\":[\"\xe2\x82\"]}",
+        "\xef\xbb\xbf{\"messages\":[]}", "{\"messages\":[1.5,]}", /* malformed before unsupported */
+        /* well-formed, but not a context */
+        "{}", "{\"messages\":\"x\"}", "{\"messages\":{}}", "{\"messages\":null}",
+        "{\"messages\":[],\"add_generation_prompt\":true}"};
+    for (size_t i = 0; i < sizeof invalid / sizeof invalid[0]; i++) {
+        size_t len = 7;
+        memset(buf, 0x5A, sizeof buf);
+        kvc_status st = kvc_chat_apply_template_json(NULL, "x", invalid[i], 1, buf, sizeof buf, &len);
+        if (st != KVC_ERR_INVALID_ARG)
+            TEST_FAIL_("'%s' -> %s (%s)", invalid[i], kvc_status_str(st), kvc_last_error());
+        ASSERT_STR_CONTAINS(kvc_last_error(), "context JSON");
+        ASSERT_TRUE(buf[0] == 0x5A); /* nothing written */
+    }
+    ASSERT_STATUS(render_json(NULL, "x", "{\"messages\":[\"\\ud800\"]}", buf, sizeof buf),
+                  KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "offset 14: a lone surrogate \\ud800");
+    /* what json.loads reads as a float, and big integers: the path is named */
+    static const char *const floats[] = {"1.5", "1e3", "-0.0", "1E+2", "0.5e-7", "NaN",
+                                         "Infinity", "-Infinity", "1e400",
+                                         "9223372036854775808", "-9223372036854775809",
+                                         "123456789012345678901234567890"};
+    for (size_t i = 0; i < sizeof floats / sizeof floats[0]; i++) {
+        char json[128];
+        snprintf(json, sizeof json, "{\"messages\":[],\"tools\":[{\"a b\":{\"min\":%s}}]}",
+                 floats[i]);
+        kvc_status st = render_json(NULL, "x", json, buf, sizeof buf);
+        if (st != KVC_ERR_UNSUPPORTED)
+            TEST_FAIL_("'%s' -> %s (%s)", json, kvc_status_str(st), kvc_last_error());
+        ASSERT_STR_CONTAINS(kvc_last_error(), "offset 38 (tools[0]['a b']['min']):");
+    }
+    /* nesting: 500 arrays in a member, not 501 */
+    static char deep[1200];
+    for (int extra = 0; extra < 2; extra++) {
+        int n = 500 + extra;
+        size_t k = (size_t)snprintf(deep, sizeof deep, "{\"messages\":[],\"v\":");
+        for (int i = 0; i < n; i++) deep[k++] = '[';
+        for (int i = 0; i < n; i++) deep[k++] = ']';
+        snprintf(deep + k, sizeof deep - k, "}");
+        kvc_status st = render_json(NULL, "{{ v | length }}", deep, buf, sizeof buf);
+        ASSERT_STATUS(st, extra ? KVC_ERR_INVALID_ARG : KVC_OK);
+        if (extra) ASSERT_STR_CONTAINS(kvc_last_error(), "nested more than 500 deep");
+    }
+    /* the interpreter's 256 MiB cap covers the context: a limit, not the machine's memory */
+    size_t n_items = (size_t)12 << 20, n = 0;
+    char *big = malloc(2 * n_items + 64);
+    ASSERT_TRUE(big != NULL);
+    n += (size_t)sprintf(big, "{\"messages\":[],\"v\":[");
+    for (size_t i = 0; i < n_items; i++) {
+        big[n++] = '0';
+        big[n++] = ',';
+    }
+    strcpy(big + n, "0]}");
+    kvc_status st = render_json(NULL, "x", big, buf, sizeof buf);
+    free(big);
+    ASSERT_STATUS(st, KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "context JSON");
+    ASSERT_STR_CONTAINS(kvc_last_error(), "MiB");
+    /* template errors still name their line */
+    ASSERT_STATUS(render_json(NULL, "\n{{ raise_exception('no tools') }}", "{\"messages\":[]}",
+                              buf, sizeof buf),
+                  KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "line 2:");
+    return 0;
+}
+
+TEST(chat_json_buffer_contract) {
+    const char *tmpl = "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}";
+    const char *json = "{\"messages\":[{\"role\":\"user\",\"content\":\"hello\"}]}";
+    char buf[64];
+    size_t len = 0;
+    ASSERT_STATUS(kvc_chat_apply_template_json(NULL, tmpl, json, 0, NULL, 0, &len),
+                  KVC_ERR_NO_SPACE);
+    ASSERT_EQ_I64(len, 12);
+    memset(buf, 0x5A, sizeof buf);
+    len = 0;
+    ASSERT_STATUS(kvc_chat_apply_template_json(NULL, tmpl, json, 0, buf, 11, &len),
+                  KVC_ERR_NO_SPACE);
+    ASSERT_EQ_I64(len, 12);
+    for (size_t i = 0; i < sizeof buf; i++) ASSERT_TRUE(buf[i] == 0x5A);
+    ASSERT_OK(kvc_chat_apply_template_json(NULL, tmpl, json, 0, buf, 12, &len));
+    ASSERT_EQ_I64(len, 12);
+    ASSERT_MEM_EQ(buf, "[user:hello]", 12);
+    ASSERT_TRUE(buf[12] == 0x5A);
+    ASSERT_OK(kvc_chat_apply_template_json(NULL, "", "{\"messages\":[]}", 0, NULL, 0, &len));
+    ASSERT_EQ_I64(len, 0);
+    /* argument checks */
+    ASSERT_STATUS(kvc_chat_apply_template_json(NULL, tmpl, NULL, 0, buf, sizeof buf, &len),
+                  KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_chat_apply_template_json(NULL, tmpl, json, 0, buf, sizeof buf, NULL),
+                  KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_chat_apply_template_json(NULL, tmpl, json, 0, NULL, 4, &len),
+                  KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_chat_apply_template_json(NULL, NULL, json, 0, buf, sizeof buf, &len),
+                  KVC_ERR_INVALID_ARG);
+    kvc_tokenizer *t = make_tiny("gpt2");
+    ASSERT_STATUS(kvc_chat_apply_template_json(t, NULL, json, 0, buf, sizeof buf, &len),
+                  KVC_ERR_NOT_FOUND);
+    kvc_tokenizer_destroy(t);
+    return 0;
+}
+
 /* ---- the real model -------------------------------------------------------- */
 
 static int model_path(char *path, size_t n) {
@@ -803,6 +1010,9 @@ const test_case test_suite[] = {
     TEST_ENTRY(chat_differential_regressions),
     TEST_ENTRY(chat_errors),
     TEST_ENTRY(chat_fuzz),
+    TEST_ENTRY(chat_json_values),
+    TEST_ENTRY(chat_json_refused),
+    TEST_ENTRY(chat_json_buffer_contract),
     TEST_ENTRY(real_model),
     TEST_ENTRY(from_gguf_errors),
     {0, 0},

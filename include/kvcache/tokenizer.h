@@ -194,6 +194,44 @@ KVC_API kvc_status kvc_chat_apply_template(const kvc_tokenizer *t, const char *t
                                            int add_generation_prompt, char *buf, size_t cap,
                                            size_t *len);
 
+/*
+ * kvc_chat_apply_template with the variables given as a JSON object, for
+ * what role/content strings cannot say: tool_calls (with their function
+ * name and arguments), tool messages, name, tool_call_id,
+ * reasoning_content, the tools list (JSON schemas), documents, and extra
+ * variables such as enable_thinking or date_string, as transformers'
+ * apply_chat_template(messages, tools=..., documents=..., **kwargs) passes
+ * them to the template.
+ * context_json: NUL-terminated UTF-8 JSON text, one object; every member
+ * becomes a variable (and hides a function of the same name, as render()'s
+ * variables hide jinja2's globals). It must have "messages", an array; it
+ * may set "bos_token" and "eos_token" (else the tokenizer's, as above),
+ * "tools" and "documents" (else None); "add_generation_prompt" comes from
+ * the argument only (the member is refused).
+ * JSON values: strings -> str, integers -> int, true/false -> bool, null ->
+ * None, arrays -> lists, objects -> dicts in document order (a duplicate
+ * key keeps its first place and its last value, as Python's json.loads).
+ * Parsing is strict RFC 8259 (json.loads is the reference for meaning).
+ * Same template, buffer contract and caps as kvc_chat_apply_template (the
+ * context's strings, lists and dicts count toward the 256 MiB); errors
+ * about the context name its byte offset ("context JSON, offset N: ..."):
+ *   KVC_ERR_INVALID_ARG  context_json not a JSON object, malformed (also:
+ *                        invalid UTF-8, a byte order mark, a lone surrogate
+ *                        escape such as "\ud800", arrays and objects
+ *                        nested more than 500 deep), without a "messages"
+ *                        array, or with "add_generation_prompt";
+ *   KVC_ERR_UNSUPPORTED  a well-formed context holding a number with a
+ *                        fraction or exponent, NaN, Infinity or -Infinity
+ *                        (Python floats; kvcache's templates have no
+ *                        floats) or an integer beyond 64 bits (the message
+ *                        names the value's path, e.g. tools[0]['x']);
+ *   and the template's statuses as above.
+ */
+KVC_API kvc_status kvc_chat_apply_template_json(const kvc_tokenizer *t, const char *template_str,
+                                                const char *context_json,
+                                                int add_generation_prompt, char *buf, size_t cap,
+                                                size_t *len);
+
 #ifdef __cplusplus
 }
 #endif

@@ -319,8 +319,37 @@ static kvc_status token_value(const kvc_tokenizer *t, int32_t id, value *out) {
     return KVC_OK;
 }
 
+/* The inputs of one call: messages (the struct API) or a context JSON. */
+typedef struct call_in {
+    const char *fn; /* the public function's name, for messages */
+    const kvc_chat_message *messages;
+    int64_t n_messages;
+    const char *json; /* NULL: messages */
+    int add_gen;
+} call_in;
+
+/* The context JSON's members become the variables (c->vars); messages must
+ * be a list, add_generation_prompt is the call's argument. */
+static kvc_status read_context(ctx *c, const char *json) {
+    value vars;
+    KVC_TRY(kvc__chat_read_context(c, json, strlen(json), &vars));
+    value *m = kvc__chat_dict_find(vars.u.d, cstr("messages"));
+    if (!m) return kvc__error(KVC_ERR_INVALID_ARG, "context JSON: no \"messages\" member");
+    if (m->t != V_LIST)
+        return kvc__error(KVC_ERR_INVALID_ARG, "context JSON: \"messages\" must be an array, "
+                          "not %s", m->t == V_DICT ? "an object" : kvc__chat_type_name(m));
+    if (kvc__chat_dict_find(vars.u.d, cstr("add_generation_prompt")))
+        return kvc__error(KVC_ERR_INVALID_ARG,
+                          "context JSON: \"add_generation_prompt\" is the call's argument, "
+                          "not a member of the context");
+    c->messages = *m;
+    c->vars = vars.u.d;
+    return KVC_OK;
+}
+
 static kvc_status render(ctx *c, const char *tmpl, size_t tmpl_n, const kvc_tokenizer *t,
-                         const kvc_chat_message *messages, int64_t n_messages, int add_gen) {
+                         const call_in *in) {
+    if (in->json) KVC_TRY(read_context(c, in->json)); /* the caller's input first */
     KVC_TRY(normalise(c, tmpl, tmpl_n));
     KVC_TRY(kvc__chat_lex(c));
     node *root;
@@ -333,23 +362,56 @@ static kvc_status render(ctx *c, const char *tmpl, size_t tmpl_n, const kvc_toke
                               c->unknown[i]->k == E_FILTER ? "filter" : "test",
                               (int)(c->unknown[i]->name.n < 40 ? c->unknown[i]->name.n : 40),
                               c->unknown[i]->name.p);
-    KVC_TRY(kvc__chat_new_list(c, (size_t)n_messages, &c->messages));
-    for (int64_t i = 0; i < n_messages; i++) {
-        value m;
-        KVC_TRY(kvc__chat_new_dict(c, 2, &m));
-        const kvc_chat_message *msg = &messages[i];
-        KVC_TRY(
-            kvc__chat_dict_set(c, m.u.d, cstr("role"), msg->role ? v_cstr(msg->role) : v_none()));
-        KVC_TRY(kvc__chat_dict_set(c, m.u.d, cstr("content"),
-                                   msg->content ? v_cstr(msg->content) : v_none()));
-        KVC_TRY(kvc__chat_list_push(c, c->messages.u.l, m));
+    if (!in->json) {
+        KVC_TRY(kvc__chat_new_list(c, (size_t)in->n_messages, &c->messages));
+        for (int64_t i = 0; i < in->n_messages; i++) {
+            value m;
+            KVC_TRY(kvc__chat_new_dict(c, 2, &m));
+            const kvc_chat_message *msg = &in->messages[i];
+            KVC_TRY(kvc__chat_dict_set(c, m.u.d, cstr("role"),
+                                       msg->role ? v_cstr(msg->role) : v_none()));
+            KVC_TRY(kvc__chat_dict_set(c, m.u.d, cstr("content"),
+                                       msg->content ? v_cstr(msg->content) : v_none()));
+            KVC_TRY(kvc__chat_list_push(c, c->messages.u.l, m));
+        }
     }
-    c->add_generation_prompt = v_bool(add_gen);
+    c->add_generation_prompt = v_bool(in->add_gen);
     KVC_TRY(token_value(t, t ? kvc_tokenizer_bos(t) : -1, &c->bos_token));
     KVC_TRY(token_value(t, t ? kvc_tokenizer_eos(t) : -1, &c->eos_token));
     c->n_frames = 1;
     c->frames[0].serial = ++c->next_serial;
     return exec(c, root);
+}
+
+static kvc_status apply(const kvc_tokenizer *t, const char *template_str, const call_in *in,
+                        char *buf, size_t cap, size_t *len) {
+    size_t tmpl_n;
+    const char *tmpl = template_str;
+    if (tmpl) {
+        tmpl_n = strlen(tmpl);
+    } else {
+        tmpl = kvc__tokenizer_chat_template(t, &tmpl_n);
+        if (!tmpl)
+            return kvc__error(KVC_ERR_NOT_FOUND, "%s: the model has no tokenizer.chat_template; "
+                              "pass a template", in->fn);
+    }
+    ctx *c = calloc(1, sizeof *c);
+    if (!c) return kvc__chat_nomem();
+    kvc_status st = render(c, tmpl, tmpl_n, t, in);
+    if (st == KVC_OK && c->loop_ctl)
+        st = kvc__error(KVC_ERR_INTERNAL, "chat template: stray break");
+    if (st == KVC_OK) {
+        *len = c->out_n;
+        if (c->out_n > cap)
+            st = kvc__error(KVC_ERR_NO_SPACE, "%s: the prompt is %zu bytes, cap is %zu", in->fn,
+                            c->out_n, cap);
+        else if (c->out_n)
+            memcpy(buf, c->out, c->out_n);
+    }
+    free(c->out);
+    kvc__chat_arena_free(&c->ar);
+    free(c);
+    return st;
 }
 
 kvc_status kvc_chat_apply_template(const kvc_tokenizer *t, const char *template_str,
@@ -364,33 +426,19 @@ kvc_status kvc_chat_apply_template(const kvc_tokenizer *t, const char *template_
     KVC_CHECK(buf != NULL || cap == 0, "kvc_chat_apply_template: buf is NULL with cap %zu", cap);
     KVC_CHECK(template_str != NULL || t != NULL,
               "kvc_chat_apply_template: no template and no tokenizer to take one from");
-    size_t tmpl_n;
-    const char *tmpl = template_str;
-    if (tmpl) {
-        tmpl_n = strlen(tmpl);
-    } else {
-        tmpl = kvc__tokenizer_chat_template(t, &tmpl_n);
-        if (!tmpl)
-            return kvc__error(KVC_ERR_NOT_FOUND, "kvc_chat_apply_template: the model has no "
-                                                 "tokenizer.chat_template; pass a template");
-    }
-    ctx *c = calloc(1, sizeof *c);
-    if (!c) return kvc__chat_nomem();
-    kvc_status st = render(c, tmpl, tmpl_n, t, messages, n_messages, add_generation_prompt);
-    if (st == KVC_OK && c->loop_ctl)
-        st = kvc__error(KVC_ERR_INTERNAL, "chat template: stray break");
-    if (st == KVC_OK) {
-        *len = c->out_n;
-        if (c->out_n > cap)
-            st = kvc__error(KVC_ERR_NO_SPACE,
-                            "kvc_chat_apply_template: the prompt is %zu bytes, "
-                            "cap is %zu",
-                            c->out_n, cap);
-        else if (c->out_n)
-            memcpy(buf, c->out, c->out_n);
-    }
-    free(c->out);
-    kvc__chat_arena_free(&c->ar);
-    free(c);
-    return st;
+    call_in in = {"kvc_chat_apply_template", messages, n_messages, NULL, add_generation_prompt};
+    return apply(t, template_str, &in, buf, cap, len);
+}
+
+kvc_status kvc_chat_apply_template_json(const kvc_tokenizer *t, const char *template_str,
+                                        const char *context_json, int add_generation_prompt,
+                                        char *buf, size_t cap, size_t *len) {
+    KVC_CHECK(len != NULL, "kvc_chat_apply_template_json: len is NULL");
+    KVC_CHECK(context_json != NULL, "kvc_chat_apply_template_json: context_json is NULL");
+    KVC_CHECK(buf != NULL || cap == 0, "kvc_chat_apply_template_json: buf is NULL with cap %zu",
+              cap);
+    KVC_CHECK(template_str != NULL || t != NULL,
+              "kvc_chat_apply_template_json: no template and no tokenizer to take one from");
+    call_in in = {"kvc_chat_apply_template_json", NULL, 0, context_json, add_generation_prompt};
+    return apply(t, template_str, &in, buf, cap, len);
 }

@@ -249,6 +249,9 @@ typedef struct ctx {
     int loop_ctl; /* 1 break, 2 continue, pending */
     /* globals */
     value messages, add_generation_prompt, bos_token, eos_token;
+    dict *vars; /* kvc_chat_apply_template_json: the context's members (NULL: none); they
+                 * come before the functions and the globals above, as render()'s
+                 * variables come before jinja2's globals */
 } ctx;
 
 /* ---- AST ---------------------------------------------------------------------- */
@@ -388,6 +391,8 @@ kvc_status kvc__chat_list_push(ctx *c, list *l, value v);
 kvc_status kvc__chat_new_dict(ctx *c, size_t cap, value *out);
 value *kvc__chat_dict_find(dict *d, str key);
 kvc_status kvc__chat_dict_set(ctx *c, dict *d, str key, value v);
+/* dict_set for a key the caller knows d does not hold (no search). */
+kvc_status kvc__chat_dict_add(ctx *c, dict *d, str key, value v);
 
 /* The code points of s as one-character strings, and their count. */
 kvc_status kvc__chat_str_chars(ctx *c, str s, value *out);
@@ -475,6 +480,10 @@ int kvc__chat_test_known(str name);
 /* HF's tojson filter (json.dumps) of x into *out; strftime_now(fmt) (chat_json.c). */
 kvc_status kvc__chat_tojson(ctx *c, const node *n, const value *x, const args *a, value *out);
 kvc_status kvc__chat_strftime_now(ctx *c, const node *n, const args *a, value *out);
+
+/* Reads the context JSON of kvc_chat_apply_template_json (n bytes) into a
+ * dict in the arena (chat_json_read.c). */
+kvc_status kvc__chat_read_context(ctx *c, const char *json, size_t n, value *out);
 
 /* Calls macro m with arguments a: its rendered body into *out (chat.c). */
 kvc_status kvc__chat_call_macro(ctx *c, const node *n, const macro_ref *m, const args *a,

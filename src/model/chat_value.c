@@ -313,6 +313,11 @@ kvc_status kvc__chat_dict_set(ctx *c, dict *d, str key, value v) {
         *slot = v;
         return KVC_OK;
     }
+    return kvc__chat_dict_add(c, d, key, v);
+}
+
+kvc_status kvc__chat_dict_add(ctx *c, dict *d, str key, value v) {
+    KVC_TRY(take_marks(c, &d->depth, &d->has_ns, &v));
     if (d->n == d->cap) {
         str *keys;
         value *vals;
@@ -390,6 +395,13 @@ int kvc__chat_lookup(ctx *c, str name, value *out) {
                 *out = fr->vals[i];
                 return 1;
             }
+    }
+    if (c->vars) { /* the context JSON's members */
+        const value *v = kvc__chat_dict_find(c->vars, name);
+        if (v) {
+            *out = *v;
+            return 1;
+        }
     }
     static const struct {
         const char *name;
