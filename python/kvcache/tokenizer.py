@@ -28,11 +28,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import json
 import operator
 import os
+from collections.abc import Mapping
 
 from . import _lib
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, UnsupportedError
 
 __all__ = ["Tokenizer", "TOKEN_NORMAL", "TOKEN_UNKNOWN", "TOKEN_CONTROL", "TOKEN_USER_DEFINED",
            "TOKEN_UNUSED", "TOKEN_BYTE"]
@@ -95,6 +97,8 @@ _detokenize = _p("kvc_detokenize", _c_int, _vp, ctypes.POINTER(_i32), _i64, ctyp
 _apply_template = _p("kvc_chat_apply_template", _c_int, _vp, ctypes.c_char_p,
                      ctypes.POINTER(_Message), _i64, _c_int, ctypes.c_char_p, _size,
                      ctypes.POINTER(_size))
+_apply_template_json = _p("kvc_chat_apply_template_json", _c_int, _vp, ctypes.c_char_p,
+                          ctypes.c_char_p, _c_int, ctypes.c_char_p, _size, ctypes.POINTER(_size))
 
 _INT32_MAX = 2**31 - 1
 
@@ -357,42 +361,92 @@ class Tokenizer(_lib.NoCopy):
 
     @_in_use
     def apply_chat_template(self, messages, add_generation_prompt: bool = True,
-                            template=None) -> str:
-        """Renders messages (dicts with "role" and "content"; content may be
-        None) with the model's chat template, or with template (a Jinja
-        string) if given. Returns the prompt text."""
-        return render_chat_template(template, messages, add_generation_prompt, self)
+                            template=None, *, tools=None, documents=None, **kwargs) -> str:
+        """Renders messages with the model's chat template, or with template
+        (a Jinja string) if given, as transformers' apply_chat_template does:
+        messages are dicts with any keys ("role", "content", "tool_calls",
+        "tool_call_id", "name", "reasoning_content", ...), tools a list of
+        JSON schemas (dicts), documents a list, and extra keyword arguments
+        (enable_thinking=False, date_string=..., bos_token=...) become
+        template variables. Returns the prompt text.
+        See :func:`render_chat_template` for what values may hold."""
+        return render_chat_template(template, messages, add_generation_prompt, self, tools=tools,
+                                    documents=documents, **kwargs)
 
 
-def render_chat_template(template, messages, add_generation_prompt=True, tokenizer=None) -> str:
-    """Renders a chat template without a model (bos_token and eos_token are
-    then empty strings), or with tokenizer's template when template is None."""
-    msgs = list(messages)
-    arr = (_Message * max(len(msgs), 1))()
-    keep = []
-    for i, m in enumerate(msgs):
+_INT64 = 2**63
+_MAX_DEPTH = 500  # the interpreter's nesting cap on lists and dicts
+
+
+def _path_str(path) -> str:
+    """messages[0]['tool_calls'] from the chain (parent, key) _json_value passes."""
+    keys = []
+    while isinstance(path, tuple):
+        path, key = path
+        keys.append(f"[{key!r}]" if isinstance(key, (str, int)) else str(key))
+    return str(path) + "".join(reversed(keys))
+
+
+def _json_value(x, path, depth):
+    """x checked (and Mappings made dicts) for the JSON context: nothing that
+    json.dumps would change silently (tuples, non-str keys) or the C reader
+    refuses (floats, big integers, lone surrogates) gets through unnamed.
+    path: a name, or (parent path, key or index), formatted only for errors."""
+    if x is None or isinstance(x, bool):
+        return x
+    if isinstance(x, str):
         try:
-            role = m["role"]
-            content = m.get("content") if isinstance(m, dict) else m["content"]
-        except (KeyError, TypeError):
-            raise InvalidArgumentError(f"messages[{i}] must be a dict with 'role' and "
-                                       f"'content'") from None
-        r = _c_string(role, f"messages[{i}]['role']")
-        c = _c_string(content, f"messages[{i}]['content']")
-        keep += [r, c]
-        arr[i].role = r
-        arr[i].content = c
-    tmpl = _c_string(template, "template")
-    if tokenizer is None and tmpl is None:
-        raise InvalidArgumentError("no template given and no tokenizer to take one from")
+            x.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgumentError(f"{_path_str(path)} holds a lone surrogate (not UTF-8 "
+                                       f"text)") from None
+        return str(x)
+    if isinstance(x, int):
+        if not -_INT64 <= x < _INT64:
+            raise UnsupportedError(f"{_path_str(path)} is an integer beyond 64 bits (kvcache's "
+                                   f"chat templates have no bigger integers)")
+        return int(x)
+    if isinstance(x, float):
+        raise UnsupportedError(f"{_path_str(path)} is a float ({x!r}): kvcache's chat templates "
+                               f"have no floats (pass an int or a str)")
+    if depth >= _MAX_DEPTH and isinstance(x, (list, Mapping)):
+        raise InvalidArgumentError(f"{_path_str(path)}: lists and dicts nested more than "
+                                   f"{_MAX_DEPTH} deep (or holding themselves)")
+    if isinstance(x, list):
+        out = []
+        for i, v in enumerate(x):  # a loop, not a comprehension: one frame per level
+            out.append(_json_value(v, (path, i), depth + 1))
+        return out
+    if isinstance(x, Mapping):
+        out = {}
+        for k, v in x.items():
+            if not isinstance(k, str):
+                raise InvalidArgumentError(f"{_path_str(path)} has a key {k!r} that is not a str "
+                                           f"(JSON keys are strings)")
+            out[k] = _json_value(v, (path, k), depth + 1)
+        return out
+    what = ("a tuple (jinja2 would print it as one; pass a list)" if isinstance(x, tuple)
+            else f"a {type(x).__name__}, not a JSON value (str, int, bool, None, list, dict)")
+    raise InvalidArgumentError(f"{_path_str(path)} is {what}")
+
+
+def _plain_message(m) -> bool:
+    """A message the struct API renders exactly: a dict of just role and content."""
+    if type(m) is not dict or len(m) != 2 or "role" not in m or "content" not in m:
+        return False
+    return all(v is None or (isinstance(v, (str, bytes, bytearray, memoryview)) and
+                             (b"\0" if not isinstance(v, str) else "\0") not in v)
+               for v in m.values())
+
+
+def _render(fn, tokenizer, tmpl, *args):
     with tokenizer._using() if tokenizer is not None else contextlib.nullcontext():
         h = tokenizer._ptr() if tokenizer is not None else None
         need = _size()
         cap = 4096
         for _ in range(3):
             buf = ctypes.create_string_buffer(cap)
-            st = _apply_template(h, tmpl, arr, len(msgs), 1 if add_generation_prompt else 0, buf,
-                                 cap, ctypes.byref(need))
+            st = fn(h, tmpl, *args, buf, cap, ctypes.byref(need))
             if st == 0:
                 return buf.raw[: need.value].decode("utf-8", "surrogateescape")
             if need.value <= cap:
@@ -400,3 +454,49 @@ def render_chat_template(template, messages, add_generation_prompt=True, tokeniz
             cap = need.value
     _lib.check(st)
     return ""  # not reached
+
+
+def render_chat_template(template, messages, add_generation_prompt=True, tokenizer=None, *,
+                         tools=None, documents=None, **kwargs) -> str:
+    """Renders a chat template without a model (bos_token and eos_token are
+    then empty strings unless given as keyword arguments), or with
+    tokenizer's template when template is None.
+
+    As transformers' apply_chat_template: tools and documents are the
+    template's ``tools`` and ``documents`` (None by default), extra keyword
+    arguments become variables (and override bos_token / eos_token).
+    Messages of just "role" and "content" (str, bytes or None) and no
+    tools, documents or extra variables take the struct API
+    (kvc_chat_apply_template); anything else is passed whole as JSON
+    (kvc_chat_apply_template_json), so no key is ever dropped. Values there
+    must be str, int, bool, None, lists and dicts (Mappings) with str keys:
+    anything else raises InvalidArgumentError naming its path (tuples too,
+    which json.dumps would silently make lists), floats and integers beyond
+    64 bits raise UnsupportedError (the interpreter has neither)."""
+    msgs = list(messages)
+    tmpl = _c_string(template, "template")
+    if tokenizer is None and tmpl is None:
+        raise InvalidArgumentError("no template given and no tokenizer to take one from")
+    agp = 1 if add_generation_prompt else 0
+    if tools is None and documents is None and not kwargs and all(map(_plain_message, msgs)):
+        arr = (_Message * max(len(msgs), 1))()
+        keep = []
+        for i, m in enumerate(msgs):
+            r = _c_string(m["role"], f"messages[{i}]['role']")
+            c = _c_string(m["content"], f"messages[{i}]['content']")
+            keep += [r, c]
+            arr[i].role = r
+            arr[i].content = c
+        return _render(_apply_template, tokenizer, tmpl, arr, len(msgs), agp)
+    for i, m in enumerate(msgs):
+        if not isinstance(m, Mapping):
+            raise InvalidArgumentError(f"messages[{i}] must be a dict, not {type(m).__name__}")
+    context = {"messages": [_json_value(m, ("messages", i), 1) for i, m in enumerate(msgs)]}
+    if tools is not None:
+        context["tools"] = _json_value(tools, "tools", 0)
+    if documents is not None:
+        context["documents"] = _json_value(documents, "documents", 0)
+    for k, v in kwargs.items():
+        context[k] = _json_value(v, k, 0)
+    text = json.dumps(context, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    return _render(_apply_template_json, tokenizer, tmpl, text, agp)

@@ -349,10 +349,14 @@ def _hf_env():
     return env
 
 
-def _jinja(template, messages, add_generation_prompt, bos_token="", eos_token=""):
+def _jinja(template, messages, add_generation_prompt, bos_token="", eos_token="", tools=None,
+           documents=None, **kwargs):
+    """As transformers renders: its special tokens, then the caller's
+    keyword arguments (which may override them) as variables."""
+    variables = {"bos_token": bos_token, "eos_token": eos_token, **kwargs}
     return _hf_env().from_string(template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
-        eos_token=eos_token, tools=None, documents=None)
+        messages=messages, tools=tools, documents=documents,
+        add_generation_prompt=add_generation_prompt, **variables)
 
 
 CONVERSATIONS = [
@@ -1051,3 +1055,321 @@ def test_unsupported_only_when_evaluated():
             _jinja(template, msgs, True)
         with pytest.raises(kvcache.InvalidArgumentError, match="No filter named"):
             kvcache.render_chat_template(template, msgs)
+
+
+# ---- messages with any keys, tools, documents and extra variables (the JSON context) ----
+# Templates written for the suite in the style of Llama 3.1, Qwen 2.5 and
+# Mistral tool use (not copies): tool_calls with function name / arguments,
+# tool messages, reasoning_content, tools and extra variables.
+
+LLAMA31_STYLE_TOOLS = """{{- bos_token -}}
+{%- set env = namespace(sys="", tools=tools) -%}
+{%- if custom_tools is defined %}{% set env.tools = custom_tools %}{% endif -%}
+{%- if messages and messages[0].role == "system" -%}
+  {%- set env.sys = messages[0].content | trim -%}
+  {%- set rest = messages[1:] -%}
+{%- else -%}{%- set rest = messages -%}{%- endif -%}
+<|header|>system<|/header|>
+{% if env.tools is not none or builtin_tools is defined %}Mode: ipython
+{% endif %}
+{%- if builtin_tools is defined %}Builtins: {{ builtin_tools | reject("equalto", "code_interpreter") | join(", ") }}
+{% endif -%}
+Date: {{ date_string | default("1 Jan 2025") }}
+{% if env.tools is not none -%}
+{%- for t in env.tools %}{{ t | tojson(indent=2) }}
+{% endfor -%}
+{%- endif -%}
+{{ env.sys }}<|end|>
+{% for m in rest -%}
+{%- if "tool_calls" in m -%}
+<|header|>assistant<|/header|>
+{% for c in m.tool_calls -%}
+{%- if builtin_tools is defined and c.function.name in builtin_tools -%}
+<|py|>{{ c.function.name }}.call({% for k, v in c.function.arguments | items %}{{ k }}={{ v | tojson }}{% if not loop.last %}, {% endif %}{% endfor %})
+{%- else -%}
+{"name": "{{ c.function.name }}", "args": {{ c.function.arguments | tojson }}}
+{%- endif -%}
+{% if not loop.last %};{% endif %}
+{%- endfor %}{{ "<|eom|>" if builtin_tools is defined else "<|end|>" }}
+{% elif m.role in ["tool", "ipython"] -%}
+<|header|>ipython<|/header|>
+{{ m.content | tojson if m.content is mapping else m.content }}<|end|>
+{% else -%}
+<|header|>{{ m.role }}<|/header|>
+{{ m.content | trim }}<|end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|header|>assistant<|/header|>
+{% endif %}"""
+
+QWEN25_STYLE_TOOLS = """{%- set think = enable_thinking if enable_thinking is defined else true -%}
+{%- if tools -%}
+<|im_start|>system
+{{ messages[0].content if messages and messages[0].role == "system" else "You are helpful." }}
+
+# Tools
+<tools>
+{% for tool in tools -%}
+{{ tool | tojson }}
+{% endfor -%}
+</tools>
+Answer with <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
+{% elif messages and messages[0].role == "system" -%}
+<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif -%}
+{%- for m in messages -%}
+{%- if m.role == "system" and loop.first -%}
+{%- elif m.role == "assistant" -%}
+<|im_start|>assistant
+{% if m.reasoning_content and loop.last -%}
+<think>
+{{ m.reasoning_content | trim }}
+</think>
+
+{% endif -%}
+{{ m.content or "" }}
+{%- for call in m.tool_calls | default([]) -%}
+{%- set f = call.function if call.function is defined else call %}
+<tool_call>
+{"name": {{ f.name | tojson }}, "arguments": {{ f.arguments if f.arguments is string else f.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif m.role == "tool" -%}
+{%- if loop.first or messages[loop.index0 - 1].role != "tool" %}<|im_start|>user
+{% endif %}
+<tool_response name="{{ m.name | default("?") }}" id="{{ m.tool_call_id | default("") }}">
+{{ m.content }}
+</tool_response>
+{%- if loop.last or messages[loop.index0 + 1].role != "tool" %}<|im_end|>
+{% endif -%}
+{%- else -%}
+<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|im_start|>assistant
+{% if not think %}<think>
+
+</think>
+
+{% endif -%}
+{%- endif -%}"""
+
+MISTRAL_STYLE_TOOLS = """{%- if messages and messages[0].role == "system" -%}
+{%- set sys = messages[0].content -%}{%- set msgs = messages[1:] -%}
+{%- else -%}{%- set msgs = messages -%}{%- endif -%}
+{%- set users = msgs | selectattr("role", "equalto", "user") | list -%}
+{{- bos_token -}}
+{%- for m in msgs -%}
+{%- if m.role == "user" -%}
+{%- if tools is not none and m == users[-1] -%}
+[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]
+{%- endif -%}
+[INST]{% if sys is defined and m == users[-1] %}{{ sys }}
+
+{% endif %}{{ m.content }}[/INST]
+{%- elif m.role == "assistant" -%}
+{%- if m.tool_calls is defined and m.tool_calls -%}
+{%- set ns = namespace(calls=[]) -%}
+{%- for c in m.tool_calls -%}
+{%- if c.id is not defined or c.id | length != 9 -%}{{ raise_exception("tool call ids must be 9 characters") }}{%- endif -%}
+{%- set ns.calls = ns.calls + [{"name": c.function.name, "arguments": c.function.arguments, "id": c.id}] -%}
+{%- endfor -%}
+[TOOL_CALLS]{{ ns.calls | tojson }}{{ eos_token }}
+{%- else -%}
+{{ m.content }}{{ eos_token }}
+{%- endif -%}
+{%- elif m.role == "tool" -%}
+[TOOL_RESULTS]{{ {"call_id": m.tool_call_id, "content": m.content} | tojson }}[/TOOL_RESULTS]
+{%- else -%}
+{{ raise_exception("unexpected role " ~ m.role) }}
+{%- endif -%}
+{%- endfor -%}"""
+
+TOOL_SCHEMAS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather for a city, today or later.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "description": "City name, e.g. \"Paris\""},
+            "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+            "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "brave_search", "description": "Search the web (é, 日本, 🎉).",
+        "parameters": {"type": "object", "properties": {
+            "query": {"type": "string"}, "kind": {"type": ["string", "null"], "enum": ["a", "b"]},
+            "flags": {"type": "array", "items": {"type": "boolean"}, "default": [True, False]}},
+            "required": []}}},
+]
+
+
+def _call(id_, name, arguments):
+    return {"id": id_, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+TOOL_CONVERSATIONS = [
+    [{"role": "system", "content": "You answer with tools."},
+     {"role": "user", "content": "Weather in Paris for 3 days?"},
+     {"role": "assistant", "content": None,
+      "tool_calls": [_call("call12345", "get_weather", {"city": "Paris", "days": 3})]},
+     {"role": "tool", "tool_call_id": "call12345", "name": "get_weather",
+      "content": "22 C, sunny"},
+     {"role": "assistant", "content": "Sunny, 22 C.",
+      "reasoning_content": "  The tool said sunny.\n"}],
+    [{"role": "user", "content": "Search twice: é \"q\" \\ 🎉"},
+     {"role": "assistant", "content": "",
+      "tool_calls": [_call("abcdefghi", "brave_search", {"query": "kv cache", "kind": None}),
+                     _call("bcdefghij", "brave_search", '{"query": "paged attention"}')]},
+     {"role": "tool", "tool_call_id": "abcdefghi", "content": {"hits": 3, "top": ["x", "y"]}},
+     {"role": "tool", "tool_call_id": "bcdefghij", "content": "none found"},
+     {"role": "user", "content": "Thanks"}],
+    [{"role": "user", "content": "Plain question."}],
+    [{"role": "user", "content": "Think first."},
+     {"role": "assistant", "content": "42", "reasoning_content": "6 * 7"}],
+    [{"role": "user", "content": "bad id"},
+     {"role": "assistant", "tool_calls": [_call("short", "get_weather", {"city": "Rome"})]}],
+    [],
+]
+
+TOOL_VARIABLES = [
+    {}, {"enable_thinking": False}, {"enable_thinking": True},
+    {"date_string": "26 Nov 2026", "builtin_tools": ["brave_search", "code_interpreter"]},
+    {"custom_tools": TOOL_SCHEMAS[:1]}, {"bos_token": "<B>", "eos_token": "</E>"},
+]
+
+
+def _same_as_jinja(template, msgs, agp, tok, bos, eos, tools=None, documents=None, **kwargs):
+    """kvcache renders what jinja2 renders, or fails where jinja2 raises."""
+    try:
+        variables = {"bos_token": bos, "eos_token": eos, **kwargs}  # kwargs override, as in HF
+        want = _jinja(template, msgs, agp, tools=tools, documents=documents, **variables)
+    except (jinja2.exceptions.TemplateError, TypeError) as exc:  # raise_exception, |items
+        with pytest.raises(kvcache.InvalidArgumentError):
+            tok.apply_chat_template(msgs, agp, template=template, tools=tools,
+                                    documents=documents, **kwargs)
+        return type(exc).__name__
+    got = tok.apply_chat_template(msgs, agp, template=template, tools=tools,
+                                  documents=documents, **kwargs)
+    assert got == want, (msgs, agp, tools, kwargs)
+    return want
+
+
+@pytest.mark.parametrize("name,template", [("llama31_style", LLAMA31_STYLE_TOOLS),
+                                           ("qwen25_style", QWEN25_STYLE_TOOLS),
+                                           ("mistral_style", MISTRAL_STYLE_TOOLS)])
+def test_tool_calls_and_variables_match_jinja(name, template):
+    bos, eos = "<s>", "</s>"
+    tok = _template_tokenizer(bos, eos)
+    outputs = set()
+    for msgs in TOOL_CONVERSATIONS:
+        for tools in (None, TOOL_SCHEMAS, []):
+            for variables in TOOL_VARIABLES:
+                for agp in (True, False):
+                    outputs.add(_same_as_jinja(template, msgs, agp, tok, bos, eos, tools=tools,
+                                               **variables))
+    # the inputs reach the template: tool calls, results, reasoning, tools and variables all
+    # change the prompt, and some combinations raise
+    assert len(outputs) > 25, len(outputs)
+    joined = "".join(outputs)
+    for needle in ("Paris", "22 C, sunny", "get_weather", "paged attention"):
+        assert needle in joined, needle
+    tok.close()
+
+
+def test_tool_templates_render_known_text():
+    """A few exact prompts, so a wrong reading of the context cannot hide
+    behind jinja2 agreeing with it on nothing."""
+    msgs = TOOL_CONVERSATIONS[0]
+    got = kvcache.render_chat_template(QWEN25_STYLE_TOOLS, msgs, False, enable_thinking=False)
+    assert got == ("<|im_start|>system\nYou answer with tools.<|im_end|>\n"
+                   "<|im_start|>user\nWeather in Paris for 3 days?<|im_end|>\n"
+                   "<|im_start|>assistant\n<tool_call>\n"
+                   '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+                   "</tool_call><|im_end|>\n"
+                   '<|im_start|>user\n<tool_response name="get_weather" id="call12345">\n'
+                   "22 C, sunny\n</tool_response><|im_end|>\n"
+                   "<|im_start|>assistant\n<think>\nThe tool said sunny.\n</think>\n\n"
+                   "Sunny, 22 C.<|im_end|>\n")
+    got = kvcache.render_chat_template(MISTRAL_STYLE_TOOLS, msgs[1:3], True,
+                                       tools=TOOL_SCHEMAS[:1], bos_token="<s>")
+    assert got.startswith('<s>[AVAILABLE_TOOLS][{"type": "function", "function": {"name": '
+                          '"get_weather", ')
+    assert got.endswith('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", '
+                        '"days": 3}, "id": "call12345"}]')
+    with pytest.raises(kvcache.InvalidArgumentError, match="ids must be 9 characters"):
+        kvcache.render_chat_template(MISTRAL_STYLE_TOOLS, TOOL_CONVERSATIONS[4])
+
+
+def test_message_keys_are_not_dropped():
+    """Every key of a message reaches the template (the binding once passed
+    only role and content: tool_calls vanished from the prompt)."""
+    template = "{% for m in messages %}{{ m | tojson }}|{{ 'tool_calls' in m }}|{% endfor %}"
+    msgs = [{"role": "user", "content": "hi", "name": "bob"},
+            {"role": "assistant", "content": None, "tool_calls": [_call("c", "f", {"a": 1})]},
+            {"role": "tool", "tool_call_id": "c", "content": "ok"}, {"role": "user"}]
+    got = kvcache.render_chat_template(template, msgs)
+    assert got == _jinja(template, msgs, True)
+    assert '"name": "bob"' in got and '"tool_calls": [{"id": "c"' in got
+    assert '"tool_call_id": "c"' in got and got.endswith('{"role": "user"}|False|')
+    # a missing content is undefined, as in jinja2 (not None)
+    template = "{{ messages[0].content is defined }}"
+    assert kvcache.render_chat_template(template, [{"role": "user"}]) == "False"
+    # tools, documents and extra variables reach it too; extra ones override bos / eos
+    template = "{{ tools | tojson }} {{ documents | length }} {{ enable_thinking }} {{ bos_token }}"
+    tok = _template_tokenizer("<s>", "</s>")
+    got = tok.apply_chat_template([], template=template, tools=TOOL_SCHEMAS[:1],
+                                  documents=[{"title": "t", "text": "x"}], enable_thinking=False)
+    assert got == json.dumps(TOOL_SCHEMAS[:1], ensure_ascii=False) + " 1 False <s>"
+    assert tok.apply_chat_template([], template="{{ bos_token }}", bos_token="<x>") == "<x>"
+    tok.close()
+
+
+@pytest.mark.parametrize("name,template", [("chatml", CHATML), ("llama3", LLAMA3),
+                                           ("mistral", MISTRAL_LIKE), ("features", FEATURES)])
+def test_json_path_matches_struct_path(name, template):
+    """Plain messages render the same through the struct API and the JSON
+    context (an unused variable sends them there)."""
+    for msgs in CONVERSATIONS:
+        for agp in (True, False):
+            try:
+                plain = kvcache.render_chat_template(template, msgs, agp)
+            except kvcache.InvalidArgumentError as exc:
+                with pytest.raises(kvcache.InvalidArgumentError, match=str(exc)[:20]):
+                    kvcache.render_chat_template(template, msgs, agp, unused=1)
+                continue
+            assert kvcache.render_chat_template(template, msgs, agp, unused=1) == plain
+
+
+def test_context_values_refused():
+    t = "{{ messages | length }}"
+    user = {"role": "user", "content": "x"}
+    cases = [
+        ({"tools": [{"function": {"parameters": {"minimum": 0.5}}}]}, kvcache.UnsupportedError,
+         r"tools\[0\]\['function'\]\['parameters'\]\['minimum'\] is a float"),
+        ({"temperature": float("nan")}, kvcache.UnsupportedError, "temperature is a float"),
+        ({"n": 2**63}, kvcache.UnsupportedError, "beyond 64 bits"),
+        ({"pair": (1, 2)}, kvcache.InvalidArgumentError, "pair is a tuple"),
+        ({"d": {1: "a"}}, kvcache.InvalidArgumentError, "key 1 that is not a str"),
+        ({"f": print}, kvcache.InvalidArgumentError, "f is a builtin_function_or_method"),
+        ({"b": b"x"}, kvcache.InvalidArgumentError, "b is a bytes"),
+        ({"s": "\udcff"}, kvcache.InvalidArgumentError, "s holds a lone surrogate"),
+    ]
+    for kwargs, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            kvcache.render_chat_template(t, [user], **kwargs)
+    with pytest.raises(kvcache.InvalidArgumentError, match=r"messages\[0\]\['x'\] is a set"):
+        kvcache.render_chat_template(t, [{"role": "user", "content": "x", "x": {1}}])
+    with pytest.raises(kvcache.InvalidArgumentError, match=r"messages\[1\] must be a dict"):
+        kvcache.render_chat_template(t, [user, "hi"], unused=1)
+    loop = []
+    loop.append(loop)
+    with pytest.raises(kvcache.InvalidArgumentError, match="nested more than 500"):
+        kvcache.render_chat_template(t, [user], loop=loop)
+    deep = v = []
+    for _ in range(498):
+        v.append([])
+        v = v[0]
+    assert kvcache.render_chat_template("{{ deep | length }}", [user], deep=deep) == "1"
+    # the C reader refuses the same on its own (what another binding might send)
+    assert kvcache.render_chat_template("{{ n }}", [user], n=2**63 - 1) == str(2**63 - 1)
