@@ -5,7 +5,8 @@ fuzz_tokenizer: one setup byte (bits 0-3 pre-tokenizer, 4 add_bos,
 5 parse_special, 6 drop 0xFF's byte token, 7 and no unknown token), then the
 text. fuzz_chat: one setup byte (bits 0-2 messages, 3 add_generation_prompt,
 4 tokenizer, 5 NULL last role, 6 NULL last content), the template, NUL, the
-contents separated by NULs. Run from anywhere; it writes next to itself.
+contents separated by NULs; with bit 7 set (JSON mode), the template, NUL,
+the context JSON of kvc_chat_apply_template_json. Run from anywhere; it writes next to itself.
 """
 import os
 
@@ -97,6 +98,39 @@ CONTENTS = [b"You are terse.", b"Hello \xc3\xa9 <|im_start|> world", b"Hi! {{ no
             b"a" * 40, b"", b"last"]
 
 
+# JSON mode: a tool template and contexts that reach every part of the reader
+TOOL_CALLS = (
+    "{%- for m in messages %}<{{ m.role }}>{{ m.content if m.content is string else m.content | tojson }}"
+    "{%- for c in m.tool_calls | default([]) %}[{{ c.function.name }}({{ c.function.arguments | tojson }})"
+    "{{ c.id | default('') }}]{% endfor %}{{ m.reasoning_content | default('') }}"
+    "{%- if m.role == 'tool' %}#{{ m.tool_call_id }}{% endif %}{% endfor %}"
+    "{%- if tools %}{% for t in tools %}{{ t | tojson(indent=1) }}{% endfor %}{% endif %}"
+    "{{ enable_thinking | default(true) }}{{ bos_token }}{{ documents | length if documents }}"
+    "{%- if add_generation_prompt %}<assistant>{% endif %}"
+)
+CONTEXTS = {
+    "tools": (
+        '{"messages": [{"role": "system", "content": "Use tools."}, {"role": "user", '
+        '"content": "Weather in Paris?"}, {"role": "assistant", "content": null, "tool_calls": '
+        '[{"id": "call12345", "type": "function", "function": {"name": "get_weather", '
+        '"arguments": {"city": "Paris", "days": 3}}}]}, {"role": "tool", "tool_call_id": '
+        '"call12345", "content": "sunny"}, {"role": "assistant", "content": "Sunny.", '
+        '"reasoning_content": "tool said so"}], "tools": [{"type": "function", "function": '
+        '{"name": "get_weather", "parameters": {"type": "object", "properties": {"city": '
+        '{"type": "string"}}, "required": ["city"]}}}], "enable_thinking": false}'),
+    "escapes": (
+        r'{"messages":[{"role":"user","content":"\\u00e9 \u00e9\ud83c\udf89 \"q\" \/ '
+        r'\b\f\n\r\t \u0000 caf\u00e9 ' '\u00e9 \U0001f389"}],"bos_token":"<s>",'
+        r'"documents":[{},[],-9223372036854775808,9223372036854775807,true,null]}'),
+    "duplicates": ('{"messages":[{"role":"user","content":"a","role":"assistant"}],'
+                   '"x":1,"x":{"a":1,"b":2,"c":3,"d":4,"e":5,"f":6,"g":7,"h":8,"i":9,"a":0}}'),
+    "float": '{"messages": [], "tools": [{"minimum": 0.5, "max": 1e3}], "n": NaN}',
+    "bigint": '{"messages": [{"role": "user", "content": "x", "n": 18446744073709551616}]}',
+    "invalid": r'{"messages": [{"role": "user", "content": "\ud800"}, 01, "a' '\t' r'b",]}',
+    "deep": '{"messages": [], "v": ' + "[" * 499 + "{}" + "]" * 499 + "}",
+}
+
+
 def chat_seeds():
     d = os.path.join(here, "chat")
     os.makedirs(d, exist_ok=True)
@@ -105,6 +139,10 @@ def chat_seeds():
         for j, mode in enumerate((3 | 8 | 16, (i + 1) % 7, 6 | 16 | 32 | 64)):
             with open(os.path.join(d, f"{name}_{j}"), "wb") as f:
                 f.write(bytes([mode]) + tmpl.encode() + b"\0" + b"\0".join(CONTENTS))
+    for i, (name, context) in enumerate(CONTEXTS.items()):
+        mode = 128 | 8 * (i % 2) | 16 * (i % 3 == 0)
+        with open(os.path.join(d, f"json_{name}"), "wb") as f:
+            f.write(bytes([mode]) + TOOL_CALLS.encode() + b"\0" + context.encode())
 
 
 def main():
