@@ -133,7 +133,10 @@ static int utf8_char(const unsigned char *s, uint32_t *cp) {
         *cp = c;
         return 1;
     }
-    int n = c >= 0xC2 && c <= 0xDF ? 2 : c >= 0xE0 && c <= 0xEF ? 3 : c >= 0xF0 && c <= 0xF4 ? 4 : 0;
+    int n = c >= 0xC2 && c <= 0xDF   ? 2
+            : c >= 0xE0 && c <= 0xEF ? 3
+            : c >= 0xF0 && c <= 0xF4 ? 4
+                                     : 0;
     if (!n) return 0;
     uint32_t v = c & (0x7F >> n);
     for (int i = 1; i < n; i++) {

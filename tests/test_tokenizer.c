@@ -817,7 +817,8 @@ TEST(chat_json_refused) {
     static const char *const invalid[] = {
         "", " ", "[]", "1", "null", "\"messages\"", "{", "{\"messages\":[]", "{\"messages\":[],}",
         "{\"messages\":[1,]}", "{\"messages\":[,1]}", "{messages:[]}", "{'messages':[]}",
-        "{\"messages\":[]} x", "{\"messages\":[]}{}", "{\"messages\" []}", "{\"messages\":[] \"a\":1}",
+        "{\"messages\":[]} x", "{\"messages\":[]}{}", "{\"messages\" []}",
+        "{\"messages\":[] \"a\":1}",
         "{\"messages\":[01]}", "{\"messages\":[-01]}", "{\"messages\":[1.]}", "{\"messages\":[.5]}",
         "{\"messages\":[-]}", "{\"messages\":[1e]}", "{\"messages\":[1e+]}", "{\"messages\":[+1]}",
         "{\"messages\":[0x10]}", "{\"messages\":[True]}", "{\"messages\":[nul]}",
@@ -835,7 +836,8 @@ TEST(chat_json_refused) {
     for (size_t i = 0; i < sizeof invalid / sizeof invalid[0]; i++) {
         size_t len = 7;
         memset(buf, 0x5A, sizeof buf);
-        kvc_status st = kvc_chat_apply_template_json(NULL, "x", invalid[i], 1, buf, sizeof buf, &len);
+        kvc_status st =
+            kvc_chat_apply_template_json(NULL, "x", invalid[i], 1, buf, sizeof buf, &len);
         if (st != KVC_ERR_INVALID_ARG)
             TEST_FAIL_("'%s' -> %s (%s)", invalid[i], kvc_status_str(st), kvc_last_error());
         ASSERT_STR_CONTAINS(kvc_last_error(), "context JSON");

@@ -67,12 +67,15 @@ _ENV.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
 _ENV.filters["tojson"] = _hf_tojson
 
 
-def render_jinja(template, messages, add_generation_prompt, bos_token="", eos_token=""):
+def render_jinja(template, messages, add_generation_prompt, bos_token="", eos_token="",
+                 tools=None, documents=None, **kwargs):
+    """As transformers renders (extra variables may override bos / eos)."""
+    variables = {"bos_token": bos_token, "eos_token": eos_token, **kwargs}
     with warnings.catch_warnings():  # Python's compile() warns about 1[0] in generated code
         warnings.simplefilter("ignore", SyntaxWarning)
         return _ENV.from_string(template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
-        eos_token=eos_token, tools=None, documents=None)
+            messages=messages, tools=tools, documents=documents,
+            add_generation_prompt=add_generation_prompt, **variables)
 
 
 # ---------------------------------------------------------------------------
@@ -641,6 +644,62 @@ def random_messages(rng, strings):
     return msgs
 
 
+def _json_leaf(rng, strings, depth=0):
+    r = rng.random()
+    if r < 0.4:
+        return rng.choice(strings)
+    if r < 0.6:
+        return rng.choice(INT_LITS + [-1, 0])
+    if r < 0.7:
+        return rng.random() < 0.5
+    if r < 0.75:
+        return None
+    if depth >= 2:
+        return []
+    if r < 0.87:
+        return [_json_leaf(rng, strings, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {rng.choice(KEYS): _json_leaf(rng, strings, depth + 1) for _ in range(rng.randint(0, 3))}
+
+
+def random_extras(rng, msgs, strings):
+    """For some cases, what only the JSON context carries: messages with
+    name / tool_calls / reasoning_content or without content, tools,
+    documents, and variables under names the templates use (messages,
+    tools and the rest render through kvc_chat_apply_template_json).
+    Returns (messages, keyword arguments)."""
+    if rng.random() < 0.6:
+        return msgs, {}
+    msgs = [dict(m) for m in msgs]
+    for m in msgs:
+        r = rng.random()
+        if r < 0.2:
+            m["name"] = rng.choice(strings)
+        elif r < 0.45:
+            m["tool_calls"] = [
+                {"id": rng.choice(strings), "type": "function",
+                 "function": {"name": rng.choice(strings),
+                              "arguments": {rng.choice(KEYS): _json_leaf(rng, strings)
+                                            for _ in range(rng.randint(0, 3))}}}
+                for _ in range(rng.randint(1, 2))]
+        elif r < 0.55:
+            m.pop("content", None)
+        elif r < 0.65:
+            m["reasoning_content"] = rng.choice(strings)
+    kwargs = {}
+    if rng.random() < 0.5:
+        kwargs["tools"] = [{"type": "function", "function": {
+            "name": rng.choice(strings), "description": rng.choice(strings),
+            "parameters": {"type": "object", "properties": {
+                rng.choice(KEYS): {"type": rng.choice(["string", "integer", "array"])}
+                for _ in range(rng.randint(0, 2))}}}} for _ in range(rng.randint(0, 2))]
+    if rng.random() < 0.2:
+        kwargs["documents"] = [{"title": rng.choice(strings), "text": rng.choice(strings)}]
+    if rng.random() < 0.4:
+        kwargs[rng.choice(NAMES_UNDEF + ["enable_thinking", "bos_token"])] = \
+            _json_leaf(rng, strings)
+    return msgs, kwargs
+
+
 # ---------------------------------------------------------------------------
 # one case
 
@@ -659,19 +718,23 @@ def _tokenizer():
     return _TOKENIZER
 
 
-def run_case(template, messages, agp, with_tokens, outside):
+def run_case(template, messages, agp, with_tokens, outside, extras=None):
     """Returns (verdict, jinja result, kvcache result); results are
-    ('ok', text) or ('err', description)."""
+    ('ok', text) or ('err', description). extras: tools, documents and
+    other variables (keyword arguments of apply_chat_template)."""
+    extras = extras or {}
     bos, eos = ("<s>", "</s>") if with_tokens else ("", "")
     try:
-        want = ("ok", render_jinja(template, messages, agp, bos, eos))
+        variables = {"bos_token": bos, "eos_token": eos, **extras}  # extras override
+        want = ("ok", render_jinja(template, messages, agp, **variables))
     except Exception as exc:  # any jinja2 failure: kvcache must fail too
         want = ("err", "%s: %s" % (type(exc).__name__, exc))
     try:
         if with_tokens:
-            got = ("ok", _tokenizer().apply_chat_template(messages, agp, template=template))
+            got = ("ok", _tokenizer().apply_chat_template(messages, agp, template=template,
+                                                          **extras))
         else:
-            got = ("ok", kvcache.render_chat_template(template, messages, agp))
+            got = ("ok", kvcache.render_chat_template(template, messages, agp, **extras))
     except kvcache.UnsupportedError as exc:
         got = ("unsupported", str(exc))
     except kvcache.KvcacheError as exc:
@@ -696,30 +759,35 @@ def run_case(template, messages, agp, with_tokens, outside):
 
 
 def generate(seed, cased=False):
-    """(template, messages, add_generation_prompt, with_tokens, outside) for one seed."""
+    """(template, messages, add_generation_prompt, with_tokens, outside,
+    extras) for one seed."""
     rng = random.Random(seed)
     g = Gen(rng, cased)
     template = g.template()
-    return template, random_messages(rng, g.strings), rng.random() < 0.5, rng.random() < 0.3, \
-        g.outside
+    msgs = random_messages(rng, g.strings)
+    agp, tokens = rng.random() < 0.5, rng.random() < 0.3
+    # a stream of its own, so the other draws stay what they were for each seed
+    msgs, extras = random_extras(random.Random(seed * 7919 + 17), msgs, g.strings)
+    return template, msgs, agp, tokens, g.outside, extras
 
 
 def run(seeds, cased=False):
     """Runs the cases for seeds; returns {verdict: count} and the DIFF cases."""
     counts, diffs = {}, []
     for seed in seeds:
-        template, msgs, agp, tokens, outside = generate(seed, cased)
-        verdict, want, got = run_case(template, msgs, agp, tokens, outside)
+        template, msgs, agp, tokens, outside, extras = generate(seed, cased)
+        verdict, want, got = run_case(template, msgs, agp, tokens, outside, extras)
         counts[verdict] = counts.get(verdict, 0) + 1
         if verdict == "DIFF":
-            diffs.append((seed, template, msgs, agp, tokens, want, got))
+            diffs.append((seed, template, msgs, agp, tokens, extras, want, got))
     return counts, diffs
 
 
 def describe(diff):
-    seed, template, msgs, agp, tokens, want, got = diff
+    seed, template, msgs, agp, tokens, extras, want, got = diff
     return ("seed %d  add_generation_prompt=%s bos/eos=%s\ntemplate: %r\nmessages: %r\n"
-            "jinja2:  %r\nkvcache: %r\n" % (seed, agp, tokens, template, msgs, want, got))
+            "variables: %r\njinja2:  %r\nkvcache: %r\n" % (seed, agp, tokens, template, msgs,
+                                                          extras, want, got))
 
 
 def main(argv):

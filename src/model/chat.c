@@ -9,9 +9,11 @@
  * one trailing newline is dropped), lexed into text and tag tokens with
  * Jinja's whitespace rules, parsed by recursive descent into an AST, and
  * evaluated against the variables messages, add_generation_prompt,
- * bos_token, eos_token, tools and documents (both None, as transformers
- * passes them) and the functions raise_exception, namespace, range and
- * strftime_now; its filters include transformers' tojson.
+ * bos_token, eos_token, tools and documents (None unless given, as
+ * transformers passes them), the members of a context JSON
+ * (kvc_chat_apply_template_json, read by chat_json_read.c) and the
+ * functions raise_exception, namespace, range and strftime_now; its
+ * filters include transformers' tojson.
  *
  * The supported subset is listed at kvc_chat_apply_template (tokenizer.h).
  * What jinja2 compiles but kvcache lacks (floats, '/', tuples, jinja2's
@@ -34,7 +36,8 @@
  * Files: chat_internal.h (the shared types), chat_lex.c (lexer), chat_parse.c
  * (parser), chat_value.c (arena, errors, values, scopes, string operations),
  * chat_eval.c (expressions, calls), chat_filter.c (filters, tests),
- * chat_json.c (transformers' tojson and strftime_now) and this file
+ * chat_json.c (transformers' tojson and strftime_now), chat_json_read.c
+ * (the context JSON) and this file
  * (normalisation, statements, macro calls, output, the entry point).
  */
 #include <stdint.h>

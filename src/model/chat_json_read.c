@@ -318,7 +318,8 @@ static kvc_status read_object(jr *r, int child_depth, const jpath *p, value *out
     if (n <= 8) {
         for (size_t i = 0; i < n; i++) {
             size_t k = 0;
-            while (k < u && !(keys[k].n == keys[i].n && memcmp(keys[k].p, keys[i].p, keys[i].n) == 0))
+            while (k < u &&
+                   !(keys[k].n == keys[i].n && memcmp(keys[k].p, keys[i].p, keys[i].n) == 0))
                 k++;
             if (k == u) keys[u++] = keys[i];
             vals[k] = vals[i];
@@ -399,7 +400,8 @@ static kvc_status read_value(jr *r, int depth, const jpath *p, value *out) {
     for (size_t k = 0; k < sizeof words / sizeof words[0]; k++)
         if (lit(r, words[k].w)) {
             if (words[k].t == 3)
-                note_unsup(r, r->i, p, "NaN or Infinity (a float: kvcache's templates have no floats)");
+                note_unsup(r, r->i, p,
+                           "NaN or Infinity (a float: kvcache's templates have no floats)");
             *out = words[k].t == 2 || words[k].t == 3 ? v_none() : v_bool(words[k].t);
             r->i += strlen(words[k].w);
             return KVC_OK;
