@@ -46,6 +46,14 @@
 #include "kvcache/kvcache.h"
 #include "fuzz.h"
 
+/* A plan is sized by the caller's arrays (an MLA plan keeps task state for
+ * every query row), so a corrupted qo_indptr can ask for terabytes; the
+ * library then returns KVC_ERR_NOMEM, a documented status. ASan must let
+ * the allocation fail instead of aborting (.ci/run also lifts libFuzzer's
+ * per-allocation limit for this target; the RSS limit still holds). */
+const char *__asan_default_options(void);
+const char *__asan_default_options(void) { return "allocator_may_return_null=1"; }
+
 /* ---- the input ----------------------------------------------------------- */
 
 typedef struct reader {
@@ -1439,7 +1447,8 @@ static void corrupt_ints(reader *r, call *c) {
     case 2: /* page size */
         if (c->op == OP_BATCH_DECODE || c->op == OP_PAGED_PREFILL || c->op == OP_CASCADE ||
             c->op == OP_MLA) {
-            c->ps = pick(r, 2) ? 0 : c->ps + 1;
+            /* 0, or one more: never back to the cache's size when repeated */
+            c->ps = pick(r, 2) || c->ps == 0 ? 0 : c->ps + 1;
             if (c->op != OP_MLA || c->ps == 0) fail_must(c, KVC_ERR_INVALID_ARG);
             else fail_may(c);
         }
@@ -1768,7 +1777,9 @@ static void execute(call *c, int specials) {
         fprintf(stderr, "fuzz_attn: valid %s refused: %s\n", op_names[c->op], kvc_last_error());
     if (c->expect == EXP_VALID) CHECK(st == KVC_OK);
     if (c->expect == EXP_FAIL) {
-        if (st == KVC_OK) fprintf(stderr, "fuzz_attn: %s accepted a refused call\n", op_names[c->op]);
+        if (st == KVC_OK)
+            fprintf(stderr, "fuzz_attn: %s accepted a refused call (corruptions:%s)\n",
+                    op_names[c->op], c->log);
         CHECK(st != KVC_OK);
         if (c->n_notes == 1 && c->expect_status && st != c->expect_status)
             fprintf(stderr, "fuzz_attn: %s: %s, expected %s (%s)\n", op_names[c->op],
