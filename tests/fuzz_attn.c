@@ -49,8 +49,10 @@
 /* A plan is sized by the caller's arrays (an MLA plan keeps task state for
  * every query row), so a corrupted qo_indptr can ask for terabytes; the
  * library then returns KVC_ERR_NOMEM, a documented status. ASan must let
- * the allocation fail instead of aborting (.ci/run also lifts libFuzzer's
- * per-allocation limit for this target; the RSS limit still holds). */
+ * the allocation fail instead of aborting: set here for clang's fuzzer
+ * build, and by ctest (ASAN_OPTIONS) for gcc's shared runtime, which does
+ * not see this hook. .ci/run also lifts libFuzzer's per-allocation limit
+ * for this target; the RSS limit still holds. */
 const char *__asan_default_options(void);
 const char *__asan_default_options(void) { return "allocator_may_return_null=1"; }
 
