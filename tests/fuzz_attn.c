@@ -108,6 +108,8 @@ static void free_bufs(void) {
 
 static int64_t off_of(const kvc_tensor *t, int64_t flat) {
     int64_t off = 0;
+    for (int d = 0; d < t->ndim; d++)
+        if (t->shape[d] <= 0) return 0; /* an empty (or corrupted) view has no elements */
     for (int d = t->ndim - 1; d >= 0; d--) {
         int64_t i = flat % t->shape[d];
         flat /= t->shape[d];
