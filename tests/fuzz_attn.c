@@ -47,14 +47,20 @@
 #include "fuzz.h"
 
 /* A plan is sized by the caller's arrays (an MLA plan keeps task state for
- * every query row), so a corrupted qo_indptr can ask for terabytes; the
- * library then returns KVC_ERR_NOMEM, a documented status. ASan must let
- * the allocation fail instead of aborting: set here for clang's fuzzer
- * build, and by ctest (ASAN_OPTIONS) for gcc's shared runtime, which does
- * not see this hook. .ci/run also lifts libFuzzer's per-allocation limit
- * for this target; the RSS limit still holds. */
+ * every query row, a cascade plan accumulators for them), so a corrupted
+ * qo_indptr can ask for gigabytes or terabytes; the library then returns
+ * KVC_ERR_NOMEM, a documented status. ASan must let the allocation fail
+ * instead of aborting, and fail it above 1 GiB: a 16 GiB request that
+ * succeeded had ASan write 2 GiB of shadow for it, past the run's RSS
+ * limit (a cascade plan for 2^27 query rows, found by a 20-minute run).
+ * Set here for clang's fuzzer build, and by ctest (ASAN_OPTIONS) for gcc's
+ * shared runtime, which does not see this hook. .ci/run also lifts
+ * libFuzzer's per-allocation limit for this target; the RSS limit still
+ * holds. */
 const char *__asan_default_options(void);
-const char *__asan_default_options(void) { return "allocator_may_return_null=1"; }
+const char *__asan_default_options(void) {
+    return "allocator_may_return_null=1:max_allocation_size_mb=1024";
+}
 
 /* ---- the input ----------------------------------------------------------- */
 
