@@ -100,6 +100,12 @@ def check_white_space() -> None:
         sys.exit(f"White_Space list disagrees with regex's \\s: {sorted(got ^ ws)}")
 
 
+def emit_spans(name: str, comment: list[str], spans: list[tuple[int, int]]) -> list[str]:
+    """A kvc__cp_span table's lines: the comment, the array, a blank line."""
+    return comment + [f"static const kvc__cp_span {name}[{len(spans)}] = {{"] + [
+        f"    {{0x{lo:05X}, 0x{hi:05X}}}," for lo, hi in spans] + ["};", ""]
+
+
 def main() -> None:
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else (
         Path(__file__).resolve().parent.parent / "src/model/unicode_tables.h")
@@ -122,24 +128,14 @@ def main() -> None:
     for lo, hi, cls in rs:
         lines.append(f"    {{0x{lo:05X}, 0x{hi:05X}, {NAMES[cls]}}},")
     lines += ["};", ""]
-    np = nonprintable()
-    lines += [
+    np, cs = nonprintable(), cased()
+    lines += emit_spans("kvc__nonprint_ranges", [
         "/* Code points Python's str.isprintable() refuses (repr() escapes them):",
-        " * categories Cc Cf Cs Co Cn Zl Zp, and Zs but for U+0020. */",
-        f"static const kvc__cp_span kvc__nonprint_ranges[{len(np)}] = {{",
-    ]
-    for lo, hi in np:
-        lines.append(f"    {{0x{lo:05X}, 0x{hi:05X}}},")
-    lines += ["};", ""]
-    cs = cased()
-    lines += [
+        " * categories Cc Cf Cs Co Cn Zl Zp, and Zs but for U+0020. */"], np)
+    lines += emit_spans("kvc__cased_ranges", [
         "/* Cased code points (Lu Ll Lt, Other_Uppercase, Other_Lowercase): after",
-        " * one, Python's str.title() lowercases; after any other, it titlecases. */",
-        f"static const kvc__cp_span kvc__cased_ranges[{len(cs)}] = {{",
-    ]
-    for lo, hi in cs:
-        lines.append(f"    {{0x{lo:05X}, 0x{hi:05X}}},")
-    lines += ["};", "", "#endif", ""]
+        " * one, Python's str.title() lowercases; after any other, it titlecases. */"], cs)
+    lines += ["#endif", ""]
     out.write_text("\n".join(lines))
     print(f"{out}: {len(rs)} + {len(np)} + {len(cs)} ranges, Unicode {unicodedata.unidata_version}")
 

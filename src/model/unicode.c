@@ -9,6 +9,9 @@
  */
 #include "unicode.h"
 
+#include <stddef.h>
+#include <string.h>
+
 #include "unicode_tables.h"
 
 /* ---- UTF-8 ---------------------------------------------------------------- */
@@ -92,19 +95,35 @@ static const uint8_t ascii_class[128] = {
 #undef N_
 };
 
-int kvc__cp_class(uint32_t cp) {
-    if (cp < 128) return ascii_class[cp];
-    size_t lo = 0, hi = sizeof kvc__cp_ranges / sizeof kvc__cp_ranges[0];
-    while (lo < hi) { /* first range whose last >= cp */
+/* Index of the span of the n sorted, disjoint spans at table (elements of
+ * `size` bytes that begin with a kvc__cp_span) that holds cp, or n. */
+static size_t find_span(const void *table, size_t n, size_t size, uint32_t cp) {
+    const unsigned char *t = table;
+    kvc__cp_span s;
+    size_t lo = 0, hi = n;
+    while (lo < hi) { /* first span whose last >= cp */
         size_t mid = lo + (hi - lo) / 2;
-        if (kvc__cp_ranges[mid].last < cp)
+        memcpy(&s, t + mid * size, sizeof s);
+        if (s.last < cp)
             lo = mid + 1;
         else
             hi = mid;
     }
-    if (lo < sizeof kvc__cp_ranges / sizeof kvc__cp_ranges[0] && kvc__cp_ranges[lo].first <= cp)
-        return kvc__cp_ranges[lo].cls;
-    return KVC__CP_OTHER;
+    if (lo == n) return n;
+    memcpy(&s, t + lo * size, sizeof s);
+    return s.first <= cp ? lo : n;
+}
+_Static_assert(offsetof(kvc__cp_range, first) == offsetof(kvc__cp_span, first) &&
+                   offsetof(kvc__cp_range, last) == offsetof(kvc__cp_span, last),
+               "a kvc__cp_range begins with a kvc__cp_span");
+
+#define SPANS(table) (table), sizeof(table) / sizeof((table)[0]), sizeof((table)[0])
+
+int kvc__cp_class(uint32_t cp) {
+    if (cp < 128) return ascii_class[cp];
+    const size_t n = sizeof kvc__cp_ranges / sizeof kvc__cp_ranges[0];
+    const size_t i = find_span(SPANS(kvc__cp_ranges), cp);
+    return i < n ? kvc__cp_ranges[i].cls : KVC__CP_OTHER;
 }
 
 int kvc__py_isspace(uint32_t cp) {
@@ -114,29 +133,16 @@ int kvc__py_isspace(uint32_t cp) {
     return kvc__cp_class(cp) == KVC__CP_SPACE;
 }
 
-/* Whether cp lies in one of the n sorted, disjoint spans. */
-static int in_spans(const kvc__cp_span *spans, size_t n, uint32_t cp) {
-    size_t lo = 0, hi = n;
-    while (lo < hi) { /* first span whose last >= cp */
-        size_t mid = lo + (hi - lo) / 2;
-        if (spans[mid].last < cp)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    return lo < n && spans[lo].first <= cp;
-}
-
 int kvc__py_isprintable(uint32_t cp) {
     if (cp < 128) return cp >= 0x20 && cp < 0x7F;
-    return !in_spans(kvc__nonprint_ranges,
-                     sizeof kvc__nonprint_ranges / sizeof kvc__nonprint_ranges[0], cp);
+    const size_t n = sizeof kvc__nonprint_ranges / sizeof kvc__nonprint_ranges[0];
+    return find_span(SPANS(kvc__nonprint_ranges), cp) == n;
 }
 
 int kvc__is_cased(uint32_t cp) {
     if (cp < 128) return (cp | 32) >= 'a' && (cp | 32) <= 'z';
-    return in_spans(kvc__cased_ranges, sizeof kvc__cased_ranges / sizeof kvc__cased_ranges[0],
-                    cp);
+    const size_t n = sizeof kvc__cased_ranges / sizeof kvc__cased_ranges[0];
+    return find_span(SPANS(kvc__cased_ranges), cp) < n;
 }
 
 const char *kvc__unicode_version(void) {
