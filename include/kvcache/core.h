@@ -11,6 +11,10 @@
  *     accept NULL.
  *   - Shapes are written (d0, d1, ...), row-major; strides are in elements.
  *   - The caller owns every buffer; the library keeps no pointer past a call.
+ *   - An output must not share memory with an input or another output unless
+ *     its operator says so (caches updated in place are inputs and outputs
+ *     by design). Overlap is not detected: like memcpy's, such a call's
+ *     result is undefined, though nothing is read or written out of bounds.
  *   - Objects are not internally locked; kernels are reentrant.
  */
 #ifndef KVCACHE_CORE_H

@@ -24,7 +24,8 @@ The shared library is found through the environment variable
 ``KVCACHE_LIBRARY``, else the repository's ``build/libkvcache.so``, else the
 system library path. C errors are raised as :class:`KvcacheError` subclasses
 carrying the library's message (``InvalidArgumentError`` is also a
-``ValueError``).
+``ValueError``). Arrays given as ``out=``/``lse=`` must not share memory with
+the call's inputs (not checked; as in C, core.h).
 """
 
 from __future__ import annotations
