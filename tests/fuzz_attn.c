@@ -54,9 +54,8 @@
  * succeeded had ASan write 2 GiB of shadow for it, past the run's RSS
  * limit (a cascade plan for 2^27 query rows, found by a 20-minute run).
  * Set here for clang's fuzzer build, and by ctest (ASAN_OPTIONS) for gcc's
- * shared runtime, which does not see this hook. .ci/run also lifts
- * libFuzzer's per-allocation limit for this target; the RSS limit still
- * holds. */
+ * shared runtime, which does not see this hook. ASan refuses such a request
+ * before libFuzzer's -malloc_limit_mb hook sees it. */
 const char *__asan_default_options(void);
 const char *__asan_default_options(void) {
     return "allocator_may_return_null=1:max_allocation_size_mb=1024";
