@@ -27,11 +27,14 @@
 #define BENCH_OP_DYNAMIC 2u
 #define BENCH_OP_ALL 3u
 
+#define BENCH_GROUP_ROW (-1)
+
 typedef struct bench_opts {
     int threads[BENCH_MAX_THREAD_COUNTS]; /* thread counts, each run in turn */
     int n_thread_counts;
     int64_t batch, kvlen, heads, head_dim; /* 0: the target's default */
-    int64_t group;   /* int8/int4 quant group (attention; 0: the target's default) */
+    int64_t group;   /* int8/int4 quant group (attention, kernel; 0: the target's
+                      * default; BENCH_GROUP_ROW: Dh, one scale per head row) */
     int64_t layers;  /* attention: caches the calls rotate over (0: 1) */
     double soft_cap; /* attention: logits_soft_cap of the calls (0: none) */
     double time_s;   /* time budget per case, seconds */

@@ -3,7 +3,7 @@
  * over a paged NHD cache (HND with --layout hnd; page_size 16, pages
  * shuffled), shapes Hq=32/H=8/Dh=128 and Hq=9/H=3/Dh=64, kv lengths
  * 512/4096/16384, batch 1 and 16, float16 / int8 / int4 caches (quant group
- * ATT_GROUP = 32 or --group, float16 scales), float16 q and out.
+ * ATT_GROUP = 32 or --group: N, or row for Dh; float16 scales), float16 q and out.
  *
  * Reports us per layer, the K/V bytes read (cache rows + scales), effective
  * GB/s and its ratio to a plain read (vectorized sum) of a large buffer with
@@ -378,25 +378,33 @@ int bench_attention(const bench_opts *o) {
     int64_t one_len = o->kvlen, one_batch = o->batch;
     if (one_len) lens = &one_len, n_lens = 1;
     if (one_batch) batches = &one_batch, n_batches = 1;
-    const int64_t group = o->group ? o->group : ATT_GROUP;
+    /* quant group per shape: --group N, row (Dh), or ATT_GROUP */
+    int64_t groups[2];
+    for (int si = 0; si < n_shapes; si++)
+        groups[si] = o->group == BENCH_GROUP_ROW ? shapes[si].D : o->group ? o->group : ATT_GROUP;
     const int64_t want_layers = o->layers ? o->layers : 1;
     const unsigned layouts = o->layouts ? o->layouts : 1u; /* bit 0 NHD, bit 1 HND */
     for (int si = 0; si < n_shapes; si++)
-        if (shapes[si].D % group != 0 && (caches & ~BENCH_CACHE_F16)) {
+        if (shapes[si].D % groups[si] != 0 && (caches & ~BENCH_CACHE_F16)) {
             fprintf(stderr, "kvcache: bench attention: head dim %lld is not a multiple of the "
                             "quant group %lld of int8/int4 caches\n",
-                    (long long)shapes[si].D, (long long)group);
+                    (long long)shapes[si].D, (long long)groups[si]);
             return CLI_EXIT_USAGE;
         }
+    char gdesc[64];
+    if (o->group == BENCH_GROUP_ROW)
+        snprintf(gdesc, sizeof gdesc, "one scale per head row (quant group Dh)");
+    else
+        snprintf(gdesc, sizeof gdesc, "quant group %d", (int)groups[0]);
 
     bench_print_machine(o, "attention", stdout);
     if (!o->json)
         printf("# kvc_decode_run, one layer per call: paged cache (lay), page_size %d (shuffled "
-               "pages), float16 q/out, int8/int4 with quant group %d and float16 scales; "
+               "pages), float16 q/out, int8/int4 with %s and float16 scales; "
                "%.2f s per case. read GB/s: plain vectorized read, same threads, interleaved; "
                "mem = read-bound time / time; GFMA/s: FMA-lane peak of the ISA, same threads, "
                "interleaved; fma = (2*Hq*Dh FMAs + 2*H*Dh conversions per token) / peak / time\n",
-               ATT_PAGE, (int)group, o->time_s);
+               ATT_PAGE, gdesc, o->time_s);
     if (!o->json && o->soft_cap > 0)
         printf("# logits_soft_cap %g on every call\n", o->soft_cap);
     if (!o->json && want_layers > 1)
@@ -409,8 +417,9 @@ int bench_attention(const bench_opts *o) {
         printf("%-9s %-3s %-5s %5s %6s %3s %10s %9s %8s %8s %6s %7s %6s %7s\n", "shape", "lay",
                "cache", "batch", "kv", "thr", "us/layer", "MB read", "GB/s", "read", "mem",
                "GFMA/s", "fma", "vs f16");
-    att_run run = {o, mb, o->quick ? 0.005 : 0.1, group, want_layers, 0, 0, 0, 0, 0};
-    for (int si = 0; si < n_shapes; si++)
+    att_run run = {o, mb, o->quick ? 0.005 : 0.1, groups[0], want_layers, 0, 0, 0, 0, 0};
+    for (int si = 0; si < n_shapes; si++) {
+        run.group = groups[si];
         for (int bi = 0; bi < n_batches; bi++)
             for (int li = 0; li < n_lens; li++)
                 for (int lo = 0; lo < 2; lo++) {
@@ -426,6 +435,7 @@ int bench_attention(const bench_opts *o) {
                         }
                     }
                 }
+    }
     bench_membw_destroy(mb);
     if (o->json)
         printf("{\"type\":\"summary\",\"cases\":%d,\"failed\":%d,\"skipped\":%d,"

@@ -187,7 +187,7 @@ static uint16_t kb_f16(uint64_t *s) {
 
 int bench_kernel(const bench_opts *o) {
     const int D = o->head_dim ? (int)o->head_dim : 128, H = o->heads ? (int)o->heads : 8;
-    const int group = o->group ? (int)o->group : 32;
+    const int group = o->group == BENCH_GROUP_ROW ? D : o->group ? (int)o->group : 32;
     if (D % 16 != 0 || D > KVC_ATTN_MAX_DIM || D % group != 0 || group % 2 != 0 || H < 1 ||
         H > 64) {
         fprintf(stderr,

@@ -45,7 +45,9 @@ static const char bench_usage[] =
     "  --heads N         KV heads H (default 8; attention, prefill and kernel: with\n"
     "                    4 query heads each; mla: query heads)\n"
     "  --head-dim N      head dimension Dh, a multiple of 8 (default 128)\n"
-    "  --group N         attention: int8/int4 quant group (default 32), dividing Dh\n"
+    "  --group N|row     attention, kernel: int8/int4 quant group (default 32),\n"
+    "                    dividing Dh; row: one scale per head row (group = Dh\n"
+    "                    of each shape)\n"
     "  --layers N        attention: N caches of the same shape, one per layer, the\n"
     "                    calls taking them in turn as a model's decode step does\n"
     "                    (default 1: every call reads the same, cache-warm K/V);\n"
@@ -203,10 +205,14 @@ int cmd_bench(int argc, char **argv) {
                                             "[8, 65536] (the quantization group is 8)");
             o.head_dim = n;
         } else if ((r = opt_value(argc, argv, &i, "--group", &v)) != 0) {
-            if (r < 0 || cli_parse_i64(v, 2, 1 << 16, &n) != 0 || n % 2 != 0)
-                return cli_usage_error(cmd, "bench: --group expects an even integer in "
-                                            "[2, 65536]");
-            o.group = n;
+            if (r > 0 && !strcmp(v, "row")) {
+                o.group = BENCH_GROUP_ROW;
+            } else {
+                if (r < 0 || cli_parse_i64(v, 2, 1 << 16, &n) != 0 || n % 2 != 0)
+                    return cli_usage_error(cmd, "bench: --group expects an even integer in "
+                                                "[2, 65536] or row");
+                o.group = n;
+            }
         } else if ((r = opt_value(argc, argv, &i, "--layers", &v)) != 0) {
             if (r < 0 || cli_parse_i64(v, 1, 1024, &n) != 0)
                 return cli_usage_error(cmd, "bench: --layers expects an integer in [1, 1024]");
