@@ -1006,6 +1006,13 @@ TEST(rejects) {
     tlm.data = (char *)tl.data + 1; /* never dereferenced */
     REJ(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, &p, &to, &tlm, NULL));
     ASSERT_STR_CONTAINS(kvc_last_error(), "aligned");
+    /* written rows that share memory (stride 0), out or lse */
+    kvc_tensor toz = to, tlz = tl;
+    toz.stride[0] = 0;
+    REJ(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, &p, &toz, &tl, NULL));
+    ASSERT_STR_CONTAINS(kvc_last_error(), "stride 0");
+    tlz.stride[0] = 0; /* 1-D here: refused as its last dimension already */
+    REJ(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, &p, &to, &tlz, NULL));
     /* k/v mismatch, layout, params */
     int64_t ksh2[3] = {9, 2, 64};
     kvc_tensor tv2 = kvc_tensor_make(v, KVC_F32, 3, ksh2);

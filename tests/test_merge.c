@@ -450,6 +450,15 @@ TEST(merge_errors_write_nothing) {
     ASSERT_STATUS(kvc_merge_state_in_place(&ta, &tsa, &th, &tsb, NULL), E);
     ASSERT_STATUS(kvc_merge_state_in_place(&ta, &tsa, &tb, &tsbad, NULL), E);
     ASSERT_STATUS(kvc_merge_state_in_place(&ta, NULL, &tb, &tsb, NULL), E);
+    /* written tensors whose rows share memory (stride 0) */
+    kvc_tensor taz = ta, tsaz = tsa, toz = to, tsoz = tso;
+    taz.stride[0] = tsaz.stride[0] = toz.stride[0] = tsoz.stride[1] = 0;
+    ASSERT_STATUS(kvc_merge_state_in_place(&taz, &tsa, &tb, &tsb, NULL), E);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "stride 0");
+    ASSERT_STATUS(kvc_merge_state_in_place(&ta, &tsaz, &tb, &tsb, NULL), E);
+    ASSERT_STATUS(kvc_merge_state(&ta, &tsa, &tb, &tsb, &toz, &tso), E);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "stride 0");
+    ASSERT_STATUS(kvc_merge_state(&ta, &tsa, &tb, &tsb, &to, &tsoz), E);
     UNTOUCHED();
     /* merge_states */
     float v4[N * 3 * H * D], s4v[N * 3 * H];

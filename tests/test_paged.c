@@ -814,7 +814,7 @@ TEST(append_rejects_leave_cache_unchanged) {
     memcpy(&orig, &f, sizeof f);
     ASSERT_OK(fixture_call(&f)); /* the unmutated call is valid ... */
     ASSERT_TRUE(memcmp(f.k, orig.k, sizeof f.k) != 0); /* ... and writes */
-    enum { N_MUT = 40 };
+    enum { N_MUT = 42 };
     for (int m = 0; m < N_MUT; m++) {
         fixture_init(&f);
         switch (m) {
@@ -858,6 +858,8 @@ TEST(append_rejects_leave_cache_unchanged) {
         case 37: f.txk.shape[0] = f.txv.shape[0] = 4; break;   /* nnz mismatch with rows */
         case 38: f.pc.k_scale.shape[0] = 5; break;
         case 39: f.tlast.shape[0] = 2; break;
+        case 40: f.pc.k.stride[0] = 0; break;          /* written pages share memory */
+        case 41: f.pc.v_scale.stride[1] = 0; break;
         }
         memcpy(&orig, &f, sizeof f);
         kvc_clear_error();
@@ -865,6 +867,7 @@ TEST(append_rejects_leave_cache_unchanged) {
         if (st != KVC_ERR_INVALID_ARG) TEST_FAIL_("mutation %d: status %s", m, kvc_status_str(st));
         if (strlen(kvc_last_error()) <= 10)
             TEST_FAIL_("mutation %d: message '%s'", m, kvc_last_error());
+        if (m >= 40) ASSERT_STR_CONTAINS(kvc_last_error(), "stride 0");
         ASSERT_MEM_EQ(f.k, orig.k, sizeof f.k);
         ASSERT_MEM_EQ(f.v, orig.v, sizeof f.v);
         ASSERT_MEM_EQ(f.ks, orig.ks, sizeof f.ks);

@@ -421,7 +421,7 @@ TEST(dynamic_rejects_leave_cache_unchanged) {
     static dyn_fixture f, orig;
     fixture_init(&f);
     ASSERT_OK(fixture_call(&f)); /* the unmutated call is valid */
-    enum { N_MUT = 22 };
+    enum { N_MUT = 25 };
     for (int m = 0; m < N_MUT; m++) {
         fixture_init(&f);
         switch (m) {
@@ -447,12 +447,16 @@ TEST(dynamic_rejects_leave_cache_unchanged) {
         case 19: f.tc.shape[1] = 3; break;
         case 20: f.seqstarts[0] = 1; break;
         case 21: f.cv[2 * 16] = 0xfc00; break;               /* -Inf in current_value */
+        case 22: f.tc.stride[0] = 0; break;                  /* layers share the written cache */
+        case 23: f.ts.stride[2] = 0; break;                  /* slots share a written scale */
+        case 24: f.tov.stride[0] = 0; break;                 /* output rows share memory */
         }
         memcpy(&orig, &f, sizeof f);
         kvc_clear_error();
         kvc_status st = fixture_call(&f);
         if (st != KVC_ERR_INVALID_ARG) TEST_FAIL_("mutation %d: status %s", m, kvc_status_str(st));
         ASSERT_TRUE(strlen(kvc_last_error()) > 10);
+        if (m >= 22) ASSERT_STR_CONTAINS(kvc_last_error(), "stride 0");
         ASSERT_MEM_EQ(f.cache, orig.cache, sizeof f.cache);
         ASSERT_MEM_EQ(f.scale, orig.scale, sizeof f.scale);
         ASSERT_MEM_EQ(f.ok, orig.ok, sizeof f.ok);
@@ -515,6 +519,11 @@ TEST(static_rejects_leave_cache_unchanged) {
     ASSERT_STATUS(kvc_pmx_key_value_cache(&tk, &tv, &tsp, &tc, NULL, &p, NULL, NULL, NULL),
                   KVC_ERR_INVALID_ARG);
     tsp.dtype = KVC_I64;
+    tc.stride[0] = 0; /* the batches would share the written cache (fuzz_attn found it taken) */
+    ASSERT_STATUS(kvc_pmx_key_value_cache(&tk, &tv, &tsp, &tc, NULL, &p, NULL, NULL, NULL),
+                  KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "stride 0");
+    tc.stride[0] = 2 * 8 * 8;
     tc.stride[5] = 2; /* last dim not contiguous */
     ASSERT_STATUS(kvc_pmx_key_value_cache(&tk, &tv, &tsp, &tc, NULL, &p, NULL, NULL, NULL),
                   KVC_ERR_INVALID_ARG);

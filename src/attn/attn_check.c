@@ -37,10 +37,12 @@ kvc_status kvc__attn_check_io(const char *fn, const kvc_tensor *q, const kvc_ten
               kvc_dtype_name(q->dtype));
     KVC_CHECK(out != NULL, "%s: out is NULL", fn);
     KVC_TRY(kvc__attn_check_shape(fn, "out", out, ndim, qshape));
+    KVC_TRY(kvc__check_writable(out, "out"));
     KVC_CHECK(kvc__attn_is_float(out->dtype), "%s: out must be float32, float16 or bfloat16, not %s", fn,
               kvc_dtype_name(out->dtype));
     if (lse) {
         KVC_TRY(kvc__attn_check_shape(fn, "lse", lse, ndim - 1, qshape));
+        KVC_TRY(kvc__check_writable(lse, "lse"));
         KVC_CHECK(lse->dtype == KVC_F32, "%s: lse must be float32, not %s", fn,
                   kvc_dtype_name(lse->dtype));
     }

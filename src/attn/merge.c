@@ -178,6 +178,8 @@ kvc_status kvc_merge_state(const kvc_tensor *v_a, const kvc_tensor *s_a, const k
     KVC_TRY(check_pair(fn, v_a, s_a, "v_a", "s_a", v_b, s_b, "v_b", "s_b"));
     KVC_TRY(check_v(fn, v_out, "v_out", 3));
     KVC_TRY(check_s(fn, s_out, "s_out", 2));
+    KVC_TRY(kvc__check_writable(v_out, "v_out"));
+    KVC_TRY(kvc__check_writable(s_out, "s_out"));
     kvc__shape_str(v_a, want, sizeof want);
     KVC_TRY(check_shape(fn, v_out, "v_out", v_a->shape, 3, want));
     KVC_CHECK(v_out->dtype == v_a->dtype, "%s: v_out is %s but v_a is %s (they must match)", fn,
@@ -213,6 +215,8 @@ kvc_status kvc_merge_state_in_place(kvc_tensor *v, kvc_tensor *s, const kvc_tens
     static const char fn[] = "kvc_merge_state_in_place";
     char b[96];
     KVC_TRY(check_pair(fn, v, s, "v", "s", v_other, s_other, "v_other", "s_other"));
+    KVC_TRY(kvc__check_writable(v, "v"));
+    KVC_TRY(kvc__check_writable(s, "s"));
     const int64_t N = v->shape[0], H = v->shape[1], D = v->shape[2];
     if (mask) {
         KVC_TRY(kvc__check_tensor(mask, "mask", 0));
@@ -255,6 +259,8 @@ kvc_status kvc_merge_states(const kvc_tensor *v, const kvc_tensor *s, kvc_tensor
     KVC_TRY(check_s(fn, s, "s", 3));
     KVC_TRY(check_v(fn, v_out, "v_out", 3));
     KVC_TRY(check_s(fn, s_out, "s_out", 2));
+    KVC_TRY(kvc__check_writable(v_out, "v_out"));
+    KVC_TRY(kvc__check_writable(s_out, "s_out"));
     const int64_t N = v->shape[0], n = v->shape[1], H = v->shape[2], D = v->shape[3];
     snprintf(want, sizeof want, "(%lld, %lld, %lld) (N, n, H of v)", (long long)N, (long long)n,
              (long long)H);

@@ -418,9 +418,11 @@ kvc_status kvc_mla_run(kvc_mla_plan *plan, const kvc_tensor *q_nope, const kvc_t
     KVC_TRY(check_float(fn, "ckv_cache", ckv_cache, 3, ckv_shape));
     if (with_pe) KVC_TRY(check_float(fn, "kpe_cache", kpe_cache, 3, kpe_shape));
     KVC_TRY(check_float(fn, "out", out, 3, qn_shape));
+    KVC_TRY(kvc__check_writable(out, "out"));
     if (lse) {
         char got[128];
         KVC_TRY(kvc__check_tensor(lse, "lse", 1));
+        KVC_TRY(kvc__check_writable(lse, "lse"));
         KVC_CHECK(lse->ndim == 2 && lse->shape[0] == p->N && lse->shape[1] == p->Hq,
                   "%s: lse has shape %s, expected (%lld, %lld)", fn,
                   kvc__shape_str(lse, got, sizeof got), (long long)p->N, (long long)p->Hq);

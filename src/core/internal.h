@@ -58,6 +58,15 @@ static inline void *kvc__at(const kvc_tensor *t, int64_t elem) {
  */
 kvc_status kvc__check_tensor(const kvc_tensor *t, const char *name, int need_contig_last);
 
+/*
+ * A tensor the call writes (an output, or a cache updated in place), after
+ * kvc__check_tensor: refused when a dimension of size > 1 has stride 0, so
+ * that two of its elements are one memory location and the result would
+ * depend on which write lands last (on threads: on the thread count). Other
+ * overlapping strides are not detected (core.h). Empty tensors pass.
+ */
+kvc_status kvc__check_writable(const kvc_tensor *t, const char *name);
+
 /* Formats t's shape as "(a, b, c)" into buf. */
 const char *kvc__shape_str(const kvc_tensor *t, char *buf, size_t n);
 

@@ -158,3 +158,12 @@ kvc_status kvc__check_tensor(const kvc_tensor *t, const char *name, int need_con
     }
     return KVC_OK;
 }
+
+kvc_status kvc__check_writable(const kvc_tensor *t, const char *name) {
+    if (kvc_tensor_numel(t) <= 0) return KVC_OK; /* nothing written */
+    for (int i = 0; i < t->ndim; i++)
+        KVC_CHECK(t->stride[i] != 0 || t->shape[i] <= 1,
+                  "%s: dimension %d (size %lld) has stride 0, so its elements share memory; "
+                  "the call writes this tensor", name, i, (long long)t->shape[i]);
+    return KVC_OK;
+}

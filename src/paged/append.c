@@ -274,6 +274,7 @@ static kvc_status check_scale(const char *fn, const char *name, const kvc_tensor
                               const kvc_tensor *cache, int64_t groups) {
     char b1[96], b2[96];
     KVC_TRY(kvc__check_tensor(s, name, 1));
+    KVC_TRY(kvc__check_writable(s, name));
     KVC_CHECK(s->dtype == KVC_F32 || s->dtype == KVC_F16,
               "%s: %s must be float32 or float16, got %s", fn, name, kvc_dtype_name(s->dtype));
     int ok = s->ndim == cache->ndim;
@@ -346,6 +347,8 @@ kvc_status kvc_append_paged_kv_cache(const kvc_tensor *append_key, const kvc_ten
     KVC_TRY(kvc__check_tensor(append_value, "append_value", 1));
     KVC_TRY(kvc__check_tensor(&cache->k, "cache->k", 1));
     KVC_TRY(kvc__check_tensor(&cache->v, "cache->v", 1));
+    KVC_TRY(kvc__check_writable(&cache->k, "cache->k"));
+    KVC_TRY(kvc__check_writable(&cache->v, "cache->v"));
     KVC_CHECK(cache->layout == KVC_NHD || cache->layout == KVC_HND,
               "%s: cache->layout must be KVC_NHD (0) or KVC_HND (1), got %d", fn,
               (int)cache->layout);
@@ -440,6 +443,7 @@ static kvc_status mla_half(const char *fn, const char *in_name, const kvc_tensor
     char b1[96], b2[96];
     KVC_TRY(kvc__check_tensor(in, in_name, 1));
     KVC_TRY(kvc__check_tensor(cache, cache_name, 1));
+    KVC_TRY(kvc__check_writable(cache, cache_name));
     KVC_CHECK(cache->ndim == 3 && cache->shape[1] >= 1 && cache->shape[2] >= 1,
               "%s: %s must be (max_pages, page_size >= 1, D >= 1), got %s", fn, cache_name,
               kvc__shape_str(cache, b1, sizeof b1));

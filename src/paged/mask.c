@@ -160,6 +160,7 @@ kvc_status kvc_segment_packbits(const uint8_t *x, const kvc_tensor *indptr, kvc_
               (int)order);
     KVC_TRY(check_indptr(fn, indptr, "indptr", 1, &len));
     KVC_TRY(check_indptr(fn, out_indptr, "out_indptr", 1, &out_len));
+    KVC_TRY(kvc__check_writable(out_indptr, "out_indptr"));
     KVC_CHECK(out_indptr->dtype == indptr->dtype,
               "%s: out_indptr must have indptr's dtype %s, got %s", fn,
               kvc_dtype_name(indptr->dtype), kvc_dtype_name(out_indptr->dtype));
@@ -203,6 +204,7 @@ kvc_status kvc_build_packed_custom_mask(const uint8_t *mask, const kvc_tensor *q
     KVC_TRY(check_indptr(fn, qo_indptr, "qo_indptr", 0, &len));
     KVC_TRY(check_indptr(fn, kv_indptr, "kv_indptr", 0, &kv_len));
     KVC_TRY(check_indptr(fn, mask_indptr, "mask_indptr", 0, &m_len));
+    KVC_TRY(kvc__check_writable(mask_indptr, "mask_indptr"));
     KVC_CHECK(kv_len == len, "%s: kv_indptr has %lld elements, qo_indptr %lld (both B+1)", fn,
               (long long)kv_len, (long long)len);
     KVC_CHECK(m_len == len, "%s: mask_indptr has %lld elements, qo_indptr %lld (all B+1)", fn,

@@ -138,6 +138,7 @@ kvc_status kvc_get_seq_lens(const kvc_tensor *kv_indptr, const kvc_tensor *kv_la
     int64_t B;
     KVC_TRY(kvc__paged_check_table(fn, kv_indptr, NULL, kv_last_page_len, page_size, -1, 0, &B));
     KVC_TRY(kvc__paged_check_i32(fn, "seq_lens", seq_lens, B));
+    KVC_TRY(kvc__check_writable(seq_lens, "seq_lens"));
     for (int64_t b = 0; b < B; b++) {
         int64_t pages = (int64_t)kvc__i32_1d(kv_indptr, b + 1) - kvc__i32_1d(kv_indptr, b);
         int64_t len = pages ? (pages - 1) * page_size + kvc__i32_1d(kv_last_page_len, b) : 0;
@@ -164,6 +165,8 @@ kvc_status kvc_get_batch_indices_positions(const kvc_tensor *append_indptr,
               fn, (long long)nnz, (int)kvc__i32_1d(append_indptr, B));
     KVC_TRY(kvc__paged_check_i32(fn, "batch_indices", batch_indices, nnz));
     KVC_TRY(kvc__paged_check_i32(fn, "positions", positions, nnz));
+    KVC_TRY(kvc__check_writable(batch_indices, "batch_indices"));
+    KVC_TRY(kvc__check_writable(positions, "positions"));
     for (int64_t b = 0; b < B; b++) {
         int64_t n = (int64_t)kvc__i32_1d(append_indptr, b + 1) - kvc__i32_1d(append_indptr, b);
         int32_t len = kvc__i32_1d(seq_lens, b);
@@ -210,6 +213,7 @@ kvc_status kvc_page_table_to_pmx(const kvc_tensor *kv_indptr, const kvc_tensor *
         KVC_CHECK(kvc__i32_1d(kv_indices, i) >= 0, "%s: kv_indices[%lld] = %d is negative", fn,
                   (long long)i, (int)kvc__i32_1d(kv_indices, i));
     KVC_TRY(check_cachestarts(fn, cachestarts, B));
+    KVC_TRY(kvc__check_writable(cachestarts, "cachestarts"));
     const int64_t maxP = cachestarts->shape[1];
     for (int64_t b = 0; b < B; b++) {
         int64_t pages = (int64_t)kvc__i32_1d(kv_indptr, b + 1) - kvc__i32_1d(kv_indptr, b);
@@ -250,6 +254,9 @@ kvc_status kvc_pmx_to_page_table(const kvc_tensor *cachestarts, const kvc_tensor
     KVC_TRY(kvc__paged_check_i32(fn, "kv_indptr", kv_indptr, B + 1));
     KVC_TRY(kvc__paged_check_i32(fn, "kv_last_page_len", kv_last_page_len, B));
     KVC_TRY(kvc__paged_check_i32(fn, "kv_indices", kv_indices, -1));
+    KVC_TRY(kvc__check_writable(kv_indptr, "kv_indptr"));
+    KVC_TRY(kvc__check_writable(kv_last_page_len, "kv_last_page_len"));
+    KVC_TRY(kvc__check_writable(kv_indices, "kv_indices"));
     const int64_t *cs = cachestarts->data;
     const int64_t cs0 = cachestarts->stride[0], cs1 = cachestarts->stride[1];
     int64_t total = 0;

@@ -90,6 +90,7 @@ kvc_status kvc_pmx_dynamic_multi_head_cache_attention(
     /* tensors the store does not look at */
     KVC_TRY(kvc__check_tensor(current_key, "current_key", 1));
     KVC_TRY(kvc__check_tensor(cache, "cache", 1));
+    KVC_TRY(kvc__check_writable(cache, "cache"));
     KVC_CHECK(current_key->ndim == 3 && current_key->shape[1] == H && current_key->shape[2] == D,
               "%s: current_key %s must be (seqstarts[B], num_kv_heads=%lld, head_dim=%lld)", fn,
               kvc__shape_str(current_key, b1, sizeof b1), (long long)H, (long long)D);

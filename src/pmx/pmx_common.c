@@ -240,6 +240,7 @@ kvc_status kvc__pmx_check_common(const char *fn, const kvc_pmx_kv_params *p, int
         KVC_CHECK(scale != NULL, "%s: scale is required when quant_bit is %d", fn,
                   (int)p->quant_bit);
         KVC_TRY(kvc__check_tensor(scale, "scale", 1));
+        KVC_TRY(kvc__check_writable(scale, "scale"));
         KVC_CHECK(scale->dtype == KVC_F32 || scale->dtype == KVC_F16,
                   "%s: scale must be float32 or float16, got %s", fn,
                   kvc_dtype_name(scale->dtype));
@@ -265,6 +266,7 @@ kvc_status kvc__pmx_check_output(const char *fn, const char *name, const kvc_ten
                                  kvc_dtype t1, int ndim, const int64_t *shape) {
     char b1[96], b2[96];
     KVC_TRY(kvc__check_tensor(out, name, 1));
+    KVC_TRY(kvc__check_writable(out, name));
     KVC_CHECK(out->dtype == t1, "%s: %s must have the inputs' dtype %s, got %s", fn, name,
               kvc_dtype_name(t1), kvc_dtype_name(out->dtype));
     int ok = out->ndim == ndim;

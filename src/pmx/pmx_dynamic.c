@@ -189,6 +189,7 @@ kvc_status kvc_pmx_dynamic_key_value_cache(
     KVC_TRY(kvc__check_tensor(current_key, "current_key", 1));
     KVC_TRY(kvc__check_tensor(current_value, "current_value", 1));
     KVC_TRY(kvc__check_tensor(cache, "cache", 1));
+    KVC_TRY(kvc__check_writable(cache, "cache"));
     KVC_CHECK(current_key->ndim == 3, "%s: current_key must be (seqstarts[B], H, Dh), got %s", fn,
               kvc__shape_str(current_key, b1, sizeof b1));
     KVC_CHECK(cache->ndim == 5, "%s: cache must have 5 dims, got %s", fn,

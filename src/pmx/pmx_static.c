@@ -107,6 +107,7 @@ kvc_status kvc_pmx_key_value_cache(const kvc_tensor *current_key, const kvc_tens
     KVC_TRY(kvc__check_tensor(current_key, "current_key", 1));
     KVC_TRY(kvc__check_tensor(current_value, "current_value", 1));
     KVC_TRY(kvc__check_tensor(cache, "cache", 1));
+    KVC_TRY(kvc__check_writable(cache, "cache"));
     KVC_CHECK(current_key->ndim == 4, "%s: current_key must be (B, S, H, Dh), got %s", fn,
               kvc__shape_str(current_key, b1, sizeof b1));
     KVC_CHECK(cache->ndim == 6, "%s: cache must have 6 dims, got %s", fn,
