@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generates src/model/unicode_tables.h: the code-point classes the
+"""Generates src/text/unicode_tables.h: the code-point classes the
 tokenizer's pre-tokenizers need, as sorted ranges, from Python's unicodedata,
 and the code points str.isprintable() refuses (the chat templates' repr())
 and the cased ones (their str.title()).
@@ -108,7 +108,7 @@ def emit_spans(name: str, comment: list[str], spans: list[tuple[int, int]]) -> l
 
 def main() -> None:
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else (
-        Path(__file__).resolve().parent.parent / "src/model/unicode_tables.h")
+        Path(__file__).resolve().parent.parent / "src/text/unicode_tables.h")
     check_white_space()
     rs = ranges()
     lines = [

@@ -27,7 +27,7 @@
 #include <string.h>
 
 #include "kvcache/tokenizer.h"
-#include "../src/model/tokenizer_internal.h"
+#include "../src/text/tokenizer_internal.h"
 #include "fuzz.h"
 
 static const char *const pres[16] = {

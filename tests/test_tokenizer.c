@@ -10,8 +10,8 @@
 #include <sys/stat.h>
 
 #include "test.h"
-#include "model/tokenizer_internal.h"
-#include "model/unicode.h"
+#include "text/tokenizer_internal.h"
+#include "text/unicode.h"
 
 /* ---- a tiny vocabulary ----------------------------------------------------- */
 
