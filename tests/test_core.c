@@ -1,9 +1,15 @@
 /* Core API: status strings, error messages, versions, dtypes, tensors, ISA
  * selection and the thread pool. */
+#define _GNU_SOURCE /* sched_setaffinity, CPU_SET */
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "test.h"
+#include "../src/core/internal.h"
 
 static void *fail_in_thread(void *arg) {
     float x = 0;
@@ -135,6 +141,103 @@ TEST(threadpool) {
     return 0;
 }
 
+/* Each task index of each loop runs exactly once, whatever the pool size
+ * (oversubscribed pools included), and every task has finished when
+ * kvc__parallel_for returns: the caller reads all counters right away. */
+typedef struct {
+    _Atomic int *hits;
+    int64_t n;
+    int sleep_every; /* > 0: every sleep_every-th task sleeps 50 us */
+} count_job;
+
+static void count_task(void *ctx, int64_t t) {
+    count_job *j = ctx;
+    if (t < 0 || t >= j->n) {
+        atomic_fetch_add(&j->hits[j->n], 1); /* out-of-range slot */
+        return;
+    }
+    if (j->sleep_every > 0 && t % j->sleep_every == 0) {
+        struct timespec ts = {0, 50000};
+        nanosleep(&ts, NULL);
+    }
+    atomic_fetch_add(&j->hits[t], 1);
+}
+
+TEST(threadpool_runs_each_task_once) {
+    const int sizes[] = {2, 3, 8, 33};
+    const int64_t counts[] = {1, 2, 3, 7, 64, 1000};
+    _Atomic int *hits = calloc(1001, sizeof *hits);
+    ASSERT_TRUE(hits != NULL);
+    for (size_t si = 0; si < sizeof sizes / sizeof *sizes; si++) {
+        kvc_threadpool *p = NULL;
+        ASSERT_OK(kvc_threadpool_create(sizes[si], &p));
+        for (int rep = 0; rep < 200; rep++) {
+            const int64_t n = counts[rep % 6];
+            count_job j = {hits, n, rep % 3 == 0 ? 5 : 0};
+            for (int64_t t = 0; t <= n; t++) atomic_store(&hits[t], 0);
+            kvc__parallel_for(p, n, count_task, &j);
+            for (int64_t t = 0; t < n; t++) {
+                if (atomic_load(&hits[t]) != 1) {
+                    fprintf(stderr, "pool %d, loop %d: task %lld ran %d times\n", sizes[si], rep,
+                            (long long)t, atomic_load(&hits[t]));
+                    free(hits);
+                    kvc_threadpool_destroy(p);
+                    return 1;
+                }
+            }
+            ASSERT_EQ_I64(atomic_load(&hits[n]), 0);
+        }
+        kvc_threadpool_destroy(p);
+    }
+    free(hits);
+    return 0;
+}
+
+/* kvc_cpu_count and the default pool size follow the affinity mask; a pool
+ * of 8 threads confined to one CPU completes 2000 loops, the caller running
+ * tasks itself (that nobody waits for descheduled workers is measured by
+ * bench-serve, docs/BENCHMARKS.md, not asserted here). */
+typedef struct {
+    _Atomic int *by_caller;
+    pthread_t caller;
+} who_job;
+
+static void who_task(void *ctx, int64_t t) {
+    who_job *j = ctx;
+    (void)t;
+    if (pthread_equal(pthread_self(), j->caller)) atomic_fetch_add(j->by_caller, 1);
+}
+
+TEST(threadpool_cpu_count_follows_affinity) {
+    cpu_set_t saved, one;
+    ASSERT_TRUE(sched_getaffinity(0, sizeof saved, &saved) == 0);
+    ASSERT_EQ_I64(kvc_cpu_count(), CPU_COUNT(&saved));
+    int first = -1;
+    for (int c = 0; c < CPU_SETSIZE && first < 0; c++)
+        if (CPU_ISSET(c, &saved)) first = c;
+    CPU_ZERO(&one);
+    CPU_SET(first, &one);
+    ASSERT_TRUE(sched_setaffinity(0, sizeof one, &one) == 0);
+    const int n_one = kvc_cpu_count();
+    kvc_threadpool *p = NULL;
+    const kvc_status st = kvc_threadpool_create(0, &p);
+    const int n_pool = st == KVC_OK ? kvc_threadpool_n_threads(p) : -1;
+    kvc_threadpool_destroy(p);
+    p = NULL;
+    /* 8 threads on one CPU: every loop still completes, each task once */
+    _Atomic int by_caller = 0;
+    who_job j = {&by_caller, pthread_self()};
+    int ok8 = kvc_threadpool_create(8, &p) == KVC_OK; /* workers inherit the one CPU */
+    for (int rep = 0; ok8 && rep < 2000; rep++) kvc__parallel_for(p, 4, who_task, &j);
+    kvc_threadpool_destroy(p);
+    ASSERT_TRUE(sched_setaffinity(0, sizeof saved, &saved) == 0);
+    ASSERT_EQ_I64(n_one, 1);
+    ASSERT_EQ_I64(n_pool, 1);
+    ASSERT_TRUE(ok8);
+    ASSERT_TRUE(atomic_load(&by_caller) > 0);
+    return 0;
+}
+
 /* Every creator sets *out to NULL when it fails (core.h), whatever *out held. */
 TEST(creators_leave_out_null_on_failure) {
     static char sentinel;
@@ -193,5 +296,6 @@ const test_case test_suite[] = {
     TEST_ENTRY(status_strings), TEST_ENTRY(version), TEST_ENTRY(dtypes),
     TEST_ENTRY(tensor_make), TEST_ENTRY(errors_are_per_thread_messages),
     TEST_ENTRY(isa_selection), TEST_ENTRY(threadpool),
+    TEST_ENTRY(threadpool_runs_each_task_once), TEST_ENTRY(threadpool_cpu_count_follows_affinity),
     TEST_ENTRY(creators_leave_out_null_on_failure), {0, 0},
 };

@@ -175,10 +175,19 @@ KVC_API kvc_status kvc_set_isa(kvc_isa isa);
  * or more. glibc's default is 8 MiB; musl gives new threads 128 KiB, too
  * little: create such threads with a larger stack. Pool workers get 1 MiB
  * or the C library's default, whichever is larger.
+ * Scheduling: the caller runs tasks too and waits only for workers that
+ * took one, so a worker that is descheduled (a busy machine, more threads
+ * than CPUs) costs nothing; idle workers spin about 0.1 ms, then sleep.
+ * More threads than kvc_cpu_count() work, without spinning, but are slower
+ * than kvc_cpu_count() threads.
  */
 typedef struct kvc_threadpool kvc_threadpool;
 
-/* n_threads >= 1 (n_threads <= 0 means all online CPUs). */
+/* The CPUs this process may run on (sched_getaffinity; the online CPUs where
+ * that is unavailable); at least 1. */
+KVC_API int kvc_cpu_count(void);
+
+/* n_threads >= 1, at most 1024 (n_threads <= 0 means kvc_cpu_count()). */
 KVC_API kvc_status kvc_threadpool_create(int n_threads, kvc_threadpool **out);
 KVC_API void kvc_threadpool_destroy(kvc_threadpool *pool); /* NULL is a no-op */
 KVC_API int kvc_threadpool_n_threads(const kvc_threadpool *pool); /* 1 for NULL */

@@ -14,6 +14,7 @@ Nothing here is public API; use the functions re-exported by ``kvcache``.
 from __future__ import annotations
 
 import atexit
+import collections
 import ctypes
 import ctypes.util
 import functools
@@ -156,6 +157,7 @@ kvc_set_isa = _proto("kvc_set_isa", _c_int, _c_int)
 kvc_threadpool_create = _proto("kvc_threadpool_create", _c_int, _c_int, ctypes.POINTER(_vp))
 kvc_threadpool_destroy = _proto("kvc_threadpool_destroy", None, _vp)
 kvc_threadpool_n_threads = _proto("kvc_threadpool_n_threads", _c_int, _vp)
+kvc_cpu_count = _proto("kvc_cpu_count", _c_int)
 kvc_convert = _proto("kvc_convert", _c_int, _vp, _c_int, _vp, _c_int, ctypes.c_int64)
 kvc_quantize = _proto(
     "kvc_quantize", _c_int, _vp, _c_int, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32, _vp,
@@ -862,31 +864,58 @@ def int32_attr(value, name: str) -> int:
 
 
 # ---------------------------------------------------------------------------
-# Thread pools: one per thread count, kept for the life of the process.
+# Thread pools: one per thread count, the POOL_CACHE_SIZE most recently used
+# kept. A pool is destroyed when the cache and every wrapper that keeps it
+# (wrappers hold their Pool) have let it go, so calling with many different
+# thread counts leaves at most POOL_CACHE_SIZE cached pools' threads alive.
+
+POOL_CACHE_SIZE = 4
+
 
 class Pool:
     """A kvc_threadpool and the lock its callers hold for the duration of a
     C call (a pool runs one operator at a time). Read ``ptr`` while holding
     ``lock``: at interpreter exit the pools are destroyed under their locks
-    and ptr becomes None (the calling thread alone, as C's NULL pool)."""
+    and ptr becomes None (the calling thread alone, as C's NULL pool). A call
+    keeps a reference for its duration, so the pool cannot be freed under
+    it."""
 
-    __slots__ = ("ptr", "lock", "n_threads")
+    __slots__ = ("ptr", "lock", "n_threads", "__weakref__")
 
     def __init__(self, ptr, n_threads: int = 1):
         self.ptr = ptr
         self.lock = threading.Lock()
         self.n_threads = n_threads  # what kvc_threadpool_n_threads(ptr) says
 
+    def close(self) -> None:
+        """Destroys the C pool (joins its threads) once running calls end."""
+        with self.lock:
+            ptr, self.ptr = self.ptr, None
+            if ptr and kvc_threadpool_destroy is not None:
+                kvc_threadpool_destroy(ptr)
 
-_pools: dict[int, Pool] = {}
+    def __del__(self):
+        ptr, self.ptr = self.ptr, None
+        destroy = globals().get("kvc_threadpool_destroy")
+        if ptr and destroy is not None:
+            destroy(ptr)
+
+
+_pools: "collections.OrderedDict[int, Pool]" = collections.OrderedDict()
 _pools_lock = threading.Lock()
 _pools_closed = False
 
 
+def cpu_count() -> int:
+    """The CPUs this process may run on (kvc_cpu_count: the affinity mask)."""
+    return int(kvc_cpu_count())
+
+
 def threadpool(n_threads: int | None) -> Pool:
-    """The Pool for n_threads (None: os.cpu_count()), made on first use."""
+    """The Pool for n_threads (None: cpu_count()), made on first use; the
+    least recently used cached pool beyond POOL_CACHE_SIZE is let go."""
     if n_threads is None:
-        n = os.cpu_count() or 1
+        n = cpu_count()
     else:
         try:
             n = operator.index(n_threads)
@@ -895,18 +924,23 @@ def threadpool(n_threads: int | None) -> Pool:
                                        f"got {n_threads!r}") from exc
         if n < 1 or n > 1024:
             raise InvalidArgumentError(f"num_threads must be in [1, 1024] or None, got {n}")
-    entry = _pools.get(n)  # pools are never removed: a hit needs no lock
-    if entry is not None:
-        return entry
+    evicted = []
     with _pools_lock:
         entry = _pools.get(n)
-        if entry is None:
-            if _pools_closed:  # exiting: no new pools
-                return Pool(None)
-            ptr = ctypes.c_void_p()
-            check(kvc_threadpool_create(n, ctypes.byref(ptr)))
-            entry = _pools[n] = Pool(ptr.value, int(kvc_threadpool_n_threads(ptr.value)))
-        return entry
+        if entry is not None:
+            _pools.move_to_end(n)
+            return entry
+        if _pools_closed:  # exiting: no new pools
+            return Pool(None)
+        ptr = ctypes.c_void_p()
+        check(kvc_threadpool_create(n, ctypes.byref(ptr)))
+        entry = _pools[n] = Pool(ptr.value, int(kvc_threadpool_n_threads(ptr.value)))
+        while len(_pools) > POOL_CACHE_SIZE:
+            evicted.append(_pools.popitem(last=False)[1])
+    # Dropped outside the lock: a pool no wrapper keeps is destroyed here
+    # (after any call running on it, which holds a reference).
+    del evicted
+    return entry
 
 
 def threads_arg(num_threads, n_threads):
@@ -942,10 +976,7 @@ def _destroy_pools() -> None:
         _pools_closed = True
         pools = list(_pools.values())
     for pool in pools:
-        with pool.lock:
-            ptr, pool.ptr = pool.ptr, None
-            if ptr:
-                kvc_threadpool_destroy(ptr)
+        pool.close()
 
 
 # ---------------------------------------------------------------------------

@@ -120,7 +120,7 @@ def _kv_dtype(name) -> tuple[str, int]:
 
 def _threads(num_threads) -> int:
     if num_threads is None:
-        return os.cpu_count() or 1
+        return _lib.cpu_count()  # the affinity mask, as the C default
     n = _lib.int32_attr(num_threads, "num_threads")
     if n < 1:
         raise InvalidArgumentError(f"num_threads {num_threads} must be >= 1")

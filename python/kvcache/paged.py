@@ -36,8 +36,9 @@ refused. Every argument is validated before anything is written: a failing
 call raises :class:`kvcache.InvalidArgumentError` and leaves caches and
 scales unchanged.
 
-``num_threads=None`` (or ``n_threads=None``) runs on ``os.cpu_count()`` threads; results are
-bitwise identical for any thread count and any ISA.
+``num_threads=None`` (or ``n_threads=None``) runs on as many threads as the
+CPUs the process may use (its affinity mask); results are bitwise identical
+for any thread count and any ISA.
 """
 
 from __future__ import annotations

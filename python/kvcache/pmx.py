@@ -26,7 +26,7 @@ layout cannot be passed as is. Every argument is
 validated by the C library before anything is written: a failing call raises
 :class:`kvcache.InvalidArgumentError` and leaves cache and scale unchanged.
 
-``num_threads=None`` (or ``n_threads=None``) runs on ``os.cpu_count()`` threads; results are
+``num_threads=None`` (or ``n_threads=None``) runs on as many threads as the CPUs the process may use (its affinity mask); results are
 bitwise identical for any thread count.
 """
 

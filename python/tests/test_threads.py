@@ -147,3 +147,38 @@ def test_owned_tokenizer_and_gguf_close_under_use(tiny_path):
         closer.join()
         assert errors and all(isinstance(e, kvcache.InvalidArgumentError) for e in errors)
 
+
+
+def _live_threads() -> int:
+    import os
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_pools_are_bounded_and_freed(rng):
+    """single_decode with num_threads=1..128 used to leave a pool per count
+    alive (8,130 threads); the cache keeps the POOL_CACHE_SIZE most recently
+    used pools, and a pool is freed once nothing keeps it."""
+    from kvcache import _lib
+    q = rng.standard_normal((4, 64)).astype(np.float32)
+    k = rng.standard_normal((40, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((40, 2, 64)).astype(np.float32)
+    want = kvcache.single_decode_with_kv_cache(q, k, v, num_threads=1)
+    before = _live_threads()
+    for n in range(1, 129):
+        out = kvcache.single_decode_with_kv_cache(q, k, v, num_threads=n)
+        np.testing.assert_array_equal(out, want)  # any thread count: same bytes
+    # The cached pools are those of the last POOL_CACHE_SIZE counts at most.
+    bound = sum(range(128 - _lib.POOL_CACHE_SIZE + 1, 129))
+    assert _live_threads() - before <= bound, (_live_threads(), before, bound)
+    assert len(_lib._pools) <= _lib.POOL_CACHE_SIZE
+    # Cycling through more counts than the cache holds frees the evicted ones.
+    for n in (2, 3, 5, 7, 11, 13):
+        kvcache.single_decode_with_kv_cache(q, k, v, num_threads=n)
+    assert _live_threads() - before <= 13 + 11 + 7 + 5
+
+
+def test_default_thread_count_is_the_affinity_mask():
+    import os
+    from kvcache import _lib
+    assert _lib.cpu_count() == len(os.sched_getaffinity(0))
+    assert _lib.threadpool(None).n_threads == len(os.sched_getaffinity(0))

@@ -1,46 +1,74 @@
 /*
- * Caller-owned thread pool. kvc__parallel_for hands out task indices from an
- * atomic counter; the calling thread works too. Tasks are fixed chunks chosen
- * by the operator, never derived from the thread count, so the output does
- * not depend on n_threads.
+ * Caller-owned thread pool. kvc__parallel_for hands out task indices; the
+ * calling thread works too. Tasks are fixed chunks chosen by the operator,
+ * never derived from the thread count, so the output does not depend on
+ * n_threads.
+ *
+ * A caller waits only for workers that hold a task: one word (`state`) holds
+ * the job's generation, the tasks not yet claimed and the workers inside a
+ * task, and a worker joins a job only by claiming one of its tasks in that
+ * word. A worker that is descheduled, or still asleep, when a job is posted
+ * simply misses it; the caller runs what nobody claimed and returns. Before
+ * this, the caller waited for every worker to check in, so one descheduled
+ * worker cost a whole time slice per parallel loop on a busy or
+ * oversubscribed machine (10-25x slower decode).
  */
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "internal.h"
 
 /*
- * Hand-off: the caller publishes the job, then bumps `generation`. Workers
- * spin on `generation` for a while (a model step issues hundreds of short
- * parallel loops; waking a thread blocked on a condition variable costs tens
- * of microseconds each time) and only then block on work_cv, announcing it in
- * `sleepers` so the caller knows to broadcast. Both sides use seq_cst
- * operations on generation/sleepers, so at least one sees the other's write
- * (no lost wake-up). Completion: workers decrement `active`; the caller spins,
- * then yields, until it reaches 0.
+ * state: bits 0-31 tasks not yet claimed, bits 32-43 workers inside a task
+ * (holders), bits 44-63 the job's generation. While a worker holds a task
+ * the caller cannot post the next job, so a holder's claims and the job
+ * fields it reads (fn, ctx, n_tasks) always belong to one job; a worker with
+ * a stale view fails its compare-and-swap and reloads.
+ *
+ * Waiting: idle workers spin on the generation for up to SPIN_NS (a model
+ * step issues hundreds of short loops, and waking a thread blocked on a
+ * condition variable costs tens of microseconds), then block on work_cv,
+ * announced in `sleepers`. A caller whose tasks are all claimed spins up to
+ * SPIN_NS for the holders, then blocks on done_cv, announced in
+ * `caller_waiting`: blocking leaves its CPU idle, so the scheduler can run a
+ * holder that was preempted there instead of the caller spinning on it. Both
+ * announcements are seq_cst stores followed by seq_cst loads of the other
+ * side's word, so at least one side sees the other (no lost wake-up). When
+ * the pool has more threads than the CPUs the process may use, nobody spins:
+ * a spinning thread would take the CPU a holder needs.
  */
-#define SPIN_ITERS 20000 /* ~0.1-0.3 ms of pause instructions before blocking */
+#define SPIN_NS 100000 /* 0.1 ms */
 #define KVC__WORKER_STACK ((size_t)1 << 20) /* 1 MiB: several times what a task needs */
+
+#define REM_MASK ((uint64_t)0xffffffffu)
+#define HOLD_ONE ((uint64_t)1 << 32)
+#define HOLD_MASK ((uint64_t)0xfff << 32)
+#define GEN_SHIFT 44
+#define MAX_JOB_TASKS ((int64_t)REM_MASK) /* larger loops run as several jobs */
 
 struct kvc_threadpool {
     int n_threads;
+    int spin; /* 0 when oversubscribed */
     pthread_t *workers; /* n_threads - 1 */
     pthread_mutex_t mu;
-    pthread_cond_t work_cv; /* sleeping workers wait here for a new generation */
-    atomic_uint_fast64_t generation; /* bumped once per parallel_for */
-    atomic_int sleepers;             /* workers blocked (or about to block) on work_cv */
+    pthread_cond_t work_cv; /* idle workers wait here for a new generation */
+    pthread_cond_t done_cv; /* the caller waits here for the holders */
+    _Atomic uint64_t state;
+    atomic_int sleepers;       /* workers blocked (or about to block) on work_cv */
+    atomic_int caller_waiting; /* the caller blocked (or about to block) on done_cv */
     atomic_int shutdown;
-    atomic_int active; /* workers still inside the current generation */
-    /* current job (written before generation is bumped) */
+    uint64_t gen; /* the caller's: generation of the last job posted */
+    /* the current job: written by the caller while no worker holds a task */
     kvc__task_fn fn;
     void *ctx;
     int64_t n_tasks;
-    atomic_int_fast64_t next;
+    int64_t task0; /* index of the job's first task in the caller's loop */
     void *scratch; /* kvc__scratch_get */
     size_t scratch_bytes;
 };
@@ -51,11 +79,59 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-static void run_tasks(kvc_threadpool *p) {
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Spins while cond(p, arg) holds, at most SPIN_NS (0 when p->spin is 0);
+ * returns whether it still holds. */
+typedef int (*spin_cond)(kvc_threadpool *p, uint64_t arg);
+static int spin_while(kvc_threadpool *p, spin_cond cond, uint64_t arg) {
+    if (!p->spin) return cond(p, arg);
+    uint64_t t0 = 0;
+    for (int i = 0;; i++) {
+        if (!cond(p, arg)) return 0;
+        cpu_relax();
+        if ((i & 255) == 255) {
+            const uint64_t t = now_ns();
+            if (t0 == 0) t0 = t;
+            else if (t - t0 > SPIN_NS) return cond(p, arg);
+        }
+    }
+}
+
+static int same_gen(kvc_threadpool *p, uint64_t seen) {
+    return !atomic_load(&p->shutdown) && atomic_load(&p->state) >> GEN_SHIFT == seen;
+}
+
+static int holders_busy(kvc_threadpool *p, uint64_t unused) {
+    (void)unused;
+    return (atomic_load(&p->state) & HOLD_MASK) != 0;
+}
+
+/* Worker: claims a task of the job in *w (joining it when `join`), or leaves
+ * when none is left. Returns the task's index in the job, or -1. */
+static int64_t worker_claim(kvc_threadpool *p, uint64_t w, int join) {
+    const uint64_t gen = w >> GEN_SHIFT;
     for (;;) {
-        int64_t t = atomic_fetch_add(&p->next, 1);
-        if (t >= p->n_tasks) break;
-        p->fn(p->ctx, t);
+        if (w >> GEN_SHIFT != gen) return -1; /* only possible before joining */
+        const uint64_t rem = w & REM_MASK;
+        if (rem > 0) {
+            if (atomic_compare_exchange_weak(&p->state, &w, w - 1 + (join ? HOLD_ONE : 0)))
+                return p->n_tasks - (int64_t)rem;
+        } else if (join) {
+            return -1;
+        } else if (atomic_compare_exchange_weak(&p->state, &w, w - HOLD_ONE)) {
+            /* the last holder out wakes a caller that blocked for it */
+            if ((w & HOLD_MASK) == HOLD_ONE && atomic_load(&p->caller_waiting)) {
+                pthread_mutex_lock(&p->mu);
+                pthread_cond_signal(&p->done_cv);
+                pthread_mutex_unlock(&p->mu);
+            }
+            return -1;
+        }
     }
 }
 
@@ -63,40 +139,50 @@ static void *worker_main(void *arg) {
     kvc_threadpool *p = arg;
     uint64_t seen = 0;
     for (;;) {
-        uint64_t g = atomic_load(&p->generation);
-        for (int i = 0; g == seen && i < SPIN_ITERS && !atomic_load(&p->shutdown); i++) {
-            cpu_relax();
-            g = atomic_load(&p->generation);
-        }
-        if (g == seen && !atomic_load(&p->shutdown)) {
+        if (spin_while(p, same_gen, seen)) {
             pthread_mutex_lock(&p->mu);
             atomic_fetch_add(&p->sleepers, 1);
-            while (!atomic_load(&p->shutdown) && (g = atomic_load(&p->generation)) == seen)
-                pthread_cond_wait(&p->work_cv, &p->mu);
+            while (same_gen(p, seen)) pthread_cond_wait(&p->work_cv, &p->mu);
             atomic_fetch_sub(&p->sleepers, 1);
             pthread_mutex_unlock(&p->mu);
         }
         if (atomic_load(&p->shutdown)) break;
-        seen = g;
-        run_tasks(p);
-        atomic_fetch_sub(&p->active, 1);
+        const uint64_t w = atomic_load(&p->state);
+        seen = w >> GEN_SHIFT;
+        int64_t t = worker_claim(p, w, 1);
+        while (t >= 0) {
+            p->fn(p->ctx, p->task0 + t);
+            t = worker_claim(p, atomic_load(&p->state), 0);
+        }
     }
     return NULL;
+}
+
+int kvc_cpu_count(void) {
+#ifdef CPU_COUNT
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) {
+        const int n = CPU_COUNT(&set);
+        if (n > 0) return n;
+    }
+#endif
+    const long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
 }
 
 kvc_status kvc_threadpool_create(int n_threads, kvc_threadpool **out) {
     KVC_CHECK(out != NULL, "kvc_threadpool_create: out is NULL");
     *out = NULL;
-    if (n_threads <= 0) {
-        long n = sysconf(_SC_NPROCESSORS_ONLN);
-        n_threads = n > 0 ? (int)n : 1;
-    }
+    const int n_cpus = kvc_cpu_count();
+    if (n_threads <= 0) n_threads = n_cpus;
     KVC_CHECK(n_threads <= 1024, "kvc_threadpool_create: n_threads %d > 1024", n_threads);
     kvc_threadpool *p = calloc(1, sizeof *p);
     if (!p) return kvc__error(KVC_ERR_NOMEM, "kvc_threadpool_create: out of memory");
     p->n_threads = n_threads;
+    p->spin = n_threads <= n_cpus;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->work_cv, NULL);
+    pthread_cond_init(&p->done_cv, NULL);
     if (n_threads > 1) {
         p->workers = calloc((size_t)n_threads - 1, sizeof *p->workers);
         if (!p->workers) {
@@ -140,6 +226,7 @@ void kvc_threadpool_destroy(kvc_threadpool *p) {
     free(p->scratch);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->work_cv);
+    pthread_cond_destroy(&p->done_cv);
     free(p);
 }
 
@@ -166,26 +253,43 @@ void kvc__scratch_release(kvc_threadpool *pool, void *p) {
     if (!pool) free(p);
 }
 
+/* One job of at most MAX_JOB_TASKS tasks, the caller working too. */
+static void run_job(kvc_threadpool *p, int64_t task0, int64_t n_tasks, kvc__task_fn fn,
+                    void *ctx) {
+    p->fn = fn;
+    p->ctx = ctx;
+    p->task0 = task0;
+    p->n_tasks = n_tasks;
+    p->gen = (p->gen + 1) & (((uint64_t)1 << (64 - GEN_SHIFT)) - 1);
+    atomic_store(&p->state, p->gen << GEN_SHIFT | (uint64_t)n_tasks); /* publishes the job */
+    if (atomic_load(&p->sleepers) > 0) {
+        pthread_mutex_lock(&p->mu);
+        pthread_cond_broadcast(&p->work_cv);
+        pthread_mutex_unlock(&p->mu);
+    }
+    uint64_t w = atomic_load(&p->state);
+    while ((w & REM_MASK) > 0) {
+        if (atomic_compare_exchange_weak(&p->state, &w, w - 1)) {
+            fn(ctx, task0 + n_tasks - (int64_t)(w & REM_MASK));
+            w = atomic_load(&p->state);
+        }
+    }
+    /* Every task is claimed: wait for the workers still running one. */
+    if (spin_while(p, holders_busy, 0)) {
+        pthread_mutex_lock(&p->mu);
+        atomic_store(&p->caller_waiting, 1);
+        while (holders_busy(p, 0)) pthread_cond_wait(&p->done_cv, &p->mu);
+        atomic_store(&p->caller_waiting, 0);
+        pthread_mutex_unlock(&p->mu);
+    }
+}
+
 void kvc__parallel_for(kvc_threadpool *p, int64_t n_tasks, kvc__task_fn fn, void *ctx) {
     if (n_tasks <= 0) return;
     if (!p || p->n_threads == 1 || n_tasks == 1) {
         for (int64_t t = 0; t < n_tasks; t++) fn(ctx, t);
         return;
     }
-    p->fn = fn;
-    p->ctx = ctx;
-    p->n_tasks = n_tasks;
-    atomic_store(&p->next, 0);
-    atomic_store(&p->active, p->n_threads - 1);
-    atomic_fetch_add(&p->generation, 1); /* publishes the job (seq_cst) */
-    if (atomic_load(&p->sleepers) > 0) {
-        pthread_mutex_lock(&p->mu);
-        pthread_cond_broadcast(&p->work_cv);
-        pthread_mutex_unlock(&p->mu);
-    }
-    run_tasks(p);
-    for (int i = 0; atomic_load(&p->active) > 0; i++) {
-        if (i < SPIN_ITERS) cpu_relax();
-        else sched_yield();
-    }
+    for (int64_t t0 = 0; t0 < n_tasks; t0 += MAX_JOB_TASKS)
+        run_job(p, t0, n_tasks - t0 < MAX_JOB_TASKS ? n_tasks - t0 : MAX_JOB_TASKS, fn, ctx);
 }

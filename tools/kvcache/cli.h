@@ -60,7 +60,10 @@ int cli_parse_f64(const char *s, double *out);
 int cli_parse_u64(const char *s, uint64_t *out);
 
 /* Number of online CPUs (>= 1). */
+/* The CPUs this process may run on (kvc_cpu_count: its affinity mask). */
 int cli_online_cpus(void);
+/* Warns on stderr when threads exceeds cli_online_cpus(). */
+void cli_warn_threads(const char *cmd, int64_t threads);
 
 /* Value of the first "key : value" line of /proc/cpuinfo into buf ("" if
  * absent or unreadable); returns buf. */

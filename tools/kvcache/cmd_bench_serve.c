@@ -118,6 +118,7 @@ int cmd_bench_serve(int argc, char **argv) {
         } else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) {
             if (cli_parse_i64(v, 1, 256, &threads))
                 return cli_usage_error(cmd, "-t: bad value '%s'", v);
+            cli_warn_threads(cmd, threads);
         } else if (!strcmp(a, "--kv-dtype")) {
             n_dtypes = split_list(v, 8, dtype_item, dtypes);
             if (n_dtypes <= 0)

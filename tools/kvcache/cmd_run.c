@@ -32,7 +32,7 @@ static const char run_usage[] =
     "  --top-p P           nucleus filter when sampling (default 0.95, 1 = off)\n"
     "  --seed N            sampling seed (default 0)\n"
     "  --kv-dtype TYPE     KV cache storage: f32, f16, bf16, int8, int4 (default f16)\n"
-    "  -t, --threads N     threads (default: online CPUs)\n"
+    "  -t, --threads N     threads (default: the CPUs this process may run on)\n"
     "  --ignore-eos        keep generating after an end-of-generation token\n"
     "  -q, --quiet         no load progress or timings on stderr\n"
     "  -h, --help          this text\n";
@@ -86,6 +86,7 @@ int cmd_run(int argc, char **argv) {
             NEED_VALUE();
             if (cli_parse_i64(v, 1, 256, &threads))
                 return cli_usage_error(cmd, "-t: expected an integer in [1, 256], got '%s'", v);
+            cli_warn_threads(cmd, threads);
         } else if (!strcmp(a, "--seed")) {
             NEED_VALUE();
             if (cli_parse_u64(v, &seed))

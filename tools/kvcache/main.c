@@ -95,9 +95,15 @@ int cli_parse_u64(const char *s, uint64_t *out) {
     return 0;
 }
 
-int cli_online_cpus(void) {
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n >= 1 ? (int)n : 1;
+int cli_online_cpus(void) { return kvc_cpu_count(); }
+
+void cli_warn_threads(const char *cmd, int64_t threads) {
+    const int n = kvc_cpu_count();
+    if (threads > n)
+        fprintf(stderr,
+                "kvcache %s: warning: -t %lld is more than the %d CPUs this process may run on; "
+                "the extra threads share CPUs (no faster than -t %d)\n",
+                cmd, (long long)threads, n, n);
 }
 
 const char *cli_cpuinfo(const char *key, char *buf, int n) {
