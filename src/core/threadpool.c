@@ -54,13 +54,14 @@
 
 struct kvc_threadpool {
     int n_threads;
-    int spin; /* 0 when oversubscribed */
+    int max_spin; /* workers allowed to spin (and woken) at once: min(n_threads, CPUs) - 1 */
     pthread_t *workers; /* n_threads - 1 */
     pthread_mutex_t mu;
     pthread_cond_t work_cv; /* idle workers wait here for a new generation */
     pthread_cond_t done_cv; /* the caller waits here for the holders */
     _Atomic uint64_t state;
     atomic_int sleepers;       /* workers blocked (or about to block) on work_cv */
+    atomic_int spinners;       /* workers spinning for a new job (<= max_spin) */
     atomic_int caller_waiting; /* the caller blocked (or about to block) on done_cv */
     atomic_int shutdown;
     uint64_t gen; /* the caller's: generation of the last job posted */
@@ -85,11 +86,10 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-/* Spins while cond(p, arg) holds, at most SPIN_NS (0 when p->spin is 0);
- * returns whether it still holds. */
+/* Spins while cond(p, arg) holds, at most SPIN_NS; returns whether it still
+ * holds. */
 typedef int (*spin_cond)(kvc_threadpool *p, uint64_t arg);
 static int spin_while(kvc_threadpool *p, spin_cond cond, uint64_t arg) {
-    if (!p->spin) return cond(p, arg);
     uint64_t t0 = 0;
     for (int i = 0;; i++) {
         if (!cond(p, arg)) return 0;
@@ -135,11 +135,24 @@ static int64_t worker_claim(kvc_threadpool *p, uint64_t w, int join) {
     }
 }
 
+/* Takes one of the max_spin spinning places; 0 if none is free. */
+static int take_spin_place(kvc_threadpool *p) {
+    int s = atomic_load(&p->spinners);
+    while (s < p->max_spin)
+        if (atomic_compare_exchange_weak(&p->spinners, &s, s + 1)) return 1;
+    return 0;
+}
+
 static void *worker_main(void *arg) {
     kvc_threadpool *p = arg;
     uint64_t seen = 0;
     for (;;) {
-        if (spin_while(p, same_gen, seen)) {
+        int waiting = same_gen(p, seen);
+        if (waiting && take_spin_place(p)) {
+            waiting = spin_while(p, same_gen, seen);
+            atomic_fetch_sub(&p->spinners, 1);
+        }
+        if (waiting) {
             pthread_mutex_lock(&p->mu);
             atomic_fetch_add(&p->sleepers, 1);
             while (same_gen(p, seen)) pthread_cond_wait(&p->work_cv, &p->mu);
@@ -179,7 +192,7 @@ kvc_status kvc_threadpool_create(int n_threads, kvc_threadpool **out) {
     kvc_threadpool *p = calloc(1, sizeof *p);
     if (!p) return kvc__error(KVC_ERR_NOMEM, "kvc_threadpool_create: out of memory");
     p->n_threads = n_threads;
-    p->spin = n_threads <= n_cpus;
+    p->max_spin = (n_threads < n_cpus ? n_threads : n_cpus) - 1;
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->work_cv, NULL);
     pthread_cond_init(&p->done_cv, NULL);
@@ -263,9 +276,14 @@ static void run_job(kvc_threadpool *p, int64_t task0, int64_t n_tasks, kvc__task
     p->gen = (p->gen + 1) & (((uint64_t)1 << (64 - GEN_SHIFT)) - 1);
     atomic_store(&p->state, p->gen << GEN_SHIFT | (uint64_t)n_tasks); /* publishes the job */
     if (atomic_load(&p->sleepers) > 0) {
-        pthread_mutex_lock(&p->mu);
-        pthread_cond_broadcast(&p->work_cv);
-        pthread_mutex_unlock(&p->mu);
+        /* helpers the job can use on idle CPUs, beyond those spinning */
+        int64_t wake = n_tasks - 1 < p->max_spin ? n_tasks - 1 : p->max_spin;
+        wake -= atomic_load(&p->spinners);
+        if (wake > 0) {
+            pthread_mutex_lock(&p->mu);
+            for (int64_t i = 0; i < wake; i++) pthread_cond_signal(&p->work_cv);
+            pthread_mutex_unlock(&p->mu);
+        }
     }
     uint64_t w = atomic_load(&p->state);
     while ((w & REM_MASK) > 0) {
@@ -274,8 +292,9 @@ static void run_job(kvc_threadpool *p, int64_t task0, int64_t n_tasks, kvc__task
             w = atomic_load(&p->state);
         }
     }
-    /* Every task is claimed: wait for the workers still running one. */
-    if (spin_while(p, holders_busy, 0)) {
+    /* Every task is claimed: wait for the workers still running one
+     * (spinning only where a CPU is free for them meanwhile). */
+    if (p->max_spin > 0 ? spin_while(p, holders_busy, 0) : holders_busy(p, 0)) {
         pthread_mutex_lock(&p->mu);
         atomic_store(&p->caller_waiting, 1);
         while (holders_busy(p, 0)) pthread_cond_wait(&p->done_cv, &p->mu);
