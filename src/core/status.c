@@ -1,6 +1,7 @@
 /* Status strings, per-thread error messages and version queries. */
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "internal.h"
 
@@ -22,11 +23,17 @@ const char *kvc_status_str(kvc_status status) {
     return "unknown status";
 }
 
+/* Formats into a separate buffer first: callers may pass kvc_last_error()
+ * (the buffer written here) as an argument, and vsnprintf with overlapping
+ * source and destination is undefined (it garbled such messages). */
 kvc_status kvc__error(kvc_status status, const char *fmt, ...) {
+    char buf[sizeof tls_msg];
+    buf[0] = 0; /* an encoding error leaves it unspecified */
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(tls_msg, sizeof tls_msg, fmt, ap);
+    vsnprintf(buf, sizeof buf, fmt, ap);
     va_end(ap);
+    memcpy(tls_msg, buf, strlen(buf) + 1);
     return status;
 }
 
