@@ -3,17 +3,31 @@
  * own paged cache (cache.h), prefill attention (prefill.h) and matrix
  * kernels, with a continuous-batching engine on top (seeds 001 and 004).
  *
- * Forward pass per token row (llama.cpp's "llama" architecture):
+ * Forward pass per token row (llama.cpp's "llama" and "qwen2" architectures):
  *   x = token_embd[tok]                                       (n_embd)
  *   per layer: h = rmsnorm(x) * attn_norm
- *              q, k, v = h Wq, h Wk, h Wv                     (Hq*Dh), (H*Dh), (H*Dh)
- *              rotary on q, k: adjacent pairs (x[2i], x[2i+1]) rotated by
- *              pos * base^(-2i / n_rot) (the GGUF layout of Q/K weights)
- *              k, v stored in the cache; o = attention(q, cache) Wo; x += o
- *              h = rmsnorm(x) * ffn_norm; x += (silu(h Wgate) * (h Wup)) Wdown
+ *              q, k, v = h Wq + bq, h Wk + bk, h Wv + bv      (Hq*Dh), (H*Dh), (H*Dh)
+ *              rotary on q, k: pair i of each head rotated by the angle
+ *              pos * base^(-2i / n_rot) / (rope_scale * freq_factor[i]);
+ *              llama pairs adjacent dims (x[2i], x[2i+1]) (the GGUF layout
+ *              of Q/K weights), qwen2 halves (x[i], x[i + n_rot/2]) (NEOX)
+ *              k, v stored in the cache; o = attention(q, cache) Wo + bo; x += o
+ *              h = rmsnorm(x) * ffn_norm
+ *              x += (silu(h Wgate + bg) * (h Wup + bu)) Wdown + bd
  *   logits = rmsnorm(x) * output_norm  Wout  (Wout = token_embd when tied)
- * Weights F32, F16, BF16, Q8_0, Q4_0, Q4_1 are read in place from the
- * mapped file.
+ * Biases are the blk.N.<name>.bias tensors where present (none: 0); qwen2
+ * has the q/k/v ones, llama may have any. rope_scale is the linear rope
+ * scaling factor (<arch>.rope.scaling.factor with type linear, or the older
+ * rope.scale_linear; 1 when absent), freq_factor the rope_freqs.weight
+ * tensor of Llama 3.1+ (1 when absent). Weights F32, F16, BF16, Q8_0, Q4_0,
+ * Q4_1 are read in place from the mapped file.
+ *
+ * Loading refuses, naming it, whatever it would not follow: a tensor the
+ * architecture does not use (e.g. blk.N.attn_q_norm.weight, or a block at
+ * or past block_count), an <arch>.* key the runtime does not implement or a
+ * value it does not (YaRN or LongRoPE scaling, experts, sliding windows,
+ * soft-capping, a LayerNorm epsilon, ...), and keys outside general.*,
+ * tokenizer.* (the tokenizer's), quantize.* and split.* (one file only).
  *
  * Exactness (seed 001): every row of every stage depends only on that row's
  * inputs (matrix kernels and attention are row-independent), so generation
@@ -51,18 +65,37 @@ typedef struct kvc_model_params {
 
 KVC_API kvc_model_params kvc_model_default_params(void);
 
+/* kvc_model_info.biases: which bias vectors the blocks have. */
+#define KVC_MODEL_BIAS_Q 1
+#define KVC_MODEL_BIAS_K 2
+#define KVC_MODEL_BIAS_V 4
+#define KVC_MODEL_BIAS_O 8
+#define KVC_MODEL_BIAS_FFN_GATE 16
+#define KVC_MODEL_BIAS_FFN_UP 32
+#define KVC_MODEL_BIAS_FFN_DOWN 64
+
 typedef struct kvc_model_info {
-    char arch[32];  /* "llama" */
+    char arch[32];  /* "llama" or "qwen2" */
     char name[128]; /* general.name, may be empty */
+    /* head_dim: <arch>.attention.key_length, else n_embd / n_head */
     int32_t n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, n_vocab, n_ctx_train, n_rot;
     float rope_freq_base, rms_eps;
     int32_t tied_output;  /* 1 if the output head is token_embd */
     int64_t n_params;     /* weights, elements */
     size_t weight_bytes;  /* bytes of weight tensors in the file */
+    /* appended after the fields above, which keep their offsets */
+    int32_t rope_neox;    /* 1: rotary on halves (qwen2), 0: on adjacent pairs (llama) */
+    float rope_scale;     /* linear rope scaling: positions divided by it (1: none) */
+    int32_t rope_freq_factors; /* 1: rope_freqs.weight divides each frequency (Llama 3.1+) */
+    int32_t biases;       /* KVC_MODEL_BIAS_* of the bias vectors any block has */
 } kvc_model_info;
 
 /* Maps a GGUF file, checks every tensor the architecture needs (names,
- * shapes, supported types) and loads the tokenizer. */
+ * shapes, supported types) and every key and tensor of the file (refusing
+ * what the runtime would not follow, see above) and loads the tokenizer.
+ * KVC_ERR_UNSUPPORTED for an architecture, key value or tensor not
+ * implemented, KVC_ERR_CORRUPT for missing, mistyped or inconsistent
+ * metadata or tensors; the message names the key or tensor. */
 KVC_API kvc_status kvc_model_load(const char *path, const kvc_model_params *params,
                                   kvc_model **out);
 KVC_API void kvc_model_destroy(kvc_model *model); /* NULL is a no-op */

@@ -1,6 +1,6 @@
 """A small GGUF writer for tests (numpy only), plus numpy quantizers and
 dequantizers for the ggml block formats it writes, and a random-weight
-llama-architecture model generator (:func:`write_tiny_llama`).
+llama- or qwen2-architecture model generator (:func:`write_tiny_llama`).
 
 File layout written (GGUF v3 by default, v2 on request; little-endian)::
 
@@ -531,6 +531,15 @@ def write_tiny_llama(
     tied_output: bool = True,
     vocab: tuple[Sequence[str], Sequence[str]] | None = None,
     version: int = 3,
+    arch: str = "llama",
+    biases: Sequence[str] | None = None,
+    head_dim: int | None = None,
+    rope_freqs: bool | Sequence[float] = False,
+    rope_scaling: float | None = None,
+    rope_scale_linear: float | None = None,
+    extra_kv: Mapping[str, object] | None = None,
+    omit_kv: Sequence[str] = (),
+    extra_tensors: Mapping[str, np.ndarray] | None = None,
 ) -> TinyLlama:
     """Writes a random-weight llama model with the metadata and tensor
     layout llama.cpp writes (checked against SmolLM2-135M-Instruct):
@@ -565,12 +574,36 @@ def write_tiny_llama(
     attn_gain: a factor on the attn_v and attn_output weights (1: the usual
     1/sqrt(fan-in) scale, at which a 2-layer model's next token follows the
     last token alone; 4 makes it depend on the context).
+
+    Variants (as llama.cpp's converter writes them):
+
+    * arch "qwen2": every key under ``qwen2.`` instead of ``llama.``,
+      q/k/v biases by default, pre-tokenizer "qwen2"; its rope rotates the
+      halves (x[i], x[i + rope_dim/2]) of each head (NEOX), not adjacent pairs.
+    * biases: short names (attn_q, attn_k, attn_v, attn_output, ffn_gate,
+      ffn_up, ffn_down) whose ``blk.N.<name>.bias`` (F32, the product's output
+      size) is written, added after the product.
+    * head_dim: writes ``attention.key_length``/``value_length`` (the head
+      size when it is not n_embd / n_head).
+    * rope_freqs: True for random factors in [1, 8] (or the n_rot/2 values),
+      written as the F32 tensor ``rope_freqs.weight``; pair i's angle is
+      divided by factor i (Llama 3.1's long-context frequencies).
+    * rope_scaling: a linear factor F (``rope.scaling.type`` = "linear",
+      ``rope.scaling.factor`` = F): positions are divided by F.
+      rope_scale_linear: the same factor under the older ``rope.scale_linear``.
+    * extra_kv: more keys, {key: value or (value, ValueType[, element
+      type])}; omit_kv: keys not to write; extra_tensors: more F32 tensors
+      {name: array} (for tests of what a loader must refuse).
     """
-    if n_embd % n_head or n_head % n_head_kv:
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"arch {arch!r}: llama or qwen2")
+    hd = head_dim if head_dim is not None else n_embd // n_head
+    if (head_dim is None and n_embd % n_head) or n_head % n_head_kv:
         raise ValueError("n_embd must divide by n_head and n_head by n_head_kv")
-    hd = n_embd // n_head
     if hd % 2:
         raise ValueError("head dim must be even for rope")
+    if biases is None:
+        biases = ("attn_q", "attn_k", "attn_v") if arch == "qwen2" else ()
 
     if vocab is None:
         if n_vocab is not None:  # fewer merges if the vocabulary is to be smaller
@@ -609,57 +642,92 @@ def write_tiny_llama(
 
     rng = np.random.default_rng(seed)
     kv_dim = n_head_kv * hd
+    q_dim = n_head * hd
+    bias_size = {"attn_q": q_dim, "attn_k": kv_dim, "attn_v": kv_dim, "attn_output": n_embd,
+                 "ffn_gate": n_ff, "ffn_up": n_ff, "ffn_down": n_embd}
+    for b in biases:
+        if b not in bias_size:
+            raise ValueError(f"bias {b!r}: one of {sorted(bias_size)}")
     shapes: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (n_vocab, n_embd))]
     for i in range(n_layer):
         p = f"blk.{i}."
         shapes += [
             (p + "attn_norm.weight", (n_embd,)),
-            (p + "attn_q.weight", (n_head * hd, n_embd)),
+            (p + "attn_q.weight", (q_dim, n_embd)),
             (p + "attn_k.weight", (kv_dim, n_embd)),
             (p + "attn_v.weight", (kv_dim, n_embd)),
-            (p + "attn_output.weight", (n_embd, n_head * hd)),
+            (p + "attn_output.weight", (n_embd, q_dim)),
             (p + "ffn_norm.weight", (n_embd,)),
             (p + "ffn_gate.weight", (n_ff, n_embd)),
             (p + "ffn_up.weight", (n_ff, n_embd)),
             (p + "ffn_down.weight", (n_embd, n_ff)),
         ]
+        shapes += [(p + b + ".bias", (bias_size[b],)) for b in biases]
     shapes.append(("output_norm.weight", (n_embd,)))
     if not tied_output:
         shapes.append(("output.weight", (n_vocab, n_embd)))
 
+    a = arch + "."
+    kv: list[tuple[str, object, int | None, int | None]] = []  # key, value, type, elem type
+
+    def add(key, value, vtype=None, elem_type=None):
+        kv.append((key, value, vtype, elem_type))
+
+    add("general.architecture", arch)
+    add("general.type", "model")
+    add("general.name", f"kvcache tiny {arch}")
+    add(a + "block_count", n_layer, ValueType.UINT32)
+    add(a + "context_length", n_ctx, ValueType.UINT32)
+    add(a + "embedding_length", n_embd, ValueType.UINT32)
+    add(a + "feed_forward_length", n_ff, ValueType.UINT32)
+    add(a + "attention.head_count", n_head, ValueType.UINT32)
+    add(a + "attention.head_count_kv", n_head_kv, ValueType.UINT32)
+    add(a + "rope.freq_base", float(rope_freq_base), ValueType.FLOAT32)
+    add(a + "attention.layer_norm_rms_epsilon", float(rms_eps), ValueType.FLOAT32)
+    add("general.file_type", 3, ValueType.UINT32)  # informational ("mostly Q4_1")
+    add(a + "vocab_size", n_vocab, ValueType.UINT32)
+    add(a + "rope.dimension_count", hd, ValueType.UINT32)
+    if head_dim is not None:
+        add(a + "attention.key_length", hd, ValueType.UINT32)
+        add(a + "attention.value_length", hd, ValueType.UINT32)
+    if rope_scaling is not None:
+        add(a + "rope.scaling.type", "linear")
+        add(a + "rope.scaling.factor", float(rope_scaling), ValueType.FLOAT32)
+    if rope_scale_linear is not None:
+        add(a + "rope.scale_linear", float(rope_scale_linear), ValueType.FLOAT32)
+    add("tokenizer.ggml.add_space_prefix", False, ValueType.BOOL)
+    add("tokenizer.ggml.add_bos_token", False, ValueType.BOOL)
+    add("tokenizer.ggml.model", "gpt2")
+    add("tokenizer.ggml.pre", "qwen2" if arch == "qwen2" else "smollm")
+    add("tokenizer.ggml.tokens", tokens, ValueType.ARRAY, ValueType.STRING)
+    add("tokenizer.ggml.token_type", token_types, ValueType.ARRAY, ValueType.INT32)
+    add("tokenizer.ggml.merges", merges, ValueType.ARRAY, ValueType.STRING)
+    add("tokenizer.ggml.bos_token_id", 1, ValueType.UINT32)
+    add("tokenizer.ggml.eos_token_id", 2, ValueType.UINT32)
+    add("tokenizer.ggml.unknown_token_id", 0, ValueType.UINT32)
+    add("tokenizer.ggml.padding_token_id", 2, ValueType.UINT32)
+    add("tokenizer.chat_template", CHATML_TEMPLATE)
+    add("general.quantization_version", 2, ValueType.UINT32)
+    kv = [e for e in kv if e[0] not in omit_kv]  # (extra_kv may put one back)
+    for key, value in (extra_kv or {}).items():  # a tuple: (value, type[, element type])
+        if isinstance(value, tuple):
+            add(key, *value)
+        else:
+            add(key, value)
     w = GGUFWriter(version=version)
-    w.add("general.architecture", "llama")
-    w.add("general.type", "model")
-    w.add("general.name", "kvcache tiny llama")
-    w.add("llama.block_count", n_layer, ValueType.UINT32)
-    w.add("llama.context_length", n_ctx, ValueType.UINT32)
-    w.add("llama.embedding_length", n_embd, ValueType.UINT32)
-    w.add("llama.feed_forward_length", n_ff, ValueType.UINT32)
-    w.add("llama.attention.head_count", n_head, ValueType.UINT32)
-    w.add("llama.attention.head_count_kv", n_head_kv, ValueType.UINT32)
-    w.add("llama.rope.freq_base", float(rope_freq_base), ValueType.FLOAT32)
-    w.add("llama.attention.layer_norm_rms_epsilon", float(rms_eps), ValueType.FLOAT32)
-    w.add("general.file_type", 3, ValueType.UINT32)  # informational ("mostly Q4_1")
-    w.add("llama.vocab_size", n_vocab, ValueType.UINT32)
-    w.add("llama.rope.dimension_count", hd, ValueType.UINT32)
-    w.add("tokenizer.ggml.add_space_prefix", False, ValueType.BOOL)
-    w.add("tokenizer.ggml.add_bos_token", False, ValueType.BOOL)
-    w.add("tokenizer.ggml.model", "gpt2")
-    w.add("tokenizer.ggml.pre", "smollm")
-    w.add_array("tokenizer.ggml.tokens", tokens, ValueType.STRING)
-    w.add_array("tokenizer.ggml.token_type", token_types, ValueType.INT32)
-    w.add_array("tokenizer.ggml.merges", merges, ValueType.STRING)
-    w.add("tokenizer.ggml.bos_token_id", 1, ValueType.UINT32)
-    w.add("tokenizer.ggml.eos_token_id", 2, ValueType.UINT32)
-    w.add("tokenizer.ggml.unknown_token_id", 0, ValueType.UINT32)
-    w.add("tokenizer.ggml.padding_token_id", 2, ValueType.UINT32)
-    w.add("tokenizer.chat_template", CHATML_TEMPLATE)
-    w.add("general.quantization_version", 2, ValueType.UINT32)
+    for key, value, vtype, elem_type in kv:
+        if vtype == ValueType.ARRAY:
+            w.add_array(key, value, elem_type)
+        else:
+            w.add(key, value, vtype)
 
     weights: dict[str, np.ndarray] = {}
     used_types: dict[str, str] = {}
     for name, shape in shapes:
-        if len(shape) == 1:
+        if name.endswith(".bias"):
+            t = "F32"
+            x = 0.5 * rng.standard_normal(shape)
+        elif len(shape) == 1:
             t = "F32"
             x = 1.0 + 0.1 * rng.standard_normal(shape)
         else:
@@ -674,11 +742,25 @@ def write_tiny_llama(
         w.add_tensor_raw(name, code, list(reversed(shape)), data)
         weights[name] = dequantize(data, code, shape)
         used_types[name] = GGMLType.NAMES[code]
+    extra = dict(extra_tensors or {})
+    if rope_freqs is not False:
+        f = (rng.uniform(1.0, 8.0, hd // 2) if rope_freqs is True
+             else np.asarray(rope_freqs, np.float64))
+        if f.shape != (hd // 2,):
+            raise ValueError(f"rope_freqs: {hd // 2} factors, got shape {f.shape}")
+        extra["rope_freqs.weight"] = f
+    for name, x in extra.items():
+        x = np.asarray(x, np.float32)
+        w.add_tensor(name, x, "F32")
+        weights[name] = x
+        used_types[name] = "F32"
     path = w.write(path)
+    scale = rope_scaling if rope_scaling else (rope_scale_linear or 1.0)
     config = {
         "n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "n_head_kv": n_head_kv,
         "n_ff": n_ff, "n_vocab": n_vocab, "n_ctx": n_ctx, "head_dim": hd, "rope_dim": hd,
         "rope_freq_base": rope_freq_base, "rms_eps": rms_eps, "tied_output": tied_output,
-        "bos_id": 1, "eos_id": 2,
+        "bos_id": 1, "eos_id": 2, "arch": arch, "rope_neox": arch == "qwen2",
+        "rope_scale": scale, "biases": tuple(biases),
     }
     return TinyLlama(path, config, tokens, token_types, merges, weights, used_types)

@@ -1,5 +1,6 @@
-"""Model runtime: a llama-architecture GGUF model served through kvcache's
-paged cache (C: include/kvcache/model.h).
+"""Model runtime: a llama- or qwen2-architecture GGUF model served through
+kvcache's paged cache (C: include/kvcache/model.h; loading refuses keys and
+tensors the runtime does not implement, naming them).
 
     model = kvcache.Model("models/SmolLM2-135M-Instruct.Q4_1.gguf")
     logits = model.eval(tokens)                       # (n, n_vocab), fresh cache
@@ -47,6 +48,8 @@ class ModelInfo(ctypes.Structure):
         ("tied_output", _i32),
         ("n_params", _i64),
         ("weight_bytes", ctypes.c_size_t),
+        ("rope_neox", _i32), ("rope_scale", ctypes.c_float), ("rope_freq_factors", _i32),
+        ("biases", _i32),
     ]
 
 
@@ -157,9 +160,10 @@ def _sampling(temperature, top_k, top_p, seed) -> SamplingParams:
 
 
 class Model(_lib.NoCopy):
-    """A GGUF model (llama architecture) mapped read-only.
+    """A GGUF model (llama or qwen2 architecture) mapped read-only.
 
-    Attributes: ``info`` (dict of the architecture's sizes), ``n_vocab``.
+    Attributes: ``info`` (dict of kvc_model_info: the architecture's sizes,
+    rope variant and scaling, bias bits), ``n_vocab``.
     Threads: any number may call eval/forward/generate and use Engines and
     the tokenizer of one model at once; close() waits for the calls running
     in other threads, and later calls raise.

@@ -1,10 +1,22 @@
-"""Independent numpy implementation of the llama architecture, reading the
-GGUF through the `gguf` package and dequantizing with it (nothing from
-kvcache). Full causal attention over the whole sequence, float64 math: the
-reference the C forward pass is compared with.
+"""Independent numpy implementation of the llama architecture and its qwen2
+variant, reading the GGUF through the `gguf` package and dequantizing with
+it (nothing from kvcache). Full causal attention over the whole sequence,
+float64 math: the reference the C forward pass is compared with.
 
-Rotary embedding: GGUF llama Q/K weights are stored so that rotation acts on
-adjacent pairs (x[2i], x[2i+1]) with angle pos * base^(-2i / n_rot).
+What it follows (llama.cpp's llama and qwen2 graphs):
+
+* rotary embedding: llama's GGUF Q/K weights are stored so that rotation
+  acts on adjacent pairs (x[2i], x[2i+1]); qwen2 (llama.cpp's NEOX rope)
+  rotates the halves (x[i], x[i + n_rot/2]). Pair i turns by
+  pos / scale * base^(-2i / n_rot) / freq_factor[i], where scale is the
+  linear rope scaling factor (``rope.scaling.factor`` with type linear or
+  absent, else the older ``rope.scale_linear``; type "none" or 0: 1) and
+  freq_factor the ``rope_freqs.weight`` tensor (Llama 3.1+; absent: 1);
+* head size ``attention.key_length`` (default n_embd / n_head);
+* ``blk.N.<matrix>.bias`` added to the product where present.
+
+``ignore`` names features to leave out ("rope_freqs", "rope_scale",
+"biases", "neox"), so that tests can show each one changes the logits.
 """
 
 from __future__ import annotations
@@ -25,18 +37,27 @@ def _field(r, key, default=None):
 
 
 class LlamaReference:
-    def __init__(self, path, dtype=np.float64):
+    def __init__(self, path, dtype=np.float64, ignore=()):
         r = gguf.GGUFReader(path)
         a = _field(r, "general.architecture")
-        assert a == "llama", a
-        self.n_layer = int(_field(r, "llama.block_count"))
-        self.n_embd = int(_field(r, "llama.embedding_length"))
-        self.n_head = int(_field(r, "llama.attention.head_count"))
-        self.n_head_kv = int(_field(r, "llama.attention.head_count_kv", self.n_head))
-        self.head_dim = self.n_embd // self.n_head
-        self.n_rot = int(_field(r, "llama.rope.dimension_count", self.head_dim))
-        self.base = float(_field(r, "llama.rope.freq_base", 10000.0))
-        self.eps = float(_field(r, "llama.attention.layer_norm_rms_epsilon", 1e-5))
+        assert a in ("llama", "qwen2"), a
+        self.arch = a
+        self.n_layer = int(_field(r, f"{a}.block_count"))
+        self.n_embd = int(_field(r, f"{a}.embedding_length"))
+        self.n_head = int(_field(r, f"{a}.attention.head_count"))
+        self.n_head_kv = int(_field(r, f"{a}.attention.head_count_kv", self.n_head))
+        self.head_dim = int(_field(r, f"{a}.attention.key_length", self.n_embd // self.n_head))
+        self.n_rot = int(_field(r, f"{a}.rope.dimension_count", self.head_dim))
+        self.base = float(_field(r, f"{a}.rope.freq_base", 10000.0))
+        self.eps = float(_field(r, f"{a}.attention.layer_norm_rms_epsilon", 1e-5))
+        kind = _field(r, f"{a}.rope.scaling.type", "linear")
+        assert kind in ("none", "linear"), kind
+        factor = float(_field(r, f"{a}.rope.scaling.factor", 0.0))
+        if factor == 0.0:
+            factor = float(_field(r, f"{a}.rope.scale_linear", 0.0))
+        self.rope_scale = 1.0 if kind == "none" or factor == 0.0 or "rope_scale" in ignore \
+            else factor
+        self.neox = a == "qwen2" and "neox" not in ignore
         self.dtype = dtype
         self.w = {}
         for t in r.tensors:
@@ -45,6 +66,10 @@ class LlamaReference:
         self.emb = self.w["token_embd.weight"]  # (n_vocab, n_embd)
         self.out = self.w.get("output.weight", self.emb)
         self.n_vocab = self.emb.shape[0]
+        ff = self.w.get("rope_freqs.weight")
+        self.freq_factors = (np.ones(self.n_rot // 2) if ff is None or "rope_freqs" in ignore
+                             else np.asarray(ff, np.float64))
+        self.use_biases = "biases" not in ignore
 
     def _rms(self, x, w):
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.eps) * w
@@ -52,15 +77,24 @@ class LlamaReference:
     def _rope(self, x, pos):
         # x (n, heads, Dh)
         half = self.n_rot // 2
-        inv = self.base ** (-2.0 * np.arange(half) / self.n_rot)
-        th = pos[:, None].astype(np.float64) * inv[None, :]  # (n, half)
+        inv = self.base ** (-2.0 * np.arange(half) / self.n_rot) / self.freq_factors
+        th = (pos[:, None].astype(np.float64) / self.rope_scale) * inv[None, :]  # (n, half)
         c, s = np.cos(th)[:, None, :], np.sin(th)[:, None, :]
+        if self.neox:
+            i0, i1 = slice(0, half), slice(half, 2 * half)
+        else:
+            i0, i1 = slice(0, 2 * half, 2), slice(1, 2 * half, 2)
         y = x.copy()
-        a = x[..., 0:2 * half:2]
-        b = x[..., 1:2 * half:2]
-        y[..., 0:2 * half:2] = a * c - b * s
-        y[..., 1:2 * half:2] = a * s + b * c
+        a, b = x[..., i0], x[..., i1]
+        y[..., i0] = a * c - b * s
+        y[..., i1] = a * s + b * c
         return y
+
+    def _lin(self, h, name):
+        """h W^T (+ the bias, if the file has one)."""
+        y = h @ self.w[name + ".weight"].T
+        b = self.w.get(name + ".bias")
+        return y + b if b is not None and self.use_biases else y
 
     def logits(self, tokens):
         """Logits (n, n_vocab) of every position, full causal attention."""
@@ -74,9 +108,9 @@ class LlamaReference:
         for l in range(self.n_layer):
             p = f"blk.{l}."
             h = self._rms(x, self.w[p + "attn_norm.weight"])
-            q = (h @ self.w[p + "attn_q.weight"].T).reshape(n, Hq, Dh)
-            k = (h @ self.w[p + "attn_k.weight"].T).reshape(n, H, Dh)
-            v = (h @ self.w[p + "attn_v.weight"].T).reshape(n, H, Dh)
+            q = self._lin(h, p + "attn_q").reshape(n, Hq, Dh)
+            k = self._lin(h, p + "attn_k").reshape(n, H, Dh)
+            v = self._lin(h, p + "attn_v").reshape(n, H, Dh)
             q, k = self._rope(q, pos), self._rope(k, pos)
             att = np.empty((n, Hq, Dh), self.dtype)
             for hq in range(Hq):
@@ -87,10 +121,17 @@ class LlamaReference:
                 pr = np.exp(s)
                 pr /= pr.sum(axis=1, keepdims=True)
                 att[:, hq, :] = pr @ v[:, kh, :]
-            x = x + att.reshape(n, Hq * Dh) @ self.w[p + "attn_output.weight"].T
+            x = x + self._lin(att.reshape(n, Hq * Dh), p + "attn_output")
             h = self._rms(x, self.w[p + "ffn_norm.weight"])
-            g = h @ self.w[p + "ffn_gate.weight"].T
-            u = h @ self.w[p + "ffn_up.weight"].T
-            x = x + ((g / (1.0 + np.exp(-g))) * u) @ self.w[p + "ffn_down.weight"].T
+            g = self._lin(h, p + "ffn_gate")
+            u = self._lin(h, p + "ffn_up")
+            x = x + self._lin((g / (1.0 + np.exp(-g))) * u, p + "ffn_down")
         h = self._rms(x, self.w["output_norm.weight"])
         return h @ self.out.T
+
+    def greedy(self, prompt, n_new):
+        """n_new greedy tokens after prompt, recomputing the sequence each step."""
+        seq = list(prompt)
+        for _ in range(n_new):
+            seq.append(int(np.argmax(self.logits(seq)[-1])))
+        return seq[len(prompt):]

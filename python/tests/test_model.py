@@ -71,6 +71,14 @@ TINY_CONFIGS = {
                      n_head=6, n_head_kv=2),
     "float_gqa": dict(weight_types=_types("F16", ffn_up="BF16", token_embd="F32"),
                       tied_output=True, n_head=4, n_head_kv=1),
+    # the variants: qwen2 (q/k/v biases, NEOX rope), and a llama with every
+    # bias, Llama 3.1's rope frequency factors and linear rope scaling
+    "qwen2_gqa": dict(arch="qwen2", weight_types=_types("Q8_0", attn_q="Q4_0", ffn_up="F16"),
+                      tied_output=True, n_head=4, n_head_kv=2),
+    "llama31_gqa": dict(weight_types=_types("Q4_1", token_embd="Q8_0", attn_v="F16"),
+                        tied_output=False, n_head=4, n_head_kv=2, rope_freqs=True,
+                        rope_scaling=2.0, biases=("attn_q", "attn_k", "attn_v", "attn_output",
+                                                  "ffn_gate", "ffn_up", "ffn_down")),
 }
 
 

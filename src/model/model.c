@@ -25,6 +25,7 @@
 #include "../core/internal.h"
 #include "../paged/paged_internal.h"
 #include "gemm.h"
+#include "hparams.h"
 #include "../kernels/kernels.h"
 
 typedef struct weight {
@@ -35,6 +36,8 @@ typedef struct weight {
 
 typedef struct layer {
     float *attn_norm, *ffn_norm; /* (n_embd) owned float32 copies */
+    /* biases added after the products (owned float32 copies), NULL if absent */
+    float *bq, *bk, *bv, *bo, *bg, *bu, *bd;
     weight wq, wk, wv, wo, wg, wu, wd;
 } layer;
 
@@ -45,7 +48,10 @@ struct kvc_model {
     weight tok_embd, output;
     float *out_norm;
     layer *layers;
-    double *inv_freq; /* (n_rot / 2) base^(-2i / n_rot) */
+    /* (n_rot / 2) base^(-2i / n_rot) / (rope_scale * freq_factor[i]) */
+    double *inv_freq;
+    const kvc__arch *arch;
+    unsigned char *used; /* while loading: 1 for each tensor the architecture took */
 };
 
 /* A growable int32/int64 array of the step scratch. */
@@ -76,51 +82,13 @@ struct kvc_model_ctx {
 
 /* ---- loading ---------------------------------------------------------------- */
 
-static kvc_status get_int(const kvc_gguf *g, const char *arch, const char *suffix, int32_t *out,
-                          int required, int32_t dflt) {
-    char key[128];
-    snprintf(key, sizeof key, "%s.%s", arch, suffix);
-    int64_t v;
-    kvc_status st = kvc_gguf_get_i64(g, key, &v);
-    if (st == KVC_ERR_NOT_FOUND && !required) {
-        kvc_clear_error();
-        *out = dflt;
-        return KVC_OK;
-    }
-    if (st != KVC_OK)
-        return kvc__error(st == KVC_ERR_NOT_FOUND ? KVC_ERR_CORRUPT : st,
-                          "model: metadata %s: %s", key, kvc_last_error());
-    if (v < 1 || v > (1 << 30))
-        return kvc__error(KVC_ERR_CORRUPT, "model: metadata %s = %lld is out of range", key,
-                          (long long)v);
-    *out = (int32_t)v;
-    return KVC_OK;
-}
-
-static kvc_status get_float(const kvc_gguf *g, const char *arch, const char *suffix, float *out,
-                            float dflt) {
-    char key[128];
-    snprintf(key, sizeof key, "%s.%s", arch, suffix);
-    double v;
-    kvc_status st = kvc_gguf_get_f64(g, key, &v);
-    if (st == KVC_ERR_NOT_FOUND) {
-        kvc_clear_error();
-        *out = dflt;
-        return KVC_OK;
-    }
-    if (st != KVC_OK) return st;
-    if (!isfinite(v) || v <= 0)
-        return kvc__error(KVC_ERR_CORRUPT, "model: metadata %s = %g must be > 0", key, v);
-    *out = (float)v;
-    return KVC_OK;
-}
-
 /* Finds tensor `name` with ne = (cols, rows) (rows 0: 1-D of cols). */
 static kvc_status find_tensor(kvc_model *m, const char *name, int64_t cols, int64_t rows,
                               kvc_gguf_tensor *t) {
     int64_t i = kvc_gguf_find_tensor(m->g, name);
     if (i < 0) return kvc__error(KVC_ERR_CORRUPT, "model: tensor %s is missing", name);
     KVC_TRY(kvc_gguf_get_tensor(m->g, i, t));
+    m->used[i] = 1;
     const int want_dims = rows ? 2 : 1;
     int ok = t->ne[0] == cols && (rows ? t->ne[1] == rows : 1);
     for (int d = want_dims; d < 4; d++) ok = ok && t->ne[d] == 1;
@@ -161,12 +129,23 @@ static kvc_status load_vector(kvc_model *m, const char *name, int64_t n, float *
     kvc_status st = kvc__ggml_dequant_row(t.type, t.data, n, v);
     if (st != KVC_OK) {
         free(v);
-        return kvc__error(st, "model: tensor %s: %s", name, kvc_last_error());
+        char why[256]; /* kvc__error formats into the buffer kvc_last_error() reads */
+        snprintf(why, sizeof why, "%s", kvc_last_error());
+        return kvc__error(st, "model: tensor %s: %s", name, why);
     }
     m->info.n_params += n;
     m->info.weight_bytes += t.size;
     *out = v;
     return KVC_OK;
+}
+
+/* load_vector for a tensor that may be absent (*out NULL then); allowed 0:
+ * not taken, so that one present is refused as unused. */
+static kvc_status load_optional(kvc_model *m, const char *name, int64_t n, int allowed,
+                                float **out) {
+    *out = NULL;
+    if (!allowed || kvc_gguf_find_tensor(m->g, name) < 0) return KVC_OK;
+    return load_vector(m, name, n, out);
 }
 
 kvc_model_params kvc_model_default_params(void) {
@@ -180,12 +159,15 @@ void kvc_model_destroy(kvc_model *m) {
     if (!m) return;
     if (m->layers)
         for (int32_t l = 0; l < m->info.n_layer; l++) {
-            free(m->layers[l].attn_norm);
-            free(m->layers[l].ffn_norm);
+            layer *L = &m->layers[l];
+            float *v[] = {L->attn_norm, L->ffn_norm, L->bq, L->bk, L->bv, L->bo, L->bg, L->bu,
+                          L->bd};
+            for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) free(v[i]);
         }
     free(m->layers);
     free(m->out_norm);
     free(m->inv_freq);
+    free(m->used);
     kvc_tokenizer_destroy(m->tok);
     kvc_gguf_close(m->g);
     free(m);
@@ -195,40 +177,63 @@ static void progress(const kvc_model_params *p, float f) {
     if (p->progress) p->progress(f, p->progress_user);
 }
 
+/* Every tensor of the file must have been taken: one the runtime would not
+ * read (another architecture's, a block past block_count) is refused. */
+static kvc_status check_all_used(const kvc_model *m) {
+    const int64_t nt = kvc_gguf_n_tensors(m->g);
+    for (int64_t i = 0; i < nt; i++) {
+        if (m->used[i]) continue;
+        kvc_gguf_tensor t;
+        KVC_TRY(kvc_gguf_get_tensor(m->g, i, &t));
+        char *end = NULL;
+        const long blk = strncmp(t.name, "blk.", 4) == 0 ? strtol(t.name + 4, &end, 10) : -1;
+        if (end && end != t.name + 4 && *end == '.' && blk >= m->info.n_layer)
+            return kvc__error(KVC_ERR_CORRUPT, "model: tensor %.200s is in block %ld but %s."
+                              "block_count is %d: the metadata does not count every block",
+                              t.name, blk, m->arch->name, (int)m->info.n_layer);
+        return kvc__error(KVC_ERR_UNSUPPORTED, "model: tensor %.200s is not used by the %s "
+                          "architecture as implemented here: refused rather than ignored",
+                          t.name, m->arch->name);
+    }
+    return KVC_OK;
+}
+
+/* inv_freq[i] = base^(-2i / n_rot) / (rope_scale * factor[i]): linear
+ * scaling divides positions by rope_scale, rope_freqs.weight (Llama 3.1's
+ * long-context factors) divides each frequency's angle, as llama.cpp does. */
+static kvc_status rope_frequencies(kvc_model *m) {
+    kvc_model_info *in = &m->info;
+    const int64_t half = in->n_rot / 2;
+    float *ff = NULL;
+    KVC_TRY(load_optional(m, "rope_freqs.weight", half, m->arch->rope_freqs, &ff));
+    m->inv_freq = malloc((size_t)(half + 1) * sizeof(double));
+    if (!m->inv_freq) {
+        free(ff);
+        return kvc__error(KVC_ERR_NOMEM, "model: out of memory");
+    }
+    for (int64_t i = 0; i < half; i++) {
+        if (ff && !(isfinite(ff[i]) && ff[i] > 0)) {
+            const double bad = ff[i];
+            free(ff);
+            return kvc__error(KVC_ERR_CORRUPT, "model: tensor rope_freqs.weight[%lld] = %g must "
+                              "be > 0", (long long)i, bad);
+        }
+        m->inv_freq[i] = pow((double)in->rope_freq_base, -2.0 * (double)i / (double)in->n_rot) /
+                         ((double)in->rope_scale * (ff ? (double)ff[i] : 1.0));
+    }
+    in->rope_freq_factors = ff != NULL;
+    free(ff);
+    return KVC_OK;
+}
+
 static kvc_status load_all(kvc_model *m, const kvc_model_params *p) {
     kvc_model_info *in = &m->info;
-    const char *s;
-    size_t len;
-    KVC_TRY(kvc_gguf_get_str(m->g, "general.architecture", &s, &len));
-    if (len != 5 || memcmp(s, "llama", 5) != 0)
-        return kvc__error(KVC_ERR_UNSUPPORTED, "model: architecture '%.*s' is not supported "
-                          "(llama is)", (int)(len < 64 ? len : 64), s);
-    snprintf(in->arch, sizeof in->arch, "llama");
-    if (kvc_gguf_get_str(m->g, "general.name", &s, &len) == KVC_OK)
-        snprintf(in->name, sizeof in->name, "%.*s", (int)(len < 127 ? len : 127), s);
-    else
-        kvc_clear_error();
-    const char *a = "llama";
-    KVC_TRY(get_int(m->g, a, "block_count", &in->n_layer, 1, 0));
-    KVC_TRY(get_int(m->g, a, "embedding_length", &in->n_embd, 1, 0));
-    KVC_TRY(get_int(m->g, a, "feed_forward_length", &in->n_ff, 1, 0));
-    KVC_TRY(get_int(m->g, a, "attention.head_count", &in->n_head, 1, 0));
-    KVC_TRY(get_int(m->g, a, "attention.head_count_kv", &in->n_head_kv, 0, in->n_head));
-    KVC_TRY(get_int(m->g, a, "context_length", &in->n_ctx_train, 0, 4096));
-    KVC_TRY(get_float(m->g, a, "rope.freq_base", &in->rope_freq_base, 10000.0f));
-    KVC_TRY(get_float(m->g, a, "attention.layer_norm_rms_epsilon", &in->rms_eps, 1e-5f));
-    KVC_CHECK(in->n_embd % in->n_head == 0,
-              "model: embedding_length %d is not a multiple of head_count %d", (int)in->n_embd,
-              (int)in->n_head);
-    in->head_dim = in->n_embd / in->n_head;
-    KVC_TRY(get_int(m->g, a, "rope.dimension_count", &in->n_rot, 0, in->head_dim));
-    if (in->n_head % in->n_head_kv != 0 || in->n_rot % 2 != 0 || in->n_rot > in->head_dim)
-        return kvc__error(KVC_ERR_CORRUPT,
-                          "model: heads %d / kv heads %d / rotary dims %d / head dim %d are "
-                          "inconsistent",
-                          (int)in->n_head, (int)in->n_head_kv, (int)in->n_rot, (int)in->head_dim);
-    if (in->head_dim > 512)
-        return kvc__error(KVC_ERR_UNSUPPORTED, "model: head dim %d > 512", (int)in->head_dim);
+    kvc__hparams hp;
+    KVC_TRY(kvc__model_hparams(m->g, in, &hp));
+    m->arch = hp.arch;
+    const kvc__arch *arch = hp.arch;
+    m->used = calloc((size_t)kvc_gguf_n_tensors(m->g) + 1, 1);
+    if (!m->used) return kvc__error(KVC_ERR_NOMEM, "model: out of memory");
 
     /* tokenizer first: it also tells the vocabulary size */
     KVC_TRY(kvc_tokenizer_from_gguf(m->g, &m->tok));
@@ -242,6 +247,10 @@ static kvc_status load_all(kvc_model *m, const kvc_model_params *p) {
     KVC_CHECK(in->n_vocab == kvc_tokenizer_n_vocab(m->tok),
               "model: token_embd has %lld rows but the vocabulary %d tokens", (long long)te.ne[1],
               (int)kvc_tokenizer_n_vocab(m->tok));
+    if (hp.vocab_size >= 0 && hp.vocab_size != in->n_vocab)
+        return kvc__error(KVC_ERR_CORRUPT, "model: metadata key %s.vocab_size = %lld but "
+                          "token_embd has %d rows", arch->name, (long long)hp.vocab_size,
+                          (int)in->n_vocab);
     KVC_TRY(load_weight(m, "token_embd.weight", E, in->n_vocab, &m->tok_embd));
     KVC_TRY(load_vector(m, "output_norm.weight", E, &m->out_norm));
     if (kvc_gguf_find_tensor(m->g, "output.weight") >= 0) {
@@ -257,16 +266,18 @@ static kvc_status load_all(kvc_model *m, const kvc_model_params *p) {
                           "model: block_count %d but the file has %lld tensors (9 per block)",
                           (int)in->n_layer, (long long)kvc_gguf_n_tensors(m->g));
     m->layers = calloc((size_t)in->n_layer, sizeof(layer));
-    m->inv_freq = malloc((size_t)(in->n_rot / 2 + 1) * sizeof(double));
-    if (!m->layers || !m->inv_freq) return kvc__error(KVC_ERR_NOMEM, "model: out of memory");
-    for (int32_t i = 0; i < in->n_rot / 2; i++)
-        m->inv_freq[i] = pow((double)in->rope_freq_base, -2.0 * i / in->n_rot);
+    if (!m->layers) return kvc__error(KVC_ERR_NOMEM, "model: out of memory");
+    KVC_TRY(rope_frequencies(m));
     for (int32_t l = 0; l < in->n_layer; l++) {
         layer *L = &m->layers[l];
         char nm[96];
 #define W(field, suffix, cols, rows)                                                               \
     snprintf(nm, sizeof nm, "blk.%d." suffix ".weight", (int)l);                                   \
     KVC_TRY(load_weight(m, nm, cols, rows, &L->field))
+#define B(field, suffix, n, allowed, bit)                                                          \
+    snprintf(nm, sizeof nm, "blk.%d." suffix ".bias", (int)l);                                     \
+    KVC_TRY(load_optional(m, nm, n, allowed, &L->field));                                          \
+    if (L->field) in->biases |= (bit)
         snprintf(nm, sizeof nm, "blk.%d.attn_norm.weight", (int)l);
         KVC_TRY(load_vector(m, nm, E, &L->attn_norm));
         snprintf(nm, sizeof nm, "blk.%d.ffn_norm.weight", (int)l);
@@ -278,9 +289,23 @@ static kvc_status load_all(kvc_model *m, const kvc_model_params *p) {
         W(wg, "ffn_gate", E, F);
         W(wu, "ffn_up", E, F);
         W(wd, "ffn_down", F, E);
+        B(bq, "attn_q", QD, arch->qkv_bias, KVC_MODEL_BIAS_Q);
+        B(bk, "attn_k", KD, arch->qkv_bias, KVC_MODEL_BIAS_K);
+        B(bv, "attn_v", KD, arch->qkv_bias, KVC_MODEL_BIAS_V);
+        B(bo, "attn_output", E, arch->other_bias, KVC_MODEL_BIAS_O);
+        B(bg, "ffn_gate", F, arch->other_bias, KVC_MODEL_BIAS_FFN_GATE);
+        B(bu, "ffn_up", F, arch->other_bias, KVC_MODEL_BIAS_FFN_UP);
+        B(bd, "ffn_down", E, arch->other_bias, KVC_MODEL_BIAS_FFN_DOWN);
 #undef W
+#undef B
+        if (arch->qkv_bias == 2 && !(L->bq && L->bk && L->bv))
+            return kvc__error(KVC_ERR_CORRUPT, "model: block %d lacks one of the attn_q/attn_k/"
+                              "attn_v biases the %s architecture has", (int)l, arch->name);
         progress(p, 0.1f * (float)(l + 1) / (float)in->n_layer);
     }
+    KVC_TRY(check_all_used(m));
+    free(m->used);
+    m->used = NULL;
     if (p->prefault) { /* touch every weight page now, not during the first step */
         int64_t nt = kvc_gguf_n_tensors(m->g);
         volatile unsigned char sink = 0;
@@ -456,25 +481,35 @@ static void rmsnorm(const float *x, const float *w, int64_t E, float eps, float 
     for (int64_t i = 0; i < E; i++) y[i] = x[i] * r * w[i];
 }
 
-/* Rotates adjacent pairs of the first n_rot dims of each of nh heads. */
+/* Rotates pairs of the first n_rot dims of each of nh heads: adjacent
+ * pairs (x[2i], x[2i+1]) (llama), or halves (x[i], x[i + n_rot/2]) (neox,
+ * qwen2), pair i by pos * inv_freq[i]. */
 static void rope(float *x, int64_t nh, int64_t Dh, int64_t n_rot, const double *inv_freq,
-                 int64_t pos) {
-    for (int64_t i = 0; i < n_rot / 2; i++) {
+                 int64_t pos, int neox) {
+    const int64_t half = n_rot / 2;
+    for (int64_t i = 0; i < half; i++) {
         const double th = (double)pos * inv_freq[i];
         const float c = (float)cos(th), s = (float)sin(th);
+        const int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
         for (int64_t h = 0; h < nh; h++) {
-            float *p = x + h * Dh + 2 * i;
-            const float a = p[0], b = p[1];
-            p[0] = a * c - b * s;
-            p[1] = a * s + b * c;
+            float *p = x + h * Dh;
+            const float a = p[i0], b = p[i1];
+            p[i0] = a * c - b * s;
+            p[i1] = a * s + b * c;
         }
     }
+}
+
+static void add_bias(float *y, const float *b, int64_t n) {
+    if (b)
+        for (int64_t i = 0; i < n; i++) y[i] += b[i];
 }
 
 typedef struct rows_job {
     kvc_model_ctx *c;
     const layer *L;
-    int stage; /* 0: attn norm, 1: rope, 2: residual o, 3: ffn norm, 4: swiglu, 5: residual d */
+    int stage; /* 0: attn norm, 1: q/k/v biases + rope, 2: o bias + residual, 3: ffn norm,
+                  4: gate/up biases + swiglu, 5: down bias + residual */
     int64_t n;
 } rows_job;
 
@@ -491,15 +526,23 @@ static void rows_task(void *ctx, int64_t t) {
         switch (j->stage) {
         case 0: rmsnorm(c->x + r * E, j->L->attn_norm, E, in->rms_eps, c->h + r * E); break;
         case 1:
-            rope(c->q + r * QD, in->n_head, Dh, in->n_rot, c->m->inv_freq, I32(c->positions)[r]);
-            rope(c->k + r * KD, in->n_head_kv, Dh, in->n_rot, c->m->inv_freq, I32(c->positions)[r]);
+            add_bias(c->q + r * QD, j->L->bq, QD);
+            add_bias(c->k + r * KD, j->L->bk, KD);
+            add_bias(c->v + r * KD, j->L->bv, KD);
+            rope(c->q + r * QD, in->n_head, Dh, in->n_rot, c->m->inv_freq, I32(c->positions)[r],
+                 in->rope_neox);
+            rope(c->k + r * KD, in->n_head_kv, Dh, in->n_rot, c->m->inv_freq,
+                 I32(c->positions)[r], in->rope_neox);
             break;
         case 2:
         case 5:
+            add_bias(c->tmp + r * E, j->stage == 2 ? j->L->bo : j->L->bd, E);
             for (int64_t i = 0; i < E; i++) c->x[r * E + i] += c->tmp[r * E + i];
             break;
         case 3: rmsnorm(c->x + r * E, j->L->ffn_norm, E, in->rms_eps, c->h + r * E); break;
         case 4:
+            add_bias(c->gate + r * F, j->L->bg, F);
+            add_bias(c->up + r * F, j->L->bu, F);
             for (int64_t i = 0; i < F; i++) {
                 const float g = c->gate[r * F + i];
                 c->gate[r * F + i] = g / (1.0f + expf(-g)) * c->up[r * F + i];
