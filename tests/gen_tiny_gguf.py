@@ -1,6 +1,10 @@
 """Writes a tiny random-weight llama GGUF for the C model suite.
 
-usage: gen_tiny_gguf.py REPO_PYTHON_DIR OUT.gguf
+usage: gen_tiny_gguf.py REPO_PYTHON_DIR OUT.gguf [QWEN2.gguf LLAMA31.gguf]
+
+The optional outputs are the architecture variants for the loader suite
+(test_model_load.c): a qwen2 (q/k/v biases, NEOX rope) and a llama with
+every bias, rope_freqs.weight and linear rope scaling.
 
 Loads python/kvcache/gguf_writer.py on its own (it needs numpy only), not the
 kvcache package, which would load libkvcache: the sanitizer builds run this
@@ -27,6 +31,15 @@ def main():
     # scratch reservation tiny_forward_out_of_memory_writes_nothing fails
     mod.write_tiny_llama(out, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=1024, seed=3,
                          attn_gain=4.0, tied_output=False)
+    if len(sys.argv) > 3:
+        qwen2, llama31 = sys.argv[3:5]
+        mod.write_tiny_llama(qwen2, arch="qwen2", n_layer=2, n_embd=64, n_head=4, n_head_kv=2,
+                             n_ff=128, seed=4, attn_gain=4.0, tied_output=True)
+        mod.write_tiny_llama(llama31, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128,
+                             seed=5, attn_gain=4.0, tied_output=False, rope_freqs=True,
+                             rope_scaling=2.0,
+                             biases=("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                     "ffn_up", "ffn_down"))
 
 
 if __name__ == "__main__":
