@@ -534,6 +534,7 @@ def write_tiny_llama(
     arch: str = "llama",
     biases: Sequence[str] | None = None,
     head_dim: int | None = None,
+    rope_dim: int | None = None,
     rope_freqs: bool | Sequence[float] = False,
     rope_scaling: float | None = None,
     rope_scale_linear: float | None = None,
@@ -564,9 +565,10 @@ def write_tiny_llama(
     checkpoint whose Q/K rows were permuted; the tensors are to be used as
     stored, with llama.cpp's "normal" rope as for every llama GGUF: within
     each head of size hd, the pairs (x[2i], x[2i+1]) for i < rope_dim/2 are
-    rotated by angle pos * rope_freq_base^(-2i/rope_dim), rope_dim = hd.
-    (HF checkpoints rotate (x[i], x[i+hd/2]); llama.cpp's converter permutes
-    the Q/K rows so that the adjacent-pair rule gives the same result.)
+    rotated by angle pos * rope_freq_base^(-2i/rope_dim) (rope_dim = hd
+    unless given). (HF checkpoints rotate (x[i], x[i+hd/2]); llama.cpp's
+    converter permutes the Q/K rows so that the adjacent-pair rule gives the
+    same result; for qwen2 it does not, and llama.cpp rotates the halves.)
 
     weight_types: one type for every matrix, or {short name or tensor name
     (with or without ".weight"): type} overriding DEFAULT_WEIGHT_TYPES (short names: token_embd,
@@ -584,7 +586,9 @@ def write_tiny_llama(
       ffn_up, ffn_down) whose ``blk.N.<name>.bias`` (F32, the product's output
       size) is written, added after the product.
     * head_dim: writes ``attention.key_length``/``value_length`` (the head
-      size when it is not n_embd / n_head).
+      size when it is not n_embd / n_head). rope_dim: the rotated dims of
+      each head (``rope.dimension_count``, default the head size); the rest
+      pass through unrotated.
     * rope_freqs: True for random factors in [1, 8] (or the n_rot/2 values),
       written as the F32 tensor ``rope_freqs.weight``; pair i's angle is
       divided by factor i (Llama 3.1's long-context frequencies).
@@ -600,8 +604,9 @@ def write_tiny_llama(
     hd = head_dim if head_dim is not None else n_embd // n_head
     if (head_dim is None and n_embd % n_head) or n_head % n_head_kv:
         raise ValueError("n_embd must divide by n_head and n_head by n_head_kv")
-    if hd % 2:
-        raise ValueError("head dim must be even for rope")
+    n_rot = hd if rope_dim is None else rope_dim
+    if n_rot % 2 or not 0 < n_rot <= hd:
+        raise ValueError("the rotated dims must be even and at most the head dim")
     if biases is None:
         biases = ("attn_q", "attn_k", "attn_v") if arch == "qwen2" else ()
 
@@ -686,7 +691,7 @@ def write_tiny_llama(
     add(a + "attention.layer_norm_rms_epsilon", float(rms_eps), ValueType.FLOAT32)
     add("general.file_type", 3, ValueType.UINT32)  # informational ("mostly Q4_1")
     add(a + "vocab_size", n_vocab, ValueType.UINT32)
-    add(a + "rope.dimension_count", hd, ValueType.UINT32)
+    add(a + "rope.dimension_count", n_rot, ValueType.UINT32)
     if head_dim is not None:
         add(a + "attention.key_length", hd, ValueType.UINT32)
         add(a + "attention.value_length", hd, ValueType.UINT32)
@@ -744,10 +749,10 @@ def write_tiny_llama(
         used_types[name] = GGMLType.NAMES[code]
     extra = dict(extra_tensors or {})
     if rope_freqs is not False:
-        f = (rng.uniform(1.0, 8.0, hd // 2) if rope_freqs is True
+        f = (rng.uniform(1.0, 8.0, n_rot // 2) if rope_freqs is True
              else np.asarray(rope_freqs, np.float64))
-        if f.shape != (hd // 2,):
-            raise ValueError(f"rope_freqs: {hd // 2} factors, got shape {f.shape}")
+        if f.shape != (n_rot // 2,):
+            raise ValueError(f"rope_freqs: {n_rot // 2} factors, got shape {f.shape}")
         extra["rope_freqs.weight"] = f
     for name, x in extra.items():
         x = np.asarray(x, np.float32)
@@ -758,7 +763,7 @@ def write_tiny_llama(
     scale = rope_scaling if rope_scaling else (rope_scale_linear or 1.0)
     config = {
         "n_layer": n_layer, "n_embd": n_embd, "n_head": n_head, "n_head_kv": n_head_kv,
-        "n_ff": n_ff, "n_vocab": n_vocab, "n_ctx": n_ctx, "head_dim": hd, "rope_dim": hd,
+        "n_ff": n_ff, "n_vocab": n_vocab, "n_ctx": n_ctx, "head_dim": hd, "rope_dim": n_rot,
         "rope_freq_base": rope_freq_base, "rms_eps": rms_eps, "tied_output": tied_output,
         "bos_id": 1, "eos_id": 2, "arch": arch, "rope_neox": arch == "qwen2",
         "rope_scale": scale, "biases": tuple(biases),

@@ -5,7 +5,8 @@ compared with the independent numpy reference, llama_reference.py, in
 logits and in greedy tokens generated through the cache): Llama 3.1's
 rope_freqs.weight frequency factors, linear rope scaling (and its older
 rope.scale_linear key), q/k/v/o and FFN biases, a head size other than
-n_embd / n_head (attention.key_length), and the qwen2 architecture. Each
+n_embd / n_head (attention.key_length), rotary on part of each head
+(rope.dimension_count), and the qwen2 architecture. Each
 test also shows that its feature changes the logits well past the
 tolerance (the reference with the feature left out), so a loader that
 ignored it would fail.
@@ -47,6 +48,10 @@ VARIANTS = {
     "llama_qkv_biases": (dict(biases=("attn_q", "attn_k", "attn_v")), ("biases",),
                          dict(biases=7)),
     "head_dim_24": (dict(head_dim=24), (), dict(head_dim=24)),
+    "partial_rope": (dict(rope_dim=8, rope_freqs=True), ("rope_freqs",),
+                     dict(n_rot=8, rope_freq_factors=1)),
+    "qwen2_partial_rope": (dict(arch="qwen2", rope_dim=10), ("neox",),
+                           dict(arch="qwen2", n_rot=10)),
     "qwen2_rope": (dict(arch="qwen2"), ("neox",), dict(arch="qwen2")),
     "qwen2_biases": (dict(arch="qwen2"), ("biases",), dict(arch="qwen2")),
     "qwen2_scaled": (dict(arch="qwen2", rope_scaling=3.0), ("rope_scale",),
