@@ -27,11 +27,11 @@ typedef enum {
     READ,    /* read below into kvc_model_info */
     IGNORED, /* cannot change what this runtime computes (reason in the table) */
     REFUSED  /* changes the computation in a way not implemented (reason given) */
-} use;
+} key_use;
 
 typedef struct key_rule {
     const char *suffix; /* after "<arch>." */
-    use use;
+    key_use use;
     const char *why; /* REFUSED: what the key means, for the message */
 } key_rule;
 
