@@ -541,6 +541,7 @@ def write_tiny_llama(
     extra_kv: Mapping[str, object] | None = None,
     omit_kv: Sequence[str] = (),
     extra_tensors: Mapping[str, np.ndarray] | None = None,
+    add_bos: bool = False,
 ) -> TinyLlama:
     """Writes a random-weight llama model with the metadata and tensor
     layout llama.cpp writes (checked against SmolLM2-135M-Instruct):
@@ -598,6 +599,8 @@ def write_tiny_llama(
     * extra_kv: more keys, {key: value or (value, ValueType[, element
       type])}; omit_kv: keys not to write; extra_tensors: more F32 tensors
       {name: array} (for tests of what a loader must refuse).
+    add_bos: tokenizer.ggml.add_bos_token (SmolLM2's is false; SentencePiece
+    llamas' true).
     """
     if arch not in ("llama", "qwen2"):
         raise ValueError(f"arch {arch!r}: llama or qwen2")
@@ -701,7 +704,7 @@ def write_tiny_llama(
     if rope_scale_linear is not None:
         add(a + "rope.scale_linear", float(rope_scale_linear), ValueType.FLOAT32)
     add("tokenizer.ggml.add_space_prefix", False, ValueType.BOOL)
-    add("tokenizer.ggml.add_bos_token", False, ValueType.BOOL)
+    add("tokenizer.ggml.add_bos_token", bool(add_bos), ValueType.BOOL)
     add("tokenizer.ggml.model", "gpt2")
     add("tokenizer.ggml.pre", "qwen2" if arch == "qwen2" else "smollm")
     add("tokenizer.ggml.tokens", tokens, ValueType.ARRAY, ValueType.STRING)

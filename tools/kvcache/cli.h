@@ -28,6 +28,7 @@ int cmd_info(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_run(int argc, char **argv);
 int cmd_bench_serve(int argc, char **argv);
+int cmd_perplexity(int argc, char **argv);
 
 /* Default model path (models/ under the working directory, or
  * $KVCACHE_MODEL). */

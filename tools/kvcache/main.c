@@ -4,6 +4,7 @@
  *
  *   kvcache info            library version, ISA, CPUs
  *   kvcache bench [TARGET]  micro-benchmarks (kvcache bench --help lists them)
+ *   kvcache run, bench-serve, perplexity: a GGUF model through the cache
  *
  * Exit status: 0 success, 1 the work failed, 2 bad command line.
  */
@@ -25,6 +26,7 @@ static const char usage_text[] =
     "commands:\n"
     "  run              generate text with a GGUF model through the cache\n"
     "  bench-serve      continuous-batching throughput of a GGUF model\n"
+    "  perplexity       perplexity of a text file (llama-perplexity's protocol)\n"
     "  info             library version, ISA in use and supported, CPUs\n"
     "  bench [TARGET]   micro-benchmarks; TARGET: pmx (default), append, cache,\n"
     "                   attention, prefill, mla, gemm, kernel\n"
@@ -163,6 +165,7 @@ static int run_command(int argc, char **argv) {
     if (strcmp(cmd, "bench") == 0) return cmd_bench(argc, argv);
     if (strcmp(cmd, "run") == 0) return cmd_run(argc, argv);
     if (strcmp(cmd, "bench-serve") == 0) return cmd_bench_serve(argc, argv);
+    if (strcmp(cmd, "perplexity") == 0) return cmd_perplexity(argc, argv);
     if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {
         if (argc > 1) return cli_usage_error(NULL, "'version' takes no arguments");
         printf("kvcache %s\n", kvc_version_string());
@@ -173,7 +176,7 @@ static int run_command(int argc, char **argv) {
         if (argc == 2) {
             const char *sub = argv[1];
             if (strcmp(sub, "info") == 0 || strcmp(sub, "bench") == 0 || strcmp(sub, "run") == 0 ||
-                strcmp(sub, "bench-serve") == 0) {
+                strcmp(sub, "bench-serve") == 0 || strcmp(sub, "perplexity") == 0) {
                 char help[] = "--help";
                 char *sub_argv[3] = {argv[1], help, NULL};
                 return run_command(2, sub_argv);
