@@ -96,8 +96,11 @@ class LlamaReference:
         b = self.w.get(name + ".bias")
         return y + b if b is not None and self.use_biases else y
 
-    def logits(self, tokens):
-        """Logits (n, n_vocab) of every position, full causal attention."""
+    def logits(self, tokens, kv_store=None):
+        """Logits (n, n_vocab) of every position, full causal attention.
+        kv_store(x) -> x, if given, is applied to every K (after rotary) and
+        V array (n, n_head_kv, head_dim) before attention reads it: the
+        round trip through a cache's storage type."""
         tokens = np.asarray(tokens)
         n = tokens.size
         pos = np.arange(n)
@@ -112,6 +115,8 @@ class LlamaReference:
             k = self._lin(h, p + "attn_k").reshape(n, H, Dh)
             v = self._lin(h, p + "attn_v").reshape(n, H, Dh)
             q, k = self._rope(q, pos), self._rope(k, pos)
+            if kv_store is not None:
+                k, v = kv_store(k).astype(self.dtype), kv_store(v).astype(self.dtype)
             att = np.empty((n, Hq, Dh), self.dtype)
             for hq in range(Hq):
                 kh = hq // G
