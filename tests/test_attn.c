@@ -894,10 +894,7 @@ TEST(paged_int8_grouped) {
 
 /* The amx level keeps the AVX-512 kernels for everything but int8 decode. */
 TEST(amx_level_tables) {
-    if (!kvc_isa_supported(KVC_ISA_AMX)) {
-        printf("  note: isa amx not supported here\n");
-        return 0;
-    }
+    if (!test_isa_usable(KVC_ISA_AMX)) return 0;
     ASSERT_OK(kvc_set_isa(KVC_ISA_AMX));
     const kvc_kernels *a = kvc__kernels(), *x = kvc__kernels_avx512();
     int rc = a->isa != KVC_ISA_AMX || a->amx_run == NULL || a->attn_decode != x->attn_decode ||

@@ -255,7 +255,7 @@ static const variant variants[] = {{KVC_ISA_SCALAR, 0, "scalar"},
 #define N_VARIANTS 5
 
 static int use_variant(const variant *v) {
-    if (!kvc_isa_supported(v->isa)) return 0;
+    if (!test_isa_usable(v->isa)) return 0;
     if (kvc_set_isa(v->isa) != KVC_OK) return 0;
     kvc__gemm_set_no_vnni(v->no_vnni);
     return 1;

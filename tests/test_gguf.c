@@ -972,7 +972,7 @@ TEST(real_model) {
     }
     struct stat sb;
     if (stat(path, &sb) != 0)
-        SKIP("%s not found (scripts/fetch_model.sh downloads it)", path);
+        SKIP("the default model is absent (%s): scripts/fetch_model.sh", path);
     kvc_gguf *g = NULL;
     ASSERT_OK(kvc_gguf_open(path, &g));
     ASSERT_EQ_I64(kvc_gguf_version(g), 3);

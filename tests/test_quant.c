@@ -69,7 +69,7 @@ static const kvc_dtype scale_dtypes[] = {KVC_F32, KVC_F16};
     static int name##_body(void)
 
 /* Selects isa if the CPU has it; 0 (skip) otherwise. */
-static int use_isa(kvc_isa isa) { return kvc_isa_supported(isa) && kvc_set_isa(isa) == KVC_OK; }
+static int use_isa(kvc_isa isa) { return test_isa_usable(isa) && kvc_set_isa(isa) == KVC_OK; }
 
 /* ---- independent references ---------------------------------------------- */
 

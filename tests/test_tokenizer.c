@@ -945,7 +945,7 @@ static int model_path(char *path, size_t n) {
 
 TEST(real_model) {
     char path[1024];
-    if (!model_path(path, sizeof path)) SKIP("model file %s is absent", path);
+    if (!model_path(path, sizeof path)) SKIP("the default model is absent (%s): scripts/fetch_model.sh", path);
     kvc_gguf *g = NULL;
     ASSERT_OK(kvc_gguf_open(path, &g));
     kvc_tokenizer *t = NULL;

@@ -396,7 +396,7 @@ def test_fuzz_seeds_are_valid():
 @pytest.fixture(scope="module")
 def real_model():
     if not REAL_MODEL.exists():
-        pytest.skip(f"{REAL_MODEL} not found: run scripts/fetch_model.sh to download it")
+        pytest.skip(f"the default model is absent ({REAL_MODEL}): run scripts/fetch_model.sh")
     return REAL_MODEL
 
 

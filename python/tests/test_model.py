@@ -45,6 +45,7 @@ from kvcache.model import Engine, Model
 gguf = pytest.importorskip("gguf", reason="the gguf package (python/requirements.txt) reads the "
                                           "reference weights")
 import kvc_reference  # noqa: E402
+import skip_check  # noqa: E402
 from llama_reference import LlamaReference  # noqa: E402
 
 try:
@@ -135,7 +136,7 @@ def test_tiny_eval_threads_and_isas_agree(tiny):
     toks = np.arange(1, 30) % m.n_vocab
     base = m.eval(toks, num_threads=1)
     assert np.array_equal(base, m.eval(toks, num_threads=2))
-    for isa in kvcache.supported_isas():
+    for isa in skip_check.isas_to_run("test_model.py::test_tiny_eval_threads_and_isas_agree"):
         with _isa(isa):
             other = m.eval(toks, num_threads=2)
         np.testing.assert_allclose(other, base, rtol=1e-3, atol=1e-3 * np.abs(base).max())
@@ -365,7 +366,8 @@ def test_sampling():
 # ---- the default model (downloaded by scripts/fetch_model.sh; CI fetches it) ----
 
 needs_model = pytest.mark.skipif(not DEFAULT_MODEL.exists(),
-                                 reason=f"{DEFAULT_MODEL} absent (bash scripts/fetch_model.sh)")
+                                 reason=f"the default model is absent ({DEFAULT_MODEL}): "
+                                        "bash scripts/fetch_model.sh")
 
 
 @pytest.fixture(scope="module")

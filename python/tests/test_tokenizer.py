@@ -61,7 +61,8 @@ def _read_vocab(path):
 @pytest.fixture(scope="module")
 def vocab():
     if not MODEL.exists():
-        pytest.skip(f"model file {MODEL} is absent (tests against the real vocabulary need it)")
+        pytest.skip(f"the default model is absent ({MODEL}): tests against the real vocabulary "
+                    "need it")
     return _read_vocab(MODEL)
 
 
