@@ -1,8 +1,16 @@
-"""Writes a tiny random-weight llama GGUF for the C model suite.
+"""Writes a tiny random-weight llama GGUF for the C model suite, and the
+logits of the independent numpy llama (python/tests/llama_reference.py,
+float64, weights dequantized by the `gguf` package) for test_model.c's
+tiny_eval_matches_numpy_reference.
 
-usage: gen_tiny_gguf.py REPO_PYTHON_DIR OUT.gguf [QWEN2.gguf LLAMA31.gguf]
+usage: gen_tiny_gguf.py REPO_PYTHON_DIR OUT.gguf [OUT.ref [QWEN2.gguf LLAMA31.gguf]]
 
-The optional outputs are the architecture variants for the loader suite
+OUT.ref (little endian): "KVCREF1" and a NUL, int32 n_tokens, n_vocab,
+decode_from and 0, the n_tokens int32 token ids, then the float64 logits
+(n_tokens, n_vocab). Without the gguf package no OUT.ref is written (the C
+test then reports an unexpected skip: scripts/setup.sh installs gguf).
+
+The other outputs are the architecture variants for the loader suite
 (test_model_load.c): a qwen2 (q/k/v biases, NEOX rope) and a llama with
 every bias, rope_freqs.weight and linear rope scaling.
 
@@ -11,7 +19,29 @@ kvcache package, which would load libkvcache: the sanitizer builds run this
 before any shared library of theirs exists.
 """
 import importlib.util
+import os
+import struct
 import sys
+
+
+def write_reference(pydir, gguf_path, out):
+    try:
+        import numpy as np
+        sys.path.insert(0, os.path.join(pydir, "tests"))
+        from llama_reference import LlamaReference
+    except ImportError as e:
+        print(f"gen_tiny_gguf: no reference logits ({e}); pip install -r python/requirements.txt")
+        if os.path.exists(out):
+            os.remove(out)
+        return
+    ref = LlamaReference(gguf_path)
+    n, decode_from = 23, 15  # prompt rows through prefill, the rest through decode
+    tokens = (np.arange(n, dtype=np.int64) * 37 + 11) % ref.n_vocab
+    logits = ref.logits(tokens).astype("<f8")
+    with open(out, "wb") as f:
+        f.write(b"KVCREF1\0" + struct.pack("<4i", n, ref.n_vocab, decode_from, 0))
+        f.write(tokens.astype("<i4").tobytes())
+        f.write(logits.tobytes())
 
 
 def main():
@@ -32,7 +62,9 @@ def main():
     mod.write_tiny_llama(out, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=1024, seed=3,
                          attn_gain=4.0, tied_output=False)
     if len(sys.argv) > 3:
-        qwen2, llama31 = sys.argv[3:5]
+        write_reference(pydir, out, sys.argv[3])
+    if len(sys.argv) > 5:
+        qwen2, llama31 = sys.argv[4:6]
         mod.write_tiny_llama(qwen2, arch="qwen2", n_layer=2, n_embd=64, n_head=4, n_head_kv=2,
                              n_ff=128, seed=4, attn_gain=4.0, tied_output=True)
         mod.write_tiny_llama(llama31, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128,

@@ -1,8 +1,12 @@
 /* Model runtime in C: sampling, loading errors, and (with KVC_TINY_GGUF
  * pointing at a tiny llama written by tests/gen_tiny_gguf.py, as ctest
  * arranges) the forward pass and the engine, so the sanitizer builds run
- * them too. Numerical agreement with an independent numpy llama is tested in
- * Python (python/tests/test_model.py). */
+ * them too. The independent reference is the numpy llama of
+ * python/tests/llama_reference.py: here through the logits gen_tiny_gguf.py
+ * wrote with it (tiny_eval_matches_numpy_reference); python/tests/test_model.py
+ * compares more against it (every weight type, float/int8/int4 KV storage at
+ * every decode step, the default model). The other tests here compare the
+ * model with itself (threads, cache vs recomputation, batched vs alone). */
 #define _POSIX_C_SOURCE 200809L /* mkstemp, fdopen */
 #include <math.h>
 #include <stdio.h>
@@ -188,6 +192,73 @@ TEST(tiny_info_and_eval) {
     free(a);
     free(b);
     kvc_model_destroy(m);
+    return 0;
+}
+
+/* The forward pass against the numpy llama (float64, weights dequantized by
+ * the gguf package): logits gen_tiny_gguf.py wrote to KVC_TINY_REF for its
+ * token ids, rows before decode_from through prefill and the rest through
+ * the decode kernel. Tolerance as test_model.py's for quantized weights (the
+ * C products round activations to int16): 1e-3 of max|ref| (measured ~3e-5
+ * there), and the same arg-max wherever the reference's top-2 margin
+ * exceeds 4x the error. */
+TEST(tiny_eval_matches_numpy_reference) {
+    NEED_TINY(m);
+    const char *path = getenv("KVC_TINY_REF");
+    FILE *f = path ? fopen(path, "rb") : NULL;
+    if (!f) {
+        kvc_model_destroy(m);
+        SKIP("no numpy reference logits at %s (gen_tiny_gguf.py writes them with the gguf "
+             "package)", path ? path : "KVC_TINY_REF (not set)");
+    }
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    char magic[8];
+    int32_t hdr[4], tok[64];
+    int ok = fread(magic, 1, 8, f) == 8 && !memcmp(magic, "KVCREF1", 8) &&
+             fread(hdr, 4, 4, f) == 4 && hdr[0] > 0 && hdr[0] <= 64 && hdr[1] == in.n_vocab &&
+             fread(tok, 4, (size_t)hdr[0], f) == (size_t)hdr[0];
+    const int64_t n = ok ? hdr[0] : 0, V = in.n_vocab;
+    double *ref = malloc(sizeof(double) * (size_t)(n * V + 1));
+    float *c = malloc(sizeof(float) * (size_t)(n * V + 1));
+    ok = ok && ref && c && fread(ref, sizeof(double), (size_t)(n * V), f) == (size_t)(n * V);
+    fclose(f);
+    if (!ok) {
+        free(ref);
+        free(c);
+        kvc_model_destroy(m);
+        TEST_FAIL_("%s: not a reference file for this model", path);
+    }
+    kvc_status st = kvc_model_eval(m, tok, n, hdr[2], KVC_F32, c, 2);
+    double amax = 0, err = 0;
+    int64_t bad_row = -1, not_finite = 0;
+    for (int64_t i = 0; st == KVC_OK && i < n * V; i++) {
+        amax = fmax(amax, fabs(ref[i]));
+        err = fmax(err, fabs((double)c[i] - ref[i]));
+        not_finite += !isfinite(c[i]);
+    }
+    for (int64_t r = 0; st == KVC_OK && r < n && bad_row < 0; r++) {
+        const double *x = ref + r * V;
+        int64_t a = 0, b = -1, ca = 0;
+        for (int64_t j = 1; j < V; j++) {
+            if (x[j] > x[a]) {
+                b = a;
+                a = j;
+            } else if (b < 0 || x[j] > x[b])
+                b = j;
+            if (c[r * V + j] > c[r * V + ca]) ca = j;
+        }
+        if (x[a] - x[b] > 4 * err && ca != a) bad_row = r;
+    }
+    free(ref);
+    free(c);
+    kvc_model_destroy(m);
+    ASSERT_OK(st);
+    printf("  max |c - numpy| = %.3g of max |numpy| (%.3g), %lld rows, decode from %d\n",
+           err / amax, amax, (long long)n, hdr[2]);
+    ASSERT_EQ_I64(not_finite, 0);
+    if (!(err <= 1e-3 * amax)) TEST_FAIL_("max |c - numpy| %.3g > 1e-3 * %.3g", err, amax);
+    if (bad_row >= 0) TEST_FAIL_("row %lld: arg-max differs from the reference's", (long long)bad_row);
     return 0;
 }
 
@@ -848,6 +919,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(sample_errors),
     TEST_ENTRY(load_errors),
     TEST_ENTRY(tiny_info_and_eval),
+    TEST_ENTRY(tiny_eval_matches_numpy_reference),
     TEST_ENTRY(tiny_cache_equals_recompute),
     TEST_ENTRY(tiny_eval_in_256k_of_stack),
     TEST_ENTRY(tiny_engine_batched_equals_alone),
