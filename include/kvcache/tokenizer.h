@@ -31,7 +31,8 @@
  *
  * Decoding maps tokens back to raw bytes; CONTROL, USER_DEFINED and UNKNOWN
  * tokens render as their text. A piece may end inside a UTF-8 sequence:
- * callers that stream text concatenate bytes before decoding UTF-8.
+ * callers that stream text pass the bytes through kvc_utf8_stream (below),
+ * which holds an incomplete character back and repairs ill-formed bytes.
  *
  * Thread safety: a tokenizer is immutable after creation; any number of
  * threads may encode, decode and render templates with it at once.
@@ -148,6 +149,41 @@ KVC_API kvc_status kvc_token_to_piece(const kvc_tokenizer *t, int32_t id, char *
  * KVC_ERR_INVALID_ARG naming its index. */
 KVC_API kvc_status kvc_detokenize(const kvc_tokenizer *t, const int32_t *ids, int64_t n,
                                   char *buf, size_t cap, size_t *len);
+
+/* ---- streaming detokenization ------------------------------------------------ */
+
+/*
+ * Turns the bytes of a token stream (kvc_token_to_piece, one token at a
+ * time) into valid UTF-8 as they come: complete characters pass through, an
+ * incomplete trailing sequence is held until the next bytes complete it,
+ * and ill-formed bytes (from byte tokens: stray continuation bytes, C0/C1
+ * and other overlong leads, surrogates, F5..FF, a sequence cut short) become
+ * U+FFFD, one per maximal subpart of an ill-formed sequence. At the end,
+ * kvc_utf8_stream_flush turns a held incomplete tail into one U+FFFD (as
+ * Python's bytes.decode("utf-8", "replace") and transformers' decode do),
+ * so the whole stream's output, however the bytes were split, is exactly
+ * what Python's decode with errors="replace" gives for all of them.
+ * The struct is the caller's (stack or heap, no allocation): init it, feed,
+ * flush; its fields are private. Not for sharing between threads.
+ */
+typedef struct kvc_utf8_stream {
+    unsigned char held[4]; /* private: bytes of an incomplete character */
+    unsigned char n_held;  /* private: 0..3 */
+} kvc_utf8_stream;
+
+KVC_API void kvc_utf8_stream_init(kvc_utf8_stream *s); /* NULL is a no-op */
+/* Output bytes that feeding n bytes can produce at most (3 (n + 4)): a cap
+ * that never gives KVC_ERR_NO_SPACE. */
+KVC_API size_t kvc_utf8_stream_bound(size_t n);
+/* Appends n bytes (in may be NULL when n is 0) and writes the valid UTF-8
+ * they complete to out; *out_len its length. KVC_ERR_NO_SPACE (nothing
+ * written, the stream unchanged) if it exceeds cap. */
+KVC_API kvc_status kvc_utf8_stream_feed(kvc_utf8_stream *s, const char *in, size_t n, char *out,
+                                        size_t cap, size_t *out_len);
+/* Ends the stream: a held incomplete character becomes U+FFFD (3 bytes,
+ * else nothing is written); the stream is then empty and may be reused. */
+KVC_API kvc_status kvc_utf8_stream_flush(kvc_utf8_stream *s, char *out, size_t cap,
+                                         size_t *out_len);
 
 /* ---- chat template --------------------------------------------------------- */
 

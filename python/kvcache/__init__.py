@@ -78,7 +78,7 @@ from .prefill import (
 )
 from .cascade import MultiLevelCascadeAttentionWrapper
 from .mla import BatchMLAPagedAttentionWrapper
-from .tokenizer import Tokenizer, render_chat_template
+from .tokenizer import Tokenizer, Utf8Stream, render_chat_template
 from . import pmx  # noqa: E402  (re-exported submodule)
 from .gguf import GGUFFile  # noqa: E402
 from .model import Engine, Model  # noqa: E402
@@ -117,6 +117,7 @@ __all__ = [
     "single_decode_with_kv_cache",
     "BatchDecodeWithPagedKVCacheWrapper",
     "Tokenizer",
+    "Utf8Stream",
     "render_chat_template",
     "BatchMLAPagedAttentionWrapper",
     "GGUFFile",

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from . import _lib
 from .errors import InvalidArgumentError, UnsupportedError
 
-__all__ = ["Tokenizer", "TOKEN_NORMAL", "TOKEN_UNKNOWN", "TOKEN_CONTROL", "TOKEN_USER_DEFINED",
+__all__ = ["Tokenizer", "Utf8Stream", "TOKEN_NORMAL", "TOKEN_UNKNOWN", "TOKEN_CONTROL", "TOKEN_USER_DEFINED",
            "TOKEN_UNUSED", "TOKEN_BYTE"]
 
 # kvc_token_type
@@ -97,10 +97,60 @@ _detokenize = _p("kvc_detokenize", _c_int, _vp, ctypes.POINTER(_i32), _i64, ctyp
 _apply_template = _p("kvc_chat_apply_template", _c_int, _vp, ctypes.c_char_p,
                      ctypes.POINTER(_Message), _i64, _c_int, ctypes.c_char_p, _size,
                      ctypes.POINTER(_size))
+_u8_init = _p("kvc_utf8_stream_init", None, _vp)
+_u8_feed = _p("kvc_utf8_stream_feed", _c_int, _vp, ctypes.c_char_p, _size, ctypes.c_char_p, _size,
+              ctypes.POINTER(_size))
+_u8_flush = _p("kvc_utf8_stream_flush", _c_int, _vp, ctypes.c_char_p, _size, ctypes.POINTER(_size))
 _apply_template_json = _p("kvc_chat_apply_template_json", _c_int, _vp, ctypes.c_char_p,
                           ctypes.c_char_p, _c_int, ctypes.c_char_p, _size, ctypes.POINTER(_size))
 
 _INT32_MAX = 2**31 - 1
+
+
+class _Utf8State(ctypes.Structure):
+    """ctypes mirror of ``kvc_utf8_stream``."""
+
+    _fields_ = [("held", ctypes.c_ubyte * 4), ("n_held", ctypes.c_ubyte)]
+
+
+class Utf8Stream:
+    """Streaming text of token bytes (C: kvc_utf8_stream): ``feed(piece)``
+    returns the complete characters so far and holds back an incomplete
+    one; ``flush()`` ends the stream (a held incomplete character becomes
+    U+FFFD). Ill-formed bytes become U+FFFD exactly as
+    ``bytes.decode("utf-8", "replace")`` does, so the joined output equals
+    decoding all the bytes at once::
+
+        s = Utf8Stream()
+        for t in ids:
+            print(s.feed(tok.token_to_bytes(t)), end="", flush=True)
+        print(s.flush())
+    """
+
+    def __init__(self):
+        self._st = _Utf8State()
+        _u8_init(ctypes.byref(self._st))
+
+    def _run(self, data: bytes | None) -> str:
+        n = 0 if data is None else len(data)
+        cap = 3 * (n + 4)
+        buf = ctypes.create_string_buffer(cap)
+        out = _size()
+        if data is None:
+            _lib.check(_u8_flush(ctypes.byref(self._st), buf, cap, ctypes.byref(out)))
+        else:
+            _lib.check(_u8_feed(ctypes.byref(self._st), data, n, buf, cap, ctypes.byref(out)))
+        return buf.raw[: out.value].decode("utf-8")
+
+    def feed(self, data) -> str:
+        """Appends bytes (a token's piece); returns the text they complete."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidArgumentError(f"data must be bytes, not {type(data).__name__}")
+        return self._run(bytes(data))
+
+    def flush(self) -> str:
+        """Ends the stream: "" or U+FFFD for a held incomplete character."""
+        return self._run(None)
 
 
 def _text_bytes(text, name="text") -> bytes:

@@ -194,6 +194,12 @@ int cmd_run(int argc, char **argv) {
     }
     double t_first = 0, t_start = bench_now();
     int64_t n_gen = 0;
+    /* tokens may end inside a character: only complete UTF-8 is written, an
+     * incomplete tail at the end becomes U+FFFD */
+    kvc_utf8_stream u8;
+    kvc_utf8_stream_init(&u8);
+    char piece[256], utf8[3 * (256 + 4)];
+    size_t plen = 0, ulen = 0;
     while (kvc_engine_pending(eng) > 0) {
         kvc_engine_event ev[1];
         int64_t ne = 0;
@@ -201,13 +207,13 @@ int cmd_run(int argc, char **argv) {
         for (int64_t i = 0; i < ne; i++) {
             if (n_gen++ == 0) t_first = bench_now();
             if (ev[i].finish == KVC_FINISH_EOG) continue; /* not part of the text */
-            char piece[256];
-            size_t plen = 0;
-            if (kvc_token_to_piece(tok, ev[i].token, piece, sizeof piece, &plen) == KVC_OK)
-                fwrite(piece, 1, plen, stdout);
+            if (kvc_token_to_piece(tok, ev[i].token, piece, sizeof piece, &plen) == KVC_OK &&
+                kvc_utf8_stream_feed(&u8, piece, plen, utf8, sizeof utf8, &ulen) == KVC_OK)
+                fwrite(utf8, 1, ulen, stdout);
             fflush(stdout);
         }
     }
+    if (kvc_utf8_stream_flush(&u8, utf8, sizeof utf8, &ulen) == KVC_OK) fwrite(utf8, 1, ulen, stdout);
     const double t_end = bench_now();
     fputc('\n', stdout);
     if (!quiet) {
