@@ -7,6 +7,7 @@
  * test_tokenizer.py also compares random streams with Python's decoder.
  */
 #include <stdlib.h>
+#include <sys/stat.h>
 
 #include "test.h"
 
@@ -117,9 +118,134 @@ TEST(utf8_stream_holds_back) {
     return 0;
 }
 
+
+/* ---- chat contents as plain text ---------------------------------------- */
+
+static kvc_tokenizer *load_model_tokenizer(void) {
+    const char *src = __FILE__;
+    const char *slash = strrchr(src, '/');
+    char path[1024];
+    snprintf(path, sizeof path, "%.*s%s../models/SmolLM2-135M-Instruct.Q4_1.gguf",
+             slash ? (int)(slash - src) : 0, src, slash ? "/" : "");
+    struct stat sb;
+    kvc_gguf *g = NULL;
+    kvc_tokenizer *t = NULL;
+    if (stat(path, &sb) != 0 || kvc_gguf_open(path, &g) != KVC_OK) return NULL;
+    if (kvc_tokenizer_from_gguf(g, &t) != KVC_OK) t = NULL;
+    kvc_gguf_close(g);
+    return t;
+}
+
+/* Appends the tokens of text (special tokens parsed or not) to ids. */
+static int append_ids(const kvc_tokenizer *t, const char *text, int special, int32_t *ids,
+                      int64_t *n) {
+    int64_t k = 0;
+    if (kvc_tokenize(t, text, strlen(text), 0, special, ids + *n, 4096 - *n, &k) != KVC_OK)
+        return 1;
+    *n += k;
+    return 0;
+}
+
+static int count_id(const int32_t *ids, int64_t n, int32_t id) {
+    int c = 0;
+    for (int64_t i = 0; i < n; i++) c += ids[i] == id;
+    return c;
+}
+
+TEST(chat_contents_plain_text) {
+    kvc_tokenizer *t = load_model_tokenizer();
+    if (!t) SKIP("the default model is absent (scripts/fetch_model.sh)");
+    static int32_t got[4096], want[4096], str[4096];
+    int64_t ng = 0, nw = 0, ns = 0;
+    const int32_t im_end = 2; /* SmolLM2: <|im_end|> is eos */
+    const kvc_chat_message m[2] = {{"system", "S"}, {"user", "a <|im_end|> b"}};
+    /* the string path: the user's <|im_end|> becomes the control token */
+    char prompt[512];
+    size_t plen = 0;
+    ASSERT_OK(kvc_chat_apply_template(t, NULL, m, 2, 1, prompt, sizeof prompt, &plen));
+    ASSERT_OK(kvc_tokenize(t, prompt, plen, 0, 1, str, 4096, &ns));
+    ASSERT_EQ_I64(count_id(str, ns, im_end), 3);
+    ASSERT_OK(kvc_chat_tokenize(t, NULL, m, 2, 1, 0, 1, got, 4096, &ng)); /* contents special */
+    ASSERT_EQ_I64(ng, ns);
+    ASSERT_MEM_EQ(got, str, (size_t)ns * 4);
+    /* plain contents: the template's markers are control tokens, the
+     * content's characters are text, and the text between markers is one
+     * segment (split and merged across the content's edges) */
+    ASSERT_OK(kvc_chat_tokenize(t, NULL, m, 2, 1, 0, 0, got, 4096, &ng));
+    ASSERT_TRUE(!append_ids(t, "<|im_start|>system\nS<|im_end|>\n<|im_start|>", 1, want, &nw));
+    ASSERT_TRUE(!append_ids(t, "user\na <|im_end|> b", 0, want, &nw));
+    ASSERT_TRUE(!append_ids(t, "<|im_end|>\n<|im_start|>assistant\n", 1, want, &nw));
+    ASSERT_EQ_I64(ng, nw);
+    ASSERT_MEM_EQ(got, want, (size_t)nw * 4);
+    ASSERT_EQ_I64(count_id(got, ng, im_end), 2);
+    /* measuring: cap 0 gives the count and writes nothing */
+    int64_t need = 0;
+    ASSERT_STATUS(kvc_chat_tokenize(t, NULL, m, 2, 1, 0, 0, NULL, 0, &need), KVC_ERR_NO_SPACE);
+    ASSERT_EQ_I64(need, nw);
+    /* contents without control text: the string path's tokens exactly */
+    const kvc_chat_message p[1] = {{"user", "plain <b>text</b> 1234"}};
+    ASSERT_OK(kvc_chat_apply_template(t, NULL, p, 1, 1, prompt, sizeof prompt, &plen));
+    ASSERT_OK(kvc_tokenize(t, prompt, plen, 1, 1, str, 4096, &ns));
+    ASSERT_OK(kvc_chat_tokenize(t, NULL, p, 1, 1, 1, 0, got, 4096, &ng)); /* with BOS */
+    ASSERT_EQ_I64(ng, ns);
+    ASSERT_MEM_EQ(got, str, (size_t)ns * 4);
+    ASSERT_EQ_I64(got[0], kvc_tokenizer_bos(t));
+    kvc_tokenizer_destroy(t);
+    return 0;
+}
+
+TEST(chat_contents_templates) {
+    kvc_tokenizer *t = load_model_tokenizer();
+    if (!t) SKIP("the default model is absent (scripts/fetch_model.sh)");
+    static int32_t got[4096], want[4096];
+    int64_t ng = 0, nw = 0;
+    /* a template that trims and prints the content twice: both places plain */
+    const char *trim2 = "{% for m in messages %}<|im_start|>{{ m.content | trim }}<|im_end|>"
+                        "{{ m.content }}{% endfor %}";
+    const kvc_chat_message m[2] = {{"user", "  x<|im_end|>y \n"}, {"user", "<|im_start|>"}};
+    ASSERT_OK(kvc_chat_tokenize(t, trim2, m, 2, 0, 0, 0, got, 4096, &ng));
+    ASSERT_TRUE(!append_ids(t, "<|im_start|>", 1, want, &nw));
+    ASSERT_TRUE(!append_ids(t, "x<|im_end|>y", 0, want, &nw));
+    ASSERT_TRUE(!append_ids(t, "<|im_end|>", 1, want, &nw));
+    ASSERT_TRUE(!append_ids(t, "  x<|im_end|>y \n", 0, want, &nw));
+    ASSERT_TRUE(!append_ids(t, "<|im_start|>", 1, want, &nw));
+    ASSERT_TRUE(!append_ids(t, "<|im_start|>", 0, want, &nw));
+    ASSERT_TRUE(!append_ids(t, "<|im_end|>", 1, want, &nw));
+    ASSERT_TRUE(!append_ids(t, "<|im_start|>", 0, want, &nw));
+    ASSERT_EQ_I64(ng, nw);
+    ASSERT_MEM_EQ(got, want, (size_t)nw * 4);
+    /* a template that changes the content: its place is unknown, refused */
+    const char *up = "{% for m in messages %}<|im_start|>{{ m.content | upper }}<|im_end|>"
+                     "{% endfor %}";
+    ASSERT_STATUS(kvc_chat_tokenize(t, up, m, 1, 0, 0, 0, got, 4096, &ng), KVC_ERR_UNSUPPORTED);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "parse_special_content");
+    /* ... unless special tokens are allowed in contents, or there are none */
+    ASSERT_OK(kvc_chat_tokenize(t, up, m, 1, 0, 0, 1, got, 4096, &ng));
+    const kvc_chat_message plain[1] = {{"user", "hi"}};
+    ASSERT_OK(kvc_chat_tokenize(t, up, plain, 1, 0, 0, 0, got, 4096, &ng));
+    /* spans: checked */
+    const size_t bad[4] = {3, 5, 4, 6};
+    ASSERT_STATUS(kvc_tokenize_spans(t, "abcdefgh", 8, 0, bad, 2, got, 64, &ng),
+                  KVC_ERR_INVALID_ARG);
+    const size_t past[2] = {3, 9};
+    ASSERT_STATUS(kvc_tokenize_spans(t, "abcdefgh", 8, 0, past, 1, got, 64, &ng),
+                  KVC_ERR_INVALID_ARG);
+    /* a control token straddling a span edge is not taken */
+    const size_t edge[2] = {5, 10};
+    nw = 0;
+    ASSERT_OK(kvc_tokenize_spans(t, "<|im_end|>", 10, 0, edge, 1, got, 64, &ng));
+    ASSERT_TRUE(!append_ids(t, "<|im_end|>", 0, want, &nw));
+    ASSERT_EQ_I64(ng, nw);
+    ASSERT_MEM_EQ(got, want, (size_t)nw * 4);
+    kvc_tokenizer_destroy(t);
+    return 0;
+}
+
 const char *test_suite_name = "text";
 const test_case test_suite[] = {
     TEST_ENTRY(utf8_stream_cases),
     TEST_ENTRY(utf8_stream_holds_back),
+    TEST_ENTRY(chat_contents_plain_text),
+    TEST_ENTRY(chat_contents_templates),
     {0, 0},
 };

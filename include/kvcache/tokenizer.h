@@ -139,6 +139,20 @@ KVC_API kvc_status kvc_tokenize(const kvc_tokenizer *t, const char *text, size_t
                                 int parse_special, int32_t *tokens, int64_t cap,
                                 int64_t *n_tokens);
 
+/*
+ * kvc_tokenize with parse_special on, except inside the plain spans: n_spans
+ * [begin, end) byte ranges of text (plain_spans[2i], plain_spans[2i + 1]),
+ * sorted and disjoint, where CONTROL token text is plain text (as with
+ * parse_special off; a CONTROL token reaching into a span is not taken).
+ * Text across span edges is split and merged as one, exactly as
+ * kvc_tokenize would: with no control text in the spans the result is
+ * kvc_tokenize's with parse_special on. Same buffer contract as kvc_tokenize;
+ * KVC_ERR_INVALID_ARG for spans unsorted, overlapping or past len.
+ */
+KVC_API kvc_status kvc_tokenize_spans(const kvc_tokenizer *t, const char *text, size_t len,
+                                      int add_bos, const size_t *plain_spans, int64_t n_spans,
+                                      int32_t *tokens, int64_t cap, int64_t *n_tokens);
+
 /* Raw bytes of one token (special tokens render as their text), not
  * NUL-terminated. *len receives the full length; KVC_ERR_NO_SPACE (nothing
  * written) if it exceeds cap; KVC_ERR_INVALID_ARG for id outside [0, n_vocab). */
@@ -229,6 +243,29 @@ KVC_API kvc_status kvc_chat_apply_template(const kvc_tokenizer *t, const char *t
                                            const kvc_chat_message *messages, int64_t n_messages,
                                            int add_generation_prompt, char *buf, size_t cap,
                                            size_t *len);
+
+/*
+ * The chat's prompt tokens: kvc_chat_apply_template, then tokenization with
+ * only the template's own text parsed for special tokens. A message content
+ * is plain text (parse_special_content 0: "<|im_end|>" typed by a user is
+ * the tokens of those characters, never the control token), as
+ * llama.cpp's chat and transformers' tokenized apply_chat_template should;
+ * parse_special_content 1 tokenizes the rendered prompt as one string, as
+ * kvc_tokenize(prompt, parse_special 1) does. Contents without control-token
+ * text give the same tokens either way. add_bos as in kvc_tokenize (most
+ * templates write BOS themselves: then pass 0).
+ * A content with control-token text is found in the prompt by rendering
+ * again with a placeholder in its place (its leading and trailing whitespace
+ * kept, so `| trim` acts alike); KVC_ERR_UNSUPPORTED if the template changes
+ * such a content otherwise (e.g. splits it, or tests its length), so its
+ * place cannot be known. Buffer contract as kvc_tokenize (cap 0 and tokens
+ * NULL measure); the template's statuses as kvc_chat_apply_template.
+ */
+KVC_API kvc_status kvc_chat_tokenize(const kvc_tokenizer *t, const char *template_str,
+                                     const kvc_chat_message *messages, int64_t n_messages,
+                                     int add_generation_prompt, int add_bos,
+                                     int parse_special_content, int32_t *tokens, int64_t cap,
+                                     int64_t *n_tokens);
 
 /*
  * kvc_chat_apply_template with the variables given as a JSON object, for

@@ -34,7 +34,7 @@ import os
 from collections.abc import Mapping
 
 from . import _lib
-from .errors import InvalidArgumentError, UnsupportedError
+from .errors import STATUS_NO_SPACE, InvalidArgumentError, UnsupportedError
 
 __all__ = ["Tokenizer", "Utf8Stream", "TOKEN_NORMAL", "TOKEN_UNKNOWN", "TOKEN_CONTROL", "TOKEN_USER_DEFINED",
            "TOKEN_UNUSED", "TOKEN_BYTE"]
@@ -97,6 +97,10 @@ _detokenize = _p("kvc_detokenize", _c_int, _vp, ctypes.POINTER(_i32), _i64, ctyp
 _apply_template = _p("kvc_chat_apply_template", _c_int, _vp, ctypes.c_char_p,
                      ctypes.POINTER(_Message), _i64, _c_int, ctypes.c_char_p, _size,
                      ctypes.POINTER(_size))
+_tokenize_spans = _p("kvc_tokenize_spans", _c_int, _vp, ctypes.c_char_p, _size, _c_int,
+                     ctypes.POINTER(_size), _i64, ctypes.POINTER(_i32), _i64, ctypes.POINTER(_i64))
+_chat_tokenize = _p("kvc_chat_tokenize", _c_int, _vp, ctypes.c_char_p, ctypes.POINTER(_Message),
+                    _i64, _c_int, _c_int, _c_int, ctypes.POINTER(_i32), _i64, ctypes.POINTER(_i64))
 _u8_init = _p("kvc_utf8_stream_init", None, _vp)
 _u8_feed = _p("kvc_utf8_stream_feed", _c_int, _vp, ctypes.c_char_p, _size, ctypes.c_char_p, _size,
               ctypes.POINTER(_size))
@@ -411,17 +415,111 @@ class Tokenizer(_lib.NoCopy):
 
     @_in_use
     def apply_chat_template(self, messages, add_generation_prompt: bool = True,
-                            template=None, *, tools=None, documents=None, **kwargs) -> str:
+                            template=None, *, tools=None, documents=None, tokenize: bool = False,
+                            add_bos: bool = False, parse_special_content: bool = False,
+                            **kwargs):
         """Renders messages with the model's chat template, or with template
         (a Jinja string) if given, as transformers' apply_chat_template does:
         messages are dicts with any keys ("role", "content", "tool_calls",
         "tool_call_id", "name", "reasoning_content", ...), tools a list of
         JSON schemas (dicts), documents a list, and extra keyword arguments
         (enable_thinking=False, date_string=..., bos_token=...) become
-        template variables. Returns the prompt text.
+        template variables. Returns the prompt text, or with tokenize=True
+        its token ids (unlike transformers, tokenize defaults to False).
+
+        Tokenized, message contents are plain text: "<|im_end|>" typed in a
+        content is the tokens of those characters, and only the template's
+        own markers are control tokens (C: kvc_chat_tokenize);
+        parse_special_content=True tokenizes the prompt as one string, as
+        ``encode(prompt)`` does. A content holding control-token text must
+        appear in the prompt as given (or stripped of surrounding
+        whitespace); a template that otherwise changes it raises
+        UnsupportedError. add_bos prepends BOS (templates usually write it).
         See :func:`render_chat_template` for what values may hold."""
-        return render_chat_template(template, messages, add_generation_prompt, self, tools=tools,
+        if not tokenize:
+            return render_chat_template(template, messages, add_generation_prompt, self,
+                                        tools=tools, documents=documents, **kwargs)
+        msgs = list(messages)
+        if (tools is None and documents is None and not kwargs
+                and all(map(_plain_message, msgs))):
+            tmpl = _c_string(template, "template")
+            arr, keep = _message_array(msgs)
+            agp, bos, ps = (1 if add_generation_prompt else 0), (1 if add_bos else 0), \
+                (1 if parse_special_content else 0)
+            n = _i64()
+            st = _chat_tokenize(self._ptr(), tmpl, arr, len(msgs), agp, bos, ps, None, 0,
+                                ctypes.byref(n))
+            if st != STATUS_NO_SPACE:
+                _lib.check(st)
+            out = (_i32 * max(n.value, 1))()
+            _lib.check(_chat_tokenize(self._ptr(), tmpl, arr, len(msgs), agp, bos, ps, out,
+                                      n.value, ctypes.byref(n)))
+            return out[: n.value]
+        text = render_chat_template(template, msgs, add_generation_prompt, self, tools=tools,
                                     documents=documents, **kwargs)
+        if parse_special_content:
+            return self.encode(text, add_bos=add_bos)
+        spans = self._content_spans(text, template, msgs, add_generation_prompt, tools,
+                                    documents, kwargs)
+        data = _text_bytes(text)
+        sp = (_size * max(2 * len(spans), 1))(*[x for ab in spans for x in ab])
+        cap = len(data) + 1
+        out = (_i32 * cap)()
+        n = _i64()
+        _lib.check(_tokenize_spans(self._ptr(), data, len(data), 1 if add_bos else 0, sp,
+                                   len(spans), out, cap, ctypes.byref(n)))
+        return out[: n.value]
+
+    def _content_spans(self, text, template, msgs, agp, tools, documents, kwargs):
+        """Byte spans of the prompt where string contents with control-token
+        text stand: kvc_chat_tokenize's placeholder method for the JSON path."""
+        def special(c):
+            return isinstance(c, str) and self.encode(c) != self.encode(c, parse_special=False)
+
+        marked = [i for i, m in enumerate(msgs)
+                  if isinstance(m, Mapping) and special(m.get("content"))]
+        if not marked:
+            return []
+        real = _text_bytes(text)
+        mark = next((chr(cp) for cp in range(0xE000, 0xE100)
+                     if chr(cp) not in text and all(chr(cp) not in str(m.get("content"))
+                                                    for m in msgs if isinstance(m, Mapping))),
+                    None)
+        if mark is None:
+            raise UnsupportedError("apply_chat_template: no free placeholder character")
+        ph = [dict(m) if isinstance(m, Mapping) else m for m in msgs]
+        cores = {}
+        for i in marked:
+            c = msgs[i]["content"]
+            core = c.strip(" \t\n\r\v\f")
+            lead = c[: len(c) - len(c.lstrip(" \t\n\r\v\f"))]
+            trail = c[len(lead) + len(core):]
+            ph[i]["content"] = f"{lead}{mark}{i}{mark}{trail}"
+            cores[i] = _text_bytes(core)
+        q = render_chat_template(template, ph, agp, self, tools=tools, documents=documents,
+                                 **kwargs)
+        parts = q.split(mark)
+        rebuilt, spans, pos = [], [], 0
+        ok = len(parts) % 2 == 1
+        for k, part in enumerate(parts if ok else []):
+            if k % 2 == 1:
+                if not part.isdigit() or int(part) not in cores:
+                    ok = False
+                    break
+                core = cores[int(part)]
+                spans.append((pos, pos + len(core)))
+                rebuilt.append(core)
+                pos += len(core)
+            else:
+                b = _text_bytes(part)
+                rebuilt.append(b)
+                pos += len(b)
+        if not ok or b"".join(rebuilt) != real:
+            raise UnsupportedError(
+                "apply_chat_template: a message content holds special-token text and the "
+                "template changes that content, so its place in the prompt is unknown: remove "
+                "the special-token text, or pass parse_special_content=True")
+        return spans
 
 
 _INT64 = 2**63
@@ -489,6 +587,19 @@ def _plain_message(m) -> bool:
                for v in m.values())
 
 
+def _message_array(msgs):
+    """(kvc_chat_message array, keep-alive list) for plain messages."""
+    arr = (_Message * max(len(msgs), 1))()
+    keep = []
+    for i, m in enumerate(msgs):
+        r = _c_string(m["role"], f"messages[{i}]['role']")
+        c = _c_string(m["content"], f"messages[{i}]['content']")
+        keep += [r, c]
+        arr[i].role = r
+        arr[i].content = c
+    return arr, keep
+
+
 def _render(fn, tokenizer, tmpl, *args):
     with tokenizer._using() if tokenizer is not None else contextlib.nullcontext():
         h = tokenizer._ptr() if tokenizer is not None else None
@@ -529,14 +640,7 @@ def render_chat_template(template, messages, add_generation_prompt=True, tokeniz
         raise InvalidArgumentError("no template given and no tokenizer to take one from")
     agp = 1 if add_generation_prompt else 0
     if tools is None and documents is None and not kwargs and all(map(_plain_message, msgs)):
-        arr = (_Message * max(len(msgs), 1))()
-        keep = []
-        for i, m in enumerate(msgs):
-            r = _c_string(m["role"], f"messages[{i}]['role']")
-            c = _c_string(m["content"], f"messages[{i}]['content']")
-            keep += [r, c]
-            arr[i].role = r
-            arr[i].content = c
+        arr, keep = _message_array(msgs)
         return _render(_apply_template, tokenizer, tmpl, arr, len(msgs), agp)
     for i, m in enumerate(msgs):
         if not isinstance(m, Mapping):

@@ -55,3 +55,55 @@ def test_utf8_stream_holds_incomplete_emoji():
     assert s.flush() == ""
     with pytest.raises(kvcache.InvalidArgumentError):
         s.feed("text")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    if not DEFAULT_MODEL.exists():
+        pytest.skip("the default model is absent (scripts/fetch_model.sh)")
+    t = kvcache.Tokenizer.from_gguf(DEFAULT_MODEL)
+    yield t
+    t.close()
+
+
+IM_END = 2  # SmolLM2's <|im_end|> (also its eos)
+
+
+@pytest.mark.parametrize("extra", [{}, {"date_string": "x"}])  # struct path, JSON path
+def test_chat_contents_are_plain_text(tok, extra):
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "a <|im_end|> b"}]
+    prompt = tok.apply_chat_template(msgs, **extra)
+    assert prompt == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\na <|im_end|> b"
+                      "<|im_end|>\n<|im_start|>assistant\n")
+    string_path = tok.encode(prompt)
+    assert string_path.count(IM_END) == 3  # the typed one became the control token
+    ids = tok.apply_chat_template(msgs, tokenize=True, **extra)
+    want = (tok.encode("<|im_start|>system\nS<|im_end|>\n<|im_start|>")
+            + tok.encode("user\na <|im_end|> b", parse_special=False)
+            + tok.encode("<|im_end|>\n<|im_start|>assistant\n"))
+    assert ids == want
+    assert ids.count(IM_END) == 2
+    assert tok.decode(ids) == prompt
+    assert tok.apply_chat_template(msgs, tokenize=True, parse_special_content=True,
+                                   **extra) == string_path
+    assert tok.apply_chat_template(msgs, tokenize=True, add_bos=True, **extra) == [tok.bos] + want
+    # without control text in contents: the string path's tokens
+    plain = [{"role": "user", "content": "plain <b>text</b> 42"}]
+    assert (tok.apply_chat_template(plain, tokenize=True, **extra)
+            == tok.encode(tok.apply_chat_template(plain, **extra)))
+
+
+def test_chat_contents_template_changes(tok):
+    trim = "{% for m in messages %}<|im_start|>{{ m.content | trim }}<|im_end|>{% endfor %}"
+    msgs = [{"role": "user", "content": " x<|im_end|>y\n"}]
+    want = tok.encode("<|im_start|>") + tok.encode("x<|im_end|>y", parse_special=False) + [IM_END]
+    assert tok.apply_chat_template(msgs, False, trim, tokenize=True) == want
+    assert tok.apply_chat_template(msgs, False, trim, tokenize=True, foo=1) == want  # JSON path
+    changes = ("{% for m in messages %}<|im_start|>{{ m.content | replace('x', 'z') }}<|im_end|>"
+             "{% endfor %}")
+    for kw in ({}, {"foo": 1}):
+        with pytest.raises(kvcache.UnsupportedError, match="parse_special_content"):
+            tok.apply_chat_template(msgs, False, changes, tokenize=True, **kw)
+        ids = tok.apply_chat_template(msgs, False, changes, tokenize=True,
+                                      parse_special_content=True, **kw)
+        assert ids.count(IM_END) == 2

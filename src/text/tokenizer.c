@@ -958,14 +958,44 @@ static int32_t match_special(const kvc_tokenizer *t, const unsigned char *s, siz
     return -1;
 }
 
-kvc_status kvc_tokenize(const kvc_tokenizer *t, const char *text, size_t len, int add_bos,
-                        int parse_special, int32_t *tokens, int64_t cap, int64_t *n_tokens) {
-    KVC_CHECK(t != NULL, "kvc_tokenize: tokenizer is NULL");
-    KVC_CHECK(n_tokens != NULL, "kvc_tokenize: n_tokens is NULL");
-    KVC_CHECK(text != NULL || len == 0, "kvc_tokenize: text is NULL");
-    KVC_CHECK(cap >= 0, "kvc_tokenize: cap is %lld", (long long)cap);
-    KVC_CHECK(tokens != NULL || cap == 0, "kvc_tokenize: tokens is NULL with cap %lld",
-              (long long)cap);
+int kvc__has_control_text(const kvc_tokenizer *t, const char *text, size_t len) {
+    const unsigned char *s = (const unsigned char *)text;
+    for (size_t pos = 0; pos < len; pos++) {
+        const int32_t id = match_special(t, s, pos, len, 1);
+        if (id >= 0 && t->types[id] == KVC_TOKEN_CONTROL) return 1;
+    }
+    return 0;
+}
+
+/* The CONTROL token at s[pos] allowed where it stands: not overlapping a
+ * plain span (spans sorted; *k the first span not ending before pos). */
+static int32_t match_outside(const kvc_tokenizer *t, const unsigned char *s, size_t pos,
+                             size_t len, int parse_special, const size_t *spans, int64_t n_spans,
+                             int64_t *k) {
+    while (*k < n_spans && spans[2 * *k + 1] <= pos) (*k)++;
+    const int in_span = *k < n_spans && spans[2 * *k] <= pos;
+    int32_t id = match_special(t, s, pos, len, parse_special && !in_span);
+    if (id >= 0 && t->types[id] == KVC_TOKEN_CONTROL && *k < n_spans &&
+        spans[2 * *k] < pos + tok_len(t, id))
+        id = match_special(t, s, pos, len, 0); /* it would reach into the span */
+    return id;
+}
+
+static kvc_status tokenize(const char *fn, const kvc_tokenizer *t, const char *text, size_t len,
+                           int add_bos, int parse_special, const size_t *spans, int64_t n_spans,
+                           int32_t *tokens, int64_t cap, int64_t *n_tokens) {
+    KVC_CHECK(t != NULL, "%s: tokenizer is NULL", fn);
+    KVC_CHECK(n_tokens != NULL, "%s: n_tokens is NULL", fn);
+    KVC_CHECK(text != NULL || len == 0, "%s: text is NULL", fn);
+    KVC_CHECK(cap >= 0, "%s: cap is %lld", fn, (long long)cap);
+    KVC_CHECK(tokens != NULL || cap == 0, "%s: tokens is NULL with cap %lld", fn, (long long)cap);
+    KVC_CHECK(n_spans >= 0 && (spans != NULL || n_spans == 0), "%s: %lld spans at %p", fn,
+              (long long)n_spans, (const void *)spans);
+    for (int64_t i = 0; i < n_spans; i++)
+        KVC_CHECK(spans[2 * i] <= spans[2 * i + 1] && spans[2 * i + 1] <= len &&
+                      (i == 0 || spans[2 * i - 1] <= spans[2 * i]),
+                  "%s: span %lld [%zu, %zu) is not sorted, disjoint and within the %zu bytes",
+                  fn, (long long)i, spans[2 * i], spans[2 * i + 1], len);
     encoder e;
     memset(&e, 0, sizeof e);
     e.t = t;
@@ -973,8 +1003,10 @@ kvc_status kvc_tokenize(const kvc_tokenizer *t, const char *text, size_t len, in
     kvc_status st = KVC_OK;
     if (add_bos && t->bos >= 0) st = emit(&e, t->bos);
     size_t seg = 0;
+    int64_t k = 0;
     for (size_t pos = 0; st == KVC_OK && pos < len;) {
-        int32_t id = match_special(t, s, pos, len, parse_special);
+        int32_t id = n_spans ? match_outside(t, s, pos, len, parse_special, spans, n_spans, &k)
+                             : match_special(t, s, pos, len, parse_special);
         if (id < 0) {
             pos++;
             continue;
@@ -988,7 +1020,7 @@ kvc_status kvc_tokenize(const kvc_tokenizer *t, const char *text, size_t len, in
     if (st == KVC_OK) {
         *n_tokens = e.n;
         if (e.n > cap)
-            st = kvc__error(KVC_ERR_NO_SPACE, "kvc_tokenize: the text is %lld tokens, cap is %lld",
+            st = kvc__error(KVC_ERR_NO_SPACE, "%s: the text is %lld tokens, cap is %lld", fn,
                             (long long)e.n, (long long)cap);
         else if (e.n)
             memcpy(tokens, e.ids, (size_t)e.n * sizeof *tokens);
@@ -998,6 +1030,19 @@ kvc_status kvc_tokenize(const kvc_tokenizer *t, const char *text, size_t len, in
     free(e.heap);
     free(e.mapped);
     return st;
+}
+
+kvc_status kvc_tokenize(const kvc_tokenizer *t, const char *text, size_t len, int add_bos,
+                        int parse_special, int32_t *tokens, int64_t cap, int64_t *n_tokens) {
+    return tokenize("kvc_tokenize", t, text, len, add_bos, parse_special, NULL, 0, tokens, cap,
+                    n_tokens);
+}
+
+kvc_status kvc_tokenize_spans(const kvc_tokenizer *t, const char *text, size_t len, int add_bos,
+                              const size_t *plain_spans, int64_t n_spans, int32_t *tokens,
+                              int64_t cap, int64_t *n_tokens) {
+    return tokenize("kvc_tokenize_spans", t, text, len, add_bos, 1, plain_spans, n_spans, tokens,
+                    cap, n_tokens);
 }
 
 /* ---- decoding --------------------------------------------------------------- */

@@ -13,6 +13,9 @@ const char *kvc__tokenizer_chat_template(const kvc_tokenizer *t, size_t *len);
  * id is out of range. Valid while t lives. */
 const char *kvc__tokenizer_piece(const kvc_tokenizer *t, int32_t id, size_t *len);
 
+/* 1 if text holds the text of a CONTROL token (what parse_special changes). */
+int kvc__has_control_text(const kvc_tokenizer *t, const char *text, size_t len);
+
 /* Splits text[0..len) (no special tokens) with the pre-tokenizer named pre
  * and writes the end offset of every piece into ends (at most cap; *n the
  * full count, KVC_ERR_NO_SPACE if more). For tests of the scanners. */

@@ -47,7 +47,7 @@ static void load_progress(float f, void *user) {
 int cmd_run(int argc, char **argv) {
     const char *cmd = "run";
     const char *model_path = cli_default_model(), *prompt = NULL, *system = NULL;
-    int chat = 0, quiet = 0, ignore_eos = 0, kv_dtype = KVC_F16;
+    int chat = 0, special = 0, quiet = 0, ignore_eos = 0, kv_dtype = KVC_F16;
     int64_t n_predict = 128, threads = cli_online_cpus(), top_k = 40;
     uint64_t seed = 0;
     double temp = 0.0, top_p = 0.95;
@@ -74,6 +74,8 @@ int cmd_run(int argc, char **argv) {
             system = v;
         } else if (!strcmp(a, "--chat")) {
             chat = 1;
+        } else if (!strcmp(a, "--special")) {
+            special = 1;
         } else if (!strcmp(a, "--ignore-eos")) {
             ignore_eos = 1;
         } else if (!strcmp(a, "-q") || !strcmp(a, "--quiet")) {
@@ -132,30 +134,23 @@ int cmd_run(int argc, char **argv) {
     const double t_load = bench_now() - t0;
     const kvc_tokenizer *tok = kvc_model_tokenizer(model);
     int rc = CLI_EXIT_FAIL;
-    char *text = NULL;
     int32_t *ids = NULL;
     kvc_engine *eng = NULL;
-    size_t tlen = strlen(prompt);
-    if (chat) {
-        kvc_chat_message msgs[2];
-        int nm = 0;
-        if (system) msgs[nm++] = (kvc_chat_message){"system", system};
-        msgs[nm++] = (kvc_chat_message){"user", prompt};
-        size_t need = 0;
-        kvc_status st = kvc_chat_apply_template(tok, NULL, msgs, nm, 1, NULL, 0, &need);
-        if (st != KVC_OK && st != KVC_ERR_NO_SPACE) goto fail;
-        text = malloc(need + 1);
-        if (!text || kvc_chat_apply_template(tok, NULL, msgs, nm, 1, text, need, &need) != KVC_OK)
-            goto fail;
-        tlen = need;
-    }
-    const char *src = chat ? text : prompt;
+    const size_t tlen = strlen(prompt);
+    kvc_chat_message msgs[2];
+    int nm = 0;
+    if (system) msgs[nm++] = (kvc_chat_message){"system", system};
+    msgs[nm++] = (kvc_chat_message){"user", prompt};
     int64_t n_ids = 0;
     const int add_bos = kvc_tokenizer_add_bos(tok);
-    kvc_status st = kvc_tokenize(tok, src, tlen, add_bos, chat, NULL, 0, &n_ids);
+    /* with --chat, the messages are plain text unless --special: only the
+     * template's own markers become control tokens */
+#define TOKENIZE(out, cap)                                                                             (chat ? kvc_chat_tokenize(tok, NULL, msgs, nm, 1, add_bos, special, out, cap, &n_ids)                   : kvc_tokenize(tok, prompt, tlen, add_bos, special, out, cap, &n_ids))
+    kvc_status st = TOKENIZE(NULL, 0);
     if (st != KVC_OK && st != KVC_ERR_NO_SPACE) goto fail;
     ids = malloc((size_t)(n_ids > 0 ? n_ids : 1) * sizeof(int32_t));
-    if (!ids || kvc_tokenize(tok, src, tlen, add_bos, chat, ids, n_ids, &n_ids) != KVC_OK) goto fail;
+    if (!ids || TOKENIZE(ids, n_ids) != KVC_OK) goto fail;
+#undef TOKENIZE
     if (n_ids == 0) {
         fprintf(stderr, "kvcache: run: the prompt has no tokens\n");
         goto done;
@@ -232,7 +227,6 @@ fail:
 done:
     kvc_engine_destroy(eng);
     free(ids);
-    free(text);
     kvc_model_destroy(model);
     return rc;
 }
