@@ -625,6 +625,68 @@ TEST(tiny_engine_failed_step_rolls_back_running_requests) {
     return 0;
 }
 
+/* One context limit (n_ctx_train 256 for the tiny model unless overridden)
+ * for eval, forward and engine admission, named in the error. */
+TEST(tiny_context_limit) {
+    NEED_TINY(m);
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    ASSERT_EQ_I64(in.n_ctx_train, 256);
+    ASSERT_EQ_I64(in.n_ctx, 256);
+    enum { N = 300 };
+    int32_t tok[N];
+    for (int i = 0; i < N; i++) tok[i] = (5 * i + 1) % in.n_vocab;
+    float *lg = malloc(sizeof(float) * N * (size_t)in.n_vocab);
+    ASSERT_TRUE(lg != NULL);
+    lg[0] = 7.0f;
+    ASSERT_STATUS(kvc_model_eval(m, tok, 257, -1, KVC_F32, lg, 1), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "past the context limit of 256 tokens");
+    ASSERT_STR_CONTAINS(kvc_last_error(), "kvc_model_params.n_ctx");
+    ASSERT_TRUE(lg[0] == 7.0f);
+    ASSERT_OK(kvc_model_eval(m, tok, 256, -1, KVC_F32, lg, 1));
+    /* the engine refuses a request past it at admission */
+    kvc_engine *e = NULL;
+    ASSERT_OK(kvc_engine_create(m, NULL, &e));
+    int64_t rid;
+    ASSERT_STATUS(kvc_engine_add_request(e, tok, 250, 7, NULL, 0, &rid), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "prompt + max_new_tokens is 257 tokens");
+    ASSERT_EQ_I64(kvc_engine_pending(e), 0);
+    ASSERT_OK(kvc_engine_add_request(e, tok, 250, 6, NULL, 0, &rid));
+    kvc_engine_destroy(e);
+    /* forward: positions past the limit */
+    kvc_cache_params cp = kvc_model_cache_params(m, KVC_F32, 512);
+    kvc_cache *c = NULL;
+    ASSERT_OK(kvc_cache_create(&cp, &c));
+    kvc_seq_id seq;
+    ASSERT_OK(kvc_cache_add_sequence(c, NULL, 257, 0, &seq, NULL));
+    kvc_model_ctx *ctx = NULL;
+    ASSERT_OK(kvc_model_ctx_create(m, 1, &ctx));
+    const int64_t pos0 = 250, n1 = 7;
+    ASSERT_STATUS(kvc_model_forward(ctx, c, 1, &seq, &pos0, &n1, NULL, tok, NULL, lg),
+                  KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "a sequence reaches 257 tokens");
+    kvc_model_ctx_destroy(ctx);
+    kvc_cache_destroy(c);
+    kvc_model_destroy(m);
+    /* an explicit override, larger and smaller */
+    kvc_model_params p = kvc_model_default_params();
+    p.n_ctx = 300;
+    ASSERT_OK(kvc_model_load(getenv("KVC_TINY_GGUF"), &p, &m));
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    ASSERT_EQ_I64(in.n_ctx, 300);
+    ASSERT_OK(kvc_model_eval(m, tok, 300, -1, KVC_F32, lg, 1));
+    kvc_model_destroy(m);
+    p.n_ctx = 8;
+    ASSERT_OK(kvc_model_load(getenv("KVC_TINY_GGUF"), &p, &m));
+    ASSERT_STATUS(kvc_model_eval(m, tok, 9, -1, KVC_F32, lg, 1), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "context limit of 8 tokens (the model's n_ctx_train is 256");
+    kvc_model_destroy(m);
+    p.n_ctx = -1;
+    ASSERT_STATUS(kvc_model_load(getenv("KVC_TINY_GGUF"), &p, &m), KVC_ERR_INVALID_ARG);
+    free(lg);
+    return 0;
+}
+
 TEST(tiny_engine_errors_and_cancel) {
     NEED_TINY(m);
     kvc_engine_params ep = kvc_engine_default_params();
@@ -928,6 +990,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(tiny_engine_failed_forward_leaves_no_page_findable),
     TEST_ENTRY(tiny_engine_failed_step_rolls_back_running_requests),
     TEST_ENTRY(tiny_engine_errors_and_cancel),
+    TEST_ENTRY(tiny_context_limit),
     TEST_ENTRY(tiny_forward_out_of_memory_writes_nothing),
     TEST_ENTRY(tiny_engine_out_of_memory_changes_nothing),
     {0, 0},

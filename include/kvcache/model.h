@@ -61,6 +61,13 @@ typedef struct kvc_model_params {
     kvc_progress_fn progress; /* NULL: silent */
     void *progress_user;
     int32_t prefault; /* 1: touch every weight page at load (default 1) */
+    /* Context limit in tokens (positions per sequence) for eval, forward and
+     * engine requests: 0 (default) = the model's n_ctx_train (its GGUF
+     * context_length), past which RoPE positions were never trained; > 0
+     * overrides it, larger or smaller. Past the limit calls fail with
+     * KVC_ERR_INVALID_ARG naming it (the CLI's -c/--ctx-size, Python's
+     * Model(path, n_ctx=...)). */
+    int32_t n_ctx;
 } kvc_model_params;
 
 KVC_API kvc_model_params kvc_model_default_params(void);
@@ -88,6 +95,7 @@ typedef struct kvc_model_info {
     float rope_scale;     /* linear rope scaling: positions divided by it (1: none) */
     int32_t rope_freq_factors; /* 1: rope_freqs.weight divides each frequency (Llama 3.1+) */
     int32_t biases;       /* KVC_MODEL_BIAS_* of the bias vectors any block has */
+    int32_t n_ctx;        /* the context limit in force (kvc_model_params.n_ctx) */
 } kvc_model_info;
 
 /* Maps a GGUF file, checks every tensor the architecture needs (names,
@@ -126,6 +134,8 @@ KVC_API kvc_cache_params kvc_model_cache_params(const kvc_model *model, kvc_dtyp
  *                NULL: every row through prefill.
  *   want_logits  (sum n) uint8 or NULL (= the last row of each sequence)
  *   logits       (rows wanted, n_vocab) float32, in row order
+ * Positions must stay below the context limit (kvc_model_params.n_ctx):
+ * pos0[s] + n[s] <= n_ctx, else KVC_ERR_INVALID_ARG.
  * A context holds the step's scratch (grown as needed, reused across steps).
  * KVC_ERR_CORRUPT if a layer's queries, keys or values are not finite (NaN
  * or Inf weights): earlier layers' K/V are then written, later ones not, so
@@ -147,7 +157,8 @@ KVC_API kvc_status kvc_model_forward(kvc_model_ctx *ctx, kvc_cache *cache, int32
 
 /* Convenience: the logits of every position of one token sequence, computed
  * in one step in a fresh cache of kv_dtype (decode_from as in
- * kvc_model_forward; < 0 for none). logits (n_tokens, n_vocab). */
+ * kvc_model_forward; < 0 for none). logits (n_tokens, n_vocab).
+ * KVC_ERR_INVALID_ARG if n_tokens exceeds the context limit (n_ctx). */
 KVC_API kvc_status kvc_model_eval(const kvc_model *model, const int32_t *tokens, int64_t n_tokens,
                                   int64_t decode_from, kvc_dtype kv_dtype, float *logits,
                                   int32_t n_threads);
@@ -191,7 +202,9 @@ KVC_API kvc_status kvc_engine_create(const kvc_model *model, const kvc_engine_pa
 KVC_API void kvc_engine_destroy(kvc_engine *engine); /* NULL is a no-op */
 
 /* Queues a request: prompt tokens (copied), up to max_new_tokens generated
- * tokens, stopping early at an end-of-generation token unless ignore_eos. */
+ * tokens, stopping early at an end-of-generation token unless ignore_eos.
+ * KVC_ERR_INVALID_ARG if n_prompt + max_new_tokens exceeds the model's
+ * context limit (kvc_model_params.n_ctx) or the cache's capacity. */
 KVC_API kvc_status kvc_engine_add_request(kvc_engine *engine, const int32_t *prompt,
                                           int64_t n_prompt, int32_t max_new_tokens,
                                           const kvc_sampling_params *sampling, int32_t ignore_eos,

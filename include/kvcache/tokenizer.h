@@ -124,6 +124,11 @@ KVC_API int32_t kvc_tokenizer_eot(const kvc_tokenizer *t);
  * range ids included. */
 KVC_API int kvc_tokenizer_is_eog(const kvc_tokenizer *t, int32_t id);
 
+/* The kvc_token_type of id, -1 for an id outside [0, n_vocab). Decoders
+ * skip KVC_TOKEN_CONTROL tokens (bos, eos, <|im_end|>, ...) for
+ * transformers' skip_special_tokens. */
+KVC_API int32_t kvc_tokenizer_token_type(const kvc_tokenizer *t, int32_t id);
+
 /*
  * Encodes len bytes of UTF-8 text (invalid UTF-8 is encoded byte by byte,
  * never rejected; text may be NULL when len is 0). add_bos: prepend BOS

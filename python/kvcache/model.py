@@ -34,7 +34,7 @@ _i64 = ctypes.c_int64
 
 
 class ModelParams(ctypes.Structure):
-    _fields_ = [("progress", _vp), ("progress_user", _vp), ("prefault", _i32)]
+    _fields_ = [("progress", _vp), ("progress_user", _vp), ("prefault", _i32), ("n_ctx", _i32)]
 
 
 class ModelInfo(ctypes.Structure):
@@ -50,6 +50,7 @@ class ModelInfo(ctypes.Structure):
         ("weight_bytes", ctypes.c_size_t),
         ("rope_neox", _i32), ("rope_scale", ctypes.c_float), ("rope_freq_factors", _i32),
         ("biases", _i32),
+        ("n_ctx", _i32),
     ]
 
 
@@ -163,16 +164,25 @@ class Model(_lib.NoCopy):
     """A GGUF model (llama or qwen2 architecture) mapped read-only.
 
     Attributes: ``info`` (dict of kvc_model_info: the architecture's sizes,
-    rope variant and scaling, bias bits), ``n_vocab``.
+    rope variant and scaling, bias bits), ``n_vocab``, ``n_ctx``.
+    n_ctx: the context limit in tokens for eval, forward, generate and
+    engine requests; None (default) is the model's trained context
+    (``info["n_ctx_train"]``), past which RoPE positions were never trained.
+    Longer sequences raise InvalidArgumentError naming the limit.
     Threads: any number may call eval/forward/generate and use Engines and
     the tokenizer of one model at once; close() waits for the calls running
     in other threads, and later calls raise.
     """
 
-    def __init__(self, path):
+    def __init__(self, path, *, n_ctx=None):
         self._ptr = None
         self._life = _lib.Lifetime("the model")
         p = kvc_model_default_params()
+        if n_ctx is not None:
+            p.n_ctx = _lib.int32_attr(n_ctx, "n_ctx")
+            if p.n_ctx < 1:
+                raise InvalidArgumentError(f"n_ctx must be >= 1 (None: the model's own), got "
+                                           f"{n_ctx}")
         h = _vp()
         _lib.check(kvc_model_load(os.fsencode(path), ctypes.byref(p), ctypes.byref(h)))
         self._ptr = h.value
@@ -184,6 +194,7 @@ class Model(_lib.NoCopy):
         self.info["arch"] = info.arch.decode()
         self.info["name"] = info.name.decode(errors="replace")
         self.n_vocab = info.n_vocab
+        self.n_ctx = info.n_ctx
         self.path = os.fspath(path)
 
     def close(self):
@@ -235,7 +246,8 @@ class Model(_lib.NoCopy):
         """Logits (n, n_vocab) float32 of every position of one token
         sequence, computed in one step through a fresh cache: one prefill, or
         with decode_from=p, prefill for positions < p and the decode kernel
-        for the rest (as the engine computes generated tokens)."""
+        for the rest (as the engine computes generated tokens). At most
+        ``n_ctx`` tokens (InvalidArgumentError past it)."""
         t = _lib.int32_array(tokens, "tokens")  # refuses non-integers and out-of-range ids
         if t.ndim != 1:
             raise InvalidArgumentError("tokens must be 1-D")
@@ -317,18 +329,31 @@ class Model(_lib.NoCopy):
         return out
 
     def generate(self, prompts, max_new_tokens=32, *, kv_dtype="float16", num_threads=None,
-                 temperature=0.0, top_k=0, top_p=1.0, seed=0, ignore_eos=False, **engine_kw):
+                 temperature=0.0, top_k=0, top_p=1.0, seed=0, ignore_eos=False,
+                 return_text=False, skip_special_tokens=True, **engine_kw):
         """Generates for each prompt (list of token-id lists) through one
-        continuous-batching engine; returns the generated token lists."""
+        continuous-batching engine.
+
+        Returns the generated token lists; as transformers' generate, a
+        request that stopped at an end-of-generation token (eos,
+        <|im_end|>, ...) ends with it. return_text=True returns the decoded
+        text instead (invalid UTF-8 replaced), with control tokens such as
+        that <|im_end|> left out unless skip_special_tokens=False; the same
+        as ``tokenizer.decode(ids, skip_special_tokens=True)``.
+        prompt + max_new_tokens must fit the context limit (``n_ctx``)."""
         eng = Engine(self, kv_dtype=kv_dtype, num_threads=num_threads, **engine_kw)
         try:
             ids = [eng.add_request(p, max_new_tokens, temperature=temperature, top_k=top_k,
                                    top_p=top_p, seed=seed, ignore_eos=ignore_eos)
                    for p in prompts]
             out = eng.run()
-            return [out[i] for i in ids]
+            res = [out[i] for i in ids]
         finally:
             eng.close()
+        if not return_text:
+            return res
+        tok = self.tokenizer
+        return [tok.decode(r, skip_special_tokens=skip_special_tokens) for r in res]
 
 
 class Engine(_lib.NoCopy):

@@ -88,6 +88,7 @@ _bos = _p("kvc_tokenizer_bos", _i32, _vp)
 _eos = _p("kvc_tokenizer_eos", _i32, _vp)
 _eot = _p("kvc_tokenizer_eot", _i32, _vp)
 _is_eog = _p("kvc_tokenizer_is_eog", _c_int, _vp, _i32)
+_token_type = _p("kvc_tokenizer_token_type", _i32, _vp, _i32)
 _tokenize = _p("kvc_tokenize", _c_int, _vp, ctypes.c_char_p, _size, _c_int, _c_int,
                ctypes.POINTER(_i32), _i64, ctypes.POINTER(_i64))
 _token_to_piece = _p("kvc_token_to_piece", _c_int, _vp, _i32, ctypes.c_char_p, _size,
@@ -376,9 +377,23 @@ class Tokenizer(_lib.NoCopy):
         return (_i32 * max(len(seq), 1))(*seq), len(seq)
 
     @_in_use
-    def decode_bytes(self, ids) -> bytes:
-        """Concatenated raw bytes of the tokens."""
+    def token_type(self, token_id: int) -> int:
+        """kvc_token_type of a token (TOKEN_CONTROL, TOKEN_NORMAL, ...)."""
+        tid = _id(token_id, "token_id")
+        t = _token_type(self._ptr(), tid) if -(2**31) <= tid <= _INT32_MAX else -1
+        if t < 0:
+            raise InvalidArgumentError(f"token id {tid} is outside [0, {self.n_vocab})")
+        return t
+
+    @_in_use
+    def decode_bytes(self, ids, skip_special_tokens: bool = False) -> bytes:
+        """Concatenated raw bytes of the tokens; skip_special_tokens leaves
+        out control tokens (bos, eos, <|im_start|>, <|im_end|>, ...) as
+        transformers' decode does."""
         arr, n = self._ids(ids)
+        if skip_special_tokens:
+            keep = [x for x in arr[:n] if _token_type(self._ptr(), x) != TOKEN_CONTROL]
+            arr, n = (_i32 * max(len(keep), 1))(*keep), len(keep)
         need = _size()
         cap = 64 * n + 64
         for _ in range(2):
@@ -392,9 +407,12 @@ class Tokenizer(_lib.NoCopy):
         _lib.check(st)
         return b""  # not reached
 
-    def decode(self, ids, errors: str = "replace") -> str:
-        """Text of the tokens; invalid UTF-8 handled by errors (as bytes.decode)."""
-        return self.decode_bytes(ids).decode("utf-8", errors)
+    def decode(self, ids, errors: str = "replace", skip_special_tokens: bool = False) -> str:
+        """Text of the tokens; invalid UTF-8 handled by errors (as
+        bytes.decode); skip_special_tokens=True leaves out control tokens
+        (e.g. the <|im_end|> that ends a generated reply), as transformers'
+        decode does."""
+        return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors)
 
     @_in_use
     def token_to_bytes(self, token_id: int) -> bytes:

@@ -107,3 +107,65 @@ def test_chat_contents_template_changes(tok):
         ids = tok.apply_chat_template(msgs, False, changes, tokenize=True,
                                       parse_special_content=True, **kw)
         assert ids.count(IM_END) == 2
+
+
+@pytest.fixture(scope="module")
+def model():
+    if not DEFAULT_MODEL.exists():
+        pytest.skip("the default model is absent (scripts/fetch_model.sh)")
+    m = kvcache.Model(DEFAULT_MODEL)
+    yield m
+    m.close()
+
+
+def test_context_limit_default_model(model):
+    assert model.n_ctx == model.info["n_ctx_train"] == 8192
+    with pytest.raises(kvcache.InvalidArgumentError, match="past the context limit of 8192"):
+        model.eval([1] * 8193)
+    eng = kvcache.Engine(model, kv_capacity_tokens=16384)
+    try:
+        with pytest.raises(kvcache.InvalidArgumentError,
+                           match=r"prompt \+ max_new_tokens is 9050 tokens.*n_ctx"):
+            eng.add_request([1] * 9000, 50)
+        assert eng.pending == 0
+    finally:
+        eng.close()
+    with pytest.raises(kvcache.InvalidArgumentError, match="context limit of 8192"):
+        model.generate([[1] * 8190], max_new_tokens=3)
+
+
+def test_context_limit_override(tmp_path):
+    from kvcache.gguf_writer import write_tiny_llama
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, n_ctx=32)
+    with kvcache.Model(path) as m:
+        assert m.n_ctx == 32
+        m.eval(list(range(3, 35)))
+        with pytest.raises(kvcache.InvalidArgumentError, match="context limit of 32 tokens"):
+            m.eval(list(range(3, 36)))
+        with pytest.raises(kvcache.InvalidArgumentError, match="context limit of 32 tokens"):
+            m.generate([list(range(3, 32))], max_new_tokens=4)
+    with kvcache.Model(path, n_ctx=40) as m:
+        assert m.n_ctx == 40 and m.info["n_ctx_train"] == 32
+        assert m.eval(list(range(3, 43))).shape[0] == 40
+        assert len(m.generate([list(range(3, 32))], max_new_tokens=4, ignore_eos=True)[0]) == 4
+    for bad in (0, -1, 2**31):
+        with pytest.raises(kvcache.InvalidArgumentError):
+            kvcache.Model(path, n_ctx=bad)
+
+
+def test_generate_skip_special_tokens(model, tok):
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Say hi."}], tokenize=True)
+    ids = model.generate([prompt], max_new_tokens=64)[0]
+    # ids keep the end-of-generation token, as transformers' generate does
+    assert ids[-1] == IM_END and tok.is_eog(ids[-1])
+    assert tok.decode(ids).endswith("<|im_end|>")
+    text = model.generate([prompt], max_new_tokens=64, return_text=True)[0]
+    assert text == tok.decode(ids[:-1]) and "<|im_end|>" not in text
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert model.generate([prompt], max_new_tokens=64, return_text=True,
+                          skip_special_tokens=False)[0] == tok.decode(ids)
+    assert tok.token_type(IM_END) == kvcache.tokenizer.TOKEN_CONTROL
+    with pytest.raises(kvcache.InvalidArgumentError):
+        tok.token_type(10**6)

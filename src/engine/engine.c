@@ -33,6 +33,7 @@
 
 #include "kvcache/model.h"
 #include "../core/internal.h"
+#include "../model/model_internal.h"
 
 typedef struct req {
     int64_t id;
@@ -189,6 +190,8 @@ kvc_status kvc_engine_add_request(kvc_engine *e, const int32_t *prompt, int64_t 
               "%s: engine, prompt and request_id must not be NULL", fn);
     KVC_CHECK(n_prompt >= 1, "%s: the prompt needs at least one token", fn);
     KVC_CHECK(max_new_tokens >= 1, "%s: max_new_tokens %d must be >= 1", fn, (int)max_new_tokens);
+    KVC_TRY(kvc__model_check_ctx(e->m, fn, "prompt + max_new_tokens is", /* no overflow */
+                                 n_prompt > INT32_MAX ? n_prompt : n_prompt + max_new_tokens));
     const int64_t cap = kvc_cache_capacity_tokens(e->cache);
     KVC_CHECK(n_prompt <= cap - max_new_tokens,
               "%s: prompt (%lld) + max_new_tokens (%d) exceeds the cache capacity of %lld tokens",

@@ -23,6 +23,7 @@
 #include "kvcache/paged.h"
 #include "kvcache/prefill.h"
 #include "../core/internal.h"
+#include "model_internal.h"
 #include "../paged/paged_internal.h"
 #include "gemm.h"
 #include "hparams.h"
@@ -328,16 +329,29 @@ kvc_status kvc_model_load(const char *path, const kvc_model_params *params, kvc_
     if (out) *out = NULL; /* what a failure leaves */
     KVC_CHECK(path != NULL && out != NULL, "kvc_model_load: path and out must not be NULL");
     kvc_model_params p = params ? *params : kvc_model_default_params();
+    KVC_CHECK(p.n_ctx >= 0, "kvc_model_load: n_ctx %d must be >= 0 (0: the model's own)",
+              (int)p.n_ctx);
     kvc_model *m = calloc(1, sizeof *m);
     if (!m) return kvc__error(KVC_ERR_NOMEM, "kvc_model_load: out of memory");
     kvc_status st = kvc_gguf_open(path, &m->g);
     if (st == KVC_OK) st = load_all(m, &p);
+    if (st == KVC_OK) m->info.n_ctx = p.n_ctx > 0 ? p.n_ctx : m->info.n_ctx_train;
     if (st != KVC_OK) {
         kvc_model_destroy(m);
         return st;
     }
     *out = m;
     return KVC_OK;
+}
+
+kvc_status kvc__model_check_ctx(const kvc_model *m, const char *fn, const char *what,
+                                int64_t n) {
+    if (n <= m->info.n_ctx) return KVC_OK;
+    return kvc__error(KVC_ERR_INVALID_ARG,
+                      "%s: %s %lld tokens, past the context limit of %d tokens (the model's "
+                      "n_ctx_train is %d; set another limit with kvc_model_params.n_ctx, "
+                      "Python Model(n_ctx=...), CLI -c)",
+                      fn, what, (long long)n, (int)m->info.n_ctx, (int)m->info.n_ctx_train);
 }
 
 kvc_status kvc_model_get_info(const kvc_model *m, kvc_model_info *out) {
@@ -596,6 +610,7 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
                   "%s: sequence %lld: %lld positions from %lld outside its %lld reserved slots",
                   fn, (long long)seqs[s], (long long)n[s], (long long)pos0[s], (long long)len);
         KVC_CHECK(pos0[s] + n[s] <= INT32_MAX, "%s: position overflow", fn);
+        KVC_TRY(kvc__model_check_ctx(m, fn, "a sequence reaches", pos0[s] + n[s]));
         N += n[s];
         if (n[s] > 0) n_active++;
         const int64_t d0 = decode_from && decode_from[s] >= 0 ? decode_from[s] : INT64_MAX;
@@ -784,6 +799,7 @@ kvc_status kvc_model_eval(const kvc_model *m, const int32_t *tokens, int64_t n_t
     KVC_CHECK(m != NULL && (tokens != NULL || n_tokens == 0) && (logits != NULL || n_tokens == 0),
               "%s: model, tokens and logits must not be NULL", fn);
     KVC_CHECK(n_tokens >= 0, "%s: n_tokens %lld < 0", fn, (long long)n_tokens);
+    KVC_TRY(kvc__model_check_ctx(m, fn, "the sequence has", n_tokens));
     if (n_tokens == 0) return KVC_OK;
     kvc_cache_params cp = kvc_model_cache_params(m, kv_dtype, n_tokens);
     cp.enable_prefix_caching = 0;

@@ -710,6 +710,10 @@ int32_t kvc_tokenizer_eos(const kvc_tokenizer *t) {
 int32_t kvc_tokenizer_eot(const kvc_tokenizer *t) {
     return t ? t->eot : -1;
 }
+int32_t kvc_tokenizer_token_type(const kvc_tokenizer *t, int32_t id) {
+    return t && id >= 0 && id < t->n_vocab ? t->types[id] : -1;
+}
+
 int kvc_tokenizer_is_eog(const kvc_tokenizer *t, int32_t id) {
     if (!t || id < 0) return 0;
     for (int i = 0; i < t->n_eog; i++)

@@ -26,7 +26,9 @@ static const char run_usage[] =
     "  --chat              apply the model's chat template (PROMPT is the user turn)\n"
     "  --system TEXT       system message for --chat\n"
     "  -n, --n-predict N   tokens to generate at most (default 128; lowered to fit the\n"
-    "                      model's context with the prompt)\n"
+    "                      context with the prompt)\n"
+    "  -c, --ctx-size N    context limit in tokens (default 0: the model's trained\n"
+    "                      context, e.g. 8192; past it RoPE positions were never trained)\n"
     "  --temp T            temperature, 0 = greedy (default 0)\n"
     "  --top-k K           top-k filter when sampling (default 40, 0 = off)\n"
     "  --top-p P           nucleus filter when sampling (default 0.95, 1 = off)\n"
@@ -48,7 +50,7 @@ int cmd_run(int argc, char **argv) {
     const char *cmd = "run";
     const char *model_path = cli_default_model(), *prompt = NULL, *system = NULL;
     int chat = 0, special = 0, quiet = 0, ignore_eos = 0, kv_dtype = KVC_F16;
-    int64_t n_predict = 128, threads = cli_online_cpus(), top_k = 40;
+    int64_t n_predict = 128, threads = cli_online_cpus(), top_k = 40, n_ctx = 0;
     uint64_t seed = 0;
     double temp = 0.0, top_p = 0.95;
     for (int i = 1; i < argc; i++) {
@@ -84,6 +86,10 @@ int cmd_run(int argc, char **argv) {
             NEED_VALUE();
             if (cli_parse_i64(v, 1, 1 << 20, &n_predict))
                 return cli_usage_error(cmd, "-n: expected an integer in [1, 1048576], got '%s'", v);
+        } else if (!strcmp(a, "-c") || !strcmp(a, "--ctx-size")) {
+            NEED_VALUE();
+            if (cli_parse_i64(v, 0, INT32_MAX, &n_ctx))
+                return cli_usage_error(cmd, "-c: expected an integer in [0, 2^31), got '%s'", v);
         } else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) {
             NEED_VALUE();
             if (cli_parse_i64(v, 1, 256, &threads))
@@ -121,6 +127,7 @@ int cmd_run(int argc, char **argv) {
     if (system && !chat) return cli_usage_error(cmd, "--system needs --chat");
 
     kvc_model_params mp = kvc_model_default_params();
+    mp.n_ctx = (int32_t)n_ctx;
     if (!quiet && isatty(2)) mp.progress = load_progress;
     kvc_model *model = NULL;
     double t0 = bench_now();
@@ -155,19 +162,20 @@ int cmd_run(int argc, char **argv) {
         fprintf(stderr, "kvcache: run: the prompt has no tokens\n");
         goto done;
     }
-    /* the model's trained context: past it RoPE positions it never saw */
+    /* the context limit (the model's trained context unless -c): the library
+     * refuses requests past it; -n is lowered to fit */
     kvc_model_info info;
     if (kvc_model_get_info(model, &info) != KVC_OK) goto fail;
-    if (n_ids >= info.n_ctx_train) {
-        fprintf(stderr, "kvcache: run: the prompt has %lld tokens; the model's context is %d\n",
-                (long long)n_ids, (int)info.n_ctx_train);
+    if (n_ids >= info.n_ctx) {
+        fprintf(stderr, "kvcache: run: the prompt has %lld tokens; the context is %d (-c to "
+                "change it)\n", (long long)n_ids, (int)info.n_ctx);
         goto done;
     }
-    if (n_ids + n_predict > info.n_ctx_train) {
-        n_predict = info.n_ctx_train - n_ids;
+    if (n_ids + n_predict > info.n_ctx) {
+        n_predict = info.n_ctx - n_ids;
         if (!quiet)
-            fprintf(stderr, "kvcache: run: -n lowered to %lld: the model's context is %d tokens\n",
-                    (long long)n_predict, (int)info.n_ctx_train);
+            fprintf(stderr, "kvcache: run: -n lowered to %lld: the context is %d tokens\n",
+                    (long long)n_predict, (int)info.n_ctx);
     }
     kvc_engine_params ep = kvc_engine_default_params();
     ep.n_threads = (int32_t)threads;
