@@ -241,11 +241,39 @@ TEST(chat_contents_templates) {
     return 0;
 }
 
+/* Run by ctest with KVC_ISA=Avx3 (c_text_isa_env_unknown): the library
+ * refuses it where it selects kernels, naming the valid values. */
+TEST(isa_env_unknown) {
+    const char *env = getenv("KVC_ISA");
+    if (!env || strcmp(env, "Avx3") != 0) SKIP("needs KVC_ISA=Avx3 (ctest c_text_isa_env_unknown)");
+    ASSERT_STATUS(kvc_isa_env_check(), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "KVC_ISA='Avx3' is not an ISA: expected scalar, avx2");
+    ASSERT_EQ_I64(kvc_get_isa(), KVC_ISA_SCALAR); /* kernels called anyway: the safe path */
+    kvc_cache_params cp = kvc_cache_default_params();
+    kvc_cache *c = (kvc_cache *)&cp;
+    ASSERT_STATUS(kvc_cache_create(&cp, &c), KVC_ERR_INVALID_ARG);
+    ASSERT_TRUE(c == NULL);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "KVC_ISA='Avx3'");
+    kvc_model *m = NULL;
+    ASSERT_STATUS(kvc_model_load("/nonexistent.gguf", NULL, &m), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "KVC_ISA='Avx3'");
+    int32_t indptr[2] = {0, 1}, idx[1] = {0}, last[1] = {1};
+    int64_t n1 = 1, n2 = 2;
+    kvc_tensor ti = kvc_tensor_make(indptr, KVC_I32, 1, &n2),
+               tx = kvc_tensor_make(idx, KVC_I32, 1, &n1), tl = kvc_tensor_make(last, KVC_I32, 1, &n1);
+    kvc_decode_plan *plan = NULL;
+    ASSERT_STATUS(kvc_decode_plan_create(&ti, &tx, &tl, 4, 2, 64, 16, 1, &plan),
+                  KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "KVC_ISA='Avx3'");
+    return 0;
+}
+
 const char *test_suite_name = "text";
 const test_case test_suite[] = {
     TEST_ENTRY(utf8_stream_cases),
     TEST_ENTRY(utf8_stream_holds_back),
     TEST_ENTRY(chat_contents_plain_text),
     TEST_ENTRY(chat_contents_templates),
+    TEST_ENTRY(isa_env_unknown),
     {0, 0},
 };

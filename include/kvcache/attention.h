@@ -66,6 +66,10 @@
 extern "C" {
 #endif
 
+/* Largest head_dim the attention operators (decode, prefill, cascade, pmx)
+ * take; past it they fail with KVC_ERR_UNSUPPORTED. */
+#define KVC_ATTN_MAX_HEAD_DIM 512
+
 typedef struct kvc_attn_params {
     float sm_scale;        /* 0: 1/sqrt(Dh) */
     float logits_soft_cap; /* > 0 enables cap * tanh(s / cap); tanh within 1.5 ulp,

@@ -141,9 +141,18 @@ typedef enum kvc_isa {
     KVC_ISA_COUNT
 } kvc_isa;
 
-/* The ISA kernels run with now. Chosen once from cpuid + xgetbv, capped by
- * the environment variable KVC_ISA=scalar|avx2|avx512|amx if set. */
+/* The ISA kernels run with now. Chosen once, at the first call that needs
+ * kernels, from cpuid + xgetbv, capped by the environment variable
+ * KVC_ISA=scalar|avx2|avx512|amx if set (any case: "AVX2" is avx2; a cap,
+ * so asking for more than the CPU has gives the best it has). Any other
+ * non-empty value is refused: kvc_isa_env_check() reports it, and
+ * kvc_model_load, kvc_cache_create and the plan constructors fail with it;
+ * kernels called anyway run the scalar path. */
 KVC_API kvc_isa kvc_get_isa(void);
+
+/* KVC_OK if KVC_ISA is unset, empty or an ISA name (any case), else
+ * KVC_ERR_INVALID_ARG with a message naming the value and the valid ones. */
+KVC_API kvc_status kvc_isa_env_check(void);
 
 /* Best ISA this CPU and OS support (ignores KVC_ISA). */
 KVC_API kvc_isa kvc_best_isa(void);

@@ -1,8 +1,9 @@
 """Library version and CPU ISA selection.
 
 The C library picks the best kernels the CPU supports (capped by the
-environment variable ``KVC_ISA``); :func:`set_isa` overrides that for tests
-and benchmarks. Storage kernels (copies, conversion, quantization) give
+environment variable ``KVC_ISA``, any case: ``AVX2`` is avx2; any other value
+makes ``import kvcache`` raise InvalidArgumentError naming the valid ones);
+:func:`set_isa` overrides that for tests and benchmarks. Storage kernels (copies, conversion, quantization) give
 bit-identical results on every ISA; attention agrees across ISAs to float32
 rounding (``docs/DESIGN.md``).
 """
@@ -16,6 +17,10 @@ __all__ = ["version", "version_number", "get_isa", "set_isa", "best_isa", "isa_s
            "supported_isas", "ISA_NAMES"]
 
 ISA_NAMES = _lib.ISA_NAMES
+
+_isa_env_check = _lib.optional_proto("kvc_isa_env_check", _lib.ctypes.c_int)
+if hasattr(_lib.lib, "kvc_isa_env_check"):  # a mistyped KVC_ISA: refused here, not ignored
+    _lib.check(_isa_env_check())
 
 
 def version() -> str:

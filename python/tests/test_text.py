@@ -169,3 +169,29 @@ def test_generate_skip_special_tokens(model, tok):
     assert tok.token_type(IM_END) == kvcache.tokenizer.TOKEN_CONTROL
     with pytest.raises(kvcache.InvalidArgumentError):
         tok.token_type(10**6)
+
+
+def _isa_in_subprocess(value):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KVC_ISA=value)
+    code = ("import kvcache\n"
+            "print(kvcache.get_isa(), kvcache.best_isa())\n")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_isa_env_any_case():
+    r = _isa_in_subprocess("AVX2")
+    assert r.returncode == 0, r.stderr
+    isa, best = r.stdout.split()
+    assert isa == ("avx2" if best != "scalar" else "scalar")
+
+
+def test_isa_env_unknown_is_refused():
+    r = _isa_in_subprocess("avx3")
+    assert r.returncode != 0
+    assert "KVC_ISA='avx3' is not an ISA: expected scalar, avx2, avx512 or amx" in r.stderr
+    assert "InvalidArgumentError" in r.stderr

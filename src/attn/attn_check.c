@@ -50,6 +50,7 @@ kvc_status kvc__attn_check_io(const char *fn, const kvc_tensor *q, const kvc_ten
 }
 
 kvc_status kvc__attn_check_heads(const char *fn, int64_t Hq, int64_t H, int64_t D) {
+    KVC_TRY(kvc_isa_env_check()); /* the attention calls pick their kernels next */
     KVC_CHECK(Hq >= 1 && H >= 1 && D >= 1, "%s: Hq %lld, H %lld and Dh %lld must be >= 1", fn,
               (long long)Hq, (long long)H, (long long)D);
     KVC_CHECK(Hq % H == 0, "%s: num_qo_heads %lld must be a multiple of num_kv_heads %lld", fn,

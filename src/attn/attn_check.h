@@ -22,7 +22,8 @@ kvc_status kvc__attn_check_shape(const char *fn, const char *name, const kvc_ten
 kvc_status kvc__attn_check_io(const char *fn, const kvc_tensor *q, const kvc_tensor *out,
                               const kvc_tensor *lse, int ndim, const int64_t *qshape);
 
-/* Hq, H, D >= 1, Hq % H == 0; D > KVC_ATTN_MAX_DIM is KVC_ERR_UNSUPPORTED. */
+/* Hq, H, D >= 1, Hq % H == 0; D > KVC_ATTN_MAX_DIM is KVC_ERR_UNSUPPORTED;
+ * an unknown KVC_ISA value is refused (kvc_isa_env_check). */
 kvc_status kvc__attn_check_heads(const char *fn, int64_t Hq, int64_t H, int64_t D);
 
 /* *out = *p (or the defaults), checked (sinks: Hq values, none NaN or

@@ -316,6 +316,7 @@ kvc_status kvc_mla_plan_create(const kvc_tensor *qo_indptr, const kvc_tensor *kv
     static const char fn[] = "kvc_mla_plan_create";
     KVC_CHECK(out != NULL, "%s: out is NULL", fn);
     *out = NULL; /* what a failure leaves */
+    KVC_TRY(kvc_isa_env_check());
     KVC_TRY(check_plan_args(fn, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale,
                             logits_soft_cap));
     KVC_TRY(kvc__paged_check_i32(fn, "kv_len_arr", kv_len_arr, -1));

@@ -213,6 +213,7 @@ kvc_status kvc_cache_create(const kvc_cache_params *params, kvc_cache **out) {
     static const char fn[] = "kvc_cache_create";
     if (out) *out = NULL; /* what a failure leaves */
     KVC_CHECK(params != NULL && out != NULL, "%s: params and out must not be NULL", fn);
+    KVC_TRY(kvc_isa_env_check());
     const kvc_cache_params *p = params;
     KVC_CHECK(p->num_layers >= 1, "%s: num_layers must be >= 1, got %d", fn, (int)p->num_layers);
     KVC_CHECK(p->num_kv_heads >= 1, "%s: num_kv_heads must be >= 1, got %d", fn,

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
+#include <strings.h> /* strcasecmp */
 
 #include "../core/internal.h"
 #include "kernels.h"
@@ -47,6 +48,7 @@ static kvc_isa detect(void) { return KVC_ISA_SCALAR; }
 #endif
 
 static kvc_isa g_best;
+static char g_env_bad[40]; /* an unknown KVC_ISA value (truncated), "" if none */
 static int64_t g_llc_bytes;
 static _Atomic(const kvc_kernels *) g_table;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
@@ -95,8 +97,16 @@ static void init_once(void) {
     const char *env = getenv("KVC_ISA");
     if (env && *env) {
         /* A cap, not a demand: asking for more than the CPU has gives the best it has. */
+        int known = 0;
         for (int i = 0; i < KVC_ISA_COUNT; i++)
-            if (strcmp(env, kvc_isa_name((kvc_isa)i)) == 0 && (kvc_isa)i < isa) isa = (kvc_isa)i;
+            if (strcasecmp(env, kvc_isa_name((kvc_isa)i)) == 0) {
+                known = 1;
+                if ((kvc_isa)i < isa) isa = (kvc_isa)i;
+            }
+        if (!known) { /* refused by kvc_isa_env_check; the safe path meanwhile */
+            snprintf(g_env_bad, sizeof g_env_bad, "%s", env);
+            isa = KVC_ISA_SCALAR;
+        }
     }
     atomic_store(&g_table, table_for(isa));
 }
@@ -117,6 +127,15 @@ void kvc__set_llc_bytes(int64_t bytes) {
 }
 
 kvc_isa kvc_get_isa(void) { return kvc__kernels()->isa; }
+
+kvc_status kvc_isa_env_check(void) {
+    pthread_once(&g_once, init_once);
+    if (!g_env_bad[0]) return KVC_OK;
+    return kvc__error(KVC_ERR_INVALID_ARG,
+                      "KVC_ISA='%s' is not an ISA: expected scalar, avx2, avx512 or amx (any "
+                      "case; a cap on the best this CPU has), or unset",
+                      g_env_bad);
+}
 
 kvc_isa kvc_best_isa(void) {
     pthread_once(&g_once, init_once);

@@ -12,10 +12,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kvcache/attention.h" /* KVC_ATTN_MAX_HEAD_DIM */
 #include "kvcache/core.h"
 
 /* Limits of one attn_decode call: head dimension (padded) and query heads. */
-#define KVC_ATTN_MAX_DIM 512
+#define KVC_ATTN_MAX_DIM KVC_ATTN_MAX_HEAD_DIM
 #define KVC_ATTN_MAX_G 16
 
 /*

@@ -328,6 +328,7 @@ static kvc_status load_all(kvc_model *m, const kvc_model_params *p) {
 kvc_status kvc_model_load(const char *path, const kvc_model_params *params, kvc_model **out) {
     if (out) *out = NULL; /* what a failure leaves */
     KVC_CHECK(path != NULL && out != NULL, "kvc_model_load: path and out must not be NULL");
+    KVC_TRY(kvc_isa_env_check());
     kvc_model_params p = params ? *params : kvc_model_default_params();
     KVC_CHECK(p.n_ctx >= 0, "kvc_model_load: n_ctx %d must be >= 0 (0: the model's own)",
               (int)p.n_ctx);

@@ -44,7 +44,8 @@ static const char bench_usage[] =
     "                    (default 2048; append: prefill tokens per request, 2048)\n"
     "  --heads N         KV heads H (default 8; attention, prefill and kernel: with\n"
     "                    4 query heads each; mla: query heads)\n"
-    "  --head-dim N      head dimension Dh, a multiple of 8 (default 128)\n"
+    "  --head-dim N      head dimension Dh, a multiple of 8 (default 128; attention and\n"
+    "                    prefill: at most 512, what the kernels take)\n"
     "  --group N|row     attention, kernel: int8/int4 quant group (default 32),\n"
     "                    dividing Dh; row: one scale per head row (group = Dh\n"
     "                    of each shape)\n"
@@ -259,6 +260,12 @@ int cmd_bench(int argc, char **argv) {
             return CLI_EXIT_USAGE;
         }
     }
+    /* what the attention operators take, before any case runs */
+    if ((!strcmp(target, "attention") || !strcmp(target, "prefill")) &&
+        o.head_dim > KVC_ATTN_MAX_HEAD_DIM)
+        return cli_usage_error(cmd, "bench %s: --head-dim %lld: the attention kernels take a "
+                               "multiple of 8 in [8, %d]", target, (long long)o.head_dim,
+                               KVC_ATTN_MAX_HEAD_DIM);
     /* options a target does not use are said, not silently dropped */
     const int grouped = !strcmp(target, "attention") || !strcmp(target, "kernel");
     if (o.group && !grouped)

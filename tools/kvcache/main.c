@@ -201,6 +201,11 @@ int main(int argc, char **argv) {
         fputs(usage_text, stderr);
         return CLI_EXIT_USAGE;
     }
+    /* a mistyped KVC_ISA would otherwise only show as the wrong kernels */
+    if (kvc_isa_env_check() != KVC_OK) {
+        fprintf(stderr, "kvcache: %s\n", kvc_last_error());
+        return CLI_EXIT_USAGE;
+    }
     int rc = run_command(argc - 1, argv + 1);
     /* A full disk or closed pipe on stdout must not pass silently. */
     if (fflush(stdout) != 0 && rc == CLI_EXIT_OK) {
