@@ -226,9 +226,11 @@ typedef struct kvc_chat_message {
  * differences from jinja2: docs/CHAT_TEMPLATES.md.
  * template_str NULL: the tokenizer's own template (tokenizer.chat_template;
  * KVC_ERR_NOT_FOUND if it has none); t may be NULL when template_str is
- * given. Output bytes are kvc_tokenize's input (parse_special on); *len the
- * full length, KVC_ERR_NO_SPACE (nothing written) if > cap. Errors, all
- * with the template line in the message:
+ * given. Output bytes are kvc_tokenize's input (parse_special on, which also
+ * makes control-token text inside message contents special: kvc_chat_tokenize
+ * keeps contents plain text); *len the full length, KVC_ERR_NO_SPACE
+ * (nothing written) if > cap. Errors, all with the template line in the
+ * message:
  *   KVC_ERR_UNSUPPORTED  syntax outside the subset, a construct jinja2 has
  *                        and kvcache lacks when it is evaluated (floats,
  *                        '/', other filters, ...), nesting deeper than 200;

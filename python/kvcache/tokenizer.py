@@ -11,7 +11,8 @@ Text is ``str`` (UTF-8 encoded with ``surrogateescape``, so a string from
 or ``bytes``. :meth:`Tokenizer.decode` returns ``str`` (invalid UTF-8
 replaced, or kept as surrogates with ``errors="surrogateescape"``);
 :meth:`Tokenizer.decode_bytes` and :meth:`Tokenizer.token_to_bytes` return
-the raw bytes, which a stream of tokens may cut inside a UTF-8 character.
+the raw bytes, which a stream of tokens may cut inside a UTF-8 character
+(:class:`Utf8Stream` turns them into text as they come).
 
 A Tokenizer is immutable after creation: any number of threads may use one;
 close() waits for the calls running in other threads (a model's borrowed
