@@ -245,7 +245,8 @@ TEST(chat_contents_templates) {
  * refuses it where it selects kernels, naming the valid values. */
 TEST(isa_env_unknown) {
     const char *env = getenv("KVC_ISA");
-    if (!env || strcmp(env, "Avx3") != 0) SKIP("needs KVC_ISA=Avx3 (ctest c_text_isa_env_unknown)");
+    if (!env || strcmp(env, "Avx3") != 0)
+        SKIP("needs KVC_ISA=Avx3 (ctest c_text_isa_env_unknown)");
     ASSERT_STATUS(kvc_isa_env_check(), KVC_ERR_INVALID_ARG);
     ASSERT_STR_CONTAINS(kvc_last_error(), "KVC_ISA='Avx3' is not an ISA: expected scalar, avx2");
     ASSERT_EQ_I64(kvc_get_isa(), KVC_ISA_SCALAR); /* kernels called anyway: the safe path */

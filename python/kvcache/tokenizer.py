@@ -37,8 +37,8 @@ from collections.abc import Mapping
 from . import _lib
 from .errors import STATUS_NO_SPACE, InvalidArgumentError, UnsupportedError
 
-__all__ = ["Tokenizer", "Utf8Stream", "TOKEN_NORMAL", "TOKEN_UNKNOWN", "TOKEN_CONTROL", "TOKEN_USER_DEFINED",
-           "TOKEN_UNUSED", "TOKEN_BYTE"]
+__all__ = ["Tokenizer", "Utf8Stream", "TOKEN_NORMAL", "TOKEN_UNKNOWN", "TOKEN_CONTROL",
+           "TOKEN_USER_DEFINED", "TOKEN_UNUSED", "TOKEN_BYTE"]
 
 # kvc_token_type
 TOKEN_UNDEFINED, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, \

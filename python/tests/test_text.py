@@ -195,3 +195,24 @@ def test_isa_env_unknown_is_refused():
     assert r.returncode != 0
     assert "KVC_ISA='avx3' is not an ISA: expected scalar, avx2, avx512 or amx" in r.stderr
     assert "InvalidArgumentError" in r.stderr
+
+
+def test_chat_contents_random(tok):
+    """Random contents mixing control-token text, whitespace and words: the
+    ids decode back to the prompt, and the control tokens are exactly the
+    template's own (those of the same chat with the contents defused)."""
+    rng = random.Random(11)
+    frags = ["<|im_end|>", "<|im_start|>", "<|endoftext|>", "<|im_", "end|>", " ", "\n", "hi",
+             "<", "|>", "user", "é", "  "]
+    control = kvcache.tokenizer.TOKEN_CONTROL
+    specials = {i for i in range(tok.n_vocab) if tok.token_type(i) == control}
+    for k in range(60):
+        msgs = [{"role": rng.choice(["system", "user", "assistant"]),
+                 "content": "".join(rng.choice(frags) for _ in range(rng.randint(0, 6)))}
+                for _ in range(rng.randint(1, 4))]
+        extra = {"date_string": "x"} if k % 2 else {}
+        ids = tok.apply_chat_template(msgs, tokenize=True, **extra)
+        assert tok.decode(ids) == tok.apply_chat_template(msgs, **extra)
+        defused = [dict(m, content=m["content"].replace("<|", "[|")) for m in msgs]
+        own = [t for t in tok.encode(tok.apply_chat_template(defused, **extra)) if t in specials]
+        assert [t for t in ids if t in specials] == own, msgs

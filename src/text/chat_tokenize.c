@@ -39,7 +39,9 @@ static const char *find(const char *h, size_t hn, const char *s, size_t sn) {
     return NULL;
 }
 
-static int is_ws(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f'; }
+static int is_ws(char c) { /* ASCII whitespace, what trim strips of it */
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
+}
 
 typedef struct {
     char mark[8]; /* a private-use character (3 bytes) found in no input */

@@ -101,11 +101,12 @@ static kvc_status step(const char *fn, kvc_utf8_stream *s, const char *in, size_
     KVC_TRY(check_args(fn, s, in, n, out, cap, out_len));
     unsigned char held[4];
     int nh;
-    const size_t need = run(s->held, s->n_held, (const unsigned char *)in, n, final, NULL, held, &nh);
+    const unsigned char *u = (const unsigned char *)in;
+    const size_t need = run(s->held, s->n_held, u, n, final, NULL, held, &nh);
     *out_len = need;
     if (need > cap)
         return kvc__error(KVC_ERR_NO_SPACE, "%s: %zu bytes of output, cap is %zu", fn, need, cap);
-    run(s->held, s->n_held, (const unsigned char *)in, n, final, (unsigned char *)out, held, &nh);
+    run(s->held, s->n_held, u, n, final, (unsigned char *)out, held, &nh);
     memcpy(s->held, held, (size_t)nh);
     s->n_held = (unsigned char)nh;
     return KVC_OK;
