@@ -21,7 +21,11 @@
  *     messages written as a context JSON (with escapes, \u ones included)
  *     render through kvc_chat_apply_template_json exactly as through the
  *     struct API, or fail with the same status (a cap passed on one side
- *     only is let go: the JSON side holds the strings in the arena).
+ *     only is let go: the JSON side holds the strings in the arena);
+ *   - with a tokenizer, kvc_chat_tokenize with special contents gives the
+ *     rendered prompt's kvc_tokenize (same status, same ids); with plain
+ *     contents it succeeds or refuses with a documented status, and its ids
+ *     decode to the prompt, with no more control tokens than the former.
  * The fuzz build lowers the interpreter's caps (KVC_CHAT_MAX_* below, set in
  * tests/CMakeLists.txt) so a run stays short under the sanitizers; the
  * library's own caps are the same code with larger numbers.
@@ -36,13 +40,24 @@
 #include "kvcache/tokenizer.h"
 #include "fuzz.h"
 
-/* A minimal vocabulary whose BOS/EOS texts the templates can print. */
+/* A minimal vocabulary whose BOS/EOS texts the templates can print, with a
+ * token for every printable ASCII byte, space and newline (GPT-2 byte
+ * forms), so that prompts of those tokenize (kvc_chat_tokenize's checks). */
 static kvc_tokenizer *make_tokenizer(void) {
-    static const char *const toks[] = {"a", "b", "<|im_start|>", "<|im_end|>", "<s>"};
-    static const int32_t types[] = {KVC_TOKEN_NORMAL, KVC_TOKEN_NORMAL, KVC_TOKEN_CONTROL,
-                                    KVC_TOKEN_CONTROL, KVC_TOKEN_CONTROL};
+    enum { N = 5 + 94 + 2 };
+    static const char *toks[N] = {"a", "b", "<|im_start|>", "<|im_end|>", "<s>"};
+    static int32_t types[N] = {KVC_TOKEN_NORMAL, KVC_TOKEN_NORMAL, KVC_TOKEN_CONTROL,
+                               KVC_TOKEN_CONTROL, KVC_TOKEN_CONTROL};
+    static char ascii[94][2];
+    for (int c = '!'; c <= '~'; c++) { /* 'a' and 'b' again: the first id wins */
+        ascii[c - '!'][0] = (char)c;
+        toks[5 + c - '!'] = ascii[c - '!'];
+    }
+    toks[N - 2] = "\xC4\xA0"; /* U+0120, GPT-2's form of the space byte */
+    toks[N - 1] = "\xC4\x8A"; /* U+010A, newline */
+    for (int i = 5; i < N; i++) types[i] = KVC_TOKEN_NORMAL;
     kvc_tokenizer_vocab v = {0};
-    v.n_vocab = 5;
+    v.n_vocab = N;
     v.tokens = toks;
     v.token_types = types;
     v.bos_id = 4;
@@ -204,6 +219,54 @@ bad:
     return NULL;
 }
 
+static int64_t count_control(const kvc_tokenizer *t, const int32_t *ids, int64_t n) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; i++) c += kvc_tokenizer_token_type(t, ids[i]) == KVC_TOKEN_CONTROL;
+    return c;
+}
+
+/* The checks of kvc_chat_tokenize on a chat that rendered to prompt[0..n). */
+static void check_chat_tokenize(const call *k, const char *prompt, size_t n) {
+    int64_t nw = -1, ns = -1, np = -1;
+    const kvc_status sw = kvc_tokenize(k->t, prompt, n, 0, 1, NULL, 0, &nw);
+    const kvc_status ss = kvc_chat_tokenize(k->t, k->tmpl, k->msgs, k->n_msgs, k->gen, 0, 1, NULL,
+                                            0, &ns);
+    const int cap_hit = ss == KVC_ERR_NOMEM || strstr(kvc_last_error(), "MiB") != NULL;
+    if (!cap_hit) CHECK(ss == sw);
+    const kvc_status sp = kvc_chat_tokenize(k->t, k->tmpl, k->msgs, k->n_msgs, k->gen, 0, 0, NULL,
+                                            0, &np);
+    if (sp != KVC_OK && sp != KVC_ERR_NO_SPACE) {
+        CHECK(sp == KVC_ERR_UNSUPPORTED || sp == KVC_ERR_INVALID_ARG || sp == KVC_ERR_NOMEM);
+        CHECK(kvc_last_error()[0] != 0);
+    }
+    if (sw != KVC_OK && sw != KVC_ERR_NO_SPACE) return;
+    int32_t *a = malloc((size_t)(nw + 1) * sizeof *a);
+    int32_t *b = malloc((size_t)(ns > 0 ? ns : 1) * sizeof *b);
+    char *txt = malloc(n + 1);
+    if (a && b && txt && (ss == KVC_OK || ss == KVC_ERR_NO_SPACE)) {
+        int64_t n1 = 0, n2 = 0;
+        CHECK(kvc_tokenize(k->t, prompt, n, 0, 1, a, nw, &n1) == KVC_OK && n1 == nw);
+        CHECK(kvc_chat_tokenize(k->t, k->tmpl, k->msgs, k->n_msgs, k->gen, 0, 1, b, ns, &n2) ==
+                  KVC_OK &&
+              n2 == nw && (nw == 0 || memcmp(a, b, (size_t)nw * sizeof *a) == 0));
+        if ((sp == KVC_OK || sp == KVC_ERR_NO_SPACE) && np >= 0) {
+            int32_t *c = malloc((size_t)(np > 0 ? np : 1) * sizeof *c);
+            size_t len = 0;
+            if (c && kvc_chat_tokenize(k->t, k->tmpl, k->msgs, k->n_msgs, k->gen, 0, 0, c, np,
+                                       &n2) == KVC_OK) {
+                CHECK(n2 == np);
+                CHECK(kvc_detokenize(k->t, c, np, txt, n, &len) == KVC_OK && len == n &&
+                      memcmp(txt, prompt, n) == 0);
+                CHECK(count_control(k->t, c, np) <= count_control(k->t, a, nw));
+            }
+            free(c);
+        }
+    }
+    free(a);
+    free(b);
+    free(txt);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     static kvc_tokenizer *tok;
     if (!tok) tok = make_tokenizer();
@@ -244,6 +307,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     size_t n1, n2;
     int capped1, capped2;
     char *out1 = check_call(&k, &st1, &n1, &capped1);
+    if (out1 && t) check_chat_tokenize(&k, out1, n1);
     /* the same messages as a context JSON render the same */
     k.json = messages_json(msgs, n_msgs, size, (int)(size & 1));
     if (k.json) {
