@@ -55,16 +55,18 @@ typedef struct tinfo {
 
 /* Block sizes written from the ggml docs (independent of gemm.c's table). */
 static const tinfo types_all[] = {
-    {KVC_GGML_F32, "F32", 1, 4},      {KVC_GGML_F16, "F16", 1, 2},
-    {KVC_GGML_BF16, "BF16", 1, 2},    {KVC_GGML_Q8_0, "Q8_0", 32, 34},
-    {KVC_GGML_Q4_0, "Q4_0", 32, 18},  {KVC_GGML_Q4_1, "Q4_1", 32, 20},
-    {KVC_GGML_Q5_0, "Q5_0", 32, 22},  {KVC_GGML_Q5_1, "Q5_1", 32, 24},
-    {KVC_GGML_Q4_K, "Q4_K", 256, 144}, {KVC_GGML_Q6_K, "Q6_K", 256, 210},
+    {KVC_GGML_F32, "F32", 1, 4},       {KVC_GGML_F16, "F16", 1, 2},
+    {KVC_GGML_BF16, "BF16", 1, 2},     {KVC_GGML_Q8_0, "Q8_0", 32, 34},
+    {KVC_GGML_Q4_0, "Q4_0", 32, 18},   {KVC_GGML_Q4_1, "Q4_1", 32, 20},
+    {KVC_GGML_Q4_K, "Q4_K", 256, 144}, {KVC_GGML_Q5_K, "Q5_K", 256, 176},
+    {KVC_GGML_Q6_K, "Q6_K", 256, 210}, {KVC_GGML_Q5_0, "Q5_0", 32, 22},
+    {KVC_GGML_Q5_1, "Q5_1", 32, 24},
 };
-#define N_GEMM_TYPES 6 /* the first 6 go through kvc__gemm */
+#define N_GEMM_TYPES 9 /* the first 9 go through kvc__gemm */
 #define N_TYPES (sizeof types_all / sizeof types_all[0])
 
 static int is_quant(int32_t t) { return t != KVC_GGML_F32 && t != KVC_GGML_F16 && t != KVC_GGML_BF16; }
+static int is_kq(int32_t t) { return t == KVC_GGML_Q4_K || t == KVC_GGML_Q5_K || t == KVC_GGML_Q6_K; }
 
 static void put16(uint8_t *p, uint16_t v) {
     p[0] = (uint8_t)v;
@@ -100,8 +102,9 @@ static uint8_t *make_w(const tinfo *ti, int64_t rows, int64_t cols, uint64_t *rn
         case KVC_GGML_Q4_1:
         case KVC_GGML_Q5_1:
         case KVC_GGML_Q4_K:
-            put16(p, kvc_f32_to_f16(fabsf(d)));
-            put16(p + 2, kvc_f32_to_f16(ti->t == KVC_GGML_Q4_K ? fabsf(m) * 0.1f : m));
+        case KVC_GGML_Q5_K:
+            put16(p, kvc_f32_to_f16(is_kq(ti->t) ? fabsf(d) * 0.05f : d));
+            put16(p + 2, kvc_f32_to_f16(is_kq(ti->t) ? fabsf(m) * 0.1f : m));
             break;
         case KVC_GGML_Q6_K: put16(p + 208, kvc_f32_to_f16(d * 0.05f)); break;
         default: break;
@@ -165,13 +168,16 @@ static void ref_dequant(int32_t t, const uint8_t *row, int64_t cols, double *out
                 out[32 * b + t16 + 16] = one ? d * q1 + m : d * (q1 - 16);
             }
         }
-    } else if (t == KVC_GGML_Q4_K) {
+    } else if (t == KVC_GGML_Q4_K || t == KVC_GGML_Q5_K) {
         /* d, dmin, 12 bytes of 6-bit scales/mins (bytes 0-3 scales j<4 + top
          * bits of scales j>=4, 4-7 mins likewise, 8-11 low nibble scale /
-         * high nibble min of j>=4), qs[128]: chunk g of 32 bytes holds
-         * sub-block 2g (low nibbles) and 2g+1 (high nibbles). */
+         * high nibble min of j>=4), [Q5_K: qh[32]], qs[128]: chunk g of 32
+         * bytes holds sub-block 2g (low nibbles) and 2g+1 (high nibbles);
+         * Q5_K: bit 4 of element l of sub-block j is bit j of qh[l]. */
+        const int five = t == KVC_GGML_Q5_K;
         for (int64_t b = 0; b < cols / 256; b++) {
-            const uint8_t *blk = row + b * 144, *s = blk + 4, *qs = blk + 16;
+            const uint8_t *blk = row + b * (five ? 176 : 144), *s = blk + 4;
+            const uint8_t *qh = blk + 16, *qs = blk + (five ? 48 : 16);
             const double d = get_f16(blk), dmin = get_f16(blk + 2);
             int sc[8], mn[8];
             for (int j = 0; j < 4; j++) {
@@ -183,7 +189,9 @@ static void ref_dequant(int32_t t, const uint8_t *row, int64_t cols, double *out
             for (int g = 0; g < 4; g++)
                 for (int h = 0; h < 2; h++)
                     for (int l = 0; l < 32; l++) {
-                        const int sub = 2 * g + h, q = (qs[32 * g + l] >> (4 * h)) & 15;
+                        const int sub = 2 * g + h;
+                        const int q = ((qs[32 * g + l] >> (4 * h)) & 15) |
+                                      (five ? ((qh[l] >> sub) & 1) << 4 : 0);
                         out[256 * b + 32 * sub + l] = d * sc[sub] * q - dmin * mn[sub];
                     }
         }
@@ -208,6 +216,48 @@ static void ref_dequant(int32_t t, const uint8_t *row, int64_t cols, double *out
             for (int e = 0; e < 256; e++) out[256 * b + e] = d * sc[e / 16] * (q[e] - 32);
         }
     }
+}
+
+/* Integers and scales of one K-quant super-block, the way ggml's
+ * dequantize_row_q*_K loops walk it: Q4_K/Q5_K q[e] (0..15 / 0..31), dw[j]
+ * = d sc_j, mw[j] = -dmin m_j per 32 elements; Q6_K q[e] - 32, dw[k] = d
+ * scales[k] per 16 elements (mw unused). Every product is exact in double
+ * and in float32 (an 11-bit f16 mantissa times <= 8 bits). */
+static void kq_ref_ints(int32_t t, const uint8_t *blk, int q[256], double dw[16], double mw[8]) {
+    if (t == KVC_GGML_Q6_K) {
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const double d = get_f16(blk + 208);
+        for (int k = 0; k < 16; k++) dw[k] = d * (int8_t)blk[192 + k];
+        for (int n = 0; n < 256; n += 128, ql += 64, qh += 32)
+            for (int l = 0; l < 32; l++) {
+                q[n + l] = ((ql[l] & 15) | ((qh[l] >> 0) & 3) << 4) - 32;
+                q[n + l + 32] = ((ql[l + 32] & 15) | ((qh[l] >> 2) & 3) << 4) - 32;
+                q[n + l + 64] = ((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4) - 32;
+                q[n + l + 96] = ((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4) - 32;
+            }
+        return;
+    }
+    const int five = t == KVC_GGML_Q5_K;
+    const uint8_t *sc = blk + 4, *qh = blk + 16, *ql = blk + (five ? 48 : 16);
+    const double d = get_f16(blk), dmin = get_f16(blk + 2);
+    for (int j = 0; j < 8; j++) { /* ggml's get_scale_min_k4 */
+        int s, m;
+        if (j < 4) {
+            s = sc[j] & 63;
+            m = sc[j + 4] & 63;
+        } else {
+            s = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+            m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+        }
+        dw[j] = d * s;
+        mw[j] = -dmin * m;
+    }
+    int is = 0;
+    for (int j = 0; j < 256; j += 64, ql += 32, is += 2)
+        for (int l = 0; l < 32; l++) {
+            q[j + l] = (ql[l] & 0xF) + (five && (qh[l] & (1u << is)) ? 16 : 0);
+            q[j + l + 32] = (ql[l] >> 4) + (five && (qh[l] & (1u << (is + 1))) ? 16 : 0);
+        }
 }
 
 /* The documented activation rule (gemm.h): q[32] and d of one block, bits
@@ -318,7 +368,35 @@ static void make_refs(const tinfo *ti, const uint8_t *W, int64_t rows, int64_t c
                 continue;
             }
             double exact = 0, terms = 0, qerr = 0;
+            int kq[256];
+            double kdw[16], kmw[8];
             for (int64_t b = 0; b < nb; b++) {
+                if (is_kq(ti->t)) { /* per sub-block b % 8 (Q6_K: per half) */
+                    const int j = (int)(b % 8);
+                    if (j == 0) kq_ref_ints(ti->t, wr + b / 8 * ti->bytes, kq, kdw, kmw);
+                    const int32_t *q = xq + i * cols + 32 * b;
+                    const double dxb = dx[i * nb + b];
+                    long is[2] = {0, 0}, qsum = 0;
+                    double wabs = 0, amax = 0;
+                    for (int e = 0; e < 32; e++) {
+                        is[e / 16] += (long)kq[32 * j + e] * q[e];
+                        qsum += q[e];
+                        wabs += fabs(wd[32 * b + e]);
+                        amax = fmax(amax, fabs((double)x[32 * b + e]));
+                    }
+                    double t1, t2;
+                    if (ti->t == KVC_GGML_Q6_K) {
+                        t1 = kdw[2 * j] * dxb * (double)is[0];
+                        t2 = kdw[2 * j + 1] * dxb * (double)is[1];
+                    } else {
+                        t1 = kdw[j] * dxb * (double)(is[0] + is[1]);
+                        t2 = kmw[j] * dxb * (double)qsum;
+                    }
+                    exact += t1 + t2;
+                    terms += fabs(t1) + fabs(t2);
+                    qerr += (dxb / 2 + 0x1p-22 * amax) * wabs;
+                    continue;
+                }
                 const uint8_t *blk = wr + b * ti->bytes;
                 const int32_t *q = xq + i * cols + 32 * b;
                 const double d = get_f16(blk), dxb = dx[i * nb + b];
@@ -380,8 +458,11 @@ static float *make_x(int64_t n, int64_t cols, int64_t ldx, uint64_t *rng) {
 }
 
 static int grid_type(const tinfo *ti) {
-    static const int64_t rows_g[] = {1, 7, 64, 576, 1537}, cols_g[] = {32, 64, 352, 576, 1536},
-                         n_g[] = {1, 2, 5, 16, 33};
+    static const int64_t rows_g[] = {1, 7, 64, 576, 1537}, n_g[] = {1, 2, 5, 16, 33};
+    /* K-quants: 1, 2, 3, 6, 9 super-blocks (odd counts: a half group of 16
+     * blocks at the end of an AVX-512 row) */
+    static const int64_t cols_b[] = {32, 64, 352, 576, 1536}, cols_k[] = {256, 512, 768, 1536, 2304};
+    const int64_t *cols_g = is_kq(ti->t) ? cols_k : cols_b;
     uint64_t rng = test_seed ^ (uint64_t)ti->t * 0x9e3779b97f4a7c15ull;
     const int n_bits = is_quant(ti->t) ? 2 : 1; /* float weights: no activation width */
     int rc = 0;
@@ -426,6 +507,9 @@ TEST(grid_bf16) { return grid_type(&types_all[2]); }
 TEST(grid_q8_0) { return grid_type(&types_all[3]); }
 TEST(grid_q4_0) { return grid_type(&types_all[4]); }
 TEST(grid_q4_1) { return grid_type(&types_all[5]); }
+TEST(grid_q4_k) { return grid_type(&types_all[6]); }
+TEST(grid_q5_k) { return grid_type(&types_all[7]); }
+TEST(grid_q6_k) { return grid_type(&types_all[8]); }
 
 /* Float weights accept any cols: tails of every length below 16. */
 TEST(float_odd_cols) {
@@ -462,13 +546,13 @@ TEST(float_odd_cols) {
  * with 1 and 2 threads, for every type, kernel set and activation width; and
  * so does n = 5. */
 TEST(row_independence) {
-    static const int64_t cols_g[] = {576, 1536, 96};
+    static const int64_t cols_b[] = {576, 1536, 96}, cols_k[] = {768, 1536, 256};
     uint64_t rng = test_seed + 11;
     int rc = 0;
     for (int ti = 0; ti < N_GEMM_TYPES && !rc; ti++)
         for (int ci = 0; ci < 3 && !rc; ci++) {
             const tinfo *t = &types_all[ti];
-            const int64_t rows = 100, cols = cols_g[ci], n = 33;
+            const int64_t rows = 100, cols = (is_kq(t->t) ? cols_k : cols_b)[ci], n = 33;
             uint8_t *W = make_w(t, rows, cols, &rng);
             float *X = make_x(n, cols, cols, &rng);
             float *Yn = xmalloc((size_t)(n * rows) * 4), *Y1 = xmalloc((size_t)rows * 4),
@@ -523,7 +607,8 @@ TEST(strided) {
     int rc = 0;
     for (int ti = 0; ti < N_GEMM_TYPES && !rc; ti++) {
         const tinfo *t = &types_all[ti];
-        const int64_t rows = 37, cols = 576, n = 9, ldx = cols + 40, ldy = rows + 5;
+        const int64_t rows = 37, cols = is_kq(t->t) ? 768 : 576, n = 9, ldx = cols + 40,
+                      ldy = rows + 5;
         uint8_t *W = make_w(t, rows, cols, &rng);
         float *X = make_x(n, cols, ldx, &rng), *Y = xmalloc((size_t)(n * ldy) * 4);
         refs rf[2];
@@ -561,8 +646,10 @@ TEST(strided) {
 TEST(errors) {
     float X[64] = {0}, Y[4] = {1, 2, 3, 4};
     uint8_t W[4 * 40] = {0};
-    ASSERT_STATUS(kvc__gemm(KVC_GGML_Q6_K, W, 1, 256, X, 256, 1, Y, 1, NULL), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc__gemm(KVC_GGML_Q5_0, W, 1, 32, X, 32, 1, Y, 1, NULL), KVC_ERR_INVALID_ARG);
     ASSERT_STR_CONTAINS(kvc_last_error(), "not supported");
+    ASSERT_STATUS(kvc__gemm(KVC_GGML_Q6_K, W, 1, 32, X, 32, 1, Y, 1, NULL), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "multiple");
     ASSERT_STATUS(kvc__gemm(99, W, 1, 32, X, 32, 1, Y, 1, NULL), KVC_ERR_INVALID_ARG);
     ASSERT_STATUS(kvc__gemm(KVC_GGML_Q4_1, W, 1, 48, X, 48, 1, Y, 1, NULL), KVC_ERR_INVALID_ARG);
     ASSERT_STR_CONTAINS(kvc_last_error(), "multiple");
@@ -588,7 +675,8 @@ TEST(errors) {
         ASSERT_EQ_I64(kvc__ggml_row_bytes(types_all[i].t, 512),
                       512 / types_all[i].block * types_all[i].bytes);
     }
-    ASSERT_EQ_I64(kvc__gemm_supported(KVC_GGML_Q5_K), 0);
+    ASSERT_EQ_I64(kvc__gemm_supported(KVC_GGML_Q3_K), 0);
+    ASSERT_EQ_I64(kvc__ggml_row_bytes(KVC_GGML_Q5_K, 128), 0);
     ASSERT_EQ_I64(kvc__ggml_row_bytes(KVC_GGML_Q4_1, 33), 0);
     ASSERT_EQ_I64(kvc__ggml_row_bytes(KVC_GGML_Q8_K, 256), 0);
     ASSERT_EQ_I64(kvc__ggml_row_bytes(KVC_GGML_F16, 7), 14);
@@ -629,7 +717,8 @@ TEST(dequant_row) {
         free(out);
     }
     float o[32];
-    ASSERT_STATUS(kvc__ggml_dequant_row(KVC_GGML_Q5_K, o, 256, o), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc__ggml_dequant_row(KVC_GGML_Q2_K, o, 256, o), KVC_ERR_UNSUPPORTED);
+    ASSERT_STATUS(kvc__ggml_dequant_row(99, o, 32, o), KVC_ERR_INVALID_ARG);
     ASSERT_STATUS(kvc__ggml_dequant_row(KVC_GGML_Q8_0, NULL, 32, o), KVC_ERR_INVALID_ARG);
     ASSERT_OK(kvc__ggml_dequant_row(KVC_GGML_Q8_0, NULL, 0, NULL));
     return 0;
@@ -723,6 +812,56 @@ TEST(act_bits) {
     return 0;
 }
 
+/* K-quant integer sums at their bounds, every kernel set and width: Q5_K
+ * with q = 31 and sc = 63 everywhere against activations at +-Q (|isum| =
+ * 32 * 31 * 32767 > 2^24: float(isum) rounds), Q6_K with q - 32 = -32 and
+ * scale -128 (a half sums to 16 * 32 * 32767; with the scales folded in a
+ * block would pass 2^31), Q4_K likewise; each against the exact reference. */
+TEST(kq_extremes) {
+    const int64_t rows = 3, cols = 768, n = 2;
+    int rc = 0;
+    for (int ti = 6; ti <= 8 && !rc; ti++) {
+        const tinfo *t = &types_all[ti];
+        const int64_t nsb = rows * cols / 256;
+        uint8_t *W = xmalloc((size_t)(nsb * t->bytes));
+        for (int64_t b = 0; b < nsb; b++) {
+            uint8_t *p = W + b * t->bytes;
+            if (t->t == KVC_GGML_Q6_K) {
+                memset(p, 0, 192);                    /* q = 0: q - 32 = -32 */
+                memset(p + 192, 0x80, 16);            /* scales -128 */
+                put16(p + 208, kvc_f32_to_f16(b % 2 ? 1e-3f : -1e-3f));
+            } else {
+                memset(p, 0xff, (size_t)t->bytes); /* q = 15 / 31, sc = m = 63 */
+                put16(p, kvc_f32_to_f16(1e-3f));
+                put16(p + 2, kvc_f32_to_f16(b % 3 ? 5e-4f : 0.0f));
+            }
+        }
+        float *X = xmalloc((size_t)(n * cols) * sizeof(float)), *Y = xmalloc((size_t)(n * rows) * 4);
+        for (int64_t c = 0; c < cols; c++) {
+            X[c] = 3.0f; /* every integer at +Q */
+            X[cols + c] = c % 64 < 32 ? -2.0f : 2.0f;
+        }
+        for (int bi = 0; bi < 2 && !rc; bi++) {
+            refs rf;
+            make_refs(t, W, rows, cols, X, cols, n, act_bits_g[bi], &rf);
+            for (int vi = 0; vi < N_VARIANTS && !rc; vi++) {
+                if (!use_variant(&variants[vi]) || !use_bits(act_bits_g[bi])) continue;
+                if (kvc__gemm(t->t, W, rows, cols, X, cols, n, Y, rows, NULL) != KVC_OK)
+                    rc = 1;
+                else
+                    rc = check_y("extremes", t, &variants[vi], act_bits_g[bi], rows, cols, n, Y,
+                                 rows, &rf);
+            }
+            restore_isa();
+            refs_free(&rf);
+        }
+        free(W);
+        free(X);
+        free(Y);
+    }
+    return rc;
+}
+
 /* The kernel set names follow the ISA cap; without VNNI, the AVX2 integer
  * kernels. */
 TEST(kernel_names) {
@@ -746,4 +885,6 @@ const test_case test_suite[] = {
     TEST_ENTRY(act_bits),         TEST_ENTRY(kernel_names), TEST_ENTRY(float_odd_cols),
     TEST_ENTRY(strided),          TEST_ENTRY(row_independence), TEST_ENTRY(grid_f32),
     TEST_ENTRY(grid_f16),         TEST_ENTRY(grid_bf16),    TEST_ENTRY(grid_q8_0),
-    TEST_ENTRY(grid_q4_0),        TEST_ENTRY(grid_q4_1),    {0, 0}};
+    TEST_ENTRY(grid_q4_0),        TEST_ENTRY(grid_q4_1),    TEST_ENTRY(grid_q4_k),
+    TEST_ENTRY(grid_q5_k),        TEST_ENTRY(grid_q6_k),    TEST_ENTRY(kq_extremes),
+    {0, 0}};

@@ -71,7 +71,13 @@ typedef enum kvc_gguf_type {
  *   Q5_0/Q5_1: as Q4 plus 4 bytes of high bits; Q8_0: f16 d + 32 int8 (x = d * q)
  *   Q8_1: f16 d, f16 s + 32 int8 (36 bytes; very old ggml used two f32)
  *   K-quants: 256-element super-blocks (Q2_K 84, Q3_K 110, Q4_K 144, Q5_K 176,
- *   Q6_K 210, Q8_K 292 bytes). F32 4 bytes, F16/BF16 2 bytes per element. */
+ *   Q6_K 210, Q8_K 292 bytes):
+ *   Q4_K: f16 d, f16 dmin, 12 bytes of 6-bit scales sc[8] and mins m[8], 128
+ *         bytes of nibbles; sub-block j of 32: x = d sc[j] q - dmin m[j]
+ *   Q5_K: as Q4_K with 32 bytes of high bits (bit j of byte l: element l of
+ *         sub-block j) before the nibbles
+ *   Q6_K: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, int8
+ *         scales[16], f16 d; x = d scales[e / 16] (q - 32) F32 4 bytes, F16/BF16 2 bytes per element. */
 typedef enum kvc_ggml_type {
     KVC_GGML_F32 = 0,
     KVC_GGML_F16 = 1,
@@ -97,6 +103,20 @@ KVC_API const char *kvc_ggml_type_name(int32_t type);
 KVC_API int64_t kvc_ggml_block_size(int32_t type);
 /* Bytes per block, 0 if unknown. */
 KVC_API int64_t kvc_ggml_block_bytes(int32_t type);
+
+/*
+ * Decodes n elements of a tensor of ggml type `type` (n / block_size blocks
+ * at src, in the layouts above; K-quant details in src/gguf/dequant.c) to
+ * float32 at dst, with the float32 operations of ggml's reference
+ * dequantization in its order, so the result is bitwise what ggml (and the
+ * gguf Python package's gguf.quants.dequantize) computes. Decoded types:
+ * F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K.
+ * KVC_ERR_INVALID_ARG for an unknown type, n < 0 or not a multiple of the
+ * block size, or a NULL pointer with n > 0; KVC_ERR_UNSUPPORTED for a known
+ * type not decoded here (Q8_1, Q2_K, Q3_K, Q8_K). dst is written only on
+ * success; src and dst must not overlap.
+ */
+KVC_API kvc_status kvc_ggml_dequantize(int32_t type, const void *src, int64_t n, float *dst);
 
 typedef struct kvc_gguf kvc_gguf;
 

@@ -20,7 +20,8 @@
  * scaling factor (<arch>.rope.scaling.factor with type linear, or the older
  * rope.scale_linear; 1 when absent), freq_factor the rope_freqs.weight
  * tensor of Llama 3.1+ (1 when absent). Weights F32, F16, BF16, Q8_0, Q4_0,
- * Q4_1 are read in place from the mapped file.
+ * Q4_1 and the K-quants Q4_K, Q5_K, Q6_K (what a Q4_K_M / Q5_K_M / Q6_K file
+ * mixes) are read in place from the mapped file.
  *
  * Loading refuses, naming it, whatever it would not follow: a tensor the
  * architecture does not use (e.g. blk.N.attn_q_norm.weight, or a block at

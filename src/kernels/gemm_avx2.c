@@ -342,7 +342,8 @@ static void gemm_f_avx2(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t
 }
 
 const kvc__gemm_kernels *kvc__gemm_kernels_avx2(void) {
-    static const kvc__gemm_kernels k = {"avx2", "avx2", L, gemm_q8_avx2, gemm_q16_avx2,
-                                        gemm_f_avx2};
+    static const kvc__gemm_kernels k = {"avx2",       "avx2",       L,
+                                        gemm_q8_avx2, gemm_q16_avx2, kvc__gemm_kq8_avx2,
+                                        kvc__gemm_kq16_avx2, gemm_f_avx2};
     return &k;
 }

@@ -358,7 +358,9 @@ static void gemm_f_avx512(int32_t wt, const uint8_t *W, int64_t row_bytes, int64
 }
 
 const kvc__gemm_kernels *kvc__gemm_kernels_avx512(void) {
-    static const kvc__gemm_kernels k = {"avx512-vnni", "avx512", L, gemm_q8_avx512,
-                                        gemm_q16_avx512, gemm_f_avx512};
+    static const kvc__gemm_kernels k = {"avx512-vnni",        "avx512",
+                                        L,                    gemm_q8_avx512,
+                                        gemm_q16_avx512,      kvc__gemm_kq8_avx512,
+                                        kvc__gemm_kq16_avx512, gemm_f_avx512};
     return &k;
 }

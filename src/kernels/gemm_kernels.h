@@ -1,9 +1,9 @@
 /*
  * Kernels of kvc__gemm (src/model/gemm.c), one table per ISA: scalar
- * reference (gemm_scalar.c), AVX2 (gemm_avx2.c), AVX-512 with VNNI
- * (gemm_avx512.c). Only gemm.c calls them, after the CPU check.
+ * reference (gemm_scalar.c), AVX2 (gemm_avx2.c, K-quants gemm_kq_avx2.c),
+ * AVX-512 with VNNI (gemm_avx512.c, gemm_kq_avx512.c). Only gemm.c calls them, after the CPU check.
  *
- * Two paths:
+ * Three paths:
  *
  *   float weights (F32, F16, BF16): Y[i][r] = sum_c X[i][c] * W[r][c] with
  *   float32 products and sums (each ISA its own, fixed, order).
@@ -18,6 +18,23 @@
  *   sum(qx) of the activation block; float accumulation in an ISA-fixed
  *   order. int16: |isum| <= 32 * 128 * 32767 < 2^28 (no overflow; float(isum)
  *   may round, the same way on every ISA); int8: |isum| < 2^20 (exact).
+ *
+ *   K-quant weights (Q4_K, Q5_K, Q6_K): the same activations (cols is a
+ *   multiple of 256, so a super-block is 8 activation blocks); per
+ *   32-element sub-block b of a super-block with f16 d (and dmin):
+ *     Q4_K, Q5_K: q unsigned (0..15, 0..31), sc_b / m_b the 6-bit scale /
+ *       min, dw_b = d * sc_b, mw_b = -(dmin * m_b) (float32 products, the
+ *       dequantization's own factors: x = dw_b q + mw_b):
+ *         isum_b = sum_{e<32} q[e] * qx[e]
+ *         Y[i][r] += (dw_b * dx_b) * float(isum_b) + mw_b * sx_b
+ *     Q6_K: q - 32 signed (-32..31), one int8 scale per 16 elements: per
+ *       half h (elements 16 h .. 16 h + 15) dw_bh = d * sc_{2b+h}:
+ *         isum_bh = sum_{e<16} (q[16 h + e] - 32) * qx[16 h + e]
+ *         Y[i][r] += (dw_b0 * dx_b) * float(isum_b0) + (dw_b1 * dx_b) * float(isum_b1)
+ *   int16: |isum| <= 32 * 31 * 32767 < 2^25 (Q5_K; float(isum) may round,
+ *   the same way on every ISA), < 2^24 for Q4_K and each Q6_K half (exact);
+ *   int8: exact. (A Q6_K block sum with the int8 scales folded in would
+ *   reach 2^32 with int16 activations: hence the two halves.)
  *
  * Row independence: a kernel computes each Y[i][r] with one fixed sequence
  * of operations that depends only on (X row i, W row r, cols, type, ISA,
@@ -94,7 +111,7 @@ void kvc__gemm_quantize_x(const float *x, int64_t cols, int L, int bits, void *x
 
 /* ---- kernels --------------------------------------------------------------- */
 
-/* Quantized weights (wt in Q8_0/Q4_0/Q4_1): rows [r0, r1) of W (row r at
+/* Quantized weights (wt in Q8_0/Q4_0/Q4_1; the kq kernels Q4_K/Q5_K/Q6_K): rows [r0, r1) of W (row r at
  * W + r * row_bytes), cols = 32 nb, activation rows i < n at xq + i *
  * xq_stride bytes (layout above, the table's lanes); Y[i][r] at Y + i * ldy
  * + r. */
@@ -107,10 +124,26 @@ typedef struct kvc__gemm_kernels {
     int lanes; /* L of the activation layout the int kernels read */
     kvc__gemm_q_fn gemm_q8;  /* int8 activations */
     kvc__gemm_q_fn gemm_q16; /* int16 activations */
+    kvc__gemm_q_fn gemm_kq8;  /* K-quant weights (nb a multiple of 8), int8 activations */
+    kvc__gemm_q_fn gemm_kq16; /* and int16 activations */
     /* Float weights (wt in F32/F16/BF16): X row i at X + i * ldx. */
     void (*gemm_f)(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t r1,
                    int64_t cols, const float *X, int64_t ldx, int64_t n, float *Y, int64_t ldy);
 } kvc__gemm_kernels;
+
+/* K-quant kernels of the SIMD tables (gemm_kq_avx2.c, gemm_kq_avx512.c). */
+void kvc__gemm_kq8_avx2(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t r1,
+                        int64_t nb, const uint8_t *xq, int64_t xs, int64_t n, float *Y,
+                        int64_t ldy);
+void kvc__gemm_kq16_avx2(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0,
+                         int64_t r1, int64_t nb, const uint8_t *xq, int64_t xs, int64_t n,
+                         float *Y, int64_t ldy);
+void kvc__gemm_kq8_avx512(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0,
+                          int64_t r1, int64_t nb, const uint8_t *xq, int64_t xs, int64_t n,
+                          float *Y, int64_t ldy);
+void kvc__gemm_kq16_avx512(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0,
+                           int64_t r1, int64_t nb, const uint8_t *xq, int64_t xs, int64_t n,
+                           float *Y, int64_t ldy);
 
 const kvc__gemm_kernels *kvc__gemm_kernels_scalar(void);
 const kvc__gemm_kernels *kvc__gemm_kernels_avx2(void);

@@ -9,7 +9,8 @@
  * Activations use the layout with L = 1 (natural order: block b's 32 int8 or
  * int16 values at 32 b within its group of 4, then dx/qsum/sx of the 4
  * blocks). One block_dot for both widths: the activation integers are read
- * into int32 first.
+ * into int32 first. K-quants: one super-block's integers and scales are
+ * unpacked, then its 8 sub-blocks go as above (gemm_kernels.h's formulas).
  */
 #include <string.h>
 
@@ -112,8 +113,119 @@ static void gemm_q16_scalar(int32_t wt, const uint8_t *W, int64_t row_bytes, int
     gemm_q_scalar(wt, W, row_bytes, r0, r1, nb, xq, xq_stride, n, Y, ldy, 16);
 }
 
+/* ---- K-quants ------------------------------------------------------------------ */
+
+/* Activation block b of row xq: integers, dx and sx. */
+static void act_block(const uint8_t *xq, int64_t b, int bits, int32_t qx[32], float *dx,
+                      float *sx) {
+    const uint8_t *grp = xq + b / 4 * kvc__gemm_group_bytes(1, bits);
+    const int64_t qb = kvc__gemm_group_qbytes(1, bits);
+    const int p = (int)(b % 4);
+    for (int e = 0; e < 32; e++) {
+        if (bits == 16) {
+            int16_t v;
+            memcpy(&v, grp + 64 * p + 2 * e, 2);
+            qx[e] = v;
+        } else {
+            qx[e] = (int8_t)grp[32 * p + e];
+        }
+    }
+    memcpy(dx, grp + qb + 4 * p, 4);
+    memcpy(sx, grp + qb + 32 + 4 * p, 4);
+}
+
+/* Integers and float scales of one super-block (layouts: gguf.h,
+ * src/gguf/dequant.c): Q4_K/Q5_K q[e] unsigned, dw[j] = d sc_j, mw[j] =
+ * -(dmin m_j) per sub-block j of 32; Q6_K q[e] - 32, dw[h] = d sc_h per 16
+ * elements. */
+static void kq_unpack(int32_t wt, const uint8_t *b, int32_t q[256], float dw[16], float mw[8]) {
+    if (wt == KVC_GGML_Q6_K) {
+        const float d = f16_at(b + 208);
+        for (int e = 0; e < 256; e++) {
+            const int h = e / 128, r = e % 128;
+            const int lo = (b[64 * h + r % 64] >> (4 * (r / 64))) & 15;
+            const int hi = (b[128 + 32 * h + r % 32] >> (2 * (r / 32))) & 3;
+            q[e] = (lo | hi << 4) - 32;
+        }
+        for (int h = 0; h < 16; h++) dw[h] = d * (float)(int8_t)b[192 + h];
+        return;
+    }
+    const int five = wt == KVC_GGML_Q5_K;
+    const uint8_t *s = b + 4, *qh = b + 16, *qs = b + (five ? 48 : 16);
+    const float d = f16_at(b), dmin = f16_at(b + 2);
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        if (j < 4) {
+            sc = s[j] & 63;
+            mn = s[j + 4] & 63;
+        } else {
+            sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+            mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+        }
+        dw[j] = d * (float)sc;
+        mw[j] = -(dmin * (float)mn);
+        for (int l = 0; l < 32; l++) {
+            int v = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+            if (five) v |= ((qh[l] >> j) & 1) << 4;
+            q[32 * j + l] = v;
+        }
+    }
+}
+
+static void gemm_kq_scalar(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0,
+                           int64_t r1, int64_t nb, const uint8_t *xq, int64_t xq_stride,
+                           int64_t n, float *Y, int64_t ldy, int bits) {
+    const int64_t bb = wt == KVC_GGML_Q4_K ? 144 : wt == KVC_GGML_Q5_K ? 176 : 210;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *x = xq + i * xq_stride;
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *w = W + r * row_bytes;
+            float acc = 0.0f;
+            for (int64_t sb = 0; sb < nb / 8; sb++) {
+                int32_t q[256];
+                float dw[16], mw[8];
+                kq_unpack(wt, w + sb * bb, q, dw, mw);
+                for (int j = 0; j < 8; j++) {
+                    int32_t qx[32];
+                    float dx, sx;
+                    act_block(x, 8 * sb + j, bits, qx, &dx, &sx);
+                    const int32_t *qw = q + 32 * j;
+                    if (wt == KVC_GGML_Q6_K) {
+                        int32_t i0 = 0, i1 = 0;
+                        for (int e = 0; e < 16; e++) {
+                            i0 += qw[e] * qx[e];
+                            i1 += qw[16 + e] * qx[16 + e];
+                        }
+                        acc = acc + (dw[2 * j] * dx) * (float)i0;
+                        acc = acc + (dw[2 * j + 1] * dx) * (float)i1;
+                    } else {
+                        int32_t isum = 0;
+                        for (int e = 0; e < 32; e++) isum += qw[e] * qx[e];
+                        acc = acc + (dw[j] * dx) * (float)isum;
+                        acc = acc + mw[j] * sx;
+                    }
+                }
+            }
+            Y[i * ldy + r] = acc;
+        }
+    }
+}
+
+static void gemm_kq8_scalar(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0,
+                            int64_t r1, int64_t nb, const uint8_t *xq, int64_t xq_stride,
+                            int64_t n, float *Y, int64_t ldy) {
+    gemm_kq_scalar(wt, W, row_bytes, r0, r1, nb, xq, xq_stride, n, Y, ldy, 8);
+}
+
+static void gemm_kq16_scalar(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0,
+                             int64_t r1, int64_t nb, const uint8_t *xq, int64_t xq_stride,
+                             int64_t n, float *Y, int64_t ldy) {
+    gemm_kq_scalar(wt, W, row_bytes, r0, r1, nb, xq, xq_stride, n, Y, ldy, 16);
+}
+
 const kvc__gemm_kernels *kvc__gemm_kernels_scalar(void) {
-    static const kvc__gemm_kernels k = {"scalar", "scalar", 1, gemm_q8_scalar, gemm_q16_scalar,
-                                        gemm_f_scalar};
+    static const kvc__gemm_kernels k = {"scalar",        "scalar",        1,
+                                        gemm_q8_scalar,  gemm_q16_scalar, gemm_kq8_scalar,
+                                        gemm_kq16_scalar, gemm_f_scalar};
     return &k;
 }

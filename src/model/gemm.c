@@ -57,14 +57,21 @@ typedef struct gemm_type {
     int gemm;       /* 1 if kvc__gemm supports it */
 } gemm_type;
 
-/* Block layouts (ggml): see gemm.h / gguf.h and the dequant functions. */
+/* Block layouts (ggml): see gguf.h and src/gguf/dequant.c. */
 static const gemm_type g_types[] = {
     {KVC_GGML_F32, "F32", 1, 4, 1},      {KVC_GGML_F16, "F16", 1, 2, 1},
     {KVC_GGML_BF16, "BF16", 1, 2, 1},    {KVC_GGML_Q8_0, "Q8_0", 32, 34, 1},
     {KVC_GGML_Q4_0, "Q4_0", 32, 18, 1},  {KVC_GGML_Q4_1, "Q4_1", 32, 20, 1},
     {KVC_GGML_Q5_0, "Q5_0", 32, 22, 0},  {KVC_GGML_Q5_1, "Q5_1", 32, 24, 0},
-    {KVC_GGML_Q4_K, "Q4_K", 256, 144, 0}, {KVC_GGML_Q6_K, "Q6_K", 256, 210, 0},
+    {KVC_GGML_Q4_K, "Q4_K", 256, 144, 1}, {KVC_GGML_Q5_K, "Q5_K", 256, 176, 1},
+    {KVC_GGML_Q6_K, "Q6_K", 256, 210, 1},
 };
+
+/* K-quants: 256-element super-blocks of 32-element sub-blocks (16 for Q6_K's
+ * scales), their own kernels (gemm_kernels.h). */
+static int is_kquant(int32_t t) {
+    return t == KVC_GGML_Q4_K || t == KVC_GGML_Q5_K || t == KVC_GGML_Q6_K;
+}
 
 static const gemm_type *find_type(int32_t t) {
     for (size_t i = 0; i < sizeof g_types / sizeof g_types[0]; i++)
@@ -86,114 +93,8 @@ int64_t kvc__ggml_row_bytes(int32_t wt, int64_t cols) {
 
 /* ---- row dequantization ----------------------------------------------------- */
 
-static float f16_at(const uint8_t *p) { return kvc_f16_to_f32((uint16_t)(p[0] | p[1] << 8)); }
-
-/* Q4_0 / Q4_1 / Q5_0 / Q5_1 nibble e of a 32-element block: element e < 16
- * is the low nibble of byte e, element e >= 16 the high nibble of byte
- * e - 16; Q5 adds bit e of the little-endian uint32 qh as bit 4. */
-static int nib(const uint8_t *qs, int e) { return e < 16 ? qs[e] & 15 : qs[e - 16] >> 4; }
-
-static uint32_t le32(const uint8_t *p) {
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
-/* Q4_K scale/min j of 8 (6 bits each, packed in 12 bytes): j < 4 in the low
- * 6 bits of bytes j (scale) and j + 4 (min); j >= 4 in the nibbles of byte
- * j + 4 (scale low, min high) with their top 2 bits in bits 6..7 of bytes
- * j - 4 (scale) and j (min). */
-static void q4k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *mn = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
-        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
-static void dequant_block(int32_t t, const uint8_t *b, float *y) {
-    switch (t) {
-    case KVC_GGML_Q8_0: { /* f16 d, int8 q[32]: x = d q */
-        const float d = f16_at(b);
-        for (int e = 0; e < 32; e++) y[e] = d * (float)(int8_t)b[2 + e];
-        break;
-    }
-    case KVC_GGML_Q4_0: { /* f16 d, qs[16]: x = d (q - 8) */
-        const float d = f16_at(b);
-        for (int e = 0; e < 32; e++) y[e] = d * (float)(nib(b + 2, e) - 8);
-        break;
-    }
-    case KVC_GGML_Q4_1: { /* f16 d, f16 m, qs[16]: x = d q + m */
-        const float d = f16_at(b), m = f16_at(b + 2);
-        for (int e = 0; e < 32; e++) y[e] = d * (float)nib(b + 4, e) + m;
-        break;
-    }
-    case KVC_GGML_Q5_0: { /* f16 d, qh[4], qs[16]: x = d (q - 16) */
-        const float d = f16_at(b);
-        const uint32_t qh = le32(b + 2);
-        for (int e = 0; e < 32; e++)
-            y[e] = d * (float)((nib(b + 6, e) | (int)((qh >> e) & 1) << 4) - 16);
-        break;
-    }
-    case KVC_GGML_Q5_1: { /* f16 d, f16 m, qh[4], qs[16]: x = d q + m */
-        const float d = f16_at(b), m = f16_at(b + 2);
-        const uint32_t qh = le32(b + 4);
-        for (int e = 0; e < 32; e++)
-            y[e] = d * (float)(nib(b + 8, e) | (int)((qh >> e) & 1) << 4) + m;
-        break;
-    }
-    case KVC_GGML_Q4_K: { /* f16 d, f16 dmin, scales[12], qs[128]: 8 sub-blocks of 32,
-                           * x = d sc_j q - dmin m_j; sub-block j: nibble (j odd: high) of
-                           * qs[32 (j / 2) + l] */
-        const float d = f16_at(b), dmin = f16_at(b + 2);
-        for (int j = 0; j < 8; j++) {
-            int sc, mn;
-            q4k_scale_min(b + 4, j, &sc, &mn);
-            const float dj = d * (float)sc, mj = dmin * (float)mn;
-            for (int l = 0; l < 32; l++)
-                y[32 * j + l] = dj * (float)((b[16 + 32 * (j / 2) + l] >> (4 * (j % 2))) & 15) - mj;
-        }
-        break;
-    }
-    case KVC_GGML_Q6_K: { /* ql[128], qh[64], int8 scales[16], f16 d: x = d sc[e / 16] (q - 32);
-                           * element e = 128 h + r: low 4 bits from ql[64 h + r % 64]
-                           * (high nibble when r >= 64), high 2 bits from
-                           * qh[32 h + r % 32] >> (2 (r / 32)) */
-        const float d = f16_at(b + 208);
-        for (int e = 0; e < 256; e++) {
-            const int h = e / 128, r = e % 128;
-            const int lo = (b[64 * h + r % 64] >> (4 * (r / 64))) & 15;
-            const int hi = (b[128 + 32 * h + r % 32] >> (2 * (r / 32))) & 3;
-            y[e] = d * (float)(int8_t)b[192 + e / 16] * (float)((lo | hi << 4) - 32);
-        }
-        break;
-    }
-    default: break;
-    }
-}
-
 kvc_status kvc__ggml_dequant_row(int32_t t, const void *src, int64_t n, float *dst) {
-    const gemm_type *ty = find_type(t);
-    KVC_CHECK(ty != NULL, "dequant_row: unsupported ggml type %d", (int)t);
-    KVC_CHECK(n >= 0 && n % ty->block == 0,
-              "dequant_row: %lld elements is not a whole number of %s blocks (%lld)",
-              (long long)n, ty->name, (long long)ty->block);
-    KVC_CHECK(n == 0 || (src != NULL && dst != NULL), "dequant_row: NULL pointer");
-    const uint8_t *s = src;
-    switch (t) {
-    case KVC_GGML_F32: memcpy(dst, src, (size_t)n * 4); break;
-    case KVC_GGML_F16:
-        for (int64_t i = 0; i < n; i++) dst[i] = f16_at(s + 2 * i);
-        break;
-    case KVC_GGML_BF16:
-        for (int64_t i = 0; i < n; i++) dst[i] = kvc_bf16_to_f32((uint16_t)(s[2 * i] | s[2 * i + 1] << 8));
-        break;
-    default:
-        for (int64_t b = 0; b < n / ty->block; b++)
-            dequant_block(t, s + b * ty->bytes, dst + b * ty->block);
-        break;
-    }
-    return KVC_OK;
+    return kvc_ggml_dequantize(t, src, n, dst);
 }
 
 /* ---- activation quantization (layout: gemm_kernels.h) ------------------------- */
@@ -393,7 +294,10 @@ kvc_status kvc__gemm(int32_t wt, const void *W, int64_t rows, int64_t cols, cons
                   .rows = rows, .cols = cols, .X = X, .ldx = ldx, .n = n, .Y = Y, .ldy = ldy};
     c.k = c.quant ? sel.q : sel.f;
     c.bits = atomic_load(&g_act_bits); /* once: every task of the call agrees */
-    c.gemm_q = c.bits == 16 ? c.k->gemm_q16 : c.k->gemm_q8;
+    if (is_kquant(wt))
+        c.gemm_q = c.bits == 16 ? c.k->gemm_kq16 : c.k->gemm_kq8;
+    else
+        c.gemm_q = c.bits == 16 ? c.k->gemm_q16 : c.k->gemm_q8;
     _Alignas(64) uint8_t stack_xq[GEMM_STACK_XQ];
     void *heap = NULL;
     if (c.quant) {

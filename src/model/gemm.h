@@ -26,6 +26,11 @@
  *       m_w * d_x * sum q) and summed in float32. The error against the
  *       exact product is at most sum_blocks (d_x / 2) * sum |w| plus float32
  *       rounding.
+ *   Q4_K, Q5_K, Q6_K (cols a multiple of 256): the same activation blocks;
+ *       per 32-element sub-block the integer dot product with the
+ *       sub-block's integers is scaled by d * sc (Q4_K/Q5_K add -dmin * m *
+ *       d_x * sum q); Q6_K's int8 scales cover 16 elements, so each half
+ *       block is its own integer sum and term. Same error bound.
  *
  * Activation width, the precision trade-off: per element the activation
  * moves by at most d_x / 2 = amax / (2 Q) of its block: amax / 254 for int8
@@ -57,12 +62,13 @@
 #include "kvcache/core.h"
 #include "kvcache/gguf.h"
 
-/* 1 if kvc__gemm supports weight type wt (F32, F16, BF16, Q8_0, Q4_0, Q4_1). */
+/* 1 if kvc__gemm supports weight type wt (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
+ * Q4_K, Q5_K, Q6_K). */
 int kvc__gemm_supported(int32_t wt);
 
 /* Bytes of one row of cols elements of type wt (0 if cols is not a whole
- * number of blocks or wt is unknown). Knows the gemm types plus Q5_0, Q5_1,
- * Q4_K and Q6_K. */
+ * number of blocks or wt is unknown). Knows the gemm types plus Q5_0 and
+ * Q5_1. */
 int64_t kvc__ggml_row_bytes(int32_t wt, int64_t cols);
 
 /* KVC_ERR_INVALID_ARG for an unsupported type, cols not a multiple of the
@@ -80,8 +86,8 @@ kvc_status kvc__gemm(int32_t wt, const void *W, int64_t rows, int64_t cols, cons
  * unable to fail. */
 size_t kvc__gemm_scratch_bytes(int32_t wt, int64_t cols, int64_t n);
 
-/* One row of n elements of type t to float32 (embedding lookups): the gemm
- * types plus Q5_0, Q5_1, Q4_K and Q6_K (n a multiple of the block size). */
+/* One row of n elements of type t to float32 (embedding lookups):
+ * kvc_ggml_dequantize (gguf.h), the gemm types plus Q5_0 and Q5_1. */
 kvc_status kvc__ggml_dequant_row(int32_t t, const void *src, int64_t n, float *dst);
 
 /* Name of the kernel set kvc__gemm uses now for weight type wt ("scalar",
@@ -94,7 +100,7 @@ const char *kvc__gemm_kernel_name(int32_t wt);
 void kvc__gemm_set_no_vnni(int on);
 
 /* Internal switch (tests, benchmarks): the integer width of quantized
- * activations for Q8_0/Q4_0/Q4_1 weights, 16 (the default, what the model
+ * activations for the quantized weight types, 16 (the default, what the model
  * runtime uses) or 8 (faster batched products, coarser: see above);
  * KVC_ERR_INVALID_ARG otherwise. Process-wide; each kvc__gemm call reads it
  * once at its start; do not change it while products run that must agree
