@@ -10,8 +10,9 @@ Modules:
     kvcache.attention  decode attention over the caches (single request and
                    BatchDecodeWithPagedKVCacheWrapper), merge_state(s)
                    (re-exported)
-    kvcache.gguf   GGUFFile: GGUF files through the C reader (re-exported)
-    kvcache.gguf_writer  GGUF writer, ggml quantizers, tiny llama models (tests)
+    kvcache.gguf   GGUFFile: GGUF files through the C reader (re-exported);
+                   ggml_dequantize: ggml blocks to float32
+    kvcache.gguf_writer  GGUF writer, ggml quantizers (K-quants too), tiny llama models (tests)
     kvcache.prefill  prefill attention: single_prefill_with_kv_cache(_return_lse),
                    BatchPrefillWith{Paged,Ragged}KVCacheWrapper (re-exported)
     kvcache.cascade  MultiLevelCascadeAttentionWrapper (re-exported)

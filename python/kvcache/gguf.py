@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import operator
 import os
 from typing import Self
 
@@ -29,7 +30,8 @@ from . import _lib
 from ._lib import Lifetime, NoCopy, check, optional_proto
 from .errors import InvalidArgumentError
 
-__all__ = ["GGUFFile", "GGUFTensor", "ggml_block_bytes", "ggml_block_size", "ggml_type_name"]
+__all__ = ["GGUFFile", "GGUFTensor", "ggml_block_bytes", "ggml_block_size", "ggml_dequantize",
+           "ggml_type_name"]
 
 _vp = ctypes.c_void_p
 _i64 = ctypes.c_int64
@@ -66,6 +68,8 @@ _STRP = ctypes.POINTER(ctypes.c_void_p)  # const char ** (not NUL-terminated: re
 kvc_ggml_type_name = optional_proto("kvc_ggml_type_name", ctypes.c_char_p, ctypes.c_int32)
 kvc_ggml_block_size = optional_proto("kvc_ggml_block_size", _i64, ctypes.c_int32)
 kvc_ggml_block_bytes = optional_proto("kvc_ggml_block_bytes", _i64, ctypes.c_int32)
+kvc_ggml_dequantize = optional_proto("kvc_ggml_dequantize", _c_int, ctypes.c_int32, _vp, _i64,
+                                     _vp)
 kvc_gguf_open = optional_proto("kvc_gguf_open", _c_int, _CSTR, ctypes.POINTER(_vp))
 kvc_gguf_open_memory = optional_proto("kvc_gguf_open_memory", _c_int, _vp, ctypes.c_size_t,
                                       ctypes.POINTER(_vp))
@@ -113,6 +117,36 @@ def ggml_block_size(t: int) -> int:
 def ggml_block_bytes(t: int) -> int:
     v = _ggml_type(t)
     return int(kvc_ggml_block_bytes(v)) if v is not None else 0
+
+
+def ggml_dequantize(data, t, n: int | None = None) -> np.ndarray:
+    """n elements of ggml type t (a code, e.g. 12 for Q4_K) decoded from the
+    raw blocks in data (bytes-like or a uint8 array) to float32 by the C
+    library (kvc_ggml_dequantize: bitwise ggml's float32 dequantization).
+    n defaults to all the elements data holds. InvalidArgumentError for an
+    unknown type or a size that is not whole blocks, UnsupportedError for a
+    type the library does not decode."""
+    v = _ggml_type(t)
+    if v is None:
+        raise InvalidArgumentError(f"ggml type {t!r} is not an int32")
+    raw = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+    bs, bb = ggml_block_size(v), ggml_block_bytes(v)
+    if n is None:
+        if bb == 0 or raw.size % bb:
+            raise InvalidArgumentError(f"{raw.size} bytes are not whole blocks of ggml type {t}")
+        n = raw.size // bb * bs
+    try:
+        n = operator.index(n)
+    except TypeError as exc:
+        raise InvalidArgumentError(f"n must be an integer, got {n!r}") from exc
+    if not -(2**63) <= n < 2**63:
+        raise InvalidArgumentError(f"n = {n} does not fit in int64")
+    if bs and n >= 0 and n % bs == 0 and n // bs * bb > raw.size:
+        raise InvalidArgumentError(f"{n} elements need {n // bs * bb} bytes, data has {raw.size}")
+    out = np.empty(max(n, 0), np.float32)
+    check(kvc_ggml_dequantize(v, raw.ctypes.data if raw.size else None, n,
+                              out.ctypes.data if out.size else None))
+    return out
 
 
 def _bytes_at(ptr: int | None, n: int) -> bytes:

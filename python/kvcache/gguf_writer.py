@@ -35,6 +35,30 @@ qs[j - 16] for j >= 16. Quantization (what ggml's reference quantizers do):
 
 A zero scale gives q = 0 (Q4_0: nibble 8). Scales are stored as float16; the
 codes are computed with the unrounded scale, as ggml does.
+
+K-quants pack 256 consecutive elements (a super-block) of a row:
+
+=====  =====  ==========================================================
+type   bytes  layout, value of element e = 32 j + l (sub-block j)
+=====  =====  ==========================================================
+Q4_K   144    f16 d, f16 dmin, u8 scales[12], u8 qs[128];
+              x_e = (d * sc_j) * q_e - dmin * m_j
+Q5_K   176    f16 d, f16 dmin, u8 scales[12], u8 qh[32], u8 qs[128];
+              as Q4_K with bit j of qh[l] as bit 4 of q_e
+Q6_K   210    u8 ql[128], u8 qh[64], int8 scales[16], f16 d;
+              x_e = (d * scales[e // 16]) * (q_e - 32)
+=====  =====  ==========================================================
+
+Q4_K/Q5_K: q_e is nibble j % 2 of qs[32 (j // 2) + l]; sc_j, m_j are 6-bit,
+j < 4 in the low 6 bits of scales[j] / scales[j + 4], j >= 4 in the nibbles
+of scales[j + 4] (low: sc, high: m) with their top 2 bits in bits 6-7 of
+scales[j - 4] / scales[j]. Q6_K: element e = 128 h + r takes its low 4 bits
+from ql[64 h + r % 64] (high nibble when r >= 64) and bits 4-5 from bits
+2 (r // 32) of qh[32 h + r % 32]. The quantizers here are simple (one pass,
+no search like ggml's): per sub-block Q4_K/Q5_K take the range [min(x, 0),
+max x] and Q6_K max|x| / 31; the sub-block scales are then quantized against
+d = max scale / 63 (Q6_K: / 127), and the codes computed with the stored
+(float16 d times integer scale) factors, so they always decode in range.
 """
 
 from __future__ import annotations
@@ -116,10 +140,13 @@ class GGMLType:
     Q4_0 = 2
     Q4_1 = 3
     Q8_0 = 8
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
     BF16 = 30
 
     NAMES: ClassVar[dict[int, str]] = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0",
-                                       30: "BF16"}
+                                       12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
 
     @classmethod
     def parse(cls, t) -> int:
@@ -137,7 +164,8 @@ class GGMLType:
 
 
 # (elements per block, bytes per block)
-BLOCK_SIZES = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 2: (32, 18), 3: (32, 20)}
+BLOCK_SIZES = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 2: (32, 18), 3: (32, 20),
+               12: (256, 144), 13: (256, 176), 14: (256, 210)}
 
 
 # ---------------------------------------------------------------------------
@@ -182,6 +210,95 @@ def _inv(d: np.ndarray) -> np.ndarray:
         return np.where(d != 0, 1.0 / np.where(d != 0, d, 1), 0).astype(np.float32)
 
 
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    """(n,) float -> (n, 2) bytes of the float16 values."""
+    return v.astype("<f2").view(np.uint8).reshape(-1, 2)
+
+
+def _quantize_k(x: np.ndarray, t: int) -> bytes:
+    if x.ndim == 0 or x.shape[-1] % 256:
+        raise ValueError(f"quantize: the last dimension ({x.shape[-1] if x.ndim else 0}) must "
+                         f"be a multiple of 256 for {GGMLType.NAMES[t]}")
+    x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, 256)
+    n = x.shape[0]
+    if t == GGMLType.Q6_K:
+        s = x.reshape(n, 16, 16)
+        sub = np.abs(s).max(axis=-1) / 31.0  # (n, 16) sub-block scales
+        d16 = (sub.max(axis=-1) / 127.0).astype(np.float16)
+        d = d16.astype(np.float32)
+        sc = np.clip(_round_half_away(sub * _inv(d)[:, None]), -128, 127)
+        eff = (d[:, None] * sc.astype(np.float32)).astype(np.float32)
+        q = np.clip(_round_half_away(s * _inv(eff)[:, :, None]), -32, 31).astype(np.int32) + 32
+        q = q.reshape(n, 2, 128)  # halves h of 128
+        ql = (q[:, :, :64] & 15) | ((q[:, :, 64:] & 15) << 4)  # (n, 2, 64)
+        hi = q >> 4
+        qh = hi[:, :, 0:32] | hi[:, :, 32:64] << 2 | hi[:, :, 64:96] << 4 | hi[:, :, 96:] << 6
+        out = np.zeros((n, 210), np.uint8)
+        out[:, 0:128] = ql.reshape(n, 128)
+        out[:, 128:192] = qh.reshape(n, 64)
+        out[:, 192:208] = sc.astype(np.int8).view(np.uint8)
+        out[:, 208:210] = _f16_bytes(d16)
+        return out.tobytes()
+    nmax = 15 if t == GGMLType.Q4_K else 31
+    s = x.reshape(n, 8, 32)
+    mn = np.minimum(s.min(axis=-1), 0.0)  # x = scale q - min: min <= 0
+    scale = (s.max(axis=-1) - mn) / nmax
+    d16 = (scale.max(axis=-1) / 63.0).astype(np.float16)
+    dmin16 = (-mn.min(axis=-1) / 63.0).astype(np.float16)
+    d, dmin = d16.astype(np.float32), dmin16.astype(np.float32)
+    sc = np.clip(_round_half_away(scale * _inv(d)[:, None]), 0, 63).astype(np.int32)
+    m = np.clip(_round_half_away(-mn * _inv(dmin)[:, None]), 0, 63).astype(np.int32)
+    dj = (d[:, None] * sc.astype(np.float32)).astype(np.float32)
+    mj = (dmin[:, None] * m.astype(np.float32)).astype(np.float32)
+    q = np.clip(_round_half_away((s + mj[:, :, None]) * _inv(dj)[:, :, None]), 0, nmax)
+    q = q.astype(np.int32)  # (n, 8, 32)
+    scales = np.zeros((n, 12), np.int32)
+    scales[:, 0:4] = sc[:, :4] | (sc[:, 4:] >> 4) << 6
+    scales[:, 4:8] = m[:, :4] | (m[:, 4:] >> 4) << 6
+    scales[:, 8:12] = (sc[:, 4:] & 15) | (m[:, 4:] & 15) << 4
+    qs = (q[:, 0::2] & 15) | (q[:, 1::2] & 15) << 4  # (n, 4, 32): sub-blocks 2g, 2g + 1
+    out = np.zeros((n, 144 if nmax == 15 else 176), np.uint8)
+    out[:, 0:2] = _f16_bytes(d16)
+    out[:, 2:4] = _f16_bytes(dmin16)
+    out[:, 4:16] = scales
+    if nmax == 31:
+        qh = np.zeros((n, 32), np.int32)
+        for j in range(8):
+            qh |= (q[:, j] >> 4) << j
+        out[:, 16:48] = qh
+    out[:, -128:] = qs.reshape(n, 128)
+    return out.tobytes()
+
+
+def _dequantize_k(blk: np.ndarray, t: int) -> np.ndarray:
+    """(n, block bytes) K-quant super-blocks -> (n, 256) float32, ggml's order
+    of float32 operations."""
+    n = blk.shape[0]
+    if t == GGMLType.Q6_K:
+        d = blk[:, 208:210].copy().view("<f2").astype(np.float32)  # (n, 1)
+        sc = blk[:, 192:208].copy().view(np.int8).astype(np.float32)  # (n, 16)
+        ql = blk[:, 0:128].reshape(n, 2, 64).astype(np.int32)
+        qh = blk[:, 128:192].reshape(n, 2, 32).astype(np.int32)
+        lo = np.concatenate([ql & 15, ql >> 4], axis=-1)  # (n, 2, 128)
+        hi = np.concatenate([(qh >> k) & 3 for k in (0, 2, 4, 6)], axis=-1)
+        q = ((lo | hi << 4) - 32).astype(np.float32).reshape(n, 16, 16)
+        return ((d * sc)[:, :, None] * q).reshape(n, 256)
+    five = t == GGMLType.Q5_K
+    d = blk[:, 0:2].copy().view("<f2").astype(np.float32)
+    dmin = blk[:, 2:4].copy().view("<f2").astype(np.float32)
+    s = blk[:, 4:16].astype(np.int32)
+    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 15) | (s[:, 0:4] >> 6) << 4], axis=1)
+    m = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | (s[:, 4:8] >> 6) << 4], axis=1)
+    qs = blk[:, -128:].reshape(n, 4, 32).astype(np.int32)
+    q = np.stack([qs & 15, qs >> 4], axis=2).reshape(n, 8, 32)
+    if five:
+        qh = blk[:, 16:48].astype(np.int32)
+        q = q | np.stack([(qh >> j) & 1 for j in range(8)], axis=1) << 4
+    dj = d * sc.astype(np.float32)
+    mj = dmin * m.astype(np.float32)
+    return (dj[:, :, None] * q.astype(np.float32) - mj[:, :, None]).reshape(n, 256)
+
+
 def quantize(x, ggml_type) -> bytes:
     """Encodes float data (any shape; rows along the last axis) in a ggml type."""
     t = GGMLType.parse(ggml_type)
@@ -192,6 +309,8 @@ def quantize(x, ggml_type) -> bytes:
         return np.ascontiguousarray(x, dtype="<f2").tobytes()
     if t == GGMLType.BF16:
         return _f32_to_bf16_bits(x).astype("<u2").tobytes()
+    if t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K):
+        return _quantize_k(x, t)
     b = _blocks(x, "quantize")
     n = b.shape[0]
     if t == GGMLType.Q8_0:
@@ -242,6 +361,8 @@ def dequantize(data, ggml_type, shape) -> np.ndarray:
     if t == GGMLType.BF16:
         return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(shape)
     blk = raw.reshape(-1, bb)
+    if t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K):
+        return _dequantize_k(blk, t).reshape(shape)
     d = blk[:, 0:2].copy().view("<f2").astype(np.float32)  # (n, 1)
     if t == GGMLType.Q8_0:
         q = blk[:, 2:].copy().view(np.int8).astype(np.float32)

@@ -1,0 +1,178 @@
+"""K-quant weights (Q4_K, Q5_K, Q6_K) and ggml block decoding.
+
+* kvc_ggml_dequantize (kvcache.gguf.ggml_dequantize) against the `gguf`
+  package's gguf.quants.dequantize, bitwise (float32 bit patterns equal), for
+  every type it decodes: random bytes with the float16 scale fields set to
+  finite values of every magnitude class (normal, subnormal, zero, both
+  signs), so every code, 6-bit scale / min and sign path is hit.
+* The writer's K-quant encoder/decoder (kvcache.gguf_writer) against the same
+  package, and its error against the float input.
+* A tiny random llama whose matrices mix Q4_K, Q5_K and Q6_K (as a Q4_K_M
+  file does) against the numpy float64 reference (llama_reference.py, which
+  dequantizes with the gguf package): same tolerance as test_model.py's
+  quantized models (int16 activations: the weights' own quantization is the
+  reference's, so only activation rounding and float32 sums remain), every
+  ISA, and the cache exactness of seed 001.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcache
+from kvcache.gguf import GGUFFile, ggml_dequantize
+from kvcache.model import Model
+
+gguf = pytest.importorskip("gguf")
+from kvcache import gguf_writer as W  # noqa: E402
+from llama_reference import LlamaReference  # noqa: E402
+from test_model import _check_exact, _check_logits, _isa  # noqa: E402
+
+# ggml type -> (block elements, block bytes, offsets of float16 fields)
+BLOCKS = {
+    "Q8_0": (32, 34, (0,)), "Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)),
+    "Q5_0": (32, 22, (0,)), "Q5_1": (32, 24, (0, 2)), "Q4_K": (256, 144, (0, 2)),
+    "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
+}
+
+
+def _qtype(name):
+    return gguf.GGMLQuantizationType[name]
+
+
+def _f16_fields(rng, n):
+    """n finite float16 values: mostly moderate (1e-4..1), some subnormal,
+    zero and large (up to 1e3), both signs."""
+    mag = 10.0 ** rng.uniform(-4, 0, n)
+    kind = rng.integers(0, 10, n)
+    mag = np.where(kind == 0, rng.uniform(0, 6e-5, n), mag)  # subnormal float16
+    mag = np.where(kind == 1, 0.0, mag)
+    mag = np.where(kind == 2, 10.0 ** rng.uniform(0, 3, n), mag)
+    v = (mag * rng.choice([-1.0, 1.0], n)).astype(np.float16)
+    assert np.isfinite(v).all()
+    return v
+
+
+def _random_blocks(rng, name, n_blocks):
+    bs, bb, f16_at = BLOCKS[name]
+    raw = rng.integers(0, 256, size=(n_blocks, bb), dtype=np.uint8)
+    for off in f16_at:
+        raw[:, off:off + 2] = _f16_fields(rng, n_blocks).view(np.uint8).reshape(n_blocks, 2)
+    return raw.reshape(-1), n_blocks * bs
+
+
+def _bitwise_equal(a, b):
+    a = np.ascontiguousarray(a, np.float32).reshape(-1)
+    b = np.ascontiguousarray(b, np.float32).reshape(-1)
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS))
+def test_dequantize_bitwise_equals_gguf(name):
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    raw, n = _random_blocks(rng, name, 512)
+    ours = ggml_dequantize(raw, int(_qtype(name)))
+    ref = gguf.quants.dequantize(raw, _qtype(name))
+    assert ours.shape == (n,)
+    ref_bits = np.ascontiguousarray(ref, np.float32).reshape(-1).view(np.uint32)
+    bad = np.flatnonzero(ours.view(np.uint32) != ref_bits)
+    assert bad.size == 0, f"{name}: {bad.size} elements differ, first {bad[0]}: " \
+        f"{ours[bad[0]]!r} vs {ref.reshape(-1)[bad[0]]!r}"
+    assert np.isfinite(ours).all()
+
+
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16"])
+def test_dequantize_float_types_bitwise(name):
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(1000) * 10.0 ** rng.uniform(-3, 3, 1000)).astype(np.float32)
+    if name == "F32":
+        raw, ref = x.view(np.uint8), x
+    elif name == "F16":
+        h = x.astype(np.float16)
+        raw, ref = h.view(np.uint8), gguf.quants.dequantize(h.view(np.uint8), _qtype(name))
+    else:
+        bits = (x.view(np.uint32) >> 16).astype(np.uint16)
+        raw = bits.view(np.uint8)
+        ref = gguf.quants.dequantize(raw, _qtype(name))
+    assert _bitwise_equal(ggml_dequantize(raw, int(_qtype(name))), ref)
+
+
+def test_dequantize_errors():
+    q4k = int(_qtype("Q4_K"))
+    with pytest.raises(kvcache.InvalidArgumentError, match="whole"):
+        ggml_dequantize(bytes(143), q4k)
+    with pytest.raises(kvcache.InvalidArgumentError, match="Q4_K"):
+        ggml_dequantize(bytes(144), q4k, 128)  # not a whole block
+    with pytest.raises(kvcache.InvalidArgumentError):
+        ggml_dequantize(bytes(144), q4k, 512)  # more than the data holds
+    with pytest.raises(kvcache.InvalidArgumentError):
+        ggml_dequantize(bytes(32), 99)
+    with pytest.raises(kvcache.UnsupportedError, match="Q2_K"):
+        ggml_dequantize(bytes(84), int(_qtype("Q2_K")))
+    assert ggml_dequantize(b"", q4k).shape == (0,)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+def test_writer_k_quants_match_gguf(name):
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((6, 768)) * np.exp(rng.uniform(-3, 1, (6, 1)))).astype(np.float32)
+    x[1, :256] = 0.0  # an all-zero super-block
+    x[2, 256:512] = np.abs(x[2, 256:512])  # no negative values (Q4_K/Q5_K min 0)
+    code = W.GGMLType.parse(name)
+    data = W.quantize(x, code)
+    assert len(data) == x.size // 256 * BLOCKS[name][1]
+    ours = W.dequantize(data, code, x.shape)
+    ref = gguf.quants.dequantize(np.frombuffer(data, np.uint8), _qtype(name)).reshape(x.shape)
+    assert _bitwise_equal(ours, ref)
+    assert _bitwise_equal(ggml_dequantize(data, code), ref)
+    assert not ours[1, :256].any()
+    # one pass, no search: the error of a plain 4/5/6-bit grid (plus 6/8-bit scales)
+    rel = {"Q4_K": 0.09, "Q5_K": 0.045, "Q6_K": 0.03}[name]
+    for r in range(x.shape[0]):
+        assert np.abs(ours[r] - x[r]).max() <= rel * np.abs(x[r]).max() + 1e-30
+
+
+# -- a tiny llama with mixed K-quant matrices ----------------------------------------
+
+KQ_TYPES = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K",
+            "attn_output": "Q4_K", "ffn_gate": "Q5_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K",
+            "output": "Q6_K"}
+
+
+@pytest.fixture(scope="module")
+def kq_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kq") / "tiny_kq.gguf"
+    # every matrix's input dimension a multiple of 256 (the super-block)
+    W.write_tiny_llama(path, n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, seed=11,
+                       weight_types=KQ_TYPES, tied_output=False, attn_gain=2.0)
+    m = Model(path)
+    yield path, m, LlamaReference(str(path))
+    m.close()
+
+
+def test_kq_model_stores_the_k_quant_types(kq_model):
+    path, _, _ = kq_model
+    with GGUFFile(path) as f:
+        types = {t.name: t.type_name for t in f.tensors}
+    assert types["blk.1.attn_k.weight"] == "Q5_K"
+    assert types["blk.0.ffn_down.weight"] == "Q6_K"
+    assert types["output.weight"] == "Q6_K"
+    assert {"Q4_K", "Q5_K", "Q6_K"} <= set(types.values())
+
+
+def test_kq_model_logits_match_numpy_reference(kq_model):
+    _, m, ref = kq_model
+    rng = np.random.default_rng(2)
+    toks = rng.integers(0, m.n_vocab, size=29)
+    want = ref.logits(toks)
+    base = m.eval(toks, kv_dtype="float32", num_threads=2)
+    _check_logits(base, want, 1e-3)
+    for isa in kvcache.supported_isas():  # every kernel set the host runs
+        with _isa(isa):
+            _check_logits(m.eval(toks, kv_dtype="float32", num_threads=2), want, 1e-3)
+
+
+def test_kq_model_cache_is_exact_float32(kq_model):
+    _, m, _ = kq_model
+    _check_exact(m, [3, 1, 4, 1, 5, 9, 2, 6], 24, 16)  # eval pages hold 16 tokens too
