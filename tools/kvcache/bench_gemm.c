@@ -2,7 +2,10 @@
  * `kvcache bench gemm`: the model runtime's matrix products (src/model/
  * gemm.h) on SmolLM2-135M's shapes (rows x cols of W): 576x576 (attention
  * q/o), 192x576 (k/v), 1536x576 (ffn gate/up), 576x1536 (ffn down), and the
- * 49152x576 Q8_0 output head; weights Q4_1, Q8_0 and F16.
+ * 49152x576 Q8_0 output head, plus 2048x2048 (a 1B model's attention q/o);
+ * weights Q4_1, Q8_0, F16 and the K-quants Q4_K, Q5_K, Q6_K (these on the
+ * shapes whose cols is a multiple of their 256-element super-block:
+ * 576x1536 and 2048x2048; --quick: 576x576, 192x576 and 576x1536).
  *
  * n = 1 (decode at batch 1) is a weight stream: the case cycles through
  * copies of W spanning far more than the last-level cache, so every call
@@ -204,7 +207,7 @@ static double measure_peak(peak_kind k, int nt, double budget) {
 /* The instruction kernel set `kernel` is built on for weight type wt with
  * bits-wide activations (bits 0: float weights). */
 static peak_kind peak_for(const char *kernel, int32_t wt, int bits) {
-    const int quant = wt == KVC_GGML_Q4_1 || wt == KVC_GGML_Q8_0;
+    const int quant = wt != KVC_GGML_F16 && wt != KVC_GGML_F32 && wt != KVC_GGML_BF16;
     if (strcmp(kernel, "avx512-vnni") == 0) return bits == 16 ? PEAK_VNNIW512 : PEAK_VNNI512;
     if (strcmp(kernel, "avx512") == 0) return PEAK_FMA512;
     if (strcmp(kernel, "avx2") == 0)
@@ -237,19 +240,26 @@ static int gm_call(void *ctx) {
     return c->st != KVC_OK;
 }
 
-/* Random weights with float16 scales of a realistic size (0.002..0.02). */
+/* Random weights with float16 scales of a realistic size (0.002..0.02 for
+ * 32-element blocks; K-quant super-block scales, multiplied by 6-bit or int8
+ * sub-block scales, 10 to 100 times smaller). */
 static void fill_w(int32_t wt, uint8_t *w, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 8) {
         const uint64_t r = bench_mix64((uint64_t)i);
         memcpy(w + i, &r, bytes - i < 8 ? (size_t)(bytes - i) : 8);
     }
-    const int64_t bb = wt == KVC_GGML_Q8_0 ? 34 : wt == KVC_GGML_Q4_1 ? 20 : 2;
+    const int kq = wt == KVC_GGML_Q4_K || wt == KVC_GGML_Q5_K || wt == KVC_GGML_Q6_K;
+    const int64_t bb = kvc_ggml_block_bytes(wt);
+    const int64_t d_at = wt == KVC_GGML_Q6_K ? 208 : 0; /* Q6_K: d last */
+    const int has_m = wt == KVC_GGML_Q4_1 || wt == KVC_GGML_Q4_K || wt == KVC_GGML_Q5_K;
     for (int64_t b = 0; b + bb <= bytes; b += bb) {
         const uint64_t r = bench_mix64((uint64_t)b * 7 + 1);
-        uint16_t d = kvc_f32_to_f16(0.002f + 0.018f * (float)(r & 1023) / 1024.0f);
-        memcpy(w + b, &d, 2);
-        if (wt == KVC_GGML_Q4_1) {
-            d = kvc_f32_to_f16(-0.05f * (float)((r >> 10) & 1023) / 1024.0f);
+        const float dv = 0.002f + 0.018f * (float)(r & 1023) / 1024.0f;
+        uint16_t d = kvc_f32_to_f16(kq ? dv * 0.02f : dv);
+        memcpy(w + b + d_at, &d, 2);
+        if (has_m) { /* Q4_1 m (an offset), Q4_K/Q5_K dmin (subtracted) */
+            const float mv = 0.05f * (float)((r >> 10) & 1023) / 1024.0f;
+            d = kvc_f32_to_f16(kq ? mv * 0.02f : -mv);
             memcpy(w + b + 2, &d, 2);
         }
     }
@@ -273,19 +283,20 @@ static int time_with_read(gm_case *c, double op_s, bench_membw_ctx *mb, double r
     return 0;
 }
 
-static const char *type_name(int32_t wt) {
-    return wt == KVC_GGML_Q4_1 ? "Q4_1" : wt == KVC_GGML_Q8_0 ? "Q8_0" : "F16";
-}
+static const char *type_name(int32_t wt) { return kvc_ggml_type_name(wt); }
 
 int bench_gemm(const bench_opts *o) {
     static const gm_shape shapes_full[] = {{576, 576, "attn q/o"},   {192, 576, "attn k/v"},
                                            {1536, 576, "ffn gate/up"}, {576, 1536, "ffn down"},
-                                           {49152, 576, "output"}};
-    static const gm_shape shapes_quick[] = {{576, 576, "attn q/o"}, {192, 576, "attn k/v"}};
-    static const int32_t types[] = {KVC_GGML_Q4_1, KVC_GGML_Q8_0, KVC_GGML_F16};
+                                           {49152, 576, "output"},   {2048, 2048, "1B q/o"}};
+    static const gm_shape shapes_quick[] = {
+        {576, 576, "attn q/o"}, {192, 576, "attn k/v"}, {576, 1536, "ffn down"}};
+    static const int32_t types[] = {KVC_GGML_Q4_1, KVC_GGML_Q8_0, KVC_GGML_F16,
+                                    KVC_GGML_Q4_K, KVC_GGML_Q5_K, KVC_GGML_Q6_K};
+    const int n_types = (int)(sizeof types / sizeof types[0]);
     static const int64_t ns_full[] = {1, 16, 128}, ns_quick[] = {1, 16};
     const gm_shape *shapes = o->quick ? shapes_quick : shapes_full;
-    const int n_shapes = o->quick ? 2 : 5, n_ns = o->quick ? 2 : 3;
+    const int n_shapes = o->quick ? 3 : 6, n_ns = o->quick ? 2 : 3;
     const int64_t *ns = o->quick ? ns_quick : ns_full;
     int64_t one_n = o->batch;
     int n_ns_used = one_n ? 1 : n_ns;
@@ -317,10 +328,11 @@ int bench_gemm(const bench_opts *o) {
             continue;
         }
         for (int si = 0; si < n_shapes; si++)
-            for (int wi = 0; wi < 3; wi++) {
+            for (int wi = 0; wi < n_types; wi++) {
                 const gm_shape s = shapes[si];
                 const int32_t wt = types[wi];
                 if (s.rows == 49152 && wt != KVC_GGML_Q8_0) continue; /* the head is Q8_0 */
+                if (s.cols % kvc_ggml_block_size(wt) != 0) continue; /* K-quants: 256 */
                 gm_case c;
                 memset(&c, 0, sizeof c);
                 c.wt = wt;
