@@ -10,14 +10,19 @@
  *     32767, the default) and int8 (Q = 127, kvc__gemm_set_act_bits(8));
  *   - the exact reference of the integer paths: per block the integer dot
  *     product of the weight integers with the quantized activations, times
- *     d_w * d_x (+ m_w * d_x * sum q for Q4_1), summed in double.
+ *     d_w * d_x (+ m_w * d_x * sum q for Q4_1), summed in double; K-quants:
+ *     integers and scales decoded as ggml's dequantize_row_q*_K loops walk
+ *     them (kq_ref_ints), per 32-element sub-block d sc d_x isum - dmin m
+ *     d_x sum q (Q4_K/Q5_K) or per 16-element half d sc_h d_x isum_h (Q6_K).
  * Checks, every type x every kernel set (scalar, avx2, avx512 with and
  * without VNNI) x activation width {16, 8} (quantized types) x rows {1, 7,
  * 64, 576, 1537} x cols {32, 64, 352, 576, 1536} (1, 2, 11, 18, 48 blocks:
- * every kind of partial group of 8 and 16 blocks) x n {1, 2, 5, 16, 33}:
+ * every kind of partial group of 8 and 16 blocks; K-quants {256, 512, 768,
+ * 1280, 1536}: 1, 2, 3, 5, 6 super-blocks, odd counts ending in half an
+ * AVX-512 group) x n {1, 2, 5, 16, 33}:
  *   tight: |Y - exact| <= (2 nb + 8) 2^-24 sum_b |term_b| for the integer
- *     paths (nb block terms, Q4_1 twice as many; every float32 rounding of a
- *     term, float(isum) included (int16: |isum| up to 2^27), and every
+ *     paths (nb block terms, Q4_1 and K-quants twice as many; every float32
+ *     rounding of a term, float(isum) included (int16: |isum| up to 2^27), and every
  *     addition costs at most 2^-24 of the absolute sum), and |Y - ref| <=
  *     (cols + 4) 2^-24 sum_c |w_c x_c| for float weights;
  *   loose (integer paths): |Y - sum_c w_c x_c| <= tight bound + sum_b (d_x /
@@ -28,8 +33,8 @@
  *     amax_b (1/254 + 2^-22) per element for int8 and amax_b (1/65534 +
  *     2^-22) for int16: the int16 bound is about 250 times tighter.
  * Plus row independence (bitwise, 1 and 2 threads, both widths), strided
- * X/Y, the activation width switch, error cases and dequant_row for every
- * type.
+ * X/Y, the activation width switch, K-quant integer sums at their bounds,
+ * error cases and dequant_row for every type.
  */
 #include <stdlib.h>
 
@@ -459,9 +464,9 @@ static float *make_x(int64_t n, int64_t cols, int64_t ldx, uint64_t *rng) {
 
 static int grid_type(const tinfo *ti) {
     static const int64_t rows_g[] = {1, 7, 64, 576, 1537}, n_g[] = {1, 2, 5, 16, 33};
-    /* K-quants: 1, 2, 3, 6, 9 super-blocks (odd counts: a half group of 16
+    /* K-quants: 1, 2, 3, 5, 6 super-blocks (odd counts: a half group of 16
      * blocks at the end of an AVX-512 row) */
-    static const int64_t cols_b[] = {32, 64, 352, 576, 1536}, cols_k[] = {256, 512, 768, 1536, 2304};
+    static const int64_t cols_b[] = {32, 64, 352, 576, 1536}, cols_k[] = {256, 512, 768, 1280, 1536};
     const int64_t *cols_g = is_kq(ti->t) ? cols_k : cols_b;
     uint64_t rng = test_seed ^ (uint64_t)ti->t * 0x9e3779b97f4a7c15ull;
     const int n_bits = is_quant(ti->t) ? 2 : 1; /* float weights: no activation width */
