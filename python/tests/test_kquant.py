@@ -13,9 +13,15 @@
   quantized models (int16 activations: the weights' own quantization is the
   reference's, so only activation rounding and float32 sums remain), every
   ISA, and the cache exactness of seed 001.
+* Real weights: the default model with its ffn_down matrices re-encoded as
+  Q4_K (measured 2.5e-4 of the logit range off the float32 reference, 5e-3
+  allowed as for the Q4_1 file; still answers "Paris").
 """
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -176,3 +182,50 @@ def test_kq_model_logits_match_numpy_reference(kq_model):
 def test_kq_model_cache_is_exact_float32(kq_model):
     _, m, _ = kq_model
     _check_exact(m, [3, 1, 4, 1, 5, 9, 2, 6], 24, 16)  # eval pages hold 16 tokens too
+
+
+# -- the default model with its ffn_down matrices in Q4_K ------------------------------
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.mark.skipif(not DEFAULT_MODEL.exists(),
+                    reason=f"{DEFAULT_MODEL} absent (bash scripts/fetch_model.sh)")
+def test_default_model_with_q4_k_ffn_down(tmp_path):
+    """Real weights: SmolLM2's 30 ffn_down matrices (576 x 1536, the only
+    ones whose input dimension is a multiple of 256) re-encoded as Q4_K in
+    place (864 bytes a row fit in the Q4_1 row's 960; the tensor type is
+    patched), against the float32 numpy reference of the patched file with
+    test_model.py's default-model tolerance, and the greedy answer."""
+    path = tmp_path / "smol_q4k.gguf"
+    shutil.copyfile(DEFAULT_MODEL, path)
+    r = gguf.GGUFReader(path, "r+")
+    n = 0
+    for t in r.tensors:
+        if not t.name.endswith("ffn_down.weight"):
+            continue
+        assert t.tensor_type == gguf.GGMLQuantizationType.Q4_1
+        x = gguf.quants.dequantize(t.data, t.tensor_type)
+        q = np.frombuffer(W.quantize(x, "Q4_K"), np.uint8)
+        flat = t.data.reshape(-1)
+        assert q.size < flat.size
+        flat[:q.size] = q
+        # tensor info parts: name length, name, n_dims, dims, type, offset
+        type_part = t.field.parts[-2]
+        assert type_part.dtype == np.uint32 and int(type_part[0]) == 3
+        type_part[0] = int(gguf.GGMLQuantizationType.Q4_K)
+        n += 1
+    r.data.flush()
+    del r
+    assert n == 30
+    with GGUFFile(path) as f:
+        assert {t.type_name for t in f.tensors if "ffn_down" in t.name} == {"Q4_K"}
+    with Model(path) as m:
+        ref = LlamaReference(str(path), dtype=np.float32)
+        toks = [1, 504, 3458, 282, 4649, 314, 30, 3]
+        _check_logits(m.eval(toks, num_threads=2), ref.logits(toks).astype(np.float64), 5e-3)
+        tok = kvcache.Tokenizer.from_gguf(path)
+        q = [{"role": "user", "content": "What is the capital of France?"}]
+        p = tok.encode(tok.apply_chat_template(q, add_generation_prompt=True))
+        text = tok.decode(m.generate([p], 12, num_threads=2)[0])
+        assert "Paris" in text, text
