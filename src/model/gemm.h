@@ -28,9 +28,10 @@
  *       rounding.
  *   Q4_K, Q5_K, Q6_K (cols a multiple of 256): the same activation blocks;
  *       per 32-element sub-block the integer dot product with the
- *       sub-block's integers is scaled by d * sc (Q4_K/Q5_K add -dmin * m *
- *       d_x * sum q); Q6_K's int8 scales cover 16 elements, so each half
- *       block is its own integer sum and term. Same error bound.
+ *       sub-block's integers is scaled by (d * sc) * d_x (Q4_K/Q5_K add
+ *       -(dmin * m) * d_x * sum q); Q6_K's int8 scales cover 16 elements,
+ *       so each half block is its own integer sum and term. Same error
+ *       bound.
  *
  * Activation width, the precision trade-off: per element the activation
  * moves by at most d_x / 2 = amax / (2 Q) of its block: amax / 254 for int8
