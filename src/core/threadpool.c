@@ -44,6 +44,9 @@
  * a spinning thread would take the CPU a holder needs.
  */
 #define SPIN_NS 100000 /* 0.1 ms */
+#define BAD_WAIT_NS 50000 /* a holder this late beyond its task's time was preempted */
+#define BACKOFF_MIN_NS 1000000
+#define BACKOFF_MAX_NS 16000000
 #define KVC__WORKER_STACK ((size_t)1 << 20) /* 1 MiB: several times what a task needs */
 
 #define REM_MASK ((uint64_t)0xffffffffu)
@@ -54,14 +57,16 @@
 
 struct kvc_threadpool {
     int n_threads;
-    int max_spin; /* workers allowed to spin (and woken) at once: min(n_threads, CPUs) - 1 */
+    int max_spin; /* workers kept awake at once: min(n_threads, CPUs) - 1 */
+    /* the caller's: no workers until serial_until after a job waited for a
+     * preempted holder (backoff_ns, doubling while it repeats) */
+    uint64_t serial_until, backoff_ns, last_bad;
     pthread_t *workers; /* n_threads - 1 */
     pthread_mutex_t mu;
     pthread_cond_t work_cv; /* idle workers wait here for a new generation */
     pthread_cond_t done_cv; /* the caller waits here for the holders */
     _Atomic uint64_t state;
     atomic_int sleepers;       /* workers blocked (or about to block) on work_cv */
-    atomic_int spinners;       /* workers spinning for a new job (<= max_spin) */
     atomic_int caller_waiting; /* the caller blocked (or about to block) on done_cv */
     atomic_int shutdown;
     uint64_t gen; /* the caller's: generation of the last job posted */
@@ -98,6 +103,9 @@ static int spin_while(kvc_threadpool *p, spin_cond cond, uint64_t arg) {
             const uint64_t t = now_ns();
             if (t0 == 0) t0 = t;
             else if (t - t0 > SPIN_NS) return cond(p, arg);
+            /* A thread that shares its CPU (a busy machine) lets the other
+             * run: a holder or the caller; alone on it, this returns at once. */
+            sched_yield();
         }
     }
 }
@@ -135,12 +143,9 @@ static int64_t worker_claim(kvc_threadpool *p, uint64_t w, int join) {
     }
 }
 
-/* Takes one of the max_spin spinning places; 0 if none is free. */
-static int take_spin_place(kvc_threadpool *p) {
-    int s = atomic_load(&p->spinners);
-    while (s < p->max_spin)
-        if (atomic_compare_exchange_weak(&p->spinners, &s, s + 1)) return 1;
-    return 0;
+/* Workers not blocked on work_cv (spinning or running a task). */
+static int awake_workers(kvc_threadpool *p) {
+    return p->n_threads - 1 - atomic_load(&p->sleepers);
 }
 
 static void *worker_main(void *arg) {
@@ -148,10 +153,8 @@ static void *worker_main(void *arg) {
     uint64_t seen = 0;
     for (;;) {
         int waiting = same_gen(p, seen);
-        if (waiting && take_spin_place(p)) {
-            waiting = spin_while(p, same_gen, seen);
-            atomic_fetch_sub(&p->spinners, 1);
-        }
+        /* spin only while no more workers are awake than there are CPUs for */
+        if (waiting && awake_workers(p) <= p->max_spin) waiting = spin_while(p, same_gen, seen);
         if (waiting) {
             pthread_mutex_lock(&p->mu);
             atomic_fetch_add(&p->sleepers, 1);
@@ -276,24 +279,29 @@ static void run_job(kvc_threadpool *p, int64_t task0, int64_t n_tasks, kvc__task
     p->gen = (p->gen + 1) & (((uint64_t)1 << (64 - GEN_SHIFT)) - 1);
     atomic_store(&p->state, p->gen << GEN_SHIFT | (uint64_t)n_tasks); /* publishes the job */
     if (atomic_load(&p->sleepers) > 0) {
-        /* helpers the job can use on idle CPUs, beyond those spinning */
+        /* helpers the job can use on idle CPUs, beyond those awake */
         int64_t wake = n_tasks - 1 < p->max_spin ? n_tasks - 1 : p->max_spin;
-        wake -= atomic_load(&p->spinners);
+        wake -= awake_workers(p);
         if (wake > 0) {
             pthread_mutex_lock(&p->mu);
             for (int64_t i = 0; i < wake; i++) pthread_cond_signal(&p->work_cv);
             pthread_mutex_unlock(&p->mu);
         }
     }
+    const uint64_t t0 = now_ns();
+    int64_t mine = 0;
     uint64_t w = atomic_load(&p->state);
     while ((w & REM_MASK) > 0) {
         if (atomic_compare_exchange_weak(&p->state, &w, w - 1)) {
             fn(ctx, task0 + n_tasks - (int64_t)(w & REM_MASK));
+            mine++;
             w = atomic_load(&p->state);
         }
     }
+    if (!holders_busy(p, 0)) return;
     /* Every task is claimed: wait for the workers still running one
      * (spinning only where a CPU is free for them meanwhile). */
+    const uint64_t t1 = now_ns();
     if (p->max_spin > 0 ? spin_while(p, holders_busy, 0) : holders_busy(p, 0)) {
         pthread_mutex_lock(&p->mu);
         atomic_store(&p->caller_waiting, 1);
@@ -301,14 +309,26 @@ static void run_job(kvc_threadpool *p, int64_t task0, int64_t n_tasks, kvc__task
         atomic_store(&p->caller_waiting, 0);
         pthread_mutex_unlock(&p->mu);
     }
+    const uint64_t t2 = now_ns();
+    const uint64_t per_task = mine > 0 ? (t1 - t0) / (uint64_t)mine : t1 - t0;
+    if (t2 - t1 > BAD_WAIT_NS + 4 * per_task) {
+        const int recurring = p->last_bad && t2 - p->last_bad < 2 * p->backoff_ns + BACKOFF_MIN_NS;
+        p->backoff_ns = !recurring ? BACKOFF_MIN_NS
+                        : 2 * p->backoff_ns < BACKOFF_MAX_NS ? 2 * p->backoff_ns
+                                                             : BACKOFF_MAX_NS;
+        p->serial_until = t2 + p->backoff_ns;
+        p->last_bad = t2;
+    }
 }
 
 void kvc__parallel_for(kvc_threadpool *p, int64_t n_tasks, kvc__task_fn fn, void *ctx) {
     if (n_tasks <= 0) return;
-    if (!p || p->n_threads == 1 || n_tasks == 1) {
+    if (!p || p->n_threads == 1 || n_tasks == 1 ||
+        (p->serial_until != 0 && now_ns() < p->serial_until)) {
         for (int64_t t = 0; t < n_tasks; t++) fn(ctx, t);
         return;
     }
+    p->serial_until = 0;
     for (int64_t t0 = 0; t0 < n_tasks; t0 += MAX_JOB_TASKS)
         run_job(p, t0, n_tasks - t0 < MAX_JOB_TASKS ? n_tasks - t0 : MAX_JOB_TASKS, fn, ctx);
 }
