@@ -27,6 +27,7 @@
 int cmd_info(int argc, char **argv);
 int cmd_bench(int argc, char **argv);
 int cmd_run(int argc, char **argv);
+int cmd_chat(int argc, char **argv);
 int cmd_bench_serve(int argc, char **argv);
 int cmd_perplexity(int argc, char **argv);
 

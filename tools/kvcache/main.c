@@ -2,6 +2,9 @@
  * kvcache command-line tool: entry point, top-level usage and the small
  * helpers every subcommand shares (option values, CPU facts).
  *
+ *   kvcache run             generate text with a GGUF model
+ *   kvcache chat            multi-turn chat on standard input
+ *   kvcache bench-serve     continuous-batching throughput
  *   kvcache info            library version, ISA, CPUs
  *   kvcache bench [TARGET]  micro-benchmarks (kvcache bench --help lists them)
  *   kvcache run, bench-serve, perplexity: a GGUF model through the cache
@@ -25,6 +28,7 @@ static const char usage_text[] =
     "\n"
     "commands:\n"
     "  run              generate text with a GGUF model through the cache\n"
+    "  chat             multi-turn chat (one message a line of standard input)\n"
     "  bench-serve      continuous-batching throughput of a GGUF model\n"
     "  perplexity       perplexity of a text file (llama-perplexity's protocol)\n"
     "  info             library version, ISA in use and supported, CPUs\n"
@@ -164,6 +168,7 @@ static int run_command(int argc, char **argv) {
     if (strcmp(cmd, "info") == 0) return cmd_info(argc, argv);
     if (strcmp(cmd, "bench") == 0) return cmd_bench(argc, argv);
     if (strcmp(cmd, "run") == 0) return cmd_run(argc, argv);
+    if (strcmp(cmd, "chat") == 0) return cmd_chat(argc, argv);
     if (strcmp(cmd, "bench-serve") == 0) return cmd_bench_serve(argc, argv);
     if (strcmp(cmd, "perplexity") == 0) return cmd_perplexity(argc, argv);
     if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {
@@ -176,7 +181,8 @@ static int run_command(int argc, char **argv) {
         if (argc == 2) {
             const char *sub = argv[1];
             if (strcmp(sub, "info") == 0 || strcmp(sub, "bench") == 0 || strcmp(sub, "run") == 0 ||
-                strcmp(sub, "bench-serve") == 0 || strcmp(sub, "perplexity") == 0) {
+                strcmp(sub, "chat") == 0 || strcmp(sub, "bench-serve") == 0 ||
+                strcmp(sub, "perplexity") == 0) {
                 char help[] = "--help";
                 char *sub_argv[3] = {argv[1], help, NULL};
                 return run_command(2, sub_argv);

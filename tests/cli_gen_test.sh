@@ -1,0 +1,106 @@
+#!/bin/sh
+# End-to-end checks of the generating commands on the default model:
+#   cli_gen_test.sh CASE KVCACHE_BINARY MODEL
+# Exit 0 pass, 1 fail (with the reason), 77 skip (model or `script` absent).
+# Greedy decoding (--temp 0) makes the replies deterministic.
+set -u
+case_name=$1 kv=$2 model=$3
+[ -f "$model" ] || { echo "skip: no model at $model"; exit 77; }
+tmp=$(mktemp -d) || exit 1
+trap 'rm -rf "$tmp"' EXIT
+fail() { echo "FAIL ($case_name): $*"; for f in "$tmp"/out "$tmp"/err; do
+    [ -f "$f" ] && { echo "--- $f"; cat "$f"; }; done; exit 1; }
+has_cr() { [ "$(tr -dc '\r' < "$1" | wc -c)" -ne 0 ]; }
+# a prompt of 401 tokens: over the 256 that turn progress on
+long_prompt() { i=0; while [ $i -lt 40 ]; do
+    printf 'The quick brown fox jumps over the lazy dog. '; i=$((i + 1)); done; }
+
+case $case_name in
+chat_pipe)
+    # turn 2 must reuse turn 1's prompt from the prefix cache; /reset makes
+    # turn 3 the same prompt (and reply) as turn 1; nothing after /exit runs
+    printf 'What is the capital of France?\nAnd of Germany?\n\n/reset\nWhat is the capital of France?\n/exit\nWhat is the capital of Italy?\n' |
+        "$kv" chat -m "$model" -t 2 --temp 0 -n 32 -v > "$tmp/out" 2> "$tmp/err" ||
+        fail "exit status $?"
+    [ "$(wc -l < "$tmp/out")" -eq 3 ] || fail "expected 3 replies"
+    r1=$(sed -n 1p "$tmp/out") r2=$(sed -n 2p "$tmp/out") r3=$(sed -n 3p "$tmp/out")
+    case $r1 in *Paris*) ;; *) fail "turn 1 does not say Paris" ;; esac
+    case $r2 in *Berlin*) ;; *) fail "turn 2 does not say Berlin" ;; esac
+    [ "$r3" = "$r1" ] || fail "turn 3 after /reset differs from turn 1"
+    grep -q 'conversation reset' "$tmp/err" || fail "no reset notice"
+    grep -q 'turn 4' "$tmp/err" && fail "a turn ran after /exit"
+    # "turn T: reused N of M prompt tokens"
+    reuse() { sed -n "s/.*turn $1: reused \([0-9]*\) of \([0-9]*\) prompt tokens.*/\\$2/p" "$tmp/err"; }
+    n1=$(reuse 1 1) m1=$(reuse 1 2) n2=$(reuse 2 1) m2=$(reuse 2 2) n3=$(reuse 3 1) m3=$(reuse 3 2)
+    [ -n "$m1" ] && [ -n "$m2" ] && [ -n "$m3" ] || fail "missing reuse lines"
+    [ "$n1" -eq 0 ] || fail "turn 1 reused $n1 tokens from an empty cache"
+    [ "$m2" -gt "$m1" ] || fail "turn 2's prompt ($m2) does not hold turn 1's ($m1)"
+    # pages hold 16 tokens: all of turn 1's prompt but its last partial page
+    [ "$n2" -ge $((m1 - 15)) ] || fail "turn 2 reused $n2 of turn 1's $m1 prompt tokens"
+    [ "$n2" -lt "$m2" ] || fail "turn 2 reused its whole prompt"
+    [ "$m3" -eq "$m1" ] || fail "after /reset the prompt has $m3 tokens, turn 1 had $m1"
+    [ "$n3" -ge $((m1 - 15)) ] || fail "turn 3 reused only $n3 of $m3"
+    has_cr "$tmp/err" && fail "progress written to a piped stderr"
+    ;;
+chat_template)
+    # --chat-template and --system: turn 1's prompt must be exactly the text
+    # this template renders, counted by `run -f` on that text
+    printf '%s' "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}
+{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}" > "$tmp/tmpl.jinja"
+    printf 'system: Answer in one word.\nuser: Name a colour.\nassistant:' > "$tmp/rendered"
+    echo 'Name a colour.' | "$kv" chat -m "$model" -t 2 -n 4 -v --chat-template "$tmp/tmpl.jinja" \
+        -s 'Answer in one word.' > "$tmp/out" 2> "$tmp/err" || fail "chat exit status $?"
+    m=$(sed -n 's/.*turn 1: reused [0-9]* of \([0-9]*\) prompt tokens.*/\1/p' "$tmp/err")
+    "$kv" run -m "$model" -t 2 -n 1 -f "$tmp/rendered" > /dev/null 2> "$tmp/err2" ||
+        fail "run exit status $?"
+    want=$(sed -n 's/.*| prompt \([0-9]*\) tokens in.*/\1/p' "$tmp/err2")
+    [ -n "$m" ] && [ -n "$want" ] || fail "counts missing"
+    [ "$m" -eq "$want" ] || fail "chat's prompt has $m tokens, the template renders $want"
+    # the model's own template gives another prompt
+    echo 'Name a colour.' | "$kv" chat -m "$model" -t 2 -n 4 -v -s 'Answer in one word.' \
+        > /dev/null 2> "$tmp/err3" || fail "chat exit status $?"
+    m0=$(sed -n 's/.*turn 1: reused [0-9]* of \([0-9]*\) prompt tokens.*/\1/p' "$tmp/err3")
+    [ -n "$m0" ] && [ "$m0" -ne "$m" ] || fail "--chat-template changed nothing ($m0 tokens)"
+    ;;
+run_file)
+    # -f FILE and -f - give what -p gives (one trailing newline dropped)
+    "$kv" run -m "$model" -t 2 -n 6 -q -p 'The capital of France is' > "$tmp/want" ||
+        fail "run -p exit status $?"
+    echo 'The capital of France is' > "$tmp/prompt"
+    "$kv" run -m "$model" -t 2 -n 6 -q -f "$tmp/prompt" > "$tmp/out" || fail "run -f exit status $?"
+    cmp -s "$tmp/out" "$tmp/want" || fail "-f FILE differs from -p"
+    "$kv" run -m "$model" -t 2 -n 6 -q -f - < "$tmp/prompt" > "$tmp/out" ||
+        fail "run -f - exit status $?"
+    cmp -s "$tmp/out" "$tmp/want" || fail "-f - differs from -p"
+    grep -q '^The capital of France is .' "$tmp/want" || fail "no continuation"
+    "$kv" run -m "$model" -p x -f "$tmp/prompt" > "$tmp/out" 2> "$tmp/err" && fail "-p with -f accepted"
+    grep -q 'not both' "$tmp/err" || fail "no message for -p with -f"
+    "$kv" run -m "$model" -f "$tmp/missing" > "$tmp/out" 2> "$tmp/err" && fail "a missing file accepted"
+    grep -q 'cannot read' "$tmp/err" || fail "no message for a missing file"
+    ;;
+progress_pipe)
+    # a long prompt with stderr not a terminal: timings only, no \r progress
+    long_prompt > "$tmp/prompt"
+    "$kv" run -m "$model" -t 2 -n 1 -f "$tmp/prompt" > "$tmp/out" 2> "$tmp/err" ||
+        fail "exit status $?"
+    grep -q '| prompt 401 tokens' "$tmp/err" || fail "the prompt is not 401 tokens"
+    has_cr "$tmp/err" && fail "CR progress on a piped stderr"
+    grep -q 'prompt: ' "$tmp/err" && fail "progress on a piped stderr"
+    ;;
+progress_tty)
+    # the same under a pseudo-terminal (util-linux script): the progress line
+    command -v script > /dev/null || { echo "skip: no script(1)"; exit 77; }
+    long_prompt > "$tmp/prompt"
+    script -qec "'$kv' run -m '$model' -t 2 -n 1 -f '$tmp/prompt' 2>&1 >/dev/null" /dev/null \
+        > "$tmp/out" < /dev/null || fail "exit status $?"
+    tr '\r' '\n' < "$tmp/out" | grep -q '^prompt: [0-9]* / 401 tokens' ||
+        fail "no progress line on a terminal"
+    # with -q, none
+    script -qec "'$kv' run -m '$model' -t 2 -n 1 -q -f '$tmp/prompt' 2>&1 >/dev/null" /dev/null \
+        > "$tmp/out" < /dev/null || fail "exit status $?"
+    grep -q 'prompt: ' "$tmp/out" && fail "progress despite -q"
+    ;;
+*)
+    echo "unknown case $case_name"; exit 1 ;;
+esac
+echo "pass: $case_name"

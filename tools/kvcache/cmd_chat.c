@@ -1,0 +1,261 @@
+/*
+ * `kvcache chat`: multi-turn chat with a GGUF model, one user message per
+ * line of standard input (a terminal or a pipe), replies streamed to stdout.
+ *
+ * One engine lives for the whole conversation. Each turn renders the whole
+ * conversation with the chat template (add_generation_prompt) and submits it
+ * as one request; the previous turns' pages (prompt and generated reply)
+ * stay in the prefix cache when that request ends, so only the new message
+ * and the tokens where the re-rendered reply differs from the generated one
+ * are computed. --verbose prints how many prompt tokens each turn reused.
+ */
+#define _POSIX_C_SOURCE 200809L /* getline, isatty */
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cli.h"
+#include "cli_gen.h"
+#include "kvcache/kvcache.h"
+
+static const char chat_usage_head[] =
+    "usage: kvcache chat [-m MODEL] [options]\n"
+    "\n"
+    "Chats with the model: each line of standard input is a user message (from a\n"
+    "terminal or a pipe); each reply streams to stdout, followed by a newline.\n"
+    "The conversation stays in the KV cache between turns: a turn's prompt is the\n"
+    "whole conversation rendered by the chat template, and the prefix cache serves\n"
+    "the part earlier turns computed.\n"
+    "\n"
+    "lines of their own:\n"
+    "  /exit               quit (so does the end of input)\n"
+    "  /reset              start a new conversation (the system message stays)\n"
+    "\n"
+    "options:\n"
+    "  -s, --system TEXT   system message (also -sys, --system-prompt)\n"
+    "  --system-file FILE  system message read from FILE, one trailing newline\n"
+    "                      dropped (also -sysf, --system-prompt-file)\n"
+    "  --chat-template F   Jinja chat template read from file F instead of the model's\n"
+    "                      (also --chat-template-file)\n"
+    "  -c, --ctx-size N    conversation tokens the cache holds (default 4096, at most\n"
+    "                      the model's trained context)\n"
+    "  --special           control-token text typed in a message becomes control\n"
+    "                      tokens (default: plain text)\n";
+static const char chat_usage_tail[] =
+    "  -n, --n-predict N   tokens per reply at most (default 512; lowered to fit the\n"
+    "                      context)\n"
+    "  -v, --verbose       after each reply, on stderr: 'reused N of M prompt tokens'\n"
+    "                      (served by the prefix cache) and timings\n"
+    "  -q, --quiet         no load or prompt progress on stderr\n"
+    "  -h, --help          this text\n";
+
+typedef struct conv {
+    kvc_chat_message *m;
+    char **owned; /* contents this conversation allocated (NULL: not owned) */
+    int64_t n, cap;
+} conv;
+
+static int conv_push(conv *c, const char *role, char *content, int owned) {
+    if (c->n == c->cap) {
+        int64_t nc = c->cap ? 2 * c->cap : 8;
+        kvc_chat_message *m = realloc(c->m, (size_t)nc * sizeof *m);
+        if (m) c->m = m;
+        char **o = realloc(c->owned, (size_t)nc * sizeof *o);
+        if (o) c->owned = o;
+        if (!m || !o) return -1;
+        c->cap = nc;
+    }
+    c->m[c->n] = (kvc_chat_message){role, content};
+    c->owned[c->n] = owned ? content : NULL;
+    c->n++;
+    return 0;
+}
+
+static void conv_truncate(conv *c, int64_t n) {
+    while (c->n > n) free(c->owned[--c->n]);
+}
+
+static int nomem(void) {
+    fprintf(stderr, "kvcache: chat: out of memory\n");
+    return CLI_EXIT_FAIL;
+}
+
+int cmd_chat(int argc, char **argv) {
+    const char *cmd = "chat";
+    const char *system = NULL, *system_file = NULL, *tmpl_file = NULL;
+    int verbose = 0, special = 0;
+    int64_t ctx_size = 4096;
+    cli_gen_opts o;
+    cli_gen_opts_default(&o, 512);
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (cli_is_help(a)) {
+            fputs(chat_usage_head, stdout);
+            fputs(cli_gen_opts_help, stdout);
+            fputs(chat_usage_tail, stdout);
+            return CLI_EXIT_OK;
+        }
+        const int g = cli_gen_opts_parse(cmd, argc, argv, &i, &o);
+        if (g > 1) return g;
+        if (g == 1) continue;
+        if (!strcmp(a, "-v") || !strcmp(a, "--verbose")) {
+            verbose = 1;
+            continue;
+        }
+        if (!strcmp(a, "--special")) {
+            special = 1;
+            continue;
+        }
+        if (!strcmp(a, "-q") || !strcmp(a, "--quiet")) {
+            o.quiet = 1;
+            continue;
+        }
+        /* llama.cpp's spellings too */
+        const char **dst = !strcmp(a, "-s") || !strcmp(a, "--system") || !strcmp(a, "-sys") ||
+                                   !strcmp(a, "--system-prompt")
+                               ? &system
+                           : !strcmp(a, "--system-file") || !strcmp(a, "-sysf") ||
+                                   !strcmp(a, "--system-prompt-file")
+                               ? &system_file
+                           : !strcmp(a, "--chat-template") || !strcmp(a, "--chat-template-file")
+                               ? &tmpl_file
+                               : NULL;
+        const int is_ctx = !strcmp(a, "-c") || !strcmp(a, "--ctx-size");
+        if (!dst && !is_ctx) return cli_usage_error(cmd, "unexpected argument '%s'", a);
+        if (!v) return cli_usage_error(cmd, "%s needs a value", a);
+        i++;
+        if (dst)
+            *dst = v;
+        else if (cli_parse_i64(v, 16, 1 << 20, &ctx_size))
+            return cli_usage_error(cmd, "-c: expected an integer in [16, 1048576], got '%s'", v);
+    }
+    if (system && system_file) return cli_usage_error(cmd, "give --system or --system-file");
+    if ((system_file && !strcmp(system_file, "-")) || (tmpl_file && !strcmp(tmpl_file, "-")))
+        return cli_usage_error(cmd, "standard input carries the messages: name a file");
+
+    int rc = CLI_EXIT_FAIL;
+    char *sys_text = NULL, *tmpl = NULL, *line = NULL;
+    size_t len = 0, line_cap = 0;
+    conv c = {0};
+    kvc_model *model = NULL;
+    kvc_engine *eng = NULL;
+    if (system_file) {
+        if (cli_read_prompt(cmd, system_file, &sys_text, &len)) goto done;
+        system = sys_text;
+    }
+    if (tmpl_file && cli_read_file(cmd, tmpl_file, &tmpl, &len)) goto done;
+    if (!(model = cli_load_model(cmd, o.model_path, o.quiet, 0))) goto done;
+    const kvc_tokenizer *tok = kvc_model_tokenizer(model);
+    kvc_model_info info;
+    if (kvc_model_get_info(model, &info) != KVC_OK) goto fail;
+    /* positions past the trained context are RoPE angles the model never saw */
+    if (ctx_size > info.n_ctx_train) ctx_size = info.n_ctx_train;
+    {   /* a template that cannot render fails now, not at the first message */
+        kvc_chat_message probe[2] = {{"system", system ? system : ""}, {"user", "hi"}};
+        int32_t *ids = NULL;
+        int64_t n = 0;
+        kvc_status st = cli_chat_tokens(tok, tmpl, probe + (system ? 0 : 1), system ? 2 : 1,
+                                        special, &ids, &n);
+        free(ids);
+        if (st != KVC_OK) goto fail;
+    }
+    kvc_engine_params ep = kvc_engine_default_params();
+    ep.n_threads = (int32_t)o.threads;
+    ep.kv_dtype = (kvc_dtype)o.kv_dtype;
+    ep.kv_capacity_tokens = ctx_size;
+    ep.max_running = 1;
+    if (kvc_engine_create(model, &ep, &eng) != KVC_OK) goto fail;
+    const int64_t cap = kvc_cache_capacity_tokens(kvc_engine_cache(eng));
+    if (system && conv_push(&c, "system", (char *)system, 0)) {
+        rc = nomem();
+        goto done;
+    }
+    const int64_t n_keep = c.n;
+    const int interactive = isatty(0);
+    const kvc_sampling_params sp = cli_gen_sampling(&o);
+    rc = CLI_EXIT_OK;
+    for (int64_t turn = 0;;) {
+        if (interactive) {
+            fputs("> ", stdout);
+            fflush(stdout);
+        }
+        ssize_t got = getline(&line, &line_cap, stdin);
+        if (got < 0) break; /* end of input */
+        size_t n = strcspn(line, "\r\n");
+        line[n] = '\0';
+        if (n == 0) continue;
+        if (!strcmp(line, "/exit")) break;
+        if (!strcmp(line, "/reset")) {
+            conv_truncate(&c, n_keep);
+            if (verbose || interactive) fputs("kvcache: chat: conversation reset\n", stderr);
+            continue;
+        }
+        turn++;
+        char *msg = strdup(line);
+        if (!msg || conv_push(&c, "user", msg, 1)) {
+            free(msg);
+            rc = nomem();
+            break;
+        }
+        int32_t *ids = NULL;
+        int64_t n_ids = 0;
+        if (cli_chat_tokens(tok, tmpl, c.m, c.n, special, &ids, &n_ids) != KVC_OK) {
+            fprintf(stderr, "kvcache: chat: %s\n", kvc_last_error());
+            rc = CLI_EXIT_FAIL;
+            break;
+        }
+        if (n_ids >= cap) {
+            /* the message is dropped; the conversation so far stays usable */
+            free(ids);
+            conv_truncate(&c, c.n - 1);
+            fprintf(stderr, "kvcache: chat: the conversation would hold %lld tokens, the "
+                            "context %lld: /reset to start a new one\n",
+                    (long long)n_ids, (long long)cap);
+            continue;
+        }
+        const int64_t room = cap - n_ids;
+        const int32_t n_predict = (int32_t)(o.n_predict < room ? o.n_predict : room);
+        char *reply = NULL;
+        size_t reply_len = 0;
+        cli_gen_result r;
+        int bad = cli_generate(cmd, eng, tok, ids, n_ids, n_predict, &sp, o.ignore_eos, o.quiet,
+                               NULL, stdout, &reply, &reply_len, &r);
+        free(ids);
+        fputc('\n', stdout);
+        fflush(stdout);
+        if (bad) {
+            free(reply);
+            rc = CLI_EXIT_FAIL;
+            break;
+        }
+        if (!reply) reply = strdup(""); /* an empty reply (EOG first) is still a turn */
+        if (!reply || conv_push(&c, "assistant", reply, 1)) {
+            free(reply);
+            rc = nomem();
+            break;
+        }
+        if (verbose)
+            fprintf(stderr,
+                    "kvcache: chat: turn %lld: reused %lld of %lld prompt tokens | prompt %.3f s "
+                    "| generated %lld tokens in %.3f s%s\n",
+                    (long long)turn, (long long)r.n_reused, (long long)r.n_prompt, r.t_prefill,
+                    (long long)r.n_gen, r.t_decode,
+                    r.finish == KVC_FINISH_LENGTH ? " (stopped at -n)" : "");
+    }
+    goto done;
+fail:
+    fprintf(stderr, "kvcache: chat: %s\n", kvc_last_error());
+done:
+    conv_truncate(&c, 0);
+    free(c.m);
+    free(c.owned);
+    free(line);
+    kvc_engine_destroy(eng);
+    kvc_model_destroy(model);
+    free(sys_text);
+    free(tmpl);
+    return rc;
+}
