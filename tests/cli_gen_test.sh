@@ -100,6 +100,54 @@ progress_tty)
         > "$tmp/out" < /dev/null || fail "exit status $?"
     grep -q 'prompt: ' "$tmp/out" && fail "progress despite -q"
     ;;
+serve_sync)
+    # B 2, gen 8: both prompts computed in full, 8 decode steps of 2 rows
+    "$kv" bench-serve -m "$model" --sync --batch 2 --prompt-len 40 --gen 8 --kv-dtype f16,int8 \
+        -t 2 --json > "$tmp/out" 2> "$tmp/err" || fail "exit status $?"
+    [ "$(grep -c '"mode": "sync"' "$tmp/out")" -eq 2 ] || fail "expected 2 sync cases"
+    for f in '"batch": 2,' '"prefill_tokens": 80,' '"decode_tokens": 16,' \
+        '"decode_mean_batch": 2.00,' '"cached_tokens": 0,' '"preemptions": 0,'; do
+        [ "$(grep -c -F "$f" "$tmp/out")" -eq 2 ] || fail "not in both cases: $f"
+    done
+    grep -q '"kv": "float16".*"kv_bytes_per_token": 23040,' "$tmp/out" || fail "f16 KV bytes"
+    grep -q '"decode_tok_s": 0.00' "$tmp/out" && fail "a zero decode rate"
+    # the same greedy tokens as the engine generates for these prompts
+    "$kv" bench-serve -m "$model" --batch 2 --prompt-len 40 --gen 8 --kv-dtype f16,int8 \
+        -t 2 --json > "$tmp/engine" 2> "$tmp/err" || fail "engine exit status $?"
+    fnv() { sed -n 's/.*"kv": "\([a-z0-9]*\)".*"tokens_fnv": "\([0-9a-f]*\)".*/\1 \2/p' "$1"; }
+    [ "$(fnv "$tmp/out" | wc -l)" -eq 2 ] || fail "no token hashes"
+    [ "$(fnv "$tmp/out")" = "$(fnv "$tmp/engine")" ] ||
+        fail "--sync generated other tokens than the engine: $(fnv "$tmp/out") vs $(fnv "$tmp/engine")"
+    # a shared prompt: copies 2 and 3 reuse its 2 full pages, compute 8 rows
+    "$kv" bench-serve -m "$model" --sync --batch 3 --prompt-len 40 --gen 2 --kv-dtype f16 \
+        -t 2 --shared-prompt --json > "$tmp/out" 2> "$tmp/err" || fail "exit status $?"
+    grep -q '"prefill_tokens": 56,.*"cached_tokens": 64,' "$tmp/out" || fail "shared prompt"
+    # ... and with the prefix cache off, every copy computes 40
+    "$kv" bench-serve -m "$model" --sync --batch 3 --prompt-len 40 --gen 2 --kv-dtype f16 \
+        -t 2 --shared-prompt --no-prefix-cache --json > "$tmp/out" 2> "$tmp/err" ||
+        fail "exit status $?"
+    grep -q '"prefill_tokens": 120,.*"cached_tokens": 0,' "$tmp/out" || fail "no prefix cache"
+    # the table: mode line and dec_B = B
+    "$kv" bench-serve -m "$model" --sync --batch 2 --prompt-len 24 --gen 2 --kv-dtype f16 -t 2 \
+        > "$tmp/out" 2> "$tmp/err" || fail "exit status $?"
+    grep -q '^# mode sync (llama-batched-bench protocol)' "$tmp/out" || fail "no mode line"
+    grep -Eq '^float16 +2 +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +2\.0 +23040 +0 +0$' "$tmp/out" ||
+        fail "table row"
+    has_cr "$tmp/err" && fail "progress on a piped stderr"
+    ;;
+serve_text)
+    # -p / -f: every sequence gets the text (shared), its token count is the
+    # prompt length; --prompt-len may only shorten it
+    echo 'The capital of France is Paris, and the capital of Germany is Berlin.' > "$tmp/prompt"
+    "$kv" bench-serve -m "$model" -f "$tmp/prompt" --batch 2 --gen 2 --kv-dtype f16 -t 2 --json \
+        > "$tmp/out" 2> "$tmp/err" || fail "exit status $?"
+    n=$(sed -n 's/.*"prompt_len": \([0-9]*\),.*/\1/p' "$tmp/out")
+    [ -n "$n" ] && [ "$n" -gt 10 ] || fail "prompt length $n"
+    grep -q '"prompt": "text", "shared_prompt": true' "$tmp/out" || fail "text prompt fields"
+    "$kv" bench-serve -m "$model" -f "$tmp/prompt" --prompt-len 500 --batch 1 --gen 2 \
+        > "$tmp/out" 2> "$tmp/err" && fail "--prompt-len past the text accepted"
+    grep -q "the prompt has $n tokens, fewer than --prompt-len" "$tmp/err" || fail "message"
+    ;;
 *)
     echo "unknown case $case_name"; exit 1 ;;
 esac

@@ -3,7 +3,8 @@
  * engine (like llama.cpp's llama-batched-bench): each gets a prompt of
  * --prompt-len tokens and generates --gen tokens (end-of-generation ignored).
  * Reports prompt (prefill) and generation (decode) tokens per second and the
- * KV memory per token of context, for each KV dtype and batch size.
+ * KV memory per token of context, for each KV dtype and batch size. --sync
+ * runs llama-batched-bench's protocol instead (serve_sync.c).
  */
 #define _POSIX_C_SOURCE 200809L /* isatty */
 
@@ -14,7 +15,9 @@
 
 #include "bench.h"
 #include "cli.h"
+#include "cli_gen.h"
 #include "kvcache/kvcache.h"
+#include "serve.h"
 
 static const char serve_usage[] =
     "usage: kvcache bench-serve [-m MODEL] [options]\n"
@@ -23,24 +26,42 @@ static const char serve_usage[] =
     "  -m, --model PATH     GGUF model (default $KVCACHE_MODEL, else\n"
     "                       models/SmolLM2-135M-Instruct.Q4_1.gguf)\n"
     "  --batch LIST         parallel sequences, comma-separated (default 1,16)\n"
-    "  --prompt-len N       prompt tokens per sequence (default 2048)\n"
+    "  --prompt-len N       prompt tokens per sequence (default 2048; with -p/-f the\n"
+    "                       text's token count, and N may only shorten it)\n"
+    "  -p, --prompt TEXT    every sequence's prompt is TEXT's tokens (implies\n"
+    "                       --shared-prompt); default: random tokens\n"
+    "  -f, --file FILE      the same with the text of FILE ('-': standard input; one\n"
+    "                       trailing newline dropped)\n"
     "  --gen N              tokens generated per sequence (default 32)\n"
     "  --kv-dtype LIST      KV storage among f32,f16,bf16,int8,int4 (default f16,int8)\n"
     "  --shared-prompt      one prompt for all sequences (prefix caching serves the\n"
     "                       copies); default: a different random prompt each\n"
-    "  --step-tokens N      token rows per engine step (default 512)\n"
+    "  --no-prefix-cache    every sequence computes its whole prompt, shared or not\n"
+    "  --sync               llama-batched-bench's protocol (below) instead of the\n"
+    "                       continuous-batching engine\n"
+    "  --step-tokens N      token rows per engine step / prefill forward (default 512)\n"
     "  -t, --threads N      threads (default 2)\n"
     "  --quick              prompt 64, gen 8, batch 1,4, f16: a smoke test (options\n"
     "                       given explicitly keep their values)\n"
     "  --json               one JSON object per line\n"
     "  -h, --help           this text\n"
     "\n"
-    "prefill tok/s: prompt token rows computed / time of steps that were not pure\n"
-    "decode; decode tok/s: tokens generated in pure decode steps / their time (the\n"
-    "context then spans prompt-len .. prompt-len + gen); dec_B: the mean batch of\n"
-    "those steps (prompts are prefilled in turn within --step-tokens rows a step, so\n"
-    "early sequences decode in mixed steps and dec_B can be well below B); KV\n"
-    "B/token: cache bytes per token slot over all layers (K, V and scales).\n";
+    "Engine mode (default): all B requests go to the engine at once, as a server\n"
+    "gets them. prefill tok/s: prompt token rows computed / time of steps that were\n"
+    "not pure decode; decode tok/s: tokens generated in pure decode steps / their\n"
+    "time (the context then spans prompt-len .. prompt-len + gen); dec_B: the mean\n"
+    "batch of those steps (prompts are prefilled in turn within --step-tokens rows a\n"
+    "step, so early sequences decode in mixed steps and dec_B can be well below B).\n"
+    "\n"
+    "--sync (llama-batched-bench): first every prompt is prefilled (rows of several\n"
+    "sequences packed --step-tokens to a forward; the last row of each gives its\n"
+    "first token), then --gen decode steps each compute one row of all B sequences\n"
+    "(greedy tokens fed back; contexts prompt-len .. prompt-len + gen - 1). prefill\n"
+    "tok/s = prompt rows computed / phase 1 time (S_PP); decode tok/s = B * gen /\n"
+    "phase 2 time (S_TG); dec_B is B.\n"
+    "\n"
+    "KV B/token: cache bytes per token slot over all layers (K, V and scales);\n"
+    "cached: prompt tokens served from the prefix cache.\n";
 
 /* Splits a comma-separated list into items of fewer than 32 characters:
  * calls item(buf, i, ctx) for each; -1 for an empty list or item (",", "1,")
@@ -68,11 +89,86 @@ static int dtype_item(const char *s, int i, void *out) {
     return cli_parse_kv_dtype(s, (int *)out + i);
 }
 
+/* Engine mode: B requests queued at once, stepped until all are done. */
+static int serve_engine_run(const serve_case *c, serve_result *r) {
+    const int64_t B = c->B;
+    memset(r, 0, sizeof *r);
+    kvc_engine_params ep = kvc_engine_default_params();
+    ep.n_threads = (int32_t)c->threads;
+    ep.kv_dtype = c->kv;
+    ep.max_running = (int32_t)B;
+    ep.max_step_tokens = (int32_t)c->step_tokens;
+    ep.kv_capacity_tokens = B * (c->prompt_len + c->gen + ep.page_size);
+    ep.enable_prefix_caching = c->prefix_cache;
+    kvc_engine *eng = NULL;
+    kvc_engine_event *ev = malloc((size_t)B * sizeof *ev);
+    int32_t *prompt = malloc((size_t)c->prompt_len * sizeof(int32_t));
+    int32_t *out = malloc((size_t)(B * c->gen) * sizeof(int32_t)); /* generated, per sequence */
+    int64_t *n_out = calloc((size_t)B, sizeof(int64_t)), id0 = 0;
+    int ok = 0;
+    if (!ev || !prompt || !out || !n_out) {
+        fprintf(stderr, "kvcache: bench-serve: out of memory\n");
+        goto out;
+    }
+    if (kvc_engine_create(c->model, &ep, &eng) != KVC_OK) goto fail;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t id;
+        serve_prompt(c, b, prompt);
+        if (kvc_engine_add_request(eng, prompt, c->prompt_len, (int32_t)c->gen, NULL, 1, &id) !=
+            KVC_OK)
+            goto fail;
+        if (b == 0) id0 = id; /* ids are consecutive */
+    }
+    int64_t done_tokens = 0, dec_steps = 0, dec_before = 0;
+    kvc_engine_stats s;
+    while (kvc_engine_pending(eng) > 0) {
+        int64_t ne = 0;
+        if (kvc_engine_step(eng, ev, B, &ne) != KVC_OK) goto fail;
+        done_tokens += ne;
+        for (int64_t i = 0; i < ne; i++) {
+            const int64_t b = ev[i].request_id - id0;
+            if (b >= 0 && b < B && n_out[b] < c->gen) out[b * c->gen + n_out[b]++] = ev[i].token;
+        }
+        kvc_engine_get_stats(eng, &s);
+        if (s.decode_only_tokens > dec_before) dec_steps++; /* a pure decode step */
+        dec_before = s.decode_only_tokens;
+        if (c->tty)
+            fprintf(stderr, "\r  %s B=%lld: prompt rows %lld, generated %lld / %lld   ",
+                    kvc_dtype_name(c->kv), (long long)B, (long long)s.prefill_tokens,
+                    (long long)done_tokens, (long long)(B * c->gen));
+    }
+    kvc_engine_get_stats(eng, &s);
+    r->prefill_s = s.step_seconds - s.decode_seconds;
+    r->decode_s = s.decode_seconds;
+    r->prefill_tokens = s.prefill_tokens;
+    r->decode_tokens = s.decode_only_tokens;
+    /* the batch those steps had: prompts are prefilled in turn, so with
+     * B > 1 the early sequences decode in mixed steps and the pure decode
+     * steps come at the end, with fewer sequences left */
+    r->decode_batch = dec_steps > 0 ? (double)s.decode_only_tokens / (double)dec_steps : 0;
+    r->kv_bytes_per_token = s.kv_bytes_per_token;
+    r->cached_tokens = s.cached_tokens;
+    r->preemptions = s.preemptions;
+    r->tokens_fnv = serve_tokens_fnv(out, B, c->gen);
+    ok = 1;
+    goto out;
+fail:
+    fprintf(stderr, "%skvcache: bench-serve: %s\n", c->tty ? "\r\033[K" : "", kvc_last_error());
+out:
+    if (c->tty) fputs("\r\033[K", stderr);
+    kvc_engine_destroy(eng);
+    free(ev);
+    free(prompt);
+    free(out);
+    free(n_out);
+    return ok ? 0 : -1;
+}
+
 int cmd_bench_serve(int argc, char **argv) {
     const char *cmd = "bench-serve";
-    const char *model_path = cli_default_model();
+    const char *model_path = cli_default_model(), *text = NULL, *text_file = NULL;
     int64_t batches[16] = {1, 16}, prompt_len = 2048, gen = 32, threads = 2, step_tokens = 512;
-    int n_batches = 2, n_dtypes = 2, shared = 0, quick = 0, json = 0;
+    int n_batches = 2, n_dtypes = 2, shared = 0, quick = 0, json = 0, sync = 0, no_prefix = 0;
     int set_batch = 0, set_prompt = 0, set_gen = 0, set_dtype = 0; /* win over --quick */
     int dtypes[8] = {KVC_F16, KVC_I8};
     for (int i = 1; i < argc; i++) {
@@ -82,22 +178,24 @@ int cmd_bench_serve(int argc, char **argv) {
             fputs(serve_usage, stdout);
             return CLI_EXIT_OK;
         }
-        if (!strcmp(a, "--shared-prompt")) {
-            shared = 1;
-            continue;
-        }
-        if (!strcmp(a, "--quick")) {
-            quick = 1;
-            continue;
-        }
-        if (!strcmp(a, "--json")) {
-            json = 1;
+        int *flag = !strcmp(a, "--shared-prompt")     ? &shared
+                    : !strcmp(a, "--quick")           ? &quick
+                    : !strcmp(a, "--json")            ? &json
+                    : !strcmp(a, "--sync")            ? &sync
+                    : !strcmp(a, "--no-prefix-cache") ? &no_prefix
+                                                      : NULL;
+        if (flag) {
+            *flag = 1;
             continue;
         }
         if (!v) return cli_usage_error(cmd, "unexpected argument '%s' (or missing value)", a);
         i++;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
             model_path = v;
+        } else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) {
+            text = v;
+        } else if (!strcmp(a, "-f") || !strcmp(a, "--file")) {
+            text_file = v;
         } else if (!strcmp(a, "--batch")) {
             n_batches = split_list(v, 16, batch_item, batches);
             if (n_batches <= 0)
@@ -129,8 +227,9 @@ int cmd_bench_serve(int argc, char **argv) {
             return cli_usage_error(cmd, "unexpected argument '%s'", a);
         }
     }
+    if (text && text_file) return cli_usage_error(cmd, "give -p or -f, not both");
     if (quick) {
-        if (!set_prompt) prompt_len = 64;
+        if (!set_prompt && !text && !text_file) prompt_len = 64;
         if (!set_gen) gen = 8;
         if (!set_batch) {
             batches[0] = 1;
@@ -142,137 +241,108 @@ int cmd_bench_serve(int argc, char **argv) {
             n_dtypes = 1;
         }
     }
-    const int tty = isatty(2);
-    kvc_model_params mp = kvc_model_default_params();
-    kvc_model *model = NULL;
-    if (kvc_model_load(model_path, &mp, &model) != KVC_OK) {
-        fprintf(stderr, "kvcache: bench-serve: cannot load %s: %s\n", model_path,
-                kvc_last_error());
-        return CLI_EXIT_FAIL;
+    char *file_text = NULL;
+    size_t text_len = text ? strlen(text) : 0;
+    if (text_file) {
+        if (cli_read_prompt(cmd, text_file, &file_text, &text_len)) return CLI_EXIT_FAIL;
+        text = file_text;
     }
+    int rc = CLI_EXIT_FAIL;
+    int32_t *text_ids = NULL;
+    kvc_model *model = cli_load_model(cmd, model_path, json, 0);
+    if (!model) goto done;
     kvc_model_info info;
     kvc_model_get_info(model, &info);
+    if (text) {
+        int64_t n_ids = 0;
+        const kvc_tokenizer *tok = kvc_model_tokenizer(model);
+        if (cli_tokenize(tok, text, text_len, kvc_tokenizer_add_bos(tok), 0, &text_ids, &n_ids) !=
+            KVC_OK) {
+            fprintf(stderr, "kvcache: bench-serve: %s\n", kvc_last_error());
+            goto done;
+        }
+        if (n_ids == 0 || (set_prompt && prompt_len > n_ids)) {
+            rc = cli_usage_error(cmd, "the prompt has %lld tokens%s", (long long)n_ids,
+                                 n_ids ? ", fewer than --prompt-len" : "");
+            goto done;
+        }
+        if (!set_prompt) prompt_len = n_ids;
+        shared = 1; /* every sequence gets the text */
+    }
     /* positions past the trained context would time a model outside its
      * range (`kvcache run` refuses such prompts and shortens -n instead) */
-    if (prompt_len + gen > info.n_ctx_train) {
-        kvc_model_destroy(model);
-        return cli_usage_error(cmd, "--prompt-len %lld + --gen %lld exceed the model's trained "
-                               "context of %d tokens", (long long)prompt_len, (long long)gen,
-                               (int)info.n_ctx_train);
+    if (prompt_len + gen > info.n_ctx) {
+        rc = cli_usage_error(cmd, "--prompt-len %lld + --gen %lld exceed the model's trained "
+                             "context of %d tokens", (long long)prompt_len, (long long)gen,
+                             (int)info.n_ctx);
+        goto done;
     }
     char cpu[128];
+    const char *mode = sync ? "sync" : "engine";
     if (!json) {
         printf("# model: %s (%s), %d layers, %d heads / %d kv heads, head dim %d\n", model_path,
                info.name, (int)info.n_layer, (int)info.n_head, (int)info.n_head_kv,
                (int)info.head_dim);
         printf("# cpu: %s, threads %d, isa %s\n", cli_cpu_model(cpu, sizeof cpu), (int)threads,
                kvc_isa_name(kvc_get_isa()));
-        printf("# prompt %lld tokens (%s), gen %lld tokens, step rows %lld\n",
-               (long long)prompt_len, shared ? "shared" : "distinct", (long long)gen,
-               (long long)step_tokens);
+        printf("# mode %s%s, prompt %lld tokens (%s%s), gen %lld tokens, step rows %lld\n", mode,
+               sync ? " (llama-batched-bench protocol)" : " (continuous batching)",
+               (long long)prompt_len, text ? "text, " : "", shared ? "shared" : "distinct",
+               (long long)gen, (long long)step_tokens);
+        if (no_prefix) printf("# prefix cache off\n");
         printf("%-6s %4s %10s %12s %10s %12s %6s %11s %8s %6s\n", "kv", "B", "prefill_s",
                "prefill_t/s", "decode_s", "decode_t/s", "dec_B", "KV_B/token", "cached",
                "preempt");
     }
-    int rc = CLI_EXIT_OK;
-    int32_t *prompt = malloc((size_t)prompt_len * sizeof(int32_t));
-    kvc_engine_event *ev = NULL;
-    if (!prompt) return CLI_EXIT_FAIL;
+    rc = CLI_EXIT_OK;
     for (int di = 0; di < n_dtypes && rc == CLI_EXIT_OK; di++) {
         for (int bi = 0; bi < n_batches && rc == CLI_EXIT_OK; bi++) {
-            const int64_t B = batches[bi];
-            kvc_engine_params ep = kvc_engine_default_params();
-            ep.n_threads = (int32_t)threads;
-            ep.kv_dtype = (kvc_dtype)dtypes[di];
-            ep.max_running = (int32_t)B;
-            ep.max_step_tokens = (int32_t)step_tokens;
-            ep.kv_capacity_tokens = B * (prompt_len + gen + ep.page_size);
-            kvc_engine *eng = NULL;
-            if (kvc_engine_create(model, &ep, &eng) != KVC_OK) {
-                fprintf(stderr, "kvcache: bench-serve: %s\n", kvc_last_error());
+            const serve_case c = {.model = model, .n_vocab = info.n_vocab, .B = batches[bi],
+                                  .prompt_len = prompt_len, .gen = gen, .threads = threads,
+                                  .step_tokens = step_tokens, .kv = (kvc_dtype)dtypes[di],
+                                  .shared = shared, .prefix_cache = !no_prefix,
+                                  .text = text_ids, .tty = isatty(2) && !json};
+            serve_result r;
+            if ((sync ? serve_sync_run(&c, &r) : serve_engine_run(&c, &r)) != 0) {
                 rc = CLI_EXIT_FAIL;
                 break;
             }
-            uint64_t rs = 12345;
-            free(ev);
-            ev = malloc((size_t)B * sizeof *ev);
-            for (int64_t b = 0; b < B && rc == CLI_EXIT_OK; b++) {
-                if (b == 0 || !shared)
-                    for (int64_t i = 0; i < prompt_len; i++)
-                        prompt[i] = (int32_t)(bench_mix64(rs++) % (uint64_t)info.n_vocab);
-                int64_t id;
-                if (!ev || kvc_engine_add_request(eng, prompt, prompt_len, (int32_t)gen, NULL, 1,
-                                                  &id) != KVC_OK) {
-                    fprintf(stderr, "kvcache: bench-serve: %s\n", kvc_last_error());
-                    rc = CLI_EXIT_FAIL;
-                }
+            const double pre_tps = r.prefill_s > 0 ? (double)r.prefill_tokens / r.prefill_s : 0;
+            const double dec_tps = r.decode_s > 0 ? (double)r.decode_tokens / r.decode_s : 0;
+            if (json) {
+                fputs("{\"type\": \"case\", \"target\": \"bench-serve\", \"model\": ", stdout);
+                bench_json_str(stdout, info.name);
+                fputs(", \"cpu\": ", stdout);
+                bench_json_str(stdout, cli_cpu_model(cpu, sizeof cpu));
+                printf(", \"isa\": \"%s\", \"mode\": \"%s\", \"kv\": \"%s\", "
+                       "\"batch\": %lld, \"prompt_len\": %lld, \"gen\": %lld, "
+                       "\"prompt\": \"%s\", \"shared_prompt\": %s, \"prefix_cache\": %s, "
+                       "\"step_tokens\": %lld, \"threads\": %d, "
+                       "\"prefill_s\": %.4f, \"prefill_tokens\": %lld, \"prefill_tok_s\": %.1f, "
+                       "\"decode_s\": %.4f, \"decode_tokens\": %lld, \"decode_tok_s\": %.2f, "
+                       "\"decode_mean_batch\": %.2f, \"kv_bytes_per_token\": %lld, "
+                       "\"cached_tokens\": %lld, \"preemptions\": %lld, "
+                       "\"tokens_fnv\": \"%016llx\"}\n",
+                       kvc_isa_name(kvc_get_isa()), mode, kvc_dtype_name(c.kv), (long long)c.B,
+                       (long long)prompt_len, (long long)gen, text ? "text" : "random",
+                       shared ? "true" : "false", no_prefix ? "false" : "true",
+                       (long long)step_tokens, (int)threads, r.prefill_s,
+                       (long long)r.prefill_tokens, pre_tps, r.decode_s,
+                       (long long)r.decode_tokens, dec_tps, r.decode_batch,
+                       (long long)r.kv_bytes_per_token, (long long)r.cached_tokens,
+                       (long long)r.preemptions, (unsigned long long)r.tokens_fnv);
+            } else {
+                printf("%-6s %4lld %10.3f %12.1f %10.3f %12.2f %6.1f %11lld %8lld %6lld\n",
+                       kvc_dtype_name(c.kv), (long long)c.B, r.prefill_s, pre_tps, r.decode_s,
+                       dec_tps, r.decode_batch, (long long)r.kv_bytes_per_token,
+                       (long long)r.cached_tokens, (long long)r.preemptions);
             }
-            int64_t done_tokens = 0, dec_steps = 0, dec_before = 0;
-            while (rc == CLI_EXIT_OK && kvc_engine_pending(eng) > 0) {
-                int64_t ne = 0;
-                if (kvc_engine_step(eng, ev, B, &ne) != KVC_OK) {
-                    fprintf(stderr, "kvcache: bench-serve: %s\n", kvc_last_error());
-                    rc = CLI_EXIT_FAIL;
-                    break;
-                }
-                done_tokens += ne;
-                kvc_engine_stats sd;
-                kvc_engine_get_stats(eng, &sd);
-                if (sd.decode_only_tokens > dec_before) dec_steps++; /* a pure decode step */
-                dec_before = sd.decode_only_tokens;
-                if (tty && !json) {
-                    kvc_engine_stats s;
-                    kvc_engine_get_stats(eng, &s);
-                    fprintf(stderr, "\r  %s B=%lld: prompt rows %lld, generated %lld / %lld   ",
-                            kvc_dtype_name(ep.kv_dtype), (long long)B,
-                            (long long)s.prefill_tokens, (long long)done_tokens,
-                            (long long)(B * gen));
-                }
-            }
-            if (tty && !json) fputs("\r\033[K", stderr);
-            kvc_engine_stats s;
-            kvc_engine_get_stats(eng, &s);
-            const double pre_s = s.step_seconds - s.decode_seconds;
-            const double pre_tps = pre_s > 0 ? (double)s.prefill_tokens / pre_s : 0;
-            const double dec_tps = s.decode_seconds > 0 ? (double)s.decode_only_tokens /
-                                                              s.decode_seconds : 0;
-            /* the batch those steps had: prompts are prefilled in turn, so with
-             * B > 1 the early sequences decode in mixed steps and the pure
-             * decode steps come at the end, with fewer sequences left */
-            const double dec_b = dec_steps > 0 ? (double)s.decode_only_tokens / (double)dec_steps
-                                               : 0;
-            if (rc == CLI_EXIT_OK) {
-                if (json) {
-                    fputs("{\"type\": \"case\", \"target\": \"bench-serve\", \"model\": ", stdout);
-                    bench_json_str(stdout, info.name);
-                    fputs(", \"cpu\": ", stdout);
-                    bench_json_str(stdout, cli_cpu_model(cpu, sizeof cpu));
-                    printf(", \"isa\": \"%s\", \"kv\": \"%s\", "
-                           "\"batch\": %lld, \"prompt_len\": %lld, \"gen\": %lld, "
-                           "\"shared_prompt\": %s, \"step_tokens\": %lld, \"threads\": %d, "
-                           "\"prefill_s\": %.4f, \"prefill_tok_s\": %.1f, \"decode_s\": %.4f, "
-                           "\"decode_tok_s\": %.2f, \"decode_mean_batch\": %.2f, "
-                           "\"kv_bytes_per_token\": %lld, \"cached_tokens\": %lld, "
-                           "\"preemptions\": %lld}\n",
-                           kvc_isa_name(kvc_get_isa()), kvc_dtype_name(ep.kv_dtype),
-                           (long long)B, (long long)prompt_len, (long long)gen,
-                           shared ? "true" : "false", (long long)step_tokens,
-                           (int)threads, pre_s, pre_tps, s.decode_seconds, dec_tps, dec_b,
-                           (long long)s.kv_bytes_per_token, (long long)s.cached_tokens,
-                           (long long)s.preemptions);
-                } else {
-                    printf("%-6s %4lld %10.3f %12.1f %10.3f %12.2f %6.1f %11lld %8lld %6lld\n",
-                           kvc_dtype_name(ep.kv_dtype), (long long)B, pre_s, pre_tps,
-                           s.decode_seconds, dec_tps, dec_b, (long long)s.kv_bytes_per_token,
-                           (long long)s.cached_tokens, (long long)s.preemptions);
-                }
-                fflush(stdout);
-            }
-            kvc_engine_destroy(eng);
+            fflush(stdout);
         }
     }
-    free(ev);
-    free(prompt);
+done:
+    free(text_ids);
+    free(file_text);
     kvc_model_destroy(model);
     return rc;
 }
