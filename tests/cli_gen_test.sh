@@ -61,6 +61,18 @@ chat_template)
         > /dev/null 2> "$tmp/err3" || fail "chat exit status $?"
     m0=$(sed -n 's/.*turn 1: reused [0-9]* of \([0-9]*\) prompt tokens.*/\1/p' "$tmp/err3")
     [ -n "$m0" ] && [ "$m0" -ne "$m" ] || fail "--chat-template changed nothing ($m0 tokens)"
+    # a template that cannot render is refused before the first message
+    printf '{%% bogus %%}' > "$tmp/bad.jinja"
+    echo hi | "$kv" chat -m "$model" --chat-template "$tmp/bad.jinja" > "$tmp/out" 2> "$tmp/err" &&
+        fail "a bad template accepted"
+    grep -q 'kvcache: chat: .*bogus' "$tmp/err" || fail "no message for a bad template"
+    [ -s "$tmp/out" ] && fail "output despite a bad template"
+    # a conversation past -c: the message is refused, the chat goes on
+    printf 'Tell me a long story about a dragon and a knight.\n' |
+        "$kv" chat -m "$model" -c 32 -n 4 > "$tmp/out" 2> "$tmp/err" || fail "exit status $?"
+    grep -q 'the conversation would hold [0-9]* tokens, the context 32: /reset' "$tmp/err" ||
+        fail "no message past the context"
+    [ -s "$tmp/out" ] && fail "a reply past the context"
     ;;
 run_file)
     # -f FILE and -f - give what -p gives (one trailing newline dropped)

@@ -183,7 +183,10 @@ int cmd_chat(int argc, char **argv) {
             fflush(stdout);
         }
         ssize_t got = getline(&line, &line_cap, stdin);
-        if (got < 0) break; /* end of input */
+        if (got < 0) { /* end of input */
+            if (interactive) fputc('\n', stdout); /* after the "> " of a Ctrl-D */
+            break;
+        }
         size_t n = strcspn(line, "\r\n");
         line[n] = '\0';
         if (n == 0) continue;
