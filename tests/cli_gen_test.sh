@@ -19,7 +19,8 @@ case $case_name in
 chat_pipe)
     # turn 2 must reuse turn 1's prompt from the prefix cache; /reset makes
     # turn 3 the same prompt (and reply) as turn 1; nothing after /exit runs
-    printf 'What is the capital of France?\nAnd of Germany?\n\n/reset\nWhat is the capital of France?\n/exit\nWhat is the capital of Italy?\n' |
+    printf '%s\n' 'What is the capital of France?' 'And of Germany?' '' /reset \
+        'What is the capital of France?' /exit 'What is the capital of Italy?' |
         "$kv" chat -m "$model" -t 2 --temp 0 -n 32 -v > "$tmp/out" 2> "$tmp/err" ||
         fail "exit status $?"
     [ "$(wc -l < "$tmp/out")" -eq 3 ] || fail "expected 3 replies"
@@ -30,7 +31,8 @@ chat_pipe)
     grep -q 'conversation reset' "$tmp/err" || fail "no reset notice"
     grep -q 'turn 4' "$tmp/err" && fail "a turn ran after /exit"
     # "turn T: reused N of M prompt tokens"
-    reuse() { sed -n "s/.*turn $1: reused \([0-9]*\) of \([0-9]*\) prompt tokens.*/\\$2/p" "$tmp/err"; }
+    reuse() { sed -n "s/.*turn $1: reused \([0-9]*\) of \([0-9]*\) prompt tokens.*/\\$2/p" \
+        "$tmp/err"; }
     n1=$(reuse 1 1) m1=$(reuse 1 2) n2=$(reuse 2 1) m2=$(reuse 2 2) n3=$(reuse 3 1) m3=$(reuse 3 2)
     [ -n "$m1" ] && [ -n "$m2" ] && [ -n "$m3" ] || fail "missing reuse lines"
     [ "$n1" -eq 0 ] || fail "turn 1 reused $n1 tokens from an empty cache"
@@ -85,9 +87,11 @@ run_file)
         fail "run -f - exit status $?"
     cmp -s "$tmp/out" "$tmp/want" || fail "-f - differs from -p"
     grep -q '^The capital of France is .' "$tmp/want" || fail "no continuation"
-    "$kv" run -m "$model" -p x -f "$tmp/prompt" > "$tmp/out" 2> "$tmp/err" && fail "-p with -f accepted"
+    "$kv" run -m "$model" -p x -f "$tmp/prompt" > "$tmp/out" 2> "$tmp/err" &&
+        fail "-p with -f accepted"
     grep -q 'not both' "$tmp/err" || fail "no message for -p with -f"
-    "$kv" run -m "$model" -f "$tmp/missing" > "$tmp/out" 2> "$tmp/err" && fail "a missing file accepted"
+    "$kv" run -m "$model" -f "$tmp/missing" > "$tmp/out" 2> "$tmp/err" &&
+        fail "a missing file accepted"
     grep -q 'cannot read' "$tmp/err" || fail "no message for a missing file"
     ;;
 progress_pipe)
@@ -129,7 +133,8 @@ serve_sync)
     fnv() { sed -n 's/.*"kv": "\([a-z0-9]*\)".*"tokens_fnv": "\([0-9a-f]*\)".*/\1 \2/p' "$1"; }
     [ "$(fnv "$tmp/out" | wc -l)" -eq 2 ] || fail "no token hashes"
     [ "$(fnv "$tmp/out")" = "$(fnv "$tmp/engine")" ] ||
-        fail "--sync generated other tokens than the engine: $(fnv "$tmp/out") vs $(fnv "$tmp/engine")"
+        fail "--sync generated other tokens than the engine: $(fnv "$tmp/out")" \
+            "vs $(fnv "$tmp/engine")"
     # a shared prompt: copies 2 and 3 reuse its 2 full pages, compute 8 rows
     "$kv" bench-serve -m "$model" --sync --batch 3 --prompt-len 40 --gen 2 --kv-dtype f16 \
         -t 2 --shared-prompt --json > "$tmp/out" 2> "$tmp/err" || fail "exit status $?"

@@ -44,8 +44,8 @@ int cli_read_file(const char *cmd, const char *path, char **text, size_t *len) {
     }
     if (!is_stdin) fclose(f);
     if (err) {
-        fprintf(stderr, "kvcache: %s: cannot read %s: %s\n", cmd, is_stdin ? "standard input" : path,
-                buf ? "read error" : "out of memory");
+        fprintf(stderr, "kvcache: %s: cannot read %s: %s\n", cmd,
+                is_stdin ? "standard input" : path, buf ? "read error" : "out of memory");
         free(buf);
         return -1;
     }

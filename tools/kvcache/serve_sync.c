@@ -60,7 +60,8 @@ int serve_sync_run(const serve_case *c, serve_result *r) {
     int32_t *rows = malloc((size_t)rows_max * sizeof(int32_t));
     uint8_t *want = malloc((size_t)rows_max);
     kvc_seq_id *seq = malloc((size_t)B * sizeof *seq), *bseq = malloc((size_t)B * sizeof *bseq);
-    int64_t *done = malloc((size_t)B * sizeof(int64_t)), *pos0 = malloc((size_t)B * sizeof(int64_t));
+    int64_t *done = malloc((size_t)B * sizeof(int64_t));
+    int64_t *pos0 = malloc((size_t)B * sizeof(int64_t));
     int64_t *n = malloc((size_t)B * sizeof(int64_t)), *dec = malloc((size_t)B * sizeof(int64_t));
     int64_t *fin = malloc((size_t)B * sizeof(int64_t)); /* sequences whose logits a step gives */
     float *logits = malloc((size_t)(B * V) * sizeof(float));
