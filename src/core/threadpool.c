@@ -39,9 +39,26 @@
  * `caller_waiting`: blocking leaves its CPU idle, so the scheduler can run a
  * holder that was preempted there instead of the caller spinning on it. Both
  * announcements are seq_cst stores followed by seq_cst loads of the other
- * side's word, so at least one side sees the other (no lost wake-up). When
- * the pool has more threads than the CPUs the process may use, nobody spins:
- * a spinning thread would take the CPU a holder needs.
+ * side's word, so at least one side sees the other (no lost wake-up); and a
+ * worker that misses a job costs only speed, never correctness, since nobody
+ * waits for it. Spinners call sched_yield every ~10 us: alone on a CPU it
+ * returns at once, and a thread sharing its CPU lets a holder or the caller
+ * run.
+ *
+ * More threads than CPUs: a worker spins only while at most max_spin =
+ * (CPUs the process may use) - 1 workers are awake (the others go straight
+ * to sleep), and a new job wakes only as many sleepers as it has tasks for
+ * and as there are CPUs for (max_spin minus the workers awake). So -t 256
+ * on 2 CPUs behaves as -t 2 with idle threads, instead of 255 threads woken
+ * per loop to fight over 2 CPUs; on 1 CPU the caller alone runs every task.
+ *
+ * A busy machine: a worker preempted while it holds a task stalls the caller
+ * for the rest of the other process's time slice (milliseconds, against
+ * microseconds per loop). When a wait for holders lasts far longer than the
+ * caller's own tasks took (BAD_WAIT_NS beyond 4 tasks' time), the next loops
+ * run on the caller alone for a backoff of 1 ms, doubling up to 16 ms while
+ * such waits recur; results do not change (tasks are fixed), only who runs
+ * them.
  */
 #define SPIN_NS 100000 /* 0.1 ms */
 #define BAD_WAIT_NS 50000 /* a holder this late beyond its task's time was preempted */
