@@ -28,7 +28,10 @@
  * or past block_count), an <arch>.* key the runtime does not implement or a
  * value it does not (YaRN or LongRoPE scaling, experts, sliding windows,
  * soft-capping, a LayerNorm epsilon, ...), and keys outside general.*,
- * tokenizer.* (the tokenizer's), quantize.* and split.* (one file only).
+ * tokenizer.* (the tokenizer's, checked the same way by
+ * kvc_tokenizer_from_gguf: a switch such as add_eos_token or
+ * add_space_prefix set to true, or a key it does not know, is refused),
+ * quantize.* and split.* (one file only).
  *
  * Exactness (seed 001): every row of every stage depends only on that row's
  * inputs (matrix kernels and attention are row-independent), so generation

@@ -213,6 +213,16 @@ REFUSED = {
                    Corrupt, r"llama\.attention\.head_count = 0 is outside \[1, "),
     "negative_scale": (dict(extra_kv={"llama.rope.scaling.factor": -2.0}), Corrupt,
                        r"llama\.rope\.scaling\.factor = -2 is outside"),
+    # tokenizer keys: what would change the tokens is refused by name
+    "add_eos": (dict(extra_kv={"tokenizer.ggml.add_eos_token": True}), Unsupported,
+                r"tokenizer\.ggml\.add_eos_token = true is not implemented"),
+    "space_prefix": (dict(omit_kv=("tokenizer.ggml.add_space_prefix",),
+                          extra_kv={"tokenizer.ggml.add_space_prefix": True}), Unsupported,
+                     r"tokenizer\.ggml\.add_space_prefix = true is not implemented"),
+    "charsmap": (dict(extra_kv={"tokenizer.ggml.precompiled_charsmap": [1, 2, 3]}),
+                 Unsupported, r"key tokenizer\.ggml\.precompiled_charsmap is not understood"),
+    "eom_not_eog": (dict(extra_kv={"tokenizer.ggml.eom_token_id": (5, ValueType.UINT32)}),
+                    Unsupported, r"eom_token_id 5 is not a token this runtime ends"),
 }
 
 
@@ -223,6 +233,20 @@ def test_refused_with_a_message_naming_it(name, tmp_path):
     write_tiny_llama(path, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, seed=1, **kw)
     with pytest.raises(err, match=pattern):
         Model(path)
+
+
+def test_harmless_tokenizer_keys_load(tmp_path):
+    """Keys that cannot change the tokens load: scores, FIM ids, named
+    templates, switches left off."""
+    path = tmp_path / "tok.gguf"
+    write_tiny_llama(path, n_layer=2, n_embd=64, n_head=4, n_head_kv=2, seed=1, extra_kv={
+        "tokenizer.ggml.fim_pre_token_id": (3, ValueType.UINT32),
+        "tokenizer.chat_template.tool_use": "{{ messages }}",
+        "tokenizer.ggml.add_eos_token": False,
+        "tokenizer.ggml.remove_extra_whitespaces": False})
+    m = Model(path)
+    assert m.n_vocab > 0
+    m.close()
 
 
 @pytest.mark.parametrize("count", [1, 2])

@@ -576,6 +576,72 @@ static kvc_status gguf_strings(const kvc_gguf *g, const char *key, int64_t n, co
     return KVC_OK;
 }
 
+/*
+ * Every tokenizer.* key is one this loader reads, one that cannot change the
+ * tokens (listed with why), a switch that is fine while off, or refused by
+ * name: a file whose tokenizer does something this one does not must not
+ * load and tokenize differently without a word.
+ */
+static const char *const tok_keys_read[] = {
+    "ggml.model", "ggml.pre", "ggml.tokens", "ggml.token_type", "ggml.merges",
+    "ggml.add_bos_token", "ggml.bos_token_id", "ggml.eos_token_id", "ggml.eot_token_id",
+    "ggml.unknown_token_id", "ggml.padding_token_id", "chat_template",
+};
+/* ids of tokens nothing here inserts or treats specially (BERT separators,
+ * fill-in-the-middle markers), SentencePiece scores (byte-level BPE ranks
+ * merges by their order), the Hugging Face tokenizer JSON kept for reference */
+static const char *const tok_keys_harmless[] = {
+    "ggml.scores", "ggml.token_type_count", "ggml.sep_token_id", "ggml.cls_token_id",
+    "ggml.mask_token_id", "ggml.fim_pre_token_id", "ggml.fim_suf_token_id",
+    "ggml.fim_mid_token_id", "ggml.fim_pad_token_id", "ggml.fim_rep_token_id",
+    "ggml.fim_sep_token_id", "ggml.prefix_token_id", "ggml.suffix_token_id",
+    "ggml.middle_token_id", "huggingface.json",
+};
+/* booleans whose true would change the tokens: not implemented, so refused */
+static const char *const tok_keys_off_only[] = {
+    "ggml.add_eos_token", "ggml.add_sep_token", "ggml.add_space_prefix",
+    "ggml.remove_extra_whitespaces",
+};
+
+static int in_list(const char *k, const char *const *list, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(k, list[i]) == 0) return 1;
+    return 0;
+}
+
+#define COUNT(a) (sizeof(a) / sizeof((a)[0]))
+
+static kvc_status check_tokenizer_keys(const kvc_gguf *g) {
+    const int64_t n = kvc_gguf_n_kv(g);
+    for (int64_t i = 0; i < n; i++) {
+        const char *key = kvc_gguf_key(g, i);
+        if (strncmp(key, "tokenizer.", 10) != 0) continue;
+        const char *k = key + 10;
+        /* named templates (tool_use, rag, ...): the default one is used */
+        if (strncmp(k, "chat_template.", 14) == 0) continue;
+        if (in_list(k, tok_keys_read, COUNT(tok_keys_read)) ||
+            in_list(k, tok_keys_harmless, COUNT(tok_keys_harmless)))
+            continue;
+        if (in_list(k, tok_keys_off_only, COUNT(tok_keys_off_only))) {
+            int64_t on = 0;
+            if (kvc_gguf_get_i64(g, key, &on) != KVC_OK)
+                return kvc__error(KVC_ERR_CORRUPT, "tokenizer: %s is not a boolean", key);
+            if (on)
+                return kvc__error(KVC_ERR_UNSUPPORTED,
+                                  "tokenizer: %s = true is not implemented (the tokens would "
+                                  "differ): refused rather than ignored",
+                                  key);
+            continue;
+        }
+        if (strcmp(k, "ggml.eom_token_id") == 0) continue; /* checked once created */
+        return kvc__error(KVC_ERR_UNSUPPORTED,
+                          "tokenizer: metadata key %.200s is not understood by this tokenizer: "
+                          "refused rather than ignored",
+                          key);
+    }
+    return KVC_OK;
+}
+
 kvc_status kvc_tokenizer_from_gguf(const kvc_gguf *g, kvc_tokenizer **out) {
     KVC_CHECK(out != NULL, "kvc_tokenizer_from_gguf: out is NULL");
     *out = NULL;
@@ -586,6 +652,7 @@ kvc_status kvc_tokenizer_from_gguf(const kvc_gguf *g, kvc_tokenizer **out) {
     if (st == KVC_ERR_NOT_FOUND)
         return kvc__error(KVC_ERR_NOT_FOUND, "tokenizer: the model has no tokenizer.ggml.model");
     if (st != KVC_OK) return kvc__error(KVC_ERR_CORRUPT, "tokenizer.ggml.model is not a string");
+    KVC_TRY(check_tokenizer_keys(g));
     if (len != 4 || memcmp(s, "gpt2", 4) != 0)
         return kvc__error(KVC_ERR_UNSUPPORTED,
                           "tokenizer: tokenizer model \"%.*s\" is not supported (only \"gpt2\", "
@@ -668,6 +735,17 @@ kvc_status kvc_tokenizer_from_gguf(const kvc_gguf *g, kvc_tokenizer **out) {
         goto done;
     st = kvc_tokenizer_create(&v, &t);
     if (st != KVC_OK) goto done;
+    /* an end-of-message token (Llama 3.1's <|eom_id|>) must end generation
+     * here too; one that kvc_tokenizer_is_eog does not know is refused */
+    int32_t eom = -1;
+    if ((st = gguf_token_id(g, "tokenizer.ggml.eom_token_id", v.n_vocab, &eom))) goto done;
+    if (eom >= 0 && !kvc_tokenizer_is_eog(t, eom)) {
+        st = kvc__error(KVC_ERR_UNSUPPORTED,
+                        "tokenizer: tokenizer.ggml.eom_token_id %d is not a token this runtime "
+                        "ends generation at: refused rather than ignored",
+                        (int)eom);
+        goto done;
+    }
     st = kvc_gguf_get_str(g, "tokenizer.chat_template", &s, &len);
     if (st == KVC_OK) {
         t->chat_template = malloc(len + 1);
