@@ -880,7 +880,7 @@ class Pool:
     keeps a reference for its duration, so the pool cannot be freed under
     it."""
 
-    __slots__ = ("ptr", "lock", "n_threads", "__weakref__")
+    __slots__ = ("ptr", "lock", "n_threads")
 
     def __init__(self, ptr, n_threads: int = 1):
         self.ptr = ptr
