@@ -66,7 +66,7 @@ class Format:
 
 def member(name: str, n_kv_heads: int, head_dim: int, page_size: int = 16) -> Format:
     """The named members of section 2 (V groups capped at Dh channels)."""
-    bits, gv, rot, sym = {"kivi8": (8, 64, False, False), "kivi4": (4, 32, True, True)}[name]
+    bits, gv, rot, sym = {"kivi8": (8, 64, False, False), "kivi4": (4, 64, True, False)}[name]
     f = Format(bits, 64, min(gv, head_dim), rot, n_kv_heads, head_dim, page_size, sym)
     f.check()
     return f
