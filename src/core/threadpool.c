@@ -327,8 +327,8 @@ static void run_job(kvc_threadpool *p, int64_t task0, int64_t n_tasks, kvc__task
         pthread_mutex_unlock(&p->mu);
     }
     const uint64_t t2 = now_ns();
-    const uint64_t per_task = mine > 0 ? (t1 - t0) / (uint64_t)mine : t1 - t0;
-    if (t2 - t1 > BAD_WAIT_NS + 4 * per_task) {
+    /* judged only against tasks the caller ran itself (their mean time) */
+    if (mine > 0 && t2 - t1 > BAD_WAIT_NS + 4 * ((t1 - t0) / (uint64_t)mine)) {
         const int recurring = p->last_bad && t2 - p->last_bad < 2 * p->backoff_ns + BACKOFF_MIN_NS;
         p->backoff_ns = !recurring ? BACKOFF_MIN_NS
                         : 2 * p->backoff_ns < BACKOFF_MAX_NS ? 2 * p->backoff_ns
