@@ -37,6 +37,7 @@
 #define KVCACHE_CACHE_H
 
 #include "kvcache/core.h"
+#include "kvcache/kvfmt.h"
 #include "kvcache/paged.h"
 
 #ifdef __cplusplus
@@ -66,6 +67,11 @@ typedef struct kvc_cache_params {
     kvc_kv_layout layout;   /* KVC_NHD (default) or KVC_HND */
     kvc_allocator allocator;
     int32_t enable_prefix_caching; /* 1 (default) or 0 */
+    /* KVC_KVFMT_NONE (default): a per-token cache of dtype. A compressed
+     * format (kvfmt.h) instead: dtype, scale_dtype, quant_group and layout
+     * are ignored; storage is (num_layers, num_pages, page_bytes) and each
+     * sequence carries a float16 tail per layer (below). */
+    kvc_kv_format kv_format;
 } kvc_cache_params;
 
 KVC_API kvc_cache_params kvc_cache_default_params(void);
@@ -158,6 +164,49 @@ KVC_API kvc_status kvc_cache_page_table(const kvc_cache *cache, const kvc_seq_id
 KVC_API kvc_status kvc_cache_cachestarts(const kvc_cache *cache, const kvc_seq_id *seqs,
                                          int64_t n_seqs, int64_t *cachestarts,
                                          int64_t max_pages);
+
+/* ---- compressed formats (kv_format != KVC_KVFMT_NONE) -------------------
+ *
+ * Rules beyond the ones above (docs/KV_FORMATS.md section 5):
+ *  - each sequence owns a tail per layer, float16 (2, G, H, Dh), allocated
+ *    with it (kvc_kvfmt_tail_bytes each, counted apart from page storage);
+ *    fork copies it;
+ *  - a prefix hit reuses whole K groups: the usual hit rounded down to a
+ *    multiple of G (lookup_prefix reports the same);
+ *  - pages of a sequence's incomplete group are never shared when written:
+ *    append gives a sequence its own copy of a shared page at or after
+ *    position floor(len / G) * G (copy-on-write, as the partly filled last
+ *    page of a per-token cache);
+ *  - kvc_cache_truncate to a length inside a quantized group (below
+ *    floor(len / G) * G and not a multiple of G) fails: the group's values
+ *    are gone; kvc_cache_truncate_ex keeps the whole groups before the cut
+ *    and reports the length kept. kvc_cache_rollback (slots never written)
+ *    keeps exactly n_tokens: the cut group was never completed.
+ * kvc_cache_layer and kvc_cache_layer_tensors fail on such a cache (the
+ * pages are not a FlashInfer cache); kvc_cache_page_table and
+ * kvc_cache_cachestarts work as for any cache. */
+
+/* The cache's format (KVC_ERR_INVALID_ARG for a per-token cache). */
+KVC_API kvc_status kvc_cache_kvfmt(const kvc_cache *cache, kvc_kvfmt *out);
+
+/* Layer l's pages: uint8 (num_pages, page_bytes), a view valid until
+ * kvc_cache_destroy. */
+KVC_API kvc_status kvc_cache_kvfmt_layer(const kvc_cache *cache, int32_t layer,
+                                         kvc_tensor *pages);
+
+/* The sequences as the kernels of kvfmt.h see them in layer l: page table,
+ * length (slots reserved) and tail. Views valid until the next call that
+ * changes one of them (append, fork, truncate, rollback, free). */
+KVC_API kvc_status kvc_cache_kvfmt_seqs(const kvc_cache *cache, int32_t layer,
+                                        const kvc_seq_id *seqs, int64_t n_seqs,
+                                        kvc_kvfmt_seq *out);
+
+/* kvc_cache_truncate keeping at most n_tokens: in a compressed-format
+ * cache a cut inside a quantized group keeps only the whole groups before
+ * it (the caller recomputes and appends the rest); *n_kept (may be NULL)
+ * receives the length kept. Same as kvc_cache_truncate otherwise. */
+KVC_API kvc_status kvc_cache_truncate_ex(kvc_cache *cache, kvc_seq_id seq, int64_t n_tokens,
+                                         int64_t *n_kept);
 
 typedef struct kvc_cache_stats {
     int64_t free_pages;   /* never used, or evicted: no contents */

@@ -11,6 +11,7 @@
  *   kvcache/attention.h  decode attention over the caches, state merging
  *   kvcache/prefill.h    prefill attention (single, batched paged/ragged), cascade
  *   kvcache/mla.h        MLA decode over ckv/kpe pages
+ *   kvcache/kvfmt.h      compressed paged KV formats (kivi8, kivi4)
  *   kvcache/gguf.h       GGUF reader
  *   kvcache/tokenizer.h  GGUF byte-level BPE tokenizers ("gpt2"), chat templates
  *   kvcache/model.h      model runtime: a GGUF transformer served through the cache
@@ -36,6 +37,7 @@
 #include "kvcache/attention.h"
 #include "kvcache/prefill.h"
 #include "kvcache/mla.h"
+#include "kvcache/kvfmt.h"
 #include "kvcache/gguf.h"
 #include "kvcache/tokenizer.h"
 #include "kvcache/model.h"
