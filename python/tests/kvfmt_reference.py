@@ -19,6 +19,7 @@ operations in the same order).
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,14 +61,16 @@ class Format:
             raise ValueError("G / page_size must divide H * Dh")
         if self.bits == 4 and (Dh % 2 or P % 2):
             raise ValueError("int4 needs even head_dim and page_size")
+        if self.bits == 4 and G < P and G % 2:
+            raise ValueError("int4 with groups smaller than a page needs an even group")
         if self.rotate_v and Dh & (Dh - 1):
             raise ValueError("rotate_v needs a power-of-two head_dim")
 
 
 def member(name: str, n_kv_heads: int, head_dim: int, page_size: int = 16) -> Format:
-    """The named members of section 2 (V groups capped at Dh channels)."""
+    """The named members of section 2 (V groups of gcd(gv, Dh) channels)."""
     bits, gv, rot, sym = {"kivi8": (8, 64, False, False), "kivi4": (4, 64, True, False)}[name]
-    f = Format(bits, 64, min(gv, head_dim), rot, n_kv_heads, head_dim, page_size, sym)
+    f = Format(bits, 64, math.gcd(gv, head_dim), rot, n_kv_heads, head_dim, page_size, sym)
     f.check()
     return f
 
@@ -115,6 +118,7 @@ def quantize(x16: np.ndarray, axis: int, levels: int):
     """Quantize float16 x over `axis`: returns codes (uint8, x's shape), scale
     and zero (float16, `axis` removed)."""
     lo = x16.min(axis=axis)
+    lo = np.where(lo == 0, F16(0), lo)  # a zero point of -0 is stored as +0
     hi = x16.max(axis=axis)
     s = scale_for(lo, hi, levels)
     lo_e = np.expand_dims(lo, axis).astype(F64)

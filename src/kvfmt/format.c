@@ -44,6 +44,8 @@ kvc_status kvc_kvfmt_check(const kvc_kvfmt *f) {
     KVC_CHECK(f->bits == 8 || (Dh % 2 == 0 && P % 2 == 0), "%s: 4-bit codes need an even "
               "head_dim and page_size (head_dim %lld, page_size %lld)", fn, (long long)Dh,
               (long long)P);
+    KVC_CHECK(f->bits == 8 || G >= P || G % 2 == 0, "%s: 4-bit codes with groups smaller than "
+              "a page need an even group (got %lld)", fn, (long long)G);
     KVC_CHECK(!f->rotate_v || (Dh & (Dh - 1)) == 0, "%s: the V rotation needs a power-of-two "
               "head_dim (got %lld)", fn, (long long)Dh);
     KVC_CHECK(f->v_asym == 0 || f->v_asym == 1, "%s: v_asym must be 0 or 1", fn);
@@ -63,7 +65,8 @@ kvc_status kvc_kvfmt_make(kvc_kv_format id, int32_t num_kv_heads, int32_t head_d
     f.id = id;
     f.bits = id == KVC_KVFMT_KIVI8 ? 8 : 4;
     f.group = 64;
-    f.v_group = head_dim > 0 && head_dim < 64 ? head_dim : 64;
+    f.v_group = 64; /* gcd(64, Dh): 64, or the largest power of two dividing Dh */
+    while (head_dim > 0 && head_dim % f.v_group) f.v_group /= 2;
     f.v_asym = 1;
     f.rotate_v = id == KVC_KVFMT_KIVI4;
     f.num_kv_heads = num_kv_heads;

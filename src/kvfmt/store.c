@@ -1,8 +1,285 @@
-/* placeholder, replaced in the next commit */
+/* kvc_kvfmt_append: rows to float16 (V rotated), the tail, and the
+ * quantization of every K group the rows complete (docs/KV_FORMATS.md
+ * sections 3-5). The quantizer's arithmetic is exact in double, so the
+ * bytes depend only on the float16 inputs. */
+#include <math.h>
+#include <string.h>
+
 #include "kvfmt_internal.h"
+
+#define ROWS_PER_TASK 32
+
+typedef struct store_ctx {
+    const kvc_kvfmt *f;
+    kvc__kvfmt_layout l;
+    const kvc_tensor *pages, *key, *value;
+    const kvc_kvfmt_seq *seqs;
+    const int64_t *row_indptr;
+    int64_t n_seqs, nnz, HD;
+    uint16_t *st;       /* (nnz, 2, H, Dh) float16: the stored form of every row */
+    unsigned char *bad; /* per conversion task: a non-finite or overflowing value */
+    int64_t *task_seq;  /* group task -> sequence; task_grp -> group index */
+    int64_t *task_grp;
+} store_ctx;
+
+static float load(const kvc_tensor *t, int64_t row, int64_t h, int64_t c) {
+    const char *p = (const char *)t->data;
+    const int64_t off = row * t->stride[0] + h * t->stride[1] + c;
+    switch (t->dtype) {
+    case KVC_F16: return kvc_f16_to_f32(((const uint16_t *)p)[off]);
+    case KVC_BF16: return kvc_bf16_to_f32(((const uint16_t *)p)[off]);
+    default: return ((const float *)p)[off];
+    }
+}
+
+static int f16_finite(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
+
+/* A zero point of -0 is stored as +0: min over {-0, +0} is either. */
+static uint16_t canon0(uint16_t h) { return h == 0x8000u ? 0 : h; }
+
+/* Rows [task * ROWS_PER_TASK, ...) to float16; V rotated first. */
+static void convert_task(void *arg, int64_t task) {
+    store_ctx *c = arg;
+    const int64_t H = c->f->num_kv_heads, Dh = c->f->head_dim;
+    const int64_t r0 = task * ROWS_PER_TASK;
+    const int64_t r1 = r0 + ROWS_PER_TASK < c->nnz ? r0 + ROWS_PER_TASK : c->nnz;
+    float buf[KVC_ATTN_MAX_HEAD_DIM];
+    int ok = 1;
+    for (int64_t r = r0; r < r1; r++)
+        for (int kv = 0; kv < 2; kv++)
+            for (int64_t h = 0; h < H; h++) {
+                const kvc_tensor *t = kv ? c->value : c->key;
+                for (int64_t i = 0; i < Dh; i++) buf[i] = load(t, r, h, i);
+                for (int64_t i = 0; i < Dh; i++) ok &= isfinite(buf[i]) != 0;
+                if (kv && c->f->rotate_v) kvc__kvfmt_rotate(buf, (int32_t)Dh);
+                uint16_t *dst = c->st + ((r * 2 + kv) * H + h) * Dh;
+                for (int64_t i = 0; i < Dh; i++) {
+                    dst[i] = kvc_f32_to_f16(buf[i]);
+                    ok &= f16_finite(dst[i]);
+                }
+            }
+    c->bad[task] = (unsigned char)!ok;
+}
+
+/* Smallest float16 s >= 0 with s * L >= d (d >= 0 exact), as bits. */
+static uint16_t cover_scale(double d, int L) {
+    if (d <= 0) return 0;
+    uint16_t s = kvc_f32_to_f16((float)(d / L));
+    while ((double)kvc_f16_to_f32(s) * L < d) s++;
+    while (s > 0 && (double)kvc_f16_to_f32((uint16_t)(s - 1)) * L >= d) s--;
+    return s;
+}
+
+/* Code of x in [zero, zero + L * scale]: rint of the exact quotient (the
+ * default rounding mode is to nearest even). */
+static int code_of(double x, double zero, double scale) {
+    return scale > 0 ? (int)rint((x - zero) / scale) : 0;
+}
+
+static unsigned char *page_ptr(const store_ctx *c, const kvc_kvfmt_seq *s, int64_t t) {
+    const int32_t id = s->pages[t / c->f->page_size];
+    return (unsigned char *)c->pages->data + (int64_t)id * c->pages->stride[0];
+}
+
+static void put_code(unsigned char *base, int64_t idx, int bits, int q) {
+    if (bits == 8) {
+        base[idx] = (unsigned char)q;
+    } else {
+        unsigned char *b = base + idx / 2;
+        *b = (idx & 1) ? (unsigned char)((*b & 0x0f) | (q << 4)) : (unsigned char)((*b & 0xf0) | q);
+    }
+}
+
+static void put_f16(unsigned char *base, size_t off, int64_t idx, uint16_t v) {
+    memcpy(base + off + (size_t)idx * 2, &v, 2);
+}
+
+/* One complete K group of one sequence: token t's float16 values come from
+ * this call's rows when t >= pos0, else from the tail. */
+static void group_task(void *arg, int64_t task) {
+    store_ctx *c = arg;
+    const kvc_kvfmt *f = c->f;
+    const int64_t b = c->task_seq[task], j = c->task_grp[task];
+    const kvc_kvfmt_seq *s = &c->seqs[b];
+    const int64_t H = f->num_kv_heads, Dh = f->head_dim, P = f->page_size, G = f->group;
+    const int64_t cnt = c->row_indptr[b + 1] - c->row_indptr[b], pos0 = s->n_kv - cnt;
+    const int L = (1 << f->bits) - 1, Qs = (1 << (f->bits - 1)) - 1, bits = f->bits;
+    const uint16_t *src[2 * 512]; /* rows of the group: K at [i], V at [G + i] (G <= 512) */
+    for (int64_t i = 0; i < G; i++) {
+        const int64_t t = j * G + i;
+        if (t >= pos0) {
+            const uint16_t *r = c->st + (c->row_indptr[b] + t - pos0) * 2 * c->HD;
+            src[i] = r;
+            src[G + i] = r + c->HD;
+        } else {
+            src[i] = s->tail + (t % G) * c->HD;
+            src[G + i] = s->tail + (G + t % G) * c->HD;
+        }
+    }
+    /* K: per channel over the G tokens */
+    const int64_t R = G > P ? G / P : 1, per = c->l.k_share;
+    for (int64_t e = 0; e < c->HD; e++) {
+        const int64_t h = e / Dh, ch = e % Dh;
+        float lo = INFINITY, hi = -INFINITY;
+        uint16_t lo16 = 0;
+        for (int64_t i = 0; i < G; i++) {
+            const float x = kvc_f16_to_f32(src[i][e]);
+            if (x < lo) lo = x, lo16 = src[i][e];
+            if (x > hi) hi = x;
+        }
+        const uint16_t sc = cover_scale((double)hi - (double)lo, L);
+        const double scd = kvc_f16_to_f32(sc);
+        for (int64_t i = 0; i < G; i++) {
+            const int64_t t = j * G + i;
+            const int q = code_of(kvc_f16_to_f32(src[i][e]), lo, scd);
+            put_code(page_ptr(c, s, t) + c->l.k_codes, (h * P + t % P) * Dh + ch, bits, q);
+        }
+        /* parameters: page of the group (P >= G) or page e / per of its run */
+        unsigned char *pg;
+        int64_t idx;
+        if (G <= P) {
+            pg = page_ptr(c, s, j * G);
+            idx = (j % (P / G)) * c->HD + e;
+        } else {
+            pg = page_ptr(c, s, (j * R + e / per) * P);
+            idx = e % per;
+        }
+        put_f16(pg, c->l.k_scale, idx, sc);
+        put_f16(pg, c->l.k_zero, idx, canon0(lo16));
+    }
+    /* V: per token, groups of gv channels */
+    const int64_t gv = f->v_group, ng = Dh / gv;
+    for (int64_t i = 0; i < G; i++) {
+        const int64_t t = j * G + i, slot = t % P;
+        unsigned char *pg = page_ptr(c, s, t);
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t g = 0; g < ng; g++) {
+                const uint16_t *x = src[G + i] + h * Dh + g * gv;
+                float lo = INFINITY, hi = -INFINITY, amax = 0;
+                uint16_t lo16 = 0;
+                for (int64_t k = 0; k < gv; k++) {
+                    const float v = kvc_f16_to_f32(x[k]);
+                    if (v < lo) lo = v, lo16 = x[k];
+                    if (v > hi) hi = v;
+                    if (fabsf(v) > amax) amax = fabsf(v);
+                }
+                const int64_t pidx = (h * P + slot) * ng + g;
+                if (f->v_asym) {
+                    const uint16_t sc = cover_scale((double)hi - (double)lo, L);
+                    const double scd = kvc_f16_to_f32(sc);
+                    for (int64_t k = 0; k < gv; k++) {
+                        const int q = code_of(kvc_f16_to_f32(x[k]), lo, scd);
+                        put_code(pg + c->l.v_codes, (h * Dh + g * gv + k) * P + slot, bits, q);
+                    }
+                    put_f16(pg, c->l.v_scale, pidx, sc);
+                    put_f16(pg, c->l.v_zero, pidx, canon0(lo16));
+                } else {
+                    const uint16_t sc = cover_scale(amax, Qs);
+                    const double scd = kvc_f16_to_f32(sc);
+                    for (int64_t k = 0; k < gv; k++) {
+                        const int q = code_of(kvc_f16_to_f32(x[k]), 0.0, scd);
+                        put_code(pg + c->l.v_codes, (h * Dh + g * gv + k) * P + slot, bits,
+                                 q & (bits == 8 ? 0xff : 0x0f));
+                    }
+                    put_f16(pg, c->l.v_scale, pidx, sc);
+                }
+            }
+    }
+}
+
 kvc_status kvc_kvfmt_append(const kvc_kvfmt *f, kvc_tensor *pages, const kvc_kvfmt_seq *seqs,
                             int64_t n_seqs, const int64_t *row_indptr, const kvc_tensor *key,
                             const kvc_tensor *value, kvc_threadpool *pool) {
-    (void)f; (void)pages; (void)seqs; (void)n_seqs; (void)row_indptr; (void)key; (void)value; (void)pool;
-    return kvc__error(KVC_ERR_UNSUPPORTED, "kvc_kvfmt_append: not yet");
+    static const char fn[] = "kvc_kvfmt_append";
+    KVC_TRY(kvc_kvfmt_check(f));
+    KVC_CHECK(f->group <= 512, "%s: group %d above 512", fn, (int)f->group);
+    KVC_CHECK(pages != NULL && key != NULL && value != NULL && (seqs != NULL || n_seqs == 0) &&
+                  row_indptr != NULL && n_seqs >= 0,
+              "%s: NULL argument", fn);
+    KVC_TRY(kvc__check_tensor(pages, "pages", 1));
+    KVC_TRY(kvc__check_tensor(key, "key", 1));
+    KVC_TRY(kvc__check_tensor(value, "value", 1));
+    const kvc__kvfmt_layout l = kvc__kvfmt_layout_of(f);
+    const int64_t H = f->num_kv_heads, Dh = f->head_dim, P = f->page_size, G = f->group;
+    KVC_CHECK(pages->dtype == KVC_U8 && pages->ndim == 2 && pages->shape[1] == (int64_t)l.page,
+              "%s: pages must be uint8 (num_pages, %zu)", fn, l.page);
+    KVC_CHECK(pages->shape[0] == 0 || (pages->stride[0] % 2 == 0 &&
+                                       ((uintptr_t)pages->data & 1) == 0),
+              "%s: pages must be 2-byte aligned with an even page stride (float16 fields)", fn);
+    KVC_CHECK(pages->shape[0] <= 1 || pages->stride[0] >= (int64_t)l.page,
+              "%s: pages overlap (stride %lld < %zu bytes)", fn, (long long)pages->stride[0],
+              l.page);
+    KVC_CHECK(row_indptr[0] == 0, "%s: row_indptr[0] must be 0", fn);
+    const int64_t nnz = row_indptr[n_seqs];
+    for (int kv = 0; kv < 2; kv++) {
+        const kvc_tensor *t = kv ? value : key;
+        KVC_CHECK(t->ndim == 3 && t->shape[0] == nnz && t->shape[1] == H && t->shape[2] == Dh,
+                  "%s: %s must be (%lld, %lld, %lld)", fn, kv ? "value" : "key", (long long)nnz,
+                  (long long)H, (long long)Dh);
+        KVC_CHECK(t->dtype == KVC_F32 || t->dtype == KVC_F16 || t->dtype == KVC_BF16,
+                  "%s: %s must be float32, float16 or bfloat16 (got %s)", fn,
+                  kv ? "value" : "key", kvc_dtype_name(t->dtype));
+    }
+    int64_t n_tasks = 0;
+    for (int64_t b = 0; b < n_seqs; b++) {
+        const kvc_kvfmt_seq *s = &seqs[b];
+        const int64_t cnt = row_indptr[b + 1] - row_indptr[b];
+        KVC_CHECK(cnt >= 0, "%s: row_indptr decreases at %lld", fn, (long long)b);
+        KVC_CHECK(s->n_kv >= cnt, "%s: sequence %lld: %lld rows but n_kv %lld", fn,
+                  (long long)b, (long long)cnt, (long long)s->n_kv);
+        if (cnt == 0) continue;
+        KVC_CHECK(s->tail != NULL && s->pages != NULL, "%s: sequence %lld: NULL pages or tail",
+                  fn, (long long)b);
+        const int64_t np = (s->n_kv + P - 1) / P;
+        for (int64_t p = 0; p < np; p++)
+            KVC_CHECK(s->pages[p] >= 0 && s->pages[p] < pages->shape[0], "%s: sequence %lld: "
+                      "page id %d outside [0, %lld)", fn, (long long)b, (int)s->pages[p],
+                      (long long)pages->shape[0]);
+        n_tasks += s->n_kv / G - (s->n_kv - cnt) / G;
+    }
+    if (nnz == 0) return KVC_OK;
+
+    store_ctx c;
+    memset(&c, 0, sizeof c);
+    c.f = f, c.l = l, c.pages = pages, c.key = key, c.value = value, c.seqs = seqs;
+    c.row_indptr = row_indptr, c.n_seqs = n_seqs, c.nnz = nnz, c.HD = H * Dh;
+    const int64_t n_conv = (nnz + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    const size_t st_bytes = (size_t)nnz * 2 * (size_t)c.HD * 2;
+    const size_t task_bytes = (size_t)n_tasks * 2 * sizeof(int64_t);
+    unsigned char *mem = kvc__scratch_get(pool, st_bytes + task_bytes + (size_t)n_conv);
+    if (!mem) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+    c.st = (uint16_t *)mem;
+    c.task_seq = (int64_t *)(mem + st_bytes);
+    c.task_grp = c.task_seq + n_tasks;
+    c.bad = mem + st_bytes + task_bytes;
+    kvc__parallel_for(pool, n_conv, convert_task, &c);
+    for (int64_t i = 0; i < n_conv; i++)
+        if (c.bad[i]) {
+            kvc__scratch_release(pool, mem);
+            return kvc__error(KVC_ERR_INVALID_ARG, "%s: key or value holds a NaN, an infinity "
+                              "or a value beyond float16's range (rows %lld..%lld); nothing "
+                              "written", fn, (long long)(i * ROWS_PER_TASK),
+                              (long long)((i + 1) * ROWS_PER_TASK - 1));
+        }
+    /* quantize the complete groups (reading tails), then write the tails */
+    int64_t k = 0;
+    for (int64_t b = 0; b < n_seqs; b++) {
+        const int64_t cnt = row_indptr[b + 1] - row_indptr[b];
+        if (cnt == 0) continue;
+        for (int64_t j = (seqs[b].n_kv - cnt) / G; j < seqs[b].n_kv / G; j++)
+            c.task_seq[k] = b, c.task_grp[k] = j, k++;
+    }
+    if (n_tasks > 0) kvc__parallel_for(pool, n_tasks, group_task, &c);
+    for (int64_t b = 0; b < n_seqs; b++) {
+        const kvc_kvfmt_seq *s = &seqs[b];
+        const int64_t cnt = row_indptr[b + 1] - row_indptr[b], pos0 = s->n_kv - cnt;
+        const int64_t from = (s->n_kv / G) * G > pos0 ? (s->n_kv / G) * G : pos0;
+        for (int64_t t = from; t < s->n_kv; t++) {
+            const uint16_t *r = c.st + (row_indptr[b] + t - pos0) * 2 * c.HD;
+            memcpy(s->tail + (t % G) * c.HD, r, (size_t)c.HD * 2);
+            memcpy(s->tail + (G + t % G) * c.HD, r + c.HD, (size_t)c.HD * 2);
+        }
+    }
+    kvc__scratch_release(pool, mem);
+    return KVC_OK;
 }
