@@ -10,6 +10,9 @@ Modules:
     kvcache.attention  decode attention over the caches (single request and
                    BatchDecodeWithPagedKVCacheWrapper), merge_state(s)
                    (re-exported)
+    kvcache.kvfmt  compressed paged KV formats kivi8/kivi4: KVFormat, KVSeq
+                   (re-exported), append and attention (re-exported as
+                   kvfmt_append, kvfmt_attention)
     kvcache.gguf   GGUFFile: GGUF files through the C reader (re-exported);
                    ggml_dequantize: ggml blocks to float32
     kvcache.gguf_writer  GGUF writer, ggml quantizers (K-quants too), tiny llama models (tests)
@@ -79,6 +82,10 @@ from .prefill import (
 )
 from .cascade import MultiLevelCascadeAttentionWrapper
 from .mla import BatchMLAPagedAttentionWrapper
+from .kvfmt import KVFormat, KVSeq
+from .kvfmt import append as kvfmt_append
+from .kvfmt import attention as kvfmt_attention
+from . import kvfmt  # noqa: E402  (re-exported submodule)
 from .tokenizer import Tokenizer, Utf8Stream, render_chat_template
 from . import pmx  # noqa: E402  (re-exported submodule)
 from .gguf import GGUFFile  # noqa: E402
@@ -121,6 +128,11 @@ __all__ = [
     "Utf8Stream",
     "render_chat_template",
     "BatchMLAPagedAttentionWrapper",
+    "kvfmt",
+    "KVFormat",
+    "KVSeq",
+    "kvfmt_append",
+    "kvfmt_attention",
     "GGUFFile",
     "Model",
     "Engine",

@@ -1013,3 +1013,58 @@ kvc_merge_state_in_place = optional_proto(
     "kvc_merge_state_in_place", _c_int, _TP, _TP, _TP, _TP, _TP,
 )
 kvc_merge_states = optional_proto("kvc_merge_states", _c_int, _TP, _TP, _TP, _TP)
+
+
+# ---------------------------------------------------------------------------
+# Compressed paged KV formats (include/kvcache/kvfmt.h)
+
+# kvc_kv_format
+KVC_KVFMT_NONE, KVC_KVFMT_KIVI8, KVC_KVFMT_KIVI4 = 0, 1, 2
+
+
+class KvFmt(ctypes.Structure):
+    """ctypes mirror of ``kvc_kvfmt``."""
+
+    _fields_ = [
+        ("id", ctypes.c_int),  # kvc_kv_format
+        ("bits", ctypes.c_int32),
+        ("group", ctypes.c_int32),
+        ("v_group", ctypes.c_int32),
+        ("v_asym", ctypes.c_int32),
+        ("rotate_v", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("page_size", ctypes.c_int32),
+    ]
+
+
+class KvFmtSeq(ctypes.Structure):
+    """ctypes mirror of ``kvc_kvfmt_seq``."""
+
+    _fields_ = [
+        ("pages", ctypes.POINTER(ctypes.c_int32)),
+        ("n_kv", ctypes.c_int64),
+        ("tail", ctypes.POINTER(ctypes.c_uint16)),
+    ]
+
+
+_FP = ctypes.POINTER(KvFmt)
+_SP = ctypes.POINTER(KvFmtSeq)
+
+kvc_kv_format_name = optional_proto("kvc_kv_format_name", ctypes.c_char_p, _c_int)
+kvc_kv_format_from_name = optional_proto(
+    "kvc_kv_format_from_name", _c_int, ctypes.c_char_p, ctypes.POINTER(_c_int),
+)
+kvc_kvfmt_make = optional_proto(
+    "kvc_kvfmt_make", _c_int, _c_int, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, _FP,
+)
+kvc_kvfmt_check = optional_proto("kvc_kvfmt_check", _c_int, _FP)
+kvc_kvfmt_page_bytes = optional_proto("kvc_kvfmt_page_bytes", ctypes.c_size_t, _FP)
+kvc_kvfmt_tail_bytes = optional_proto("kvc_kvfmt_tail_bytes", ctypes.c_size_t, _FP)
+kvc_kvfmt_append = optional_proto(
+    "kvc_kvfmt_append", _c_int, _FP, _TP, _SP, ctypes.c_int64, _i64p, _TP, _TP, _vp,
+)
+kvc_kvfmt_attention = optional_proto(
+    "kvc_kvfmt_attention", _c_int, _FP, _TP, _SP, ctypes.c_int64, _TP, _i32p, _i32p,
+    ctypes.POINTER(AttnParams), _TP, _TP, _vp,
+)

@@ -1,0 +1,356 @@
+"""Compressed paged KV formats kivi8 and kivi4 (docs/KV_FORMATS.md;
+include/kvcache/kvfmt.h).
+
+K is quantized per channel over groups of ``G`` consecutive tokens of a
+sequence, V per token over groups of ``gv`` channels (kivi4: after a Hadamard
+rotation of each head's V). Tokens not yet in a complete group stay in a
+per-sequence float16 *tail*, K and V alike.
+
+- :class:`KVFormat`: a format's parameters for one geometry,
+  ``KVFormat.member("kivi4", num_kv_heads, head_dim, page_size)``, with
+  ``page_bytes`` (one page of one layer) and ``tail_bytes``.
+- :class:`KVSeq`: one sequence of one layer as the kernels see it: its page
+  ids (int32), its length ``n_kv`` and its tail, a float16 numpy array
+  ``(2, G, H, Dh)`` (K then V; slot ``t % G`` holds position ``t``) that
+  :func:`append` updates in place.
+- :func:`append` stores K/V rows of several sequences; :func:`attention`
+  attends over them (decode or causal prefill).
+
+Storage of one layer is a uint8 numpy array ``(num_pages, page_bytes)``
+(row stride free, bytes contiguous), updated in place and never copied.
+Every argument is validated before anything is written: a failing call raises
+:class:`kvcache.InvalidArgumentError` and leaves pages and tails unchanged.
+The bytes written depend only on the tokens' float16 K/V: not on the batch,
+the rows per call, the thread count (``num_threads=None``: every CPU) or the
+ISA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import operator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import _lib
+from .attention import _attn_params
+from .errors import InvalidArgumentError
+
+__all__ = ["KVFormat", "KVSeq", "append", "attention", "MEMBERS"]
+
+MEMBERS = ("kivi8", "kivi4")
+
+_F16 = np.dtype(np.float16)
+_F32 = np.dtype(np.float32)
+_U8 = np.dtype(np.uint8)
+_byref = ctypes.byref
+
+
+def _format_id(name) -> int:
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"format name must be a string, got {name!r}")
+    out = ctypes.c_int(0)
+    _lib.check(_lib.kvc_kv_format_from_name(name.encode("utf-8", "replace"), _byref(out)))
+    return out.value
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """A compressed KV format's parameters for one cache geometry (section 1).
+
+    Use :meth:`member` for kivi8/kivi4; the constructor takes a custom tuple
+    (``name="custom"``), checked by ``kvc_kvfmt_check``.
+
+    Attributes:
+        bits: 8 or 4, the width of K and V codes.
+        group: ``G``, tokens per K group.
+        v_group: ``gv``, V channels per scale.
+        v_asym: True: V has a scale and a zero point; False: scale only.
+        rotate_v: True: V is Hadamard-rotated before it is stored.
+        num_kv_heads, head_dim, page_size: ``H``, ``Dh``, ``P``.
+        name: "kivi8", "kivi4" or "custom".
+        page_bytes: bytes of one page of one layer.
+        tail_bytes: bytes of one sequence's tail of one layer (``2*G*H*Dh*2``).
+    """
+
+    bits: int
+    group: int
+    v_group: int
+    v_asym: bool
+    rotate_v: bool
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    name: str = "custom"
+    page_bytes: int = field(init=False)
+    tail_bytes: int = field(init=False)
+    _c: _lib.KvFmt = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        c = _lib.KvFmt()
+        if self.name == "custom":
+            c.id = _lib.KVC_KVFMT_NONE
+        elif self.name in MEMBERS:
+            c.id = _lib.KVC_KVFMT_KIVI8 if self.name == "kivi8" else _lib.KVC_KVFMT_KIVI4
+        else:
+            raise InvalidArgumentError(f"KVFormat name must be 'custom' (or a member's, from "
+                                       f"KVFormat.member), got {self.name!r}")
+        for attr in ("bits", "group", "v_group", "num_kv_heads", "head_dim", "page_size"):
+            v = _lib.int32_attr(getattr(self, attr), attr)
+            object.__setattr__(self, attr, v)
+            setattr(c, attr, v)
+        for attr in ("v_asym", "rotate_v"):
+            v = _lib.flag(getattr(self, attr), attr)
+            object.__setattr__(self, attr, v)
+            setattr(c, attr, int(v))
+        _lib.check(_lib.kvc_kvfmt_check(_byref(c)))
+        if c.id != _lib.KVC_KVFMT_NONE:
+            m = _lib.KvFmt()
+            _lib.check(_lib.kvc_kvfmt_make(c.id, c.num_kv_heads, c.head_dim, c.page_size,
+                                           _byref(m)))
+            if bytes(m) != bytes(c):
+                raise InvalidArgumentError(f"these parameters are not {self.name}'s; use "
+                                           f"KVFormat.member or name='custom'")
+        object.__setattr__(self, "_c", c)
+        object.__setattr__(self, "page_bytes", int(_lib.kvc_kvfmt_page_bytes(_byref(c))))
+        object.__setattr__(self, "tail_bytes", int(_lib.kvc_kvfmt_tail_bytes(_byref(c))))
+
+    @classmethod
+    def member(cls, name: str, num_kv_heads: int, head_dim: int, page_size: int) -> "KVFormat":
+        """The member ``name`` ("kivi8" or "kivi4", any case) for H KV heads
+        of Dh channels and pages of P tokens (``gv`` capped at Dh).
+
+        Raises:
+            InvalidArgumentError: an unknown name, or a geometry the format
+                cannot hold (kivi4: Dh a power of two, even P; G = 64 and P:
+                one divides the other; ...).
+        """
+        fid = _format_id(name)
+        c = _lib.KvFmt()
+        _lib.check(_lib.kvc_kvfmt_make(
+            fid, _lib.int32_attr(num_kv_heads, "num_kv_heads"),
+            _lib.int32_attr(head_dim, "head_dim"), _lib.int32_attr(page_size, "page_size"),
+            _byref(c)))
+        return cls(c.bits, c.group, c.v_group, bool(c.v_asym), bool(c.rotate_v),
+                   c.num_kv_heads, c.head_dim, c.page_size,
+                   _lib.kvc_kv_format_name(c.id).decode())
+
+    @property
+    def tail_shape(self) -> tuple:
+        """(2, G, H, Dh): a sequence's tail, K then V."""
+        return (2, self.group, self.num_kv_heads, self.head_dim)
+
+    def new_pages(self, num_pages: int) -> np.ndarray:
+        """A zeroed uint8 page array (num_pages, page_bytes)."""
+        return np.zeros((operator.index(num_pages), self.page_bytes), _U8)
+
+    def new_tail(self) -> np.ndarray:
+        """A zeroed float16 tail (2, G, H, Dh)."""
+        return np.zeros(self.tail_shape, _F16)
+
+    def new_seq(self, pages, n_kv: int = 0) -> "KVSeq":
+        """A KVSeq with the given page ids and length and a new zeroed tail."""
+        return KVSeq(pages, n_kv, self.new_tail())
+
+
+@dataclass(eq=False)
+class KVSeq:
+    """One sequence of one layer (``kvc_kvfmt_seq``).
+
+    Attributes:
+        pages: int32 page ids of positions ``[0, n_kv)``: at least
+            ``ceil(n_kv / page_size)`` entries (more are allowed and not
+            read). Converted to a C-contiguous int32 array (copied if needed).
+        n_kv: tokens stored, *counting those of the current append*: before
+            :func:`append`, add the rows it brings (the caller owns it).
+        tail: float16 numpy array (2, G, H, Dh), C-contiguous; updated in
+            place by :func:`append` (never copied).
+    """
+
+    pages: np.ndarray
+    n_kv: int
+    tail: np.ndarray
+
+    def __post_init__(self):
+        self.pages = _pages_ids(self.pages)
+        self.n_kv = _n_kv(self.n_kv)
+
+
+def _pages_ids(x) -> np.ndarray:
+    arr = _lib.int32_array(x, "KVSeq.pages")
+    if arr.ndim != 1:
+        raise InvalidArgumentError(f"KVSeq.pages must be 1-D, got shape {arr.shape}")
+    return arr
+
+
+def _n_kv(x) -> int:
+    try:
+        n = operator.index(x)
+    except TypeError as exc:
+        raise InvalidArgumentError(f"KVSeq.n_kv must be an integer, got {x!r}") from exc
+    if n < 0 or n >= 2**62:
+        raise InvalidArgumentError(f"KVSeq.n_kv must be >= 0, got {n}")
+    return n
+
+
+def _check_fmt(fmt) -> KVFormat:
+    if not isinstance(fmt, KVFormat):
+        raise InvalidArgumentError(f"fmt must be a KVFormat, got {type(fmt).__name__}")
+    return fmt
+
+
+def _seqs(fmt: KVFormat, seqs, writable: bool):
+    """(ctypes array of kvc_kvfmt_seq, arrays to keep alive, n) for seqs."""
+    if isinstance(seqs, KVSeq):
+        seqs = [seqs]
+    try:
+        seqs = list(seqs)
+    except TypeError as exc:
+        raise InvalidArgumentError(f"seqs must be a list of KVSeq, got "
+                                   f"{type(seqs).__name__}") from exc
+    n = len(seqs)
+    arr = (_lib.KvFmtSeq * max(n, 1))()
+    keep = []
+    P = fmt.page_size
+    shape = fmt.tail_shape
+    for i, s in enumerate(seqs):
+        if not isinstance(s, KVSeq):
+            raise InvalidArgumentError(f"seqs[{i}] must be a KVSeq, got {type(s).__name__}")
+        n_kv = _n_kv(s.n_kv)
+        pages = _pages_ids(s.pages)
+        need = -(-n_kv // P)
+        if pages.shape[0] < need:
+            raise InvalidArgumentError(f"seqs[{i}]: {pages.shape[0]} page ids for n_kv {n_kv} "
+                                       f"(page_size {P}: {need} needed)")
+        tail = s.tail
+        if not isinstance(tail, np.ndarray):
+            raise InvalidArgumentError(f"seqs[{i}].tail must be a numpy float16 array "
+                                       f"{shape}, got {type(tail).__name__}")
+        if tail.dtype != _F16 or tail.shape != shape:
+            raise InvalidArgumentError(f"seqs[{i}].tail must be float16 {shape}, got "
+                                       f"{tail.dtype} {tail.shape}")
+        if not (tail.flags.c_contiguous and tail.flags.aligned):
+            raise InvalidArgumentError(f"seqs[{i}].tail must be C-contiguous and aligned (it is "
+                                       f"{'updated' if writable else 'read'} in place)")
+        if writable and not tail.flags.writeable:
+            raise InvalidArgumentError(f"seqs[{i}].tail is not writeable (it is updated in "
+                                       f"place)")
+        keep += [pages, tail]
+        arr[i].pages = ctypes.cast(_lib.data_ptr(pages), ctypes.POINTER(ctypes.c_int32))
+        arr[i].n_kv = n_kv
+        arr[i].tail = ctypes.cast(_lib.data_ptr(tail), ctypes.POINTER(ctypes.c_uint16))
+    return arr, keep, n
+
+
+def _pages_tensor(fmt: KVFormat, pages, writable: bool):
+    a, t = _lib.inplace_tensor(pages, "pages", writable)
+    if a.dtype != _U8 or a.ndim != 2 or a.shape[1] != fmt.page_bytes:
+        raise InvalidArgumentError(f"pages must be uint8 (num_pages, {fmt.page_bytes}) (the "
+                                   f"format's page_bytes), got {a.dtype} {a.shape}")
+    return a, t
+
+
+def append(fmt, pages, seqs, row_indptr, key, value, num_threads=None) -> None:
+    """Stores K/V rows of several sequences (``kvc_kvfmt_append``).
+
+    Rows ``[row_indptr[b], row_indptr[b+1])`` of key/value are positions
+    ``n_kv - count .. n_kv - 1`` of ``seqs[b]`` (``count`` the rows of b,
+    ``seqs[b].n_kv`` already counting them). Each row goes to the tail
+    (float16, V rotated first when the format rotates); each K group the
+    rows complete is quantized into its pages.
+
+    Args:
+        fmt: a :class:`KVFormat`.
+        pages: uint8 (num_pages, page_bytes), updated in place.
+        seqs: list of :class:`KVSeq` (or one); their tails are updated in
+            place. Distinct sequences must not share a page of a group they
+            complete.
+        row_indptr: (len(seqs) + 1) ints, starts at 0, non-decreasing.
+        key, value: (row_indptr[-1], H, Dh) float32, float16 or bfloat16,
+            same dtype; row and head strides free.
+        num_threads: worker threads (None: all CPUs); the bytes do not depend
+            on it.
+
+    Raises:
+        InvalidArgumentError: bad shapes, page ids outside [0, num_pages),
+            a NaN, an infinity or a value beyond float16's range (after the
+            rotation). Nothing is written then.
+    """
+    fmt = _check_fmt(fmt)
+    pa, pt = _pages_tensor(fmt, pages, True)
+    sarr, keep, n = _seqs(fmt, seqs, True)
+    indptr = _lib.int64_array(row_indptr, "row_indptr")
+    if indptr.shape != (n + 1,):
+        raise InvalidArgumentError(f"row_indptr must be 1-D (len(seqs) + 1) = ({n + 1},), got "
+                                   f"shape {indptr.shape}")
+    ka, kt = _lib.input_tensor(key, "key", _lib.FLOAT_CODES)
+    va, vt = _lib.input_tensor(value, "value", _lib.FLOAT_CODES)
+    _lib.call_pooled(
+        _lib.kvc_kvfmt_append,
+        (_byref(fmt._c), _byref(pt), sarr, n, indptr.ctypes.data_as(_lib._i64p), _byref(kt),
+         _byref(vt)),
+        num_threads)
+    del pa, keep, ka, va
+
+
+def attention(fmt, pages, seqs, q, q_seq, q_pos, sm_scale=None, return_lse=False,
+              num_threads=None):
+    """Attention over sequences stored in format fmt (``kvc_kvfmt_attention``).
+
+    Query row i of ``seqs[q_seq[i]]`` at position ``q_pos[i]`` attends keys
+    ``[0, q_pos[i]]`` of it (causal): positions of complete groups from the
+    pages, dequantized, the rest from the float16 tail. Query head h reads KV
+    head ``h // (Hq // H)``. Scores and softmax in float32 (or wider); with
+    rotate_v the output is rotated back.
+
+    Args:
+        fmt: a :class:`KVFormat`.
+        pages: uint8 (num_pages, page_bytes) (read only).
+        seqs: list of :class:`KVSeq` (or one) (read only).
+        q: (nq, Hq, Dh) float32, float16 or bfloat16 (converted to float32,
+            exactly). Hq % H == 0.
+        q_seq: (nq) ints in [0, len(seqs)); q_pos: (nq) ints in
+            [0, seqs[q_seq[i]].n_kv).
+        sm_scale: None (1/sqrt(Dh)) or a finite nonzero number.
+        return_lse: also return lse.
+        num_threads: worker threads (None: all CPUs); the result does not
+            depend on it.
+
+    Returns:
+        o (nq, Hq, Dh) of q's dtype (computed in float32), and with
+        return_lse, lse (nq, Hq) float32: log2 of the softmax denominator of
+        the scaled scores.
+    """
+    fmt = _check_fmt(fmt)
+    return_lse = _lib.flag(return_lse, "return_lse")
+    pa, pt = _pages_tensor(fmt, pages, False)
+    sarr, keep, n = _seqs(fmt, seqs, False)
+    qa = _lib.input_array(q, "q", _lib.FLOAT_CODES)
+    if qa.ndim != 3:
+        raise InvalidArgumentError(f"q must be (nq, Hq, Dh), got shape {qa.shape}")
+    q32 = qa if qa.dtype == _F32 else qa.astype(_F32)
+    nq = q32.shape[0]
+    qs = _lib.int32_array(q_seq, "q_seq")
+    qp = _lib.int32_array(q_pos, "q_pos")
+    for name, a in (("q_seq", qs), ("q_pos", qp)):
+        if a.shape != (nq,):
+            raise InvalidArgumentError(f"{name} must be 1-D (nq) = ({nq},), got shape "
+                                       f"{a.shape}")
+    params = _attn_params(sm_scale, None, -1)
+    out = np.empty(q32.shape, _F32)
+    lse = np.empty(q32.shape[:2], _F32) if return_lse else None
+    mt = _lib.make_tensor
+    qt, ot = mt(q32), mt(out)
+    lt = mt(lse) if return_lse else None
+    i32p = ctypes.POINTER(ctypes.c_int32)
+    _lib.call_pooled(
+        _lib.kvc_kvfmt_attention,
+        (_byref(fmt._c), _byref(pt), sarr, n, _byref(qt), qs.ctypes.data_as(i32p),
+         qp.ctypes.data_as(i32p), _byref(params), _byref(ot),
+         _byref(lt) if lt is not None else None),
+        num_threads)
+    del pa, keep
+    if qa.dtype != _F32:
+        out = out.astype(qa.dtype)
+    return (out, lse) if return_lse else out
