@@ -197,6 +197,8 @@ typedef struct kvc_engine_params {
     int32_t max_step_tokens;   /* token rows per step: decodes + prefill chunks (default 512) */
     int32_t max_running;       /* sequences in flight (default 64) */
     int32_t enable_prefix_caching; /* default 1 */
+    kvc_kv_format kv_format;   /* KVC_KVFMT_NONE (default: kv_dtype), or a compressed format
+                                  (kvfmt.h; then kv_dtype and quant_group are ignored) */
 } kvc_engine_params;
 
 KVC_API kvc_engine_params kvc_engine_default_params(void);

@@ -142,6 +142,7 @@ kvc_status kvc_engine_create(const kvc_model *m, const kvc_engine_params *params
                    (p.kv_capacity_tokens % p.page_size > 0); /* ceil, no overflow */
     cp.quant_group = p.quant_group;
     cp.enable_prefix_caching = p.enable_prefix_caching != 0;
+    cp.kv_format = p.kv_format;
     kvc_engine *e = calloc(1, sizeof *e);
     if (!e) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
     e->m = m;

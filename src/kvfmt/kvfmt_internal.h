@@ -27,4 +27,8 @@ kvc__kvfmt_layout kvc__kvfmt_layout_of(const kvc_kvfmt *f);
  * says so (float32 butterfly, section 4), in place. */
 void kvc__kvfmt_rotate(float *x, int32_t n);
 
+/* Upper bound of the pool scratch kvc_kvfmt_append takes for nnz rows of
+ * n_seqs sequences (a caller that must not fail half way reserves it). */
+size_t kvc__kvfmt_append_scratch_bytes(const kvc_kvfmt *f, int64_t nnz, int64_t n_seqs);
+
 #endif

@@ -187,6 +187,16 @@ static void group_task(void *arg, int64_t task) {
     }
 }
 
+static size_t scratch_bytes(int64_t nnz, int64_t HD, int64_t n_tasks) {
+    const int64_t n_conv = (nnz + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    return (size_t)nnz * 4 * (size_t)HD + (size_t)n_tasks * 2 * sizeof(int64_t) + (size_t)n_conv;
+}
+
+size_t kvc__kvfmt_append_scratch_bytes(const kvc_kvfmt *f, int64_t nnz, int64_t n_seqs) {
+    /* a sequence's rows complete at most cnt / G + 1 groups */
+    return scratch_bytes(nnz, (int64_t)f->num_kv_heads * f->head_dim, nnz / f->group + n_seqs);
+}
+
 kvc_status kvc_kvfmt_append(const kvc_kvfmt *f, kvc_tensor *pages, const kvc_kvfmt_seq *seqs,
                             int64_t n_seqs, const int64_t *row_indptr, const kvc_tensor *key,
                             const kvc_tensor *value, kvc_threadpool *pool) {
@@ -246,7 +256,7 @@ kvc_status kvc_kvfmt_append(const kvc_kvfmt *f, kvc_tensor *pages, const kvc_kvf
     const int64_t n_conv = (nnz + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     const size_t st_bytes = (size_t)nnz * 2 * (size_t)c.HD * 2;
     const size_t task_bytes = (size_t)n_tasks * 2 * sizeof(int64_t);
-    unsigned char *mem = kvc__scratch_get(pool, st_bytes + task_bytes + (size_t)n_conv);
+    unsigned char *mem = kvc__scratch_get(pool, scratch_bytes(nnz, c.HD, n_tasks));
     if (!mem) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
     c.st = (uint16_t *)mem;
     c.task_seq = (int64_t *)(mem + st_bytes);

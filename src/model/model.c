@@ -23,6 +23,7 @@
 #include "kvcache/paged.h"
 #include "kvcache/prefill.h"
 #include "../core/internal.h"
+#include "../kvfmt/kvfmt_internal.h"
 #include "model_internal.h"
 #include "../paged/paged_internal.h"
 #include "gemm.h"
@@ -78,6 +79,8 @@ struct kvc_model_ctx {
     ibuf d_indptr, d_last, d_indices;
     kvc_seq_id *act;
     int64_t cap_act;
+    /* compressed-format caches: rows per sequence, the sequences' views */
+    ibuf k_rows, k_seqs;
 };
 
 
@@ -387,7 +390,7 @@ void kvc_model_ctx_destroy(kvc_model_ctx *c) {
     ibuf *ib[] = {&c->orig,      &c->inv,       &c->batch_idx,    &c->positions, &c->full_indptr,
                   &c->full_last, &c->full_indices, &c->a_indptr, &c->a_last,    &c->a_indices,
                   &c->p_qo,      &c->p_indptr,  &c->p_last,       &c->p_indices, &c->d_indptr,
-                  &c->d_last,    &c->d_indices};
+                  &c->d_last,    &c->d_indices, &c->k_rows,     &c->k_seqs};
     for (size_t i = 0; i < sizeof ib / sizeof ib[0]; i++) free(ib[i]->p);
     free(c->act);
     kvc_threadpool_destroy(c->pool);
@@ -437,12 +440,13 @@ static int need(ibuf *b, int64_t n, size_t elem) {
  * n_want for the output head) and K/V append into pc's dtype, so that
  * neither can fail for want of memory once layer 0 has written the cache:
  * a step that runs out of memory then fails before changing anything. */
-static int reserve_scratch(kvc_model_ctx *c, const kvc_paged_cache *pc, int64_t N,
-                           int64_t n_want) {
+static int reserve_scratch(kvc_model_ctx *c, const kvc_paged_cache *pc, const kvc_kvfmt *fmt,
+                           int64_t N, int64_t n_active, int64_t n_want) {
     const kvc_model *m = c->m;
     const kvc_model_info *in = &m->info;
-    size_t need = kvc__append_scratch_bytes(N, in->n_head_kv, in->head_dim, pc->quant_group,
-                                            pc->k.dtype);
+    size_t need = fmt ? kvc__kvfmt_append_scratch_bytes(fmt, N, n_active)
+                      : kvc__append_scratch_bytes(N, in->n_head_kv, in->head_dim,
+                                                  pc->quant_group, pc->k.dtype);
     size_t g = kvc__gemm_scratch_bytes(m->output.type, m->output.cols, n_want);
     if (g > need) need = g;
     for (int32_t l = 0; l < in->n_layer; l++) {
@@ -595,13 +599,28 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
     const kvc_model *m = c->m;
     const kvc_model_info *in = &m->info;
     kvc_paged_cache pc;
-    KVC_TRY(kvc_cache_layer(cache, 0, &pc));
-    const int nhd = pc.layout == KVC_NHD;
-    const int64_t ps = nhd ? pc.k.shape[1] : pc.k.shape[2];
-    const int64_t cH = nhd ? pc.k.shape[2] : pc.k.shape[1];
-    KVC_CHECK(cH == in->n_head_kv && pc.k.shape[3] == in->head_dim &&
-                  kvc_cache_layer(cache, in->n_layer - 1, &pc) == KVC_OK,
-              "%s: the cache does not fit the model (make it with kvc_model_cache_params)", fn);
+    kvc_kvfmt fmt;
+    kvc_tensor kpages;
+    const int cmp = kvc_cache_kvfmt(cache, &fmt) == KVC_OK; /* a compressed format */
+    int64_t ps;
+    if (cmp) {
+        memset(&pc, 0, sizeof pc);
+        ps = fmt.page_size;
+        KVC_CHECK(fmt.num_kv_heads == in->n_head_kv && fmt.head_dim == in->head_dim &&
+                      kvc_cache_kvfmt_layer(cache, in->n_layer - 1, &kpages) == KVC_OK,
+                  "%s: the cache does not fit the model (make it with kvc_model_cache_params)",
+                  fn);
+    } else {
+        kvc_clear_error();
+        KVC_TRY(kvc_cache_layer(cache, 0, &pc));
+        const int nhd = pc.layout == KVC_NHD;
+        ps = nhd ? pc.k.shape[1] : pc.k.shape[2];
+        const int64_t cH = nhd ? pc.k.shape[2] : pc.k.shape[1];
+        KVC_CHECK(cH == in->n_head_kv && pc.k.shape[3] == in->head_dim &&
+                      kvc_cache_layer(cache, in->n_layer - 1, &pc) == KVC_OK,
+                  "%s: the cache does not fit the model (make it with kvc_model_cache_params)",
+                  fn);
+    }
     /* validate everything first */
     int64_t N = 0, n_want = 0, n_active = 0, N_dec = 0, dec_pages = 0;
     for (int32_t s = 0; s < n_seqs; s++) {
@@ -660,7 +679,10 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
                               I32(c->full_indices), c->full_indices.cap, I32(c->full_last),
                               &total);
     KVC_TRY(st);
-    if (!reserve_scratch(c, &pc, N, n_want))
+    if (cmp && (!need(&c->k_rows, n_active + 1, sizeof(int64_t)) ||
+                !need(&c->k_seqs, n_active, sizeof(kvc_kvfmt_seq))))
+        return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+    if (!reserve_scratch(c, &pc, cmp ? &fmt : NULL, N, n_active, n_want))
         return kvc__error(KVC_ERR_NOMEM, "%s: out of memory (work buffers)", fn);
 
     /* internal row order: every prefill row (sequence by sequence), then every
@@ -680,6 +702,18 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
         for (int64_t p = 0; p < np; p++) ax[ai[a] + p] = pages[p];
         ai[a + 1] = (int32_t)(ai[a] + np);
         al[a] = (int32_t)(L - (np - 1) * ps);
+        if (cmp) { /* rows in the caller's order: the store needs each sequence's
+                      rows together and in position order; one attention call
+                      serves prefill and decode rows alike */
+            I64(c->k_rows)[a] = in_row;
+            for (int64_t i = 0; i < n[s]; i++, in_row++) {
+                orig[in_row] = inv[in_row] = in_row;
+                bi[in_row] = (int32_t)a;
+                po[in_row] = (int32_t)(pos0[s] + i);
+            }
+            I64(c->k_rows)[++a] = in_row;
+            continue;
+        }
         const int64_t d0 = decode_from && decode_from[s] >= 0 ? decode_from[s] : INT64_MAX;
         const int64_t pe = L < d0 ? L : (pos0[s] > d0 ? pos0[s] : d0); /* prefill rows end */
         if (pe > pos0[s]) { /* prefill request: rows [pos0, pe), keys [0, pe) */
@@ -727,16 +761,22 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
     kvc_tensor tq_d = kvc_tensor_make(c->q + N_pre * Hq * Dh, KVC_F32, 3, shd);
     kvc_tensor to_d = kvc_tensor_make(c->att + N_pre * Hq * Dh, KVC_F32, 3, shd);
 
+    int64_t shq[3] = {N, Hq, Dh};
+    kvc_tensor tq_all = kvc_tensor_make(c->q, KVC_F32, 3, shq);
+    kvc_tensor to_all = kvc_tensor_make(c->att, KVC_F32, 3, shq);
+    kvc_kvfmt_seq *kseq = (kvc_kvfmt_seq *)c->k_seqs.p;
     kvc_prefill_plan *pplan = NULL;
     kvc_decode_plan *dplan = NULL;
-    if (N_pre > 0) {
+    if (cmp) {
+        /* nothing to plan */
+    } else if (N_pre > 0) {
         kvc_tensor qo = t1(pq, np_seq + 1), ip = t1(pi, np_seq + 1), la = t1(pl, np_seq);
         kvc_tensor ix = t1(px, pi[np_seq]);
         st = kvc_prefill_plan_create_paged(&qo, &ip, &ix, &la, (int32_t)Hq, (int32_t)H,
                                            (int32_t)Dh, (int32_t)ps, 1, NULL, NULL, c->n_threads,
                                            &pplan);
     }
-    if (st == KVC_OK && N_dec > 0) {
+    if (!cmp && st == KVC_OK && N_dec > 0) {
         kvc_tensor ip = t1(di, N_dec + 1), la = t1(dl, N_dec), ix = t1(dx, di[N_dec]);
         st = kvc_decode_plan_create(&ip, &ix, &la, (int32_t)Hq, (int32_t)H, (int32_t)Dh,
                                     (int32_t)ps, c->n_threads, &dplan);
@@ -760,6 +800,19 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
                             "values are not finite (NaN/Inf weights or activations)", (int)l);
             break;
         }
+        if (cmp) {
+            if ((st = kvc_cache_kvfmt_layer(cache, l, &kpages)) != KVC_OK ||
+                (st = kvc_cache_kvfmt_seqs(cache, l, c->act, n_active, kseq)) != KVC_OK)
+                break;
+            for (int64_t i = 0; i < n_active; i++) /* written so far: this step's end */
+                kseq[i].n_kv = po[I64(c->k_rows)[i + 1] - 1] + 1;
+            if ((st = kvc_kvfmt_append(&fmt, &kpages, kseq, n_active, I64(c->k_rows), &tk, &tv,
+                                       c->pool)) != KVC_OK ||
+                (st = kvc_kvfmt_attention(&fmt, &kpages, kseq, n_active, &tq_all, bi, po, &ap,
+                                          &to_all, NULL, c->pool)) != KVC_OK)
+                break;
+            goto attended;
+        }
         if ((st = kvc_cache_layer(cache, l, &pc)) != KVC_OK) break;
         if ((st = kvc_append_paged_kv_cache(&tk, &tv, &bidx, &posn, &pc, &a_indices, &a_indptr,
                                             &a_last, c->pool)) != KVC_OK)
@@ -770,6 +823,7 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
         if (dplan &&
             (st = kvc_decode_run(dplan, &tq_d, &pc, &ap, &to_d, NULL, c->pool)) != KVC_OK)
             break;
+    attended:
         if ((st = gemm(c, &L->wo, c->att, N, c->tmp)) != KVC_OK) break;
         run_rows(c, L, 2, N);
         run_rows(c, L, 3, N);

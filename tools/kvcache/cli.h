@@ -12,6 +12,8 @@
 
 #include <stdint.h>
 
+#include "kvcache/kvfmt.h"
+
 #define CLI_EXIT_OK 0
 #define CLI_EXIT_FAIL 1
 #define CLI_EXIT_USAGE 2
@@ -36,7 +38,17 @@ int cmd_perplexity(int argc, char **argv);
 const char *cli_default_model(void);
 /* Parses a KV storage dtype name (f32/float32, f16/float16, bf16/bfloat16,
  * int8, int4); 0 or -1. */
+/* KV storage codes of --kv-dtype: a kvc_dtype (a per-token cache), or
+ * CLI_KV_FMT + a kvc_kv_format (a compressed format). */
+#define CLI_KV_FMT 100
+#define CLI_KV_KIVI8 (CLI_KV_FMT + KVC_KVFMT_KIVI8)
+#define CLI_KV_KIVI4 (CLI_KV_FMT + KVC_KVFMT_KIVI4)
+#define CLI_KV_HELP "f32, f16, bf16, int8 (= kivi8), int4 (= kivi4), int8-token, int4-token"
+/* A name of CLI_KV_HELP: 0 and its code in *dtype, or -1. */
 int cli_parse_kv_dtype(const char *s, int *dtype);
+kvc_dtype cli_kv_dtype(int code);      /* the dtype of a per-token cache (f16 otherwise) */
+kvc_kv_format cli_kv_format(int code); /* KVC_KVFMT_NONE for a per-token cache */
+const char *cli_kv_name(int code);     /* "kivi8", "int8-token", "float16", ... */
 
 /* ---- helpers (main.c) -------------------------------------------------- */
 

@@ -97,7 +97,7 @@ const char cli_gen_opts_help[] =
     "  --top-k K           top-k filter when sampling (default 40, 0 = off)\n"
     "  --top-p P           nucleus filter when sampling (default 0.95, 1 = off)\n"
     "  --seed N            sampling seed (default 0)\n"
-    "  --kv-dtype TYPE     KV cache storage: f32, f16, bf16, int8, int4 (default f16)\n"
+    "  --kv-dtype TYPE     KV cache storage: " CLI_KV_HELP " (default f16)\n"
     "  -t, --threads N     threads (default: the CPUs this process may run on)\n"
     "  --ignore-eos        keep generating after an end-of-generation token\n";
 
@@ -152,7 +152,7 @@ int cli_gen_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_gen_o
             return cli_usage_error(cmd, "--top-p: expected a number in (0, 1], got '%s'", v);
     } else { /* --kv-dtype */
         if (cli_parse_kv_dtype(v, &o->kv_dtype))
-            return cli_usage_error(cmd, "--kv-dtype: expected f32, f16, bf16, int8 or int4, "
+            return cli_usage_error(cmd, "--kv-dtype: expected one of " CLI_KV_HELP ", "
                                    "got '%s'", v);
     }
     return 1;

@@ -33,7 +33,8 @@ static const char serve_usage[] =
     "  -f, --file FILE      the same with the text of FILE ('-': standard input; one\n"
     "                       trailing newline dropped)\n"
     "  --gen N              tokens generated per sequence (default 32)\n"
-    "  --kv-dtype LIST      KV storage among f32,f16,bf16,int8,int4 (default f16,int8)\n"
+    "  --kv-dtype LIST      KV storage, comma-separated, among " CLI_KV_HELP "\n"
+    "                       (default f16,int8)\n"
     "  --shared-prompt      one prompt for all sequences (prefix caching serves the\n"
     "                       copies); default: a different random prompt each\n"
     "  --no-prefix-cache    every sequence computes its whole prompt, shared or not\n"
@@ -95,7 +96,8 @@ static int serve_engine_run(const serve_case *c, serve_result *r) {
     memset(r, 0, sizeof *r);
     kvc_engine_params ep = kvc_engine_default_params();
     ep.n_threads = (int32_t)c->threads;
-    ep.kv_dtype = c->kv;
+    ep.kv_dtype = cli_kv_dtype(c->kv);
+    ep.kv_format = cli_kv_format(c->kv);
     ep.max_running = (int32_t)B;
     ep.max_step_tokens = (int32_t)c->step_tokens;
     ep.kv_capacity_tokens = B * (c->prompt_len + c->gen + ep.page_size);
@@ -134,7 +136,7 @@ static int serve_engine_run(const serve_case *c, serve_result *r) {
         dec_before = s.decode_only_tokens;
         if (c->tty)
             fprintf(stderr, "\r  %s B=%lld: prompt rows %lld, generated %lld / %lld   ",
-                    kvc_dtype_name(c->kv), (long long)B, (long long)s.prefill_tokens,
+                    cli_kv_name(c->kv), (long long)B, (long long)s.prefill_tokens,
                     (long long)done_tokens, (long long)(B * c->gen));
     }
     kvc_engine_get_stats(eng, &s);
@@ -170,7 +172,7 @@ int cmd_bench_serve(int argc, char **argv) {
     int64_t batches[16] = {1, 16}, prompt_len = 2048, gen = 32, threads = 2, step_tokens = 512;
     int n_batches = 2, n_dtypes = 2, shared = 0, quick = 0, json = 0, sync = 0, no_prefix = 0;
     int set_batch = 0, set_prompt = 0, set_gen = 0, set_dtype = 0; /* win over --quick */
-    int dtypes[8] = {KVC_F16, KVC_I8};
+    int dtypes[8] = {KVC_F16, CLI_KV_KIVI8};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -220,8 +222,8 @@ int cmd_bench_serve(int argc, char **argv) {
         } else if (!strcmp(a, "--kv-dtype")) {
             n_dtypes = split_list(v, 8, dtype_item, dtypes);
             if (n_dtypes <= 0)
-                return cli_usage_error(cmd, "--kv-dtype: expected up to 8 of f32, f16, bf16, "
-                                       "int8, int4, comma-separated, got '%s'", v);
+                return cli_usage_error(cmd, "--kv-dtype: expected up to 8 of " CLI_KV_HELP
+                                       ", comma-separated, got '%s'", v);
             set_dtype = 1;
         } else {
             return cli_usage_error(cmd, "unexpected argument '%s'", a);
@@ -299,7 +301,7 @@ int cmd_bench_serve(int argc, char **argv) {
         for (int bi = 0; bi < n_batches && rc == CLI_EXIT_OK; bi++) {
             const serve_case c = {.model = model, .n_vocab = info.n_vocab, .B = batches[bi],
                                   .prompt_len = prompt_len, .gen = gen, .threads = threads,
-                                  .step_tokens = step_tokens, .kv = (kvc_dtype)dtypes[di],
+                                  .step_tokens = step_tokens, .kv = dtypes[di],
                                   .shared = shared, .prefix_cache = !no_prefix,
                                   .text = text_ids, .tty = isatty(2) && !json};
             serve_result r;
@@ -323,7 +325,7 @@ int cmd_bench_serve(int argc, char **argv) {
                        "\"decode_mean_batch\": %.2f, \"kv_bytes_per_token\": %lld, "
                        "\"cached_tokens\": %lld, \"preemptions\": %lld, "
                        "\"tokens_fnv\": \"%016llx\"}\n",
-                       kvc_isa_name(kvc_get_isa()), mode, kvc_dtype_name(c.kv), (long long)c.B,
+                       kvc_isa_name(kvc_get_isa()), mode, cli_kv_name(c.kv), (long long)c.B,
                        (long long)prompt_len, (long long)gen, text ? "text" : "random",
                        shared ? "true" : "false", no_prefix ? "false" : "true",
                        (long long)step_tokens, (int)threads, r.prefill_s,
@@ -333,7 +335,7 @@ int cmd_bench_serve(int argc, char **argv) {
                        (long long)r.preemptions, (unsigned long long)r.tokens_fnv);
             } else {
                 printf("%-6s %4lld %10.3f %12.1f %10.3f %12.2f %6.1f %11lld %8lld %6lld\n",
-                       kvc_dtype_name(c.kv), (long long)c.B, r.prefill_s, pre_tps, r.decode_s,
+                       cli_kv_name(c.kv), (long long)c.B, r.prefill_s, pre_tps, r.decode_s,
                        dec_tps, r.decode_batch, (long long)r.kv_bytes_per_token,
                        (long long)r.cached_tokens, (long long)r.preemptions);
             }

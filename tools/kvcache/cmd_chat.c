@@ -164,7 +164,8 @@ int cmd_chat(int argc, char **argv) {
     }
     kvc_engine_params ep = kvc_engine_default_params();
     ep.n_threads = (int32_t)o.threads;
-    ep.kv_dtype = (kvc_dtype)o.kv_dtype;
+    ep.kv_dtype = cli_kv_dtype(o.kv_dtype);
+    ep.kv_format = cli_kv_format(o.kv_dtype);
     ep.kv_capacity_tokens = ctx_size;
     ep.max_running = 1;
     if (kvc_engine_create(model, &ep, &eng) != KVC_OK) goto fail;

@@ -42,8 +42,9 @@ static const char ppl_usage[] =
     "  -c, --ctx-size N     tokens per chunk, 8 .. the model's context (default 1024)\n"
     "  -b, --batch-size N   token rows per forward step (default 512; results do not\n"
     "                       depend on it)\n"
-    "  --kv-dtype TYPE      KV cache storage: f32, f16, bf16, int8, int4 (default f16)\n"
-    "  --kv-group N         int8/int4: elements per scale, dividing the head dim\n"
+    "  --kv-dtype TYPE      KV cache storage: " CLI_KV_HELP "\n"
+    "                       (default f16; int8/int4 are the compressed formats kivi8/kivi4)\n"
+    "  --kv-group N         int8-token/int4-token: elements per scale, dividing the head dim\n"
     "                       (default 8, the engine's)\n"
     "  -t, --threads N      threads (default: online CPUs)\n"
     "  --json               one JSON object: ppl, ppl_stderr, n_chunks, n_scored, n_ctx,\n"
@@ -211,8 +212,8 @@ int cmd_perplexity(int argc, char **argv) {
                 return cli_usage_error(cmd, "-t: expected an integer in [1, 256], got '%s'", v);
         } else if (!strcmp(a, "--kv-dtype")) {
             if (cli_parse_kv_dtype(v, &kv_dtype))
-                return cli_usage_error(cmd, "--kv-dtype: expected f32, f16, bf16, int8 or int4, "
-                                       "got '%s'", v);
+                return cli_usage_error(cmd, "--kv-dtype: expected one of " CLI_KV_HELP
+                                       ", got '%s'", v);
         } else {
             return cli_usage_error(cmd, "unexpected argument '%s'", a);
         }
@@ -220,7 +221,7 @@ int cmd_perplexity(int argc, char **argv) {
     if (!file) return cli_usage_error(cmd, "a text file is required (-f FILE)");
     const int quantized = kv_dtype == KVC_I8 || kv_dtype == KVC_I4;
     if (set_group && !quantized)
-        return cli_usage_error(cmd, "--kv-group needs --kv-dtype int8 or int4");
+        return cli_usage_error(cmd, "--kv-group needs --kv-dtype int8-token or int4-token");
 
     /* the text first: a wrong path should not wait for the model to load */
     size_t text_len = 0;
@@ -277,7 +278,8 @@ int cmd_perplexity(int argc, char **argv) {
                 (long long)n_ctx);
         goto done;
     }
-    kvc_cache_params cp = kvc_model_cache_params(model, (kvc_dtype)kv_dtype, n_ctx);
+    kvc_cache_params cp = kvc_model_cache_params(model, cli_kv_dtype(kv_dtype), n_ctx);
+    cp.kv_format = cli_kv_format(kv_dtype);
     cp.quant_group = (int32_t)group;
     cp.enable_prefix_caching = 0; /* every chunk from an empty cache */
     if (kvc_cache_create(&cp, &cache) != KVC_OK) {
@@ -298,7 +300,7 @@ int cmd_perplexity(int argc, char **argv) {
     /* var can come out a rounding error below 0 when every nll is equal */
     const double se = r.count > 1 && var > 0 ? ppl * sqrt(var / (double)(r.count - 1)) : 0.0;
     const long long bpt = (long long)kvc_cache_bytes_per_token(cache);
-    const char *dname = kvc_dtype_name((kvc_dtype)kv_dtype);
+    const char *dname = cli_kv_name(kv_dtype);
     if (json) {
         printf("{\"ppl\": %.17g, \"ppl_stderr\": %.17g, \"n_chunks\": %lld, \"n_scored\": %lld, "
                "\"n_ctx\": %lld, \"n_tokens\": %lld, \"kv_dtype\": \"%s\", \"kv_group\": ",

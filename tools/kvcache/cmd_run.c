@@ -135,7 +135,8 @@ int cmd_run(int argc, char **argv) {
     }
     kvc_engine_params ep = kvc_engine_default_params();
     ep.n_threads = (int32_t)o.threads;
-    ep.kv_dtype = (kvc_dtype)o.kv_dtype;
+    ep.kv_dtype = cli_kv_dtype(o.kv_dtype);
+    ep.kv_format = cli_kv_format(o.kv_dtype);
     ep.kv_capacity_tokens = n_ids + o.n_predict + 16;
     if (kvc_engine_create(model, &ep, &eng) != KVC_OK) goto fail;
     const kvc_sampling_params sp = cli_gen_sampling(&o);
@@ -154,7 +155,7 @@ int cmd_run(int argc, char **argv) {
                 r.t_prefill > 0 ? (double)n_ids / r.t_prefill : 0.0, (long long)r.n_gen,
                 r.t_decode, r.n_gen > 1 && r.t_decode > 0 ? (double)(r.n_gen - 1) / r.t_decode
                                                           : 0.0,
-                kvc_dtype_name((kvc_dtype)o.kv_dtype), (int)o.threads);
+                cli_kv_name(o.kv_dtype), (int)o.threads);
     }
     rc = CLI_EXIT_OK;
     goto done;

@@ -147,18 +147,35 @@ const char *cli_default_model(void) {
 }
 
 int cli_parse_kv_dtype(const char *s, int *dtype) {
+    /* int8 and int4 name the best compressed formats (docs/KV_FORMATS.md);
+     * the per-token caches of the library's int8/int4 dtypes stay reachable
+     * as int8-token and int4-token */
     static const struct {
         const char *name;
-        kvc_dtype dt;
+        int dt;
     } names[] = {{"f32", KVC_F32},   {"float32", KVC_F32},  {"f16", KVC_F16},
                  {"float16", KVC_F16}, {"bf16", KVC_BF16}, {"bfloat16", KVC_BF16},
-                 {"int8", KVC_I8},   {"int4", KVC_I4}};
+                 {"int8", CLI_KV_KIVI8}, {"int4", CLI_KV_KIVI4}, {"kivi8", CLI_KV_KIVI8},
+                 {"kivi4", CLI_KV_KIVI4}, {"int8-token", KVC_I8}, {"int4-token", KVC_I4}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
         if (strcmp(s, names[i].name) == 0) {
             *dtype = (int)names[i].dt;
             return 0;
         }
     return -1;
+}
+
+kvc_dtype cli_kv_dtype(int code) { return code >= CLI_KV_FMT ? KVC_F16 : (kvc_dtype)code; }
+
+kvc_kv_format cli_kv_format(int code) {
+    return code >= CLI_KV_FMT ? (kvc_kv_format)(code - CLI_KV_FMT) : KVC_KVFMT_NONE;
+}
+
+const char *cli_kv_name(int code) {
+    if (code >= CLI_KV_FMT) return kvc_kv_format_name(cli_kv_format(code));
+    if (code == KVC_I8) return "int8-token";
+    if (code == KVC_I4) return "int4-token";
+    return kvc_dtype_name((kvc_dtype)code);
 }
 
 /* ---- dispatch ---------------------------------------------------------- */

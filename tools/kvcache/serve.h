@@ -14,7 +14,7 @@ typedef struct serve_case {
     const kvc_model *model;
     int32_t n_vocab;
     int64_t B, prompt_len, gen, threads, step_tokens;
-    kvc_dtype kv;
+    int kv; /* --kv-dtype code (cli.h) */
     int shared;       /* one prompt for all sequences */
     int prefix_cache; /* sequences may share cached prompt pages */
     const int32_t *text; /* prompt_len tokens every sequence gets (-p/-f), or NULL */

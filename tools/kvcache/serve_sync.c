@@ -50,7 +50,9 @@ static kvc_status pick(const float *logits, int32_t n_vocab, const int64_t *idx,
 int serve_sync_run(const serve_case *c, serve_result *r) {
     const int64_t B = c->B, pp = c->prompt_len, V = c->n_vocab;
     memset(r, 0, sizeof *r);
-    kvc_cache_params cp = kvc_model_cache_params(c->model, c->kv, B * (pp + c->gen + 16));
+    kvc_cache_params cp =
+        kvc_model_cache_params(c->model, cli_kv_dtype(c->kv), B * (pp + c->gen + 16));
+    cp.kv_format = cli_kv_format(c->kv);
     cp.enable_prefix_caching = c->prefix_cache;
     kvc_cache *cache = NULL;
     kvc_model_ctx *ctx = NULL;
@@ -113,7 +115,7 @@ int serve_sync_run(const serve_case *c, serve_result *r) {
         r->prefill_tokens += nr;
         while (first < B && done[first] == pp) first++;
         if (c->tty)
-            fprintf(stderr, "\r  %s B=%lld: prefill %lld / %lld rows   ", kvc_dtype_name(c->kv),
+            fprintf(stderr, "\r  %s B=%lld: prefill %lld / %lld rows   ", cli_kv_name(c->kv),
                     (long long)B, (long long)(r->prefill_tokens + r->cached_tokens),
                     (long long)(B * pp));
     }
@@ -137,7 +139,7 @@ int serve_sync_run(const serve_case *c, serve_result *r) {
             goto fail;
         if (c->tty)
             fprintf(stderr, "\r  %s B=%lld: decode step %lld / %lld        ",
-                    kvc_dtype_name(c->kv), (long long)B, (long long)step + 1, (long long)c->gen);
+                    cli_kv_name(c->kv), (long long)B, (long long)step + 1, (long long)c->gen);
     }
     r->decode_s = bench_now() - t0;
     r->decode_tokens = B * c->gen;
