@@ -102,7 +102,7 @@ def f16_up(x: np.ndarray) -> np.ndarray:
 
 def scale_for(lo16: np.ndarray, hi16: np.ndarray, levels: int) -> np.ndarray:
     """Smallest float16 s >= 0 with s * levels >= hi - lo, exactly."""
-    d = hi16.astype(F64) - lo16.astype(F64)  # exact: both float16
+    d = hi16.astype(F64) - lo16.astype(F64) + 0.0  # exact: both float16; -0 becomes +0
     s = f16_up(d / levels)
     for _ in range(4):  # at most one step either way is ever needed
         dn = np.nextafter(s, F16(-np.inf))

@@ -409,14 +409,10 @@ def test_append_bytes_same_on_every_isa(isa):
         st.check(rseqs, f"isa {isa}")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "spec ambiguity, reported: for a K channel or V group whose values are all "
-    "signed zeros with max X = -0 (numpy's max returns the first of equal values), "
-    "kvfmt_reference.scale_for computes d = hi - zero = -0 - (+0) = -0 and stores "
-    "scale -0 (0x8000); the C code stores +0 (0x0000). The document says "
-    "'smallest float16 s >= 0' and canonicalizes only the zero point"))
 @pytest.mark.parametrize("where", ["K channel", "V group"])
 def test_scale_of_a_group_of_negative_zeros(where):
+    """A K channel or V group of signed zeros only: scale and zero point are
+    both stored as +0 (document section 3), whatever the order of -0 and +0."""
     fmt = KVFormat.member("kivi8", 1, 64, 64)
     rf = ref_format(fmt)
     rng = np.random.default_rng(18)
