@@ -63,7 +63,7 @@ class EngineParams(ctypes.Structure):
     _fields_ = [
         ("n_threads", _i32), ("kv_dtype", _c_int), ("quant_group", _i32), ("page_size", _i32),
         ("kv_capacity_tokens", _i64), ("max_step_tokens", _i32), ("max_running", _i32),
-        ("enable_prefix_caching", _i32),
+        ("enable_prefix_caching", _i32), ("kv_format", _c_int),
     ]
 
 
@@ -108,11 +108,15 @@ kvc_engine_step = _p("kvc_engine_step", _c_int, _vp, ctypes.POINTER(EngineEvent)
 kvc_engine_pending = _p("kvc_engine_pending", _i64, _vp)
 kvc_engine_get_stats = _p("kvc_engine_get_stats", _c_int, _vp, ctypes.POINTER(EngineStats))
 
+# "int8"/"int4" are the per-token caches (SEMANTICS section 1); "kivi8"/"kivi4"
+# the compressed formats of docs/KV_FORMATS.md (kv format codes 1, 2).
 _KV_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "int4": 4}
+_KV_FORMATS = {"kivi8": 1, "kivi4": 2}
 _DTYPE_ALIASES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
 
 def _kv_dtype(name) -> tuple[str, int]:
+    """(name, kvc_dtype code) of a per-token cache dtype."""
     key = _DTYPE_ALIASES.get(str(name), str(name))
     if key not in _KV_DTYPES:
         raise InvalidArgumentError(
@@ -120,6 +124,20 @@ def _kv_dtype(name) -> tuple[str, int]:
     code = {"float32": _lib.KVC_F32, "float16": _lib.KVC_F16, "bfloat16": _lib.KVC_BF16,
             "int8": _lib.KVC_I8, "int4": _lib.KVC_I4}[key]
     return key, code
+
+
+def _kv_storage(name) -> tuple[str, int, int]:
+    """(name, kvc_dtype code, kvc_kv_format code) of a kv_dtype that may also
+    name a compressed format (then the dtype code is float16's, unused)."""
+    if str(name) in _KV_FORMATS:
+        return str(name), _lib.KVC_F16, _KV_FORMATS[str(name)]
+    try:
+        key, code = _kv_dtype(name)
+    except InvalidArgumentError:
+        raise InvalidArgumentError(
+            f"kv_dtype {name!r}: expected one of {', '.join([*_KV_DTYPES, *_KV_FORMATS])}"
+        ) from None
+    return key, code, 0
 
 
 def _threads(num_threads) -> int:
@@ -262,13 +280,18 @@ class Model(_lib.NoCopy):
 
     def new_cache(self, capacity_tokens, kv_dtype="float16", page_size=16,
                   enable_prefix_caching=True, quant_group=8) -> PagedKVCache:
-        """A PagedKVCache shaped for this model (layers, KV heads, head dim)."""
-        key, _ = _kv_dtype(kv_dtype)
+        """A PagedKVCache shaped for this model (layers, KV heads, head dim);
+        kv_dtype may name a compressed format ("kivi8", "kivi4")."""
+        key, _, fmt = _kv_storage(kv_dtype)
         cap, ps = _index(capacity_tokens, "capacity_tokens"), _index(page_size, "page_size")
         if cap < 1 or ps < 1:
             raise InvalidArgumentError(f"capacity_tokens ({cap}) and page_size ({ps}) must be "
                                        f">= 1")
         pages = -(-cap // ps)
+        if fmt:
+            return PagedKVCache(self.info["n_layer"], self.info["n_head_kv"],
+                                self.info["head_dim"], page_size, pages, kv_format=key,
+                                enable_prefix_caching=enable_prefix_caching)
         return PagedKVCache(self.info["n_layer"], self.info["n_head_kv"], self.info["head_dim"],
                             page_size, pages, dtype=key,
                             enable_prefix_caching=enable_prefix_caching, quant_group=quant_group)
@@ -371,7 +394,7 @@ class Engine(_lib.NoCopy):
         self._model = model  # its methods check the model is still open
         p = kvc_engine_default_params()
         p.n_threads = _threads(num_threads)
-        p.kv_dtype = _kv_dtype(kv_dtype)[1]
+        _, p.kv_dtype, p.kv_format = _kv_storage(kv_dtype)
         p.quant_group = _lib.int32_attr(quant_group, "quant_group")
         p.page_size = _lib.int32_attr(page_size, "page_size")
         cap = _index(kv_capacity_tokens, "kv_capacity_tokens")
