@@ -220,19 +220,34 @@ kvc_status kvc_cache_create(const kvc_cache_params *params, kvc_cache **out) {
               (int)p->num_kv_heads);
     KVC_CHECK(p->head_dim >= 1, "%s: head_dim must be >= 1, got %d", fn, (int)p->head_dim);
     KVC_CHECK(p->page_size >= 1, "%s: page_size must be >= 1, got %d", fn, (int)p->page_size);
-    KVC_CHECK(p->dtype == KVC_F32 || p->dtype == KVC_F16 || p->dtype == KVC_BF16 ||
-                  is_quant(p->dtype),
-              "%s: dtype must be float32, float16, bfloat16, int8 or int4, got %s", fn,
-              kvc_dtype_name(p->dtype));
-    KVC_CHECK(p->layout == KVC_NHD || p->layout == KVC_HND,
-              "%s: layout must be KVC_NHD (0) or KVC_HND (1), got %d", fn, (int)p->layout);
+    KVC_CHECK((int)p->kv_format >= 0 && p->kv_format < KVC_KVFMT_COUNT,
+              "%s: kv_format %d is not a KV format (none %d, kivi8 %d, kivi4 %d)", fn,
+              (int)p->kv_format, (int)KVC_KVFMT_NONE, (int)KVC_KVFMT_KIVI8,
+              (int)KVC_KVFMT_KIVI4);
+    const int kvfmt = p->kv_format != KVC_KVFMT_NONE;
     KVC_CHECK(p->enable_prefix_caching == 0 || p->enable_prefix_caching == 1,
               "%s: enable_prefix_caching must be 0 or 1, got %d", fn,
               (int)p->enable_prefix_caching);
     KVC_CHECK((p->allocator.alloc == NULL) == (p->allocator.free == NULL),
               "%s: allocator.alloc and allocator.free must both be set or both NULL", fn);
     int32_t qg = 0;
-    if (is_quant(p->dtype)) {
+    kvc_kvfmt fmt;
+    memset(&fmt, 0, sizeof fmt);
+    if (kvfmt) { /* dtype, scale_dtype, quant_group and layout are ignored */
+        kvc_status st = kvc_kvfmt_make(p->kv_format, p->num_kv_heads, p->head_dim,
+                                       p->page_size, &fmt);
+        if (st != KVC_OK)
+            return kvc__error(st, "%s: kv_format %s does not fit this geometry: %s", fn,
+                              kvc_kv_format_name(p->kv_format), kvc_last_error());
+    } else {
+        KVC_CHECK(p->dtype == KVC_F32 || p->dtype == KVC_F16 || p->dtype == KVC_BF16 ||
+                      is_quant(p->dtype),
+                  "%s: dtype must be float32, float16, bfloat16, int8 or int4, got %s", fn,
+                  kvc_dtype_name(p->dtype));
+        KVC_CHECK(p->layout == KVC_NHD || p->layout == KVC_HND,
+                  "%s: layout must be KVC_NHD (0) or KVC_HND (1), got %d", fn, (int)p->layout);
+    }
+    if (!kvfmt && is_quant(p->dtype)) {
         KVC_CHECK(p->scale_dtype == KVC_F32 || p->scale_dtype == KVC_F16,
                   "%s: scale_dtype must be float32 or float16, got %s", fn,
                   kvc_dtype_name(p->scale_dtype));
@@ -246,30 +261,54 @@ kvc_status kvc_cache_create(const kvc_cache_params *params, kvc_cache **out) {
     }
     KVC_CHECK(p->num_pages >= 0, "%s: num_pages must be >= 0, got %lld", fn,
               (long long)p->num_pages);
-    /* bytes of one token slot of one layer, K and V */
+    /* bytes of one token slot of one layer, K and V (a per-token cache), or
+     * of one page of one layer (a compressed format: its tokens share K
+     * parameters, so the page is the unit) */
     const int64_t hd = (int64_t)p->num_kv_heads * p->head_dim;
     KVC_CHECK(hd <= ((int64_t)1 << 30) && p->num_layers <= (1 << 20),
               "%s: num_kv_heads * head_dim or num_layers too large", fn);
-    int64_t tok_data = 2 * kvc__bytes(p->dtype, hd);
-    int64_t tok_scale = qg ? 2 * kvc__bytes(p->scale_dtype, hd / qg) : 0;
-    int64_t per_token = (int64_t)p->num_layers * (tok_data + tok_scale);
+    int64_t tok_data = 0, tok_scale = 0, per_token = 0;
+    const int64_t fmt_page = kvfmt ? (int64_t)kvc_kvfmt_page_bytes(&fmt) : 0;
+    if (!kvfmt) {
+        tok_data = 2 * kvc__bytes(p->dtype, hd);
+        tok_scale = qg ? 2 * kvc__bytes(p->scale_dtype, hd / qg) : 0;
+        per_token = (int64_t)p->num_layers * (tok_data + tok_scale);
+    }
     int64_t num_pages = p->num_pages;
     if (num_pages == 0) {
         KVC_CHECK(p->max_bytes > 0, "%s: set num_pages > 0 or max_bytes > 0", fn);
-        /* per_token (< 2^54) * page_size (< 2^31) may overflow: compare first */
-        num_pages = per_token > p->max_bytes / p->page_size
-                        ? 0
-                        : p->max_bytes / (per_token * p->page_size);
-        KVC_CHECK(num_pages >= 1,
-                  "%s: max_bytes %lld holds no page of %d tokens x %lld bytes per token", fn,
-                  (long long)p->max_bytes, (int)p->page_size, (long long)per_token);
+        if (kvfmt) {
+            /* fmt_page (< 2^43) * num_layers (<= 2^20) fits, but compare first anyway */
+            num_pages = fmt_page > p->max_bytes / p->num_layers
+                            ? 0
+                            : p->max_bytes / (fmt_page * p->num_layers);
+            KVC_CHECK(num_pages >= 1,
+                      "%s: max_bytes %lld holds no page of %d layers x %lld bytes (%s)", fn,
+                      (long long)p->max_bytes, (int)p->num_layers, (long long)fmt_page,
+                      kvc_kv_format_name(p->kv_format));
+        } else {
+            /* per_token (< 2^54) * page_size (< 2^31) may overflow: compare first */
+            num_pages = per_token > p->max_bytes / p->page_size
+                            ? 0
+                            : p->max_bytes / (per_token * p->page_size);
+            KVC_CHECK(num_pages >= 1,
+                      "%s: max_bytes %lld holds no page of %d tokens x %lld bytes per token",
+                      fn, (long long)p->max_bytes, (int)p->page_size, (long long)per_token);
+        }
     }
     KVC_CHECK(num_pages <= INT32_MAX / p->page_size,
               "%s: num_pages * page_size (%lld * %d) must fit in int32", fn,
               (long long)num_pages, (int)p->page_size);
-    KVC_CHECK(tok_data + tok_scale <= INT64_MAX / 4 / p->page_size / num_pages / p->num_layers,
-              "%s: storage size overflows", fn); /* before any product of them */
-    int64_t page_data = tok_data * p->page_size, page_scale = tok_scale * p->page_size;
+    if (kvfmt)
+        KVC_CHECK(fmt_page <= INT64_MAX / 4 / num_pages / p->num_layers,
+                  "%s: storage size overflows", fn);
+    else
+        KVC_CHECK(tok_data + tok_scale <= INT64_MAX / 4 / p->page_size / num_pages /
+                                              p->num_layers,
+                  "%s: storage size overflows", fn); /* before any product of them */
+    int64_t page_data = kvfmt ? fmt_page : tok_data * p->page_size;
+    int64_t page_scale = tok_scale * p->page_size;
+    if (kvfmt) per_token = (int64_t)p->num_layers * fmt_page / p->page_size;
     int64_t layer_data = page_data * num_pages, layer_scale = page_scale * num_pages;
     int64_t data_bytes = (layer_data * p->num_layers + 63) / 64 * 64;
     int64_t scale_bytes = layer_scale * p->num_layers;
@@ -299,6 +338,11 @@ kvc_status kvc_cache_create(const kvc_cache_params *params, kvc_cache **out) {
     c->layer_data_bytes = (size_t)layer_data;
     c->layer_scale_bytes = (size_t)layer_scale;
     c->bytes_per_token = (size_t)per_token;
+    c->kvfmt = kvfmt;
+    c->fmt = fmt;
+    c->tail_bytes = kvfmt ? kvc_kvfmt_tail_bytes(&fmt) : 0;
+    c->group = kvfmt ? fmt.group : 1;
+    c->unit = kvfmt && fmt.group > p->page_size ? fmt.group : p->page_size;
     int64_t nb = 1;
     while (nb < 2 * num_pages) nb *= 2;
     c->bucket_mask = (uint64_t)nb - 1;
@@ -344,7 +388,10 @@ kvc_status kvc_cache_create(const kvc_cache_params *params, kvc_cache **out) {
 
 void kvc_cache_destroy(kvc_cache *c) {
     if (!c) return;
-    for (int64_t i = 0; i < c->n_seqs; i++) kvc__cache_free(c, c->seqs[i]);
+    for (int64_t i = 0; i < c->n_seqs; i++) {
+        kvc__cache_free(c, c->seqs[i]->tail);
+        kvc__cache_free(c, c->seqs[i]);
+    }
     kvc__cache_free(c, c->seqs);
     kvc__cache_free(c, c->buckets);
     kvc__cache_free(c, c->tokens);
@@ -365,6 +412,8 @@ kvc_status kvc_cache_layer_tensors(const kvc_cache *c, int32_t layer, kvc_tensor
                                    kvc_tensor *scale) {
     static const char fn[] = "kvc_cache_layer_tensors";
     KVC_CHECK(c != NULL && kv != NULL, "%s: cache and kv must not be NULL", fn);
+    KVC_CHECK(!c->kvfmt, "%s: the cache stores compressed format %s, not a paged cache: use "
+              "kvc_cache_kvfmt_layer", fn, kvc_kv_format_name(c->fmt.id));
     KVC_CHECK(layer >= 0 && layer < c->p.num_layers, "%s: layer %d outside [0, %d)", fn,
               (int)layer, (int)c->p.num_layers);
     int64_t H = c->p.num_kv_heads, D = c->p.head_dim, P = c->ps;
@@ -389,6 +438,8 @@ kvc_status kvc_cache_layer_tensors(const kvc_cache *c, int32_t layer, kvc_tensor
 kvc_status kvc_cache_layer(const kvc_cache *c, int32_t layer, kvc_paged_cache *out) {
     static const char fn[] = "kvc_cache_layer";
     KVC_CHECK(c != NULL && out != NULL, "%s: cache and out must not be NULL", fn);
+    KVC_CHECK(!c->kvfmt, "%s: the cache stores compressed format %s, not a paged cache: use "
+              "kvc_cache_kvfmt_layer", fn, kvc_kv_format_name(c->fmt.id));
     kvc_tensor kv, sc;
     KVC_TRY(kvc_cache_layer_tensors(c, layer, &kv, &sc));
     return kvc_paged_cache_from_combined(&kv, c->scale ? &sc : NULL, c->p.layout,
@@ -500,6 +551,14 @@ static kvc_status check_pages(const kvc_cache *c, int32_t *cnt) {
             (!c->tokens && (s->known || s->nh)))
             return BAD("sequence %lld: known %lld / hashed pages %lld inconsistent",
                        (long long)s->id, (long long)s->known, (long long)s->nh);
+        if ((s->tail != NULL) != (c->kvfmt != 0))
+            return BAD("sequence %lld: %s", (long long)s->id,
+                       c->kvfmt ? "no tail in a compressed-format cache"
+                                : "a tail in a per-token cache");
+        /* a page is hashed (and registered) only once its K groups are complete */
+        if (s->nh * c->ps > s->known / c->unit * c->unit)
+            return BAD("sequence %lld: %lld pages hashed, beyond its %lld tokens' whole groups",
+                       (long long)s->id, (long long)s->nh, (long long)s->known);
         for (int64_t j = 0; j < s->n_pages; j++) {
             int32_t p = s->pages[j];
             if (p < 0 || p >= N) return BAD("sequence %lld: page id %d out of range",
@@ -592,8 +651,34 @@ static kvc_status check_pages(const kvc_cache *c, int32_t *cnt) {
     return KVC_OK;
 }
 
+/* The cache's own geometry (a compressed cache: its format and storage). */
+static kvc_status check_geometry(const kvc_cache *c) {
+    if (c->ps < 1 || c->num_pages < 1 || c->unit < c->ps || c->unit % c->ps != 0 ||
+        c->group < 1)
+        return BAD("page_size %d, unit %d, group %d inconsistent", (int)c->ps, (int)c->unit,
+                   (int)c->group);
+    if (!c->kvfmt) {
+        if (c->group != 1 || c->unit != c->ps || c->tail_bytes != 0)
+            return BAD("per-token cache with group rules");
+        return KVC_OK;
+    }
+    if (kvc_kvfmt_check(&c->fmt) != KVC_OK) {
+        kvc_clear_error();
+        return BAD("invalid compressed format");
+    }
+    if (c->fmt.group != c->group || c->unit != (c->group > c->ps ? c->group : c->ps) ||
+        c->fmt.page_size != c->ps || c->scale != NULL ||
+        c->page_data_bytes != kvc_kvfmt_page_bytes(&c->fmt) ||
+        c->layer_data_bytes != c->page_data_bytes * (size_t)c->num_pages ||
+        c->tail_bytes != kvc_kvfmt_tail_bytes(&c->fmt))
+        return BAD("compressed format %s: storage or tail sizes inconsistent",
+                   kvc_kv_format_name(c->fmt.id));
+    return KVC_OK;
+}
+
 kvc_status kvc_cache_check(const kvc_cache *cache) {
     KVC_CHECK(cache != NULL, "kvc_cache_check: cache is NULL");
+    KVC_TRY(check_geometry(cache));
     kvc_cache *c = (kvc_cache *)cache; /* allocator only */
     int32_t *cnt = kvc__cache_alloc(c, (size_t)c->num_pages * sizeof(int32_t));
     if (!cnt) return kvc__error(KVC_ERR_NOMEM, "kvc_cache_check: out of memory");

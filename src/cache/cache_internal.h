@@ -41,6 +41,8 @@ typedef struct kvc__seq {
     int32_t *pages;   /* page table */
     uint64_t *hashes; /* chain hash of page i (i < nh) */
     int64_t *chain;   /* index page standing for chunk i (packed id/gen), or -1 */
+    uint16_t *tail;   /* compressed format: num_layers tails of float16 (2, G, H, Dh),
+                       * a separate allocation (kept when the arrays grow); else NULL */
 } kvc__seq;
 
 struct kvc_cache {
@@ -55,6 +57,15 @@ struct kvc_cache {
     int64_t num_pages;
     int32_t ps;
     int32_t qg;
+    /* compressed format (kv_format != KVC_KVFMT_NONE): data holds
+     * (num_layers, num_pages, page_bytes) with page_data_bytes = page_bytes,
+     * so copy_page copies it like any storage; no scales */
+    int kvfmt;
+    kvc_kvfmt fmt;
+    size_t tail_bytes; /* one layer's tail of one sequence */
+    int32_t group;     /* G of the format; 1 for a per-token cache (no group rules) */
+    int32_t unit;      /* lcm(P, G) = max(P, G): prefix hits and registered pages are
+                        * whole units, so never part of a K group; P for a per-token cache */
     /* pages */
     kvc__page *pages;
     int32_t *tokens;     /* num_pages * ps token ids (prefix caching only) */
@@ -118,6 +129,21 @@ void kvc__ref_page(kvc_cache *c, int32_t page);
 void kvc__unref_page(kvc_cache *c, int32_t page);
 /* Copies storage (every layer, data and scales) and token ids of a page. */
 void kvc__copy_page(kvc_cache *c, int32_t dst, int32_t src);
+
+/* Compressed formats (kvfmt_cache.c). A new sequence's tails (num_layers
+ * of them): a copy of src's, or zeros when src is NULL; NULL when out of
+ * memory. Only for a compressed cache (a per-token cache's sequences have
+ * no tails). */
+uint16_t *kvc__tails_alloc(kvc_cache *c, const uint16_t *src);
+/* Bytes of a sequence's tails (all layers). */
+static inline size_t kvc__tails_bytes(const kvc_cache *c) {
+    return c->tail_bytes * (size_t)c->p.num_layers;
+}
+/* A prefix hit of `pages` leading pages cut to whole units (K groups). */
+static inline int64_t kvc__round_hit(const kvc_cache *c, int64_t pages) {
+    const int64_t per = c->unit / c->ps;
+    return pages / per * per;
+}
 
 /* Finds a sequence (NULL if unknown) and its position in c->seqs. */
 kvc__seq *kvc__find_seq(const kvc_cache *c, kvc_seq_id id, int64_t *pos);

@@ -13,11 +13,20 @@
  * append without ids (token_ids NULL) stops the sequence being hashable from
  * that page on (until a truncate back below it).
  *
- * Copy-on-write: a sequence writes only into its partly filled last page.
- * Before an append writes there, a page held by other sequences too is
- * copied (every layer's data and scales, and the token ids); an unshared
- * page that is still in the index (possible after a truncate into a full,
- * cached page) leaves the index instead. truncate itself never allocates.
+ * Copy-on-write: a sequence writes only into the pages from position
+ * floor(len / G) * G on (G = c->group: 1 for a per-token cache, so only its
+ * partly filled last page; a compressed format rewrites the pages of its
+ * incomplete K group when the group completes). Before an append, a page
+ * there held by other sequences too is copied (every layer's storage and
+ * the token ids); an unshared page there that is still in the index
+ * (possible after a truncate into a full, cached page) leaves the index
+ * instead. truncate itself never allocates.
+ *
+ * Compressed formats (docs/KV_FORMATS.md section 5): prefix hits and
+ * registered pages come in whole units of c->unit = max(P, G) tokens, so a
+ * page is findable only once every K group it holds is complete, and a hit
+ * never reuses part of a group. Each sequence owns its tails (one per
+ * layer), allocated with it and copied by fork.
  */
 #include <string.h>
 
@@ -142,10 +151,12 @@ static void rescan_chains(kvc_cache *c) {
 }
 
 /* Hashes (and registers where possible) the pages of s that are full and
- * whose token ids are all known, from page s->nh on. */
+ * whose token ids are all known, from page s->nh on; in a compressed format
+ * only pages whose K groups are all complete (whole units), as a group's
+ * pages hold its shared K parameters. */
 static void register_pages(kvc_cache *c, kvc__seq *s) {
     if (!c->tokens) return;
-    const int64_t full = s->known / c->ps;
+    const int64_t full = s->known / c->unit * c->unit / c->ps;
     for (int64_t j = s->nh; j < full; j++) {
         int32_t p = s->pages[j];
         const int32_t *tk = c->tokens + (int64_t)p * c->ps;
@@ -155,6 +166,12 @@ static void register_pages(kvc_cache *c, kvc__seq *s) {
         s->nh = j + 1;
         resolve_chain(c, s, j);
     }
+}
+
+/* Releases a sequence's memory (tails, then the header and arrays). */
+static void seq_release(kvc_cache *c, kvc__seq *s) {
+    kvc__cache_free(c, s->tail);
+    kvc__cache_free(c, s);
 }
 
 /* Releases pages [from, n_pages) deepest first: cached ones enter the LRU
@@ -184,7 +201,7 @@ kvc_status kvc_cache_lookup_prefix(const kvc_cache *c, const int32_t *token_ids,
         h = hh;
         parent = kvc__pack(q, c->pages[q].gen);
     }
-    *n_cached = hits * ps;
+    *n_cached = kvc__round_hit(c, hits) * ps;
     return KVC_OK;
 }
 
@@ -222,14 +239,24 @@ kvc_status kvc_cache_add_sequence(kvc_cache *c, const int32_t *token_ids, int64_
             s->pages[hits] = q;
             s->hashes[hits] = hh;
             s->chain[hits] = parent;
-            if (c->pages[q].ref == 0) hits_cached++;
         }
+        hits = kvc__round_hit(c, hits); /* whole K groups only (compressed formats) */
+        for (int64_t j = 0; j < hits; j++) hits_cached += c->pages[s->pages[j]].ref == 0;
     }
     const int64_t need = np - hits;
     if (need > kvc__available(c) - hits_cached) {
         kvc__cache_free(c, s);
         kvc__cache_free(c, grown);
         return no_space(c, fn, need);
+    }
+    if (c->kvfmt) { /* after the space check: the tails may be large */
+        s->tail = kvc__tails_alloc(c, NULL);
+        if (!s->tail) {
+            kvc__cache_free(c, s);
+            kvc__cache_free(c, grown);
+            return kvc__error(KVC_ERR_NOMEM, "%s: out of memory (%zu bytes of tails)", fn,
+                              kvc__tails_bytes(c));
+        }
     }
     /* commit */
     s->id = c->next_id++;
@@ -270,8 +297,12 @@ kvc_status kvc_cache_append(kvc_cache *c, kvc_seq_id seq, const int32_t *token_i
     if (n == 0) return KVC_OK;
     const int32_t ps = c->ps;
     const int64_t len = s->len, np = (len + n + ps - 1) / ps;
-    const int partial = len % ps != 0;
-    const int cow = partial && c->pages[s->pages[s->n_pages - 1]].ref > 1;
+    /* pages this append (or the group it completes later) writes into: from
+     * the one holding position floor(len / G) * G (the partly filled last
+     * page of a per-token cache, if any) */
+    const int64_t first = len / c->group * c->group / ps;
+    int64_t cow = 0;
+    for (int64_t j = first; j < s->n_pages; j++) cow += c->pages[s->pages[j]].ref > 1;
     const int64_t need = np - s->n_pages + cow;
     if (need > kvc__available(c)) return no_space(c, fn, need);
     if (np > s->cap) {
@@ -283,15 +314,15 @@ kvc_status kvc_cache_append(kvc_cache *c, kvc_seq_id seq, const int32_t *token_i
         c->seqs[pos] = s = g;
     }
     /* commit */
-    if (partial) {
-        int32_t last = s->pages[s->n_pages - 1];
-        if (cow) {
+    for (int64_t j = first; j < s->n_pages; j++) {
+        int32_t pg = s->pages[j];
+        if (c->pages[pg].ref > 1) {
             int32_t q = kvc__take_page(c);
-            kvc__copy_page(c, q, last);
-            kvc__unref_page(c, last);
-            s->pages[s->n_pages - 1] = q;
-        } else if (c->pages[last].in_index) {
-            kvc__index_remove(c, last); /* about to be overwritten */
+            kvc__copy_page(c, q, pg);
+            kvc__unref_page(c, pg);
+            s->pages[j] = q;
+        } else if (c->pages[pg].in_index) {
+            kvc__index_remove(c, pg); /* about to be overwritten */
         }
     }
     for (int64_t j = s->n_pages; j < np; j++) s->pages[j] = kvc__take_page(c);
@@ -324,7 +355,15 @@ kvc_status kvc_cache_fork(kvc_cache *c, kvc_seq_id seq, kvc_seq_id *child) {
         kvc__cache_free(c, grown);
         return kvc__error(KVC_ERR_NOMEM, "%s: out of memory (page table)", fn);
     }
+    uint16_t *tail = NULL;
+    if (c->kvfmt && !(tail = kvc__tails_alloc(c, s->tail))) { /* the child's copy */
+        kvc__cache_free(c, d);
+        kvc__cache_free(c, grown);
+        return kvc__error(KVC_ERR_NOMEM, "%s: out of memory (%zu bytes of tails)", fn,
+                          kvc__tails_bytes(c));
+    }
     seq_copy(d, s);
+    d->tail = tail;
     d->id = c->next_id++;
     for (int64_t j = 0; j < d->n_pages; j++) kvc__ref_page(c, d->pages[j]);
     commit_seqs(c, grown, d);
@@ -332,43 +371,74 @@ kvc_status kvc_cache_fork(kvc_cache *c, kvc_seq_id seq, kvc_seq_id *child) {
     return KVC_OK;
 }
 
-/* truncate and rollback: with `unwritten`, dropped pages this sequence
- * holds alone leave the index before they are released. */
+/* How truncate, truncate_ex and rollback treat a cut inside a quantized K
+ * group (below floor(len / G) * G, not a multiple of G). */
+typedef enum cut_mode {
+    CUT_STRICT,    /* truncate: fails, the group's values are gone */
+    CUT_ROUND,     /* truncate_ex: keeps the whole groups before the cut */
+    CUT_UNWRITTEN, /* rollback: exact, the cut group was never completed; pages of
+                    * the cut that this sequence holds alone leave the index */
+} cut_mode;
+
 static kvc_status cut(kvc_cache *c, const char *fn, kvc_seq_id seq, int64_t n_tokens,
-                      int unwritten) {
+                      cut_mode mode, int64_t *n_kept) {
     KVC_CHECK(c != NULL, "%s: cache is NULL", fn);
     kvc__seq *s;
     int64_t pos;
     KVC_TRY(find(c, fn, seq, &s, &pos));
     KVC_CHECK(n_tokens >= 0 && n_tokens <= s->len, "%s: n_tokens %lld outside [0, %lld]", fn,
               (long long)n_tokens, (long long)s->len);
-    const int32_t ps = c->ps;
-    const int64_t keep = (n_tokens + ps - 1) / ps;
-    if (unwritten)
-        for (int64_t j = keep; j < s->n_pages; j++) {
+    const int32_t ps = c->ps, G = c->group;
+    int64_t m = n_tokens;
+    if (mode != CUT_UNWRITTEN && m < s->len / G * G && m % G != 0) {
+        if (mode == CUT_STRICT)
+            return kvc__error(KVC_ERR_INVALID_ARG,
+                              "%s: length %lld of sequence %lld is inside K group [%lld, %lld), "
+                              "already quantized (%s, length %lld): its values are gone; use "
+                              "kvc_cache_truncate_ex, which keeps the %lld tokens of the whole "
+                              "groups before it", fn, (long long)m, (long long)seq,
+                              (long long)(m / G * G), (long long)(m / G * G + G),
+                              kvc_kv_format_name(c->fmt.id), (long long)s->len,
+                              (long long)(m / G * G));
+        m = m / G * G;
+    }
+    const int64_t keep = (m + ps - 1) / ps;
+    /* pages of whole units before m stay registered; the rest may not */
+    const int64_t whole = m / c->unit * c->unit / ps;
+    if (mode == CUT_UNWRITTEN)
+        /* from the first page not in whole units: in a compressed format the
+         * kept pages of the cut group were reserved (and registered) by the
+         * step that did not run, but never written */
+        for (int64_t j = whole; j < s->n_pages; j++) {
             kvc__page *pg = &c->pages[s->pages[j]];
             if (pg->ref == 1 && pg->in_index) kvc__index_remove(c, s->pages[j]);
         }
     release_tail(c, s, keep);
-    if (n_tokens % ps != 0) {
+    if (m % ps != 0) {
         int32_t last = s->pages[s->n_pages - 1];
         /* unshared: it will be written in place, so it stops being findable now;
          * shared: the next append copies it */
         if (c->pages[last].ref == 1 && c->pages[last].in_index) kvc__index_remove(c, last);
     }
-    s->len = n_tokens;
-    if (s->known > n_tokens) s->known = n_tokens;
-    if (s->nh > n_tokens / ps) s->nh = n_tokens / ps;
+    s->len = m;
+    if (s->known > m) s->known = m;
+    if (s->nh > whole) s->nh = whole;
     rescan_chains(c);
+    if (n_kept) *n_kept = m;
     return KVC_OK;
 }
 
 kvc_status kvc_cache_truncate(kvc_cache *c, kvc_seq_id seq, int64_t n_tokens) {
-    return cut(c, "kvc_cache_truncate", seq, n_tokens, 0);
+    return cut(c, "kvc_cache_truncate", seq, n_tokens, CUT_STRICT, NULL);
+}
+
+kvc_status kvc_cache_truncate_ex(kvc_cache *c, kvc_seq_id seq, int64_t n_tokens,
+                                 int64_t *n_kept) {
+    return cut(c, "kvc_cache_truncate_ex", seq, n_tokens, CUT_ROUND, n_kept);
 }
 
 kvc_status kvc_cache_rollback(kvc_cache *c, kvc_seq_id seq, int64_t n_tokens) {
-    return cut(c, "kvc_cache_rollback", seq, n_tokens, 1);
+    return cut(c, "kvc_cache_rollback", seq, n_tokens, CUT_UNWRITTEN, NULL);
 }
 
 kvc_status kvc_cache_free_sequence(kvc_cache *c, kvc_seq_id seq) {
@@ -380,6 +450,6 @@ kvc_status kvc_cache_free_sequence(kvc_cache *c, kvc_seq_id seq) {
     release_tail(c, s, 0);
     memmove(c->seqs + pos, c->seqs + pos + 1, (size_t)(c->n_seqs - pos - 1) * sizeof(*c->seqs));
     c->n_seqs--;
-    kvc__cache_free(c, s);
+    seq_release(c, s);
     return KVC_OK;
 }
