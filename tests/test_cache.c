@@ -681,7 +681,7 @@ TEST(nomem_every_allocation_site) {
 /* ---- randomized run against a model ------------------------------------------------------------- */
 
 #define RMAX_SEQ 24
-#define RMAX_LEN 96
+#define RMAX_LEN 256 /* array size; a run's sequences stay within rt.max_len */
 
 typedef struct mseq {
     kvc_seq_id id;
@@ -696,14 +696,90 @@ typedef struct rt {
     mseq s[RMAX_SEQ];
     int n;
     uint64_t rng;
+    int64_t max_len, max_add, max_append; /* sequence length, prompt, one append */
+    int32_t G;                            /* compressed format: K group; else 0 */
 } rt;
 
 static uint32_t kv_value(uint64_t v, int layer, int kv, int d) {
     return (uint32_t)(mixv(v, layer * 4 + kv * 2 + d) >> 16);
 }
 
+/*
+ * Compressed formats, emulated as kvc_kvfmt_append stores: positions [from,
+ * len) go to the tail (slot t % G, a 32-bit word per K and V row), and each
+ * K group they complete is "quantized" into its pages: the first 8 bytes of
+ * slot t % P of a page (K and V words; the real layout is denser, but only
+ * where the bytes go matters here). Page words are checked for positions of
+ * complete groups, tail words for the rest.
+ */
+static size_t fmt_page_off(int64_t t, int32_t ps, int x) { return (size_t)(t % ps) * 8 + 4 * x; }
+/* A page word depends on the whole group (as the K parameters do): sharers
+ * of a group's first tokens write other bytes once their groups differ. */
+static uint32_t fmt_page_word(const rt *r, const mseq *m, int64_t t, int l, int x) {
+    const int64_t last = t / r->G * r->G + r->G - 1;
+    return kv_value(m->val[t] ^ (m->val[last] * 0x9e3779b97f4a7c15ull), l, x, 0);
+}
+static size_t fmt_tail_off(const rt *r, int64_t t, int x) { /* uint16 (2, G, H, Dh) */
+    return ((size_t)x * r->G + (size_t)(t % r->G)) * (size_t)(r->p.num_kv_heads * r->p.head_dim);
+}
+
+static int write_kvfmt(rt *r, const mseq *m, int64_t from) {
+    const int32_t ps = r->p.page_size, G = r->G;
+    for (int l = 0; l < r->p.num_layers; l++) {
+        kvc_tensor pages;
+        kvc_kvfmt_seq fs;
+        ASSERT_OK(kvc_cache_kvfmt_layer(r->c, l, &pages));
+        ASSERT_OK(kvc_cache_kvfmt_seqs(r->c, l, &m->id, 1, &fs));
+        ASSERT_EQ_I64(fs.n_kv, m->len);
+        unsigned char *base = pages.data;
+        for (int64_t t = from; t < m->len; t++)
+            for (int x = 0; x < 2; x++) {
+                uint32_t w = kv_value(m->val[t], l, x, 0);
+                memcpy(fs.tail + fmt_tail_off(r, t, x), &w, 4);
+            }
+        for (int64_t g = from / G * G; g + G <= m->len; g += G) /* groups completed */
+            for (int64_t t = g; t < g + G; t++)
+                for (int x = 0; x < 2; x++) {
+                    uint32_t w = fmt_page_word(r, m, t, l, x);
+                    memcpy(base + (size_t)fs.pages[t / ps] * (size_t)pages.shape[1] +
+                               fmt_page_off(t, ps, x), &w, 4);
+                }
+    }
+    return 0;
+}
+
+static int verify_kvfmt(rt *r, const mseq *m, const int32_t *idx) {
+    const int32_t ps = r->p.page_size, G = r->G;
+    for (int l = 0; l < r->p.num_layers; l++) {
+        kvc_tensor pages;
+        kvc_kvfmt_seq fs;
+        ASSERT_OK(kvc_cache_kvfmt_layer(r->c, l, &pages));
+        ASSERT_OK(kvc_cache_kvfmt_seqs(r->c, l, &m->id, 1, &fs));
+        ASSERT_EQ_I64(fs.n_kv, m->len);
+        for (int64_t j = 0; j < (m->len + ps - 1) / ps; j++) ASSERT_EQ_I64(fs.pages[j], idx[j]);
+        const unsigned char *base = pages.data;
+        for (int64_t t = 0; t < m->len; t++)
+            for (int x = 0; x < 2; x++) {
+                uint32_t w, want;
+                if (t < m->len / G * G) {
+                    memcpy(&w, base + (size_t)idx[t / ps] * (size_t)pages.shape[1] +
+                                   fmt_page_off(t, ps, x), 4);
+                    want = fmt_page_word(r, m, t, l, x);
+                } else {
+                    memcpy(&w, fs.tail + fmt_tail_off(r, t, x), 4);
+                    want = kv_value(m->val[t], l, x, 0);
+                }
+                if (w != want)
+                    TEST_FAIL_("seq %lld token %lld layer %d: wrong %s word", (long long)m->id,
+                               (long long)t, l, t < m->len / G * G ? "page" : "tail");
+            }
+    }
+    return 0;
+}
+
 /* Writes positions [from, len) of m's K/V (every layer) through its page table. */
 static int write_kv(rt *r, const mseq *m, int64_t from) {
+    if (r->G) return write_kvfmt(r, m, from);
     int32_t ps = r->p.page_size;
     int32_t indptr[2], idx[RMAX_LEN], last;
     int64_t n;
@@ -731,6 +807,10 @@ static int verify_all(rt *r) {
         ASSERT_EQ_I64(len, m->len);
         ASSERT_OK(kvc_cache_page_table(r->c, &m->id, 1, indptr, idx, RMAX_LEN, &last, &n));
         ASSERT_EQ_I64(n, (m->len + ps - 1) / ps);
+        if (r->G) {
+            if (verify_kvfmt(r, m, idx)) return 1;
+            continue;
+        }
         for (int l = 0; l < r->p.num_layers; l++) {
             kvc_tensor kv;
             ASSERT_OK(kvc_cache_layer_tensors(r->c, l, &kv, NULL));
@@ -756,14 +836,33 @@ static void fill_vals(mseq *m, int64_t from) {
 static uint64_t g_hash_mask = ~(uint64_t)0;
 
 static int random_run(int32_t ps, int64_t pages, int prefix, kvc_kv_layout lay, int steps,
-                      uint64_t seed) {
+                      uint64_t seed, kvc_kv_format kf) {
     rt r;
     memset(&r, 0, sizeof r);
     r.p = small_params(ps, pages);
     r.p.layout = lay;
     r.p.enable_prefix_caching = prefix;
     r.rng = seed;
+    r.max_len = 96;
+    r.max_add = 40;
+    r.max_append = 2 * ps;
+    if (kf != KVC_KVFMT_NONE) { /* groups of 64: longer sequences, so they complete */
+        r.p.kv_format = kf;
+        r.p.num_kv_heads = 2;
+        r.p.head_dim = 8;
+        r.max_len = RMAX_LEN;
+        r.max_add = ps > 64 ? 240 : 160; /* hits need prompts beyond a page */
+        r.max_append = 2 * ps > 40 ? 2 * ps : 40;
+    }
     ASSERT_OK(kvc_cache_create(&r.p, &r.c));
+    kvc_kvfmt fmt = {0};
+    if (kf != KVC_KVFMT_NONE) {
+        ASSERT_OK(kvc_cache_kvfmt(r.c, &fmt));
+        r.G = fmt.group;
+    }
+    if (r.max_len > kvc_cache_capacity_tokens(r.c)) r.max_len = kvc_cache_capacity_tokens(r.c);
+    /* prefix hits come in whole pages, and whole K groups in a compressed format */
+    const int64_t unit = r.G > ps ? r.G : ps;
     kvc__cache_set_hash_mask(r.c, g_hash_mask);
     /* a few shared stems so that prompts repeat */
     int32_t stems[4][RMAX_LEN];
@@ -780,9 +879,10 @@ static int random_run(int32_t ps, int64_t pages, int prefix, kvc_kv_layout lay, 
         kvc_status st = KVC_OK;
         if (r.n == 0 || (op < 25 && r.n < RMAX_SEQ)) {
             mseq *m = &r.s[r.n];
-            m->len = 1 + (int64_t)(test_rng_next(&r.rng) % 40);
+            m->len = 1 + (int64_t)(test_rng_next(&r.rng) % (uint64_t)r.max_add);
             const int32_t *stem = stems[test_rng_next(&r.rng) % 4];
             int64_t keep = (int64_t)(test_rng_next(&r.rng) % (uint64_t)(m->len + 1));
+            if (r.G && test_rng_next(&r.rng) % 2) keep = m->len; /* hits need whole groups */
             for (int64_t t = 0; t < m->len; t++)
                 m->tok[t] = t < keep ? stem[t] : (int32_t)(test_rng_next(&r.rng) % 3);
             fill_vals(m, 0);
@@ -790,7 +890,7 @@ static int random_run(int32_t ps, int64_t pages, int prefix, kvc_kv_layout lay, 
             int with_ids = test_rng_next(&r.rng) % 8 != 0;
             st = kvc_cache_add_sequence(r.c, with_ids ? m->tok : NULL, m->len, 0, &m->id, &hit);
             if (st == KVC_OK) {
-                ASSERT_TRUE(hit >= 0 && hit < m->len && hit % ps == 0);
+                ASSERT_TRUE(hit >= 0 && hit < m->len && hit % unit == 0);
                 if (!prefix || !with_ids) ASSERT_EQ_I64(hit, 0);
                 hits += hit;
                 if (write_kv(&r, m, hit)) return 1;
@@ -800,8 +900,8 @@ static int random_run(int32_t ps, int64_t pages, int prefix, kvc_kv_layout lay, 
             int i = (int)(test_rng_next(&r.rng) % (uint64_t)r.n);
             mseq *m = &r.s[i];
             if (op < 65) { /* append */
-                int64_t k = 1 + (int64_t)(test_rng_next(&r.rng) % (uint64_t)(2 * ps));
-                if (m->len + k > RMAX_LEN) k = RMAX_LEN - m->len;
+                int64_t k = 1 + (int64_t)(test_rng_next(&r.rng) % (uint64_t)r.max_append);
+                if (m->len + k > r.max_len) k = r.max_len - m->len;
                 int32_t tk[RMAX_LEN], posn[RMAX_LEN];
                 for (int64_t j = 0; j < k; j++) tk[j] = (int32_t)(test_rng_next(&r.rng) % 3);
                 int with_ids = test_rng_next(&r.rng) % 10 != 0;
@@ -827,8 +927,27 @@ static int random_run(int32_t ps, int64_t pages, int prefix, kvc_kv_layout lay, 
                 }
             } else if (op < 88) { /* truncate */
                 int64_t n = (int64_t)(test_rng_next(&r.rng) % (uint64_t)(m->len + 1));
-                st = kvc_cache_truncate(r.c, m->id, n);
-                if (st == KVC_OK) m->len = n;
+                /* a cut inside a quantized group: truncate refuses, truncate_ex
+                 * keeps the whole groups before it */
+                const int inside = r.G && n < m->len / r.G * r.G && n % r.G != 0;
+                int64_t kept = -1;
+                if (r.G && test_rng_next(&r.rng) % 2) { /* (per-token runs draw as before) */
+                    st = kvc_cache_truncate_ex(r.c, m->id, n, &kept);
+                    if (st == KVC_OK) {
+                        ASSERT_EQ_I64(kept, inside ? n / r.G * r.G : n);
+                        m->len = kept;
+                    }
+                } else {
+                    st = kvc_cache_truncate(r.c, m->id, n);
+                    if (inside) {
+                        ASSERT_STATUS(st, KVC_ERR_INVALID_ARG);
+                        ASSERT_TRUE(take_snap(r.c, ids, r.n, &b) == 0);
+                        ASSERT_MEM_EQ(&a, &b, sizeof a);
+                        st = KVC_OK;
+                    } else if (st == KVC_OK) {
+                        m->len = n;
+                    }
+                }
             } else { /* free */
                 st = kvc_cache_free_sequence(r.c, m->id);
                 if (st == KVC_OK) {
@@ -856,8 +975,8 @@ static int random_run(int32_t ps, int64_t pages, int prefix, kvc_kv_layout lay, 
     }
     kvc_cache_stats st;
     ASSERT_OK(kvc_cache_get_stats(r.c, &st));
-    printf("  page_size %d: %d sequences live, hit %lld, evictions %lld, cow %lld, no-space %lld, used %lld\n",
-           (int)ps, r.n, (long long)hits, (long long)st.evictions, (long long)st.cow_copies,
+    printf("  %s page_size %d: %d sequences live, hit %lld, evictions %lld, cow %lld, no-space %lld, used %lld\n",
+           kvc_kv_format_name(kf), (int)ps, r.n, (long long)hits, (long long)st.evictions, (long long)st.cow_copies,
            (long long)nospace, (long long)st.used_pages);
     if (prefix) {
         ASSERT_TRUE(hits > 0);
@@ -877,9 +996,33 @@ TEST(randomized_against_model) {
     };
     for (size_t i = 0; i < sizeof cfg / sizeof cfg[0]; i++) {
         uint64_t seed = test_seed * 1000 + i;
-        if (random_run(cfg[i].ps, cfg[i].pages, cfg[i].prefix, cfg[i].lay, 2500, seed)) {
+        if (random_run(cfg[i].ps, cfg[i].pages, cfg[i].prefix, cfg[i].lay, 2500, seed,
+                       KVC_KVFMT_NONE)) {
             fprintf(stderr, "  (config %zu: page_size %d, seed %llu)\n", i, (int)cfg[i].ps,
                     (unsigned long long)seed);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* The same run over compressed-format caches (G 64): pages of complete
+ * groups and tails read back, prefix hits in whole groups, truncate and
+ * truncate_ex around quantized groups, copy-on-write of the pages of an
+ * incomplete group (a missing copy shows when the other holder's group
+ * completes over them), with G > P, G == P and G < P. */
+TEST(randomized_kvfmt_against_model) {
+    struct { int32_t ps; int64_t pages; int prefix; kvc_kv_format kf; } cfg[] = {
+        {16, 60, 1, KVC_KVFMT_KIVI8}, {4, 220, 1, KVC_KVFMT_KIVI4},
+        {64, 16, 1, KVC_KVFMT_KIVI8}, {128, 16, 1, KVC_KVFMT_KIVI4},
+        {16, 60, 0, KVC_KVFMT_KIVI4},
+    };
+    for (size_t i = 0; i < sizeof cfg / sizeof cfg[0]; i++) {
+        uint64_t seed = test_seed * 3000 + i;
+        if (random_run(cfg[i].ps, cfg[i].pages, cfg[i].prefix, KVC_NHD, 2000, seed,
+                       cfg[i].kf)) {
+            fprintf(stderr, "  (config %zu: %s, page_size %d, seed %llu)\n", i,
+                    kvc_kv_format_name(cfg[i].kf), (int)cfg[i].ps, (unsigned long long)seed);
             return 1;
         }
     }
@@ -1000,7 +1143,11 @@ TEST(hash_collisions_are_confirmed) {
     static const uint64_t masks[2] = {0, 3};
     for (int m = 0; m < 2; m++) {
         g_hash_mask = masks[m];
-        int bad = random_run(4, 48, 1, KVC_NHD, 1500, test_seed * 77 + (uint64_t)m);
+        int bad = random_run(4, 48, 1, KVC_NHD, 1500, test_seed * 77 + (uint64_t)m,
+                             KVC_KVFMT_NONE);
+        /* groups across pages: a hit must never join pages of two groups */
+        bad = bad || random_run(16, 60, 1, KVC_NHD, 1500, test_seed * 79 + (uint64_t)m,
+                                KVC_KVFMT_KIVI8);
         g_hash_mask = ~(uint64_t)0;
         if (bad) TEST_FAIL_("random run with hash mask %llu failed", (unsigned long long)masks[m]);
     }
@@ -1020,6 +1167,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(no_space_changes_nothing),
     TEST_ENTRY(nomem_every_allocation_site),
     TEST_ENTRY(randomized_against_model),
+    TEST_ENTRY(randomized_kvfmt_against_model),
     TEST_ENTRY(duplicate_pages_stay_findable),
     TEST_ENTRY(rollback_unregisters_unwritten_pages),
     TEST_ENTRY(hash_collisions_are_confirmed),
