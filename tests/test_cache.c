@@ -614,9 +614,8 @@ TEST(no_space_changes_nothing) {
     return 0;
 }
 
-TEST(nomem_every_allocation_site) {
+static int nomem_case(kvc_cache_params p) {
     counting k = {0, 0, 0};
-    kvc_cache_params p = small_params(2, 1024);
     p.allocator.alloc = c_alloc;
     p.allocator.free = c_free;
     p.allocator.user = &k;
@@ -678,10 +677,411 @@ TEST(nomem_every_allocation_site) {
     return 0;
 }
 
+/* Per-token and compressed caches (whose sequences also own tails: one more
+ * allocation for add and fork, the fork's a copy). */
+TEST(nomem_every_allocation_site) {
+    if (nomem_case(small_params(2, 1024))) return 1;
+    kvc_cache_params p = small_params(4, 1024);
+    p.kv_format = KVC_KVFMT_KIVI8;
+    p.num_kv_heads = 2;
+    p.head_dim = 8;
+    if (nomem_case(p)) {
+        fprintf(stderr, "  (kivi8)\n");
+        return 1;
+    }
+    return 0;
+}
+
+/* ---- compressed formats (kv_format) ------------------------------------------------------------ */
+
+static kvc_cache_params fmt_params(kvc_kv_format kf, int32_t ps, int64_t pages) {
+    kvc_cache_params p = small_params(ps, pages);
+    p.kv_format = kf;
+    p.num_kv_heads = 2;
+    p.head_dim = 8; /* H * Dh 16: G / P up to 16 pages per group */
+    return p;
+}
+
+/* Creation with each member: storage (num_layers, num_pages, page_bytes),
+ * bytes per token (SmolLM2: 12,240 / 6,480), geometry errors that allocate
+ * nothing, views refused or given by cache kind. */
+TEST(kvfmt_create) {
+    ASSERT_EQ_I64(kvc_cache_default_params().kv_format, KVC_KVFMT_NONE);
+    const kvc_kv_format kfs[2] = {KVC_KVFMT_KIVI8, KVC_KVFMT_KIVI4};
+    const int64_t bpt[2] = {12240, 6480};
+    counting k = {0, 0, 0};
+    for (int f = 0; f < 2; f++) {
+        kvc_cache_params p = kvc_cache_default_params();
+        p.num_layers = 30; p.num_kv_heads = 3; p.head_dim = 64; p.page_size = 16;
+        p.num_pages = 8; p.kv_format = kfs[f];
+        p.dtype = KVC_I32; /* ignored by a compressed format, as layout and quant_group */
+        p.quant_group = 3;
+        p.allocator.alloc = c_alloc; p.allocator.free = c_free; p.allocator.user = &k;
+        kvc_cache *c;
+        ASSERT_OK(kvc_cache_create(&p, &c));
+        ASSERT_EQ_I64(kvc_cache_bytes_per_token(c), bpt[f]);
+        ASSERT_EQ_I64(kvc_cache_capacity_tokens(c), 128);
+        kvc_kvfmt fmt, want;
+        ASSERT_OK(kvc_cache_kvfmt(c, &fmt));
+        ASSERT_OK(kvc_kvfmt_make(kfs[f], 3, 64, 16, &want));
+        ASSERT_MEM_EQ(&fmt, &want, sizeof fmt);
+        const size_t pb = kvc_kvfmt_page_bytes(&fmt);
+        ASSERT_EQ_I64(pb * 30, bpt[f] * 16);
+        kvc_tensor t0, t1;
+        ASSERT_OK(kvc_cache_kvfmt_layer(c, 0, &t0));
+        ASSERT_OK(kvc_cache_kvfmt_layer(c, 29, &t1));
+        ASSERT_TRUE(t0.dtype == KVC_U8 && t0.ndim == 2);
+        ASSERT_EQ_I64(t0.shape[0], 8);
+        ASSERT_EQ_I64(t0.shape[1], (int64_t)pb);
+        ASSERT_EQ_I64(t0.stride[1], 1);
+        ASSERT_EQ_I64(((uintptr_t)t0.data) % 64, 0);
+        ASSERT_EQ_I64((char *)t1.data - (char *)t0.data, (int64_t)(29 * 8 * pb));
+        ASSERT_STATUS(kvc_cache_kvfmt_layer(c, 30, &t0), KVC_ERR_INVALID_ARG);
+        ASSERT_STATUS(kvc_cache_kvfmt_layer(c, -1, &t0), KVC_ERR_INVALID_ARG);
+        kvc_tensor kv;
+        kvc_paged_cache pc;
+        ASSERT_STATUS(kvc_cache_layer_tensors(c, 0, &kv, NULL), KVC_ERR_INVALID_ARG);
+        ASSERT_STR_CONTAINS(kvc_last_error(), "kvc_cache_kvfmt_layer");
+        ASSERT_STATUS(kvc_cache_layer(c, 0, &pc), KVC_ERR_INVALID_ARG);
+        ASSERT_STR_CONTAINS(kvc_last_error(), "kvc_cache_layer:");
+        /* tails: one per layer, allocated with the sequence */
+        kvc_seq_id s;
+        int64_t live = k.live;
+        ASSERT_OK(kvc_cache_add_sequence(c, NULL, 5, 0, &s, NULL));
+        ASSERT_EQ_I64(k.live, live + 3); /* the id array, the sequence and its tails */
+        kvc_kvfmt_seq q0, q1;
+        ASSERT_OK(kvc_cache_kvfmt_seqs(c, 0, &s, 1, &q0));
+        ASSERT_OK(kvc_cache_kvfmt_seqs(c, 1, &s, 1, &q1));
+        ASSERT_EQ_I64(q0.n_kv, 5);
+        ASSERT_TRUE(q0.pages == q1.pages);
+        ASSERT_EQ_I64((char *)q1.tail - (char *)q0.tail, (int64_t)kvc_kvfmt_tail_bytes(&fmt));
+        ASSERT_EQ_I64(kvc_kvfmt_tail_bytes(&fmt), 2 * 64 * 3 * 64 * 2);
+        kvc_seq_id bad = s + 7;
+        ASSERT_STATUS(kvc_cache_kvfmt_seqs(c, 0, &bad, 1, &q0), KVC_ERR_NOT_FOUND);
+        ASSERT_STATUS(kvc_cache_kvfmt_seqs(c, 30, &s, 1, &q0), KVC_ERR_INVALID_ARG);
+        ASSERT_OK(kvc_cache_kvfmt_seqs(c, 0, NULL, 0, NULL));
+        ASSERT_OK(kvc_cache_check(c));
+        ASSERT_OK(kvc_cache_free_sequence(c, s));
+        ASSERT_EQ_I64(k.live, live + 1);
+        kvc_cache_destroy(c);
+        ASSERT_EQ_I64(k.live, 0);
+        /* num_pages from max_bytes: whole pages of every layer */
+        p.allocator = (kvc_allocator){0};
+        p.num_pages = 0;
+        p.max_bytes = (int64_t)(30 * pb * 10 + 100);
+        ASSERT_OK(kvc_cache_create(&p, &c));
+        ASSERT_EQ_I64(kvc_cache_num_pages(c), 10);
+        kvc_cache_destroy(c);
+        p.max_bytes = (int64_t)(30 * pb - 1);
+        ASSERT_STATUS(kvc_cache_create(&p, &c), KVC_ERR_INVALID_ARG);
+    }
+    /* per-token caches have no format */
+    kvc_cache *c;
+    kvc_cache_params p = small_params(4, 8);
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    kvc_kvfmt fmt;
+    kvc_tensor t;
+    kvc_seq_id s = 0;
+    kvc_kvfmt_seq q;
+    ASSERT_STATUS(kvc_cache_kvfmt(c, &fmt), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_cache_kvfmt_layer(c, 0, &t), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_cache_kvfmt_seqs(c, 0, &s, 1, &q), KVC_ERR_INVALID_ARG);
+    kvc_cache_destroy(c);
+    /* geometry errors: passed through, nothing allocated */
+    struct { kvc_kv_format kf; int32_t H, Dh, P; const char *why; } bad[] = {
+        {KVC_KVFMT_KIVI4, 2, 8, 5, "one must divide"},        /* neither divides G 64 */
+        {KVC_KVFMT_KIVI4, 16, 7, 16, "even"},                 /* 4-bit codes: even Dh */
+        {KVC_KVFMT_KIVI4, 2, 8, 1, "must divide H * Dh"},     /* 64 pages per group */
+        {KVC_KVFMT_KIVI4, 1, 48, 16, "power-of-two"},         /* rotation */
+        {KVC_KVFMT_KIVI8, 1, 2, 16, "must divide H * Dh"},    /* G / P = 4 pages, H * Dh 2 */
+        {KVC_KVFMT_KIVI8, 1, KVC_ATTN_MAX_HEAD_DIM * 2, 16, "head_dim"}, /* kernels' limit */
+        {(kvc_kv_format)3, 2, 8, 16, "kv_format 3"},
+        {(kvc_kv_format)-1, 2, 8, 16, "kv_format -1"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        p = fmt_params(bad[i].kf, bad[i].P, 8);
+        p.num_kv_heads = bad[i].H;
+        p.head_dim = bad[i].Dh;
+        p.allocator.alloc = c_alloc; p.allocator.free = c_free; p.allocator.user = &k;
+        k.calls = 0;
+        c = (kvc_cache *)&k;
+        ASSERT_STATUS(kvc_cache_create(&p, &c), KVC_ERR_INVALID_ARG);
+        ASSERT_TRUE(c == NULL);
+        ASSERT_EQ_I64(k.calls, 0);
+        ASSERT_STR_CONTAINS(kvc_last_error(), "kvc_cache_create");
+        ASSERT_STR_CONTAINS(kvc_last_error(), bad[i].why);
+    }
+    return 0;
+}
+
+/* Prefix hits reuse whole K groups: P 16, G 64: a 100-token shared prefix
+ * of a 128-token sequence (both groups complete) gives 64, not 96. With
+ * P 128 (> G) whole pages already are whole groups. */
+TEST(kvfmt_prefix_hits_whole_groups) {
+    kvc_cache *c;
+    kvc_cache_params p = fmt_params(KVC_KVFMT_KIVI8, 16, 32);
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    int32_t A[160], B[120];
+    for (int i = 0; i < 160; i++) A[i] = i;
+    for (int i = 0; i < 120; i++) B[i] = i < 100 ? i : 1000 + i;
+    kvc_seq_id a, b, x;
+    int64_t hit;
+    ASSERT_OK(kvc_cache_add_sequence(c, A, 128, 0, &a, &hit));
+    ASSERT_EQ_I64(hit, 0);
+    ASSERT_OK(kvc_cache_lookup_prefix(c, B, 120, 0, &hit));
+    ASSERT_EQ_I64(hit, 64);
+    ASSERT_OK(kvc_cache_add_sequence(c, B, 120, 0, &b, &hit));
+    ASSERT_EQ_I64(hit, 64);
+    for (int t = 0; t < 64; t += 16) ASSERT_EQ_I64(page_of(c, b, t, 16), page_of(c, a, t, 16));
+    ASSERT_TRUE(page_of(c, b, 64, 16) != page_of(c, a, 64, 16)); /* pages 4, 5 match, unused */
+    ASSERT_OK(kvc_cache_lookup_prefix(c, A, 129, 0, &hit));
+    ASSERT_EQ_I64(hit, 128);
+    ASSERT_OK(kvc_cache_lookup_prefix(c, A, 128, 0, &hit));
+    ASSERT_EQ_I64(hit, 64); /* within the first len - 1 tokens */
+    /* pages of an incomplete group are not findable yet: x's 100 tokens
+     * register group 0 only; once appended to 128, group 1 too */
+    int32_t X[140];
+    for (int i = 0; i < 140; i++) X[i] = 5000 + i;
+    ASSERT_OK(kvc_cache_add_sequence(c, X, 100, 0, &x, &hit));
+    ASSERT_OK(kvc_cache_lookup_prefix(c, X, 140, 0, &hit));
+    ASSERT_EQ_I64(hit, 64);
+    ASSERT_OK(kvc_cache_append(c, x, X + 100, 28, NULL));
+    ASSERT_OK(kvc_cache_lookup_prefix(c, X, 140, 0, &hit));
+    ASSERT_EQ_I64(hit, 128);
+    kvc_cache_stats st;
+    ASSERT_OK(kvc_cache_get_stats(c, &st));
+    ASSERT_EQ_I64(st.hit_tokens, 64);
+    ASSERT_OK(kvc_cache_check(c));
+    kvc_cache_destroy(c);
+    /* P 128 > G 64 */
+    p = fmt_params(KVC_KVFMT_KIVI4, 128, 8);
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    int32_t L[300];
+    for (int i = 0; i < 300; i++) L[i] = i;
+    ASSERT_OK(kvc_cache_add_sequence(c, L, 300, 0, &a, &hit));
+    ASSERT_OK(kvc_cache_lookup_prefix(c, L, 250, 0, &hit));
+    ASSERT_EQ_I64(hit, 128);
+    ASSERT_OK(kvc_cache_lookup_prefix(c, L, 257, 0, &hit));
+    ASSERT_EQ_I64(hit, 256);
+    ASSERT_OK(kvc_cache_check(c));
+    kvc_cache_destroy(c);
+    return 0;
+}
+
+/* Fork copies the parent's tails: later writes to one are not seen by the
+ * other. */
+TEST(kvfmt_fork_copies_tails) {
+    kvc_cache *c;
+    kvc_cache_params p = fmt_params(KVC_KVFMT_KIVI4, 16, 16);
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    kvc_kvfmt fmt;
+    ASSERT_OK(kvc_cache_kvfmt(c, &fmt));
+    const size_t n = kvc_kvfmt_tail_bytes(&fmt) / 2;
+    kvc_seq_id a, b;
+    ASSERT_OK(kvc_cache_add_sequence(c, NULL, 40, 0, &a, NULL));
+    for (int l = 0; l < 2; l++) {
+        kvc_kvfmt_seq q;
+        ASSERT_OK(kvc_cache_kvfmt_seqs(c, l, &a, 1, &q));
+        for (size_t i = 0; i < n; i++) q.tail[i] = (uint16_t)(i * 7 + (size_t)l * 1000);
+    }
+    ASSERT_OK(kvc_cache_fork(c, a, &b));
+    for (int l = 0; l < 2; l++) {
+        kvc_kvfmt_seq qa, qb;
+        ASSERT_OK(kvc_cache_kvfmt_seqs(c, l, &a, 1, &qa));
+        ASSERT_OK(kvc_cache_kvfmt_seqs(c, l, &b, 1, &qb));
+        ASSERT_TRUE(qa.tail != qb.tail);
+        ASSERT_EQ_I64(qb.n_kv, 40);
+        ASSERT_MEM_EQ(qa.tail, qb.tail, n * 2);
+        for (size_t i = 0; i < n; i++) qa.tail[i] ^= 0xffff; /* the parent writes on */
+        for (size_t i = 0; i < n; i++)
+            if (qb.tail[i] != (uint16_t)(i * 7 + (size_t)l * 1000))
+                TEST_FAIL_("layer %d: child's tail changed at %zu", l, i);
+    }
+    ASSERT_OK(kvc_cache_free_sequence(c, a));
+    kvc_kvfmt_seq qb;
+    ASSERT_OK(kvc_cache_kvfmt_seqs(c, 1, &b, 1, &qb));
+    ASSERT_EQ_I64(qb.tail[3], (uint16_t)(21 + 1000));
+    /* a long sequence's page table grows; its tails stay where they were */
+    uint16_t *before = qb.tail;
+    ASSERT_OK(kvc_cache_append(c, b, NULL, 150, NULL));
+    ASSERT_OK(kvc_cache_kvfmt_seqs(c, 1, &b, 1, &qb));
+    ASSERT_TRUE(qb.tail == before);
+    ASSERT_OK(kvc_cache_check(c));
+    kvc_cache_destroy(c);
+    return 0;
+}
+
+/* Copy-on-write of the incomplete group: forked at 40 tokens (P 16, G 64),
+ * all three pages hold positions of group [0, 64), which its completion
+ * rewrites: both sides get their own (storage of every layer copied), not
+ * only the partly filled last page. After a complete group, only the pages
+ * after it. Running out of pages for the copies changes nothing. */
+TEST(kvfmt_cow_incomplete_group) {
+    kvc_cache *c;
+    kvc_cache_params p = fmt_params(KVC_KVFMT_KIVI8, 16, 16);
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    kvc_tensor L[2];
+    for (int l = 0; l < 2; l++) {
+        ASSERT_OK(kvc_cache_kvfmt_layer(c, l, &L[l]));
+        unsigned char *d = L[l].data;
+        for (int64_t i = 0; i < L[l].shape[0] * L[l].shape[1]; i++)
+            d[i] = (unsigned char)(i * 31 + l * 7 + 1);
+    }
+    const size_t pb = (size_t)L[0].shape[1];
+    kvc_seq_id a, b;
+    kvc_cache_stats st0, st;
+    ASSERT_OK(kvc_cache_add_sequence(c, NULL, 40, 0, &a, NULL));
+    ASSERT_OK(kvc_cache_fork(c, a, &b));
+    int32_t pa[3];
+    for (int j = 0; j < 3; j++) pa[j] = page_of(c, a, 16 * j, 16);
+    ASSERT_OK(kvc_cache_get_stats(c, &st0));
+    ASSERT_OK(kvc_cache_append(c, b, NULL, 1, NULL));
+    ASSERT_OK(kvc_cache_get_stats(c, &st));
+    ASSERT_EQ_I64(st.cow_copies, st0.cow_copies + 3);
+    for (int j = 0; j < 3; j++) {
+        int32_t pbj = page_of(c, b, 16 * j, 16);
+        ASSERT_TRUE(pbj != pa[j]);
+        ASSERT_EQ_I64(page_of(c, a, 16 * j, 16), pa[j]);
+        for (int l = 0; l < 2; l++)
+            ASSERT_MEM_EQ((char *)L[l].data + pb * (size_t)pbj,
+                          (char *)L[l].data + pb * (size_t)pa[j], pb);
+    }
+    ASSERT_OK(kvc_cache_append(c, a, NULL, 1, NULL)); /* a's pages are its own now */
+    ASSERT_OK(kvc_cache_get_stats(c, &st0));
+    ASSERT_EQ_I64(st0.cow_copies, st.cow_copies);
+    for (int j = 0; j < 3; j++) ASSERT_EQ_I64(page_of(c, a, 16 * j, 16), pa[j]);
+    ASSERT_OK(kvc_cache_check(c));
+    /* past a complete group: only the pages of the incomplete one */
+    kvc_seq_id d, e;
+    ASSERT_OK(kvc_cache_add_sequence(c, NULL, 70, 0, &d, NULL));
+    ASSERT_OK(kvc_cache_fork(c, d, &e));
+    ASSERT_OK(kvc_cache_get_stats(c, &st0));
+    ASSERT_OK(kvc_cache_append(c, e, NULL, 2, NULL));
+    ASSERT_OK(kvc_cache_get_stats(c, &st));
+    ASSERT_EQ_I64(st.cow_copies, st0.cow_copies + 1);
+    for (int j = 0; j < 4; j++) ASSERT_EQ_I64(page_of(c, e, 16 * j, 16), page_of(c, d, 16 * j, 16));
+    ASSERT_TRUE(page_of(c, e, 64, 16) != page_of(c, d, 64, 16));
+    ASSERT_OK(kvc_cache_check(c));
+    /* the copies need pages: 16 - 3 (a) - 1 (b's) ... fill up, then fail */
+    ASSERT_OK(kvc_cache_free_sequence(c, d));
+    ASSERT_OK(kvc_cache_free_sequence(c, e));
+    kvc_seq_id f, g;
+    ASSERT_OK(kvc_cache_add_sequence(c, NULL, 40, 0, &f, NULL)); /* 3 pages */
+    ASSERT_OK(kvc_cache_fork(c, f, &g));
+    ASSERT_OK(kvc_cache_get_stats(c, &st0));
+    kvc_seq_id filler;
+    ASSERT_OK(kvc_cache_add_sequence(c, NULL, (st0.free_pages + st0.cached_pages - 2) * 16, 0,
+                                     &filler, NULL)); /* 2 pages left, 3 copies needed */
+    snap s0, s1;
+    kvc_seq_id ids[5] = {a, b, f, g, filler};
+    ASSERT_TRUE(take_snap(c, ids, 5, &s0) == 0);
+    ASSERT_STATUS(kvc_cache_append(c, g, NULL, 1, NULL), KVC_ERR_NO_SPACE);
+    ASSERT_TRUE(take_snap(c, ids, 5, &s1) == 0);
+    ASSERT_MEM_EQ(&s0, &s1, sizeof s0);
+    ASSERT_OK(kvc_cache_check(c));
+    kvc_cache_destroy(c);
+    /* P 128 > G 64: the page holding the incomplete group, complete groups too */
+    p = fmt_params(KVC_KVFMT_KIVI8, 128, 8);
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    ASSERT_OK(kvc_cache_add_sequence(c, NULL, 100, 0, &a, NULL));
+    ASSERT_OK(kvc_cache_fork(c, a, &b));
+    ASSERT_OK(kvc_cache_append(c, b, NULL, 1, NULL));
+    ASSERT_TRUE(page_of(c, b, 0, 128) != page_of(c, a, 0, 128));
+    ASSERT_OK(kvc_cache_check(c));
+    kvc_cache_destroy(c);
+    return 0;
+}
+
+/* truncate refuses a cut inside a quantized group, truncate_ex keeps the
+ * whole groups before it, rollback keeps exactly n; a cut within the tail
+ * keeps the tail's bytes; per-token caches keep n with either. */
+TEST(kvfmt_truncate_rules) {
+    kvc_cache *c;
+    kvc_cache_params p = fmt_params(KVC_KVFMT_KIVI8, 16, 32);
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    int32_t T[200];
+    for (int i = 0; i < 200; i++) T[i] = i;
+    kvc_seq_id a;
+    int64_t len, kept;
+    ASSERT_OK(kvc_cache_add_sequence(c, T, 150, 0, &a, NULL)); /* groups [0,64) [64,128) */
+    ASSERT_STATUS(kvc_cache_truncate(c, a, 100), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "kvc_cache_truncate_ex");
+    ASSERT_OK(kvc_cache_seq_len(c, a, &len));
+    ASSERT_EQ_I64(len, 150);
+    /* within the tail [128, 150): exact, tail bytes unchanged */
+    kvc_kvfmt_seq q;
+    ASSERT_OK(kvc_cache_kvfmt_seqs(c, 1, &a, 1, &q));
+    kvc_kvfmt fmt;
+    ASSERT_OK(kvc_cache_kvfmt(c, &fmt));
+    const size_t tb = kvc_kvfmt_tail_bytes(&fmt);
+    for (size_t i = 0; i < tb / 2; i++) q.tail[i] = (uint16_t)(i * 3 + 1);
+    unsigned char saved[2 * 64 * 16 * 2];
+    ASSERT_TRUE(sizeof saved == tb);
+    memcpy(saved, q.tail, tb);
+    ASSERT_OK(kvc_cache_truncate(c, a, 140));
+    ASSERT_OK(kvc_cache_truncate_ex(c, a, 130, &kept));
+    ASSERT_EQ_I64(kept, 130);
+    ASSERT_OK(kvc_cache_truncate(c, a, 128));
+    ASSERT_OK(kvc_cache_kvfmt_seqs(c, 1, &a, 1, &q));
+    ASSERT_MEM_EQ(q.tail, saved, tb);
+    /* whole groups are fine for both */
+    ASSERT_OK(kvc_cache_truncate(c, a, 64));
+    ASSERT_OK(kvc_cache_seq_len(c, a, &len));
+    ASSERT_EQ_I64(len, 64);
+    ASSERT_OK(kvc_cache_append(c, a, T + 64, 86, NULL));
+    ASSERT_OK(kvc_cache_truncate_ex(c, a, 100, &kept));
+    ASSERT_EQ_I64(kept, 64);
+    ASSERT_OK(kvc_cache_seq_len(c, a, &len));
+    ASSERT_EQ_I64(len, 64);
+    ASSERT_OK(kvc_cache_truncate_ex(c, a, 30, NULL));
+    ASSERT_OK(kvc_cache_seq_len(c, a, &len));
+    ASSERT_EQ_I64(len, 0);
+    kvc_cache_stats st;
+    ASSERT_OK(kvc_cache_get_stats(c, &st));
+    ASSERT_EQ_I64(st.used_pages, 0);
+    ASSERT_STATUS(kvc_cache_truncate_ex(c, a, 1, &kept), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_cache_truncate_ex(c, a + 9, 0, &kept), KVC_ERR_NOT_FOUND);
+    ASSERT_OK(kvc_cache_check(c));
+    /* rollback: the step that completed group [0, 64) did not run: 50 tokens
+     * kept, and the group's pages leave the index (their bytes were never
+     * written) */
+    kvc_seq_id r;
+    int64_t hit;
+    int32_t U[100];
+    for (int i = 0; i < 100; i++) U[i] = 7000 + i;
+    ASSERT_OK(kvc_cache_add_sequence(c, U, 40, 0, &r, NULL));
+    ASSERT_OK(kvc_cache_append(c, r, U + 40, 30, NULL)); /* 70: group 0 complete */
+    ASSERT_OK(kvc_cache_lookup_prefix(c, U, 100, 0, &hit));
+    ASSERT_EQ_I64(hit, 64);
+    ASSERT_OK(kvc_cache_rollback(c, r, 50));
+    ASSERT_OK(kvc_cache_seq_len(c, r, &len));
+    ASSERT_EQ_I64(len, 50);
+    ASSERT_OK(kvc_cache_lookup_prefix(c, U, 100, 0, &hit));
+    ASSERT_EQ_I64(hit, 0);
+    ASSERT_OK(kvc_cache_check(c));
+    ASSERT_OK(kvc_cache_append(c, r, U + 50, 20, NULL));
+    ASSERT_OK(kvc_cache_lookup_prefix(c, U, 100, 0, &hit));
+    ASSERT_EQ_I64(hit, 64);
+    ASSERT_OK(kvc_cache_check(c));
+    kvc_cache_destroy(c);
+    /* a per-token cache: truncate_ex is truncate */
+    p = small_params(4, 16);
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    ASSERT_OK(kvc_cache_add_sequence(c, T, 30, 0, &a, NULL));
+    ASSERT_OK(kvc_cache_truncate_ex(c, a, 13, &kept));
+    ASSERT_EQ_I64(kept, 13);
+    ASSERT_OK(kvc_cache_truncate(c, a, 5));
+    ASSERT_OK(kvc_cache_seq_len(c, a, &len));
+    ASSERT_EQ_I64(len, 5);
+    ASSERT_OK(kvc_cache_check(c));
+    kvc_cache_destroy(c);
+    return 0;
+}
+
 /* ---- randomized run against a model ------------------------------------------------------------- */
 
 #define RMAX_SEQ 24
-#define RMAX_LEN 96
+#define RMAX_LEN 256 /* array size; a run's sequences stay within rt.max_len */
 
 typedef struct mseq {
     kvc_seq_id id;
@@ -696,14 +1096,90 @@ typedef struct rt {
     mseq s[RMAX_SEQ];
     int n;
     uint64_t rng;
+    int64_t max_len, max_add, max_append; /* sequence length, prompt, one append */
+    int32_t G;                            /* compressed format: K group; else 0 */
 } rt;
 
 static uint32_t kv_value(uint64_t v, int layer, int kv, int d) {
     return (uint32_t)(mixv(v, layer * 4 + kv * 2 + d) >> 16);
 }
 
+/*
+ * Compressed formats, emulated as kvc_kvfmt_append stores: positions [from,
+ * len) go to the tail (slot t % G, a 32-bit word per K and V row), and each
+ * K group they complete is "quantized" into its pages: the first 8 bytes of
+ * slot t % P of a page (K and V words; the real layout is denser, but only
+ * where the bytes go matters here). Page words are checked for positions of
+ * complete groups, tail words for the rest.
+ */
+static size_t fmt_page_off(int64_t t, int32_t ps, int x) { return (size_t)(t % ps) * 8 + 4 * x; }
+/* A page word depends on the whole group (as the K parameters do): sharers
+ * of a group's first tokens write other bytes once their groups differ. */
+static uint32_t fmt_page_word(const rt *r, const mseq *m, int64_t t, int l, int x) {
+    const int64_t last = t / r->G * r->G + r->G - 1;
+    return kv_value(m->val[t] ^ (m->val[last] * 0x9e3779b97f4a7c15ull), l, x, 0);
+}
+static size_t fmt_tail_off(const rt *r, int64_t t, int x) { /* uint16 (2, G, H, Dh) */
+    return ((size_t)x * r->G + (size_t)(t % r->G)) * (size_t)(r->p.num_kv_heads * r->p.head_dim);
+}
+
+static int write_kvfmt(rt *r, const mseq *m, int64_t from) {
+    const int32_t ps = r->p.page_size, G = r->G;
+    for (int l = 0; l < r->p.num_layers; l++) {
+        kvc_tensor pages;
+        kvc_kvfmt_seq fs;
+        ASSERT_OK(kvc_cache_kvfmt_layer(r->c, l, &pages));
+        ASSERT_OK(kvc_cache_kvfmt_seqs(r->c, l, &m->id, 1, &fs));
+        ASSERT_EQ_I64(fs.n_kv, m->len);
+        unsigned char *base = pages.data;
+        for (int64_t t = from; t < m->len; t++)
+            for (int x = 0; x < 2; x++) {
+                uint32_t w = kv_value(m->val[t], l, x, 0);
+                memcpy(fs.tail + fmt_tail_off(r, t, x), &w, 4);
+            }
+        for (int64_t g = from / G * G; g + G <= m->len; g += G) /* groups completed */
+            for (int64_t t = g; t < g + G; t++)
+                for (int x = 0; x < 2; x++) {
+                    uint32_t w = fmt_page_word(r, m, t, l, x);
+                    memcpy(base + (size_t)fs.pages[t / ps] * (size_t)pages.shape[1] +
+                               fmt_page_off(t, ps, x), &w, 4);
+                }
+    }
+    return 0;
+}
+
+static int verify_kvfmt(rt *r, const mseq *m, const int32_t *idx) {
+    const int32_t ps = r->p.page_size, G = r->G;
+    for (int l = 0; l < r->p.num_layers; l++) {
+        kvc_tensor pages;
+        kvc_kvfmt_seq fs;
+        ASSERT_OK(kvc_cache_kvfmt_layer(r->c, l, &pages));
+        ASSERT_OK(kvc_cache_kvfmt_seqs(r->c, l, &m->id, 1, &fs));
+        ASSERT_EQ_I64(fs.n_kv, m->len);
+        for (int64_t j = 0; j < (m->len + ps - 1) / ps; j++) ASSERT_EQ_I64(fs.pages[j], idx[j]);
+        const unsigned char *base = pages.data;
+        for (int64_t t = 0; t < m->len; t++)
+            for (int x = 0; x < 2; x++) {
+                uint32_t w, want;
+                if (t < m->len / G * G) {
+                    memcpy(&w, base + (size_t)idx[t / ps] * (size_t)pages.shape[1] +
+                                   fmt_page_off(t, ps, x), 4);
+                    want = fmt_page_word(r, m, t, l, x);
+                } else {
+                    memcpy(&w, fs.tail + fmt_tail_off(r, t, x), 4);
+                    want = kv_value(m->val[t], l, x, 0);
+                }
+                if (w != want)
+                    TEST_FAIL_("seq %lld token %lld layer %d: wrong %s word", (long long)m->id,
+                               (long long)t, l, t < m->len / G * G ? "page" : "tail");
+            }
+    }
+    return 0;
+}
+
 /* Writes positions [from, len) of m's K/V (every layer) through its page table. */
 static int write_kv(rt *r, const mseq *m, int64_t from) {
+    if (r->G) return write_kvfmt(r, m, from);
     int32_t ps = r->p.page_size;
     int32_t indptr[2], idx[RMAX_LEN], last;
     int64_t n;
@@ -731,6 +1207,10 @@ static int verify_all(rt *r) {
         ASSERT_EQ_I64(len, m->len);
         ASSERT_OK(kvc_cache_page_table(r->c, &m->id, 1, indptr, idx, RMAX_LEN, &last, &n));
         ASSERT_EQ_I64(n, (m->len + ps - 1) / ps);
+        if (r->G) {
+            if (verify_kvfmt(r, m, idx)) return 1;
+            continue;
+        }
         for (int l = 0; l < r->p.num_layers; l++) {
             kvc_tensor kv;
             ASSERT_OK(kvc_cache_layer_tensors(r->c, l, &kv, NULL));
@@ -756,14 +1236,33 @@ static void fill_vals(mseq *m, int64_t from) {
 static uint64_t g_hash_mask = ~(uint64_t)0;
 
 static int random_run(int32_t ps, int64_t pages, int prefix, kvc_kv_layout lay, int steps,
-                      uint64_t seed) {
+                      uint64_t seed, kvc_kv_format kf) {
     rt r;
     memset(&r, 0, sizeof r);
     r.p = small_params(ps, pages);
     r.p.layout = lay;
     r.p.enable_prefix_caching = prefix;
     r.rng = seed;
+    r.max_len = 96;
+    r.max_add = 40;
+    r.max_append = 2 * ps;
+    if (kf != KVC_KVFMT_NONE) { /* groups of 64: longer sequences, so they complete */
+        r.p.kv_format = kf;
+        r.p.num_kv_heads = 2;
+        r.p.head_dim = 8;
+        r.max_len = RMAX_LEN;
+        r.max_add = ps > 64 ? 240 : 160; /* hits need prompts beyond a page */
+        r.max_append = 2 * ps > 40 ? 2 * ps : 40;
+    }
     ASSERT_OK(kvc_cache_create(&r.p, &r.c));
+    kvc_kvfmt fmt = {0};
+    if (kf != KVC_KVFMT_NONE) {
+        ASSERT_OK(kvc_cache_kvfmt(r.c, &fmt));
+        r.G = fmt.group;
+    }
+    if (r.max_len > kvc_cache_capacity_tokens(r.c)) r.max_len = kvc_cache_capacity_tokens(r.c);
+    /* prefix hits come in whole pages, and whole K groups in a compressed format */
+    const int64_t unit = r.G > ps ? r.G : ps;
     kvc__cache_set_hash_mask(r.c, g_hash_mask);
     /* a few shared stems so that prompts repeat */
     int32_t stems[4][RMAX_LEN];
@@ -780,9 +1279,10 @@ static int random_run(int32_t ps, int64_t pages, int prefix, kvc_kv_layout lay, 
         kvc_status st = KVC_OK;
         if (r.n == 0 || (op < 25 && r.n < RMAX_SEQ)) {
             mseq *m = &r.s[r.n];
-            m->len = 1 + (int64_t)(test_rng_next(&r.rng) % 40);
+            m->len = 1 + (int64_t)(test_rng_next(&r.rng) % (uint64_t)r.max_add);
             const int32_t *stem = stems[test_rng_next(&r.rng) % 4];
             int64_t keep = (int64_t)(test_rng_next(&r.rng) % (uint64_t)(m->len + 1));
+            if (r.G && test_rng_next(&r.rng) % 2) keep = m->len; /* hits need whole groups */
             for (int64_t t = 0; t < m->len; t++)
                 m->tok[t] = t < keep ? stem[t] : (int32_t)(test_rng_next(&r.rng) % 3);
             fill_vals(m, 0);
@@ -790,7 +1290,7 @@ static int random_run(int32_t ps, int64_t pages, int prefix, kvc_kv_layout lay, 
             int with_ids = test_rng_next(&r.rng) % 8 != 0;
             st = kvc_cache_add_sequence(r.c, with_ids ? m->tok : NULL, m->len, 0, &m->id, &hit);
             if (st == KVC_OK) {
-                ASSERT_TRUE(hit >= 0 && hit < m->len && hit % ps == 0);
+                ASSERT_TRUE(hit >= 0 && hit < m->len && hit % unit == 0);
                 if (!prefix || !with_ids) ASSERT_EQ_I64(hit, 0);
                 hits += hit;
                 if (write_kv(&r, m, hit)) return 1;
@@ -800,8 +1300,8 @@ static int random_run(int32_t ps, int64_t pages, int prefix, kvc_kv_layout lay, 
             int i = (int)(test_rng_next(&r.rng) % (uint64_t)r.n);
             mseq *m = &r.s[i];
             if (op < 65) { /* append */
-                int64_t k = 1 + (int64_t)(test_rng_next(&r.rng) % (uint64_t)(2 * ps));
-                if (m->len + k > RMAX_LEN) k = RMAX_LEN - m->len;
+                int64_t k = 1 + (int64_t)(test_rng_next(&r.rng) % (uint64_t)r.max_append);
+                if (m->len + k > r.max_len) k = r.max_len - m->len;
                 int32_t tk[RMAX_LEN], posn[RMAX_LEN];
                 for (int64_t j = 0; j < k; j++) tk[j] = (int32_t)(test_rng_next(&r.rng) % 3);
                 int with_ids = test_rng_next(&r.rng) % 10 != 0;
@@ -827,8 +1327,27 @@ static int random_run(int32_t ps, int64_t pages, int prefix, kvc_kv_layout lay, 
                 }
             } else if (op < 88) { /* truncate */
                 int64_t n = (int64_t)(test_rng_next(&r.rng) % (uint64_t)(m->len + 1));
-                st = kvc_cache_truncate(r.c, m->id, n);
-                if (st == KVC_OK) m->len = n;
+                /* a cut inside a quantized group: truncate refuses, truncate_ex
+                 * keeps the whole groups before it */
+                const int inside = r.G && n < m->len / r.G * r.G && n % r.G != 0;
+                int64_t kept = -1;
+                if (r.G && test_rng_next(&r.rng) % 2) { /* (per-token runs draw as before) */
+                    st = kvc_cache_truncate_ex(r.c, m->id, n, &kept);
+                    if (st == KVC_OK) {
+                        ASSERT_EQ_I64(kept, inside ? n / r.G * r.G : n);
+                        m->len = kept;
+                    }
+                } else {
+                    st = kvc_cache_truncate(r.c, m->id, n);
+                    if (inside) {
+                        ASSERT_STATUS(st, KVC_ERR_INVALID_ARG);
+                        ASSERT_TRUE(take_snap(r.c, ids, r.n, &b) == 0);
+                        ASSERT_MEM_EQ(&a, &b, sizeof a);
+                        st = KVC_OK;
+                    } else if (st == KVC_OK) {
+                        m->len = n;
+                    }
+                }
             } else { /* free */
                 st = kvc_cache_free_sequence(r.c, m->id);
                 if (st == KVC_OK) {
@@ -856,8 +1375,8 @@ static int random_run(int32_t ps, int64_t pages, int prefix, kvc_kv_layout lay, 
     }
     kvc_cache_stats st;
     ASSERT_OK(kvc_cache_get_stats(r.c, &st));
-    printf("  page_size %d: %d sequences live, hit %lld, evictions %lld, cow %lld, no-space %lld, used %lld\n",
-           (int)ps, r.n, (long long)hits, (long long)st.evictions, (long long)st.cow_copies,
+    printf("  %s page_size %d: %d sequences live, hit %lld, evictions %lld, cow %lld, no-space %lld, used %lld\n",
+           kvc_kv_format_name(kf), (int)ps, r.n, (long long)hits, (long long)st.evictions, (long long)st.cow_copies,
            (long long)nospace, (long long)st.used_pages);
     if (prefix) {
         ASSERT_TRUE(hits > 0);
@@ -877,9 +1396,33 @@ TEST(randomized_against_model) {
     };
     for (size_t i = 0; i < sizeof cfg / sizeof cfg[0]; i++) {
         uint64_t seed = test_seed * 1000 + i;
-        if (random_run(cfg[i].ps, cfg[i].pages, cfg[i].prefix, cfg[i].lay, 2500, seed)) {
+        if (random_run(cfg[i].ps, cfg[i].pages, cfg[i].prefix, cfg[i].lay, 2500, seed,
+                       KVC_KVFMT_NONE)) {
             fprintf(stderr, "  (config %zu: page_size %d, seed %llu)\n", i, (int)cfg[i].ps,
                     (unsigned long long)seed);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* The same run over compressed-format caches (G 64): pages of complete
+ * groups and tails read back, prefix hits in whole groups, truncate and
+ * truncate_ex around quantized groups, copy-on-write of the pages of an
+ * incomplete group (a missing copy shows when the other holder's group
+ * completes over them), with G > P, G == P and G < P. */
+TEST(randomized_kvfmt_against_model) {
+    struct { int32_t ps; int64_t pages; int prefix; kvc_kv_format kf; } cfg[] = {
+        {16, 60, 1, KVC_KVFMT_KIVI8}, {4, 220, 1, KVC_KVFMT_KIVI4},
+        {64, 16, 1, KVC_KVFMT_KIVI8}, {128, 16, 1, KVC_KVFMT_KIVI4},
+        {16, 60, 0, KVC_KVFMT_KIVI4},
+    };
+    for (size_t i = 0; i < sizeof cfg / sizeof cfg[0]; i++) {
+        uint64_t seed = test_seed * 3000 + i;
+        if (random_run(cfg[i].ps, cfg[i].pages, cfg[i].prefix, KVC_NHD, 2000, seed,
+                       cfg[i].kf)) {
+            fprintf(stderr, "  (config %zu: %s, page_size %d, seed %llu)\n", i,
+                    kvc_kv_format_name(cfg[i].kf), (int)cfg[i].ps, (unsigned long long)seed);
             return 1;
         }
     }
@@ -1000,7 +1543,11 @@ TEST(hash_collisions_are_confirmed) {
     static const uint64_t masks[2] = {0, 3};
     for (int m = 0; m < 2; m++) {
         g_hash_mask = masks[m];
-        int bad = random_run(4, 48, 1, KVC_NHD, 1500, test_seed * 77 + (uint64_t)m);
+        int bad = random_run(4, 48, 1, KVC_NHD, 1500, test_seed * 77 + (uint64_t)m,
+                             KVC_KVFMT_NONE);
+        /* groups across pages: a hit must never join pages of two groups */
+        bad = bad || random_run(16, 60, 1, KVC_NHD, 1500, test_seed * 79 + (uint64_t)m,
+                                KVC_KVFMT_KIVI8);
         g_hash_mask = ~(uint64_t)0;
         if (bad) TEST_FAIL_("random run with hash mask %llu failed", (unsigned long long)masks[m]);
     }
@@ -1020,8 +1567,14 @@ const test_case test_suite[] = {
     TEST_ENTRY(no_space_changes_nothing),
     TEST_ENTRY(nomem_every_allocation_site),
     TEST_ENTRY(randomized_against_model),
+    TEST_ENTRY(randomized_kvfmt_against_model),
     TEST_ENTRY(duplicate_pages_stay_findable),
     TEST_ENTRY(rollback_unregisters_unwritten_pages),
     TEST_ENTRY(hash_collisions_are_confirmed),
+    TEST_ENTRY(kvfmt_create),
+    TEST_ENTRY(kvfmt_prefix_hits_whole_groups),
+    TEST_ENTRY(kvfmt_fork_copies_tails),
+    TEST_ENTRY(kvfmt_cow_incomplete_group),
+    TEST_ENTRY(kvfmt_truncate_rules),
     {0, 0},
 };

@@ -79,7 +79,8 @@ KVC_API kvc_cache_params kvc_cache_default_params(void);
 KVC_API kvc_status kvc_cache_create(const kvc_cache_params *params, kvc_cache **out);
 KVC_API void kvc_cache_destroy(kvc_cache *cache); /* NULL is a no-op */
 
-/* Bytes of storage (data + scales, all layers) per token slot. */
+/* Bytes of storage (data + scales, all layers) per token slot; for a
+ * compressed format num_layers * page_bytes / page_size (tails excluded). */
 KVC_API size_t kvc_cache_bytes_per_token(const kvc_cache *cache);
 /* num_pages * page_size. */
 KVC_API int64_t kvc_cache_capacity_tokens(const kvc_cache *cache);
@@ -172,7 +173,10 @@ KVC_API kvc_status kvc_cache_cachestarts(const kvc_cache *cache, const kvc_seq_i
  *    with it (kvc_kvfmt_tail_bytes each, counted apart from page storage);
  *    fork copies it;
  *  - a prefix hit reuses whole K groups: the usual hit rounded down to a
- *    multiple of G (lookup_prefix reports the same);
+ *    multiple of G and of P (lookup_prefix reports the same); a page
+ *    becomes findable once every K group it holds is complete (its slots
+ *    reserved), and with G > P the pages of one group are found (and
+ *    deduplicated) only together, since each depends on the whole group;
  *  - pages of a sequence's incomplete group are never shared when written:
  *    append gives a sequence its own copy of a shared page at or after
  *    position floor(len / G) * G (copy-on-write, as the partly filled last
@@ -181,7 +185,10 @@ KVC_API kvc_status kvc_cache_cachestarts(const kvc_cache *cache, const kvc_seq_i
  *    floor(len / G) * G and not a multiple of G) fails: the group's values
  *    are gone; kvc_cache_truncate_ex keeps the whole groups before the cut
  *    and reports the length kept. kvc_cache_rollback (slots never written)
- *    keeps exactly n_tokens: the cut group was never completed.
+ *    keeps exactly n_tokens: the cut group was never completed, and its
+ *    kept pages this sequence holds alone leave the prefix index. A cut
+ *    within the tail keeps the tail's bytes (slot t % G holds position t);
+ *    free releases the tails.
  * kvc_cache_layer and kvc_cache_layer_tensors fail on such a cache (the
  * pages are not a FlashInfer cache); kvc_cache_page_table and
  * kvc_cache_cachestarts work as for any cache. */

@@ -268,6 +268,33 @@ class CacheParams(ctypes.Structure):
         ("layout", ctypes.c_int),
         ("allocator", CacheAllocator),
         ("enable_prefix_caching", ctypes.c_int32),
+        ("kv_format", ctypes.c_int),  # kvc_kv_format: 0 none, 1 kivi8, 2 kivi4
+    ]
+
+
+class KvfmtSeq(ctypes.Structure):
+    """ctypes mirror of ``kvc_kvfmt_seq``."""
+
+    _fields_ = [
+        ("pages", ctypes.POINTER(ctypes.c_int32)),
+        ("n_kv", ctypes.c_int64),
+        ("tail", ctypes.c_void_p),
+    ]
+
+
+class Kvfmt(ctypes.Structure):
+    """ctypes mirror of ``kvc_kvfmt``."""
+
+    _fields_ = [
+        ("id", ctypes.c_int),
+        ("bits", ctypes.c_int32),
+        ("group", ctypes.c_int32),
+        ("v_group", ctypes.c_int32),
+        ("v_asym", ctypes.c_int32),
+        ("rotate_v", ctypes.c_int32),
+        ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("page_size", ctypes.c_int32),
     ]
 
 
@@ -329,6 +356,13 @@ kvc_cache_get_stats = optional_proto(
     "kvc_cache_get_stats", _c_int, _vp, ctypes.POINTER(CacheStats),
 )
 kvc_cache_check = optional_proto("kvc_cache_check", _c_int, _vp)
+kvc_cache_truncate_ex = optional_proto(
+    "kvc_cache_truncate_ex", _c_int, _vp, _seq, ctypes.c_int64, _i64p)
+kvc_cache_kvfmt = optional_proto("kvc_cache_kvfmt", _c_int, _vp, ctypes.POINTER(Kvfmt))
+kvc_cache_kvfmt_layer = optional_proto("kvc_cache_kvfmt_layer", _c_int, _vp, ctypes.c_int32, _TP)
+kvc_cache_kvfmt_seqs = optional_proto(
+    "kvc_cache_kvfmt_seqs", _c_int, _vp, ctypes.c_int32, _i64p, ctypes.c_int64,
+    ctypes.POINTER(KvfmtSeq))
 
 
 def check(status: int) -> None:

@@ -210,7 +210,19 @@ _NP_DTYPES = {
     _lib.KVC_F32: np.dtype(np.float32),
     _lib.KVC_F16: np.dtype(np.float16),
     _lib.KVC_I8: np.dtype(np.int8),
+    _lib.KVC_U8: np.dtype(np.uint8),  # compressed formats' pages
 }
+_KV_FORMATS = {"none": 0, "kivi8": 1, "kivi4": 2}  # kvc_kv_format
+
+
+def _kv_format_code(kv_format) -> int:
+    if kv_format is None:
+        return 0
+    code = _KV_FORMATS.get(kv_format.strip().lower()) if isinstance(kv_format, str) else None
+    if code is None:
+        raise InvalidArgumentError(f"kv_format must be None, 'kivi8' or 'kivi4', got "
+                                   f"{kv_format!r}")
+    return code
 
 
 def _tensor_dtype(code: int) -> np.dtype:
@@ -267,6 +279,13 @@ class PagedKVCache(_lib.NoCopy):
         scale_dtype: int8/int4 only: "float16" (default) or "float32".
         max_bytes: storage budget (data + scales, all layers) when num_pages
             is None.
+        kv_format: None (a per-token cache of dtype) or a compressed paged
+            format, "kivi8" or "kivi4" (docs/KV_FORMATS.md): dtype,
+            scale_dtype, quant_group and kv_layout are then ignored, storage
+            is :meth:`kvfmt_pages` per layer, each sequence has a float16
+            tail per layer (:meth:`tail`), prefix hits come in whole K
+            groups and truncate may refuse a cut inside a quantized group
+            (:meth:`truncate_ex`).
 
     Raises:
         InvalidArgumentError: a bad parameter (or both/neither of num_pages
@@ -276,7 +295,7 @@ class PagedKVCache(_lib.NoCopy):
 
     def __init__(self, num_layers, num_kv_heads, head_dim, page_size, num_pages=None,
                  dtype="float16", kv_layout="NHD", enable_prefix_caching=True, quant_group=8,
-                 *, scale_dtype="float16", max_bytes=None):
+                 *, scale_dtype="float16", max_bytes=None, kv_format=None):
         self._handle = None
         self._lock = threading.Lock()
         self._table_capacity = 64  # page ids a page table's first C call has room for
@@ -298,6 +317,7 @@ class PagedKVCache(_lib.NoCopy):
         p.quant_group = _lib.int32_attr(quant_group, "quant_group")
         p.layout = _layout_code(kv_layout)
         p.enable_prefix_caching = 1 if enable_prefix_caching else 0
+        p.kv_format = _kv_format_code(kv_format)
         ptr = ctypes.c_void_p()
         _lib.check(_lib.kvc_cache_create(ctypes.byref(p), ctypes.byref(ptr)))
         if not ptr.value:
@@ -315,6 +335,16 @@ class PagedKVCache(_lib.NoCopy):
         self._num_pages = int(_lib.kvc_cache_num_pages(ptr.value))
         self._capacity = int(_lib.kvc_cache_capacity_tokens(ptr.value))
         self._bytes_per_token = int(_lib.kvc_cache_bytes_per_token(ptr.value))
+        self._kv_format = None
+        self._group = None
+        if p.kv_format:
+            fmt = _lib.Kvfmt()
+            _lib.check(_lib.kvc_cache_kvfmt(ptr.value, ctypes.byref(fmt)))
+            self._kv_format = next(k for k, v in _KV_FORMATS.items() if v == p.kv_format)
+            self._group = int(fmt.group)
+            self._dtype = None  # no per-token storage dtype
+            self._scale_dtype = None
+            self._quant_group = None
 
     # -- lifetime -----------------------------------------------------------
 
@@ -411,6 +441,16 @@ class PagedKVCache(_lib.NoCopy):
         return self._kv_layout
 
     @property
+    def kv_format(self) -> str | None:
+        """"kivi8"/"kivi4" for a compressed-format cache, else None."""
+        return self._kv_format
+
+    @property
+    def kv_group(self) -> int | None:
+        """Tokens per K group (G) of a compressed format, else None."""
+        return self._group
+
+    @property
     def enable_prefix_caching(self) -> bool:
         return self._prefix_caching
 
@@ -502,6 +542,17 @@ class PagedKVCache(_lib.NoCopy):
     def truncate(self, seq_id, n_tokens) -> None:
         """Keeps the first n_tokens (0 <= n_tokens <= seq_len) of a sequence."""
         self._call(_lib.kvc_cache_truncate, _seq_id(seq_id), _int(n_tokens, "n_tokens"))
+
+    def truncate_ex(self, seq_id, n_tokens) -> int:
+        """truncate keeping at most n_tokens; returns the length kept. In a
+        compressed-format cache a cut inside a quantized K group keeps only
+        the whole groups before it (the caller recomputes and appends the
+        rest), where truncate raises InvalidArgumentError; otherwise the
+        same as truncate."""
+        kept = ctypes.c_int64(-1)
+        self._call(_lib.kvc_cache_truncate_ex, _seq_id(seq_id), _int(n_tokens, "n_tokens"),
+                   ctypes.byref(kept))
+        return kept.value
 
     def rollback(self, seq_id, n_tokens) -> None:
         """truncate for slots that were reserved but whose K/V were never
@@ -621,6 +672,32 @@ class PagedKVCache(_lib.NoCopy):
         if self._dtype not in ("int8", "int4"):
             return None
         return _view(scale, self, handle)
+
+    def kvfmt_pages(self, layer) -> np.ndarray:
+        """A compressed-format cache's pages of layer ``layer``: a writable
+        uint8 view ``(num_pages, page_bytes)`` (no copy; it keeps the
+        storage alive, as kv_cache's views do)."""
+        layer = _lib.int32_attr(layer, "layer")
+        t = _lib.Tensor()
+        with self._lock:
+            _lib.check(_lib.kvc_cache_kvfmt_layer(self._ptr(), layer, ctypes.byref(t)))
+            handle = self._handle
+        return _view(t, self, handle)
+
+    def tail(self, seq_id, layer) -> np.ndarray:
+        """A copy of a sequence's float16 tail in layer ``layer``, ``(2, G,
+        H, Dh)``: K then V of its positions not yet in a complete K group,
+        slot ``t % G`` holding position t. A copy, since the tail goes with
+        the sequence (a view would dangle after free)."""
+        layer = _lib.int32_attr(layer, "layer")
+        seqs = np.array([_seq_id(seq_id)], np.int64)
+        out = _lib.KvfmtSeq()
+        with self._lock:
+            _lib.check(_lib.kvc_cache_kvfmt_seqs(self._ptr(), layer, _i64p(seqs), 1,
+                                                 ctypes.byref(out)))
+            shape = (2, self._group, self._num_kv_heads, self._head_dim)
+            n = int(np.prod(shape)) * 2
+            return np.frombuffer(ctypes.string_at(out.tail, n), np.float16).reshape(shape)
 
     # -- introspection ------------------------------------------------------
 

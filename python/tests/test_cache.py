@@ -833,3 +833,70 @@ def test_rollback_unregisters_pages_whose_slots_were_never_written():
         pc.free(s)
         assert pc.lookup_prefix([1, 2, 3, 4, 5]) == want, undo
         pc.check()
+
+
+# -- compressed formats (kv_format) ------------------------------------------
+
+
+@pytest.mark.parametrize("fmt,bpt", [("kivi8", 12240), ("kivi4", 6480)])
+def test_kvfmt_bytes_per_token_and_views(fmt, bpt):
+    # SmolLM2-135M geometry (docs/KV_FORMATS.md section 5)
+    with kvcache.PagedKVCache(30, 3, 64, 16, num_pages=4, kv_format=fmt) as pc:
+        assert pc.kv_format == fmt and pc.kv_group == 64 and pc.dtype is None
+        assert pc.bytes_per_token == bpt
+        pages = pc.kvfmt_pages(29)
+        assert pages.dtype == np.uint8 and pages.shape == (4, bpt * 16 // 30)
+        pages[:] = 7  # writable
+        with pytest.raises(InvalidArgumentError, match="kvc_cache_kvfmt_layer"):
+            pc.kv_cache(0)
+        seq, _ = pc.add_sequence(10)
+        assert pc.tail(seq, 0).shape == (2, 64, 3, 64)
+        assert pc.tail(seq, 0).dtype == np.float16
+        pc.check()
+    with pytest.raises(InvalidArgumentError, match="kv_format"):
+        kvcache.PagedKVCache(1, 1, 8, 16, num_pages=4, kv_format="kivi2")
+    with pytest.raises(InvalidArgumentError, match="power-of-two"):  # kivi4 rotates V
+        kvcache.PagedKVCache(1, 1, 48, 16, num_pages=4, kv_format="kivi4")
+    with kvcache.PagedKVCache(1, 1, 8, 16, num_pages=4) as pc:
+        assert pc.kv_format is None and pc.kv_group is None
+
+
+def test_kvfmt_prefix_hits_whole_groups():
+    # P 16, G 64: a 100-token shared prefix of a 128-token prompt hits 64, not 96
+    pc = kvcache.PagedKVCache(2, 2, 8, 16, num_pages=32, kv_format="kivi8")
+    a = list(range(128))
+    b = list(range(100)) + [1000 + i for i in range(20)]
+    pc.add_sequence(a)
+    assert pc.lookup_prefix(b) == 64
+    _seq, hit = pc.add_sequence(b)
+    assert hit == 64
+    assert pc.lookup_prefix(a + [5]) == 128
+    pc.check()
+
+
+def test_kvfmt_truncate_ex_and_rollback():
+    pc = kvcache.PagedKVCache(2, 2, 8, 16, num_pages=32, kv_format="kivi4")
+    seq, _ = pc.add_sequence(150)  # groups [0, 64), [64, 128) quantized; tail 128..149
+    with pytest.raises(InvalidArgumentError, match="truncate_ex"):
+        pc.truncate(seq, 100)
+    assert pc.seq_len(seq) == 150
+    assert pc.truncate_ex(seq, 140) == 140  # within the tail
+    assert pc.truncate_ex(seq, 100) == 64
+    assert pc.seq_len(seq) == 64
+    pc.append(seq, 86)
+    pc.rollback(seq, 100)  # slots never written: exact
+    assert pc.seq_len(seq) == 100
+    pc.check()
+    plain = kvcache.PagedKVCache(1, 1, 8, 4, num_pages=16)
+    s2, _ = plain.add_sequence(30)
+    assert plain.truncate_ex(s2, 13) == 13
+
+
+def test_kvfmt_fork_copies_tail():
+    pc = kvcache.PagedKVCache(2, 2, 8, 16, num_pages=16, kv_format="kivi8")
+    a, _ = pc.add_sequence(40)
+    b = pc.fork(a)
+    np.testing.assert_array_equal(pc.tail(a, 1), pc.tail(b, 1))
+    pc.free(a)
+    assert pc.tail(b, 1).shape == (2, 64, 2, 8)
+    pc.check()

@@ -58,6 +58,15 @@ uint64_t kvc__chain_hash(const kvc_cache *c, uint64_t parent_hash, const int32_t
     return mix64(h ^ (uint64_t)n) & c->hash_mask;
 }
 
+uint64_t kvc__unit_hash(const kvc_cache *c, const int32_t *ids, const int32_t *pages) {
+    if (c->unit == c->ps) return 0;
+    uint64_t u = 0x756e697468617368ull;
+    for (int32_t r = 0; r < c->unit / c->ps; r++)
+        u = kvc__chain_hash(c, u, ids ? ids + (int64_t)r * c->ps : c->tokens + (int64_t)pages[r] * c->ps,
+                            c->ps);
+    return u;
+}
+
 void kvc__cache_set_hash_mask(kvc_cache *c, uint64_t mask) { c->hash_mask = mask; }
 
 int kvc__chain_valid(const kvc_cache *c, int64_t packed) {
@@ -82,8 +91,9 @@ int32_t kvc__index_find(const kvc_cache *c, uint64_t hash, int64_t parent, uint6
 }
 
 void kvc__index_insert(kvc_cache *c, int32_t page, uint64_t hash, uint64_t parent_hash,
-                       int64_t parent, uint64_t salt) {
+                       int64_t parent, uint64_t salt, uint64_t unit) {
     kvc__page *pg = &c->pages[page];
+    pg->unit = unit;
     pg->hash = hash;
     pg->parent_hash = parent_hash;
     pg->parent = parent;
@@ -565,10 +575,15 @@ static kvc_status check_pages(const kvc_cache *c, int32_t *cnt) {
                                             (long long)s->id, (int)p);
             cnt[p]++;
         }
-        uint64_t h = kvc__chain_seed(s->salt);
+        const int64_t R = c->unit / c->ps;
+        if (s->nh % R != 0)
+            return BAD("sequence %lld: %lld pages hashed, not whole groups of %lld pages",
+                       (long long)s->id, (long long)s->nh, (long long)R);
+        uint64_t h = kvc__chain_seed(s->salt), u = 0;
         for (int64_t j = 0; j < s->nh; j++) {
             int32_t p = s->pages[j];
-            h = kvc__chain_hash(c, h, c->tokens + (int64_t)p * c->ps, c->ps);
+            if (j % R == 0) u = kvc__unit_hash(c, NULL, s->pages + j);
+            h = kvc__chain_hash(c, h ^ u, c->tokens + (int64_t)p * c->ps, c->ps);
             if (h != s->hashes[j])
                 return BAD("sequence %lld: hash of page %lld does not match its tokens",
                            (long long)s->id, (long long)j);
@@ -628,7 +643,10 @@ static kvc_status check_pages(const kvc_cache *c, int32_t *cnt) {
                 cnt[p] |= 4;
                 n++;
                 const int32_t *tk = c->tokens + (int64_t)p * c->ps;
-                uint64_t want = kvc__chain_hash(c, pg->parent_hash, tk, c->ps);
+                uint64_t want = kvc__chain_hash(c, pg->parent_hash ^ pg->unit, tk, c->ps);
+                if (pg->unit != 0 && c->unit == c->ps)
+                    return BAD("page %d: a unit hash in a cache without groups across pages",
+                               (int)p);
                 if (want != pg->hash) return BAD("page %d: hash does not match tokens", (int)p);
                 if (pg->parent == KVC__NO_PARENT) {
                     if (pg->parent_hash != kvc__chain_seed(pg->salt))

@@ -27,6 +27,7 @@ typedef struct kvc__page {
     uint32_t gen;       /* bumped whenever the page leaves the index */
     int64_t parent;     /* packed (id, gen) of the parent, or KVC__NO_PARENT */
     uint64_t hash, parent_hash, salt;
+    uint64_t unit;      /* unit hash mixed into hash (0 unless G > P, see kvc__unit_hash) */
 } kvc__page;
 
 /* A sequence: one allocation holding the header and its three arrays. */
@@ -95,6 +96,13 @@ uint64_t kvc__chain_seed(uint64_t salt);
 uint64_t kvc__chain_hash(const kvc_cache *c, uint64_t parent_hash, const int32_t *tokens,
                          int32_t n);
 
+/* Compressed formats with G > P: a K group spans R = G / P pages and every
+ * page's bytes depend on all of the group's tokens (its K parameters), so a
+ * page's identity is its tokens and its whole group's: hash = chain_hash(
+ * parent_hash ^ unit, tokens) with unit this hash of the R pages' tokens
+ * (ids + r * P, or when ids is NULL c->tokens of pages[r]). 0 otherwise. */
+uint64_t kvc__unit_hash(const kvc_cache *c, const int32_t *ids, const int32_t *pages);
+
 /* Test hook: keeps only the hash bits in mask (e.g. 0 makes every page
  * collide), so that hits must be confirmed by tokens, parent and salt.
  * Only on a cache with no sequences yet. */
@@ -112,7 +120,7 @@ int kvc__chain_valid(const kvc_cache *c, int64_t packed);
 int32_t kvc__index_find(const kvc_cache *c, uint64_t hash, int64_t parent, uint64_t salt,
                         const int32_t *tokens);
 void kvc__index_insert(kvc_cache *c, int32_t page, uint64_t hash, uint64_t parent_hash,
-                       int64_t parent, uint64_t salt);
+                       int64_t parent, uint64_t salt, uint64_t unit);
 void kvc__index_remove(kvc_cache *c, int32_t page);
 
 void kvc__lru_remove(kvc_cache *c, int32_t page);

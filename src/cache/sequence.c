@@ -99,16 +99,74 @@ static kvc_status find(const kvc_cache *c, const char *fn, kvc_seq_id id, kvc__s
     return KVC_OK;
 }
 
+/* Compressed formats with G > P (R = G / P pages per K group): resolves the
+ * chain of the group at pages [i0, i0 + R) of s, chain[i0 - 1] valid. Every
+ * page's bytes depend on the whole group, so pages of one group are only
+ * ever keyed under each other: either the whole group is found in the index
+ * (each page under the previous one, so all its tokens equal s's and its
+ * pages were written together) and stands for s's, or s's own pages are
+ * registered, each under its own predecessor. Never part of one group and
+ * part of another, as a page-by-page resolution would do for two groups
+ * sharing their first pages. Returns 0 when s's pages cannot be registered
+ * (another page holds a key, after a hash collision or while a lost page's
+ * duplicate stays indexed); the group is then not findable through s. */
+static int resolve_unit(kvc_cache *c, kvc__seq *s, int64_t i0) {
+    const int64_t R = c->unit / c->ps, parent0 = i0 ? s->chain[i0 - 1] : KVC__NO_PARENT;
+    int64_t parent = parent0, r;
+    for (r = 0; r < R; r++) {
+        const int32_t *tk = c->tokens + (int64_t)s->pages[i0 + r] * c->ps;
+        int32_t q = kvc__index_find(c, s->hashes[i0 + r], parent, s->salt, tk);
+        if (q == KVC__NO_PAGE) break;
+        parent = s->chain[i0 + r] = kvc__pack(q, c->pages[q].gen);
+    }
+    if (r == R) {
+        for (r = 0; r < R; r++) {
+            int32_t q = kvc__packed_page(s->chain[i0 + r]);
+            if (q != s->pages[i0 + r]) c->pages[q].dep = 1; /* its leaving concerns s */
+        }
+        return 1;
+    }
+    for (r = 0; r < R; r++) s->chain[i0 + r] = -1;
+    const uint64_t u = kvc__unit_hash(c, NULL, s->pages + i0);
+    uint64_t ph = i0 ? s->hashes[i0 - 1] : kvc__chain_seed(s->salt);
+    parent = parent0;
+    for (r = 0; r < R; r++) {
+        const int64_t i = i0 + r;
+        const int32_t p = s->pages[i];
+        int32_t q = kvc__index_find(c, s->hashes[i], parent, s->salt,
+                                    c->tokens + (int64_t)p * c->ps);
+        if (q != p) {
+            if (q != KVC__NO_PAGE) return 0;
+            kvc__page *pg = &c->pages[p];
+            if (pg->in_index) {
+                if (kvc__chain_valid(c, pg->parent) || pg->parent == KVC__NO_PARENT) return 0;
+                kvc__index_remove(c, p); /* stale parent: re-key under the live one */
+            }
+            kvc__index_insert(c, p, s->hashes[i], ph, parent, s->salt, u);
+        }
+        parent = s->chain[i] = kvc__pack(p, c->pages[p].gen);
+        ph = s->hashes[i];
+    }
+    return 1;
+}
+
 /* Makes chain[j] name the index page for chunk j of s (j < s->nh) when the
  * one it named left the index: chunks from the first stale one on are looked
  * up again, and where the index has none, the sequence's own page is
  * registered (re-keyed if it sits in the index under a stale parent). So a
  * page that duplicated an evicted one takes its place. Returns whether
- * chain[j] is valid. O(1) when it already is. */
+ * chain[j] is valid. O(1) when it already is. With groups across pages,
+ * whole groups (resolve_unit; j + 1 is then a multiple of R). */
 static int resolve_chain(kvc_cache *c, kvc__seq *s, int64_t j) {
     if (kvc__chain_valid(c, s->chain[j])) return 1;
     int64_t i = j;
     while (i > 0 && !kvc__chain_valid(c, s->chain[i - 1])) i--;
+    const int64_t R = c->unit / c->ps;
+    if (R > 1) {
+        for (i = i / R * R; i <= j; i += R)
+            if (!resolve_unit(c, s, i)) return 0;
+        return 1;
+    }
     for (; i <= j; i++) {
         int32_t p = s->pages[i];
         const int32_t *tk = c->tokens + (int64_t)p * c->ps;
@@ -121,7 +179,7 @@ static int resolve_chain(kvc_cache *c, kvc__seq *s, int64_t j) {
                 if (kvc__chain_valid(c, pg->parent) || pg->parent == KVC__NO_PARENT) return 0;
                 kvc__index_remove(c, p); /* stale parent: re-key under the live one */
             }
-            kvc__index_insert(c, p, s->hashes[i], ph, parent, s->salt);
+            kvc__index_insert(c, p, s->hashes[i], ph, parent, s->salt, 0);
             q = p;
         }
         if (q != p) c->pages[q].dep = 1; /* its leaving the index concerns s (rescan) */
@@ -156,15 +214,17 @@ static void rescan_chains(kvc_cache *c) {
  * pages hold its shared K parameters. */
 static void register_pages(kvc_cache *c, kvc__seq *s) {
     if (!c->tokens) return;
-    const int64_t full = s->known / c->unit * c->unit / c->ps;
-    for (int64_t j = s->nh; j < full; j++) {
-        int32_t p = s->pages[j];
-        const int32_t *tk = c->tokens + (int64_t)p * c->ps;
-        uint64_t ph = j ? s->hashes[j - 1] : kvc__chain_seed(s->salt);
-        s->hashes[j] = kvc__chain_hash(c, ph, tk, c->ps);
-        s->chain[j] = -1;
-        s->nh = j + 1;
-        resolve_chain(c, s, j);
+    const int64_t R = c->unit / c->ps, full = s->known / c->unit * R;
+    for (int64_t j0 = s->nh; j0 < full; j0 += R) { /* s->nh is a multiple of R */
+        const uint64_t u = kvc__unit_hash(c, NULL, s->pages + j0);
+        for (int64_t j = j0; j < j0 + R; j++) {
+            const int32_t *tk = c->tokens + (int64_t)s->pages[j] * c->ps;
+            uint64_t ph = j ? s->hashes[j - 1] : kvc__chain_seed(s->salt);
+            s->hashes[j] = kvc__chain_hash(c, ph ^ u, tk, c->ps);
+            s->chain[j] = -1;
+        }
+        s->nh = j0 + R;
+        resolve_chain(c, s, j0 + R - 1);
     }
 }
 
@@ -190,12 +250,13 @@ kvc_status kvc_cache_lookup_prefix(const kvc_cache *c, const int32_t *token_ids,
     *n_cached = 0;
     if (c->tokens == NULL || n_tokens == 0) return KVC_OK;
     const int32_t ps = c->ps;
-    const int64_t max_hits = (n_tokens - 1) / ps;
-    uint64_t h = kvc__chain_seed(salt);
+    const int64_t R = c->unit / ps, max_hits = (n_tokens - 1) / ps / R * R; /* whole units */
+    uint64_t h = kvc__chain_seed(salt), u = 0;
     int64_t parent = KVC__NO_PARENT, hits = 0;
     for (; hits < max_hits; hits++) {
         const int32_t *tk = token_ids + hits * ps;
-        uint64_t hh = kvc__chain_hash(c, h, tk, ps);
+        if (hits % R == 0) u = kvc__unit_hash(c, tk, NULL);
+        uint64_t hh = kvc__chain_hash(c, h ^ u, tk, ps);
         int32_t q = kvc__index_find(c, hh, parent, salt, tk);
         if (q == KVC__NO_PAGE) break;
         h = hh;
@@ -226,12 +287,13 @@ kvc_status kvc_cache_add_sequence(kvc_cache *c, const int32_t *token_ids, int64_
     /* prefix lookup: whole pages within the first n_tokens - 1 tokens */
     int64_t hits = 0, hits_cached = 0;
     if (hashing && n_tokens > 0) {
-        const int64_t max_hits = (n_tokens - 1) / ps;
-        uint64_t h = kvc__chain_seed(salt);
+        const int64_t R = c->unit / ps, max_hits = (n_tokens - 1) / ps / R * R;
+        uint64_t h = kvc__chain_seed(salt), u = 0;
         int64_t parent = KVC__NO_PARENT;
         for (; hits < max_hits; hits++) {
             const int32_t *tk = token_ids + hits * ps;
-            uint64_t hh = kvc__chain_hash(c, h, tk, ps);
+            if (hits % R == 0) u = kvc__unit_hash(c, tk, NULL);
+            uint64_t hh = kvc__chain_hash(c, h ^ u, tk, ps);
             int32_t q = kvc__index_find(c, hh, parent, salt, tk);
             if (q == KVC__NO_PAGE) break;
             h = hh;
