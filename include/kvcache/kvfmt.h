@@ -11,8 +11,14 @@
  * Storage of one layer is a uint8 tensor (num_pages, page_bytes) (only
  * stride[1] must be 1); a page holds the codes and parameters of page_size
  * consecutive positions of one sequence, laid out as the document's section
- * 5. A sequence's tail for one layer is float16 (2, G, H, Dh), K then V,
- * slot t % G holding position t (V rotated when the format rotates).
+ * 5. A sequence's tail for one layer is float16 (2, T, H, Dh), K then V,
+ * T = G + W slots, slot t % T holding position t (V rotated when the format
+ * rotates); it holds positions [max(0, floor(n / G) * G - W), n).
+ *
+ * Attention at position i reads K/V exactly as a decode step at i would:
+ * positions before max(0, floor((i + 1) / G) * G - W) from their quantized
+ * groups, the rest (at most G - 1 + W of them) in float16. So results do
+ * not depend on how a prompt is cut into steps.
  *
  * The bytes written depend only on the tokens' float16 K/V: not on the
  * batch, the number of tokens per call, the thread count or the ISA.
@@ -49,6 +55,8 @@ typedef struct kvc_kvfmt {
     int32_t v_asym;   /* 1: V scale and zero point; 0: symmetric V (scale only) */
     int32_t rotate_v; /* 1: Hadamard rotation of V (head_dim a power of two) */
     int32_t num_kv_heads, head_dim, page_size; /* H >= 1, Dh in [1, KVC_ATTN_MAX_HEAD_DIM], P >= 1 */
+    int32_t window;   /* W: positions of complete groups a query still reads in float16, before
+                         its own group; a multiple of G, >= 0 (the tail holds them) */
 } kvc_kvfmt;
 
 /* The parameters of member id for H heads of Dh channels and pages of P
@@ -64,14 +72,14 @@ KVC_API kvc_status kvc_kvfmt_check(const kvc_kvfmt *f);
 /* Bytes of one page of one layer: P * (bytes per token per layer). 0 for
  * a format that fails kvc_kvfmt_check. */
 KVC_API size_t kvc_kvfmt_page_bytes(const kvc_kvfmt *f);
-/* Bytes of one layer's tail of one sequence: 2 * G * H * Dh * 2. */
+/* Bytes of one layer's tail of one sequence: 2 * (G + W) * H * Dh * 2. */
 KVC_API size_t kvc_kvfmt_tail_bytes(const kvc_kvfmt *f);
 
 /* One sequence as the kernels see it, in one layer. */
 typedef struct kvc_kvfmt_seq {
     const int32_t *pages; /* page ids of positions [0, n_kv): ceil(n_kv / P) entries */
     int64_t n_kv;         /* tokens stored, counting those of the current append */
-    uint16_t *tail;       /* float16 (2, G, H, Dh); slot t % G holds position t */
+    uint16_t *tail;       /* float16 (2, G + W, H, Dh); slot t % (G + W) holds position t */
 } kvc_kvfmt_seq;
 
 /*
@@ -99,12 +107,15 @@ KVC_API kvc_status kvc_kvfmt_append(const kvc_kvfmt *f, kvc_tensor *pages,
 
 /*
  * Attention over sequences stored in format f (section 6): query row i of
- * sequence q_seq[i] at position q_pos[i] attends keys [0, q_pos[i]] of it:
- * positions of complete groups (< floor(n_kv / G) * G) from the pages,
+ * sequence q_seq[i] at position p = q_pos[i] attends keys [0, p] of it:
+ * those before max(0, floor((p + 1) / G) * G - W) from the pages,
  * dequantized, the rest from the float16 tail. GQA: query head h reads KV
  * head h / (Hq / H).
  *   q       (nq, Hq, Dh) float32, last dimension contiguous; Hq % H == 0
- *   q_seq   (nq) int32 in [0, n_seqs); q_pos (nq) int32 in [0, n_kv)
+ *   q_seq   (nq) int32 in [0, n_seqs); q_pos (nq) int32 in [0, n_kv) and
+ *           q_pos + 1 >= floor(n_kv / G) * G (older positions' float16
+ *           values are gone from the tail: attend them in the call that
+ *           stores them, kvc_kvfmt_append_attention)
  *   params  sm_scale (0: 1/sqrt(Dh)); logits_soft_cap, window_left and
  *           sinks are not supported (KVC_ERR_UNSUPPORTED if set)
  *   out     (nq, Hq, Dh) float32, last dimension contiguous
@@ -119,6 +130,23 @@ KVC_API kvc_status kvc_kvfmt_attention(const kvc_kvfmt *f, const kvc_tensor *pag
                                        const kvc_tensor *q, const int32_t *q_seq,
                                        const int32_t *q_pos, const kvc_attn_params *params,
                                        kvc_tensor *out, kvc_tensor *lse, kvc_threadpool *pool);
+
+/*
+ * kvc_kvfmt_append, then kvc_kvfmt_attention, in one call: the queries'
+ * float16 values come from this call's rows and the tail as it was before
+ * the store, so a query may be at any position p of its sequence with
+ * p + 1 >= floor(pos0 / G) * G, pos0 the sequence's first appended
+ * position (every appended position qualifies). A model step calls this:
+ * each row attends what a decode at its position would. Arguments as the
+ * two calls; nothing is written when either would fail.
+ */
+KVC_API kvc_status kvc_kvfmt_append_attention(const kvc_kvfmt *f, kvc_tensor *pages,
+                                              const kvc_kvfmt_seq *seqs, int64_t n_seqs,
+                                              const int64_t *row_indptr, const kvc_tensor *key,
+                                              const kvc_tensor *value, const kvc_tensor *q,
+                                              const int32_t *q_seq, const int32_t *q_pos,
+                                              const kvc_attn_params *params, kvc_tensor *out,
+                                              kvc_tensor *lse, kvc_threadpool *pool);
 
 #ifdef __cplusplus
 }

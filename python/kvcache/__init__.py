@@ -12,7 +12,7 @@ Modules:
                    (re-exported)
     kvcache.kvfmt  compressed paged KV formats kivi8/kivi4: KVFormat, KVSeq
                    (re-exported), append and attention (re-exported as
-                   kvfmt_append, kvfmt_attention)
+                   kvfmt_append, kvfmt_attention, kvfmt_append_attention)
     kvcache.gguf   GGUFFile: GGUF files through the C reader (re-exported);
                    ggml_dequantize: ggml blocks to float32
     kvcache.gguf_writer  GGUF writer, ggml quantizers (K-quants too), tiny llama models (tests)
@@ -85,6 +85,7 @@ from .mla import BatchMLAPagedAttentionWrapper
 from .kvfmt import KVFormat, KVSeq
 from .kvfmt import append as kvfmt_append
 from .kvfmt import attention as kvfmt_attention
+from .kvfmt import append_attention as kvfmt_append_attention
 from . import kvfmt  # noqa: E402  (re-exported submodule)
 from .tokenizer import Tokenizer, Utf8Stream, render_chat_template
 from . import pmx  # noqa: E402  (re-exported submodule)
@@ -133,6 +134,7 @@ __all__ = [
     "KVSeq",
     "kvfmt_append",
     "kvfmt_attention",
+    "kvfmt_append_attention",
     "GGUFFile",
     "Model",
     "Engine",

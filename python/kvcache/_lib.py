@@ -286,7 +286,7 @@ class Kvfmt(ctypes.Structure):
     """ctypes mirror of ``kvc_kvfmt``."""
 
     _fields_ = [
-        ("id", ctypes.c_int),
+        ("id", ctypes.c_int),  # kvc_kv_format
         ("bits", ctypes.c_int32),
         ("group", ctypes.c_int32),
         ("v_group", ctypes.c_int32),
@@ -295,6 +295,7 @@ class Kvfmt(ctypes.Structure):
         ("num_kv_heads", ctypes.c_int32),
         ("head_dim", ctypes.c_int32),
         ("page_size", ctypes.c_int32),
+        ("window", ctypes.c_int32),
     ]
 
 
@@ -1056,20 +1057,7 @@ kvc_merge_states = optional_proto("kvc_merge_states", _c_int, _TP, _TP, _TP, _TP
 KVC_KVFMT_NONE, KVC_KVFMT_KIVI8, KVC_KVFMT_KIVI4 = 0, 1, 2
 
 
-class KvFmt(ctypes.Structure):
-    """ctypes mirror of ``kvc_kvfmt``."""
-
-    _fields_ = [
-        ("id", ctypes.c_int),  # kvc_kv_format
-        ("bits", ctypes.c_int32),
-        ("group", ctypes.c_int32),
-        ("v_group", ctypes.c_int32),
-        ("v_asym", ctypes.c_int32),
-        ("rotate_v", ctypes.c_int32),
-        ("num_kv_heads", ctypes.c_int32),
-        ("head_dim", ctypes.c_int32),
-        ("page_size", ctypes.c_int32),
-    ]
+KvFmt = Kvfmt
 
 
 class KvFmtSeq(ctypes.Structure):
@@ -1101,4 +1089,8 @@ kvc_kvfmt_append = optional_proto(
 kvc_kvfmt_attention = optional_proto(
     "kvc_kvfmt_attention", _c_int, _FP, _TP, _SP, ctypes.c_int64, _TP, _i32p, _i32p,
     ctypes.POINTER(AttnParams), _TP, _TP, _vp,
+)
+kvc_kvfmt_append_attention = optional_proto(
+    "kvc_kvfmt_append_attention", _c_int, _FP, _TP, _SP, ctypes.c_int64, _i64p, _TP, _TP, _TP,
+    _i32p, _i32p, ctypes.POINTER(AttnParams), _TP, _TP, _vp,
 )

@@ -69,9 +69,11 @@ class KVFormat:
         v_asym: True: V has a scale and a zero point; False: scale only.
         rotate_v: True: V is Hadamard-rotated before it is stored.
         num_kv_heads, head_dim, page_size: ``H``, ``Dh``, ``P``.
+        window: ``W``, positions of complete groups before a query's own
+            group that it still reads in float16 (a multiple of G).
         name: "kivi8", "kivi4" or "custom".
         page_bytes: bytes of one page of one layer.
-        tail_bytes: bytes of one sequence's tail of one layer (``2*G*H*Dh*2``).
+        tail_bytes: bytes of one sequence's tail of one layer (``2*(G+W)*H*Dh*2``).
     """
 
     bits: int
@@ -82,6 +84,7 @@ class KVFormat:
     num_kv_heads: int
     head_dim: int
     page_size: int
+    window: int = 0
     name: str = "custom"
     page_bytes: int = field(init=False)
     tail_bytes: int = field(init=False)
@@ -96,7 +99,8 @@ class KVFormat:
         else:
             raise InvalidArgumentError(f"KVFormat name must be 'custom' (or a member's, from "
                                        f"KVFormat.member), got {self.name!r}")
-        for attr in ("bits", "group", "v_group", "num_kv_heads", "head_dim", "page_size"):
+        for attr in ("bits", "group", "v_group", "num_kv_heads", "head_dim", "page_size",
+                     "window"):
             v = _lib.int32_attr(getattr(self, attr), attr)
             object.__setattr__(self, attr, v)
             setattr(c, attr, v)
@@ -133,20 +137,21 @@ class KVFormat:
             _lib.int32_attr(head_dim, "head_dim"), _lib.int32_attr(page_size, "page_size"),
             _byref(c)))
         return cls(c.bits, c.group, c.v_group, bool(c.v_asym), bool(c.rotate_v),
-                   c.num_kv_heads, c.head_dim, c.page_size,
+                   c.num_kv_heads, c.head_dim, c.page_size, c.window,
                    _lib.kvc_kv_format_name(c.id).decode())
 
     @property
     def tail_shape(self) -> tuple:
-        """(2, G, H, Dh): a sequence's tail, K then V."""
-        return (2, self.group, self.num_kv_heads, self.head_dim)
+        """(2, G + W, H, Dh): a sequence's tail, K then V; slot t % (G + W)
+        holds position t."""
+        return (2, self.group + self.window, self.num_kv_heads, self.head_dim)
 
     def new_pages(self, num_pages: int) -> np.ndarray:
         """A zeroed uint8 page array (num_pages, page_bytes)."""
         return np.zeros((operator.index(num_pages), self.page_bytes), _U8)
 
     def new_tail(self) -> np.ndarray:
-        """A zeroed float16 tail (2, G, H, Dh)."""
+        """A zeroed float16 tail (2, G + W, H, Dh)."""
         return np.zeros(self.tail_shape, _F16)
 
     def new_seq(self, pages, n_kv: int = 0) -> "KVSeq":
@@ -298,9 +303,12 @@ def attention(fmt, pages, seqs, q, q_seq, q_pos, sm_scale=None, return_lse=False
               num_threads=None):
     """Attention over sequences stored in format fmt (``kvc_kvfmt_attention``).
 
-    Query row i of ``seqs[q_seq[i]]`` at position ``q_pos[i]`` attends keys
-    ``[0, q_pos[i]]`` of it (causal): positions of complete groups from the
-    pages, dequantized, the rest from the float16 tail. Query head h reads KV
+    Query row i of ``seqs[q_seq[i]]`` at position ``p = q_pos[i]`` attends
+    keys ``[0, p]`` of it (causal) as a decode step at p would: positions
+    before ``max(0, (p + 1) // G * G - W)`` from the pages, dequantized, the
+    rest in float16 from the tail. So p must still have them in the tail:
+    ``p + 1 >= n_kv // G * G`` (use :func:`append_attention` for the rows of
+    a store). Query head h reads KV
     head ``h // (Hq // H)``. Scores and softmax in float32 (or wider); with
     rotate_v the output is rotated back.
 
@@ -311,7 +319,7 @@ def attention(fmt, pages, seqs, q, q_seq, q_pos, sm_scale=None, return_lse=False
         q: (nq, Hq, Dh) float32, float16 or bfloat16 (converted to float32,
             exactly). Hq % H == 0.
         q_seq: (nq) ints in [0, len(seqs)); q_pos: (nq) ints in
-            [0, seqs[q_seq[i]].n_kv).
+            [max(0, n_kv // G * G - 1), n_kv) of their sequence.
         sm_scale: None (1/sqrt(Dh)) or a finite nonzero number.
         return_lse: also return lse.
         num_threads: worker threads (None: all CPUs); the result does not
@@ -322,10 +330,38 @@ def attention(fmt, pages, seqs, q, q_seq, q_pos, sm_scale=None, return_lse=False
         return_lse, lse (nq, Hq) float32: log2 of the softmax denominator of
         the scaled scores.
     """
+    return _attend(fmt, pages, seqs, None, None, None, q, q_seq, q_pos, sm_scale, return_lse,
+                   num_threads)
+
+
+def append_attention(fmt, pages, seqs, row_indptr, key, value, q, q_seq, q_pos,
+                     sm_scale=None, return_lse=False, num_threads=None):
+    """:func:`append`, then :func:`attention`, in one call
+    (``kvc_kvfmt_append_attention``), as a model's forward step does: each
+    query reads what a decode at its position would, its float16 values
+    coming from these rows and the tail as it was before the store. A query
+    may be at any position p of its sequence with ``p + 1 >= pos0 // G * G``
+    (pos0 the sequence's first appended position): every appended position
+    qualifies. Nothing is written when either part would fail."""
+    return _attend(fmt, pages, seqs, row_indptr, key, value, q, q_seq, q_pos, sm_scale,
+                   return_lse, num_threads)
+
+
+def _attend(fmt, pages, seqs, row_indptr, key, value, q, q_seq, q_pos, sm_scale, return_lse,
+            num_threads):
     fmt = _check_fmt(fmt)
+    store = key is not None
     return_lse = _lib.flag(return_lse, "return_lse")
-    pa, pt = _pages_tensor(fmt, pages, False)
-    sarr, keep, n = _seqs(fmt, seqs, False)
+    pa, pt = _pages_tensor(fmt, pages, store)
+    sarr, keep, n = _seqs(fmt, seqs, store)
+    if store:
+        indptr = _lib.int64_array(row_indptr, "row_indptr")
+        if indptr.shape != (n + 1,):
+            raise InvalidArgumentError(f"row_indptr must be 1-D (len(seqs) + 1) = ({n + 1},), "
+                                       f"got shape {indptr.shape}")
+        ka, kt = _lib.input_tensor(key, "key", _lib.FLOAT_CODES)
+        va, vt = _lib.input_tensor(value, "value", _lib.FLOAT_CODES)
+        keep += [indptr, ka, va]
     qa = _lib.input_array(q, "q", _lib.FLOAT_CODES)
     if qa.ndim != 3:
         raise InvalidArgumentError(f"q must be (nq, Hq, Dh), got shape {qa.shape}")
@@ -344,12 +380,16 @@ def attention(fmt, pages, seqs, q, q_seq, q_pos, sm_scale=None, return_lse=False
     qt, ot = mt(q32), mt(out)
     lt = mt(lse) if return_lse else None
     i32p = ctypes.POINTER(ctypes.c_int32)
-    _lib.call_pooled(
-        _lib.kvc_kvfmt_attention,
-        (_byref(fmt._c), _byref(pt), sarr, n, _byref(qt), qs.ctypes.data_as(i32p),
-         qp.ctypes.data_as(i32p), _byref(params), _byref(ot),
-         _byref(lt) if lt is not None else None),
-        num_threads)
+    tail = (_byref(qt), qs.ctypes.data_as(i32p), qp.ctypes.data_as(i32p), _byref(params),
+            _byref(ot), _byref(lt) if lt is not None else None)
+    if store:
+        _lib.call_pooled(
+            _lib.kvc_kvfmt_append_attention,
+            (_byref(fmt._c), _byref(pt), sarr, n, indptr.ctypes.data_as(_lib._i64p),
+             _byref(kt), _byref(vt)) + tail, num_threads)
+    else:
+        _lib.call_pooled(_lib.kvc_kvfmt_attention, (_byref(fmt._c), _byref(pt), sarr, n) + tail,
+                         num_threads)
     del pa, keep
     if qa.dtype != _F32:
         out = out.astype(qa.dtype)

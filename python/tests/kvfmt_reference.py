@@ -40,6 +40,7 @@ class Format:
     head_dim: int
     page_size: int
     v_sym: bool = False  # V symmetric (scale only) instead of scale and zero point
+    window: int = 0  # W: positions of complete groups a query still reads in float16
 
     @property
     def levels(self) -> int:
@@ -65,6 +66,8 @@ class Format:
             raise ValueError("int4 with groups smaller than a page needs an even group")
         if self.rotate_v and Dh & (Dh - 1):
             raise ValueError("rotate_v needs a power-of-two head_dim")
+        if self.window < 0 or self.window % G:
+            raise ValueError("window must be a multiple of the group")
 
 
 def member(name: str, n_kv_heads: int, head_dim: int, page_size: int = 16) -> Format:
@@ -297,6 +300,8 @@ class Sequence:
         shape = (0, fmt.n_kv_heads, fmt.head_dim)
         self.tail_k = np.zeros(shape, F16)
         self.tail_v = np.zeros(shape, F16)
+        self.all_k = np.zeros(shape, F16)  # every position's stored float16 values
+        self.all_v = np.zeros(shape, F16)
 
     def __len__(self) -> int:
         return len(self.groups) * self.fmt.group + len(self.tail_k)
@@ -313,6 +318,8 @@ class Sequence:
         done = len(new) * G
         self.groups += new
         self.tail_k, self.tail_v = tk[done:], tv[done:]
+        self.all_k = np.concatenate([self.all_k, k16])
+        self.all_v = np.concatenate([self.all_v, v16])
 
     def truncate(self, m: int) -> int:
         """Keep the first m tokens when the cut is in the tail; a cut inside a
@@ -327,6 +334,7 @@ class Sequence:
             del self.groups[m // G:]
             self.tail_k = self.tail_k[:0]
             self.tail_v = self.tail_v[:0]
+        self.all_k, self.all_v = self.all_k[:len(self)], self.all_v[:len(self)]
         return len(self)
 
     def fork(self) -> "Sequence":
@@ -334,6 +342,7 @@ class Sequence:
         other = copy.copy(self)
         other.groups = list(self.groups)
         other.tail_k, other.tail_v = self.tail_k.copy(), self.tail_v.copy()
+        other.all_k, other.all_v = self.all_k.copy(), self.all_v.copy()
         return other
 
     def pages(self) -> list:
@@ -351,10 +360,28 @@ class Sequence:
         return k, v
 
 
+def f16_from(fmt: Format, p: int) -> int:
+    """Section 6: a query at position p reads positions before this from their
+    quantized groups and the rest, up to p, in float16."""
+    return max(0, (p + 1) // fmt.group * fmt.group - fmt.window)
+
+
+def values_at(fmt: Format, seq: Sequence, p: int):
+    """K, V (p + 1, H, Dh) float64 as a query at position p sees them (V in the
+    rotated basis when rotate_v): whole groups before f16_from(p) dequantized,
+    the stored float16 values after."""
+    e = f16_from(fmt, p)
+    parts = [decode_group(fmt, g) for g in seq.groups[:e // fmt.group]]
+    k = np.concatenate([x[0] for x in parts] + [seq.all_k[e:p + 1].astype(F32)]).astype(F64)
+    v = np.concatenate([x[1] for x in parts] + [seq.all_v[e:p + 1].astype(F32)]).astype(F64)
+    return k, v
+
+
 def attention(fmt: Format, seq: Sequence, q: np.ndarray) -> np.ndarray:
-    """Decode attention of query rows q (Hq, Dh) over the whole sequence, float64:
-    softmax over the dequantized K, times dequantized V, then H^T when rotate_v."""
-    k, v = seq.values()
+    """Decode attention of query rows q (Hq, Dh) at the sequence's last position,
+    float64: softmax over K, times V, as values_at gives them, then H^T when
+    rotate_v."""
+    k, v = values_at(fmt, seq, len(seq) - 1)
     Hq, Dh = q.shape
     grp = Hq // fmt.n_kv_heads
     out = np.empty((Hq, Dh))

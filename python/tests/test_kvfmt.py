@@ -44,12 +44,12 @@ kvfmt = kvcache.kvfmt
 def ref_format(fmt: KVFormat) -> R.Format:
     """The reference's Format for a binding KVFormat (checked equal for members)."""
     rf = R.Format(fmt.bits, fmt.group, fmt.v_group, fmt.rotate_v, fmt.num_kv_heads,
-                  fmt.head_dim, fmt.page_size, v_sym=not fmt.v_asym)
+                  fmt.head_dim, fmt.page_size, v_sym=not fmt.v_asym, window=fmt.window)
     rf.check()
     if fmt.name in ("kivi8", "kivi4"):
         assert rf == R.member(fmt.name, fmt.num_kv_heads, fmt.head_dim, fmt.page_size)
     assert fmt.page_bytes == R.page_bytes(rf)
-    assert fmt.tail_bytes == 2 * fmt.group * fmt.num_kv_heads * fmt.head_dim * 2
+    assert fmt.tail_bytes == 2 * (fmt.group + fmt.window) * fmt.num_kv_heads * fmt.head_dim * 2
     return rf
 
 
@@ -131,9 +131,11 @@ class Store:
         self.pages = init.copy()
         self.seqs = [KVSeq(i, 0, np.full(fmt.tail_shape, F16(7.5))) for i in ids]
 
-    def run(self, calls, k, v, dtype, num_threads, after=None):
+    def run(self, calls, k, v, dtype, num_threads, after=None, queries=None):
         """Appends rows per `calls` (k, v: per sequence (n, H, Dh) float32);
-        after(call) runs after each call."""
+        after(call) runs after each call. With queries: each call is an
+        append_attention of queries(call, seqs) -> (q, q_seq, q_pos) (q_seq
+        indexing the call's seqs), and after(call, o, lse, q, q_seq, q_pos)."""
         for call in calls:
             seqs, rows_k, rows_v, indptr = [], [], [], [0]
             for b, c in call:
@@ -146,6 +148,13 @@ class Store:
                 indptr.append(indptr[-1] + c)
             kk = cast(np.concatenate(rows_k), dtype)
             vv = cast(np.concatenate(rows_v), dtype)
+            if queries is not None:
+                q, qs, qp = queries(call, seqs)
+                o, lse = kvfmt.append_attention(self.fmt, self.pages, seqs, np.array(indptr), kk,
+                                                vv, q, qs, qp, return_lse=True,
+                                                num_threads=num_threads)
+                after(call, o, lse, q, qs, qp)
+                continue
             kvfmt.append(self.fmt, self.pages, seqs, np.array(indptr), kk, vv,
                          num_threads=num_threads)
             if after is not None:
@@ -205,26 +214,30 @@ def check_bytes(fmt, pages, seqs, rseqs, what=""):
                                    f"want {want[bad[0]]}")
         nt = len(r.tail_k)
         assert s.n_kv - nt == len(r.groups) * fmt.group
-        tk = s.tail[0, :nt].view(np.uint16)
-        tv = s.tail[1, :nt].view(np.uint16)
-        assert np.array_equal(tk, r.tail_k.view(np.uint16)), f"{what} seq {b}: K tail differs"
-        assert np.array_equal(tv, r.tail_v.view(np.uint16)), f"{what} seq {b}: V tail differs"
+        # the tail ring: slot t % (G + W) holds position t of [n // G * G - W, n)
+        T = fmt.group + fmt.window
+        ts = np.arange(max(0, s.n_kv // fmt.group * fmt.group - fmt.window), s.n_kv)
+        tk = s.tail[0, ts % T].view(np.uint16)
+        tv = s.tail[1, ts % T].view(np.uint16)
+        assert np.array_equal(tk, r.all_k[ts].view(np.uint16)), f"{what} seq {b}: K tail differs"
+        assert np.array_equal(tv, r.all_v[ts].view(np.uint16)), f"{what} seq {b}: V tail differs"
 
 
 def ref_attention(rf: R.Format, rseq: R.Sequence, q, pos, sm_scale=None):
-    """Causal float64 attention of q (nq, Hq, Dh) at positions pos (nq) over
-    rseq.values(): (o (nq, Hq, Dh), lse (nq, Hq) base 2)."""
-    k, v = rseq.values()
+    """Causal float64 attention of q (nq, Hq, Dh) at positions pos (nq), each
+    over R.values_at (what a decode at its position sees): (o (nq, Hq, Dh),
+    lse (nq, Hq) base 2)."""
     nq, Hq, Dh = q.shape
     grp = Hq // rf.n_kv_heads
     scale = 1.0 / math.sqrt(Dh) if sm_scale is None else sm_scale
     q = q.astype(F64)
-    k = np.repeat(k, grp, axis=1)  # (n, Hq, Dh): query head h reads KV head h // grp
-    v = np.repeat(v, grp, axis=1)
     o = np.empty((nq, Hq, Dh))
     lse = np.empty((nq, Hq))
     for i in range(nq):
         n = int(pos[i]) + 1
+        k, v = R.values_at(rf, rseq, n - 1)
+        k = np.repeat(k, grp, axis=1)  # (n, Hq, Dh): query head h reads KV head h // grp
+        v = np.repeat(v, grp, axis=1)
         s = scale * np.einsum("nhd,hd->hn", k[:n], q[i])  # (Hq, n)
         m = s.max(axis=1, keepdims=True)
         p = np.exp(s - m)
@@ -498,38 +511,43 @@ def test_attention_matches_reference(rng, name, H, Dh, P):
     grp = 3 if name == "kivi8" else 1 + int(rng.integers(3))
     sm = None if H != 2 else 0.3
 
-    def prefill(call):  # a forward step: store its rows, then attend with them (causal)
+    def queries(call, seqs):  # a forward step's rows: each attends at its position
         qs, qseq, qpos = [], [], []
+        for i, (b, c) in enumerate(call):
+            lo = seqs[i].n_kv - c
+            qs.append(rng.standard_normal((c, H * grp, Dh)).astype(F32))
+            qseq += [i] * c
+            qpos += list(range(lo, lo + c))
+        return np.concatenate(qs), np.array(qseq, np.int32), np.array(qpos, np.int32)
+
+    def prefill(call, o, lse, q, qseq, qpos):
         for b, c in call:
             lo = len(rseqs[b])
             rseqs[b].append(k[b][lo:lo + c], v[b][lo:lo + c])
-            qs.append(rng.standard_normal((c, H * grp, Dh)).astype(F32))
-            qseq += [b] * c
-            qpos += list(range(lo, lo + c))
-        q = np.concatenate(qs)
-        if not len(q):
-            return
-        o, lse = kvfmt.attention(fmt, st.pages, st.seqs, q, qseq, qpos, sm_scale=sm,
-                                 return_lse=True, num_threads=2)
         assert o.dtype == F32 and lse.dtype == F32
         want_o = np.empty(o.shape)
         want_l = np.empty(lse.shape)
-        qseq_a = np.array(qseq)
-        for b in set(qseq):
-            sel = qseq_a == b
-            want_o[sel], want_l[sel] = ref_attention(rf, rseqs[b], q[sel], np.array(qpos)[sel],
-                                                     sm)
+        for i in set(qseq.tolist()):
+            sel = qseq == i
+            want_o[sel], want_l[sel] = ref_attention(rf, rseqs[call[i][0]], q[sel], qpos[sel],
+                                                     None)
         check_attention(o, lse, want_o, want_l, vmax, f"prefill {call}")
 
-    st.run(schedule(rng, lens, (1, 7, 64, 100, 33)), k, v, F32, 2, prefill)
+    st.run(schedule(rng, lens, (1, 7, 64, 100, 33)), k, v, F32, 2, prefill, queries)
     st.check(rseqs, "after prefill")
 
     # decode: one query per sequence at n_kv - 1, and random earlier positions
     nq = 3 + 6
     q = rng.standard_normal((nq, H * grp, Dh)).astype(F32)
     qseq = np.array([0, 1, 2] + [int(x) for x in rng.integers(0, 3, 6)], np.int32)
+    # the tail still holds what positions from floor(n / G) * G - 1 on read
+    lows = [max(0, n // 64 * 64 - 1) for n in lens]
     qpos = np.array([lens[b] - 1 for b in range(3)] +
-                    [int(rng.integers(lens[b])) for b in qseq[3:]], np.int32)
+                    [int(rng.integers(lows[b], lens[b])) for b in qseq[3:]], np.int32)
+    for b in range(3):  # an older position's float16 values are gone: refused
+        if lows[b] > 0:
+            with pytest.raises(kvcache.InvalidArgumentError, match="q_pos"):
+                kvfmt.attention(fmt, st.pages, st.seqs, q[:1], [b], [lows[b] - 1], sm)
     o1, l1 = kvfmt.attention(fmt, st.pages, st.seqs, q, qseq, qpos, sm, True, num_threads=1)
     o2, l2 = kvfmt.attention(fmt, st.pages, st.seqs, q, qseq, qpos, sm, True, num_threads=2)
     assert np.array_equal(o1, o2) and np.array_equal(l1, l2)  # thread count: same bits

@@ -4,6 +4,7 @@
  * float16 tail; the rotation of V is undone on the output. One task per
  * (query row, KV head) handles the query heads of that GQA group. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kvfmt_internal.h"
@@ -15,6 +16,7 @@ typedef struct attend_ctx {
     kvc__kvfmt_layout l;
     const kvc_tensor *pages, *q, *out, *lse;
     const kvc_kvfmt_seq *seqs;
+    const kvc__kvfmt_win *wins;
     const int32_t *q_seq, *q_pos;
     int64_t Hq, grp;
     float sm_scale;
@@ -79,7 +81,8 @@ static void attend_task(void *arg, int64_t task) {
     const int64_t HD = H * Dh, gv = f->v_group, nvg = Dh / gv;
     const int64_t row = task / H, h = task % H;
     const kvc_kvfmt_seq *s = &c->seqs[c->q_seq[row]];
-    const int64_t pos = c->q_pos[row], nq = (s->n_kv / G) * G;
+    const kvc__kvfmt_win *win = &c->wins[c->q_seq[row]];
+    const int64_t pos = c->q_pos[row], nq = kvc__kvfmt_f16_from(f, pos);
     const int bits = f->bits;
     float qv[HC][KVC_ATTN_MAX_HEAD_DIM], qs[HC][KVC_ATTN_MAX_HEAD_DIM], bias[HC];
     float ks[KVC_ATTN_MAX_HEAD_DIM], kz[KVC_ATTN_MAX_HEAD_DIM], codes[KVC_ATTN_MAX_HEAD_DIM];
@@ -95,8 +98,8 @@ static void attend_task(void *arg, int64_t task) {
             memcpy(qv[g], qr, (size_t)Dh * sizeof(float));
         }
         /* quantized groups */
-        for (int64_t j = 0; j * G < nq && j * G <= pos; j++) {
-            const int64_t t0 = j * G, t1 = t0 + G <= pos + 1 ? t0 + G : pos + 1;
+        for (int64_t j = 0; j * G < nq; j++) { /* nq <= pos + 1: whole groups */
+            const int64_t t0 = j * G, t1 = t0 + G;
             for (int64_t ch = 0; ch < Dh; ch++) {
                 const int64_t e = h * Dh + ch;
                 const unsigned char *pg;
@@ -158,11 +161,11 @@ static void attend_task(void *arg, int64_t task) {
                 }
             }
         }
-        /* float16 tail, in blocks of up to 512 tokens (at most G - 1 of them) */
+        /* float16 rows, in blocks of up to 512 tokens (at most G - 1 + W of them) */
         for (int64_t t0 = nq; t0 <= pos; t0 += 512) {
             const int64_t t1 = t0 + 512 <= pos + 1 ? t0 + 512 : pos + 1;
             for (int64_t t = t0; t < t1; t++) {
-                const uint16_t *kr = s->tail + (t % G) * HD + h * Dh;
+                const uint16_t *kr = win->k + kvc__kvfmt_slot(win, t) * win->rs + h * Dh;
                 for (int64_t ch = 0; ch < Dh; ch++) codes[ch] = kvc_f16_to_f32(kr[ch]);
                 for (int64_t g = 0; g < ng; g++) {
                     float d = 0;
@@ -172,7 +175,7 @@ static void attend_task(void *arg, int64_t task) {
             }
             softmax_step(&st, ng, sc, t1 - t0);
             for (int64_t t = t0; t < t1; t++) {
-                const uint16_t *vr = s->tail + (G + t % G) * HD + h * Dh;
+                const uint16_t *vr = win->v + kvc__kvfmt_slot(win, t) * win->rs + h * Dh;
                 for (int64_t ch = 0; ch < Dh; ch++) codes[ch] = kvc_f16_to_f32(vr[ch]);
                 for (int64_t g = 0; g < ng; g++) {
                     const float p = sc[g][t - t0];
@@ -194,24 +197,23 @@ static void attend_task(void *arg, int64_t task) {
     }
 }
 
-kvc_status kvc_kvfmt_attention(const kvc_kvfmt *f, const kvc_tensor *pages,
-                               const kvc_kvfmt_seq *seqs, int64_t n_seqs, const kvc_tensor *q,
-                               const int32_t *q_seq, const int32_t *q_pos,
-                               const kvc_attn_params *params, kvc_tensor *out, kvc_tensor *lse,
-                               kvc_threadpool *pool) {
-    static const char fn[] = "kvc_kvfmt_attention";
-    KVC_TRY(kvc_kvfmt_check(f));
-    KVC_CHECK(f->group <= 512, "%s: group %d above 512", fn, (int)f->group);
-    KVC_CHECK(pages && q && out && (seqs || n_seqs == 0) && n_seqs >= 0,
-              "%s: NULL argument", fn);
-    KVC_TRY(kvc__check_tensor(pages, "pages", 1));
+kvc__kvfmt_win kvc__kvfmt_tail_win(const kvc_kvfmt *f, const kvc_kvfmt_seq *s) {
+    const int64_t T = f->group + f->window, HD = (int64_t)f->num_kv_heads * f->head_dim;
+    const int64_t w0 = s->n_kv / f->group * f->group - f->window;
+    kvc__kvfmt_win w = {s->tail, s->tail ? s->tail + T * HD : NULL, HD, w0 > 0 ? w0 : 0, T};
+    return w;
+}
+
+kvc_status kvc__kvfmt_attn_check(const char *fn, const kvc_kvfmt *f, const kvc_tensor *pages,
+                                 const kvc_kvfmt_seq *seqs, int64_t n_seqs, const int64_t *lo,
+                                 const kvc_tensor *q, const int32_t *q_seq, const int32_t *q_pos,
+                                 const kvc_attn_params *params, const kvc_tensor *out,
+                                 const kvc_tensor *lse, float *sm) {
+    KVC_CHECK(q && out, "%s: NULL q or out", fn);
     KVC_TRY(kvc__check_tensor(q, "q", 1));
     KVC_TRY(kvc__check_tensor(out, "out", 1));
     KVC_TRY(kvc__check_writable(out, "out"));
-    const kvc__kvfmt_layout l = kvc__kvfmt_layout_of(f);
-    const int64_t H = f->num_kv_heads, Dh = f->head_dim, P = f->page_size, G = f->group;
-    KVC_CHECK(pages->dtype == KVC_U8 && pages->ndim == 2 && pages->shape[1] == (int64_t)l.page,
-              "%s: pages must be uint8 (num_pages, %zu)", fn, l.page);
+    const int64_t H = f->num_kv_heads, Dh = f->head_dim, P = f->page_size;
     KVC_CHECK(q->dtype == KVC_F32 && q->ndim == 3 && q->shape[2] == Dh && q->shape[1] >= 1 &&
                   q->shape[1] % H == 0,
               "%s: q must be float32 (nq, Hq, %lld) with Hq a multiple of %lld", fn,
@@ -229,36 +231,77 @@ kvc_status kvc_kvfmt_attention(const kvc_kvfmt *f, const kvc_tensor *pages,
                   "%s: lse must be float32 (%lld, %lld)", fn, (long long)nq, (long long)Hq);
     }
     KVC_CHECK(nq == 0 || (q_seq && q_pos), "%s: q_seq and q_pos must not be NULL", fn);
-    float sm = 0;
+    float scale = 0;
     if (params) {
         KVC_CHECK(!(params->sm_scale < 0) && isfinite(params->sm_scale),
                   "%s: sm_scale must be finite and >= 0", fn);
         if (params->logits_soft_cap > 0 || params->window_left >= 0 || params->sinks)
             return kvc__error(KVC_ERR_UNSUPPORTED, "%s: logits_soft_cap, window_left and sinks "
                               "are not supported over compressed formats", fn);
-        sm = params->sm_scale;
+        scale = params->sm_scale;
     }
-    if (sm == 0) sm = (float)(1.0 / sqrt((double)Dh));
-    for (int64_t b = 0; b < n_seqs; b++) {
-        const kvc_kvfmt_seq *s = &seqs[b];
-        KVC_CHECK(s->n_kv >= 0, "%s: sequence %lld: n_kv %lld", fn, (long long)b,
-                  (long long)s->n_kv);
-        if (s->n_kv == 0) continue;
-        KVC_CHECK(s->pages && s->tail, "%s: sequence %lld: NULL pages or tail", fn, (long long)b);
-        for (int64_t p = 0; p < ((s->n_kv / G) * G + P - 1) / P; p++)
-            KVC_CHECK(s->pages[p] >= 0 && s->pages[p] < pages->shape[0], "%s: sequence %lld: "
-                      "page id %d outside [0, %lld)", fn, (long long)b, (int)s->pages[p],
-                      (long long)pages->shape[0]);
-    }
+    *sm = scale != 0 ? scale : (float)(1.0 / sqrt((double)Dh));
     for (int64_t i = 0; i < nq; i++) {
         KVC_CHECK(q_seq[i] >= 0 && q_seq[i] < n_seqs, "%s: q_seq[%lld] = %d outside [0, %lld)",
                   fn, (long long)i, (int)q_seq[i], (long long)n_seqs);
-        KVC_CHECK(q_pos[i] >= 0 && q_pos[i] < seqs[q_seq[i]].n_kv, "%s: q_pos[%lld] = %d "
-                  "outside [0, %lld)", fn, (long long)i, (int)q_pos[i],
-                  (long long)seqs[q_seq[i]].n_kv);
+        const kvc_kvfmt_seq *s = &seqs[q_seq[i]];
+        const int64_t l0 = lo ? lo[q_seq[i]] : 0;
+        KVC_CHECK(q_pos[i] >= l0 && q_pos[i] < s->n_kv, "%s: q_pos[%lld] = %d outside [%lld, "
+                  "%lld) (positions whose float16 values are gone from the tail are attended "
+                  "in the call that stores them)", fn, (long long)i, (int)q_pos[i],
+                  (long long)l0, (long long)s->n_kv);
+        KVC_CHECK(s->pages && s->tail, "%s: sequence %d: NULL pages or tail", fn, (int)q_seq[i]);
+        const int64_t np = (kvc__kvfmt_f16_from(f, q_pos[i]) + P - 1) / P;
+        for (int64_t p = 0; p < np; p++)
+            KVC_CHECK(s->pages[p] >= 0 && s->pages[p] < pages->shape[0], "%s: sequence %d: "
+                      "page id %d outside [0, %lld)", fn, (int)q_seq[i], (int)s->pages[p],
+                      (long long)pages->shape[0]);
     }
-    if (nq == 0) return KVC_OK;
-    attend_ctx c = {f, l, pages, q, out, lse, seqs, q_seq, q_pos, Hq, Hq / H, sm};
-    kvc__parallel_for(pool, nq * H, attend_task, &c);
     return KVC_OK;
+}
+
+void kvc__kvfmt_attend(const kvc_kvfmt *f, const kvc_tensor *pages, const kvc_kvfmt_seq *seqs,
+                       const kvc__kvfmt_win *wins, const kvc_tensor *q, const int32_t *q_seq,
+                       const int32_t *q_pos, float sm, kvc_tensor *out, kvc_tensor *lse,
+                       kvc_threadpool *pool) {
+    const int64_t nq = q->shape[0], Hq = q->shape[1], H = f->num_kv_heads;
+    if (nq == 0) return;
+    attend_ctx c = {f, kvc__kvfmt_layout_of(f), pages, q, out, lse, seqs, wins, q_seq, q_pos,
+                    Hq, Hq / H, sm};
+    kvc__parallel_for(pool, nq * H, attend_task, &c);
+}
+
+kvc_status kvc_kvfmt_attention(const kvc_kvfmt *f, const kvc_tensor *pages,
+                               const kvc_kvfmt_seq *seqs, int64_t n_seqs, const kvc_tensor *q,
+                               const int32_t *q_seq, const int32_t *q_pos,
+                               const kvc_attn_params *params, kvc_tensor *out, kvc_tensor *lse,
+                               kvc_threadpool *pool) {
+    static const char fn[] = "kvc_kvfmt_attention";
+    KVC_TRY(kvc_kvfmt_check(f));
+    KVC_CHECK(f->group <= 512, "%s: group %d above 512", fn, (int)f->group);
+    KVC_CHECK(pages && (seqs || n_seqs == 0) && n_seqs >= 0 && n_seqs <= ((int64_t)1 << 31),
+              "%s: NULL argument", fn);
+    KVC_TRY(kvc__check_tensor(pages, "pages", 1));
+    const kvc__kvfmt_layout l = kvc__kvfmt_layout_of(f);
+    KVC_CHECK(pages->dtype == KVC_U8 && pages->ndim == 2 && pages->shape[1] == (int64_t)l.page,
+              "%s: pages must be uint8 (num_pages, %zu)", fn, l.page);
+    const int64_t nq = q ? q->shape[0] : 0;
+    int64_t *lo = NULL;
+    kvc__kvfmt_win *wins = NULL;
+    if (n_seqs > 0 && nq > 0) {
+        lo = malloc((size_t)n_seqs * (sizeof *lo + sizeof *wins));
+        if (!lo) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+        wins = (kvc__kvfmt_win *)(lo + n_seqs);
+        for (int64_t b = 0; b < n_seqs; b++) {
+            const int64_t g0 = seqs[b].n_kv / f->group * f->group;
+            lo[b] = g0 > 0 ? g0 - 1 : 0;
+            wins[b] = kvc__kvfmt_tail_win(f, &seqs[b]);
+        }
+    }
+    float sm;
+    kvc_status st = kvc__kvfmt_attn_check(fn, f, pages, seqs, n_seqs, lo, q, q_seq, q_pos,
+                                          params, out, lse, &sm);
+    if (st == KVC_OK) kvc__kvfmt_attend(f, pages, seqs, wins, q, q_seq, q_pos, sm, out, lse, pool);
+    free(lo);
+    return st;
 }

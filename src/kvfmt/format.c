@@ -48,6 +48,9 @@ kvc_status kvc_kvfmt_check(const kvc_kvfmt *f) {
               "a page need an even group (got %lld)", fn, (long long)G);
     KVC_CHECK(!f->rotate_v || (Dh & (Dh - 1)) == 0, "%s: the V rotation needs a power-of-two "
               "head_dim (got %lld)", fn, (long long)Dh);
+    KVC_CHECK(f->window >= 0 && f->window % G == 0 && f->window <= 4096,
+              "%s: window %d must be a multiple of the group %lld in [0, 4096]", fn,
+              (int)f->window, (long long)G);
     KVC_CHECK(f->v_asym == 0 || f->v_asym == 1, "%s: v_asym must be 0 or 1", fn);
     KVC_CHECK(f->rotate_v == 0 || f->rotate_v == 1, "%s: rotate_v must be 0 or 1", fn);
     KVC_CHECK(H * Dh * P <= ((int64_t)1 << 40), "%s: page too large", fn);
@@ -110,7 +113,7 @@ size_t kvc_kvfmt_tail_bytes(const kvc_kvfmt *f) {
         kvc_clear_error();
         return 0;
     }
-    return (size_t)2 * f->group * f->num_kv_heads * f->head_dim * 2;
+    return (size_t)2 * (f->group + f->window) * f->num_kv_heads * f->head_dim * 2;
 }
 
 void kvc__kvfmt_rotate(float *x, int32_t n) {

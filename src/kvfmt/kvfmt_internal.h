@@ -27,6 +27,45 @@ kvc__kvfmt_layout kvc__kvfmt_layout_of(const kvc_kvfmt *f);
  * says so (float32 butterfly, section 4), in place. */
 void kvc__kvfmt_rotate(float *x, int32_t n);
 
+/* The float16 rows a sequence's queries read: positions [w0, n) of one
+ * layer, K row of position t at k + slot(t) * rs and V row at v + slot(t) *
+ * rs (elements), slot(t) = mod ? t % mod : t - w0. The tail (mod = G + W)
+ * or an append's staging buffer (mod = 0). */
+typedef struct kvc__kvfmt_win {
+    const uint16_t *k, *v;
+    int64_t rs, w0, mod;
+} kvc__kvfmt_win;
+
+static inline int64_t kvc__kvfmt_slot(const kvc__kvfmt_win *w, int64_t t) {
+    return w->mod ? t % w->mod : t - w->w0;
+}
+
+/* First position a query at p reads in float16: max(0, floor((p + 1) / G)
+ * * G - W). */
+static inline int64_t kvc__kvfmt_f16_from(const kvc_kvfmt *f, int64_t p) {
+    const int64_t s = (p + 1) / f->group * f->group - f->window;
+    return s > 0 ? s : 0;
+}
+
+/* The tail of a sequence of n tokens as a window. */
+kvc__kvfmt_win kvc__kvfmt_tail_win(const kvc_kvfmt *f, const kvc_kvfmt_seq *s);
+
+/* Checks attention's arguments (q, q_seq, q_pos in [lo_b, n_kv) per
+ * sequence b: lo may be NULL for 0, out, lse, params); *sm gets the
+ * softmax scale. */
+kvc_status kvc__kvfmt_attn_check(const char *fn, const kvc_kvfmt *f, const kvc_tensor *pages,
+                                 const kvc_kvfmt_seq *seqs, int64_t n_seqs, const int64_t *lo,
+                                 const kvc_tensor *q, const int32_t *q_seq, const int32_t *q_pos,
+                                 const kvc_attn_params *params, const kvc_tensor *out,
+                                 const kvc_tensor *lse, float *sm);
+
+/* The attention of checked arguments, queries reading float16 rows from
+ * wins (one per sequence). */
+void kvc__kvfmt_attend(const kvc_kvfmt *f, const kvc_tensor *pages, const kvc_kvfmt_seq *seqs,
+                       const kvc__kvfmt_win *wins, const kvc_tensor *q, const int32_t *q_seq,
+                       const int32_t *q_pos, float sm, kvc_tensor *out, kvc_tensor *lse,
+                       kvc_threadpool *pool);
+
 /* Upper bound of the pool scratch kvc_kvfmt_append takes for nnz rows of
  * n_seqs sequences (a caller that must not fail half way reserves it). */
 size_t kvc__kvfmt_append_scratch_bytes(const kvc_kvfmt *f, int64_t nnz, int64_t n_seqs);

@@ -16,9 +16,13 @@ typedef struct store_ctx {
     const kvc_kvfmt_seq *seqs;
     const int64_t *row_indptr;
     int64_t n_seqs, nnz, HD;
-    uint16_t *st;       /* (nnz, 2, H, Dh) float16: the stored form of every row */
-    unsigned char *bad; /* per conversion task: a non-finite or overflowing value */
-    int64_t *task_seq;  /* group task -> sequence; task_grp -> group index */
+    /* staging: per sequence with rows, positions [w0[b], n_kv) as float16
+     * (row, 2, H, Dh) from row off[b]: the old tail, then this call's rows
+     * (V rotated) */
+    uint16_t *st;
+    int64_t *w0, *off, *dst; /* dst: staging row of input row r */
+    unsigned char *bad;      /* per conversion task: a non-finite or overflowing value */
+    int64_t *task_seq;       /* group task -> sequence; task_grp -> group index */
     int64_t *task_grp;
 } store_ctx;
 
@@ -52,7 +56,7 @@ static void convert_task(void *arg, int64_t task) {
                 for (int64_t i = 0; i < Dh; i++) buf[i] = load(t, r, h, i);
                 for (int64_t i = 0; i < Dh; i++) ok &= isfinite(buf[i]) != 0;
                 if (kv && c->f->rotate_v) kvc__kvfmt_rotate(buf, (int32_t)Dh);
-                uint16_t *dst = c->st + ((r * 2 + kv) * H + h) * Dh;
+                uint16_t *dst = c->st + ((c->dst[r] * 2 + kv) * H + h) * Dh;
                 for (int64_t i = 0; i < Dh; i++) {
                     dst[i] = kvc_f32_to_f16(buf[i]);
                     ok &= f16_finite(dst[i]);
@@ -102,19 +106,12 @@ static void group_task(void *arg, int64_t task) {
     const int64_t b = c->task_seq[task], j = c->task_grp[task];
     const kvc_kvfmt_seq *s = &c->seqs[b];
     const int64_t H = f->num_kv_heads, Dh = f->head_dim, P = f->page_size, G = f->group;
-    const int64_t cnt = c->row_indptr[b + 1] - c->row_indptr[b], pos0 = s->n_kv - cnt;
     const int L = (1 << f->bits) - 1, Qs = (1 << (f->bits - 1)) - 1, bits = f->bits;
     const uint16_t *src[2 * 512]; /* rows of the group: K at [i], V at [G + i] (G <= 512) */
     for (int64_t i = 0; i < G; i++) {
-        const int64_t t = j * G + i;
-        if (t >= pos0) {
-            const uint16_t *r = c->st + (c->row_indptr[b] + t - pos0) * 2 * c->HD;
-            src[i] = r;
-            src[G + i] = r + c->HD;
-        } else {
-            src[i] = s->tail + (t % G) * c->HD;
-            src[G + i] = s->tail + (G + t % G) * c->HD;
-        }
+        const uint16_t *r = c->st + (c->off[b] + j * G + i - c->w0[b]) * 2 * c->HD;
+        src[i] = r;
+        src[G + i] = r + c->HD;
     }
     /* K: per channel over the G tokens */
     const int64_t R = G > P ? G / P : 1, per = c->l.k_share;
@@ -187,30 +184,47 @@ static void group_task(void *arg, int64_t task) {
     }
 }
 
-static size_t scratch_bytes(int64_t nnz, int64_t HD, int64_t n_tasks) {
+/* Staging rows of sequence b: [w0, n_kv), w0 = max(0, floor(pos0 / G) * G -
+ * W): the old tail (which holds them) and the new rows. */
+static int64_t stage_w0(const kvc_kvfmt *f, int64_t pos0) {
+    const int64_t w0 = pos0 / f->group * f->group - f->window;
+    return w0 > 0 ? w0 : 0;
+}
+
+static size_t scratch_bytes(const kvc_kvfmt *f, int64_t nnz, int64_t n_seqs, int64_t n_rows,
+                            int64_t n_tasks) {
     const int64_t n_conv = (nnz + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-    return (size_t)nnz * 4 * (size_t)HD + (size_t)n_tasks * 2 * sizeof(int64_t) + (size_t)n_conv;
+    const int64_t HD = (int64_t)f->num_kv_heads * f->head_dim;
+    return (size_t)n_rows * 4 * (size_t)HD + (size_t)(n_tasks * 2 + nnz + n_seqs * 3) * 8 +
+           (size_t)n_seqs * sizeof(kvc__kvfmt_win) + (size_t)n_conv + 64;
 }
 
 size_t kvc__kvfmt_append_scratch_bytes(const kvc_kvfmt *f, int64_t nnz, int64_t n_seqs) {
-    /* a sequence's rows complete at most cnt / G + 1 groups */
-    return scratch_bytes(nnz, (int64_t)f->num_kv_heads * f->head_dim, nnz / f->group + n_seqs);
+    /* a sequence's rows complete at most cnt / G + 1 groups and stage at
+     * most G + W old rows */
+    return scratch_bytes(f, nnz, n_seqs, nnz + n_seqs * (f->group + f->window),
+                         nnz / f->group + n_seqs);
 }
 
-kvc_status kvc_kvfmt_append(const kvc_kvfmt *f, kvc_tensor *pages, const kvc_kvfmt_seq *seqs,
-                            int64_t n_seqs, const int64_t *row_indptr, const kvc_tensor *key,
-                            const kvc_tensor *value, kvc_threadpool *pool) {
-    static const char fn[] = "kvc_kvfmt_append";
+/* Both entry points: store, then (q != NULL) attend. */
+static kvc_status append_attend(const char *fn, const kvc_kvfmt *f, kvc_tensor *pages,
+                                const kvc_kvfmt_seq *seqs, int64_t n_seqs,
+                                const int64_t *row_indptr, const kvc_tensor *key,
+                                const kvc_tensor *value, const kvc_tensor *q,
+                                const int32_t *q_seq, const int32_t *q_pos,
+                                const kvc_attn_params *params, kvc_tensor *out, kvc_tensor *lse,
+                                kvc_threadpool *pool) {
     KVC_TRY(kvc_kvfmt_check(f));
     KVC_CHECK(f->group <= 512, "%s: group %d above 512", fn, (int)f->group);
     KVC_CHECK(pages != NULL && key != NULL && value != NULL && (seqs != NULL || n_seqs == 0) &&
-                  row_indptr != NULL && n_seqs >= 0,
+                  row_indptr != NULL && n_seqs >= 0 && n_seqs <= ((int64_t)1 << 31),
               "%s: NULL argument", fn);
     KVC_TRY(kvc__check_tensor(pages, "pages", 1));
     KVC_TRY(kvc__check_tensor(key, "key", 1));
     KVC_TRY(kvc__check_tensor(value, "value", 1));
     const kvc__kvfmt_layout l = kvc__kvfmt_layout_of(f);
     const int64_t H = f->num_kv_heads, Dh = f->head_dim, P = f->page_size, G = f->group;
+    const int64_t T = G + f->window, HD = H * Dh;
     KVC_CHECK(pages->dtype == KVC_U8 && pages->ndim == 2 && pages->shape[1] == (int64_t)l.page,
               "%s: pages must be uint8 (num_pages, %zu)", fn, l.page);
     KVC_CHECK(pages->shape[0] == 0 || (pages->stride[0] % 2 == 0 &&
@@ -230,7 +244,7 @@ kvc_status kvc_kvfmt_append(const kvc_kvfmt *f, kvc_tensor *pages, const kvc_kvf
                   "%s: %s must be float32, float16 or bfloat16 (got %s)", fn,
                   kv ? "value" : "key", kvc_dtype_name(t->dtype));
     }
-    int64_t n_tasks = 0;
+    int64_t n_tasks = 0, n_rows = 0;
     for (int64_t b = 0; b < n_seqs; b++) {
         const kvc_kvfmt_seq *s = &seqs[b];
         const int64_t cnt = row_indptr[b + 1] - row_indptr[b];
@@ -246,50 +260,109 @@ kvc_status kvc_kvfmt_append(const kvc_kvfmt *f, kvc_tensor *pages, const kvc_kvf
                       "page id %d outside [0, %lld)", fn, (long long)b, (int)s->pages[p],
                       (long long)pages->shape[0]);
         n_tasks += s->n_kv / G - (s->n_kv - cnt) / G;
+        n_rows += s->n_kv - stage_w0(f, s->n_kv - cnt);
     }
-    if (nnz == 0) return KVC_OK;
+    if (nnz == 0 && !q) return KVC_OK;
 
     store_ctx c;
     memset(&c, 0, sizeof c);
     c.f = f, c.l = l, c.pages = pages, c.key = key, c.value = value, c.seqs = seqs;
-    c.row_indptr = row_indptr, c.n_seqs = n_seqs, c.nnz = nnz, c.HD = H * Dh;
+    c.row_indptr = row_indptr, c.n_seqs = n_seqs, c.nnz = nnz, c.HD = HD;
     const int64_t n_conv = (nnz + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-    const size_t st_bytes = (size_t)nnz * 2 * (size_t)c.HD * 2;
-    const size_t task_bytes = (size_t)n_tasks * 2 * sizeof(int64_t);
-    unsigned char *mem = kvc__scratch_get(pool, scratch_bytes(nnz, c.HD, n_tasks));
+    unsigned char *mem = kvc__scratch_get(pool, scratch_bytes(f, nnz, n_seqs, n_rows, n_tasks));
     if (!mem) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
-    c.st = (uint16_t *)mem;
-    c.task_seq = (int64_t *)(mem + st_bytes);
+    kvc__kvfmt_win *wins = (kvc__kvfmt_win *)mem; /* 8-byte members: first */
+    c.w0 = (int64_t *)(wins + n_seqs);
+    c.off = c.w0 + n_seqs;
+    int64_t *qlo = c.off + n_seqs; /* per sequence: the lowest position a query may take */
+    c.dst = qlo + n_seqs;
+    c.task_seq = c.dst + nnz;
     c.task_grp = c.task_seq + n_tasks;
-    c.bad = mem + st_bytes + task_bytes;
-    kvc__parallel_for(pool, n_conv, convert_task, &c);
-    for (int64_t i = 0; i < n_conv; i++)
-        if (c.bad[i]) {
-            kvc__scratch_release(pool, mem);
-            return kvc__error(KVC_ERR_INVALID_ARG, "%s: key or value holds a NaN, an infinity "
-                              "or a value beyond float16's range (rows %lld..%lld); nothing "
-                              "written", fn, (long long)(i * ROWS_PER_TASK),
-                              (long long)((i + 1) * ROWS_PER_TASK - 1));
-        }
-    /* quantize the complete groups (reading tails), then write the tails */
-    int64_t k = 0;
-    for (int64_t b = 0; b < n_seqs; b++) {
-        const int64_t cnt = row_indptr[b + 1] - row_indptr[b];
-        if (cnt == 0) continue;
-        for (int64_t j = (seqs[b].n_kv - cnt) / G; j < seqs[b].n_kv / G; j++)
-            c.task_seq[k] = b, c.task_grp[k] = j, k++;
-    }
-    if (n_tasks > 0) kvc__parallel_for(pool, n_tasks, group_task, &c);
+    c.st = (uint16_t *)(c.task_grp + n_tasks);
+    c.bad = (unsigned char *)(c.st + n_rows * 2 * HD);
+    int64_t k = 0, row = 0;
     for (int64_t b = 0; b < n_seqs; b++) {
         const kvc_kvfmt_seq *s = &seqs[b];
         const int64_t cnt = row_indptr[b + 1] - row_indptr[b], pos0 = s->n_kv - cnt;
-        const int64_t from = (s->n_kv / G) * G > pos0 ? (s->n_kv / G) * G : pos0;
-        for (int64_t t = from; t < s->n_kv; t++) {
-            const uint16_t *r = c.st + (row_indptr[b] + t - pos0) * 2 * c.HD;
-            memcpy(s->tail + (t % G) * c.HD, r, (size_t)c.HD * 2);
-            memcpy(s->tail + (G + t % G) * c.HD, r + c.HD, (size_t)c.HD * 2);
+        if (cnt == 0) {
+            c.w0[b] = c.off[b] = 0;
+            wins[b] = kvc__kvfmt_tail_win(f, s);
+            continue;
+        }
+        c.w0[b] = stage_w0(f, pos0);
+        c.off[b] = row;
+        for (int64_t t = c.w0[b]; t < pos0; t++) { /* the old tail's rows */
+            uint16_t *d = c.st + (row + t - c.w0[b]) * 2 * HD;
+            memcpy(d, s->tail + (t % T) * HD, (size_t)HD * 2);
+            memcpy(d + HD, s->tail + (T + t % T) * HD, (size_t)HD * 2);
+        }
+        for (int64_t r = row_indptr[b]; r < row_indptr[b + 1]; r++)
+            c.dst[r] = row + pos0 - c.w0[b] + (r - row_indptr[b]);
+        for (int64_t j = pos0 / G; j < s->n_kv / G; j++) c.task_seq[k] = b, c.task_grp[k] = j, k++;
+        wins[b].k = c.st + row * 2 * HD;
+        wins[b].v = wins[b].k + HD;
+        wins[b].rs = 2 * HD;
+        wins[b].w0 = c.w0[b];
+        wins[b].mod = 0;
+        row += s->n_kv - c.w0[b];
+    }
+    float sm = 0;
+    kvc_status st = KVC_OK;
+    if (q) {
+        /* per sequence: q_pos + 1 >= floor(pos0 / G) * G, the staging's reach */
+        for (int64_t b = 0; b < n_seqs; b++) {
+            const int64_t cnt = row_indptr[b + 1] - row_indptr[b];
+            const int64_t g0 = (seqs[b].n_kv - cnt) / G * G;
+            qlo[b] = g0 > 0 ? g0 - 1 : 0;
+        }
+        st = kvc__kvfmt_attn_check(fn, f, pages, seqs, n_seqs, qlo, q, q_seq, q_pos, params,
+                                   out, lse, &sm);
+    }
+    if (st == KVC_OK && nnz > 0) {
+        kvc__parallel_for(pool, n_conv, convert_task, &c);
+        for (int64_t i = 0; i < n_conv && st == KVC_OK; i++)
+            if (c.bad[i])
+                st = kvc__error(KVC_ERR_INVALID_ARG, "%s: key or value holds a NaN, an infinity "
+                                "or a value beyond float16's range (rows %lld..%lld); nothing "
+                                "written", fn, (long long)(i * ROWS_PER_TASK),
+                                (long long)((i + 1) * ROWS_PER_TASK - 1));
+    }
+    if (st != KVC_OK) {
+        kvc__scratch_release(pool, mem);
+        return st;
+    }
+    /* quantize the complete groups, attend, then write the tails */
+    if (n_tasks > 0) kvc__parallel_for(pool, n_tasks, group_task, &c);
+    if (q) kvc__kvfmt_attend(f, pages, seqs, wins, q, q_seq, q_pos, sm, out, lse, pool);
+    for (int64_t b = 0; b < n_seqs; b++) {
+        const kvc_kvfmt_seq *s = &seqs[b];
+        if (row_indptr[b + 1] == row_indptr[b]) continue;
+        for (int64_t t = stage_w0(f, s->n_kv); t < s->n_kv; t++) { /* what the tail holds */
+            const uint16_t *r = c.st + (c.off[b] + t - c.w0[b]) * 2 * HD;
+            memcpy(s->tail + (t % T) * HD, r, (size_t)HD * 2);
+            memcpy(s->tail + (T + t % T) * HD, r + HD, (size_t)HD * 2);
         }
     }
     kvc__scratch_release(pool, mem);
     return KVC_OK;
+}
+
+kvc_status kvc_kvfmt_append(const kvc_kvfmt *f, kvc_tensor *pages, const kvc_kvfmt_seq *seqs,
+                            int64_t n_seqs, const int64_t *row_indptr, const kvc_tensor *key,
+                            const kvc_tensor *value, kvc_threadpool *pool) {
+    return append_attend("kvc_kvfmt_append", f, pages, seqs, n_seqs, row_indptr, key, value,
+                         NULL, NULL, NULL, NULL, NULL, NULL, pool);
+}
+
+kvc_status kvc_kvfmt_append_attention(const kvc_kvfmt *f, kvc_tensor *pages,
+                                      const kvc_kvfmt_seq *seqs, int64_t n_seqs,
+                                      const int64_t *row_indptr, const kvc_tensor *key,
+                                      const kvc_tensor *value, const kvc_tensor *q,
+                                      const int32_t *q_seq, const int32_t *q_pos,
+                                      const kvc_attn_params *params, kvc_tensor *out,
+                                      kvc_tensor *lse, kvc_threadpool *pool) {
+    static const char fn[] = "kvc_kvfmt_append_attention";
+    KVC_CHECK(q != NULL, "%s: q is NULL", fn);
+    return append_attend(fn, f, pages, seqs, n_seqs, row_indptr, key, value, q, q_seq, q_pos,
+                         params, out, lse, pool);
 }

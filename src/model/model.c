@@ -806,10 +806,9 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
                 break;
             for (int64_t i = 0; i < n_active; i++) /* written so far: this step's end */
                 kseq[i].n_kv = po[I64(c->k_rows)[i + 1] - 1] + 1;
-            if ((st = kvc_kvfmt_append(&fmt, &kpages, kseq, n_active, I64(c->k_rows), &tk, &tv,
-                                       c->pool)) != KVC_OK ||
-                (st = kvc_kvfmt_attention(&fmt, &kpages, kseq, n_active, &tq_all, bi, po, &ap,
-                                          &to_all, NULL, c->pool)) != KVC_OK)
+            if ((st = kvc_kvfmt_append_attention(&fmt, &kpages, kseq, n_active, I64(c->k_rows),
+                                                 &tk, &tv, &tq_all, bi, po, &ap, &to_all, NULL,
+                                                 c->pool)) != KVC_OK)
                 break;
             goto attended;
         }
