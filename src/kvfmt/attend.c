@@ -4,9 +4,15 @@
  * float16 tail; the rotation of V is undone on the output. One task per
  * (query row, KV head) handles the query heads of that GQA group. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kvfmt_internal.h"
+#include "../kernels/kernels.h"
+#if defined(__x86_64__) || defined(__i386__)
+#include "../kernels/kvfmt_kernels.h"
+#define KVFMT_SIMD 1
+#endif
 
 #define HC 8 /* query heads per pass: bounds the stack buffers */
 
@@ -194,6 +200,213 @@ static void attend_task(void *arg, int64_t task) {
     }
 }
 
+/* ---- SIMD path (src/kernels/kvfmt_*.c) ------------------------------------
+ * Work units: a run of up to KVC_KVFMT_NV / heads consecutive query rows of
+ * one sequence (prefill: the K/V codes of a group are converted once for the
+ * whole run), one KV head, its query heads (in passes of at most
+ * KVC_KVFMT_NV). When there are few units (small batch decode), each
+ * unit's keys are split in chunks of a fixed number of tokens, merged in
+ * chunk order afterwards: the split depends on the problem only, never on
+ * the pool, so results are the same for any thread count. */
+#ifdef KVFMT_SIMD
+#define SPLIT_UNITS 32   /* fewer units than this: split keys in chunks */
+#define SPLIT_TOKENS 1024
+
+typedef struct sunit {
+    int64_t row0, task0;
+    int32_t nrows, h, hq0, nh, nchunks;
+    int64_t qend, chunk; /* quantized tokens read; tokens per chunk */
+} sunit;
+
+typedef struct simd_ctx {
+    const kvc_kvfmt *f;
+    kvc__kvfmt_layout l;
+    const kvc_tensor *pages, *q, *out, *lse;
+    const kvc_kvfmt_seq *seqs;
+    const int32_t *q_seq, *q_pos;
+    kvc_kvfmt_kernel kernel;
+    const sunit *units;
+    const int64_t *task_unit;
+    float *scratch; /* per task: m (NV), l (NV), o (NV, Dh) */
+    int64_t sstride;
+    float sc;
+} simd_ctx;
+
+static void simd_task(void *arg, int64_t task) {
+    const simd_ctx *c = arg;
+    const kvc_kvfmt *f = c->f;
+    const sunit *u = &c->units[c->task_unit[task]];
+    const int64_t ci = task - u->task0;
+    const kvc_kvfmt_seq *s = &c->seqs[c->q_seq[u->row0]];
+    kvc_kvfmt_job j;
+    j.bits = f->bits;
+    j.Dh = f->head_dim;
+    j.P = f->page_size;
+    j.G = f->group;
+    j.gv = f->v_group;
+    j.nvg = f->head_dim / f->v_group;
+    j.H = f->num_kv_heads;
+    j.h = u->h;
+    j.base = (const unsigned char *)c->pages->data;
+    j.page_stride = c->pages->stride[0];
+    j.pages = s->pages;
+    j.k_codes = c->l.k_codes;
+    j.v_codes = c->l.v_codes;
+    j.v_scale = c->l.v_scale;
+    j.v_zero = c->l.v_zero;
+    j.k_scale = c->l.k_scale;
+    j.k_zero = c->l.k_zero;
+    j.k_share = c->l.k_share;
+    j.tail = s->tail;
+    j.n_kv = s->n_kv;
+    j.nquant = (s->n_kv / f->group) * f->group;
+    j.t0 = ci * u->chunk;
+    j.t1 = j.t0 + u->chunk < u->qend ? j.t0 + u->chunk : u->qend;
+    j.do_tail = ci == u->nchunks - 1;
+    j.nv = u->nrows * u->nh;
+    for (int32_t r = 0; r < u->nrows; r++)
+        for (int32_t g = 0; g < u->nh; g++) {
+            const int64_t row = u->row0 + r, v = r * u->nh + g;
+            j.q[v] = (const float *)c->q->data + row * c->q->stride[0] +
+                     (u->hq0 + g) * c->q->stride[1];
+            j.pos[v] = c->q_pos[row];
+        }
+    j.sc = c->sc;
+    float *m = c->scratch + task * c->sstride;
+    j.m = m;
+    j.l = m + KVC_KVFMT_NV;
+    j.o = m + 2 * KVC_KVFMT_NV;
+    c->kernel(&j);
+}
+
+/* Merges a unit's chunks (in order), normalizes, rotates back, writes. */
+static void simd_finish(void *arg, int64_t ui) {
+    const simd_ctx *c = arg;
+    const sunit *u = &c->units[ui];
+    const int64_t Dh = c->f->head_dim;
+    for (int32_t r = 0; r < u->nrows; r++)
+        for (int32_t g = 0; g < u->nh; g++) {
+            const int64_t row = u->row0 + r, v = r * u->nh + g, qh = u->hq0 + g;
+            float mx = -INFINITY;
+            for (int32_t k = 0; k < u->nchunks; k++) {
+                const float mk = c->scratch[(u->task0 + k) * c->sstride + v];
+                mx = mk > mx ? mk : mx;
+            }
+            float *o = (float *)c->out->data + row * c->out->stride[0] + qh * c->out->stride[1];
+            float l = 0;
+            for (int64_t ch = 0; ch < Dh; ch++) o[ch] = 0;
+            for (int32_t k = 0; k < u->nchunks; k++) {
+                const float *st = c->scratch + (u->task0 + k) * c->sstride;
+                if (st[v] == -INFINITY) continue;
+                const float w = u->nchunks == 1 ? 1.0f : exp2f(st[v] - mx);
+                l += st[KVC_KVFMT_NV + v] * w;
+                const float *ok = st + 2 * KVC_KVFMT_NV + v * Dh;
+                for (int64_t ch = 0; ch < Dh; ch++) o[ch] += ok[ch] * w;
+            }
+            const float inv = l > 0 ? 1.0f / l : 0.0f;
+            for (int64_t ch = 0; ch < Dh; ch++) o[ch] *= inv;
+            if (c->f->rotate_v) kvc__kvfmt_rotate(o, (int32_t)Dh);
+            if (c->lse) {
+                float *ls = (float *)c->lse->data + row * c->lse->stride[0] + qh * c->lse->stride[1];
+                *ls = l > 0 ? mx + log2f(l) : -INFINITY;
+            }
+        }
+}
+
+static kvc_kvfmt_kernel simd_kernel(const kvc_kvfmt *f) {
+    const kvc_isa isa = kvc_get_isa();
+    int vl;
+    kvc_kvfmt_kernel k;
+    if (isa >= KVC_ISA_AVX512)
+        k = kvc__kvfmt_run_avx512, vl = 16; /* amx included */
+    else if (isa == KVC_ISA_AVX2)
+        k = kvc__kvfmt_run_avx2, vl = 8;
+    else
+        return NULL;
+    if ((f->bits != 8 && f->bits != 4) || !f->v_asym) return NULL;
+    if (f->head_dim % (f->bits == 4 ? 2 * vl : vl) || f->v_group % vl || f->page_size % vl ||
+        f->group % vl || f->group > KVC_KVFMT_BT_MAX)
+        return NULL;
+    return k;
+}
+
+/* KVC_OK, or KVC_ERR_NOMEM; *done = 0 when the format has no kernel
+ * on this ISA (the generic C then runs). */
+static kvc_status attend_simd(const attend_ctx *a, int64_t nq, int64_t n_seqs,
+                              kvc_threadpool *pool, int *done) {
+    const kvc_kvfmt *f = a->f;
+    *done = 0;
+    const kvc_kvfmt_kernel kern = simd_kernel(f);
+    if (!kern) return KVC_OK;
+    (void)n_seqs;
+    const int64_t H = f->num_kv_heads, G = f->group, grp = a->grp;
+    const int64_t hp = grp < KVC_KVFMT_NV ? grp : KVC_KVFMT_NV; /* heads per pass */
+    const int64_t rb = KVC_KVFMT_NV / hp;                          /* rows per unit */
+    const int64_t npass = (grp + hp - 1) / hp;
+    /* row runs */
+    int64_t nruns = 0;
+    for (int64_t i = 0; i < nq;) {
+        int64_t e = i + 1;
+        while (e < nq && e - i < rb && a->q_seq[e] == a->q_seq[i]) e++;
+        nruns++;
+        i = e;
+    }
+    const int64_t nunits = nruns * H * npass;
+    const int64_t BT = G <= 256 ? (256 / G) * G : G;
+    const int64_t chunk = nunits < SPLIT_UNITS ? (SPLIT_TOKENS + BT - 1) / BT * BT : INT64_MAX / 2;
+    sunit *units = malloc((size_t)nunits * sizeof *units);
+    if (!units) return kvc__error(KVC_ERR_NOMEM, "kvc_kvfmt_attention: out of memory");
+    int64_t ntasks = 0, ui = 0;
+    for (int64_t i = 0; i < nq;) {
+        int64_t e = i + 1;
+        while (e < nq && e - i < rb && a->q_seq[e] == a->q_seq[i]) e++;
+        int64_t maxpos = 0;
+        for (int64_t r = i; r < e; r++) maxpos = a->q_pos[r] > maxpos ? a->q_pos[r] : maxpos;
+        const kvc_kvfmt_seq *s = &a->seqs[a->q_seq[i]];
+        const int64_t nquant = (s->n_kv / G) * G;
+        int64_t qend = (maxpos / G + 1) * G;
+        if (qend > nquant) qend = nquant;
+        const int64_t nch = qend > 0 ? (qend + chunk - 1) / chunk : 1;
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t p = 0; p < npass; p++) {
+                sunit *u = &units[ui++];
+                u->row0 = i;
+                u->nrows = (int32_t)(e - i);
+                u->h = (int32_t)h;
+                u->hq0 = (int32_t)(h * grp + p * hp);
+                u->nh = (int32_t)(grp - p * hp < hp ? grp - p * hp : hp);
+                u->nchunks = (int32_t)nch;
+                u->qend = qend;
+                u->chunk = chunk;
+                u->task0 = ntasks;
+                ntasks += nch;
+            }
+        i = e;
+    }
+    const int64_t sstride = 2 * KVC_KVFMT_NV + KVC_KVFMT_NV * f->head_dim;
+    int64_t *task_unit = malloc((size_t)ntasks * sizeof *task_unit);
+    float *scratch = kvc__scratch_get(pool, (size_t)(ntasks * sstride) * sizeof(float));
+    if (!task_unit || !scratch) {
+        free(units);
+        free(task_unit);
+        if (scratch) kvc__scratch_release(pool, scratch);
+        return kvc__error(KVC_ERR_NOMEM, "kvc_kvfmt_attention: out of memory");
+    }
+    for (int64_t u = 0; u < nunits; u++)
+        for (int32_t k = 0; k < units[u].nchunks; k++) task_unit[units[u].task0 + k] = u;
+    simd_ctx c = {f, a->l, a->pages, a->q, a->out, a->lse, a->seqs, a->q_seq, a->q_pos,
+                  kern, units, task_unit, scratch, sstride,
+                  a->sm_scale * 1.44269504088896341f};
+    kvc__parallel_for(pool, ntasks, simd_task, &c);
+    kvc__parallel_for(pool, nunits, simd_finish, &c);
+    kvc__scratch_release(pool, scratch);
+    free(task_unit);
+    free(units);
+    *done = 1;
+    return KVC_OK;
+}
+#endif
+
 kvc_status kvc_kvfmt_attention(const kvc_kvfmt *f, const kvc_tensor *pages,
                                const kvc_kvfmt_seq *seqs, int64_t n_seqs, const kvc_tensor *q,
                                const int32_t *q_seq, const int32_t *q_pos,
@@ -259,6 +472,11 @@ kvc_status kvc_kvfmt_attention(const kvc_kvfmt *f, const kvc_tensor *pages,
     }
     if (nq == 0) return KVC_OK;
     attend_ctx c = {f, l, pages, q, out, lse, seqs, q_seq, q_pos, Hq, Hq / H, sm};
+#ifdef KVFMT_SIMD
+    int done = 0;
+    KVC_TRY(attend_simd(&c, nq, n_seqs, pool, &done));
+    if (done) return KVC_OK;
+#endif
     kvc__parallel_for(pool, nq * H, attend_task, &c);
     return KVC_OK;
 }
