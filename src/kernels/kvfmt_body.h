@@ -204,6 +204,55 @@ static void kv_perm_k(const float *src, float *dst, int Dh) {
         }
 }
 
+/* Software prefetch of the next block's bytes into L2 while this block
+ * runs: pages are scattered, so the hardware prefetchers lose the stream at
+ * every page; a block's ranges are queued and issued a few lines per token. */
+#define KV_PF_MAX (KVC_KVFMT_BT_MAX / 8 * 4)
+typedef struct kv_pf {
+    const unsigned char *p[KV_PF_MAX];
+    int64_t n[KV_PF_MAX]; /* lines */
+    int nr, ri;
+    int64_t li, total;
+} kv_pf;
+
+static void kv_pf_add(kv_pf *pf, const unsigned char *p, int64_t bytes) {
+    if (pf->nr == KV_PF_MAX || bytes <= 0) return;
+    const uintptr_t a = (uintptr_t)p & ~(uintptr_t)63, e = (uintptr_t)p + (uintptr_t)bytes;
+    pf->p[pf->nr] = (const unsigned char *)a;
+    pf->n[pf->nr] = (int64_t)((e - a + 63) / 64);
+    pf->total += pf->n[pf->nr++];
+}
+
+/* The ranges of tokens [t0, t1) (whole pages' head-h regions). */
+static void kv_pf_block(kv_pf *pf, const kvc_kvfmt_job *j, int64_t t0, int64_t t1) {
+    pf->nr = pf->ri = 0;
+    pf->li = pf->total = 0;
+    const int64_t P = j->P, kb = (int64_t)j->Dh * j->bits / 8, Pb = P * j->bits / 8;
+    for (int64_t t = t0; t < t1;) {
+        const int64_t pe0 = (t / P + 1) * P, pe = pe0 < t1 ? pe0 : t1, o = t % P, n = pe - t;
+        const unsigned char *pg = kv_page(j, t);
+        kv_pf_add(pf, pg + j->k_codes + ((int64_t)j->h * P + o) * kb, n * kb);
+        if (n == P) {
+            kv_pf_add(pf, pg + j->v_codes + (int64_t)j->h * j->Dh * Pb, j->Dh * Pb);
+        } else { /* part of each channel's run */
+            for (int64_t c = 0; c < j->Dh; c++)
+                kv_pf_add(pf, pg + j->v_codes + ((int64_t)j->h * j->Dh + c) * Pb + o * j->bits / 8,
+                          n * j->bits / 8);
+        }
+        const int64_t vo = ((int64_t)j->h * P + o) * j->nvg * 2;
+        kv_pf_add(pf, pg + j->v_scale + vo, n * j->nvg * 2);
+        kv_pf_add(pf, pg + j->v_zero + vo, n * j->nvg * 2);
+        t = pe;
+    }
+}
+
+KV_INLINE void kv_pf_step(kv_pf *pf, int k) {
+    while (k-- > 0 && pf->ri < pf->nr) {
+        _mm_prefetch((const char *)pf->p[pf->ri] + pf->li * 64, _MM_HINT_T1);
+        if (++pf->li == pf->n[pf->ri]) pf->li = 0, pf->ri++;
+    }
+}
+
 void KV_NAME(const kvc_kvfmt_job *j) {
     const int nv = j->nv, Dh = j->Dh, bits = j->bits, P = j->P, G = j->G;
     const int64_t Pb = (int64_t)P * bits / 8;       /* V code bytes of one channel in a page */
@@ -235,12 +284,27 @@ void KV_NAME(const kvc_kvfmt_job *j) {
         if (j->pos[v] > maxpos) maxpos = j->pos[v];
     }
     const kv_vec iota = KV_IOTA();
+    kv_pf pf;
+    pf.nr = pf.ri = 0;
+    pf.li = pf.total = 0;
+    int pf_rate = 0;
     /* ---- quantized groups, in blocks of BT tokens ---- */
     for (int64_t b0 = j->t0; b0 < j->t1 && b0 <= maxpos; b0 += BT) {
         const int64_t b1 = b0 + BT < j->t1 ? b0 + BT : j->t1;
         int64_t te = b0 + ((maxpos + 1 - b0 + KV_VL - 1) / KV_VL) * KV_VL;
         if (te > b1) te = b1;
         const int64_t n = te - b0; /* a multiple of VL */
+        { /* queue the next block */
+            const int64_t nb1 = b1 + BT < j->t1 ? b1 + BT : j->t1;
+            int64_t ne = b1 + ((maxpos + 1 - b1 + KV_VL - 1) / KV_VL) * KV_VL;
+            if (ne > nb1) ne = nb1;
+            if (ne > b1) {
+                kv_pf_block(&pf, j, b1, ne);
+                pf_rate = (int)((pf.total + n - 1) / n);
+            } else {
+                pf.nr = pf.ri = 0;
+            }
+        }
         /* scores, group by group */
         for (int64_t g0 = b0; g0 < te; g0 += G) {
             const int64_t ge = g0 + G < te ? g0 + G : te;
@@ -262,11 +326,12 @@ void KV_NAME(const kvc_kvfmt_job *j) {
                 bias[v] = KV_HSUM(bz);
             }
             for (int64_t tb = g0; tb < ge; tb += KV_VL) {
+                /* VL tokens inside one page (P % VL == 0) */
+                const unsigned char *kc =
+                    kv_page(j, tb) + j->k_codes + ((int64_t)j->h * P + tb % P) * kb;
                 for (int i = 0; i < KV_VL; i++) {
-                    const int64_t t = tb + i;
-                    const unsigned char *kc =
-                        kv_page(j, t) + j->k_codes + ((int64_t)j->h * P + t % P) * kb;
-                    kv_k_token(kc, Dh, bits, qs[0], QS, nv, tmp, i);
+                    kv_k_token(kc + i * kb, Dh, bits, qs[0], QS, nv, tmp, i);
+                    kv_pf_step(&pf, pf_rate);
                 }
                 const kv_vec rel = KV_ADD(iota, KV_SET1((float)(tb - b0)));
                 for (int v = 0; v < nv; v++) {
