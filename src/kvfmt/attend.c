@@ -263,9 +263,11 @@ kvc_status kvc__kvfmt_attn_check(const char *fn, const kvc_kvfmt *f, const kvc_t
 void kvc__kvfmt_attend(const kvc_kvfmt *f, const kvc_tensor *pages, const kvc_kvfmt_seq *seqs,
                        const kvc__kvfmt_win *wins, const kvc_tensor *q, const int32_t *q_seq,
                        const int32_t *q_pos, float sm, kvc_tensor *out, kvc_tensor *lse,
-                       kvc_threadpool *pool) {
+                       kvc_threadpool *pool, void *mem) {
     const int64_t nq = q->shape[0], Hq = q->shape[1], H = f->num_kv_heads;
     if (nq == 0) return;
+    if (kvc__kvfmt_attend_simd(f, pages, seqs, wins, q, q_seq, q_pos, sm, out, lse, pool, mem))
+        return;
     attend_ctx c = {f, kvc__kvfmt_layout_of(f), pages, q, out, lse, seqs, wins, q_seq, q_pos,
                     Hq, Hq / H, sm};
     kvc__parallel_for(pool, nq * H, attend_task, &c);
@@ -288,6 +290,7 @@ kvc_status kvc_kvfmt_attention(const kvc_kvfmt *f, const kvc_tensor *pages,
     const int64_t nq = q ? q->shape[0] : 0;
     int64_t *lo = NULL;
     kvc__kvfmt_win *wins = NULL;
+    void *mem = NULL;
     if (n_seqs > 0 && nq > 0) {
         lo = malloc((size_t)n_seqs * (sizeof *lo + sizeof *wins));
         if (!lo) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
@@ -301,7 +304,13 @@ kvc_status kvc_kvfmt_attention(const kvc_kvfmt *f, const kvc_tensor *pages,
     float sm;
     kvc_status st = kvc__kvfmt_attn_check(fn, f, pages, seqs, n_seqs, lo, q, q_seq, q_pos,
                                           params, out, lse, &sm);
-    if (st == KVC_OK) kvc__kvfmt_attend(f, pages, seqs, wins, q, q_seq, q_pos, sm, out, lse, pool);
+    if (st == KVC_OK) {
+        const size_t sb = kvc__kvfmt_simd_bytes(f, nq, q->shape[1], q_seq, q_pos);
+        if (sb && !(mem = malloc(sb))) st = kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+    }
+    if (st == KVC_OK)
+        kvc__kvfmt_attend(f, pages, seqs, wins, q, q_seq, q_pos, sm, out, lse, pool, mem);
+    free(mem);
     free(lo);
     return st;
 }

@@ -60,14 +60,28 @@ kvc_status kvc__kvfmt_attn_check(const char *fn, const kvc_kvfmt *f, const kvc_t
                                  const kvc_tensor *lse, float *sm);
 
 /* The attention of checked arguments, queries reading float16 rows from
- * wins (one per sequence). */
+ * wins (one per sequence); mem: kvc__kvfmt_simd_bytes for the SIMD
+ * kernels (NULL: the generic C). */
 void kvc__kvfmt_attend(const kvc_kvfmt *f, const kvc_tensor *pages, const kvc_kvfmt_seq *seqs,
                        const kvc__kvfmt_win *wins, const kvc_tensor *q, const int32_t *q_seq,
                        const int32_t *q_pos, float sm, kvc_tensor *out, kvc_tensor *lse,
-                       kvc_threadpool *pool);
+                       kvc_threadpool *pool, void *mem);
 
-/* Upper bound of the pool scratch kvc_kvfmt_append takes for nnz rows of
- * n_seqs sequences (a caller that must not fail half way reserves it). */
-size_t kvc__kvfmt_append_scratch_bytes(const kvc_kvfmt *f, int64_t nnz, int64_t n_seqs);
+/* attend_simd.c: the memory the SIMD kernels need for these queries (0 when
+ * no kernel takes the format on this ISA), and the run (0: not run). */
+size_t kvc__kvfmt_simd_bytes(const kvc_kvfmt *f, int64_t nq, int64_t Hq, const int32_t *q_seq,
+                             const int32_t *q_pos);
+int kvc__kvfmt_attend_simd(const kvc_kvfmt *f, const kvc_tensor *pages,
+                           const kvc_kvfmt_seq *seqs, const kvc__kvfmt_win *wins,
+                           const kvc_tensor *q, const int32_t *q_seq, const int32_t *q_pos,
+                           float sm, kvc_tensor *out, kvc_tensor *lse, kvc_threadpool *pool,
+                           void *mem);
+
+/* The pool scratch kvc_kvfmt_append_attention takes (a caller that must not
+ * fail half way reserves it first): rows row_indptr of sequences of
+ * lengths seqs[b].n_kv, queries (nq, Hq) at q_seq/q_pos (nq 0: a store). */
+size_t kvc__kvfmt_step_scratch_bytes(const kvc_kvfmt *f, const kvc_kvfmt_seq *seqs,
+                                     int64_t n_seqs, const int64_t *row_indptr, int64_t nq,
+                                     int64_t Hq, const int32_t *q_seq, const int32_t *q_pos);
 
 #endif

@@ -199,11 +199,25 @@ static size_t scratch_bytes(const kvc_kvfmt *f, int64_t nnz, int64_t n_seqs, int
            (size_t)n_seqs * sizeof(kvc__kvfmt_win) + (size_t)n_conv + 64;
 }
 
-size_t kvc__kvfmt_append_scratch_bytes(const kvc_kvfmt *f, int64_t nnz, int64_t n_seqs) {
-    /* a sequence's rows complete at most cnt / G + 1 groups and stage at
-     * most G + W old rows */
-    return scratch_bytes(f, nnz, n_seqs, nnz + n_seqs * (f->group + f->window),
-                         nnz / f->group + n_seqs);
+/* Staged rows and completed groups of the sequences with rows. */
+static void count_work(const kvc_kvfmt *f, const kvc_kvfmt_seq *seqs, int64_t n_seqs,
+                       const int64_t *row_indptr, int64_t *n_rows, int64_t *n_tasks) {
+    *n_rows = *n_tasks = 0;
+    for (int64_t b = 0; b < n_seqs; b++) {
+        const int64_t cnt = row_indptr[b + 1] - row_indptr[b], n = seqs[b].n_kv;
+        if (cnt <= 0) continue;
+        *n_tasks += n / f->group - (n - cnt) / f->group;
+        *n_rows += n - stage_w0(f, n - cnt);
+    }
+}
+
+size_t kvc__kvfmt_step_scratch_bytes(const kvc_kvfmt *f, const kvc_kvfmt_seq *seqs,
+                                     int64_t n_seqs, const int64_t *row_indptr, int64_t nq,
+                                     int64_t Hq, const int32_t *q_seq, const int32_t *q_pos) {
+    int64_t n_rows, n_tasks;
+    count_work(f, seqs, n_seqs, row_indptr, &n_rows, &n_tasks);
+    return scratch_bytes(f, row_indptr[n_seqs], n_seqs, n_rows, n_tasks) +
+           kvc__kvfmt_simd_bytes(f, nq, Hq, q_seq, q_pos);
 }
 
 /* Both entry points: store, then (q != NULL) attend. */
@@ -259,8 +273,14 @@ static kvc_status append_attend(const char *fn, const kvc_kvfmt *f, kvc_tensor *
             KVC_CHECK(s->pages[p] >= 0 && s->pages[p] < pages->shape[0], "%s: sequence %lld: "
                       "page id %d outside [0, %lld)", fn, (long long)b, (int)s->pages[p],
                       (long long)pages->shape[0]);
-        n_tasks += s->n_kv / G - (s->n_kv - cnt) / G;
-        n_rows += s->n_kv - stage_w0(f, s->n_kv - cnt);
+    }
+    count_work(f, seqs, n_seqs, row_indptr, &n_rows, &n_tasks);
+    float sm = 0;
+    size_t simd_bytes = 0;
+    if (q) { /* all but the lower bound of q_pos, checked below */
+        KVC_TRY(kvc__kvfmt_attn_check(fn, f, pages, seqs, n_seqs, NULL, q, q_seq, q_pos, params,
+                                      out, lse, &sm));
+        simd_bytes = kvc__kvfmt_simd_bytes(f, q->shape[0], q->shape[1], q_seq, q_pos);
     }
     if (nnz == 0 && !q) return KVC_OK;
 
@@ -269,7 +289,8 @@ static kvc_status append_attend(const char *fn, const kvc_kvfmt *f, kvc_tensor *
     c.f = f, c.l = l, c.pages = pages, c.key = key, c.value = value, c.seqs = seqs;
     c.row_indptr = row_indptr, c.n_seqs = n_seqs, c.nnz = nnz, c.HD = HD;
     const int64_t n_conv = (nnz + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-    unsigned char *mem = kvc__scratch_get(pool, scratch_bytes(f, nnz, n_seqs, n_rows, n_tasks));
+    const size_t own = scratch_bytes(f, nnz, n_seqs, n_rows, n_tasks);
+    unsigned char *mem = kvc__scratch_get(pool, own + simd_bytes);
     if (!mem) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
     kvc__kvfmt_win *wins = (kvc__kvfmt_win *)mem; /* 8-byte members: first */
     c.w0 = (int64_t *)(wins + n_seqs);
@@ -306,7 +327,6 @@ static kvc_status append_attend(const char *fn, const kvc_kvfmt *f, kvc_tensor *
         wins[b].mod = 0;
         row += s->n_kv - c.w0[b];
     }
-    float sm = 0;
     kvc_status st = KVC_OK;
     if (q) {
         /* per sequence: q_pos + 1 >= floor(pos0 / G) * G, the staging's reach */
@@ -315,8 +335,11 @@ static kvc_status append_attend(const char *fn, const kvc_kvfmt *f, kvc_tensor *
             const int64_t g0 = (seqs[b].n_kv - cnt) / G * G;
             qlo[b] = g0 > 0 ? g0 - 1 : 0;
         }
-        st = kvc__kvfmt_attn_check(fn, f, pages, seqs, n_seqs, qlo, q, q_seq, q_pos, params,
-                                   out, lse, &sm);
+        for (int64_t i = 0; i < q->shape[0] && st == KVC_OK; i++)
+            if (q_pos[i] < qlo[q_seq[i]])
+                st = kvc__error(KVC_ERR_INVALID_ARG, "%s: q_pos[%lld] = %d below %lld: the "
+                                "float16 values it reads are gone from the tail", fn,
+                                (long long)i, (int)q_pos[i], (long long)qlo[q_seq[i]]);
     }
     if (st == KVC_OK && nnz > 0) {
         kvc__parallel_for(pool, n_conv, convert_task, &c);
@@ -333,7 +356,9 @@ static kvc_status append_attend(const char *fn, const kvc_kvfmt *f, kvc_tensor *
     }
     /* quantize the complete groups, attend, then write the tails */
     if (n_tasks > 0) kvc__parallel_for(pool, n_tasks, group_task, &c);
-    if (q) kvc__kvfmt_attend(f, pages, seqs, wins, q, q_seq, q_pos, sm, out, lse, pool);
+    if (q)
+        kvc__kvfmt_attend(f, pages, seqs, wins, q, q_seq, q_pos, sm, out, lse, pool,
+                          simd_bytes ? mem + own : NULL);
     for (int64_t b = 0; b < n_seqs; b++) {
         const kvc_kvfmt_seq *s = &seqs[b];
         if (row_indptr[b + 1] == row_indptr[b]) continue;

@@ -440,13 +440,13 @@ static int need(ibuf *b, int64_t n, size_t elem) {
  * n_want for the output head) and K/V append into pc's dtype, so that
  * neither can fail for want of memory once layer 0 has written the cache:
  * a step that runs out of memory then fails before changing anything. */
-static int reserve_scratch(kvc_model_ctx *c, const kvc_paged_cache *pc, const kvc_kvfmt *fmt,
-                           int64_t N, int64_t n_active, int64_t n_want) {
+static int reserve_scratch(kvc_model_ctx *c, const kvc_paged_cache *pc, size_t kv_bytes,
+                           int64_t N, int64_t n_want) {
     const kvc_model *m = c->m;
     const kvc_model_info *in = &m->info;
-    size_t need = fmt ? kvc__kvfmt_append_scratch_bytes(fmt, N, n_active)
-                      : kvc__append_scratch_bytes(N, in->n_head_kv, in->head_dim,
-                                                  pc->quant_group, pc->k.dtype);
+    size_t need = pc ? kvc__append_scratch_bytes(N, in->n_head_kv, in->head_dim,
+                                                 pc->quant_group, pc->k.dtype)
+                     : kv_bytes;
     size_t g = kvc__gemm_scratch_bytes(m->output.type, m->output.cols, n_want);
     if (g > need) need = g;
     for (int32_t l = 0; l < in->n_layer; l++) {
@@ -682,7 +682,7 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
     if (cmp && (!need(&c->k_rows, n_active + 1, sizeof(int64_t)) ||
                 !need(&c->k_seqs, n_active, sizeof(kvc_kvfmt_seq))))
         return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
-    if (!reserve_scratch(c, &pc, cmp ? &fmt : NULL, N, n_active, n_want))
+    if (!cmp && !reserve_scratch(c, &pc, 0, N, n_want))
         return kvc__error(KVC_ERR_NOMEM, "%s: out of memory (work buffers)", fn);
 
     /* internal row order: every prefill row (sequence by sequence), then every
@@ -744,6 +744,15 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
         a++;
     }
     const int64_t E = in->n_embd, Dh = in->head_dim, Hq = in->n_head, H = in->n_head_kv;
+    kvc_kvfmt_seq *kseq = (kvc_kvfmt_seq *)c->k_seqs.p;
+    if (cmp) { /* the store-and-attend's scratch, with this step's rows and queries */
+        KVC_TRY(kvc_cache_kvfmt_seqs(cache, 0, c->act, n_active, kseq));
+        for (int64_t i = 0; i < n_active; i++) kseq[i].n_kv = po[I64(c->k_rows)[i + 1] - 1] + 1;
+        const size_t kb = kvc__kvfmt_step_scratch_bytes(&fmt, kseq, n_active, I64(c->k_rows), N,
+                                                        Hq, bi, po);
+        if (!reserve_scratch(c, NULL, kb, N, n_want))
+            return kvc__error(KVC_ERR_NOMEM, "%s: out of memory (work buffers)", fn);
+    }
     for (int64_t r = 0; r < N; r++) {
         const char *row = (const char *)m->tok_embd.data +
                           kvc__ggml_row_bytes(m->tok_embd.type, E) * (int64_t)tokens[orig[r]];
@@ -764,7 +773,6 @@ kvc_status kvc_model_forward(kvc_model_ctx *c, kvc_cache *cache, int32_t n_seqs,
     int64_t shq[3] = {N, Hq, Dh};
     kvc_tensor tq_all = kvc_tensor_make(c->q, KVC_F32, 3, shq);
     kvc_tensor to_all = kvc_tensor_make(c->att, KVC_F32, 3, shq);
-    kvc_kvfmt_seq *kseq = (kvc_kvfmt_seq *)c->k_seqs.p;
     kvc_prefill_plan *pplan = NULL;
     kvc_decode_plan *dplan = NULL;
     if (cmp) {

@@ -21,6 +21,10 @@
 #define BENCH_CACHE_INT8 2u
 #define BENCH_CACHE_INT4 4u
 #define BENCH_CACHE_ALL 7u
+/* compressed paged formats (kvfmt.h): `bench attention` only */
+#define BENCH_CACHE_KIVI8 8u
+#define BENCH_CACHE_KIVI4 16u
+#define BENCH_CACHE_KIVI (BENCH_CACHE_KIVI8 | BENCH_CACHE_KIVI4)
 
 /* pmx operators benchmarked (bit set). */
 #define BENCH_OP_STATIC 1u

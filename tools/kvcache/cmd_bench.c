@@ -25,9 +25,10 @@ static const char bench_usage[] =
     "          prefix lookup tokens per second, KV slot use on a synthetic serving\n"
     "          trace vs reserving max length, decode-step bookkeeping (B = 64) vs\n"
     "          the time to read the batch's K/V (uses --quick, --json, --threads)\n"
-    "  attention  decode attention (kvc_decode_run) over paged f16/int8/int4 caches:\n"
-    "          time per layer, K/V read bandwidth against a plain read and the FMA\n"
-    "          peak, int8/int4 speed against float16\n"
+    "  attention  decode attention (kvc_decode_run) over paged f16/int8/int4 caches\n"
+    "          and kvc_kvfmt_attention over kivi8/kivi4 pages: time per layer, K/V\n"
+    "          read bandwidth against a plain read and the FMA peak, speed against\n"
+    "          float16\n"
     "  prefill kvc_prefill_run_paged, GFLOP/s against the FMA peak\n"
     "  mla     kvc_mla_run (MLA decode over ckv/kpe pages)\n"
     "  gemm    the model runtime's weight-type matrix products\n"
@@ -55,7 +56,7 @@ static const char bench_usage[] =
     "                    fewer where N caches would pass 8 GiB\n"
     "  --soft-cap X      attention: logits_soft_cap X > 0 (default none)\n"
     "  --cache LIST      cache types among f16,int8,int4 (default: pmx all, append\n"
-    "                    f16,int8)\n"
+    "                    f16,int8), and kivi8,kivi4 for attention (its default: all)\n"
     "  --op LIST         pmx operators among static,dynamic (default both)\n"
     "  --layout LIST     pmx cache layouts among 0,1,2,3 (default: static 0,1;\n"
     "                    dynamic 0,3); attention: paged layouts among nhd,hnd\n"
@@ -135,7 +136,7 @@ static int opt_value(int argc, char **argv, int *i, const char *name, const char
 }
 
 int cmd_bench(int argc, char **argv) {
-    static const char *const cache_names[] = {"f16", "int8", "int4"};
+    static const char *const cache_names[] = {"f16", "int8", "int4", "kivi8", "kivi4"};
     static const char *const op_names[] = {"static", "dynamic"};
     static const char *const layout_names[] = {"0", "1", "2", "3"};
     static const char *const paged_layout_names[] = {"nhd", "hnd"};
@@ -222,8 +223,9 @@ int cmd_bench(int argc, char **argv) {
             if (r < 0 || cli_parse_f64(v, &o.soft_cap) != 0 || !(o.soft_cap > 0))
                 return cli_usage_error(cmd, "bench: --soft-cap expects a number > 0");
         } else if ((r = opt_value(argc, argv, &i, "--cache", &v)) != 0) {
-            if (r < 0 || parse_names(v, cache_names, 3, &o.caches) != 0)
-                return cli_usage_error(cmd, "bench: --cache expects a list of f16,int8,int4");
+            if (r < 0 || parse_names(v, cache_names, 5, &o.caches) != 0)
+                return cli_usage_error(cmd, "bench: --cache expects a list of f16,int8,int4 "
+                                            "(and kivi8,kivi4 for attention)");
         } else if ((r = opt_value(argc, argv, &i, "--op", &v)) != 0) {
             if (r < 0 || parse_names(v, op_names, 2, &o.ops) != 0)
                 return cli_usage_error(cmd, "bench: --op expects a list of static,dynamic");
@@ -266,6 +268,8 @@ int cmd_bench(int argc, char **argv) {
         return cli_usage_error(cmd, "bench %s: --head-dim %lld: the attention kernels take a "
                                "multiple of 8 in [8, %d]", target, (long long)o.head_dim,
                                KVC_ATTN_MAX_HEAD_DIM);
+    if ((o.caches & BENCH_CACHE_KIVI) && strcmp(target, "attention") != 0)
+        return cli_usage_error(cmd, "bench %s: --cache kivi8/kivi4: attention only", target);
     /* options a target does not use are said, not silently dropped */
     const int grouped = !strcmp(target, "attention") || !strcmp(target, "kernel");
     if (o.group && !grouped)

@@ -1,0 +1,69 @@
+/*
+ * kvfmt attention kernel (kvfmt_kernels.h), AVX-512 F/BW/VL/DQ + FMA +
+ * F16C: 16 float32 lanes, codes converted to float32 and multiplied with
+ * FMAs. Compiled with per-file ISA flags; attend.c calls it only when the
+ * selected ISA is avx512 (or amx). The body is kvfmt_body.h.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include "kvfmt_kernels.h"
+#include "vec_math.h"
+
+typedef __m512 kv_vec;
+#define KV_VL 16
+#define KV_LOAD(p) _mm512_loadu_ps(p)
+#define KV_STORE(p, v) _mm512_storeu_ps((p), (v))
+#define KV_ZERO() _mm512_setzero_ps()
+#define KV_SET1(x) _mm512_set1_ps(x)
+#define KV_ADD(a, b) _mm512_add_ps((a), (b))
+#define KV_MUL(a, b) _mm512_mul_ps((a), (b))
+#define KV_MAX(a, b) _mm512_max_ps((a), (b))
+#define KV_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define KV_HSUM(v) _mm512_reduce_add_ps(v)
+#define KV_HMAX(v) _mm512_reduce_max_ps(v)
+#define KV_EXP2(v) kvc__exp2_16(v)
+#define KV_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p)))
+#define KV_U8(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))))
+#define KV_U4PAIR(p, lo, hi)                                                                      \
+    do {                                                                                          \
+        const __m512i d_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))); \
+        (lo) = _mm512_cvtepi32_ps(_mm512_and_si512(d_, _mm512_set1_epi32(15)));                    \
+        (hi) = _mm512_cvtepi32_ps(_mm512_srli_epi32(d_, 4));                                       \
+    } while (0)
+static inline __m512 kv_u4half(const void *p) {
+    const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m512i x = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_and_si256(d, _mm256_set1_epi32(15))), _mm256_srli_epi32(d, 4), 1);
+    return _mm512_cvtepi32_ps(x);
+}
+#define KV_U4HALF(p) kv_u4half(p)
+#define KV_PERM_TOK(v) \
+    _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), (v))
+#define KV_IOTA() _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define KV_KEEP_LE(v, x, y) \
+    _mm512_mask_blend_ps(_mm512_cmp_ps_mask((x), (y), _CMP_LE_OQ), _mm512_set1_ps(-INFINITY), (v))
+
+/* Lane i = sum of the 16 lanes of vector i of t (16 x 16 floats). */
+static inline __m512 kv_reduce16(const float *t) {
+    __m512 a[16], b[8], c[4];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_loadu_ps(t + i * 16);
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 f0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44),
+                                    _mm512_shuffle_f32x4(c[0], c[1], 0xee));
+    const __m512 f1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44),
+                                    _mm512_shuffle_f32x4(c[2], c[3], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(f0, f1, 0x88), _mm512_shuffle_f32x4(f0, f1, 0xdd));
+}
+#define KV_REDUCE(t) kv_reduce16(t)
+
+#define KV_NAME kvc__kvfmt_run_avx512
+#include "kvfmt_body.h"

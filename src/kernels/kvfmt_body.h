@@ -1,0 +1,431 @@
+/*
+ * Body of the kvfmt attention kernels (kvfmt_kernels.h), included by
+ * kvfmt_avx2.c and kvfmt_avx512.c after they define the vector primitives:
+ *
+ *   KV_VL lanes; kv_vec; KV_LOAD/KV_STORE (float32), KV_ZERO, KV_SET1,
+ *   KV_ADD, KV_MUL, KV_FMA(a, b, c) = a * b + c, KV_MAX, KV_HSUM, KV_HMAX,
+ *   KV_EXP2 (2^x, 0 below -126), KV_F16(p) (KV_VL float16 -> float32),
+ *   KV_U8(p) (KV_VL bytes -> float32), KV_U4PAIR(p, lo, hi) (KV_VL bytes:
+ *   low nibbles into lo, high into hi), KV_U4HALF(p) (KV_VL / 2 bytes: lanes
+ *   [0, VL/2) the low nibbles, [VL/2, VL) the high ones), KV_PERM_TOK(v)
+ *   (lanes of VL consecutive tokens reordered as KV_U4HALF orders them:
+ *   even tokens, then odd), KV_REDUCE(t) (t: VL vectors of VL floats; lane i
+ *   = sum of vector i), KV_KEEP_LE(v, x, y) (lanes where x <= y, else -inf).
+ *
+ * Work per job (per softmax block of up to 256 tokens, whole groups):
+ *   K: per group, the K scale is folded into the query vectors (qs = q *
+ *      scale, bias = q . zero); per token, its codes are converted once
+ *      (kept in registers) and serve every query vector: q . k = qs . code
+ *      + bias, vectorized over channels, then VL tokens' sums are reduced
+ *      together (a transposed reduction).
+ *   V: channel-major codes: o_c += sum_t (p_t * vscale_t) code[c, t] +
+ *      sum_t p_t * vzero_t, vectorized over tokens: per channel, its codes
+ *      for the block are converted once and serve every query vector; VL
+ *      channels' sums are reduced together, once per block.
+ *   4-bit codes: lanes follow the nibbles (even elements, then odd) and the
+ *   query (K) or the weights (V) are permuted to match instead.
+ */
+#include <math.h>
+#include <string.h>
+
+#define KV_SEG 8 /* code vectors held in registers at a time */
+#define KV_BT 256
+
+#if defined(__GNUC__)
+#define KV_INLINE static inline __attribute__((always_inline))
+#else
+#define KV_INLINE static inline
+#endif
+
+typedef struct kv_state {
+    float m[KVC_KVFMT_NV], l[KVC_KVFMT_NV];
+    _Alignas(64) float o[KVC_KVFMT_NV][KVC_ATTN_MAX_HEAD_DIM];
+} kv_state;
+
+/* nk code vectors of one segment against nv weight rows: tmp[v * VL + i]
+ * (a vector) = (or +=) sum_k w[v * ws + k * VL] * c[k]. */
+KV_INLINE void kv_dots(const kv_vec *c, const int nk, const float *w, int64_t ws, int nv,
+                       float *tmp, int i, int add) {
+    for (int v = 0; v < nv; v++) {
+        const float *wv = w + v * ws;
+        kv_vec a0 = KV_MUL(KV_LOAD(wv), c[0]);
+        kv_vec a1 = KV_ZERO();
+#pragma GCC unroll 8
+        for (int k = 1; k < nk; k++) {
+            if (k & 1)
+                a1 = KV_FMA(KV_LOAD(wv + k * KV_VL), c[k], a1);
+            else
+                a0 = KV_FMA(KV_LOAD(wv + k * KV_VL), c[k], a0);
+        }
+        a0 = KV_ADD(a0, a1);
+        float *t = tmp + ((int64_t)v * KV_VL + i) * KV_VL;
+        if (add) a0 = KV_ADD(a0, KV_LOAD(t));
+        KV_STORE(t, a0);
+    }
+}
+
+/* One token's K codes (contiguous, nk vectors per segment) against qs. */
+KV_INLINE void kv_k_seg(const unsigned char *p, const int nk, int bits, const float *qs,
+                        int64_t qstride, int nv, float *tmp, int i, int add) {
+    kv_vec c[KV_SEG];
+    if (bits == 8) {
+#pragma GCC unroll 8
+        for (int k = 0; k < nk; k++) c[k] = KV_U8(p + k * KV_VL);
+    } else {
+#pragma GCC unroll 4
+        for (int k = 0; k < nk; k += 2) KV_U4PAIR(p + (k / 2) * KV_VL, c[k], c[k + 1]);
+    }
+    kv_dots(c, nk, qs, qstride, nv, tmp, i, add);
+}
+
+static void kv_k_token(const unsigned char *p, int Dh, int bits, const float *qs, int64_t qstride,
+                       int nv, float *tmp, int i) {
+    const int nk = Dh / KV_VL;
+    for (int s = 0; s < nk; s += KV_SEG) {
+        const int n = nk - s < KV_SEG ? nk - s : KV_SEG;
+        const unsigned char *ps = p + (int64_t)s * KV_VL * bits / 8;
+        const float *q = qs + s * KV_VL;
+        switch (n) {
+        case 8: kv_k_seg(ps, 8, bits, q, qstride, nv, tmp, i, s > 0); break;
+        case 6: kv_k_seg(ps, 6, bits, q, qstride, nv, tmp, i, s > 0); break;
+        case 4: kv_k_seg(ps, 4, bits, q, qstride, nv, tmp, i, s > 0); break;
+        case 2: kv_k_seg(ps, 2, bits, q, qstride, nv, tmp, i, s > 0); break;
+        case 7: kv_k_seg(ps, 7, bits, q, qstride, nv, tmp, i, s > 0); break;
+        case 5: kv_k_seg(ps, 5, bits, q, qstride, nv, tmp, i, s > 0); break;
+        case 3: kv_k_seg(ps, 3, bits, q, qstride, nv, tmp, i, s > 0); break;
+        default: kv_k_seg(ps, 1, bits, q, qstride, nv, tmp, i, s > 0); break;
+        }
+    }
+}
+
+/* One channel's V codes for a block: chunk k (VL tokens) at cb[k] + off. */
+KV_INLINE void kv_v_seg(const unsigned char *const *cb, int64_t off, const int nk, int bits,
+                        const float *w, int64_t ws, int nv, float *tmp, int i, int add) {
+    kv_vec c[KV_SEG];
+    if (bits == 8) {
+#pragma GCC unroll 8
+        for (int k = 0; k < nk; k++) c[k] = KV_U8(cb[k] + off);
+    } else {
+#pragma GCC unroll 8
+        for (int k = 0; k < nk; k++) c[k] = KV_U4HALF(cb[k] + off);
+    }
+    kv_dots(c, nk, w, ws, nv, tmp, i, add);
+}
+
+static void kv_v_channel(const unsigned char *const *cb, int64_t off, int nch, int bits,
+                         const float *w, int64_t ws, int nv, float *tmp, int i) {
+    for (int s = 0; s < nch; s += KV_SEG) {
+        const int n = nch - s < KV_SEG ? nch - s : KV_SEG;
+        const unsigned char *const *c = cb + s;
+        const float *ww = w + s * KV_VL;
+        switch (n) {
+        case 8: kv_v_seg(c, off, 8, bits, ww, ws, nv, tmp, i, s > 0); break;
+        case 4: kv_v_seg(c, off, 4, bits, ww, ws, nv, tmp, i, s > 0); break;
+        case 2: kv_v_seg(c, off, 2, bits, ww, ws, nv, tmp, i, s > 0); break;
+        case 7: kv_v_seg(c, off, 7, bits, ww, ws, nv, tmp, i, s > 0); break;
+        case 6: kv_v_seg(c, off, 6, bits, ww, ws, nv, tmp, i, s > 0); break;
+        case 5: kv_v_seg(c, off, 5, bits, ww, ws, nv, tmp, i, s > 0); break;
+        case 3: kv_v_seg(c, off, 3, bits, ww, ws, nv, tmp, i, s > 0); break;
+        default: kv_v_seg(c, off, 1, bits, ww, ws, nv, tmp, i, s > 0); break;
+        }
+    }
+}
+
+/* Folds scores s[v][0 .. n) (base 2, n a multiple of VL, masked lanes
+ * -inf) into the state; leaves the weights in s. */
+static void kv_softmax(kv_state *st, int nv, float (*s)[KVC_KVFMT_BT_MAX], int64_t n, int Dh) {
+    for (int v = 0; v < nv; v++) {
+        kv_vec mx = KV_SET1(st->m[v]);
+        for (int64_t t = 0; t < n; t += KV_VL) mx = KV_MAX(mx, KV_LOAD(s[v] + t));
+        const float m = KV_HMAX(mx);
+        if (m == -INFINITY) { /* nothing visible yet */
+            for (int64_t t = 0; t < n; t += KV_VL) KV_STORE(s[v] + t, KV_ZERO());
+            continue;
+        }
+        const kv_vec nm = KV_SET1(-m);
+        kv_vec sum = KV_ZERO();
+        for (int64_t t = 0; t < n; t += KV_VL) {
+            const kv_vec e = KV_EXP2(KV_ADD(KV_LOAD(s[v] + t), nm));
+            KV_STORE(s[v] + t, e);
+            sum = KV_ADD(sum, e);
+        }
+        if (m != st->m[v]) {
+            const float corr = st->m[v] == -INFINITY ? 0.0f : exp2f(st->m[v] - m);
+            st->l[v] *= corr;
+            const kv_vec cv = KV_SET1(corr);
+            for (int c = 0; c < Dh; c += KV_VL) KV_STORE(st->o[v] + c, KV_MUL(KV_LOAD(st->o[v] + c), cv));
+            st->m[v] = m;
+        }
+        st->l[v] += KV_HSUM(sum);
+    }
+}
+
+/* Converts n float16 values (n a multiple of VL) to float32. */
+static void kv_f16_row(const uint16_t *src, float *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i += KV_VL) KV_STORE(dst + i, KV_F16(src + i));
+}
+
+static inline const unsigned char *kv_page(const kvc_kvfmt_job *j, int64_t t) {
+    return j->base + (int64_t)j->pages[t / j->P] * j->page_stride;
+}
+
+/* K scale and zero of group g, head h, into ks/kz (Dh floats, natural order). */
+static void kv_kparams(const kvc_kvfmt_job *j, int64_t g, float *ks, float *kz) {
+    const int64_t Dh = j->Dh, HD = (int64_t)j->H * Dh, e0 = (int64_t)j->h * Dh;
+    _Alignas(64) uint16_t bs[KVC_ATTN_MAX_HEAD_DIM], bz[KVC_ATTN_MAX_HEAD_DIM];
+    if (j->G <= j->P) {
+        const int64_t t0 = g * j->G;
+        const unsigned char *pg = kv_page(j, t0);
+        const int64_t idx = ((g % (j->P / j->G)) * HD + e0) * 2;
+        memcpy(bs, pg + j->k_scale + idx, (size_t)Dh * 2);
+        memcpy(bz, pg + j->k_zero + idx, (size_t)Dh * 2);
+    } else { /* entries spread over the group's G / P pages, by runs */
+        for (int64_t e = e0; e < e0 + Dh;) {
+            const int64_t r = e / j->k_share, end0 = (r + 1) * j->k_share;
+            const int64_t end = end0 < e0 + Dh ? end0 : e0 + Dh;
+            const unsigned char *pg = kv_page(j, g * j->G + r * j->P);
+            const int64_t idx = (e % j->k_share) * 2;
+            memcpy(bs + (e - e0), pg + j->k_scale + idx, (size_t)(end - e) * 2);
+            memcpy(bz + (e - e0), pg + j->k_zero + idx, (size_t)(end - e) * 2);
+            e = end;
+        }
+    }
+    kv_f16_row(bs, ks, Dh);
+    kv_f16_row(bz, kz, Dh);
+}
+
+/* Natural channel order to the 4-bit K lane order (blocks of 2 VL channels:
+ * even channels, then odd). */
+static void kv_perm_k(const float *src, float *dst, int Dh) {
+    for (int b = 0; b < Dh; b += 2 * KV_VL)
+        for (int i = 0; i < KV_VL; i++) {
+            dst[b + i] = src[b + 2 * i];
+            dst[b + KV_VL + i] = src[b + 2 * i + 1];
+        }
+}
+
+/* Software prefetch of the next block's bytes into L2 while this block
+ * runs: pages are scattered, so the hardware prefetchers lose the stream at
+ * every page; a block's ranges are queued and issued a few lines per token. */
+#define KV_PF_MAX (KVC_KVFMT_BT_MAX / 8 * 4)
+typedef struct kv_pf {
+    const unsigned char *p[KV_PF_MAX];
+    int64_t n[KV_PF_MAX]; /* lines */
+    int nr, ri;
+    int64_t li, total;
+} kv_pf;
+
+static void kv_pf_add(kv_pf *pf, const unsigned char *p, int64_t bytes) {
+    if (pf->nr == KV_PF_MAX || bytes <= 0) return;
+    const uintptr_t a = (uintptr_t)p & ~(uintptr_t)63, e = (uintptr_t)p + (uintptr_t)bytes;
+    pf->p[pf->nr] = (const unsigned char *)a;
+    pf->n[pf->nr] = (int64_t)((e - a + 63) / 64);
+    pf->total += pf->n[pf->nr++];
+}
+
+/* The ranges of tokens [t0, t1) (whole pages' head-h regions). */
+static void kv_pf_block(kv_pf *pf, const kvc_kvfmt_job *j, int64_t t0, int64_t t1) {
+    pf->nr = pf->ri = 0;
+    pf->li = pf->total = 0;
+    const int64_t P = j->P, kb = (int64_t)j->Dh * j->bits / 8, Pb = P * j->bits / 8;
+    for (int64_t t = t0; t < t1;) {
+        const int64_t pe0 = (t / P + 1) * P, pe = pe0 < t1 ? pe0 : t1, o = t % P, n = pe - t;
+        const unsigned char *pg = kv_page(j, t);
+        kv_pf_add(pf, pg + j->k_codes + ((int64_t)j->h * P + o) * kb, n * kb);
+        if (n == P) {
+            kv_pf_add(pf, pg + j->v_codes + (int64_t)j->h * j->Dh * Pb, j->Dh * Pb);
+        } else { /* part of each channel's run */
+            for (int64_t c = 0; c < j->Dh; c++)
+                kv_pf_add(pf, pg + j->v_codes + ((int64_t)j->h * j->Dh + c) * Pb + o * j->bits / 8,
+                          n * j->bits / 8);
+        }
+        const int64_t vo = ((int64_t)j->h * P + o) * j->nvg * 2;
+        kv_pf_add(pf, pg + j->v_scale + vo, n * j->nvg * 2);
+        kv_pf_add(pf, pg + j->v_zero + vo, n * j->nvg * 2);
+        t = pe;
+    }
+}
+
+KV_INLINE void kv_pf_step(kv_pf *pf, int k) {
+    while (k-- > 0 && pf->ri < pf->nr) {
+        _mm_prefetch((const char *)pf->p[pf->ri] + pf->li * 64, _MM_HINT_T1);
+        if (++pf->li == pf->n[pf->ri]) pf->li = 0, pf->ri++;
+    }
+}
+
+void KV_NAME(const kvc_kvfmt_job *j) {
+    const int nv = j->nv, Dh = j->Dh, bits = j->bits, P = j->P, G = j->G;
+    const int64_t Pb = (int64_t)P * bits / 8;       /* V code bytes of one channel in a page */
+    const int64_t kb = (int64_t)Dh * bits / 8;      /* K code bytes of one token */
+    const int64_t BT = G <= KV_BT ? (KV_BT / G) * G : G; /* tokens per softmax block */
+    static const int64_t QS = KVC_ATTN_MAX_HEAD_DIM;
+    _Alignas(64) float qp[KVC_KVFMT_NV][KVC_ATTN_MAX_HEAD_DIM];
+    _Alignas(64) float qs[KVC_KVFMT_NV][KVC_ATTN_MAX_HEAD_DIM];
+    _Alignas(64) float s[KVC_KVFMT_NV][KVC_KVFMT_BT_MAX];
+    _Alignas(64) float w[KVC_KVFMT_NV][KVC_KVFMT_BT_MAX];
+    _Alignas(64) float tmp[KVC_KVFMT_NV * KV_VL * KV_VL];
+    _Alignas(64) float ks[KVC_ATTN_MAX_HEAD_DIM], kz[KVC_ATTN_MAX_HEAD_DIM];
+    _Alignas(64) float ksp[KVC_ATTN_MAX_HEAD_DIM], kzp[KVC_ATTN_MAX_HEAD_DIM];
+    _Alignas(64) float vsb[KVC_KVFMT_BT_MAX], vzb[KVC_KVFMT_BT_MAX];
+    _Alignas(64) uint16_t hb[KVC_KVFMT_BT_MAX * 2];
+    _Alignas(64) float row[KVC_ATTN_MAX_HEAD_DIM];
+    const unsigned char *cb[KVC_KVFMT_BT_MAX / KV_VL];
+    float bias[KVC_KVFMT_NV];
+    kv_state st;
+    int64_t maxpos = 0;
+    for (int v = 0; v < nv; v++) {
+        st.m[v] = -INFINITY;
+        st.l[v] = 0;
+        memset(st.o[v], 0, (size_t)Dh * sizeof(float));
+        if (bits == 4)
+            kv_perm_k(j->q[v], qp[v], Dh);
+        else
+            memcpy(qp[v], j->q[v], (size_t)Dh * sizeof(float));
+        if (j->pos[v] > maxpos) maxpos = j->pos[v];
+    }
+    const kv_vec iota = KV_IOTA();
+    kv_pf pf;
+    pf.nr = pf.ri = 0;
+    pf.li = pf.total = 0;
+    int pf_rate = 0;
+    /* ---- quantized groups, in blocks of BT tokens ---- */
+    for (int64_t b0 = j->t0; b0 < j->t1 && b0 <= maxpos; b0 += BT) {
+        const int64_t b1 = b0 + BT < j->t1 ? b0 + BT : j->t1;
+        int64_t te = b0 + ((maxpos + 1 - b0 + KV_VL - 1) / KV_VL) * KV_VL;
+        if (te > b1) te = b1;
+        const int64_t n = te - b0; /* a multiple of VL */
+        { /* queue the next block */
+            const int64_t nb1 = b1 + BT < j->t1 ? b1 + BT : j->t1;
+            int64_t ne = b1 + ((maxpos + 1 - b1 + KV_VL - 1) / KV_VL) * KV_VL;
+            if (ne > nb1) ne = nb1;
+            if (ne > b1) {
+                kv_pf_block(&pf, j, b1, ne);
+                pf_rate = (int)((pf.total + n - 1) / n);
+            } else {
+                pf.nr = pf.ri = 0;
+            }
+        }
+        /* scores, group by group */
+        for (int64_t g0 = b0; g0 < te; g0 += G) {
+            const int64_t ge = g0 + G < te ? g0 + G : te;
+            kv_kparams(j, g0 / G, ks, kz);
+            const float *kps = ks, *kpz = kz;
+            if (bits == 4) {
+                kv_perm_k(ks, ksp, Dh);
+                kv_perm_k(kz, kzp, Dh);
+                kps = ksp;
+                kpz = kzp;
+            }
+            for (int v = 0; v < nv; v++) {
+                kv_vec bz = KV_ZERO();
+                for (int c = 0; c < Dh; c += KV_VL) {
+                    const kv_vec qv = KV_LOAD(qp[v] + c);
+                    KV_STORE(qs[v] + c, KV_MUL(qv, KV_LOAD(kps + c)));
+                    bz = KV_FMA(qv, KV_LOAD(kpz + c), bz);
+                }
+                bias[v] = KV_HSUM(bz);
+            }
+            for (int64_t tb = g0; tb < ge; tb += KV_VL) {
+                /* VL tokens inside one page (P % VL == 0) */
+                const unsigned char *kc =
+                    kv_page(j, tb) + j->k_codes + ((int64_t)j->h * P + tb % P) * kb;
+                for (int i = 0; i < KV_VL; i++) {
+                    kv_k_token(kc + i * kb, Dh, bits, qs[0], QS, nv, tmp, i);
+                    kv_pf_step(&pf, pf_rate);
+                }
+                const kv_vec rel = KV_ADD(iota, KV_SET1((float)(tb - b0)));
+                for (int v = 0; v < nv; v++) {
+                    kv_vec r = KV_REDUCE(tmp + (int64_t)v * KV_VL * KV_VL);
+                    r = KV_MUL(KV_ADD(r, KV_SET1(bias[v])), KV_SET1(j->sc));
+                    const int64_t lim = j->pos[v] - b0;
+                    r = KV_KEEP_LE(r, rel, KV_SET1((float)(lim < (int64_t)n ? lim : n)));
+                    KV_STORE(s[v] + (tb - b0), r);
+                }
+            }
+        }
+        kv_softmax(&st, nv, s, n, Dh);
+        /* V: chunk bases (VL tokens each, inside one page) */
+        const int nch = (int)(n / KV_VL);
+        for (int k = 0; k < nch; k++) {
+            const int64_t t = b0 + (int64_t)k * KV_VL;
+            cb[k] = kv_page(j, t) + j->v_codes + (int64_t)j->h * Dh * Pb + (t % P) * bits / 8;
+        }
+        for (int jg = 0; jg < j->nvg; jg++) {
+            /* this channel group's V scale and zero of each token */
+            for (int64_t t = b0; t < te;) {
+                const int64_t pe0 = (t / P + 1) * P, pe = pe0 < te ? pe0 : te;
+                const unsigned char *pg = kv_page(j, t);
+                const int64_t base = ((int64_t)j->h * P + t % P) * j->nvg;
+                const int64_t cnt = pe - t;
+                if (j->nvg == 1) {
+                    kv_f16_row((const uint16_t *)(const void *)(pg + j->v_scale) + base,
+                               vsb + (t - b0), cnt);
+                    kv_f16_row((const uint16_t *)(const void *)(pg + j->v_zero) + base,
+                               vzb + (t - b0), cnt);
+                } else {
+                    const uint16_t *ps = (const uint16_t *)(const void *)(pg + j->v_scale) + base;
+                    const uint16_t *pz = (const uint16_t *)(const void *)(pg + j->v_zero) + base;
+                    for (int64_t u = 0; u < cnt; u++) hb[u] = ps[u * j->nvg + jg];
+                    for (int64_t u = 0; u < cnt; u++) hb[KVC_KVFMT_BT_MAX + u] = pz[u * j->nvg + jg];
+                    kv_f16_row(hb, vsb + (t - b0), cnt);
+                    kv_f16_row(hb + KVC_KVFMT_BT_MAX, vzb + (t - b0), cnt);
+                }
+                t = pe;
+            }
+            float zsum[KVC_KVFMT_NV];
+            for (int v = 0; v < nv; v++) {
+                kv_vec z = KV_ZERO();
+                for (int64_t t = 0; t < n; t += KV_VL) {
+                    const kv_vec p = KV_LOAD(s[v] + t);
+                    z = KV_FMA(p, KV_LOAD(vzb + t), z);
+                    kv_vec wv = KV_MUL(p, KV_LOAD(vsb + t));
+                    if (bits == 4) wv = KV_PERM_TOK(wv);
+                    KV_STORE(w[v] + t, wv);
+                }
+                zsum[v] = KV_HSUM(z);
+            }
+            for (int c0 = jg * j->gv; c0 < (jg + 1) * j->gv; c0 += KV_VL) {
+                for (int i = 0; i < KV_VL; i++)
+                    kv_v_channel(cb, (int64_t)(c0 + i) * Pb, nch, bits, w[0], KVC_KVFMT_BT_MAX,
+                                 nv, tmp, i);
+                for (int v = 0; v < nv; v++) {
+                    const kv_vec r = KV_REDUCE(tmp + (int64_t)v * KV_VL * KV_VL);
+                    KV_STORE(st.o[v] + c0,
+                             KV_ADD(KV_LOAD(st.o[v] + c0), KV_ADD(r, KV_SET1(zsum[v]))));
+                }
+            }
+        }
+    }
+    /* ---- float16 rows (positions fstart .. maxpos, from the window) ---- */
+    if (j->do_tail && maxpos >= j->fstart) {
+        const int64_t n = maxpos + 1 - j->fstart, np = (n + KV_VL - 1) / KV_VL * KV_VL;
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t tt = j->fstart + t;
+            const int64_t sl = j->wmod ? tt % j->wmod : tt - j->w0;
+            kv_f16_row(j->wk + sl * j->wrs + (int64_t)j->h * Dh, row, Dh);
+            for (int v = 0; v < nv; v++) {
+                kv_vec a = KV_ZERO();
+                for (int c = 0; c < Dh; c += KV_VL) a = KV_FMA(KV_LOAD(j->q[v] + c), KV_LOAD(row + c), a);
+                s[v][t] = tt <= j->pos[v] ? KV_HSUM(a) * j->sc : -INFINITY;
+            }
+        }
+        for (int v = 0; v < nv; v++)
+            for (int64_t t = n; t < np; t++) s[v][t] = -INFINITY;
+        kv_softmax(&st, nv, s, np, Dh);
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t tt = j->fstart + t;
+            const int64_t sl = j->wmod ? tt % j->wmod : tt - j->w0;
+            kv_f16_row(j->wv + sl * j->wrs + (int64_t)j->h * Dh, row, Dh);
+            for (int v = 0; v < nv; v++) {
+                const kv_vec p = KV_SET1(s[v][t]);
+                for (int c = 0; c < Dh; c += KV_VL)
+                    KV_STORE(st.o[v] + c, KV_FMA(p, KV_LOAD(row + c), KV_LOAD(st.o[v] + c)));
+            }
+        }
+    }
+    for (int v = 0; v < nv; v++) {
+        j->m[v] = st.m[v];
+        j->l[v] = st.l[v];
+        memcpy(j->o + (int64_t)v * Dh, st.o[v], (size_t)Dh * sizeof(float));
+    }
+}

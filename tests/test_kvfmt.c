@@ -1,0 +1,309 @@
+/*
+ * kvc_kvfmt_attention (docs/KV_FORMATS.md section 6) on every ISA the host
+ * runs (scalar: the generic C; avx2/avx512: src/kernels/kvfmt_*.c) against
+ * a float64 reference computed here from the page bytes as section 5 lays
+ * them out (x' = q * scale + zero, float16 tail, V rotated back by an
+ * explicit Hadamard matrix), independent of the library's kernels; and 1 vs
+ * 2 threads bitwise equal. Grid: kivi8/kivi4, H 1..3, GQA 1..8, Dh 64/128
+ * (and a Dh the kernels leave to the generic C), P 16/32/64/128, decode
+ * rows and prefill runs of consecutive positions, partial tails, sequences
+ * long enough for the kernels' key chunks.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "test.h"
+
+typedef struct lay {
+    size_t kc, vc, vs, vz, ks, kz, page;
+    int64_t share;
+} lay;
+
+/* Section 5's field order, from the format's parameters alone. */
+static lay layout_of(const kvc_kvfmt *f) {
+    const int64_t H = f->num_kv_heads, D = f->head_dim, P = f->page_size, G = f->group;
+    lay l;
+    l.kc = 0;
+    l.vc = l.kc + (size_t)(H * P * D * f->bits / 8);
+    l.vs = l.vc + (size_t)(H * D * P * f->bits / 8);
+    l.vz = l.vs + (size_t)(H * P * (D / f->v_group) * 2);
+    l.ks = l.vz + (f->v_asym ? (size_t)(H * P * (D / f->v_group) * 2) : 0);
+    l.share = H * D * P / G;
+    l.kz = l.ks + (size_t)l.share * 2;
+    l.page = l.kz + (size_t)l.share * 2;
+    return l;
+}
+
+static double f16at(const unsigned char *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return (double)kvc_f16_to_f32(h);
+}
+
+static int code_at(const unsigned char *row, int64_t i, int bits) {
+    return bits == 8 ? row[i] : (row[i / 2] >> ((i & 1) * 4)) & 15;
+}
+
+/* Dequantized K and V (rotated basis) of position t, head h, into k, v. */
+static void deq(const kvc_kvfmt *f, const lay *l, const unsigned char *pages, size_t pstride,
+                const kvc_kvfmt_seq *s, int64_t t, int64_t h, double *k, double *v) {
+    const int64_t H = f->num_kv_heads, D = f->head_dim, P = f->page_size, G = f->group;
+    const int64_t nq = (s->n_kv / G) * G, T = G + f->window;
+    if (t >= nq) { /* float16 tail (W = 0: the queries below all read it from nq) */
+        for (int64_t c = 0; c < D; c++) {
+            k[c] = kvc_f16_to_f32(s->tail[((t % T) * H + h) * D + c]);
+            v[c] = kvc_f16_to_f32(s->tail[((T + t % T) * H + h) * D + c]);
+        }
+        return;
+    }
+    const unsigned char *pg = pages + (size_t)s->pages[t / P] * pstride;
+    const int64_t o = t % P, g = t / G, nvg = D / f->v_group;
+    for (int64_t c = 0; c < D; c++) {
+        const int64_t e = h * D + c;
+        const unsigned char *kp;
+        int64_t idx;
+        if (G <= P) {
+            kp = pages + (size_t)s->pages[(g * G) / P] * pstride;
+            idx = (g % (P / G)) * H * D + e;
+        } else {
+            kp = pages + (size_t)s->pages[(g * G + (e / l->share) * P) / P] * pstride;
+            idx = e % l->share;
+        }
+        const double ks = f16at(kp + l->ks + idx * 2), kz = f16at(kp + l->kz + idx * 2);
+        k[c] = (double)(float)(code_at(pg + l->kc + (h * P + o) * D * f->bits / 8, c, f->bits) * ks + kz);
+        const int64_t vi = ((h * P + o) * nvg + c / f->v_group) * 2;
+        const double vs = f16at(pg + l->vs + vi), vz = f16at(pg + l->vz + vi);
+        v[c] = (double)(float)(code_at(pg + l->vc + (h * D + c) * P * f->bits / 8, o, f->bits) * vs + vz);
+    }
+}
+
+/* out (Hq, D) and lse (Hq, base 2) of one query row in float64. */
+static void reference(const kvc_kvfmt *f, const lay *l, const unsigned char *pages, size_t pstride,
+                      const kvc_kvfmt_seq *s, const float *q, int64_t Hq, int64_t pos,
+                      double *out, double *lse) {
+    const int64_t H = f->num_kv_heads, D = f->head_dim, grp = Hq / H;
+    double *sc = malloc((size_t)(pos + 1) * 8);
+    double *kk = malloc((size_t)((pos + 1) * D) * 8), *vv = malloc((size_t)((pos + 1) * D) * 8);
+    const double sm = 1.0 / sqrt((double)D);
+    for (int64_t h = 0; h < H; h++) {
+        for (int64_t t = 0; t <= pos; t++) deq(f, l, pages, pstride, s, t, h, kk + t * D, vv + t * D);
+        for (int64_t g = 0; g < grp; g++) {
+            const int64_t qh = h * grp + g;
+            double mx = -INFINITY;
+            for (int64_t t = 0; t <= pos; t++) {
+                double d = 0;
+                for (int64_t c = 0; c < D; c++) d += (double)q[qh * D + c] * kk[t * D + c];
+                sc[t] = d * sm;
+                mx = sc[t] > mx ? sc[t] : mx;
+            }
+            double sum = 0;
+            double *o = out + qh * D;
+            for (int64_t c = 0; c < D; c++) o[c] = 0;
+            for (int64_t t = 0; t <= pos; t++) {
+                const double p = exp(sc[t] - mx);
+                sum += p;
+                for (int64_t c = 0; c < D; c++) o[c] += p * vv[t * D + c];
+            }
+            for (int64_t c = 0; c < D; c++) o[c] /= sum;
+            if (f->rotate_v) { /* o = H o, H the normalized Sylvester Hadamard matrix */
+                double *r = malloc((size_t)D * 8);
+                for (int64_t i = 0; i < D; i++) {
+                    double a = 0;
+                    for (int64_t j = 0; j < D; j++)
+                        a += (__builtin_popcountll((unsigned long long)(i & j)) & 1 ? -1.0 : 1.0) * o[j];
+                    r[i] = a / sqrt((double)D);
+                }
+                memcpy(o, r, (size_t)D * 8);
+                free(r);
+            }
+            lse[qh] = (mx + log(sum)) / log(2.0);
+        }
+    }
+    free(sc), free(kk), free(vv);
+}
+
+typedef struct grid_case {
+    kvc_kv_format id;
+    int32_t H, grp, D, P;
+} grid_case;
+
+/* n_seqs sequences of the given lengths (appended in random chunks), rows:
+ * the last position of each (decode), a prefill run of consecutive
+ * positions at the end of the longest, and scattered positions. */
+static int run_case(const grid_case *gc, const int64_t *lens, int n_seqs, uint64_t seed) {
+    kvc_kvfmt f;
+    ASSERT_OK(kvc_kvfmt_make(gc->id, gc->H, gc->D, gc->P, &f));
+    const lay l = layout_of(&f);
+    ASSERT_EQ_I64(l.page, kvc_kvfmt_page_bytes(&f));
+    const int64_t H = gc->H, D = gc->D, P = gc->P, Hq = H * gc->grp, row = H * D;
+    uint64_t rng = seed;
+    int64_t npages = 0, longest = 0;
+    for (int b = 0; b < n_seqs; b++) {
+        npages += (lens[b] + P - 1) / P;
+        if (lens[b] > lens[longest]) longest = b;
+    }
+    const size_t pb = l.page, tb = kvc_kvfmt_tail_bytes(&f);
+    unsigned char *pages = calloc((size_t)(npages + 2), pb);
+    int32_t *ids = malloc((size_t)(npages + 2) * 4);
+    uint16_t *tails = calloc((size_t)n_seqs, tb);
+    kvc_kvfmt_seq seqs[8];
+    ASSERT_TRUE(pages && ids && tails && n_seqs <= 8);
+    for (int64_t i = 0; i < npages + 2; i++) ids[i] = (int32_t)i;
+    for (int64_t i = npages + 1; i > 0; i--) { /* shuffled page ids */
+        const int64_t j = (int64_t)(test_rng_next(&rng) % (uint64_t)(i + 1));
+        const int32_t t = ids[i];
+        ids[i] = ids[j];
+        ids[j] = t;
+    }
+    /* K channels with their own offsets and spreads, V around 0 */
+    float *off = malloc((size_t)row * 4), *spr = malloc((size_t)row * 4);
+    for (int64_t e = 0; e < row; e++) {
+        off[e] = test_rng_f32(&rng) * 6.0f;
+        spr[e] = 0.2f + 2.0f * fabsf(test_rng_f32(&rng));
+    }
+    int64_t p0 = 0;
+    for (int b = 0; b < n_seqs; b++) {
+        seqs[b].pages = ids + p0;
+        seqs[b].tail = (uint16_t *)(void *)((unsigned char *)tails + (size_t)b * tb);
+        seqs[b].n_kv = 0;
+        p0 += (lens[b] + P - 1) / P;
+        while (seqs[b].n_kv < lens[b]) {
+            int64_t n = 1 + (int64_t)(test_rng_next(&rng) % 150);
+            if (n > lens[b] - seqs[b].n_kv) n = lens[b] - seqs[b].n_kv;
+            float *k = malloc((size_t)(n * row) * 4), *v = malloc((size_t)(n * row) * 4);
+            for (int64_t i = 0; i < n * row; i++) {
+                k[i] = off[i % row] + spr[i % row] * test_rng_f32(&rng);
+                v[i] = test_rng_f32(&rng) * 2.0f;
+            }
+            seqs[b].n_kv += n;
+            int64_t ip[2] = {0, n}, sh[3] = {n, H, D}, psh[2] = {npages + 2, (int64_t)pb};
+            kvc_tensor tk = kvc_tensor_make(k, KVC_F32, 3, sh), tv = kvc_tensor_make(v, KVC_F32, 3, sh);
+            kvc_tensor tp = kvc_tensor_make(pages, KVC_U8, 2, psh);
+            const kvc_status st = kvc_kvfmt_append(&f, &tp, &seqs[b], 1, ip, &tk, &tv, NULL);
+            free(k), free(v);
+            ASSERT_OK(st);
+        }
+    }
+    /* rows: positions whose float16 values the tail still holds, from
+     * floor(n / G) * G - 1 on (older ones are refused: test_refused) */
+    int32_t qseq[64], qpos[64];
+    int64_t lo[8];
+    int nq = 0;
+    for (int b = 0; b < n_seqs; b++) {
+        lo[b] = lens[b] / f.group * f.group - 1;
+        if (lo[b] < 0) lo[b] = 0;
+        qseq[nq] = b, qpos[nq++] = (int32_t)(lens[b] - 1);
+    }
+    int64_t run = lens[longest] - lo[longest]; /* prefill run */
+    if (run > 9) run = 9;
+    for (int64_t i = 0; i < run; i++)
+        qseq[nq] = (int32_t)longest, qpos[nq++] = (int32_t)(lens[longest] - run + i);
+    for (int i = 0; i < 4; i++) {
+        const int b = (int)(test_rng_next(&rng) % (uint64_t)n_seqs);
+        qseq[nq] = b;
+        qpos[nq++] = (int32_t)(lo[b] + (int64_t)(test_rng_next(&rng) % (uint64_t)(lens[b] - lo[b])));
+    }
+    if (lo[longest] > 0) { /* a position before the tail's reach is refused, nothing written */
+        int64_t sh1[3] = {1, Hq, D}, psh1[2] = {npages + 2, (int64_t)pb}, osh[3] = {1, Hq, D};
+        float qq[KVC_ATTN_MAX_HEAD_DIM * 16] = {0}, oo[KVC_ATTN_MAX_HEAD_DIM * 16];
+        int32_t s1 = (int32_t)longest, p1 = (int32_t)(lo[longest] - 1);
+        kvc_tensor tq1 = kvc_tensor_make(qq, KVC_F32, 3, sh1), to1 = kvc_tensor_make(oo, KVC_F32, 3, osh);
+        kvc_tensor tp1 = kvc_tensor_make(pages, KVC_U8, 2, psh1);
+        if (Hq <= 16)
+            ASSERT_TRUE(kvc_kvfmt_attention(&f, &tp1, seqs, n_seqs, &tq1, &s1, &p1, NULL, &to1,
+                                            NULL, NULL) == KVC_ERR_INVALID_ARG);
+    }
+    float *q = malloc((size_t)(nq * Hq * D) * 4);
+    for (int64_t i = 0; i < nq * Hq * D; i++) q[i] = test_rng_f32(&rng) * 1.5f;
+    double *ref = malloc((size_t)(nq * Hq * D) * 8), *rlse = malloc((size_t)(nq * Hq) * 8);
+    for (int i = 0; i < nq; i++)
+        reference(&f, &l, pages, pb, &seqs[qseq[i]], q + (int64_t)i * Hq * D, Hq, qpos[i],
+                  ref + (int64_t)i * Hq * D, rlse + (int64_t)i * Hq);
+    double vmax = 0; /* tolerance scale: the largest dequantized |V| */
+    for (int b = 0; b < n_seqs; b++)
+        for (int64_t t = 0; t < lens[b]; t++)
+            for (int64_t h = 0; h < H; h++) {
+                double k[KVC_ATTN_MAX_HEAD_DIM], v[KVC_ATTN_MAX_HEAD_DIM];
+                deq(&f, &l, pages, pb, &seqs[b], t, h, k, v);
+                for (int64_t c = 0; c < D; c++) vmax = fabs(v[c]) > vmax ? fabs(v[c]) : vmax;
+            }
+    float *out1 = malloc((size_t)(nq * Hq * D) * 4), *out2 = malloc((size_t)(nq * Hq * D) * 4);
+    float *lse1 = malloc((size_t)(nq * Hq) * 4), *lse2 = malloc((size_t)(nq * Hq) * 4);
+    int64_t qsh[3] = {nq, Hq, D}, lsh[2] = {nq, Hq}, psh[2] = {npages + 2, (int64_t)pb};
+    kvc_tensor tq = kvc_tensor_make(q, KVC_F32, 3, qsh), tp = kvc_tensor_make(pages, KVC_U8, 2, psh);
+    int rc = 0;
+    FOR_EACH_ISA({
+        kvc_tensor to1 = kvc_tensor_make(out1, KVC_F32, 3, qsh), to2 = kvc_tensor_make(out2, KVC_F32, 3, qsh);
+        kvc_tensor tl1 = kvc_tensor_make(lse1, KVC_F32, 2, lsh), tl2 = kvc_tensor_make(lse2, KVC_F32, 2, lsh);
+        memset(out1, 0xff, (size_t)(nq * Hq * D) * 4);
+        memset(out2, 0x7f, (size_t)(nq * Hq * D) * 4);
+        ASSERT_OK(kvc_kvfmt_attention(&f, &tp, seqs, n_seqs, &tq, qseq, qpos, NULL, &to1, &tl1,
+                                      test_pool(1)));
+        ASSERT_OK(kvc_kvfmt_attention(&f, &tp, seqs, n_seqs, &tq, qseq, qpos, NULL, &to2, &tl2,
+                                      test_pool(2)));
+        if (memcmp(out1, out2, (size_t)(nq * Hq * D) * 4) || memcmp(lse1, lse2, (size_t)(nq * Hq) * 4)) {
+            fprintf(stderr, "  %s H %d grp %d D %d P %d isa %s: 1 and 2 threads differ\n",
+                    kvc_kv_format_name(gc->id), gc->H, gc->grp, gc->D, gc->P,
+                    kvc_isa_name(kvc_get_isa()));
+            rc = 1;
+        }
+        double worst = 0, worst_l = 0;
+        for (int64_t i = 0; i < nq * Hq * D; i++) {
+            const double e = fabs((double)out1[i] - ref[i]) / (2e-3 * vmax + 2e-3 * fabs(ref[i]));
+            if (!(e <= worst)) worst = isnan(e) ? INFINITY : e;
+        }
+        for (int64_t i = 0; i < nq * Hq; i++) {
+            const double e = fabs((double)lse1[i] - rlse[i]) / (2e-3 + 1e-4 * fabs(rlse[i]));
+            if (!(e <= worst_l)) worst_l = isnan(e) ? INFINITY : e;
+        }
+        if (worst > 1 || worst_l > 1) {
+            fprintf(stderr, "  %s H %d grp %d D %d P %d isa %s: error %.3g of tolerance (out), "
+                    "%.3g (lse)\n", kvc_kv_format_name(gc->id), gc->H, gc->grp, gc->D, gc->P,
+                    kvc_isa_name(kvc_get_isa()), worst, worst_l);
+            rc = 1;
+        }
+    });
+    free(out1), free(out2), free(lse1), free(lse2), free(q), free(ref), free(rlse);
+    free(pages), free(ids), free(tails), free(off), free(spr);
+    return rc;
+}
+
+TEST(attention_grid) {
+    static const grid_case cases[] = {
+        {KVC_KVFMT_KIVI8, 1, 1, 64, 16},  {KVC_KVFMT_KIVI4, 1, 1, 64, 16},
+        {KVC_KVFMT_KIVI8, 2, 4, 128, 64}, {KVC_KVFMT_KIVI4, 2, 4, 128, 64},
+        {KVC_KVFMT_KIVI8, 3, 3, 64, 128}, {KVC_KVFMT_KIVI4, 3, 3, 64, 128},
+        {KVC_KVFMT_KIVI8, 1, 8, 128, 16}, {KVC_KVFMT_KIVI4, 2, 8, 64, 32},
+        {KVC_KVFMT_KIVI8, 2, 2, 96, 16},  /* Dh 96: gv 32 */
+        {KVC_KVFMT_KIVI4, 1, 2, 16, 16},  /* Dh 16: avx512 leaves it to the generic C */
+        {KVC_KVFMT_KIVI8, 3, 6, 64, 8},   /* P 8: avx512 leaves it to the generic C */
+    };
+    static const int64_t lens_a[4] = {1, 63, 200, 130};
+    static const int64_t lens_b[2] = {1100, 64};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        if (run_case(&cases[i], lens_a, 4, test_seed + i) != 0) return 1;
+        if (i % 3 == 0 && run_case(&cases[i], lens_b, 2, test_seed + 100 + i) != 0) return 1;
+    }
+    return 0;
+}
+
+/* A decode step of one sequence that ends exactly on a group (empty tail)
+ * and a long one split into the kernels' chunks (over 1024 keys). */
+TEST(attention_chunks) {
+    static const grid_case cases[] = {{KVC_KVFMT_KIVI8, 1, 4, 128, 16}, {KVC_KVFMT_KIVI4, 3, 3, 64, 16}};
+    static const int64_t lens[1] = {2560};
+    static const int64_t lens2[2] = {3000, 128};
+    for (int i = 0; i < 2; i++) {
+        if (run_case(&cases[i], lens, 1, test_seed + 7 * i) != 0) return 1;
+        if (run_case(&cases[i], lens2, 2, test_seed + 9 * i) != 0) return 1;
+    }
+    return 0;
+}
+
+const char *test_suite_name = "kvfmt";
+const test_case test_suite[] = {
+    TEST_ENTRY(attention_grid),
+    TEST_ENTRY(attention_chunks),
+    {0, 0},
+};
