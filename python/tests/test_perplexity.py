@@ -148,13 +148,19 @@ def test_tiny_matches_float64_reference(tiny):
     assert got["kv_bytes_per_token"] == _kv_bytes(m.info, 32, 0)
 
 
-@pytest.mark.parametrize("kv_dtype,bits,group", [("float16", 16, 0), ("bfloat16", 16, 0),
-                                                 ("int8", 8, 8), ("int8", 8, 32),
-                                                 ("int4", 4, 16)])
-def test_tiny_matches_model_forward(tiny, kv_dtype, bits, group):
+# (--kv-dtype, the Python kv_dtype, bits, group, n_ctx): int8/int4 name the
+# compressed formats (chunks of 160 tokens complete K groups of 64), the
+# per-token caches are int8-token/int4-token
+PPL_CASES = [("float16", "float16", 16, 0, 40), ("bfloat16", "bfloat16", 16, 0, 40),
+             ("int8-token", "int8", 8, 8, 40), ("int8-token", "int8", 8, 32, 40),
+             ("int4-token", "int4", 4, 16, 40), ("int8", "kivi8", 8, 0, 160),
+             ("int4", "kivi4", 4, 0, 160)]
+
+
+@pytest.mark.parametrize("cli,kv_dtype,bits,group,n_ctx", PPL_CASES)
+def test_tiny_matches_model_forward(tiny, cli, kv_dtype, bits, group, n_ctx):
     path, text, m, ids, bos = tiny
-    n_ctx = 40
-    args = ["-m", path, "-f", text, "-c", n_ctx, "--kv-dtype", kv_dtype, "-t", 2]
+    args = ["-m", path, "-f", text, "-c", n_ctx, "--kv-dtype", cli, "-t", 2]
     if group:
         args += ["--kv-group", group]
     got = _json(*args)
@@ -164,9 +170,13 @@ def test_tiny_matches_model_forward(tiny, kv_dtype, bits, group):
     # the same logits: only the order of the nll sums differs
     assert got["ppl"] == pytest.approx(ppl, rel=1e-12)
     assert got["ppl_stderr"] == pytest.approx(se, rel=1e-9)
-    assert got["kv_dtype"] == kv_dtype
+    assert got["kv_dtype"] == (kv_dtype + "-token" if cli.endswith("-token") else kv_dtype)
     assert got["kv_group"] == (group or None)
-    assert got["kv_bytes_per_token"] == _kv_bytes(m.info, bits, group)
+    if kv_dtype.startswith("kivi"):
+        fmt = kvcache.KVFormat.member(kv_dtype, m.info["n_head_kv"], m.info["head_dim"], 16)
+        assert got["kv_bytes_per_token"] == m.info["n_layer"] * fmt.page_bytes // 16
+    else:
+        assert got["kv_bytes_per_token"] == _kv_bytes(m.info, bits, group)
 
 
 def test_tiny_batch_and_threads_do_not_change_the_result(tiny):
@@ -174,6 +184,13 @@ def test_tiny_batch_and_threads_do_not_change_the_result(tiny):
     base = _json("-m", path, "-f", text, "-c", 64, "-t", 1)
     for extra in (["-b", 5], ["-b", 64], ["-b", 1000], ["-t", 2, "-b", 17]):
         assert _json("-m", path, "-f", text, "-c", 64, "-t", 1, *extra) == base
+    # the compressed formats too: each query reads what a decode at its
+    # position would, whatever the steps (chunks of 160 cross K groups)
+    for kv in ("int8", "int4"):
+        base = _json("-m", path, "-f", text, "-c", 160, "-t", 1, "--kv-dtype", kv)
+        for extra in (["-b", 7], ["-b", 64], ["-t", 2, "-b", 100]):
+            assert _json("-m", path, "-f", text, "-c", 160, "-t", 1, "--kv-dtype", kv,
+                         *extra) == base
 
 
 def test_tiny_progress_only_on_a_terminal(tiny):
@@ -229,8 +246,8 @@ def test_tiny_errors(tiny, tmp_path):
         (["-f", text, "-c", 512], 2, "the model's context is 256"),
         (["-f", text, "-b", 0], 2, "-b: expected"),
         (["-f", text, "--kv-dtype", "int3"], 2, "--kv-dtype: expected"),
-        (["-f", text, "--kv-group", 32], 2, "--kv-group needs --kv-dtype int8 or int4"),
-        (["-f", text, "-c", 64, "--kv-dtype", "int8", "--kv-group", 3], 2, "--kv-group 3"),
+        (["-f", text, "--kv-group", 32], 2, "--kv-group needs --kv-dtype int8-token or int4-token"),
+        (["-f", text, "-c", 64, "--kv-dtype", "int8-token", "--kv-group", 3], 2, "--kv-group 3"),
         (["-f", text, "-c"], 2, "missing value"),
         ([], 2, "a text file is required"),
     ]
@@ -274,8 +291,14 @@ def test_default_model(tmp_path):
     assert 20 < got["ppl"] < 500
     # the issue's table: float16 23,040 and int8 group 32 12,240 bytes per token
     assert got["kv_bytes_per_token"] == _kv_bytes(info, 16, 0) == 23040
-    g32 = _json("-m", DEFAULT_MODEL, "-f", text, "-c", n_ctx, "-t", 2, "--kv-dtype", "int8",
-                "--kv-group", 32)
+    g32 = _json("-m", DEFAULT_MODEL, "-f", text, "-c", n_ctx, "-t", 2, "--kv-dtype",
+                "int8-token", "--kv-group", 32)
     assert g32["kv_bytes_per_token"] == _kv_bytes(info, 8, 32) == 12240
     # an 8-bit cache costs little on this text; a broken one would not
     assert abs(np.log(g32["ppl"] / got["ppl"])) < 0.05
+    # the compressed formats' bytes (KV_FORMATS.md section 5) and a small cost
+    for kv, bpt, tol in (("int8", 12240, 0.01), ("int4", 6480, 0.05)):
+        c = _json("-m", DEFAULT_MODEL, "-f", text, "-c", n_ctx, "-t", 2, "--kv-dtype", kv)
+        assert c["kv_dtype"] == {"int8": "kivi8", "int4": "kivi4"}[kv]
+        assert c["kv_bytes_per_token"] == bpt
+        assert abs(np.log(c["ppl"] / got["ppl"])) < tol, (kv, c["ppl"], got["ppl"])
