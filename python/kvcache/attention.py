@@ -431,6 +431,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
         self._pool = _lib.threadpool(self._num_threads)  # what call_pooled would look up
         self._plan = None  # kvc_decode_plan pointer
         self._info = None
+        self._kvfmt = None  # a compressed-format plan: (KVFormat, page table, sm_scale, dtypes)
 
     @property
     def kv_layout(self) -> str:
@@ -452,7 +453,12 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
                 (num_qo_heads % num_kv_heads == 0).
             kv_data_type: optional cache dtype that run checks ("float32",
                 "float16", "bfloat16", "int8", "int4" (uint8 arrays), or a
-                numpy dtype).
+                numpy dtype); or a compressed format, "kivi8" or "kivi4"
+                (docs/KV_FORMATS.md): run then takes the (pages, tails) pair
+                that append_paged_kv_cache(kv_format=) writes (sm_scale only;
+                no soft cap, window, sinks or calibration scales). Prefill
+                over these formats stores and attends in one call:
+                kvcache.kvfmt.append_attention.
             quant_group: int8/int4 caches: group size of the scales.
             q_data_type: optional q dtype that run checks.
             o_data_type: output dtype (float32, float16, bfloat16; None: q's).
@@ -478,6 +484,11 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
         if _lib.int32_attr(window_right, "window_right") < -1:
             raise InvalidArgumentError(f"window_right must be >= -1, got {window_right!r}")
         _compat.host_options(non_blocking, fixed_split_size, disable_split_kv)
+        if isinstance(kv_data_type, str) and kv_data_type.strip().lower() in ("kivi8", "kivi4"):
+            self._plan_compressed(kv_data_type.strip().lower(), indptr, indices, last_page_len,
+                                  num_qo_heads, num_kv_heads, head_dim, page_size, sm_scale,
+                                  logits_soft_cap, window_left, q_data_type, o_data_type)
+            return
         q_data_type, kv_data_type = _compat.data_types(data_type, q_data_type, kv_data_type)
         params = _attn_params(sm_scale, logits_soft_cap, window_left)
         o_dt = _data_type(o_data_type, "o_data_type", False)
@@ -495,6 +506,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
             ctypes.byref(ts[0]), ctypes.byref(ts[1]), ctypes.byref(ts[2]), *ints,
             self._num_threads, ctypes.byref(ptr)))
         self._free_plan()
+        self._kvfmt = None
         self._plan = ptr.value
         batch = idx[0].shape[0] - 1 if idx[0].ndim == 1 and idx[0].size else 0
         self._info = {
@@ -539,6 +551,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
             o (B, num_qo_heads, head_dim) of o_data_type (None: q's dtype),
             or (o, lse (B, num_qo_heads) float32) with return_lse.
         """
+        if self._kvfmt is not None:
+            return self._run_compressed(q, paged_kv_cache, return_lse, kv_scale, q_scale,
+                                        k_scale, v_scale, out, lse, window_left, sinks)
         if self._plan is None:
             raise InvalidArgumentError("BatchDecodeWithPagedKVCacheWrapper.run: call plan() first")
         info = self._info
@@ -579,10 +594,68 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
     def end_forward(self) -> None:
         """FlashInfer's deprecated end_forward(): nothing to do."""
 
+    def _plan_compressed(self, name, indptr, indices, last_page_len, num_qo_heads,
+                         num_kv_heads, head_dim, page_size, sm_scale, logits_soft_cap,
+                         window_left, q_data_type, o_data_type):
+        """kv_data_type "kivi8"/"kivi4" (docs/KV_FORMATS.md): run then takes a
+        (pages, tails) pair, as append_paged_kv_cache(kv_format=) writes it,
+        and each request's query sits at its last position."""
+        from . import kvfmt
+
+        if logits_soft_cap not in (None, 0, 0.0) or _lib.int32_attr(window_left,
+                                                                    "window_left") != -1:
+            raise InvalidArgumentError(f"{name}: logits_soft_cap and window_left are not "
+                                       f"supported over compressed formats")
+        fmt = kvfmt.KVFormat.member(name, num_kv_heads, head_dim, page_size)
+        hq = _lib.int32_attr(num_qo_heads, "num_qo_heads")
+        if hq < 1 or hq % fmt.num_kv_heads:
+            raise InvalidArgumentError(f"num_qo_heads {hq} must be a multiple of num_kv_heads "
+                                       f"{fmt.num_kv_heads}")
+        table = (np.array(_lib.int64_array(indptr, "indptr").reshape(-1)),
+                 np.array(_lib.int32_array(indices, "indices").reshape(-1)),
+                 np.array(_lib.int64_array(last_page_len, "last_page_len").reshape(-1)))
+        tails = np.zeros((table[2].shape[0],) + fmt.tail_shape, np.float16)
+        kvfmt.seqs_from_table(fmt, tails, *table)  # validates the table now
+        self._free_plan()
+        self._info = None
+        self._kvfmt = (fmt, table, sm_scale, hq, _data_type(q_data_type, "q_data_type", False),
+                       _data_type(o_data_type, "o_data_type", False))
+
+    def _run_compressed(self, q, paged_kv_cache, return_lse, kv_scale, q_scale, k_scale,
+                        v_scale, out, lse, window_left, sinks):
+        from . import kvfmt
+
+        fmt, table, sm_scale, hq, q_dt, o_dt = self._kvfmt
+        for name, v in (("kv_scale", kv_scale), ("q_scale", q_scale), ("k_scale", k_scale),
+                        ("v_scale", v_scale), ("out", out), ("lse", lse), ("sinks", sinks)):
+            if v is not None:
+                raise InvalidArgumentError(f"{name} is not supported over {fmt.name} caches")
+        if window_left not in (None, -1):
+            raise InvalidArgumentError(f"window_left is not supported over {fmt.name} caches")
+        if not kvfmt.is_compressed_cache(paged_kv_cache):
+            raise InvalidArgumentError(f"a {fmt.name} plan runs on a (pages, tails) pair: uint8 "
+                                       f"(max_pages, {fmt.page_bytes}), float16 "
+                                       f"(B, {', '.join(map(str, fmt.tail_shape))})")
+        pages, tails = paged_kv_cache
+        seqs = kvfmt.seqs_from_table(fmt, tails, *table)
+        qa = _lib.as_array(q, "q")
+        if q_dt is not None and qa.dtype != q_dt:
+            raise InvalidArgumentError(f"q is {qa.dtype}, the plan said {q_dt}")
+        if qa.ndim != 3 or qa.shape[:2] != (len(seqs), hq):
+            raise InvalidArgumentError(f"q must be (batch_size, num_qo_heads, head_dim) = "
+                                       f"({len(seqs)}, {hq}, {fmt.head_dim}), got {qa.shape}")
+        if any(s.n_kv == 0 for s in seqs):
+            raise InvalidArgumentError("every request needs at least one token to attend")
+        res = kvfmt.attention(fmt, pages, seqs, qa, np.arange(len(seqs)),
+                              [s.n_kv - 1 for s in seqs], sm_scale, True, self._num_threads)
+        o = res[0] if o_dt is None else res[0].astype(o_dt)
+        return (o, res[1]) if return_lse else o
+
     def _free_plan(self) -> None:
         if self._plan is not None:
             _lib.kvc_decode_plan_destroy(self._plan)
             self._plan = None
+        self._kvfmt = None
 
     def __del__(self):
         try:

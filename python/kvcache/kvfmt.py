@@ -394,3 +394,60 @@ def _attend(fmt, pages, seqs, row_indptr, key, value, q, q_seq, q_pos, sm_scale,
     if qa.dtype != _F32:
         out = out.astype(qa.dtype)
     return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------
+# FlashInfer-style entry points (paged.append_paged_kv_cache and the batch
+# decode wrapper take a compressed cache as a ``(pages, tails)`` pair)
+
+
+def is_compressed_cache(paged_kv_cache) -> bool:
+    """Whether paged_kv_cache is a compressed-format ``(pages, tails)`` pair:
+    pages uint8 (max_pages, page_bytes), tails float16 (B, 2, G + W, H, Dh)."""
+    if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
+        return False
+    a, b = paged_kv_cache
+    return (isinstance(a, np.ndarray) and a.dtype == _U8 and a.ndim == 2 and
+            isinstance(b, np.ndarray) and b.dtype == _F16 and b.ndim == 5)
+
+
+def seqs_from_table(fmt, tails, kv_indptr, kv_indices, kv_last_page_len):
+    """KVSeqs of a CSR page table (request b: pages kv_indices[kv_indptr[b]:
+    kv_indptr[b+1]], length page_size * (pages - 1) + kv_last_page_len[b]) over
+    tails (B, 2, G + W, H, Dh) float16, tails[b] request b's (updated in place)."""
+    fmt = _check_fmt(fmt)
+    ip = _lib.int64_array(kv_indptr, "kv_indptr").reshape(-1)
+    ix = _lib.int32_array(kv_indices, "kv_indices").reshape(-1)
+    last = _lib.int64_array(kv_last_page_len, "kv_last_page_len").reshape(-1)
+    B = last.shape[0]
+    if ip.shape != (B + 1,) or (B and ip[0] != 0) or np.any(np.diff(ip) < 0) or \
+            (B and ip[-1] != ix.shape[0]):
+        raise InvalidArgumentError(f"kv_indptr must be ({B + 1},), start at 0, not decrease "
+                                   f"and end at len(kv_indices) = {ix.shape[0]}")
+    if not isinstance(tails, np.ndarray) or tails.shape != (B,) + fmt.tail_shape or \
+            tails.dtype != _F16:
+        raise InvalidArgumentError(f"tails must be float16 {(B,) + fmt.tail_shape}, got "
+                                   f"{getattr(tails, 'dtype', type(tails))} "
+                                   f"{getattr(tails, 'shape', '')}")
+    P = fmt.page_size
+    seqs = []
+    for b in range(B):
+        n_pages = int(ip[b + 1] - ip[b])
+        lp = int(last[b])
+        if (n_pages == 0 and lp != 0) or (n_pages > 0 and not 1 <= lp <= P):
+            raise InvalidArgumentError(f"kv_last_page_len[{b}] = {lp} outside [1, {P}] "
+                                       f"(request {b} has {n_pages} pages)")
+        n = P * (n_pages - 1) + lp if n_pages else 0
+        seqs.append(KVSeq(ix[ip[b]:ip[b + 1]], n, tails[b]))
+    return seqs
+
+
+def page_size_of(name, num_kv_heads, head_dim, page_bytes) -> int:
+    """The page size of member ``name`` whose pages are ``page_bytes`` long."""
+    one = KVFormat.member(name, num_kv_heads, head_dim, 64)  # a valid geometry
+    per_token = one.page_bytes // 64
+    if page_bytes % per_token:
+        raise InvalidArgumentError(f"pages of {page_bytes} bytes are not {name} pages of "
+                                   f"{num_kv_heads} heads x {head_dim} ({per_token} bytes "
+                                   f"per token)")
+    return page_bytes // per_token

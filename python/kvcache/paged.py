@@ -286,7 +286,7 @@ def _append_tables(batch_indices, positions, kv_indices, kv_indptr, kv_last_page
 def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache,
                           kv_indices, kv_indptr, kv_last_page_len, kv_layout="NHD",
                           kv_scale=None, quant_group=8, n_threads=None, *,
-                          num_threads=None) -> None:
+                          num_threads=None, kv_format=None) -> None:
     """Writes ragged new K/V rows into a paged cache (flashinfer.append_paged_kv_cache).
 
     Row j goes to page ``kv_indices[kv_indptr[b] + positions[j] // page_size]``,
@@ -318,6 +318,12 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
         quant_group: int8/int4 caches only: group size dividing Dh (even for
             int4).
         num_threads: worker threads (None: all CPUs); n_threads is the same.
+        kv_format: "kivi8" or "kivi4" for a compressed-format cache
+            (docs/KV_FORMATS.md): paged_kv_cache is then a ``(pages, tails)``
+            pair, pages uint8 (max_pages, page_bytes) and tails float16
+            (B, 2, G, H, Dh), both updated in place; each request's rows
+            must be its last positions in order (as get_batch_indices_positions
+            makes them); kv_layout, kv_scale and quant_group do not apply.
 
     Raises:
         InvalidArgumentError: bad page table, batch index or position out of
@@ -327,6 +333,13 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
             written then. If two rows name the same slot, which one is
             stored is unspecified.
     """
+    from . import kvfmt as _kvfmt  # here: kvfmt imports attention, which imports this module
+
+    if kv_format is not None or _kvfmt.is_compressed_cache(paged_kv_cache):
+        _append_compressed(append_key, append_value, batch_indices, positions, paged_kv_cache,
+                           kv_indices, kv_indptr, kv_last_page_len, kv_format,
+                           _lib.threads_arg(num_threads, n_threads))
+        return
     ak, ak_t = _lib.input_tensor(append_key, "append_key", _APPEND_CODES)
     av, av_t = _lib.input_tensor(append_value, "append_value", _APPEND_CODES)
     quantizing = ak_t.dtype in _lib.FLOAT_CODES  # the tensor's dtype is ak's kvc_dtype
@@ -340,6 +353,46 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
         (br(ak_t), br(av_t), br(bi_t), br(pos_t), br(pc), br(ind_t), br(ptr_t), br(last_t)),
         _lib.threads_arg(num_threads, n_threads))
     del keep, ak, av, rows
+
+
+def _append_compressed(append_key, append_value, batch_indices, positions, paged_kv_cache,
+                       kv_indices, kv_indptr, kv_last_page_len, kv_format, num_threads):
+    from . import kvfmt as _kvfmt
+
+    if not _kvfmt.is_compressed_cache(paged_kv_cache):
+        raise InvalidArgumentError("kv_format: paged_kv_cache must be a (pages, tails) pair: "
+                                   "uint8 (max_pages, page_bytes), float16 (B, 2, G, H, Dh)")
+    if kv_format is None:
+        raise InvalidArgumentError("a (pages, tails) cache needs kv_format='kivi8' or 'kivi4'")
+    pages, tails = paged_kv_cache
+    H, Dh = int(tails.shape[3]), int(tails.shape[4])
+    last = _lib.int64_array(kv_last_page_len, "kv_last_page_len").reshape(-1)
+    ip = _lib.int64_array(kv_indptr, "kv_indptr").reshape(-1)
+    # page_size: from the format's page bytes (a member's pages have P * bytes/token)
+    P = _kvfmt.page_size_of(kv_format, H, Dh, int(pages.shape[1]))
+    fmt = _kvfmt.KVFormat.member(kv_format, H, Dh, P)
+    seqs = _kvfmt.seqs_from_table(fmt, tails, ip, kv_indices, last)
+    bi = _lib.int64_array(batch_indices, "batch_indices").reshape(-1)
+    pos = _lib.int64_array(positions, "positions").reshape(-1)
+    nnz = bi.shape[0]
+    if pos.shape != (nnz,):
+        raise InvalidArgumentError(f"positions must be ({nnz},), got {pos.shape}")
+    B = len(seqs)
+    if nnz and (bi.min() < 0 or bi.max() >= B):
+        raise InvalidArgumentError(f"batch_indices must lie in [0, {B})")
+    if nnz and np.any(np.diff(bi) < 0):
+        raise InvalidArgumentError("a compressed cache takes each request's rows together, "
+                                   "requests in order (batch_indices non-decreasing)")
+    counts = np.bincount(bi, minlength=B) if nnz else np.zeros(B, np.int64)
+    indptr = np.zeros(B + 1, np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    for b in range(B):
+        want = np.arange(seqs[b].n_kv - counts[b], seqs[b].n_kv)
+        if not np.array_equal(pos[indptr[b]:indptr[b + 1]], want):
+            raise InvalidArgumentError(f"request {b}: a compressed cache stores a request's "
+                                       f"last positions in order, here {want[:1]}.."
+                                       f"{want[-1:]} (positions {pos[indptr[b]:indptr[b + 1]]})")
+    _kvfmt.append(fmt, pages, seqs, indptr, append_key, append_value, num_threads=num_threads)
 
 
 def append_paged_mla_kv_cache(append_ckv, append_kpe, batch_indices, positions, ckv_cache,
