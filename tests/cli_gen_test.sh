@@ -126,6 +126,8 @@ serve_sync)
         [ "$(grep -c -F "$f" "$tmp/out")" -eq 2 ] || fail "not in both cases: $f"
     done
     grep -q '"kv": "float16".*"kv_bytes_per_token": 23040,' "$tmp/out" || fail "f16 KV bytes"
+    # --kv-dtype int8 names the compressed format kivi8 (docs/KV_FORMATS.md)
+    grep -q '"kv": "kivi8".*"kv_bytes_per_token": 12240,' "$tmp/out" || fail "kivi8 KV bytes"
     grep -q '"decode_tok_s": 0.00' "$tmp/out" && fail "a zero decode rate"
     # the same greedy tokens as the engine generates for these prompts
     "$kv" bench-serve -m "$model" --batch 2 --prompt-len 40 --gen 8 --kv-dtype f16,int8 \
