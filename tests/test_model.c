@@ -381,6 +381,45 @@ TEST(tiny_engine_batched_equals_alone) {
     return 0;
 }
 
+/* The compressed formats: prompts that cross K groups (64 tokens), two
+ * sharing a 66-token prefix (a hit of one whole group), computed alone, in a
+ * batch with chunked prefill (8 rows a step) and with preemption: the same
+ * tokens, since every query reads what a decode at its position would and a
+ * prefix hit ends on a group boundary. */
+TEST(tiny_engine_compressed_formats_batched_equals_alone) {
+    NEED_TINY(m);
+    int32_t prompts[256];
+    const int lens[3] = {70, 20, 80};
+    int off = 0;
+    for (int r = 0; r < 3; r++)
+        for (int i = 0; i < lens[r]; i++)
+            prompts[off++] = (int32_t)((r == 1 || i >= 66 ? 7 * i + 13 * r + 2 : 3 * i + 1) % 300);
+    const int max_new[3] = {6, 6, 6};
+    const kvc_kv_format fmts[2] = {KVC_KVFMT_KIVI8, KVC_KVFMT_KIVI4};
+    for (int fi = 0; fi < 2; fi++) {
+        int32_t alone[3][16] = {{0}}, together[3][16] = {{0}}, tight[3][16] = {{0}};
+        kvc_engine_params ep = kvc_engine_default_params();
+        ep.kv_format = fmts[fi];
+        ep.kv_capacity_tokens = 512;
+        for (int r = 0, o = 0; r < 3; o += lens[r], r++) {
+            int32_t one[1][16] = {{0}};
+            ASSERT_TRUE(run_engine(m, ep, 1, prompts + o, &lens[r], &max_new[r], one, NULL) == 0);
+            memcpy(alone[r], one[0], sizeof one[0]);
+        }
+        ep.max_step_tokens = 8;
+        ep.n_threads = 2;
+        kvc_engine_stats st;
+        ASSERT_TRUE(run_engine(m, ep, 3, prompts, lens, max_new, together, &st) == 0);
+        ASSERT_MEM_EQ(together, alone, sizeof alone);
+        ASSERT_TRUE(st.cached_tokens >= 64); /* prompt 2 reused prompt 0's first group */
+        ep.kv_capacity_tokens = 112;          /* 7 pages: preemption */
+        ASSERT_TRUE(run_engine(m, ep, 3, prompts, lens, max_new, tight, &st) == 0);
+        ASSERT_MEM_EQ(tight, alone, sizeof alone);
+    }
+    kvc_model_destroy(m);
+    return 0;
+}
+
 /* core.h promises the runtime (prefill, decode, matrix products) works in
  * 256 KiB of stack: kvc_model_eval with prefill and decode rows and 2
  * threads, on a thread created with exactly that (test_on_small_stack), on
@@ -985,6 +1024,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(tiny_cache_equals_recompute),
     TEST_ENTRY(tiny_eval_in_256k_of_stack),
     TEST_ENTRY(tiny_engine_batched_equals_alone),
+    TEST_ENTRY(tiny_engine_compressed_formats_batched_equals_alone),
     TEST_ENTRY(tiny_engine_preemption_inside_prompt_chunks),
     TEST_ENTRY(tiny_engine_failed_step_changes_nothing),
     TEST_ENTRY(tiny_engine_failed_forward_leaves_no_page_findable),
