@@ -61,6 +61,13 @@ typedef __m256i kv_ivec; /* 16 int16 or 8 int32 */
         (ev) = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(a_, b_, 0x88)), 0xd8); \
         (od) = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(a_, b_, 0xdd)), 0xd8); \
     } while (0)
+static inline __m256 kv_f16_half(const void *p, int hi) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)p);
+    x = hi ? _mm256_srli_epi32(x, 16) : _mm256_and_si256(x, _mm256_set1_epi32(0xffff));
+    x = _mm256_permute4x64_epi64(_mm256_packus_epi32(x, x), 0x88);
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(x));
+}
+#define KV_F16_HALF(p, hi) kv_f16_half((p), (hi))
 #define KV_LO4(x) _mm256_and_si256((x), _mm256_set1_epi16(15))
 #define KV_HI4(x) _mm256_srli_epi16((x), 4)
 /* 8 bytes at p0, then 8 at p1, zero-extended to int16 */

@@ -51,6 +51,12 @@ typedef __m512i kv_ivec; /* 32 int16 or 16 int32 */
         (ev) = _mm512_permutex2var_epi32((a), i_, (b));                                                \
         (od) = _mm512_permutex2var_epi32((a), _mm512_add_epi32(i_, _mm512_set1_epi32(1)), (b));        \
     } while (0)
+static inline __m512 kv_f16_half(const void *p, int hi) {
+    __m512i x = _mm512_loadu_si512(p);
+    if (hi) x = _mm512_srli_epi32(x, 16);
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
+}
+#define KV_F16_HALF(p, hi) kv_f16_half((p), (hi))
 #define KV_LO4(x) _mm512_and_si512((x), _mm512_set1_epi16(15))
 #define KV_HI4(x) _mm512_srli_epi16((x), 4)
 /* 16 bytes at p0, then 16 at p1, zero-extended to int16 */

@@ -13,7 +13,8 @@
  *   int16 pair products of a and b, summed per int32 lane), KV_CVTI (float
  *   to int32, nearest), KV_I2F, KV_C8X2(p0, p1) (VL bytes at each, to 2 VL
  *   int16), KV_C4X4(p0 .. p3) (VL / 2 bytes at each, to 2 VL int16),
- *   KV_LO4/KV_HI4 (int16 lanes & 15, >> 4).
+ *   KV_LO4/KV_HI4 (int16 lanes & 15, >> 4), KV_F16_HALF(p, hi) (VL float16
+ *   from the low (hi 0) or high halves of VL 32-bit words at p).
  *
  * Work per job (per softmax block of up to 256 tokens, whole groups):
  *   K: per group, the K scale is folded into the query vectors (qs = q *
@@ -129,24 +130,32 @@ KV_INLINE void kv_idots(const kv_ivec *c, const int nk, const int16_t *w, int64_
     }
 }
 
+static inline const unsigned char *kv_opaque(const unsigned char *p) {
+    __asm__("" : "+r"(p));
+    return p;
+}
+
 /* One channel's V codes for part of a block, widened to int16: code vector
  * k from the VL-token chunks cb[2k], cb[2k + 1] (8-bit), or (4-bit, k even)
  * vectors k, k + 1 = the low and high nibbles of chunks cb[2k .. 2k + 3]. */
 KV_INLINE void kv_v_seg(const unsigned char *const *cb, int64_t off, const int nk, int bits,
                         const int16_t *w, int64_t ws, int nv, float *tmp, int i, int add) {
     kv_ivec c[KV_SEG];
+    /* the barrier keeps each address a scalar add in the load (GCC would
+     * otherwise add off to the pointers in vectors and move them out) */
+#define KV_CB(k) (kv_opaque(cb[k]) + off)
     if (bits == 8) {
 #pragma GCC unroll 8
-        for (int k = 0; k < nk; k++) c[k] = KV_C8X2(cb[2 * k] + off, cb[2 * k + 1] + off);
+        for (int k = 0; k < nk; k++) c[k] = KV_C8X2(KV_CB(2 * k), KV_CB(2 * k + 1));
     } else {
 #pragma GCC unroll 4
         for (int k = 0; k < nk; k += 2) {
-            const kv_ivec x = KV_C4X4(cb[2 * k] + off, cb[2 * k + 1] + off, cb[2 * k + 2] + off,
-                                      cb[2 * k + 3] + off);
+            const kv_ivec x = KV_C4X4(KV_CB(2 * k), KV_CB(2 * k + 1), KV_CB(2 * k + 2), KV_CB(2 * k + 3));
             c[k] = KV_LO4(x);
             c[k + 1] = KV_HI4(x);
         }
     }
+#undef KV_CB
     kv_idots(c, nk, w, ws, nv, tmp, i, add);
 }
 
@@ -432,6 +441,12 @@ void KV_NAME(const kvc_kvfmt_job *j) {
                                vsb + (t - b0), cnt);
                     kv_f16_row((const uint16_t *)(const void *)(pg + j->v_zero) + base,
                                vzb + (t - b0), cnt);
+                } else if (j->nvg == 2) { /* (scale, scale) pairs: one half of each */
+                    const unsigned char *ps = pg + j->v_scale + base * 2, *pz = pg + j->v_zero + base * 2;
+                    for (int64_t u = 0; u < cnt; u += KV_VL) {
+                        KV_STORE(vsb + (t - b0) + u, KV_F16_HALF(ps + u * 4, jg));
+                        KV_STORE(vzb + (t - b0) + u, KV_F16_HALF(pz + u * 4, jg));
+                    }
                 } else {
                     const uint16_t *ps = (const uint16_t *)(const void *)(pg + j->v_scale) + base;
                     const uint16_t *pz = (const uint16_t *)(const void *)(pg + j->v_zero) + base;
