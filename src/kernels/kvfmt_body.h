@@ -285,7 +285,7 @@ typedef struct kv_pf {
     const unsigned char *p[KV_PF_MAX];
     int64_t n[KV_PF_MAX]; /* lines */
     int nr, ri;
-    int64_t li, total;
+    int64_t li, total, done; /* lines: next in range ri, queued, issued */
 } kv_pf;
 
 static void kv_pf_add(kv_pf *pf, const unsigned char *p, int64_t bytes) {
@@ -299,7 +299,7 @@ static void kv_pf_add(kv_pf *pf, const unsigned char *p, int64_t bytes) {
 /* The ranges of tokens [t0, t1) (whole pages' head-h regions). */
 static void kv_pf_block(kv_pf *pf, const kvc_kvfmt_job *j, int64_t t0, int64_t t1) {
     pf->nr = pf->ri = 0;
-    pf->li = pf->total = 0;
+    pf->li = pf->total = pf->done = 0;
     const int64_t P = j->P, kb = (int64_t)j->Dh * j->bits / 8, Pb = P * j->bits / 8;
     for (int64_t t = t0; t < t1;) {
         const int64_t pe0 = (t / P + 1) * P, pe = pe0 < t1 ? pe0 : t1, o = t % P, n = pe - t;
@@ -321,6 +321,7 @@ static void kv_pf_block(kv_pf *pf, const kvc_kvfmt_job *j, int64_t t0, int64_t t
 
 KV_INLINE void kv_pf_step(kv_pf *pf, int k) {
     while (k-- > 0 && pf->ri < pf->nr) {
+        pf->done++;
         _mm_prefetch((const char *)pf->p[pf->ri] + pf->li * 64, _MM_HINT_T1);
         if (++pf->li == pf->n[pf->ri]) pf->li = 0, pf->ri++;
     }
@@ -360,7 +361,7 @@ void KV_NAME(const kvc_kvfmt_job *j) {
     const kv_vec iota = KV_IOTA();
     kv_pf pf;
     pf.nr = pf.ri = 0;
-    pf.li = pf.total = 0;
+    pf.li = pf.total = pf.done = 0;
     int pf_rate = 0;
     /* ---- quantized groups, in blocks of BT tokens ---- */
     for (int64_t b0 = j->t0; b0 < j->t1 && b0 <= maxpos; b0 += BT) {
@@ -368,13 +369,17 @@ void KV_NAME(const kvc_kvfmt_job *j) {
         int64_t te = b0 + ((maxpos + 1 - b0 + KV_VL - 1) / KV_VL) * KV_VL;
         if (te > b1) te = b1;
         const int64_t n = te - b0; /* a multiple of VL */
+        if (b0 == j->t0) { /* the first block: all its lines at once (many misses in flight) */
+            kv_pf_block(&pf, j, b0, te);
+            kv_pf_step(&pf, (int)pf.total);
+        }
         { /* queue the next block */
             const int64_t nb1 = b1 + BT < j->t1 ? b1 + BT : j->t1;
             int64_t ne = b1 + ((maxpos + 1 - b1 + KV_VL - 1) / KV_VL) * KV_VL;
             if (ne > nb1) ne = nb1;
             if (ne > b1) {
                 kv_pf_block(&pf, j, b1, ne);
-                pf_rate = (int)((pf.total + n - 1) / n);
+                pf_rate = (int)((pf.total + 2 * n - 1) / (2 * n)); /* half over K, half over V */
             } else {
                 pf.nr = pf.ri = 0;
             }
@@ -470,6 +475,9 @@ void KV_NAME(const kvc_kvfmt_job *j) {
                 wsc[v] = kv_wquant(wf, n, bits, wi[v], nw);
             }
             for (int c0 = jg * j->gv; c0 < (jg + 1) * j->gv; c0 += KV_VL) {
+                /* the rest of the next block's lines, spread over the channels
+                 * (a burst would fill the fill buffers and stall the loads) */
+                kv_pf_step(&pf, (int)((pf.total - pf.done + Dh - c0 - 1) / (Dh - c0)) * KV_VL);
                 for (int i = 0; i < KV_VL; i++)
                     kv_v_channel(cb, (int64_t)(c0 + i) * Pb, nk, bits, wi[0], KV_WI, nv, tmp, i);
                 for (int v = 0; v < nv; v++) {
