@@ -44,15 +44,42 @@ static inline float kv_hmax8(__m256 v) {
         (lo) = _mm256_cvtepi32_ps(_mm256_and_si256(d_, _mm256_set1_epi32(15)));                    \
         (hi) = _mm256_cvtepi32_ps(_mm256_srli_epi32(d_, 4));                                       \
     } while (0)
-static inline __m256 kv_u4half(const void *p) {
-    int32_t b;
-    memcpy(&b, p, 4);
-    const __m128i d = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(b));
-    const __m256i x = _mm256_set_m128i(_mm_srli_epi32(d, 4), _mm_and_si128(d, _mm_set1_epi32(15)));
-    return _mm256_cvtepi32_ps(x);
+typedef __m256i kv_ivec; /* 16 int16 or 8 int32 */
+#define KV_IZERO() _mm256_setzero_si256()
+#define KV_ILOAD(p) _mm256_loadu_si256((const __m256i *)(const void *)(p))
+#define KV_ISTORE(p, v) _mm256_storeu_si256((__m256i *)(void *)(p), (v))
+#define KV_IADD(a, b) _mm256_add_epi32((a), (b))
+#define KV_DPWSSD(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
+#define KV_CVTI(v) _mm256_cvtps_epi32(v)
+#define KV_I2F(v) _mm256_cvtepi32_ps(v)
+/* int32 to int16 (saturating), a's lanes then b's */
+#define KV_PACK16(a, b) _mm256_permute4x64_epi64(_mm256_packs_epi32((a), (b)), 0xd8)
+/* even and odd lanes of the 2 VL int32 lanes a, b */
+#define KV_EVOD(a, b, ev, od)                                                                     \
+    do {                                                                                          \
+        const __m256 a_ = _mm256_castsi256_ps(a), b_ = _mm256_castsi256_ps(b);                   \
+        (ev) = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(a_, b_, 0x88)), 0xd8); \
+        (od) = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(a_, b_, 0xdd)), 0xd8); \
+    } while (0)
+static inline __m256 kv_f16_half(const void *p, int hi) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)p);
+    x = hi ? _mm256_srli_epi32(x, 16) : _mm256_and_si256(x, _mm256_set1_epi32(0xffff));
+    x = _mm256_permute4x64_epi64(_mm256_packus_epi32(x, x), 0x88);
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(x));
 }
-#define KV_U4HALF(p) kv_u4half(p)
-#define KV_PERM_TOK(v) _mm256_permutevar8x32_ps((v), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7))
+#define KV_F16_HALF(p, hi) kv_f16_half((p), (hi))
+#define KV_LO4(x) _mm256_and_si256((x), _mm256_set1_epi16(15))
+#define KV_HI4(x) _mm256_srli_epi16((x), 4)
+/* 8 bytes at p0, then 8 at p1, zero-extended to int16 */
+#define KV_C8X2(p0, p1)                                                                          \
+    _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(const void *)(p0)), \
+                                            _mm_loadl_epi64((const __m128i *)(const void *)(p1))))
+static inline __m256i kv_c4x4(const void *p0, const void *p1, const void *p2, const void *p3) {
+    int a, b, c, d;
+    memcpy(&a, p0, 4), memcpy(&b, p1, 4), memcpy(&c, p2, 4), memcpy(&d, p3, 4);
+    return _mm256_cvtepu8_epi16(_mm_setr_epi32(a, b, c, d));
+}
+#define KV_C4X4(p0, p1, p2, p3) kv_c4x4(p0, p1, p2, p3)
 #define KV_IOTA() _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7)
 #define KV_KEEP_LE(v, x, y) \
     _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), (v), _mm256_cmp_ps((x), (y), _CMP_LE_OQ))

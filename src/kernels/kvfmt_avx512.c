@@ -1,8 +1,9 @@
 /*
- * kvfmt attention kernel (kvfmt_kernels.h), AVX-512 F/BW/VL/DQ + FMA +
- * F16C: 16 float32 lanes, codes converted to float32 and multiplied with
- * FMAs. Compiled with per-file ISA flags; attend.c calls it only when the
- * selected ISA is avx512 (or amx). The body is kvfmt_body.h.
+ * kvfmt attention kernel (kvfmt_kernels.h), AVX-512 F/BW/VL/DQ/VNNI + FMA +
+ * F16C: 16 float32 lanes; P.V with vpdpwssd (int16 weights, codes widened
+ * to int16). Compiled with per-file ISA flags; attend_simd.c calls it only
+ * when the selected ISA is avx512 (or amx) and the CPU has AVX512_VNNI.
+ * The body is kvfmt_body.h.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -32,15 +33,43 @@ typedef __m512 kv_vec;
         (lo) = _mm512_cvtepi32_ps(_mm512_and_si512(d_, _mm512_set1_epi32(15)));                    \
         (hi) = _mm512_cvtepi32_ps(_mm512_srli_epi32(d_, 4));                                       \
     } while (0)
-static inline __m512 kv_u4half(const void *p) {
-    const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    const __m512i x = _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_and_si256(d, _mm256_set1_epi32(15))), _mm256_srli_epi32(d, 4), 1);
-    return _mm512_cvtepi32_ps(x);
+typedef __m512i kv_ivec; /* 32 int16 or 16 int32 */
+#define KV_IZERO() _mm512_setzero_si512()
+#define KV_ILOAD(p) _mm512_loadu_si512((const void *)(p))
+#define KV_ISTORE(p, v) _mm512_storeu_si512((void *)(p), (v))
+#define KV_IADD(a, b) _mm512_add_epi32((a), (b))
+#define KV_DPWSSD(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
+#define KV_CVTI(v) _mm512_cvtps_epi32(v)
+#define KV_I2F(v) _mm512_cvtepi32_ps(v)
+/* int32 to int16 (saturating), a's lanes then b's */
+#define KV_PACK16(a, b) \
+    _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtsepi32_epi16(a)), _mm512_cvtsepi32_epi16(b), 1)
+/* even and odd lanes of the 2 VL int32 lanes a, b */
+#define KV_EVOD(a, b, ev, od)                                                                          \
+    do {                                                                                               \
+        const __m512i i_ = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30); \
+        (ev) = _mm512_permutex2var_epi32((a), i_, (b));                                                \
+        (od) = _mm512_permutex2var_epi32((a), _mm512_add_epi32(i_, _mm512_set1_epi32(1)), (b));        \
+    } while (0)
+static inline __m512 kv_f16_half(const void *p, int hi) {
+    __m512i x = _mm512_loadu_si512(p);
+    if (hi) x = _mm512_srli_epi32(x, 16);
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(x));
 }
-#define KV_U4HALF(p) kv_u4half(p)
-#define KV_PERM_TOK(v) \
-    _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), (v))
+#define KV_F16_HALF(p, hi) kv_f16_half((p), (hi))
+#define KV_LO4(x) _mm512_and_si512((x), _mm512_set1_epi16(15))
+#define KV_HI4(x) _mm512_srli_epi16((x), 4)
+/* 16 bytes at p0, then 16 at p1, zero-extended to int16 */
+#define KV_C8X2(p0, p1)                                                                          \
+    _mm512_cvtepu8_epi16(_mm256_inserti128_si256(                                                \
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)(p0))),            \
+        _mm_loadu_si128((const __m128i *)(const void *)(p1)), 1))
+static inline __m512i kv_c4x4(const void *p0, const void *p1, const void *p2, const void *p3) {
+    long long a, b, c, d;
+    memcpy(&a, p0, 8), memcpy(&b, p1, 8), memcpy(&c, p2, 8), memcpy(&d, p3, 8);
+    return _mm512_cvtepu8_epi16(_mm256_set_epi64x(d, c, b, a));
+}
+#define KV_C4X4(p0, p1, p2, p3) kv_c4x4(p0, p1, p2, p3)
 #define KV_IOTA() _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 #define KV_KEEP_LE(v, x, y) \
     _mm512_mask_blend_ps(_mm512_cmp_ps_mask((x), (y), _CMP_LE_OQ), _mm512_set1_ps(-INFINITY), (v))

@@ -6,11 +6,15 @@
  *   KV_ADD, KV_MUL, KV_FMA(a, b, c) = a * b + c, KV_MAX, KV_HSUM, KV_HMAX,
  *   KV_EXP2 (2^x, 0 below -126), KV_F16(p) (KV_VL float16 -> float32),
  *   KV_U8(p) (KV_VL bytes -> float32), KV_U4PAIR(p, lo, hi) (KV_VL bytes:
- *   low nibbles into lo, high into hi), KV_U4HALF(p) (KV_VL / 2 bytes: lanes
- *   [0, VL/2) the low nibbles, [VL/2, VL) the high ones), KV_PERM_TOK(v)
- *   (lanes of VL consecutive tokens reordered as KV_U4HALF orders them:
- *   even tokens, then odd), KV_REDUCE(t) (t: VL vectors of VL floats; lane i
- *   = sum of vector i), KV_KEEP_LE(v, x, y) (lanes where x <= y, else -inf).
+ *   low nibbles into lo, high into hi), KV_REDUCE(t) (t: VL vectors of VL
+ *   floats; lane i = sum of vector i), KV_KEEP_LE(v, x, y) (lanes where
+ *   x <= y, else -inf); integer: kv_ivec (2 VL int16 or VL int32), KV_IZERO,
+ *   KV_ILOAD/KV_ISTORE, KV_IADD (int32), KV_DPWSSD(acc, a, b) (acc + the
+ *   int16 pair products of a and b, summed per int32 lane), KV_CVTI (float
+ *   to int32, nearest), KV_I2F, KV_C8X2(p0, p1) (VL bytes at each, to 2 VL
+ *   int16), KV_C4X4(p0 .. p3) (VL / 2 bytes at each, to 2 VL int16),
+ *   KV_LO4/KV_HI4 (int16 lanes & 15, >> 4), KV_F16_HALF(p, hi) (VL float16
+ *   from the low (hi 0) or high halves of VL 32-bit words at p).
  *
  * Work per job (per softmax block of up to 256 tokens, whole groups):
  *   K: per group, the K scale is folded into the query vectors (qs = q *
@@ -19,9 +23,13 @@
  *      + bias, vectorized over channels, then VL tokens' sums are reduced
  *      together (a transposed reduction).
  *   V: channel-major codes: o_c += sum_t (p_t * vscale_t) code[c, t] +
- *      sum_t p_t * vzero_t, vectorized over tokens: per channel, its codes
- *      for the block are converted once and serve every query vector; VL
- *      channels' sums are reduced together, once per block.
+ *      sum_t p_t * vzero_t, vectorized over tokens: the weights p_t *
+ *      vscale_t are rounded to int16 per block and query vector (scale
+ *      2^15 / max), the codes widened to int16, and vpdpwssd takes 2 VL
+ *      tokens per instruction (twice an FMA's, with no float conversion);
+ *      per channel, its codes for the block are widened once and serve
+ *      every query vector; VL channels' sums are reduced together, once per
+ *      block.
  *   4-bit codes: lanes follow the nibbles (even elements, then odd) and the
  *   query (K) or the weights (V) are permuted to match instead.
  */
@@ -30,6 +38,7 @@
 
 #define KV_SEG 8 /* code vectors held in registers at a time */
 #define KV_BT 256
+#define KV_WI (KVC_KVFMT_BT_MAX + 4 * KV_VL) /* int16 V weights of a block, padded */
 
 #if defined(__GNUC__)
 #define KV_INLINE static inline __attribute__((always_inline))
@@ -98,26 +107,64 @@ static void kv_k_token(const unsigned char *p, int Dh, int bits, const float *qs
     }
 }
 
-/* One channel's V codes for a block: chunk k (VL tokens) at cb[k] + off. */
-KV_INLINE void kv_v_seg(const unsigned char *const *cb, int64_t off, const int nk, int bits,
-                        const float *w, int64_t ws, int nv, float *tmp, int i, int add) {
-    kv_vec c[KV_SEG];
-    if (bits == 8) {
+/* nk int16 code vectors against nv int16 weight rows: tmp[v * VL + i] (a
+ * float vector) = (or +=) the int32 lanes of sum_k w[v * ws + k * 2 VL] . c[k]
+ * (pairs of products per lane: 2 VL tokens per instruction). */
+KV_INLINE void kv_idots(const kv_ivec *c, const int nk, const int16_t *w, int64_t ws, int nv,
+                        float *tmp, int i, int add) {
+    for (int v = 0; v < nv; v++) {
+        const int16_t *wv = w + v * ws;
+        kv_ivec a0 = KV_DPWSSD(KV_IZERO(), KV_ILOAD(wv), c[0]);
+        kv_ivec a1 = KV_IZERO();
 #pragma GCC unroll 8
-        for (int k = 0; k < nk; k++) c[k] = KV_U8(cb[k] + off);
-    } else {
-#pragma GCC unroll 8
-        for (int k = 0; k < nk; k++) c[k] = KV_U4HALF(cb[k] + off);
+        for (int k = 1; k < nk; k++) {
+            if (k & 1)
+                a1 = KV_DPWSSD(a1, KV_ILOAD(wv + k * 2 * KV_VL), c[k]);
+            else
+                a0 = KV_DPWSSD(a0, KV_ILOAD(wv + k * 2 * KV_VL), c[k]);
+        }
+        kv_vec r = KV_I2F(KV_IADD(a0, a1));
+        float *t = tmp + ((int64_t)v * KV_VL + i) * KV_VL;
+        if (add) r = KV_ADD(r, KV_LOAD(t));
+        KV_STORE(t, r);
     }
-    kv_dots(c, nk, w, ws, nv, tmp, i, add);
 }
 
-static void kv_v_channel(const unsigned char *const *cb, int64_t off, int nch, int bits,
-                         const float *w, int64_t ws, int nv, float *tmp, int i) {
-    for (int s = 0; s < nch; s += KV_SEG) {
-        const int n = nch - s < KV_SEG ? nch - s : KV_SEG;
-        const unsigned char *const *c = cb + s;
-        const float *ww = w + s * KV_VL;
+static inline const unsigned char *kv_opaque(const unsigned char *p) {
+    __asm__("" : "+r"(p));
+    return p;
+}
+
+/* One channel's V codes for part of a block, widened to int16: code vector
+ * k from the VL-token chunks cb[2k], cb[2k + 1] (8-bit), or (4-bit, k even)
+ * vectors k, k + 1 = the low and high nibbles of chunks cb[2k .. 2k + 3]. */
+KV_INLINE void kv_v_seg(const unsigned char *const *cb, int64_t off, const int nk, int bits,
+                        const int16_t *w, int64_t ws, int nv, float *tmp, int i, int add) {
+    kv_ivec c[KV_SEG];
+    /* the barrier keeps each address a scalar add in the load (GCC would
+     * otherwise add off to the pointers in vectors and move them out) */
+#define KV_CB(k) (kv_opaque(cb[k]) + off)
+    if (bits == 8) {
+#pragma GCC unroll 8
+        for (int k = 0; k < nk; k++) c[k] = KV_C8X2(KV_CB(2 * k), KV_CB(2 * k + 1));
+    } else {
+#pragma GCC unroll 4
+        for (int k = 0; k < nk; k += 2) {
+            const kv_ivec x = KV_C4X4(KV_CB(2 * k), KV_CB(2 * k + 1), KV_CB(2 * k + 2), KV_CB(2 * k + 3));
+            c[k] = KV_LO4(x);
+            c[k + 1] = KV_HI4(x);
+        }
+    }
+#undef KV_CB
+    kv_idots(c, nk, w, ws, nv, tmp, i, add);
+}
+
+static void kv_v_channel(const unsigned char *const *cb, int64_t off, int nk, int bits,
+                         const int16_t *w, int64_t ws, int nv, float *tmp, int i) {
+    for (int s = 0; s < nk; s += KV_SEG) {
+        const int n = nk - s < KV_SEG ? nk - s : KV_SEG;
+        const unsigned char *const *c = cb + 2 * s;
+        const int16_t *ww = w + s * 2 * KV_VL;
         switch (n) {
         case 8: kv_v_seg(c, off, 8, bits, ww, ws, nv, tmp, i, s > 0); break;
         case 4: kv_v_seg(c, off, 4, bits, ww, ws, nv, tmp, i, s > 0); break;
@@ -129,6 +176,32 @@ static void kv_v_channel(const unsigned char *const *cb, int64_t off, int nch, i
         default: kv_v_seg(c, off, 1, bits, ww, ws, nv, tmp, i, s > 0); break;
         }
     }
+}
+
+/* V weights w[0 .. n) (>= 0, zero up to nw) to int16 for vpdpwssd, scaled
+ * so the largest is 32767 (relative error 2^-16 of the block's largest
+ * weight, below float16's), in the order kv_v_seg reads codes: 8-bit, token
+ * order; 4-bit, per 4 VL tokens the even tokens, then the odd ones. out: nw
+ * words; returns the scale back to float. */
+static float kv_wquant(const float *w, int64_t n, int bits, int16_t *out, int64_t nw) {
+    kv_vec mx = KV_ZERO();
+    for (int64_t t = 0; t < n; t += KV_VL) mx = KV_MAX(mx, KV_LOAD(w + t));
+    const float m = KV_HMAX(mx);
+    const kv_vec inv = KV_SET1(m > 0 ? 32767.0f / m : 0.0f);
+#define KV_WQ(t) KV_CVTI(KV_MUL(KV_LOAD(w + (t)), inv))
+    if (bits == 8) {
+        for (int64_t t = 0; t < nw; t += 2 * KV_VL) KV_ISTORE(out + t, KV_PACK16(KV_WQ(t), KV_WQ(t + KV_VL)));
+    } else {
+        for (int64_t t = 0; t < nw; t += 4 * KV_VL) {
+            kv_ivec e0, o0, e1, o1;
+            KV_EVOD(KV_WQ(t), KV_WQ(t + KV_VL), e0, o0);
+            KV_EVOD(KV_WQ(t + 2 * KV_VL), KV_WQ(t + 3 * KV_VL), e1, o1);
+            KV_ISTORE(out + t, KV_PACK16(e0, e1));
+            KV_ISTORE(out + t + 2 * KV_VL, KV_PACK16(o0, o1));
+        }
+    }
+#undef KV_WQ
+    return m > 0 ? m / 32767.0f : 0.0f;
 }
 
 /* Folds scores s[v][0 .. n) (base 2, n a multiple of VL, masked lanes
@@ -212,7 +285,7 @@ typedef struct kv_pf {
     const unsigned char *p[KV_PF_MAX];
     int64_t n[KV_PF_MAX]; /* lines */
     int nr, ri;
-    int64_t li, total;
+    int64_t li, total, done; /* lines: next in range ri, queued, issued */
 } kv_pf;
 
 static void kv_pf_add(kv_pf *pf, const unsigned char *p, int64_t bytes) {
@@ -226,7 +299,7 @@ static void kv_pf_add(kv_pf *pf, const unsigned char *p, int64_t bytes) {
 /* The ranges of tokens [t0, t1) (whole pages' head-h regions). */
 static void kv_pf_block(kv_pf *pf, const kvc_kvfmt_job *j, int64_t t0, int64_t t1) {
     pf->nr = pf->ri = 0;
-    pf->li = pf->total = 0;
+    pf->li = pf->total = pf->done = 0;
     const int64_t P = j->P, kb = (int64_t)j->Dh * j->bits / 8, Pb = P * j->bits / 8;
     for (int64_t t = t0; t < t1;) {
         const int64_t pe0 = (t / P + 1) * P, pe = pe0 < t1 ? pe0 : t1, o = t % P, n = pe - t;
@@ -248,6 +321,7 @@ static void kv_pf_block(kv_pf *pf, const kvc_kvfmt_job *j, int64_t t0, int64_t t
 
 KV_INLINE void kv_pf_step(kv_pf *pf, int k) {
     while (k-- > 0 && pf->ri < pf->nr) {
+        pf->done++;
         _mm_prefetch((const char *)pf->p[pf->ri] + pf->li * 64, _MM_HINT_T1);
         if (++pf->li == pf->n[pf->ri]) pf->li = 0, pf->ri++;
     }
@@ -262,14 +336,15 @@ void KV_NAME(const kvc_kvfmt_job *j) {
     _Alignas(64) float qp[KVC_KVFMT_NV][KVC_ATTN_MAX_HEAD_DIM];
     _Alignas(64) float qs[KVC_KVFMT_NV][KVC_ATTN_MAX_HEAD_DIM];
     _Alignas(64) float s[KVC_KVFMT_NV][KVC_KVFMT_BT_MAX];
-    _Alignas(64) float w[KVC_KVFMT_NV][KVC_KVFMT_BT_MAX];
+    _Alignas(64) int16_t wi[KVC_KVFMT_NV][KV_WI];
+    _Alignas(64) float wf[KV_WI];
     _Alignas(64) float tmp[KVC_KVFMT_NV * KV_VL * KV_VL];
     _Alignas(64) float ks[KVC_ATTN_MAX_HEAD_DIM], kz[KVC_ATTN_MAX_HEAD_DIM];
     _Alignas(64) float ksp[KVC_ATTN_MAX_HEAD_DIM], kzp[KVC_ATTN_MAX_HEAD_DIM];
     _Alignas(64) float vsb[KVC_KVFMT_BT_MAX], vzb[KVC_KVFMT_BT_MAX];
     _Alignas(64) uint16_t hb[KVC_KVFMT_BT_MAX * 2];
     _Alignas(64) float row[KVC_ATTN_MAX_HEAD_DIM];
-    const unsigned char *cb[KVC_KVFMT_BT_MAX / KV_VL];
+    const unsigned char *cb[KVC_KVFMT_BT_MAX / KV_VL + 4];
     float bias[KVC_KVFMT_NV];
     kv_state st;
     int64_t maxpos = 0;
@@ -286,7 +361,7 @@ void KV_NAME(const kvc_kvfmt_job *j) {
     const kv_vec iota = KV_IOTA();
     kv_pf pf;
     pf.nr = pf.ri = 0;
-    pf.li = pf.total = 0;
+    pf.li = pf.total = pf.done = 0;
     int pf_rate = 0;
     /* ---- quantized groups, in blocks of BT tokens ---- */
     for (int64_t b0 = j->t0; b0 < j->t1 && b0 <= maxpos; b0 += BT) {
@@ -294,13 +369,17 @@ void KV_NAME(const kvc_kvfmt_job *j) {
         int64_t te = b0 + ((maxpos + 1 - b0 + KV_VL - 1) / KV_VL) * KV_VL;
         if (te > b1) te = b1;
         const int64_t n = te - b0; /* a multiple of VL */
+        if (b0 == j->t0) { /* the first block: all its lines at once (many misses in flight) */
+            kv_pf_block(&pf, j, b0, te);
+            kv_pf_step(&pf, (int)pf.total);
+        }
         { /* queue the next block */
             const int64_t nb1 = b1 + BT < j->t1 ? b1 + BT : j->t1;
             int64_t ne = b1 + ((maxpos + 1 - b1 + KV_VL - 1) / KV_VL) * KV_VL;
             if (ne > nb1) ne = nb1;
             if (ne > b1) {
                 kv_pf_block(&pf, j, b1, ne);
-                pf_rate = (int)((pf.total + n - 1) / n);
+                pf_rate = (int)((pf.total + 2 * n - 1) / (2 * n)); /* half over K, half over V */
             } else {
                 pf.nr = pf.ri = 0;
             }
@@ -344,10 +423,15 @@ void KV_NAME(const kvc_kvfmt_job *j) {
             }
         }
         kv_softmax(&st, nv, s, n, Dh);
-        /* V: chunk bases (VL tokens each, inside one page) */
-        const int nch = (int)(n / KV_VL);
-        for (int k = 0; k < nch; k++) {
-            const int64_t t = b0 + (int64_t)k * KV_VL;
+        /* V: chunk bases (VL tokens each, inside one page); code vectors take
+         * 2 (8-bit) or 4 (4-bit) chunks, the missing ones repeat the last
+         * chunk (their weights are 0) */
+        const int nch = (int)(n / KV_VL), cpv = bits == 8 ? 2 : 4;
+        const int nchp = (nch + cpv - 1) / cpv * cpv;
+        const int nk = nchp / 2;        /* int16 code vectors per channel */
+        const int64_t nw = (int64_t)nk * 2 * KV_VL;
+        for (int k = 0; k < nchp; k++) {
+            const int64_t t = b0 + (int64_t)(k < nch ? k : nch - 1) * KV_VL;
             cb[k] = kv_page(j, t) + j->v_codes + (int64_t)j->h * Dh * Pb + (t % P) * bits / 8;
         }
         for (int jg = 0; jg < j->nvg; jg++) {
@@ -362,6 +446,12 @@ void KV_NAME(const kvc_kvfmt_job *j) {
                                vsb + (t - b0), cnt);
                     kv_f16_row((const uint16_t *)(const void *)(pg + j->v_zero) + base,
                                vzb + (t - b0), cnt);
+                } else if (j->nvg == 2) { /* (scale, scale) pairs: one half of each */
+                    const unsigned char *ps = pg + j->v_scale + base * 2, *pz = pg + j->v_zero + base * 2;
+                    for (int64_t u = 0; u < cnt; u += KV_VL) {
+                        KV_STORE(vsb + (t - b0) + u, KV_F16_HALF(ps + u * 4, jg));
+                        KV_STORE(vzb + (t - b0) + u, KV_F16_HALF(pz + u * 4, jg));
+                    }
                 } else {
                     const uint16_t *ps = (const uint16_t *)(const void *)(pg + j->v_scale) + base;
                     const uint16_t *pz = (const uint16_t *)(const void *)(pg + j->v_zero) + base;
@@ -372,26 +462,28 @@ void KV_NAME(const kvc_kvfmt_job *j) {
                 }
                 t = pe;
             }
-            float zsum[KVC_KVFMT_NV];
+            float zsum[KVC_KVFMT_NV], wsc[KVC_KVFMT_NV];
             for (int v = 0; v < nv; v++) {
                 kv_vec z = KV_ZERO();
                 for (int64_t t = 0; t < n; t += KV_VL) {
                     const kv_vec p = KV_LOAD(s[v] + t);
                     z = KV_FMA(p, KV_LOAD(vzb + t), z);
-                    kv_vec wv = KV_MUL(p, KV_LOAD(vsb + t));
-                    if (bits == 4) wv = KV_PERM_TOK(wv);
-                    KV_STORE(w[v] + t, wv);
+                    KV_STORE(wf + t, KV_MUL(p, KV_LOAD(vsb + t)));
                 }
+                for (int64_t t = n; t < nw; t += KV_VL) KV_STORE(wf + t, KV_ZERO());
                 zsum[v] = KV_HSUM(z);
+                wsc[v] = kv_wquant(wf, n, bits, wi[v], nw);
             }
             for (int c0 = jg * j->gv; c0 < (jg + 1) * j->gv; c0 += KV_VL) {
+                /* the rest of the next block's lines, spread over the channels
+                 * (a burst would fill the fill buffers and stall the loads) */
+                kv_pf_step(&pf, (int)((pf.total - pf.done + Dh - c0 - 1) / (Dh - c0)) * KV_VL);
                 for (int i = 0; i < KV_VL; i++)
-                    kv_v_channel(cb, (int64_t)(c0 + i) * Pb, nch, bits, w[0], KVC_KVFMT_BT_MAX,
-                                 nv, tmp, i);
+                    kv_v_channel(cb, (int64_t)(c0 + i) * Pb, nk, bits, wi[0], KV_WI, nv, tmp, i);
                 for (int v = 0; v < nv; v++) {
                     const kv_vec r = KV_REDUCE(tmp + (int64_t)v * KV_VL * KV_VL);
-                    KV_STORE(st.o[v] + c0,
-                             KV_ADD(KV_LOAD(st.o[v] + c0), KV_ADD(r, KV_SET1(zsum[v]))));
+                    KV_STORE(st.o[v] + c0, KV_ADD(KV_LOAD(st.o[v] + c0),
+                                                  KV_FMA(r, KV_SET1(wsc[v]), KV_SET1(zsum[v]))));
                 }
             }
         }

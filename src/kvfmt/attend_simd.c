@@ -44,9 +44,9 @@ static kvc_kvfmt_kernel simd_kernel(const kvc_kvfmt *f) {
     const kvc_isa isa = kvc_get_isa();
     int vl;
     kvc_kvfmt_kernel k;
-    if (isa >= KVC_ISA_AVX512)
+    if (isa >= KVC_ISA_AVX512 && __builtin_cpu_supports("avx512vnni"))
         k = kvc__kvfmt_run_avx512, vl = 16; /* amx included */
-    else if (isa == KVC_ISA_AVX2)
+    else if (isa >= KVC_ISA_AVX2) /* also AVX-512 without VNNI */
         k = kvc__kvfmt_run_avx2, vl = 8;
     else
         return NULL;
