@@ -56,7 +56,9 @@ static const char bench_usage[] =
     "                    fewer where N caches would pass 8 GiB\n"
     "  --soft-cap X      attention: logits_soft_cap X > 0 (default none)\n"
     "  --cache LIST      cache types among f16,int8,int4 (default: pmx all, append\n"
-    "                    f16,int8), and kivi8,kivi4 for attention (its default: all)\n"
+    "                    f16,int8), and kivi8,kivi4 for attention (its default: all);\n"
+    "                    in attention int8/int4 are kivi8/kivi4 (as --kv-dtype) and\n"
+    "                    int8-token/int4-token the per-token caches\n"
     "  --op LIST         pmx operators among static,dynamic (default both)\n"
     "  --layout LIST     pmx cache layouts among 0,1,2,3 (default: static 0,1;\n"
     "                    dynamic 0,3); attention: paged layouts among nhd,hnd\n"
@@ -136,7 +138,10 @@ static int opt_value(int argc, char **argv, int *i, const char *name, const char
 }
 
 int cmd_bench(int argc, char **argv) {
-    static const char *const cache_names[] = {"f16", "int8", "int4", "kivi8", "kivi4"};
+    /* int8/int4 name the compressed formats in attention (as --kv-dtype does),
+     * the per-token caches elsewhere; int8-token/int4-token are always those */
+    static const char *const cache_names[] = {"f16",   "int8",       "int4",      "kivi8",
+                                              "kivi4", "int8-token", "int4-token"};
     static const char *const op_names[] = {"static", "dynamic"};
     static const char *const layout_names[] = {"0", "1", "2", "3"};
     static const char *const paged_layout_names[] = {"nhd", "hnd"};
@@ -223,9 +228,10 @@ int cmd_bench(int argc, char **argv) {
             if (r < 0 || cli_parse_f64(v, &o.soft_cap) != 0 || !(o.soft_cap > 0))
                 return cli_usage_error(cmd, "bench: --soft-cap expects a number > 0");
         } else if ((r = opt_value(argc, argv, &i, "--cache", &v)) != 0) {
-            if (r < 0 || parse_names(v, cache_names, 5, &o.caches) != 0)
-                return cli_usage_error(cmd, "bench: --cache expects a list of f16,int8,int4 "
-                                            "(and kivi8,kivi4 for attention)");
+            if (r < 0 || parse_names(v, cache_names, 7, &o.caches) != 0)
+                return cli_usage_error(cmd, "bench: --cache expects a list of f16,int8,int4,"
+                                            "int8-token,int4-token (and kivi8,kivi4 for "
+                                            "attention)");
         } else if ((r = opt_value(argc, argv, &i, "--op", &v)) != 0) {
             if (r < 0 || parse_names(v, op_names, 2, &o.ops) != 0)
                 return cli_usage_error(cmd, "bench: --op expects a list of static,dynamic");
@@ -268,6 +274,16 @@ int cmd_bench(int argc, char **argv) {
         return cli_usage_error(cmd, "bench %s: --head-dim %lld: the attention kernels take a "
                                "multiple of 8 in [8, %d]", target, (long long)o.head_dim,
                                KVC_ATTN_MAX_HEAD_DIM);
+    {
+        const unsigned tok = (o.caches >> 5) & 3u; /* int8-token, int4-token */
+        if (strcmp(target, "attention") == 0) {
+            const unsigned plain = (o.caches >> 1) & 3u; /* int8, int4 */
+            o.caches = (o.caches & (BENCH_CACHE_F16 | BENCH_CACHE_KIVI)) | (plain << 3) |
+                       (tok << 1);
+        } else {
+            o.caches = (o.caches & 31u) | (tok << 1);
+        }
+    }
     if ((o.caches & BENCH_CACHE_KIVI) && strcmp(target, "attention") != 0)
         return cli_usage_error(cmd, "bench %s: --cache kivi8/kivi4: attention only", target);
     /* options a target does not use are said, not silently dropped */
