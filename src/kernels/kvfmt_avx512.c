@@ -76,21 +76,9 @@ static inline __m512i kv_c4x4(const void *p0, const void *p1, const void *p2, co
 
 /* Lane i = sum of the 16 lanes of vector i of t (16 x 16 floats). */
 static inline __m512 kv_reduce16(const float *t) {
-    __m512 a[16], b[8], c[4];
+    __m512 a[16];
     for (int i = 0; i < 16; i++) a[i] = _mm512_loadu_ps(t + i * 16);
-    for (int i = 0; i < 8; i++)
-        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    const __m512 f0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44),
-                                    _mm512_shuffle_f32x4(c[0], c[1], 0xee));
-    const __m512 f1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44),
-                                    _mm512_shuffle_f32x4(c[2], c[3], 0xee));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(f0, f1, 0x88), _mm512_shuffle_f32x4(f0, f1, 0xdd));
+    return kvc__reduce16(a);
 }
 #define KV_REDUCE(t) kv_reduce16(t)
 

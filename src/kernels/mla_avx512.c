@@ -10,6 +10,7 @@
 
 #include "../core/internal.h"
 #include "mla.h"
+#include "vec_math.h"
 
 typedef __m512 mb_vec;
 #define MB_VL 16
@@ -28,24 +29,7 @@ typedef __m512 mb_vec;
 #define MB_HMAX(v) _mm512_reduce_max_ps(v)
 #define MB_EXP2(v) kvc__exp2_16(v)
 
-/* Lane i = sum of the lanes of a[i]: a transposed reduction (pairs, then
- * 128-bit blocks), 45 shuffles/adds for 16 dot products of Dq / 16 FMAs. */
-static inline __m512 mb_reduce16(const __m512 *a) {
-    __m512 b[8], c[4];
-    for (int i = 0; i < 8; i++) /* lanes alternate a[2i], a[2i+1] */
-        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
-                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* each 128-bit block: a[4i .. 4i+3] */
-        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
-        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    const __m512 f0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44),
-                                    _mm512_shuffle_f32x4(c[0], c[1], 0xee));
-    const __m512 f1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44),
-                                    _mm512_shuffle_f32x4(c[2], c[3], 0xee));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(f0, f1, 0x88), _mm512_shuffle_f32x4(f0, f1, 0xdd));
-}
+#define mb_reduce16(a) kvc__reduce16(a)
 
 /* 4 rows x 4 keys per step: 8 loads feed 16 FMAs; lane r * 4 + i of the
  * reduction is row r, key i, so its 128-bit block r is row r's 4 scores. */

@@ -54,6 +54,26 @@ static inline __m512 kvc__exp2_16(__m512 x) {
     return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
 }
 #endif
+#if defined(__AVX512F__)
+/* Lane i = sum of the lanes of a[i]: a transposed reduction (pairs, then
+ * 128-bit blocks): 16 horizontal sums in 45 shuffles/adds. */
+static inline __m512 kvc__reduce16(const __m512 *a) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++) /* lanes alternate a[2i], a[2i+1] */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* each 128-bit block: a[4i .. 4i+3] */
+        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 f0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44),
+                                    _mm512_shuffle_f32x4(c[0], c[1], 0xee));
+    const __m512 f1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44),
+                                    _mm512_shuffle_f32x4(c[2], c[3], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(f0, f1, 0x88), _mm512_shuffle_f32x4(f0, f1, 0xdd));
+}
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
 static inline __m256 kvc__exp2_8(__m256 x) {
     const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
