@@ -143,9 +143,15 @@ KVC_API kvc_cache_params kvc_model_cache_params(const kvc_model *model, kvc_dtyp
  * A context holds the step's scratch (grown as needed, reused across steps).
  * KVC_ERR_CORRUPT if a layer's queries, keys or values are not finite (NaN
  * or Inf weights): earlier layers' K/V are then written, later ones not, so
- * roll the rows' slots back (kvc_cache_rollback) before reusing them. Every
- * other failure, KVC_ERR_NOMEM included, comes before the first K/V write:
- * the cache is then unchanged.
+ * roll the rows' slots back (kvc_cache_rollback) before reusing them (in a
+ * compressed-format cache, free the sequence instead: a step that completed
+ * a K group has moved the earlier layers' tails on). Every other failure,
+ * KVC_ERR_NOMEM included, comes before the first K/V write: the cache is
+ * then unchanged.
+ * Compressed-format caches (kvc_cache_params.kv_format): pos0[s] must be
+ * where the sequence's stored tokens end (the tail holds its incomplete K
+ * group), and decode_from does not apply: every row attends what a decode
+ * at its position would (docs/KV_FORMATS.md section 6), whatever the steps.
  */
 typedef struct kvc_model_ctx kvc_model_ctx;
 
