@@ -85,9 +85,10 @@ typedef struct kvc_kvfmt_seq {
 /*
  * Stores K/V of n_seqs sequences. Rows [row_indptr[b], row_indptr[b+1]) of
  * key/value are positions n_kv - count .. n_kv - 1 of sequence b (count =
- * row_indptr[b+1] - row_indptr[b] <= n_kv), in order. Each row goes to the
- * tail (converted to float16, V rotated first); each K group the rows
- * complete is quantized into its pages.
+ * row_indptr[b+1] - row_indptr[b] <= n_kv), in order, continuing where the
+ * sequence's stored tokens end (its tail as the previous store left it). Each
+ * row goes to the tail (converted to float16, V rotated first); each K group
+ * the rows complete is quantized into its pages.
  *   f          a checked format
  *   pages      uint8 (num_pages, page_bytes), page_bytes = kvc_kvfmt_page_bytes(f)
  *   seqs       n_seqs sequences; distinct sequences must not share a page
