@@ -285,18 +285,23 @@ def append(fmt, pages, seqs, row_indptr, key, value, num_threads=None) -> None:
     fmt = _check_fmt(fmt)
     pa, pt = _pages_tensor(fmt, pages, True)
     sarr, keep, n = _seqs(fmt, seqs, True)
+    rows = _store_args(n, row_indptr, key, value, keep)
+    _lib.call_pooled(_lib.kvc_kvfmt_append, (_byref(fmt._c), _byref(pt), sarr, n) + rows,
+                     num_threads)
+    del pa, keep
+
+
+def _store_args(n, row_indptr, key, value, keep):
+    """(row_indptr pointer, key tensor, value tensor) of a store over n
+    sequences; the arrays behind them go to keep."""
     indptr = _lib.int64_array(row_indptr, "row_indptr")
     if indptr.shape != (n + 1,):
         raise InvalidArgumentError(f"row_indptr must be 1-D (len(seqs) + 1) = ({n + 1},), got "
                                    f"shape {indptr.shape}")
     ka, kt = _lib.input_tensor(key, "key", _lib.FLOAT_CODES)
     va, vt = _lib.input_tensor(value, "value", _lib.FLOAT_CODES)
-    _lib.call_pooled(
-        _lib.kvc_kvfmt_append,
-        (_byref(fmt._c), _byref(pt), sarr, n, indptr.ctypes.data_as(_lib._i64p), _byref(kt),
-         _byref(vt)),
-        num_threads)
-    del pa, keep, ka, va
+    keep += [indptr, ka, va]
+    return indptr.ctypes.data_as(_lib._i64p), _byref(kt), _byref(vt)
 
 
 def attention(fmt, pages, seqs, q, q_seq, q_pos, sm_scale=None, return_lse=False,
@@ -354,14 +359,7 @@ def _attend(fmt, pages, seqs, row_indptr, key, value, q, q_seq, q_pos, sm_scale,
     return_lse = _lib.flag(return_lse, "return_lse")
     pa, pt = _pages_tensor(fmt, pages, store)
     sarr, keep, n = _seqs(fmt, seqs, store)
-    if store:
-        indptr = _lib.int64_array(row_indptr, "row_indptr")
-        if indptr.shape != (n + 1,):
-            raise InvalidArgumentError(f"row_indptr must be 1-D (len(seqs) + 1) = ({n + 1},), "
-                                       f"got shape {indptr.shape}")
-        ka, kt = _lib.input_tensor(key, "key", _lib.FLOAT_CODES)
-        va, vt = _lib.input_tensor(value, "value", _lib.FLOAT_CODES)
-        keep += [indptr, ka, va]
+    rows = _store_args(n, row_indptr, key, value, keep) if store else None
     qa = _lib.input_array(q, "q", _lib.FLOAT_CODES)
     if qa.ndim != 3:
         raise InvalidArgumentError(f"q must be (nq, Hq, Dh), got shape {qa.shape}")
@@ -383,10 +381,8 @@ def _attend(fmt, pages, seqs, row_indptr, key, value, q, q_seq, q_pos, sm_scale,
     tail = (_byref(qt), qs.ctypes.data_as(i32p), qp.ctypes.data_as(i32p), _byref(params),
             _byref(ot), _byref(lt) if lt is not None else None)
     if store:
-        _lib.call_pooled(
-            _lib.kvc_kvfmt_append_attention,
-            (_byref(fmt._c), _byref(pt), sarr, n, indptr.ctypes.data_as(_lib._i64p),
-             _byref(kt), _byref(vt)) + tail, num_threads)
+        _lib.call_pooled(_lib.kvc_kvfmt_append_attention,
+                         (_byref(fmt._c), _byref(pt), sarr, n) + rows + tail, num_threads)
     else:
         _lib.call_pooled(_lib.kvc_kvfmt_attention, (_byref(fmt._c), _byref(pt), sarr, n) + tail,
                          num_threads)

@@ -22,20 +22,8 @@ typedef __m256 kv_vec;
 #define KV_MAX(a, b) _mm256_max_ps((a), (b))
 #define KV_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define KV_EXP2(v) kvc__exp2_8(v)
-static inline float kv_hsum8(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
-static inline float kv_hmax8(__m256 v) {
-    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_max_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
-#define KV_HSUM(v) kv_hsum8(v)
-#define KV_HMAX(v) kv_hmax8(v)
+#define KV_HSUM(v) kvc__hsum8(v)
+#define KV_HMAX(v) kvc__hmax8(v)
 #define KV_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p)))
 #define KV_U8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(p))))
 #define KV_U4PAIR(p, lo, hi)                                                                      \

@@ -10,6 +10,7 @@
 
 #include "../core/internal.h"
 #include "mla.h"
+#include "vec_math.h"
 
 typedef __m256 mb_vec;
 #define MB_VL 8
@@ -24,23 +25,9 @@ typedef __m256 mb_vec;
 #define MB_MAX(a, b) _mm256_max_ps((a), (b))
 #define MB_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define MB_FFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
-#define MB_HSUM(v) mb_hsum(v)
-#define MB_HMAX(v) mb_hmax(v)
+#define MB_HSUM(v) kvc__hsum8(v)
+#define MB_HMAX(v) kvc__hmax8(v)
 #define MB_EXP2(v) kvc__exp2_8(v)
-
-static inline float mb_hsum(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
-
-static inline float mb_hmax(__m256 v) {
-    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_max_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
 
 /* Lane i = sum of the lanes of a[i], i < 8 (pairwise hadd, then the two
  * 128-bit halves). */

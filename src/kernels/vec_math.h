@@ -75,6 +75,19 @@ static inline __m512 kvc__reduce16(const __m512 *a) {
 }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
+/* Sum and maximum of the 8 lanes of v. */
+static inline float kvc__hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+static inline float kvc__hmax8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
 static inline __m256 kvc__exp2_8(__m256 x) {
     const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
     x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));

@@ -56,7 +56,7 @@ typedef struct state {
 } state;
 
 /* Folds scores s[g][0..n) (scaled) into the state; leaves exp weights in s. */
-static void softmax_step(state *st, int64_t ng, float (*s)[512], int64_t n) {
+static void softmax_step(state *st, int64_t ng, float (*s)[512], int64_t n, int64_t Dh) {
     for (int64_t g = 0; g < ng; g++) {
         float mx = st->m[g];
         for (int64_t t = 0; t < n; t++) mx = s[g][t] > mx ? s[g][t] : mx;
@@ -69,7 +69,7 @@ static void softmax_step(state *st, int64_t ng, float (*s)[512], int64_t n) {
         }
         st->l[g] = st->l[g] * corr + sum;
         if (corr != 1.0f)
-            for (int64_t i = 0; i < KVC_ATTN_MAX_HEAD_DIM; i++) st->o[g][i] *= corr;
+            for (int64_t i = 0; i < Dh; i++) st->o[g][i] *= corr;
     }
 }
 
@@ -132,7 +132,7 @@ static void attend_task(void *arg, int64_t task) {
                     sc[g][t - t0] = (d + bias[g]) * c->sm_scale;
                 }
             }
-            softmax_step(&st, ng, sc, t1 - t0);
+            softmax_step(&st, ng, sc, t1 - t0, Dh);
             /* P . V: per channel, a dot product over the group's tokens */
             for (int64_t ch = 0; ch < Dh; ch++) {
                 const int64_t vg = ch / gv;
@@ -173,7 +173,7 @@ static void attend_task(void *arg, int64_t task) {
                     sc[g][t - t0] = d * c->sm_scale;
                 }
             }
-            softmax_step(&st, ng, sc, t1 - t0);
+            softmax_step(&st, ng, sc, t1 - t0, Dh);
             for (int64_t t = t0; t < t1; t++) {
                 const uint16_t *vr = win->v + kvc__kvfmt_slot(win, t) * win->rs + h * Dh;
                 for (int64_t ch = 0; ch < Dh; ch++) codes[ch] = kvc_f16_to_f32(vr[ch]);
