@@ -15,8 +15,10 @@
 #define KVC_HIDDEN
 #endif
 
-/* Records a formatted message for kvc_last_error() and returns status. */
-kvc_status kvc__error(kvc_status status, const char *fmt, ...) KVC_PRINTF(2, 3);
+/* Records a formatted message for kvc_last_error() and returns status.
+ * Exported (not API) for the companion library libkvcache_store, whose
+ * errors must reach the same kvc_last_error(). */
+KVC_API kvc_status kvc__error(kvc_status status, const char *fmt, ...) KVC_PRINTF(2, 3);
 
 /* Returns st from the enclosing function if it is an error. */
 #define KVC_TRY(expr)                                                                              \

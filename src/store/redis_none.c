@@ -1,0 +1,10 @@
+/* Built without hiredis: the Redis tier is refused with a message. */
+#include "../core/internal.h"
+#include "tier.h"
+
+kvc_status kvc__tier_redis_open(const char *url, kvc_tier **out) {
+    if (out) *out = NULL;
+    return kvc__error(KVC_ERR_UNSUPPORTED,
+                      "redis tier \"%s\": kvcache was built without hiredis (Debian: "
+                      "libhiredis-dev; scripts/setup.sh installs it)", url ? url : "");
+}

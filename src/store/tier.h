@@ -1,0 +1,91 @@
+/*
+ * A storage tier of the KV store (store.h): a place that keeps page objects
+ * (docs/KV_STORE.md) under 128-bit keys grouped by a 128-bit namespace.
+ * Tiers move opaque bytes; they never parse or trust an object (the store
+ * verifies every object it reads). Implementations: dir.c (a directory, one
+ * file per page), redis.c (Redis/Valkey servers through hiredis).
+ *
+ * Threads: the store calls a tier from two threads at once at most: the
+ * engine's (probe, get, invalidate) and its writer thread (put). A tier
+ * makes that safe (its own locks or one connection per caller thread).
+ *
+ * Errors: return kvc_status with kvc__error's message. A key that is absent
+ * is not an error (probe counts it, get leaves its slot NULL). An
+ * unreachable server or an unreadable directory is KVC_ERR_IO; the store
+ * counts it and treats the call as all misses.
+ */
+#ifndef KVC_STORE_TIER_H
+#define KVC_STORE_TIER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvcache/core.h"
+
+/* 128-bit key or namespace digest, as 16 bytes (docs/KV_STORE.md: the
+ * canonical big-endian form of XXH3-128). Printed as 32 lower-case hex
+ * digits wherever a tier needs a name. */
+typedef struct kvc_store_key kvc_store_key;
+#ifndef KVC_STORE_KEY_DEFINED
+#define KVC_STORE_KEY_DEFINED
+struct kvc_store_key {
+    uint8_t b[16];
+};
+#endif
+
+typedef struct kvc_tier kvc_tier;
+
+/* Called by a tier when it drops an object on its own (budget eviction,
+ * nothing else), from whichever thread dropped it. */
+typedef void (*kvc_tier_removed_fn)(void *user, const kvc_store_key *ns, const kvc_store_key *key);
+
+typedef struct kvc_tier_ops {
+    /* Sets *n_present to how many of keys[0..n) are present from the first
+     * on (the longest run; stops at the first absent one). One round trip
+     * for a remote tier. */
+    kvc_status (*probe)(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
+                        int64_t n, int64_t *n_present);
+    /* Reads keys[0..n): objs[i] receives a malloc'd copy of the object (the
+     * caller frees it) and lens[i] its size, or NULL / 0 when absent. On an
+     * error every objs[i] is NULL (nothing to free). Pipelined: one round
+     * trip per server for the whole batch. */
+    kvc_status (*get)(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys, int64_t n,
+                      void **objs, size_t *lens);
+    /* Writes n objects. Each is visible whole or not at all, never in part,
+     * whatever happens to this process or the tier meanwhile (a killed
+     * writer, a full disk). An existing object under the same key is
+     * replaced (its bytes are the same by construction). On error some
+     * objects may have been written, each whole; *n_written (may be NULL)
+     * receives how many were. */
+    kvc_status (*put)(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
+                      const void *const *objs, const size_t *lens, int64_t n,
+                      int64_t *n_written);
+    /* Removes every object of namespace ns (all processes' writes). */
+    kvc_status (*invalidate)(kvc_tier *t, const kvc_store_key *ns);
+    void (*close)(kvc_tier *t); /* frees t */
+} kvc_tier_ops;
+
+struct kvc_tier {
+    const kvc_tier_ops *ops;
+    char kind[8];     /* "dir" or "redis" */
+    char name[256];   /* the URL it was opened with, for messages and stats */
+    kvc_tier_removed_fn removed; /* may be NULL; set by the store after open */
+    void *removed_user;
+};
+
+/* "dir:PATH" or "dir:PATH?max_bytes=N" (N bytes, suffixes K, M, G = 2^10,
+ * 2^20, 2^30 allowed; default: no budget). Creates PATH if missing. */
+kvc_status kvc__tier_dir_open(const char *url, kvc_tier **out);
+
+/* One or more comma-separated server URLs, "redis://HOST:PORT" or
+ * "unix:///PATH/TO/SOCKET", with one optional "?ttl=SECONDS" at the very
+ * end applying to all (default: no expiry). KVC_ERR_UNSUPPORTED when the
+ * library was built without hiredis. Connects lazily or at open (an
+ * unreachable server at open is not an error: it counts as down and is
+ * retried with back-off). */
+kvc_status kvc__tier_redis_open(const char *url, kvc_tier **out);
+
+/* 32 lower-case hex digits and a NUL into out (33 bytes). */
+void kvc__store_key_hex(const kvc_store_key *k, char out[33]);
+
+#endif
