@@ -215,6 +215,40 @@ KVC_API kvc_status kvc_cache_kvfmt_seqs(const kvc_cache *cache, int32_t layer,
 KVC_API kvc_status kvc_cache_truncate_ex(kvc_cache *cache, kvc_seq_id seq, int64_t n_tokens,
                                          int64_t *n_kept);
 
+/* ---- page contents (the KV store, store.h) --------------------------------
+ * A page's K/V in every layer as one run of bytes: for each layer in order,
+ * its data block (page_size tokens of K then V in the cache's layout, or a
+ * compressed format's page) and, for int8/int4, its scale block. */
+
+/* The parameters the cache was created with (num_pages as derived). */
+KVC_API kvc_status kvc_cache_get_params(const kvc_cache *cache, kvc_cache_params *out);
+
+/* Bytes of one page over all layers (what read/write_page move). */
+KVC_API size_t kvc_cache_page_bytes(const kvc_cache *cache);
+
+/* Copies page page_id's bytes to dst (size == kvc_cache_page_bytes). */
+KVC_API kvc_status kvc_cache_read_page(const kvc_cache *cache, int32_t page_id, void *dst,
+                                       size_t size);
+
+/* Overwrites page page_id's bytes with src (size == kvc_cache_page_bytes).
+ * Only a page held by exactly one sequence may be written (one just
+ * reserved for K/V the caller restores), else KVC_ERR_INVALID_ARG. */
+KVC_API kvc_status kvc_cache_write_page(kvc_cache *cache, int32_t page_id, const void *src,
+                                        size_t size);
+
+/* Called when an unreferenced cached page is about to be reused (evicted),
+ * its contents and token ids still intact; it must not call the cache
+ * except kvc_cache_read_page and kvc_cache_page_tokens. */
+typedef void (*kvc_cache_evict_fn)(void *user, const kvc_cache *cache, int32_t page_id);
+/* Sets (fn NULL: clears) the eviction hook. */
+KVC_API kvc_status kvc_cache_set_evict_hook(kvc_cache *cache, kvc_cache_evict_fn fn, void *user);
+
+/* The token ids of a page in the prefix index (page_size of them) into
+ * tokens; KVC_ERR_NOT_FOUND when the page is not findable (not full, never
+ * registered, or prefix caching off). */
+KVC_API kvc_status kvc_cache_page_tokens(const kvc_cache *cache, int32_t page_id,
+                                         int32_t *tokens);
+
 typedef struct kvc_cache_stats {
     int64_t free_pages;   /* never used, or evicted: no contents */
     int64_t cached_pages; /* unreferenced, contents kept, findable */

@@ -271,7 +271,49 @@ typedef struct kvc_engine_stats {
     int64_t kv_bytes_per_token; /* cache storage per token slot, all layers */
     int64_t kv_capacity_tokens;
     int64_t kv_used_tokens_peak; /* most slots held by sequences at once */
+    int64_t external_tokens;    /* prompt tokens restored through the connector (a store) */
+    int64_t external_miss_tokens; /* prompt tokens probed there and not restored */
 } kvc_engine_stats;
+
+/*
+ * External KV (a connector; kvc_store_attach_engine of store.h sets one).
+ * Page indexes count from a sequence's first token; runs are whole prefix
+ * units (pages, or for a compressed format lcm(page, K group) tokens).
+ *   probe    at admission, after the prefix cache's hit of first_page pages:
+ *            how many of the next (at most max_pages) pages it can likely
+ *            restore (*n_pages, no data moved);
+ *   restore  writes pages [first_page, first_page + n_pages) of tokens into
+ *            page_ids (reserved for the request, written by nothing else),
+ *            each verified before it is written: *n_restored receives the
+ *            run written from first_page on; the engine rolls the rest of the
+ *            reservation back and computes those tokens (a failed call
+ *            counts as none restored);
+ *   on_final pages [first_page, first_page + n_pages) of a request became
+ *            final (full, K groups complete) with tokens' ids;
+ *   on_hit   pages the prefix cache served at admission;
+ *   on_evict the cache is about to reuse a cached page (its hook, cache.h).
+ * Any callback but probe and restore may be NULL. Called from the thread
+ * that steps the engine, within kvc_engine_step.
+ */
+typedef struct kvc_engine_connector {
+    void *user;
+    kvc_status (*probe)(void *user, const kvc_cache *cache, const int32_t *tokens,
+                        int64_t first_page, int64_t max_pages, int64_t *n_pages);
+    kvc_status (*restore)(void *user, kvc_cache *cache, const int32_t *tokens,
+                          int64_t first_page, int64_t n_pages, const int32_t *page_ids,
+                          int64_t *n_restored);
+    void (*on_final)(void *user, const kvc_cache *cache, const int32_t *tokens,
+                     int64_t first_page, int64_t n_pages, const int32_t *page_ids);
+    void (*on_hit)(void *user, const kvc_cache *cache, const int32_t *tokens, int64_t first_page,
+                   int64_t n_pages, const int32_t *page_ids);
+    void (*on_evict)(void *user, const kvc_cache *cache, int32_t page_id);
+} kvc_engine_connector;
+
+/* Sets the engine's connector (copied; NULL detaches). Needs prefix caching
+ * (KVC_ERR_INVALID_ARG without) and, for a compressed format, no float16
+ * window (W = 0: restored pages then give exactly the recomputed K/V). */
+KVC_API kvc_status kvc_engine_set_connector(kvc_engine *engine,
+                                            const kvc_engine_connector *connector);
 
 KVC_API kvc_status kvc_engine_get_stats(const kvc_engine *engine, kvc_engine_stats *out);
 /* The engine's cache (for inspection: kvc_cache_get_stats, kvc_cache_check). */

@@ -148,6 +148,7 @@ int32_t kvc__take_page(kvc_cache *c) {
         p = c->free_stack[--c->n_free];
     } else {
         p = c->lru_head;
+        if (c->evict_fn) c->evict_fn(c->evict_user, c, p); /* contents still intact */
         kvc__lru_remove(c, p);
         kvc__index_remove(c, p);
         c->st.evictions++;
@@ -539,6 +540,84 @@ kvc_status kvc_cache_get_stats(const kvc_cache *c, kvc_cache_stats *out) {
     out->free_pages = c->n_free;
     out->cached_pages = c->n_lru;
     out->used_pages = c->n_used;
+    return KVC_OK;
+}
+
+/* ---- page contents ------------------------------------------------------------------ */
+
+kvc_status kvc_cache_get_params(const kvc_cache *c, kvc_cache_params *out) {
+    KVC_CHECK(c != NULL && out != NULL, "kvc_cache_get_params: cache and out must not be NULL");
+    *out = c->p;
+    out->num_pages = c->num_pages;
+    return KVC_OK;
+}
+
+size_t kvc_cache_page_bytes(const kvc_cache *c) {
+    return c ? (size_t)c->p.num_layers * (c->page_data_bytes + (c->scale ? c->page_scale_bytes : 0))
+             : 0;
+}
+
+static kvc_status page_io_check(const kvc_cache *c, const char *fn, int32_t page, const void *buf,
+                                size_t size) {
+    KVC_CHECK(c != NULL && buf != NULL, "%s: cache and buffer must not be NULL", fn);
+    KVC_CHECK(page >= 0 && page < c->num_pages, "%s: page %d outside [0, %lld)", fn, (int)page,
+              (long long)c->num_pages);
+    KVC_CHECK(size == kvc_cache_page_bytes(c), "%s: size %zu != kvc_cache_page_bytes %zu", fn,
+              size, kvc_cache_page_bytes(c));
+    return KVC_OK;
+}
+
+kvc_status kvc_cache_read_page(const kvc_cache *c, int32_t page, void *dst, size_t size) {
+    KVC_TRY(page_io_check(c, "kvc_cache_read_page", page, dst, size));
+    unsigned char *o = dst;
+    for (int32_t l = 0; l < c->p.num_layers; l++) {
+        memcpy(o, c->data + (size_t)l * c->layer_data_bytes + (size_t)page * c->page_data_bytes,
+               c->page_data_bytes);
+        o += c->page_data_bytes;
+        if (c->scale) {
+            memcpy(o, c->scale + (size_t)l * c->layer_scale_bytes +
+                          (size_t)page * c->page_scale_bytes, c->page_scale_bytes);
+            o += c->page_scale_bytes;
+        }
+    }
+    return KVC_OK;
+}
+
+kvc_status kvc_cache_write_page(kvc_cache *c, int32_t page, const void *src, size_t size) {
+    static const char fn[] = "kvc_cache_write_page";
+    KVC_TRY(page_io_check(c, fn, page, src, size));
+    KVC_CHECK(c->pages[page].ref == 1, "%s: page %d is held by %d sequences (need exactly one)",
+              fn, (int)page, (int)c->pages[page].ref);
+    const unsigned char *in = src;
+    for (int32_t l = 0; l < c->p.num_layers; l++) {
+        memcpy(c->data + (size_t)l * c->layer_data_bytes + (size_t)page * c->page_data_bytes, in,
+               c->page_data_bytes);
+        in += c->page_data_bytes;
+        if (c->scale) {
+            memcpy(c->scale + (size_t)l * c->layer_scale_bytes + (size_t)page * c->page_scale_bytes,
+                   in, c->page_scale_bytes);
+            in += c->page_scale_bytes;
+        }
+    }
+    return KVC_OK;
+}
+
+kvc_status kvc_cache_set_evict_hook(kvc_cache *c, kvc_cache_evict_fn fn, void *user) {
+    KVC_CHECK(c != NULL, "kvc_cache_set_evict_hook: cache is NULL");
+    c->evict_fn = fn;
+    c->evict_user = fn ? user : NULL;
+    return KVC_OK;
+}
+
+kvc_status kvc_cache_page_tokens(const kvc_cache *c, int32_t page, int32_t *tokens) {
+    static const char fn[] = "kvc_cache_page_tokens";
+    KVC_CHECK(c != NULL && tokens != NULL, "%s: cache and tokens must not be NULL", fn);
+    KVC_CHECK(page >= 0 && page < c->num_pages, "%s: page %d outside [0, %lld)", fn, (int)page,
+              (long long)c->num_pages);
+    if (!c->tokens || !c->pages[page].in_index)
+        return kvc__error(KVC_ERR_NOT_FOUND, "%s: page %d is not in the prefix index", fn,
+                          (int)page);
+    memcpy(tokens, c->tokens + (int64_t)page * c->ps, (size_t)c->ps * sizeof(int32_t));
     return KVC_OK;
 }
 

@@ -85,6 +85,8 @@ struct kvc_cache {
     int64_t n_seqs, seqs_cap;
     kvc_seq_id next_id;
     kvc_cache_stats st;
+    kvc_cache_evict_fn evict_fn; /* kvc_cache_set_evict_hook */
+    void *evict_user;
 };
 
 void *kvc__cache_alloc(kvc_cache *c, size_t size);

@@ -47,6 +47,7 @@ typedef struct req {
     uint64_t rng;
     kvc_seq_id seq; /* -1 when not admitted */
     int64_t n_done, n_resv;
+    int64_t n_final; /* tokens of its pages reported final to the connector */
     int64_t admit; /* admission counter, for picking preemption victims */
 } req;
 
@@ -72,6 +73,12 @@ struct kvc_engine {
     uint64_t *b_rng; /* the entry's generator state after its draw */
     float *logits;
     int64_t cap_b, cap_rows;
+    /* external KV (kvc_engine_set_connector) */
+    kvc_engine_connector conn;
+    int has_conn;
+    int32_t unit;  /* prefix unit in tokens: page_size, or lcm(page, K group) */
+    int32_t *pg;   /* page ids of one sequence */
+    int64_t cap_pg;
 };
 
 kvc_engine_params kvc_engine_default_params(void) {
@@ -116,6 +123,7 @@ void kvc_engine_destroy(kvc_engine *e) {
     free(e->b_new);
     free(e->b_rng);
     free(e->logits);
+    free(e->pg);
     kvc_model_ctx_destroy(e->ctx);
     kvc_cache_destroy(e->cache);
     free(e);
@@ -154,6 +162,11 @@ kvc_status kvc_engine_create(const kvc_model *m, const kvc_engine_params *params
         kvc_engine_destroy(e);
         return st;
     }
+    e->unit = p.page_size;
+    kvc_kvfmt f;
+    if (p.kv_format != KVC_KVFMT_NONE && kvc_cache_kvfmt(e->cache, &f) == KVC_OK &&
+        f.group > e->unit)
+        e->unit = f.group; /* G and P divide one another */
     e->st.kv_bytes_per_token = (int64_t)kvc_cache_bytes_per_token(e->cache);
     e->st.kv_capacity_tokens = kvc_cache_capacity_tokens(e->cache);
     *out = e;
@@ -265,6 +278,63 @@ kvc_status kvc_engine_get_stats(const kvc_engine *e, kvc_engine_stats *out) {
 }
 
 const kvc_cache *kvc_engine_cache(const kvc_engine *e) { return e ? e->cache : NULL; }
+
+static void evict_trampoline(void *user, const kvc_cache *cache, int32_t page) {
+    const kvc_engine *e = user;
+    e->conn.on_evict(e->conn.user, cache, page);
+}
+
+kvc_status kvc_engine_set_connector(kvc_engine *e, const kvc_engine_connector *c) {
+    static const char fn[] = "kvc_engine_set_connector";
+    KVC_CHECK(e != NULL, "%s: engine is NULL", fn);
+    if (!c) {
+        e->has_conn = 0;
+        memset(&e->conn, 0, sizeof e->conn);
+        return kvc_cache_set_evict_hook(e->cache, NULL, NULL);
+    }
+    KVC_CHECK(c->probe != NULL && c->restore != NULL, "%s: probe and restore must be set", fn);
+    KVC_CHECK(e->p.enable_prefix_caching, "%s: needs prefix caching (enable_prefix_caching)", fn);
+    kvc_kvfmt f;
+    KVC_CHECK(e->p.kv_format == KVC_KVFMT_NONE ||
+                  (kvc_cache_kvfmt(e->cache, &f) == KVC_OK && f.window == 0),
+              "%s: a compressed format with a float16 window cannot be restored exactly", fn);
+    e->conn = *c;
+    e->has_conn = 1;
+    return kvc_cache_set_evict_hook(e->cache, c->on_evict ? evict_trampoline : NULL, e);
+}
+
+/* Page ids of seq into e->pg; their count, or -1 (message set). */
+static int64_t seq_pages(kvc_engine *e, kvc_seq_id seq) {
+    int32_t indptr[2], last;
+    int64_t n = 0;
+    kvc_status st = kvc_cache_page_table(e->cache, &seq, 1, indptr, e->pg, e->cap_pg, &last, &n);
+    if (st == KVC_ERR_INVALID_ARG && n > e->cap_pg) {
+        kvc_clear_error();
+        int32_t *q = realloc(e->pg, (size_t)(n + 64) * sizeof(int32_t));
+        if (!q) {
+            kvc__error(KVC_ERR_NOMEM, "kvc_engine_step: out of memory");
+            return -1;
+        }
+        e->pg = q;
+        e->cap_pg = n + 64;
+        st = kvc_cache_page_table(e->cache, &seq, 1, indptr, e->pg, e->cap_pg, &last, &n);
+    }
+    return st == KVC_OK ? n : -1;
+}
+
+/* Pages of r the connector has not seen final yet and now are: whole
+ * prefix units of its computed tokens. */
+static void report_final(kvc_engine *e, req *r) {
+    const int64_t fin = r->n_done / e->unit * e->unit, P = e->p.page_size;
+    if (!e->has_conn || !e->conn.on_final || fin <= r->n_final) return;
+    if (seq_pages(e, r->seq) < fin / P) {
+        kvc_clear_error(); /* out of memory: these pages go unsaved (a later miss) */
+        return;
+    }
+    e->conn.on_final(e->conn.user, e->cache, r->tok, r->n_final / P, (fin - r->n_final) / P,
+                     e->pg + r->n_final / P);
+    r->n_final = fin;
+}
 
 /* Preempts the most recently admitted running request: its sequence is
  * freed (full pages stay in the prefix cache) and it goes back to the front
@@ -402,6 +472,39 @@ static void compact_batch(kvc_engine *e, int64_t *nb, int64_t *rows, int64_t *bu
     *n_decode = kdec;
 }
 
+/* Restores *ext tokens after the n_cached hit of r's new sequence seq
+ * (reserved with *chunk more). What the connector does not restore is
+ * rolled back and computed instead: *ext and *chunk are updated (chunk
+ * within budget). KVC_ERR_NO_SPACE (no message) when the re-reservation
+ * fails; the caller frees seq. */
+static kvc_status restore_ext(kvc_engine *e, req *r, kvc_seq_id seq, int64_t n_cached,
+                              int64_t *ext, int64_t *chunk, int64_t budget) {
+    const int64_t P = e->p.page_size, upp = e->unit / P;
+    int64_t nr = 0;
+    if (seq_pages(e, seq) < (n_cached + *ext) / P ||
+        e->conn.restore(e->conn.user, e->cache, r->tok, n_cached / P, *ext / P,
+                        e->pg + n_cached / P, &nr) != KVC_OK)
+        nr = 0;
+    kvc_clear_error(); /* the connector counts its failures: recompute */
+    if (nr > *ext / P) nr = *ext / P;
+    nr = nr / upp * upp;
+    if (nr * P == *ext) return KVC_OK;
+    /* the unrestored slots were never written: out of the index, then
+     * reserve what this step computes instead */
+    const int64_t keep = n_cached + nr * P;
+    kvc_cache_rollback(e->cache, seq, keep);
+    *ext = nr * P;
+    *chunk = r->n_tok - keep;
+    if (*chunk > budget) *chunk = budget;
+    kvc_status st = kvc_cache_append(e->cache, seq, r->tok + keep, *chunk, NULL);
+    if (st != KVC_OK) {
+        kvc_clear_error();
+        kvc_cache_rollback(e->cache, seq, n_cached);
+        return KVC_ERR_NO_SPACE;
+    }
+    return KVC_OK;
+}
+
 kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
                            int64_t *n_events) {
     static const char fn[] = "kvc_engine_step";
@@ -488,12 +591,35 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
             st = kvc_cache_lookup_prefix(e->cache, r->tok, r->n_tok, 0, &hit);
             if (st != KVC_OK) return fail_step(e, admit0, st);
         }
-        int64_t chunk = r->n_tok - hit;
+        /* then the connector, for whole units after the hit (never the
+         * prompt's last token: its logits are needed) */
+        const int64_t P = e->p.page_size, upp = e->unit / P;
+        int64_t ext = 0; /* tokens to restore */
+        if (e->has_conn) {
+            const int64_t max_units = ((r->n_tok - 1) / e->unit * e->unit - hit) / e->unit;
+            int64_t np = 0;
+            if (max_units > 0 &&
+                e->conn.probe(e->conn.user, e->cache, r->tok, hit / P, max_units * upp, &np) !=
+                    KVC_OK) {
+                kvc_clear_error(); /* the connector counts its failures: recompute */
+                np = 0;
+            }
+            if (np > max_units * upp) np = max_units * upp;
+            ext = np / upp * e->unit;
+        }
+        int64_t chunk = r->n_tok - hit - ext;
         if (chunk > budget) chunk = budget;
         int64_t n_cached = 0;
         kvc_seq_id seq;
         st = kvc_cache_add_sequence(e->cache, e->p.enable_prefix_caching ? r->tok : NULL,
-                                    hit + chunk, 0, &seq, &n_cached);
+                                    hit + ext + chunk, 0, &seq, &n_cached);
+        if (st == KVC_OK && ext > 0) {
+            st = restore_ext(e, r, seq, n_cached, &ext, &chunk, budget);
+            if (st == KVC_ERR_NO_SPACE) {
+                kvc_cache_free_sequence(e->cache, seq);
+                st = KVC_ERR_NO_SPACE;
+            }
+        }
         if (st == KVC_ERR_NO_SPACE) {
             kvc_clear_error();
             st = KVC_OK;
@@ -508,15 +634,22 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
         remove_at(e->wait, &e->n_wait, 0);
         r->seq = seq;
         r->admit = e->admit_counter++;
-        r->n_done = n_cached;
-        r->n_resv = hit + chunk;
-        chunk = r->n_resv - r->n_done;
+        r->n_done = n_cached + ext;
+        r->n_resv = r->n_done + chunk;
+        r->n_final = r->n_done / e->unit * e->unit;
+        e->st.external_tokens += ext;
+        if (e->has_conn && e->conn.on_hit && n_cached >= P && seq_pages(e, seq) >= n_cached / P)
+            e->conn.on_hit(e->conn.user, e->cache, r->tok, 0, n_cached / P, e->pg);
+        kvc_clear_error();
         if (!r->admitted_once) { /* first admission: count the prompt */
             r->admitted_once = 1;
             r->counted_at = r->admit;
             r->counted_cached = n_cached < r->n_prompt ? n_cached : r->n_prompt;
             e->st.prompt_tokens += r->n_prompt;
             e->st.cached_tokens += r->counted_cached;
+            if (e->has_conn)
+                e->st.external_miss_tokens += r->n_prompt - r->counted_cached -
+                                              (ext < r->n_prompt ? ext : r->n_prompt);
         }
         e->b_req[nb] = r;
         e->b_seq[nb] = r->seq;
@@ -564,6 +697,7 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
         row += e->b_n[b];
         if (r->n_gen == 0 || r->n_done != r->n_tok - 1) e->st.prefill_tokens += e->b_n[b];
         r->n_done += e->b_n[b];
+        report_final(e, r);
         if (!want) continue;
         const int32_t t = e->b_new[b];
         r->rng = e->b_rng[b];

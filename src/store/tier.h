@@ -20,19 +20,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "kvcache/core.h"
+#include "kvcache/store.h"
 
-/* 128-bit key or namespace digest, as 16 bytes (docs/KV_STORE.md: the
- * canonical big-endian form of XXH3-128). Printed as 32 lower-case hex
+/* Keys and namespace digests are kvc_store_key (store.h): 16 bytes, the
+ * canonical big-endian form of XXH3-128. Printed as 32 lower-case hex
  * digits wherever a tier needs a name. */
-typedef struct kvc_store_key kvc_store_key;
-#ifndef KVC_STORE_KEY_DEFINED
-#define KVC_STORE_KEY_DEFINED
-struct kvc_store_key {
-    uint8_t b[16];
-};
-#endif
-
 typedef struct kvc_tier kvc_tier;
 
 /* Called by a tier when it drops an object on its own (budget eviction,

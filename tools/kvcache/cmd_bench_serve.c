@@ -16,6 +16,7 @@
 #include "bench.h"
 #include "cli.h"
 #include "cli_gen.h"
+#include "cli_store.h"
 #include "kvcache/kvcache.h"
 #include "serve.h"
 
@@ -45,6 +46,10 @@ static const char serve_usage[] =
     "  --quick              prompt 64, gen 8, batch 1,4, f16: a smoke test (options\n"
     "                       given explicitly keep their values)\n"
     "  --json               one JSON object per line\n"
+    "  --kv-store URL, --kv-store-write P, --salt S, --json-stats\n"
+    "                       a KV store for every case's engine (as for `kvcache\n"
+    "                       run`; engine mode only); --json-stats prints each\n"
+    "                       case's counters on stderr\n"
     "  -h, --help           this text\n"
     "\n"
     "Engine mode (default): all B requests go to the engine at once, as a server\n"
@@ -103,6 +108,7 @@ static int serve_engine_run(const serve_case *c, serve_result *r) {
     ep.kv_capacity_tokens = B * (c->prompt_len + c->gen + ep.page_size);
     ep.enable_prefix_caching = c->prefix_cache;
     kvc_engine *eng = NULL;
+    kvc_store *store = NULL;
     kvc_engine_event *ev = malloc((size_t)B * sizeof *ev);
     int32_t *prompt = malloc((size_t)c->prompt_len * sizeof(int32_t));
     int32_t *out = malloc((size_t)(B * c->gen) * sizeof(int32_t)); /* generated, per sequence */
@@ -113,6 +119,9 @@ static int serve_engine_run(const serve_case *c, serve_result *r) {
         goto out;
     }
     if (kvc_engine_create(c->model, &ep, &eng) != KVC_OK) goto fail;
+    if (c->store && cli_store_attach("bench-serve", c->store, c->model_path, c->model, eng, &store))
+        goto out;
+    const double t0 = bench_now();
     for (int64_t b = 0; b < B; b++) {
         int64_t id;
         serve_prompt(c, b, prompt);
@@ -126,6 +135,7 @@ static int serve_engine_run(const serve_case *c, serve_result *r) {
     while (kvc_engine_pending(eng) > 0) {
         int64_t ne = 0;
         if (kvc_engine_step(eng, ev, B, &ne) != KVC_OK) goto fail;
+        if (done_tokens == 0 && ne > 0) r->ttft_s = bench_now() - t0;
         done_tokens += ne;
         for (int64_t i = 0; i < ne; i++) {
             const int64_t b = ev[i].request_id - id0;
@@ -152,6 +162,10 @@ static int serve_engine_run(const serve_case *c, serve_result *r) {
     r->cached_tokens = s.cached_tokens;
     r->preemptions = s.preemptions;
     r->tokens_fnv = serve_tokens_fnv(out, B, c->gen);
+    r->store_hit_tokens = s.external_tokens;
+    if (c->store)
+        cli_store_finish("bench-serve", c->store, store, eng, r->ttft_s,
+                         r->decode_s > 0 ? (double)r->decode_tokens / r->decode_s : 0.0, 60.0);
     ok = 1;
     goto out;
 fail:
@@ -159,6 +173,7 @@ fail:
 out:
     if (c->tty) fputs("\r\033[K", stderr);
     kvc_engine_destroy(eng);
+    cli_store_close(store);
     free(ev);
     free(prompt);
     free(out);
@@ -173,6 +188,8 @@ int cmd_bench_serve(int argc, char **argv) {
     int n_batches = 2, n_dtypes = 2, shared = 0, quick = 0, json = 0, sync = 0, no_prefix = 0;
     int set_batch = 0, set_prompt = 0, set_gen = 0, set_dtype = 0; /* win over --quick */
     int dtypes[8] = {KVC_F16, CLI_KV_KIVI8};
+    cli_store_opts so;
+    cli_store_opts_default(&so);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -180,6 +197,9 @@ int cmd_bench_serve(int argc, char **argv) {
             fputs(serve_usage, stdout);
             return CLI_EXIT_OK;
         }
+        const int sg = cli_store_opts_parse(cmd, argc, argv, &i, &so);
+        if (sg > 1) return sg;
+        if (sg == 1) continue;
         int *flag = !strcmp(a, "--shared-prompt")     ? &shared
                     : !strcmp(a, "--quick")           ? &quick
                     : !strcmp(a, "--json")            ? &json
@@ -230,6 +250,8 @@ int cmd_bench_serve(int argc, char **argv) {
         }
     }
     if (text && text_file) return cli_usage_error(cmd, "give -p or -f, not both");
+    if (sync && (so.n_urls > 0 || so.json_stats))
+        return cli_usage_error(cmd, "--kv-store and --json-stats need the engine mode (not --sync)");
     if (quick) {
         if (!set_prompt && !text && !text_file) prompt_len = 64;
         if (!set_gen) gen = 8;
@@ -303,7 +325,9 @@ int cmd_bench_serve(int argc, char **argv) {
                                   .prompt_len = prompt_len, .gen = gen, .threads = threads,
                                   .step_tokens = step_tokens, .kv = dtypes[di],
                                   .shared = shared, .prefix_cache = !no_prefix,
-                                  .text = text_ids, .tty = isatty(2) && !json};
+                                  .text = text_ids, .tty = isatty(2) && !json,
+                                  .store = so.n_urls > 0 || so.json_stats ? &so : NULL,
+                                  .model_path = model_path};
             serve_result r;
             if ((sync ? serve_sync_run(&c, &r) : serve_engine_run(&c, &r)) != 0) {
                 rc = CLI_EXIT_FAIL;
@@ -324,7 +348,8 @@ int cmd_bench_serve(int argc, char **argv) {
                        "\"decode_s\": %.4f, \"decode_tokens\": %lld, \"decode_tok_s\": %.2f, "
                        "\"decode_mean_batch\": %.2f, \"kv_bytes_per_token\": %lld, "
                        "\"cached_tokens\": %lld, \"preemptions\": %lld, "
-                       "\"tokens_fnv\": \"%016llx\"}\n",
+                       "\"tokens_fnv\": \"%016llx\", \"ttft_s\": %.4f, "
+                       "\"store_hit_tokens\": %lld}\n",
                        kvc_isa_name(kvc_get_isa()), mode, cli_kv_name(c.kv), (long long)c.B,
                        (long long)prompt_len, (long long)gen, text ? "text" : "random",
                        shared ? "true" : "false", no_prefix ? "false" : "true",
@@ -332,7 +357,8 @@ int cmd_bench_serve(int argc, char **argv) {
                        (long long)r.prefill_tokens, pre_tps, r.decode_s,
                        (long long)r.decode_tokens, dec_tps, r.decode_batch,
                        (long long)r.kv_bytes_per_token, (long long)r.cached_tokens,
-                       (long long)r.preemptions, (unsigned long long)r.tokens_fnv);
+                       (long long)r.preemptions, (unsigned long long)r.tokens_fnv, r.ttft_s,
+                       (long long)r.store_hit_tokens);
             } else {
                 printf("%-6s %4lld %10.3f %12.1f %10.3f %12.2f %6.1f %11lld %8lld %6lld\n",
                        cli_kv_name(c.kv), (long long)c.B, r.prefill_s, pre_tps, r.decode_s,

@@ -18,6 +18,7 @@
 
 #include "cli.h"
 #include "cli_gen.h"
+#include "cli_store.h"
 #include "kvcache/kvcache.h"
 
 static const char chat_usage_head[] =
@@ -89,18 +90,26 @@ int cmd_chat(int argc, char **argv) {
     int64_t ctx_size = 4096;
     cli_gen_opts o;
     cli_gen_opts_default(&o, 512);
+    cli_store_opts so;
+    cli_store_opts_default(&so);
+    kvc_store *store = NULL;
+    double ttft = 0, dec_tok = 0, dec_s = 0; /* --json-stats: first turn's TTFT, mean decode */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (cli_is_help(a)) {
             fputs(chat_usage_head, stdout);
             fputs(cli_gen_opts_help, stdout);
+            fputs(cli_store_opts_help, stdout);
             fputs(chat_usage_tail, stdout);
             return CLI_EXIT_OK;
         }
         const int g = cli_gen_opts_parse(cmd, argc, argv, &i, &o);
         if (g > 1) return g;
         if (g == 1) continue;
+        const int sg = cli_store_opts_parse(cmd, argc, argv, &i, &so);
+        if (sg > 1) return sg;
+        if (sg == 1) continue;
         if (!strcmp(a, "-v") || !strcmp(a, "--verbose")) {
             verbose = 1;
             continue;
@@ -169,6 +178,10 @@ int cmd_chat(int argc, char **argv) {
     ep.kv_capacity_tokens = ctx_size;
     ep.max_running = 1;
     if (kvc_engine_create(model, &ep, &eng) != KVC_OK) goto fail;
+    if (cli_store_attach(cmd, &so, o.model_path, model, eng, &store)) {
+        rc = CLI_EXIT_FAIL;
+        goto done;
+    }
     const int64_t cap = kvc_cache_capacity_tokens(kvc_engine_cache(eng));
     if (system && conv_push(&c, "system", (char *)system, 0)) {
         rc = nomem();
@@ -235,6 +248,8 @@ int cmd_chat(int argc, char **argv) {
             rc = CLI_EXIT_FAIL;
             break;
         }
+        if (turn == 1) ttft = r.t_prefill;
+        if (r.n_gen > 1) dec_tok += (double)(r.n_gen - 1), dec_s += r.t_decode;
         if (!reply) reply = strdup(""); /* an empty reply (EOG first) is still a turn */
         if (!reply || conv_push(&c, "assistant", reply, 1)) {
             free(reply);
@@ -249,6 +264,7 @@ int cmd_chat(int argc, char **argv) {
                     (long long)r.n_gen, r.t_decode,
                     r.finish == KVC_FINISH_LENGTH ? " (stopped at -n)" : "");
     }
+    cli_store_finish(cmd, &so, store, eng, ttft, dec_s > 0 ? dec_tok / dec_s : 0.0, 60.0);
     goto done;
 fail:
     fprintf(stderr, "kvcache: chat: %s\n", kvc_last_error());
@@ -258,6 +274,7 @@ done:
     free(c.owned);
     free(line);
     kvc_engine_destroy(eng);
+    cli_store_close(store);
     kvc_model_destroy(model);
     free(sys_text);
     free(tmpl);

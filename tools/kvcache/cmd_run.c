@@ -9,6 +9,7 @@
 #include "bench.h" /* bench_now */
 #include "cli.h"
 #include "cli_gen.h"
+#include "cli_store.h"
 #include "kvcache/kvcache.h"
 
 static const char run_usage_head[] =
@@ -43,18 +44,24 @@ int cmd_run(int argc, char **argv) {
     int64_t n_ctx = 0;
     cli_gen_opts o;
     cli_gen_opts_default(&o, 128);
+    cli_store_opts so;
+    cli_store_opts_default(&so);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (cli_is_help(a)) {
             fputs(run_usage_head, stdout);
             fputs(cli_gen_opts_help, stdout);
+            fputs(cli_store_opts_help, stdout);
             fputs(run_usage_tail, stdout);
             return CLI_EXIT_OK;
         }
         const int g = cli_gen_opts_parse(cmd, argc, argv, &i, &o);
         if (g > 1) return g;
         if (g == 1) continue;
+        const int sg = cli_store_opts_parse(cmd, argc, argv, &i, &so);
+        if (sg > 1) return sg;
+        if (sg == 1) continue;
         const char **dst = !strcmp(a, "-p") || !strcmp(a, "--prompt") ? &prompt
                            : !strcmp(a, "-f") || !strcmp(a, "--file") ? &prompt_file
                            : !strcmp(a, "--system")                     ? &system
@@ -93,6 +100,7 @@ int cmd_run(int argc, char **argv) {
     int32_t *ids = NULL;
     kvc_engine *eng = NULL;
     kvc_model *model = NULL;
+    kvc_store *store = NULL;
     if (prompt_file) {
         if (cli_read_prompt(cmd, prompt_file, &file_text, &plen)) return CLI_EXIT_FAIL;
         prompt = file_text;
@@ -139,6 +147,7 @@ int cmd_run(int argc, char **argv) {
     ep.kv_format = cli_kv_format(o.kv_dtype);
     ep.kv_capacity_tokens = n_ids + o.n_predict + 16;
     if (kvc_engine_create(model, &ep, &eng) != KVC_OK) goto fail;
+    if (cli_store_attach(cmd, &so, o.model_path, model, eng, &store)) goto done;
     const kvc_sampling_params sp = cli_gen_sampling(&o);
     cli_gen_result r;
     /* plain completion echoes the prompt, as llama.cpp does; it is printed
@@ -147,6 +156,11 @@ int cmd_run(int argc, char **argv) {
                      chat ? NULL : prompt, stdout, NULL, NULL, &r))
         goto done;
     fputc('\n', stdout);
+    fflush(stdout);
+    /* the pages this run computed are written before it exits */
+    cli_store_finish(cmd, &so, store, eng, r.t_prefill,
+                     r.n_gen > 1 && r.t_decode > 0 ? (double)(r.n_gen - 1) / r.t_decode : 0.0,
+                     60.0);
     if (!o.quiet) {
         fprintf(stderr,
                 "\nkvcache: load %.2f s | prompt %lld tokens in %.3f s (%.1f tok/s) | "
@@ -163,6 +177,7 @@ fail:
     fprintf(stderr, "kvcache: run: %s\n", kvc_last_error());
 done:
     kvc_engine_destroy(eng);
+    cli_store_close(store);
     free(ids);
     free(file_text);
     free(tmpl);

@@ -19,6 +19,8 @@ typedef struct serve_case {
     int prefix_cache; /* sequences may share cached prompt pages */
     const int32_t *text; /* prompt_len tokens every sequence gets (-p/-f), or NULL */
     int tty;          /* progress on stderr */
+    const struct cli_store_opts *store; /* --kv-store (engine mode), or NULL */
+    const char *model_path;
 } serve_case;
 
 typedef struct serve_result {
@@ -31,6 +33,8 @@ typedef struct serve_result {
      * sequence: both modes compute the same rows with the same kernels, so
      * they must agree (a check that --sync computes what the engine does) */
     uint64_t tokens_fnv;
+    double ttft_s;            /* time to the first generated token */
+    int64_t store_hit_tokens; /* prompt tokens restored from --kv-store */
 } serve_result;
 
 /* FNV-1a over B sequences' gen tokens (tokens[b * gen + i]). */

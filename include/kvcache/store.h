@@ -1,0 +1,259 @@
+/*
+ * KV store: pages of a kvc_cache that outlive the process (libkvcache_store;
+ * docs/KV_STORE.md is the contract). A page is storable once its bytes are
+ * final (full, and for a compressed format its K group complete). It is kept
+ * as one object holding every layer, under a 128-bit key chained from a
+ * namespace digest over the page's tokens:
+ *   ns      = XXH3-128(canonical text of model, tokenizer, geometry, format, salt)
+ *   key[0]  = XXH3-128(ns || tokens of page 0), key[i] = XXH3-128(key[i-1] || tokens of page i)
+ * (tokens as little-endian int32; 128-bit values in XXH3's canonical
+ * big-endian form). No process-random seed: any process of any build on any
+ * machine computes the same keys.
+ *
+ * A load is applied only when the object's header, checksums, namespace,
+ * key, parent key, position, token ids and sizes all match what the cache
+ * expects (and its BLAKE2b tag, with an authentication key): anything else
+ * is a miss counted by reason, never K/V.
+ *
+ * Tiers, looked up in the order given: "dir:PATH[?max_bytes=N]" (one file
+ * per page, written under a temporary name and renamed, LRU within a byte
+ * budget, shared safely by processes) and "redis://HOST:PORT" or
+ * "unix:///PATH" (Redis or Valkey through hiredis; several servers in one
+ * comma-separated URL share the keys by rendezvous hashing; "?ttl=SECONDS").
+ * Writes go to every tier from a background thread with a bounded queue: a
+ * full queue drops the write (a later miss) and counts it; nothing that
+ * queues a write waits for it.
+ *
+ * Security (docs/KV_STORE.md section 6): without an authentication key,
+ * anyone who can write to a tier can make this process serve K/V of their
+ * choosing. Whether a prefix is stored shows in the time to first token, so
+ * salts (tenants) must be chosen by the server, never taken from clients.
+ */
+#ifndef KVCACHE_STORE_H
+#define KVCACHE_STORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvcache/cache.h"
+#include "kvcache/core.h"
+#include "kvcache/model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A 128-bit key or digest: XXH3-128 in its canonical (big-endian) bytes. */
+#ifndef KVC_STORE_KEY_DEFINED
+#define KVC_STORE_KEY_DEFINED
+typedef struct kvc_store_key {
+    uint8_t b[16];
+} kvc_store_key;
+#else
+typedef struct kvc_store_key kvc_store_key;
+#endif
+
+#define KVC_STORE_OBJ_VERSION 1
+#define KVC_STORE_HEADER_BYTES 128
+#define KVC_STORE_AUTH_KEY_BYTES 32 /* libsodium crypto_generichash_KEYBYTES */
+#define KVC_STORE_AUTH_TAG_BYTES 32
+
+/* ---- namespace and keys ------------------------------------------------- */
+
+/* What K/V of a token depends on, besides the tokens (section 2). */
+typedef struct kvc_store_namespace_desc {
+    kvc_store_key model_digest;     /* of the weights (kvc_store_gguf_digests) */
+    kvc_store_key tokenizer_digest; /* of the tokenizer (kvc_store_gguf_digests) */
+    int32_t n_layers, n_kv_heads, head_dim;
+    int32_t n_rot, rope_neox, rope_freq_factors;
+    float rope_freq_base, rope_scale;
+    kvc_cache_params cache; /* geometry and format: page_size, dtype, scale_dtype,
+                               quant_group, layout, kv_format (the rest is ignored) */
+    const void *salt;       /* tenant, any bytes (NULL with salt_len 0: none) */
+    size_t salt_len;
+} kvc_store_namespace_desc;
+
+/* The namespace digest of d. */
+KVC_API kvc_status kvc_store_namespace(const kvc_store_namespace_desc *d, kvc_store_key *out);
+
+/* Digests of a GGUF file: model = its tensors (names, types, shapes and
+ * data: a new file is a new namespace), tokenizer = its tokenizer.* keys
+ * except the chat templates (they do not change token ids' K/V). Reads the
+ * whole tensor data (~0.1 s per GB). */
+KVC_API kvc_status kvc_store_gguf_digests(const char *gguf_path, kvc_store_key *model_digest,
+                                          kvc_store_key *tokenizer_digest);
+
+/* The namespace of model (loaded from gguf_path) served through a cache with
+ * params cache_params, for a salt. */
+KVC_API kvc_status kvc_store_model_namespace(const char *gguf_path, const kvc_model *model,
+                                             const kvc_cache_params *cache_params,
+                                             const void *salt, size_t salt_len,
+                                             kvc_store_key *out);
+
+/* keys[i] of the first n_pages pages of tokens (n_pages * page_size ids). */
+KVC_API kvc_status kvc_store_page_keys(const kvc_store_key *ns, const int32_t *tokens,
+                                       int64_t n_pages, int32_t page_size, kvc_store_key *keys);
+
+/* ---- page objects (section 3) ------------------------------------------- */
+
+/* Why an object was not applied (stats index; section 4). */
+typedef enum kvc_store_miss {
+    KVC_STORE_MISS_ABSENT = 0,   /* no tier holds the key (or it could not be read) */
+    KVC_STORE_MISS_TRUNCATED,    /* shorter or longer than its header says */
+    KVC_STORE_MISS_MAGIC,        /* not a kvcache page object */
+    KVC_STORE_MISS_VERSION,      /* a format version this reader does not know */
+    KVC_STORE_MISS_HEADER,       /* header checksum */
+    KVC_STORE_MISS_GEOMETRY,     /* layer count, page size or byte sizes differ */
+    KVC_STORE_MISS_PAYLOAD,      /* payload checksum (token ids and K/V) */
+    KVC_STORE_MISS_AUTH,         /* missing or wrong BLAKE2b tag (with an auth key) */
+    KVC_STORE_MISS_NAMESPACE,    /* another model, format or tenant */
+    KVC_STORE_MISS_KEY,          /* key or parent key differ (a collision or a misfiled object) */
+    KVC_STORE_MISS_TOKENS,       /* position or token ids differ */
+    KVC_STORE_MISS_COUNT
+} kvc_store_miss;
+
+KVC_API const char *kvc_store_miss_name(kvc_store_miss m); /* "absent", ... */
+
+/* What the cache expects of one object. */
+typedef struct kvc_store_expect {
+    kvc_store_key ns, key, parent; /* parent = ns for the first page */
+    int64_t position;              /* first token's position: page index * page_size */
+    const int32_t *tokens;         /* page_size ids */
+} kvc_store_expect;
+
+/* Bytes of one page's object for cache (header, token ids, payload of every
+ * layer, and the tag when auth). */
+KVC_API size_t kvc_store_object_bytes(const kvc_cache *cache, int auth);
+
+/* Serializes page page_id of cache (every layer: kvc_cache_read_page) as the
+ * object e describes into dst (cap >= kvc_store_object_bytes; *size
+ * receives the bytes written). auth_key: NULL or KVC_STORE_AUTH_KEY_BYTES
+ * (adds the tag; KVC_ERR_UNSUPPORTED if built without libsodium). The
+ * caller vouches that the page holds e's tokens. */
+KVC_API kvc_status kvc_store_serialize_page(const kvc_cache *cache, int32_t page_id,
+                                            const kvc_store_expect *e, const uint8_t *auth_key,
+                                            void *dst, size_t cap, size_t *size);
+
+/* Checks obj (size bytes) against e and cache's geometry: KVC_OK and *miss
+ * = KVC_STORE_MISS_COUNT when it may be applied, else KVC_ERR_CORRUPT with
+ * *miss the first check that failed (in the enum's order) and a message.
+ * With auth_key, an object without a valid tag fails (AUTH). */
+KVC_API kvc_status kvc_store_verify_object(const kvc_cache *cache, const void *obj, size_t size,
+                                           const kvc_store_expect *e, const uint8_t *auth_key,
+                                           kvc_store_miss *miss);
+
+/* Verifies obj, then writes its payload into page page_id of cache
+ * (kvc_cache_write_page). Nothing is written unless every check passes. */
+KVC_API kvc_status kvc_store_restore_page(kvc_cache *cache, int32_t page_id, const void *obj,
+                                          size_t size, const kvc_store_expect *e,
+                                          const uint8_t *auth_key, kvc_store_miss *miss);
+
+/* ---- the store ---------------------------------------------------------- */
+
+typedef struct kvc_store kvc_store;
+
+typedef enum kvc_store_write_policy {
+    KVC_STORE_WRITE_THROUGH = 0,  /* when a page becomes final */
+    KVC_STORE_WRITE_BACK = 1,     /* when the cache evicts it */
+    KVC_STORE_WRITE_SELECTIVE = 2 /* once it has served selective_hits prefix hits */
+} kvc_store_write_policy;
+
+typedef struct kvc_store_params {
+    int32_t queue_objects;       /* writes waiting at most (default 4096) */
+    int64_t queue_bytes;         /* and their bytes (default 512 MiB) */
+    const uint8_t *auth_key;     /* NULL (default) or KVC_STORE_AUTH_KEY_BYTES, copied */
+    double load_timeout_s;       /* a restore gives up after this (default 2 s) */
+    kvc_store_write_policy write_policy; /* engine attachment (default THROUGH) */
+    int32_t selective_hits;      /* SELECTIVE: hits before a write (default 2) */
+} kvc_store_params;
+
+KVC_API kvc_store_params kvc_store_default_params(void);
+
+/* Opens the tiers urls[0..n_urls) (lookup order = this order) and starts the
+ * writer thread. A Redis server that does not answer is not an error (it
+ * is retried with back-off); a bad URL or an unusable directory is. */
+KVC_API kvc_status kvc_store_open(const char *const *urls, int32_t n_urls,
+                                  const kvc_store_params *params, kvc_store **out);
+/* Stops the writer; queued writes not yet written are dropped (counted):
+ * kvc_store_flush first to keep them. NULL is a no-op. */
+KVC_API void kvc_store_close(kvc_store *store);
+
+/* Waits until every write queued so far is written (or failed), at most
+ * timeout_s (< 0: no limit); KVC_ERR_IO on timeout. */
+KVC_API kvc_status kvc_store_flush(kvc_store *store, double timeout_s);
+
+/* Removes every object of namespace ns from every tier. */
+KVC_API kvc_status kvc_store_invalidate(kvc_store *store, const kvc_store_key *ns);
+
+/* Queues a copy of obj (size bytes) under (ns, key) for every tier. Never
+ * waits: KVC_OK when queued, else the write is dropped and counted
+ * (KVC_ERR_NO_SPACE when the queue is full). */
+KVC_API kvc_status kvc_store_put(kvc_store *store, const kvc_store_key *ns,
+                                 const kvc_store_key *key, const void *obj, size_t size);
+
+/* The run of tokens' pages [first_page, first_page + max_pages) that the
+ * tiers hold and that verify, restored into page_ids (pages the caller owns,
+ * e.g. just reserved by kvc_cache_add_sequence; page_ids[i] receives page
+ * first_page + i): *n_pages receives the run's length (from first_page on;
+ * tiers tried in order, each continuing where the previous one stopped;
+ * cut at the first absent or failing object or at the timeout). tokens
+ * holds (first_page + max_pages) * page_size ids. */
+KVC_API kvc_status kvc_store_restore_run(kvc_store *store, kvc_cache *cache,
+                                         const kvc_store_key *ns, const int32_t *tokens,
+                                         int64_t first_page, int64_t max_pages,
+                                         const int32_t *page_ids, int64_t *n_pages);
+
+/* Serializes pages [first_page, first_page + n_pages) of tokens (page ids
+ * page_ids[0..n_pages)) and queues them (kvc_store_put). */
+KVC_API kvc_status kvc_store_save_run(kvc_store *store, const kvc_cache *cache,
+                                      const kvc_store_key *ns, const int32_t *tokens,
+                                      int64_t first_page, int64_t n_pages,
+                                      const int32_t *page_ids);
+
+typedef struct kvc_store_stats {
+    int64_t hit_pages, miss_pages;    /* pages restored; pages looked up and not restored */
+    int64_t verify_failures;          /* objects read but refused (sum of misses[1..]) */
+    int64_t misses[KVC_STORE_MISS_COUNT]; /* by reason */
+    int64_t errors;                   /* tier calls that failed (I/O, server down) */
+    int64_t bytes_read, bytes_written;
+    int64_t writes_queued, writes_done, writes_dropped, writes_failed;
+    int64_t timeouts;                 /* restores cut by load_timeout_s */
+} kvc_store_stats;
+
+KVC_API kvc_status kvc_store_get_stats(kvc_store *store, kvc_store_stats *out);
+
+/* Events for cache-aware routers: pages stored in a tier (after the write),
+ * removed by a tier (budget eviction), or all cleared (invalidate). Called
+ * from the writer thread or the caller's; must not call back into the
+ * store. tokens: the page's ids (NULL for removals and clears). */
+typedef enum kvc_store_event_kind {
+    KVC_STORE_EVENT_STORED = 0,
+    KVC_STORE_EVENT_REMOVED = 1,
+    KVC_STORE_EVENT_CLEARED = 2
+} kvc_store_event_kind;
+
+typedef struct kvc_store_event {
+    kvc_store_event_kind kind;
+    int32_t tier;               /* index in the urls given to kvc_store_open */
+    kvc_store_key ns, key, parent;
+    const int32_t *tokens;
+    int32_t n_tokens;
+} kvc_store_event;
+
+typedef void (*kvc_store_event_fn)(void *user, const kvc_store_event *ev);
+/* Sets (or with fn NULL clears) the event callback. */
+KVC_API kvc_status kvc_store_set_event_callback(kvc_store *store, kvc_store_event_fn fn,
+                                                void *user);
+
+/* ---- engine attachment ---------------------------------------------------
+ * The engine probes its own prefix cache, then the store, when it admits a
+ * request, restores the run it finds into the pages it reserves, and saves
+ * pages by the store's write policy. One store may serve several engines
+ * (each attach is independent); the store must outlive them. */
+KVC_API kvc_status kvc_store_attach_engine(kvc_store *store, kvc_engine *engine,
+                                           const kvc_store_key *ns);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,174 @@
+/*
+ * The store as an engine's connector (model.h): probe and restore at
+ * admission, saves by the write policy. Write-back and selective writes
+ * need to know a page's key when the engine no longer names it (eviction,
+ * a prefix hit): a table by page id remembers the key, parent, position
+ * and token ids of every page this engine saw final, checked against the
+ * cache's own token ids before a page is saved.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "../core/internal.h"
+#include "store_internal.h"
+
+kvc_status kvc__store_attach_add(kvc_store *s, void *a);
+
+typedef struct slot {
+    kvc_store_key key, parent;
+    int64_t position;
+    int32_t hits;
+    uint8_t valid, saved;
+} slot;
+
+typedef struct attach {
+    kvc_store *s;
+    kvc_store_key ns;
+    int32_t P;
+    kvc_store_write_policy policy;
+    int32_t need_hits;
+    slot *slots;     /* num_pages (write-back and selective) */
+    int32_t *tokens; /* num_pages * P */
+    int64_t num_pages;
+    int32_t *tmp;    /* P ids */
+} attach;
+
+void kvc__store_attach_free(void *p) {
+    attach *a = p;
+    if (!a) return;
+    free(a->slots);
+    free(a->tokens);
+    free(a->tmp);
+    free(a);
+}
+
+static kvc_status probe(void *user, const kvc_cache *cache, const int32_t *tokens,
+                        int64_t first, int64_t max, int64_t *n) {
+    (void)cache;
+    attach *a = user;
+    return kvc__store_probe_run(a->s, &a->ns, tokens, a->P, first, max, n);
+}
+
+static kvc_status restore(void *user, kvc_cache *cache, const int32_t *tokens, int64_t first,
+                          int64_t n, const int32_t *page_ids, int64_t *n_restored) {
+    attach *a = user;
+    return kvc_store_restore_run(a->s, cache, &a->ns, tokens, first, n, page_ids, n_restored);
+}
+
+/* Saves page id from its slot if the cache still holds the slot's tokens. */
+static void save_slot(attach *a, const kvc_cache *cache, int32_t id) {
+    slot *sl = &a->slots[id];
+    if (!sl->valid || sl->saved) return;
+    if (kvc_cache_page_tokens(cache, id, a->tmp) != KVC_OK ||
+        memcmp(a->tmp, a->tokens + (int64_t)id * a->P, (size_t)a->P * sizeof(int32_t)) != 0) {
+        kvc_clear_error();
+        sl->valid = 0; /* reused since: not the page the slot describes */
+        return;
+    }
+    const size_t size = kvc_store_object_bytes(cache, kvc__store_auth_key(a->s) != NULL);
+    void *obj = malloc(size);
+    kvc_store_expect e;
+    e.ns = a->ns;
+    e.key = sl->key;
+    e.parent = sl->parent;
+    e.position = sl->position;
+    e.tokens = a->tokens + (int64_t)id * a->P;
+    if (!obj || kvc_store_serialize_page(cache, id, &e, kvc__store_auth_key(a->s), obj, size,
+                                         NULL) != KVC_OK) {
+        free(obj);
+        kvc_clear_error();
+        return;
+    }
+    sl->saved = 1;
+    if (kvc__store_put_owned(a->s, &a->ns, &sl->key, obj, size) != KVC_OK) kvc_clear_error();
+}
+
+static void on_final(void *user, const kvc_cache *cache, const int32_t *tokens, int64_t first,
+                     int64_t n, const int32_t *page_ids) {
+    attach *a = user;
+    if (a->policy == KVC_STORE_WRITE_THROUGH) {
+        if (kvc_store_save_run(a->s, cache, &a->ns, tokens, first, n, page_ids) != KVC_OK)
+            kvc_clear_error(); /* counted as dropped */
+        return;
+    }
+    kvc_store_key *k = malloc((size_t)(first + n) * sizeof *k);
+    if (!k || kvc_store_page_keys(&a->ns, tokens, first + n, a->P, k) != KVC_OK) {
+        free(k);
+        kvc_clear_error();
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t id = page_ids[i];
+        if (id < 0 || id >= a->num_pages) continue;
+        slot *sl = &a->slots[id];
+        const int64_t pg = first + i;
+        sl->key = k[pg];
+        sl->parent = pg > 0 ? k[pg - 1] : a->ns;
+        sl->position = pg * a->P;
+        sl->hits = 0;
+        sl->valid = 1;
+        sl->saved = 0;
+        memcpy(a->tokens + (int64_t)id * a->P, tokens + pg * a->P,
+               (size_t)a->P * sizeof(int32_t));
+    }
+    free(k);
+}
+
+static void on_hit(void *user, const kvc_cache *cache, const int32_t *tokens, int64_t first,
+                   int64_t n, const int32_t *page_ids) {
+    (void)tokens, (void)first;
+    attach *a = user;
+    if (a->policy != KVC_STORE_WRITE_SELECTIVE) return;
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t id = page_ids[i];
+        if (id < 0 || id >= a->num_pages || !a->slots[id].valid) continue;
+        if (++a->slots[id].hits >= a->need_hits) save_slot(a, cache, id);
+    }
+}
+
+static void on_evict(void *user, const kvc_cache *cache, int32_t id) {
+    attach *a = user;
+    if (a->policy == KVC_STORE_WRITE_BACK && id >= 0 && id < a->num_pages)
+        save_slot(a, cache, id);
+    if (id >= 0 && id < a->num_pages) a->slots[id].valid = 0; /* about to be reused */
+}
+
+kvc_status kvc_store_attach_engine(kvc_store *s, kvc_engine *engine, const kvc_store_key *ns) {
+    static const char fn[] = "kvc_store_attach_engine";
+    KVC_CHECK(s != NULL && engine != NULL && ns != NULL, "%s: store, engine and ns must not be "
+              "NULL", fn);
+    const kvc_cache *cache = kvc_engine_cache(engine);
+    kvc_cache_params cp;
+    KVC_TRY(kvc_cache_get_params(cache, &cp));
+    attach *a = calloc(1, sizeof *a);
+    if (!a) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+    a->s = s;
+    a->ns = *ns;
+    a->P = cp.page_size;
+    a->policy = kvc__store_params(s)->write_policy;
+    a->need_hits = kvc__store_params(s)->selective_hits;
+    a->num_pages = cp.num_pages;
+    a->tmp = malloc((size_t)a->P * sizeof(int32_t));
+    if (a->policy != KVC_STORE_WRITE_THROUGH) {
+        a->slots = calloc((size_t)a->num_pages, sizeof *a->slots);
+        a->tokens = malloc((size_t)a->num_pages * (size_t)a->P * sizeof(int32_t));
+    }
+    if (!a->tmp || (a->policy != KVC_STORE_WRITE_THROUGH && (!a->slots || !a->tokens))) {
+        kvc__store_attach_free(a);
+        return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+    }
+    kvc_engine_connector c;
+    memset(&c, 0, sizeof c);
+    c.user = a;
+    c.probe = probe;
+    c.restore = restore;
+    c.on_final = on_final;
+    if (a->policy == KVC_STORE_WRITE_SELECTIVE) c.on_hit = on_hit;
+    if (a->policy != KVC_STORE_WRITE_THROUGH) c.on_evict = on_evict;
+    kvc_status st = kvc__store_attach_add(s, a);
+    if (st != KVC_OK) {
+        kvc__store_attach_free(a);
+        return st;
+    }
+    return kvc_engine_set_connector(engine, &c); /* a stays listed: freed at close */
+}

@@ -1,0 +1,559 @@
+/*
+ * The store handle: tiers in lookup order, a writer thread draining a
+ * bounded queue into every tier, restores that verify every object before
+ * it touches the cache, counters, events.
+ */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, pthread_cond_timedwait */
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "../core/internal.h"
+#include "store_internal.h"
+
+#define MAX_TIERS 16
+#define BATCH 32 /* objects per tier call: one pipelined round trip */
+
+typedef struct item {
+    struct item *next;
+    kvc_store_key ns, key;
+    void *obj;
+    size_t size;
+} item;
+
+struct kvc_store {
+    kvc_tier *tiers[MAX_TIERS];
+    int32_t n_tiers;
+    kvc_store_params p;
+    uint8_t auth[KVC_STORE_AUTH_KEY_BYTES];
+    int has_auth;
+    pthread_mutex_t mu; /* queue, counters, event callback */
+    pthread_cond_t cv_work, cv_done;
+    item *head, *tail;
+    int64_t q_n, q_bytes;
+    int64_t enq, done; /* writes queued / finished (written or failed), for flush */
+    int stop;
+    pthread_t thr;
+    kvc_store_stats st;
+    kvc_store_event_fn ev_fn;
+    void *ev_user;
+    void **attached; /* kvc_store_attach_engine's, freed at close */
+    int64_t n_attached;
+};
+
+kvc_store_params kvc_store_default_params(void) {
+    kvc_store_params p;
+    memset(&p, 0, sizeof p);
+    p.queue_objects = 4096;
+    p.queue_bytes = (int64_t)512 << 20;
+    p.load_timeout_s = 2.0;
+    p.write_policy = KVC_STORE_WRITE_THROUGH;
+    p.selective_hits = 2;
+    return p;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+const uint8_t *kvc__store_auth_key(const kvc_store *s) { return s->has_auth ? s->auth : NULL; }
+const kvc_store_params *kvc__store_params(const kvc_store *s) { return &s->p; }
+
+/* ---- events ------------------------------------------------------------------ */
+
+/* An event for an object this library wrote: parent and tokens from its
+ * header when it parses as one (objects put by others may not). */
+static void emit_stored(kvc_store *s, int32_t tier, const item *it) {
+    kvc_store_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.kind = KVC_STORE_EVENT_STORED;
+    ev.tier = tier;
+    ev.ns = it->ns;
+    ev.key = it->key;
+    const unsigned char *o = it->obj;
+    int32_t *tok = NULL;
+    if (it->size >= KVC_STORE_HEADER_BYTES && memcmp(o, "KVCPAGE", 8) == 0) {
+        memcpy(ev.parent.b, o + 48, 16);
+        uint32_t n = (uint32_t)o[72] | (uint32_t)o[73] << 8 | (uint32_t)o[74] << 16 |
+                     (uint32_t)o[75] << 24;
+        if (n > 0 && n <= (1u << 20) && KVC_STORE_HEADER_BYTES + 4 * (size_t)n <= it->size &&
+            (tok = malloc(4 * (size_t)n)) != NULL) {
+            for (uint32_t i = 0; i < n; i++) {
+                const unsigned char *t = o + KVC_STORE_HEADER_BYTES + 4 * i;
+                tok[i] = (int32_t)((uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 |
+                                   (uint32_t)t[3] << 24);
+            }
+            ev.tokens = tok;
+            ev.n_tokens = (int32_t)n;
+        }
+    }
+    pthread_mutex_lock(&s->mu);
+    kvc_store_event_fn fn = s->ev_fn;
+    void *user = s->ev_user;
+    pthread_mutex_unlock(&s->mu);
+    if (fn) fn(user, &ev);
+    free(tok);
+}
+
+static void tier_removed(void *user, const kvc_store_key *ns, const kvc_store_key *key) {
+    kvc_store *s = user;
+    pthread_mutex_lock(&s->mu);
+    kvc_store_event_fn fn = s->ev_fn;
+    void *u = s->ev_user;
+    pthread_mutex_unlock(&s->mu);
+    if (!fn) return;
+    kvc_store_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.kind = KVC_STORE_EVENT_REMOVED;
+    ev.tier = -1; /* the tier is not known here */
+    ev.ns = *ns;
+    ev.key = *key;
+    fn(u, &ev);
+}
+
+kvc_status kvc_store_set_event_callback(kvc_store *s, kvc_store_event_fn fn, void *user) {
+    KVC_CHECK(s != NULL, "kvc_store_set_event_callback: store is NULL");
+    pthread_mutex_lock(&s->mu);
+    s->ev_fn = fn;
+    s->ev_user = fn ? user : NULL;
+    pthread_mutex_unlock(&s->mu);
+    return KVC_OK;
+}
+
+/* ---- writer -------------------------------------------------------------------- */
+
+static void *writer(void *arg) {
+    kvc_store *s = arg;
+    item *batch[BATCH];
+    for (;;) {
+        pthread_mutex_lock(&s->mu);
+        while (!s->head && !s->stop) pthread_cond_wait(&s->cv_work, &s->mu);
+        if (s->stop) {
+            pthread_mutex_unlock(&s->mu);
+            return NULL;
+        }
+        int n = 0;
+        while (s->head && n < BATCH) {
+            item *it = s->head;
+            s->head = it->next;
+            if (!s->head) s->tail = NULL;
+            s->q_n--;
+            s->q_bytes -= (int64_t)it->size;
+            batch[n++] = it;
+        }
+        pthread_mutex_unlock(&s->mu);
+
+        kvc_store_key ns[BATCH], keys[BATCH];
+        const void *objs[BATCH];
+        size_t lens[BATCH];
+        int64_t failed = 0, bytes = 0, errors = 0;
+        for (int i = 0; i < n; i++) {
+            ns[i] = batch[i]->ns;
+            keys[i] = batch[i]->key;
+            objs[i] = batch[i]->obj;
+            lens[i] = batch[i]->size;
+        }
+        /* a tier call takes one namespace: split the batch at changes */
+        for (int32_t t = 0; t < s->n_tiers; t++) {
+            for (int i = 0; i < n;) {
+                int j = i + 1;
+                while (j < n && memcmp(ns[j].b, ns[i].b, 16) == 0) j++;
+                int64_t w = 0;
+                kvc_status st = s->tiers[t]->ops->put(s->tiers[t], &ns[i], keys + i, objs + i,
+                                                      lens + i, j - i, &w);
+                if (st != KVC_OK) {
+                    errors++;
+                    failed += (j - i) - w;
+                    kvc_clear_error();
+                }
+                for (int64_t k = 0; k < w; k++) {
+                    bytes += (int64_t)lens[i + k];
+                    emit_stored(s, t, batch[i + k]);
+                }
+                i = j;
+            }
+        }
+        for (int i = 0; i < n; i++) {
+            free(batch[i]->obj);
+            free(batch[i]);
+        }
+        pthread_mutex_lock(&s->mu);
+        s->st.bytes_written += bytes;
+        s->st.errors += errors;
+        s->st.writes_failed += failed;
+        s->st.writes_done += n;
+        s->done += n;
+        pthread_cond_broadcast(&s->cv_done);
+        pthread_mutex_unlock(&s->mu);
+    }
+}
+
+kvc_status kvc__store_put_owned(kvc_store *s, const kvc_store_key *ns, const kvc_store_key *key,
+                                void *obj, size_t size) {
+    item *it = malloc(sizeof *it);
+    if (!it) {
+        free(obj);
+        pthread_mutex_lock(&s->mu);
+        s->st.writes_dropped++;
+        pthread_mutex_unlock(&s->mu);
+        return kvc__error(KVC_ERR_NOMEM, "kvc_store_put: out of memory");
+    }
+    it->next = NULL;
+    it->ns = *ns;
+    it->key = *key;
+    it->obj = obj;
+    it->size = size;
+    pthread_mutex_lock(&s->mu);
+    if (s->q_n >= s->p.queue_objects || s->q_bytes + (int64_t)size > s->p.queue_bytes) {
+        s->st.writes_dropped++;
+        pthread_mutex_unlock(&s->mu);
+        free(obj);
+        free(it);
+        return kvc__error(KVC_ERR_NO_SPACE, "kvc_store_put: the write queue is full (%d "
+                          "objects, %lld bytes at most): write dropped",
+                          (int)s->p.queue_objects, (long long)s->p.queue_bytes);
+    }
+    if (s->tail) s->tail->next = it;
+    else s->head = it;
+    s->tail = it;
+    s->q_n++;
+    s->q_bytes += (int64_t)size;
+    s->enq++;
+    s->st.writes_queued++;
+    pthread_cond_signal(&s->cv_work);
+    pthread_mutex_unlock(&s->mu);
+    return KVC_OK;
+}
+
+kvc_status kvc_store_put(kvc_store *s, const kvc_store_key *ns, const kvc_store_key *key,
+                         const void *obj, size_t size) {
+    KVC_CHECK(s != NULL && ns != NULL && key != NULL && obj != NULL && size > 0,
+              "kvc_store_put: store, ns, key and obj must not be NULL, size > 0");
+    void *copy = malloc(size);
+    if (!copy) {
+        pthread_mutex_lock(&s->mu);
+        s->st.writes_dropped++;
+        pthread_mutex_unlock(&s->mu);
+        return kvc__error(KVC_ERR_NOMEM, "kvc_store_put: out of memory");
+    }
+    memcpy(copy, obj, size);
+    return kvc__store_put_owned(s, ns, key, copy, size);
+}
+
+kvc_status kvc_store_flush(kvc_store *s, double timeout_s) {
+    KVC_CHECK(s != NULL, "kvc_store_flush: store is NULL");
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl); /* pthread_cond_timedwait's clock */
+    if (timeout_s >= 0) {
+        double t = (double)dl.tv_sec + 1e-9 * (double)dl.tv_nsec + timeout_s;
+        dl.tv_sec = (time_t)t;
+        dl.tv_nsec = (long)((t - (double)dl.tv_sec) * 1e9);
+    }
+    pthread_mutex_lock(&s->mu);
+    const int64_t target = s->enq;
+    int rc = 0;
+    while (s->done < target && rc != ETIMEDOUT) {
+        if (timeout_s < 0) pthread_cond_wait(&s->cv_done, &s->mu);
+        else rc = pthread_cond_timedwait(&s->cv_done, &s->mu, &dl);
+    }
+    const int64_t left = target - s->done;
+    pthread_mutex_unlock(&s->mu);
+    if (left > 0)
+        return kvc__error(KVC_ERR_IO, "kvc_store_flush: %lld writes still pending after %g s",
+                          (long long)left, timeout_s);
+    return KVC_OK;
+}
+
+/* ---- open / close -------------------------------------------------------------- */
+
+void kvc_store_close(kvc_store *s) {
+    if (!s) return;
+    pthread_mutex_lock(&s->mu);
+    s->stop = 1;
+    pthread_cond_broadcast(&s->cv_work);
+    pthread_mutex_unlock(&s->mu);
+    pthread_join(s->thr, NULL);
+    for (item *it = s->head, *nx; it; it = nx) {
+        nx = it->next;
+        free(it->obj);
+        free(it);
+    }
+    for (int32_t t = 0; t < s->n_tiers; t++) s->tiers[t]->ops->close(s->tiers[t]);
+    for (int64_t i = 0; i < s->n_attached; i++) kvc__store_attach_free(s->attached[i]);
+    free(s->attached);
+    pthread_cond_destroy(&s->cv_work);
+    pthread_cond_destroy(&s->cv_done);
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+}
+
+kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_store_params *params,
+                          kvc_store **out) {
+    static const char fn[] = "kvc_store_open";
+    if (out) *out = NULL;
+    KVC_CHECK(out != NULL && (urls != NULL || n_urls == 0), "%s: urls and out must not be NULL",
+              fn);
+    KVC_CHECK(n_urls >= 1 && n_urls <= MAX_TIERS, "%s: %d tiers (need 1 to %d)", fn, (int)n_urls,
+              MAX_TIERS);
+    kvc_store_params p = params ? *params : kvc_store_default_params();
+    KVC_CHECK(p.queue_objects >= 1 && p.queue_bytes >= 1 && p.load_timeout_s > 0 &&
+                  p.write_policy >= KVC_STORE_WRITE_THROUGH &&
+                  p.write_policy <= KVC_STORE_WRITE_SELECTIVE && p.selective_hits >= 1,
+              "%s: queue_objects, queue_bytes, load_timeout_s and selective_hits must be > 0 "
+              "and write_policy one of kvc_store_write_policy", fn);
+#ifndef KVC_HAVE_SODIUM
+    if (p.auth_key)
+        return kvc__error(KVC_ERR_UNSUPPORTED, "%s: authentication needs libsodium (Debian: "
+                          "libsodium-dev), which this build lacks", fn);
+#endif
+    kvc_store *s = calloc(1, sizeof *s);
+    if (!s) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+    if (p.auth_key) {
+        memcpy(s->auth, p.auth_key, KVC_STORE_AUTH_KEY_BYTES);
+        s->has_auth = 1;
+    }
+    p.auth_key = NULL; /* the copy above is the store's */
+    s->p = p;
+    kvc_status st = KVC_OK;
+    for (int32_t i = 0; i < n_urls && st == KVC_OK; i++) {
+        const char *u = urls[i];
+        if (!u) st = kvc__error(KVC_ERR_INVALID_ARG, "%s: url %d is NULL", fn, (int)i);
+        else if (strncmp(u, "dir:", 4) == 0) st = kvc__tier_dir_open(u, &s->tiers[i]);
+        else if (strncmp(u, "redis://", 8) == 0 || strncmp(u, "unix://", 7) == 0)
+            st = kvc__tier_redis_open(u, &s->tiers[i]);
+        else
+            st = kvc__error(KVC_ERR_INVALID_ARG, "%s: \"%s\": a tier is dir:PATH, "
+                            "redis://HOST:PORT or unix:///PATH", fn, u);
+        if (st == KVC_OK) {
+            s->tiers[i]->removed = tier_removed;
+            s->tiers[i]->removed_user = s;
+            s->n_tiers = i + 1;
+        }
+    }
+    if (st != KVC_OK) {
+        for (int32_t t = 0; t < s->n_tiers; t++) s->tiers[t]->ops->close(s->tiers[t]);
+        free(s);
+        return st;
+    }
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv_work, NULL);
+    pthread_cond_init(&s->cv_done, NULL);
+    if (pthread_create(&s->thr, NULL, writer, s) != 0) {
+        for (int32_t t = 0; t < s->n_tiers; t++) s->tiers[t]->ops->close(s->tiers[t]);
+        pthread_cond_destroy(&s->cv_work);
+        pthread_cond_destroy(&s->cv_done);
+        pthread_mutex_destroy(&s->mu);
+        free(s);
+        return kvc__error(KVC_ERR_NOMEM, "%s: cannot start the writer thread", fn);
+    }
+    *out = s;
+    return KVC_OK;
+}
+
+kvc_status kvc__store_attach_add(kvc_store *s, void *a);
+kvc_status kvc__store_attach_add(kvc_store *s, void *a) {
+    void **q = realloc(s->attached, (size_t)(s->n_attached + 1) * sizeof(void *));
+    if (!q) return kvc__error(KVC_ERR_NOMEM, "kvc_store_attach_engine: out of memory");
+    s->attached = q;
+    s->attached[s->n_attached++] = a;
+    return KVC_OK;
+}
+
+kvc_status kvc_store_get_stats(kvc_store *s, kvc_store_stats *out) {
+    KVC_CHECK(s != NULL && out != NULL, "kvc_store_get_stats: store and out must not be NULL");
+    pthread_mutex_lock(&s->mu);
+    *out = s->st;
+    pthread_mutex_unlock(&s->mu);
+    return KVC_OK;
+}
+
+kvc_status kvc_store_invalidate(kvc_store *s, const kvc_store_key *ns) {
+    KVC_CHECK(s != NULL && ns != NULL, "kvc_store_invalidate: store and ns must not be NULL");
+    /* queued writes of ns would bring pages back: let them land first */
+    kvc_status fl = kvc_store_flush(s, 30.0);
+    if (fl != KVC_OK) return fl;
+    kvc_status st = KVC_OK;
+    for (int32_t t = 0; t < s->n_tiers; t++) {
+        kvc_status r = s->tiers[t]->ops->invalidate(s->tiers[t], ns);
+        if (r != KVC_OK && st == KVC_OK) st = r; /* keep the first message */
+        if (r != KVC_OK) continue;
+        pthread_mutex_lock(&s->mu);
+        kvc_store_event_fn fn = s->ev_fn;
+        void *u = s->ev_user;
+        pthread_mutex_unlock(&s->mu);
+        if (fn) {
+            kvc_store_event ev;
+            memset(&ev, 0, sizeof ev);
+            ev.kind = KVC_STORE_EVENT_CLEARED;
+            ev.tier = t;
+            ev.ns = *ns;
+            fn(u, &ev);
+        }
+    }
+    return st;
+}
+
+/* ---- reads ------------------------------------------------------------------------ */
+
+static void add_stats(kvc_store *s, int64_t hit, int64_t miss, int64_t errors, int64_t bytes,
+                      const int64_t *misses, int64_t timeouts) {
+    pthread_mutex_lock(&s->mu);
+    s->st.hit_pages += hit;
+    s->st.miss_pages += miss;
+    s->st.errors += errors;
+    s->st.bytes_read += bytes;
+    s->st.timeouts += timeouts;
+    if (misses)
+        for (int m = 1; m < KVC_STORE_MISS_COUNT; m++) {
+            s->st.misses[m] += misses[m];
+            s->st.verify_failures += misses[m];
+        }
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Keys of pages [0, n) of tokens into a malloc'd array (NULL: message set). */
+static kvc_store_key *keys_of(const kvc_store_key *ns, const int32_t *tokens, int64_t n,
+                              int32_t page_size) {
+    kvc_store_key *k = malloc((size_t)(n > 0 ? n : 1) * sizeof *k);
+    if (!k) {
+        kvc__error(KVC_ERR_NOMEM, "store: out of memory");
+        return NULL;
+    }
+    if (kvc_store_page_keys(ns, tokens, n, page_size, k) != KVC_OK) {
+        free(k);
+        return NULL;
+    }
+    return k;
+}
+
+kvc_status kvc__store_probe_run(kvc_store *s, const kvc_store_key *ns, const int32_t *tokens,
+                                int32_t page_size, int64_t first, int64_t max, int64_t *n_pages) {
+    *n_pages = 0;
+    if (max <= 0) return KVC_OK;
+    kvc_store_key *k = keys_of(ns, tokens, first + max, page_size);
+    if (!k) return KVC_ERR_NOMEM;
+    int64_t pos = 0, errors = 0;
+    for (int32_t t = 0; t < s->n_tiers && pos < max; t++) {
+        int64_t n = 0;
+        if (s->tiers[t]->ops->probe(s->tiers[t], ns, k + first + pos, max - pos, &n) != KVC_OK) {
+            errors++;
+            kvc_clear_error();
+            continue;
+        }
+        pos += n;
+    }
+    free(k);
+    if (errors) add_stats(s, 0, 0, errors, 0, NULL, 0);
+    *n_pages = pos;
+    return KVC_OK;
+}
+
+kvc_status kvc_store_restore_run(kvc_store *s, kvc_cache *cache, const kvc_store_key *ns,
+                                 const int32_t *tokens, int64_t first, int64_t max,
+                                 const int32_t *page_ids, int64_t *n_pages) {
+    static const char fn[] = "kvc_store_restore_run";
+    KVC_CHECK(s != NULL && cache != NULL && ns != NULL && n_pages != NULL &&
+                  (max == 0 || (tokens != NULL && page_ids != NULL)),
+              "%s: store, cache, ns, tokens, page_ids and n_pages must not be NULL", fn);
+    KVC_CHECK(first >= 0 && max >= 0, "%s: first_page and max_pages must be >= 0", fn);
+    *n_pages = 0;
+    if (max == 0) return KVC_OK;
+    kvc_cache_params cp;
+    KVC_TRY(kvc_cache_get_params(cache, &cp));
+    const int32_t P = cp.page_size;
+    kvc_store_key *k = keys_of(ns, tokens, first + max, P);
+    if (!k) return KVC_ERR_NOMEM;
+    const double deadline = now_s() + s->p.load_timeout_s;
+    int64_t pos = 0, errors = 0, bytes = 0, timeouts = 0, misses[KVC_STORE_MISS_COUNT] = {0};
+    for (int32_t t = 0; t < s->n_tiers && pos < max && !timeouts; t++) {
+        int tier_done = 0;
+        while (!tier_done && pos < max) {
+            if (now_s() > deadline) {
+                timeouts = 1;
+                break;
+            }
+            const int64_t n = max - pos < BATCH ? max - pos : BATCH;
+            void *objs[BATCH];
+            size_t lens[BATCH];
+            if (s->tiers[t]->ops->get(s->tiers[t], ns, k + first + pos, n, objs, lens) !=
+                KVC_OK) {
+                errors++;
+                kvc_clear_error();
+                break; /* next tier from pos */
+            }
+            int64_t i = 0;
+            for (; i < n; i++) {
+                if (!objs[i]) break;
+                bytes += (int64_t)lens[i];
+                const int64_t pg = first + pos + i;
+                kvc_store_expect e;
+                e.ns = *ns;
+                e.key = k[pg];
+                e.parent = pg > 0 ? k[pg - 1] : *ns;
+                e.position = pg * P;
+                e.tokens = tokens + pg * P;
+                kvc_store_miss m = KVC_STORE_MISS_COUNT;
+                kvc_status st = kvc_store_restore_page(cache, page_ids[pos + i], objs[i], lens[i],
+                                                       &e, kvc__store_auth_key(s), &m);
+                if (st != KVC_OK) {
+                    kvc_clear_error();
+                    if (m < KVC_STORE_MISS_COUNT) misses[m]++;
+                    else errors++; /* the cache refused the write */
+                    break;
+                }
+            }
+            for (int64_t j = 0; j < n; j++) free(objs[j]);
+            pos += i;
+            if (i < n) tier_done = 1; /* absent or refused: the next tier from pos */
+        }
+    }
+    free(k);
+    add_stats(s, pos, max - pos, errors, bytes, misses, timeouts);
+    *n_pages = pos;
+    return KVC_OK;
+}
+
+kvc_status kvc_store_save_run(kvc_store *s, const kvc_cache *cache, const kvc_store_key *ns,
+                              const int32_t *tokens, int64_t first, int64_t n,
+                              const int32_t *page_ids) {
+    static const char fn[] = "kvc_store_save_run";
+    KVC_CHECK(s != NULL && cache != NULL && ns != NULL &&
+                  (n == 0 || (tokens != NULL && page_ids != NULL)),
+              "%s: store, cache, ns, tokens and page_ids must not be NULL", fn);
+    KVC_CHECK(first >= 0 && n >= 0, "%s: first_page and n_pages must be >= 0", fn);
+    if (n == 0) return KVC_OK;
+    kvc_cache_params cp;
+    KVC_TRY(kvc_cache_get_params(cache, &cp));
+    const int32_t P = cp.page_size;
+    kvc_store_key *k = keys_of(ns, tokens, first + n, P);
+    if (!k) return KVC_ERR_NOMEM;
+    const size_t size = kvc_store_object_bytes(cache, s->has_auth);
+    kvc_status ret = KVC_OK;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t pg = first + i;
+        kvc_store_expect e;
+        e.ns = *ns;
+        e.key = k[pg];
+        e.parent = pg > 0 ? k[pg - 1] : *ns;
+        e.position = pg * P;
+        e.tokens = tokens + pg * P;
+        void *obj = malloc(size);
+        kvc_status st = obj ? kvc_store_serialize_page(cache, page_ids[i], &e,
+                                                       kvc__store_auth_key(s), obj, size, NULL)
+                            : kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+        if (st == KVC_OK) st = kvc__store_put_owned(s, ns, &k[pg], obj, size);
+        else {
+            free(obj);
+            pthread_mutex_lock(&s->mu);
+            s->st.writes_dropped++;
+            pthread_mutex_unlock(&s->mu);
+        }
+        if (st != KVC_OK && ret == KVC_OK) ret = st;
+    }
+    free(k);
+    return ret;
+}

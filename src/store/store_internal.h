@@ -1,0 +1,26 @@
+/* Shared by the store's files (not exported). */
+#ifndef KVC_STORE_INTERNAL_H
+#define KVC_STORE_INTERNAL_H
+
+#include "kvcache/store.h"
+#include "tier.h"
+
+/* XXH3-128 of a || b in canonical bytes. */
+void kvc__store_hash128(const void *a, size_t na, const void *b, size_t nb, kvc_store_key *out);
+uint64_t kvc__store_hash64(const void *a, size_t na, uint64_t seed);
+
+/* kvc_store_put taking ownership of obj (malloc'd; freed on every path). */
+kvc_status kvc__store_put_owned(kvc_store *s, const kvc_store_key *ns, const kvc_store_key *key,
+                                void *obj, size_t size);
+/* The store's auth key or NULL. */
+const uint8_t *kvc__store_auth_key(const kvc_store *s);
+const kvc_store_params *kvc__store_params(const kvc_store *s);
+/* How many of pages [first_page, first_page + max_pages) of tokens the
+ * tiers hold as a run (keys probed, nothing verified). */
+kvc_status kvc__store_probe_run(kvc_store *s, const kvc_store_key *ns, const int32_t *tokens,
+                                int32_t page_size, int64_t first_page, int64_t max_pages,
+                                int64_t *n_pages);
+/* Frees what kvc_store_attach_engine made (at close). */
+void kvc__store_attach_free(void *a);
+
+#endif

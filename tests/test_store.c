@@ -1,0 +1,792 @@
+/*
+ * The KV store (store.h, docs/KV_STORE.md): keys and namespaces, page
+ * objects and every reason a load is refused, the store handle over the
+ * directory tier, and the engine restoring prompts from it (with
+ * KVC_TINY_GGUF): tokens and K/V bytes identical to recomputation.
+ */
+#define _POSIX_C_SOURCE 200809L /* mkdtemp, nftw */
+#define _XOPEN_SOURCE 700
+#include <dirent.h>
+#include <ftw.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "kvcache/store.h"
+#include "store/store_internal.h"
+#include "test.h"
+
+/* ---- helpers ------------------------------------------------------------------ */
+
+static kvc_cache *make_cache(kvc_dtype dtype, kvc_kv_format fmt, int32_t page_size,
+                             int64_t num_pages) {
+    kvc_cache_params p = kvc_cache_default_params();
+    p.num_layers = 3;
+    p.num_kv_heads = 2;
+    p.head_dim = 64;
+    p.page_size = page_size;
+    p.num_pages = num_pages;
+    p.dtype = dtype;
+    p.kv_format = fmt;
+    kvc_cache *c = NULL;
+    if (kvc_cache_create(&p, &c) != KVC_OK) return NULL;
+    return c;
+}
+
+/* A sequence of n_tokens tokens (ids t0, t0+1, ...) whose pages hold
+ * random bytes; its page ids into ids (cap pages). */
+static int fill_seq(kvc_cache *c, int64_t n_tokens, int32_t t0, uint64_t seed, int32_t *ids,
+                    int64_t cap, kvc_seq_id *seq) {
+    int32_t *tok = malloc((size_t)n_tokens * sizeof(int32_t));
+    for (int64_t i = 0; i < n_tokens; i++) tok[i] = t0 + (int32_t)i;
+    int64_t hit = 0;
+    kvc_status st = kvc_cache_add_sequence(c, tok, n_tokens, 0, seq, &hit);
+    free(tok);
+    if (st != KVC_OK) return -1;
+    int32_t indptr[2], last;
+    int64_t n = 0;
+    if (kvc_cache_page_table(c, seq, 1, indptr, ids, cap, &last, &n) != KVC_OK) return -1;
+    const size_t pb = kvc_cache_page_bytes(c);
+    unsigned char *buf = malloc(pb);
+    for (int64_t p = 0; p < n; p++) {
+        for (size_t i = 0; i < pb; i++) buf[i] = (unsigned char)test_rng_next(&seed);
+        if (kvc_cache_write_page(c, ids[p], buf, pb) != KVC_OK) {
+            free(buf);
+            return -1;
+        }
+    }
+    free(buf);
+    return (int)n;
+}
+
+static kvc_store_key key_of(uint8_t v) {
+    kvc_store_key k;
+    for (int i = 0; i < 16; i++) k.b[i] = (uint8_t)(v + 17 * i);
+    return k;
+}
+
+/* The expectation for page pg of tokens t0.. under ns, keys computed. */
+static void expect_of(const kvc_store_key *ns, const int32_t *tokens, int64_t pg, int32_t P,
+                      kvc_store_key *keys, kvc_store_expect *e) {
+    kvc_store_page_keys(ns, tokens, pg + 1, P, keys);
+    e->ns = *ns;
+    e->key = keys[pg];
+    e->parent = pg > 0 ? keys[pg - 1] : *ns;
+    e->position = pg * P;
+    e->tokens = tokens + pg * P;
+}
+
+/* ---- keys and namespaces ----------------------------------------------------------- */
+
+TEST(page_keys_match_independent_xxh3) {
+    /* pinned by python-xxhash: xxh3_128_digest(ns + struct.pack('<4i', 1, 2, 3, 4)) and
+     * xxh3_128_digest(k0 + struct.pack('<4i', 5, 6, 7, -1)), ns = bytes(range(16)) */
+    static const char *want[2] = {"4c54e37fc7943ca3082d6b4fe9c74494",
+                                  "a7c2d3abde03733aeb7a71e6961c66b2"};
+    kvc_store_key ns, k[2];
+    for (int i = 0; i < 16; i++) ns.b[i] = (uint8_t)i;
+    const int32_t tok[8] = {1, 2, 3, 4, 5, 6, 7, -1};
+    ASSERT_OK(kvc_store_page_keys(&ns, tok, 2, 4, k));
+    for (int p = 0; p < 2; p++) {
+        char hex[33];
+        for (int i = 0; i < 16; i++) snprintf(hex + 2 * i, 3, "%02x", k[p].b[i]);
+        ASSERT_STR_CONTAINS(hex, want[p]);
+    }
+    /* a page's key depends on every earlier page */
+    int32_t tok2[8];
+    memcpy(tok2, tok, sizeof tok);
+    tok2[0] = 9;
+    kvc_store_key k2[2];
+    ASSERT_OK(kvc_store_page_keys(&ns, tok2, 2, 4, k2));
+    ASSERT_TRUE(memcmp(k2[1].b, k[1].b, 16) != 0);
+    ASSERT_STATUS(kvc_store_page_keys(&ns, tok, 2, 0, k), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_store_page_keys(NULL, tok, 2, 4, k), KVC_ERR_INVALID_ARG);
+    return 0;
+}
+
+static kvc_store_namespace_desc base_desc(void) {
+    kvc_store_namespace_desc d;
+    memset(&d, 0, sizeof d);
+    d.model_digest = key_of(1);
+    d.tokenizer_digest = key_of(2);
+    d.n_layers = 30;
+    d.n_kv_heads = 3;
+    d.head_dim = 64;
+    d.n_rot = 64;
+    d.rope_freq_base = 100000.0f;
+    d.rope_scale = 1.0f;
+    d.cache = kvc_cache_default_params();
+    d.cache.page_size = 16;
+    d.cache.dtype = KVC_F16;
+    return d;
+}
+
+TEST(namespace_separates_everything_it_names) {
+    kvc_store_namespace_desc d = base_desc();
+    kvc_store_key a, b;
+    ASSERT_OK(kvc_store_namespace(&d, &a));
+    ASSERT_OK(kvc_store_namespace(&d, &b));
+    ASSERT_MEM_EQ(a.b, b.b, 16); /* no seed: the same inputs, the same digest */
+    /* irrelevant to a float16 cache: the quantization group */
+    d.cache.quant_group = 32;
+    ASSERT_OK(kvc_store_namespace(&d, &b));
+    ASSERT_MEM_EQ(a.b, b.b, 16);
+    const char salt1[] = "tenant-a", salt2[] = "tenant-b";
+    for (int f = 0; f < 12; f++) {
+        d = base_desc();
+        switch (f) {
+        case 0: d.model_digest.b[15] ^= 1; break;
+        case 1: d.tokenizer_digest.b[0] ^= 1; break;
+        case 2: d.n_layers = 31; break;
+        case 3: d.head_dim = 128; break;
+        case 4: d.rope_freq_base = 10000.0f; break;
+        case 5: d.rope_neox = 1; break;
+        case 6: d.cache.page_size = 32; break;
+        case 7: d.cache.dtype = KVC_BF16; break;
+        case 8: d.cache.layout = KVC_HND; break;
+        case 9: d.cache.kv_format = KVC_KVFMT_KIVI4; break;
+        case 10: d.salt = salt1, d.salt_len = strlen(salt1); break;
+        default: d.salt = salt2, d.salt_len = strlen(salt2); break;
+        }
+        ASSERT_OK(kvc_store_namespace(&d, &b));
+        if (memcmp(a.b, b.b, 16) == 0) TEST_FAIL_("field %d does not change the namespace", f);
+    }
+    d = base_desc();
+    d.cache.dtype = KVC_I8;
+    ASSERT_OK(kvc_store_namespace(&d, &a));
+    d.cache.quant_group = 16; /* matters for int8 */
+    ASSERT_OK(kvc_store_namespace(&d, &b));
+    ASSERT_TRUE(memcmp(a.b, b.b, 16) != 0);
+    d.salt = NULL;
+    d.salt_len = 3;
+    ASSERT_STATUS(kvc_store_namespace(&d, &b), KVC_ERR_INVALID_ARG);
+    return 0;
+}
+
+/* ---- objects ----------------------------------------------------------------------- */
+
+static int roundtrip_case(kvc_dtype dtype, kvc_kv_format fmt, int32_t P) {
+    kvc_cache *src = make_cache(dtype, fmt, P, 32), *dst = make_cache(dtype, fmt, P, 32);
+    ASSERT_TRUE(src && dst);
+    int32_t ids[32], dids[32];
+    kvc_seq_id s, d;
+    const int64_t n_tok = 2 * (int64_t)(P > 64 ? P : 64);
+    int np = fill_seq(src, n_tok, 100, 7, ids, 32, &s);
+    if (np < 2) TEST_FAIL_("dtype %d format %d: %d pages: %s", (int)dtype, (int)fmt, np,
+                           kvc_last_error());
+    ASSERT_TRUE(fill_seq(dst, n_tok, 100, 99, dids, 32, &d) == np);
+    int32_t *tok = malloc((size_t)n_tok * sizeof(int32_t));
+    for (int64_t i = 0; i < n_tok; i++) tok[i] = 100 + (int32_t)i;
+    kvc_store_key ns = key_of(5), *keys = malloc((size_t)np * sizeof(kvc_store_key));
+    const size_t size = kvc_store_object_bytes(src, 0), pb = kvc_cache_page_bytes(src);
+    ASSERT_TRUE(size == KVC_STORE_HEADER_BYTES + (size_t)P * 4 + pb);
+    unsigned char *obj = malloc(size), *a = malloc(pb), *b = malloc(pb);
+    for (int pg = 0; pg < np; pg++) {
+        kvc_store_expect e;
+        expect_of(&ns, tok, pg, P, keys, &e);
+        size_t n = 0;
+        ASSERT_OK(kvc_store_serialize_page(src, ids[pg], &e, NULL, obj, size, &n));
+        ASSERT_EQ_I64(n, size);
+        kvc_store_miss m;
+        ASSERT_OK(kvc_store_restore_page(dst, dids[pg], obj, size, &e, NULL, &m));
+        ASSERT_EQ_I64(m, KVC_STORE_MISS_COUNT);
+        ASSERT_OK(kvc_cache_read_page(src, ids[pg], a, pb));
+        ASSERT_OK(kvc_cache_read_page(dst, dids[pg], b, pb));
+        ASSERT_MEM_EQ(a, b, pb);
+    }
+    ASSERT_OK(kvc_cache_check(dst));
+    free(obj), free(a), free(b), free(tok), free(keys);
+    kvc_cache_destroy(src);
+    kvc_cache_destroy(dst);
+    return 0;
+}
+
+TEST(objects_round_trip_every_storage) {
+    if (roundtrip_case(KVC_F16, KVC_KVFMT_NONE, 16)) return 1;
+    if (roundtrip_case(KVC_F32, KVC_KVFMT_NONE, 8)) return 1;
+    if (roundtrip_case(KVC_I8, KVC_KVFMT_NONE, 16)) return 1; /* data and scales */
+    if (roundtrip_case(KVC_I4, KVC_KVFMT_NONE, 16)) return 1;
+    if (roundtrip_case(KVC_F16, KVC_KVFMT_KIVI8, 16)) return 1;
+    if (roundtrip_case(KVC_F16, KVC_KVFMT_KIVI4, 128)) return 1;
+    return 0;
+}
+
+/* Rewrites the header checksum (XXH3-128 of bytes [0, 112), docs/KV_STORE.md)
+ * after a deliberate header edit, so that the check behind it is the one
+ * that fails. */
+static void reseal_header(unsigned char *o) {
+    kvc_store_key h;
+    kvc__store_hash128(o, 112, NULL, 0, &h);
+    memcpy(o + 112, h.b, 16);
+}
+
+TEST(every_refusal_is_counted_by_its_reason_and_writes_nothing) {
+    kvc_cache *c = make_cache(KVC_F16, KVC_KVFMT_NONE, 16, 8);
+    ASSERT_TRUE(c != NULL);
+    int32_t ids[8];
+    kvc_seq_id s;
+    ASSERT_TRUE(fill_seq(c, 48, 0, 3, ids, 8, &s) == 3);
+    int32_t tok[48];
+    for (int i = 0; i < 48; i++) tok[i] = i;
+    kvc_store_key ns = key_of(9), keys[3];
+    kvc_store_expect e;
+    expect_of(&ns, tok, 1, 16, keys, &e);
+    const size_t size = kvc_store_object_bytes(c, 0), pb = kvc_cache_page_bytes(c);
+    unsigned char *good = malloc(size), *o = malloc(size + 1), *before = malloc(pb),
+                  *after = malloc(pb);
+    ASSERT_OK(kvc_store_serialize_page(c, ids[1], &e, NULL, good, size, NULL));
+    ASSERT_OK(kvc_cache_read_page(c, ids[2], before, pb));
+    struct {
+        kvc_store_miss want;
+        size_t len;
+    } cases[] = {
+        {KVC_STORE_MISS_TRUNCATED, size - 1}, {KVC_STORE_MISS_TRUNCATED, size + 1},
+        {KVC_STORE_MISS_TRUNCATED, 100},      {KVC_STORE_MISS_MAGIC, size},
+        {KVC_STORE_MISS_VERSION, size},       {KVC_STORE_MISS_HEADER, size},
+        {KVC_STORE_MISS_GEOMETRY, size},      {KVC_STORE_MISS_PAYLOAD, size},
+        {KVC_STORE_MISS_NAMESPACE, size},     {KVC_STORE_MISS_KEY, size},
+        {KVC_STORE_MISS_KEY, size},           {KVC_STORE_MISS_TOKENS, size},
+        {KVC_STORE_MISS_TOKENS, size},
+    };
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        memcpy(o, good, size);
+        o[size] = 0;
+        kvc_store_expect x = e;
+        int32_t other[16];
+        switch (ci) {
+        case 3: o[0] = 'X'; break;
+        case 4: o[8] = 2, reseal_header(o); break;  /* version 2: unknown */
+        case 5: o[70] ^= 0x10; break;                       /* position, checksum not fixed */
+        case 6: o[76] = 4, reseal_header(o); break;  /* 4 layers */
+        case 7: o[size - 5] ^= 1; break;                    /* a payload bit */
+        case 8: x.ns.b[3] ^= 1; break;
+        case 9: x.key.b[0] ^= 1; break;
+        case 10: x.parent.b[15] ^= 1; break;
+        case 11: x.position += 16; break;
+        case 12: /* the right key, other token ids behind valid checksums */
+            memcpy(other, e.tokens, sizeof other);
+            other[5] += 1;
+            x.tokens = other;
+            break;
+        default: break;
+        }
+        kvc_store_miss m = KVC_STORE_MISS_COUNT;
+        kvc_status st = kvc_store_restore_page(c, ids[2], o, cases[ci].len, &x, NULL, &m);
+        if (st != KVC_ERR_CORRUPT || m != cases[ci].want)
+            TEST_FAIL_("case %zu: status %d miss %s, want %s", ci, (int)st,
+                       kvc_store_miss_name(m), kvc_store_miss_name(cases[ci].want));
+        ASSERT_STR_CONTAINS(kvc_last_error(), kvc_store_miss_name(cases[ci].want));
+        ASSERT_OK(kvc_cache_read_page(c, ids[2], after, pb));
+        ASSERT_MEM_EQ(before, after, pb); /* nothing written */
+    }
+    /* a single flipped bit anywhere is never applied */
+    uint64_t rng = test_seed;
+    for (int t = 0; t < 3000; t++) {
+        memcpy(o, good, size);
+        const size_t bit = (size_t)(test_rng_next(&rng) % (size * 8));
+        o[bit / 8] ^= (unsigned char)(1u << (bit % 8));
+        kvc_store_miss m;
+        if (kvc_store_verify_object(c, o, size, &e, NULL, &m) == KVC_OK)
+            TEST_FAIL_("bit %zu flipped was accepted", bit);
+    }
+    kvc_clear_error();
+    ASSERT_OK(kvc_store_verify_object(c, good, size, &e, NULL, NULL));
+    free(good), free(o), free(before), free(after);
+    kvc_cache_destroy(c);
+    return 0;
+}
+
+TEST(authenticated_objects) {
+    kvc_cache *c = make_cache(KVC_F16, KVC_KVFMT_NONE, 16, 4);
+    ASSERT_TRUE(c != NULL);
+    int32_t ids[4];
+    kvc_seq_id s;
+    ASSERT_TRUE(fill_seq(c, 32, 0, 4, ids, 4, &s) == 2);
+    int32_t tok[32];
+    for (int i = 0; i < 32; i++) tok[i] = i;
+    kvc_store_key ns = key_of(3), keys[2];
+    kvc_store_expect e;
+    expect_of(&ns, tok, 0, 16, keys, &e);
+    uint8_t key1[KVC_STORE_AUTH_KEY_BYTES], key2[KVC_STORE_AUTH_KEY_BYTES];
+    for (int i = 0; i < KVC_STORE_AUTH_KEY_BYTES; i++) key1[i] = (uint8_t)i, key2[i] = (uint8_t)~i;
+    const size_t plain = kvc_store_object_bytes(c, 0), tagged = kvc_store_object_bytes(c, 1);
+    ASSERT_EQ_I64(tagged, plain + KVC_STORE_AUTH_TAG_BYTES);
+    unsigned char *o = malloc(tagged), *p = malloc(plain);
+    ASSERT_OK(kvc_store_serialize_page(c, ids[0], &e, key1, o, tagged, NULL));
+    ASSERT_OK(kvc_store_serialize_page(c, ids[0], &e, NULL, p, plain, NULL));
+    kvc_store_miss m;
+    ASSERT_OK(kvc_store_verify_object(c, o, tagged, &e, key1, &m));
+    ASSERT_STATUS(kvc_store_verify_object(c, o, tagged, &e, key2, &m), KVC_ERR_CORRUPT);
+    ASSERT_EQ_I64(m, KVC_STORE_MISS_AUTH);
+    ASSERT_STATUS(kvc_store_verify_object(c, p, plain, &e, key1, &m), KVC_ERR_CORRUPT);
+    ASSERT_EQ_I64(m, KVC_STORE_MISS_AUTH); /* an untagged object under a key */
+    o[tagged - 1] ^= 1;
+    ASSERT_STATUS(kvc_store_verify_object(c, o, tagged, &e, key1, &m), KVC_ERR_CORRUPT);
+    ASSERT_EQ_I64(m, KVC_STORE_MISS_AUTH);
+    ASSERT_STATUS(kvc_store_serialize_page(c, ids[0], &e, key1, o, plain, NULL),
+                  KVC_ERR_INVALID_ARG); /* no room for the tag */
+    free(o), free(p);
+    kvc_cache_destroy(c);
+    return 0;
+}
+
+typedef struct evict_log {
+    int n;
+    int32_t page;
+    int32_t tok0;
+} evict_log;
+
+static void on_evict(void *user, const kvc_cache *c, int32_t page) {
+    evict_log *l = user;
+    int32_t t[16];
+    l->n++;
+    l->page = page;
+    l->tok0 = kvc_cache_page_tokens(c, page, t) == KVC_OK ? t[0] : -1;
+}
+
+TEST(cache_page_io_rules) {
+    kvc_cache *c = make_cache(KVC_F16, KVC_KVFMT_NONE, 16, 2);
+    ASSERT_TRUE(c != NULL);
+    int32_t ids[2];
+    kvc_seq_id s, child;
+    ASSERT_TRUE(fill_seq(c, 32, 500, 1, ids, 2, &s) == 2);
+    const size_t pb = kvc_cache_page_bytes(c);
+    ASSERT_EQ_I64(pb, 3 * 2 * 16 * 2 * 64 * 2); /* layers * K,V * tokens * H * Dh * f16 */
+    unsigned char *buf = malloc(pb);
+    ASSERT_STATUS(kvc_cache_read_page(c, 2, buf, pb), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_cache_read_page(c, 0, buf, pb - 1), KVC_ERR_INVALID_ARG);
+    ASSERT_OK(kvc_cache_fork(c, s, &child));
+    ASSERT_STATUS(kvc_cache_write_page(c, ids[0], buf, pb), KVC_ERR_INVALID_ARG); /* shared */
+    ASSERT_STR_CONTAINS(kvc_last_error(), "held by 2");
+    int32_t t[16];
+    ASSERT_OK(kvc_cache_page_tokens(c, ids[1], t));
+    ASSERT_EQ_I64(t[0], 516);
+    /* eviction hook: called with the page's contents and ids intact */
+    evict_log log = {0, -1, -1};
+    ASSERT_OK(kvc_cache_set_evict_hook(c, on_evict, &log));
+    ASSERT_OK(kvc_cache_free_sequence(c, child));
+    ASSERT_OK(kvc_cache_free_sequence(c, s));
+    int32_t other[17];
+    for (int i = 0; i < 17; i++) other[i] = 900 + i;
+    kvc_seq_id s2;
+    int64_t hit;
+    ASSERT_OK(kvc_cache_add_sequence(c, other, 17, 0, &s2, &hit));
+    ASSERT_EQ_I64(log.n, 2);
+    ASSERT_TRUE(log.tok0 == 500 || log.tok0 == 516);
+    ASSERT_OK(kvc_cache_check(c));
+    free(buf);
+    kvc_cache_destroy(c);
+    return 0;
+}
+
+
+/* ---- the engine over the directory tier (KVC_TINY_GGUF) ------------------------------ */
+
+#define NEED_TINY(m)                                                                               \
+    const char *tiny_path = getenv("KVC_TINY_GGUF");                                               \
+    kvc_model *m = NULL;                                                                           \
+    if (!tiny_path || !tiny_path[0]) SKIP("KVC_TINY_GGUF not set (ctest sets it)");                \
+    ASSERT_OK(kvc_model_load(tiny_path, NULL, &m))
+
+static int rm_cb(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+    (void)sb, (void)flag, (void)ftw;
+    return remove(path);
+}
+
+static void rm_rf(const char *dir) { nftw(dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS); }
+
+typedef struct srun {
+    kvc_kv_format fmt;
+    kvc_dtype dtype;
+    const char *url; /* NULL: no store */
+    kvc_store_write_policy policy;
+    int32_t queue_objects;
+    const char *salt;
+    int64_t capacity;
+} srun;
+
+static srun srun_default(void) {
+    srun r;
+    memset(&r, 0, sizeof r);
+    r.dtype = KVC_F16;
+    r.queue_objects = 4096;
+    r.capacity = 1024;
+    return r;
+}
+
+static kvc_engine_params srun_engine_params(const srun *r) {
+    kvc_engine_params ep = kvc_engine_default_params();
+    ep.kv_dtype = r->dtype;
+    ep.kv_format = r->fmt;
+    ep.page_size = 16;
+    ep.kv_capacity_tokens = r->capacity;
+    ep.max_step_tokens = 64; /* prompts in several chunks */
+    ep.n_threads = 2;
+    return ep;
+}
+
+/* The namespace the engine of r uses. */
+static kvc_status srun_ns(const kvc_model *m, const char *path, const srun *r, kvc_store_key *ns) {
+    kvc_engine_params ep = srun_engine_params(r);
+    kvc_engine *e = NULL;
+    kvc_status st = kvc_engine_create(m, &ep, &e);
+    if (st != KVC_OK) return st;
+    kvc_cache_params cp;
+    st = kvc_cache_get_params(kvc_engine_cache(e), &cp);
+    if (st == KVC_OK)
+        st = kvc_store_model_namespace(path, m, &cp, r->salt, r->salt ? strlen(r->salt) : 0, ns);
+    kvc_engine_destroy(e);
+    return st;
+}
+
+/* Generates n_gen greedy tokens for each prompt in turn through one engine
+ * (a store attached when r->url), checking the cache after every step. */
+static int srun_go(const kvc_model *m, const char *path, const srun *r, int n_prompts,
+                   const int32_t *const *prompts, const int *lens, int n_gen, int32_t *out,
+                   kvc_engine_stats *es, kvc_store_stats *ss) {
+    kvc_engine_params ep = srun_engine_params(r);
+    kvc_engine *e = NULL;
+    kvc_store *s = NULL;
+    ASSERT_OK(kvc_engine_create(m, &ep, &e));
+    if (r->url) {
+        kvc_store_params sp = kvc_store_default_params();
+        sp.write_policy = r->policy;
+        sp.queue_objects = r->queue_objects;
+        kvc_cache_params cp;
+        kvc_store_key ns;
+        ASSERT_OK(kvc_cache_get_params(kvc_engine_cache(e), &cp));
+        ASSERT_OK(kvc_store_model_namespace(path, m, &cp, r->salt,
+                                            r->salt ? strlen(r->salt) : 0, &ns));
+        ASSERT_OK(kvc_store_open(&r->url, 1, &sp, &s));
+        ASSERT_OK(kvc_store_attach_engine(s, e, &ns));
+    }
+    for (int p = 0; p < n_prompts; p++) {
+        int64_t id;
+        ASSERT_OK(kvc_engine_add_request(e, prompts[p], lens[p], n_gen, NULL, 1, &id));
+        int got = 0;
+        while (kvc_engine_pending(e) > 0) {
+            kvc_engine_event ev[4];
+            int64_t ne = 0;
+            ASSERT_OK(kvc_engine_step(e, ev, 4, &ne));
+            ASSERT_OK(kvc_cache_check(kvc_engine_cache(e)));
+            for (int64_t i = 0; i < ne; i++) out[p * n_gen + got++] = ev[i].token;
+        }
+        ASSERT_EQ_I64(got, n_gen);
+    }
+    if (es) ASSERT_OK(kvc_engine_get_stats(e, es));
+    if (s) {
+        ASSERT_OK(kvc_store_flush(s, 30.0));
+        if (ss) ASSERT_OK(kvc_store_get_stats(s, ss));
+    }
+    kvc_engine_destroy(e);
+    kvc_store_close(s);
+    return 0;
+}
+
+static void random_prompt(int32_t *p, int n, uint64_t seed, int32_t n_vocab) {
+    for (int i = 0; i < n; i++) p[i] = (int32_t)(test_rng_next(&seed) % (uint64_t)n_vocab);
+}
+
+/* Path of page pg's file in the directory tier (docs/KV_STORE.md section 5). */
+static void page_file(const char *dir, const kvc_store_key *ns, const int32_t *prompt, int pg,
+                      char *out, size_t cap) {
+    kvc_store_key keys[64];
+    kvc_store_page_keys(ns, prompt, pg + 1, 16, keys);
+    char nh[33], kh[33];
+    kvc__store_key_hex(ns, nh);
+    kvc__store_key_hex(&keys[pg], kh);
+    snprintf(out, cap, "%s/%s/%.2s/%s.kvp", dir, nh, kh, kh);
+}
+
+TEST(engine_restores_prompts_from_a_directory_exactly) {
+    NEED_TINY(m);
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    char dir[] = "/tmp/kvc_store_XXXXXX";
+    ASSERT_TRUE(mkdtemp(dir) != NULL);
+    char url[64];
+    snprintf(url, sizeof url, "dir:%s", dir);
+    enum { N = 150, GEN = 8 };
+    int32_t prompt[N];
+    random_prompt(prompt, N, test_seed, in.n_vocab);
+    const int32_t *pp[1] = {prompt};
+    const int lens[1] = {N};
+    const struct {
+        kvc_kv_format fmt;
+        kvc_dtype dtype;
+        int64_t restored; /* whole units of the first N - 1 tokens */
+    } cases[] = {{KVC_KVFMT_NONE, KVC_F16, 144}, {KVC_KVFMT_NONE, KVC_I8, 144},
+                 {KVC_KVFMT_KIVI8, KVC_F16, 128}, {KVC_KVFMT_KIVI4, KVC_F16, 128}};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        srun r = srun_default();
+        r.fmt = cases[c].fmt;
+        r.dtype = cases[c].dtype;
+        int32_t ref[GEN], a[GEN], b[GEN];
+        kvc_engine_stats es;
+        kvc_store_stats ss;
+        if (srun_go(m, tiny_path, &r, 1, pp, lens, GEN, ref, NULL, NULL)) return 1;
+        r.url = url;
+        if (srun_go(m, tiny_path, &r, 1, pp, lens, GEN, a, &es, &ss)) return 1;
+        ASSERT_MEM_EQ(a, ref, sizeof ref);
+        ASSERT_EQ_I64(es.external_tokens, 0);
+        ASSERT_TRUE(ss.writes_done >= cases[c].restored / 16);
+        ASSERT_EQ_I64(ss.writes_dropped + ss.writes_failed, 0);
+        /* a second engine (as a second process would) restores the prompt */
+        if (srun_go(m, tiny_path, &r, 1, pp, lens, GEN, b, &es, &ss)) return 1;
+        ASSERT_MEM_EQ(b, ref, sizeof ref);
+        if (es.external_tokens != cases[c].restored)
+            TEST_FAIL_("case %zu: restored %lld tokens, want %lld", c,
+                       (long long)es.external_tokens, (long long)cases[c].restored);
+        ASSERT_EQ_I64(ss.hit_pages, cases[c].restored / 16);
+        ASSERT_EQ_I64(ss.verify_failures, 0);
+        ASSERT_EQ_I64(es.prefill_tokens, N - cases[c].restored);
+        ASSERT_EQ_I64(es.external_miss_tokens, N - cases[c].restored);
+    }
+    rm_rf(dir);
+    kvc_model_destroy(m);
+    return 0;
+}
+
+/* K/V restored = K/V recomputed, byte for byte, and the next step's logits
+ * alike (model level: a cache computed, saved, restored into another). */
+static int kv_bytes_case(const kvc_model *m, const char *path, kvc_dtype dtype,
+                         kvc_kv_format fmt, const char *url) {
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    enum { N = 129 };
+    int32_t prompt[N];
+    random_prompt(prompt, N, test_seed + 1, in.n_vocab);
+    kvc_cache_params cp = kvc_model_cache_params(m, dtype, 512);
+    cp.page_size = 16;
+    cp.num_pages = 32;
+    cp.kv_format = fmt;
+    kvc_cache *x = NULL, *y = NULL, *z = NULL;
+    ASSERT_OK(kvc_cache_create(&cp, &x));
+    ASSERT_OK(kvc_cache_create(&cp, &y));
+    ASSERT_OK(kvc_cache_create(&cp, &z));
+    kvc_model_ctx *ctx = NULL;
+    ASSERT_OK(kvc_model_ctx_create(m, 2, &ctx));
+    const size_t V = (size_t)in.n_vocab;
+    float *lx = malloc(V * sizeof(float)), *ly = malloc(V * sizeof(float)),
+          *lz = malloc(V * sizeof(float));
+    kvc_seq_id sx, sy, sz;
+    int64_t hit;
+    /* x and z compute all N tokens (x in one step, z in chunks of 40) */
+    ASSERT_OK(kvc_cache_add_sequence(x, prompt, N, 0, &sx, &hit));
+    ASSERT_OK(kvc_cache_add_sequence(z, prompt, N, 0, &sz, &hit));
+    int64_t pos0 = 0, n = N;
+    ASSERT_OK(kvc_model_forward(ctx, x, 1, &sx, &pos0, &n, NULL, prompt, NULL, lx));
+    for (int64_t p = 0; p < N; p += 40) {
+        int64_t c = N - p < 40 ? N - p : 40;
+        ASSERT_OK(kvc_model_forward(ctx, z, 1, &sz, &p, &c, NULL, prompt + p, NULL, lz));
+    }
+    ASSERT_MEM_EQ(lx, lz, V * sizeof(float));
+    kvc_store *s = NULL;
+    ASSERT_OK(kvc_store_open(&url, 1, NULL, &s));
+    kvc_store_key ns;
+    ASSERT_OK(kvc_store_model_namespace(path, m, &cp, NULL, 0, &ns));
+    const int64_t unit = fmt == KVC_KVFMT_NONE ? 16 : 64, n_pages = (N - 1) / unit * unit / 16;
+    int32_t ids[32], yids[32], indptr[2], last;
+    int64_t np;
+    ASSERT_OK(kvc_cache_page_table(x, &sx, 1, indptr, ids, 32, &last, &np));
+    ASSERT_OK(kvc_store_save_run(s, x, &ns, prompt, 0, n_pages, ids));
+    ASSERT_OK(kvc_store_flush(s, 30.0));
+    /* y: restore the whole units, compute the rest */
+    ASSERT_OK(kvc_cache_add_sequence(y, prompt, N, 0, &sy, &hit));
+    ASSERT_OK(kvc_cache_page_table(y, &sy, 1, indptr, yids, 32, &last, &np));
+    int64_t got = 0;
+    ASSERT_OK(kvc_store_restore_run(s, y, &ns, prompt, 0, n_pages, yids, &got));
+    ASSERT_EQ_I64(got, n_pages);
+    pos0 = n_pages * 16;
+    n = N - pos0;
+    ASSERT_OK(kvc_model_forward(ctx, y, 1, &sy, &pos0, &n, NULL, prompt + pos0, NULL, ly));
+    ASSERT_MEM_EQ(lx, ly, V * sizeof(float));
+    const size_t pb = kvc_cache_page_bytes(x);
+    unsigned char *bx = malloc(pb), *by = malloc(pb), *bz = malloc(pb);
+    int32_t zids[32];
+    ASSERT_OK(kvc_cache_page_table(z, &sz, 1, indptr, zids, 32, &last, &np));
+    for (int64_t p = 0; p < n_pages; p++) {
+        ASSERT_OK(kvc_cache_read_page(x, ids[p], bx, pb));
+        ASSERT_OK(kvc_cache_read_page(y, yids[p], by, pb));
+        ASSERT_OK(kvc_cache_read_page(z, zids[p], bz, pb));
+        ASSERT_MEM_EQ(by, bz, pb); /* restored = recomputed (in other chunks) */
+        ASSERT_MEM_EQ(bx, bz, pb);
+    }
+    ASSERT_OK(kvc_cache_check(y));
+    free(bx), free(by), free(bz), free(lx), free(ly), free(lz);
+    kvc_store_close(s);
+    kvc_model_ctx_destroy(ctx);
+    kvc_cache_destroy(x);
+    kvc_cache_destroy(y);
+    kvc_cache_destroy(z);
+    return 0;
+}
+
+TEST(restored_kv_bytes_equal_recomputed) {
+    NEED_TINY(m);
+    char dir[] = "/tmp/kvc_store_XXXXXX";
+    ASSERT_TRUE(mkdtemp(dir) != NULL);
+    char url[64];
+    snprintf(url, sizeof url, "dir:%s", dir);
+    if (kv_bytes_case(m, tiny_path, KVC_F16, KVC_KVFMT_NONE, url)) return 1;
+    if (kv_bytes_case(m, tiny_path, KVC_I4, KVC_KVFMT_NONE, url)) return 1;
+    if (kv_bytes_case(m, tiny_path, KVC_F16, KVC_KVFMT_KIVI4, url)) return 1;
+    if (kv_bytes_case(m, tiny_path, KVC_F16, KVC_KVFMT_KIVI8, url)) return 1;
+    rm_rf(dir);
+    kvc_model_destroy(m);
+    return 0;
+}
+
+static int corrupt_file(const char *path, int how) {
+    FILE *f = fopen(path, "r+b");
+    if (!f) return -1;
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    if (how == 0) { /* a bit of the payload */
+        fseek(f, size - 100, SEEK_SET);
+        int c = fgetc(f);
+        fseek(f, size - 100, SEEK_SET);
+        fputc(c ^ 4, f);
+        fclose(f);
+        return 0;
+    }
+    if (how == 1) { /* version 2, header resealed: a reader that does not know it */
+        unsigned char h[128];
+        fseek(f, 0, SEEK_SET);
+        if (fread(h, 1, 128, f) != 128) return fclose(f), -1;
+        h[8] = 2;
+        reseal_header(h);
+        fseek(f, 0, SEEK_SET);
+        fwrite(h, 1, 128, f);
+        fclose(f);
+        return 0;
+    }
+    fclose(f); /* truncated */
+    return truncate(path, size / 2);
+}
+
+TEST(engine_survives_every_corruption_of_the_directory) {
+    NEED_TINY(m);
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    enum { N = 100, GEN = 6 };
+    int32_t prompt[N];
+    random_prompt(prompt, N, test_seed + 2, in.n_vocab);
+    const int32_t *pp[1] = {prompt};
+    const int lens[1] = {N};
+    srun r = srun_default();
+    int32_t ref[GEN], out[GEN];
+    if (srun_go(m, tiny_path, &r, 1, pp, lens, GEN, ref, NULL, NULL)) return 1;
+    kvc_store_key ns;
+    ASSERT_OK(srun_ns(m, tiny_path, &r, &ns));
+    /* page 2 of 6 corrupted each way: pages 0, 1 restored, the rest computed */
+    const kvc_store_miss want[3] = {KVC_STORE_MISS_PAYLOAD, KVC_STORE_MISS_VERSION,
+                                    KVC_STORE_MISS_TRUNCATED};
+    for (int how = 0; how < 3; how++) {
+        char dir[] = "/tmp/kvc_store_XXXXXX", url[64], file[256];
+        ASSERT_TRUE(mkdtemp(dir) != NULL);
+        snprintf(url, sizeof url, "dir:%s", dir);
+        r.url = url;
+        kvc_engine_stats es;
+        kvc_store_stats ss;
+        if (srun_go(m, tiny_path, &r, 1, pp, lens, GEN, out, NULL, NULL)) return 1;
+        page_file(dir, &ns, prompt, 2, file, sizeof file);
+        ASSERT_OK(corrupt_file(file, how) == 0 ? KVC_OK : KVC_ERR_IO);
+        if (srun_go(m, tiny_path, &r, 1, pp, lens, GEN, out, &es, &ss)) return 1;
+        ASSERT_MEM_EQ(out, ref, sizeof ref);
+        ASSERT_EQ_I64(es.external_tokens, 32);
+        ASSERT_EQ_I64(ss.verify_failures, 1);
+        if (ss.misses[want[how]] != 1) TEST_FAIL_("corruption %d: no %s miss", how,
+                                                  kvc_store_miss_name(want[how]));
+        /* the recomputed pages were written again: the next restore is whole */
+        if (srun_go(m, tiny_path, &r, 1, pp, lens, GEN, out, &es, &ss)) return 1;
+        ASSERT_MEM_EQ(out, ref, sizeof ref);
+        ASSERT_EQ_I64(es.external_tokens, 96);
+        /* another tenant (salt) finds nothing, and computes the same tokens */
+        srun t = r;
+        t.salt = "another tenant";
+        if (srun_go(m, tiny_path, &t, 1, pp, lens, GEN, out, &es, &ss)) return 1;
+        ASSERT_MEM_EQ(out, ref, sizeof ref);
+        ASSERT_EQ_I64(es.external_tokens, 0);
+        ASSERT_EQ_I64(ss.verify_failures, 0);
+        rm_rf(dir);
+    }
+    kvc_model_destroy(m);
+    return 0;
+}
+
+TEST(write_policies_and_a_full_queue) {
+    NEED_TINY(m);
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    enum { N = 100, GEN = 4 };
+    int32_t p1[N], p2[N], p3[N];
+    random_prompt(p1, N, test_seed + 3, in.n_vocab);
+    random_prompt(p2, N, test_seed + 4, in.n_vocab);
+    random_prompt(p3, N, test_seed + 5, in.n_vocab);
+    const int lens[3] = {N, N, N};
+    int32_t ref[3 * GEN], out[3 * GEN];
+    srun r = srun_default();
+    const int32_t *pp[3] = {p1, p2, p3};
+    if (srun_go(m, tiny_path, &r, 3, pp, lens, GEN, ref, NULL, NULL)) return 1;
+    char dir[] = "/tmp/kvc_store_XXXXXX", url[64];
+    ASSERT_TRUE(mkdtemp(dir) != NULL);
+    snprintf(url, sizeof url, "dir:%s", dir);
+    r.url = url;
+    kvc_engine_stats es;
+    kvc_store_stats ss;
+    /* write-back: nothing is written until the cache evicts; 8 pages of
+     * capacity hold one prompt, so each next prompt evicts the last one's */
+    r.policy = KVC_STORE_WRITE_BACK;
+    r.capacity = 128;
+    if (srun_go(m, tiny_path, &r, 3, pp, lens, GEN, out, &es, &ss)) return 1;
+    ASSERT_MEM_EQ(out, ref, sizeof ref);
+    ASSERT_TRUE(ss.writes_done >= 6 && ss.writes_done <= 12); /* p1's and p2's pages */
+    r.policy = KVC_STORE_WRITE_THROUGH;
+    r.capacity = 1024;
+    const int32_t *only1[1] = {p1};
+    if (srun_go(m, tiny_path, &r, 1, only1, lens, GEN, out, &es, &ss)) return 1;
+    ASSERT_MEM_EQ(out, ref, GEN * sizeof(int32_t));
+    ASSERT_EQ_I64(es.external_tokens, 96); /* restored what write-back saved */
+    rm_rf(dir);
+    /* selective:2: a page is written once it served 2 prefix hits */
+    ASSERT_TRUE(mkdtemp(strcpy(dir, "/tmp/kvc_store_XXXXXX")) != NULL);
+    snprintf(url, sizeof url, "dir:%s", dir);
+    r.policy = KVC_STORE_WRITE_SELECTIVE;
+    const int32_t *thrice[3] = {p1, p1, p1};
+    if (srun_go(m, tiny_path, &r, 2, thrice, lens, GEN, out, &es, &ss)) return 1;
+    ASSERT_EQ_I64(ss.writes_queued, 0); /* one hit so far */
+    if (srun_go(m, tiny_path, &r, 3, thrice, lens, GEN, out, &es, &ss)) return 1;
+    ASSERT_EQ_I64(ss.writes_queued, 6); /* the second hit: p1's 6 full pages */
+    for (int i = 0; i < 3; i++) ASSERT_MEM_EQ(out + i * GEN, ref, GEN * sizeof(int32_t));
+    rm_rf(dir);
+    /* a queue of one object drops writes, counted; the output is unchanged */
+    ASSERT_TRUE(mkdtemp(strcpy(dir, "/tmp/kvc_store_XXXXXX")) != NULL);
+    snprintf(url, sizeof url, "dir:%s", dir);
+    r.policy = KVC_STORE_WRITE_THROUGH;
+    r.queue_objects = 1;
+    if (srun_go(m, tiny_path, &r, 3, pp, lens, GEN, out, &es, &ss)) return 1;
+    ASSERT_MEM_EQ(out, ref, sizeof ref);
+    ASSERT_TRUE(ss.writes_dropped > 0);
+    ASSERT_EQ_I64(ss.writes_dropped + ss.writes_queued, 18);
+    rm_rf(dir);
+    kvc_model_destroy(m);
+    return 0;
+}
+
+const char *test_suite_name = "store";
+const test_case test_suite[] = {
+    TEST_ENTRY(page_keys_match_independent_xxh3),
+    TEST_ENTRY(namespace_separates_everything_it_names),
+    TEST_ENTRY(objects_round_trip_every_storage),
+    TEST_ENTRY(every_refusal_is_counted_by_its_reason_and_writes_nothing),
+    TEST_ENTRY(authenticated_objects),
+    TEST_ENTRY(cache_page_io_rules),
+    TEST_ENTRY(engine_restores_prompts_from_a_directory_exactly),
+    TEST_ENTRY(restored_kv_bytes_equal_recomputed),
+    TEST_ENTRY(engine_survives_every_corruption_of_the_directory),
+    TEST_ENTRY(write_policies_and_a_full_queue),
+    {0, 0},
+};

@@ -1,0 +1,138 @@
+/* The KV store options (cli_store.h). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "cli_store.h"
+#ifdef KVC_HAVE_STORE
+#include "kvcache/store.h"
+#endif
+
+const char cli_store_opts_help[] =
+    "  --kv-store URL      keep K/V pages beyond this process, looked up in the order\n"
+    "                      given (repeatable): dir:PATH[?max_bytes=N],\n"
+    "                      redis://HOST:PORT or unix:///PATH/TO/SOCKET [?ttl=SECONDS]\n"
+    "                      (several Redis servers: a comma-separated list)\n"
+    "  --kv-store-write P  through (default: when a page is full), back (when the\n"
+    "                      cache evicts it) or selective:N (after N prefix hits)\n"
+    "  --salt STRING       tenant: pages are shared only under the same salt\n"
+    "  --json-stats        at exit, one JSON line of prompt, cache and store\n"
+    "                      counters on stderr\n";
+
+void cli_store_opts_default(cli_store_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->hits = 2;
+}
+
+int cli_store_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_store_opts *o) {
+    const char *a = argv[*i];
+    const char *v = *i + 1 < argc ? argv[*i + 1] : NULL;
+    if (!strcmp(a, "--json-stats")) {
+        o->json_stats = 1;
+        return 1;
+    }
+    if (strcmp(a, "--kv-store") && strcmp(a, "--kv-store-write") && strcmp(a, "--salt"))
+        return 0;
+    if (!v) return cli_usage_error(cmd, "%s needs a value", a);
+    ++*i;
+    if (!strcmp(a, "--kv-store")) {
+        if (o->n_urls == CLI_STORE_MAX)
+            return cli_usage_error(cmd, "--kv-store: at most %d stores", CLI_STORE_MAX);
+        o->urls[o->n_urls++] = v;
+    } else if (!strcmp(a, "--salt")) {
+        o->salt = v;
+    } else if (!strcmp(v, "through")) {
+        o->policy = 0;
+    } else if (!strcmp(v, "back")) {
+        o->policy = 1;
+    } else {
+        int64_t n = 0;
+        if (strncmp(v, "selective:", 10) || cli_parse_i64(v + 10, 1, 1 << 20, &n))
+            return cli_usage_error(cmd, "--kv-store-write: expected through, back or "
+                                   "selective:N (N >= 1), got '%s'", v);
+        o->policy = 2;
+        o->hits = (int32_t)n;
+    }
+    return 1;
+}
+
+#ifdef KVC_HAVE_STORE
+int cli_store_attach(const char *cmd, const cli_store_opts *o, const char *model_path,
+                     const kvc_model *model, kvc_engine *eng, kvc_store **store) {
+    *store = NULL;
+    if (o->n_urls == 0) {
+        if (o->salt) fprintf(stderr, "kvcache: %s: warning: --salt without --kv-store\n", cmd);
+        return 0;
+    }
+    kvc_cache_params cp;
+    kvc_store_key ns;
+    kvc_store_params sp = kvc_store_default_params();
+    sp.write_policy = (kvc_store_write_policy)o->policy;
+    sp.selective_hits = o->hits;
+    if (kvc_cache_get_params(kvc_engine_cache(eng), &cp) != KVC_OK ||
+        kvc_store_model_namespace(model_path, model, &cp, o->salt,
+                                  o->salt ? strlen(o->salt) : 0, &ns) != KVC_OK ||
+        kvc_store_open(o->urls, o->n_urls, &sp, store) != KVC_OK ||
+        kvc_store_attach_engine(*store, eng, &ns) != KVC_OK) {
+        fprintf(stderr, "kvcache: %s: --kv-store: %s\n", cmd, kvc_last_error());
+        kvc_store_close(*store);
+        *store = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+void cli_store_finish(const char *cmd, const cli_store_opts *o, kvc_store *store,
+                      const kvc_engine *eng, double ttft_s, double decode_tok_s,
+                      double timeout_s) {
+    if (store && kvc_store_flush(store, timeout_s) != KVC_OK)
+        fprintf(stderr, "kvcache: %s: warning: %s\n", cmd, kvc_last_error());
+    if (!o->json_stats) return;
+    kvc_engine_stats es;
+    memset(&es, 0, sizeof es);
+    if (eng) kvc_engine_get_stats(eng, &es);
+    kvc_store_stats ss;
+    memset(&ss, 0, sizeof ss);
+    if (store) kvc_store_get_stats(store, &ss);
+    fprintf(stderr,
+            "{\"prompt_tokens\": %lld, \"cached_tokens\": %lld, \"store_hit_tokens\": %lld, "
+            "\"store_miss_tokens\": %lld, \"store_verify_failures\": %lld, \"store_errors\": "
+            "%lld, \"store_bytes_read\": %lld, \"store_bytes_written\": %lld, "
+            "\"store_writes_dropped\": %lld, \"ttft_s\": %.6f, \"decode_tok_s\": %.3f}\n",
+            (long long)es.prompt_tokens, (long long)es.cached_tokens,
+            (long long)es.external_tokens, (long long)es.external_miss_tokens,
+            (long long)ss.verify_failures, (long long)ss.errors, (long long)ss.bytes_read,
+            (long long)ss.bytes_written, (long long)ss.writes_dropped, ttft_s, decode_tok_s);
+}
+
+void cli_store_close(kvc_store *store) { kvc_store_close(store); }
+#else
+int cli_store_attach(const char *cmd, const cli_store_opts *o, const char *model_path,
+                     const kvc_model *model, kvc_engine *eng, kvc_store **store) {
+    (void)model_path, (void)model, (void)eng;
+    *store = NULL;
+    if (o->n_urls == 0) return 0;
+    fprintf(stderr, "kvcache: %s: --kv-store: this build has no KV store (it needs libxxhash; "
+            "Debian: libxxhash-dev, which scripts/setup.sh installs)\n", cmd);
+    return -1;
+}
+
+void cli_store_finish(const char *cmd, const cli_store_opts *o, kvc_store *store,
+                      const kvc_engine *eng, double ttft_s, double decode_tok_s,
+                      double timeout_s) {
+    (void)cmd, (void)store, (void)timeout_s;
+    if (!o->json_stats) return;
+    kvc_engine_stats es;
+    memset(&es, 0, sizeof es);
+    if (eng) kvc_engine_get_stats(eng, &es);
+    fprintf(stderr,
+            "{\"prompt_tokens\": %lld, \"cached_tokens\": %lld, \"store_hit_tokens\": 0, "
+            "\"store_miss_tokens\": 0, \"store_verify_failures\": 0, \"store_errors\": 0, "
+            "\"store_bytes_read\": 0, \"store_bytes_written\": 0, \"store_writes_dropped\": 0, "
+            "\"ttft_s\": %.6f, \"decode_tok_s\": %.3f}\n",
+            (long long)es.prompt_tokens, (long long)es.cached_tokens, ttft_s, decode_tok_s);
+}
+
+void cli_store_close(kvc_store *store) { (void)store; }
+#endif
