@@ -34,6 +34,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -334,22 +335,27 @@ static kvc_status rescan(dir_tier *d) {
 /* ---- removal -------------------------------------------------------------- */
 
 /* Removes name under pfd, a file or a tree (depth-limited: ours is 3 deep).
- * Already gone is fine. 0, or -1 with errno set. */
+ * Already gone is fine. A writer that looked its path up before the tree
+ * was renamed away may still add a file to it: ENOTEMPTY lists it again.
+ * 0, or -1 with errno set. */
 static int rm_tree(int pfd, const char *name, int depth) {
     if (unlinkat(pfd, name, 0) == 0 || errno == ENOENT) return 0;
     if (errno != EISDIR && errno != EPERM) return -1; /* EPERM: POSIX for a directory */
-    DIR *dir = open_sub(pfd, name);
-    if (!dir) return errno == ENOENT ? 0 : -1;
-    int rc = 0, err = 0;
-    struct dirent *de;
-    while ((de = readdir(dir))) {
-        if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
-        if (depth >= 8 || rm_tree(dirfd(dir), de->d_name, depth + 1)) rc = -1, err = errno;
+    for (int pass = 0; pass < 4; pass++) {
+        DIR *dir = open_sub(pfd, name);
+        if (!dir) return errno == ENOENT ? 0 : -1;
+        struct dirent *de;
+        int err = 0;
+        while ((de = readdir(dir)))
+            if (strcmp(de->d_name, ".") && strcmp(de->d_name, "..") &&
+                (depth >= 8 || rm_tree(dirfd(dir), de->d_name, depth + 1)))
+                err = depth >= 8 ? ELOOP : errno;
+        closedir(dir);
+        if (err) return errno = err, -1;
+        if (unlinkat(pfd, name, AT_REMOVEDIR) == 0 || errno == ENOENT) return 0;
+        if (errno != ENOTEMPTY && errno != EEXIST) return -1; /* EEXIST: POSIX allows it */
     }
-    closedir(dir);
-    if (unlinkat(pfd, name, AT_REMOVEDIR) != 0 && errno != ENOENT) rc = -1, err = errno;
-    if (rc) errno = err ? err : ENOTEMPTY;
-    return rc;
+    return -1;
 }
 
 /* Removes temporary files (and half-removed namespaces) in PATH/tmp older
@@ -537,10 +543,12 @@ static kvc_status put_one(dir_tier *d, const kvc_store_key *ns, const kvc_store_
     }
     obj_path(d, ns, key, 2, dst);
     /* Try the rename first (the directories usually exist); on ENOENT make
-     * them, again if an invalidate removes them in between. */
+     * them, again if an invalidate removes them in between (invalidations in
+     * a tight loop can hit that window many times running: yield to them). */
     for (int attempt = 0; rename(tmp, dst) != 0; attempt++) {
         e = errno;
-        if (e == ENOENT && attempt < 8) {
+        if (e == ENOENT && attempt < 64) {
+            if (attempt >= 2) sched_yield();
             int me = make_dirs(d, ns, key); /* ENOENT: PATH/<ns> went meanwhile */
             if (me == 0 || me == ENOENT) continue;
             e = me;
