@@ -215,4 +215,7 @@ int bench_gemm(const bench_opts *o);
 /* `kvcache bench kernel` (decode kernels alone, against the float16 kernel). */
 int bench_kernel(const bench_opts *o);
 
+/* `kvcache bench store` (bench_store.c): its own options, argv[1] == "store". */
+int bench_store(int argc, char **argv);
+
 #endif

@@ -36,6 +36,7 @@ static const char bench_usage[] =
     "          head set for f16/int8/int4 rows of L 64, 512 and 4096 keys (Dh 128,\n"
     "          H 8: 256 KiB, 2 MiB, 16 MiB of float16 K/V; int8 half), int8/int4\n"
     "          speed against the float16 kernel\n"
+    "  store   the KV store's data path (own options: kvcache bench store --help)\n"
     "\n"
     "options (the defaults are pmx's; attention, prefill, mla and kernel sweep their\n"
     "own sets of shapes, batches and lengths unless an option fixes one):\n"
@@ -159,6 +160,7 @@ int cmd_bench(int argc, char **argv) {
     const char *isa_name = NULL;
     int threads_given = 0;
     int first = 1;
+    if (argc > 1 && !strcmp(argv[1], "store")) return bench_store(argc, argv);
     if (argc > 1 && argv[1][0] != '-') {
         target = argv[1];
         first = 2;
@@ -168,7 +170,7 @@ int cmd_bench(int argc, char **argv) {
             strcmp(target, "gemm") != 0 && strcmp(target, "kernel") != 0) {
             fprintf(stderr,
                     "kvcache: bench: unknown target '%s' (known: pmx, append, cache, attention, "
-                    "prefill, mla, gemm, kernel)\n\n%s",
+                    "prefill, mla, gemm, kernel, store)\n\n%s",
                     target, bench_usage);
             return CLI_EXIT_USAGE;
         }

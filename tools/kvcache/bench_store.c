@@ -1,0 +1,317 @@
+/*
+ * `kvcache bench store`: the KV store's data path (store.h), in GB/s of
+ * page payload, against references measured in the same run:
+ *   serialize  kvc_store_serialize_page (page -> object: copy + checksums)
+ *   restore    kvc_store_restore_page (verify every check + write the page)
+ *              both against memcpy of the same bytes (goal >= 0.5)
+ *   put / get  for each --kv-store: N objects queued and flushed
+ *              (kvc_store_put + kvc_store_flush), then restored
+ *              (kvc_store_restore_run: tier read + verify + write);
+ *              for a Redis URL also `redis-benchmark` SET/GET of the same
+ *              value size and pipelining (goal >= 0.7), when installed.
+ * The page geometry is SmolLM2-135M's float16 page (30 layers, 3 KV heads,
+ * Dh 64, 16 tokens: 368,640 bytes) unless given.
+ */
+#define _POSIX_C_SOURCE 200809L /* popen */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench.h"
+#include "cli.h"
+#include "kvcache/kvcache.h"
+#ifdef KVC_HAVE_STORE
+#include "kvcache/store.h"
+#endif
+
+static const char usage[] =
+    "usage: kvcache bench store [--kv-store URL]... [options]\n"
+    "\n"
+    "  --kv-store URL   a store to time put and get against (repeatable): dir:PATH,\n"
+    "                   redis://HOST:PORT, unix:///PATH (its objects are left there)\n"
+    "  --pages N        pages per pass (default 128: a 2048-token prompt)\n"
+    "  --layers N, --heads N, --head-dim N, --page-size N\n"
+    "                   page geometry (default 30, 3, 64, 16: SmolLM2-135M, f16)\n"
+    "  --time SECONDS   time per case (default 1)\n"
+    "  --json           one JSON object per line\n";
+
+#ifdef KVC_HAVE_STORE
+
+typedef struct bs {
+    kvc_cache *src, *dst;
+    int32_t *ids, *dids, *tok;
+    int64_t n;
+    size_t obj_bytes, page_bytes;
+    unsigned char *objs; /* n objects */
+    unsigned char *flat; /* n pages, memcpy source / destination */
+    unsigned char *flat2;
+    kvc_store_key ns;
+    kvc_store_key *keys;
+} bs;
+
+static double median_rate(int (*fn)(bs *), bs *b, double budget, double bytes) {
+    double t[64];
+    int k = 0;
+    const double end = bench_now() + budget;
+    do {
+        const double t0 = bench_now();
+        if (fn(b)) return -1;
+        t[k++] = bench_now() - t0;
+    } while (k < 64 && (bench_now() < end || k < 3));
+    for (int i = 1; i < k; i++) /* insertion sort: few samples */
+        for (int j = i; j > 0 && t[j] < t[j - 1]; j--) {
+            double x = t[j];
+            t[j] = t[j - 1];
+            t[j - 1] = x;
+        }
+    return bytes / t[k / 2] / 1e9;
+}
+
+static void expect_of(bs *b, int64_t pg, kvc_store_expect *e) {
+    e->ns = b->ns;
+    e->key = b->keys[pg];
+    e->parent = pg > 0 ? b->keys[pg - 1] : b->ns;
+    e->position = pg * 16;
+    e->tokens = b->tok + pg * 16;
+}
+
+static int do_memcpy(bs *b) {
+    memcpy(b->flat2, b->flat, (size_t)b->n * b->page_bytes);
+    return 0;
+}
+
+static int do_serialize(bs *b) {
+    for (int64_t i = 0; i < b->n; i++) {
+        kvc_store_expect e;
+        expect_of(b, i, &e);
+        if (kvc_store_serialize_page(b->src, b->ids[i], &e, NULL, b->objs + i * b->obj_bytes,
+                                     b->obj_bytes, NULL) != KVC_OK)
+            return -1;
+    }
+    return 0;
+}
+
+static int do_restore(bs *b) {
+    for (int64_t i = 0; i < b->n; i++) {
+        kvc_store_expect e;
+        expect_of(b, i, &e);
+        if (kvc_store_restore_page(b->dst, b->dids[i], b->objs + i * b->obj_bytes, b->obj_bytes,
+                                   &e, NULL, NULL) != KVC_OK)
+            return -1;
+    }
+    return 0;
+}
+
+static kvc_store *g_store;
+
+static int do_put(bs *b) {
+    for (int64_t i = 0; i < b->n; i++)
+        if (kvc_store_put(g_store, &b->ns, &b->keys[i], b->objs + i * b->obj_bytes,
+                          b->obj_bytes) != KVC_OK)
+            return -1;
+    return kvc_store_flush(g_store, 60.0) == KVC_OK ? 0 : -1;
+}
+
+static int do_get(bs *b) {
+    int64_t got = 0;
+    if (kvc_store_restore_run(g_store, b->dst, &b->ns, b->tok, 0, b->n, b->dids, &got) != KVC_OK)
+        return -1;
+    if (got != b->n) {
+        fprintf(stderr, "kvcache: bench store: restored %lld of %lld pages\n", (long long)got,
+                (long long)b->n);
+        return -1;
+    }
+    return 0;
+}
+
+/* requests/s of redis-benchmark's SET and GET (value bytes, pipeline 32)
+ * against url's first server; 0 when it cannot run. */
+static void redis_benchmark(const char *url, size_t value, int64_t n, double *set_rps,
+                            double *get_rps) {
+    *set_rps = *get_rps = 0;
+    char target[512], cmd[1024];
+    if (!strncmp(url, "unix://", 7)) {
+        snprintf(target, sizeof target, "-s %.*s", (int)strcspn(url + 7, ",?"), url + 7);
+    } else {
+        const char *h = url + 8; /* redis:// */
+        size_t hl = strcspn(h, ":,?");
+        snprintf(target, sizeof target, "-h %.*s -p %d", (int)hl, h,
+                 h[hl] == ':' ? atoi(h + hl + 1) : 6379);
+    }
+    snprintf(cmd, sizeof cmd, "redis-benchmark %s -t set,get -d %zu -P 32 -n %lld -r %lld "
+             "--csv 2>/dev/null", target, value, (long long)(n * 4), (long long)n);
+    FILE *f = popen(cmd, "r");
+    if (!f) return;
+    char line[512];
+    while (fgets(line, sizeof line, f)) {
+        double rps = 0;
+        if (sscanf(line, "\"SET\",\"%lf\"", &rps) == 1) *set_rps = rps;
+        if (sscanf(line, "\"GET\",\"%lf\"", &rps) == 1) *get_rps = rps;
+    }
+    pclose(f);
+}
+
+static void report(int json, const char *what, const char *url, double gbs, double ref,
+                   const char *ref_name) {
+    if (json) {
+        printf("{\"type\": \"case\", \"target\": \"bench-store\", \"case\": \"%s\", ", what);
+        fputs("\"store\": ", stdout);
+        bench_json_str(stdout, url ? url : "");
+        printf(", \"gb_s\": %.3f, \"ref\": \"%s\", \"ref_gb_s\": %.3f, \"ratio\": %.3f}\n", gbs,
+               ref_name, ref, ref > 0 ? gbs / ref : 0.0);
+    } else {
+        printf("%-10s %-40s %9.2f %9.2f %-16s %6.2f\n", what, url ? url : "-", gbs, ref,
+               ref_name, ref > 0 ? gbs / ref : 0.0);
+    }
+    fflush(stdout);
+}
+
+int bench_store(int argc, char **argv) {
+    const char *cmd = "bench store";
+    const char *urls[16];
+    int n_urls = 0, json = 0;
+    int64_t pages = 128, layers = 30, heads = 3, dh = 64, ps = 16;
+    double budget = 1.0;
+    for (int i = 2; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (cli_is_help(a)) {
+            fputs(usage, stdout);
+            return CLI_EXIT_OK;
+        }
+        if (!strcmp(a, "--json")) {
+            json = 1;
+            continue;
+        }
+        if (!v) return cli_usage_error(cmd, "unexpected argument '%s' (or missing value)", a);
+        i++;
+        int64_t *dst = !strcmp(a, "--pages")       ? &pages
+                       : !strcmp(a, "--layers")    ? &layers
+                       : !strcmp(a, "--heads")     ? &heads
+                       : !strcmp(a, "--head-dim")  ? &dh
+                       : !strcmp(a, "--page-size") ? &ps
+                                                   : NULL;
+        if (dst) {
+            if (cli_parse_i64(v, 1, 1 << 16, dst))
+                return cli_usage_error(cmd, "%s: expected an integer in [1, 65536], got '%s'", a,
+                                       v);
+        } else if (!strcmp(a, "--kv-store")) {
+            if (n_urls == 16) return cli_usage_error(cmd, "at most 16 --kv-store");
+            urls[n_urls++] = v;
+        } else if (!strcmp(a, "--time")) {
+            if (cli_parse_seconds(v, 600, &budget))
+                return cli_usage_error(cmd, "--time: bad value '%s'", v);
+        } else {
+            return cli_usage_error(cmd, "unexpected argument '%s'", a);
+        }
+    }
+    bs b;
+    memset(&b, 0, sizeof b);
+    int rc = CLI_EXIT_FAIL;
+    kvc_cache_params cp = kvc_cache_default_params();
+    cp.num_layers = (int32_t)layers;
+    cp.num_kv_heads = (int32_t)heads;
+    cp.head_dim = (int32_t)dh;
+    cp.page_size = (int32_t)ps;
+    cp.num_pages = pages;
+    cp.dtype = KVC_F16;
+    b.n = pages;
+    if (kvc_cache_create(&cp, &b.src) != KVC_OK || kvc_cache_create(&cp, &b.dst) != KVC_OK)
+        goto fail;
+    b.page_bytes = kvc_cache_page_bytes(b.src);
+    b.obj_bytes = kvc_store_object_bytes(b.src, 0);
+    b.ids = malloc((size_t)pages * sizeof(int32_t));
+    b.dids = malloc((size_t)pages * sizeof(int32_t));
+    b.tok = malloc((size_t)(pages * ps) * sizeof(int32_t));
+    b.keys = malloc((size_t)pages * sizeof(kvc_store_key));
+    b.objs = malloc((size_t)pages * b.obj_bytes);
+    b.flat = malloc((size_t)pages * b.page_bytes);
+    b.flat2 = malloc((size_t)pages * b.page_bytes);
+    if (!b.ids || !b.dids || !b.tok || !b.keys || !b.objs || !b.flat || !b.flat2) {
+        fprintf(stderr, "kvcache: %s: out of memory\n", cmd);
+        goto out;
+    }
+    for (int64_t i = 0; i < pages * ps; i++) b.tok[i] = (int32_t)(i * 7919 % 49152);
+    uint64_t r = 1;
+    for (size_t i = 0; i < (size_t)pages * b.page_bytes; i++) {
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        b.flat[i] = (unsigned char)(r >> 56);
+    }
+    memset(b.flat2, 0, (size_t)pages * b.page_bytes);
+    kvc_seq_id s, d;
+    int64_t hit;
+    int32_t indptr[2], last;
+    int64_t np;
+    for (int k = 0; k < 16; k++) b.ns.b[k] = (uint8_t)(0xa0 + k);
+    if (kvc_cache_add_sequence(b.src, b.tok, pages * ps, 0, &s, &hit) != KVC_OK ||
+        kvc_cache_add_sequence(b.dst, NULL, pages * ps, 0, &d, &hit) != KVC_OK ||
+        kvc_cache_page_table(b.src, &s, 1, indptr, b.ids, pages, &last, &np) != KVC_OK ||
+        kvc_cache_page_table(b.dst, &d, 1, indptr, b.dids, pages, &last, &np) != KVC_OK ||
+        kvc_store_page_keys(&b.ns, b.tok, pages, (int32_t)ps, b.keys) != KVC_OK)
+        goto fail;
+    for (int64_t i = 0; i < pages; i++)
+        if (kvc_cache_write_page(b.src, b.ids[i], b.flat + (size_t)i * b.page_bytes,
+                                 b.page_bytes) != KVC_OK)
+            goto fail;
+    const double bytes = (double)pages * (double)b.page_bytes;
+    if (!json) {
+        printf("# page %zu bytes (%lld layers, %lld KV heads, Dh %lld, %lld tokens, f16), "
+               "%lld pages a pass; GB/s of payload (1e9 bytes/s)\n",
+               b.page_bytes, (long long)layers, (long long)heads, (long long)dh, (long long)ps,
+               (long long)pages);
+        printf("%-10s %-40s %9s %9s %-16s %6s\n", "case", "store", "GB/s", "ref_GB/s", "ref",
+               "ratio");
+    }
+    const double mc = median_rate(do_memcpy, &b, budget, bytes);
+    const double ser = median_rate(do_serialize, &b, budget, bytes);
+    const double res = median_rate(do_restore, &b, budget, bytes);
+    if (mc < 0 || ser < 0 || res < 0) goto fail;
+    report(json, "serialize", NULL, ser, mc, "memcpy");
+    report(json, "restore", NULL, res, mc, "memcpy");
+    for (int u = 0; u < n_urls; u++) {
+        kvc_store_params sp = kvc_store_default_params();
+        sp.queue_bytes = (int64_t)(2 * pages * (int64_t)b.obj_bytes);
+        sp.queue_objects = (int32_t)(2 * pages);
+        if (kvc_store_open(&urls[u], 1, &sp, &g_store) != KVC_OK) goto fail;
+        const double put = median_rate(do_put, &b, budget, bytes);
+        const double get = median_rate(do_get, &b, budget, bytes);
+        kvc_store_stats st;
+        kvc_store_get_stats(g_store, &st);
+        kvc_store_close(g_store);
+        g_store = NULL;
+        if (put < 0 || get < 0 || st.errors || st.writes_failed || st.writes_dropped) {
+            fprintf(stderr, "kvcache: %s: %s: errors %lld, failed %lld, dropped %lld writes\n",
+                    cmd, urls[u], (long long)st.errors, (long long)st.writes_failed,
+                    (long long)st.writes_dropped);
+            goto out;
+        }
+        double set_rps = 0, get_rps = 0;
+        if (strncmp(urls[u], "dir:", 4) != 0)
+            redis_benchmark(urls[u], b.obj_bytes, pages, &set_rps, &get_rps);
+        const double ref_set = set_rps * (double)b.page_bytes / 1e9,
+                     ref_get = get_rps * (double)b.page_bytes / 1e9;
+        report(json, "put", urls[u], put, ref_set > 0 ? ref_set : mc,
+               ref_set > 0 ? "redis-benchmark" : "memcpy");
+        report(json, "get", urls[u], get, ref_get > 0 ? ref_get : mc,
+               ref_get > 0 ? "redis-benchmark" : "memcpy");
+    }
+    rc = CLI_EXIT_OK;
+    goto out;
+fail:
+    fprintf(stderr, "kvcache: %s: %s\n", cmd, kvc_last_error());
+out:
+    kvc_store_close(g_store);
+    g_store = NULL;
+    kvc_cache_destroy(b.src);
+    kvc_cache_destroy(b.dst);
+    free(b.ids), free(b.dids), free(b.tok), free(b.keys), free(b.objs), free(b.flat),
+        free(b.flat2);
+    return rc;
+}
+#else
+int bench_store(int argc, char **argv) {
+    (void)argc, (void)argv;
+    fprintf(stderr, "kvcache: bench store: this build has no KV store (it needs libxxhash; "
+            "Debian: libxxhash-dev, which scripts/setup.sh installs)\n");
+    return CLI_EXIT_FAIL;
+}
+#endif
