@@ -358,7 +358,8 @@ TEST(two_servers_spread_and_stable) {
     ASSERT_TRUE(c1 && !c1->err && c2 && !c2->err);
     int on1 = 0, on2 = 0, where[N];
     for (int i = 0; i < N; i++) {
-        long long e1 = raw_int(c1, "EXISTS", &ns, &keys[i]), e2 = raw_int(c2, "EXISTS", &ns, &keys[i]);
+        long long e1 = raw_int(c1, "EXISTS", &ns, &keys[i]);
+        long long e2 = raw_int(c2, "EXISTS", &ns, &keys[i]);
         ASSERT_EQ_I64(e1 + e2, 1); /* exactly one server holds each key */
         where[i] = e1 ? 1 : 2;
         on1 += e1 == 1;
@@ -390,6 +391,40 @@ TEST(two_servers_spread_and_stable) {
     t->ops->close(t);
     redisFree(c1);
     redisFree(c2);
+    return 0;
+}
+
+/* A server's error reply (here WRONGTYPE: a list where an object belongs)
+ * fails the call, and the connection stays in step for the next one. */
+TEST(error_reply_keeps_connection_in_step) {
+    NEED_ENV("KVC_TEST_REDIS", url);
+    kvc_tier *t;
+    ASSERT_OK(kvc__tier_redis_open(url, &t));
+    kvc_store_key ns, keys[3];
+    rand_key(&ns);
+    for (int i = 0; i < 3; i++) rand_key(&keys[i]);
+    int64_t written;
+    ASSERT_OK(put_keys(t, &ns, keys, 3, &written));
+    redisContext *c = raw_connect(url);
+    ASSERT_TRUE(c && !c->err);
+    ASSERT_EQ_I64(raw_int(c, "DEL", &ns, &keys[1]), 1);
+    char nsh[33], kh[33];
+    kvc__store_key_hex(&ns, nsh);
+    kvc__store_key_hex(&keys[1], kh);
+    redisReply *r = redisCommand(c, "LPUSH kvc:%s:%s x", nsh, kh);
+    ASSERT_TRUE(r && r->type == REDIS_REPLY_INTEGER);
+    freeReplyObject(r);
+    kvc_status st;
+    ASSERT_EQ_I64(get_keys(t, &ns, keys, 3, &st), 0); /* all NULL */
+    ASSERT_STATUS(st, KVC_ERR_IO);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "WRONGTYPE");
+    kvc_store_key ends[2] = {keys[0], keys[2]};
+    ASSERT_EQ_I64(get_keys(t, &ns, ends, 2, &st), 2);
+    ASSERT_OK(st);
+    ASSERT_OK(t->ops->invalidate(t, &ns));
+    ASSERT_EQ_I64(raw_int(c, "EXISTS", &ns, &keys[1]), 0);
+    redisFree(c);
+    t->ops->close(t);
     return 0;
 }
 
@@ -661,6 +696,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(ttl_applied),
     TEST_ENTRY(invalidate_removes_only_its_namespace),
     TEST_ENTRY(two_servers_spread_and_stable),
+    TEST_ENTRY(error_reply_keeps_connection_in_step),
     TEST_ENTRY(server_killed_and_restarted),
     TEST_ENTRY(unreachable_server_at_open),
     TEST_ENTRY(concurrent_put_and_get),

@@ -40,6 +40,8 @@ enum {
     KEY_NAME_LEN = 4 + 32 + 1 + 32, /* "kvc:" ns ":" key */
 };
 
+/* One connection and its own down state: the reader and the writer each
+ * find out about a lost server, and back off, on their own. */
 typedef struct conn {
     pthread_mutex_t mu;
     redisContext *ctx;   /* NULL: not connected */
@@ -200,7 +202,8 @@ static kvc_status reply_error(server *sv, const char *cmd, redisReply *r) {
 
 /* ---- keys ----------------------------------------------------------------- */
 
-static void key_name(const kvc_store_key *ns, const kvc_store_key *key, char out[KEY_NAME_LEN + 1]) {
+static void key_name(const kvc_store_key *ns, const kvc_store_key *key,
+                     char out[KEY_NAME_LEN + 1]) {
     memcpy(out, "kvc:", 4);
     kvc__store_key_hex(ns, out + 4);
     out[36] = ':';
@@ -227,7 +230,8 @@ static int owner_of(const redis_tier *rt, const kvc_store_key *key) {
 /* own[i] = the server of keys[i]; a malloc'd array (free it). */
 static kvc_status owners(const redis_tier *rt, const kvc_store_key *keys, int64_t n, int **own) {
     *own = (uint64_t)n > SIZE_MAX / sizeof(int) ? NULL : malloc((size_t)n * sizeof(int));
-    if (!*own) return kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory (%lld keys)", (long long)n);
+    if (!*own)
+        return kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory (%lld keys)", (long long)n);
     for (int64_t i = 0; i < n; i++) (*own)[i] = owner_of(rt, &keys[i]);
     return KVC_OK;
 }
@@ -240,123 +244,131 @@ static int owns_any(const int *own, int64_t n, int s) {
 
 /* ---- operations ----------------------------------------------------------- */
 
-/* present[i] = 1 / 0 for server s's keys (EXISTS, pipelined). */
-static kvc_status probe_server(redis_tier *rt, int s, const kvc_store_key *ns,
-                               const kvc_store_key *keys, int64_t n, const int *own,
-                               signed char *present) {
-    server *sv = &rt->srv[s];
+/* One call's keys and results. Each server's share goes in one pipelined
+ * exchange: a command per key it owns, then the replies in order. */
+typedef enum { OP_PROBE, OP_GET, OP_PUT } op_kind;
+typedef struct batch {
+    redis_tier *rt;
+    op_kind op;
+    const kvc_store_key *ns, *keys;
+    int64_t n;
+    const int *own;                /* own[i]: the server of keys[i] */
+    signed char *present;          /* OP_PROBE: 1, 0, or -1 (unknown) */
+    void **objs;                   /* OP_GET */
+    size_t *lens;                  /* OP_GET */
+    const void *const *put_objs;   /* OP_PUT */
+    const size_t *put_lens;        /* OP_PUT */
+    int64_t written;               /* OP_PUT */
+} batch;
+
+static const char *const op_cmd[] = {"EXISTS", "GET", "SET"};
+
+/* Takes (and frees) the reply for keys[i]. */
+static kvc_status take_reply(batch *b, server *sv, conn *c, int64_t i, redisReply *r) {
+    if (r->type == REDIS_REPLY_ERROR) return reply_error(sv, op_cmd[b->op], r);
+    kvc_status st = KVC_OK;
+    if (b->op == OP_PROBE) {
+        if (r->type != REDIS_REPLY_INTEGER) return conn_protocol(sv, c, "EXISTS", r);
+        b->present[i] = r->integer > 0;
+    } else if (b->op == OP_PUT) {
+        if (r->type != REDIS_REPLY_STATUS) return conn_protocol(sv, c, "SET", r);
+        b->written++;
+    } else if (r->type == REDIS_REPLY_STRING) {
+        /* No object is empty: an empty string is no object. */
+        if (r->len > 0 && (b->objs[i] = malloc(r->len)) != NULL) {
+            memcpy(b->objs[i], r->str, r->len);
+            b->lens[i] = r->len;
+        } else if (r->len > 0) {
+            st = kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory (%zu bytes)", r->len);
+        }
+    } else if (r->type != REDIS_REPLY_NIL) {
+        return conn_protocol(sv, c, "GET", r);
+    }
+    freeReplyObject(r);
+    return st;
+}
+
+/* Server s's share of b: reads on its read connection, puts on its write
+ * connection. Every queued reply is read, even after an error reply or a
+ * failed copy, so that the connection stays in step (unless it was dropped). */
+static kvc_status batch_server(batch *b, int s) {
+    server *sv = &b->rt->srv[s];
+    conn *c = b->op == OP_PUT ? &sv->wr : &sv->rd;
     pipe_guard g;
-    KVC_TRY(conn_acquire(sv, &sv->rd, &g));
+    KVC_TRY(conn_acquire(sv, c, &g));
     kvc_status st = KVC_OK;
     char name[KEY_NAME_LEN + 1];
-    for (int64_t i = 0; i < n && st == KVC_OK; i++) {
-        if (own[i] != s) continue;
-        key_name(ns, &keys[i], name);
-        if (redisAppendCommand(sv->rd.ctx, "EXISTS %s", name) != REDIS_OK)
-            st = conn_append_failed(sv, &sv->rd);
-    }
-    for (int64_t i = 0; i < n && st == KVC_OK; i++) {
-        if (own[i] != s) continue;
-        redisReply *r;
-        if ((st = conn_reply(sv, &sv->rd, &r)) != KVC_OK) break;
-        if (r->type != REDIS_REPLY_INTEGER) {
-            st = conn_protocol(sv, &sv->rd, "EXISTS", r);
+    for (int64_t i = 0; i < b->n; i++) {
+        if (b->own[i] != s) continue;
+        key_name(b->ns, &b->keys[i], name);
+        int rc;
+        if (b->op != OP_PUT)
+            rc = redisAppendCommand(c->ctx, "%s %s", op_cmd[b->op], name);
+        else if (b->rt->ttl)
+            rc = redisAppendCommand(c->ctx, "SET %s %b EX %ld", name, b->put_objs[i],
+                                    b->put_lens[i], b->rt->ttl);
+        else
+            rc = redisAppendCommand(c->ctx, "SET %s %b", name, b->put_objs[i], b->put_lens[i]);
+        if (rc != REDIS_OK) {
+            st = conn_append_failed(sv, c);
             break;
         }
-        present[i] = r->integer > 0;
-        freeReplyObject(r);
     }
-    conn_release(&sv->rd, &g);
+    for (int64_t i = 0; i < b->n && c->ctx; i++) {
+        if (b->own[i] != s) continue;
+        redisReply *r;
+        kvc_status st_r = conn_reply(sv, c, &r);
+        if (st_r == KVC_OK) st_r = take_reply(b, sv, c, i, r);
+        if (st == KVC_OK) st = st_r;
+    }
+    conn_release(c, &g);
+    return st;
+}
+
+/* Runs b on every server that owns some of its keys. A probe or put tries
+ * them all (a lost server costs only its keys); a get stops at the first
+ * failure, since it then returns nothing. */
+static kvc_status batch_run(batch *b) {
+    int *own;
+    KVC_TRY(owners(b->rt, b->keys, b->n, &own));
+    b->own = own;
+    kvc_status st = KVC_OK;
+    for (int s = 0; s < b->rt->n_srv && !(st != KVC_OK && b->op == OP_GET); s++) {
+        if (!owns_any(own, b->n, s)) continue;
+        kvc_status st_s = batch_server(b, s);
+        if (st == KVC_OK) st = st_s;
+    }
+    free(own);
     return st;
 }
 
 static kvc_status redis_probe(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
                               int64_t n, int64_t *n_present) {
-    redis_tier *rt = (redis_tier *)t;
     KVC_CHECK(n_present && ns && n >= 0 && (n == 0 || keys), "redis tier probe: bad arguments");
     *n_present = 0;
     if (n == 0) return KVC_OK;
-    int *own;
-    KVC_TRY(owners(rt, keys, n, &own));
-    signed char *present = malloc((size_t)n);
-    if (!present) {
-        free(own);
+    batch b = {.rt = (redis_tier *)t, .op = OP_PROBE, .ns = ns, .keys = keys, .n = n};
+    if (!(b.present = malloc((size_t)n)))
         return kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory");
-    }
-    memset(present, -1, (size_t)n); /* -1: unknown (its server failed) */
-    kvc_status st = KVC_OK;
-    for (int s = 0; s < rt->n_srv; s++) {
-        if (!owns_any(own, n, s)) continue;
-        kvc_status st_s = probe_server(rt, s, ns, keys, n, own, present);
-        if (st == KVC_OK) st = st_s;
-    }
-    /* On an error the run stops at the first key whose server failed too. */
-    while (*n_present < n && present[*n_present] == 1) ++*n_present;
-    free(present);
-    free(own);
-    return st;
-}
-
-/* GET server s's keys, pipelined, into objs / lens. */
-static kvc_status get_server(redis_tier *rt, int s, const kvc_store_key *ns,
-                             const kvc_store_key *keys, int64_t n, const int *own, void **objs,
-                             size_t *lens) {
-    server *sv = &rt->srv[s];
-    pipe_guard g;
-    KVC_TRY(conn_acquire(sv, &sv->rd, &g));
-    kvc_status st = KVC_OK;
-    char name[KEY_NAME_LEN + 1];
-    for (int64_t i = 0; i < n && st == KVC_OK; i++) {
-        if (own[i] != s) continue;
-        key_name(ns, &keys[i], name);
-        if (redisAppendCommand(sv->rd.ctx, "GET %s", name) != REDIS_OK)
-            st = conn_append_failed(sv, &sv->rd);
-    }
-    int dropped = st != KVC_OK;
-    /* Every queued reply is read, even after an error reply or a failed
-     * copy, so that the connection stays in step. */
-    for (int64_t i = 0; i < n && !dropped; i++) {
-        if (own[i] != s) continue;
-        redisReply *r;
-        kvc_status st_r = conn_reply(sv, &sv->rd, &r);
-        if (st_r == KVC_OK && r->type == REDIS_REPLY_ERROR) {
-            st_r = reply_error(sv, "GET", r);
-        } else if (st_r == KVC_OK && r->type == REDIS_REPLY_STRING) {
-            /* No object is empty: an empty string is no object. */
-            if (r->len > 0 && (objs[i] = malloc(r->len)) != NULL) {
-                memcpy(objs[i], r->str, r->len);
-                lens[i] = r->len;
-            } else if (r->len > 0) {
-                st_r = kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory (%zu bytes)", r->len);
-            }
-            freeReplyObject(r);
-        } else if (st_r == KVC_OK && r->type == REDIS_REPLY_NIL) {
-            freeReplyObject(r);
-        } else if (st_r == KVC_OK) {
-            st_r = conn_protocol(sv, &sv->rd, "GET", r);
-        }
-        dropped = sv->rd.ctx == NULL;
-        if (st == KVC_OK) st = st_r;
-    }
-    conn_release(&sv->rd, &g);
+    memset(b.present, -1, (size_t)n);
+    kvc_status st = batch_run(&b);
+    /* On an error the run also stops at the first key whose server failed. */
+    while (*n_present < n && b.present[*n_present] == 1) ++*n_present;
+    free(b.present);
     return st;
 }
 
 static kvc_status redis_get(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
                             int64_t n, void **objs, size_t *lens) {
-    redis_tier *rt = (redis_tier *)t;
     KVC_CHECK(ns && n >= 0 && (n == 0 || (keys && objs && lens)), "redis tier get: bad arguments");
     for (int64_t i = 0; i < n; i++) {
         objs[i] = NULL;
         lens[i] = 0;
     }
     if (n == 0) return KVC_OK;
-    int *own;
-    KVC_TRY(owners(rt, keys, n, &own));
-    kvc_status st = KVC_OK;
-    for (int s = 0; s < rt->n_srv && st == KVC_OK; s++)
-        if (owns_any(own, n, s)) st = get_server(rt, s, ns, keys, n, own, objs, lens);
-    free(own);
+    batch b = {.rt = (redis_tier *)t, .op = OP_GET, .ns = ns, .keys = keys, .n = n,
+               .objs = objs, .lens = lens};
+    kvc_status st = batch_run(&b);
     if (st != KVC_OK) { /* tier.h: on error nothing to free */
         for (int64_t i = 0; i < n; i++) {
             free(objs[i]);
@@ -367,64 +379,18 @@ static kvc_status redis_get(kvc_tier *t, const kvc_store_key *ns, const kvc_stor
     return st;
 }
 
-/* SET server s's objects, pipelined; *written += how many were stored. */
-static kvc_status put_server(redis_tier *rt, int s, const kvc_store_key *ns,
-                             const kvc_store_key *keys, const void *const *objs,
-                             const size_t *lens, int64_t n, const int *own, int64_t *written) {
-    server *sv = &rt->srv[s];
-    pipe_guard g;
-    KVC_TRY(conn_acquire(sv, &sv->wr, &g));
-    kvc_status st = KVC_OK;
-    char name[KEY_NAME_LEN + 1];
-    for (int64_t i = 0; i < n && st == KVC_OK; i++) {
-        if (own[i] != s) continue;
-        key_name(ns, &keys[i], name);
-        int rc = rt->ttl ? redisAppendCommand(sv->wr.ctx, "SET %s %b EX %ld", name, objs[i],
-                                              lens[i], rt->ttl)
-                         : redisAppendCommand(sv->wr.ctx, "SET %s %b", name, objs[i], lens[i]);
-        if (rc != REDIS_OK) st = conn_append_failed(sv, &sv->wr);
-    }
-    int dropped = st != KVC_OK;
-    for (int64_t i = 0; i < n && !dropped; i++) {
-        if (own[i] != s) continue;
-        redisReply *r;
-        kvc_status st_r = conn_reply(sv, &sv->wr, &r);
-        if (st_r == KVC_OK && r->type == REDIS_REPLY_ERROR) {
-            st_r = reply_error(sv, "SET", r);
-        } else if (st_r == KVC_OK && r->type == REDIS_REPLY_STATUS) {
-            ++*written;
-            freeReplyObject(r);
-        } else if (st_r == KVC_OK) {
-            st_r = conn_protocol(sv, &sv->wr, "SET", r);
-        }
-        dropped = sv->wr.ctx == NULL;
-        if (st == KVC_OK) st = st_r;
-    }
-    conn_release(&sv->wr, &g);
-    return st;
-}
-
 static kvc_status redis_put(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
                             const void *const *objs, const size_t *lens, int64_t n,
                             int64_t *n_written) {
-    redis_tier *rt = (redis_tier *)t;
     if (n_written) *n_written = 0;
     KVC_CHECK(ns && n >= 0 && (n == 0 || (keys && objs && lens)), "redis tier put: bad arguments");
     for (int64_t i = 0; i < n; i++)
         KVC_CHECK(objs[i] && lens[i] > 0, "redis tier put: object %lld is empty", (long long)i);
     if (n == 0) return KVC_OK;
-    int *own;
-    KVC_TRY(owners(rt, keys, n, &own));
-    /* Every server is tried: a lost one costs only its own keys. */
-    kvc_status st = KVC_OK;
-    int64_t written = 0;
-    for (int s = 0; s < rt->n_srv; s++) {
-        if (!owns_any(own, n, s)) continue;
-        kvc_status st_s = put_server(rt, s, ns, keys, objs, lens, n, own, &written);
-        if (st == KVC_OK) st = st_s;
-    }
-    free(own);
-    if (n_written) *n_written = written;
+    batch b = {.rt = (redis_tier *)t, .op = OP_PUT, .ns = ns, .keys = keys, .n = n,
+               .put_objs = objs, .put_lens = lens};
+    kvc_status st = batch_run(&b);
+    if (n_written) *n_written = b.written;
     return st;
 }
 
@@ -437,7 +403,8 @@ static kvc_status invalidate_server(server *sv, const char *pattern) {
     char cursor[32] = "0";
     do {
         redisReply *r;
-        if (redisAppendCommand(c->ctx, "SCAN %s MATCH %s COUNT 1000", cursor, pattern) != REDIS_OK) {
+        if (redisAppendCommand(c->ctx, "SCAN %s MATCH %s COUNT 1000", cursor, pattern) !=
+            REDIS_OK) {
             st = conn_append_failed(sv, c);
             break;
         }
@@ -464,11 +431,15 @@ static kvc_status invalidate_server(server *sv, const char *pattern) {
             queued++;
         }
         freeReplyObject(r);
-        for (size_t k = 0; k < queued && st == KVC_OK; k++) {
-            if ((st = conn_reply(sv, c, &r)) != KVC_OK) break;
-            if (r->type == REDIS_REPLY_ERROR) st = reply_error(sv, "UNLINK", r);
-            else if (r->type != REDIS_REPLY_INTEGER) st = conn_protocol(sv, c, "UNLINK", r);
-            else freeReplyObject(r);
+        for (size_t k = 0; k < queued && c->ctx; k++) { /* all of them: stay in step */
+            kvc_status st_r = conn_reply(sv, c, &r);
+            if (st_r == KVC_OK && r->type == REDIS_REPLY_ERROR)
+                st_r = reply_error(sv, "UNLINK", r);
+            else if (st_r == KVC_OK && r->type != REDIS_REPLY_INTEGER)
+                st_r = conn_protocol(sv, c, "UNLINK", r);
+            else if (st_r == KVC_OK)
+                freeReplyObject(r);
+            if (st == KVC_OK) st = st_r;
         }
     } while (st == KVC_OK && strcmp(cursor, "0") != 0);
     conn_release(c, &g);
@@ -517,12 +488,12 @@ static const kvc_tier_ops redis_ops = {redis_probe, redis_get, redis_put, redis_
 /* Digits only, value in [1, max]; -1 otherwise. */
 static long parse_pos(const char *s, size_t len, long max) {
     if (len == 0 || len > 10) return -1;
-    long v = 0;
+    long long v = 0;
     for (size_t i = 0; i < len; i++) {
         if (s[i] < '0' || s[i] > '9') return -1;
         v = v * 10 + (s[i] - '0');
     }
-    return v >= 1 && v <= max ? v : -1;
+    return v >= 1 && v <= max ? (long)v : -1;
 }
 
 static char *dup_n(const char *s, size_t n) {
@@ -553,7 +524,8 @@ static kvc_status parse_server(const char *s, size_t len, server *sv) {
         KVC_CHECK(!strchr(h, '@'), "redis tier URL \"%s\": credentials are not supported", u);
         if (h[0] == '[') { /* [IPv6]:PORT */
             const char *close = strchr(h, ']');
-            KVC_CHECK(close && close[1] == ':', "redis tier URL \"%s\": want redis://[ADDR]:PORT", u);
+            KVC_CHECK(close && close[1] == ':', "redis tier URL \"%s\": want redis://[ADDR]:PORT",
+                      u);
             h++;
             hlen = (size_t)(close - h);
             colon = close + 1;
