@@ -1,0 +1,619 @@
+/*
+ * The Redis tier (tier.h): objects as Redis strings under
+ * "kvc:<ns hex>:<key hex>", spread over one or more servers by rendezvous
+ * hashing, so that adding or losing a server moves or costs only its keys.
+ *
+ * Each server has two connections, one per caller role (tier.h: the engine
+ * thread probes, gets and invalidates; the writer thread puts), each behind
+ * its own mutex, so that a read never waits behind a large write. Every call
+ * pipelines: all commands for a server are appended, then all replies read
+ * (one round trip per server per call).
+ *
+ * A connection that fails (I/O, protocol, timeout) is dropped and its server
+ * counts as down for an exponential back-off; calls touching it meanwhile
+ * fail at once with KVC_ERR_IO instead of waiting on it, and the next call
+ * after the back-off reconnects.
+ */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, sigtimedwait */
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <time.h>
+
+#include <hiredis/hiredis.h>
+#include <xxhash.h>
+
+#include "../core/internal.h"
+#include "tier.h"
+
+enum {
+    MAX_SERVERS = 64,
+    CONNECT_MS = 200,      /* a local or LAN server answers far sooner */
+    COMMAND_MS = 2000,     /* per socket read/write, not per call */
+    BACKOFF_MIN_MS = 50,
+    BACKOFF_MAX_MS = 2000,
+    KEY_NAME_LEN = 4 + 32 + 1 + 32, /* "kvc:" ns ":" key */
+};
+
+/* One connection and its own down state: the reader and the writer each
+ * find out about a lost server, and back off, on their own. */
+typedef struct conn {
+    pthread_mutex_t mu;
+    redisContext *ctx;   /* NULL: not connected */
+    int64_t retry_at_ns; /* while down: no connect attempt before this */
+    int64_t backoff_ms;  /* the next back-off */
+    char why[160];       /* the last failure, for messages while down */
+} conn;
+
+typedef struct server {
+    char *url;     /* as given: its identity for hashing and messages */
+    char *host;    /* redis://HOST:PORT, or NULL */
+    int port;
+    char *path;    /* unix://PATH, or NULL */
+    uint64_t seed; /* XXH3 of url: the rendezvous seed */
+    conn rd, wr;   /* reads (probe, get, invalidate), writes (put) */
+} server;
+
+typedef struct redis_tier {
+    kvc_tier base;
+    server *srv;
+    int n_srv;
+    long ttl; /* seconds, 0: none */
+} redis_tier;
+
+/* ---- time, signals -------------------------------------------------------- */
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* hiredis writes with write(2): a server that closed its end would raise
+ * SIGPIPE and kill the host process. A library must not change the
+ * process's signal handling, so the calling thread blocks SIGPIPE around
+ * its socket I/O and discards the one the I/O raised (it is thread-directed
+ * and stays pending while blocked); one already pending is left alone. */
+typedef struct pipe_guard {
+    sigset_t old;
+    int was_pending;
+} pipe_guard;
+
+static void pipe_block(pipe_guard *g) {
+    sigset_t s, pend;
+    sigemptyset(&s);
+    sigaddset(&s, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &s, &g->old);
+    g->was_pending = sigpending(&pend) == 0 && sigismember(&pend, SIGPIPE) == 1;
+}
+
+static void pipe_unblock(pipe_guard *g) {
+    if (!g->was_pending) {
+        sigset_t s;
+        sigemptyset(&s);
+        sigaddset(&s, SIGPIPE);
+        struct timespec zero = {0, 0};
+        while (sigtimedwait(&s, NULL, &zero) == SIGPIPE) {
+        }
+    }
+    pthread_sigmask(SIG_SETMASK, &g->old, NULL);
+}
+
+/* ---- connections ---------------------------------------------------------- */
+
+/* Drops c's context (c->mu held); with down, starts or doubles the back-off. */
+static void conn_drop(conn *c, int down, const char *why) {
+    if (c->ctx) redisFree(c->ctx);
+    c->ctx = NULL;
+    snprintf(c->why, sizeof c->why, "%s", why);
+    if (!down) return;
+    c->retry_at_ns = now_ns() + c->backoff_ms * 1000000;
+    c->backoff_ms = c->backoff_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : c->backoff_ms * 2;
+}
+
+/* An I/O or protocol failure on c (c->mu held): drop, back off, report. */
+static kvc_status conn_fail(server *sv, conn *c, const char *what) {
+    char why[160];
+    snprintf(why, sizeof why, "%.40s: %.100s", what,
+             c->ctx && c->ctx->errstr[0] ? c->ctx->errstr : "connection lost");
+    conn_drop(c, 1, why);
+    return kvc__error(KVC_ERR_IO, "redis tier: server %s: %s", sv->url, why);
+}
+
+/* Locks c and makes sure it is connected. On failure c is unlocked again
+ * and the status is KVC_ERR_IO (at once while the server is down). */
+static kvc_status conn_acquire(server *sv, conn *c, pipe_guard *g) {
+    pthread_mutex_lock(&c->mu);
+    if (!c->ctx) {
+        int64_t wait = c->retry_at_ns - now_ns();
+        if (wait > 0) {
+            pthread_mutex_unlock(&c->mu);
+            return kvc__error(KVC_ERR_IO, "redis tier: server %s is down (%s); retry in %lld ms",
+                              sv->url, c->why, (long long)(wait / 1000000 + 1));
+        }
+        struct timeval tv = {0, CONNECT_MS * 1000};
+        c->ctx = sv->path ? redisConnectUnixWithTimeout(sv->path, tv)
+                          : redisConnectWithTimeout(sv->host, sv->port, tv);
+        struct timeval cmd = {COMMAND_MS / 1000, (COMMAND_MS % 1000) * 1000};
+        if (!c->ctx || c->ctx->err || redisSetTimeout(c->ctx, cmd) != REDIS_OK) {
+            kvc_status st = c->ctx ? conn_fail(sv, c, "cannot connect")
+                                   : (conn_drop(c, 1, "cannot connect: out of memory"),
+                                      kvc__error(KVC_ERR_IO, "redis tier: server %s: %s", sv->url,
+                                                 c->why));
+            pthread_mutex_unlock(&c->mu);
+            return st;
+        }
+    }
+    pipe_block(g);
+    return KVC_OK;
+}
+
+/* Unlocks c; a call that kept its connection resets the back-off. */
+static void conn_release(conn *c, pipe_guard *g) {
+    pipe_unblock(g);
+    if (c->ctx) c->backoff_ms = BACKOFF_MIN_MS;
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* Reads the next pipelined reply (c->mu held); KVC_ERR_IO and the
+ * connection dropped if none could be read. */
+static kvc_status conn_reply(server *sv, conn *c, redisReply **out) {
+    void *r = NULL;
+    if (redisGetReply(c->ctx, &r) != REDIS_OK || !r) {
+        *out = NULL;
+        if (r) freeReplyObject(r);
+        return conn_fail(sv, c, "no reply");
+    }
+    *out = r;
+    return KVC_OK;
+}
+
+/* A command could not be appended (out of memory): the output buffer may
+ * hold part of it, so the connection is dropped (no back-off: the server
+ * is fine). */
+static kvc_status conn_append_failed(server *sv, conn *c) {
+    conn_drop(c, 0, "out of memory");
+    return kvc__error(KVC_ERR_NOMEM, "redis tier: server %s: out of memory queueing commands",
+                      sv->url);
+}
+
+/* A reply of the wrong type: the peer does not speak the protocol we
+ * expect, so nothing else it says on this connection can be trusted. */
+static kvc_status conn_protocol(server *sv, conn *c, const char *cmd, redisReply *r) {
+    char what[96];
+    snprintf(what, sizeof what, "unexpected reply type %d to %s", r->type, cmd);
+    freeReplyObject(r);
+    conn_drop(c, 1, what);
+    return kvc__error(KVC_ERR_IO, "redis tier: server %s: %s", sv->url, what);
+}
+
+/* An error reply (e.g. OOM under maxmemory): the connection stays in sync. */
+static kvc_status reply_error(server *sv, const char *cmd, redisReply *r) {
+    kvc_status st = kvc__error(KVC_ERR_IO, "redis tier: server %s: %s: %.*s", sv->url, cmd,
+                               r->len > 200 ? 200 : (int)r->len, r->str ? r->str : "");
+    freeReplyObject(r);
+    return st;
+}
+
+/* ---- keys ----------------------------------------------------------------- */
+
+static void key_name(const kvc_store_key *ns, const kvc_store_key *key,
+                     char out[KEY_NAME_LEN + 1]) {
+    memcpy(out, "kvc:", 4);
+    kvc__store_key_hex(ns, out + 4);
+    out[36] = ':';
+    kvc__store_key_hex(key, out + 37);
+}
+
+/* Rendezvous hashing: the server with the highest score(url, key) owns the
+ * key. A score tie (2^-64) goes to the smaller URL, so the choice never
+ * depends on the order servers are listed in. */
+static int owner_of(const redis_tier *rt, const kvc_store_key *key) {
+    int best = 0;
+    uint64_t best_score = XXH3_64bits_withSeed(key->b, 16, rt->srv[0].seed);
+    for (int s = 1; s < rt->n_srv; s++) {
+        uint64_t score = XXH3_64bits_withSeed(key->b, 16, rt->srv[s].seed);
+        if (score > best_score ||
+            (score == best_score && strcmp(rt->srv[s].url, rt->srv[best].url) < 0)) {
+            best = s;
+            best_score = score;
+        }
+    }
+    return best;
+}
+
+/* own[i] = the server of keys[i]; a malloc'd array (free it). */
+static kvc_status owners(const redis_tier *rt, const kvc_store_key *keys, int64_t n, int **own) {
+    *own = (uint64_t)n > SIZE_MAX / sizeof(int) ? NULL : malloc((size_t)n * sizeof(int));
+    if (!*own)
+        return kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory (%lld keys)", (long long)n);
+    for (int64_t i = 0; i < n; i++) (*own)[i] = owner_of(rt, &keys[i]);
+    return KVC_OK;
+}
+
+static int owns_any(const int *own, int64_t n, int s) {
+    for (int64_t i = 0; i < n; i++)
+        if (own[i] == s) return 1;
+    return 0;
+}
+
+/* ---- operations ----------------------------------------------------------- */
+
+/* One call's keys and results. Each server's share goes in one pipelined
+ * exchange: a command per key it owns, then the replies in order. */
+typedef enum { OP_PROBE, OP_GET, OP_PUT } op_kind;
+typedef struct batch {
+    redis_tier *rt;
+    op_kind op;
+    const kvc_store_key *ns, *keys;
+    int64_t n;
+    const int *own;                /* own[i]: the server of keys[i] */
+    signed char *present;          /* OP_PROBE: 1, 0, or -1 (unknown) */
+    void **objs;                   /* OP_GET */
+    size_t *lens;                  /* OP_GET */
+    const void *const *put_objs;   /* OP_PUT */
+    const size_t *put_lens;        /* OP_PUT */
+    int64_t written;               /* OP_PUT */
+} batch;
+
+static const char *const op_cmd[] = {"EXISTS", "GET", "SET"};
+
+/* Takes (and frees) the reply for keys[i]. */
+static kvc_status take_reply(batch *b, server *sv, conn *c, int64_t i, redisReply *r) {
+    if (r->type == REDIS_REPLY_ERROR) return reply_error(sv, op_cmd[b->op], r);
+    kvc_status st = KVC_OK;
+    if (b->op == OP_PROBE) {
+        if (r->type != REDIS_REPLY_INTEGER) return conn_protocol(sv, c, "EXISTS", r);
+        b->present[i] = r->integer > 0;
+    } else if (b->op == OP_PUT) {
+        if (r->type != REDIS_REPLY_STATUS) return conn_protocol(sv, c, "SET", r);
+        b->written++;
+    } else if (r->type == REDIS_REPLY_STRING) {
+        /* No object is empty: an empty string is no object. */
+        if (r->len > 0 && (b->objs[i] = malloc(r->len)) != NULL) {
+            memcpy(b->objs[i], r->str, r->len);
+            b->lens[i] = r->len;
+        } else if (r->len > 0) {
+            st = kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory (%zu bytes)", r->len);
+        }
+    } else if (r->type != REDIS_REPLY_NIL) {
+        return conn_protocol(sv, c, "GET", r);
+    }
+    freeReplyObject(r);
+    return st;
+}
+
+/* Server s's share of b: reads on its read connection, puts on its write
+ * connection. Every queued reply is read, even after an error reply or a
+ * failed copy, so that the connection stays in step (unless it was dropped). */
+static kvc_status batch_server(batch *b, int s) {
+    server *sv = &b->rt->srv[s];
+    conn *c = b->op == OP_PUT ? &sv->wr : &sv->rd;
+    pipe_guard g;
+    KVC_TRY(conn_acquire(sv, c, &g));
+    kvc_status st = KVC_OK;
+    char name[KEY_NAME_LEN + 1];
+    for (int64_t i = 0; i < b->n; i++) {
+        if (b->own[i] != s) continue;
+        key_name(b->ns, &b->keys[i], name);
+        int rc;
+        if (b->op != OP_PUT)
+            rc = redisAppendCommand(c->ctx, "%s %s", op_cmd[b->op], name);
+        else if (b->rt->ttl)
+            rc = redisAppendCommand(c->ctx, "SET %s %b EX %ld", name, b->put_objs[i],
+                                    b->put_lens[i], b->rt->ttl);
+        else
+            rc = redisAppendCommand(c->ctx, "SET %s %b", name, b->put_objs[i], b->put_lens[i]);
+        if (rc != REDIS_OK) {
+            st = conn_append_failed(sv, c);
+            break;
+        }
+    }
+    for (int64_t i = 0; i < b->n && c->ctx; i++) {
+        if (b->own[i] != s) continue;
+        redisReply *r;
+        kvc_status st_r = conn_reply(sv, c, &r);
+        if (st_r == KVC_OK) st_r = take_reply(b, sv, c, i, r);
+        if (st == KVC_OK) st = st_r;
+    }
+    conn_release(c, &g);
+    return st;
+}
+
+/* Runs b on every server that owns some of its keys. A probe or put tries
+ * them all (a lost server costs only its keys); a get stops at the first
+ * failure, since it then returns nothing. */
+static kvc_status batch_run(batch *b) {
+    int *own;
+    KVC_TRY(owners(b->rt, b->keys, b->n, &own));
+    b->own = own;
+    kvc_status st = KVC_OK;
+    for (int s = 0; s < b->rt->n_srv && !(st != KVC_OK && b->op == OP_GET); s++) {
+        if (!owns_any(own, b->n, s)) continue;
+        kvc_status st_s = batch_server(b, s);
+        if (st == KVC_OK) st = st_s;
+    }
+    free(own);
+    return st;
+}
+
+static kvc_status redis_probe(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
+                              int64_t n, int64_t *n_present) {
+    KVC_CHECK(n_present && ns && n >= 0 && (n == 0 || keys), "redis tier probe: bad arguments");
+    *n_present = 0;
+    if (n == 0) return KVC_OK;
+    batch b = {.rt = (redis_tier *)t, .op = OP_PROBE, .ns = ns, .keys = keys, .n = n};
+    if (!(b.present = malloc((size_t)n)))
+        return kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory");
+    memset(b.present, -1, (size_t)n);
+    kvc_status st = batch_run(&b);
+    /* On an error the run also stops at the first key whose server failed. */
+    while (*n_present < n && b.present[*n_present] == 1) ++*n_present;
+    free(b.present);
+    return st;
+}
+
+static kvc_status redis_get(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
+                            int64_t n, void **objs, size_t *lens) {
+    KVC_CHECK(ns && n >= 0 && (n == 0 || (keys && objs && lens)), "redis tier get: bad arguments");
+    for (int64_t i = 0; i < n; i++) {
+        objs[i] = NULL;
+        lens[i] = 0;
+    }
+    if (n == 0) return KVC_OK;
+    batch b = {.rt = (redis_tier *)t, .op = OP_GET, .ns = ns, .keys = keys, .n = n,
+               .objs = objs, .lens = lens};
+    kvc_status st = batch_run(&b);
+    if (st != KVC_OK) { /* tier.h: on error nothing to free */
+        for (int64_t i = 0; i < n; i++) {
+            free(objs[i]);
+            objs[i] = NULL;
+            lens[i] = 0;
+        }
+    }
+    return st;
+}
+
+static kvc_status redis_put(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
+                            const void *const *objs, const size_t *lens, int64_t n,
+                            int64_t *n_written) {
+    if (n_written) *n_written = 0;
+    KVC_CHECK(ns && n >= 0 && (n == 0 || (keys && objs && lens)), "redis tier put: bad arguments");
+    for (int64_t i = 0; i < n; i++)
+        KVC_CHECK(objs[i] && lens[i] > 0, "redis tier put: object %lld is empty", (long long)i);
+    if (n == 0) return KVC_OK;
+    batch b = {.rt = (redis_tier *)t, .op = OP_PUT, .ns = ns, .keys = keys, .n = n,
+               .put_objs = objs, .put_lens = lens};
+    kvc_status st = batch_run(&b);
+    if (n_written) *n_written = b.written;
+    return st;
+}
+
+/* SCAN for ns's keys on server s and UNLINK them, batch by batch. */
+static kvc_status invalidate_server(server *sv, const char *pattern) {
+    pipe_guard g;
+    conn *c = &sv->rd;
+    KVC_TRY(conn_acquire(sv, c, &g));
+    kvc_status st = KVC_OK;
+    char cursor[32] = "0";
+    do {
+        redisReply *r;
+        if (redisAppendCommand(c->ctx, "SCAN %s MATCH %s COUNT 1000", cursor, pattern) !=
+            REDIS_OK) {
+            st = conn_append_failed(sv, c);
+            break;
+        }
+        if ((st = conn_reply(sv, c, &r)) != KVC_OK) break;
+        if (r->type == REDIS_REPLY_ERROR) {
+            st = reply_error(sv, "SCAN", r);
+            break;
+        }
+        if (r->type != REDIS_REPLY_ARRAY || r->elements != 2 ||
+            r->element[0]->type != REDIS_REPLY_STRING || r->element[0]->len == 0 ||
+            r->element[0]->len >= sizeof cursor || r->element[1]->type != REDIS_REPLY_ARRAY) {
+            st = conn_protocol(sv, c, "SCAN", r);
+            break;
+        }
+        memcpy(cursor, r->element[0]->str, r->element[0]->len);
+        cursor[r->element[0]->len] = 0;
+        redisReply *found = r->element[1];
+        size_t queued = 0;
+        for (size_t k = 0; k < found->elements && st == KVC_OK; k++) {
+            redisReply *e = found->element[k];
+            if (e->type != REDIS_REPLY_STRING) continue;
+            if (redisAppendCommand(c->ctx, "UNLINK %b", e->str, e->len) != REDIS_OK)
+                st = conn_append_failed(sv, c);
+            queued++;
+        }
+        freeReplyObject(r);
+        for (size_t k = 0; k < queued && c->ctx; k++) { /* all of them: stay in step */
+            kvc_status st_r = conn_reply(sv, c, &r);
+            if (st_r == KVC_OK && r->type == REDIS_REPLY_ERROR)
+                st_r = reply_error(sv, "UNLINK", r);
+            else if (st_r == KVC_OK && r->type != REDIS_REPLY_INTEGER)
+                st_r = conn_protocol(sv, c, "UNLINK", r);
+            else if (st_r == KVC_OK)
+                freeReplyObject(r);
+            if (st == KVC_OK) st = st_r;
+        }
+    } while (st == KVC_OK && strcmp(cursor, "0") != 0);
+    conn_release(c, &g);
+    return st;
+}
+
+static kvc_status redis_invalidate(kvc_tier *t, const kvc_store_key *ns) {
+    redis_tier *rt = (redis_tier *)t;
+    KVC_CHECK(ns, "redis tier invalidate: ns is NULL");
+    char pattern[4 + 32 + 3] = "kvc:";
+    kvc__store_key_hex(ns, pattern + 4);
+    memcpy(pattern + 36, ":*", 3); /* hex digits: no glob characters to escape */
+    kvc_status st = KVC_OK;
+    for (int s = 0; s < rt->n_srv; s++) {
+        kvc_status st_s = invalidate_server(&rt->srv[s], pattern);
+        if (st == KVC_OK) st = st_s;
+    }
+    return st;
+}
+
+static void redis_close(kvc_tier *t) {
+    redis_tier *rt = (redis_tier *)t;
+    if (!rt) return;
+    for (int s = 0; s < rt->n_srv; s++) {
+        server *sv = &rt->srv[s];
+        conn *cs[2] = {&sv->rd, &sv->wr};
+        for (int k = 0; k < 2; k++) {
+            if (cs[k]->ctx) redisFree(cs[k]->ctx);
+            pthread_mutex_destroy(&cs[k]->mu);
+        }
+        free(sv->url);
+        free(sv->host);
+        free(sv->path);
+    }
+    free(rt->srv);
+    free(rt);
+}
+
+static const kvc_tier_ops redis_ops = {redis_probe, redis_get, redis_put, redis_invalidate,
+                                       redis_close};
+
+/* ---- URLs ----------------------------------------------------------------- */
+
+#define URL_FORMS "redis://HOST:PORT or unix:///PATH, comma-separated, optional ?ttl=SECONDS"
+
+/* Digits only, value in [1, max]; -1 otherwise. */
+static long parse_pos(const char *s, size_t len, long max) {
+    if (len == 0 || len > 10) return -1;
+    long long v = 0;
+    for (size_t i = 0; i < len; i++) {
+        if (s[i] < '0' || s[i] > '9') return -1;
+        v = v * 10 + (s[i] - '0');
+    }
+    return v >= 1 && v <= max ? (long)v : -1;
+}
+
+static char *dup_n(const char *s, size_t n) {
+    char *d = malloc(n + 1);
+    if (d) {
+        memcpy(d, s, n);
+        d[n] = 0;
+    }
+    return d;
+}
+
+/* One server URL, s[0..len), into sv. */
+static kvc_status parse_server(const char *s, size_t len, server *sv) {
+    KVC_CHECK(len > 0, "redis tier URL: empty server in the list (want " URL_FORMS ")");
+    if (!(sv->url = dup_n(s, len))) return kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory");
+    const char *u = sv->url;
+    if (!strncmp(u, "unix://", 7)) {
+        const char *p = u + 7;
+        KVC_CHECK(p[0] == '/', "redis tier URL \"%s\": unix:// needs an absolute path "
+                  "(unix:///PATH/TO/SOCKET)", u);
+        KVC_CHECK(strlen(p) < sizeof(((struct sockaddr_un *)0)->sun_path),
+                  "redis tier URL \"%s\": socket path longer than %zu bytes", u,
+                  sizeof(((struct sockaddr_un *)0)->sun_path) - 1);
+        sv->path = dup_n(p, strlen(p));
+    } else if (!strncmp(u, "redis://", 8)) {
+        const char *h = u + 8, *colon;
+        size_t hlen;
+        KVC_CHECK(!strchr(h, '@'), "redis tier URL \"%s\": credentials are not supported", u);
+        if (h[0] == '[') { /* [IPv6]:PORT */
+            const char *close = strchr(h, ']');
+            KVC_CHECK(close && close[1] == ':', "redis tier URL \"%s\": want redis://[ADDR]:PORT",
+                      u);
+            h++;
+            hlen = (size_t)(close - h);
+            colon = close + 1;
+        } else {
+            colon = strchr(h, ':');
+            KVC_CHECK(colon, "redis tier URL \"%s\": missing :PORT (want redis://HOST:PORT)", u);
+            hlen = (size_t)(colon - h);
+        }
+        KVC_CHECK(hlen > 0 && !memchr(h, '/', hlen), "redis tier URL \"%s\": bad host", u);
+        long port = parse_pos(colon + 1, strlen(colon + 1), 65535);
+        KVC_CHECK(port > 0, "redis tier URL \"%s\": bad port \"%s\" (want 1..65535)", u, colon + 1);
+        sv->port = (int)port;
+        sv->host = dup_n(h, hlen);
+    } else {
+        return kvc__error(KVC_ERR_INVALID_ARG, "redis tier URL \"%s\": unknown scheme (want "
+                          URL_FORMS ")", u);
+    }
+    if (!sv->host && !sv->path) return kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory");
+    sv->seed = XXH3_64bits(sv->url, len);
+    return KVC_OK;
+}
+
+/* "?ttl=N" options (after the '?'), '&'-separated. */
+static kvc_status parse_query(const char *q, long *ttl) {
+    KVC_CHECK(*q, "redis tier URL: empty query after '?' (known option: ttl=SECONDS)");
+    while (*q) {
+        size_t len = strcspn(q, "&");
+        if (len >= 4 && !strncmp(q, "ttl=", 4)) {
+            *ttl = parse_pos(q + 4, len - 4, INT_MAX);
+            KVC_CHECK(*ttl > 0, "redis tier URL: ttl \"%.*s\" is not a positive integer of "
+                      "seconds", (int)(len - 4), q + 4);
+        } else {
+            return kvc__error(KVC_ERR_INVALID_ARG, "redis tier URL: unknown option \"%.*s\" "
+                              "(known: ttl=SECONDS)", (int)len, q);
+        }
+        q += len;
+        if (*q == '&') q++;
+        KVC_CHECK(*q || q[-1] != '&', "redis tier URL: empty option after '&'");
+    }
+    return KVC_OK;
+}
+
+static kvc_status parse_url(const char *url, redis_tier *rt) {
+    KVC_CHECK(url && *url, "redis tier: empty URL (want " URL_FORMS ")");
+    size_t list_len = strcspn(url, "?");
+    if (url[list_len] == '?') KVC_TRY(parse_query(url + list_len + 1, &rt->ttl));
+    int n = 1;
+    for (size_t i = 0; i < list_len; i++) n += url[i] == ',';
+    KVC_CHECK(n <= MAX_SERVERS, "redis tier URL: %d servers, at most %d", n, MAX_SERVERS);
+    if (!(rt->srv = calloc((size_t)n, sizeof *rt->srv)))
+        return kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory");
+    for (const char *s = url; rt->n_srv < n;) {
+        size_t len = strcspn(s, ",?");
+        server *sv = &rt->srv[rt->n_srv++];
+        conn *cs[2] = {&sv->rd, &sv->wr};
+        for (int k = 0; k < 2; k++) {
+            pthread_mutex_init(&cs[k]->mu, NULL);
+            cs[k]->backoff_ms = BACKOFF_MIN_MS;
+        }
+        KVC_TRY(parse_server(s, len, sv));
+        for (int k = 0; k < rt->n_srv - 1; k++)
+            KVC_CHECK(strcmp(rt->srv[k].url, sv->url), "redis tier URL: server %s listed twice",
+                      sv->url);
+        s += len + 1;
+    }
+    return KVC_OK;
+}
+
+kvc_status kvc__tier_redis_open(const char *url, kvc_tier **out) {
+    KVC_CHECK(out, "redis tier: out is NULL");
+    *out = NULL;
+    redis_tier *rt = calloc(1, sizeof *rt);
+    if (!rt) return kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory");
+    kvc_status st = parse_url(url, rt);
+    if (st != KVC_OK) {
+        redis_close(&rt->base);
+        return st;
+    }
+    rt->base.ops = &redis_ops;
+    snprintf(rt->base.kind, sizeof rt->base.kind, "redis");
+    size_t len = strlen(url);
+    if (len < sizeof rt->base.name) {
+        memcpy(rt->base.name, url, len + 1);
+    } else { /* cut, and say so */
+        memcpy(rt->base.name, url, sizeof rt->base.name - 4);
+        memcpy(rt->base.name + sizeof rt->base.name - 4, "...", 4);
+    }
+    /* Connections are made on first use: a server down now is retried then. */
+    *out = &rt->base;
+    return KVC_OK;
+}

@@ -1,0 +1,720 @@
+/* The Redis tier (src/store/redis.c) against real redis-servers, which
+ * tests/with_redis.sh starts and names in KVC_TEST_REDIS* variables. Raw
+ * hiredis connections check what the tier stored where; one test starts
+ * and kills a server of its own. */
+#define _POSIX_C_SOURCE 200809L /* fork, kill, mkdtemp, nanosleep */
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <fcntl.h>
+
+#include "store/tier.h"
+#include "test.h"
+
+#ifdef KVC_HAVE_HIREDIS
+#include <hiredis/hiredis.h>
+
+/* ---- helpers ---------------------------------------------------------------- */
+
+#define NEED_ENV(var, v)                                                                           \
+    const char *v = getenv(var);                                                                   \
+    if (!v || !*v)                                                                                 \
+    TEST_FAIL_("%s is not set: run this suite through tests/with_redis.sh "                        \
+               "(sh tests/with_redis.sh build/tests/test_store_redis)", var)
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void sleep_ms(int ms) {
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* Fresh keys and namespaces: every test writes under its own names. */
+static uint64_t rng;
+static void rand_key(kvc_store_key *k) {
+    if (!rng) rng = test_seed ^ ((uint64_t)getpid() << 32) ^ (uint64_t)time(NULL);
+    uint64_t a = test_rng_next(&rng), b = test_rng_next(&rng);
+    memcpy(k->b, &a, 8);
+    memcpy(k->b + 8, &b, 8);
+}
+
+/* An object's bytes follow from its key and size (zeros included), so a
+ * reader can tell a right object from a wrong or torn one. */
+static void fill_obj(uint8_t *p, size_t n, const kvc_store_key *k) {
+    uint64_t s;
+    memcpy(&s, k->b, 8);
+    for (size_t i = 0; i < n; i++) p[i] = i % 7 == 3 ? 0 : (uint8_t)(test_rng_next(&s) >> 56);
+}
+
+static size_t obj_size(const kvc_store_key *k) { return 1 + (k->b[15] | (k->b[14] & 15) << 8); }
+
+static int obj_ok(const void *obj, size_t len, const kvc_store_key *k) {
+    if (!obj || len != obj_size(k)) return 0;
+    uint8_t *want = malloc(len);
+    fill_obj(want, len, k);
+    int ok = !memcmp(obj, want, len);
+    free(want);
+    return ok;
+}
+
+/* Puts keys[0..n) with objects from fill_obj / obj_size. */
+static kvc_status put_keys(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
+                           int64_t n, int64_t *n_written) {
+    void **objs = calloc((size_t)n, sizeof *objs);
+    size_t *lens = calloc((size_t)n, sizeof *lens);
+    for (int64_t i = 0; i < n; i++) {
+        lens[i] = obj_size(&keys[i]);
+        objs[i] = malloc(lens[i]);
+        fill_obj(objs[i], lens[i], &keys[i]);
+    }
+    kvc_status st = t->ops->put(t, ns, keys, (const void *const *)objs, lens, n, n_written);
+    for (int64_t i = 0; i < n; i++) free(objs[i]);
+    free(objs);
+    free(lens);
+    return st;
+}
+
+/* Gets keys[0..n) and counts the right objects (-1: a wrong one, or an
+ * error set as *st). */
+static int64_t get_keys(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys, int64_t n,
+                        kvc_status *st) {
+    void **objs = calloc((size_t)n, sizeof *objs);
+    size_t *lens = calloc((size_t)n, sizeof *lens);
+    *st = t->ops->get(t, ns, keys, n, objs, lens);
+    int64_t good = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (*st != KVC_OK && objs[i]) good = -1000000; /* tier.h: all NULL on error */
+        if (objs[i] && obj_ok(objs[i], lens[i], &keys[i])) good++;
+        else if (objs[i] || lens[i]) good = -1000000;
+        free(objs[i]);
+    }
+    free(objs);
+    free(lens);
+    return good < 0 ? -1 : good;
+}
+
+static redisContext *raw_connect(const char *url) {
+    struct timeval tv = {2, 0};
+    if (!strncmp(url, "unix://", 7)) return redisConnectUnixWithTimeout(url + 7, tv);
+    char host[64];
+    int port;
+    if (sscanf(url, "redis://%63[^:]:%d", host, &port) != 2) return NULL;
+    return redisConnectWithTimeout(host, port, tv);
+}
+
+/* An integer reply of a raw command on a key's name, or LLONG_MIN. */
+static long long raw_int(redisContext *c, const char *cmd, const kvc_store_key *ns,
+                         const kvc_store_key *key) {
+    char nsh[33], kh[33];
+    kvc__store_key_hex(ns, nsh);
+    kvc__store_key_hex(key, kh);
+    redisReply *r = redisCommand(c, "%s kvc:%s:%s", cmd, nsh, kh);
+    long long v = r && r->type == REDIS_REPLY_INTEGER ? r->integer : -(1ll << 62);
+    if (r) freeReplyObject(r);
+    return v;
+}
+
+/* A redis-server of the test's own, to kill and restart. */
+typedef struct child_server {
+    pid_t pid;
+    char dir[200];
+    char url[256];
+} child_server;
+
+static int child_start(child_server *cs) {
+    const char *bin = getenv("KVC_TEST_REDIS_SERVER");
+    if (!bin) return -1;
+    if (!cs->dir[0]) {
+        const char *base = getenv("KVC_TEST_REDIS_DIR");
+        snprintf(cs->dir, sizeof cs->dir, "%s/child.XXXXXX", base ? base : "/tmp");
+        if (!mkdtemp(cs->dir)) return -1;
+        snprintf(cs->url, sizeof cs->url, "unix://%s/r.sock", cs->dir);
+    }
+    cs->pid = fork();
+    if (cs->pid < 0) return -1;
+    if (cs->pid == 0) {
+        int fd = open("/dev/null", O_WRONLY);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+        }
+        execl(bin, bin, "--unixsocket", cs->url + 7, "--unixsocketperm", "700", "--port", "0",
+              "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", cs->dir,
+              (char *)NULL);
+        _exit(127);
+    }
+    for (int i = 0; i < 100; i++) { /* up to ~5 s */
+        redisContext *c = raw_connect(cs->url);
+        redisReply *r = c && !c->err ? redisCommand(c, "PING") : NULL;
+        int ok = r && r->type == REDIS_REPLY_STATUS;
+        if (r) freeReplyObject(r);
+        if (c) redisFree(c);
+        if (ok) return 0;
+        sleep_ms(50);
+    }
+    return -1;
+}
+
+static void child_stop(child_server *cs) {
+    if (cs->pid > 0) {
+        kill(cs->pid, SIGKILL);
+        waitpid(cs->pid, NULL, 0);
+    }
+    cs->pid = 0;
+}
+
+/* ---- tests ------------------------------------------------------------------ */
+
+TEST(put_get_roundtrip_binary) {
+    NEED_ENV("KVC_TEST_REDIS", url);
+    kvc_tier *t;
+    ASSERT_OK(kvc__tier_redis_open(url, &t));
+    ASSERT_TRUE(!strcmp(t->kind, "redis"));
+    ASSERT_TRUE(!strcmp(t->name, url));
+    kvc_store_key ns, keys[4];
+    rand_key(&ns);
+    for (int i = 0; i < 4; i++) rand_key(&keys[i]);
+    size_t sizes[3] = {1, 100 * 1000, 1 << 20};
+    void *objs[3];
+    for (int i = 0; i < 3; i++) {
+        objs[i] = malloc(sizes[i]);
+        fill_obj(objs[i], sizes[i], &keys[i]);
+    }
+    ((uint8_t *)objs[0])[0] = 0; /* a lone zero byte */
+    int64_t written = -1;
+    ASSERT_OK(t->ops->put(t, &ns, keys, (const void *const *)objs, sizes, 3, &written));
+    ASSERT_EQ_I64(written, 3);
+    kvc_store_key order[4] = {keys[0], keys[3], keys[1], keys[2]}; /* keys[3]: absent */
+    void *got[4];
+    size_t lens[4];
+    ASSERT_OK(t->ops->get(t, &ns, order, 4, got, lens));
+    ASSERT_TRUE(got[1] == NULL && lens[1] == 0);
+    const int src[4] = {0, -1, 1, 2};
+    for (int i = 0; i < 4; i++) {
+        if (src[i] < 0) continue;
+        ASSERT_TRUE(got[i] != NULL);
+        ASSERT_EQ_I64(lens[i], sizes[src[i]]);
+        ASSERT_MEM_EQ(got[i], objs[src[i]], lens[i]);
+        free(got[i]);
+    }
+    for (int i = 0; i < 3; i++) free(objs[i]);
+    t->ops->close(t);
+    return 0;
+}
+
+TEST(probe_counts_leading_run) {
+    NEED_ENV("KVC_TEST_REDIS", url);
+    kvc_tier *t;
+    ASSERT_OK(kvc__tier_redis_open(url, &t));
+    kvc_store_key ns, keys[6];
+    rand_key(&ns);
+    for (int i = 0; i < 6; i++) rand_key(&keys[i]);
+    kvc_store_key present[5] = {keys[0], keys[1], keys[2], keys[4], keys[5]};
+    int64_t written;
+    ASSERT_OK(put_keys(t, &ns, present, 5, &written));
+    ASSERT_EQ_I64(written, 5);
+    int64_t run = -1;
+    ASSERT_OK(t->ops->probe(t, &ns, keys, 6, &run));
+    ASSERT_EQ_I64(run, 3); /* stops at the missing keys[3] */
+    ASSERT_OK(t->ops->probe(t, &ns, keys + 3, 3, &run));
+    ASSERT_EQ_I64(run, 0);
+    ASSERT_OK(t->ops->probe(t, &ns, keys + 4, 2, &run));
+    ASSERT_EQ_I64(run, 2);
+    kvc_store_key other;
+    rand_key(&other); /* same keys, another namespace: absent */
+    ASSERT_OK(t->ops->probe(t, &other, keys, 6, &run));
+    ASSERT_EQ_I64(run, 0);
+    t->ops->close(t);
+    return 0;
+}
+
+TEST(absent_keys_and_empty_batches) {
+    NEED_ENV("KVC_TEST_REDIS", url);
+    kvc_tier *t;
+    ASSERT_OK(kvc__tier_redis_open(url, &t));
+    kvc_store_key ns, keys[5];
+    rand_key(&ns);
+    for (int i = 0; i < 5; i++) rand_key(&keys[i]);
+    void *objs[5];
+    size_t lens[5];
+    for (int i = 0; i < 5; i++) {
+        objs[i] = (void *)&lens[i]; /* garbage the call must overwrite */
+        lens[i] = 7;
+    }
+    ASSERT_OK(t->ops->get(t, &ns, keys, 5, objs, lens));
+    for (int i = 0; i < 5; i++) ASSERT_TRUE(objs[i] == NULL && lens[i] == 0);
+    int64_t run = -1, written = -1;
+    ASSERT_OK(t->ops->probe(t, &ns, keys, 0, &run));
+    ASSERT_EQ_I64(run, 0);
+    ASSERT_OK(t->ops->get(t, &ns, keys, 0, objs, lens));
+    ASSERT_OK(t->ops->put(t, &ns, keys, NULL, NULL, 0, &written));
+    ASSERT_EQ_I64(written, 0);
+    size_t zero = 0;
+    const void *one[1] = {"x"};
+    ASSERT_STATUS(t->ops->put(t, &ns, keys, one, &zero, 1, &written), KVC_ERR_INVALID_ARG);
+    ASSERT_OK(t->ops->invalidate(t, &ns)); /* nothing there */
+    t->ops->close(t);
+    return 0;
+}
+
+TEST(ttl_applied) {
+    NEED_ENV("KVC_TEST_REDIS", url);
+    char u[512];
+    kvc_tier *t;
+    kvc_store_key ns, k;
+    rand_key(&ns);
+    int64_t written;
+    redisContext *c = raw_connect(url);
+    ASSERT_TRUE(c && !c->err);
+
+    ASSERT_OK(kvc__tier_redis_open(url, &t)); /* default: no expiry */
+    rand_key(&k);
+    ASSERT_OK(put_keys(t, &ns, &k, 1, &written));
+    ASSERT_EQ_I64(raw_int(c, "TTL", &ns, &k), -1);
+    t->ops->close(t);
+
+    snprintf(u, sizeof u, "%s?ttl=100", url);
+    ASSERT_OK(kvc__tier_redis_open(u, &t));
+    ASSERT_TRUE(!strcmp(t->name, u));
+    rand_key(&k);
+    ASSERT_OK(put_keys(t, &ns, &k, 1, &written));
+    long long ttl = raw_int(c, "TTL", &ns, &k);
+    ASSERT_TRUE(ttl > 90 && ttl <= 100);
+    t->ops->close(t);
+
+    snprintf(u, sizeof u, "%s?ttl=1", url);
+    ASSERT_OK(kvc__tier_redis_open(u, &t));
+    rand_key(&k);
+    ASSERT_OK(put_keys(t, &ns, &k, 1, &written));
+    kvc_status st;
+    ASSERT_EQ_I64(get_keys(t, &ns, &k, 1, &st), 1);
+    ASSERT_OK(st);
+    sleep_ms(1200);
+    ASSERT_EQ_I64(get_keys(t, &ns, &k, 1, &st), 0);
+    ASSERT_OK(st);
+    t->ops->close(t);
+    redisFree(c);
+    return 0;
+}
+
+TEST(invalidate_removes_only_its_namespace) {
+    NEED_ENV("KVC_TEST_REDIS", url1);
+    NEED_ENV("KVC_TEST_REDIS2", url2);
+    char u[512];
+    snprintf(u, sizeof u, "%s,%s", url1, url2);
+    kvc_tier *t;
+    ASSERT_OK(kvc__tier_redis_open(u, &t));
+    enum { NA = 2500, NB = 20 }; /* NA: several SCAN batches */
+    kvc_store_key a, b, *ka = malloc(NA * sizeof *ka), kb[NB];
+    rand_key(&a);
+    rand_key(&b);
+    for (int i = 0; i < NA; i++) rand_key(&ka[i]);
+    for (int i = 0; i < NB; i++) rand_key(&kb[i]);
+    int64_t written;
+    ASSERT_OK(put_keys(t, &a, ka, NA, &written));
+    ASSERT_EQ_I64(written, NA);
+    ASSERT_OK(put_keys(t, &b, kb, NB, &written));
+    ASSERT_OK(put_keys(t, &b, ka, 10, &written)); /* same keys, namespace b */
+    kvc_status st;
+    ASSERT_EQ_I64(get_keys(t, &a, ka, NA, &st), NA);
+    ASSERT_OK(t->ops->invalidate(t, &a));
+    ASSERT_EQ_I64(get_keys(t, &a, ka, NA, &st), 0);
+    ASSERT_OK(st);
+    ASSERT_EQ_I64(get_keys(t, &b, kb, NB, &st), NB);
+    ASSERT_EQ_I64(get_keys(t, &b, ka, 10, &st), 10);
+    ASSERT_OK(t->ops->invalidate(t, &b));
+    ASSERT_EQ_I64(get_keys(t, &b, kb, NB, &st), 0);
+    free(ka);
+    t->ops->close(t);
+    return 0;
+}
+
+TEST(two_servers_spread_and_stable) {
+    NEED_ENV("KVC_TEST_REDIS", url1);
+    NEED_ENV("KVC_TEST_REDIS2", url2);
+    char u12[512], u21[512];
+    snprintf(u12, sizeof u12, "%s,%s", url1, url2);
+    snprintf(u21, sizeof u21, "%s,%s", url2, url1);
+    enum { N = 64 };
+    kvc_store_key ns, keys[N];
+    rand_key(&ns);
+    for (int i = 0; i < N; i++) rand_key(&keys[i]);
+    kvc_tier *t;
+    ASSERT_OK(kvc__tier_redis_open(u12, &t));
+    int64_t written;
+    ASSERT_OK(put_keys(t, &ns, keys, N, &written));
+    ASSERT_EQ_I64(written, N);
+    t->ops->close(t);
+
+    redisContext *c1 = raw_connect(url1), *c2 = raw_connect(url2);
+    ASSERT_TRUE(c1 && !c1->err && c2 && !c2->err);
+    int on1 = 0, on2 = 0, where[N];
+    for (int i = 0; i < N; i++) {
+        long long e1 = raw_int(c1, "EXISTS", &ns, &keys[i]);
+        long long e2 = raw_int(c2, "EXISTS", &ns, &keys[i]);
+        ASSERT_EQ_I64(e1 + e2, 1); /* exactly one server holds each key */
+        where[i] = e1 ? 1 : 2;
+        on1 += e1 == 1;
+        on2 += e2 == 1;
+    }
+    ASSERT_TRUE(on1 > 0 && on2 > 0);
+
+    /* The other order, reopened: the same placement (all found, and a
+     * rewrite lands where the first write did). */
+    ASSERT_OK(kvc__tier_redis_open(u21, &t));
+    kvc_status st;
+    ASSERT_EQ_I64(get_keys(t, &ns, keys, N, &st), N);
+    ASSERT_OK(t->ops->invalidate(t, &ns));
+    ASSERT_OK(put_keys(t, &ns, keys, N, &written));
+    for (int i = 0; i < N; i++)
+        ASSERT_EQ_I64(raw_int(where[i] == 1 ? c1 : c2, "EXISTS", &ns, &keys[i]), 1);
+    t->ops->close(t);
+
+    /* Server 1 alone sees exactly its own keys. */
+    ASSERT_OK(kvc__tier_redis_open(url1, &t));
+    int64_t seen = 0;
+    for (int i = 0; i < N; i++) {
+        int64_t run;
+        ASSERT_OK(t->ops->probe(t, &ns, &keys[i], 1, &run));
+        ASSERT_EQ_I64(run, where[i] == 1);
+        seen += run;
+    }
+    ASSERT_EQ_I64(seen, on1);
+    t->ops->close(t);
+    redisFree(c1);
+    redisFree(c2);
+    return 0;
+}
+
+/* A server's error reply (here WRONGTYPE: a list where an object belongs)
+ * fails the call, and the connection stays in step for the next one. */
+TEST(error_reply_keeps_connection_in_step) {
+    NEED_ENV("KVC_TEST_REDIS", url);
+    kvc_tier *t;
+    ASSERT_OK(kvc__tier_redis_open(url, &t));
+    kvc_store_key ns, keys[3];
+    rand_key(&ns);
+    for (int i = 0; i < 3; i++) rand_key(&keys[i]);
+    int64_t written;
+    ASSERT_OK(put_keys(t, &ns, keys, 3, &written));
+    redisContext *c = raw_connect(url);
+    ASSERT_TRUE(c && !c->err);
+    ASSERT_EQ_I64(raw_int(c, "DEL", &ns, &keys[1]), 1);
+    char nsh[33], kh[33];
+    kvc__store_key_hex(&ns, nsh);
+    kvc__store_key_hex(&keys[1], kh);
+    redisReply *r = redisCommand(c, "LPUSH kvc:%s:%s x", nsh, kh);
+    ASSERT_TRUE(r && r->type == REDIS_REPLY_INTEGER);
+    freeReplyObject(r);
+    kvc_status st;
+    ASSERT_EQ_I64(get_keys(t, &ns, keys, 3, &st), 0); /* all NULL */
+    ASSERT_STATUS(st, KVC_ERR_IO);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "WRONGTYPE");
+    kvc_store_key ends[2] = {keys[0], keys[2]};
+    ASSERT_EQ_I64(get_keys(t, &ns, ends, 2, &st), 2);
+    ASSERT_OK(st);
+    ASSERT_OK(t->ops->invalidate(t, &ns));
+    ASSERT_EQ_I64(raw_int(c, "EXISTS", &ns, &keys[1]), 0);
+    redisFree(c);
+    t->ops->close(t);
+    return 0;
+}
+
+static int server_down_body(child_server *cs) {
+    NEED_ENV("KVC_TEST_REDIS", url1);
+    char u[512];
+    snprintf(u, sizeof u, "%s,%s", url1, cs->url);
+    kvc_tier *t;
+    ASSERT_OK(kvc__tier_redis_open(u, &t));
+    enum { N = 64 };
+    kvc_store_key ns, keys[N], mine[N];
+    rand_key(&ns);
+    for (int i = 0; i < N; i++) rand_key(&keys[i]);
+    int64_t written, n_mine = 0, first_child = -1;
+    ASSERT_OK(put_keys(t, &ns, keys, N, &written));
+    ASSERT_EQ_I64(written, N);
+    redisContext *c1 = raw_connect(url1);
+    ASSERT_TRUE(c1 && !c1->err);
+    for (int i = 0; i < N; i++) {
+        if (raw_int(c1, "EXISTS", &ns, &keys[i]) == 1) mine[n_mine++] = keys[i];
+        else if (first_child < 0) first_child = i;
+    }
+    redisFree(c1);
+    ASSERT_TRUE(n_mine > 0 && first_child >= 0);
+
+    child_stop(cs);
+    kvc_status st;
+    double t0 = now_s();
+    ASSERT_EQ_I64(get_keys(t, &ns, keys, N, &st), 0); /* nothing, all NULL */
+    ASSERT_STATUS(st, KVC_ERR_IO);
+    ASSERT_STR_CONTAINS(kvc_last_error(), cs->url);
+    double dt = now_s() - t0;
+    ASSERT_TRUE(dt < 5.0);
+    fprintf(stderr, "  [server killed: get failed in %.1f ms]\n", dt * 1e3);
+    /* Keys of the live server are still served. */
+    ASSERT_EQ_I64(get_keys(t, &ns, mine, n_mine, &st), n_mine);
+    ASSERT_OK(st);
+    int64_t run = -1;
+    ASSERT_STATUS(t->ops->probe(t, &ns, keys, N, &run), KVC_ERR_IO);
+    ASSERT_EQ_I64(run, first_child); /* the run stops at the dead server's first key */
+    /* put: the writer's connection finds the server gone (a write to a
+     * closed socket: SIGPIPE must not kill us); the live server's keys land. */
+    t0 = now_s();
+    ASSERT_STATUS(put_keys(t, &ns, keys, N, &written), KVC_ERR_IO);
+    ASSERT_EQ_I64(written, n_mine);
+    ASSERT_STATUS(put_keys(t, &ns, keys, N, &written), KVC_ERR_IO); /* down: at once */
+    ASSERT_STR_CONTAINS(kvc_last_error(), "down");
+    ASSERT_TRUE(now_s() - t0 < 5.0);
+
+    /* Restarted (empty): after the back-off, writes and reads work again. */
+    ASSERT_TRUE(child_start(cs) == 0);
+    t0 = now_s();
+    while ((st = put_keys(t, &ns, keys, N, &written)) != KVC_OK && now_s() - t0 < 10) sleep_ms(20);
+    ASSERT_OK(st);
+    ASSERT_EQ_I64(written, N);
+    int64_t good;
+    while ((good = get_keys(t, &ns, keys, N, &st)) != N && now_s() - t0 < 10) sleep_ms(20);
+    ASSERT_EQ_I64(good, N);
+    ASSERT_OK(t->ops->probe(t, &ns, keys, N, &run));
+    ASSERT_EQ_I64(run, N);
+    fprintf(stderr, "  [server restarted: back in %.0f ms]\n", (now_s() - t0) * 1e3);
+    t->ops->close(t);
+    return 0;
+}
+
+TEST(server_killed_and_restarted) {
+    NEED_ENV("KVC_TEST_REDIS_SERVER", bin);
+    (void)bin;
+    child_server cs = {0};
+    ASSERT_TRUE(child_start(&cs) == 0);
+    int rc = server_down_body(&cs);
+    child_stop(&cs);
+    char sock[300];
+    snprintf(sock, sizeof sock, "%s/r.sock", cs.dir);
+    unlink(sock);
+    rmdir(cs.dir);
+    return rc;
+}
+
+TEST(unreachable_server_at_open) {
+    NEED_ENV("KVC_TEST_REDIS_DIR", dir);
+    char u[512];
+    snprintf(u, sizeof u, "unix://%s/nobody.sock", dir);
+    const char *urls[2] = {u, "redis://127.0.0.1:1"};
+    for (int k = 0; k < 2; k++) {
+        kvc_tier *t;
+        ASSERT_OK(kvc__tier_redis_open(urls[k], &t)); /* not an error yet */
+        kvc_store_key ns, keys[3];
+        rand_key(&ns);
+        for (int i = 0; i < 3; i++) rand_key(&keys[i]);
+        kvc_status st;
+        double t0 = now_s();
+        ASSERT_EQ_I64(get_keys(t, &ns, keys, 3, &st), 0);
+        ASSERT_STATUS(st, KVC_ERR_IO);
+        ASSERT_STR_CONTAINS(kvc_last_error(), urls[k]);
+        int64_t run = -1, written = -1;
+        ASSERT_STATUS(t->ops->probe(t, &ns, keys, 3, &run), KVC_ERR_IO);
+        ASSERT_EQ_I64(run, 0);
+        ASSERT_STATUS(put_keys(t, &ns, keys, 3, &written), KVC_ERR_IO);
+        ASSERT_EQ_I64(written, 0);
+        ASSERT_STATUS(t->ops->invalidate(t, &ns), KVC_ERR_IO);
+        ASSERT_TRUE(now_s() - t0 < 5.0);
+        t->ops->close(t);
+    }
+    return 0;
+}
+
+typedef struct conc {
+    kvc_tier *t;
+    kvc_store_key ns, keys[256];
+    int done;           /* the writer finished (under mu) */
+    pthread_mutex_t mu;
+    int writer_errors, reader_errors, reads;
+} conc;
+
+static void *conc_writer(void *arg) {
+    conc *c = arg;
+    for (int i = 0; i < 256; i += 8) {
+        int64_t written;
+        if (put_keys(c->t, &c->ns, c->keys + i, 8, &written) != KVC_OK || written != 8)
+            c->writer_errors++;
+    }
+    pthread_mutex_lock(&c->mu);
+    c->done = 1;
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+static void *conc_reader(void *arg) {
+    conc *c = arg;
+    for (int round = 0;; round++) {
+        pthread_mutex_lock(&c->mu);
+        int done = c->done;
+        pthread_mutex_unlock(&c->mu);
+        if (done && round > 0) break;
+        int from = (round * 24) % 240;
+        kvc_status st;
+        int64_t run;
+        if (get_keys(c->t, &c->ns, c->keys + from, 16, &st) < 0 || st != KVC_OK) c->reader_errors++;
+        if (c->t->ops->probe(c->t, &c->ns, c->keys + from, 16, &run) != KVC_OK) c->reader_errors++;
+        c->reads++;
+    }
+    return NULL;
+}
+
+TEST(concurrent_put_and_get) {
+    NEED_ENV("KVC_TEST_REDIS", url1);
+    NEED_ENV("KVC_TEST_REDIS2", url2);
+    char u[512];
+    snprintf(u, sizeof u, "%s,%s", url1, url2);
+    conc *c = calloc(1, sizeof *c);
+    ASSERT_OK(kvc__tier_redis_open(u, &c->t));
+    pthread_mutex_init(&c->mu, NULL);
+    rand_key(&c->ns);
+    for (int i = 0; i < 256; i++) rand_key(&c->keys[i]);
+    pthread_t w, r;
+    ASSERT_TRUE(pthread_create(&r, NULL, conc_reader, c) == 0);
+    ASSERT_TRUE(pthread_create(&w, NULL, conc_writer, c) == 0);
+    pthread_join(w, NULL);
+    pthread_join(r, NULL);
+    ASSERT_EQ_I64(c->writer_errors, 0);
+    ASSERT_EQ_I64(c->reader_errors, 0);
+    ASSERT_TRUE(c->reads > 0);
+    kvc_status st;
+    ASSERT_EQ_I64(get_keys(c->t, &c->ns, c->keys, 256, &st), 256);
+    ASSERT_OK(c->t->ops->invalidate(c->t, &c->ns));
+    c->t->ops->close(c->t);
+    pthread_mutex_destroy(&c->mu);
+    free(c);
+    return 0;
+}
+
+TEST(bad_urls_rejected) {
+    static const struct {
+        const char *url, *says;
+    } bad[] = {
+        {"", "empty URL"},
+        {"http://h:1", "unknown scheme"},
+        {"redis:/h:1", "unknown scheme"},
+        {"redis://h", "missing :PORT"},
+        {"redis://h:0", "bad port"},
+        {"redis://h:65536", "bad port"},
+        {"redis://h:12ab", "bad port"},
+        {"redis://h:", "bad port"},
+        {"redis://h:6379/0", "bad port"},
+        {"redis://:6379", "bad host"},
+        {"redis://u:pw@h:6379", "credentials"},
+        {"redis://[::1:6379", "[ADDR]:PORT"},
+        {"unix://relative.sock", "absolute path"},
+        {"unix:///tmp/x.sock?ttl=0", "positive integer"},
+        {"unix:///tmp/x.sock?ttl=-5", "positive integer"},
+        {"unix:///tmp/x.sock?ttl=1.5", "positive integer"},
+        {"unix:///tmp/x.sock?ttl=", "positive integer"},
+        {"unix:///tmp/x.sock?ttl=99999999999", "positive integer"},
+        {"unix:///tmp/x.sock?db=1", "unknown option"},
+        {"unix:///tmp/x.sock?", "empty query"},
+        {"unix:///tmp/x.sock?ttl=5&", "empty option"},
+        {"redis://a:1,,redis://b:2", "empty server"},
+        {"redis://a:1,", "empty server"},
+        {",redis://a:1", "empty server"},
+        {"redis://a:1,redis://a:1", "listed twice"},
+        {"redis://a:1?ttl=5,redis://b:2", "positive integer"}, /* the query ends the URL */
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kvc_tier *t = (kvc_tier *)&bad; /* must come back NULL */
+        kvc_status st = kvc__tier_redis_open(bad[i].url, &t);
+        if (st != KVC_ERR_INVALID_ARG || t != NULL)
+            TEST_FAIL_("\"%s\": %s (%s)", bad[i].url, kvc_status_str(st), kvc_last_error());
+        ASSERT_STR_CONTAINS(kvc_last_error(), bad[i].says);
+    }
+    kvc_tier *t = NULL;
+    ASSERT_STATUS(kvc__tier_redis_open(NULL, &t), KVC_ERR_INVALID_ARG);
+    char path[200];
+    memset(path, 'p', sizeof path);
+    memcpy(path, "unix:///", 8);
+    path[sizeof path - 1] = 0;
+    ASSERT_STATUS(kvc__tier_redis_open(path, &t), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "socket path longer");
+
+    /* 64 servers open (connections are made on use), 65 do not; a name
+     * longer than the field is cut with "...". */
+    char many[65 * 24 + 16] = "";
+    for (int i = 0; i < 65; i++) {
+        char one[32];
+        snprintf(one, sizeof one, "%sredis://h%d:6379", i ? "," : "", i);
+        if (i == 64) {
+            ASSERT_OK(kvc__tier_redis_open(many, &t));
+            ASSERT_EQ_I64(strlen(t->name), sizeof t->name - 1);
+            ASSERT_TRUE(!strcmp(t->name + sizeof t->name - 4, "..."));
+            t->ops->close(t);
+        }
+        strcat(many, one);
+    }
+    ASSERT_STATUS(kvc__tier_redis_open(many, &t), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "at most 64");
+    ASSERT_OK(kvc__tier_redis_open("redis://[::1]:6379,unix:///x.sock?ttl=60", &t));
+    t->ops->close(t);
+    return 0;
+}
+
+TEST(tcp_url) {
+    NEED_ENV("KVC_TEST_REDIS_TCP", url);
+    kvc_tier *t;
+    ASSERT_OK(kvc__tier_redis_open(url, &t));
+    enum { N = 32 };
+    kvc_store_key ns, keys[N];
+    rand_key(&ns);
+    for (int i = 0; i < N; i++) rand_key(&keys[i]);
+    int64_t written, run;
+    ASSERT_OK(put_keys(t, &ns, keys, N, &written));
+    ASSERT_EQ_I64(written, N);
+    kvc_status st;
+    ASSERT_EQ_I64(get_keys(t, &ns, keys, N, &st), N);
+    ASSERT_OK(st);
+    ASSERT_OK(t->ops->probe(t, &ns, keys, N, &run));
+    ASSERT_EQ_I64(run, N);
+    ASSERT_OK(t->ops->invalidate(t, &ns));
+    ASSERT_OK(t->ops->probe(t, &ns, keys, N, &run));
+    ASSERT_EQ_I64(run, 0);
+    t->ops->close(t);
+    return 0;
+}
+
+const char *test_suite_name = "store_redis";
+const test_case test_suite[] = {
+    TEST_ENTRY(put_get_roundtrip_binary),
+    TEST_ENTRY(probe_counts_leading_run),
+    TEST_ENTRY(absent_keys_and_empty_batches),
+    TEST_ENTRY(ttl_applied),
+    TEST_ENTRY(invalidate_removes_only_its_namespace),
+    TEST_ENTRY(two_servers_spread_and_stable),
+    TEST_ENTRY(error_reply_keeps_connection_in_step),
+    TEST_ENTRY(server_killed_and_restarted),
+    TEST_ENTRY(unreachable_server_at_open),
+    TEST_ENTRY(concurrent_put_and_get),
+    TEST_ENTRY(bad_urls_rejected),
+    TEST_ENTRY(tcp_url),
+    {0, 0},
+};
+
+#else /* built without hiredis: the tier is refused, and this suite fails */
+
+TEST(hiredis_missing) {
+    kvc_tier *t;
+    ASSERT_STATUS(kvc__tier_redis_open("redis://127.0.0.1:6379", &t), KVC_ERR_UNSUPPORTED);
+    TEST_FAIL_("kvcache was built without hiredis (Debian: libhiredis-dev; scripts/setup.sh "
+               "installs it): the Redis tier cannot be tested");
+}
+
+const char *test_suite_name = "store_redis";
+const test_case test_suite[] = {TEST_ENTRY(hiredis_missing), {0, 0}};
+
+#endif
