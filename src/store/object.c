@@ -47,14 +47,6 @@ static kvc_store_key canon(XXH128_hash_t h) {
     return k;
 }
 
-void kvc__store_hash128(const void *a, size_t na, const void *b, size_t nb, kvc_store_key *out) {
-    XXH3_state_t st;
-    XXH3_128bits_reset(&st);
-    XXH3_128bits_update(&st, a, na);
-    if (nb) XXH3_128bits_update(&st, b, nb);
-    *out = canon(XXH3_128bits_digest(&st));
-}
-
 uint64_t kvc__store_hash64(const void *a, size_t na, uint64_t seed) {
     return XXH3_64bits_withSeed(a, na, seed);
 }

@@ -452,6 +452,98 @@ kvc_status kvc__store_probe_run(kvc_store *s, const kvc_store_key *ns, const int
     return KVC_OK;
 }
 
+/* A restore is pipelined: this thread reads batches of objects from the
+ * tiers while a worker verifies and writes the previous batch into the
+ * cache (at most two batches in flight), so reading overlaps checksums and
+ * copies. The worker stops at the first refused object; everything after it
+ * is discarded and read again from the next tier. */
+typedef struct rbatch {
+    int64_t pos, n; /* run index of objs[0]; objects in objs (all present) */
+    void *objs[BATCH];
+    size_t lens[BATCH];
+} rbatch;
+
+typedef struct restore_ctx {
+    kvc_store *s;
+    kvc_cache *cache;
+    const kvc_store_key *ns, *keys; /* keys of pages [0, first + max) */
+    const int32_t *tokens, *page_ids;
+    int64_t first;
+    int32_t P;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    rbatch *q[2];
+    int nq, quit;
+    int64_t good;  /* run pages verified and written */
+    int failed;    /* a refused object: batches after it are dropped */
+    int64_t bytes, errors, misses[KVC_STORE_MISS_COUNT];
+} restore_ctx;
+
+static void rbatch_free(rbatch *b) {
+    for (int64_t i = 0; i < b->n; i++) free(b->objs[i]);
+    free(b);
+}
+
+static void *restore_worker(void *arg) {
+    restore_ctx *r = arg;
+    for (;;) {
+        pthread_mutex_lock(&r->mu);
+        while (r->nq == 0 && !r->quit) pthread_cond_wait(&r->cv, &r->mu);
+        if (r->nq == 0) {
+            pthread_mutex_unlock(&r->mu);
+            return NULL;
+        }
+        rbatch *b = r->q[0];
+        const int failed = r->failed;
+        pthread_mutex_unlock(&r->mu);
+        int64_t ok = 0, bytes = 0;
+        kvc_store_miss m = KVC_STORE_MISS_COUNT;
+        int werr = 0;
+        for (; !failed && ok < b->n; ok++) {
+            const int64_t pg = r->first + b->pos + ok;
+            kvc_store_expect e;
+            e.ns = *r->ns;
+            e.key = r->keys[pg];
+            e.parent = pg > 0 ? r->keys[pg - 1] : *r->ns;
+            e.position = pg * r->P;
+            e.tokens = r->tokens + pg * r->P;
+            bytes += (int64_t)b->lens[ok];
+            if (kvc_store_restore_page(r->cache, r->page_ids[b->pos + ok], b->objs[ok],
+                                       b->lens[ok], &e, kvc__store_auth_key(r->s), &m) !=
+                KVC_OK) {
+                kvc_clear_error();
+                werr = m == KVC_STORE_MISS_COUNT; /* the cache refused the write */
+                break;
+            }
+        }
+        pthread_mutex_lock(&r->mu);
+        r->q[0] = r->q[1];
+        r->nq--;
+        if (!failed) {
+            r->good = b->pos + ok;
+            r->bytes += bytes;
+            if (ok < b->n) {
+                r->failed = 1;
+                if (werr) r->errors++;
+                else r->misses[m]++;
+            }
+        }
+        pthread_cond_broadcast(&r->cv);
+        pthread_mutex_unlock(&r->mu);
+        rbatch_free(b);
+    }
+}
+
+/* Waits until the worker has taken every batch; the verified run's end. */
+static int64_t restore_drain(restore_ctx *r) {
+    pthread_mutex_lock(&r->mu);
+    while (r->nq > 0) pthread_cond_wait(&r->cv, &r->mu);
+    const int64_t good = r->good;
+    r->failed = 0; /* the next tier starts afresh at good */
+    pthread_mutex_unlock(&r->mu);
+    return good;
+}
+
 kvc_status kvc_store_restore_run(kvc_store *s, kvc_cache *cache, const kvc_store_key *ns,
                                  const int32_t *tokens, int64_t first, int64_t max,
                                  const int32_t *page_ids, int64_t *n_pages) {
@@ -464,55 +556,81 @@ kvc_status kvc_store_restore_run(kvc_store *s, kvc_cache *cache, const kvc_store
     if (max == 0) return KVC_OK;
     kvc_cache_params cp;
     KVC_TRY(kvc_cache_get_params(cache, &cp));
-    const int32_t P = cp.page_size;
-    kvc_store_key *k = keys_of(ns, tokens, first + max, P);
+    kvc_store_key *k = keys_of(ns, tokens, first + max, cp.page_size);
     if (!k) return KVC_ERR_NOMEM;
+    restore_ctx r;
+    memset(&r, 0, sizeof r);
+    r.s = s;
+    r.cache = cache;
+    r.ns = ns;
+    r.keys = k;
+    r.tokens = tokens;
+    r.page_ids = page_ids;
+    r.first = first;
+    r.P = cp.page_size;
+    pthread_mutex_init(&r.mu, NULL);
+    pthread_cond_init(&r.cv, NULL);
+    pthread_t worker;
+    if (pthread_create(&worker, NULL, restore_worker, &r) != 0) {
+        pthread_cond_destroy(&r.cv);
+        pthread_mutex_destroy(&r.mu);
+        free(k);
+        return kvc__error(KVC_ERR_NOMEM, "%s: cannot start a thread", fn);
+    }
     const double deadline = now_s() + s->p.load_timeout_s;
-    int64_t pos = 0, errors = 0, bytes = 0, timeouts = 0, misses[KVC_STORE_MISS_COUNT] = {0};
+    int64_t pos = 0, errors = 0, timeouts = 0;
     for (int32_t t = 0; t < s->n_tiers && pos < max && !timeouts; t++) {
-        int tier_done = 0;
-        while (!tier_done && pos < max) {
+        int64_t fetched = pos; /* this tier's reads went up to here */
+        for (;;) {
             if (now_s() > deadline) {
                 timeouts = 1;
                 break;
             }
-            const int64_t n = max - pos < BATCH ? max - pos : BATCH;
+            pthread_mutex_lock(&r.mu);
+            while (r.nq == 2 && !r.failed) pthread_cond_wait(&r.cv, &r.mu);
+            const int stop = r.failed;
+            pthread_mutex_unlock(&r.mu);
+            if (stop || fetched >= max) break;
+            rbatch *b = calloc(1, sizeof *b);
+            if (!b) {
+                errors++;
+                break;
+            }
+            const int64_t n = max - fetched < BATCH ? max - fetched : BATCH;
             void *objs[BATCH];
-            size_t lens[BATCH];
-            if (s->tiers[t]->ops->get(s->tiers[t], ns, k + first + pos, n, objs, lens) !=
+            if (s->tiers[t]->ops->get(s->tiers[t], ns, k + first + fetched, n, objs, b->lens) !=
                 KVC_OK) {
                 errors++;
                 kvc_clear_error();
-                break; /* next tier from pos */
+                free(b);
+                break; /* the next tier from where the verified run ends */
             }
-            int64_t i = 0;
-            for (; i < n; i++) {
-                if (!objs[i]) break;
-                bytes += (int64_t)lens[i];
-                const int64_t pg = first + pos + i;
-                kvc_store_expect e;
-                e.ns = *ns;
-                e.key = k[pg];
-                e.parent = pg > 0 ? k[pg - 1] : *ns;
-                e.position = pg * P;
-                e.tokens = tokens + pg * P;
-                kvc_store_miss m = KVC_STORE_MISS_COUNT;
-                kvc_status st = kvc_store_restore_page(cache, page_ids[pos + i], objs[i], lens[i],
-                                                       &e, kvc__store_auth_key(s), &m);
-                if (st != KVC_OK) {
-                    kvc_clear_error();
-                    if (m < KVC_STORE_MISS_COUNT) misses[m]++;
-                    else errors++; /* the cache refused the write */
-                    break;
-                }
+            b->pos = fetched;
+            while (b->n < n && objs[b->n]) b->objs[b->n] = objs[b->n], b->n++;
+            for (int64_t i = b->n; i < n; i++) free(objs[i]);
+            fetched += b->n;
+            const int absent = b->n < n;
+            if (b->n == 0) {
+                free(b);
+            } else {
+                pthread_mutex_lock(&r.mu);
+                r.q[r.nq++] = b;
+                pthread_cond_signal(&r.cv);
+                pthread_mutex_unlock(&r.mu);
             }
-            for (int64_t j = 0; j < n; j++) free(objs[j]);
-            pos += i;
-            if (i < n) tier_done = 1; /* absent or refused: the next tier from pos */
+            if (absent) break;
         }
+        pos = restore_drain(&r);
     }
+    pthread_mutex_lock(&r.mu);
+    r.quit = 1;
+    pthread_cond_signal(&r.cv);
+    pthread_mutex_unlock(&r.mu);
+    pthread_join(worker, NULL);
+    pthread_cond_destroy(&r.cv);
+    pthread_mutex_destroy(&r.mu);
     free(k);
-    add_stats(s, pos, max - pos, errors, bytes, misses, timeouts);
+    add_stats(s, pos, max - pos, errors + r.errors, r.bytes, r.misses, timeouts);
     *n_pages = pos;
     return KVC_OK;
 }

@@ -5,8 +5,13 @@
 #include "kvcache/store.h"
 #include "tier.h"
 
-/* XXH3-128 of a || b in canonical bytes. */
+/* XXH3-128 of a || b in canonical bytes (hash.c: SSE2 or AVX2 by
+ * kvc_get_isa; the _base and _avx2 variants directly, for tests). */
 void kvc__store_hash128(const void *a, size_t na, const void *b, size_t nb, kvc_store_key *out);
+void kvc__store_hash128_base(const void *a, size_t na, const void *b, size_t nb,
+                             kvc_store_key *out);
+void kvc__store_hash128_avx2(const void *a, size_t na, const void *b, size_t nb,
+                             kvc_store_key *out);
 uint64_t kvc__store_hash64(const void *a, size_t na, uint64_t seed);
 
 /* kvc_store_put taking ownership of obj (malloc'd; freed on every path). */
