@@ -86,11 +86,9 @@ static void save_slot(attach *a, const kvc_cache *cache, int32_t id) {
 static void on_final(void *user, const kvc_cache *cache, const int32_t *tokens, int64_t first,
                      int64_t n, const int32_t *page_ids) {
     attach *a = user;
-    if (a->policy == KVC_STORE_WRITE_THROUGH) {
-        if (kvc_store_save_run(a->s, cache, &a->ns, tokens, first, n, page_ids) != KVC_OK)
-            kvc_clear_error(); /* counted as dropped */
-        return;
-    }
+    if (a->policy == KVC_STORE_WRITE_THROUGH &&
+        kvc_store_save_run(a->s, cache, &a->ns, tokens, first, n, page_ids) != KVC_OK)
+        kvc_clear_error(); /* counted as dropped */
     kvc_store_key *k = malloc((size_t)(first + n) * sizeof *k);
     if (!k || kvc_store_page_keys(&a->ns, tokens, first + n, a->P, k) != KVC_OK) {
         free(k);
@@ -110,6 +108,16 @@ static void on_final(void *user, const kvc_cache *cache, const int32_t *tokens, 
         sl->saved = 0;
         memcpy(a->tokens + (int64_t)id * a->P, tokens + pg * a->P,
                (size_t)a->P * sizeof(int32_t));
+        kvc_store_event ev;
+        memset(&ev, 0, sizeof ev);
+        ev.kind = KVC_STORE_EVENT_STORED;
+        ev.tier = KVC_STORE_TIER_CACHE;
+        ev.ns = a->ns;
+        ev.key = sl->key;
+        ev.parent = sl->parent;
+        ev.tokens = tokens + pg * a->P;
+        ev.n_tokens = a->P;
+        kvc__store_emit(a->s, &ev);
     }
     free(k);
 }
@@ -128,9 +136,19 @@ static void on_hit(void *user, const kvc_cache *cache, const int32_t *tokens, in
 
 static void on_evict(void *user, const kvc_cache *cache, int32_t id) {
     attach *a = user;
-    if (a->policy == KVC_STORE_WRITE_BACK && id >= 0 && id < a->num_pages)
-        save_slot(a, cache, id);
-    if (id >= 0 && id < a->num_pages) a->slots[id].valid = 0; /* about to be reused */
+    if (id < 0 || id >= a->num_pages || !a->slots[id].valid) return;
+    if (a->policy == KVC_STORE_WRITE_BACK) save_slot(a, cache, id);
+    if (a->slots[id].valid) { /* save_slot drops a slot whose page was reused since */
+        kvc_store_event ev;
+        memset(&ev, 0, sizeof ev);
+        ev.kind = KVC_STORE_EVENT_REMOVED;
+        ev.tier = KVC_STORE_TIER_CACHE;
+        ev.ns = a->ns;
+        ev.key = a->slots[id].key;
+        ev.parent = a->slots[id].parent;
+        kvc__store_emit(a->s, &ev);
+    }
+    a->slots[id].valid = 0; /* about to be reused */
 }
 
 kvc_status kvc_store_attach_engine(kvc_store *s, kvc_engine *engine, const kvc_store_key *ns) {
@@ -149,11 +167,10 @@ kvc_status kvc_store_attach_engine(kvc_store *s, kvc_engine *engine, const kvc_s
     a->need_hits = kvc__store_params(s)->selective_hits;
     a->num_pages = cp.num_pages;
     a->tmp = malloc((size_t)a->P * sizeof(int32_t));
-    if (a->policy != KVC_STORE_WRITE_THROUGH) {
-        a->slots = calloc((size_t)a->num_pages, sizeof *a->slots);
-        a->tokens = malloc((size_t)a->num_pages * (size_t)a->P * sizeof(int32_t));
-    }
-    if (!a->tmp || (a->policy != KVC_STORE_WRITE_THROUGH && (!a->slots || !a->tokens))) {
+    /* every policy: the slots also name evicted pages in events */
+    a->slots = calloc((size_t)a->num_pages, sizeof *a->slots);
+    a->tokens = malloc((size_t)a->num_pages * (size_t)a->P * sizeof(int32_t));
+    if (!a->tmp || !a->slots || !a->tokens) {
         kvc__store_attach_free(a);
         return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
     }
@@ -164,7 +181,7 @@ kvc_status kvc_store_attach_engine(kvc_store *s, kvc_engine *engine, const kvc_s
     c.restore = restore;
     c.on_final = on_final;
     if (a->policy == KVC_STORE_WRITE_SELECTIVE) c.on_hit = on_hit;
-    if (a->policy != KVC_STORE_WRITE_THROUGH) c.on_evict = on_evict;
+    c.on_evict = on_evict;
     kvc_status st = kvc__store_attach_add(s, a);
     if (st != KVC_OK) {
         kvc__store_attach_free(a);

@@ -99,6 +99,14 @@ static void emit_stored(kvc_store *s, int32_t tier, const item *it) {
     free(tok);
 }
 
+void kvc__store_emit(kvc_store *s, const kvc_store_event *ev) {
+    pthread_mutex_lock(&s->mu);
+    kvc_store_event_fn fn = s->ev_fn;
+    void *user = s->ev_user;
+    pthread_mutex_unlock(&s->mu);
+    if (fn) fn(user, ev);
+}
+
 static void tier_removed(void *user, const kvc_store_key *ns, const kvc_store_key *key) {
     kvc_store *s = user;
     pthread_mutex_lock(&s->mu);

@@ -25,6 +25,8 @@ const kvc_store_params *kvc__store_params(const kvc_store *s);
 kvc_status kvc__store_probe_run(kvc_store *s, const kvc_store_key *ns, const int32_t *tokens,
                                 int32_t page_size, int64_t first_page, int64_t max_pages,
                                 int64_t *n_pages);
+/* Calls the event callback, if any, with ev. */
+void kvc__store_emit(kvc_store *s, const kvc_store_event *ev);
 /* Frees what kvc_store_attach_engine made (at close). */
 void kvc__store_attach_free(void *a);
 
