@@ -13,6 +13,17 @@ command -v cmake >/dev/null || need_apt+=(cmake)
 command -v ninja >/dev/null || need_apt+=(ninja-build)
 command -v cc >/dev/null || need_apt+=(gcc libc6-dev)
 command -v python3 >/dev/null || need_apt+=(python3 python3-pip)
+# the KV store (libkvcache_store): keys and checksums, Redis, authentication,
+# events; redis-server for its tests
+pc_has() { pkg-config --exists "$1" 2>/dev/null; }
+command -v pkg-config >/dev/null || need_apt+=(pkg-config)
+pc_has libxxhash || need_apt+=(libxxhash-dev)
+pc_has hiredis || need_apt+=(libhiredis-dev)
+pc_has libsodium || need_apt+=(libsodium-dev)
+pc_has libzmq || need_apt+=(libzmq3-dev)
+pc_has msgpack || need_apt+=(libmsgpack-dev)
+command -v redis-server >/dev/null || need_apt+=(redis-server)
+command -v redis-cli >/dev/null || need_apt+=(redis-tools)
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "setup: installing ${need_apt[*]} with apt-get"
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo

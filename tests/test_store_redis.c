@@ -12,6 +12,7 @@
 #include <unistd.h>
 #include <fcntl.h>
 
+#include "kvcache/store.h"
 #include "store/tier.h"
 #include "test.h"
 
@@ -688,6 +689,114 @@ TEST(tcp_url) {
     return 0;
 }
 
+
+/* ---- the engine over Redis (KVC_TINY_GGUF) ----------------------------------------- */
+
+/* Greedy tokens of prompt through a fresh engine of format fmt, with the
+ * store at url (NULL: none); the cache checked after every step. */
+static int engine_run(const kvc_model *m, const char *path, kvc_kv_format fmt, const char *url,
+                      const int32_t *prompt, int n, int n_gen, int32_t *out,
+                      kvc_engine_stats *es, kvc_store_stats *ss) {
+    kvc_engine_params ep = kvc_engine_default_params();
+    ep.kv_format = fmt;
+    ep.page_size = 16;
+    ep.kv_capacity_tokens = 1024;
+    ep.max_step_tokens = 64;
+    ep.n_threads = 2;
+    kvc_engine *e = NULL;
+    kvc_store *s = NULL;
+    ASSERT_OK(kvc_engine_create(m, &ep, &e));
+    if (url) {
+        kvc_cache_params cp;
+        kvc_store_key ns;
+        ASSERT_OK(kvc_cache_get_params(kvc_engine_cache(e), &cp));
+        ASSERT_OK(kvc_store_model_namespace(path, m, &cp, NULL, 0, &ns));
+        ASSERT_OK(kvc_store_open(&url, 1, NULL, &s));
+        ASSERT_OK(kvc_store_attach_engine(s, e, &ns));
+    }
+    int64_t id;
+    ASSERT_OK(kvc_engine_add_request(e, prompt, n, n_gen, NULL, 1, &id));
+    int got = 0;
+    while (kvc_engine_pending(e) > 0) {
+        kvc_engine_event ev[2];
+        int64_t ne = 0;
+        ASSERT_OK(kvc_engine_step(e, ev, 2, &ne));
+        ASSERT_OK(kvc_cache_check(kvc_engine_cache(e)));
+        for (int64_t i = 0; i < ne; i++) out[got++] = ev[i].token;
+    }
+    ASSERT_EQ_I64(got, n_gen);
+    ASSERT_OK(kvc_engine_get_stats(e, es));
+    memset(ss, 0, sizeof *ss);
+    if (s) {
+        kvc_store_flush(s, 10.0); /* may time out while the server is down */
+        kvc_clear_error();
+        ASSERT_OK(kvc_store_get_stats(s, ss));
+    }
+    kvc_engine_destroy(e);
+    kvc_store_close(s);
+    return 0;
+}
+
+TEST(engine_restores_from_redis_and_survives_a_killed_server) {
+    NEED_ENV("KVC_TINY_GGUF", path);
+    NEED_ENV("KVC_TEST_REDIS_SERVER", bin);
+    (void)bin;
+    kvc_model *m = NULL;
+    ASSERT_OK(kvc_model_load(path, NULL, &m));
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    enum { N = 150, GEN = 8 };
+    int32_t prompt[N], ref[GEN], ref16[GEN], out[GEN];
+    uint64_t r = test_seed;
+    for (int i = 0; i < N; i++) prompt[i] = (int32_t)(test_rng_next(&r) % (uint64_t)in.n_vocab);
+    child_server cs = {0};
+    ASSERT_TRUE(child_start(&cs) == 0);
+    const kvc_kv_format fmts[2] = {KVC_KVFMT_NONE, KVC_KVFMT_KIVI4};
+    const int64_t restored[2] = {144, 128}; /* whole units of the first N - 1 tokens */
+    kvc_engine_stats es;
+    kvc_store_stats ss;
+    int rc = 1;
+    for (int f = 0; f < 2; f++) {
+        if (engine_run(m, path, fmts[f], NULL, prompt, N, GEN, ref, &es, &ss)) goto out;
+        /* a first engine writes the prompt's pages, a second restores them */
+        if (engine_run(m, path, fmts[f], cs.url, prompt, N, GEN, out, &es, &ss)) goto out;
+        ASSERT_MEM_EQ(out, ref, sizeof ref);
+        ASSERT_TRUE(ss.writes_done > 0 && ss.writes_failed == 0);
+        if (engine_run(m, path, fmts[f], cs.url, prompt, N, GEN, out, &es, &ss)) goto out;
+        ASSERT_MEM_EQ(out, ref, sizeof ref);
+        ASSERT_EQ_I64(es.external_tokens, restored[f]);
+        ASSERT_EQ_I64(ss.verify_failures, 0);
+        if (f == 0) memcpy(ref16, ref, sizeof ref);
+    }
+    memcpy(ref, ref16, sizeof ref); /* float16 from here on */
+    /* the server dies: the same output, computed; the failures counted */
+    child_stop(&cs);
+    double t0 = now_s();
+    if (engine_run(m, path, KVC_KVFMT_NONE, cs.url, prompt, N, GEN, out, &es, &ss)) goto out;
+    ASSERT_MEM_EQ(out, ref, sizeof ref);
+    ASSERT_EQ_I64(es.external_tokens, 0);
+    ASSERT_TRUE(ss.errors > 0);
+    fprintf(stderr, "  [server down: a request in %.0f ms, %lld store errors]\n",
+            (now_s() - t0) * 1e3, (long long)ss.errors);
+    /* restarted, empty: writes land again, and the next engine restores */
+    ASSERT_TRUE(child_start(&cs) == 0);
+    if (engine_run(m, path, KVC_KVFMT_NONE, cs.url, prompt, N, GEN, out, &es, &ss)) goto out;
+    ASSERT_MEM_EQ(out, ref, sizeof ref);
+    ASSERT_TRUE(ss.writes_done > 0);
+    if (engine_run(m, path, KVC_KVFMT_NONE, cs.url, prompt, N, GEN, out, &es, &ss)) goto out;
+    ASSERT_MEM_EQ(out, ref, sizeof ref);
+    ASSERT_EQ_I64(es.external_tokens, 144);
+    rc = 0;
+out:
+    child_stop(&cs);
+    char sock[300];
+    snprintf(sock, sizeof sock, "%s/r.sock", cs.dir);
+    unlink(sock);
+    rmdir(cs.dir);
+    kvc_model_destroy(m);
+    return rc;
+}
+
 const char *test_suite_name = "store_redis";
 const test_case test_suite[] = {
     TEST_ENTRY(put_get_roundtrip_binary),
@@ -702,6 +811,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(concurrent_put_and_get),
     TEST_ENTRY(bad_urls_rejected),
     TEST_ENTRY(tcp_url),
+    TEST_ENTRY(engine_restores_from_redis_and_survives_a_killed_server),
     {0, 0},
 };
 

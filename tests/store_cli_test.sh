@@ -1,0 +1,68 @@
+#!/bin/sh
+# Two processes sharing a KV store through the CLI, on the default model:
+#   store_cli_test.sh CASE KVCACHE_BINARY MODEL
+# Cases: dir (f16 and int4 = kivi4), redis (KVC_TEST_REDIS: run through
+# tests/with_redis.sh), dir_full (every write fails: the file size limit).
+# The second process must restore the prompt (--json-stats) and print
+# exactly what a process without a store prints (greedy decoding).
+# Exit 0 pass, 1 fail (with the reason), 77 skip (the model is absent).
+set -u
+case_name=$1 kv=$2 model=$3
+[ -f "$model" ] || { echo "skip: no model at $model"; exit 77; }
+tmp=$(mktemp -d) || exit 1
+trap 'rm -rf "$tmp"' EXIT
+fail() { echo "FAIL ($case_name): $*"; for f in "$tmp"/*.err; do
+    [ -f "$f" ] && { echo "--- $f"; cat "$f"; }; done; exit 1; }
+# a prompt of ~600 tokens
+i=0; while [ $i -lt 60 ]; do
+    printf 'Line %d of a long prompt: the quick brown fox jumps over the lazy dog. ' $i
+    i=$((i + 1)); done > "$tmp/prompt.txt"
+run() { # NAME [options...]: stdout to NAME.out, stderr to NAME.err
+    name=$1; shift
+    "$kv" run -m "$model" -f "$tmp/prompt.txt" -n 12 -t 2 -q --json-stats "$@" \
+        > "$tmp/$name.out" 2> "$tmp/$name.err" || fail "$name: exit status $?"
+}
+stat_of() { # NAME KEY: an integer field of NAME's --json-stats line
+    sed -n "s/.*\"$2\": \([0-9]*\).*/\1/p" "$tmp/$1.err" | tail -1
+}
+two_runs() { # URL [options...]
+    url=$1; shift
+    run ref "$@"
+    run first --kv-store "$url" "$@"
+    run second --kv-store "$url" "$@"
+    cmp -s "$tmp/ref.out" "$tmp/first.out" || fail "output with a store differs"
+    cmp -s "$tmp/ref.out" "$tmp/second.out" || fail "restored output differs"
+    [ "$(stat_of first store_hit_tokens)" -eq 0 ] || fail "the first process hit an empty store"
+    [ "$(stat_of first store_bytes_written)" -gt 0 ] || fail "the first process wrote nothing"
+    hit=$(stat_of second store_hit_tokens) p=$(stat_of second prompt_tokens)
+    [ "$hit" -gt 0 ] && [ "$hit" -lt "$p" ] || fail "second process restored $hit of $p tokens"
+    [ "$(stat_of second store_verify_failures)" -eq 0 ] || fail "verify failures"
+    echo "$case_name $*: restored $hit of $p prompt tokens"
+}
+case $case_name in
+dir)
+    two_runs "dir:$tmp/store"
+    two_runs "dir:$tmp/store" --kv-dtype int4
+    ;;
+redis)
+    [ -n "${KVC_TEST_REDIS:-}" ] || fail "KVC_TEST_REDIS is not set: run through tests/with_redis.sh"
+    two_runs "$KVC_TEST_REDIS"
+    two_runs "$KVC_TEST_REDIS" --kv-dtype int8
+    ;;
+dir_full)
+    # files may hold 64 KiB, a page object 368 KiB: every write fails
+    # (EFBIG), the run is unchanged and counts the errors
+    run ref
+    (trap '' XFSZ; ulimit -f 128; exec "$kv" run -m "$model" -f "$tmp/prompt.txt" -n 12 -t 2 -q \
+        --json-stats --kv-store "dir:$tmp/full" > "$tmp/full.out" 2> "$tmp/full.err") ||
+        fail "full: exit status $?"
+    cmp -s "$tmp/ref.out" "$tmp/full.out" || fail "output with a full disk differs"
+    [ "$(stat_of full store_errors)" -gt 0 ] || fail "no store errors counted"
+    [ "$(stat_of full store_bytes_written)" -eq 0 ] || fail "bytes written to a full disk"
+    find "$tmp/full" -name '*.kvp' | grep -q . && fail "an object is visible"
+    find "$tmp/full/tmp" -type f | grep -q . && fail "a temporary file is left"
+    echo "dir_full: $(stat_of full store_errors) failed writes, output unchanged"
+    ;;
+*) fail "unknown case" ;;
+esac
+exit 0
