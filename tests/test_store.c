@@ -776,6 +776,196 @@ TEST(write_policies_and_a_full_queue) {
     return 0;
 }
 
+/* ---- the engine's background loads (a connector of the test's own) ----------------- */
+
+typedef struct fake_conn {
+    const kvc_cache *ref;     /* the prompt's K/V, computed */
+    const int32_t *ref_pages; /* its page ids */
+    const int32_t *prompt;
+    int n_prompt;
+    int64_t pages;            /* what probe offers for the prompt */
+    int polls_left;           /* load_poll says "running" this many more times */
+    int started, finished, applied_pages, polls, waits;
+    int64_t first;
+} fake_conn;
+
+static int same_prompt(const fake_conn *f, const int32_t *tokens) {
+    return memcmp(tokens, f->prompt, (size_t)f->n_prompt * sizeof(int32_t)) == 0;
+}
+
+static kvc_status fc_probe(void *user, const kvc_cache *c, const int32_t *tokens, int64_t first,
+                           int64_t max, int64_t *n) {
+    (void)c;
+    fake_conn *f = user;
+    *n = same_prompt(f, tokens) && first == 0 ? (f->pages < max ? f->pages : max) : 0;
+    return KVC_OK;
+}
+
+static void *fc_start(void *user, const kvc_cache *c, const int32_t *tokens, int64_t first,
+                      int64_t n) {
+    (void)c, (void)tokens, (void)n;
+    fake_conn *f = user;
+    f->started++;
+    f->first = first;
+    return f;
+}
+
+static int fc_poll(void *user, void *load, int wait, int64_t *ready) {
+    fake_conn *f = user;
+    (void)load;
+    f->polls++;
+    if (wait) f->waits++, f->polls_left = 0;
+    if (f->polls_left > 0) {
+        f->polls_left--;
+        return 0;
+    }
+    *ready = f->pages;
+    return 1;
+}
+
+static void fc_finish(void *user, void *load, kvc_cache *c, int64_t skip, const int32_t *ids,
+                      int64_t n) {
+    fake_conn *f = user;
+    (void)load;
+    f->finished++;
+    if (!c) return;
+    const size_t pb = kvc_cache_page_bytes(c);
+    unsigned char *buf = malloc(pb);
+    for (int64_t i = 0; i < n; i++) {
+        kvc_cache_read_page(f->ref, f->ref_pages[f->first + skip + i], buf, pb);
+        kvc_cache_write_page(c, ids[i], buf, pb);
+        f->applied_pages++;
+    }
+    free(buf);
+}
+
+TEST(engine_steps_others_while_a_load_runs) {
+    NEED_TINY(m);
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    enum { NA = 40, NB = 150, GEN = 12 };
+    int32_t pa[NA], pb[NB], ref_a[GEN], ref_b[GEN];
+    random_prompt(pa, NA, test_seed + 7, in.n_vocab);
+    random_prompt(pb, NB, test_seed + 8, in.n_vocab);
+    srun r = srun_default();
+    const int32_t *pp[2] = {pa, pb};
+    const int lens[2] = {NA, NB};
+    if (srun_go(m, tiny_path, &r, 1, pp, lens, GEN, ref_a, NULL, NULL)) return 1;
+    if (srun_go(m, tiny_path, &r, 1, pp + 1, lens + 1, GEN, ref_b, NULL, NULL)) return 1;
+    /* B's K/V computed once, in a cache of the engine's geometry */
+    kvc_engine_params ep = srun_engine_params(&r);
+    kvc_cache_params cp = kvc_model_cache_params(m, KVC_F16, 512);
+    cp.page_size = 16;
+    kvc_cache *ref = NULL;
+    ASSERT_OK(kvc_cache_create(&cp, &ref));
+    kvc_model_ctx *ctx = NULL;
+    ASSERT_OK(kvc_model_ctx_create(m, 1, &ctx));
+    kvc_seq_id sr;
+    int64_t hit, pos0 = 0, n = NB;
+    ASSERT_OK(kvc_cache_add_sequence(ref, pb, NB, 0, &sr, &hit));
+    float *lg = malloc((size_t)in.n_vocab * sizeof(float));
+    ASSERT_OK(kvc_model_forward(ctx, ref, 1, &sr, &pos0, &n, NULL, pb, NULL, lg));
+    int32_t ref_pages[16], indptr[2], last;
+    int64_t np;
+    ASSERT_OK(kvc_cache_page_table(ref, &sr, 1, indptr, ref_pages, 16, &last, &np));
+    fake_conn f = {ref, ref_pages, pb, NB, 9, 6, 0, 0, 0, 0, 0, 0};
+    kvc_engine_connector c;
+    memset(&c, 0, sizeof c);
+    c.user = &f;
+    c.probe = fc_probe;
+    c.load_start = fc_start;
+    c.load_poll = fc_poll;
+    c.load_finish = fc_finish;
+    kvc_engine *e = NULL;
+    ASSERT_OK(kvc_engine_create(m, &ep, &e));
+    ASSERT_OK(kvc_engine_set_connector(e, &c));
+    int64_t ida, idb;
+    ASSERT_OK(kvc_engine_add_request(e, pb, NB, GEN, NULL, 1, &idb)); /* B first in the queue */
+    ASSERT_OK(kvc_engine_add_request(e, pa, NA, GEN, NULL, 1, &ida));
+    int32_t oa[GEN], ob[GEN];
+    int ga = 0, gb = 0, steps = 0, a_while_loading = 0;
+    while (kvc_engine_pending(e) > 0) {
+        kvc_engine_event ev[2];
+        int64_t ne = 0;
+        const int loading = f.started == 1 && f.finished == 0;
+        ASSERT_OK(kvc_engine_step(e, ev, 2, &ne));
+        ASSERT_OK(kvc_cache_check(kvc_engine_cache(e)));
+        steps++;
+        for (int64_t i = 0; i < ne; i++) {
+            if (ev[i].request_id == ida) oa[ga++] = ev[i].token, a_while_loading += loading;
+            else ob[gb++] = ev[i].token;
+        }
+    }
+    ASSERT_EQ_I64(ga, GEN);
+    ASSERT_EQ_I64(gb, GEN);
+    ASSERT_MEM_EQ(oa, ref_a, sizeof oa);
+    ASSERT_MEM_EQ(ob, ref_b, sizeof ob); /* from the loaded pages */
+    ASSERT_EQ_I64(f.started, 1);
+    ASSERT_EQ_I64(f.finished, 1);
+    ASSERT_EQ_I64(f.applied_pages, 9); /* 144 of 150 tokens */
+    ASSERT_TRUE(a_while_loading >= 3); /* A generated while B's load ran */
+    kvc_engine_stats es;
+    ASSERT_OK(kvc_engine_get_stats(e, &es));
+    ASSERT_EQ_I64(es.external_tokens, 144);
+    ASSERT_EQ_I64(es.prefill_tokens, NA + NB - 144);
+    /* with nothing else to do, a step waits for the load */
+    f.polls_left = 1000000;
+    f.started = f.finished = f.applied_pages = f.waits = 0;
+    kvc_engine_destroy(e);
+    ASSERT_OK(kvc_engine_create(m, &ep, &e));
+    ASSERT_OK(kvc_engine_set_connector(e, &c));
+    ASSERT_OK(kvc_engine_add_request(e, pb, NB, 2, NULL, 1, &idb));
+    kvc_engine_event ev[2];
+    int64_t ne = 0;
+    ASSERT_OK(kvc_engine_step(e, ev, 2, &ne));
+    ASSERT_EQ_I64(f.waits, 1);
+    ASSERT_EQ_I64(ne, 1); /* admitted after the wait, in the same step: its first token */
+    ASSERT_EQ_I64(ev[0].token, ref_b[0]);
+    kvc_engine_destroy(e);
+    /* a cancelled or destroyed engine's loads are released unused */
+    f.polls_left = 1000000;
+    f.started = f.finished = f.applied_pages = 0;
+    ASSERT_OK(kvc_engine_create(m, &ep, &e));
+    ASSERT_OK(kvc_engine_set_connector(e, &c));
+    ASSERT_OK(kvc_engine_add_request(e, pb, NB, 2, NULL, 1, &idb));
+    ASSERT_OK(kvc_engine_add_request(e, pa, NA, 2, NULL, 1, &ida));
+    ASSERT_OK(kvc_engine_step(e, ev, 2, &ne)); /* B loads, A runs */
+    ASSERT_EQ_I64(f.started, 1);
+    ASSERT_OK(kvc_engine_cancel(e, idb));
+    ASSERT_EQ_I64(f.finished, 1);
+    ASSERT_OK(kvc_engine_add_request(e, pb, NB, 2, NULL, 1, &idb));
+    ASSERT_OK(kvc_engine_step(e, ev, 2, &ne));
+    ASSERT_EQ_I64(f.started, 2);
+    kvc_engine_destroy(e);
+    ASSERT_EQ_I64(f.finished, 2);
+    ASSERT_EQ_I64(f.applied_pages, 0);
+    free(lg);
+    kvc_model_ctx_destroy(ctx);
+    kvc_cache_destroy(ref);
+    kvc_model_destroy(m);
+    return 0;
+}
+
+TEST(hash_variants_agree) {
+    uint64_t rng = test_seed;
+    unsigned char *buf = malloc(1 << 20);
+    for (int i = 0; i < (1 << 20); i++) buf[i] = (unsigned char)test_rng_next(&rng);
+    if (!test_isa_usable(KVC_ISA_AVX2)) {
+        free(buf);
+        return 0;
+    }
+    for (int t = 0; t < 200; t++) {
+        const size_t na = (size_t)(test_rng_next(&rng) % 5000),
+                     nb = (size_t)(test_rng_next(&rng) % 400000);
+        kvc_store_key a, b;
+        kvc__store_hash128_base(buf, na, buf + 5000, nb, &a);
+        kvc__store_hash128_avx2(buf, na, buf + 5000, nb, &b);
+        ASSERT_MEM_EQ(a.b, b.b, 16);
+    }
+    free(buf);
+    return 0;
+}
+
 const char *test_suite_name = "store";
 const test_case test_suite[] = {
     TEST_ENTRY(page_keys_match_independent_xxh3),
@@ -788,5 +978,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(restored_kv_bytes_equal_recomputed),
     TEST_ENTRY(engine_survives_every_corruption_of_the_directory),
     TEST_ENTRY(write_policies_and_a_full_queue),
+    TEST_ENTRY(engine_steps_others_while_a_load_runs),
+    TEST_ENTRY(hash_variants_agree),
     {0, 0},
 };

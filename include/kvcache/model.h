@@ -279,29 +279,40 @@ typedef struct kvc_engine_stats {
  * External KV (a connector; kvc_store_attach_engine of store.h sets one).
  * Page indexes count from a sequence's first token; runs are whole prefix
  * units (pages, or for a compressed format lcm(page, K group) tokens).
- *   probe    at admission, after the prefix cache's hit of first_page pages:
- *            how many of the next (at most max_pages) pages it can likely
- *            restore (*n_pages, no data moved);
- *   restore  writes pages [first_page, first_page + n_pages) of tokens into
- *            page_ids (reserved for the request, written by nothing else),
- *            each verified before it is written: *n_restored receives the
- *            run written from first_page on; the engine rolls the rest of the
- *            reservation back and computes those tokens (a failed call
- *            counts as none restored);
- *   on_final pages [first_page, first_page + n_pages) of a request became
- *            final (full, K groups complete) with tokens' ids;
- *   on_hit   pages the prefix cache served at admission;
- *   on_evict the cache is about to reuse a cached page (its hook, cache.h).
- * Any callback but probe and restore may be NULL. Called from the thread
- * that steps the engine, within kvc_engine_step.
+ * When the engine meets a queued request, after the prefix cache's hit of
+ * first_page pages:
+ *   probe        how many of the next (at most max_pages) pages the
+ *                connector can likely give (*n_pages; nothing moved);
+ *   load_start   starts reading and verifying them in the background (a
+ *                handle; NULL: the request is computed). The request then
+ *                waits, keeping its place in the queue, while the engine
+ *                steps the others (a step with nothing else to do waits for
+ *                the oldest load);
+ *   load_poll    1 once the load is done (*n_ready: the verified run from
+ *                its first page), 0 while it runs (wait: block until done);
+ *   load_finish  writes loaded pages [skip, skip + n_pages) into page_ids
+ *                (pages just reserved for the request; cache NULL or
+ *                n_pages 0: none) and releases the load, stopping it first
+ *                if it still runs. It cannot fail: the pages were verified.
+ * Then, as pages change:
+ *   on_final     pages [first_page, first_page + n_pages) of a request
+ *                became final (full, K groups complete) with tokens' ids;
+ *   on_hit       pages the prefix cache served at admission;
+ *   on_evict     the cache is about to reuse a cached page (its hook,
+ *                cache.h).
+ * on_final, on_hit and on_evict may be NULL. All are called from the
+ * thread that steps the engine, within kvc_engine_step (load_finish also
+ * from kvc_engine_cancel, kvc_engine_set_connector and kvc_engine_destroy).
  */
 typedef struct kvc_engine_connector {
     void *user;
     kvc_status (*probe)(void *user, const kvc_cache *cache, const int32_t *tokens,
                         int64_t first_page, int64_t max_pages, int64_t *n_pages);
-    kvc_status (*restore)(void *user, kvc_cache *cache, const int32_t *tokens,
-                          int64_t first_page, int64_t n_pages, const int32_t *page_ids,
-                          int64_t *n_restored);
+    void *(*load_start)(void *user, const kvc_cache *cache, const int32_t *tokens,
+                        int64_t first_page, int64_t n_pages);
+    int (*load_poll)(void *user, void *load, int wait, int64_t *n_ready);
+    void (*load_finish)(void *user, void *load, kvc_cache *cache, int64_t skip,
+                        const int32_t *page_ids, int64_t n_pages);
     void (*on_final)(void *user, const kvc_cache *cache, const int32_t *tokens,
                      int64_t first_page, int64_t n_pages, const int32_t *page_ids);
     void (*on_hit)(void *user, const kvc_cache *cache, const int32_t *tokens, int64_t first_page,

@@ -48,6 +48,9 @@ typedef struct req {
     kvc_seq_id seq; /* -1 when not admitted */
     int64_t n_done, n_resv;
     int64_t n_final; /* tokens of its pages reported final to the connector */
+    void *load;        /* the connector's load of its prompt pages, while queued */
+    int64_t load_first; /* the load's first page */
+    int probed;        /* the connector had nothing to load for it */
     int64_t admit; /* admission counter, for picking preemption victims */
 } req;
 
@@ -107,8 +110,16 @@ static void req_free(req *r) {
     free(r);
 }
 
+/* Releases r's load, if any, without using it. */
+static void drop_load(kvc_engine *e, req *r) {
+    if (r->load) e->conn.load_finish(e->conn.user, r->load, NULL, 0, NULL, 0);
+    r->load = NULL;
+    r->probed = 0;
+}
+
 void kvc_engine_destroy(kvc_engine *e) {
     if (!e) return;
+    for (int64_t i = 0; i < e->n_wait; i++) drop_load(e, e->wait[i]);
     for (int64_t i = 0; i < e->n_wait; i++) req_free(e->wait[i]);
     for (int64_t i = 0; i < e->n_run; i++) req_free(e->run[i]);
     free(e->wait);
@@ -253,6 +264,7 @@ kvc_status kvc_engine_cancel(kvc_engine *e, int64_t id) {
     for (int64_t i = 0; i < e->n_wait; i++)
         if (e->wait[i]->id == id) {
             req *r = e->wait[i];
+            drop_load(e, r);
             remove_at(e->wait, &e->n_wait, i);
             req_free(r);
             return KVC_OK;
@@ -287,17 +299,20 @@ static void evict_trampoline(void *user, const kvc_cache *cache, int32_t page) {
 kvc_status kvc_engine_set_connector(kvc_engine *e, const kvc_engine_connector *c) {
     static const char fn[] = "kvc_engine_set_connector";
     KVC_CHECK(e != NULL, "%s: engine is NULL", fn);
+    KVC_CHECK(!c || (c->probe && c->load_start && c->load_poll && c->load_finish),
+              "%s: probe, load_start, load_poll and load_finish must be set", fn);
     if (!c) {
+        for (int64_t i = 0; i < e->n_wait; i++) drop_load(e, e->wait[i]);
         e->has_conn = 0;
         memset(&e->conn, 0, sizeof e->conn);
         return kvc_cache_set_evict_hook(e->cache, NULL, NULL);
     }
-    KVC_CHECK(c->probe != NULL && c->restore != NULL, "%s: probe and restore must be set", fn);
     KVC_CHECK(e->p.enable_prefix_caching, "%s: needs prefix caching (enable_prefix_caching)", fn);
     kvc_kvfmt f;
     KVC_CHECK(e->p.kv_format == KVC_KVFMT_NONE ||
                   (kvc_cache_kvfmt(e->cache, &f) == KVC_OK && f.window == 0),
               "%s: a compressed format with a float16 window cannot be restored exactly", fn);
+    for (int64_t i = 0; i < e->n_wait; i++) drop_load(e, e->wait[i]); /* the old connector's */
     e->conn = *c;
     e->has_conn = 1;
     return kvc_cache_set_evict_hook(e->cache, c->on_evict ? evict_trampoline : NULL, e);
@@ -472,37 +487,44 @@ static void compact_batch(kvc_engine *e, int64_t *nb, int64_t *rows, int64_t *bu
     *n_decode = kdec;
 }
 
-/* Restores *ext tokens after the n_cached hit of r's new sequence seq
- * (reserved with *chunk more). What the connector does not restore is
- * rolled back and computed instead: *ext and *chunk are updated (chunk
- * within budget). KVC_ERR_NO_SPACE (no message) when the re-reservation
- * fails; the caller frees seq. */
-static kvc_status restore_ext(kvc_engine *e, req *r, kvc_seq_id seq, int64_t n_cached,
-                              int64_t *ext, int64_t *chunk, int64_t budget) {
+/* Probes the connector for r (queued, prefix hit of hit tokens) and starts
+ * loading what it has: 1 when a load started (r waits for it), 0 when r is
+ * to be admitted now (nothing to load; r is not probed again). Whole units
+ * only, never the prompt's last token (its logits are needed). */
+static int start_load(kvc_engine *e, req *r, int64_t hit) {
     const int64_t P = e->p.page_size, upp = e->unit / P;
-    int64_t nr = 0;
-    if (seq_pages(e, seq) < (n_cached + *ext) / P ||
-        e->conn.restore(e->conn.user, e->cache, r->tok, n_cached / P, *ext / P,
-                        e->pg + n_cached / P, &nr) != KVC_OK)
-        nr = 0;
-    kvc_clear_error(); /* the connector counts its failures: recompute */
-    if (nr > *ext / P) nr = *ext / P;
-    nr = nr / upp * upp;
-    if (nr * P == *ext) return KVC_OK;
-    /* the unrestored slots were never written: out of the index, then
-     * reserve what this step computes instead */
-    const int64_t keep = n_cached + nr * P;
-    kvc_cache_rollback(e->cache, seq, keep);
-    *ext = nr * P;
-    *chunk = r->n_tok - keep;
-    if (*chunk > budget) *chunk = budget;
-    kvc_status st = kvc_cache_append(e->cache, seq, r->tok + keep, *chunk, NULL);
-    if (st != KVC_OK) {
-        kvc_clear_error();
-        kvc_cache_rollback(e->cache, seq, n_cached);
-        return KVC_ERR_NO_SPACE;
+    const int64_t max_units = ((r->n_tok - 1) / e->unit * e->unit - hit) / e->unit;
+    int64_t np = 0;
+    r->probed = 1;
+    if (max_units <= 0) return 0;
+    if (e->conn.probe(e->conn.user, e->cache, r->tok, hit / P, max_units * upp, &np) != KVC_OK) {
+        kvc_clear_error(); /* the connector counts its failures: recompute */
+        return 0;
     }
-    return KVC_OK;
+    if (np > max_units * upp) np = max_units * upp;
+    np = np / upp * upp;
+    if (np == 0) return 0;
+    r->load = e->conn.load_start(e->conn.user, e->cache, r->tok, hit / P, np);
+    kvc_clear_error();
+    r->load_first = hit / P;
+    return r->load != NULL;
+}
+
+/* For r with a load: 1 while it runs; else 0 with *ext the tokens it gives
+ * after the prefix hit of hit tokens (the hit may have grown or shrunk
+ * since the load started: pages already cached are skipped, *skip; a gap
+ * before the loaded pages makes them useless). */
+static int load_usable(kvc_engine *e, req *r, int64_t hit, int64_t *skip, int64_t *ext) {
+    const int64_t P = e->p.page_size, upp = e->unit / P;
+    int64_t ready = 0;
+    if (!e->conn.load_poll(e->conn.user, r->load, 0, &ready)) return 1;
+    const int64_t hp = hit / P, max_units = ((r->n_tok - 1) / e->unit * e->unit - hit) / e->unit;
+    int64_t n = hp >= r->load_first ? r->load_first + ready - hp : 0;
+    if (n > max_units * upp) n = max_units * upp;
+    n = n > 0 ? n / upp * upp : 0;
+    *skip = hp - r->load_first;
+    *ext = n * P;
+    return 0;
 }
 
 kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
@@ -583,29 +605,25 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
         e->b_want[rows + chunk - 1] = r->n_done + chunk == r->n_tok;
         nb++, rows += chunk, budget -= chunk;
     }
-    /* 3. admission */
-    while (budget > 0 && e->n_wait > 0 && e->n_run < e->p.max_running) {
-        req *r = e->wait[0];
+admission:
+    /* 3. admission, in queue order; a request whose pages the connector is
+     * loading keeps its place and is passed over until the load is done */
+    for (int64_t wi = 0; budget > 0 && wi < e->n_wait && e->n_run < e->p.max_running;) {
+        req *r = e->wait[wi];
         int64_t hit = 0;
         if (e->p.enable_prefix_caching) {
             st = kvc_cache_lookup_prefix(e->cache, r->tok, r->n_tok, 0, &hit);
             if (st != KVC_OK) return fail_step(e, admit0, st);
         }
-        /* then the connector, for whole units after the hit (never the
-         * prompt's last token: its logits are needed) */
-        const int64_t P = e->p.page_size, upp = e->unit / P;
-        int64_t ext = 0; /* tokens to restore */
+        int64_t ext = 0, skip = 0; /* tokens to restore; loaded pages before the hit */
         if (e->has_conn) {
-            const int64_t max_units = ((r->n_tok - 1) / e->unit * e->unit - hit) / e->unit;
-            int64_t np = 0;
-            if (max_units > 0 &&
-                e->conn.probe(e->conn.user, e->cache, r->tok, hit / P, max_units * upp, &np) !=
-                    KVC_OK) {
-                kvc_clear_error(); /* the connector counts its failures: recompute */
-                np = 0;
+            int wait = 0;
+            if (!r->load && !r->probed) wait = start_load(e, r, hit);
+            else if (r->load) wait = load_usable(e, r, hit, &skip, &ext);
+            if (wait) {
+                wi++;
+                continue;
             }
-            if (np > max_units * upp) np = max_units * upp;
-            ext = np / upp * e->unit;
         }
         int64_t chunk = r->n_tok - hit - ext;
         if (chunk > budget) chunk = budget;
@@ -613,14 +631,13 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
         kvc_seq_id seq;
         st = kvc_cache_add_sequence(e->cache, e->p.enable_prefix_caching ? r->tok : NULL,
                                     hit + ext + chunk, 0, &seq, &n_cached);
-        if (st == KVC_OK && ext > 0) {
-            st = restore_ext(e, r, seq, n_cached, &ext, &chunk, budget);
-            if (st == KVC_ERR_NO_SPACE) {
-                kvc_cache_free_sequence(e->cache, seq);
-                st = KVC_ERR_NO_SPACE;
-            }
+        if (st == KVC_OK && n_cached != hit) { /* lookup and add agree: never happens */
+            kvc_cache_rollback(e->cache, seq, 0);
+            kvc_cache_free_sequence(e->cache, seq);
+            st = kvc__error(KVC_ERR_INTERNAL, "%s: prefix lookup found %lld tokens, add %lld",
+                            fn, (long long)hit, (long long)n_cached);
         }
-        if (st == KVC_ERR_NO_SPACE) {
+        if (st == KVC_ERR_NO_SPACE) { /* a finished load is kept for the next step */
             kvc_clear_error();
             st = KVC_OK;
             break;
@@ -631,15 +648,29 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
             kvc_cache_free_sequence(e->cache, seq);
             return fail_step(e, admit0, kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn));
         }
-        remove_at(e->wait, &e->n_wait, 0);
+        remove_at(e->wait, &e->n_wait, wi);
+        if (r->load) { /* the verified pages into the ones just reserved */
+            const int ok = ext == 0 || seq_pages(e, seq) >= (hit + ext) / e->p.page_size;
+            if (!ok) { /* out of memory for the page list: compute them instead */
+                kvc_clear_error();
+                kvc_cache_rollback(e->cache, seq, hit + chunk); /* chunk rows stay reserved */
+                ext = 0;
+            }
+            e->conn.load_finish(e->conn.user, r->load, e->cache, skip,
+                                ext ? e->pg + hit / e->p.page_size : NULL,
+                                ext / e->p.page_size);
+            r->load = NULL;
+        }
+        r->probed = 0;
         r->seq = seq;
         r->admit = e->admit_counter++;
         r->n_done = n_cached + ext;
         r->n_resv = r->n_done + chunk;
         r->n_final = r->n_done / e->unit * e->unit;
         e->st.external_tokens += ext;
-        if (e->has_conn && e->conn.on_hit && n_cached >= P && seq_pages(e, seq) >= n_cached / P)
-            e->conn.on_hit(e->conn.user, e->cache, r->tok, 0, n_cached / P, e->pg);
+        if (e->has_conn && e->conn.on_hit && n_cached >= e->p.page_size &&
+            seq_pages(e, seq) >= n_cached / e->p.page_size)
+            e->conn.on_hit(e->conn.user, e->cache, r->tok, 0, n_cached / e->p.page_size, e->pg);
         kvc_clear_error();
         if (!r->admitted_once) { /* first admission: count the prompt */
             r->admitted_once = 1;
@@ -661,6 +692,13 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
         nb++, rows += chunk, budget -= chunk;
     }
     if (nb == 0) {
+        /* nothing runs: wait for the oldest load, then admit again */
+        for (int64_t i = 0; i < e->n_wait; i++)
+            if (e->wait[i]->load) {
+                int64_t ready;
+                e->conn.load_poll(e->conn.user, e->wait[i]->load, 1, &ready);
+                goto admission;
+            }
         if (e->n_run == 0 && e->n_wait > 0)
             return kvc__error(KVC_ERR_NO_SPACE, "%s: no request fits in the cache", fn);
         return KVC_OK;

@@ -49,10 +49,21 @@ static kvc_status probe(void *user, const kvc_cache *cache, const int32_t *token
     return kvc__store_probe_run(a->s, &a->ns, tokens, a->P, first, max, n);
 }
 
-static kvc_status restore(void *user, kvc_cache *cache, const int32_t *tokens, int64_t first,
-                          int64_t n, const int32_t *page_ids, int64_t *n_restored) {
+static void *load_start(void *user, const kvc_cache *cache, const int32_t *tokens,
+                        int64_t first, int64_t n) {
     attach *a = user;
-    return kvc_store_restore_run(a->s, cache, &a->ns, tokens, first, n, page_ids, n_restored);
+    return kvc__store_load_start(a->s, cache, &a->ns, tokens, first, n);
+}
+
+static int load_poll(void *user, void *load, int wait, int64_t *n_ready) {
+    (void)user;
+    return kvc__store_load_poll(load, wait, n_ready);
+}
+
+static void load_finish(void *user, void *load, kvc_cache *cache, int64_t skip,
+                        const int32_t *page_ids, int64_t n) {
+    (void)user;
+    kvc__store_load_finish(load, cache, skip, page_ids, n);
 }
 
 /* Saves page id from its slot if the cache still holds the slot's tokens. */
@@ -178,7 +189,9 @@ kvc_status kvc_store_attach_engine(kvc_store *s, kvc_engine *engine, const kvc_s
     memset(&c, 0, sizeof c);
     c.user = a;
     c.probe = probe;
-    c.restore = restore;
+    c.load_start = load_start;
+    c.load_poll = load_poll;
+    c.load_finish = load_finish;
     c.on_final = on_final;
     if (a->policy == KVC_STORE_WRITE_SELECTIVE) c.on_hit = on_hit;
     c.on_evict = on_evict;

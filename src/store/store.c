@@ -460,11 +460,13 @@ kvc_status kvc__store_probe_run(kvc_store *s, const kvc_store_key *ns, const int
     return KVC_OK;
 }
 
-/* A restore is pipelined: this thread reads batches of objects from the
- * tiers while a worker verifies and writes the previous batch into the
- * cache (at most two batches in flight), so reading overlaps checksums and
- * copies. The worker stops at the first refused object; everything after it
- * is discarded and read again from the next tier. */
+/* A restore is pipelined: one thread reads batches of objects from the
+ * tiers while a worker verifies the previous batch (at most two batches in
+ * flight), so reading overlaps checksums and copies. The worker stops at
+ * the first refused object; everything after it is discarded and read
+ * again from the next tier. It either writes each verified page into the
+ * cache (kvc_store_restore_run) or keeps the object for a later apply (an
+ * engine's background load, kvc__store_load_*). */
 typedef struct rbatch {
     int64_t pos, n; /* run index of objs[0]; objects in objs (all present) */
     void *objs[BATCH];
@@ -473,16 +475,20 @@ typedef struct rbatch {
 
 typedef struct restore_ctx {
     kvc_store *s;
-    kvc_cache *cache;
-    const kvc_store_key *ns, *keys; /* keys of pages [0, first + max) */
+    const kvc_cache *cache;
+    kvc_cache *wcache;              /* write mode: the cache written; NULL: keep mode */
+    kvc_store_key ns;
+    kvc_store_key *keys;            /* keys of pages [0, first + max) */
     const int32_t *tokens, *page_ids;
-    int64_t first;
+    int64_t first, max;
     int32_t P;
+    void **kept;                    /* keep mode: max verified objects */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     rbatch *q[2];
     int nq, quit;
-    int64_t good;  /* run pages verified and written */
+    int cancel;                     /* keep mode: stop reading (guarded by mu) */
+    int64_t good;  /* run pages verified (and written) */
     int failed;    /* a refused object: batches after it are dropped */
     int64_t bytes, errors, misses[KVC_STORE_MISS_COUNT];
 } restore_ctx;
@@ -510,18 +516,26 @@ static void *restore_worker(void *arg) {
         for (; !failed && ok < b->n; ok++) {
             const int64_t pg = r->first + b->pos + ok;
             kvc_store_expect e;
-            e.ns = *r->ns;
+            e.ns = r->ns;
             e.key = r->keys[pg];
-            e.parent = pg > 0 ? r->keys[pg - 1] : *r->ns;
+            e.parent = pg > 0 ? r->keys[pg - 1] : r->ns;
             e.position = pg * r->P;
             e.tokens = r->tokens + pg * r->P;
             bytes += (int64_t)b->lens[ok];
-            if (kvc_store_restore_page(r->cache, r->page_ids[b->pos + ok], b->objs[ok],
-                                       b->lens[ok], &e, kvc__store_auth_key(r->s), &m) !=
-                KVC_OK) {
+            const uint8_t *auth = kvc__store_auth_key(r->s);
+            kvc_status st =
+                r->wcache ? kvc_store_restore_page(r->wcache, r->page_ids[b->pos + ok],
+                                                   b->objs[ok], b->lens[ok], &e, auth, &m)
+                          : kvc_store_verify_object(r->cache, b->objs[ok], b->lens[ok], &e, auth,
+                                                    &m);
+            if (st != KVC_OK) {
                 kvc_clear_error();
                 werr = m == KVC_STORE_MISS_COUNT; /* the cache refused the write */
                 break;
+            }
+            if (!r->wcache) { /* kept for the apply */
+                r->kept[b->pos + ok] = b->objs[ok];
+                b->objs[ok] = NULL;
             }
         }
         pthread_mutex_lock(&r->mu);
@@ -552,62 +566,42 @@ static int64_t restore_drain(restore_ctx *r) {
     return good;
 }
 
-kvc_status kvc_store_restore_run(kvc_store *s, kvc_cache *cache, const kvc_store_key *ns,
-                                 const int32_t *tokens, int64_t first, int64_t max,
-                                 const int32_t *page_ids, int64_t *n_pages) {
-    static const char fn[] = "kvc_store_restore_run";
-    KVC_CHECK(s != NULL && cache != NULL && ns != NULL && n_pages != NULL &&
-                  (max == 0 || (tokens != NULL && page_ids != NULL)),
-              "%s: store, cache, ns, tokens, page_ids and n_pages must not be NULL", fn);
-    KVC_CHECK(first >= 0 && max >= 0, "%s: first_page and max_pages must be >= 0", fn);
-    *n_pages = 0;
-    if (max == 0) return KVC_OK;
-    kvc_cache_params cp;
-    KVC_TRY(kvc_cache_get_params(cache, &cp));
-    kvc_store_key *k = keys_of(ns, tokens, first + max, cp.page_size);
-    if (!k) return KVC_ERR_NOMEM;
-    restore_ctx r;
-    memset(&r, 0, sizeof r);
-    r.s = s;
-    r.cache = cache;
-    r.ns = ns;
-    r.keys = k;
-    r.tokens = tokens;
-    r.page_ids = page_ids;
-    r.first = first;
-    r.P = cp.page_size;
-    pthread_mutex_init(&r.mu, NULL);
-    pthread_cond_init(&r.cv, NULL);
+/* Reads and verifies pages [first, first + max) of r (its mu and cv
+ * initialized by the caller), tiers in order, with a worker thread; returns
+ * the verified run's length (-1: no thread; message set) and counts
+ * everything in the store's stats. */
+static int64_t restore_pipeline(restore_ctx *r) {
+    kvc_store *s = r->s;
     pthread_t worker;
-    if (pthread_create(&worker, NULL, restore_worker, &r) != 0) {
-        pthread_cond_destroy(&r.cv);
-        pthread_mutex_destroy(&r.mu);
-        free(k);
-        return kvc__error(KVC_ERR_NOMEM, "%s: cannot start a thread", fn);
+    if (pthread_create(&worker, NULL, restore_worker, r) != 0) {
+        kvc__error(KVC_ERR_NOMEM, "store: cannot start a thread");
+        return -1;
     }
     const double deadline = now_s() + s->p.load_timeout_s;
     int64_t pos = 0, errors = 0, timeouts = 0;
-    for (int32_t t = 0; t < s->n_tiers && pos < max && !timeouts; t++) {
+    int cancel = 0;
+    for (int32_t t = 0; t < s->n_tiers && pos < r->max && !timeouts && !cancel; t++) {
         int64_t fetched = pos; /* this tier's reads went up to here */
         for (;;) {
             if (now_s() > deadline) {
                 timeouts = 1;
                 break;
             }
-            pthread_mutex_lock(&r.mu);
-            while (r.nq == 2 && !r.failed) pthread_cond_wait(&r.cv, &r.mu);
-            const int stop = r.failed;
-            pthread_mutex_unlock(&r.mu);
-            if (stop || fetched >= max) break;
+            pthread_mutex_lock(&r->mu);
+            while (r->nq == 2 && !r->failed) pthread_cond_wait(&r->cv, &r->mu);
+            const int stop = r->failed;
+            cancel = r->cancel;
+            pthread_mutex_unlock(&r->mu);
+            if (stop || cancel || fetched >= r->max) break;
             rbatch *b = calloc(1, sizeof *b);
             if (!b) {
                 errors++;
                 break;
             }
-            const int64_t n = max - fetched < BATCH ? max - fetched : BATCH;
+            const int64_t n = r->max - fetched < BATCH ? r->max - fetched : BATCH;
             void *objs[BATCH];
-            if (s->tiers[t]->ops->get(s->tiers[t], ns, k + first + fetched, n, objs, b->lens) !=
-                KVC_OK) {
+            if (s->tiers[t]->ops->get(s->tiers[t], &r->ns, r->keys + r->first + fetched, n, objs,
+                                      b->lens) != KVC_OK) {
                 errors++;
                 kvc_clear_error();
                 free(b);
@@ -621,26 +615,160 @@ kvc_status kvc_store_restore_run(kvc_store *s, kvc_cache *cache, const kvc_store
             if (b->n == 0) {
                 free(b);
             } else {
-                pthread_mutex_lock(&r.mu);
-                r.q[r.nq++] = b;
-                pthread_cond_signal(&r.cv);
-                pthread_mutex_unlock(&r.mu);
+                pthread_mutex_lock(&r->mu);
+                r->q[r->nq++] = b;
+                pthread_cond_signal(&r->cv);
+                pthread_mutex_unlock(&r->mu);
             }
             if (absent) break;
         }
-        pos = restore_drain(&r);
+        pos = restore_drain(r);
     }
-    pthread_mutex_lock(&r.mu);
-    r.quit = 1;
-    pthread_cond_signal(&r.cv);
-    pthread_mutex_unlock(&r.mu);
+    pthread_mutex_lock(&r->mu);
+    r->quit = 1;
+    pthread_cond_signal(&r->cv);
+    pthread_mutex_unlock(&r->mu);
     pthread_join(worker, NULL);
+    add_stats(s, pos, r->max - pos, errors + r->errors, r->bytes, r->misses, timeouts);
+    return pos;
+}
+
+kvc_status kvc_store_restore_run(kvc_store *s, kvc_cache *cache, const kvc_store_key *ns,
+                                 const int32_t *tokens, int64_t first, int64_t max,
+                                 const int32_t *page_ids, int64_t *n_pages) {
+    static const char fn[] = "kvc_store_restore_run";
+    KVC_CHECK(s != NULL && cache != NULL && ns != NULL && n_pages != NULL &&
+                  (max == 0 || (tokens != NULL && page_ids != NULL)),
+              "%s: store, cache, ns, tokens, page_ids and n_pages must not be NULL", fn);
+    KVC_CHECK(first >= 0 && max >= 0, "%s: first_page and max_pages must be >= 0", fn);
+    *n_pages = 0;
+    if (max == 0) return KVC_OK;
+    kvc_cache_params cp;
+    KVC_TRY(kvc_cache_get_params(cache, &cp));
+    restore_ctx r;
+    memset(&r, 0, sizeof r);
+    r.keys = keys_of(ns, tokens, first + max, cp.page_size);
+    if (!r.keys) return KVC_ERR_NOMEM;
+    r.s = s;
+    r.cache = r.wcache = cache;
+    r.ns = *ns;
+    r.tokens = tokens;
+    r.page_ids = page_ids;
+    r.first = first;
+    r.max = max;
+    r.P = cp.page_size;
+    pthread_mutex_init(&r.mu, NULL);
+    pthread_cond_init(&r.cv, NULL);
+    const int64_t pos = restore_pipeline(&r);
     pthread_cond_destroy(&r.cv);
     pthread_mutex_destroy(&r.mu);
-    free(k);
-    add_stats(s, pos, max - pos, errors + r.errors, r.bytes, r.misses, timeouts);
+    free(r.keys);
+    if (pos < 0) return KVC_ERR_NOMEM;
     *n_pages = pos;
     return KVC_OK;
+}
+
+/* ---- background loads (an engine's admission) ------------------------------ */
+
+struct kvc__store_load {
+    restore_ctx r;
+    int32_t *tokens; /* a copy: the load runs beside the engine */
+    pthread_t thr;
+    pthread_mutex_t mu; /* done, and r.cancel through r.mu once the pipeline runs */
+    pthread_cond_t cv;
+    int done;
+    int64_t ready;
+};
+
+static void *load_main(void *arg) {
+    kvc__store_load *l = arg;
+    int64_t pos = restore_pipeline(&l->r);
+    kvc_clear_error();
+    pthread_mutex_lock(&l->mu);
+    l->ready = pos > 0 ? pos : 0;
+    l->done = 1;
+    pthread_cond_broadcast(&l->cv);
+    pthread_mutex_unlock(&l->mu);
+    return NULL;
+}
+
+kvc__store_load *kvc__store_load_start(kvc_store *s, const kvc_cache *cache,
+                                       const kvc_store_key *ns, const int32_t *tokens,
+                                       int64_t first, int64_t n) {
+    kvc_cache_params cp;
+    if (n <= 0 || kvc_cache_get_params(cache, &cp) != KVC_OK) return NULL;
+    kvc__store_load *l = calloc(1, sizeof *l);
+    if (!l) return NULL;
+    const size_t nt = (size_t)(first + n) * (size_t)cp.page_size;
+    l->tokens = malloc(nt * sizeof(int32_t));
+    l->r.kept = calloc((size_t)n, sizeof(void *));
+    l->r.keys = l->tokens ? keys_of(ns, tokens, first + n, cp.page_size) : NULL;
+    if (!l->tokens || !l->r.kept || !l->r.keys) {
+        kvc_clear_error();
+        free(l->tokens), free(l->r.kept), free(l->r.keys), free(l);
+        return NULL;
+    }
+    memcpy(l->tokens, tokens, nt * sizeof(int32_t));
+    l->r.s = s;
+    l->r.cache = cache;
+    l->r.ns = *ns;
+    l->r.tokens = l->tokens;
+    l->r.first = first;
+    l->r.max = n;
+    l->r.P = cp.page_size;
+    pthread_mutex_init(&l->mu, NULL);
+    pthread_cond_init(&l->cv, NULL);
+    pthread_mutex_init(&l->r.mu, NULL);
+    pthread_cond_init(&l->r.cv, NULL);
+    if (pthread_create(&l->thr, NULL, load_main, l) != 0) {
+        pthread_cond_destroy(&l->r.cv);
+        pthread_mutex_destroy(&l->r.mu);
+        pthread_cond_destroy(&l->cv);
+        pthread_mutex_destroy(&l->mu);
+        free(l->tokens), free(l->r.kept), free(l->r.keys), free(l);
+        return NULL;
+    }
+    return l;
+}
+
+int kvc__store_load_poll(kvc__store_load *l, int wait, int64_t *n_ready) {
+    pthread_mutex_lock(&l->mu);
+    while (wait && !l->done) pthread_cond_wait(&l->cv, &l->mu);
+    const int done = l->done;
+    *n_ready = done ? l->ready : 0;
+    pthread_mutex_unlock(&l->mu);
+    return done;
+}
+
+void kvc__store_load_finish(kvc__store_load *l, kvc_cache *cache, int64_t skip,
+                            const int32_t *page_ids, int64_t n) {
+    if (!l) return;
+    pthread_mutex_lock(&l->mu);
+    const int done = l->done;
+    pthread_mutex_unlock(&l->mu);
+    if (!done) { /* stop reading at the next batch */
+        pthread_mutex_lock(&l->r.mu);
+        l->r.cancel = 1;
+        pthread_cond_broadcast(&l->r.cv);
+        pthread_mutex_unlock(&l->r.mu);
+    }
+    pthread_join(l->thr, NULL);
+    if (n > l->ready - skip) n = l->ready - skip;
+    if (cache && skip >= 0) {
+        const size_t off = KVC_STORE_HEADER_BYTES + (size_t)l->r.P * 4;
+        const size_t pb = kvc_cache_page_bytes(cache);
+        for (int64_t i = 0; i < n; i++) /* verified whole: the write cannot be refused */
+            if (kvc_cache_write_page(cache, page_ids[i],
+                                     (const unsigned char *)l->r.kept[skip + i] + off, pb) !=
+                KVC_OK)
+                kvc_clear_error();
+    }
+    for (int64_t i = 0; i < l->r.max; i++) free(l->r.kept[i]);
+    pthread_cond_destroy(&l->r.cv);
+    pthread_mutex_destroy(&l->r.mu);
+    pthread_cond_destroy(&l->cv);
+    pthread_mutex_destroy(&l->mu);
+    free(l->tokens), free(l->r.kept), free(l->r.keys), free(l);
 }
 
 kvc_status kvc_store_save_run(kvc_store *s, const kvc_cache *cache, const kvc_store_key *ns,

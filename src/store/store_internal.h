@@ -27,6 +27,19 @@ kvc_status kvc__store_probe_run(kvc_store *s, const kvc_store_key *ns, const int
                                 int64_t *n_pages);
 /* Calls the event callback, if any, with ev. */
 void kvc__store_emit(kvc_store *s, const kvc_store_event *ev);
+/* A background load for an engine (attach.c): reads and verifies pages
+ * [first, first + n) of tokens on its own thread, tiers in order, keeping
+ * the objects. start: NULL when it cannot start (nothing to undo). poll:
+ * 1 once done (*n_ready: the verified run), waiting for it when wait.
+ * finish: stops it if running, writes the verified pages [skip, skip + n)
+ * of the run into page_ids (cache NULL: none) and frees it. */
+typedef struct kvc__store_load kvc__store_load;
+kvc__store_load *kvc__store_load_start(kvc_store *s, const kvc_cache *cache,
+                                       const kvc_store_key *ns, const int32_t *tokens,
+                                       int64_t first, int64_t n);
+int kvc__store_load_poll(kvc__store_load *l, int wait, int64_t *n_ready);
+void kvc__store_load_finish(kvc__store_load *l, kvc_cache *cache, int64_t skip,
+                            const int32_t *page_ids, int64_t n);
 /* Frees what kvc_store_attach_engine made (at close). */
 void kvc__store_attach_free(void *a);
 
