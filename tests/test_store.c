@@ -789,8 +789,9 @@ typedef struct fake_conn {
     int64_t first;
 } fake_conn;
 
+/* The prompts differ in their first page (all the probe may read). */
 static int same_prompt(const fake_conn *f, const int32_t *tokens) {
-    return memcmp(tokens, f->prompt, (size_t)f->n_prompt * sizeof(int32_t)) == 0;
+    return memcmp(tokens, f->prompt, 16 * sizeof(int32_t)) == 0;
 }
 
 static kvc_status fc_probe(void *user, const kvc_cache *c, const int32_t *tokens, int64_t first,
