@@ -72,8 +72,11 @@ static void sub_close(sub *s) {
 }
 
 /* One message: its 3 frames' sizes checked; *seq from frame 1, the payload
- * unpacked into u. 0 ok, -1 nothing came (timeout) or a bad shape. */
-static int sub_recv(sub *s, uint64_t *seq, msgpack_unpacked *u) {
+ * copied to *buf (malloc'd: u's strings and bins point into it; free it
+ * after u) and unpacked into u. 0 ok, -1 nothing came (timeout) or a bad
+ * shape. */
+static int sub_recv(sub *s, uint64_t *seq, msgpack_unpacked *u, void **buf) {
+    *buf = NULL;
     zmq_msg_t f[3];
     int n = 0, more = 1, ok = 1;
     while (more) {
@@ -94,13 +97,17 @@ static int sub_recv(sub *s, uint64_t *seq, msgpack_unpacked *u) {
         const unsigned char *b = zmq_msg_data(&f[1]);
         *seq = 0;
         for (int i = 0; i < 8; i++) *seq = *seq << 8 | b[i];
-        size_t off = 0;
+        size_t off = 0, size = zmq_msg_size(&f[2]);
         msgpack_unpacked_init(u);
-        if (msgpack_unpack_next(u, zmq_msg_data(&f[2]), zmq_msg_size(&f[2]), &off) !=
-                MSGPACK_UNPACK_SUCCESS ||
-            off != zmq_msg_size(&f[2])) {
-            msgpack_unpacked_destroy(u);
+        if (!(*buf = malloc(size ? size : 1))) ok = 0;
+        else memcpy(*buf, zmq_msg_data(&f[2]), size);
+        if (ok && (msgpack_unpack_next(u, *buf, size, &off) != MSGPACK_UNPACK_SUCCESS ||
+                   off != size))
             ok = 0;
+        if (!ok) {
+            msgpack_unpacked_destroy(u);
+            free(*buf);
+            *buf = NULL;
         }
     }
     for (int i = 0; i < n && i < 3; i++) zmq_msg_close(&f[i]);
@@ -166,7 +173,8 @@ TEST(wire_format) {
     while (!cleared) {
         uint64_t seq = 0;
         msgpack_unpacked u;
-        ASSERT_TRUE(sub_recv(&s, &seq, &u) == 0);
+        void *buf = NULL;
+        ASSERT_TRUE(sub_recv(&s, &seq, &u, &buf) == 0);
         ASSERT_EQ_I64((int64_t)seq, (int64_t)want_seq);
         want_seq++;
         const msgpack_object *b = &u.data;
@@ -207,6 +215,7 @@ TEST(wire_format) {
             }
         }
         msgpack_unpacked_destroy(&u);
+        free(buf);
     }
     /* the publisher counts a batch after sending it: give it a moment */
     kvc_store_events_stats es;
@@ -249,12 +258,14 @@ TEST(close_drains) {
     for (uint64_t want = 0; got < N; want++) {
         uint64_t seq = 0;
         msgpack_unpacked u;
-        ASSERT_TRUE(sub_recv(&s, &seq, &u) == 0);
+        void *buf = NULL;
+        ASSERT_TRUE(sub_recv(&s, &seq, &u, &buf) == 0);
         ASSERT_EQ_I64((int64_t)seq, (int64_t)want);
         const msgpack_object *evs = &u.data.via.array.ptr[1];
         ASSERT_TRUE(evs->via.array.size >= 1 && evs->via.array.size <= 64);
         got += (int)evs->via.array.size;
         msgpack_unpacked_destroy(&u);
+        free(buf);
     }
     ASSERT_EQ_I64(got, N);
     sub_close(&s);
