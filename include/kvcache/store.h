@@ -245,9 +245,41 @@ typedef struct kvc_store_event {
 } kvc_store_event;
 
 typedef void (*kvc_store_event_fn)(void *user, const kvc_store_event *ev);
-/* Sets (or with fn NULL clears) the event callback. */
+/* Sets (or with fn NULL clears) the event callback. Calls are serialized
+ * (one at a time, from any of those threads); once this returns, the
+ * previous callback is not running and will not be called again. */
 KVC_API kvc_status kvc_store_set_event_callback(kvc_store *store, kvc_store_event_fn fn,
                                                 void *user);
+
+/* ---- events over ZeroMQ (docs/KV_STORE.md section 7) ---------------------
+ * The store's events published as vLLM's KVEventBatch on a ZeroMQ PUB
+ * socket, for routers built for vLLM (llm-d, NVIDIA Dynamo, SGLang's
+ * router): multipart [topic "", sequence number (8 bytes big-endian),
+ * msgpack batch]. Keys are sent as 16-byte msgpack bin. Medium: "GPU" for
+ * the attached engine's cache, "DISK" for a dir tier, "EXTERNAL" for a
+ * Redis tier. Needs libzmq and msgpack-c (else KVC_ERR_UNSUPPORTED). */
+typedef struct kvc_store_events kvc_store_events;
+
+/* Binds a PUB socket to endpoint ("tcp://127.0.0.1:5557", "tcp://0.0.0.0:5557",
+ * "ipc:///path") and installs itself as store's event callback (replacing
+ * any). Events wait in a bounded queue (4096): a full queue drops them
+ * (counted), never blocking the writer or an engine. A publisher thread
+ * sends them in batches (64 events or 10 ms), the first one no sooner than
+ * 200 ms after the bind (subscribers that connect in that time miss
+ * nothing). The store must outlive it. */
+KVC_API kvc_status kvc_store_events_open(kvc_store *store, const char *endpoint,
+                                         kvc_store_events **out);
+/* Uninstalls the callback, sends what is queued, and closes (waiting at
+ * most ~1 s for subscribers to take the last batches). NULL is a no-op. */
+KVC_API void kvc_store_events_close(kvc_store_events *ev);
+
+typedef struct kvc_store_events_stats {
+    int64_t events_sent;    /* store events published (one block each) */
+    int64_t batches_sent;   /* KVEventBatch messages */
+    int64_t events_dropped; /* queue full, out of memory, or a failed send */
+} kvc_store_events_stats;
+
+KVC_API kvc_status kvc_store_events_get_stats(kvc_store_events *ev, kvc_store_events_stats *out);
 
 /* ---- engine attachment ---------------------------------------------------
  * The engine probes its own prefix cache, then the store, when it admits a

@@ -97,16 +97,13 @@ static void save_slot(attach *a, const kvc_cache *cache, int32_t id) {
 static void on_final(void *user, const kvc_cache *cache, const int32_t *tokens, int64_t first,
                      int64_t n, const int32_t *page_ids) {
     attach *a = user;
-    if (a->policy == KVC_STORE_WRITE_THROUGH &&
-        kvc_store_save_run(a->s, cache, &a->ns, tokens, first, n, page_ids) != KVC_OK)
-        kvc_clear_error(); /* counted as dropped */
     kvc_store_key *k = malloc((size_t)(first + n) * sizeof *k);
     if (!k || kvc_store_page_keys(&a->ns, tokens, first + n, a->P, k) != KVC_OK) {
         free(k);
+        k = NULL;
         kvc_clear_error();
-        return;
     }
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = 0; k && i < n; i++) {
         const int32_t id = page_ids[i];
         if (id < 0 || id >= a->num_pages) continue;
         slot *sl = &a->slots[id];
@@ -131,6 +128,11 @@ static void on_final(void *user, const kvc_cache *cache, const int32_t *tokens, 
         kvc__store_emit(a->s, &ev);
     }
     free(k);
+    /* queued after the events above, so that subscribers hear of a page in
+     * the cache before the writer's event of it in a tier */
+    if (a->policy == KVC_STORE_WRITE_THROUGH &&
+        kvc_store_save_run(a->s, cache, &a->ns, tokens, first, n, page_ids) != KVC_OK)
+        kvc_clear_error(); /* counted as dropped */
 }
 
 static void on_hit(void *user, const kvc_cache *cache, const int32_t *tokens, int64_t first,

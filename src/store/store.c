@@ -16,6 +16,13 @@
 #define MAX_TIERS 16
 #define BATCH 32 /* objects per tier call: one pipelined round trip */
 
+/* What a tier's removed callback gets: the store and the tier's index, so
+ * that its events name the tier (tiers do not know their index). */
+typedef struct tier_ctx {
+    kvc_store *s;
+    int32_t t;
+} tier_ctx;
+
 typedef struct item {
     struct item *next;
     kvc_store_key ns, key;
@@ -25,11 +32,17 @@ typedef struct item {
 
 struct kvc_store {
     kvc_tier *tiers[MAX_TIERS];
+    tier_ctx tier_ctx[MAX_TIERS];
     int32_t n_tiers;
     kvc_store_params p;
     uint8_t auth[KVC_STORE_AUTH_KEY_BYTES];
     int has_auth;
-    pthread_mutex_t mu; /* queue, counters, event callback */
+    pthread_mutex_t mu; /* queue, counters */
+    /* Held while the event callback runs, so that once
+     * kvc_store_set_event_callback returns the old callback is not running
+     * (its user data may be freed). Serializes the writer's and engines'
+     * events; callbacks are short by contract. */
+    pthread_mutex_t ev_mu;
     pthread_cond_t cv_work, cv_done;
     item *head, *tail;
     int64_t q_n, q_bytes;
@@ -62,12 +75,19 @@ static double now_s(void) {
 
 const uint8_t *kvc__store_auth_key(const kvc_store *s) { return s->has_auth ? s->auth : NULL; }
 const kvc_store_params *kvc__store_params(const kvc_store *s) { return &s->p; }
+const char *kvc__store_tier_kind(const kvc_store *s, int32_t t) {
+    return t >= 0 && t < s->n_tiers ? s->tiers[t]->kind : NULL;
+}
 
 /* ---- events ------------------------------------------------------------------ */
 
 /* An event for an object this library wrote: parent and tokens from its
  * header when it parses as one (objects put by others may not). */
 static void emit_stored(kvc_store *s, int32_t tier, const item *it) {
+    pthread_mutex_lock(&s->ev_mu);
+    const int listening = s->ev_fn != NULL;
+    pthread_mutex_unlock(&s->ev_mu);
+    if (!listening) return; /* spare the token copy */
     kvc_store_event ev;
     memset(&ev, 0, sizeof ev);
     ev.kind = KVC_STORE_EVENT_STORED;
@@ -91,44 +111,33 @@ static void emit_stored(kvc_store *s, int32_t tier, const item *it) {
             ev.n_tokens = (int32_t)n;
         }
     }
-    pthread_mutex_lock(&s->mu);
-    kvc_store_event_fn fn = s->ev_fn;
-    void *user = s->ev_user;
-    pthread_mutex_unlock(&s->mu);
-    if (fn) fn(user, &ev);
+    kvc__store_emit(s, &ev);
     free(tok);
 }
 
 void kvc__store_emit(kvc_store *s, const kvc_store_event *ev) {
-    pthread_mutex_lock(&s->mu);
-    kvc_store_event_fn fn = s->ev_fn;
-    void *user = s->ev_user;
-    pthread_mutex_unlock(&s->mu);
-    if (fn) fn(user, ev);
+    pthread_mutex_lock(&s->ev_mu);
+    if (s->ev_fn) s->ev_fn(s->ev_user, ev);
+    pthread_mutex_unlock(&s->ev_mu);
 }
 
 static void tier_removed(void *user, const kvc_store_key *ns, const kvc_store_key *key) {
-    kvc_store *s = user;
-    pthread_mutex_lock(&s->mu);
-    kvc_store_event_fn fn = s->ev_fn;
-    void *u = s->ev_user;
-    pthread_mutex_unlock(&s->mu);
-    if (!fn) return;
+    const tier_ctx *c = user;
     kvc_store_event ev;
     memset(&ev, 0, sizeof ev);
     ev.kind = KVC_STORE_EVENT_REMOVED;
-    ev.tier = -1; /* the tier is not known here */
+    ev.tier = c->t;
     ev.ns = *ns;
     ev.key = *key;
-    fn(u, &ev);
+    kvc__store_emit(c->s, &ev);
 }
 
 kvc_status kvc_store_set_event_callback(kvc_store *s, kvc_store_event_fn fn, void *user) {
     KVC_CHECK(s != NULL, "kvc_store_set_event_callback: store is NULL");
-    pthread_mutex_lock(&s->mu);
+    pthread_mutex_lock(&s->ev_mu);
     s->ev_fn = fn;
     s->ev_user = fn ? user : NULL;
-    pthread_mutex_unlock(&s->mu);
+    pthread_mutex_unlock(&s->ev_mu);
     return KVC_OK;
 }
 
@@ -296,6 +305,7 @@ void kvc_store_close(kvc_store *s) {
     pthread_cond_destroy(&s->cv_work);
     pthread_cond_destroy(&s->cv_done);
     pthread_mutex_destroy(&s->mu);
+    pthread_mutex_destroy(&s->ev_mu);
     free(s);
 }
 
@@ -338,7 +348,9 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
                             "redis://HOST:PORT or unix:///PATH", fn, u);
         if (st == KVC_OK) {
             s->tiers[i]->removed = tier_removed;
-            s->tiers[i]->removed_user = s;
+            s->tier_ctx[i].s = s;
+            s->tier_ctx[i].t = i;
+            s->tiers[i]->removed_user = &s->tier_ctx[i];
             s->n_tiers = i + 1;
         }
     }
@@ -348,6 +360,7 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
         return st;
     }
     pthread_mutex_init(&s->mu, NULL);
+    pthread_mutex_init(&s->ev_mu, NULL);
     pthread_cond_init(&s->cv_work, NULL);
     pthread_cond_init(&s->cv_done, NULL);
     if (pthread_create(&s->thr, NULL, writer, s) != 0) {
@@ -355,6 +368,7 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
         pthread_cond_destroy(&s->cv_work);
         pthread_cond_destroy(&s->cv_done);
         pthread_mutex_destroy(&s->mu);
+        pthread_mutex_destroy(&s->ev_mu);
         free(s);
         return kvc__error(KVC_ERR_NOMEM, "%s: cannot start the writer thread", fn);
     }
@@ -389,18 +403,12 @@ kvc_status kvc_store_invalidate(kvc_store *s, const kvc_store_key *ns) {
         kvc_status r = s->tiers[t]->ops->invalidate(s->tiers[t], ns);
         if (r != KVC_OK && st == KVC_OK) st = r; /* keep the first message */
         if (r != KVC_OK) continue;
-        pthread_mutex_lock(&s->mu);
-        kvc_store_event_fn fn = s->ev_fn;
-        void *u = s->ev_user;
-        pthread_mutex_unlock(&s->mu);
-        if (fn) {
-            kvc_store_event ev;
-            memset(&ev, 0, sizeof ev);
-            ev.kind = KVC_STORE_EVENT_CLEARED;
-            ev.tier = t;
-            ev.ns = *ns;
-            fn(u, &ev);
-        }
+        kvc_store_event ev;
+        memset(&ev, 0, sizeof ev);
+        ev.kind = KVC_STORE_EVENT_CLEARED;
+        ev.tier = t;
+        ev.ns = *ns;
+        kvc__store_emit(s, &ev);
     }
     return st;
 }

@@ -20,6 +20,8 @@ kvc_status kvc__store_put_owned(kvc_store *s, const kvc_store_key *ns, const kvc
 /* The store's auth key or NULL. */
 const uint8_t *kvc__store_auth_key(const kvc_store *s);
 const kvc_store_params *kvc__store_params(const kvc_store *s);
+/* Tier t's kind ("dir", "redis"), NULL when t is not a tier. */
+const char *kvc__store_tier_kind(const kvc_store *s, int32_t t);
 /* How many of pages [first_page, first_page + max_pages) of tokens the
  * tiers hold as a run (keys probed, nothing verified). */
 kvc_status kvc__store_probe_run(kvc_store *s, const kvc_store_key *ns, const int32_t *tokens,

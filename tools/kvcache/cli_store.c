@@ -17,6 +17,9 @@ const char cli_store_opts_help[] =
     "  --kv-store-write P  through (default: when a page is full), back (when the\n"
     "                      cache evicts it) or selective:N (after N prefix hits)\n"
     "  --salt STRING       tenant: pages are shared only under the same salt\n"
+    "  --kv-events ENDPOINT  publish the store's and the engine cache's page\n"
+    "                      events as vLLM KV events (ZeroMQ PUB bound to ENDPOINT,\n"
+    "                      e.g. tcp://127.0.0.1:5557; needs --kv-store)\n"
     "  --json-stats        at exit, one JSON line of prompt, cache and store\n"
     "                      counters on stderr\n";
 
@@ -32,7 +35,8 @@ int cli_store_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_sto
         o->json_stats = 1;
         return 1;
     }
-    if (strcmp(a, "--kv-store") && strcmp(a, "--kv-store-write") && strcmp(a, "--salt"))
+    if (strcmp(a, "--kv-store") && strcmp(a, "--kv-store-write") && strcmp(a, "--salt") &&
+        strcmp(a, "--kv-events"))
         return 0;
     if (!v) return cli_usage_error(cmd, "%s needs a value", a);
     ++*i;
@@ -42,6 +46,8 @@ int cli_store_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_sto
         o->urls[o->n_urls++] = v;
     } else if (!strcmp(a, "--salt")) {
         o->salt = v;
+    } else if (!strcmp(a, "--kv-events")) {
+        o->events = v;
     } else if (!strcmp(v, "through")) {
         o->policy = 0;
     } else if (!strcmp(v, "back")) {
@@ -58,10 +64,29 @@ int cli_store_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_sto
 }
 
 #ifdef KVC_HAVE_STORE
+/* The publisher of --kv-events. One store per process, so a file-scope
+ * handle keeps the commands' calls unchanged. */
+static kvc_store_events *g_events;
+
+static void close_events(const char *cmd) {
+    if (!g_events) return;
+    kvc_store_events_stats es;
+    if (kvc_store_events_get_stats(g_events, &es) == KVC_OK && es.events_dropped > 0)
+        fprintf(stderr, "kvcache: %s: warning: --kv-events: %lld events dropped\n", cmd,
+                (long long)es.events_dropped);
+    kvc_store_events_close(g_events);
+    g_events = NULL;
+}
+
 int cli_store_attach(const char *cmd, const cli_store_opts *o, const char *model_path,
                      const kvc_model *model, kvc_engine *eng, kvc_store **store) {
     *store = NULL;
     if (o->n_urls == 0) {
+        /* the engine's own events need an attach, which needs a store */
+        if (o->events) {
+            fprintf(stderr, "kvcache: %s: --kv-events needs --kv-store\n", cmd);
+            return -1;
+        }
         if (o->salt) fprintf(stderr, "kvcache: %s: warning: --salt without --kv-store\n", cmd);
         return 0;
     }
@@ -73,9 +98,22 @@ int cli_store_attach(const char *cmd, const cli_store_opts *o, const char *model
     if (kvc_cache_get_params(kvc_engine_cache(eng), &cp) != KVC_OK ||
         kvc_store_model_namespace(model_path, model, &cp, o->salt,
                                   o->salt ? strlen(o->salt) : 0, &ns) != KVC_OK ||
-        kvc_store_open(o->urls, o->n_urls, &sp, store) != KVC_OK ||
-        kvc_store_attach_engine(*store, eng, &ns) != KVC_OK) {
+        kvc_store_open(o->urls, o->n_urls, &sp, store) != KVC_OK) {
         fprintf(stderr, "kvcache: %s: --kv-store: %s\n", cmd, kvc_last_error());
+        kvc_store_close(*store);
+        *store = NULL;
+        return -1;
+    }
+    /* events first: the attach may already report pages */
+    if (o->events && kvc_store_events_open(*store, o->events, &g_events) != KVC_OK) {
+        fprintf(stderr, "kvcache: %s: --kv-events: %s\n", cmd, kvc_last_error());
+        kvc_store_close(*store);
+        *store = NULL;
+        return -1;
+    }
+    if (kvc_store_attach_engine(*store, eng, &ns) != KVC_OK) {
+        fprintf(stderr, "kvcache: %s: --kv-store: %s\n", cmd, kvc_last_error());
+        close_events(cmd);
         kvc_store_close(*store);
         *store = NULL;
         return -1;
@@ -88,6 +126,7 @@ void cli_store_finish(const char *cmd, const cli_store_opts *o, kvc_store *store
                       double timeout_s) {
     if (store && kvc_store_flush(store, timeout_s) != KVC_OK)
         fprintf(stderr, "kvcache: %s: warning: %s\n", cmd, kvc_last_error());
+    close_events(cmd); /* after the flush: the writes' events go out too */
     if (!o->json_stats) return;
     kvc_engine_stats es;
     memset(&es, 0, sizeof es);
@@ -106,13 +145,16 @@ void cli_store_finish(const char *cmd, const cli_store_opts *o, kvc_store *store
             (long long)ss.bytes_written, (long long)ss.writes_dropped, ttft_s, decode_tok_s);
 }
 
-void cli_store_close(kvc_store *store) { kvc_store_close(store); }
+void cli_store_close(kvc_store *store) {
+    close_events("kvcache"); /* before the store: it uninstalls its callback */
+    kvc_store_close(store);
+}
 #else
 int cli_store_attach(const char *cmd, const cli_store_opts *o, const char *model_path,
                      const kvc_model *model, kvc_engine *eng, kvc_store **store) {
     (void)model_path, (void)model, (void)eng;
     *store = NULL;
-    if (o->n_urls == 0) return 0;
+    if (o->n_urls == 0 && !o->events) return 0;
     fprintf(stderr, "kvcache: %s: --kv-store: this build has no KV store (it needs libxxhash; "
             "Debian: libxxhash-dev, which scripts/setup.sh installs)\n", cmd);
     return -1;

@@ -1,6 +1,7 @@
 /*
  * The KV store options of run, chat and bench-serve (store.h): --kv-store
- * (repeatable: lookup order), --kv-store-write, --salt, --json-stats.
+ * (repeatable: lookup order), --kv-store-write, --salt, --kv-events,
+ * --json-stats.
  */
 #ifndef KVCACHE_TOOLS_CLI_STORE_H
 #define KVCACHE_TOOLS_CLI_STORE_H
@@ -19,6 +20,7 @@ typedef struct cli_store_opts {
     int policy;       /* kvc_store_write_policy */
     int32_t hits;     /* selective:N */
     const char *salt; /* NULL: none */
+    const char *events; /* --kv-events ENDPOINT, NULL: none */
     int json_stats;
 } cli_store_opts;
 
@@ -29,12 +31,14 @@ void cli_store_opts_default(cli_store_opts *o);
 int cli_store_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_store_opts *o);
 
 /* Opens the store of o (none: *store NULL, returns 0) and attaches it to
- * eng for the model at model_path. Prints why and returns -1 on failure. */
+ * eng for the model at model_path, and with --kv-events starts publishing
+ * its events. Prints why and returns -1 on failure. */
 int cli_store_attach(const char *cmd, const cli_store_opts *o, const char *model_path,
                      const kvc_model *model, kvc_engine *eng, kvc_store **store);
 
-/* Flushes the store's writes (at most timeout_s) and, with --json-stats,
- * prints the stats line on stderr. ttft_s / decode_tok_s: the command's. */
+/* Flushes the store's writes (at most timeout_s), then sends the events
+ * still queued and stops publishing, and with --json-stats prints the stats
+ * line on stderr. ttft_s / decode_tok_s: the command's. */
 void cli_store_finish(const char *cmd, const cli_store_opts *o, kvc_store *store,
                       const kvc_engine *eng, double ttft_s, double decode_tok_s,
                       double timeout_s);

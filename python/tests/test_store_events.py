@@ -1,0 +1,167 @@
+"""`--kv-events`: the KV store's events as vLLM KV events over ZeroMQ
+(docs/KV_STORE.md section 7), read the way a cache-aware router reads
+vLLM's: a SUB socket, multipart [topic, 8-byte big-endian sequence number,
+msgpack KVEventBatch]. A subscriber rebuilds the set of pages per medium
+from two `kvcache bench-serve` runs sharing one directory tier (the second
+restores the first's pages, a small byte budget makes the tier evict), and
+the dir tier's set must be exactly the .kvp files left in the directory.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+zmq = pytest.importorskip("zmq")
+msgpack = pytest.importorskip("msgpack")
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _cli() -> Path:
+    env = os.environ.get("KVCACHE_CLI")
+    if env:
+        return Path(env)  # set by ctest: it must exist
+    import kvcache
+
+    p = Path(kvcache.library_path).parent / "kvcache"
+    if not p.exists():
+        pytest.skip(f"the kvcache CLI is not built next to {kvcache.library_path}")
+    return p
+
+
+def _model() -> Path:
+    m = Path(os.environ.get("KVCACHE_MODEL", DEFAULT_MODEL))
+    if not m.exists():
+        pytest.skip(f"{m} is missing (scripts/fetch_model.sh)")
+    return m
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(args: list[str], endpoint: str) -> list[list[bytes]]:
+    """Runs bench-serve publishing to endpoint; returns every message a SUB
+    connected before the bind received (the publisher waits 200 ms after
+    binding before its first send: the slow-joiner grace)."""
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.setsockopt(zmq.RECONNECT_IVL, 10)  # retry fast until the process binds
+    sub.connect(endpoint)
+    proc = subprocess.Popen([str(_cli()), "bench-serve", *args, "--kv-events", endpoint],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    msgs = []
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if sub.poll(100):
+                msgs.append(sub.recv_multipart())
+            elif proc.poll() is not None:
+                while sub.poll(500):  # close waited for delivery; take the rest
+                    msgs.append(sub.recv_multipart())
+                break
+        err = proc.communicate(timeout=60)[1]
+        assert proc.returncode == 0, err
+        assert "dropped" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sub.close(linger=0)
+        ctx.term()
+    return msgs
+
+
+def _decode(msgs: list[list[bytes]]) -> list[dict]:
+    """The events of msgs in order, after checking the framing and batch."""
+    events = []
+    for i, frames in enumerate(msgs):
+        assert len(frames) == 3
+        topic, seq, payload = frames
+        assert topic == b""
+        assert len(seq) == 8 and int.from_bytes(seq, "big") == i  # none lost, in order
+        batch = msgpack.unpackb(payload, raw=False)
+        assert isinstance(batch, list) and len(batch) == 3  # [ts, events, data_parallel_rank]
+        ts, evs, dp_rank = batch
+        assert isinstance(ts, float) and abs(ts - time.time()) < 3600
+        assert dp_rank == 0
+        assert 1 <= len(evs) <= 64
+        events.extend(evs)
+    return events
+
+
+def test_subscriber_rebuilds_the_dir_tier(tmp_path):
+    model = _model()
+    rng = random.Random(20261122)
+    prompt_len = rng.choice([192, 256, 320])  # whole pages of 16
+    b1 = rng.choice([3, 4])
+    b2 = b1 + rng.choice([1, 2])  # the first b1 prompts again (restored), then new ones
+    store = tmp_path / "tier"
+    # a budget of about 40 pages: the second run makes the tier evict
+    common = ["-m", str(model), "--prompt-len", str(prompt_len), "--gen", "4", "--kv-dtype",
+              "f16", "-t", "2", "--kv-store", f"dir:{store}?max_bytes=15M"]
+    streams = [_serve(common + ["--batch", str(b)], f"tcp://127.0.0.1:{_free_port()}")
+               for b in (b1, b2)]
+
+    sets: dict[str, set[bytes]] = {}
+    ever_stored: set[bytes] = set()
+    removed_disk = 0
+    for msgs in streams:
+        assert msgs, "no event reached the subscriber"
+        sets.pop("GPU", None)  # a new process: a new engine cache
+        for ev in _decode(msgs):
+            kind, medium = ev["type"], ev.get("medium")
+            assert medium in ("GPU", "DISK")
+            s = sets.setdefault(medium, set())
+            if kind == "BlockStored":
+                hashes = ev["block_hashes"]
+                assert hashes and all(isinstance(h, bytes) and len(h) == 16 for h in hashes)
+                assert ev["block_size"] == 16  # the engine's page size
+                assert len(ev["token_ids"]) == ev["block_size"] * len(hashes)
+                assert ev["lora_id"] is None and ev["lora_name"] is None
+                parent = ev["parent_block_hash"]
+                # None: the first page of a prompt (its parent is the namespace)
+                assert parent is None or parent in ever_stored
+                if medium == "DISK":
+                    # a page is written once final in the engine's cache
+                    assert all(h in ever_stored for h in hashes)
+                ever_stored.update(hashes)
+                s.update(hashes)
+            elif kind == "BlockRemoved":
+                assert all(isinstance(h, bytes) and len(h) == 16 for h in ev["block_hashes"])
+                removed_disk += medium == "DISK"
+                s.difference_update(ev["block_hashes"])
+            else:
+                assert kind == "AllBlocksCleared"
+                s.clear()
+    assert sets.get("GPU")
+    assert removed_disk > 0, "the budget should have evicted"
+
+    files = {p for p in store.rglob("*.kvp") if "tmp" not in p.relative_to(store).parts}
+    ns_dirs = {p.relative_to(store).parts[0] for p in files}
+    assert len(ns_dirs) == 1  # one model, one salt: one namespace
+    on_disk = {bytes.fromhex(p.stem) for p in files}
+    assert on_disk == sets["DISK"]
+    for p in files:  # PATH/<ns>/<2 hex>/<key>.kvp
+        assert p.parent.name == p.stem[:2]
+
+
+def test_kv_events_needs_kv_store():
+    model = _model()
+    r = subprocess.run([str(_cli()), "bench-serve", "-m", str(model), "--batch", "1",
+                        "--prompt-len", "32", "--gen", "1", "--kv-dtype", "f16",
+                        "--kv-events", f"tcp://127.0.0.1:{_free_port()}"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert r.returncode != 0
+    assert "--kv-events needs --kv-store" in r.stderr

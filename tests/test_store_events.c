@@ -1,0 +1,305 @@
+/* The event publisher (src/store/events.c): what a subscriber receives,
+ * decoded with msgpack-c as a vLLM KV-event subscriber would read it
+ * (docs/KV_STORE.md section 7); draining at close; argument errors. Every
+ * test works in its own mkdtemp directory (a dir tier and an ipc socket). */
+#define _XOPEN_SOURCE 700 /* nftw, mkdtemp, nanosleep */
+#include <ftw.h>
+#include <msgpack.h>
+#include <stdlib.h>
+#include <time.h>
+#include <zmq.h>
+
+#include "test.h"
+#include "kvcache/store.h"
+
+#define P 4 /* tokens per page */
+
+/* ---- helpers ---------------------------------------------------------------- */
+
+static int rm_cb(const char *p, const struct stat *sb, int flag, struct FTW *f) {
+    (void)sb, (void)flag, (void)f;
+    return remove(p);
+}
+
+static int make_tmpdir(char buf[64]) {
+    snprintf(buf, 64, "/tmp/kvc-ev-test-XXXXXX");
+    return mkdtemp(buf) ? 0 : -1;
+}
+
+static kvc_store_key mk(uint32_t i, uint8_t tag) {
+    kvc_store_key k;
+    for (int j = 0; j < 16; j++) k.b[j] = (uint8_t)(0x3c ^ (j * 29) ^ tag);
+    memcpy(k.b + 4, &i, 4);
+    return k;
+}
+
+/* An object whose header carries what events read (parent at 48, token
+ * count at 72, ids at 128); nothing verifies it on the way out. */
+static void *fake_obj(const kvc_store_key *parent, int32_t first_token, size_t *size) {
+    *size = KVC_STORE_HEADER_BYTES + 4 * P + 64;
+    unsigned char *o = calloc(1, *size);
+    if (!o) return NULL;
+    memcpy(o, "KVCPAGE", 8);
+    memcpy(o + 48, parent->b, 16);
+    o[72] = P;
+    for (int32_t i = 0; i < P; i++) {
+        uint32_t t = (uint32_t)(first_token + i);
+        for (int b = 0; b < 4; b++) o[KVC_STORE_HEADER_BYTES + 4 * i + b] = (uint8_t)(t >> 8 * b);
+    }
+    return o;
+}
+
+typedef struct sub {
+    void *ctx, *sock;
+} sub;
+
+static int sub_open(sub *s, const char *endpoint) {
+    int timeout_ms = 5000, hwm = 0;
+    s->ctx = zmq_ctx_new();
+    s->sock = s->ctx ? zmq_socket(s->ctx, ZMQ_SUB) : NULL;
+    return s->sock && zmq_setsockopt(s->sock, ZMQ_SUBSCRIBE, "", 0) == 0 &&
+                   zmq_setsockopt(s->sock, ZMQ_RCVTIMEO, &timeout_ms, sizeof timeout_ms) == 0 &&
+                   zmq_setsockopt(s->sock, ZMQ_RCVHWM, &hwm, sizeof hwm) == 0 &&
+                   zmq_connect(s->sock, endpoint) == 0
+               ? 0
+               : -1;
+}
+
+static void sub_close(sub *s) {
+    int linger = 0;
+    if (s->sock) zmq_setsockopt(s->sock, ZMQ_LINGER, &linger, sizeof linger), zmq_close(s->sock);
+    if (s->ctx) zmq_ctx_term(s->ctx);
+}
+
+/* One message: its 3 frames' sizes checked; *seq from frame 1, the payload
+ * copied to *buf (malloc'd: u's strings and bins point into it; free it
+ * after u) and unpacked into u. 0 ok, -1 nothing came (timeout) or a bad
+ * shape. */
+static int sub_recv(sub *s, uint64_t *seq, msgpack_unpacked *u, void **buf) {
+    *buf = NULL;
+    zmq_msg_t f[3];
+    int n = 0, more = 1, ok = 1;
+    while (more) {
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        if (zmq_msg_recv(&m, s->sock, 0) < 0) {
+            zmq_msg_close(&m);
+            ok = 0;
+            break;
+        }
+        more = zmq_msg_more(&m);
+        if (n < 3) f[n] = m;
+        else zmq_msg_close(&m);
+        n++;
+    }
+    if (ok && (n != 3 || zmq_msg_size(&f[0]) != 0 || zmq_msg_size(&f[1]) != 8)) ok = 0;
+    if (ok) {
+        const unsigned char *b = zmq_msg_data(&f[1]);
+        *seq = 0;
+        for (int i = 0; i < 8; i++) *seq = *seq << 8 | b[i];
+        size_t off = 0, size = zmq_msg_size(&f[2]);
+        msgpack_unpacked_init(u);
+        if (!(*buf = malloc(size ? size : 1))) ok = 0;
+        else memcpy(*buf, zmq_msg_data(&f[2]), size);
+        if (ok && (msgpack_unpack_next(u, *buf, size, &off) != MSGPACK_UNPACK_SUCCESS ||
+                   off != size))
+            ok = 0;
+        if (!ok) {
+            msgpack_unpacked_destroy(u);
+            free(*buf);
+            *buf = NULL;
+        }
+    }
+    for (int i = 0; i < n && i < 3; i++) zmq_msg_close(&f[i]);
+    return ok ? 0 : -1;
+}
+
+static const msgpack_object *map_get(const msgpack_object *m, const char *key) {
+    if (m->type != MSGPACK_OBJECT_MAP) return NULL;
+    for (uint32_t i = 0; i < m->via.map.size; i++) {
+        const msgpack_object *k = &m->via.map.ptr[i].key;
+        if (k->type == MSGPACK_OBJECT_STR && k->via.str.size == strlen(key) &&
+            !memcmp(k->via.str.ptr, key, k->via.str.size))
+            return &m->via.map.ptr[i].val;
+    }
+    return NULL;
+}
+
+static int is_str(const msgpack_object *o, const char *s) {
+    return o && o->type == MSGPACK_OBJECT_STR && o->via.str.size == strlen(s) &&
+           !memcmp(o->via.str.ptr, s, o->via.str.size);
+}
+
+static int is_key(const msgpack_object *o, const kvc_store_key *k) {
+    return o && o->type == MSGPACK_OBJECT_BIN && o->via.bin.size == 16 &&
+           !memcmp(o->via.bin.ptr, k->b, 16);
+}
+
+/* ---- tests ------------------------------------------------------------------------ */
+
+/* A chain of pages written to a dir tier, then the namespace invalidated:
+ * BlockStored events with the keys as 16-byte bin, the first one's parent
+ * nil (the namespace names no block), token ids, block_size, medium DISK;
+ * then AllBlocksCleared; sequence numbers 0, 1, ...; the batch an array
+ * [ts, events, 0]. */
+TEST(wire_format) {
+    char dir[64], url[128], ep[128];
+    ASSERT_TRUE(make_tmpdir(dir) == 0);
+    snprintf(url, sizeof url, "dir:%s/tier", dir);
+    snprintf(ep, sizeof ep, "ipc://%s/ev.sock", dir);
+    const char *urls[] = {url};
+    kvc_store *st = NULL;
+    kvc_store_events *ev = NULL;
+    ASSERT_OK(kvc_store_open(urls, 1, NULL, &st));
+    ASSERT_OK(kvc_store_events_open(st, ep, &ev));
+    sub s;
+    ASSERT_TRUE(sub_open(&s, ep) == 0);
+    enum { N = 5 };
+    kvc_store_key ns = mk(0, 0xee), keys[N];
+    for (uint32_t i = 0; i < N; i++) {
+        keys[i] = mk(i + 1, 0);
+        size_t size = 0;
+        void *obj = fake_obj(i ? &keys[i - 1] : &ns, (int32_t)(100 * i), &size);
+        ASSERT_TRUE(obj != NULL);
+        ASSERT_OK(kvc_store_put(st, &ns, &keys[i], obj, size));
+        free(obj);
+    }
+    ASSERT_OK(kvc_store_flush(st, 10.0));
+    ASSERT_OK(kvc_store_invalidate(st, &ns));
+
+    int n_blocks = 0, cleared = 0;
+    uint64_t want_seq = 0;
+    const double now = (double)time(NULL);
+    while (!cleared) {
+        uint64_t seq = 0;
+        msgpack_unpacked u;
+        void *buf = NULL;
+        ASSERT_TRUE(sub_recv(&s, &seq, &u, &buf) == 0);
+        ASSERT_EQ_I64((int64_t)seq, (int64_t)want_seq);
+        want_seq++;
+        const msgpack_object *b = &u.data;
+        ASSERT_TRUE(b->type == MSGPACK_OBJECT_ARRAY && b->via.array.size == 3);
+        const msgpack_object *ts = &b->via.array.ptr[0], *evs = &b->via.array.ptr[1];
+        ASSERT_TRUE(ts->type == MSGPACK_OBJECT_FLOAT64);
+        ASSERT_NEAR(ts->via.f64, now, 60.0);
+        ASSERT_TRUE(b->via.array.ptr[2].type == MSGPACK_OBJECT_POSITIVE_INTEGER &&
+                    b->via.array.ptr[2].via.u64 == 0);
+        ASSERT_TRUE(evs->type == MSGPACK_OBJECT_ARRAY && evs->via.array.size >= 1);
+        for (uint32_t e = 0; e < evs->via.array.size; e++) {
+            const msgpack_object *o = &evs->via.array.ptr[e];
+            const msgpack_object *type = map_get(o, "type");
+            ASSERT_TRUE(is_str(map_get(o, "medium"), "DISK"));
+            if (is_str(type, "AllBlocksCleared")) {
+                ASSERT_EQ_I64(n_blocks, N);
+                cleared = 1;
+                continue;
+            }
+            ASSERT_TRUE(is_str(type, "BlockStored"));
+            ASSERT_EQ_I64(o->via.map.size, 8);
+            const msgpack_object *h = map_get(o, "block_hashes");
+            const msgpack_object *par = map_get(o, "parent_block_hash");
+            const msgpack_object *tok = map_get(o, "token_ids"), *bs = map_get(o, "block_size");
+            ASSERT_TRUE(h && h->type == MSGPACK_OBJECT_ARRAY && h->via.array.size >= 1);
+            ASSERT_TRUE(map_get(o, "lora_id")->type == MSGPACK_OBJECT_NIL);
+            ASSERT_TRUE(map_get(o, "lora_name")->type == MSGPACK_OBJECT_NIL);
+            ASSERT_TRUE(bs && bs->type == MSGPACK_OBJECT_POSITIVE_INTEGER && bs->via.u64 == P);
+            if (n_blocks == 0) ASSERT_TRUE(par && par->type == MSGPACK_OBJECT_NIL);
+            else ASSERT_TRUE(is_key(par, &keys[n_blocks - 1]));
+            ASSERT_TRUE(tok && tok->type == MSGPACK_OBJECT_ARRAY &&
+                        tok->via.array.size == P * h->via.array.size);
+            for (uint32_t i = 0; i < h->via.array.size; i++, n_blocks++) {
+                ASSERT_TRUE(n_blocks < N && is_key(&h->via.array.ptr[i], &keys[n_blocks]));
+                for (int j = 0; j < P; j++)
+                    ASSERT_EQ_I64((int64_t)tok->via.array.ptr[P * i + (uint32_t)j].via.u64,
+                                  100 * n_blocks + j);
+            }
+        }
+        msgpack_unpacked_destroy(&u);
+        free(buf);
+    }
+    /* the publisher counts a batch after sending it: give it a moment */
+    kvc_store_events_stats es;
+    for (int tries = 0; tries < 200; tries++) {
+        ASSERT_OK(kvc_store_events_get_stats(ev, &es));
+        if (es.events_sent == N + 1) break;
+        nanosleep(&(struct timespec){0, 10000000L}, NULL);
+    }
+    ASSERT_EQ_I64(es.events_sent, N + 1);
+    ASSERT_EQ_I64(es.batches_sent, (int64_t)want_seq);
+    ASSERT_EQ_I64(es.events_dropped, 0);
+    kvc_store_events_close(ev);
+    sub_close(&s);
+    kvc_store_close(st);
+    nftw(dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
+    return 0;
+}
+
+/* close sends what is queued (likely still inside the slow-joiner grace
+ * here) in batches of at most 64, and uninstalls its callback: events after it go
+ * nowhere (ASan would see a use after free). */
+TEST(close_drains) {
+    char dir[64], url[128], ep[128];
+    ASSERT_TRUE(make_tmpdir(dir) == 0);
+    snprintf(url, sizeof url, "dir:%s/tier", dir);
+    snprintf(ep, sizeof ep, "ipc://%s/ev.sock", dir);
+    const char *urls[] = {url};
+    kvc_store *st = NULL;
+    kvc_store_events *ev = NULL;
+    ASSERT_OK(kvc_store_open(urls, 1, NULL, &st));
+    ASSERT_OK(kvc_store_events_open(st, ep, &ev));
+    sub s;
+    ASSERT_TRUE(sub_open(&s, ep) == 0);
+    enum { N = 300 };
+    kvc_store_key ns = mk(9, 0xaa);
+    for (int i = 0; i < N; i++) ASSERT_OK(kvc_store_invalidate(st, &ns)); /* one CLEARED each */
+    kvc_store_events_close(ev);
+    ASSERT_OK(kvc_store_invalidate(st, &ns));
+    int got = 0;
+    for (uint64_t want = 0; got < N; want++) {
+        uint64_t seq = 0;
+        msgpack_unpacked u;
+        void *buf = NULL;
+        ASSERT_TRUE(sub_recv(&s, &seq, &u, &buf) == 0);
+        ASSERT_EQ_I64((int64_t)seq, (int64_t)want);
+        const msgpack_object *evs = &u.data.via.array.ptr[1];
+        ASSERT_TRUE(evs->via.array.size >= 1 && evs->via.array.size <= 64);
+        got += (int)evs->via.array.size;
+        msgpack_unpacked_destroy(&u);
+        free(buf);
+    }
+    ASSERT_EQ_I64(got, N);
+    sub_close(&s);
+    kvc_store_close(st);
+    nftw(dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
+    return 0;
+}
+
+TEST(bad_args) {
+    char dir[64], url[128], ep[128];
+    ASSERT_TRUE(make_tmpdir(dir) == 0);
+    snprintf(url, sizeof url, "dir:%s/tier", dir);
+    snprintf(ep, sizeof ep, "ipc://%s/ev.sock", dir);
+    const char *urls[] = {url};
+    kvc_store *st = NULL;
+    kvc_store_events *ev = NULL;
+    ASSERT_OK(kvc_store_open(urls, 1, NULL, &st));
+    ASSERT_STATUS(kvc_store_events_open(NULL, ep, &ev), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_store_events_open(st, NULL, &ev), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_store_events_open(st, "nope://x", &ev), KVC_ERR_IO);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "nope://x");
+    ASSERT_TRUE(ev == NULL);
+    ASSERT_OK(kvc_store_events_open(st, ep, &ev));
+    kvc_store_events_close(ev);
+    kvc_store_events_close(NULL);
+    kvc_store_close(st);
+    nftw(dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
+    return 0;
+}
+
+const char *test_suite_name = "store_events";
+const test_case test_suite[] = {
+    TEST_ENTRY(wire_format),
+    TEST_ENTRY(close_drains),
+    TEST_ENTRY(bad_args),
+    {0, 0},
+};
