@@ -23,6 +23,11 @@ Modules:
     kvcache.tokenizer  Tokenizer: the GGUF's byte-level BPE and chat template
     kvcache.model  Model (GGUF llama through the cache), Engine (continuous
                    batching) (both re-exported), sample
+    kvcache.store  KVStore: K/V pages that outlive the process (dir, Redis),
+                   used by Model.generate / Engine (kv_store=) and
+                   PagedKVCache.save_to_store / restore_from_store; the
+                   store_* functions of the format (re-exported). Needs
+                   libkvcache_store, loaded on first use
 
 The shared library is found through the environment variable
 ``KVCACHE_LIBRARY``, else the repository's ``build/libkvcache.so``, else the
@@ -90,7 +95,22 @@ from . import kvfmt  # noqa: E402  (re-exported submodule)
 from .tokenizer import Tokenizer, Utf8Stream, render_chat_template
 from . import pmx  # noqa: E402  (re-exported submodule)
 from .gguf import GGUFFile  # noqa: E402
-from .model import Engine, Model  # noqa: E402
+from .model import Engine, GenerateOutput, Model  # noqa: E402
+from .store import (  # noqa: E402  (loads libkvcache_store only when used)
+    KVStore,
+    StoreMissError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+    store_available,
+    store_gguf_digests,
+    store_model_namespace,
+    store_namespace,
+    store_object_bytes,
+    store_page_keys,
+    store_restore_page,
+    store_serialize_page,
+    store_verify_object,
+)
 
 __version__ = version()
 library_path = _lib.library_path
@@ -138,6 +158,20 @@ __all__ = [
     "GGUFFile",
     "Model",
     "Engine",
+    "GenerateOutput",
+    "KVStore",
+    "StoreMissError",
+    "StoreTimeoutError",
+    "StoreUnavailableError",
+    "store_available",
+    "store_gguf_digests",
+    "store_model_namespace",
+    "store_namespace",
+    "store_object_bytes",
+    "store_page_keys",
+    "store_restore_page",
+    "store_serialize_page",
+    "store_verify_object",
     "single_prefill_with_kv_cache",
     "single_prefill_with_kv_cache_return_lse",
     "BatchPrefillWithPagedKVCacheWrapper",

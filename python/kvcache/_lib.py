@@ -364,6 +364,15 @@ kvc_cache_kvfmt_layer = optional_proto("kvc_cache_kvfmt_layer", _c_int, _vp, cty
 kvc_cache_kvfmt_seqs = optional_proto(
     "kvc_cache_kvfmt_seqs", _c_int, _vp, ctypes.c_int32, _i64p, ctypes.c_int64,
     ctypes.POINTER(KvfmtSeq))
+kvc_cache_get_params = optional_proto(
+    "kvc_cache_get_params", _c_int, _vp, ctypes.POINTER(CacheParams))
+kvc_cache_page_bytes = optional_proto("kvc_cache_page_bytes", ctypes.c_size_t, _vp)
+kvc_cache_read_page = optional_proto(
+    "kvc_cache_read_page", _c_int, _vp, ctypes.c_int32, _vp, ctypes.c_size_t)
+kvc_cache_write_page = optional_proto(
+    "kvc_cache_write_page", _c_int, _vp, ctypes.c_int32, _vp, ctypes.c_size_t)
+kvc_cache_page_tokens = optional_proto(
+    "kvc_cache_page_tokens", _c_int, _vp, ctypes.c_int32, _i32p)
 
 
 def check(status: int) -> None:

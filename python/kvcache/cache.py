@@ -699,6 +699,106 @@ class PagedKVCache(_lib.NoCopy):
             n = int(np.prod(shape)) * 2
             return np.frombuffer(ctypes.string_at(out.tail, n), np.float16).reshape(shape)
 
+    # -- pages and the KV store -------------------------------------------------
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over all layers: what read_page / write_page
+        move and a KV store object's payload (kvc_cache_page_bytes)."""
+        with self._lock:
+            return int(_lib.kvc_cache_page_bytes(self._ptr()))
+
+    def read_page(self, page_id) -> np.ndarray:
+        """A copy of page ``page_id``'s bytes (every layer's data block and,
+        for int8/int4, scale block): uint8 (page_bytes,)
+        (kvc_cache_read_page)."""
+        pid = _lib.int32_attr(page_id, "page_id")
+        with self._lock:
+            ptr = self._ptr()
+            out = np.empty(int(_lib.kvc_cache_page_bytes(ptr)), np.uint8)
+            _lib.check(_lib.kvc_cache_read_page(ptr, pid, out.ctypes.data, out.size))
+        return out
+
+    def write_page(self, page_id, data) -> None:
+        """Overwrites page ``page_id`` with ``data`` (page_bytes bytes, as
+        read_page gives them; bytes or a uint8 array). Only a page held by
+        exactly one sequence may be written (kvc_cache_write_page)."""
+        pid = _lib.int32_attr(page_id, "page_id")
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            buf = np.frombuffer(bytes(data), np.uint8)
+        else:
+            buf = np.ascontiguousarray(_lib.as_array(data, "data")).view(np.uint8).reshape(-1)
+        with self._lock:
+            _lib.check(_lib.kvc_cache_write_page(self._ptr(), pid, buf.ctypes.data, buf.size))
+
+    def page_tokens(self, page_id) -> np.ndarray | None:
+        """The token ids (page_size, int32) of a page in the prefix index,
+        or None when it is not findable (not full, never registered, or
+        prefix caching off) (kvc_cache_page_tokens)."""
+        pid = _lib.int32_attr(page_id, "page_id")
+        out = np.empty(self._page_size, np.int32)
+        with self._lock:
+            st = _lib.kvc_cache_page_tokens(self._ptr(), pid, _i32p(out))
+        if st == -4:  # KVC_ERR_NOT_FOUND
+            _lib.kvc_clear_error()
+            return None
+        _lib.check(st)
+        return out
+
+    def _seq_pages(self, seq_id) -> np.ndarray:
+        """The page ids of one sequence, in order."""
+        _indptr, indices, _last = self.page_table([_seq_id(seq_id)])
+        return indices
+
+    def save_to_store(self, store, ns, seq_id, tokens, first_page=0, n_pages=None) -> int:
+        """Queues pages [first_page, first_page + n_pages) of sequence
+        ``seq_id`` to a :class:`kvcache.KVStore` under namespace ``ns``
+        (kvc_store_save_run). ``tokens`` are the sequence's ids from
+        position 0 (at least (first_page + n_pages) * page_size); n_pages
+        None: every whole page of tokens the sequence holds from first_page.
+        The caller vouches that those pages hold the K/V of those tokens
+        (written, and for a compressed format their K groups complete).
+        Returns the number of pages queued (writes never wait: a full queue
+        drops them, counted in the store's stats)."""
+        from .store import _tokens
+
+        t = _tokens(tokens)
+        pages = self._seq_pages(seq_id)
+        fp = _int(first_page, "first_page")
+        whole = min(t.size // self._page_size, pages.size)
+        n = max(whole - fp, 0) if n_pages is None else _int(n_pages, "n_pages")
+        if fp + n > pages.size:
+            raise InvalidArgumentError(f"pages [{fp}, {fp + n}) but sequence {seq_id} holds "
+                                       f"{pages.size} pages")
+        if n == 0:
+            return 0
+        store.save_run(self, ns, t[:(fp + n) * self._page_size], fp, n, pages[fp:fp + n])
+        return n
+
+    def restore_from_store(self, store, ns, seq_id, tokens, first_page=0, max_pages=None) -> int:
+        """Restores the run of pages [first_page, first_page + max_pages) of
+        ``tokens`` that a :class:`kvcache.KVStore` holds under ``ns`` and
+        that verify, into the pages sequence ``seq_id`` reserved for them
+        (kvc_store_restore_run; e.g. just after add_sequence(tokens)); each
+        page must be held by this sequence alone. max_pages None: every
+        whole page of tokens the sequence holds from first_page. Returns
+        the run's length; the caller computes the K/V of the rest (or rolls
+        it back: pages reserved are findable in the prefix index)."""
+        from .store import _tokens
+
+        t = _tokens(tokens)
+        pages = self._seq_pages(seq_id)
+        fp = _int(first_page, "first_page")
+        whole = min(t.size // self._page_size, pages.size)
+        n = max(whole - fp, 0) if max_pages is None else _int(max_pages, "max_pages")
+        if fp + n > pages.size:
+            raise InvalidArgumentError(f"pages [{fp}, {fp + n}) but sequence {seq_id} holds "
+                                       f"{pages.size} pages")
+        if n == 0:
+            return 0
+        return store.restore_run(self, ns, t[:(fp + n) * self._page_size], fp, n,
+                                 pages[fp:fp + n])
+
     # -- introspection ------------------------------------------------------
 
     def stats(self) -> dict:

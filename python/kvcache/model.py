@@ -25,7 +25,7 @@ from . import _lib
 from .cache import PagedKVCache
 from .errors import InvalidArgumentError
 
-__all__ = ["Engine", "Model", "sample"]
+__all__ = ["Engine", "GenerateOutput", "Model", "sample"]
 
 _c_int = ctypes.c_int
 _vp = ctypes.c_void_p
@@ -79,6 +79,8 @@ class EngineStats(ctypes.Structure):
         ("decode_only_tokens", _i64), ("step_seconds", ctypes.c_double),
         ("kv_bytes_per_token", _i64), ("kv_capacity_tokens", _i64),
         ("kv_used_tokens_peak", _i64),
+        ("external_tokens", _i64),       # prompt tokens restored from a KV store
+        ("external_miss_tokens", _i64),  # prompt tokens probed there and not restored
     ]
 
 
@@ -107,6 +109,8 @@ kvc_engine_step = _p("kvc_engine_step", _c_int, _vp, ctypes.POINTER(EngineEvent)
                      ctypes.POINTER(_i64))
 kvc_engine_pending = _p("kvc_engine_pending", _i64, _vp)
 kvc_engine_get_stats = _p("kvc_engine_get_stats", _c_int, _vp, ctypes.POINTER(EngineStats))
+kvc_engine_cache = _p("kvc_engine_cache", _vp, _vp)
+kvc_engine_set_connector = _p("kvc_engine_set_connector", _c_int, _vp, _vp)
 
 # "int8"/"int4" are the per-token caches (SEMANTICS section 1); "kivi8"/"kivi4"
 # the compressed formats of docs/KV_FORMATS.md (kv format codes 1, 2).
@@ -213,7 +217,8 @@ class Model(_lib.NoCopy):
         self.info["name"] = info.name.decode(errors="replace")
         self.n_vocab = info.n_vocab
         self.n_ctx = info.n_ctx
-        self.path = os.fspath(path)
+        self.path = os.fspath(path)  # the GGUF file: KV store namespaces digest it
+        self._store_ns: dict = {}  # (cache params, salt) -> KV store namespace
 
     def close(self):
         """Frees the model once the calls running in other threads are done
@@ -351,9 +356,35 @@ class Model(_lib.NoCopy):
                                          tokens.ctypes.data, want_ptr, out.ctypes.data))
         return out
 
+    def store_namespace(self, cache_params, salt=None) -> bytes:
+        """The KV store namespace (16 bytes) of this model served through a
+        cache with ``cache_params`` (a ctypes CacheParams, a PagedKVCache or
+        a dict as :func:`kvcache.store_namespace` takes), for a salt (bytes,
+        str or None): kvc_store_model_namespace over the GGUF file this
+        model was loaded from. The file's digests are computed once per
+        (cache params, salt) and remembered."""
+        from . import store as _store
+
+        if not isinstance(cache_params, _lib.CacheParams):
+            cache_params = _store._cache_params(cache_params)
+        s = _store._salt_bytes(salt)
+        cp = cache_params
+        key = (cp.page_size, cp.dtype, cp.scale_dtype, cp.quant_group, cp.layout, cp.kv_format, s)
+        ns = self._store_ns.get(key)
+        if ns is None:
+            sl = _store._load()
+            out = _store.Key()
+            with self._life.use():
+                _lib.check(sl.kvc_store_model_namespace(os.fsencode(self.path), self._ptr,
+                                                        ctypes.byref(cp), s or None, len(s),
+                                                        ctypes.byref(out)))
+            ns = self._store_ns[key] = bytes(out.b)
+        return ns
+
     def generate(self, prompts, max_new_tokens=32, *, kv_dtype="float16", num_threads=None,
                  temperature=0.0, top_k=0, top_p=1.0, seed=0, ignore_eos=False,
-                 return_text=False, skip_special_tokens=True, **engine_kw):
+                 return_text=False, skip_special_tokens=True, kv_store=None, salt=None,
+                 **engine_kw):
         """Generates for each prompt (list of token-id lists) through one
         continuous-batching engine.
 
@@ -363,31 +394,74 @@ class Model(_lib.NoCopy):
         text instead (invalid UTF-8 replaced), with control tokens such as
         that <|im_end|> left out unless skip_special_tokens=False; the same
         as ``tokenizer.decode(ids, skip_special_tokens=True)``.
-        prompt + max_new_tokens must fit the context limit (``n_ctx``)."""
-        eng = Engine(self, kv_dtype=kv_dtype, num_threads=num_threads, **engine_kw)
+        prompt + max_new_tokens must fit the context limit (``n_ctx``).
+
+        kv_store: a :class:`kvcache.KVStore` the engine restores prompt
+        pages from and saves them to (its write policy), under the namespace
+        of this model, the cache format and ``salt`` (bytes or str: the
+        tenant; choose it on the server, never from a client's value).
+        Writes are queued: ``kv_store.flush()`` waits for them.
+
+        The result is a :class:`GenerateOutput`, a list with ``stats`` (the
+        engine's counters) and ``external_tokens`` (prompt tokens restored
+        from the store) attached."""
+        eng = Engine(self, kv_dtype=kv_dtype, num_threads=num_threads, kv_store=kv_store,
+                     salt=salt, **engine_kw)
         try:
             ids = [eng.add_request(p, max_new_tokens, temperature=temperature, top_k=top_k,
                                    top_p=top_p, seed=seed, ignore_eos=ignore_eos)
                    for p in prompts]
             out = eng.run()
             res = [out[i] for i in ids]
+            stats = eng.stats()
         finally:
             eng.close()
-        if not return_text:
-            return res
-        tok = self.tokenizer
-        return [tok.decode(r, skip_special_tokens=skip_special_tokens) for r in res]
+        if return_text:
+            tok = self.tokenizer
+            res = [tok.decode(r, skip_special_tokens=skip_special_tokens) for r in res]
+        return GenerateOutput(res, stats)
+
+
+class GenerateOutput(list):
+    """What :meth:`Model.generate` returns: the list of outputs (token lists
+    or texts; it compares equal to a plain list) with the engine's counters
+    attached: ``stats`` (:meth:`Engine.stats`), ``external_tokens`` (prompt
+    tokens restored from a KV store), ``cached_tokens`` (prompt tokens
+    served from the engine's own prefix cache)."""
+
+    def __init__(self, items, stats: dict):
+        super().__init__(items)
+        self.stats = stats
+
+    @property
+    def external_tokens(self) -> int:
+        return int(self.stats.get("external_tokens", 0))
+
+    @property
+    def cached_tokens(self) -> int:
+        return int(self.stats.get("cached_tokens", 0))
 
 
 class Engine(_lib.NoCopy):
     """Continuous batching over one model (C: kvc_engine). Its methods are
     serialized (one C engine, one thread at a time); engines of one model
-    run in parallel."""
+    run in parallel.
+
+    kv_store: a :class:`kvcache.KVStore` to attach (kvc_store_attach_engine):
+    at admission the engine restores the prompt's pages the store holds
+    (after its own prefix cache) and saves pages by the store's write
+    policy, under the namespace of the model's GGUF file, this engine's
+    cache format and ``salt`` (bytes or str; the tenant, chosen by the
+    server). Needs enable_prefix_caching. ``stats()["external_tokens"]``
+    counts the prompt tokens restored. The engine keeps the store alive;
+    closing the store detaches it."""
 
     def __init__(self, model: Model, *, kv_dtype="float16", num_threads=None, page_size=16,
                  kv_capacity_tokens=16384, max_step_tokens=512, max_running=64,
-                 enable_prefix_caching=True, quant_group=8):
+                 enable_prefix_caching=True, quant_group=8, kv_store=None, salt=None):
         self._ptr = None
+        self._store = None
+        self.store_namespace = None
         if not isinstance(model, Model):
             raise InvalidArgumentError(f"model must be a kvcache.model.Model, got "
                                        f"{type(model).__name__}")
@@ -411,12 +485,48 @@ class Engine(_lib.NoCopy):
         self._max_running = p.max_running
         self._out: dict[int, list[int]] = {}
         self.finish_reason: dict[int, int] = {}
+        if kv_store is not None:
+            try:
+                self._attach_store(kv_store, salt)
+            except BaseException:
+                self.close()
+                raise
+        elif salt is not None:
+            raise InvalidArgumentError("salt is the KV store's tenant: it needs kv_store=")
+
+    def _attach_store(self, kv_store, salt) -> None:
+        """kvc_store_attach_engine under the namespace of the model, this
+        engine's cache format and salt."""
+        from .store import KVStore
+
+        if not isinstance(kv_store, KVStore):
+            raise InvalidArgumentError(f"kv_store must be a kvcache.KVStore, got "
+                                       f"{type(kv_store).__name__}")
+        cp = _lib.CacheParams()
+        _lib.check(_lib.kvc_cache_get_params(kvc_engine_cache(self._ptr), ctypes.byref(cp)))
+        ns = self._model.store_namespace(cp, salt)
+        kv_store._attach(self, self._ptr, ns)
+        self._store = kv_store  # the store must outlive the engine's use of it
+        self.store_namespace = ns
+
+    @_lib.locked
+    def _detach_store(self, store) -> None:
+        """Called by KVStore.close: the engine stops using the store."""
+        if self._ptr and self._store is store:
+            _lib.check(kvc_engine_set_connector(self._ptr, None))
+        self._store = None
+
+    @property
+    def kv_store(self):
+        """The attached :class:`kvcache.KVStore`, or None."""
+        return self._store
 
     @_lib.locked
     def close(self):
         if self._ptr:
             kvc_engine_destroy(self._ptr)
             self._ptr = None
+        self._store = None
 
     def __del__(self):
         try:
@@ -484,6 +594,10 @@ class Engine(_lib.NoCopy):
 
     @_lib.locked
     def stats(self) -> dict:
+        """Counters of kvc_engine_stats: steps, prompt_tokens, cached_tokens
+        (from the prefix cache), prefill_tokens, decode_tokens, preemptions,
+        timings, KV sizes, external_tokens (prompt tokens restored from the
+        KV store) and external_miss_tokens (probed there, not restored)."""
         s = EngineStats()
         _lib.check(kvc_engine_get_stats(self._live(), ctypes.byref(s)))
         return {f: getattr(s, f) for f, _ in EngineStats._fields_}
