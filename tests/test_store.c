@@ -70,7 +70,7 @@ static kvc_store_key key_of(uint8_t v) {
 /* The expectation for page pg of tokens t0.. under ns, keys computed. */
 static void expect_of(const kvc_store_key *ns, const int32_t *tokens, int64_t pg, int32_t P,
                       kvc_store_key *keys, kvc_store_expect *e) {
-    kvc_store_page_keys(ns, tokens, pg + 1, P, keys);
+    kvc_store_page_keys(ns, tokens, pg + 1, P, 1, keys);
     e->ns = *ns;
     e->key = keys[pg];
     e->parent = pg > 0 ? keys[pg - 1] : *ns;
@@ -88,7 +88,7 @@ TEST(page_keys_match_independent_xxh3) {
     kvc_store_key ns, k[2];
     for (int i = 0; i < 16; i++) ns.b[i] = (uint8_t)i;
     const int32_t tok[8] = {1, 2, 3, 4, 5, 6, 7, -1};
-    ASSERT_OK(kvc_store_page_keys(&ns, tok, 2, 4, k));
+    ASSERT_OK(kvc_store_page_keys(&ns, tok, 2, 4, 1, k));
     for (int p = 0; p < 2; p++) {
         char hex[33];
         for (int i = 0; i < 16; i++) snprintf(hex + 2 * i, 3, "%02x", k[p].b[i]);
@@ -99,10 +99,25 @@ TEST(page_keys_match_independent_xxh3) {
     memcpy(tok2, tok, sizeof tok);
     tok2[0] = 9;
     kvc_store_key k2[2];
-    ASSERT_OK(kvc_store_page_keys(&ns, tok2, 2, 4, k2));
+    ASSERT_OK(kvc_store_page_keys(&ns, tok2, 2, 4, 1, k2));
     ASSERT_TRUE(memcmp(k2[1].b, k[1].b, 16) != 0);
-    ASSERT_STATUS(kvc_store_page_keys(&ns, tok, 2, 0, k), KVC_ERR_INVALID_ARG);
-    ASSERT_STATUS(kvc_store_page_keys(NULL, tok, 2, 4, k), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_store_page_keys(&ns, tok, 2, 0, 1, k), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_store_page_keys(NULL, tok, 2, 4, 1, k), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_store_page_keys(&ns, tok, 3, 4, 2, k), KVC_ERR_INVALID_ARG); /* 1.5 units */
+    /* units of 2 pages: each key covers the unit's 8 ids and the page's index,
+     * pinned by python-xxhash: u0 = xxh3_128_digest(ns + pack('<8i', *tok) + pack('<i', 0)),
+     * u1 = xxh3_128_digest(u0 + pack('<8i', *tok) + pack('<i', 1)) */
+    static const char *want2[2] = {"74290064a270f6a5ef50a171d50b7768",
+                                   "cca9646d26850c72dbb2be818f4d66a3"};
+    ASSERT_OK(kvc_store_page_keys(&ns, tok, 2, 4, 2, k));
+    for (int p = 0; p < 2; p++) {
+        char hex[33];
+        for (int i = 0; i < 16; i++) snprintf(hex + 2 * i, 3, "%02x", k[p].b[i]);
+        ASSERT_STR_CONTAINS(hex, want2[p]);
+    }
+    /* a page of another group with the same ids has another key */
+    ASSERT_OK(kvc_store_page_keys(&ns, tok2, 2, 4, 2, k2));
+    ASSERT_TRUE(memcmp(k2[1].b, k[1].b, 16) != 0);
     return 0;
 }
 
@@ -493,7 +508,7 @@ static void random_prompt(int32_t *p, int n, uint64_t seed, int32_t n_vocab) {
 static void page_file(const char *dir, const kvc_store_key *ns, const int32_t *prompt, int pg,
                       char *out, size_t cap) {
     kvc_store_key keys[64];
-    kvc_store_page_keys(ns, prompt, pg + 1, 16, keys);
+    kvc_store_page_keys(ns, prompt, pg + 1, 16, 1, keys);
     char nh[33], kh[33];
     kvc__store_key_hex(ns, nh);
     kvc__store_key_hex(&keys[pg], kh);
@@ -776,6 +791,46 @@ TEST(write_policies_and_a_full_queue) {
     return 0;
 }
 
+/* Two prompts sharing 80 tokens: their pages 4 hold the same ids but lie in
+ * different K groups (kivi: other quantization parameters), so their keys
+ * must differ, or one restores the other's page. */
+TEST(partly_shared_groups_keep_their_own_pages) {
+    NEED_TINY(m);
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    enum { N = 150, GEN = 8 };
+    int32_t a[N], b[N];
+    random_prompt(a, N, test_seed + 9, in.n_vocab);
+    random_prompt(b, N, test_seed + 10, in.n_vocab);
+    memcpy(b, a, 80 * sizeof(int32_t));
+    const int32_t *pp[2] = {a, b};
+    const int lens[2] = {N, N};
+    const kvc_kv_format fmts[3] = {KVC_KVFMT_KIVI4, KVC_KVFMT_KIVI8, KVC_KVFMT_NONE};
+    for (int f = 0; f < 3; f++) {
+        char dir[] = "/tmp/kvc_store_XXXXXX", url[64];
+        ASSERT_TRUE(mkdtemp(dir) != NULL);
+        snprintf(url, sizeof url, "dir:%s", dir);
+        srun r = srun_default();
+        r.fmt = fmts[f];
+        int32_t ref[2 * GEN], out[2 * GEN];
+        kvc_engine_stats es;
+        if (srun_go(m, tiny_path, &r, 2, pp, lens, GEN, ref, NULL, NULL)) return 1;
+        r.url = url;
+        if (srun_go(m, tiny_path, &r, 2, pp, lens, GEN, out, NULL, NULL)) return 1;
+        ASSERT_MEM_EQ(out, ref, sizeof ref);
+        /* each prompt alone in a new engine: restored from the store */
+        for (int p = 0; p < 2; p++) {
+            if (srun_go(m, tiny_path, &r, 1, pp + p, lens, GEN, out, &es, NULL)) return 1;
+            if (memcmp(out, ref + p * GEN, GEN * sizeof(int32_t)) != 0)
+                TEST_FAIL_("format %d, prompt %d: restored tokens differ", f, p);
+            ASSERT_EQ_I64(es.external_tokens, f == 2 ? 144 : 128);
+        }
+        rm_rf(dir);
+    }
+    kvc_model_destroy(m);
+    return 0;
+}
+
 /* ---- the engine's background loads (a connector of the test's own) ----------------- */
 
 typedef struct fake_conn {
@@ -979,6 +1034,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(restored_kv_bytes_equal_recomputed),
     TEST_ENTRY(engine_survives_every_corruption_of_the_directory),
     TEST_ENTRY(write_policies_and_a_full_queue),
+    TEST_ENTRY(partly_shared_groups_keep_their_own_pages),
     TEST_ENTRY(engine_steps_others_while_a_load_runs),
     TEST_ENTRY(hash_variants_agree),
     {0, 0},

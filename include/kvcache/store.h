@@ -7,7 +7,8 @@
  *   ns      = XXH3-128(canonical text of model, tokenizer, geometry, format, salt)
  *   key[0]  = XXH3-128(ns || tokens of page 0), key[i] = XXH3-128(key[i-1] || tokens of page i)
  * (tokens as little-endian int32; 128-bit values in XXH3's canonical
- * big-endian form). No process-random seed: any process of any build on any
+ * big-endian form; for a compressed format whose K groups span pages, the
+ * tokens of the page's whole group and its index in it). No process-random seed: any process of any build on any
  * machine computes the same keys.
  *
  * A load is applied only when the object's header, checksums, namespace,
@@ -90,9 +91,14 @@ KVC_API kvc_status kvc_store_model_namespace(const char *gguf_path, const kvc_mo
                                              const void *salt, size_t salt_len,
                                              kvc_store_key *out);
 
-/* keys[i] of the first n_pages pages of tokens (n_pages * page_size ids). */
+/* keys[i] of the first n_pages pages of tokens (n_pages * page_size ids),
+ * in units of unit_pages pages (n_pages a multiple): 1 for per-token caches
+ * and compressed formats whose K groups fit in a page, G / page_size when
+ * groups span pages (a page's bytes then depend on its whole group, so its
+ * key covers the group's ids; docs/KV_STORE.md section 2). */
 KVC_API kvc_status kvc_store_page_keys(const kvc_store_key *ns, const int32_t *tokens,
-                                       int64_t n_pages, int32_t page_size, kvc_store_key *keys);
+                                       int64_t n_pages, int32_t page_size, int32_t unit_pages,
+                                       kvc_store_key *keys);
 
 /* ---- page objects (section 3) ------------------------------------------- */
 
@@ -192,7 +198,8 @@ KVC_API kvc_status kvc_store_put(kvc_store *store, const kvc_store_key *ns,
                                  const kvc_store_key *key, const void *obj, size_t size);
 
 /* The run of tokens' pages [first_page, first_page + max_pages) that the
- * tiers hold and that verify, restored into page_ids (pages the caller owns,
+ * tiers hold and that verify (first_page and max_pages whole units,
+ * kvc_store_page_keys), restored into page_ids (pages the caller owns,
  * e.g. just reserved by kvc_cache_add_sequence; page_ids[i] receives page
  * first_page + i): *n_pages receives the run's length (from first_page on;
  * tiers tried in order, each continuing where the previous one stopped;

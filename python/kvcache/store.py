@@ -217,7 +217,8 @@ _PROTOS = {
     "kvc_store_gguf_digests": (_c_int, ctypes.c_char_p, _KP, _KP),
     "kvc_store_model_namespace": (_c_int, ctypes.c_char_p, _vp, ctypes.POINTER(_lib.CacheParams),
                                   _vp, ctypes.c_size_t, _KP),
-    "kvc_store_page_keys": (_c_int, _KP, _i32p, ctypes.c_int64, ctypes.c_int32, _KP),
+    "kvc_store_page_keys": (_c_int, _KP, _i32p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
+                            _KP),
     "kvc_store_miss_name": (ctypes.c_char_p, _c_int),
     "kvc_store_object_bytes": (ctypes.c_size_t, _vp, _c_int),
     "kvc_store_serialize_page": (_c_int, _vp, ctypes.c_int32, _EP, _vp, _vp, ctypes.c_size_t,
@@ -602,19 +603,23 @@ def store_model_namespace(gguf_path, model, cache, salt=b"") -> bytes:
     return _kbytes(out)
 
 
-def store_page_keys(ns, tokens, page_size) -> list[bytes]:
-    """Keys of the whole pages of tokens (len(tokens) // page_size of them):
-    key[0] = XXH3-128(ns || ids of page 0), key[i] = XXH3-128(key[i-1] || ids
-    of page i) (kvc_store_page_keys)."""
+def store_page_keys(ns, tokens, page_size, unit_pages: int = 1) -> list[bytes]:
+    """Keys of the whole units of tokens (units of ``unit_pages`` pages of
+    ``page_size`` ids): key[i] = XXH3-128(key[i-1] || ids of page i), with
+    key[-1] = ns; with unit_pages > 1 (compressed formats whose K groups span
+    pages) a page's key covers the ids of its whole unit and its index in it
+    (kvc_store_page_keys, docs/KV_STORE.md section 2). Trailing ids that do
+    not fill a unit get no key."""
     sl = _load()
     k = _key(ns, "ns")
     t = _tokens(tokens)
     ps = _lib.int32_attr(page_size, "page_size")
-    if ps < 1:
-        raise InvalidArgumentError(f"page_size must be >= 1, got {ps}")
-    n = t.size // ps
+    up = _lib.int32_attr(unit_pages, "unit_pages")
+    if ps < 1 or up < 1:
+        raise InvalidArgumentError(f"page_size ({ps}) and unit_pages ({up}) must be >= 1")
+    n = t.size // (ps * up) * up
     keys = (Key * max(n, 1))()
-    _lib.check(sl.kvc_store_page_keys(ctypes.byref(k), _i32ptr(t), n, ps, keys))
+    _lib.check(sl.kvc_store_page_keys(ctypes.byref(k), _i32ptr(t), n, ps, up, keys))
     return [_kbytes(keys[i]) for i in range(n)]
 
 

@@ -58,11 +58,16 @@ def _store_library():
 # ---- keys and namespaces ------------------------------------------------------
 
 
-def _ref_keys(ns: bytes, tokens, page_size: int) -> list[bytes]:
-    """docs/KV_STORE.md section 2: key[i] = XXH3-128(key[i-1] || int32 LE ids)."""
-    keys, parent = [], ns
-    for i in range(len(tokens) // page_size):
-        ids = struct.pack(f"<{page_size}i", *tokens[i * page_size:(i + 1) * page_size])
+def _ref_keys(ns: bytes, tokens, page_size: int, unit_pages: int = 1) -> list[bytes]:
+    """docs/KV_STORE.md section 2: key[i] = XXH3-128(key[i-1] || int32 LE ids
+    of page i); with units of several pages, the ids of page i's whole unit
+    and then i's index in the unit (int32 LE)."""
+    keys, parent, unit = [], ns, page_size * unit_pages
+    for i in range(len(tokens) // unit * unit_pages):
+        u0 = i // unit_pages * unit
+        ids = struct.pack(f"<{unit}i", *tokens[u0:u0 + unit])
+        if unit_pages > 1:
+            ids += struct.pack("<i", i % unit_pages)
         parent = _xxh(parent + ids)
         keys.append(parent)
     return keys
@@ -81,6 +86,21 @@ def test_page_keys_match_an_independent_xxh3(rng, page_size):
     assert kvcache.store_page_keys(ns, [], page_size) == []
     with pytest.raises(kvcache.InvalidArgumentError):
         kvcache.store_page_keys(ns[:15], tokens, page_size)
+
+
+@pytest.mark.parametrize("page_size,unit_pages", [(16, 4), (4, 2), (1, 64)])
+def test_unit_keys_cover_the_whole_group(rng, page_size, unit_pages):
+    ns = rng.bytes(16)
+    n = 2 * page_size * unit_pages + page_size  # the trailing page fills no unit
+    tokens = rng.integers(0, 50000, size=n).tolist()
+    got = kvcache.store_page_keys(ns, tokens, page_size, unit_pages)
+    assert got == _ref_keys(ns, tokens, page_size, unit_pages)
+    assert len(got) == 2 * unit_pages
+    # a page whose own ids match but whose group differs has another key
+    other = list(tokens)
+    other[unit_pages * page_size - 1] += 1  # the first unit's last id
+    if unit_pages > 1:
+        assert kvcache.store_page_keys(ns, other, page_size, unit_pages)[0] != got[0]
 
 
 def _f32_hex(x: float) -> str:
@@ -397,20 +417,15 @@ def _prompts(n_vocab, shared=80):
     return [a, b]
 
 
-# kivi4 with prompts sharing 80 tokens: the C engine restores 128 tokens of
-# the first prompt and 64 of the second (whose first 64 come from the prefix
-# cache), and the first prompt's tokens differ from the reference (kivi8
-# too; sharing 64 or 100 tokens, or the prompts in the other order, give
-# the reference's tokens; float16 and int4 always do). A bug of the C side
-# (engine restore with compressed formats), reported; strict, so the fix
-# shows up here.
-_KIVI_SHARED_BUG = ("C engine: kivi restore with a partly shared second K group gives other "
-                    "tokens (see the comment above)")
+# kivi with prompts sharing 80 tokens: the second prompt's page 4 holds
+# the same ids as the first's but belongs to another K group (other
+# quantization parameters), so page keys must cover the whole group (the
+# bug this case found: the two pages once had one key).
 
 
 @pytest.mark.parametrize("kv_dtype,shared", [
     ("float16", 80), ("kivi4", 64),
-    pytest.param("kivi4", 80, marks=pytest.mark.xfail(strict=True, reason=_KIVI_SHARED_BUG)),
+    ("kivi4", 80), ("kivi8", 80),
 ])
 def test_generate_restores_from_a_dir_store_in_a_new_model(tiny_path, tmp_path, kv_dtype,
                                                            shared):
@@ -433,7 +448,9 @@ def test_generate_restores_from_a_dir_store_in_a_new_model(tiny_path, tmp_path, 
         from_cache = shared // unit * unit  # b's shared prefix may come from the prefix cache
         assert want - from_cache <= out.external_tokens <= want
         assert out.external_tokens + out.cached_tokens == want
-        assert st.stats()["hit_pages"] * 16 == out.external_tokens
+        # loads start when requests are queued: a page another load brings
+        # may be read twice, and applied once
+        assert st.stats()["hit_pages"] * 16 >= out.external_tokens
         # another salt (tenant) restores nothing
         other = m2.generate(prompts, 8, kv_store=st, salt="t2", **kw)
         assert other == ref and other.external_tokens == 0
@@ -567,4 +584,4 @@ def test_generate_restores_from_redis_in_another_process(tiny_path, redis_url):
     child = json.loads(r.stdout.strip().splitlines()[-1])
     assert child["out"] == ref
     want = sum((len(p) - 1) // 16 * 16 for p in prompts)
-    assert 0 < child["external"] <= want and child["hits"] * 16 == child["external"]
+    assert 0 < child["external"] <= want and child["hits"] * 16 >= child["external"]

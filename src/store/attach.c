@@ -24,7 +24,7 @@ typedef struct slot {
 typedef struct attach {
     kvc_store *s;
     kvc_store_key ns;
-    int32_t P;
+    int32_t P, U; /* page size; pages per unit (kvc_store_page_keys) */
     kvc_store_write_policy policy;
     int32_t need_hits;
     slot *slots;     /* num_pages (write-back and selective) */
@@ -46,7 +46,7 @@ static kvc_status probe(void *user, const kvc_cache *cache, const int32_t *token
                         int64_t first, int64_t max, int64_t *n) {
     (void)cache;
     attach *a = user;
-    return kvc__store_probe_run(a->s, &a->ns, tokens, a->P, first, max, n);
+    return kvc__store_probe_run(a->s, &a->ns, tokens, a->P, a->U, first, max, n);
 }
 
 static void *load_start(void *user, const kvc_cache *cache, const int32_t *tokens,
@@ -98,7 +98,7 @@ static void on_final(void *user, const kvc_cache *cache, const int32_t *tokens, 
                      int64_t n, const int32_t *page_ids) {
     attach *a = user;
     kvc_store_key *k = malloc((size_t)(first + n) * sizeof *k);
-    if (!k || kvc_store_page_keys(&a->ns, tokens, first + n, a->P, k) != KVC_OK) {
+    if (!k || kvc_store_page_keys(&a->ns, tokens, first + n, a->P, a->U, k) != KVC_OK) {
         free(k);
         k = NULL;
         kvc_clear_error();
@@ -176,6 +176,7 @@ kvc_status kvc_store_attach_engine(kvc_store *s, kvc_engine *engine, const kvc_s
     a->s = s;
     a->ns = *ns;
     a->P = cp.page_size;
+    a->U = kvc__store_unit_pages(cache);
     a->policy = kvc__store_params(s)->write_policy;
     a->need_hits = kvc__store_params(s)->selective_hits;
     a->num_pages = cp.num_pages;

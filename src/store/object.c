@@ -103,22 +103,29 @@ kvc_status kvc_store_namespace(const kvc_store_namespace_desc *d, kvc_store_key 
 }
 
 kvc_status kvc_store_page_keys(const kvc_store_key *ns, const int32_t *tokens, int64_t n_pages,
-                               int32_t page_size, kvc_store_key *keys) {
+                               int32_t page_size, int32_t unit_pages, kvc_store_key *keys) {
     static const char fn[] = "kvc_store_page_keys";
     KVC_CHECK(ns != NULL && (tokens != NULL || n_pages == 0) && (keys != NULL || n_pages == 0),
               "%s: ns, tokens and keys must not be NULL", fn);
-    KVC_CHECK(n_pages >= 0 && page_size >= 1 && page_size <= (1 << 20),
-              "%s: n_pages %lld must be >= 0 and page_size %d in [1, 2^20]", fn,
-              (long long)n_pages, (int)page_size);
+    KVC_CHECK(n_pages >= 0 && page_size >= 1 && page_size <= (1 << 20) && unit_pages >= 1 &&
+                  unit_pages <= (1 << 20),
+              "%s: n_pages %lld must be >= 0, page_size %d and unit_pages %d in [1, 2^20]", fn,
+              (long long)n_pages, (int)page_size, (int)unit_pages);
+    KVC_CHECK(n_pages % unit_pages == 0, "%s: n_pages %lld is not a whole number of units of %d "
+              "pages", fn, (long long)n_pages, (int)unit_pages);
     unsigned char buf[16 + 4 * 256];
     kvc_store_key parent = *ns;
     for (int64_t i = 0; i < n_pages; i++) {
-        const int32_t *t = tokens + i * page_size;
+        /* the ids of the page's whole unit: with K groups longer than a page,
+         * a page's bytes depend on its group's every token */
+        const int64_t u0 = i / unit_pages * unit_pages;
+        const int32_t *t = tokens + u0 * page_size;
+        const int64_t nt = (int64_t)unit_pages * page_size;
         XXH3_state_t st;
         XXH3_128bits_reset(&st);
         memcpy(buf, parent.b, 16);
         size_t n = 16;
-        for (int32_t j = 0; j < page_size; j++) {
+        for (int64_t j = 0; j < nt; j++) {
             put_u32(buf + n, (uint32_t)t[j]);
             n += 4;
             if (n == sizeof buf) {
@@ -126,10 +133,25 @@ kvc_status kvc_store_page_keys(const kvc_store_key *ns, const int32_t *tokens, i
                 n = 0;
             }
         }
+        if (unit_pages > 1) { /* which page of the unit */
+            put_u32(buf + n, (uint32_t)(i - u0));
+            n += 4;
+        }
         XXH3_128bits_update(&st, buf, n);
         keys[i] = parent = canon(XXH3_128bits_digest(&st));
     }
     return KVC_OK;
+}
+
+int32_t kvc__store_unit_pages(const kvc_cache *cache) {
+    kvc_kvfmt f;
+    kvc_cache_params p;
+    if (kvc_cache_get_params(cache, &p) != KVC_OK) return 1;
+    if (p.kv_format == KVC_KVFMT_NONE || kvc_cache_kvfmt(cache, &f) != KVC_OK) {
+        kvc_clear_error();
+        return 1;
+    }
+    return f.group > p.page_size ? f.group / p.page_size : 1;
 }
 
 /* ---- objects ----------------------------------------------------------------- */

@@ -433,13 +433,13 @@ static void add_stats(kvc_store *s, int64_t hit, int64_t miss, int64_t errors, i
 
 /* Keys of pages [0, n) of tokens into a malloc'd array (NULL: message set). */
 static kvc_store_key *keys_of(const kvc_store_key *ns, const int32_t *tokens, int64_t n,
-                              int32_t page_size) {
+                              int32_t page_size, int32_t unit_pages) {
     kvc_store_key *k = malloc((size_t)(n > 0 ? n : 1) * sizeof *k);
     if (!k) {
         kvc__error(KVC_ERR_NOMEM, "store: out of memory");
         return NULL;
     }
-    if (kvc_store_page_keys(ns, tokens, n, page_size, k) != KVC_OK) {
+    if (kvc_store_page_keys(ns, tokens, n, page_size, unit_pages, k) != KVC_OK) {
         free(k);
         return NULL;
     }
@@ -447,10 +447,11 @@ static kvc_store_key *keys_of(const kvc_store_key *ns, const int32_t *tokens, in
 }
 
 kvc_status kvc__store_probe_run(kvc_store *s, const kvc_store_key *ns, const int32_t *tokens,
-                                int32_t page_size, int64_t first, int64_t max, int64_t *n_pages) {
+                                int32_t page_size, int32_t unit_pages, int64_t first,
+                                int64_t max, int64_t *n_pages) {
     *n_pages = 0;
     if (max <= 0) return KVC_OK;
-    kvc_store_key *k = keys_of(ns, tokens, first + max, page_size);
+    kvc_store_key *k = keys_of(ns, tokens, first + max, page_size, unit_pages);
     if (!k) return KVC_ERR_NOMEM;
     int64_t pos = 0, errors = 0;
     for (int32_t t = 0; t < s->n_tiers && pos < max; t++) {
@@ -655,7 +656,11 @@ kvc_status kvc_store_restore_run(kvc_store *s, kvc_cache *cache, const kvc_store
     KVC_TRY(kvc_cache_get_params(cache, &cp));
     restore_ctx r;
     memset(&r, 0, sizeof r);
-    r.keys = keys_of(ns, tokens, first + max, cp.page_size);
+    const int32_t u = kvc__store_unit_pages(cache);
+    KVC_CHECK(first % u == 0 && max % u == 0, "%s: first_page %lld and max_pages %lld must be "
+              "whole units of %d pages (K groups span pages)", fn, (long long)first,
+              (long long)max, (int)u);
+    r.keys = keys_of(ns, tokens, first + max, cp.page_size, u);
     if (!r.keys) return KVC_ERR_NOMEM;
     r.s = s;
     r.cache = r.wcache = cache;
@@ -710,7 +715,9 @@ kvc__store_load *kvc__store_load_start(kvc_store *s, const kvc_cache *cache,
     const size_t nt = (size_t)(first + n) * (size_t)cp.page_size;
     l->tokens = malloc(nt * sizeof(int32_t));
     l->r.kept = calloc((size_t)n, sizeof(void *));
-    l->r.keys = l->tokens ? keys_of(ns, tokens, first + n, cp.page_size) : NULL;
+    l->r.keys = l->tokens ? keys_of(ns, tokens, first + n, cp.page_size,
+                                    kvc__store_unit_pages(cache))
+                          : NULL;
     if (!l->tokens || !l->r.kept || !l->r.keys) {
         kvc_clear_error();
         free(l->tokens), free(l->r.kept), free(l->r.keys), free(l);
@@ -790,8 +797,11 @@ kvc_status kvc_store_save_run(kvc_store *s, const kvc_cache *cache, const kvc_st
     if (n == 0) return KVC_OK;
     kvc_cache_params cp;
     KVC_TRY(kvc_cache_get_params(cache, &cp));
-    const int32_t P = cp.page_size;
-    kvc_store_key *k = keys_of(ns, tokens, first + n, P);
+    const int32_t P = cp.page_size, u = kvc__store_unit_pages(cache);
+    KVC_CHECK(first % u == 0 && n % u == 0, "%s: first_page %lld and n_pages %lld must be whole "
+              "units of %d pages (K groups span pages)", fn, (long long)first, (long long)n,
+              (int)u);
+    kvc_store_key *k = keys_of(ns, tokens, first + n, P, u);
     if (!k) return KVC_ERR_NOMEM;
     const size_t size = kvc_store_object_bytes(cache, s->has_auth);
     kvc_status ret = KVC_OK;

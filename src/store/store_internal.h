@@ -14,6 +14,9 @@ void kvc__store_hash128_avx2(const void *a, size_t na, const void *b, size_t nb,
                              kvc_store_key *out);
 uint64_t kvc__store_hash64(const void *a, size_t na, uint64_t seed);
 
+/* Pages per prefix unit of cache: G / P for a compressed format whose K
+ * groups span pages, else 1 (kvc_store_page_keys). */
+int32_t kvc__store_unit_pages(const kvc_cache *cache);
 /* kvc_store_put taking ownership of obj (malloc'd; freed on every path). */
 kvc_status kvc__store_put_owned(kvc_store *s, const kvc_store_key *ns, const kvc_store_key *key,
                                 void *obj, size_t size);
@@ -25,8 +28,8 @@ const char *kvc__store_tier_kind(const kvc_store *s, int32_t t);
 /* How many of pages [first_page, first_page + max_pages) of tokens the
  * tiers hold as a run (keys probed, nothing verified). */
 kvc_status kvc__store_probe_run(kvc_store *s, const kvc_store_key *ns, const int32_t *tokens,
-                                int32_t page_size, int64_t first_page, int64_t max_pages,
-                                int64_t *n_pages);
+                                int32_t page_size, int32_t unit_pages, int64_t first_page,
+                                int64_t max_pages, int64_t *n_pages);
 /* Calls the event callback, if any, with ev. */
 void kvc__store_emit(kvc_store *s, const kvc_store_event *ev);
 /* A background load for an engine (attach.c): reads and verifies pages

@@ -246,7 +246,7 @@ int bench_store(int argc, char **argv) {
         kvc_cache_add_sequence(b.dst, NULL, pages * ps, 0, &d, &hit) != KVC_OK ||
         kvc_cache_page_table(b.src, &s, 1, indptr, b.ids, pages, &last, &np) != KVC_OK ||
         kvc_cache_page_table(b.dst, &d, 1, indptr, b.dids, pages, &last, &np) != KVC_OK ||
-        kvc_store_page_keys(&b.ns, b.tok, pages, (int32_t)ps, b.keys) != KVC_OK)
+        kvc_store_page_keys(&b.ns, b.tok, pages, (int32_t)ps, 1, b.keys) != KVC_OK)
         goto fail;
     for (int64_t i = 0; i < pages; i++)
         if (kvc_cache_write_page(b.src, b.ids[i], b.flat + (size_t)i * b.page_bytes,
