@@ -220,7 +220,8 @@ KVC_API kvc_status kvc_store_save_run(kvc_store *store, const kvc_cache *cache,
 typedef struct kvc_store_stats {
     int64_t hit_pages, miss_pages;    /* pages restored; pages looked up and not restored */
     int64_t verify_failures;          /* objects read but refused (sum of misses[1..]) */
-    int64_t misses[KVC_STORE_MISS_COUNT]; /* by reason */
+    int64_t misses[KVC_STORE_MISS_COUNT]; /* by reason; [ABSENT]: miss_pages not refused
+                                             (absent, unreachable, past the timeout) */
     int64_t errors;                   /* tier calls that failed (I/O, server down) */
     int64_t bytes_read, bytes_written;
     int64_t writes_queued, writes_done, writes_dropped, writes_failed;

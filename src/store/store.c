@@ -423,11 +423,15 @@ static void add_stats(kvc_store *s, int64_t hit, int64_t miss, int64_t errors, i
     s->st.errors += errors;
     s->st.bytes_read += bytes;
     s->st.timeouts += timeouts;
+    int64_t refused = 0;
     if (misses)
         for (int m = 1; m < KVC_STORE_MISS_COUNT; m++) {
             s->st.misses[m] += misses[m];
-            s->st.verify_failures += misses[m];
+            refused += misses[m];
         }
+    s->st.verify_failures += refused;
+    /* the rest of the pages not restored: absent, unreachable or too late */
+    s->st.misses[KVC_STORE_MISS_ABSENT] += miss > refused ? miss - refused : 0;
     pthread_mutex_unlock(&s->mu);
 }
 
