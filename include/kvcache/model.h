@@ -294,6 +294,11 @@ typedef struct kvc_engine_stats {
  *                (pages just reserved for the request; cache NULL or
  *                n_pages 0: none) and releases the load, stopping it first
  *                if it still runs. It cannot fail: the pages were verified.
+ *   restore      (may be NULL) the same in line, when the engine has nothing
+ *                else to step: pages [first_page, first_page + n_pages)
+ *                written into page_ids (just reserved), each verified first;
+ *                *n_restored receives the run written from first_page on
+ *                (the engine rolls the rest back and computes it).
  * Then, as pages change:
  *   on_final     pages [first_page, first_page + n_pages) of a request
  *                became final (full, K groups complete) with tokens' ids;
@@ -313,6 +318,9 @@ typedef struct kvc_engine_connector {
     int (*load_poll)(void *user, void *load, int wait, int64_t *n_ready);
     void (*load_finish)(void *user, void *load, kvc_cache *cache, int64_t skip,
                         const int32_t *page_ids, int64_t n_pages);
+    kvc_status (*restore)(void *user, kvc_cache *cache, const int32_t *tokens,
+                          int64_t first_page, int64_t n_pages, const int32_t *page_ids,
+                          int64_t *n_restored);
     void (*on_final)(void *user, const kvc_cache *cache, const int32_t *tokens,
                      int64_t first_page, int64_t n_pages, const int32_t *page_ids);
     void (*on_hit)(void *user, const kvc_cache *cache, const int32_t *tokens, int64_t first_page,

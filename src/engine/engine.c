@@ -487,11 +487,10 @@ static void compact_batch(kvc_engine *e, int64_t *nb, int64_t *rows, int64_t *bu
     *n_decode = kdec;
 }
 
-/* Probes the connector for r (queued, prefix hit of hit tokens) and starts
- * loading what it has: 1 when a load started (r waits for it), 0 when r is
- * to be admitted now (nothing to load; r is not probed again). Whole units
- * only, never the prompt's last token (its logits are needed). */
-static int start_load(kvc_engine *e, req *r, int64_t hit) {
+/* Pages the connector offers for r (queued, prefix hit of hit tokens):
+ * whole units, never the prompt's last token (its logits are needed); r is
+ * marked probed. */
+static int64_t probe_pages(kvc_engine *e, req *r, int64_t hit) {
     const int64_t P = e->p.page_size, upp = e->unit / P;
     const int64_t max_units = ((r->n_tok - 1) / e->unit * e->unit - hit) / e->unit;
     int64_t np = 0;
@@ -502,12 +501,51 @@ static int start_load(kvc_engine *e, req *r, int64_t hit) {
         return 0;
     }
     if (np > max_units * upp) np = max_units * upp;
-    np = np / upp * upp;
+    return np > 0 ? np / upp * upp : 0;
+}
+
+/* Starts loading what the connector has for r: 1 when a load started (r
+ * waits for it), 0 when r is to be admitted now (nothing to load). */
+static int start_load(kvc_engine *e, req *r, int64_t hit) {
+    const int64_t np = probe_pages(e, r, hit);
     if (np == 0) return 0;
-    r->load = e->conn.load_start(e->conn.user, e->cache, r->tok, hit / P, np);
+    r->load = e->conn.load_start(e->conn.user, e->cache, r->tok, hit / e->p.page_size, np);
     kvc_clear_error();
-    r->load_first = hit / P;
+    r->load_first = hit / e->p.page_size;
     return r->load != NULL;
+}
+
+/* The in-line restore (connector restore): *ext tokens after the n_cached
+ * hit of r's new sequence seq, reserved with *chunk more. What is not
+ * restored is rolled back and computed instead: *ext and *chunk are updated
+ * (chunk within budget). KVC_ERR_NO_SPACE (no message) when the
+ * re-reservation fails; the caller frees seq. */
+static kvc_status restore_ext(kvc_engine *e, req *r, kvc_seq_id seq, int64_t n_cached,
+                              int64_t *ext, int64_t *chunk, int64_t budget) {
+    const int64_t P = e->p.page_size, upp = e->unit / P;
+    int64_t nr = 0;
+    if (seq_pages(e, seq) < (n_cached + *ext) / P ||
+        e->conn.restore(e->conn.user, e->cache, r->tok, n_cached / P, *ext / P,
+                        e->pg + n_cached / P, &nr) != KVC_OK)
+        nr = 0;
+    kvc_clear_error(); /* the connector counts its failures: recompute */
+    if (nr > *ext / P) nr = *ext / P;
+    nr = nr / upp * upp;
+    if (nr * P == *ext) return KVC_OK;
+    /* the unrestored slots were never written: out of the index, then
+     * reserve what this step computes instead */
+    const int64_t keep = n_cached + nr * P;
+    kvc_cache_rollback(e->cache, seq, keep);
+    *ext = nr * P;
+    *chunk = r->n_tok - keep;
+    if (*chunk > budget) *chunk = budget;
+    kvc_status st = kvc_cache_append(e->cache, seq, r->tok + keep, *chunk, NULL);
+    if (st != KVC_OK) {
+        kvc_clear_error();
+        kvc_cache_rollback(e->cache, seq, n_cached);
+        return KVC_ERR_NO_SPACE;
+    }
+    return KVC_OK;
 }
 
 /* For r with a load: 1 while it runs; else 0 with *ext the tokens it gives
@@ -618,8 +656,16 @@ admission:
         int64_t ext = 0, skip = 0; /* tokens to restore; loaded pages before the hit */
         if (e->has_conn) {
             int wait = 0;
-            if (!r->load && !r->probed) wait = start_load(e, r, hit);
-            else if (r->load) wait = load_usable(e, r, hit, &skip, &ext);
+            if (!r->load && !r->probed) {
+                /* nothing to step meanwhile: restore in line, straight into
+                 * the reserved pages (no second copy) */
+                if (e->conn.restore && e->n_run == 0 && nb == 0)
+                    ext = probe_pages(e, r, hit) * e->p.page_size;
+                else
+                    wait = start_load(e, r, hit);
+            } else if (r->load) {
+                wait = load_usable(e, r, hit, &skip, &ext);
+            }
             if (wait) {
                 wi++;
                 continue;
@@ -636,6 +682,11 @@ admission:
             kvc_cache_free_sequence(e->cache, seq);
             st = kvc__error(KVC_ERR_INTERNAL, "%s: prefix lookup found %lld tokens, add %lld",
                             fn, (long long)hit, (long long)n_cached);
+        }
+        if (st == KVC_OK && ext > 0 && !r->load &&
+            restore_ext(e, r, seq, n_cached, &ext, &chunk, budget) != KVC_OK) {
+            kvc_cache_free_sequence(e->cache, seq);
+            st = KVC_ERR_NO_SPACE;
         }
         if (st == KVC_ERR_NO_SPACE) { /* a finished load is kept for the next step */
             kvc_clear_error();

@@ -49,6 +49,12 @@ static kvc_status probe(void *user, const kvc_cache *cache, const int32_t *token
     return kvc__store_probe_run(a->s, &a->ns, tokens, a->P, a->U, first, max, n);
 }
 
+static kvc_status restore(void *user, kvc_cache *cache, const int32_t *tokens, int64_t first,
+                          int64_t n, const int32_t *page_ids, int64_t *n_restored) {
+    attach *a = user;
+    return kvc_store_restore_run(a->s, cache, &a->ns, tokens, first, n, page_ids, n_restored);
+}
+
 static void *load_start(void *user, const kvc_cache *cache, const int32_t *tokens,
                         int64_t first, int64_t n) {
     attach *a = user;
@@ -195,6 +201,7 @@ kvc_status kvc_store_attach_engine(kvc_store *s, kvc_engine *engine, const kvc_s
     c.load_start = load_start;
     c.load_poll = load_poll;
     c.load_finish = load_finish;
+    c.restore = restore;
     c.on_final = on_final;
     if (a->policy == KVC_STORE_WRITE_SELECTIVE) c.on_hit = on_hit;
     c.on_evict = on_evict;
