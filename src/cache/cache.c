@@ -10,6 +10,9 @@
  */
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "cache_internal.h"
 
@@ -583,6 +586,36 @@ kvc_status kvc_cache_read_page(const kvc_cache *c, int32_t page, void *dst, size
     return KVC_OK;
 }
 
+/* Copies a restored page into the storage with streaming stores: whole
+ * prompts are restored at once (tens of MB, far beyond the caches), and
+ * plain stores would first read every destination line from memory. SSE2
+ * is baseline x86-64; elsewhere memcpy. */
+static void copy_stream(void *dst, const void *src, size_t n) {
+#if defined(__SSE2__)
+    unsigned char *d = dst;
+    const unsigned char *s = src;
+    const size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+    if (n < 256 || head > n) {
+        memcpy(d, s, n);
+        return;
+    }
+    memcpy(d, s, head);
+    d += head, s += head, n -= head;
+    for (; n >= 64; d += 64, s += 64, n -= 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
+        _mm_stream_si128((__m128i *)d, a);
+        _mm_stream_si128((__m128i *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(d + 48), e);
+    }
+    _mm_sfence(); /* the streamed lines are visible before the tail and what follows */
+    memcpy(d, s, n);
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
 kvc_status kvc_cache_write_page(kvc_cache *c, int32_t page, const void *src, size_t size) {
     static const char fn[] = "kvc_cache_write_page";
     KVC_TRY(page_io_check(c, fn, page, src, size));
@@ -590,12 +623,13 @@ kvc_status kvc_cache_write_page(kvc_cache *c, int32_t page, const void *src, siz
               fn, (int)page, (int)c->pages[page].ref);
     const unsigned char *in = src;
     for (int32_t l = 0; l < c->p.num_layers; l++) {
-        memcpy(c->data + (size_t)l * c->layer_data_bytes + (size_t)page * c->page_data_bytes, in,
-               c->page_data_bytes);
+        copy_stream(c->data + (size_t)l * c->layer_data_bytes + (size_t)page * c->page_data_bytes,
+                    in, c->page_data_bytes);
         in += c->page_data_bytes;
         if (c->scale) {
-            memcpy(c->scale + (size_t)l * c->layer_scale_bytes + (size_t)page * c->page_scale_bytes,
-                   in, c->page_scale_bytes);
+            copy_stream(c->scale + (size_t)l * c->layer_scale_bytes +
+                            (size_t)page * c->page_scale_bytes,
+                        in, c->page_scale_bytes);
             in += c->page_scale_bytes;
         }
     }

@@ -3,7 +3,8 @@
  * page payload, against references measured in the same run:
  *   serialize  kvc_store_serialize_page (page -> object: copy + checksums)
  *   restore    kvc_store_restore_page (verify every check + write the page)
- *              both against memcpy of the same bytes (goal >= 0.5)
+ *              both against memcpy of the same bytes (goal >= 0.5), the
+ *              three sampled in turn
  *   put / get  for each --kv-store: N objects queued and flushed
  *              (kvc_store_put + kvc_store_flush), then restored
  *              (kvc_store_restore_run: tier read + verify + write);
@@ -37,7 +38,8 @@ static const char usage[] =
 
 #ifdef KVC_HAVE_STORE
 
-typedef struct bs {
+typedef struct bs bs;
+struct bs {
     kvc_cache *src, *dst;
     int32_t *ids, *dids, *tok;
     int64_t n;
@@ -47,24 +49,36 @@ typedef struct bs {
     unsigned char *flat2;
     kvc_store_key ns;
     kvc_store_key *keys;
-} bs;
+};
 
-static double median_rate(int (*fn)(bs *), bs *b, double budget, double bytes) {
-    double t[64];
-    int k = 0;
-    const double end = bench_now() + budget;
-    do {
-        const double t0 = bench_now();
-        if (fn(b)) return -1;
-        t[k++] = bench_now() - t0;
-    } while (k < 64 && (bench_now() < end || k < 3));
+static double median(double *t, int k) {
     for (int i = 1; i < k; i++) /* insertion sort: few samples */
         for (int j = i; j > 0 && t[j] < t[j - 1]; j--) {
             double x = t[j];
             t[j] = t[j - 1];
             t[j - 1] = x;
         }
-    return bytes / t[k / 2] / 1e9;
+    return t[k / 2];
+}
+
+/* GB/s of fn_a .. fn_c (bytes per call), sampled in turn (a, b, c, a, b, c,
+ * ...) so that every case sees the same moments of a shared machine: the
+ * median of each. NULL functions are skipped; -1 if one fails. */
+static int interleaved_rates(int (*const *fns)(struct bs *), int n_fns, struct bs *b,
+                             double budget, double bytes, double *gbs) {
+    double t[4][64];
+    int k = 0;
+    const double end = bench_now() + budget;
+    do {
+        for (int f = 0; f < n_fns; f++) {
+            const double t0 = bench_now();
+            if (fns[f](b)) return -1;
+            t[f][k] = bench_now() - t0;
+        }
+        k++;
+    } while (k < 64 && (bench_now() < end || k < 5));
+    for (int f = 0; f < n_fns; f++) gbs[f] = bytes / median(t[f], k) / 1e9;
+    return 0;
 }
 
 static void expect_of(bs *b, int64_t pg, kvc_store_expect *e) {
@@ -139,7 +153,7 @@ static void redis_benchmark(const char *url, size_t value, int64_t n, double *se
                  h[hl] == ':' ? atoi(h + hl + 1) : 6379);
     }
     snprintf(cmd, sizeof cmd, "redis-benchmark %s -t set,get -d %zu -P 32 -n %lld -r %lld "
-             "--csv 2>/dev/null", target, value, (long long)(n * 4), (long long)n);
+             "--csv 2>/dev/null", target, value, (long long)(n * 8), (long long)n);
     FILE *f = popen(cmd, "r");
     if (!f) return;
     char line[512];
@@ -261,10 +275,10 @@ int bench_store(int argc, char **argv) {
         printf("%-10s %-40s %9s %9s %-16s %6s\n", "case", "store", "GB/s", "ref_GB/s", "ref",
                "ratio");
     }
-    const double mc = median_rate(do_memcpy, &b, budget, bytes);
-    const double ser = median_rate(do_serialize, &b, budget, bytes);
-    const double res = median_rate(do_restore, &b, budget, bytes);
-    if (mc < 0 || ser < 0 || res < 0) goto fail;
+    int (*const fns[3])(bs *) = {do_memcpy, do_serialize, do_restore};
+    double r3[3];
+    if (interleaved_rates(fns, 3, &b, budget, bytes, r3)) goto fail;
+    const double mc = r3[0], ser = r3[1], res = r3[2];
     report(json, "serialize", NULL, ser, mc, "memcpy");
     report(json, "restore", NULL, res, mc, "memcpy");
     for (int u = 0; u < n_urls; u++) {
@@ -272,8 +286,10 @@ int bench_store(int argc, char **argv) {
         sp.queue_bytes = (int64_t)(2 * pages * (int64_t)b.obj_bytes);
         sp.queue_objects = (int32_t)(2 * pages);
         if (kvc_store_open(&urls[u], 1, &sp, &g_store) != KVC_OK) goto fail;
-        const double put = median_rate(do_put, &b, budget, bytes);
-        const double get = median_rate(do_get, &b, budget, bytes);
+        int (*const fns2[2])(bs *) = {do_put, do_get};
+        double r2[2] = {-1, -1};
+        const int bad = interleaved_rates(fns2, 2, &b, budget, bytes, r2);
+        const double put = bad ? -1 : r2[0], get = bad ? -1 : r2[1];
         kvc_store_stats st;
         kvc_store_get_stats(g_store, &st);
         kvc_store_close(g_store);
