@@ -148,6 +148,9 @@ static kvc_status conn_acquire(server *sv, conn *c, pipe_guard *g) {
             pthread_mutex_unlock(&c->mu);
             return st;
         }
+        /* keep the reader's buffer between replies: pages are ~0.1-1 MB,
+         * and the default (free it above 16 KiB) regrows it for each */
+        c->ctx->reader->maxbuf = 0;
     }
     pipe_block(g);
     return KVC_OK;
@@ -274,12 +277,14 @@ static kvc_status take_reply(batch *b, server *sv, conn *c, int64_t i, redisRepl
         if (r->type != REDIS_REPLY_STATUS) return conn_protocol(sv, c, "SET", r);
         b->written++;
     } else if (r->type == REDIS_REPLY_STRING) {
-        /* No object is empty: an empty string is no object. */
-        if (r->len > 0 && (b->objs[i] = malloc(r->len)) != NULL) {
-            memcpy(b->objs[i], r->str, r->len);
+        /* No object is empty: an empty string is no object. The reply's
+         * string is taken over, not copied: hiredis allocates it with
+         * malloc (its default allocator, never replaced here), and
+         * freeReplyObject then frees a NULL. */
+        if (r->len > 0) {
+            b->objs[i] = r->str;
             b->lens[i] = r->len;
-        } else if (r->len > 0) {
-            st = kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory (%zu bytes)", r->len);
+            r->str = NULL;
         }
     } else if (r->type != REDIS_REPLY_NIL) {
         return conn_protocol(sv, c, "GET", r);

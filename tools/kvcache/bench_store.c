@@ -152,7 +152,7 @@ static void redis_benchmark(const char *url, size_t value, int64_t n, double *se
         snprintf(target, sizeof target, "-h %.*s -p %d", (int)hl, h,
                  h[hl] == ':' ? atoi(h + hl + 1) : 6379);
     }
-    snprintf(cmd, sizeof cmd, "redis-benchmark %s -t set,get -d %zu -P 32 -n %lld -r %lld "
+    snprintf(cmd, sizeof cmd, "redis-benchmark %s -c 1 -t set,get -d %zu -P 32 -n %lld -r %lld "
              "--csv 2>/dev/null", target, value, (long long)(n * 8), (long long)n);
     FILE *f = popen(cmd, "r");
     if (!f) return;
