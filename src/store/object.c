@@ -265,7 +265,7 @@ kvc_status kvc_store_verify_object(const kvc_cache *cache, const void *obj, size
     const size_t np = kvc_cache_page_bytes(cache), nt = (size_t)p.page_size * 4;
     if (flags > 1) return miss_(miss, KVC_STORE_MISS_VERSION, "unknown flags");
     if (n_tok != (uint32_t)p.page_size || n_layers != (uint32_t)p.num_layers ||
-        payload != np || layer_bytes * n_layers != payload)
+        payload != np || layer_bytes != np / (size_t)p.num_layers)
         return miss_(miss, KVC_STORE_MISS_GEOMETRY, "page size, layers or payload size differ");
     const size_t tag = (flags & 1) ? KVC_STORE_AUTH_TAG_BYTES : 0;
     if (size != KVC_STORE_HEADER_BYTES + nt + np + tag)
