@@ -643,6 +643,7 @@ kvc_status kvc_engine_step(kvc_engine *e, kvc_engine_event *events, int64_t cap,
         e->b_want[rows + chunk - 1] = r->n_done + chunk == r->n_tok;
         nb++, rows += chunk, budget -= chunk;
     }
+    int waited = 0; /* for a load, in this step */
 admission:
     /* 3. admission, in queue order; a request whose pages the connector is
      * loading keeps its place and is passed over until the load is done */
@@ -742,14 +743,26 @@ admission:
         e->b_want[rows + chunk - 1] = r->n_done + chunk == r->n_tok;
         nb++, rows += chunk, budget -= chunk;
     }
-    if (nb == 0) {
-        /* nothing runs: wait for the oldest load, then admit again */
-        for (int64_t i = 0; i < e->n_wait; i++)
-            if (e->wait[i]->load) {
-                int64_t ready;
+    if (nb == 0 && !waited) {
+        /* nothing runs: wait for the oldest running load, then admit again
+         * (once a step: a finished load that still does not fit waits for
+         * room like any request) */
+        for (int64_t i = 0; i < e->n_wait; i++) {
+            int64_t ready;
+            if (e->wait[i]->load &&
+                !e->conn.load_poll(e->conn.user, e->wait[i]->load, 0, &ready)) {
                 e->conn.load_poll(e->conn.user, e->wait[i]->load, 1, &ready);
+                waited = 1;
                 goto admission;
             }
+        }
+    }
+    if (nb == 0) {
+        for (int64_t i = 0; i < e->n_wait; i++) { /* a load still to come in */
+            int64_t ready;
+            if (e->wait[i]->load && !e->conn.load_poll(e->conn.user, e->wait[i]->load, 0, &ready))
+                return KVC_OK;
+        }
         if (e->n_run == 0 && e->n_wait > 0)
             return kvc__error(KVC_ERR_NO_SPACE, "%s: no request fits in the cache", fn);
         return KVC_OK;
