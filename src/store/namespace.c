@@ -72,7 +72,9 @@ static kvc_status hash_value(const kvc_gguf *g, const char *key, XXH3_state_t *s
             return kvc__error(KVC_ERR_UNSUPPORTED, "store: cannot digest GGUF key %s (an array "
                               "of arrays)", key);
         }
-    } else if (type == KVC_GGUF_FLOAT32 || type == KVC_GGUF_FLOAT64) {
+    } else if (type == KVC_GGUF_FLOAT32 || type == KVC_GGUF_FLOAT64 || type == KVC_GGUF_UINT64) {
+        /* by the bits of their binary64 value (get_i64 refuses a uint64
+         * above INT64_MAX, so uint64 goes this way too) */
         double d;
         KVC_TRY(kvc_gguf_get_f64(g, key, &d));
         uint64_t u;
@@ -80,17 +82,8 @@ static kvc_status hash_value(const kvc_gguf *g, const char *key, XXH3_state_t *s
         upd_u64(st, u);
     } else {
         int64_t v;
-        if (type == KVC_GGUF_UINT64) {
-            /* get_i64 refuses values above INT64_MAX: hash them by value too */
-            double d;
-            KVC_TRY(kvc_gguf_get_f64(g, key, &d));
-            uint64_t u;
-            memcpy(&u, &d, 8);
-            upd_u64(st, u);
-        } else {
-            KVC_TRY(kvc_gguf_get_i64(g, key, &v));
-            upd_u64(st, (uint64_t)v);
-        }
+        KVC_TRY(kvc_gguf_get_i64(g, key, &v));
+        upd_u64(st, (uint64_t)v);
     }
     return KVC_OK;
 }
