@@ -13,19 +13,19 @@ tmp=$(mktemp -d) || exit 1
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "FAIL ($case_name): $*"; for f in "$tmp"/*.err; do
     [ -f "$f" ] && { echo "--- $f"; cat "$f"; }; done; exit 1; }
-# a prompt of ~600 tokens
-i=0; while [ $i -lt 60 ]; do
+# a prompt of ~150 tokens: two whole 64-token K groups for int4 (kivi4)
+i=0; while [ $i -lt 14 ]; do
     printf 'Line %d of a long prompt: the quick brown fox jumps over the lazy dog. ' $i
     i=$((i + 1)); done > "$tmp/prompt.txt"
 run() { # NAME [options...]: stdout to NAME.out, stderr to NAME.err
     name=$1; shift
-    "$kv" run -m "$model" -f "$tmp/prompt.txt" -n 12 -t 2 -q --json-stats "$@" \
+    "$kv" run -m "$model" -f "$tmp/prompt.txt" -n 6 -t 2 -q --json-stats "$@" \
         > "$tmp/$name.out" 2> "$tmp/$name.err" || fail "$name: exit status $?"
 }
 stat_of() { # NAME KEY: an integer field of NAME's --json-stats line
     sed -n "s/.*\"$2\": \([0-9]*\).*/\1/p" "$tmp/$1.err" | tail -1
 }
-two_runs() { # URL [options...]
+two_runs() { # URL [options...]: a process without a store, one storing, one restoring
     url=$1; shift
     run ref "$@"
     run first --kv-store "$url" "$@"
@@ -53,7 +53,7 @@ dir_full)
     # files may hold 64 KiB, a page object 368 KiB: every write fails
     # (EFBIG), the run is unchanged and counts the errors
     run ref
-    (trap '' XFSZ; ulimit -f 128; exec "$kv" run -m "$model" -f "$tmp/prompt.txt" -n 12 -t 2 -q \
+    (trap '' XFSZ; ulimit -f 128; exec "$kv" run -m "$model" -f "$tmp/prompt.txt" -n 6 -t 2 -q \
         --json-stats --kv-store "dir:$tmp/full" > "$tmp/full.out" 2> "$tmp/full.err") ||
         fail "full: exit status $?"
     cmp -s "$tmp/ref.out" "$tmp/full.out" || fail "output with a full disk differs"
