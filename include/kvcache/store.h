@@ -203,7 +203,8 @@ KVC_API kvc_status kvc_store_put(kvc_store *store, const kvc_store_key *ns,
  * e.g. just reserved by kvc_cache_add_sequence; page_ids[i] receives page
  * first_page + i): *n_pages receives the run's length (from first_page on;
  * tiers tried in order, each continuing where the previous one stopped;
- * cut at the first absent or failing object or at the timeout). tokens
+ * cut at the first absent or failing object or at the timeout; a cut may
+ * fall inside a unit, whose pages the caller then recomputes). tokens
  * holds (first_page + max_pages) * page_size ids. */
 KVC_API kvc_status kvc_store_restore_run(kvc_store *store, kvc_cache *cache,
                                          const kvc_store_key *ns, const int32_t *tokens,
