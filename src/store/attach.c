@@ -12,7 +12,6 @@
 #include "../core/internal.h"
 #include "store_internal.h"
 
-kvc_status kvc__store_attach_add(kvc_store *s, void *a);
 
 typedef struct slot {
     kvc_store_key key, parent;
@@ -72,6 +71,17 @@ static void load_finish(void *user, void *load, kvc_cache *cache, int64_t skip,
     kvc__store_load_finish(load, cache, skip, page_ids, n);
 }
 
+/* The expectation (what the object must say) of page id's slot. */
+static kvc_store_expect slot_expect(const attach *a, int32_t id) {
+    kvc_store_expect e;
+    e.ns = a->ns;
+    e.key = a->slots[id].key;
+    e.parent = a->slots[id].parent;
+    e.position = a->slots[id].position;
+    e.tokens = a->tokens + (int64_t)id * a->P;
+    return e;
+}
+
 /* Saves page id from its slot if the cache still holds the slot's tokens. */
 static void save_slot(attach *a, const kvc_cache *cache, int32_t id) {
     slot *sl = &a->slots[id];
@@ -82,34 +92,25 @@ static void save_slot(attach *a, const kvc_cache *cache, int32_t id) {
         sl->valid = 0; /* reused since: not the page the slot describes */
         return;
     }
-    const size_t size = kvc_store_object_bytes(cache, kvc__store_auth_key(a->s) != NULL);
-    void *obj = malloc(size);
-    kvc_store_expect e;
-    e.ns = a->ns;
-    e.key = sl->key;
-    e.parent = sl->parent;
-    e.position = sl->position;
-    e.tokens = a->tokens + (int64_t)id * a->P;
-    if (!obj || kvc_store_serialize_page(cache, id, &e, kvc__store_auth_key(a->s), obj, size,
-                                         NULL) != KVC_OK) {
-        free(obj);
-        kvc_clear_error();
-        return;
-    }
-    sl->saved = 1;
-    if (kvc__store_put_owned(a->s, &a->ns, &sl->key, obj, size) != KVC_OK) kvc_clear_error();
+    const kvc_store_expect e = slot_expect(a, id);
+    sl->saved = 1; /* once: a failure is counted as a dropped write */
+    if (kvc__store_save_page(a->s, cache, id, &e) != KVC_OK) kvc_clear_error();
 }
 
+/* Records each page in its slot (keys computed once, for the slot, the
+ * event and a write-through), then tells listeners the cache holds it;
+ * a write-through is queued after that event, so subscribers hear of a
+ * page in the cache before the writer's event of it in a tier. */
 static void on_final(void *user, const kvc_cache *cache, const int32_t *tokens, int64_t first,
                      int64_t n, const int32_t *page_ids) {
     attach *a = user;
     kvc_store_key *k = malloc((size_t)(first + n) * sizeof *k);
     if (!k || kvc_store_page_keys(&a->ns, tokens, first + n, a->P, a->U, k) != KVC_OK) {
         free(k);
-        k = NULL;
         kvc_clear_error();
+        return; /* out of memory: these pages go unsaved (a later miss) */
     }
-    for (int64_t i = 0; k && i < n; i++) {
+    for (int64_t i = 0; i < n; i++) {
         const int32_t id = page_ids[i];
         if (id < 0 || id >= a->num_pages) continue;
         slot *sl = &a->slots[id];
@@ -122,23 +123,15 @@ static void on_final(void *user, const kvc_cache *cache, const int32_t *tokens, 
         sl->saved = 0;
         memcpy(a->tokens + (int64_t)id * a->P, tokens + pg * a->P,
                (size_t)a->P * sizeof(int32_t));
-        kvc_store_event ev;
-        memset(&ev, 0, sizeof ev);
-        ev.kind = KVC_STORE_EVENT_STORED;
-        ev.tier = KVC_STORE_TIER_CACHE;
-        ev.ns = a->ns;
-        ev.key = sl->key;
-        ev.parent = sl->parent;
-        ev.tokens = tokens + pg * a->P;
-        ev.n_tokens = a->P;
-        kvc__store_emit(a->s, &ev);
+        kvc__store_emit_page(a->s, KVC_STORE_EVENT_STORED, KVC_STORE_TIER_CACHE, &a->ns,
+                             &sl->key, &sl->parent, tokens + pg * a->P, a->P);
+        if (a->policy == KVC_STORE_WRITE_THROUGH) {
+            const kvc_store_expect e = slot_expect(a, id);
+            sl->saved = 1;
+            if (kvc__store_save_page(a->s, cache, id, &e) != KVC_OK) kvc_clear_error();
+        }
     }
     free(k);
-    /* queued after the events above, so that subscribers hear of a page in
-     * the cache before the writer's event of it in a tier */
-    if (a->policy == KVC_STORE_WRITE_THROUGH &&
-        kvc_store_save_run(a->s, cache, &a->ns, tokens, first, n, page_ids) != KVC_OK)
-        kvc_clear_error(); /* counted as dropped */
 }
 
 static void on_hit(void *user, const kvc_cache *cache, const int32_t *tokens, int64_t first,
@@ -157,16 +150,9 @@ static void on_evict(void *user, const kvc_cache *cache, int32_t id) {
     attach *a = user;
     if (id < 0 || id >= a->num_pages || !a->slots[id].valid) return;
     if (a->policy == KVC_STORE_WRITE_BACK) save_slot(a, cache, id);
-    if (a->slots[id].valid) { /* save_slot drops a slot whose page was reused since */
-        kvc_store_event ev;
-        memset(&ev, 0, sizeof ev);
-        ev.kind = KVC_STORE_EVENT_REMOVED;
-        ev.tier = KVC_STORE_TIER_CACHE;
-        ev.ns = a->ns;
-        ev.key = a->slots[id].key;
-        ev.parent = a->slots[id].parent;
-        kvc__store_emit(a->s, &ev);
-    }
+    if (a->slots[id].valid) /* save_slot drops a slot whose page was reused since */
+        kvc__store_emit_page(a->s, KVC_STORE_EVENT_REMOVED, KVC_STORE_TIER_CACHE, &a->ns,
+                             &a->slots[id].key, &a->slots[id].parent, NULL, 0);
     a->slots[id].valid = 0; /* about to be reused */
 }
 

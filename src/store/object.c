@@ -240,6 +240,21 @@ static kvc_status miss_(kvc_store_miss *out, kvc_store_miss m, const char *what)
                       what);
 }
 
+int32_t kvc__store_object_ids(const void *obj, size_t size, kvc_store_key *parent,
+                              int32_t **ids) {
+    const unsigned char *o = obj;
+    *ids = NULL;
+    if (size < KVC_STORE_HEADER_BYTES || memcmp(o, magic, 8) != 0) return 0;
+    const uint32_t n = get_u32(o + 72);
+    if (n == 0 || n > (1u << 20) || KVC_STORE_HEADER_BYTES + 4 * (size_t)n > size) return 0;
+    int32_t *t = malloc(4 * (size_t)n);
+    if (!t) return 0;
+    for (uint32_t i = 0; i < n; i++) t[i] = (int32_t)get_u32(o + KVC_STORE_HEADER_BYTES + 4 * i);
+    memcpy(parent->b, o + 48, 16);
+    *ids = t;
+    return (int32_t)n;
+}
+
 kvc_status kvc_store_verify_object(const kvc_cache *cache, const void *obj, size_t size,
                                    const kvc_store_expect *e, const uint8_t *auth_key,
                                    kvc_store_miss *miss) {

@@ -81,55 +81,45 @@ const char *kvc__store_tier_kind(const kvc_store *s, int32_t t) {
 
 /* ---- events ------------------------------------------------------------------ */
 
-/* An event for an object this library wrote: parent and tokens from its
- * header when it parses as one (objects put by others may not). */
-static void emit_stored(kvc_store *s, int32_t tier, const item *it) {
-    pthread_mutex_lock(&s->ev_mu);
-    const int listening = s->ev_fn != NULL;
-    pthread_mutex_unlock(&s->ev_mu);
-    if (!listening) return; /* spare the token copy */
-    kvc_store_event ev;
-    memset(&ev, 0, sizeof ev);
-    ev.kind = KVC_STORE_EVENT_STORED;
-    ev.tier = tier;
-    ev.ns = it->ns;
-    ev.key = it->key;
-    const unsigned char *o = it->obj;
-    int32_t *tok = NULL;
-    if (it->size >= KVC_STORE_HEADER_BYTES && memcmp(o, "KVCPAGE", 8) == 0) {
-        memcpy(ev.parent.b, o + 48, 16);
-        uint32_t n = (uint32_t)o[72] | (uint32_t)o[73] << 8 | (uint32_t)o[74] << 16 |
-                     (uint32_t)o[75] << 24;
-        if (n > 0 && n <= (1u << 20) && KVC_STORE_HEADER_BYTES + 4 * (size_t)n <= it->size &&
-            (tok = malloc(4 * (size_t)n)) != NULL) {
-            for (uint32_t i = 0; i < n; i++) {
-                const unsigned char *t = o + KVC_STORE_HEADER_BYTES + 4 * i;
-                tok[i] = (int32_t)((uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 |
-                                   (uint32_t)t[3] << 24);
-            }
-            ev.tokens = tok;
-            ev.n_tokens = (int32_t)n;
-        }
-    }
-    kvc__store_emit(s, &ev);
-    free(tok);
-}
-
 void kvc__store_emit(kvc_store *s, const kvc_store_event *ev) {
     pthread_mutex_lock(&s->ev_mu);
     if (s->ev_fn) s->ev_fn(s->ev_user, ev);
     pthread_mutex_unlock(&s->ev_mu);
 }
 
-static void tier_removed(void *user, const kvc_store_key *ns, const kvc_store_key *key) {
-    const tier_ctx *c = user;
+void kvc__store_emit_page(kvc_store *s, kvc_store_event_kind kind, int32_t tier,
+                          const kvc_store_key *ns, const kvc_store_key *key,
+                          const kvc_store_key *parent, const int32_t *tokens, int32_t n_tokens) {
     kvc_store_event ev;
     memset(&ev, 0, sizeof ev);
-    ev.kind = KVC_STORE_EVENT_REMOVED;
-    ev.tier = c->t;
+    ev.kind = kind;
+    ev.tier = tier;
     ev.ns = *ns;
-    ev.key = *key;
-    kvc__store_emit(c->s, &ev);
+    if (key) ev.key = *key;
+    if (parent) ev.parent = *parent;
+    ev.tokens = tokens;
+    ev.n_tokens = tokens ? n_tokens : 0;
+    kvc__store_emit(s, &ev);
+}
+
+/* An event for an object written to tier: parent and ids from its header
+ * when it parses as a page object (objects put by others may not). */
+static void emit_stored(kvc_store *s, int32_t tier, const item *it) {
+    pthread_mutex_lock(&s->ev_mu);
+    const int listening = s->ev_fn != NULL;
+    pthread_mutex_unlock(&s->ev_mu);
+    if (!listening) return; /* spare the ids' copy */
+    kvc_store_key parent;
+    int32_t *ids = NULL;
+    const int32_t n = kvc__store_object_ids(it->obj, it->size, &parent, &ids);
+    kvc__store_emit_page(s, KVC_STORE_EVENT_STORED, tier, &it->ns, &it->key, n ? &parent : NULL,
+                         ids, n);
+    free(ids);
+}
+
+static void tier_removed(void *user, const kvc_store_key *ns, const kvc_store_key *key) {
+    const tier_ctx *c = user;
+    kvc__store_emit_page(c->s, KVC_STORE_EVENT_REMOVED, c->t, ns, key, NULL, NULL, 0);
 }
 
 kvc_status kvc_store_set_event_callback(kvc_store *s, kvc_store_event_fn fn, void *user) {
@@ -376,7 +366,6 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
     return KVC_OK;
 }
 
-kvc_status kvc__store_attach_add(kvc_store *s, void *a);
 kvc_status kvc__store_attach_add(kvc_store *s, void *a) {
     void **q = realloc(s->attached, (size_t)(s->n_attached + 1) * sizeof(void *));
     if (!q) return kvc__error(KVC_ERR_NOMEM, "kvc_store_attach_engine: out of memory");
@@ -402,13 +391,8 @@ kvc_status kvc_store_invalidate(kvc_store *s, const kvc_store_key *ns) {
     for (int32_t t = 0; t < s->n_tiers; t++) {
         kvc_status r = s->tiers[t]->ops->invalidate(s->tiers[t], ns);
         if (r != KVC_OK && st == KVC_OK) st = r; /* keep the first message */
-        if (r != KVC_OK) continue;
-        kvc_store_event ev;
-        memset(&ev, 0, sizeof ev);
-        ev.kind = KVC_STORE_EVENT_CLEARED;
-        ev.tier = t;
-        ev.ns = *ns;
-        kvc__store_emit(s, &ev);
+        if (r == KVC_OK)
+            kvc__store_emit_page(s, KVC_STORE_EVENT_CLEARED, t, ns, NULL, NULL, NULL, 0);
     }
     return st;
 }
@@ -790,6 +774,21 @@ void kvc__store_load_finish(kvc__store_load *l, kvc_cache *cache, int64_t skip,
     free(l->tokens), free(l->r.kept), free(l->r.keys), free(l);
 }
 
+kvc_status kvc__store_save_page(kvc_store *s, const kvc_cache *cache, int32_t page_id,
+                                const kvc_store_expect *e) {
+    const size_t size = kvc_store_object_bytes(cache, s->has_auth);
+    void *obj = malloc(size);
+    kvc_status st = obj ? kvc_store_serialize_page(cache, page_id, e, kvc__store_auth_key(s), obj,
+                                                   size, NULL)
+                        : kvc__error(KVC_ERR_NOMEM, "store: out of memory");
+    if (st == KVC_OK) return kvc__store_put_owned(s, &e->ns, &e->key, obj, size);
+    free(obj);
+    pthread_mutex_lock(&s->mu);
+    s->st.writes_dropped++;
+    pthread_mutex_unlock(&s->mu);
+    return st;
+}
+
 kvc_status kvc_store_save_run(kvc_store *s, const kvc_cache *cache, const kvc_store_key *ns,
                               const int32_t *tokens, int64_t first, int64_t n,
                               const int32_t *page_ids) {
@@ -807,7 +806,6 @@ kvc_status kvc_store_save_run(kvc_store *s, const kvc_cache *cache, const kvc_st
               (int)u);
     kvc_store_key *k = keys_of(ns, tokens, first + n, P, u);
     if (!k) return KVC_ERR_NOMEM;
-    const size_t size = kvc_store_object_bytes(cache, s->has_auth);
     kvc_status ret = KVC_OK;
     for (int64_t i = 0; i < n; i++) {
         const int64_t pg = first + i;
@@ -817,17 +815,7 @@ kvc_status kvc_store_save_run(kvc_store *s, const kvc_cache *cache, const kvc_st
         e.parent = pg > 0 ? k[pg - 1] : *ns;
         e.position = pg * P;
         e.tokens = tokens + pg * P;
-        void *obj = malloc(size);
-        kvc_status st = obj ? kvc_store_serialize_page(cache, page_ids[i], &e,
-                                                       kvc__store_auth_key(s), obj, size, NULL)
-                            : kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
-        if (st == KVC_OK) st = kvc__store_put_owned(s, ns, &k[pg], obj, size);
-        else {
-            free(obj);
-            pthread_mutex_lock(&s->mu);
-            s->st.writes_dropped++;
-            pthread_mutex_unlock(&s->mu);
-        }
+        kvc_status st = kvc__store_save_page(s, cache, page_ids[i], &e);
         if (st != KVC_OK && ret == KVC_OK) ret = st;
     }
     free(k);

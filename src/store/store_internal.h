@@ -32,6 +32,21 @@ kvc_status kvc__store_probe_run(kvc_store *s, const kvc_store_key *ns, const int
                                 int64_t max_pages, int64_t *n_pages);
 /* Calls the event callback, if any, with ev. */
 void kvc__store_emit(kvc_store *s, const kvc_store_event *ev);
+/* kvc__store_emit of an event of kind about one page (key, parent and
+ * tokens may be NULL: absent from the event). */
+void kvc__store_emit_page(kvc_store *s, kvc_store_event_kind kind, int32_t tier,
+                          const kvc_store_key *ns, const kvc_store_key *key,
+                          const kvc_store_key *parent, const int32_t *tokens, int32_t n_tokens);
+/* Serializes page page_id of cache as e describes and queues it; a failure
+ * is counted as a dropped write. */
+kvc_status kvc__store_save_page(kvc_store *s, const kvc_cache *cache, int32_t page_id,
+                                const kvc_store_expect *e);
+/* The parent key and token ids (*ids malloc'd) of an object that parses as
+ * a page object far enough to hold them; 0 (nothing allocated) otherwise. */
+int32_t kvc__store_object_ids(const void *obj, size_t size, kvc_store_key *parent,
+                              int32_t **ids);
+/* Lists an engine attachment for freeing at kvc_store_close. */
+kvc_status kvc__store_attach_add(kvc_store *s, void *a);
 /* A background load for an engine (attach.c): reads and verifies pages
  * [first, first + n) of tokens on its own thread, tiers in order, keeping
  * the objects. start: NULL when it cannot start (nothing to undo). poll:

@@ -63,6 +63,24 @@ int cli_store_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_sto
     return 1;
 }
 
+/* --json-stats: one line on stderr (the store's counters 0 without one). */
+static void print_json_stats(const kvc_engine *eng, int64_t verify_failures, int64_t errors,
+                             int64_t bytes_read, int64_t bytes_written, int64_t writes_dropped,
+                             double ttft_s, double decode_tok_s) {
+    kvc_engine_stats es;
+    memset(&es, 0, sizeof es);
+    if (eng) kvc_engine_get_stats(eng, &es);
+    fprintf(stderr,
+            "{\"prompt_tokens\": %lld, \"cached_tokens\": %lld, \"store_hit_tokens\": %lld, "
+            "\"store_miss_tokens\": %lld, \"store_verify_failures\": %lld, \"store_errors\": "
+            "%lld, \"store_bytes_read\": %lld, \"store_bytes_written\": %lld, "
+            "\"store_writes_dropped\": %lld, \"ttft_s\": %.6f, \"decode_tok_s\": %.3f}\n",
+            (long long)es.prompt_tokens, (long long)es.cached_tokens,
+            (long long)es.external_tokens, (long long)es.external_miss_tokens,
+            (long long)verify_failures, (long long)errors, (long long)bytes_read,
+            (long long)bytes_written, (long long)writes_dropped, ttft_s, decode_tok_s);
+}
+
 #ifdef KVC_HAVE_STORE
 /* The publisher of --kv-events. One store per process, so a file-scope
  * handle keeps the commands' calls unchanged. */
@@ -128,21 +146,11 @@ void cli_store_finish(const char *cmd, const cli_store_opts *o, kvc_store *store
         fprintf(stderr, "kvcache: %s: warning: %s\n", cmd, kvc_last_error());
     close_events(cmd); /* after the flush: the writes' events go out too */
     if (!o->json_stats) return;
-    kvc_engine_stats es;
-    memset(&es, 0, sizeof es);
-    if (eng) kvc_engine_get_stats(eng, &es);
     kvc_store_stats ss;
     memset(&ss, 0, sizeof ss);
     if (store) kvc_store_get_stats(store, &ss);
-    fprintf(stderr,
-            "{\"prompt_tokens\": %lld, \"cached_tokens\": %lld, \"store_hit_tokens\": %lld, "
-            "\"store_miss_tokens\": %lld, \"store_verify_failures\": %lld, \"store_errors\": "
-            "%lld, \"store_bytes_read\": %lld, \"store_bytes_written\": %lld, "
-            "\"store_writes_dropped\": %lld, \"ttft_s\": %.6f, \"decode_tok_s\": %.3f}\n",
-            (long long)es.prompt_tokens, (long long)es.cached_tokens,
-            (long long)es.external_tokens, (long long)es.external_miss_tokens,
-            (long long)ss.verify_failures, (long long)ss.errors, (long long)ss.bytes_read,
-            (long long)ss.bytes_written, (long long)ss.writes_dropped, ttft_s, decode_tok_s);
+    print_json_stats(eng, ss.verify_failures, ss.errors, ss.bytes_read, ss.bytes_written,
+                     ss.writes_dropped, ttft_s, decode_tok_s);
 }
 
 void cli_store_close(kvc_store *store) {
@@ -164,16 +172,7 @@ void cli_store_finish(const char *cmd, const cli_store_opts *o, kvc_store *store
                       const kvc_engine *eng, double ttft_s, double decode_tok_s,
                       double timeout_s) {
     (void)cmd, (void)store, (void)timeout_s;
-    if (!o->json_stats) return;
-    kvc_engine_stats es;
-    memset(&es, 0, sizeof es);
-    if (eng) kvc_engine_get_stats(eng, &es);
-    fprintf(stderr,
-            "{\"prompt_tokens\": %lld, \"cached_tokens\": %lld, \"store_hit_tokens\": 0, "
-            "\"store_miss_tokens\": 0, \"store_verify_failures\": 0, \"store_errors\": 0, "
-            "\"store_bytes_read\": 0, \"store_bytes_written\": 0, \"store_writes_dropped\": 0, "
-            "\"ttft_s\": %.6f, \"decode_tok_s\": %.3f}\n",
-            (long long)es.prompt_tokens, (long long)es.cached_tokens, ttft_s, decode_tok_s);
+    if (o->json_stats) print_json_stats(eng, 0, 0, 0, 0, 0, ttft_s, decode_tok_s);
 }
 
 void cli_store_close(kvc_store *store) { (void)store; }
