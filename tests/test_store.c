@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "kvcache/store.h"
@@ -416,6 +417,7 @@ typedef struct srun {
     kvc_kv_format fmt;
     kvc_dtype dtype;
     const char *url; /* NULL: no store */
+    const char *more[2]; /* further tiers (NULL: none) */
     kvc_store_write_policy policy;
     int32_t queue_objects;
     const char *salt;
@@ -474,7 +476,9 @@ static int srun_go(const kvc_model *m, const char *path, const srun *r, int n_pr
         ASSERT_OK(kvc_cache_get_params(kvc_engine_cache(e), &cp));
         ASSERT_OK(kvc_store_model_namespace(path, m, &cp, r->salt,
                                             r->salt ? strlen(r->salt) : 0, &ns));
-        ASSERT_OK(kvc_store_open(&r->url, 1, &sp, &s));
+        const char *urls[3] = {r->url, r->more[0], r->more[1]};
+        const int n_urls = 1 + (r->more[0] != NULL) + (r->more[0] && r->more[1]);
+        ASSERT_OK(kvc_store_open(urls, n_urls, &sp, &s));
         ASSERT_OK(kvc_store_attach_engine(s, e, &ns));
     }
     for (int p = 0; p < n_prompts; p++) {
@@ -791,6 +795,79 @@ TEST(write_policies_and_a_full_queue) {
     return 0;
 }
 
+static int n_objects;
+static int count_cb(const char *path, const struct stat *sb, int type, struct FTW *f) {
+    (void)sb, (void)f;
+    const size_t n = strlen(path);
+    if (type == FTW_F && n > 4 && !strcmp(path + n - 4, ".kvp")) n_objects++;
+    return 0;
+}
+
+/* Page objects in a directory tier. */
+static int count_objects(const char *dir) {
+    n_objects = 0;
+    nftw(dir, count_cb, 16, FTW_PHYS);
+    return n_objects;
+}
+
+/* Each tier writes by its own policy (URL ?write=); the others by the
+ * store's; bad write options are refused. */
+TEST(write_policies_per_tier) {
+    NEED_TINY(m);
+    char da[] = "/tmp/kvc_store_XXXXXX", db[] = "/tmp/kvc_store_XXXXXX",
+         dc[] = "/tmp/kvc_store_XXXXXX";
+    ASSERT_TRUE(mkdtemp(da) && mkdtemp(db) && mkdtemp(dc));
+    char ua[64], ub[96], uc[96];
+    snprintf(ua, sizeof ua, "dir:%s", da);
+    /* URL options around the tier's own: both orders */
+    snprintf(ub, sizeof ub, "dir:%s?write=back&max_bytes=64M", db);
+    snprintf(uc, sizeof uc, "dir:%s?max_bytes=64M&write=selective:1", dc);
+    { /* refused: nothing opened */
+        const char *bad[] = {"?write=bogus", "?write=selective:0", "?write=back&write=back",
+                             "?write=", "?write=back&bogus=1", "?max_bytes=1M&write=through&"};
+        for (int i = 0; i < 6; i++) {
+            char u[128];
+            snprintf(u, sizeof u, "dir:%s%s", da, bad[i]);
+            const char *pu = u;
+            kvc_store *s = NULL;
+            ASSERT_EQ_I64(kvc_store_open(&pu, 1, NULL, &s), KVC_ERR_INVALID_ARG);
+            ASSERT_TRUE(s == NULL);
+            ASSERT_TRUE(strstr(kvc_last_error(), "dir:") != NULL);
+        }
+    }
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    enum { N = 100, GEN = 4 };
+    int32_t p1[N], p2[N], p3[N];
+    random_prompt(p1, N, test_seed + 13, in.n_vocab);
+    random_prompt(p2, N, test_seed + 14, in.n_vocab);
+    random_prompt(p3, N, test_seed + 15, in.n_vocab);
+    const int lens[4] = {N, N, N, N};
+    int32_t ref[4 * GEN], out[4 * GEN];
+    srun r = srun_default();
+    const int32_t *pp[4] = {p1, p2, p3, p3};
+    if (srun_go(m, tiny_path, &r, 4, pp, lens, GEN, ref, NULL, NULL)) return 1;
+    /* 128 slots hold one prompt's 6 full pages: each next prompt evicts the
+     * last one's; p3 runs twice (a prefix hit) */
+    r.url = ua;
+    r.more[0] = ub;
+    r.more[1] = uc;
+    r.policy = KVC_STORE_WRITE_THROUGH;
+    r.capacity = 128;
+    kvc_store_stats ss;
+    if (srun_go(m, tiny_path, &r, 4, pp, lens, GEN, out, NULL, &ss)) return 1;
+    ASSERT_MEM_EQ(out, ref, sizeof ref);
+    ASSERT_EQ_I64(count_objects(da), 18); /* through: every full page of p1, p2, p3 */
+    const int nb = count_objects(db); /* back: p1's and p2's pages, as evicted */
+    ASSERT_TRUE(nb >= 6 && nb <= 12);
+    ASSERT_EQ_I64(count_objects(dc), 6); /* selective:1: p3's, hit once */
+    ASSERT_EQ_I64(ss.writes_queued, 18 + nb + 6);
+    ASSERT_EQ_I64(ss.writes_failed + ss.writes_dropped, 0);
+    rm_rf(da), rm_rf(db), rm_rf(dc);
+    kvc_model_destroy(m);
+    return 0;
+}
+
 /* Two prompts sharing 80 tokens: their pages 4 hold the same ids but lie in
  * different K groups (kivi: other quantization parameters), so their keys
  * must differ, or one restores the other's page. */
@@ -838,10 +915,10 @@ typedef struct fake_conn {
     const int32_t *ref_pages; /* its page ids */
     const int32_t *prompt;
     int n_prompt;
-    int64_t pages;            /* what probe offers for the prompt */
+    int64_t pages;            /* what the connector holds of the prompt */
     int polls_left;           /* load_poll says "running" this many more times */
     int started, finished, applied_pages, polls, waits;
-    int64_t first;
+    int64_t first, max;       /* the load's first page and page count */
 } fake_conn;
 
 /* The prompts differ in their first page (all the probe may read). */
@@ -859,10 +936,12 @@ static kvc_status fc_probe(void *user, const kvc_cache *c, const int32_t *tokens
 
 static void *fc_start(void *user, const kvc_cache *c, const int32_t *tokens, int64_t first,
                       int64_t n) {
-    (void)c, (void)tokens, (void)n;
+    (void)c;
     fake_conn *f = user;
+    if (!same_prompt(f, tokens) || first != 0) return NULL; /* nothing stored: computed */
     f->started++;
     f->first = first;
+    f->max = n;
     return f;
 }
 
@@ -875,7 +954,7 @@ static int fc_poll(void *user, void *load, int wait, int64_t *ready) {
         f->polls_left--;
         return 0;
     }
-    *ready = f->pages;
+    *ready = f->pages < f->max ? f->pages : f->max;
     return 1;
 }
 
@@ -924,7 +1003,7 @@ TEST(engine_steps_others_while_a_load_runs) {
     int32_t ref_pages[16], indptr[2], last;
     int64_t np;
     ASSERT_OK(kvc_cache_page_table(ref, &sr, 1, indptr, ref_pages, 16, &last, &np));
-    fake_conn f = {ref, ref_pages, pb, NB, 9, 6, 0, 0, 0, 0, 0, 0};
+    fake_conn f = {ref, ref_pages, pb, NB, 9, 6, 0, 0, 0, 0, 0, 0, 0};
     kvc_engine_connector c;
     memset(&c, 0, sizeof c);
     c.user = &f;
@@ -1022,6 +1101,78 @@ TEST(hash_variants_agree) {
     return 0;
 }
 
+static void sleep_ms(long ms) {
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* The highest nice value among this process's threads (Linux: per thread). */
+static int max_thread_nice(void) {
+    int best = -100;
+    DIR *d = opendir("/proc/self/task");
+    if (!d) return best;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.') continue;
+        char path[300], buf[1024];
+        snprintf(path, sizeof path, "/proc/self/task/%s/stat", e->d_name);
+        FILE *f = fopen(path, "r");
+        if (!f) continue;
+        const size_t n = fread(buf, 1, sizeof buf - 1, f);
+        fclose(f);
+        buf[n] = 0;
+        /* fields after "(comm)": state is field 3, nice field 19 */
+        const char *p = strrchr(buf, ')');
+        int field = 2, nice = 0;
+        for (; p && *p; p++)
+            if (*p == ' ' && ++field == 19) {
+                nice = atoi(p + 1);
+                break;
+            }
+        if (field == 19 && nice > best) best = nice;
+    }
+    closedir(d);
+    return best;
+}
+
+/* The writer thread runs at the lowest priority by default (the engine's
+ * threads keep the CPUs); writer_nice 0 keeps the caller's. */
+TEST(writer_thread_yields_the_cpus) {
+#if !defined(__linux__)
+    SKIP("per-thread nice values are Linux's");
+#else
+    char dir[] = "/tmp/kvc_store_XXXXXX", url[64];
+    ASSERT_TRUE(mkdtemp(dir) != NULL);
+    snprintf(url, sizeof url, "dir:%s", dir);
+    const char *u = url;
+    const int base = max_thread_nice();
+    ASSERT_TRUE(base > -100 && base < 19);
+    kvc_store *s = NULL;
+    ASSERT_OK(kvc_store_open(&u, 1, NULL, &s));
+    /* the writer sets its priority as it starts: wait for it */
+    int seen = base;
+    for (int i = 0; i < 1000 && seen != 19; i++) {
+        seen = max_thread_nice();
+        if (seen != 19) sleep_ms(1);
+    }
+    ASSERT_EQ_I64(seen, 19);
+    kvc_store_close(s);
+    kvc_store_params p = kvc_store_default_params();
+    p.writer_nice = 0;
+    ASSERT_OK(kvc_store_open(&u, 1, &p, &s));
+    ASSERT_OK(kvc_store_flush(s, 5.0)); /* the writer has started and waits */
+    sleep_ms(20);
+    ASSERT_EQ_I64(max_thread_nice(), base);
+    kvc_store_close(s);
+    p.writer_nice = -1;
+    ASSERT_EQ_I64(kvc_store_open(&u, 1, &p, &s), KVC_ERR_INVALID_ARG);
+    p.writer_nice = 40;
+    ASSERT_EQ_I64(kvc_store_open(&u, 1, &p, &s), KVC_ERR_INVALID_ARG);
+    rm_rf(dir);
+    return 0;
+#endif
+}
+
 const char *test_suite_name = "store";
 const test_case test_suite[] = {
     TEST_ENTRY(page_keys_match_independent_xxh3),
@@ -1037,5 +1188,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(partly_shared_groups_keep_their_own_pages),
     TEST_ENTRY(engine_steps_others_while_a_load_runs),
     TEST_ENTRY(hash_variants_agree),
+    TEST_ENTRY(writer_thread_yields_the_cpus),
+    TEST_ENTRY(write_policies_per_tier),
     {0, 0},
 };

@@ -281,22 +281,24 @@ typedef struct kvc_engine_stats {
  * units (pages, or for a compressed format lcm(page, K group) tokens).
  * When the engine meets a queued request, after the prefix cache's hit of
  * first_page pages:
- *   probe        how many of the next (at most max_pages) pages the
- *                connector can likely give (*n_pages; nothing moved);
- *   load_start   starts reading and verifying them in the background (a
+ *   load_start   starts looking for the next (at most n_pages) pages and
+ *                reading and verifying the run found, in the background (a
  *                handle; NULL: the request is computed). The request then
  *                waits, keeping its place in the queue, while the engine
  *                steps the others (a step with nothing else to do waits for
- *                the oldest load);
+ *                the oldest load); a slow store delays only that request;
  *   load_poll    1 once the load is done (*n_ready: the verified run from
  *                its first page), 0 while it runs (wait: block until done);
  *   load_finish  writes loaded pages [skip, skip + n_pages) into page_ids
  *                (pages just reserved for the request; cache NULL or
  *                n_pages 0: none) and releases the load, stopping it first
  *                if it still runs. It cannot fail: the pages were verified.
- *   restore      (may be NULL) the same in line, when the engine has nothing
- *                else to step: pages [first_page, first_page + n_pages)
- *                written into page_ids (just reserved), each verified first;
+ *   probe        when the engine has nothing else to step and restore is
+ *                set: how many of the next (at most max_pages) pages the
+ *                connector can likely give (*n_pages; nothing moved), then
+ *   restore      the same as a load, in line: pages [first_page,
+ *                first_page + n_pages) written into page_ids (just
+ *                reserved), each verified first;
  *                *n_restored receives the run written from first_page on
  *                (the engine rolls the rest back and computes it).
  * Then, as pages change:

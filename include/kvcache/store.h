@@ -21,7 +21,11 @@
  * budget, shared safely by processes) and "redis://HOST:PORT" or
  * "unix:///PATH" (Redis or Valkey through hiredis; several servers in one
  * comma-separated URL share the keys by rendezvous hashing; "?ttl=SECONDS").
- * Writes go to every tier from a background thread with a bounded queue: a
+ * Any tier's URL may end in a write policy for engines attached to the
+ * store, "write=through", "write=back" or "write=selective:N" (after '?',
+ * or '&' after the tier's own option: "dir:/k?max_bytes=8G&write=back");
+ * without one a tier takes kvc_store_params.write_policy.
+ * Writes go to their tiers from a background thread with a bounded queue: a
  * full queue drops the write (a later miss) and counts it; nothing that
  * queues a write waits for it.
  *
@@ -169,8 +173,13 @@ typedef struct kvc_store_params {
     int64_t queue_bytes;         /* and their bytes (default 512 MiB) */
     const uint8_t *auth_key;     /* NULL (default) or KVC_STORE_AUTH_KEY_BYTES, copied */
     double load_timeout_s;       /* a restore gives up after this (default 2 s) */
-    kvc_store_write_policy write_policy; /* engine attachment (default THROUGH) */
+    kvc_store_write_policy write_policy; /* engine attachment (default THROUGH), for the
+                                            tiers whose URL names none (?write=) */
     int32_t selective_hits;      /* SELECTIVE: hits before a write (default 2) */
+    int32_t writer_nice;         /* added to the writer thread's nice value, capped at 19
+                                    (Linux; default 19, 0 keeps the caller's): background
+                                    writes take the CPUs the engine leaves idle, and on a
+                                    machine it keeps busy the queue fills and writes drop */
 } kvc_store_params;
 
 KVC_API kvc_store_params kvc_store_default_params(void);

@@ -343,7 +343,12 @@ def test_store_errors_reach_kvc_last_error(tmp_path):
         kvcache.KVStore(f"dir:{tmp_path}", write_policy="sometimes")
     with pytest.raises(kvcache.InvalidArgumentError):
         kvcache.KVStore(f"dir:{tmp_path}", auth_key=b"short")
-    st = kvcache.KVStore([f"dir:{tmp_path}"], write_policy="selective:3",
+    with pytest.raises(kvcache.InvalidArgumentError, match="write= takes"):
+        kvcache.KVStore(f"dir:{tmp_path}?write=sometimes")
+    with pytest.raises(kvcache.InvalidArgumentError):
+        kvcache.KVStore(f"dir:{tmp_path}", writer_nice=-1)
+    st = kvcache.KVStore([f"dir:{tmp_path}?write=back", f"dir:{tmp_path}/b"],
+                         write_policy="selective:3", writer_nice=0,
                          auth_key=bytes(range(32)), queue_objects=8, queue_bytes=1 << 20)
     st.close()
     st.close()  # idempotent

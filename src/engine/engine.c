@@ -504,11 +504,16 @@ static int64_t probe_pages(kvc_engine *e, req *r, int64_t hit) {
     return np > 0 ? np / upp * upp : 0;
 }
 
-/* Starts loading what the connector has for r: 1 when a load started (r
- * waits for it), 0 when r is to be admitted now (nothing to load). */
+/* Starts loading whatever the connector has of r's pages after the hit: 1
+ * when a load started (r waits for it), 0 when r is to be admitted now.
+ * No probe first: the load finds out in the background, so a slow or hung
+ * store delays only r, never the step (the others keep running). */
 static int start_load(kvc_engine *e, req *r, int64_t hit) {
-    const int64_t np = probe_pages(e, r, hit);
-    if (np == 0) return 0;
+    const int64_t upp = e->unit / e->p.page_size;
+    const int64_t max_units = ((r->n_tok - 1) / e->unit * e->unit - hit) / e->unit;
+    r->probed = 1;
+    if (max_units <= 0) return 0;
+    const int64_t np = max_units * upp;
     r->load = e->conn.load_start(e->conn.user, e->cache, r->tok, hit / e->p.page_size, np);
     kvc_clear_error();
     r->load_first = hit / e->p.page_size;

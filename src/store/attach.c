@@ -1,6 +1,6 @@
 /*
  * The store as an engine's connector (model.h): probe and restore at
- * admission, saves by the write policy. Write-back and selective writes
+ * admission, saves by each tier's write policy. Write-back and selective writes
  * need to know a page's key when the engine no longer names it (eviction,
  * a prefix hit): a table by page id remembers the key, parent, position
  * and token ids of every page this engine saw final, checked against the
@@ -17,15 +17,15 @@ typedef struct slot {
     kvc_store_key key, parent;
     int64_t position;
     int32_t hits;
-    uint8_t valid, saved;
+    uint32_t saved; /* tiers the page was queued for */
+    uint8_t valid;
 } slot;
 
 typedef struct attach {
     kvc_store *s;
     kvc_store_key ns;
     int32_t P, U; /* page size; pages per unit (kvc_store_page_keys) */
-    kvc_store_write_policy policy;
-    int32_t need_hits;
+    uint32_t through, back, selective; /* tiers by write policy */
     slot *slots;     /* num_pages (write-back and selective) */
     int32_t *tokens; /* num_pages * P */
     int64_t num_pages;
@@ -82,10 +82,12 @@ static kvc_store_expect slot_expect(const attach *a, int32_t id) {
     return e;
 }
 
-/* Saves page id from its slot if the cache still holds the slot's tokens. */
-static void save_slot(attach *a, const kvc_cache *cache, int32_t id) {
+/* Saves page id from its slot for the tiers of mask tiers not yet given it,
+ * if the cache still holds the slot's tokens. */
+static void save_slot(attach *a, const kvc_cache *cache, int32_t id, uint32_t tiers) {
     slot *sl = &a->slots[id];
-    if (!sl->valid || sl->saved) return;
+    tiers &= ~sl->saved;
+    if (!sl->valid || !tiers) return;
     if (kvc_cache_page_tokens(cache, id, a->tmp) != KVC_OK ||
         memcmp(a->tmp, a->tokens + (int64_t)id * a->P, (size_t)a->P * sizeof(int32_t)) != 0) {
         kvc_clear_error();
@@ -93,8 +95,8 @@ static void save_slot(attach *a, const kvc_cache *cache, int32_t id) {
         return;
     }
     const kvc_store_expect e = slot_expect(a, id);
-    sl->saved = 1; /* once: a failure is counted as a dropped write */
-    if (kvc__store_save_page(a->s, cache, id, &e) != KVC_OK) kvc_clear_error();
+    sl->saved |= tiers; /* once: a failure is counted as a dropped write */
+    if (kvc__store_save_page(a->s, cache, id, &e, tiers) != KVC_OK) kvc_clear_error();
 }
 
 /* Records each page in its slot (keys computed once, for the slot, the
@@ -125,10 +127,11 @@ static void on_final(void *user, const kvc_cache *cache, const int32_t *tokens, 
                (size_t)a->P * sizeof(int32_t));
         kvc__store_emit_page(a->s, KVC_STORE_EVENT_STORED, KVC_STORE_TIER_CACHE, &a->ns,
                              &sl->key, &sl->parent, tokens + pg * a->P, a->P);
-        if (a->policy == KVC_STORE_WRITE_THROUGH) {
+        if (a->through) {
             const kvc_store_expect e = slot_expect(a, id);
-            sl->saved = 1;
-            if (kvc__store_save_page(a->s, cache, id, &e) != KVC_OK) kvc_clear_error();
+            sl->saved = a->through;
+            if (kvc__store_save_page(a->s, cache, id, &e, a->through) != KVC_OK)
+                kvc_clear_error();
         }
     }
     free(k);
@@ -138,18 +141,21 @@ static void on_hit(void *user, const kvc_cache *cache, const int32_t *tokens, in
                    int64_t n, const int32_t *page_ids) {
     (void)tokens, (void)first;
     attach *a = user;
-    if (a->policy != KVC_STORE_WRITE_SELECTIVE) return;
     for (int64_t i = 0; i < n; i++) {
         const int32_t id = page_ids[i];
         if (id < 0 || id >= a->num_pages || !a->slots[id].valid) continue;
-        if (++a->slots[id].hits >= a->need_hits) save_slot(a, cache, id);
+        const int32_t h = ++a->slots[id].hits;
+        uint32_t due = 0; /* selective tiers whose count this hit reaches */
+        for (int32_t t = 0; t < 32; t++)
+            if ((a->selective >> t & 1u) && h >= kvc__store_tier_hits(a->s, t)) due |= 1u << t;
+        save_slot(a, cache, id, due);
     }
 }
 
 static void on_evict(void *user, const kvc_cache *cache, int32_t id) {
     attach *a = user;
     if (id < 0 || id >= a->num_pages || !a->slots[id].valid) return;
-    if (a->policy == KVC_STORE_WRITE_BACK) save_slot(a, cache, id);
+    save_slot(a, cache, id, a->back);
     if (a->slots[id].valid) /* save_slot drops a slot whose page was reused since */
         kvc__store_emit_page(a->s, KVC_STORE_EVENT_REMOVED, KVC_STORE_TIER_CACHE, &a->ns,
                              &a->slots[id].key, &a->slots[id].parent, NULL, 0);
@@ -169,8 +175,9 @@ kvc_status kvc_store_attach_engine(kvc_store *s, kvc_engine *engine, const kvc_s
     a->ns = *ns;
     a->P = cp.page_size;
     a->U = kvc__store_unit_pages(cache);
-    a->policy = kvc__store_params(s)->write_policy;
-    a->need_hits = kvc__store_params(s)->selective_hits;
+    a->through = kvc__store_tiers_by_policy(s, KVC_STORE_WRITE_THROUGH);
+    a->back = kvc__store_tiers_by_policy(s, KVC_STORE_WRITE_BACK);
+    a->selective = kvc__store_tiers_by_policy(s, KVC_STORE_WRITE_SELECTIVE);
     a->num_pages = cp.num_pages;
     a->tmp = malloc((size_t)a->P * sizeof(int32_t));
     /* every policy: the slots also name evicted pages in events */
@@ -189,7 +196,7 @@ kvc_status kvc_store_attach_engine(kvc_store *s, kvc_engine *engine, const kvc_s
     c.load_finish = load_finish;
     c.restore = restore;
     c.on_final = on_final;
-    if (a->policy == KVC_STORE_WRITE_SELECTIVE) c.on_hit = on_hit;
+    if (a->selective) c.on_hit = on_hit;
     c.on_evict = on_evict;
     kvc_status st = kvc__store_attach_add(s, a);
     if (st != KVC_OK) {

@@ -3,7 +3,13 @@
  * bounded queue into every tier, restores that verify every object before
  * it touches the cache, counters, events.
  */
+#if defined(__linux__)
+#define _GNU_SOURCE /* gettid: the writer's nice value is per thread on Linux */
+#include <sys/resource.h>
+#include <unistd.h>
+#else
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, pthread_cond_timedwait */
+#endif
 #include <errno.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -28,6 +34,7 @@ typedef struct item {
     kvc_store_key ns, key;
     void *obj;
     size_t size;
+    uint32_t tiers; /* bit t: write to tier t */
 } item;
 
 struct kvc_store {
@@ -35,6 +42,8 @@ struct kvc_store {
     tier_ctx tier_ctx[MAX_TIERS];
     int32_t n_tiers;
     kvc_store_params p;
+    kvc_store_write_policy policy[MAX_TIERS]; /* each tier's (URL ?write=, else p's) */
+    int32_t need_hits[MAX_TIERS];             /* its SELECTIVE hits */
     uint8_t auth[KVC_STORE_AUTH_KEY_BYTES];
     int has_auth;
     pthread_mutex_t mu; /* queue, counters */
@@ -64,6 +73,7 @@ kvc_store_params kvc_store_default_params(void) {
     p.load_timeout_s = 2.0;
     p.write_policy = KVC_STORE_WRITE_THROUGH;
     p.selective_hits = 2;
+    p.writer_nice = 19;
     return p;
 }
 
@@ -75,6 +85,21 @@ static double now_s(void) {
 
 const uint8_t *kvc__store_auth_key(const kvc_store *s) { return s->has_auth ? s->auth : NULL; }
 const kvc_store_params *kvc__store_params(const kvc_store *s) { return &s->p; }
+uint32_t kvc__store_all_tiers(const kvc_store *s) {
+    return s->n_tiers >= 32 ? 0xffffffffu : (1u << s->n_tiers) - 1u;
+}
+
+uint32_t kvc__store_tiers_by_policy(const kvc_store *s, kvc_store_write_policy p) {
+    uint32_t m = 0;
+    for (int32_t t = 0; t < s->n_tiers; t++)
+        if (s->policy[t] == p) m |= 1u << t;
+    return m;
+}
+
+int32_t kvc__store_tier_hits(const kvc_store *s, int32_t t) {
+    return s->need_hits[t];
+}
+
 const char *kvc__store_tier_kind(const kvc_store *s, int32_t t) {
     return t >= 0 && t < s->n_tiers ? s->tiers[t]->kind : NULL;
 }
@@ -133,9 +158,28 @@ kvc_status kvc_store_set_event_callback(kvc_store *s, kvc_store_event_fn fn, voi
 
 /* ---- writer -------------------------------------------------------------------- */
 
+/* Background writes yield the CPUs to the engine's threads (as RocksDB's
+ * compaction threads do): on a machine the engine keeps busy, the writer
+ * runs in the gaps, its queue fills and writes drop (counted) instead of
+ * slowing the decode. Best effort: where the call is refused the writer
+ * keeps the process's priority. */
+static void lower_priority(int32_t nice) {
+#if defined(__linux__)
+    if (nice <= 0) return;
+    const id_t tid = (id_t)gettid();
+    errno = 0;
+    const int cur = getpriority(PRIO_PROCESS, tid);
+    if (cur == -1 && errno != 0) return;
+    (void)setpriority(PRIO_PROCESS, tid, cur + nice > 19 ? 19 : cur + nice);
+#else
+    (void)nice;
+#endif
+}
+
 static void *writer(void *arg) {
     kvc_store *s = arg;
     item *batch[BATCH];
+    lower_priority(s->p.writer_nice);
     for (;;) {
         pthread_mutex_lock(&s->mu);
         while (!s->head && !s->stop) pthread_cond_wait(&s->cv_work, &s->mu);
@@ -164,22 +208,32 @@ static void *writer(void *arg) {
             objs[i] = batch[i]->obj;
             lens[i] = batch[i]->size;
         }
-        /* a tier call takes one namespace: split the batch at changes */
+        /* per tier, the items that name it; a tier call takes one
+         * namespace: split the run at changes */
         for (int32_t t = 0; t < s->n_tiers; t++) {
-            for (int i = 0; i < n;) {
+            int m = 0, idx[BATCH];
+            kvc_store_key tk[BATCH];
+            const void *to[BATCH];
+            size_t tl[BATCH];
+            for (int i = 0; i < n; i++)
+                if (batch[i]->tiers >> t & 1u) {
+                    idx[m] = i, tk[m] = keys[i], to[m] = objs[i], tl[m] = lens[i];
+                    m++;
+                }
+            for (int i = 0; i < m;) {
                 int j = i + 1;
-                while (j < n && memcmp(ns[j].b, ns[i].b, 16) == 0) j++;
+                while (j < m && memcmp(ns[idx[j]].b, ns[idx[i]].b, 16) == 0) j++;
                 int64_t w = 0;
-                kvc_status st = s->tiers[t]->ops->put(s->tiers[t], &ns[i], keys + i, objs + i,
-                                                      lens + i, j - i, &w);
+                kvc_status st = s->tiers[t]->ops->put(s->tiers[t], &ns[idx[i]], tk + i, to + i,
+                                                      tl + i, j - i, &w);
                 if (st != KVC_OK) {
                     errors++;
                     failed += (j - i) - w;
                     kvc_clear_error();
                 }
                 for (int64_t k = 0; k < w; k++) {
-                    bytes += (int64_t)lens[i + k];
-                    emit_stored(s, t, batch[i + k]);
+                    bytes += (int64_t)tl[i + k];
+                    emit_stored(s, t, batch[idx[i + k]]);
                 }
                 i = j;
             }
@@ -200,7 +254,7 @@ static void *writer(void *arg) {
 }
 
 kvc_status kvc__store_put_owned(kvc_store *s, const kvc_store_key *ns, const kvc_store_key *key,
-                                void *obj, size_t size) {
+                                void *obj, size_t size, uint32_t tiers) {
     item *it = malloc(sizeof *it);
     if (!it) {
         free(obj);
@@ -214,6 +268,7 @@ kvc_status kvc__store_put_owned(kvc_store *s, const kvc_store_key *ns, const kvc
     it->key = *key;
     it->obj = obj;
     it->size = size;
+    it->tiers = tiers;
     pthread_mutex_lock(&s->mu);
     if (s->q_n >= s->p.queue_objects || s->q_bytes + (int64_t)size > s->p.queue_bytes) {
         s->st.writes_dropped++;
@@ -248,7 +303,7 @@ kvc_status kvc_store_put(kvc_store *s, const kvc_store_key *ns, const kvc_store_
         return kvc__error(KVC_ERR_NOMEM, "kvc_store_put: out of memory");
     }
     memcpy(copy, obj, size);
-    return kvc__store_put_owned(s, ns, key, copy, size);
+    return kvc__store_put_owned(s, ns, key, copy, size, kvc__store_all_tiers(s));
 }
 
 kvc_status kvc_store_flush(kvc_store *s, double timeout_s) {
@@ -276,6 +331,73 @@ kvc_status kvc_store_flush(kvc_store *s, double timeout_s) {
 }
 
 /* ---- open / close -------------------------------------------------------------- */
+
+/* "write=through|back|selective:N" (v: the text after "write="). */
+static kvc_status parse_policy(const char *url, const char *v, size_t n,
+                               kvc_store_write_policy *policy, int32_t *hits) {
+    if (n == 7 && !strncmp(v, "through", 7)) {
+        *policy = KVC_STORE_WRITE_THROUGH;
+        return KVC_OK;
+    }
+    if (n == 4 && !strncmp(v, "back", 4)) {
+        *policy = KVC_STORE_WRITE_BACK;
+        return KVC_OK;
+    }
+    long long h = 0;
+    size_t i = 10;
+    if (n > 10 && !strncmp(v, "selective:", 10))
+        for (; i < n && v[i] >= '0' && v[i] <= '9' && h <= (1 << 20); i++) h = h * 10 + (v[i] - '0');
+    if (i == n && n > 10 && h >= 1 && h <= (1 << 20)) {
+        *policy = KVC_STORE_WRITE_SELECTIVE;
+        *hits = (int32_t)h;
+        return KVC_OK;
+    }
+    return kvc__error(KVC_ERR_INVALID_ARG, "kvc_store_open: \"%.200s\": write= takes through, "
+                      "back or selective:N (1 <= N <= 1048576), got \"%.*s\"", url,
+                      (int)(n < 40 ? n : 40), v);
+}
+
+/* Takes a "write=POLICY" option out of url's query (after its last '?',
+ * options '&'-separated) into *policy / *hits (unchanged without one);
+ * *clean receives the URL the tier parses (malloc'd). */
+static kvc_status take_write_option(const char *url, char **clean,
+                                    kvc_store_write_policy *policy, int32_t *hits) {
+    const size_t len = strlen(url);
+    char *out = malloc(len + 1);
+    if (!out) return kvc__error(KVC_ERR_NOMEM, "kvc_store_open: out of memory");
+    const char *q = strrchr(url, '?');
+    if (!q) {
+        memcpy(out, url, len + 1);
+        *clean = out;
+        return KVC_OK;
+    }
+    size_t o = (size_t)(q - url);
+    memcpy(out, url, o);
+    int seen = 0, kept = 0;
+    for (const char *p = q + 1;;) {
+        const char *e = strchr(p, '&');
+        const size_t n = e ? (size_t)(e - p) : strlen(p);
+        if (n >= 6 && !strncmp(p, "write=", 6)) {
+            kvc_status st = seen ? kvc__error(KVC_ERR_INVALID_ARG, "kvc_store_open: "
+                                              "\"%.200s\": write= given twice", url)
+                                 : parse_policy(url, p + 6, n - 6, policy, hits);
+            if (st != KVC_OK) {
+                free(out);
+                return st;
+            }
+            seen = 1;
+        } else { /* the tier's own option (it checks them) */
+            out[o++] = kept++ ? '&' : '?';
+            memcpy(out + o, p, n);
+            o += n;
+        }
+        if (!e) break;
+        p = e + 1;
+    }
+    out[o] = 0;
+    *clean = out;
+    return KVC_OK;
+}
 
 void kvc_store_close(kvc_store *s) {
     if (!s) return;
@@ -310,9 +432,10 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
     kvc_store_params p = params ? *params : kvc_store_default_params();
     KVC_CHECK(p.queue_objects >= 1 && p.queue_bytes >= 1 && p.load_timeout_s > 0 &&
                   p.write_policy >= KVC_STORE_WRITE_THROUGH &&
-                  p.write_policy <= KVC_STORE_WRITE_SELECTIVE && p.selective_hits >= 1,
-              "%s: queue_objects, queue_bytes, load_timeout_s and selective_hits must be > 0 "
-              "and write_policy one of kvc_store_write_policy", fn);
+                  p.write_policy <= KVC_STORE_WRITE_SELECTIVE && p.selective_hits >= 1 &&
+                  p.writer_nice >= 0 && p.writer_nice <= 39,
+              "%s: queue_objects, queue_bytes, load_timeout_s and selective_hits must be > 0, "
+              "writer_nice in [0, 39] and write_policy one of kvc_store_write_policy", fn);
 #ifndef KVC_HAVE_SODIUM
     if (p.auth_key)
         return kvc__error(KVC_ERR_UNSUPPORTED, "%s: authentication needs libsodium (Debian: "
@@ -328,14 +451,20 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
     s->p = p;
     kvc_status st = KVC_OK;
     for (int32_t i = 0; i < n_urls && st == KVC_OK; i++) {
-        const char *u = urls[i];
-        if (!u) st = kvc__error(KVC_ERR_INVALID_ARG, "%s: url %d is NULL", fn, (int)i);
-        else if (strncmp(u, "dir:", 4) == 0) st = kvc__tier_dir_open(u, &s->tiers[i]);
-        else if (strncmp(u, "redis://", 8) == 0 || strncmp(u, "unix://", 7) == 0)
+        const char *u0 = urls[i];
+        char *u = NULL;
+        s->policy[i] = p.write_policy;
+        s->need_hits[i] = p.selective_hits;
+        if (!u0) st = kvc__error(KVC_ERR_INVALID_ARG, "%s: url %d is NULL", fn, (int)i);
+        else st = take_write_option(u0, &u, &s->policy[i], &s->need_hits[i]);
+        if (st == KVC_OK && strncmp(u, "dir:", 4) == 0)
+            st = kvc__tier_dir_open(u, &s->tiers[i]);
+        else if (st == KVC_OK && (strncmp(u, "redis://", 8) == 0 || strncmp(u, "unix://", 7) == 0))
             st = kvc__tier_redis_open(u, &s->tiers[i]);
-        else
+        else if (st == KVC_OK)
             st = kvc__error(KVC_ERR_INVALID_ARG, "%s: \"%s\": a tier is dir:PATH, "
                             "redis://HOST:PORT or unix:///PATH", fn, u);
+        free(u);
         if (st == KVC_OK) {
             s->tiers[i]->removed = tier_removed;
             s->tier_ctx[i].s = s;
@@ -775,13 +904,13 @@ void kvc__store_load_finish(kvc__store_load *l, kvc_cache *cache, int64_t skip,
 }
 
 kvc_status kvc__store_save_page(kvc_store *s, const kvc_cache *cache, int32_t page_id,
-                                const kvc_store_expect *e) {
+                                const kvc_store_expect *e, uint32_t tiers) {
     const size_t size = kvc_store_object_bytes(cache, s->has_auth);
     void *obj = malloc(size);
     kvc_status st = obj ? kvc_store_serialize_page(cache, page_id, e, kvc__store_auth_key(s), obj,
                                                    size, NULL)
                         : kvc__error(KVC_ERR_NOMEM, "store: out of memory");
-    if (st == KVC_OK) return kvc__store_put_owned(s, &e->ns, &e->key, obj, size);
+    if (st == KVC_OK) return kvc__store_put_owned(s, &e->ns, &e->key, obj, size, tiers);
     free(obj);
     pthread_mutex_lock(&s->mu);
     s->st.writes_dropped++;
@@ -815,7 +944,7 @@ kvc_status kvc_store_save_run(kvc_store *s, const kvc_cache *cache, const kvc_st
         e.parent = pg > 0 ? k[pg - 1] : *ns;
         e.position = pg * P;
         e.tokens = tokens + pg * P;
-        kvc_status st = kvc__store_save_page(s, cache, page_ids[i], &e);
+        kvc_status st = kvc__store_save_page(s, cache, page_ids[i], &e, kvc__store_all_tiers(s));
         if (st != KVC_OK && ret == KVC_OK) ret = st;
     }
     free(k);

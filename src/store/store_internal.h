@@ -17,9 +17,16 @@ uint64_t kvc__store_hash64(const void *a, size_t na, uint64_t seed);
 /* Pages per prefix unit of cache: G / P for a compressed format whose K
  * groups span pages, else 1 (kvc_store_page_keys). */
 int32_t kvc__store_unit_pages(const kvc_cache *cache);
-/* kvc_store_put taking ownership of obj (malloc'd; freed on every path). */
+/* kvc_store_put taking ownership of obj (malloc'd; freed on every path),
+ * for the tiers of mask tiers (bit t: tier t). */
 kvc_status kvc__store_put_owned(kvc_store *s, const kvc_store_key *ns, const kvc_store_key *key,
-                                void *obj, size_t size);
+                                void *obj, size_t size, uint32_t tiers);
+/* Tier masks: every tier; the tiers whose write policy is p (a tier's URL
+ * option write=, else kvc_store_params.write_policy). */
+uint32_t kvc__store_all_tiers(const kvc_store *s);
+uint32_t kvc__store_tiers_by_policy(const kvc_store *s, kvc_store_write_policy p);
+/* Tier t's prefix hits before a SELECTIVE write. */
+int32_t kvc__store_tier_hits(const kvc_store *s, int32_t t);
 /* The store's auth key or NULL. */
 const uint8_t *kvc__store_auth_key(const kvc_store *s);
 const kvc_store_params *kvc__store_params(const kvc_store *s);
@@ -37,10 +44,10 @@ void kvc__store_emit(kvc_store *s, const kvc_store_event *ev);
 void kvc__store_emit_page(kvc_store *s, kvc_store_event_kind kind, int32_t tier,
                           const kvc_store_key *ns, const kvc_store_key *key,
                           const kvc_store_key *parent, const int32_t *tokens, int32_t n_tokens);
-/* Serializes page page_id of cache as e describes and queues it; a failure
- * is counted as a dropped write. */
+/* Serializes page page_id of cache as e describes and queues it for the
+ * tiers of mask tiers; a failure is counted as a dropped write. */
 kvc_status kvc__store_save_page(kvc_store *s, const kvc_cache *cache, int32_t page_id,
-                                const kvc_store_expect *e);
+                                const kvc_store_expect *e, uint32_t tiers);
 /* The parent key and token ids (*ids malloc'd) of an object that parses as
  * a page object far enough to hold them; 0 (nothing allocated) otherwise. */
 int32_t kvc__store_object_ids(const void *obj, size_t size, kvc_store_key *parent,
