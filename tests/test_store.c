@@ -418,6 +418,7 @@ typedef struct srun {
     kvc_dtype dtype;
     const char *url; /* NULL: no store */
     const char *more[2]; /* further tiers (NULL: none) */
+    int no_promote;
     kvc_store_write_policy policy;
     int32_t queue_objects;
     const char *salt;
@@ -471,6 +472,7 @@ static int srun_go(const kvc_model *m, const char *path, const srun *r, int n_pr
         kvc_store_params sp = kvc_store_default_params();
         sp.write_policy = r->policy;
         sp.queue_objects = r->queue_objects;
+        sp.promote = !r->no_promote;
         kvc_cache_params cp;
         kvc_store_key ns;
         ASSERT_OK(kvc_cache_get_params(kvc_engine_cache(e), &cp));
@@ -868,6 +870,52 @@ TEST(write_policies_per_tier) {
     return 0;
 }
 
+/* Pages restored from a later tier are written to the earlier ones
+ * (promote, the default), and only then. */
+TEST(restored_pages_are_promoted_to_earlier_tiers) {
+    NEED_TINY(m);
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    enum { N = 100, GEN = 4 };
+    int32_t p1[N];
+    random_prompt(p1, N, test_seed + 17, in.n_vocab);
+    const int lens[1] = {N};
+    const int32_t *pp[1] = {p1};
+    int32_t ref[GEN], out[GEN];
+    char da[] = "/tmp/kvc_store_XXXXXX", db[] = "/tmp/kvc_store_XXXXXX";
+    ASSERT_TRUE(mkdtemp(da) && mkdtemp(db));
+    char ua[64], ub[64];
+    snprintf(ua, sizeof ua, "dir:%s?write=back", da); /* never evicts here: no own writes */
+    snprintf(ub, sizeof ub, "dir:%s", db);
+    srun r = srun_default();
+    r.url = ub; /* p1's 6 full pages into B */
+    if (srun_go(m, tiny_path, &r, 1, pp, lens, GEN, ref, NULL, NULL)) return 1;
+    ASSERT_EQ_I64(count_objects(db), 6);
+    kvc_engine_stats es;
+    kvc_store_stats ss;
+    r.url = ua;
+    r.more[0] = ub;
+    r.no_promote = 1; /* A stays empty */
+    if (srun_go(m, tiny_path, &r, 1, pp, lens, GEN, out, &es, &ss)) return 1;
+    ASSERT_MEM_EQ(out, ref, sizeof ref);
+    ASSERT_EQ_I64(es.external_tokens, 96);
+    ASSERT_EQ_I64(count_objects(da), 0);
+    r.no_promote = 0; /* restored from B, written to A */
+    if (srun_go(m, tiny_path, &r, 1, pp, lens, GEN, out, &es, &ss)) return 1;
+    ASSERT_MEM_EQ(out, ref, sizeof ref);
+    ASSERT_EQ_I64(es.external_tokens, 96);
+    ASSERT_EQ_I64(ss.writes_queued, 6);
+    ASSERT_EQ_I64(count_objects(da), 6);
+    rm_rf(db); /* now A alone serves them */
+    if (srun_go(m, tiny_path, &r, 1, pp, lens, GEN, out, &es, &ss)) return 1;
+    ASSERT_MEM_EQ(out, ref, sizeof ref);
+    ASSERT_EQ_I64(es.external_tokens, 96);
+    ASSERT_EQ_I64(ss.writes_queued, 0);
+    rm_rf(da);
+    kvc_model_destroy(m);
+    return 0;
+}
+
 /* Two prompts sharing 80 tokens: their pages 4 hold the same ids but lie in
  * different K groups (kivi: other quantization parameters), so their keys
  * must differ, or one restores the other's page. */
@@ -1190,5 +1238,6 @@ const test_case test_suite[] = {
     TEST_ENTRY(hash_variants_agree),
     TEST_ENTRY(writer_thread_yields_the_cpus),
     TEST_ENTRY(write_policies_per_tier),
+    TEST_ENTRY(restored_pages_are_promoted_to_earlier_tiers),
     {0, 0},
 };

@@ -180,6 +180,9 @@ typedef struct kvc_store_params {
                                     (Linux; default 19, 0 keeps the caller's): background
                                     writes take the CPUs the engine leaves idle, and on a
                                     machine it keeps busy the queue fills and writes drop */
+    int32_t promote;             /* 1 (default): a page restored from a later tier is also
+                                    queued for the earlier ones (whatever their policy);
+                                    0: tiers are written by their policies only */
 } kvc_store_params;
 
 KVC_API kvc_store_params kvc_store_default_params(void);

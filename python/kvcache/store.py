@@ -165,6 +165,7 @@ class StoreParams(ctypes.Structure):
         ("write_policy", ctypes.c_int),
         ("selective_hits", ctypes.c_int32),
         ("writer_nice", ctypes.c_int32),
+        ("promote", ctypes.c_int32),
     ]
 
 
@@ -735,6 +736,8 @@ class KVStore(_lib.NoCopy):
             "selective:N" (once it served N prefix hits).
         writer_nice: added to the writer thread's nice value (Linux; None:
             the C default 19, the lowest priority; 0 keeps the caller's).
+        promote: a page restored from a later tier is also written to the
+            earlier ones (so a local directory keeps what Redis served).
 
     A Redis server that does not answer is not an error (retried with
     back-off); a bad URL or an unusable directory is (InvalidArgumentError,
@@ -744,7 +747,8 @@ class KVStore(_lib.NoCopy):
     """
 
     def __init__(self, urls, *, queue_objects=None, queue_bytes=None, auth_key=None,
-                 load_timeout_s=2.0, write_policy="through", writer_nice=None):
+                 load_timeout_s=2.0, write_policy="through", writer_nice=None,
+                 promote=True):
         self._ptr = None
         self._life = _lib.Lifetime("the KV store")
         self._callbacks = []  # every ctypes callback ever set: C may still be in one
@@ -769,6 +773,7 @@ class KVStore(_lib.NoCopy):
             p.selective_hits = hits
         if writer_nice is not None:
             p.writer_nice = _lib.int32_attr(writer_nice, "writer_nice")
+        p.promote = 1 if promote else 0
         arr = (ctypes.c_char_p * len(urls))(*[u.encode("utf-8") for u in urls])
         h = _vp()
         _lib.check(sl.kvc_store_open(arr, len(urls), ctypes.byref(p), ctypes.byref(h)))

@@ -4,8 +4,9 @@
  * it touches the cache, counters, events.
  */
 #if defined(__linux__)
-#define _GNU_SOURCE /* gettid: the writer's nice value is per thread on Linux */
+#define _GNU_SOURCE /* syscall: the writer's nice value is per thread on Linux */
 #include <sys/resource.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 #else
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, pthread_cond_timedwait */
@@ -74,6 +75,7 @@ kvc_store_params kvc_store_default_params(void) {
     p.write_policy = KVC_STORE_WRITE_THROUGH;
     p.selective_hits = 2;
     p.writer_nice = 19;
+    p.promote = 1;
     return p;
 }
 
@@ -166,7 +168,7 @@ kvc_status kvc_store_set_event_callback(kvc_store *s, kvc_store_event_fn fn, voi
 static void lower_priority(int32_t nice) {
 #if defined(__linux__)
     if (nice <= 0) return;
-    const id_t tid = (id_t)gettid();
+    const id_t tid = (id_t)syscall(SYS_gettid);
     errno = 0;
     const int cur = getpriority(PRIO_PROCESS, tid);
     if (cur == -1 && errno != 0) return;
@@ -346,7 +348,8 @@ static kvc_status parse_policy(const char *url, const char *v, size_t n,
     long long h = 0;
     size_t i = 10;
     if (n > 10 && !strncmp(v, "selective:", 10))
-        for (; i < n && v[i] >= '0' && v[i] <= '9' && h <= (1 << 20); i++) h = h * 10 + (v[i] - '0');
+        for (; i < n && v[i] >= '0' && v[i] <= '9' && h <= (1 << 20); i++)
+            h = h * 10 + (v[i] - '0');
     if (i == n && n > 10 && h >= 1 && h <= (1 << 20)) {
         *policy = KVC_STORE_WRITE_SELECTIVE;
         *hits = (int32_t)h;
@@ -433,9 +436,10 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
     KVC_CHECK(p.queue_objects >= 1 && p.queue_bytes >= 1 && p.load_timeout_s > 0 &&
                   p.write_policy >= KVC_STORE_WRITE_THROUGH &&
                   p.write_policy <= KVC_STORE_WRITE_SELECTIVE && p.selective_hits >= 1 &&
-                  p.writer_nice >= 0 && p.writer_nice <= 39,
+                  p.writer_nice >= 0 && p.writer_nice <= 39 && (p.promote == 0 || p.promote == 1),
               "%s: queue_objects, queue_bytes, load_timeout_s and selective_hits must be > 0, "
-              "writer_nice in [0, 39] and write_policy one of kvc_store_write_policy", fn);
+              "writer_nice in [0, 39], promote 0 or 1 and write_policy one of "
+              "kvc_store_write_policy", fn);
 #ifndef KVC_HAVE_SODIUM
     if (p.auth_key)
         return kvc__error(KVC_ERR_UNSUPPORTED, "%s: authentication needs libsodium (Debian: "
@@ -595,6 +599,7 @@ kvc_status kvc__store_probe_run(kvc_store *s, const kvc_store_key *ns, const int
  * engine's background load, kvc__store_load_*). */
 typedef struct rbatch {
     int64_t pos, n; /* run index of objs[0]; objects in objs (all present) */
+    int32_t tier;   /* where they came from */
     void *objs[BATCH];
     size_t lens[BATCH];
 } rbatch;
@@ -618,6 +623,24 @@ typedef struct restore_ctx {
     int failed;    /* a refused object: batches after it are dropped */
     int64_t bytes, errors, misses[KVC_STORE_MISS_COUNT];
 } restore_ctx;
+
+/* Promotion: a page verified from tier t > 0 is queued for tiers [0, t)
+ * too, so the next lookup finds it in the first tier (a local directory
+ * before a shared Redis keeps what it fetched). take: *obj is given to the
+ * queue (NULL after); else copied. */
+static void promote(kvc_store *s, const kvc_store_key *ns, const kvc_store_key *key, void **obj,
+                    size_t len, int32_t tier, int take) {
+    void *o = take ? *obj : malloc(len);
+    if (!o) {
+        pthread_mutex_lock(&s->mu);
+        s->st.writes_dropped++;
+        pthread_mutex_unlock(&s->mu);
+        return;
+    }
+    if (take) *obj = NULL;
+    else memcpy(o, *obj, len);
+    if (kvc__store_put_owned(s, ns, key, o, len, (1u << tier) - 1u) != KVC_OK) kvc_clear_error();
+}
 
 static void rbatch_free(rbatch *b) {
     for (int64_t i = 0; i < b->n; i++) free(b->objs[i]);
@@ -659,6 +682,9 @@ static void *restore_worker(void *arg) {
                 werr = m == KVC_STORE_MISS_COUNT; /* the cache refused the write */
                 break;
             }
+            if (b->tier > 0 && r->s->p.promote)
+                promote(r->s, &e.ns, &e.key, &b->objs[ok], b->lens[ok], b->tier,
+                        r->wcache != NULL);
             if (!r->wcache) { /* kept for the apply */
                 r->kept[b->pos + ok] = b->objs[ok];
                 b->objs[ok] = NULL;
@@ -734,6 +760,7 @@ static int64_t restore_pipeline(restore_ctx *r) {
                 break; /* the next tier from where the verified run ends */
             }
             b->pos = fetched;
+            b->tier = t;
             while (b->n < n && objs[b->n]) b->objs[b->n] = objs[b->n], b->n++;
             for (int64_t i = b->n; i < n; i++) free(objs[i]);
             fetched += b->n;
