@@ -725,15 +725,17 @@ class KVStore(_lib.NoCopy):
     Args:
         urls: one URL or a list: ``"dir:PATH[?max_bytes=N]"``,
             ``"redis://HOST:PORT"``, ``"unix:///PATH"`` (``?ttl=SECONDS``;
-            several Redis servers in one comma-separated URL share the keys).
+            several Redis servers in one comma-separated URL share the keys);
+            any of them may name its own write policy with ``write=`` (``"dir:/k?write=back"``,
+            ``"dir:/k?max_bytes=1G&write=selective:2"``).
         queue_objects, queue_bytes: writes waiting at most (None: the C
             defaults, 4096 objects and 512 MiB); a full queue drops writes.
         auth_key: None or 32 secret bytes: objects carry a keyed BLAKE2b tag
             and objects without a valid one are refused.
         load_timeout_s: a restore gives up after this many seconds.
-        write_policy: for attached engines: "through" (a page is saved when
-            it becomes final), "back" (when the cache evicts it) or
-            "selective:N" (once it served N prefix hits).
+        write_policy: for attached engines, the tiers' whose URL names none:
+            "through" (a page is saved when it becomes final), "back" (when
+            the cache evicts it) or "selective:N" (once it served N prefix hits).
         writer_nice: added to the writer thread's nice value (Linux; None:
             the C default 19, the lowest priority; 0 keeps the caller's).
         promote: a page restored from a later tier is also written to the
