@@ -272,7 +272,7 @@ typedef struct kvc_engine_stats {
     int64_t kv_capacity_tokens;
     int64_t kv_used_tokens_peak; /* most slots held by sequences at once */
     int64_t external_tokens;    /* prompt tokens restored through the connector (a store) */
-    int64_t external_miss_tokens; /* prompt tokens probed there and not restored */
+    int64_t external_miss_tokens; /* prompt tokens looked up there and not restored */
 } kvc_engine_stats;
 
 /*
