@@ -82,6 +82,13 @@ static kvc_store_expect slot_expect(const attach *a, int32_t id) {
     return e;
 }
 
+/* Queues page id as its slot describes for the tiers of mask tiers. */
+static void queue_slot(attach *a, const kvc_cache *cache, int32_t id, uint32_t tiers) {
+    const kvc_store_expect e = slot_expect(a, id);
+    a->slots[id].saved |= tiers; /* once: a failure is counted as a dropped write */
+    if (kvc__store_save_page(a->s, cache, id, &e, tiers) != KVC_OK) kvc_clear_error();
+}
+
 /* Saves page id from its slot for the tiers of mask tiers not yet given it,
  * if the cache still holds the slot's tokens. */
 static void save_slot(attach *a, const kvc_cache *cache, int32_t id, uint32_t tiers) {
@@ -94,9 +101,7 @@ static void save_slot(attach *a, const kvc_cache *cache, int32_t id, uint32_t ti
         sl->valid = 0; /* reused since: not the page the slot describes */
         return;
     }
-    const kvc_store_expect e = slot_expect(a, id);
-    sl->saved |= tiers; /* once: a failure is counted as a dropped write */
-    if (kvc__store_save_page(a->s, cache, id, &e, tiers) != KVC_OK) kvc_clear_error();
+    queue_slot(a, cache, id, tiers);
 }
 
 /* Records each page in its slot (keys computed once, for the slot, the
@@ -127,12 +132,7 @@ static void on_final(void *user, const kvc_cache *cache, const int32_t *tokens, 
                (size_t)a->P * sizeof(int32_t));
         kvc__store_emit_page(a->s, KVC_STORE_EVENT_STORED, KVC_STORE_TIER_CACHE, &a->ns,
                              &sl->key, &sl->parent, tokens + pg * a->P, a->P);
-        if (a->through) {
-            const kvc_store_expect e = slot_expect(a, id);
-            sl->saved = a->through;
-            if (kvc__store_save_page(a->s, cache, id, &e, a->through) != KVC_OK)
-                kvc_clear_error();
-        }
+        if (a->through) queue_slot(a, cache, id, a->through);
     }
     free(k);
 }

@@ -87,9 +87,7 @@ static double now_s(void) {
 
 const uint8_t *kvc__store_auth_key(const kvc_store *s) { return s->has_auth ? s->auth : NULL; }
 const kvc_store_params *kvc__store_params(const kvc_store *s) { return &s->p; }
-uint32_t kvc__store_all_tiers(const kvc_store *s) {
-    return s->n_tiers >= 32 ? 0xffffffffu : (1u << s->n_tiers) - 1u;
-}
+uint32_t kvc__store_all_tiers(const kvc_store *s) { return (1u << s->n_tiers) - 1u; }
 
 uint32_t kvc__store_tiers_by_policy(const kvc_store *s, kvc_store_write_policy p) {
     uint32_t m = 0;
@@ -200,16 +198,7 @@ static void *writer(void *arg) {
         }
         pthread_mutex_unlock(&s->mu);
 
-        kvc_store_key ns[BATCH], keys[BATCH];
-        const void *objs[BATCH];
-        size_t lens[BATCH];
         int64_t failed = 0, bytes = 0, errors = 0;
-        for (int i = 0; i < n; i++) {
-            ns[i] = batch[i]->ns;
-            keys[i] = batch[i]->key;
-            objs[i] = batch[i]->obj;
-            lens[i] = batch[i]->size;
-        }
         /* per tier, the items that name it; a tier call takes one
          * namespace: split the run at changes */
         for (int32_t t = 0; t < s->n_tiers; t++) {
@@ -219,15 +208,16 @@ static void *writer(void *arg) {
             size_t tl[BATCH];
             for (int i = 0; i < n; i++)
                 if (batch[i]->tiers >> t & 1u) {
-                    idx[m] = i, tk[m] = keys[i], to[m] = objs[i], tl[m] = lens[i];
-                    m++;
+                    idx[m] = i, tk[m] = batch[i]->key, to[m] = batch[i]->obj;
+                    tl[m++] = batch[i]->size;
                 }
             for (int i = 0; i < m;) {
+                const kvc_store_key *ns = &batch[idx[i]]->ns;
                 int j = i + 1;
-                while (j < m && memcmp(ns[idx[j]].b, ns[idx[i]].b, 16) == 0) j++;
+                while (j < m && memcmp(batch[idx[j]]->ns.b, ns->b, 16) == 0) j++;
                 int64_t w = 0;
-                kvc_status st = s->tiers[t]->ops->put(s->tiers[t], &ns[idx[i]], tk + i, to + i,
-                                                      tl + i, j - i, &w);
+                kvc_status st = s->tiers[t]->ops->put(s->tiers[t], ns, tk + i, to + i, tl + i,
+                                                      j - i, &w);
                 if (st != KVC_OK) {
                     errors++;
                     failed += (j - i) - w;
@@ -255,14 +245,18 @@ static void *writer(void *arg) {
     }
 }
 
+static void count_dropped(kvc_store *s) {
+    pthread_mutex_lock(&s->mu);
+    s->st.writes_dropped++;
+    pthread_mutex_unlock(&s->mu);
+}
+
 kvc_status kvc__store_put_owned(kvc_store *s, const kvc_store_key *ns, const kvc_store_key *key,
                                 void *obj, size_t size, uint32_t tiers) {
     item *it = malloc(sizeof *it);
     if (!it) {
         free(obj);
-        pthread_mutex_lock(&s->mu);
-        s->st.writes_dropped++;
-        pthread_mutex_unlock(&s->mu);
+        count_dropped(s);
         return kvc__error(KVC_ERR_NOMEM, "kvc_store_put: out of memory");
     }
     it->next = NULL;
@@ -293,19 +287,23 @@ kvc_status kvc__store_put_owned(kvc_store *s, const kvc_store_key *ns, const kvc
     return KVC_OK;
 }
 
+/* kvc__store_put_owned of a copy of obj. */
+static kvc_status put_copy(kvc_store *s, const kvc_store_key *ns, const kvc_store_key *key,
+                           const void *obj, size_t size, uint32_t tiers) {
+    void *copy = malloc(size);
+    if (!copy) {
+        count_dropped(s);
+        return kvc__error(KVC_ERR_NOMEM, "kvc_store_put: out of memory");
+    }
+    memcpy(copy, obj, size);
+    return kvc__store_put_owned(s, ns, key, copy, size, tiers);
+}
+
 kvc_status kvc_store_put(kvc_store *s, const kvc_store_key *ns, const kvc_store_key *key,
                          const void *obj, size_t size) {
     KVC_CHECK(s != NULL && ns != NULL && key != NULL && obj != NULL && size > 0,
               "kvc_store_put: store, ns, key and obj must not be NULL, size > 0");
-    void *copy = malloc(size);
-    if (!copy) {
-        pthread_mutex_lock(&s->mu);
-        s->st.writes_dropped++;
-        pthread_mutex_unlock(&s->mu);
-        return kvc__error(KVC_ERR_NOMEM, "kvc_store_put: out of memory");
-    }
-    memcpy(copy, obj, size);
-    return kvc__store_put_owned(s, ns, key, copy, size, kvc__store_all_tiers(s));
+    return put_copy(s, ns, key, obj, size, kvc__store_all_tiers(s));
 }
 
 kvc_status kvc_store_flush(kvc_store *s, double timeout_s) {
@@ -630,16 +628,11 @@ typedef struct restore_ctx {
  * queue (NULL after); else copied. */
 static void promote(kvc_store *s, const kvc_store_key *ns, const kvc_store_key *key, void **obj,
                     size_t len, int32_t tier, int take) {
-    void *o = take ? *obj : malloc(len);
-    if (!o) {
-        pthread_mutex_lock(&s->mu);
-        s->st.writes_dropped++;
-        pthread_mutex_unlock(&s->mu);
-        return;
-    }
+    const uint32_t before = (1u << tier) - 1u;
+    kvc_status st = take ? kvc__store_put_owned(s, ns, key, *obj, len, before)
+                         : put_copy(s, ns, key, *obj, len, before);
     if (take) *obj = NULL;
-    else memcpy(o, *obj, len);
-    if (kvc__store_put_owned(s, ns, key, o, len, (1u << tier) - 1u) != KVC_OK) kvc_clear_error();
+    if (st != KVC_OK) kvc_clear_error(); /* counted as dropped */
 }
 
 static void rbatch_free(rbatch *b) {
@@ -939,9 +932,7 @@ kvc_status kvc__store_save_page(kvc_store *s, const kvc_cache *cache, int32_t pa
                         : kvc__error(KVC_ERR_NOMEM, "store: out of memory");
     if (st == KVC_OK) return kvc__store_put_owned(s, &e->ns, &e->key, obj, size, tiers);
     free(obj);
-    pthread_mutex_lock(&s->mu);
-    s->st.writes_dropped++;
-    pthread_mutex_unlock(&s->mu);
+    count_dropped(s);
     return st;
 }
 
