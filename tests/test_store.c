@@ -1122,6 +1122,44 @@ TEST(engine_steps_others_while_a_load_runs) {
     kvc_engine_destroy(e);
     ASSERT_EQ_I64(f.finished, 2);
     ASSERT_EQ_I64(f.applied_pages, 0);
+    /* two queued requests with B's prompt: one load; the second waits for
+     * it and takes the loaded pages as a prefix hit */
+    f.polls_left = 6;
+    f.started = f.finished = f.applied_pages = 0;
+    ASSERT_OK(kvc_engine_create(m, &ep, &e));
+    ASSERT_OK(kvc_engine_set_connector(e, &c));
+    int64_t idb2;
+    ASSERT_OK(kvc_engine_add_request(e, pb, NB, GEN, NULL, 1, &idb));
+    ASSERT_OK(kvc_engine_add_request(e, pb, NB, GEN, NULL, 1, &idb2));
+    ASSERT_OK(kvc_engine_add_request(e, pa, NA, GEN, NULL, 1, &ida));
+    int32_t ob2[GEN];
+    int gb2 = 0;
+    ga = gb = 0;
+    while (kvc_engine_pending(e) > 0) {
+        kvc_engine_event ev3[3];
+        ASSERT_OK(kvc_engine_step(e, ev3, 3, &ne));
+        ASSERT_OK(kvc_cache_check(kvc_engine_cache(e)));
+        ASSERT_TRUE(f.started <= 1);
+        for (int64_t i = 0; i < ne; i++) {
+            if (ev3[i].request_id == ida) oa[ga++] = ev3[i].token;
+            else if (ev3[i].request_id == idb) ob[gb++] = ev3[i].token;
+            else ob2[gb2++] = ev3[i].token;
+        }
+    }
+    ASSERT_EQ_I64(ga, GEN);
+    ASSERT_EQ_I64(gb, GEN);
+    ASSERT_EQ_I64(gb2, GEN);
+    ASSERT_MEM_EQ(oa, ref_a, sizeof oa);
+    ASSERT_MEM_EQ(ob, ref_b, sizeof ob);
+    ASSERT_MEM_EQ(ob2, ref_b, sizeof ob2);
+    ASSERT_EQ_I64(f.started, 1);
+    ASSERT_EQ_I64(f.applied_pages, 9);
+    ASSERT_OK(kvc_engine_get_stats(e, &es));
+    ASSERT_EQ_I64(es.external_tokens, 144);
+    ASSERT_EQ_I64(es.cached_tokens, 144); /* the second B's prefix hit */
+    ASSERT_EQ_I64(es.prefill_tokens, NA + 2 * (NB - 144));
+    kvc_engine_destroy(e);
+    ASSERT_EQ_I64(f.finished, 1);
     free(lg);
     kvc_model_ctx_destroy(ctx);
     kvc_cache_destroy(ref);

@@ -286,7 +286,10 @@ typedef struct kvc_engine_stats {
  *                handle; NULL: the request is computed). The request then
  *                waits, keeping its place in the queue, while the engine
  *                steps the others (a step with nothing else to do waits for
- *                the oldest load); a slow store delays only that request;
+ *                the oldest load); a slow store delays only that request.
+ *                A request whose next pages another request's load covers
+ *                (same tokens) gets no load of its own: it waits for that
+ *                one, then finds the pages in the prefix cache;
  *   load_poll    1 once the load is done (*n_ready: the verified run from
  *                its first page), 0 while it runs (wait: block until done);
  *   load_finish  writes loaded pages [skip, skip + n_pages) into page_ids

@@ -50,6 +50,7 @@ typedef struct req {
     int64_t n_final; /* tokens of its pages reported final to the connector */
     void *load;        /* the connector's load of its prompt pages, while queued */
     int64_t load_first; /* the load's first page */
+    int64_t load_n;     /* and the most pages it may give */
     int probed;        /* the connector had nothing to load for it */
     int64_t admit; /* admission counter, for picking preemption victims */
 } req;
@@ -517,7 +518,26 @@ static int start_load(kvc_engine *e, req *r, int64_t hit) {
     r->load = e->conn.load_start(e->conn.user, e->cache, r->tok, hit / e->p.page_size, np);
     kvc_clear_error();
     r->load_first = hit / e->p.page_size;
+    r->load_n = np;
     return r->load != NULL;
+}
+
+/* 1 when another queued request's load covers r's next unit after its hit
+ * (same tokens up to the unit's end): r waits for that load and, once its
+ * owner is admitted, takes those pages as a prefix hit instead of reading
+ * them from the connector again (a burst of requests with one system
+ * prompt reads it once). A request with a load never waits on another. */
+static int behind_a_load(const kvc_engine *e, const req *r, int64_t hit) {
+    const int64_t P = e->p.page_size, hp = hit / P, upp = e->unit / P, end = hit + e->unit;
+    if (end > (r->n_tok - 1) / e->unit * e->unit) return 0; /* nothing r would load */
+    for (int64_t j = 0; j < e->n_wait; j++) {
+        const req *w = e->wait[j];
+        if (w == r || !w->load || hp < w->load_first || hp + upp > w->load_first + w->load_n ||
+            w->n_tok < end)
+            continue;
+        if (memcmp(w->tok, r->tok, (size_t)end * sizeof(int32_t)) == 0) return 1;
+    }
+    return 0;
 }
 
 /* The in-line restore (connector restore): *ext tokens after the n_cached
@@ -665,7 +685,9 @@ admission:
             if (!r->load && !r->probed) {
                 /* nothing to step meanwhile: restore in line, straight into
                  * the reserved pages (no second copy) */
-                if (e->conn.restore && e->n_run == 0 && nb == 0)
+                if (behind_a_load(e, r, hit))
+                    wait = 1;
+                else if (e->conn.restore && e->n_run == 0 && nb == 0)
                     ext = probe_pages(e, r, hit) * e->p.page_size;
                 else
                     wait = start_load(e, r, hit);
