@@ -189,7 +189,10 @@ KVC_API kvc_store_params kvc_store_default_params(void);
 
 /* Opens the tiers urls[0..n_urls) (lookup order = this order) and starts the
  * writer thread. A Redis server that does not answer is not an error (it
- * is retried with back-off); a bad URL or an unusable directory is. */
+ * is retried with back-off); a bad URL or an unusable directory is.
+ * n_urls 0 (urls may be NULL) opens a store of no tiers: it finds nothing
+ * and writes nothing, and an engine attached to it reports its cache's
+ * pages as events (a router that follows the engine without a store). */
 KVC_API kvc_status kvc_store_open(const char *const *urls, int32_t n_urls,
                                   const kvc_store_params *params, kvc_store **out);
 /* Stops the writer; queued writes not yet written are dropped (counted):

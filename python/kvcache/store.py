@@ -303,15 +303,15 @@ def _candidates() -> tuple[list[str], list[str]]:
 def _check_same_core(sl: _StoreLib) -> None:
     """The store library must call the libkvcache this binding loaded: its
     errors are set through libkvcache's kvc__error and read back with the
-    binding's kvc_last_error. A failing kvc_store_open (no tiers) must leave
+    binding's kvc_last_error. A failing kvc_store_open (-1 tiers) must leave
     its message there."""
     _lib.kvc_clear_error()
     out = _vp()
-    st = sl.kvc_store_open(None, 0, None, ctypes.byref(out))
+    st = sl.kvc_store_open(None, -1, None, ctypes.byref(out))
     msg = _lib.kvc_last_error()
     msg = msg.decode("utf-8", "replace") if msg else ""
     _lib.kvc_clear_error()
-    if out.value:  # cannot happen with 0 tiers; never leak one
+    if out.value:  # cannot happen with -1 tiers; never leak one
         sl.kvc_store_close(out.value)
     if st == 0 or "kvc_store_open" not in msg:
         raise StoreUnavailableError(
@@ -727,7 +727,9 @@ class KVStore(_lib.NoCopy):
             ``"redis://HOST:PORT"``, ``"unix:///PATH"`` (``?ttl=SECONDS``;
             several Redis servers in one comma-separated URL share the keys);
             any of them may name its own write policy with ``write=`` (``"dir:/k?write=back"``,
-            ``"dir:/k?max_bytes=1G&write=selective:2"``).
+            ``"dir:/k?max_bytes=1G&write=selective:2"``). An empty list opens
+            a store of no tiers: it finds and writes nothing, and an attached
+            engine reports its cache's pages to the event callback.
         queue_objects, queue_bytes: writes waiting at most (None: the C
             defaults, 4096 objects and 512 MiB); a full queue drops writes.
         auth_key: None or 32 secret bytes: objects carry a keyed BLAKE2b tag
@@ -760,8 +762,6 @@ class KVStore(_lib.NoCopy):
         if isinstance(urls, (str, bytes, os.PathLike)):
             urls = [urls]
         urls = [os.fsdecode(u) for u in urls]
-        if not urls:
-            raise InvalidArgumentError("KVStore needs at least one URL")
         p = sl.kvc_store_default_params()
         if queue_objects is not None:
             p.queue_objects = _lib.int32_attr(queue_objects, "queue_objects")
@@ -776,7 +776,7 @@ class KVStore(_lib.NoCopy):
         if writer_nice is not None:
             p.writer_nice = _lib.int32_attr(writer_nice, "writer_nice")
         p.promote = 1 if promote else 0
-        arr = (ctypes.c_char_p * len(urls))(*[u.encode("utf-8") for u in urls])
+        arr = (ctypes.c_char_p * max(len(urls), 1))(*[u.encode("utf-8") for u in urls])
         h = _vp()
         _lib.check(sl.kvc_store_open(arr, len(urls), ctypes.byref(p), ctypes.byref(h)))
         self._ptr = h.value

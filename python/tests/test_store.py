@@ -462,6 +462,38 @@ def test_generate_restores_from_a_dir_store_in_a_new_model(tiny_path, tmp_path, 
         assert other.stats["external_miss_tokens"] >= 0
 
 
+def test_a_store_of_no_tiers_reports_the_cache_alone(tiny_path, tmp_path):
+    """KVStore([]): no tier to find or write; an attached engine's cache
+    events are those it reports beside a directory tier."""
+    def cache_events(urls):
+        events = []
+        with Model(tiny_path) as m, kvcache.KVStore(urls) as st:
+            st.set_event_callback(events.append)
+            eng = Engine(m, kv_dtype="float16", page_size=16, kv_store=st, salt=b"ev")
+            for p in _prompts(m.n_vocab):
+                eng.add_request(p, 4, ignore_eos=True)
+            out = eng.run()
+            st.flush(60)
+            stats = st.stats()
+            ns = eng.store_namespace
+            eng.close()
+        return events, sorted(out.values()), stats, ns
+
+    ev0, out0, st0, ns = cache_events([])
+    ev1, out1, _, _ = cache_events([f"dir:{tmp_path}"])
+    assert out0 == out1
+    assert ev0 and all(e["tier"] == kvcache.store.TIER_CACHE for e in ev0)
+    assert st0["writes_queued"] == 0 and st0["hit_pages"] == 0 and st0["bytes_written"] == 0
+    cache1 = [e for e in ev1 if e["tier"] == kvcache.store.TIER_CACHE]
+    assert [(e["kind"], e["key"], e["parent"], e["tokens"]) for e in ev0] == \
+        [(e["kind"], e["key"], e["parent"], e["tokens"]) for e in cache1]
+    assert all(e["ns"] == ns for e in ev0)
+    with kvcache.KVStore([]) as st:  # puts go nowhere and are not queued
+        st.put(ns, bytes(16), b"x" * 100)
+        st.flush(1)
+        assert st.stats()["writes_queued"] == 0
+
+
 def test_engine_attach_detach_and_events(tiny_path, tmp_path):
     events = []
     with Model(tiny_path) as m:

@@ -157,11 +157,21 @@ def test_subscriber_rebuilds_the_dir_tier(tmp_path):
         assert p.parent.name == p.stem[:2]
 
 
-def test_kv_events_needs_kv_store():
+def test_kv_events_without_a_store(tmp_path):
+    """--kv-events alone publishes the engine cache's pages: the same GPU
+    events as beside a directory tier (same prompts, same keys)."""
     model = _model()
-    r = subprocess.run([str(_cli()), "bench-serve", "-m", str(model), "--batch", "1",
-                        "--prompt-len", "32", "--gen", "1", "--kv-dtype", "f16",
-                        "--kv-events", f"tcp://127.0.0.1:{_free_port()}"],
-                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
-    assert r.returncode != 0
-    assert "--kv-events needs --kv-store" in r.stderr
+    common = ["-m", str(model), "--batch", "2", "--prompt-len", "64", "--gen", "4",
+              "--kv-dtype", "f16", "-t", "2"]
+
+    def gpu_events(extra):
+        evs = _decode(_serve(common + extra, f"tcp://127.0.0.1:{_free_port()}"))
+        assert evs and all(ev.get("medium") in ("GPU", "DISK") for ev in evs)
+        return [ev for ev in evs if ev["medium"] == "GPU"]
+
+    alone = gpu_events([])
+    beside = gpu_events(["--kv-store", f"dir:{tmp_path / 'tier'}"])
+    assert all(ev["medium"] == "GPU" for ev in alone)
+    stored = [h for ev in alone if ev["type"] == "BlockStored" for h in ev["block_hashes"]]
+    assert len(stored) >= 2 * 64 // 16  # each prompt's pages, at least
+    assert alone == beside

@@ -253,6 +253,11 @@ static void count_dropped(kvc_store *s) {
 
 kvc_status kvc__store_put_owned(kvc_store *s, const kvc_store_key *ns, const kvc_store_key *key,
                                 void *obj, size_t size, uint32_t tiers) {
+    tiers &= kvc__store_all_tiers(s);
+    if (!tiers) { /* no tier to write (a store of none: events only) */
+        free(obj);
+        return KVC_OK;
+    }
     item *it = malloc(sizeof *it);
     if (!it) {
         free(obj);
@@ -428,7 +433,7 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
     if (out) *out = NULL;
     KVC_CHECK(out != NULL && (urls != NULL || n_urls == 0), "%s: urls and out must not be NULL",
               fn);
-    KVC_CHECK(n_urls >= 1 && n_urls <= MAX_TIERS, "%s: %d tiers (need 1 to %d)", fn, (int)n_urls,
+    KVC_CHECK(n_urls >= 0 && n_urls <= MAX_TIERS, "%s: %d tiers (need 0 to %d)", fn, (int)n_urls,
               MAX_TIERS);
     kvc_store_params p = params ? *params : kvc_store_default_params();
     KVC_CHECK(p.queue_objects >= 1 && p.queue_bytes >= 1 && p.load_timeout_s > 0 &&
@@ -846,7 +851,7 @@ kvc__store_load *kvc__store_load_start(kvc_store *s, const kvc_cache *cache,
                                        const kvc_store_key *ns, const int32_t *tokens,
                                        int64_t first, int64_t n) {
     kvc_cache_params cp;
-    if (n <= 0 || kvc_cache_get_params(cache, &cp) != KVC_OK) return NULL;
+    if (n <= 0 || s->n_tiers == 0 || kvc_cache_get_params(cache, &cp) != KVC_OK) return NULL;
     kvc__store_load *l = calloc(1, sizeof *l);
     if (!l) return NULL;
     const size_t nt = (size_t)(first + n) * (size_t)cp.page_size;

@@ -22,7 +22,8 @@ const char cli_store_opts_help[] =
     "  --salt STRING       tenant: pages are shared only under the same salt\n"
     "  --kv-events ENDPOINT  publish the store's and the engine cache's page\n"
     "                      events as vLLM KV events (ZeroMQ PUB bound to ENDPOINT,\n"
-    "                      e.g. tcp://127.0.0.1:5557; needs --kv-store)\n"
+    "                      e.g. tcp://127.0.0.1:5557; without --kv-store, the\n"
+    "                      engine cache's alone)\n"
     "  --json-stats        at exit, one JSON line of prompt, cache and store\n"
     "                      counters on stderr\n";
 
@@ -67,12 +68,14 @@ int cli_store_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_sto
 }
 
 /* --json-stats: one line on stderr (the store's counters 0 without one). */
-static void print_json_stats(const kvc_engine *eng, int64_t verify_failures, int64_t errors,
+static void print_json_stats(const kvc_engine *eng, int has_tiers, int64_t verify_failures,
+                             int64_t errors,
                              int64_t bytes_read, int64_t bytes_written, int64_t writes_dropped,
                              double ttft_s, double decode_tok_s) {
     kvc_engine_stats es;
     memset(&es, 0, sizeof es);
     if (eng) kvc_engine_get_stats(eng, &es);
+    if (!has_tiers) es.external_miss_tokens = 0; /* --kv-events alone: no store to miss */
     fprintf(stderr,
             "{\"prompt_tokens\": %lld, \"cached_tokens\": %lld, \"store_hit_tokens\": %lld, "
             "\"store_miss_tokens\": %lld, \"store_verify_failures\": %lld, \"store_errors\": "
@@ -102,15 +105,11 @@ static void close_events(const char *cmd) {
 int cli_store_attach(const char *cmd, const cli_store_opts *o, const char *model_path,
                      const kvc_model *model, kvc_engine *eng, kvc_store **store) {
     *store = NULL;
-    if (o->n_urls == 0) {
-        /* the engine's own events need an attach, which needs a store */
-        if (o->events) {
-            fprintf(stderr, "kvcache: %s: --kv-events needs --kv-store\n", cmd);
-            return -1;
-        }
+    if (o->n_urls == 0 && !o->events) {
         if (o->salt) fprintf(stderr, "kvcache: %s: warning: --salt without --kv-store\n", cmd);
         return 0;
     }
+    /* --kv-events alone: a store of no tiers carries the engine's events */
     kvc_cache_params cp;
     kvc_store_key ns;
     kvc_store_params sp = kvc_store_default_params();
@@ -152,8 +151,8 @@ void cli_store_finish(const char *cmd, const cli_store_opts *o, kvc_store *store
     kvc_store_stats ss;
     memset(&ss, 0, sizeof ss);
     if (store) kvc_store_get_stats(store, &ss);
-    print_json_stats(eng, ss.verify_failures, ss.errors, ss.bytes_read, ss.bytes_written,
-                     ss.writes_dropped, ttft_s, decode_tok_s);
+    print_json_stats(eng, o->n_urls > 0, ss.verify_failures, ss.errors, ss.bytes_read,
+                     ss.bytes_written, ss.writes_dropped, ttft_s, decode_tok_s);
 }
 
 void cli_store_close(kvc_store *store) {
@@ -175,7 +174,7 @@ void cli_store_finish(const char *cmd, const cli_store_opts *o, kvc_store *store
                       const kvc_engine *eng, double ttft_s, double decode_tok_s,
                       double timeout_s) {
     (void)cmd, (void)store, (void)timeout_s;
-    if (o->json_stats) print_json_stats(eng, 0, 0, 0, 0, 0, ttft_s, decode_tok_s);
+    if (o->json_stats) print_json_stats(eng, 0, 0, 0, 0, 0, 0, ttft_s, decode_tok_s);
 }
 
 void cli_store_close(kvc_store *store) { (void)store; }
