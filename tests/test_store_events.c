@@ -274,6 +274,121 @@ TEST(close_drains) {
     return 0;
 }
 
+/* The frames of one message (at most 4), copied: sizes in n[], 0 when none
+ * came within the socket's timeout. */
+static int recv_raw(void *sock, unsigned char f[4][4096], size_t n[4]) {
+    int k = 0, more = 1;
+    while (more) {
+        zmq_msg_t m;
+        zmq_msg_init(&m);
+        if (zmq_msg_recv(&m, sock, 0) < 0) {
+            zmq_msg_close(&m);
+            return 0;
+        }
+        more = zmq_msg_more(&m);
+        if (k < 4 && zmq_msg_size(&m) <= 4096) {
+            n[k] = zmq_msg_size(&m);
+            memcpy(f[k], zmq_msg_data(&m), n[k]);
+        }
+        zmq_msg_close(&m);
+        k++;
+    }
+    return k;
+}
+
+static uint64_t seq_of(const unsigned char *b) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v = v << 8 | b[i];
+    return v;
+}
+
+/* vLLM's replay: batches numbered from a start, byte for byte as the PUB
+ * socket sent them, the newest replay_batches only, then END_SEQ (-1) with
+ * an empty payload; a REQ socket reads the first reply (same envelope); a
+ * malformed request is dropped and the socket keeps serving. */
+TEST(replay) {
+    char dir[64], url[128], ep[128], rep[128];
+    ASSERT_TRUE(make_tmpdir(dir) == 0);
+    snprintf(url, sizeof url, "dir:%s/tier", dir);
+    snprintf(ep, sizeof ep, "ipc://%s/ev.sock", dir);
+    snprintf(rep, sizeof rep, "ipc://%s/replay.sock", dir);
+    const char *urls[] = {url};
+    kvc_store *st = NULL;
+    kvc_store_events *ev = NULL;
+    ASSERT_OK(kvc_store_open(urls, 1, NULL, &st));
+    kvc_store_events_params p = kvc_store_events_default_params();
+    ASSERT_TRUE(p.replay_endpoint == NULL && p.replay_batches == 10000);
+    p.replay_batches = 0;
+    p.replay_endpoint = rep;
+    ASSERT_STATUS(kvc_store_events_open_with(st, ep, &p, &ev), KVC_ERR_INVALID_ARG);
+    p.replay_batches = 3;
+    ASSERT_OK(kvc_store_events_open_with(st, ep, &p, &ev));
+    sub s;
+    ASSERT_TRUE(sub_open(&s, ep) == 0);
+    enum { N = 5 };
+    static unsigned char pub[N][4096], f[4][4096];
+    size_t pub_n[N], n[4];
+    kvc_store_events_stats es;
+    for (int i = 0; i < N; i++) { /* one batch each: wait until it is out */
+        kvc_store_key ns = mk((uint32_t)i, 0x5a);
+        ASSERT_OK(kvc_store_invalidate(st, &ns));
+        for (int tries = 0; tries < 500; tries++) {
+            ASSERT_OK(kvc_store_events_get_stats(ev, &es));
+            if (es.batches_sent == i + 1) break;
+            nanosleep(&(struct timespec){0, 10000000L}, NULL);
+        }
+        ASSERT_EQ_I64(es.batches_sent, i + 1);
+    }
+    for (int i = 0; i < N; i++) {
+        ASSERT_EQ_I64(recv_raw(s.sock, f, n), 3);
+        ASSERT_EQ_I64((int64_t)seq_of(f[1]), i);
+        memcpy(pub[i], f[2], n[2]);
+        pub_n[i] = n[2];
+    }
+    void *d = zmq_socket(s.ctx, ZMQ_DEALER); /* REQ's envelope, many replies */
+    int timeout_ms = 5000, linger = 0;
+    ASSERT_TRUE(d && zmq_setsockopt(d, ZMQ_RCVTIMEO, &timeout_ms, sizeof timeout_ms) == 0 &&
+                zmq_setsockopt(d, ZMQ_LINGER, &linger, sizeof linger) == 0 &&
+                zmq_connect(d, rep) == 0);
+    const unsigned char bad[3] = {1, 2, 3};
+    ASSERT_TRUE(zmq_send(d, "", 0, ZMQ_SNDMORE) == 0 && zmq_send(d, bad, 3, 0) == 3);
+    for (uint64_t start = 1; start <= 7; start += 3) { /* 1: the kept 2..4; 4: 4; 7: none */
+        unsigned char b[8];
+        for (int i = 0; i < 8; i++) b[i] = (unsigned char)(start >> (56 - 8 * i));
+        ASSERT_TRUE(zmq_send(d, "", 0, ZMQ_SNDMORE) == 0 && zmq_send(d, b, 8, 0) == 8);
+        for (uint64_t want = start < 2 ? 2 : start;; want++) {
+            ASSERT_EQ_I64(recv_raw(d, f, n), 3);
+            ASSERT_EQ_I64((int64_t)n[0], 0);
+            ASSERT_EQ_I64((int64_t)n[1], 8);
+            if (want >= N) { /* END_SEQ */
+                ASSERT_TRUE(seq_of(f[1]) == UINT64_MAX && n[2] == 0);
+                break;
+            }
+            ASSERT_EQ_I64((int64_t)seq_of(f[1]), (int64_t)want);
+            ASSERT_EQ_I64((int64_t)n[2], (int64_t)pub_n[want]);
+            ASSERT_MEM_EQ(f[2], pub[want], n[2]);
+        }
+    }
+    void *r = zmq_socket(s.ctx, ZMQ_REQ);
+    ASSERT_TRUE(r && zmq_setsockopt(r, ZMQ_RCVTIMEO, &timeout_ms, sizeof timeout_ms) == 0 &&
+                zmq_setsockopt(r, ZMQ_LINGER, &linger, sizeof linger) == 0 &&
+                zmq_connect(r, rep) == 0);
+    const unsigned char three[8] = {0, 0, 0, 0, 0, 0, 0, 3};
+    ASSERT_EQ_I64(zmq_send(r, three, 8, 0), 8);
+    ASSERT_EQ_I64(recv_raw(r, f, n), 2); /* REQ strips the envelope: [seq, payload] */
+    ASSERT_EQ_I64((int64_t)seq_of(f[0]), 3);
+    ASSERT_MEM_EQ(f[1], pub[3], pub_n[3]);
+    ASSERT_OK(kvc_store_events_get_stats(ev, &es));
+    ASSERT_EQ_I64(es.replays, 4);
+    zmq_close(r);
+    zmq_close(d);
+    kvc_store_events_close(ev);
+    sub_close(&s);
+    kvc_store_close(st);
+    nftw(dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
+    return 0;
+}
+
 TEST(bad_args) {
     char dir[64], url[128], ep[128];
     ASSERT_TRUE(make_tmpdir(dir) == 0);
@@ -288,7 +403,12 @@ TEST(bad_args) {
     ASSERT_STATUS(kvc_store_events_open(st, "nope://x", &ev), KVC_ERR_IO);
     ASSERT_STR_CONTAINS(kvc_last_error(), "nope://x");
     ASSERT_TRUE(ev == NULL);
-    ASSERT_OK(kvc_store_events_open(st, ep, &ev));
+    kvc_store_events_params p = kvc_store_events_default_params();
+    p.replay_endpoint = "nope://y";
+    ASSERT_STATUS(kvc_store_events_open_with(st, ep, &p, &ev), KVC_ERR_IO);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "nope://y");
+    ASSERT_TRUE(ev == NULL);
+    ASSERT_OK(kvc_store_events_open(st, ep, &ev)); /* the failed open let go of ep */
     kvc_store_events_close(ev);
     kvc_store_events_close(NULL);
     kvc_store_close(st);
@@ -300,6 +420,7 @@ const char *test_suite_name = "store_events";
 const test_case test_suite[] = {
     TEST_ENTRY(wire_format),
     TEST_ENTRY(close_drains),
+    TEST_ENTRY(replay),
     TEST_ENTRY(bad_args),
     {0, 0},
 };

@@ -293,6 +293,25 @@ typedef struct kvc_store_events kvc_store_events;
  * nothing). The store must outlive it. */
 KVC_API kvc_status kvc_store_events_open(kvc_store *store, const char *endpoint,
                                          kvc_store_events **out);
+
+/* Replay (vLLM's replay_endpoint): a subscriber that sees a gap in the
+ * sequence numbers asks for the batches from a number on. A ROUTER socket
+ * bound to replay_endpoint takes requests [identity, "", start (8 bytes
+ * big-endian)] (what a REQ socket sends) and answers each with the kept
+ * batches numbered >= start, [identity, "", number, payload], then
+ * [identity, "", 8 bytes 0xff, ""] (vLLM's END_SEQ, -1). */
+typedef struct kvc_store_events_params {
+    const char *replay_endpoint; /* NULL (default): no replay socket */
+    int32_t replay_batches;      /* the newest batches kept for replay (default 10000,
+                                    vLLM's buffer_steps) */
+    int64_t replay_bytes;        /* and their payload bytes at most (default 64 MiB) */
+} kvc_store_events_params;
+
+KVC_API kvc_store_events_params kvc_store_events_default_params(void);
+/* kvc_store_events_open with params (NULL: the defaults). */
+KVC_API kvc_status kvc_store_events_open_with(kvc_store *store, const char *endpoint,
+                                              const kvc_store_events_params *params,
+                                              kvc_store_events **out);
 /* Uninstalls the callback, sends what is queued, and closes (waiting at
  * most ~1 s for subscribers to take the last batches). NULL is a no-op. */
 KVC_API void kvc_store_events_close(kvc_store_events *ev);
@@ -301,6 +320,7 @@ typedef struct kvc_store_events_stats {
     int64_t events_sent;    /* store events published (one block each) */
     int64_t batches_sent;   /* KVEventBatch messages */
     int64_t events_dropped; /* queue full, out of memory, or a failed send */
+    int64_t replays;        /* replay requests answered */
 } kvc_store_events_stats;
 
 KVC_API kvc_status kvc_store_events_get_stats(kvc_store_events *ev, kvc_store_events_stats *out);

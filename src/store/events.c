@@ -8,7 +8,9 @@
  *
  * The callback only copies the event into a bounded ring (it runs on the
  * store's writer thread or an engine's: it must never wait on the network);
- * one publisher thread owns the socket (ZeroMQ sockets are not thread-safe).
+ * one publisher thread owns the sockets (ZeroMQ sockets are not
+ * thread-safe): the PUB socket and the optional replay ROUTER socket, which
+ * it serves between batches from the newest batches it keeps.
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, pthread_cond_timedwait */
 #include <errno.h>
@@ -27,6 +29,8 @@
 #define BATCH_WAIT_S 0.010 /* a partial batch waits this long for company */
 #define GRACE_S 0.200    /* after the bind, before the first send (slow joiners) */
 #define LINGER_MS 1000   /* close: how long ZeroMQ may keep delivering */
+#define REPLAY_POLL_S 0.020 /* an idle publisher looks for replay requests this often */
+#define ID_MAX 256       /* ZeroMQ routing ids are at most 255 bytes */
 
 typedef struct qev {
     kvc_store_event_kind kind;
@@ -36,9 +40,19 @@ typedef struct qev {
     int32_t n_tokens;
 } qev;
 
+typedef struct kept {
+    uint64_t seq;
+    void *payload;
+    size_t size;
+} kept;
+
 struct kvc_store_events {
     kvc_store *store;
-    void *zctx, *pub;
+    void *zctx, *pub, *replay;
+    kvc_store_events_params p;
+    kept *kept; /* replay ring (publisher thread only) */
+    int32_t kept_head, kept_n;
+    int64_t kept_bytes;
     pthread_t thr;
     pthread_mutex_t mu; /* ring, stop, stats */
     pthread_cond_t cv;
@@ -215,10 +229,14 @@ static void pack_batch(out_buf *o, const kvc_store *s, const qev *ev, int n) {
 
 /* ---- publisher thread ------------------------------------------------------------ */
 
+static void be64(uint8_t out[8], uint64_t v) {
+    for (int i = 0; i < 8; i++) out[i] = (uint8_t)(v >> (56 - 8 * i));
+}
+
 static int send_batch(kvc_store_events *e, const out_buf *o) {
     const msgpack_sbuffer *sb = &o->sb;
     uint8_t seq[8];
-    for (int i = 0; i < 8; i++) seq[i] = (uint8_t)(e->seq >> (56 - 8 * i));
+    be64(seq, e->seq);
     e->seq++; /* used even by a failed send, as vLLM's: a gap tells of a loss */
     /* PUB never blocks: past the high-water mark ZeroMQ drops (DONTWAIT
      * only guards against a transport that would) */
@@ -229,6 +247,88 @@ static int send_batch(kvc_store_events *e, const out_buf *o) {
     return 0;
 }
 
+/* Keeps a copy of the batch numbered seq for replay, dropping the oldest
+ * past the limits (out of memory: the batch is not replayable). */
+static void keep_batch(kvc_store_events *e, uint64_t seq, const msgpack_sbuffer *sb) {
+    if (!e->replay || (int64_t)sb->size > e->p.replay_bytes) return;
+    while (e->kept_n > 0 && (e->kept_n == e->p.replay_batches ||
+                             e->kept_bytes + (int64_t)sb->size > e->p.replay_bytes)) {
+        kept *k = &e->kept[e->kept_head];
+        e->kept_bytes -= (int64_t)k->size;
+        free(k->payload);
+        e->kept_head = (e->kept_head + 1) % e->p.replay_batches;
+        e->kept_n--;
+    }
+    void *copy = malloc(sb->size ? sb->size : 1);
+    if (!copy) return;
+    memcpy(copy, sb->data, sb->size);
+    kept *k = &e->kept[(e->kept_head + e->kept_n) % e->p.replay_batches];
+    k->seq = seq;
+    k->payload = copy;
+    k->size = sb->size;
+    e->kept_n++;
+    e->kept_bytes += (int64_t)sb->size;
+}
+
+/* One frame of a request into buf (cap bytes); its size, or -1 when it
+ * does not fit; *more: frames follow. */
+static int recv_frame(void *sock, uint8_t *buf, size_t cap, int *more) {
+    zmq_msg_t m;
+    zmq_msg_init(&m);
+    if (zmq_msg_recv(&m, sock, ZMQ_DONTWAIT) < 0) {
+        zmq_msg_close(&m);
+        *more = 0;
+        return -2;
+    }
+    const size_t n = zmq_msg_size(&m);
+    *more = zmq_msg_more(&m);
+    if (n <= cap) memcpy(buf, zmq_msg_data(&m), n);
+    zmq_msg_close(&m);
+    return n <= cap ? (int)n : -1;
+}
+
+/* Answers the replay requests waiting (publisher thread). A request that is
+ * not [identity, "", 8 bytes] is dropped unanswered, as vLLM does. Sends
+ * never wait: past the socket's high-water mark ZeroMQ drops them. */
+static void serve_replay(kvc_store_events *e) {
+    for (;;) {
+        zmq_pollitem_t it = {e->replay, 0, ZMQ_POLLIN, 0};
+        if (zmq_poll(&it, 1, 0) <= 0 || !(it.revents & ZMQ_POLLIN)) return;
+        uint8_t id[ID_MAX], f[3][8];
+        int more = 0, nf = 0, sz[4] = {0, 0, 0, 0};
+        sz[0] = recv_frame(e->replay, id, sizeof id, &more);
+        nf = sz[0] == -2 ? 0 : 1;
+        while (more) { /* the rest of the message, kept only while it fits the shape */
+            uint8_t junk[8];
+            int r = recv_frame(e->replay, nf < 3 ? f[nf] : junk, 8, &more);
+            if (nf < 4) sz[nf] = r;
+            nf++;
+        }
+        if (nf != 3 || sz[0] < 0 || sz[1] != 0 || sz[2] != 8) continue;
+        uint64_t start = 0;
+        for (int i = 0; i < 8; i++) start = start << 8 | f[2][i];
+        const size_t idn = (size_t)sz[0];
+        pthread_mutex_lock(&e->mu); /* counted first: a client may read the stats on END */
+        e->st.replays++;
+        pthread_mutex_unlock(&e->mu);
+        for (int32_t i = 0; i < e->kept_n; i++) {
+            const kept *k = &e->kept[(e->kept_head + i) % e->p.replay_batches];
+            if (k->seq < start) continue;
+            uint8_t seq[8];
+            be64(seq, k->seq);
+            zmq_send(e->replay, id, idn, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+            zmq_send(e->replay, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+            zmq_send(e->replay, seq, sizeof seq, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+            zmq_send(e->replay, k->payload, k->size, ZMQ_DONTWAIT);
+        }
+        static const uint8_t end_seq[8] = {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
+        zmq_send(e->replay, id, idn, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+        zmq_send(e->replay, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+        zmq_send(e->replay, end_seq, sizeof end_seq, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+        zmq_send(e->replay, "", 0, ZMQ_DONTWAIT);
+    }
+}
+
 static void *publisher(void *arg) {
     kvc_store_events *e = arg;
     qev batch[BATCH_MAX];
@@ -236,7 +336,17 @@ static void *publisher(void *arg) {
     msgpack_sbuffer_init(&o.sb);
     pthread_mutex_lock(&e->mu);
     for (;;) {
-        while (e->n == 0 && !e->stop) pthread_cond_wait(&e->cv, &e->mu);
+        while (e->n == 0 && !e->stop) {
+            if (!e->replay) {
+                pthread_cond_wait(&e->cv, &e->mu);
+                continue;
+            }
+            struct timespec ts = mono_at(mono_s() + REPLAY_POLL_S);
+            pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+            pthread_mutex_unlock(&e->mu);
+            serve_replay(e);
+            pthread_mutex_lock(&e->mu);
+        }
         if (e->n == 0) break; /* stopped and drained */
         /* slow joiners: a SUB that connects right after the bind gets
          * nothing sent before its connection completes */
@@ -261,8 +371,12 @@ static void *publisher(void *arg) {
         msgpack_sbuffer_clear(&o.sb);
         o.failed = 0;
         pack_batch(&o, e->store, batch, n);
+        const uint64_t seq = e->seq;
         const int ok = !o.failed && send_batch(e, &o) == 0;
+        /* kept even when the PUB send failed: replay can still deliver it */
+        if (!o.failed) keep_batch(e, seq, &o.sb);
         for (int i = 0; i < n; i++) free(batch[i].tokens);
+        if (e->replay) serve_replay(e);
 
         pthread_mutex_lock(&e->mu);
         if (ok) {
@@ -281,19 +395,43 @@ static void *publisher(void *arg) {
 
 static void free_events(kvc_store_events *e) {
     if (e->pub) zmq_close(e->pub);
+    if (e->replay) zmq_close(e->replay);
+    for (int32_t i = 0; e->kept && i < e->kept_n; i++)
+        free(e->kept[(e->kept_head + i) % e->p.replay_batches].payload);
+    free(e->kept);
     if (e->zctx) zmq_ctx_term(e->zctx); /* waits out LINGER_MS at most */
     free(e);
 }
 
+kvc_store_events_params kvc_store_events_default_params(void) {
+    kvc_store_events_params p;
+    p.replay_endpoint = NULL;
+    p.replay_batches = 10000; /* vLLM's buffer_steps */
+    p.replay_bytes = (int64_t)64 << 20;
+    return p;
+}
+
 kvc_status kvc_store_events_open(kvc_store *store, const char *endpoint,
                                  kvc_store_events **out) {
+    return kvc_store_events_open_with(store, endpoint, NULL, out);
+}
+
+kvc_status kvc_store_events_open_with(kvc_store *store, const char *endpoint,
+                                      const kvc_store_events_params *params,
+                                      kvc_store_events **out) {
     static const char fn[] = "kvc_store_events_open";
     if (out) *out = NULL;
     KVC_CHECK(store != NULL && endpoint != NULL && out != NULL,
               "%s: store, endpoint and out must not be NULL", fn);
+    const kvc_store_events_params p = params ? *params : kvc_store_events_default_params();
+    KVC_CHECK(!p.replay_endpoint || (p.replay_batches >= 1 && p.replay_bytes >= 1),
+              "%s: replay_batches and replay_bytes must be >= 1 (got %d, %lld)", fn,
+              (int)p.replay_batches, (long long)p.replay_bytes);
     kvc_store_events *e = calloc(1, sizeof *e);
     if (!e) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
     e->store = store;
+    e->p = p;
+    e->p.replay_endpoint = NULL; /* not kept: the caller's string */
     const int hwm = 100000, linger = LINGER_MS; /* vLLM's default hwm */
     if (!(e->zctx = zmq_ctx_new()) || !(e->pub = zmq_socket(e->zctx, ZMQ_PUB)) ||
         zmq_setsockopt(e->pub, ZMQ_SNDHWM, &hwm, sizeof hwm) != 0 ||
@@ -307,6 +445,26 @@ kvc_status kvc_store_events_open(kvc_store *store, const char *endpoint,
                                    zmq_strerror(zmq_errno()));
         free_events(e);
         return st;
+    }
+    if (p.replay_endpoint) {
+        /* a bounded send queue: a few full replays, then ZeroMQ drops */
+        const int rhwm = p.replay_batches < 250000 ? 4 * (p.replay_batches + 1) : 1000000;
+        if (!(e->kept = calloc((size_t)p.replay_batches, sizeof *e->kept)) ||
+            !(e->replay = zmq_socket(e->zctx, ZMQ_ROUTER)) ||
+            zmq_setsockopt(e->replay, ZMQ_SNDHWM, &rhwm, sizeof rhwm) != 0 ||
+            zmq_setsockopt(e->replay, ZMQ_LINGER, &linger, sizeof linger) != 0) {
+            kvc_status st = kvc__error(KVC_ERR_NOMEM, "%s: replay: %s", fn,
+                                       e->kept ? zmq_strerror(zmq_errno()) : "out of memory");
+            free_events(e);
+            return st;
+        }
+        if (zmq_bind(e->replay, p.replay_endpoint) != 0) {
+            kvc_status st = kvc__error(KVC_ERR_IO, "%s: cannot bind the replay endpoint "
+                                       "\"%s\": %s", fn, p.replay_endpoint,
+                                       zmq_strerror(zmq_errno()));
+            free_events(e);
+            return st;
+        }
     }
     e->t_bind = mono_s();
     pthread_condattr_t ca;

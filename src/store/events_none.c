@@ -3,9 +3,20 @@
 #include "../core/internal.h"
 #include "kvcache/store.h"
 
+kvc_store_events_params kvc_store_events_default_params(void) {
+    kvc_store_events_params p = {NULL, 10000, (int64_t)64 << 20};
+    return p;
+}
+
 kvc_status kvc_store_events_open(kvc_store *store, const char *endpoint,
                                  kvc_store_events **out) {
-    (void)store, (void)endpoint;
+    return kvc_store_events_open_with(store, endpoint, NULL, out);
+}
+
+kvc_status kvc_store_events_open_with(kvc_store *store, const char *endpoint,
+                                      const kvc_store_events_params *params,
+                                      kvc_store_events **out) {
+    (void)store, (void)endpoint, (void)params;
     if (out) *out = NULL;
     return kvc__error(KVC_ERR_UNSUPPORTED,
                       "kvc_store_events_open: kvcache was built without libzmq and msgpack-c "

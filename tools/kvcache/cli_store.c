@@ -24,6 +24,8 @@ const char cli_store_opts_help[] =
     "                      events as vLLM KV events (ZeroMQ PUB bound to ENDPOINT,\n"
     "                      e.g. tcp://127.0.0.1:5557; without --kv-store, the\n"
     "                      engine cache's alone)\n"
+    "  --kv-events-replay ENDPOINT  answer vLLM replay requests (ROUTER socket)\n"
+    "                      with the last 10000 batches (64 MiB at most)\n"
     "  --json-stats        at exit, one JSON line of prompt, cache and store\n"
     "                      counters on stderr\n";
 
@@ -40,7 +42,7 @@ int cli_store_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_sto
         return 1;
     }
     if (strcmp(a, "--kv-store") && strcmp(a, "--kv-store-write") && strcmp(a, "--salt") &&
-        strcmp(a, "--kv-events"))
+        strcmp(a, "--kv-events") && strcmp(a, "--kv-events-replay"))
         return 0;
     if (!v) return cli_usage_error(cmd, "%s needs a value", a);
     ++*i;
@@ -52,6 +54,8 @@ int cli_store_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_sto
         o->salt = v;
     } else if (!strcmp(a, "--kv-events")) {
         o->events = v;
+    } else if (!strcmp(a, "--kv-events-replay")) {
+        o->replay = v;
     } else if (!strcmp(v, "through")) {
         o->policy = 0;
     } else if (!strcmp(v, "back")) {
@@ -105,6 +109,10 @@ static void close_events(const char *cmd) {
 int cli_store_attach(const char *cmd, const cli_store_opts *o, const char *model_path,
                      const kvc_model *model, kvc_engine *eng, kvc_store **store) {
     *store = NULL;
+    if (o->replay && !o->events) {
+        fprintf(stderr, "kvcache: %s: --kv-events-replay needs --kv-events\n", cmd);
+        return -1;
+    }
     if (o->n_urls == 0 && !o->events) {
         if (o->salt) fprintf(stderr, "kvcache: %s: warning: --salt without --kv-store\n", cmd);
         return 0;
@@ -125,7 +133,9 @@ int cli_store_attach(const char *cmd, const cli_store_opts *o, const char *model
         return -1;
     }
     /* events first: the attach may already report pages */
-    if (o->events && kvc_store_events_open(*store, o->events, &g_events) != KVC_OK) {
+    kvc_store_events_params evp = kvc_store_events_default_params();
+    evp.replay_endpoint = o->replay;
+    if (o->events && kvc_store_events_open_with(*store, o->events, &evp, &g_events) != KVC_OK) {
         fprintf(stderr, "kvcache: %s: --kv-events: %s\n", cmd, kvc_last_error());
         kvc_store_close(*store);
         *store = NULL;

@@ -1,7 +1,7 @@
 /*
  * The KV store options of run, chat and bench-serve (store.h): --kv-store
  * (repeatable: lookup order), --kv-store-write, --salt, --kv-events,
- * --json-stats.
+ * --kv-events-replay, --json-stats.
  */
 #ifndef KVCACHE_TOOLS_CLI_STORE_H
 #define KVCACHE_TOOLS_CLI_STORE_H
@@ -21,6 +21,7 @@ typedef struct cli_store_opts {
     int32_t hits;     /* selective:N */
     const char *salt; /* NULL: none */
     const char *events; /* --kv-events ENDPOINT, NULL: none */
+    const char *replay; /* --kv-events-replay ENDPOINT, NULL: none */
     int json_stats;
 } cli_store_opts;
 

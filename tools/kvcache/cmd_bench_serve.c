@@ -46,7 +46,8 @@ static const char serve_usage[] =
     "  --quick              prompt 64, gen 8, batch 1,4, f16: a smoke test (options\n"
     "                       given explicitly keep their values)\n"
     "  --json               one JSON object per line\n"
-    "  --kv-store URL, --kv-store-write P, --salt S, --kv-events E, --json-stats\n"
+    "  --kv-store URL, --kv-store-write P, --salt S, --kv-events E,\n"
+    "  --kv-events-replay E, --json-stats\n"
     "                       a KV store for every case's engine (as for `kvcache\n"
     "                       run`; engine mode only); --json-stats prints each\n"
     "                       case's counters on stderr\n"
@@ -250,7 +251,7 @@ int cmd_bench_serve(int argc, char **argv) {
         }
     }
     if (text && text_file) return cli_usage_error(cmd, "give -p or -f, not both");
-    if (sync && (so.n_urls > 0 || so.events || so.json_stats))
+    if (sync && (so.n_urls > 0 || so.events || so.replay || so.json_stats))
         return cli_usage_error(cmd, "--kv-store, --kv-events and --json-stats need the engine "
                                "mode (not --sync)");
     if (quick) {
@@ -327,7 +328,10 @@ int cmd_bench_serve(int argc, char **argv) {
                                   .step_tokens = step_tokens, .kv = dtypes[di],
                                   .shared = shared, .prefix_cache = !no_prefix,
                                   .text = text_ids, .tty = isatty(2) && !json,
-                                  .store = so.n_urls > 0 || so.events || so.json_stats ? &so : NULL,
+                                  .store = so.n_urls > 0 || so.events || so.replay ||
+                                                   so.json_stats
+                                               ? &so
+                                               : NULL,
                                   .model_path = model_path};
             serve_result r;
             if ((sync ? serve_sync_run(&c, &r) : serve_engine_run(&c, &r)) != 0) {
