@@ -462,6 +462,31 @@ def test_generate_restores_from_a_dir_store_in_a_new_model(tiny_path, tmp_path, 
         assert other.stats["external_miss_tokens"] >= 0
 
 
+def test_a_burst_with_one_prompt_reads_it_once(tiny_path, tmp_path):
+    """Requests with one prompt arriving while another runs: the first
+    loads the prompt's pages from the store, the others wait for that load
+    and take the pages from the prefix cache (one read, not one each)."""
+    with Model(tiny_path) as m:
+        a, b = _prompts(m.n_vocab)
+        kw = dict(kv_dtype="float16", page_size=16, num_threads=2)
+        with kvcache.KVStore(f"dir:{tmp_path}") as st:
+            ref = m.generate([a], 6, kv_store=st, salt=b"burst", ignore_eos=True, **kw)[0]
+            st.flush(60)
+        with kvcache.KVStore(f"dir:{tmp_path}") as st:
+            eng = Engine(m, kv_dtype="float16", page_size=16, kv_store=st, salt=b"burst")
+            eng.add_request(b[:40], 30, ignore_eos=True)  # not stored: runs meanwhile
+            eng.step()
+            ids = [eng.add_request(a, 6, ignore_eos=True) for _ in range(3)]
+            out = eng.run()
+            assert all(out[i] == ref for i in ids)
+            pages = (len(a) - 1) // 16
+            assert st.stats()["hit_pages"] == pages  # read once
+            s = eng.stats()
+            assert s["external_tokens"] == pages * 16
+            assert s["cached_tokens"] >= 2 * pages * 16  # the others' prefix hits
+            eng.close()
+
+
 def test_a_store_of_no_tiers_reports_the_cache_alone(tiny_path, tmp_path):
     """KVStore([]): no tier to find or write; an attached engine's cache
     events are those it reports beside a directory tier."""
