@@ -26,6 +26,28 @@ static int make_tmpdir(char buf[64]) {
     return mkdtemp(buf) ? 0 : -1;
 }
 
+/* A test's directory, its dir tier's store and the endpoints inside it. */
+typedef struct fixture {
+    char dir[64], ep[128], rep[128];
+    kvc_store *st;
+} fixture;
+
+static kvc_status fixture_open(fixture *f) {
+    char url[128];
+    memset(f, 0, sizeof *f);
+    if (make_tmpdir(f->dir) != 0) return KVC_ERR_IO;
+    snprintf(url, sizeof url, "dir:%s/tier", f->dir);
+    snprintf(f->ep, sizeof f->ep, "ipc://%s/ev.sock", f->dir);
+    snprintf(f->rep, sizeof f->rep, "ipc://%s/replay.sock", f->dir);
+    const char *urls[] = {url};
+    return kvc_store_open(urls, 1, NULL, &f->st);
+}
+
+static void fixture_close(fixture *f) {
+    kvc_store_close(f->st);
+    nftw(f->dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
+}
+
 static kvc_store_key mk(uint32_t i, uint8_t tag) {
     kvc_store_key k;
     for (int j = 0; j < 16; j++) k.b[j] = (uint8_t)(0x3c ^ (j * 29) ^ tag);
@@ -143,14 +165,11 @@ static int is_key(const msgpack_object *o, const kvc_store_key *k) {
  * then AllBlocksCleared; sequence numbers 0, 1, ...; the batch an array
  * [ts, events, 0]. */
 TEST(wire_format) {
-    char dir[64], url[128], ep[128];
-    ASSERT_TRUE(make_tmpdir(dir) == 0);
-    snprintf(url, sizeof url, "dir:%s/tier", dir);
-    snprintf(ep, sizeof ep, "ipc://%s/ev.sock", dir);
-    const char *urls[] = {url};
-    kvc_store *st = NULL;
+    fixture fx;
+    ASSERT_OK(fixture_open(&fx));
+    kvc_store *st = fx.st;
+    const char *ep = fx.ep;
     kvc_store_events *ev = NULL;
-    ASSERT_OK(kvc_store_open(urls, 1, NULL, &st));
     ASSERT_OK(kvc_store_events_open(st, ep, &ev));
     sub s;
     ASSERT_TRUE(sub_open(&s, ep) == 0);
@@ -229,8 +248,7 @@ TEST(wire_format) {
     ASSERT_EQ_I64(es.events_dropped, 0);
     kvc_store_events_close(ev);
     sub_close(&s);
-    kvc_store_close(st);
-    nftw(dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
+    fixture_close(&fx);
     return 0;
 }
 
@@ -238,14 +256,11 @@ TEST(wire_format) {
  * here) in batches of at most 64, and uninstalls its callback: events after it go
  * nowhere (ASan would see a use after free). */
 TEST(close_drains) {
-    char dir[64], url[128], ep[128];
-    ASSERT_TRUE(make_tmpdir(dir) == 0);
-    snprintf(url, sizeof url, "dir:%s/tier", dir);
-    snprintf(ep, sizeof ep, "ipc://%s/ev.sock", dir);
-    const char *urls[] = {url};
-    kvc_store *st = NULL;
+    fixture fx;
+    ASSERT_OK(fixture_open(&fx));
+    kvc_store *st = fx.st;
+    const char *ep = fx.ep;
     kvc_store_events *ev = NULL;
-    ASSERT_OK(kvc_store_open(urls, 1, NULL, &st));
     ASSERT_OK(kvc_store_events_open(st, ep, &ev));
     sub s;
     ASSERT_TRUE(sub_open(&s, ep) == 0);
@@ -269,8 +284,7 @@ TEST(close_drains) {
     }
     ASSERT_EQ_I64(got, N);
     sub_close(&s);
-    kvc_store_close(st);
-    nftw(dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
+    fixture_close(&fx);
     return 0;
 }
 
@@ -307,19 +321,15 @@ static uint64_t seq_of(const unsigned char *b) {
  * an empty payload; a REQ socket reads the first reply (same envelope); a
  * malformed request is dropped and the socket keeps serving. */
 TEST(replay) {
-    char dir[64], url[128], ep[128], rep[128];
-    ASSERT_TRUE(make_tmpdir(dir) == 0);
-    snprintf(url, sizeof url, "dir:%s/tier", dir);
-    snprintf(ep, sizeof ep, "ipc://%s/ev.sock", dir);
-    snprintf(rep, sizeof rep, "ipc://%s/replay.sock", dir);
-    const char *urls[] = {url};
-    kvc_store *st = NULL;
+    fixture fx;
+    ASSERT_OK(fixture_open(&fx));
+    kvc_store *st = fx.st;
+    const char *ep = fx.ep;
     kvc_store_events *ev = NULL;
-    ASSERT_OK(kvc_store_open(urls, 1, NULL, &st));
     kvc_store_events_params p = kvc_store_events_default_params();
     ASSERT_TRUE(p.replay_endpoint == NULL && p.replay_batches == 10000);
     p.replay_batches = 0;
-    p.replay_endpoint = rep;
+    p.replay_endpoint = fx.rep;
     ASSERT_STATUS(kvc_store_events_open_with(st, ep, &p, &ev), KVC_ERR_INVALID_ARG);
     p.replay_batches = 3;
     ASSERT_OK(kvc_store_events_open_with(st, ep, &p, &ev));
@@ -349,7 +359,7 @@ TEST(replay) {
     int timeout_ms = 5000, linger = 0;
     ASSERT_TRUE(d && zmq_setsockopt(d, ZMQ_RCVTIMEO, &timeout_ms, sizeof timeout_ms) == 0 &&
                 zmq_setsockopt(d, ZMQ_LINGER, &linger, sizeof linger) == 0 &&
-                zmq_connect(d, rep) == 0);
+                zmq_connect(d, fx.rep) == 0);
     const unsigned char bad[3] = {1, 2, 3};
     ASSERT_TRUE(zmq_send(d, "", 0, ZMQ_SNDMORE) == 0 && zmq_send(d, bad, 3, 0) == 3);
     for (uint64_t start = 1; start <= 7; start += 3) { /* 1: the kept 2..4; 4: 4; 7: none */
@@ -372,7 +382,7 @@ TEST(replay) {
     void *r = zmq_socket(s.ctx, ZMQ_REQ);
     ASSERT_TRUE(r && zmq_setsockopt(r, ZMQ_RCVTIMEO, &timeout_ms, sizeof timeout_ms) == 0 &&
                 zmq_setsockopt(r, ZMQ_LINGER, &linger, sizeof linger) == 0 &&
-                zmq_connect(r, rep) == 0);
+                zmq_connect(r, fx.rep) == 0);
     const unsigned char three[8] = {0, 0, 0, 0, 0, 0, 0, 3};
     ASSERT_EQ_I64(zmq_send(r, three, 8, 0), 8);
     ASSERT_EQ_I64(recv_raw(r, f, n), 2); /* REQ strips the envelope: [seq, payload] */
@@ -384,20 +394,16 @@ TEST(replay) {
     zmq_close(d);
     kvc_store_events_close(ev);
     sub_close(&s);
-    kvc_store_close(st);
-    nftw(dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
+    fixture_close(&fx);
     return 0;
 }
 
 TEST(bad_args) {
-    char dir[64], url[128], ep[128];
-    ASSERT_TRUE(make_tmpdir(dir) == 0);
-    snprintf(url, sizeof url, "dir:%s/tier", dir);
-    snprintf(ep, sizeof ep, "ipc://%s/ev.sock", dir);
-    const char *urls[] = {url};
-    kvc_store *st = NULL;
+    fixture fx;
+    ASSERT_OK(fixture_open(&fx));
+    kvc_store *st = fx.st;
+    const char *ep = fx.ep;
     kvc_store_events *ev = NULL;
-    ASSERT_OK(kvc_store_open(urls, 1, NULL, &st));
     ASSERT_STATUS(kvc_store_events_open(NULL, ep, &ev), KVC_ERR_INVALID_ARG);
     ASSERT_STATUS(kvc_store_events_open(st, NULL, &ev), KVC_ERR_INVALID_ARG);
     ASSERT_STATUS(kvc_store_events_open(st, "nope://x", &ev), KVC_ERR_IO);
@@ -411,8 +417,7 @@ TEST(bad_args) {
     ASSERT_OK(kvc_store_events_open(st, ep, &ev)); /* the failed open let go of ep */
     kvc_store_events_close(ev);
     kvc_store_events_close(NULL);
-    kvc_store_close(st);
-    nftw(dir, rm_cb, 16, FTW_DEPTH | FTW_PHYS);
+    fixture_close(&fx);
     return 0;
 }
 
