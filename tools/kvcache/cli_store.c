@@ -73,9 +73,8 @@ int cli_store_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_sto
 
 /* --json-stats: one line on stderr (the store's counters 0 without one). */
 static void print_json_stats(const kvc_engine *eng, int has_tiers, int64_t verify_failures,
-                             int64_t errors,
-                             int64_t bytes_read, int64_t bytes_written, int64_t writes_dropped,
-                             double ttft_s, double decode_tok_s) {
+                             int64_t errors, int64_t bytes_read, int64_t bytes_written,
+                             int64_t writes_dropped, double ttft_s, double decode_tok_s) {
     kvc_engine_stats es;
     memset(&es, 0, sizeof es);
     if (eng) kvc_engine_get_stats(eng, &es);
@@ -174,7 +173,7 @@ int cli_store_attach(const char *cmd, const cli_store_opts *o, const char *model
                      const kvc_model *model, kvc_engine *eng, kvc_store **store) {
     (void)model_path, (void)model, (void)eng;
     *store = NULL;
-    if (o->n_urls == 0 && !o->events) return 0;
+    if (o->n_urls == 0 && !o->events && !o->replay) return 0;
     fprintf(stderr, "kvcache: %s: --kv-store: this build has no KV store (it needs libxxhash; "
             "Debian: libxxhash-dev, which scripts/setup.sh installs)\n", cmd);
     return -1;
