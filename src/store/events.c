@@ -287,6 +287,15 @@ static int recv_frame(void *sock, uint8_t *buf, size_t cap, int *more) {
     return n <= cap ? (int)n : -1;
 }
 
+/* One replay answer to the client id (idn bytes): [id, "", seq, payload]. */
+static void send_reply(kvc_store_events *e, const uint8_t *id, size_t idn, const uint8_t seq[8],
+                       const void *payload, size_t size) {
+    zmq_send(e->replay, id, idn, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+    zmq_send(e->replay, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+    zmq_send(e->replay, seq, 8, ZMQ_SNDMORE | ZMQ_DONTWAIT);
+    zmq_send(e->replay, payload, size, ZMQ_DONTWAIT);
+}
+
 /* Answers the replay requests waiting (publisher thread). A request that is
  * not [identity, "", 8 bytes] is dropped unanswered, as vLLM does. Sends
  * never wait: past the socket's high-water mark ZeroMQ drops them. */
@@ -316,16 +325,10 @@ static void serve_replay(kvc_store_events *e) {
             if (k->seq < start) continue;
             uint8_t seq[8];
             be64(seq, k->seq);
-            zmq_send(e->replay, id, idn, ZMQ_SNDMORE | ZMQ_DONTWAIT);
-            zmq_send(e->replay, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT);
-            zmq_send(e->replay, seq, sizeof seq, ZMQ_SNDMORE | ZMQ_DONTWAIT);
-            zmq_send(e->replay, k->payload, k->size, ZMQ_DONTWAIT);
+            send_reply(e, id, idn, seq, k->payload, k->size);
         }
         static const uint8_t end_seq[8] = {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff};
-        zmq_send(e->replay, id, idn, ZMQ_SNDMORE | ZMQ_DONTWAIT);
-        zmq_send(e->replay, "", 0, ZMQ_SNDMORE | ZMQ_DONTWAIT);
-        zmq_send(e->replay, end_seq, sizeof end_seq, ZMQ_SNDMORE | ZMQ_DONTWAIT);
-        zmq_send(e->replay, "", 0, ZMQ_DONTWAIT);
+        send_reply(e, id, idn, end_seq, "", 0); /* vLLM's END_SEQ (-1) */
     }
 }
 

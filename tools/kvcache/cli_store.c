@@ -71,6 +71,10 @@ int cli_store_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_sto
     return 1;
 }
 
+int cli_store_opts_any(const cli_store_opts *o) {
+    return o->n_urls > 0 || o->events || o->replay || o->json_stats;
+}
+
 /* --json-stats: one line on stderr (the store's counters 0 without one). */
 static void print_json_stats(const kvc_engine *eng, int has_tiers, int64_t verify_failures,
                              int64_t errors, int64_t bytes_read, int64_t bytes_written,

@@ -30,6 +30,8 @@ extern const char cli_store_opts_help[];
 void cli_store_opts_default(cli_store_opts *o);
 /* As cli_gen_opts_parse: 1 parsed, 0 not a store option, CLI_EXIT_USAGE. */
 int cli_store_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_store_opts *o);
+/* 1 when o asks for anything of the store (a tier, events, stats). */
+int cli_store_opts_any(const cli_store_opts *o);
 
 /* Opens the store of o (none: *store NULL, returns 0) and attaches it to
  * eng for the model at model_path, and with --kv-events starts publishing

@@ -251,7 +251,7 @@ int cmd_bench_serve(int argc, char **argv) {
         }
     }
     if (text && text_file) return cli_usage_error(cmd, "give -p or -f, not both");
-    if (sync && (so.n_urls > 0 || so.events || so.replay || so.json_stats))
+    if (sync && cli_store_opts_any(&so))
         return cli_usage_error(cmd, "--kv-store, --kv-events and --json-stats need the engine "
                                "mode (not --sync)");
     if (quick) {
@@ -328,10 +328,7 @@ int cmd_bench_serve(int argc, char **argv) {
                                   .step_tokens = step_tokens, .kv = dtypes[di],
                                   .shared = shared, .prefix_cache = !no_prefix,
                                   .text = text_ids, .tty = isatty(2) && !json,
-                                  .store = so.n_urls > 0 || so.events || so.replay ||
-                                                   so.json_stats
-                                               ? &so
-                                               : NULL,
+                                  .store = cli_store_opts_any(&so) ? &so : NULL,
                                   .model_path = model_path};
             serve_result r;
             if ((sync ? serve_sync_run(&c, &r) : serve_engine_run(&c, &r)) != 0) {
