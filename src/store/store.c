@@ -956,6 +956,7 @@ kvc_status kvc_store_save_run(kvc_store *s, const kvc_cache *cache, const kvc_st
     KVC_CHECK(first % u == 0 && n % u == 0, "%s: first_page %lld and n_pages %lld must be whole "
               "units of %d pages (K groups span pages)", fn, (long long)first, (long long)n,
               (int)u);
+    if (s->n_tiers == 0) return KVC_OK; /* nowhere to write: nothing to serialize */
     kvc_store_key *k = keys_of(ns, tokens, first + n, P, u);
     if (!k) return KVC_ERR_NOMEM;
     kvc_status ret = KVC_OK;
