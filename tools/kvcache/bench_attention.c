@@ -16,6 +16,10 @@
  * compute-bound time / measured time: whichever is near 1 is the bound that
  * applies. Goals: float16 >= 0.7 of the read bound at kv >= 4096; int8 at
  * least 1.6x faster per step than float16 (same shape, batch, kv, threads).
+ * The speed against float16 is timed in pairs: the float16 case of the same
+ * shape, batch and kv stays allocated while the others run, and each of
+ * their rounds times it too (on a shared machine, cases run one after the
+ * other saw different moments: ratios moved by up to 1.8x between runs).
  *
  * kivi8 / kivi4 (--cache, docs/KV_FORMATS.md): kvc_kvfmt_attention over
  * uint8 pages of the same page_size (shuffled), filled by kvc_kvfmt_append
@@ -42,7 +46,7 @@
 
 #define ATT_PAGE 16
 #define ATT_GROUP 32
-#define ATT_MEM_LIMIT ((size_t)8 << 30)
+#define ATT_MEM_LIMIT ((size_t)6 << 30) /* per case; two are alive at once */
 
 typedef struct att_shape {
     int64_t Hq, H, D;
@@ -338,23 +342,29 @@ static int setup_kivi(att_case *c, att_shape s, int64_t B, int64_t L, kvc_kv_for
 
 /* ---- FMA peak ---------------------------------------------------------------- */
 
-/* Operator, the plain-read reference and the FMA peak, interleaved in rounds. */
+/* Operator, the plain-read reference and the FMA peak, interleaved in rounds;
+ * with pair (the float16 case of the same step, its plan and pool set), that
+ * operator too, its timing in pair_tm. 1: the operator failed, 2: pair. */
 static int time_with_read(att_case *c, double op_s, bench_membw_ctx *mb, double ref_s, int nt,
-                          bench_timing *op, double *read_gbs, double *fma_per_s) {
-    static bench_timer t_op, t_rd, t_fma;
+                          att_case *pair, bench_timing *op, bench_timing *pair_tm,
+                          double *read_gbs, double *fma_per_s) {
+    static bench_timer t_op, t_pair, t_rd, t_fma;
     static bench_fma fc;
     const size_t bytes = bench_membw_prepare(mb, nt, 1);
     bench_fma_prepare(&fc, nt);
     if (bench_timer_start(&t_op, att_call, c, op_s / 16.0) != 0) return 1;
+    if (pair && bench_timer_start(&t_pair, att_call, pair, op_s / 16.0) != 0) return 2;
     if (bench_timer_start(&t_rd, bench_membw_pass, mb, ref_s / 8.0) != 0) return -1;
     if (bench_timer_start(&t_fma, bench_fma_pass, &fc, ref_s / 8.0) != 0) return -1;
     for (int round = 0; round < 4; round++) {
         if (bench_timer_run(&t_rd, ref_s / 4, 1) != 0) return -1;
         if (bench_timer_run(&t_fma, ref_s / 8, 1) != 0) return -1;
         if (bench_timer_run(&t_op, op_s / 4, 2) != 0) return 1;
+        if (pair && bench_timer_run(&t_pair, op_s / 4, 2) != 0) return 2;
     }
     bench_timing rd, fm;
     bench_timer_result(&t_op, op);
+    if (pair) bench_timer_result(&t_pair, pair_tm);
     bench_timer_result(&t_rd, &rd);
     bench_timer_result(&t_fma, &fm);
     *read_gbs = (double)bytes / rd.median_s * 1e-9;
@@ -371,11 +381,37 @@ typedef struct att_run {
     int cases, failed, skipped, goals, goals_met;
 } att_run;
 
-/* Times one cache (every thread count of the run) and prints its rows;
- * f16_us[ti] holds the float16 time of the same shape, batch, kv, layout
- * and thread count once measured (0 before). -1 if setup fails. */
+/* Per-thread-count plan and pool of a case (the pool NULL when it fails). */
+static int case_open(att_case *c, int nt) {
+    if ((c->fmt.id == KVC_KVFMT_NONE &&
+         kvc_decode_plan_create(&c->tindptr, &c->tindices, &c->tlast, (int32_t)c->s.Hq,
+                                (int32_t)c->s.H, (int32_t)c->s.D, ATT_PAGE, nt,
+                                &c->plan) != KVC_OK) ||
+        kvc_threadpool_create(nt, &c->pool) != KVC_OK) {
+        fprintf(stderr, "kvcache: bench attention: %s\n", kvc_last_error());
+        kvc_decode_plan_destroy(c->plan);
+        c->plan = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+static void case_close(att_case *c) {
+    kvc_threadpool_destroy(c->pool);
+    c->pool = NULL;
+    kvc_decode_plan_destroy(c->plan);
+    c->plan = NULL;
+}
+
+/* Times one cache (every thread count of the run) and prints its rows.
+ * pair: the float16 case of the same shape, batch, kv and layout (NULL if
+ * none), timed beside it for the speed ratio. keep (float16 only): the
+ * case is handed to the caller instead of freed (zeroed if it could not be
+ * set up or was skipped). -1 if setup fails. */
 static int run_case(att_run *r, att_shape s, int64_t B, int64_t L, kvc_kv_layout layout,
-                    kvc_dtype dt, kvc_kv_format fmt, const char *name, double *f16_us) {
+                    kvc_dtype dt, kvc_kv_format fmt, const char *name, att_case *pair,
+                    att_case *keep) {
+    if (keep) memset(keep, 0, sizeof *keep);
     const bench_opts *o = r->o;
     size_t kvl, scl;
     layer_bytes(s, B, L, dt, r->group, &kvl, &scl);
@@ -418,27 +454,21 @@ static int run_case(att_run *r, att_shape s, int64_t B, int64_t L, kvc_kv_layout
     for (int ti = 0; ti < o->n_thread_counts; ti++) {
         const int nt = o->threads[ti];
         r->cases++;
-        if ((!kivi && kvc_decode_plan_create(&c.tindptr, &c.tindices, &c.tlast, (int32_t)s.Hq,
-                                             (int32_t)s.H, (int32_t)s.D, ATT_PAGE, nt,
-                                             &c.plan) != KVC_OK) ||
-            kvc_threadpool_create(nt, &c.pool) != KVC_OK) {
-            fprintf(stderr, "kvcache: bench attention: %s\n", kvc_last_error());
+        att_case *pr = pair && pair->k ? pair : NULL;
+        if (case_open(&c, nt) != 0 || (pr && case_open(pr, nt) != 0)) {
+            case_close(&c);
             r->failed++;
-            kvc_decode_plan_destroy(c.plan);
-            c.plan = NULL;
             continue;
         }
-        bench_timing tm;
+        bench_timing tm, ptm;
         double rd = 0, fps = 0;
         const size_t n_out = (size_t)(c.B * s.Hq * s.D);
         const int odt = kivi ? KVC_F32 : KVC_F16;
         const size_t osz = kivi ? 4 : 2;
         bench_poison(c.out, n_out * osz);
-        int rc = time_with_read(&c, o->time_s, r->mb, r->ref_budget, nt, &tm, &rd, &fps);
-        kvc_threadpool_destroy(c.pool);
-        c.pool = NULL;
-        kvc_decode_plan_destroy(c.plan);
-        c.plan = NULL;
+        int rc = time_with_read(&c, o->time_s, r->mb, r->ref_budget, nt, pr, &tm, &ptm, &rd, &fps);
+        case_close(&c);
+        if (pr) case_close(pr);
         if (rc != 0) {
             if (rc > 0) fprintf(stderr, "kvcache: bench attention: %s\n", kvc_last_error());
             r->failed++;
@@ -454,17 +484,16 @@ static int run_case(att_run *r, att_shape s, int64_t B, int64_t L, kvc_kv_layout
         const double us = tm.median_s * 1e6;
         const double gbs = c.kv_bytes / tm.median_s * 1e-9, ratio = gbs / rd;
         const double fma_ratio = c.lane_ops / fps / tm.median_s;
-        double speed = 0;
+        double speed = 0, f16_us = pr ? ptm.median_s * 1e6 : 0;
         const char *goal = "";
         int met = -1;
         if (c.dt == KVC_F16) {
-            f16_us[ti] = us;
             if (L >= 4096) {
                 met = ratio >= 0.7;
                 goal = ">=0.7";
             }
-        } else if (f16_us[ti] > 0) {
-            speed = f16_us[ti] / us;
+        } else if (f16_us > 0) {
+            speed = f16_us / us;
             if (c.dt == KVC_I8) {
                 met = speed >= 1.6;
                 goal = ">=1.6x";
@@ -483,12 +512,13 @@ static int run_case(att_run *r, att_shape s, int64_t B, int64_t L, kvc_kv_layout
                    "%.3f,\"us_min\":%.3f,\"bytes\":%.0f,\"gbs\":%.3f,"
                    "\"read_gbs\":%.3f,\"ratio\":%.4f,\"fma_gfmas\":%.2f,"
                    "\"lane_ops\":%.0f,\"fma_ratio\":%.4f,"
-                   "\"speedup_vs_f16\":%.3f,\"goal\":\"%s\",\"goal_met\":%s}\n",
+                   "\"f16_us_paired\":%.3f,\"speedup_vs_f16\":%.3f,\"goal\":\"%s\","
+                   "\"goal_met\":%s}\n",
                    (long long)s.Hq, (long long)s.H, (long long)s.D, lay, c.name,
                    (long long)r->group, o->soft_cap, (long long)c.B, (long long)c.L,
                    (long long)c.layers, nt,
                    kvc_isa_name(kvc_get_isa()), us, tm.min_s * 1e6, c.kv_bytes, gbs, rd, ratio,
-                   fps * 1e-9, c.lane_ops, fma_ratio, speed, goal,
+                   fps * 1e-9, c.lane_ops, fma_ratio, f16_us, speed, goal,
                    met < 0 ? "null" : met ? "true" : "false");
         } else {
             char sh[32], sp[16] = "", ly[32] = "";
@@ -505,7 +535,10 @@ static int run_case(att_run *r, att_shape s, int64_t B, int64_t L, kvc_kv_layout
         }
         fflush(stdout);
     }
-    free_case(&c);
+    if (keep)
+        *keep = c;
+    else
+        free_case(&c);
     return 0;
 }
 
@@ -566,12 +599,13 @@ int bench_attention(const bench_opts *o) {
                "no float16 tail when kv %% 64 == 0); "
                "%.2f s per case. read GB/s: plain vectorized read, same threads, interleaved; "
                "mem = read-bound time / time; GFMA/s: FMA-lane peak of the ISA, same threads, "
-               "interleaved; fma = (2*Hq*Dh FMAs + 2*H*Dh conversions per token) / peak / time\n",
+               "interleaved; fma = (2*Hq*Dh FMAs + 2*H*Dh conversions per token) / peak / time; "
+               "vs f16: against the f16 case of the same step, timed in turn with it\n",
                ATT_PAGE, gdesc, o->time_s);
     if (!o->json && o->soft_cap > 0)
         printf("# logits_soft_cap %g on every call\n", o->soft_cap);
     if (!o->json && want_layers > 1)
-        printf("# each call reads the next of %lld layers' caches (fewer where marked: 8 GiB "
+        printf("# each call reads the next of %lld layers' caches (fewer where marked: 6 GiB "
                "in all)\n",
                (long long)want_layers);
     bench_membw_ctx *mb = bench_membw_create(o->membw_bytes);
@@ -588,18 +622,23 @@ int bench_attention(const bench_opts *o) {
                 for (int lo = 0; lo < 2; lo++) {
                     if (!(layouts & (1u << lo))) continue;
                     const int first_layout = !(layouts & ((1u << lo) - 1));
-                    double f16_us[BENCH_MAX_THREAD_COUNTS] = {0};
+                    att_case f16; /* kept for the others' speed ratios */
+                    memset(&f16, 0, sizeof f16);
                     for (int ci = 0; ci < 5; ci++) {
                         if (!(caches & cts[ci].bit)) continue;
                         /* kivi pages have one layout: run once, against the first */
                         if (cts[ci].fmt != KVC_KVFMT_NONE && !first_layout) continue;
+                        const int is_f16 = cts[ci].dt == KVC_F16;
                         if (run_case(&run, shapes[si], batches[bi], lens[li],
                                      lo ? KVC_HND : KVC_NHD, cts[ci].dt, cts[ci].fmt,
-                                     cts[ci].name, f16_us) != 0) {
+                                     cts[ci].name, is_f16 ? NULL : &f16,
+                                     is_f16 ? &f16 : NULL) != 0) {
+                            free_case(&f16);
                             bench_membw_destroy(mb);
                             return CLI_EXIT_FAIL;
                         }
                     }
+                    free_case(&f16);
                 }
     }
     bench_membw_destroy(mb);

@@ -54,7 +54,7 @@ static const char bench_usage[] =
     "  --layers N        attention: N caches of the same shape, one per layer, the\n"
     "                    calls taking them in turn as a model's decode step does\n"
     "                    (default 1: every call reads the same, cache-warm K/V);\n"
-    "                    fewer where N caches would pass 8 GiB\n"
+    "                    fewer where N caches would pass 6 GiB\n"
     "  --soft-cap X      attention: logits_soft_cap X > 0 (default none)\n"
     "  --cache LIST      cache types among f16,int8,int4 (default: pmx all, append\n"
     "                    f16,int8), and kivi8,kivi4 for attention (its default: all);\n"
