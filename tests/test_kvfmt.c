@@ -71,7 +71,7 @@ static void deq(const kvc_kvfmt *f, const lay *l, const unsigned char *pages, si
             idx = e % l->share;
         }
         const double ks = f16at(kp + l->ks + idx * 2), kz = f16at(kp + l->kz + idx * 2);
-        k[c] = (double)(float)(code_at(pg + l->kc + (h * P + o) * D * f->bits / 8, c, f->bits) * ks + kz);
+        k[c] = (double)(float)(code_at(pg + l->kc + (h * D + c) * P * f->bits / 8, o, f->bits) * ks + kz);
         const int64_t vi = ((h * P + o) * nvg + c / f->v_group) * 2;
         const double vs = f16at(pg + l->vs + vi), vz = f16at(pg + l->vz + vi);
         v[c] = (double)(float)(code_at(pg + l->vc + (h * D + c) * P * f->bits / 8, o, f->bits) * vs + vz);

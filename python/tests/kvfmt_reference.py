@@ -254,7 +254,7 @@ def _codes(fmt: Format, q: np.ndarray) -> bytes:
 
 def page_records(fmt: Format, groups: list) -> list:
     """The bytes of every page that the given complete groups fill (section 5).
-    Page p holds tokens [pP, (p+1)P); order inside a page: K codes (H, P, Dh),
+    Page p holds tokens [pP, (p+1)P); order inside a page: K codes (H, Dh, P),
     V codes (H, Dh, P), V scale (H, P, Dh/gv), V zero (same), K scale share,
     K zero share. Pages not yet filled by complete groups are not returned."""
     P, G = fmt.page_size, fmt.group
@@ -270,7 +270,7 @@ def page_records(fmt: Format, groups: list) -> list:
     pages = []
     for p in range(n_tok // P):
         t = slice(p * P, (p + 1) * P)
-        kq = cat["kq"][t].transpose(1, 0, 2)  # (H, P, Dh)
+        kq = cat["kq"][t].transpose(1, 2, 0)  # (H, Dh, P): channel-major
         vq = cat["vq"][t].transpose(1, 2, 0)  # (H, Dh, P)
         vs = cat["vs"][t].transpose(1, 0, 2)  # (H, P, Dh/gv)
         vz = b"" if fmt.v_sym else cat["vz"][t].transpose(1, 0, 2).astype(F16).tobytes()

@@ -168,8 +168,8 @@ def group_mask(fmt: KVFormat, m: int) -> np.ndarray:
     """Bytes of a page (P > G) that belong to its first m groups (section 5)."""
     H, Dh, P, G, b = fmt.num_kv_heads, fmt.head_dim, fmt.page_size, fmt.group, fmt.bits
     nvg = Dh // fmt.v_group
-    kc = np.zeros((H, P, Dh * b // 8), bool)
-    kc[:, :m * G] = True
+    kc = np.zeros((H, Dh, P * b // 8), bool)
+    kc[:, :, :m * G * b // 8] = True
     vc = np.zeros((H, Dh, P * b // 8), bool)
     vc[:, :, :m * G * b // 8] = True
     vp = np.zeros((H, P, nvg, 2), bool)

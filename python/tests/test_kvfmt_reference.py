@@ -213,11 +213,11 @@ def test_k_scale_shares_across_a_run_of_pages():
     ks = b"".join(p[-2 * share:-share] for p in pages)
     kz = b"".join(p[-share:] for p in pages)
     assert ks == g["ks"].tobytes() and kz == g["kz"].tobytes()
-    # K codes of page 1: head-major, tokens 16..31, low nibble first
-    kq = np.frombuffer(pages[1][:2 * 16 * 16], np.uint8).reshape(2, 16, 16)
-    assert np.array_equal(R.unpack4(kq), g["kq"][16:32].transpose(1, 0, 2))
+    # K codes of page 1: channel-major (H, Dh, P), tokens 16..31 packed in pairs
+    kq = np.frombuffer(pages[1][:2 * 32 * 8], np.uint8).reshape(2, 32, 8)
+    assert np.array_equal(R.unpack4(kq), g["kq"][16:32].transpose(1, 2, 0))
     # V codes channel-major: (H, Dh, P) with tokens packed in pairs
-    off = 2 * 16 * 16
+    off = 2 * 32 * 8
     vq = np.frombuffer(pages[1][off:off + 2 * 32 * 8], np.uint8).reshape(2, 32, 8)
     assert np.array_equal(R.unpack4(vq), g["vq"][16:32].transpose(1, 2, 0))
 

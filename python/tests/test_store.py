@@ -138,7 +138,8 @@ def test_namespace_digest_matches_the_documented_text(rng):
         (dict(page_size=4, dtype="int4", kv_layout="HND"), "int4 layout HND group 8 scale float16"),
         (dict(page_size=16, kv_format="kivi4"),
          f"kivi4 bits {fmt.bits} group {fmt.group} v_group {fmt.v_group} v_asym "
-         f"{int(fmt.v_asym)} rotate_v {int(fmt.rotate_v)} window {fmt.window}"),
+         f"{int(fmt.v_asym)} rotate_v {int(fmt.rotate_v)} window {fmt.window} "
+         "k_codes channel-major"),
     ]
     for cache, kv_line in cases:
         for salt in (b"", b"tenant\x00\xff-7"):

@@ -26,12 +26,17 @@ typedef __m256 kv_vec;
 #define KV_HMAX(v) kvc__hmax8(v)
 #define KV_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p)))
 #define KV_U8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(p))))
-#define KV_U4PAIR(p, lo, hi)                                                                      \
-    do {                                                                                          \
-        const __m256i d_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(p))); \
-        (lo) = _mm256_cvtepi32_ps(_mm256_and_si256(d_, _mm256_set1_epi32(15)));                    \
-        (hi) = _mm256_cvtepi32_ps(_mm256_srli_epi32(d_, 4));                                       \
-    } while (0)
+#define KV_NVB 4
+static inline void kv_kc4(const void *p0, const void *p1, __m256 *x0, __m256 *x1) {
+    int a, b;
+    memcpy(&a, p0, 4), memcpy(&b, p1, 4);
+    const __m256i d = _mm256_cvtepu8_epi32(_mm_setr_epi32(a, b, 0, 0));
+    const __m256i lo = _mm256_and_si256(d, _mm256_set1_epi32(15)), hi = _mm256_srli_epi32(d, 4);
+    *x0 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo, hi, 0x20)); /* p0's: low halves */
+    *x1 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo, hi, 0x31));
+}
+#define KV_KC4(p0, p1, x0, x1) kv_kc4((p0), (p1), &(x0), &(x1))
+#define KV_UNPERM4(v) _mm256_permutevar8x32_ps((v), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
 typedef __m256i kv_ivec; /* 16 int16 or 8 int32 */
 #define KV_IZERO() _mm256_setzero_si256()
 #define KV_ILOAD(p) _mm256_loadu_si256((const __m256i *)(const void *)(p))

@@ -27,12 +27,18 @@ typedef __m512 kv_vec;
 #define KV_EXP2(v) kvc__exp2_16(v)
 #define KV_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p)))
 #define KV_U8(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))))
-#define KV_U4PAIR(p, lo, hi)                                                                      \
-    do {                                                                                          \
-        const __m512i d_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))); \
-        (lo) = _mm512_cvtepi32_ps(_mm512_and_si512(d_, _mm512_set1_epi32(15)));                    \
-        (hi) = _mm512_cvtepi32_ps(_mm512_srli_epi32(d_, 4));                                       \
-    } while (0)
+#define KV_NVB 8
+static inline void kv_kc4(const void *p0, const void *p1, __m512 *x0, __m512 *x1) {
+    long long a, b;
+    memcpy(&a, p0, 8), memcpy(&b, p1, 8);
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_set_epi64x(b, a));
+    const __m512i lo = _mm512_and_si512(d, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(d, 4);
+    *x0 = _mm512_cvtepi32_ps(_mm512_shuffle_i32x4(lo, hi, 0x44)); /* p0's: lo, hi halves 0 and 1 */
+    *x1 = _mm512_cvtepi32_ps(_mm512_shuffle_i32x4(lo, hi, 0xEE));
+}
+#define KV_KC4(p0, p1, x0, x1) kv_kc4((p0), (p1), &(x0), &(x1))
+#define KV_UNPERM4(v) \
+    _mm512_permutexvar_ps(_mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15), (v))
 typedef __m512i kv_ivec; /* 32 int16 or 16 int32 */
 #define KV_IZERO() _mm512_setzero_si512()
 #define KV_ILOAD(p) _mm512_loadu_si512((const void *)(p))

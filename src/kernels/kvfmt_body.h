@@ -5,8 +5,10 @@
  *   KV_VL lanes; kv_vec; KV_LOAD/KV_STORE (float32), KV_ZERO, KV_SET1,
  *   KV_ADD, KV_MUL, KV_FMA(a, b, c) = a * b + c, KV_MAX, KV_HSUM, KV_HMAX,
  *   KV_EXP2 (2^x, 0 below -126), KV_F16(p) (KV_VL float16 -> float32),
- *   KV_U8(p) (KV_VL bytes -> float32), KV_U4PAIR(p, lo, hi) (KV_VL bytes:
- *   low nibbles into lo, high into hi), KV_REDUCE(t) (t: VL vectors of VL
+ *   KV_U8(p) (KV_VL bytes -> float32), KV_KC4(p0, p1, x0, x1) (VL / 2 bytes
+ *   at p0 and at p1, 4-bit codes of VL tokens each, to float32: the even
+ *   tokens' codes, then the odd ones'), KV_UNPERM4(v) (that order back to
+ *   token order), KV_NVB (query vectors per K pass), KV_REDUCE(t) (t: VL vectors of VL
  *   floats; lane i = sum of vector i), KV_KEEP_LE(v, x, y) (lanes where
  *   x <= y, else -inf); integer: kv_ivec (2 VL int16 or VL int32), KV_IZERO,
  *   KV_ILOAD/KV_ISTORE, KV_IADD (int32), KV_DPWSSD(acc, a, b) (acc + the
@@ -18,10 +20,10 @@
  *
  * Work per job (per softmax block of up to 256 tokens, whole groups):
  *   K: per group, the K scale is folded into the query vectors (qs = q *
- *      scale, bias = q . zero); per token, its codes are converted once
- *      (kept in registers) and serve every query vector: q . k = qs . code
- *      + bias, vectorized over channels, then VL tokens' sums are reduced
- *      together (a transposed reduction).
+ *      scale, bias = q . zero); channel-major codes: per VL tokens of a
+ *      page, each channel's codes are converted once and serve every query
+ *      vector (q . k = qs . code + bias, vectorized over tokens, one FMA per
+ *      channel and query vector with qs broadcast): no reduction.
  *   V: channel-major codes: o_c += sum_t (p_t * vscale_t) code[c, t] +
  *      sum_t p_t * vzero_t, vectorized over tokens: the weights p_t *
  *      vscale_t are rounded to int16 per block and query vector (scale
@@ -30,8 +32,8 @@
  *      per channel, its codes for the block are widened once and serve
  *      every query vector; VL channels' sums are reduced together, once per
  *      block.
- *   4-bit codes: lanes follow the nibbles (even elements, then odd) and the
- *   query (K) or the weights (V) are permuted to match instead.
+ *   4-bit codes: lanes follow the nibbles (even tokens, then odd); the K
+ *   scores are permuted back, the V weights permuted to match.
  */
 #include <math.h>
 #include <string.h>
@@ -50,62 +52,6 @@ typedef struct kv_state {
     float m[KVC_KVFMT_NV], l[KVC_KVFMT_NV];
     _Alignas(64) float o[KVC_KVFMT_NV][KVC_ATTN_MAX_HEAD_DIM];
 } kv_state;
-
-/* nk code vectors of one segment against nv weight rows: tmp[v * VL + i]
- * (a vector) = (or +=) sum_k w[v * ws + k * VL] * c[k]. */
-KV_INLINE void kv_dots(const kv_vec *c, const int nk, const float *w, int64_t ws, int nv,
-                       float *tmp, int i, int add) {
-    for (int v = 0; v < nv; v++) {
-        const float *wv = w + v * ws;
-        kv_vec a0 = KV_MUL(KV_LOAD(wv), c[0]);
-        kv_vec a1 = KV_ZERO();
-#pragma GCC unroll 8
-        for (int k = 1; k < nk; k++) {
-            if (k & 1)
-                a1 = KV_FMA(KV_LOAD(wv + k * KV_VL), c[k], a1);
-            else
-                a0 = KV_FMA(KV_LOAD(wv + k * KV_VL), c[k], a0);
-        }
-        a0 = KV_ADD(a0, a1);
-        float *t = tmp + ((int64_t)v * KV_VL + i) * KV_VL;
-        if (add) a0 = KV_ADD(a0, KV_LOAD(t));
-        KV_STORE(t, a0);
-    }
-}
-
-/* One token's K codes (contiguous, nk vectors per segment) against qs. */
-KV_INLINE void kv_k_seg(const unsigned char *p, const int nk, int bits, const float *qs,
-                        int64_t qstride, int nv, float *tmp, int i, int add) {
-    kv_vec c[KV_SEG];
-    if (bits == 8) {
-#pragma GCC unroll 8
-        for (int k = 0; k < nk; k++) c[k] = KV_U8(p + k * KV_VL);
-    } else {
-#pragma GCC unroll 4
-        for (int k = 0; k < nk; k += 2) KV_U4PAIR(p + (k / 2) * KV_VL, c[k], c[k + 1]);
-    }
-    kv_dots(c, nk, qs, qstride, nv, tmp, i, add);
-}
-
-static void kv_k_token(const unsigned char *p, int Dh, int bits, const float *qs, int64_t qstride,
-                       int nv, float *tmp, int i) {
-    const int nk = Dh / KV_VL;
-    for (int s = 0; s < nk; s += KV_SEG) {
-        const int n = nk - s < KV_SEG ? nk - s : KV_SEG;
-        const unsigned char *ps = p + (int64_t)s * KV_VL * bits / 8;
-        const float *q = qs + s * KV_VL;
-        switch (n) {
-        case 8: kv_k_seg(ps, 8, bits, q, qstride, nv, tmp, i, s > 0); break;
-        case 6: kv_k_seg(ps, 6, bits, q, qstride, nv, tmp, i, s > 0); break;
-        case 4: kv_k_seg(ps, 4, bits, q, qstride, nv, tmp, i, s > 0); break;
-        case 2: kv_k_seg(ps, 2, bits, q, qstride, nv, tmp, i, s > 0); break;
-        case 7: kv_k_seg(ps, 7, bits, q, qstride, nv, tmp, i, s > 0); break;
-        case 5: kv_k_seg(ps, 5, bits, q, qstride, nv, tmp, i, s > 0); break;
-        case 3: kv_k_seg(ps, 3, bits, q, qstride, nv, tmp, i, s > 0); break;
-        default: kv_k_seg(ps, 1, bits, q, qstride, nv, tmp, i, s > 0); break;
-        }
-    }
-}
 
 /* nk int16 code vectors against nv int16 weight rows: tmp[v * VL + i] (a
  * float vector) = (or +=) the int32 lanes of sum_k w[v * ws + k * 2 VL] . c[k]
@@ -267,20 +213,10 @@ static void kv_kparams(const kvc_kvfmt_job *j, int64_t g, float *ks, float *kz) 
     kv_f16_row(bz, kz, Dh);
 }
 
-/* Natural channel order to the 4-bit K lane order (blocks of 2 VL channels:
- * even channels, then odd). */
-static void kv_perm_k(const float *src, float *dst, int Dh) {
-    for (int b = 0; b < Dh; b += 2 * KV_VL)
-        for (int i = 0; i < KV_VL; i++) {
-            dst[b + i] = src[b + 2 * i];
-            dst[b + KV_VL + i] = src[b + 2 * i + 1];
-        }
-}
-
 /* Software prefetch of the next block's bytes into L2 while this block
  * runs: pages are scattered, so the hardware prefetchers lose the stream at
  * every page; a block's ranges are queued and issued a few lines per token. */
-#define KV_PF_MAX (KVC_KVFMT_BT_MAX / 8 * 4)
+#define KV_PF_MAX (KVC_KVFMT_BT_MAX / 8 * 4 + 4 * KVC_ATTN_MAX_HEAD_DIM)
 typedef struct kv_pf {
     const unsigned char *p[KV_PF_MAX];
     int64_t n[KV_PF_MAX]; /* lines */
@@ -300,17 +236,19 @@ static void kv_pf_add(kv_pf *pf, const unsigned char *p, int64_t bytes) {
 static void kv_pf_block(kv_pf *pf, const kvc_kvfmt_job *j, int64_t t0, int64_t t1) {
     pf->nr = pf->ri = 0;
     pf->li = pf->total = pf->done = 0;
-    const int64_t P = j->P, kb = (int64_t)j->Dh * j->bits / 8, Pb = P * j->bits / 8;
+    const int64_t P = j->P, Pb = P * j->bits / 8;
     for (int64_t t = t0; t < t1;) {
         const int64_t pe0 = (t / P + 1) * P, pe = pe0 < t1 ? pe0 : t1, o = t % P, n = pe - t;
         const unsigned char *pg = kv_page(j, t);
-        kv_pf_add(pf, pg + j->k_codes + ((int64_t)j->h * P + o) * kb, n * kb);
+        const int64_t hb = (int64_t)j->h * j->Dh * Pb; /* the head's K (and V) codes */
         if (n == P) {
-            kv_pf_add(pf, pg + j->v_codes + (int64_t)j->h * j->Dh * Pb, j->Dh * Pb);
+            kv_pf_add(pf, pg + j->k_codes + hb, j->Dh * Pb);
+            kv_pf_add(pf, pg + j->v_codes + hb, j->Dh * Pb);
         } else { /* part of each channel's run */
             for (int64_t c = 0; c < j->Dh; c++)
-                kv_pf_add(pf, pg + j->v_codes + ((int64_t)j->h * j->Dh + c) * Pb + o * j->bits / 8,
-                          n * j->bits / 8);
+                kv_pf_add(pf, pg + j->k_codes + hb + c * Pb + o * j->bits / 8, n * j->bits / 8);
+            for (int64_t c = 0; c < j->Dh; c++)
+                kv_pf_add(pf, pg + j->v_codes + hb + c * Pb + o * j->bits / 8, n * j->bits / 8);
         }
         const int64_t vo = ((int64_t)j->h * P + o) * j->nvg * 2;
         kv_pf_add(pf, pg + j->v_scale + vo, n * j->nvg * 2);
@@ -327,20 +265,64 @@ KV_INLINE void kv_pf_step(kv_pf *pf, int k) {
     }
 }
 
+/* q . k for VL tokens of one page (channel-major K: channel c's codes for
+ * them at kc + c * Pb) and nb query vectors (rows of qs, stride qstride):
+ * out[v] lane i = sum_c qs[v][c] * code[c][i]; 4-bit lanes are the even
+ * tokens, then the odd ones (KV_UNPERM4 restores token order). Two
+ * accumulators per vector (even and odd channels) cover the FMA latency. */
+KV_INLINE void kv_k_chunk(const unsigned char *kc, int64_t Pb, int Dh, const int bits,
+                          const float *qs, int64_t qstride, const int nb, kv_vec *out, kv_pf *pf,
+                          int pfr) {
+    kv_vec a[KV_NVB], b[KV_NVB];
+    for (int v = 0; v < nb; v++) a[v] = b[v] = KV_ZERO();
+    for (int c0 = 0; c0 < Dh; c0 += 8) { /* Dh % 8 == 0 */
+        if ((c0 & 31) == 0) kv_pf_step(pf, pfr); /* spread: a burst stalls the loads */
+        const unsigned char *p = kc + c0 * Pb;
+        const float *q = qs + c0;
+#pragma GCC unroll 4
+        for (int c = 0; c < 8; c += 2) {
+            kv_vec x0, x1;
+            if (bits == 8) {
+                x0 = KV_U8(p + c * Pb);
+                x1 = KV_U8(p + (c + 1) * Pb);
+            } else {
+                KV_KC4(p + c * Pb, p + (c + 1) * Pb, x0, x1);
+            }
+            for (int v = 0; v < nb; v++) {
+                a[v] = KV_FMA(KV_SET1(q[v * qstride + c]), x0, a[v]);
+                b[v] = KV_FMA(KV_SET1(q[v * qstride + c + 1]), x1, b[v]);
+            }
+        }
+    }
+    for (int v = 0; v < nb; v++) out[v] = KV_ADD(a[v], b[v]);
+}
+
+static void kv_k_chunks(const unsigned char *kc, int64_t Pb, int Dh, int bits, const float *qs,
+                        int64_t qstride, int nb, kv_vec *out, kv_pf *pf, int pfr) {
+    switch (nb * 2 + (bits == 8)) {
+#define KV_KC_CASE(n)                                                                  \
+    case 2 * n: kv_k_chunk(kc, Pb, Dh, 4, qs, qstride, n, out, pf, pfr); break;     \
+    case 2 * n + 1: kv_k_chunk(kc, Pb, Dh, 8, qs, qstride, n, out, pf, pfr); break;
+    KV_KC_CASE(1) KV_KC_CASE(2) KV_KC_CASE(3) KV_KC_CASE(4)
+#if KV_NVB > 4
+    KV_KC_CASE(5) KV_KC_CASE(6) KV_KC_CASE(7) KV_KC_CASE(8)
+#endif
+#undef KV_KC_CASE
+    default: break;
+    }
+}
+
 void KV_NAME(const kvc_kvfmt_job *j) {
     const int nv = j->nv, Dh = j->Dh, bits = j->bits, P = j->P, G = j->G;
     const int64_t Pb = (int64_t)P * bits / 8;       /* V code bytes of one channel in a page */
-    const int64_t kb = (int64_t)Dh * bits / 8;      /* K code bytes of one token */
     const int64_t BT = G <= KV_BT ? (KV_BT / G) * G : G; /* tokens per softmax block */
     static const int64_t QS = KVC_ATTN_MAX_HEAD_DIM;
-    _Alignas(64) float qp[KVC_KVFMT_NV][KVC_ATTN_MAX_HEAD_DIM];
     _Alignas(64) float qs[KVC_KVFMT_NV][KVC_ATTN_MAX_HEAD_DIM];
     _Alignas(64) float s[KVC_KVFMT_NV][KVC_KVFMT_BT_MAX];
     _Alignas(64) int16_t wi[KVC_KVFMT_NV][KV_WI];
     _Alignas(64) float wf[KV_WI];
     _Alignas(64) float tmp[KVC_KVFMT_NV * KV_VL * KV_VL];
     _Alignas(64) float ks[KVC_ATTN_MAX_HEAD_DIM], kz[KVC_ATTN_MAX_HEAD_DIM];
-    _Alignas(64) float ksp[KVC_ATTN_MAX_HEAD_DIM], kzp[KVC_ATTN_MAX_HEAD_DIM];
     _Alignas(64) float vsb[KVC_KVFMT_BT_MAX], vzb[KVC_KVFMT_BT_MAX];
     _Alignas(64) uint16_t hb[KVC_KVFMT_BT_MAX * 2];
     _Alignas(64) float row[KVC_ATTN_MAX_HEAD_DIM];
@@ -352,10 +334,6 @@ void KV_NAME(const kvc_kvfmt_job *j) {
         st.m[v] = -INFINITY;
         st.l[v] = 0;
         memset(st.o[v], 0, (size_t)Dh * sizeof(float));
-        if (bits == 4)
-            kv_perm_k(j->q[v], qp[v], Dh);
-        else
-            memcpy(qp[v], j->q[v], (size_t)Dh * sizeof(float));
         if (j->pos[v] > maxpos) maxpos = j->pos[v];
     }
     const kv_vec iota = KV_IOTA();
@@ -369,7 +347,7 @@ void KV_NAME(const kvc_kvfmt_job *j) {
         int64_t te = b0 + ((maxpos + 1 - b0 + KV_VL - 1) / KV_VL) * KV_VL;
         if (te > b1) te = b1;
         const int64_t n = te - b0; /* a multiple of VL */
-        if (b0 == j->t0) { /* the first block: all its lines at once (many misses in flight) */
+        if (b0 == j->t0 && !j->first_fetched) { /* all its lines at once (many misses in flight) */
             kv_pf_block(&pf, j, b0, te);
             kv_pf_step(&pf, (int)pf.total);
         }
@@ -377,48 +355,48 @@ void KV_NAME(const kvc_kvfmt_job *j) {
             const int64_t nb1 = b1 + BT < j->t1 ? b1 + BT : j->t1;
             int64_t ne = b1 + ((maxpos + 1 - b1 + KV_VL - 1) / KV_VL) * KV_VL;
             if (ne > nb1) ne = nb1;
+            const kvc_kvfmt_job *nx = j->next;
             if (ne > b1) {
                 kv_pf_block(&pf, j, b1, ne);
-                pf_rate = (int)((pf.total + 2 * n - 1) / (2 * n)); /* half over K, half over V */
+            } else if (nx && nx->t1 > nx->t0) { /* the last block: the next job's first */
+                const int64_t nbt = nx->G <= KV_BT ? (KV_BT / nx->G) * nx->G : nx->G;
+                kv_pf_block(&pf, nx, nx->t0, nx->t0 + nbt < nx->t1 ? nx->t0 + nbt : nx->t1);
             } else {
                 pf.nr = pf.ri = 0;
+                pf.total = pf.done = 0;
             }
+            pf_rate = (int)((pf.total + 2 * n - 1) / (2 * n)); /* half over K, half over V */
         }
         /* scores, group by group */
         for (int64_t g0 = b0; g0 < te; g0 += G) {
             const int64_t ge = g0 + G < te ? g0 + G : te;
             kv_kparams(j, g0 / G, ks, kz);
-            const float *kps = ks, *kpz = kz;
-            if (bits == 4) {
-                kv_perm_k(ks, ksp, Dh);
-                kv_perm_k(kz, kzp, Dh);
-                kps = ksp;
-                kpz = kzp;
-            }
             for (int v = 0; v < nv; v++) {
                 kv_vec bz = KV_ZERO();
                 for (int c = 0; c < Dh; c += KV_VL) {
-                    const kv_vec qv = KV_LOAD(qp[v] + c);
-                    KV_STORE(qs[v] + c, KV_MUL(qv, KV_LOAD(kps + c)));
-                    bz = KV_FMA(qv, KV_LOAD(kpz + c), bz);
+                    const kv_vec qv = KV_LOAD(j->q[v] + c);
+                    KV_STORE(qs[v] + c, KV_MUL(qv, KV_LOAD(ks + c)));
+                    bz = KV_FMA(qv, KV_LOAD(kz + c), bz);
                 }
                 bias[v] = KV_HSUM(bz);
             }
             for (int64_t tb = g0; tb < ge; tb += KV_VL) {
                 /* VL tokens inside one page (P % VL == 0) */
-                const unsigned char *kc =
-                    kv_page(j, tb) + j->k_codes + ((int64_t)j->h * P + tb % P) * kb;
-                for (int i = 0; i < KV_VL; i++) {
-                    kv_k_token(kc + i * kb, Dh, bits, qs[0], QS, nv, tmp, i);
-                    kv_pf_step(&pf, pf_rate);
-                }
+                const unsigned char *kc = kv_page(j, tb) + j->k_codes +
+                                          (int64_t)j->h * Dh * Pb + (tb % P) * bits / 8;
                 const kv_vec rel = KV_ADD(iota, KV_SET1((float)(tb - b0)));
-                for (int v = 0; v < nv; v++) {
-                    kv_vec r = KV_REDUCE(tmp + (int64_t)v * KV_VL * KV_VL);
-                    r = KV_MUL(KV_ADD(r, KV_SET1(bias[v])), KV_SET1(j->sc));
-                    const int64_t lim = j->pos[v] - b0;
-                    r = KV_KEEP_LE(r, rel, KV_SET1((float)(lim < (int64_t)n ? lim : n)));
-                    KV_STORE(s[v] + (tb - b0), r);
+                for (int v0 = 0; v0 < nv; v0 += KV_NVB) {
+                    const int nb = nv - v0 < KV_NVB ? nv - v0 : KV_NVB;
+                    kv_vec acc[KV_NVB];
+                    kv_k_chunks(kc, Pb, Dh, bits, qs[v0], QS, nb, acc, &pf,
+                                v0 ? 0 : (pf_rate * KV_VL * 32 + Dh - 1) / Dh);
+                    for (int v = v0; v < v0 + nb; v++) {
+                        kv_vec r = bits == 4 ? KV_UNPERM4(acc[v - v0]) : acc[v - v0];
+                        r = KV_MUL(KV_ADD(r, KV_SET1(bias[v])), KV_SET1(j->sc));
+                        const int64_t lim = j->pos[v] - b0;
+                        r = KV_KEEP_LE(r, rel, KV_SET1((float)(lim < (int64_t)n ? lim : n)));
+                        KV_STORE(s[v] + (tb - b0), r);
+                    }
                 }
             }
         }

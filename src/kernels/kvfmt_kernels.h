@@ -43,6 +43,11 @@ typedef struct kvc_kvfmt_job {
     int64_t pos[KVC_KVFMT_NV];    /* vector i sees positions <= pos[i] */
     float sc;                     /* sm_scale * log2 e */
     float *m, *l, *o;             /* out: (nv), (nv), (nv, Dh) */
+    /* the job this thread likely runs next, or NULL: its first block is
+     * prefetched during this job's last one (only the page fields and t0,
+     * t1 are read) */
+    const struct kvc_kvfmt_job *next;
+    int first_fetched; /* a previous job likely prefetched this one's first block */
 } kvc_kvfmt_job;
 
 typedef void (*kvc_kvfmt_kernel)(const kvc_kvfmt_job *j);

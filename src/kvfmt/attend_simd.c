@@ -38,6 +38,7 @@ typedef struct simd_ctx {
     float *scratch; /* per task: m (NV), l (NV), o (NV, Dh) */
     int64_t sstride;
     float sc;
+    int64_t ntasks, stride; /* tasks; the pool's threads (prefetch guess) */
 } simd_ctx;
 
 static kvc_kvfmt_kernel simd_kernel(const kvc_kvfmt *f) {
@@ -104,8 +105,8 @@ size_t kvc__kvfmt_simd_bytes(const kvc_kvfmt *f, int64_t nq, int64_t Hq, const i
            (size_t)(p.ntasks * sstride) * sizeof(float) + 64;
 }
 
-static void simd_task(void *arg, int64_t task) {
-    const simd_ctx *c = arg;
+/* The job of one task (its outputs in the task's scratch). */
+static void make_job(const simd_ctx *c, int64_t task, kvc_kvfmt_job *jp) {
     const kvc_kvfmt *f = c->f;
     const sunit *u = &c->units[c->task_unit[task]];
     const int64_t ci = task - u->task0;
@@ -153,6 +154,23 @@ static void simd_task(void *arg, int64_t task) {
     j.m = m;
     j.l = m + KVC_KVFMT_NV;
     j.o = m + 2 * KVC_KVFMT_NV;
+    j.next = NULL;
+    j.first_fetched = 0;
+    *jp = j;
+}
+
+static void simd_task(void *arg, int64_t task) {
+    const simd_ctx *c = arg;
+    kvc_kvfmt_job j, nx;
+    make_job(c, task, &j);
+    /* tasks are claimed in order, so with n threads of similar speed this
+     * one runs task + n next: its first lines are fetched during our last
+     * block instead of stalling its start (a guess: only prefetches) */
+    if (task + c->stride < c->ntasks) {
+        make_job(c, task + c->stride, &nx);
+        j.next = &nx;
+    }
+    j.first_fetched = task >= c->stride;
     c->kernel(&j);
 }
 
@@ -228,7 +246,8 @@ int kvc__kvfmt_attend_simd(const kvc_kvfmt *f, const kvc_tensor *pages,
     for (int64_t u = 0; u < p.nunits; u++)
         for (int32_t k = 0; k < units[u].nchunks; k++) task_unit[units[u].task0 + k] = u;
     simd_ctx c = {f, kvc__kvfmt_layout_of(f), pages, q, out, lse, seqs, wins, q_seq, q_pos,
-                  kern, units, task_unit, scratch, sstride, sm * 1.44269504088896341f};
+                  kern, units, task_unit, scratch, sstride, sm * 1.44269504088896341f,
+                  p.ntasks, kvc_threadpool_n_threads(pool)};
     kvc__parallel_for(pool, p.ntasks, simd_task, &c);
     kvc__parallel_for(pool, p.nunits, simd_finish, &c);
     return 1;

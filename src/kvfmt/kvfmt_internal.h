@@ -11,7 +11,7 @@
 
 /* Byte offsets of a page's fields, in the document's order. */
 typedef struct kvc__kvfmt_layout {
-    size_t k_codes;  /* (H, P, Dh) codes, int4 packed along Dh */
+    size_t k_codes;  /* (H, Dh, P) codes (channel-major), int4 packed along P */
     size_t v_codes;  /* (H, Dh, P) codes, int4 packed along P */
     size_t v_scale;  /* (H, P, Dh / gv) float16 */
     size_t v_zero;   /* same, asym only (== k_scale when sym) */

@@ -129,7 +129,7 @@ static void group_task(void *arg, int64_t task) {
         for (int64_t i = 0; i < G; i++) {
             const int64_t t = j * G + i;
             const int q = code_of(kvc_f16_to_f32(src[i][e]), lo, scd);
-            put_code(page_ptr(c, s, t) + c->l.k_codes, (h * P + t % P) * Dh + ch, bits, q);
+            put_code(page_ptr(c, s, t) + c->l.k_codes, (h * Dh + ch) * P + t % P, bits, q);
         }
         /* parameters: page of the group (P >= G) or page e / per of its run */
         unsigned char *pg;
