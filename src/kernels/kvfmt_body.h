@@ -455,9 +455,11 @@ void KV_NAME(const kvc_kvfmt_job *j) {
             for (int c0 = jg * j->gv; c0 < (jg + 1) * j->gv; c0 += KV_VL) {
                 /* the rest of the next block's lines, spread over the channels
                  * (a burst would fill the fill buffers and stall the loads) */
-                kv_pf_step(&pf, (int)((pf.total - pf.done + Dh - c0 - 1) / (Dh - c0)) * KV_VL);
-                for (int i = 0; i < KV_VL; i++)
+                const int pfc = (int)((pf.total - pf.done + Dh - c0 - 1) / (Dh - c0));
+                for (int i = 0; i < KV_VL; i++) {
+                    kv_pf_step(&pf, pfc);
                     kv_v_channel(cb, (int64_t)(c0 + i) * Pb, nk, bits, wi[0], KV_WI, nv, tmp, i);
+                }
                 for (int v = 0; v < nv; v++) {
                     const kv_vec r = KV_REDUCE(tmp + (int64_t)v * KV_VL * KV_VL);
                     KV_STORE(st.o[v] + c0, KV_ADD(KV_LOAD(st.o[v] + c0),
