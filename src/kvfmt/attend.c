@@ -125,7 +125,8 @@ static void attend_task(void *arg, int64_t task) {
             for (int64_t t = t0; t < t1; t++) {
                 /* channel-major: channel ch's codes of the page are a row of P */
                 const unsigned char *pg = page_of(c, s, t) + l->k_codes;
-                for (int64_t ch = 0; ch < Dh; ch++) unpack(pg, (h * Dh + ch) * P + t % P, 1, bits, 0, codes + ch);
+                for (int64_t ch = 0; ch < Dh; ch++)
+                    unpack(pg, (h * Dh + ch) * P + t % P, 1, bits, 0, codes + ch);
                 for (int64_t g = 0; g < ng; g++) {
                     float d = 0;
                     for (int64_t ch = 0; ch < Dh; ch++) d += qs[g][ch] * codes[ch];
