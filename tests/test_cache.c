@@ -1554,6 +1554,45 @@ TEST(hash_collisions_are_confirmed) {
     return 0;
 }
 
+/* The default allocator puts a pool of 8 MiB or more on 2 MiB-aligned memory
+ * marked for transparent huge pages (cache.c): the mapping holding the
+ * storage carries the "hg" flag of MADV_HUGEPAGE in /proc/self/smaps. */
+TEST(large_pool_asks_for_huge_pages) {
+#if !defined(__linux__)
+    SKIP("transparent huge pages are a Linux feature");
+#else
+    FILE *sys = fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r");
+    if (!sys) SKIP("transparent huge pages not in this kernel");
+    fclose(sys);
+    kvc_cache_params p = kvc_cache_default_params();
+    p.num_layers = 1; p.num_kv_heads = 8; p.head_dim = 128; p.page_size = 16;
+    p.num_pages = 256; p.dtype = KVC_F16; /* 16 MiB of K and V */
+    kvc_cache *c;
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    kvc_paged_cache pc;
+    ASSERT_OK(kvc_cache_layer(c, 0, &pc));
+    uintptr_t a = (uintptr_t)pc.k.data;
+    int aligned = a % ((uintptr_t)2 << 20) == 0, found = 0, hg = 0;
+    FILE *f = fopen("/proc/self/smaps", "r");
+    char line[512];
+    while (f && fgets(line, sizeof line, f)) {
+        unsigned long lo, hi;
+        if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2) { /* a mapping's first line */
+            found = lo <= a && a < hi;
+        } else if (found && strncmp(line, "VmFlags:", 8) == 0) {
+            hg = strstr(line, " hg") != NULL;
+            break;
+        }
+    }
+    if (f) fclose(f);
+    kvc_cache_destroy(c);
+    ASSERT_TRUE(f != NULL);
+    ASSERT_TRUE(aligned);
+    ASSERT_TRUE(hg);
+    return 0;
+#endif
+}
+
 const char *test_suite_name = "cache";
 const test_case test_suite[] = {
     TEST_ENTRY(params),
@@ -1576,5 +1615,6 @@ const test_case test_suite[] = {
     TEST_ENTRY(kvfmt_fork_copies_tails),
     TEST_ENTRY(kvfmt_cow_incomplete_group),
     TEST_ENTRY(kvfmt_truncate_rules),
+    TEST_ENTRY(large_pool_asks_for_huge_pages),
     {0, 0},
 };

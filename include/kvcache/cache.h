@@ -47,7 +47,11 @@ extern "C" {
 typedef struct kvc_cache kvc_cache;
 typedef int64_t kvc_seq_id; /* >= 0; never reused within one cache */
 
-/* Allocation hooks (tests inject failures through them). NULL = malloc. */
+/* Allocation hooks (tests inject failures through them). NULL = the C
+ * library's aligned_alloc; on Linux a page pool of 8 MiB or more is then
+ * 2 MiB-aligned and offered to transparent huge pages (madvise
+ * MADV_HUGEPAGE, a hint), which spares a decode step most of its TLB misses
+ * at long contexts. */
 typedef struct kvc_allocator {
     void *(*alloc)(size_t size, size_t align, void *user); /* NULL on failure */
     void (*free)(void *ptr, void *user);

@@ -142,7 +142,9 @@ int bench_time_interleaved(bench_fn fn, void *ctx, double op_s, bench_membw_ctx 
 /* ---- memory ------------------------------------------------------------ */
 
 /* Page-aligned allocation with every page touched (zeroed), so that page
- * faults are not timed. NULL on failure. Free with bench_free. */
+ * faults are not timed; from 8 MiB on on huge pages where the kernel grants
+ * them, as the cache manager's pool (bench_util.c). NULL on failure. Free
+ * with bench_free. */
 void *bench_alloc(size_t bytes);
 void bench_free(void *p);
 
