@@ -573,7 +573,7 @@ TEST(engine_restores_prompts_from_a_directory_exactly) {
 /* K/V restored = K/V recomputed, byte for byte, and the next step's logits
  * alike (model level: a cache computed, saved, restored into another). */
 static int kv_bytes_case(const kvc_model *m, const char *path, kvc_dtype dtype,
-                         kvc_kv_format fmt, const char *url) {
+                         kvc_kv_format fmt, const char *url, int64_t pool_bytes) {
     kvc_model_info in;
     ASSERT_OK(kvc_model_get_info(m, &in));
     enum { N = 129 };
@@ -605,7 +605,9 @@ static int kv_bytes_case(const kvc_model *m, const char *path, kvc_dtype dtype,
     }
     ASSERT_MEM_EQ(lx, lz, V * sizeof(float));
     kvc_store *s = NULL;
-    ASSERT_OK(kvc_store_open(&url, 1, NULL, &s));
+    kvc_store_params sp = kvc_store_default_params();
+    sp.object_pool_bytes = pool_bytes;
+    ASSERT_OK(kvc_store_open(&url, 1, &sp, &s));
     kvc_store_key ns;
     ASSERT_OK(kvc_store_model_namespace(path, m, &cp, NULL, 0, &ns));
     const int64_t unit = fmt == KVC_KVFMT_NONE ? 16 : 64, n_pages = (N - 1) / unit * unit / 16;
@@ -636,6 +638,21 @@ static int kv_bytes_case(const kvc_model *m, const char *path, kvc_dtype dtype,
         ASSERT_MEM_EQ(bx, bz, pb);
     }
     ASSERT_OK(kvc_cache_check(y));
+    /* again into a fresh cache: with a pool, the objects arrive in the
+     * buffers of the first restore (another page's bytes before) */
+    kvc_cache *w = NULL;
+    kvc_seq_id sw;
+    ASSERT_OK(kvc_cache_create(&cp, &w));
+    ASSERT_OK(kvc_cache_add_sequence(w, prompt, N, 0, &sw, &hit));
+    ASSERT_OK(kvc_cache_page_table(w, &sw, 1, indptr, zids, 32, &last, &np));
+    ASSERT_OK(kvc_store_restore_run(s, w, &ns, prompt, 0, n_pages, zids, &got));
+    ASSERT_EQ_I64(got, n_pages);
+    for (int64_t p = 0; p < n_pages; p++) {
+        ASSERT_OK(kvc_cache_read_page(w, zids[p], by, pb));
+        ASSERT_OK(kvc_cache_read_page(x, ids[p], bx, pb));
+        ASSERT_MEM_EQ(by, bx, pb);
+    }
+    kvc_cache_destroy(w);
     free(bx), free(by), free(bz), free(lx), free(ly), free(lz);
     kvc_store_close(s);
     kvc_model_ctx_destroy(ctx);
@@ -651,10 +668,13 @@ TEST(restored_kv_bytes_equal_recomputed) {
     ASSERT_TRUE(mkdtemp(dir) != NULL);
     char url[64];
     snprintf(url, sizeof url, "dir:%s", dir);
-    if (kv_bytes_case(m, tiny_path, KVC_F16, KVC_KVFMT_NONE, url)) return 1;
-    if (kv_bytes_case(m, tiny_path, KVC_I4, KVC_KVFMT_NONE, url)) return 1;
-    if (kv_bytes_case(m, tiny_path, KVC_F16, KVC_KVFMT_KIVI4, url)) return 1;
-    if (kv_bytes_case(m, tiny_path, KVC_F16, KVC_KVFMT_KIVI8, url)) return 1;
+    const int64_t pool = kvc_store_default_params().object_pool_bytes;
+    if (kv_bytes_case(m, tiny_path, KVC_F16, KVC_KVFMT_NONE, url, pool)) return 1;
+    if (kv_bytes_case(m, tiny_path, KVC_F16, KVC_KVFMT_NONE, url, 0)) return 1; /* no pool */
+    if (kv_bytes_case(m, tiny_path, KVC_F16, KVC_KVFMT_NONE, url, 1)) return 1; /* one too small */
+    if (kv_bytes_case(m, tiny_path, KVC_I4, KVC_KVFMT_NONE, url, pool)) return 1;
+    if (kv_bytes_case(m, tiny_path, KVC_F16, KVC_KVFMT_KIVI4, url, pool)) return 1;
+    if (kv_bytes_case(m, tiny_path, KVC_F16, KVC_KVFMT_KIVI8, url, pool)) return 1;
     rm_rf(dir);
     kvc_model_destroy(m);
     return 0;
@@ -1167,6 +1187,55 @@ TEST(engine_steps_others_while_a_load_runs) {
     return 0;
 }
 
+/* The store's object buffers (objpool.c): reuse of about the same size,
+ * newest first, the byte bound, and a NULL pool as malloc/free. */
+TEST(objpool_reuses_within_its_bound) {
+    kvc__objpool *p = kvc__objpool_create(1000);
+    ASSERT_TRUE(p != NULL);
+    int n;
+    size_t bytes;
+    unsigned char *a = kvc__objpool_get(p, 400), *b = kvc__objpool_get(p, 400);
+    ASSERT_TRUE(a && b);
+    memset(a, 1, 400), memset(b, 2, 400);
+    kvc__objpool_put(p, a, 400);
+    kvc__objpool_put(p, b, 400);
+    kvc__objpool_held(p, &n, &bytes);
+    ASSERT_EQ_I64(n, 2);
+    ASSERT_EQ_I64(bytes, 800);
+    unsigned char *c = kvc__objpool_get(p, 360); /* within 1/8: the newest, b */
+    ASSERT_TRUE(c == b);
+    unsigned char *d = kvc__objpool_get(p, 200); /* a is too large for it */
+    ASSERT_TRUE(d != NULL && d != a);
+    memset(d, 3, 200);
+    kvc__objpool_held(p, &n, &bytes);
+    ASSERT_EQ_I64(n, 1);
+    ASSERT_EQ_I64(bytes, 400);
+    kvc__objpool_put(p, c, 400);
+    kvc__objpool_put(p, d, 200); /* 1,000 bytes */
+    unsigned char *e = malloc(1);
+    ASSERT_TRUE(e != NULL);
+    kvc__objpool_put(p, e, 1); /* past the bound: freed */
+    kvc__objpool_held(p, &n, &bytes);
+    ASSERT_EQ_I64(n, 3);
+    ASSERT_EQ_I64(bytes, 1000);
+    free(kvc__objpool_get(p, 400)); /* a pool buffer is a malloc block */
+    kvc__objpool_put(p, NULL, 10);
+    kvc__objpool_destroy(p); /* frees the two still held */
+    void *f = kvc__objpool_get(NULL, 0);
+    ASSERT_TRUE(f != NULL);
+    kvc__objpool_put(NULL, f, 0);
+    kvc__objpool_held(NULL, &n, &bytes);
+    ASSERT_EQ_I64(n, 0);
+    kvc__objpool_destroy(NULL);
+    kvc_store_params sp = kvc_store_default_params();
+    sp.object_pool_bytes = -1;
+    kvc_store *s = NULL;
+    ASSERT_STATUS(kvc_store_open(NULL, 0, &sp, &s), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "object_pool_bytes");
+    ASSERT_TRUE(s == NULL);
+    return 0;
+}
+
 TEST(hash_variants_agree) {
     uint64_t rng = test_seed;
     unsigned char *buf = malloc(1 << 20);
@@ -1273,6 +1342,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(write_policies_and_a_full_queue),
     TEST_ENTRY(partly_shared_groups_keep_their_own_pages),
     TEST_ENTRY(engine_steps_others_while_a_load_runs),
+    TEST_ENTRY(objpool_reuses_within_its_bound),
     TEST_ENTRY(hash_variants_agree),
     TEST_ENTRY(writer_thread_yields_the_cpus),
     TEST_ENTRY(write_policies_per_tier),

@@ -183,6 +183,10 @@ typedef struct kvc_store_params {
     int32_t promote;             /* 1 (default): a page restored from a later tier is also
                                     queued for the earlier ones (whatever their policy);
                                     0: tiers are written by their policies only */
+    int64_t object_pool_bytes;   /* object buffers kept for reuse once read, restored or
+                                    written (default 64 MiB, 0: none): a fresh buffer the
+                                    size of a page object is faulted in and zeroed by the
+                                    kernel as it is filled */
 } kvc_store_params;
 
 KVC_API kvc_store_params kvc_store_default_params(void);

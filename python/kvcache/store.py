@@ -166,6 +166,7 @@ class StoreParams(ctypes.Structure):
         ("selective_hits", ctypes.c_int32),
         ("writer_nice", ctypes.c_int32),
         ("promote", ctypes.c_int32),
+        ("object_pool_bytes", ctypes.c_int64),
     ]
 
 
@@ -742,6 +743,9 @@ class KVStore(_lib.NoCopy):
             the C default 19, the lowest priority; 0 keeps the caller's).
         promote: a page restored from a later tier is also written to the
             earlier ones (so a local directory keeps what Redis served).
+        object_pool_bytes: object buffers kept for reuse (None: the C
+            default, 64 MiB; 0: none); fresh ones cost the kernel's page
+            faults as they are filled.
 
     A Redis server that does not answer is not an error (retried with
     back-off); a bad URL or an unusable directory is (InvalidArgumentError,
@@ -752,7 +756,7 @@ class KVStore(_lib.NoCopy):
 
     def __init__(self, urls, *, queue_objects=None, queue_bytes=None, auth_key=None,
                  load_timeout_s=2.0, write_policy="through", writer_nice=None,
-                 promote=True):
+                 promote=True, object_pool_bytes=None):
         self._ptr = None
         self._life = _lib.Lifetime("the KV store")
         self._callbacks = []  # every ctypes callback ever set: C may still be in one
@@ -776,6 +780,8 @@ class KVStore(_lib.NoCopy):
         if writer_nice is not None:
             p.writer_nice = _lib.int32_attr(writer_nice, "writer_nice")
         p.promote = 1 if promote else 0
+        if object_pool_bytes is not None:
+            p.object_pool_bytes = int(object_pool_bytes)
         arr = (ctypes.c_char_p * max(len(urls), 1))(*[u.encode("utf-8") for u in urls])
         h = _vp()
         _lib.check(sl.kvc_store_open(arr, len(urls), ctypes.byref(p), ctypes.byref(h)))

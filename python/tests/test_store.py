@@ -348,8 +348,10 @@ def test_store_errors_reach_kvc_last_error(tmp_path):
         kvcache.KVStore(f"dir:{tmp_path}?write=sometimes")
     with pytest.raises(kvcache.InvalidArgumentError):
         kvcache.KVStore(f"dir:{tmp_path}", writer_nice=-1)
+    with pytest.raises(kvcache.InvalidArgumentError, match="object_pool_bytes"):
+        kvcache.KVStore(f"dir:{tmp_path}", object_pool_bytes=-1)
     st = kvcache.KVStore([f"dir:{tmp_path}?write=back", f"dir:{tmp_path}/b"],
-                         write_policy="selective:3", writer_nice=0,
+                         write_policy="selective:3", writer_nice=0, object_pool_bytes=0,
                          auth_key=bytes(range(32)), queue_objects=8, queue_bytes=1 << 20)
     st.close()
     st.close()  # idempotent

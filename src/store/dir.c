@@ -428,8 +428,9 @@ static kvc_status dir_probe(kvc_tier *t, const kvc_store_key *ns, const kvc_stor
     return KVC_OK;
 }
 
-/* Reads one file whole into *obj (NULL: absent, or shortened meanwhile). */
-static kvc_status read_obj(const char *p, void **obj, size_t *len) {
+/* Reads one file whole into *obj, a buffer of pool (NULL: absent, or
+ * shortened meanwhile). */
+static kvc_status read_obj(kvc__objpool *pool, const char *p, void **obj, size_t *len) {
     int fd = open(p, O_RDONLY | O_CLOEXEC);
     if (fd < 0 && (errno == ENOENT || errno == ENOTDIR)) return KVC_OK;
     struct stat st;
@@ -438,7 +439,7 @@ static kvc_status read_obj(const char *p, void **obj, size_t *len) {
                       : (uint64_t)st.st_size > SIZE_MAX / 2 ? "too large"
                                                      : NULL;
     size_t size = why ? 0 : (size_t)st.st_size, got = 0;
-    char *buf = why ? NULL : malloc(size ? size : 1);
+    char *buf = why ? NULL : kvc__objpool_get(pool, size);
     kvc_status status = why ? kvc__error(KVC_ERR_IO, "dir tier: cannot read %.200s: %s", p, why)
                       : !buf ? kvc__error(KVC_ERR_NOMEM, "dir tier: out of memory (%zu bytes)", size)
                              : KVC_OK;
@@ -456,7 +457,7 @@ static kvc_status read_obj(const char *p, void **obj, size_t *len) {
         *obj = buf, *len = size;
         buf = NULL;
     }
-    free(buf);
+    kvc__objpool_put(pool, buf, size);
     if (fd >= 0) close(fd);
     return status;
 }
@@ -470,9 +471,10 @@ static kvc_status dir_get(kvc_tier *t, const kvc_store_key *ns, const kvc_store_
     char p[PATH_BUF];
     for (int64_t i = 0; i < n; i++) {
         obj_path(d, ns, &keys[i], 2, p);
-        kvc_status st = read_obj(p, &objs[i], &lens[i]);
+        kvc_status st = read_obj(t->pool, p, &objs[i], &lens[i]);
         if (st != KVC_OK) {
-            for (int64_t j = 0; j < i; j++) free(objs[j]), objs[j] = NULL, lens[j] = 0;
+            for (int64_t j = 0; j < i; j++)
+                kvc__objpool_put(t->pool, objs[j], lens[j]), objs[j] = NULL, lens[j] = 0;
             return st;
         }
         if (objs[i] && d->max_bytes) idx_touch_locked(d, ns, &keys[i], lens[i], 0);

@@ -45,6 +45,9 @@ enum {
 typedef struct conn {
     pthread_mutex_t mu;
     redisContext *ctx;   /* NULL: not connected */
+    const kvc_tier *tier; /* its pool receives GET replies */
+    redisReplyObjectFunctions fn; /* hiredis's, with create_string */
+    void *(*base_string)(const redisReadTask *, char *, size_t); /* hiredis's */
     int64_t retry_at_ns; /* while down: no connect attempt before this */
     int64_t backoff_ms;  /* the next back-off */
     char why[160];       /* the last failure, for messages while down */
@@ -106,6 +109,26 @@ static void pipe_unblock(pipe_guard *g) {
 
 /* ---- connections ---------------------------------------------------------- */
 
+/* hiredis's string reply, except that a top-level bulk string (a GET's
+ * object) is copied into a buffer of the tier's pool (tier.h) instead of a
+ * fresh malloc block of hiredis: the same one copy, into memory that is
+ * already mapped. take_reply then takes the buffer over. */
+static void *create_string(const redisReadTask *task, char *str, size_t len) {
+    const conn *c = task->privdata;
+    if (task->type != REDIS_REPLY_STRING || task->parent) return c->base_string(task, str, len);
+    redisReply *r = c->base_string(task, str, 0);
+    char *buf = r ? kvc__objpool_get(c->tier->pool, len) : NULL;
+    if (!buf) {
+        if (r) freeReplyObject(r);
+        return NULL; /* hiredis: out of memory */
+    }
+    memcpy(buf, str, len);
+    free(r->str);
+    r->str = buf;
+    r->len = len;
+    return r;
+}
+
 /* Drops c's context (c->mu held); with down, starts or doubles the back-off. */
 static void conn_drop(conn *c, int down, const char *why) {
     if (c->ctx) redisFree(c->ctx);
@@ -151,6 +174,13 @@ static kvc_status conn_acquire(server *sv, conn *c, pipe_guard *g) {
         /* keep the reader's buffer between replies: pages are ~0.1-1 MB,
          * and the default (free it above 16 KiB) regrows it for each */
         c->ctx->reader->maxbuf = 0;
+        if (!c->ctx->reader->privdata) { /* unused by hiredis itself */
+            c->fn = *c->ctx->reader->fn;
+            c->base_string = c->fn.createString;
+            c->fn.createString = create_string;
+            c->ctx->reader->fn = &c->fn;
+            c->ctx->reader->privdata = c;
+        }
     }
     pipe_block(g);
     return KVC_OK;
@@ -278,9 +308,10 @@ static kvc_status take_reply(batch *b, server *sv, conn *c, int64_t i, redisRepl
         b->written++;
     } else if (r->type == REDIS_REPLY_STRING) {
         /* No object is empty: an empty string is no object. The reply's
-         * string is taken over, not copied: hiredis allocates it with
-         * malloc (its default allocator, never replaced here), and
-         * freeReplyObject then frees a NULL. */
+         * string is taken over, not copied: create_string put it in a
+         * buffer of the pool (or hiredis in a malloc block: its default
+         * allocator, never replaced here), and freeReplyObject then frees
+         * a NULL. */
         if (r->len > 0) {
             b->objs[i] = r->str;
             b->lens[i] = r->len;
@@ -376,7 +407,7 @@ static kvc_status redis_get(kvc_tier *t, const kvc_store_key *ns, const kvc_stor
     kvc_status st = batch_run(&b);
     if (st != KVC_OK) { /* tier.h: on error nothing to free */
         for (int64_t i = 0; i < n; i++) {
-            free(objs[i]);
+            kvc__objpool_put(t->pool, objs[i], lens[i]);
             objs[i] = NULL;
             lens[i] = 0;
         }
@@ -589,6 +620,7 @@ static kvc_status parse_url(const char *url, redis_tier *rt) {
         for (int k = 0; k < 2; k++) {
             pthread_mutex_init(&cs[k]->mu, NULL);
             cs[k]->backoff_ms = BACKOFF_MIN_MS;
+            cs[k]->tier = &rt->base;
         }
         KVC_TRY(parse_server(s, len, sv));
         for (int k = 0; k < rt->n_srv - 1; k++)

@@ -62,6 +62,7 @@ struct kvc_store {
     kvc_store_stats st;
     kvc_store_event_fn ev_fn;
     void *ev_user;
+    kvc__objpool *pool; /* object buffers of the tiers' gets, restores and writes */
     void **attached; /* kvc_store_attach_engine's, freed at close */
     int64_t n_attached;
 };
@@ -76,6 +77,7 @@ kvc_store_params kvc_store_default_params(void) {
     p.selective_hits = 2;
     p.writer_nice = 19;
     p.promote = 1;
+    p.object_pool_bytes = (int64_t)64 << 20;
     return p;
 }
 
@@ -231,7 +233,7 @@ static void *writer(void *arg) {
             }
         }
         for (int i = 0; i < n; i++) {
-            free(batch[i]->obj);
+            kvc__objpool_put(s->pool, batch[i]->obj, batch[i]->size);
             free(batch[i]);
         }
         pthread_mutex_lock(&s->mu);
@@ -255,12 +257,12 @@ kvc_status kvc__store_put_owned(kvc_store *s, const kvc_store_key *ns, const kvc
                                 void *obj, size_t size, uint32_t tiers) {
     tiers &= kvc__store_all_tiers(s);
     if (!tiers) { /* no tier to write (a store of none: events only) */
-        free(obj);
+        kvc__objpool_put(s->pool, obj, size);
         return KVC_OK;
     }
     item *it = malloc(sizeof *it);
     if (!it) {
-        free(obj);
+        kvc__objpool_put(s->pool, obj, size);
         count_dropped(s);
         return kvc__error(KVC_ERR_NOMEM, "kvc_store_put: out of memory");
     }
@@ -274,7 +276,7 @@ kvc_status kvc__store_put_owned(kvc_store *s, const kvc_store_key *ns, const kvc
     if (s->q_n >= s->p.queue_objects || s->q_bytes + (int64_t)size > s->p.queue_bytes) {
         s->st.writes_dropped++;
         pthread_mutex_unlock(&s->mu);
-        free(obj);
+        kvc__objpool_put(s->pool, obj, size);
         free(it);
         return kvc__error(KVC_ERR_NO_SPACE, "kvc_store_put: the write queue is full (%d "
                           "objects, %lld bytes at most): write dropped",
@@ -295,7 +297,7 @@ kvc_status kvc__store_put_owned(kvc_store *s, const kvc_store_key *ns, const kvc
 /* kvc__store_put_owned of a copy of obj. */
 static kvc_status put_copy(kvc_store *s, const kvc_store_key *ns, const kvc_store_key *key,
                            const void *obj, size_t size, uint32_t tiers) {
-    void *copy = malloc(size);
+    void *copy = kvc__objpool_get(s->pool, size);
     if (!copy) {
         count_dropped(s);
         return kvc__error(KVC_ERR_NOMEM, "kvc_store_put: out of memory");
@@ -420,6 +422,7 @@ void kvc_store_close(kvc_store *s) {
     for (int32_t t = 0; t < s->n_tiers; t++) s->tiers[t]->ops->close(s->tiers[t]);
     for (int64_t i = 0; i < s->n_attached; i++) kvc__store_attach_free(s->attached[i]);
     free(s->attached);
+    kvc__objpool_destroy(s->pool);
     pthread_cond_destroy(&s->cv_work);
     pthread_cond_destroy(&s->cv_done);
     pthread_mutex_destroy(&s->mu);
@@ -439,10 +442,11 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
     KVC_CHECK(p.queue_objects >= 1 && p.queue_bytes >= 1 && p.load_timeout_s > 0 &&
                   p.write_policy >= KVC_STORE_WRITE_THROUGH &&
                   p.write_policy <= KVC_STORE_WRITE_SELECTIVE && p.selective_hits >= 1 &&
-                  p.writer_nice >= 0 && p.writer_nice <= 39 && (p.promote == 0 || p.promote == 1),
+                  p.writer_nice >= 0 && p.writer_nice <= 39 && (p.promote == 0 || p.promote == 1) &&
+                  p.object_pool_bytes >= 0,
               "%s: queue_objects, queue_bytes, load_timeout_s and selective_hits must be > 0, "
-              "writer_nice in [0, 39], promote 0 or 1 and write_policy one of "
-              "kvc_store_write_policy", fn);
+              "writer_nice in [0, 39], promote 0 or 1, object_pool_bytes >= 0 and write_policy "
+              "one of kvc_store_write_policy", fn);
 #ifndef KVC_HAVE_SODIUM
     if (p.auth_key)
         return kvc__error(KVC_ERR_UNSUPPORTED, "%s: authentication needs libsodium (Debian: "
@@ -456,6 +460,13 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
     }
     p.auth_key = NULL; /* the copy above is the store's */
     s->p = p;
+    if (p.object_pool_bytes > 0 &&
+        !(s->pool = kvc__objpool_create((uint64_t)p.object_pool_bytes > SIZE_MAX
+                                            ? SIZE_MAX
+                                            : (size_t)p.object_pool_bytes))) {
+        free(s);
+        return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+    }
     kvc_status st = KVC_OK;
     for (int32_t i = 0; i < n_urls && st == KVC_OK; i++) {
         const char *u0 = urls[i];
@@ -477,11 +488,13 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
             s->tier_ctx[i].s = s;
             s->tier_ctx[i].t = i;
             s->tiers[i]->removed_user = &s->tier_ctx[i];
+            s->tiers[i]->pool = s->pool;
             s->n_tiers = i + 1;
         }
     }
     if (st != KVC_OK) {
         for (int32_t t = 0; t < s->n_tiers; t++) s->tiers[t]->ops->close(s->tiers[t]);
+        kvc__objpool_destroy(s->pool);
         free(s);
         return st;
     }
@@ -495,6 +508,7 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
         pthread_cond_destroy(&s->cv_done);
         pthread_mutex_destroy(&s->mu);
         pthread_mutex_destroy(&s->ev_mu);
+        kvc__objpool_destroy(s->pool);
         free(s);
         return kvc__error(KVC_ERR_NOMEM, "%s: cannot start the writer thread", fn);
     }
@@ -617,6 +631,7 @@ typedef struct restore_ctx {
     int64_t first, max;
     int32_t P;
     void **kept;                    /* keep mode: max verified objects */
+    size_t *kept_lens;              /* and their sizes */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     rbatch *q[2];
@@ -640,8 +655,8 @@ static void promote(kvc_store *s, const kvc_store_key *ns, const kvc_store_key *
     if (st != KVC_OK) kvc_clear_error(); /* counted as dropped */
 }
 
-static void rbatch_free(rbatch *b) {
-    for (int64_t i = 0; i < b->n; i++) free(b->objs[i]);
+static void rbatch_free(kvc_store *s, rbatch *b) {
+    for (int64_t i = 0; i < b->n; i++) kvc__objpool_put(s->pool, b->objs[i], b->lens[i]);
     free(b);
 }
 
@@ -685,6 +700,7 @@ static void *restore_worker(void *arg) {
                         r->wcache != NULL);
             if (!r->wcache) { /* kept for the apply */
                 r->kept[b->pos + ok] = b->objs[ok];
+                r->kept_lens[b->pos + ok] = b->lens[ok];
                 b->objs[ok] = NULL;
             }
         }
@@ -702,7 +718,7 @@ static void *restore_worker(void *arg) {
         }
         pthread_cond_broadcast(&r->cv);
         pthread_mutex_unlock(&r->mu);
-        rbatch_free(b);
+        rbatch_free(r->s, b);
     }
 }
 
@@ -760,7 +776,7 @@ static int64_t restore_pipeline(restore_ctx *r) {
             b->pos = fetched;
             b->tier = t;
             while (b->n < n && objs[b->n]) b->objs[b->n] = objs[b->n], b->n++;
-            for (int64_t i = b->n; i < n; i++) free(objs[i]);
+            for (int64_t i = b->n; i < n; i++) kvc__objpool_put(s->pool, objs[i], b->lens[i]);
             fetched += b->n;
             const int absent = b->n < n;
             if (b->n == 0) {
@@ -857,12 +873,13 @@ kvc__store_load *kvc__store_load_start(kvc_store *s, const kvc_cache *cache,
     const size_t nt = (size_t)(first + n) * (size_t)cp.page_size;
     l->tokens = malloc(nt * sizeof(int32_t));
     l->r.kept = calloc((size_t)n, sizeof(void *));
+    l->r.kept_lens = calloc((size_t)n, sizeof(size_t));
     l->r.keys = l->tokens ? keys_of(ns, tokens, first + n, cp.page_size,
                                     kvc__store_unit_pages(cache))
                           : NULL;
-    if (!l->tokens || !l->r.kept || !l->r.keys) {
+    if (!l->tokens || !l->r.kept || !l->r.kept_lens || !l->r.keys) {
         kvc_clear_error();
-        free(l->tokens), free(l->r.kept), free(l->r.keys), free(l);
+        free(l->tokens), free(l->r.kept), free(l->r.kept_lens), free(l->r.keys), free(l);
         return NULL;
     }
     memcpy(l->tokens, tokens, nt * sizeof(int32_t));
@@ -882,7 +899,7 @@ kvc__store_load *kvc__store_load_start(kvc_store *s, const kvc_cache *cache,
         pthread_mutex_destroy(&l->r.mu);
         pthread_cond_destroy(&l->cv);
         pthread_mutex_destroy(&l->mu);
-        free(l->tokens), free(l->r.kept), free(l->r.keys), free(l);
+        free(l->tokens), free(l->r.kept), free(l->r.kept_lens), free(l->r.keys), free(l);
         return NULL;
     }
     return l;
@@ -920,23 +937,24 @@ void kvc__store_load_finish(kvc__store_load *l, kvc_cache *cache, int64_t skip,
                 KVC_OK)
                 kvc_clear_error();
     }
-    for (int64_t i = 0; i < l->r.max; i++) free(l->r.kept[i]);
+    for (int64_t i = 0; i < l->r.max; i++)
+        kvc__objpool_put(l->r.s->pool, l->r.kept[i], l->r.kept_lens[i]);
     pthread_cond_destroy(&l->r.cv);
     pthread_mutex_destroy(&l->r.mu);
     pthread_cond_destroy(&l->cv);
     pthread_mutex_destroy(&l->mu);
-    free(l->tokens), free(l->r.kept), free(l->r.keys), free(l);
+    free(l->tokens), free(l->r.kept), free(l->r.kept_lens), free(l->r.keys), free(l);
 }
 
 kvc_status kvc__store_save_page(kvc_store *s, const kvc_cache *cache, int32_t page_id,
                                 const kvc_store_expect *e, uint32_t tiers) {
     const size_t size = kvc_store_object_bytes(cache, s->has_auth);
-    void *obj = malloc(size);
+    void *obj = kvc__objpool_get(s->pool, size);
     kvc_status st = obj ? kvc_store_serialize_page(cache, page_id, e, kvc__store_auth_key(s), obj,
                                                    size, NULL)
                         : kvc__error(KVC_ERR_NOMEM, "store: out of memory");
     if (st == KVC_OK) return kvc__store_put_owned(s, &e->ns, &e->key, obj, size, tiers);
-    free(obj);
+    kvc__objpool_put(s->pool, obj, size);
     count_dropped(s);
     return st;
 }

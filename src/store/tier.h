@@ -37,8 +37,9 @@ typedef struct kvc_tier_ops {
      * for a remote tier. */
     kvc_status (*probe)(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
                         int64_t n, int64_t *n_present);
-    /* Reads keys[0..n): objs[i] receives a malloc'd copy of the object (the
-     * caller frees it) and lens[i] its size, or NULL / 0 when absent. On an
+    /* Reads keys[0..n): objs[i] receives a copy of the object in a buffer
+     * of the tier's pool (the caller gives it back or frees it) and lens[i]
+     * its size, or NULL / 0 when absent. On an
      * error every objs[i] is NULL (nothing to free). Pipelined: one round
      * trip per server for the whole batch. */
     kvc_status (*get)(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys, int64_t n,
@@ -57,12 +58,29 @@ typedef struct kvc_tier_ops {
     void (*close)(kvc_tier *t); /* frees t */
 } kvc_tier_ops;
 
+/* Recycled object buffers (objpool.c), shared by a store and its tiers:
+ * every object a tier's get returns comes from kvc__objpool_get, and whoever
+ * is done with one gives it back with its size (or frees it: the buffers
+ * are malloc blocks). NULL pool: plain malloc and free. */
+typedef struct kvc__objpool kvc__objpool;
+kvc__objpool *kvc__objpool_create(size_t max_bytes); /* NULL: out of memory */
+void kvc__objpool_destroy(kvc__objpool *p);          /* frees what it holds; NULL: no-op */
+/* A buffer of at least size bytes (a recycled one when the pool holds one
+ * of about that size), NULL when out of memory. */
+void *kvc__objpool_get(kvc__objpool *p, size_t size);
+/* Gives back buf, whose allocation holds at least size bytes (NULL: no-op);
+ * freed when the pool is full. */
+void kvc__objpool_put(kvc__objpool *p, void *buf, size_t size);
+/* Buffers held and their recorded bytes (0 and 0 for a NULL pool). */
+void kvc__objpool_held(kvc__objpool *p, int *n, size_t *bytes);
+
 struct kvc_tier {
     const kvc_tier_ops *ops;
     char kind[8];     /* "dir" or "redis" */
     char name[256];   /* the URL it was opened with, for messages and stats */
     kvc_tier_removed_fn removed; /* may be NULL; set by the store after open */
     void *removed_user;
+    kvc__objpool *pool; /* may be NULL; set by the store after open (get's buffers) */
 };
 
 /* "dir:PATH" or "dir:PATH?max_bytes=N" (N bytes, suffixes K, M, G = 2^10,
