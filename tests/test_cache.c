@@ -1555,7 +1555,7 @@ TEST(hash_collisions_are_confirmed) {
 }
 
 /* The default allocator puts a pool of 8 MiB or more on 2 MiB-aligned memory
- * marked for transparent huge pages (cache.c): the mapping holding the
+ * marked for transparent huge pages (cache.c, core/memory.c): the mapping holding the
  * storage carries the "hg" flag of MADV_HUGEPAGE in /proc/self/smaps. */
 TEST(large_pool_asks_for_huge_pages) {
 #if !defined(__linux__)

@@ -8,10 +8,6 @@
  * over the sorted id array. Everything the pool needs is allocated at
  * create; later allocations are only sequence tables and the id array.
  */
-#if defined(__linux__)
-#define _DEFAULT_SOURCE /* madvise, MADV_HUGEPAGE */
-#include <sys/mman.h>
-#endif
 #include <stdlib.h>
 #include <string.h>
 #if defined(__SSE2__)
@@ -22,28 +18,10 @@
 
 /* ---- allocation ----------------------------------------------------------------------- */
 
-/* The page pool is read in random page order by every decode step: on 4 KiB
- * pages a long context misses the TLB on most pages it reads (a 16-token
- * page of one layer is 8-64 KiB), so a pool of at least HUGE_MIN bytes is
- * aligned to 2 MiB and offered to the kernel's transparent huge pages. It
- * is a hint: where THP is off ("never") nothing changes; where it is
- * "madvise" (Debian, Ubuntu) this is what enables it. */
-#define HUGE_PAGE ((size_t)2 << 20)
-#define HUGE_MIN ((size_t)8 << 20)
-
+/* The page pool on huge pages where it is large (kvc__alloc_large). */
 static void *default_alloc(size_t size, size_t align, void *user) {
     (void)user;
-    if (align < sizeof(void *)) align = sizeof(void *);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    if (size >= HUGE_MIN && align <= HUGE_PAGE) {
-        size = (size + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE;
-        void *p = aligned_alloc(HUGE_PAGE, size);
-        if (p) (void)madvise(p, size, MADV_HUGEPAGE); /* a hint: failure changes nothing */
-        return p;
-    }
-#endif
-    size = (size + align - 1) / align * align;
-    return aligned_alloc(align, size);
+    return kvc__alloc_large(size, align);
 }
 
 static void default_free(void *p, void *user) {

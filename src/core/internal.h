@@ -93,4 +93,10 @@ void kvc__parallel_for(kvc_threadpool *pool, int64_t n_tasks, kvc__task_fn fn, v
 void *kvc__scratch_get(kvc_threadpool *pool, size_t bytes);
 void kvc__scratch_release(kvc_threadpool *pool, void *p);
 
+/* size bytes aligned to align (a power of two); on Linux a buffer of 8 MiB
+ * or more is 2 MiB-aligned and offered to transparent huge pages (memory.c).
+ * Free with free(); NULL when out of memory. The cache manager's default
+ * allocator, and the benches' buffers (so they see the same TLB). */
+void *kvc__alloc_large(size_t size, size_t align);
+
 #endif

@@ -6,16 +6,13 @@
  * what the machine can do with n threads, independent of the library.
  */
 #define _POSIX_C_SOURCE 200809L
-#define _DEFAULT_SOURCE /* madvise, MADV_HUGEPAGE */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
+#include "../../src/core/internal.h"
 #include "bench.h"
 #include "cli.h"
 #include "kvcache/kvcache.h"
@@ -102,27 +99,15 @@ int bench_time(bench_fn fn, void *ctx, double budget_s, bench_timing *out) {
 
 /* ---- memory ------------------------------------------------------------ */
 
-/* The cache manager's default allocator's policy (src/cache/cache.c): from
- * 8 MiB on, 2 MiB-aligned and offered to transparent huge pages, so that the
- * benches' paged caches and memcpy/read references see the TLB an engine on
- * kvc_cache sees. */
+/* The cache manager's allocation (kvc__alloc_large: huge pages from 8 MiB
+ * on), so that the benches' paged caches and memcpy/read references see the
+ * TLB an engine on kvc_cache sees. */
 void *bench_alloc(size_t bytes) {
-    void *p = NULL;
     size_t align = (size_t)sysconf(_SC_PAGESIZE);
     if (align < 64) align = 64;
     if (bytes == 0) bytes = 1;
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    const size_t huge = (size_t)2 << 20;
-    if (bytes >= 4 * huge) {
-        bytes = (bytes + huge - 1) / huge * huge;
-        if (posix_memalign(&p, huge, bytes) != 0) return NULL;
-        (void)madvise(p, bytes, MADV_HUGEPAGE);
-        memset(p, 0, bytes);
-        return p;
-    }
-#endif
-    if (posix_memalign(&p, align, bytes) != 0) return NULL;
-    memset(p, 0, bytes);
+    void *p = kvc__alloc_large(bytes, align);
+    if (p) memset(p, 0, bytes);
     return p;
 }
 
