@@ -137,6 +137,11 @@ serve_sync)
     [ "$(fnv "$tmp/out")" = "$(fnv "$tmp/engine")" ] ||
         fail "--sync generated other tokens than the engine: $(fnv "$tmp/out")" \
             "vs $(fnv "$tmp/engine")"
+    # the model read into memory instead of mapped: the same tokens
+    "$kv" bench-serve -m "$model" --batch 2 --prompt-len 40 --gen 8 --kv-dtype f16,int8 \
+        -t 2 --json --no-mmap > "$tmp/nommap" 2> "$tmp/err" || fail "--no-mmap exit status $?"
+    [ "$(fnv "$tmp/nommap")" = "$(fnv "$tmp/engine")" ] ||
+        fail "--no-mmap generated other tokens: $(fnv "$tmp/nommap") vs $(fnv "$tmp/engine")"
     # a shared prompt: copies 2 and 3 reuse its 2 full pages, compute 8 rows
     "$kv" bench-serve -m "$model" --sync --batch 3 --prompt-len 40 --gen 2 --kv-dtype f16 \
         -t 2 --shared-prompt --json > "$tmp/out" 2> "$tmp/err" || fail "exit status $?"
@@ -166,6 +171,18 @@ serve_text)
     "$kv" bench-serve -m "$model" -f "$tmp/prompt" --prompt-len 500 --batch 1 --gen 2 \
         > "$tmp/out" 2> "$tmp/err" && fail "--prompt-len past the text accepted"
     grep -q "the prompt has $n tokens, fewer than --prompt-len" "$tmp/err" || fail "message"
+    # run and perplexity take --no-mmap too: the same reply, the same perplexity
+    "$kv" run -m "$model" -t 2 -n 8 -f "$tmp/prompt" > "$tmp/a" 2> "$tmp/err" || fail "run $?"
+    "$kv" run -m "$model" -t 2 -n 8 -f "$tmp/prompt" --no-mmap > "$tmp/b" 2> "$tmp/err" ||
+        fail "run --no-mmap exit status $?"
+    cmp -s "$tmp/a" "$tmp/b" || fail "run --no-mmap replied otherwise"
+    for i in 1 2 3 4 5 6; do cat "$tmp/prompt"; done > "$tmp/text"
+    "$kv" perplexity -m "$model" -f "$tmp/text" -c 32 -t 2 --json > "$tmp/a" 2> "$tmp/err" ||
+        fail "perplexity $?"
+    "$kv" perplexity -m "$model" -f "$tmp/text" -c 32 -t 2 --json --no-mmap > "$tmp/b" \
+        2> "$tmp/err" || fail "perplexity --no-mmap exit status $?"
+    grep -q '"ppl": [0-9]' "$tmp/a" && cmp -s "$tmp/a" "$tmp/b" ||
+        fail "perplexity --no-mmap: $(cat "$tmp/b") vs $(cat "$tmp/a")"
     ;;
 *)
     echo "unknown case $case_name"; exit 1 ;;

@@ -567,6 +567,8 @@ TEST(minimal_files) {
     ASSERT_STATUS(kvc_gguf_open_memory("GGUF", 4, NULL), KVC_ERR_INVALID_ARG);
     ASSERT_STATUS(kvc_gguf_open_memory(NULL, 0, &g), KVC_ERR_CORRUPT);
     ASSERT_STATUS(kvc_gguf_open(NULL, &g), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_gguf_open_read(NULL, &g), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_gguf_open_read("x.gguf", NULL), KVC_ERR_INVALID_ARG);
     ASSERT_EQ_I64(kvc_gguf_n_kv(NULL), 0);
     ASSERT_EQ_I64(kvc_gguf_n_tensors(NULL), 0);
     ASSERT_EQ_I64(kvc_gguf_find_key(NULL, "a"), -1);
@@ -923,29 +925,34 @@ TEST(open_file) {
     if (write_file(bad, s.b.p, s.b.n)) goto done;
     s.b.p[s.bool_at] = 1;
 
-    ASSERT_OK(kvc_gguf_open(path, &g));
-    ASSERT_EQ_I64(kvc_gguf_alignment(g), 64);
-    ASSERT_EQ_I64(kvc_gguf_n_tensors(g), 3);
-    kvc_gguf_tensor t;
-    ASSERT_OK(kvc_gguf_get_tensor(g, 2, &t));
-    ASSERT_EQ_I64((uintptr_t)t.data % 64, 0); /* mmap is page-aligned */
-    ASSERT_MEM_EQ(t.data, s.b.p + s.b.n - 80, 80);
-    ASSERT_TRUE(walk_all(g) != 0);
-    kvc_gguf_close(g);
-    g = NULL;
+    /* mapped, and read into memory (--no-mmap): the same handle */
+    kvc_status (*const opens[2])(const char *, kvc_gguf **) = {kvc_gguf_open, kvc_gguf_open_read};
+    for (int k = 0; k < 2; k++) {
+        ASSERT_OK(opens[k](path, &g));
+        ASSERT_EQ_I64(kvc_gguf_alignment(g), 64);
+        ASSERT_EQ_I64(kvc_gguf_n_tensors(g), 3);
+        kvc_gguf_tensor t;
+        ASSERT_OK(kvc_gguf_get_tensor(g, 2, &t));
+        ASSERT_EQ_I64((uintptr_t)t.data % 64, 0); /* both page-aligned */
+        ASSERT_MEM_EQ(t.data, s.b.p + s.b.n - 80, 80);
+        ASSERT_TRUE(walk_all(g) != 0);
+        kvc_gguf_close(g);
+        g = NULL;
 
-    ASSERT_STATUS(kvc_gguf_open(bad, &g), KVC_ERR_CORRUPT);
-    ASSERT_TRUE(g == NULL);
-    ASSERT_STR_CONTAINS(kvc_last_error(), bad);
-    ASSERT_STR_CONTAINS(kvc_last_error(), ": GGUF: key 't.bool', byte");
-    ASSERT_STATUS(kvc_gguf_open(empty, &g), KVC_ERR_CORRUPT);
-    ASSERT_STR_CONTAINS(kvc_last_error(), "the file is empty");
-    ASSERT_STATUS(kvc_gguf_open(dir, &g), KVC_ERR_IO);
-    ASSERT_STR_CONTAINS(kvc_last_error(), "not a regular file");
-    char missing[300];
-    snprintf(missing, sizeof missing, "%s/missing.gguf", dir);
-    ASSERT_STATUS(kvc_gguf_open(missing, &g), KVC_ERR_IO);
-    ASSERT_STR_CONTAINS(kvc_last_error(), "missing.gguf: cannot open: No such file");
+        ASSERT_STATUS(opens[k](bad, &g), KVC_ERR_CORRUPT);
+        ASSERT_TRUE(g == NULL);
+        ASSERT_STR_CONTAINS(kvc_last_error(), bad);
+        ASSERT_STR_CONTAINS(kvc_last_error(), ": GGUF: key 't.bool', byte");
+        ASSERT_STATUS(opens[k](empty, &g), KVC_ERR_CORRUPT);
+        ASSERT_STR_CONTAINS(kvc_last_error(), "the file is empty");
+        ASSERT_STATUS(opens[k](dir, &g), KVC_ERR_IO);
+        ASSERT_STR_CONTAINS(kvc_last_error(), "not a regular file");
+        char missing[300];
+        snprintf(missing, sizeof missing, "%s/missing.gguf", dir);
+        ASSERT_STATUS(opens[k](missing, &g), KVC_ERR_IO);
+        ASSERT_STR_CONTAINS(kvc_last_error(), "missing.gguf: cannot open: No such file");
+        ASSERT_TRUE(g == NULL);
+    }
     r = 0;
 done:
     unlink(path);
@@ -1016,6 +1023,19 @@ TEST(real_model) {
     ASSERT_EQ_I64(t.ne[1], 576);
     ASSERT_EQ_I64(kvc_gguf_find_tensor(g, "output.weight"), -1); /* tied */
     ASSERT_TRUE(walk_all(g) != 0);
+    /* read into memory (--no-mmap): every tensor's bytes as mapped */
+    kvc_gguf *r = NULL;
+    ASSERT_OK(kvc_gguf_open_read(path, &r));
+    ASSERT_EQ_I64(kvc_gguf_n_tensors(r), 272);
+    for (int64_t k = 0; k < 272; k++) {
+        kvc_gguf_tensor a, b;
+        ASSERT_OK(kvc_gguf_get_tensor(g, k, &a));
+        ASSERT_OK(kvc_gguf_get_tensor(r, k, &b));
+        ASSERT_TRUE(a.data != b.data && a.size == b.size && strcmp(a.name, b.name) == 0);
+        ASSERT_EQ_I64((uintptr_t)b.data % 32, 0);
+        ASSERT_MEM_EQ(a.data, b.data, a.size);
+    }
+    kvc_gguf_close(r);
     kvc_gguf_close(g);
     return 0;
 }

@@ -214,8 +214,45 @@ TEST(llama31_runs_through_the_cache) {
     return r;
 }
 
+/* use_mmap 0 (--no-mmap): the file read into memory gives the same model,
+ * logits bit for bit; anything but 0 or 1 is refused. */
+TEST(read_into_memory_equals_mapped) {
+    const char *path = getenv("KVC_TINY_LLAMA31_GGUF");
+    if (!path) SKIP("KVC_TINY_LLAMA31_GGUF not set (ctest sets it)");
+    kvc_model_params p = kvc_model_default_params();
+    ASSERT_EQ_I64(p.use_mmap, 1);
+    kvc_model *m[2] = {NULL, NULL};
+    ASSERT_OK(kvc_model_load(path, &p, &m[0]));
+    p.use_mmap = 0;
+    ASSERT_OK(kvc_model_load(path, &p, &m[1]));
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m[0], &in));
+    const int64_t T = 21, V = in.n_vocab;
+    int32_t tok[21];
+    for (int64_t t = 0; t < T; t++) tok[t] = (int32_t)((t * 37 + 5) % V);
+    float *lg[2];
+    for (int k = 0; k < 2; k++) {
+        lg[k] = malloc(sizeof(float) * (size_t)(T * V));
+        ASSERT_OK(kvc_model_eval(m[k], tok, T, 10, KVC_F16, lg[k], 2));
+    }
+    ASSERT_MEM_EQ(lg[0], lg[1], sizeof(float) * (size_t)(T * V));
+    free(lg[0]), free(lg[1]);
+    kvc_model_destroy(m[0]);
+    kvc_model_destroy(m[1]);
+    kvc_model *bad = NULL;
+    p.use_mmap = 2;
+    ASSERT_STATUS(kvc_model_load(path, &p, &bad), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "use_mmap");
+    ASSERT_TRUE(bad == NULL);
+    p.use_mmap = 0;
+    ASSERT_STATUS(kvc_model_load("/nonexistent/model.gguf", &p, &bad), KVC_ERR_IO);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "cannot open");
+    return 0;
+}
+
 const test_case test_suite[] = {
     TEST_ENTRY(missing_and_mistyped_keys_are_named),
+    TEST_ENTRY(read_into_memory_equals_mapped),
     TEST_ENTRY(unknown_keys_and_tensors_are_refused),
     TEST_ENTRY(qwen2_runs_through_the_cache),
     TEST_ENTRY(llama31_runs_through_the_cache),

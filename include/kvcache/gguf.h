@@ -124,6 +124,14 @@ typedef struct kvc_gguf kvc_gguf;
  * regular file or cannot be mapped; KVC_ERR_CORRUPT/UNSUPPORTED as above.
  * On error *out is NULL. */
 KVC_API kvc_status kvc_gguf_open(const char *path, kvc_gguf **out);
+/* kvc_gguf_open, except that the file is read into private memory instead
+ * of mapped (llama.cpp's --no-mmap): on Linux a file of 8 MiB or more lands
+ * on 2 MiB-aligned memory offered to transparent huge pages, which a file
+ * mapping of the page cache does not get, so weights streamed every token
+ * miss the TLB far less. It costs the read at open and memory of its own
+ * (a mapping shares the page cache between processes and loads lazily).
+ * KVC_ERR_NOMEM when the memory is not there. */
+KVC_API kvc_status kvc_gguf_open_read(const char *path, kvc_gguf **out);
 /* Validates a GGUF image in memory (not copied: data must outlive the
  * handle). For tests and fuzzing. Tensor data pointers are aligned to the
  * file's alignment only if data itself is. */

@@ -72,6 +72,13 @@ typedef struct kvc_model_params {
      * KVC_ERR_INVALID_ARG naming it (the CLI's -c/--ctx-size, Python's
      * Model(path, n_ctx=...)). */
     int32_t n_ctx;
+    /* 1 (default): the weights are used in place from the mapped GGUF file;
+     * 0: the file is read into memory of the model's own, on transparent huge
+     * pages where Linux gives them (kvc_gguf_open_read; llama.cpp's
+     * --no-mmap): decode streams every weight each token, and on 4 KiB file
+     * pages it misses the TLB more (docs/BENCHMARKS.md). prefault then
+     * changes nothing: the read touched every page. */
+    int32_t use_mmap;
 } kvc_model_params;
 
 KVC_API kvc_model_params kvc_model_default_params(void);

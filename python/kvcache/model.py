@@ -34,7 +34,8 @@ _i64 = ctypes.c_int64
 
 
 class ModelParams(ctypes.Structure):
-    _fields_ = [("progress", _vp), ("progress_user", _vp), ("prefault", _i32), ("n_ctx", _i32)]
+    _fields_ = [("progress", _vp), ("progress_user", _vp), ("prefault", _i32), ("n_ctx", _i32),
+                ("use_mmap", _i32)]
 
 
 class ModelInfo(ctypes.Structure):
@@ -191,15 +192,22 @@ class Model(_lib.NoCopy):
     engine requests; None (default) is the model's trained context
     (``info["n_ctx_train"]``), past which RoPE positions were never trained.
     Longer sequences raise InvalidArgumentError naming the limit.
+    use_mmap: True (default) uses the weights in place from the mapped file;
+    False reads the file into memory of the model's own, on transparent huge
+    pages where Linux gives them (llama.cpp's --no-mmap; faster decode, memory
+    not shared with other processes).
     Threads: any number may call eval/forward/generate and use Engines and
     the tokenizer of one model at once; close() waits for the calls running
     in other threads, and later calls raise.
     """
 
-    def __init__(self, path, *, n_ctx=None):
+    def __init__(self, path, *, n_ctx=None, use_mmap=True):
         self._ptr = None
         self._life = _lib.Lifetime("the model")
         p = kvc_model_default_params()
+        if not isinstance(use_mmap, bool):
+            raise InvalidArgumentError(f"use_mmap must be True or False, got {use_mmap!r}")
+        p.use_mmap = int(use_mmap)
         if n_ctx is not None:
             p.n_ctx = _lib.int32_attr(n_ctx, "n_ctx")
             if p.n_ctx < 1:

@@ -321,6 +321,25 @@ def test_model_errors(tmp_path):
         Model(bad)
 
 
+def test_read_into_memory_equals_mapped(tmp_path):
+    """use_mmap=False (llama.cpp's --no-mmap) reads the file into memory of
+    the model's own: the same logits, bit for bit; the same errors."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, n_layer=2, seed=3)
+    toks = np.arange(2, 30) % 64
+    with Model(path) as a, Model(path, use_mmap=False) as b:
+        np.testing.assert_array_equal(a.eval(toks, num_threads=2), b.eval(toks, num_threads=2))
+    with pytest.raises(kvcache.KvcacheIOError, match="cannot open"):
+        Model(tmp_path / "missing.gguf", use_mmap=False)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 8)
+    with pytest.raises(kvcache.CorruptError):
+        Model(bad, use_mmap=False)
+    for wrong in (0, 1, "no", None):
+        with pytest.raises(kvcache.InvalidArgumentError, match="use_mmap"):
+            Model(path, use_mmap=wrong)
+
+
 @pytest.mark.parametrize("count", [3, 2**30])
 def test_corrupt_block_count_is_refused_before_allocating(tmp_path, count):
     """block_count past the tensors in the file is corrupt metadata, refused

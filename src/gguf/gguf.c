@@ -147,7 +147,8 @@ typedef struct name_index {
 struct kvc_gguf {
     const uint8_t *base;
     uint64_t size;
-    void *map; /* non-NULL when base is our mmap */
+    void *map;  /* non-NULL when base is our mmap */
+    void *copy; /* non-NULL when base is our read copy (kvc_gguf_open_read) */
     uint32_t version;
     uint32_t alignment;
     uint64_t data_off; /* start of the data section */
@@ -719,10 +720,31 @@ static kvc_status with_path(kvc_status st, const char *path) {
     return kvc__error(st, "%.200s: %s", path, msg);
 }
 
-kvc_status kvc_gguf_open(const char *path, kvc_gguf **out) {
-    KVC_CHECK(out != NULL, "kvc_gguf_open: out is NULL");
-    *out = NULL;
-    KVC_CHECK(path != NULL, "kvc_gguf_open: path is NULL");
+/* Reads fd's size bytes into a kvc__alloc_large buffer (*copy). */
+static kvc_status read_all(int fd, const char *path, size_t size, void **copy) {
+    unsigned char *buf = kvc__alloc_large(size, 4096); /* aligned as a mapping would be */
+    if (!buf)
+        return kvc__error(KVC_ERR_NOMEM, "%.200s: out of memory reading %zu bytes", path, size);
+    size_t got = 0;
+    while (got < size) {
+        const size_t want = size - got < ((size_t)1 << 30) ? size - got : (size_t)1 << 30;
+        ssize_t r = read(fd, buf + got, want);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+            const int e = errno;
+            free(buf);
+            return r < 0 ? kvc__error(KVC_ERR_IO, "%.200s: cannot read: %s", path, strerror(e))
+                         : kvc__error(KVC_ERR_IO, "%.200s: the file shrank while read (%zu of "
+                                      "%zu bytes)", path, got, size);
+        }
+        got += (size_t)r;
+    }
+    *copy = buf;
+    return KVC_OK;
+}
+
+static kvc_status open_file(const char *path, int read_copy, kvc_gguf **out) {
+    KVC_CHECK(path != NULL, "%s: path is NULL", read_copy ? "kvc_gguf_open_read" : "kvc_gguf_open");
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return kvc__error(KVC_ERR_IO, "%.200s: cannot open: %s", path, strerror(errno));
     struct stat sb;
@@ -744,21 +766,42 @@ kvc_status kvc_gguf_open(const char *path, kvc_gguf **out) {
         return kvc__error(KVC_ERR_UNSUPPORTED, "%.200s: file too large to map", path);
     }
     size_t size = (size_t)sb.st_size;
-    void *map = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    int map_errno = errno;
-    close(fd); /* the mapping keeps the file open */
-    if (map == MAP_FAILED)
-        return kvc__error(KVC_ERR_IO, "%.200s: cannot mmap %zu bytes: %s", path, size,
-                          strerror(map_errno));
+    void *map = NULL, *copy = NULL;
+    if (read_copy) {
+        kvc_status st = read_all(fd, path, size, &copy);
+        close(fd);
+        if (st != KVC_OK) return st;
+    } else {
+        map = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
+        int map_errno = errno;
+        close(fd); /* the mapping keeps the file open */
+        if (map == MAP_FAILED)
+            return kvc__error(KVC_ERR_IO, "%.200s: cannot mmap %zu bytes: %s", path, size,
+                              strerror(map_errno));
+    }
     kvc_gguf *g = NULL;
-    kvc_status st = kvc_gguf_open_memory(map, size, &g);
+    kvc_status st = kvc_gguf_open_memory(map ? map : copy, size, &g);
     if (st != KVC_OK) {
-        munmap(map, size);
+        if (map) munmap(map, size);
+        free(copy);
         return with_path(st, path);
     }
     g->map = map;
+    g->copy = copy;
     *out = g;
     return KVC_OK;
+}
+
+kvc_status kvc_gguf_open(const char *path, kvc_gguf **out) {
+    KVC_CHECK(out != NULL, "kvc_gguf_open: out is NULL");
+    *out = NULL;
+    return open_file(path, 0, out);
+}
+
+kvc_status kvc_gguf_open_read(const char *path, kvc_gguf **out) {
+    KVC_CHECK(out != NULL, "kvc_gguf_open_read: out is NULL");
+    *out = NULL;
+    return open_file(path, 1, out);
 }
 
 void kvc_gguf_close(kvc_gguf *g) {
@@ -770,6 +813,7 @@ void kvc_gguf_close(kvc_gguf *g) {
     free(g->tensor_index.slots);
     free(g->names);
     if (g->map) munmap(g->map, (size_t)g->size);
+    free(g->copy);
     free(g);
 }
 

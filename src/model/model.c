@@ -156,6 +156,7 @@ kvc_model_params kvc_model_default_params(void) {
     kvc_model_params p;
     memset(&p, 0, sizeof p);
     p.prefault = 1;
+    p.use_mmap = 1;
     return p;
 }
 
@@ -335,9 +336,11 @@ kvc_status kvc_model_load(const char *path, const kvc_model_params *params, kvc_
     kvc_model_params p = params ? *params : kvc_model_default_params();
     KVC_CHECK(p.n_ctx >= 0, "kvc_model_load: n_ctx %d must be >= 0 (0: the model's own)",
               (int)p.n_ctx);
+    KVC_CHECK(p.use_mmap == 0 || p.use_mmap == 1, "kvc_model_load: use_mmap %d must be 0 or 1",
+              (int)p.use_mmap);
     kvc_model *m = calloc(1, sizeof *m);
     if (!m) return kvc__error(KVC_ERR_NOMEM, "kvc_model_load: out of memory");
-    kvc_status st = kvc_gguf_open(path, &m->g);
+    kvc_status st = p.use_mmap ? kvc_gguf_open(path, &m->g) : kvc_gguf_open_read(path, &m->g);
     if (st == KVC_OK) st = load_all(m, &p);
     if (st == KVC_OK) m->info.n_ctx = p.n_ctx > 0 ? p.n_ctx : m->info.n_ctx_train;
     if (st != KVC_OK) {

@@ -70,9 +70,11 @@ static void load_progress(float f, void *user) {
     fflush(stderr);
 }
 
-kvc_model *cli_load_model(const char *cmd, const char *path, int quiet, int64_t n_ctx) {
+kvc_model *cli_load_model(const char *cmd, const char *path, int quiet, int64_t n_ctx,
+                          int no_mmap) {
     kvc_model_params mp = kvc_model_default_params();
     mp.n_ctx = (int32_t)n_ctx;
+    mp.use_mmap = !no_mmap;
     int last = -1;
     if (!quiet && isatty(2)) {
         mp.progress = load_progress;
@@ -99,7 +101,8 @@ const char cli_gen_opts_help[] =
     "  --seed N            sampling seed (default 0)\n"
     "  --kv-dtype TYPE     KV cache storage: " CLI_KV_HELP " (default f16)\n"
     "  -t, --threads N     threads (default: the CPUs this process may run on)\n"
-    "  --ignore-eos        keep generating after an end-of-generation token\n";
+    "  --ignore-eos        keep generating after an end-of-generation token\n"
+    CLI_NO_MMAP_HELP;
 
 void cli_gen_opts_default(cli_gen_opts *o, int64_t n_predict) {
     memset(o, 0, sizeof *o);
@@ -117,6 +120,10 @@ int cli_gen_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_gen_o
     const char *v = *i + 1 < argc ? argv[*i + 1] : NULL;
     if (!strcmp(a, "--ignore-eos")) {
         o->ignore_eos = 1;
+        return 1;
+    }
+    if (!strcmp(a, "--no-mmap")) {
+        o->no_mmap = 1;
         return 1;
     }
     static const char *const with_value[] = {"-m",     "--model", "-n",     "--n-predict",

@@ -26,10 +26,12 @@ int cli_read_file(const char *cmd, const char *path, char **text, size_t *len);
 int cli_read_prompt(const char *cmd, const char *path, char **text, size_t *len);
 
 /* Loads a GGUF model with the context limit n_ctx (0: the model's trained
- * context; kvc_model_params.n_ctx), with a load percentage on stderr when it
- * is a terminal and !quiet. On failure prints why (and how to fetch the
- * default model when the file is missing) and returns NULL. */
-kvc_model *cli_load_model(const char *cmd, const char *path, int quiet, int64_t n_ctx);
+ * context; kvc_model_params.n_ctx), mapped or, with no_mmap, read into memory
+ * (kvc_model_params.use_mmap), with a load percentage on stderr when it is a
+ * terminal and !quiet. On failure prints why (and how to fetch the default
+ * model when the file is missing) and returns NULL. */
+kvc_model *cli_load_model(const char *cmd, const char *path, int quiet, int64_t n_ctx,
+                          int no_mmap);
 
 /* Options every generating command takes. */
 typedef struct cli_gen_opts {
@@ -37,11 +39,16 @@ typedef struct cli_gen_opts {
     int64_t n_predict, threads, top_k;
     uint64_t seed;
     double temp, top_p;
-    int kv_dtype, ignore_eos, quiet;
+    int kv_dtype, ignore_eos, quiet, no_mmap;
 } cli_gen_opts;
 
 /* Their lines for a command's --help. */
 extern const char cli_gen_opts_help[];
+/* --no-mmap's lines, for the commands with parsers of their own too. */
+#define CLI_NO_MMAP_HELP                                                                           \
+    "  --no-mmap           read the model into memory instead of mapping it (faster\n"            \
+    "                      decode where the kernel backs it with huge pages; memory\n"           \
+    "                      not shared with other processes)\n"
 
 void cli_gen_opts_default(cli_gen_opts *o, int64_t n_predict);
 /* If argv[*i] is one of the shared options, parses it (and its value,

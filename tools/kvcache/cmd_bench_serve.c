@@ -43,6 +43,7 @@ static const char serve_usage[] =
     "                       continuous-batching engine\n"
     "  --step-tokens N      token rows per engine step / prefill forward (default 512)\n"
     "  -t, --threads N      threads (default 2)\n"
+    "  --no-mmap            read the model into memory instead of mapping it\n"
     "  --quick              prompt 64, gen 8, batch 1,4, f16: a smoke test (options\n"
     "                       given explicitly keep their values)\n"
     "  --json               one JSON object per line\n"
@@ -187,6 +188,7 @@ int cmd_bench_serve(int argc, char **argv) {
     const char *model_path = cli_default_model(), *text = NULL, *text_file = NULL;
     int64_t batches[16] = {1, 16}, prompt_len = 2048, gen = 32, threads = 2, step_tokens = 512;
     int n_batches = 2, n_dtypes = 2, shared = 0, quick = 0, json = 0, sync = 0, no_prefix = 0;
+    int no_mmap = 0;
     int set_batch = 0, set_prompt = 0, set_gen = 0, set_dtype = 0; /* win over --quick */
     int dtypes[8] = {KVC_F16, CLI_KV_KIVI8};
     cli_store_opts so;
@@ -206,6 +208,7 @@ int cmd_bench_serve(int argc, char **argv) {
                     : !strcmp(a, "--json")            ? &json
                     : !strcmp(a, "--sync")            ? &sync
                     : !strcmp(a, "--no-prefix-cache") ? &no_prefix
+                    : !strcmp(a, "--no-mmap")         ? &no_mmap
                                                       : NULL;
         if (flag) {
             *flag = 1;
@@ -275,7 +278,7 @@ int cmd_bench_serve(int argc, char **argv) {
     }
     int rc = CLI_EXIT_FAIL;
     int32_t *text_ids = NULL;
-    kvc_model *model = cli_load_model(cmd, model_path, json, 0);
+    kvc_model *model = cli_load_model(cmd, model_path, json, 0, no_mmap);
     if (!model) goto done;
     kvc_model_info info;
     kvc_model_get_info(model, &info);

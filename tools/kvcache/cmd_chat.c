@@ -156,7 +156,7 @@ int cmd_chat(int argc, char **argv) {
         system = sys_text;
     }
     if (tmpl_file && cli_read_file(cmd, tmpl_file, &tmpl, &len)) goto done;
-    if (!(model = cli_load_model(cmd, o.model_path, o.quiet, 0))) goto done;
+    if (!(model = cli_load_model(cmd, o.model_path, o.quiet, 0, o.no_mmap))) goto done;
     const kvc_tokenizer *tok = kvc_model_tokenizer(model);
     kvc_model_info info;
     if (kvc_model_get_info(model, &info) != KVC_OK) goto fail;

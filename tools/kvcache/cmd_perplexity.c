@@ -47,6 +47,7 @@ static const char ppl_usage[] =
     "  --kv-group N         int8-token/int4-token: elements per scale, dividing the head dim\n"
     "                       (default 8, the engine's)\n"
     "  -t, --threads N      threads (default: online CPUs)\n"
+    "  --no-mmap            read the model into memory instead of mapping it\n"
     "  --json               one JSON object: ppl, ppl_stderr, n_chunks, n_scored, n_ctx,\n"
     "                       n_tokens, kv_dtype, kv_group, kv_bytes_per_token\n"
     "  -q, --quiet          no progress on stderr (shown only on a terminal anyway)\n"
@@ -172,7 +173,7 @@ done:
 int cmd_perplexity(int argc, char **argv) {
     const char *cmd = "perplexity";
     const char *model_path = cli_default_model(), *file = NULL;
-    int json = 0, quiet = 0, kv_dtype = KVC_F16;
+    int json = 0, quiet = 0, kv_dtype = KVC_F16, no_mmap = 0;
     int64_t n_ctx = 1024, n_batch = 512, threads = cli_online_cpus();
     int64_t group = kvc_engine_default_params().quant_group;
     int set_group = 0;
@@ -189,6 +190,10 @@ int cmd_perplexity(int argc, char **argv) {
         }
         if (!strcmp(a, "-q") || !strcmp(a, "--quiet")) {
             quiet = 1;
+            continue;
+        }
+        if (!strcmp(a, "--no-mmap")) {
+            no_mmap = 1;
             continue;
         }
         if (!v) return cli_usage_error(cmd, "unexpected argument '%s' (or missing value)", a);
@@ -232,6 +237,7 @@ int cmd_perplexity(int argc, char **argv) {
     }
     const int tty = !quiet && isatty(2);
     kvc_model_params mp = kvc_model_default_params();
+    mp.use_mmap = !no_mmap;
     if (tty) mp.progress = load_progress;
     kvc_model *model = NULL;
     if (kvc_model_load(model_path, &mp, &model) != KVC_OK) {

@@ -107,7 +107,7 @@ int cmd_run(int argc, char **argv) {
     }
     if (tmpl_file && cli_read_file(cmd, tmpl_file, &tmpl, &tmpl_len)) goto done;
     const double t0 = bench_now();
-    if (!(model = cli_load_model(cmd, o.model_path, o.quiet, n_ctx))) goto done;
+    if (!(model = cli_load_model(cmd, o.model_path, o.quiet, n_ctx, o.no_mmap))) goto done;
     const double t_load = bench_now() - t0;
     const kvc_tokenizer *tok = kvc_model_tokenizer(model);
     int64_t n_ids = 0;
