@@ -184,7 +184,7 @@ def _sampling(temperature, top_k, top_p, seed) -> SamplingParams:
 
 
 class Model(_lib.NoCopy):
-    """A GGUF model (llama or qwen2 architecture) mapped read-only.
+    """A GGUF model (llama or qwen2 architecture), mapped read-only (use_mmap).
 
     Attributes: ``info`` (dict of kvc_model_info: the architecture's sizes,
     rope variant and scaling, bias bits), ``n_vocab``, ``n_ctx``.
