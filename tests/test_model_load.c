@@ -214,17 +214,38 @@ TEST(llama31_runs_through_the_cache) {
     return r;
 }
 
+typedef struct progress_log {
+    int n, monotonic;
+    float last;
+} progress_log;
+
+static void on_progress(float f, void *user) {
+    progress_log *g = user;
+    g->monotonic &= f >= g->last && f <= 1.0f;
+    g->last = f;
+    g->n++;
+}
+
 /* use_mmap 0 (--no-mmap): the file read into memory gives the same model,
- * logits bit for bit; anything but 0 or 1 is refused. */
+ * logits bit for bit, with progress from 0 to 1 as when mapped; anything
+ * but 0 or 1 is refused. */
 TEST(read_into_memory_equals_mapped) {
     const char *path = getenv("KVC_TINY_LLAMA31_GGUF");
     if (!path) SKIP("KVC_TINY_LLAMA31_GGUF not set (ctest sets it)");
     kvc_model_params p = kvc_model_default_params();
     ASSERT_EQ_I64(p.use_mmap, 1);
     kvc_model *m[2] = {NULL, NULL};
+    progress_log pl[2] = {{0, 1, 0.0f}, {0, 1, 0.0f}};
+    p.progress = on_progress;
+    p.progress_user = &pl[0];
     ASSERT_OK(kvc_model_load(path, &p, &m[0]));
     p.use_mmap = 0;
+    p.progress_user = &pl[1];
     ASSERT_OK(kvc_model_load(path, &p, &m[1]));
+    for (int k = 0; k < 2; k++) {
+        ASSERT_TRUE(pl[k].n >= 3 && pl[k].monotonic);
+        ASSERT_TRUE(pl[k].last == 1.0f);
+    }
     kvc_model_info in;
     ASSERT_OK(kvc_model_get_info(m[0], &in));
     const int64_t T = 21, V = in.n_vocab;

@@ -76,8 +76,8 @@ typedef struct kvc_model_params {
      * 0: the file is read into memory of the model's own, on transparent huge
      * pages where Linux gives them (kvc_gguf_open_read; llama.cpp's
      * --no-mmap): decode streams every weight each token, and on 4 KiB file
-     * pages it misses the TLB more (docs/BENCHMARKS.md). prefault then
-     * changes nothing: the read touched every page. */
+     * pages it misses the TLB more (docs/BENCHMARKS.md). prefault is then
+     * moot (the read touched every page) and progress covers the read. */
     int32_t use_mmap;
 } kvc_model_params;
 

@@ -39,6 +39,7 @@
 #include <unistd.h>
 
 #include "../core/internal.h"
+#include "gguf_internal.h"
 #include "kvcache/gguf.h"
 
 /* Levels of array nesting accepted: 1 = plain arrays, 2 = arrays of arrays. */
@@ -720,14 +721,16 @@ static kvc_status with_path(kvc_status st, const char *path) {
     return kvc__error(st, "%.200s: %s", path, msg);
 }
 
-/* Reads fd's size bytes into a kvc__alloc_large buffer (*copy). */
-static kvc_status read_all(int fd, const char *path, size_t size, void **copy) {
+/* Reads fd's size bytes into a kvc__alloc_large buffer (*copy), reporting
+ * the fraction read to fn (may be NULL) every 64 MiB. */
+static kvc_status read_all(int fd, const char *path, size_t size, kvc_progress_fn fn, void *user,
+                           void **copy) {
     unsigned char *buf = kvc__alloc_large(size, 4096); /* aligned as a mapping would be */
     if (!buf)
         return kvc__error(KVC_ERR_NOMEM, "%.200s: out of memory reading %zu bytes", path, size);
     size_t got = 0;
     while (got < size) {
-        const size_t want = size - got < ((size_t)1 << 30) ? size - got : (size_t)1 << 30;
+        const size_t want = size - got < ((size_t)64 << 20) ? size - got : (size_t)64 << 20;
         ssize_t r = read(fd, buf + got, want);
         if (r < 0 && errno == EINTR) continue;
         if (r <= 0) {
@@ -738,12 +741,14 @@ static kvc_status read_all(int fd, const char *path, size_t size, void **copy) {
                                       "%zu bytes)", path, got, size);
         }
         got += (size_t)r;
+        if (fn) fn((float)((double)got / (double)size), user);
     }
     *copy = buf;
     return KVC_OK;
 }
 
-static kvc_status open_file(const char *path, int read_copy, kvc_gguf **out) {
+static kvc_status open_file(const char *path, int read_copy, kvc_progress_fn fn, void *user,
+                            kvc_gguf **out) {
     KVC_CHECK(path != NULL, "%s: path is NULL", read_copy ? "kvc_gguf_open_read" : "kvc_gguf_open");
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return kvc__error(KVC_ERR_IO, "%.200s: cannot open: %s", path, strerror(errno));
@@ -768,7 +773,7 @@ static kvc_status open_file(const char *path, int read_copy, kvc_gguf **out) {
     size_t size = (size_t)sb.st_size;
     void *map = NULL, *copy = NULL;
     if (read_copy) {
-        kvc_status st = read_all(fd, path, size, &copy);
+        kvc_status st = read_all(fd, path, size, fn, user, &copy);
         close(fd);
         if (st != KVC_OK) return st;
     } else {
@@ -795,13 +800,17 @@ static kvc_status open_file(const char *path, int read_copy, kvc_gguf **out) {
 kvc_status kvc_gguf_open(const char *path, kvc_gguf **out) {
     KVC_CHECK(out != NULL, "kvc_gguf_open: out is NULL");
     *out = NULL;
-    return open_file(path, 0, out);
+    return open_file(path, 0, NULL, NULL, out);
 }
 
 kvc_status kvc_gguf_open_read(const char *path, kvc_gguf **out) {
+    return kvc__gguf_open_read(path, NULL, NULL, out);
+}
+
+kvc_status kvc__gguf_open_read(const char *path, kvc_progress_fn fn, void *user, kvc_gguf **out) {
     KVC_CHECK(out != NULL, "kvc_gguf_open_read: out is NULL");
     *out = NULL;
-    return open_file(path, 1, out);
+    return open_file(path, 1, fn, user, out);
 }
 
 void kvc_gguf_close(kvc_gguf *g) {

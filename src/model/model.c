@@ -23,6 +23,7 @@
 #include "kvcache/paged.h"
 #include "kvcache/prefill.h"
 #include "../core/internal.h"
+#include "../gguf/gguf_internal.h"
 #include "../kvfmt/kvfmt_internal.h"
 #include "model_internal.h"
 #include "../paged/paged_internal.h"
@@ -182,6 +183,9 @@ static void progress(const kvc_model_params *p, float f) {
     if (p->progress) p->progress(f, p->progress_user);
 }
 
+/* use_mmap 0: the file's read is the first 90% of the load */
+static void read_progress(float f, void *user) { progress(user, 0.9f * f); }
+
 /* Every tensor of the file must have been taken: one the runtime would not
  * read (another architecture's, a block past block_count) is refused. */
 static kvc_status check_all_used(const kvc_model *m) {
@@ -306,12 +310,13 @@ static kvc_status load_all(kvc_model *m, const kvc_model_params *p) {
         if (arch->qkv_bias == 2 && !(L->bq && L->bk && L->bv))
             return kvc__error(KVC_ERR_CORRUPT, "model: block %d lacks one of the attn_q/attn_k/"
                               "attn_v biases the %s architecture has", (int)l, arch->name);
-        progress(p, 0.1f * (float)(l + 1) / (float)in->n_layer);
+        /* mapped: setup 0-10%, the prefault after it; read: the read 0-90% */
+        progress(p, (p->use_mmap ? 0.0f : 0.9f) + 0.1f * (float)(l + 1) / (float)in->n_layer);
     }
     KVC_TRY(check_all_used(m));
     free(m->used);
     m->used = NULL;
-    if (p->prefault) { /* touch every weight page now, not during the first step */
+    if (p->prefault && p->use_mmap) { /* touch every weight page now, not during the first step */
         int64_t nt = kvc_gguf_n_tensors(m->g);
         volatile unsigned char sink = 0;
         size_t done = 0;
@@ -340,7 +345,9 @@ kvc_status kvc_model_load(const char *path, const kvc_model_params *params, kvc_
               (int)p.use_mmap);
     kvc_model *m = calloc(1, sizeof *m);
     if (!m) return kvc__error(KVC_ERR_NOMEM, "kvc_model_load: out of memory");
-    kvc_status st = p.use_mmap ? kvc_gguf_open(path, &m->g) : kvc_gguf_open_read(path, &m->g);
+    kvc_status st = p.use_mmap ? kvc_gguf_open(path, &m->g)
+                               : kvc__gguf_open_read(path, p.progress ? read_progress : NULL, &p,
+                                                     &m->g);
     if (st == KVC_OK) st = load_all(m, &p);
     if (st == KVC_OK) m->info.n_ctx = p.n_ctx > 0 ? p.n_ctx : m->info.n_ctx_train;
     if (st != KVC_OK) {
