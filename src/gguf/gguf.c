@@ -723,8 +723,8 @@ static kvc_status with_path(kvc_status st, const char *path) {
 
 /* Reads fd's size bytes into a kvc__alloc_large buffer (*copy), reporting
  * the fraction read to fn (may be NULL) every 64 MiB. */
-static kvc_status read_all(int fd, const char *path, size_t size, kvc_progress_fn fn, void *user,
-                           void **copy) {
+static kvc_status read_all(int fd, const char *path, size_t size, void (*fn)(float, void *),
+                           void *user, void **copy) {
     unsigned char *buf = kvc__alloc_large(size, 4096); /* aligned as a mapping would be */
     if (!buf)
         return kvc__error(KVC_ERR_NOMEM, "%.200s: out of memory reading %zu bytes", path, size);
@@ -747,8 +747,8 @@ static kvc_status read_all(int fd, const char *path, size_t size, kvc_progress_f
     return KVC_OK;
 }
 
-static kvc_status open_file(const char *path, int read_copy, kvc_progress_fn fn, void *user,
-                            kvc_gguf **out) {
+static kvc_status open_file(const char *path, int read_copy, void (*fn)(float, void *),
+                            void *user, kvc_gguf **out) {
     KVC_CHECK(path != NULL, "%s: path is NULL", read_copy ? "kvc_gguf_open_read" : "kvc_gguf_open");
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return kvc__error(KVC_ERR_IO, "%.200s: cannot open: %s", path, strerror(errno));
@@ -807,7 +807,8 @@ kvc_status kvc_gguf_open_read(const char *path, kvc_gguf **out) {
     return kvc__gguf_open_read(path, NULL, NULL, out);
 }
 
-kvc_status kvc__gguf_open_read(const char *path, kvc_progress_fn fn, void *user, kvc_gguf **out) {
+kvc_status kvc__gguf_open_read(const char *path, void (*fn)(float, void *), void *user,
+                               kvc_gguf **out) {
     KVC_CHECK(out != NULL, "kvc_gguf_open_read: out is NULL");
     *out = NULL;
     return open_file(path, 1, fn, user, out);
