@@ -749,7 +749,10 @@ static kvc_status read_all(int fd, const char *path, size_t size, void (*fn)(flo
 
 static kvc_status open_file(const char *path, int read_copy, void (*fn)(float, void *),
                             void *user, kvc_gguf **out) {
-    KVC_CHECK(path != NULL, "%s: path is NULL", read_copy ? "kvc_gguf_open_read" : "kvc_gguf_open");
+    const char *name = read_copy ? "kvc_gguf_open_read" : "kvc_gguf_open";
+    KVC_CHECK(out != NULL, "%s: out is NULL", name);
+    *out = NULL;
+    KVC_CHECK(path != NULL, "%s: path is NULL", name);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return kvc__error(KVC_ERR_IO, "%.200s: cannot open: %s", path, strerror(errno));
     struct stat sb;
@@ -798,8 +801,6 @@ static kvc_status open_file(const char *path, int read_copy, void (*fn)(float, v
 }
 
 kvc_status kvc_gguf_open(const char *path, kvc_gguf **out) {
-    KVC_CHECK(out != NULL, "kvc_gguf_open: out is NULL");
-    *out = NULL;
     return open_file(path, 0, NULL, NULL, out);
 }
 
@@ -809,8 +810,6 @@ kvc_status kvc_gguf_open_read(const char *path, kvc_gguf **out) {
 
 kvc_status kvc__gguf_open_read(const char *path, void (*fn)(float, void *), void *user,
                                kvc_gguf **out) {
-    KVC_CHECK(out != NULL, "kvc_gguf_open_read: out is NULL");
-    *out = NULL;
     return open_file(path, 1, fn, user, out);
 }
 
