@@ -748,7 +748,8 @@ TEST(kvfmt_create) {
         kvc_seq_id s;
         int64_t live = k.live;
         ASSERT_OK(kvc_cache_add_sequence(c, NULL, 5, 0, &s, NULL));
-        ASSERT_EQ_I64(k.live, live + 3); /* the id array, the sequence and its tails */
+        /* the id array, the sequence, its tails and (kivi4) its first page's sink rows */
+        ASSERT_EQ_I64(k.live, live + 3 + (fmt.sink > 0));
         kvc_kvfmt_seq q0, q1;
         ASSERT_OK(kvc_cache_kvfmt_seqs(c, 0, &s, 1, &q0));
         ASSERT_OK(kvc_cache_kvfmt_seqs(c, 1, &s, 1, &q1));
@@ -756,13 +757,22 @@ TEST(kvfmt_create) {
         ASSERT_TRUE(q0.pages == q1.pages);
         ASSERT_EQ_I64((char *)q1.tail - (char *)q0.tail, (int64_t)kvc_kvfmt_tail_bytes(&fmt));
         ASSERT_EQ_I64(kvc_kvfmt_tail_bytes(&fmt), 2 * 64 * 3 * 64 * 2);
+        ASSERT_EQ_I64(fmt.sink, kfs[f] == KVC_KVFMT_KIVI4);
+        if (fmt.sink) {
+            ASSERT_TRUE(q0.sink != NULL);
+            ASSERT_EQ_I64((char *)q1.sink - (char *)q0.sink, (int64_t)kvc_kvfmt_sink_bytes(&fmt));
+            ASSERT_EQ_I64(kvc_kvfmt_sink_bytes(&fmt), 2 * 1 * 3 * 64 * 2);
+        } else {
+            ASSERT_TRUE(q0.sink == NULL && kvc_kvfmt_sink_bytes(&fmt) == 0);
+        }
         kvc_seq_id bad = s + 7;
         ASSERT_STATUS(kvc_cache_kvfmt_seqs(c, 0, &bad, 1, &q0), KVC_ERR_NOT_FOUND);
         ASSERT_STATUS(kvc_cache_kvfmt_seqs(c, 30, &s, 1, &q0), KVC_ERR_INVALID_ARG);
         ASSERT_OK(kvc_cache_kvfmt_seqs(c, 0, NULL, 0, NULL));
         ASSERT_OK(kvc_cache_check(c));
         ASSERT_OK(kvc_cache_free_sequence(c, s));
-        ASSERT_EQ_I64(k.live, live + 1);
+        /* the id array; a dropped sink allocation stays as the spare */
+        ASSERT_EQ_I64(k.live, live + 1 + (fmt.sink > 0));
         kvc_cache_destroy(c);
         ASSERT_EQ_I64(k.live, 0);
         /* num_pages from max_bytes: whole pages of every layer */
@@ -864,6 +874,83 @@ TEST(kvfmt_prefix_hits_whole_groups) {
     ASSERT_OK(kvc_cache_lookup_prefix(c, L, 257, 0, &hit));
     ASSERT_EQ_I64(hit, 256);
     ASSERT_OK(kvc_cache_check(c));
+    kvc_cache_destroy(c);
+    return 0;
+}
+
+/* kivi4's sink rows (position 0 in float16) belong to the sequence's first
+ * page: a prefix hit and a fork share them, a copy of the shared first page
+ * (copy-on-write) copies them, a cached first page keeps them for the next
+ * hit, and a page taken for something else loses them. */
+static int sink_of(kvc_cache *c, kvc_seq_id s, uint16_t **out) {
+    kvc_kvfmt_seq q;
+    ASSERT_OK(kvc_cache_kvfmt_seqs(c, 1, &s, 1, &q));
+    *out = q.sink;
+    return 0;
+}
+
+TEST(kvfmt_sink_rows_follow_the_first_page) {
+    kvc_cache *c;
+    kvc_cache_params p = fmt_params(KVC_KVFMT_KIVI4, 16, 16);
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    kvc_kvfmt fmt;
+    ASSERT_OK(kvc_cache_kvfmt(c, &fmt));
+    ASSERT_EQ_I64(fmt.sink, 1);
+    const size_t n = kvc_kvfmt_sink_bytes(&fmt) / 2; /* (2, 1, H 2, Dh 8) */
+    ASSERT_EQ_I64(n, 32);
+    int32_t A[100];
+    for (int i = 0; i < 100; i++) A[i] = 7 + i;
+    kvc_seq_id a, b, d, e;
+    int64_t hit;
+    uint16_t *sa, *sb, *sd, *se;
+    ASSERT_OK(kvc_cache_add_sequence(c, A, 80, 0, &a, &hit));
+    ASSERT_EQ_I64(hit, 0);
+    ASSERT_TRUE(sink_of(c, a, &sa) == 0 && sa != NULL);
+    for (size_t i = 0; i < n; i++) ASSERT_EQ_I64(sa[i], 0); /* zeroed until written */
+    for (size_t i = 0; i < n; i++) sa[i] = (uint16_t)(0x3c00 + i); /* "position 0" */
+    /* a prefix hit shares the first page and its sink rows */
+    ASSERT_OK(kvc_cache_add_sequence(c, A, 90, 0, &b, &hit));
+    ASSERT_EQ_I64(hit, 64);
+    ASSERT_TRUE(sink_of(c, b, &sb) == 0 && sb == sa);
+    /* freed, the first page stays cached with its rows: a later hit finds them */
+    ASSERT_OK(kvc_cache_free_sequence(c, a));
+    ASSERT_OK(kvc_cache_free_sequence(c, b));
+    ASSERT_OK(kvc_cache_add_sequence(c, A, 70, 0, &b, &hit));
+    ASSERT_EQ_I64(hit, 64);
+    ASSERT_TRUE(sink_of(c, b, &sb) == 0 && sb != NULL);
+    for (size_t i = 0; i < n; i++) ASSERT_EQ_I64(sb[i], 0x3c00 + i);
+    /* fork shares; the child's first append inside group 0 copies the first
+     * page and its sink rows */
+    ASSERT_OK(kvc_cache_add_sequence(c, NULL, 10, 0, &d, NULL));
+    ASSERT_TRUE(sink_of(c, d, &sd) == 0 && sd != NULL && sd != sb);
+    for (size_t i = 0; i < n; i++) sd[i] = (uint16_t)(0x4000 + 3 * i);
+    ASSERT_OK(kvc_cache_fork(c, d, &e));
+    ASSERT_TRUE(sink_of(c, e, &se) == 0 && se == sd);
+    ASSERT_OK(kvc_cache_append(c, e, NULL, 1, NULL));
+    ASSERT_TRUE(sink_of(c, e, &se) == 0 && se != sd && se != NULL);
+    ASSERT_MEM_EQ(se, sd, n * 2);
+    ASSERT_TRUE(page_of(c, e, 0, 16) != page_of(c, d, 0, 16));
+    /* an empty sequence gets its rows with its first page */
+    kvc_seq_id z;
+    uint16_t *sz;
+    ASSERT_OK(kvc_cache_add_sequence(c, NULL, 0, 0, &z, NULL));
+    ASSERT_TRUE(sink_of(c, z, &sz) == 0 && sz == NULL);
+    ASSERT_OK(kvc_cache_append(c, z, NULL, 3, NULL));
+    ASSERT_TRUE(sink_of(c, z, &sz) == 0 && sz != NULL);
+    for (size_t i = 0; i < n; i++) ASSERT_EQ_I64(sz[i], 0);
+    ASSERT_OK(kvc_cache_check(c));
+    /* truncated to 0 and appended again: a new first page, new rows */
+    ASSERT_OK(kvc_cache_truncate(c, d, 0));
+    ASSERT_OK(kvc_cache_append(c, d, NULL, 5, NULL));
+    ASSERT_TRUE(sink_of(c, d, &sd) == 0 && sd != NULL);
+    for (size_t i = 0; i < n; i++) ASSERT_EQ_I64(sd[i], 0);
+    ASSERT_OK(kvc_cache_check(c));
+    kvc_cache_destroy(c);
+    /* kivi8 keeps none */
+    p = fmt_params(KVC_KVFMT_KIVI8, 16, 16);
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    ASSERT_OK(kvc_cache_add_sequence(c, NULL, 10, 0, &d, NULL));
+    ASSERT_TRUE(sink_of(c, d, &sd) == 0 && sd == NULL);
     kvc_cache_destroy(c);
     return 0;
 }
@@ -1123,6 +1210,11 @@ static size_t fmt_tail_off(const rt *r, int64_t t, int x) { /* uint16 (2, G, H, 
     return ((size_t)x * r->G + (size_t)(t % r->G)) * (size_t)(r->p.num_kv_heads * r->p.head_dim);
 }
 
+static int64_t fmt_sink(const rt *r) {
+    kvc_kvfmt f;
+    return kvc_cache_kvfmt(r->c, &f) == KVC_OK ? f.sink : 0;
+}
+
 static int write_kvfmt(rt *r, const mseq *m, int64_t from) {
     const int32_t ps = r->p.page_size, G = r->G;
     for (int l = 0; l < r->p.num_layers; l++) {
@@ -1136,6 +1228,12 @@ static int write_kvfmt(rt *r, const mseq *m, int64_t from) {
             for (int x = 0; x < 2; x++) {
                 uint32_t w = kv_value(m->val[t], l, x, 0);
                 memcpy(fs.tail + fmt_tail_off(r, t, x), &w, 4);
+            }
+        const int64_t S = fmt_sink(r), HD = r->p.num_kv_heads * r->p.head_dim;
+        for (int64_t t = from; t < S && t < m->len; t++) /* the sink rows (kivi4: position 0) */
+            for (int x = 0; x < 2; x++) {
+                uint32_t w = kv_value(m->val[t], l, x, 1);
+                memcpy(fs.sink + (x * S + t) * HD, &w, 4);
             }
         for (int64_t g = from / G * G; g + G <= m->len; g += G) /* groups completed */
             for (int64_t t = g; t < g + G; t++)
@@ -1172,6 +1270,15 @@ static int verify_kvfmt(rt *r, const mseq *m, const int32_t *idx) {
                 if (w != want)
                     TEST_FAIL_("seq %lld token %lld layer %d: wrong %s word", (long long)m->id,
                                (long long)t, l, t < m->len / G * G ? "page" : "tail");
+            }
+        const int64_t S = fmt_sink(r), HD = r->p.num_kv_heads * r->p.head_dim;
+        for (int64_t t = 0; t < S && t < m->len; t++)
+            for (int x = 0; x < 2; x++) {
+                uint32_t w;
+                memcpy(&w, fs.sink + (x * S + t) * HD, 4);
+                if (w != kv_value(m->val[t], l, x, 1))
+                    TEST_FAIL_("seq %lld token %lld layer %d: wrong sink word", (long long)m->id,
+                               (long long)t, l);
             }
     }
     return 0;
@@ -1614,6 +1721,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(kvfmt_prefix_hits_whole_groups),
     TEST_ENTRY(kvfmt_fork_copies_tails),
     TEST_ENTRY(kvfmt_cow_incomplete_group),
+    TEST_ENTRY(kvfmt_sink_rows_follow_the_first_page),
     TEST_ENTRY(kvfmt_truncate_rules),
     TEST_ENTRY(large_pool_asks_for_huge_pages),
     {0, 0},

@@ -49,7 +49,14 @@ static int code_at(const unsigned char *row, int64_t i, int bits) {
 static void deq(const kvc_kvfmt *f, const lay *l, const unsigned char *pages, size_t pstride,
                 const kvc_kvfmt_seq *s, int64_t t, int64_t h, double *k, double *v) {
     const int64_t H = f->num_kv_heads, D = f->head_dim, P = f->page_size, G = f->group;
-    const int64_t nq = (s->n_kv / G) * G, T = G + f->window;
+    const int64_t nq = (s->n_kv / G) * G, T = G + f->window, S = f->sink;
+    if (t < S && nq > 0) { /* the sink rows (K left out of group 0's codes) */
+        for (int64_t c = 0; c < D; c++) {
+            k[c] = kvc_f16_to_f32(s->sink[(t * H + h) * D + c]);
+            v[c] = kvc_f16_to_f32(s->sink[((S + t) * H + h) * D + c]);
+        }
+        return;
+    }
     if (t >= nq) { /* float16 tail (W = 0: the queries below all read it from nq) */
         for (int64_t c = 0; c < D; c++) {
             k[c] = kvc_f16_to_f32(s->tail[((t % T) * H + h) * D + c]);
@@ -126,6 +133,7 @@ static void reference(const kvc_kvfmt *f, const lay *l, const unsigned char *pag
 typedef struct grid_case {
     kvc_kv_format id;
     int32_t H, grp, D, P;
+    int32_t sink; /* -1: the member's; else S of a custom tuple */
 } grid_case;
 
 /* n_seqs sequences of the given lengths (appended in random chunks), rows:
@@ -134,6 +142,11 @@ typedef struct grid_case {
 static int run_case(const grid_case *gc, const int64_t *lens, int n_seqs, uint64_t seed) {
     kvc_kvfmt f;
     ASSERT_OK(kvc_kvfmt_make(gc->id, gc->H, gc->D, gc->P, &f));
+    if (gc->sink >= 0) {
+        f.id = KVC_KVFMT_NONE;
+        f.sink = gc->sink;
+        ASSERT_OK(kvc_kvfmt_check(&f));
+    }
     const lay l = layout_of(&f);
     ASSERT_EQ_I64(l.page, kvc_kvfmt_page_bytes(&f));
     const int64_t H = gc->H, D = gc->D, P = gc->P, Hq = H * gc->grp, row = H * D;
@@ -146,9 +159,13 @@ static int run_case(const grid_case *gc, const int64_t *lens, int n_seqs, uint64
     const size_t pb = l.page, tb = kvc_kvfmt_tail_bytes(&f);
     unsigned char *pages = calloc((size_t)(npages + 2), pb);
     int32_t *ids = malloc((size_t)(npages + 2) * 4);
+    const size_t sb = kvc_kvfmt_sink_bytes(&f);
+    ASSERT_EQ_I64(sb, 2 * f.sink * H * D * 2);
     uint16_t *tails = calloc((size_t)n_seqs, tb);
+    uint16_t *sinks = calloc((size_t)n_seqs, sb + 2);
+    float sink_in[8][2][16 * 3 * 128]; /* K and V rows of positions < S, as given */
     kvc_kvfmt_seq seqs[8];
-    ASSERT_TRUE(pages && ids && tails && n_seqs <= 8);
+    ASSERT_TRUE(pages && ids && tails && sinks && n_seqs <= 8 && f.sink * H * D <= 16 * 3 * 128);
     for (int64_t i = 0; i < npages + 2; i++) ids[i] = (int32_t)i;
     for (int64_t i = npages + 1; i > 0; i--) { /* shuffled page ids */
         const int64_t j = (int64_t)(test_rng_next(&rng) % (uint64_t)(i + 1));
@@ -166,6 +183,7 @@ static int run_case(const grid_case *gc, const int64_t *lens, int n_seqs, uint64
     for (int b = 0; b < n_seqs; b++) {
         seqs[b].pages = ids + p0;
         seqs[b].tail = (uint16_t *)(void *)((unsigned char *)tails + (size_t)b * tb);
+        seqs[b].sink = f.sink ? sinks + (size_t)b * (sb / 2) : NULL;
         seqs[b].n_kv = 0;
         p0 += (lens[b] + P - 1) / P;
         while (seqs[b].n_kv < lens[b]) {
@@ -176,15 +194,46 @@ static int run_case(const grid_case *gc, const int64_t *lens, int n_seqs, uint64
                 k[i] = off[i % row] + spr[i % row] * test_rng_f32(&rng);
                 v[i] = test_rng_f32(&rng) * 2.0f;
             }
+            for (int64_t t = seqs[b].n_kv; t < f.sink && t < seqs[b].n_kv + n; t++) {
+                memcpy(sink_in[b][0] + t * row, k + (t - seqs[b].n_kv) * row, (size_t)row * 4);
+                memcpy(sink_in[b][1] + t * row, v + (t - seqs[b].n_kv) * row, (size_t)row * 4);
+            }
             seqs[b].n_kv += n;
             int64_t ip[2] = {0, n}, sh[3] = {n, H, D}, psh[2] = {npages + 2, (int64_t)pb};
             kvc_tensor tk = kvc_tensor_make(k, KVC_F32, 3, sh), tv = kvc_tensor_make(v, KVC_F32, 3, sh);
             kvc_tensor tp = kvc_tensor_make(pages, KVC_U8, 2, psh);
+            if (f.sink) { /* a sink format refuses a sequence without sink rows */
+                kvc_kvfmt_seq nos = seqs[b];
+                nos.sink = NULL;
+                ASSERT_TRUE(kvc_kvfmt_append(&f, &tp, &nos, 1, ip, &tk, &tv, NULL) ==
+                            KVC_ERR_INVALID_ARG);
+                ASSERT_TRUE(strstr(kvc_last_error(), "NULL sink") != NULL);
+            }
             const kvc_status st = kvc_kvfmt_append(&f, &tp, &seqs[b], 1, ip, &tk, &tv, NULL);
             free(k), free(v);
             ASSERT_OK(st);
         }
     }
+    /* the sink rows hold positions [0, S) as float16: K as given, V rotated
+     * (an explicit Hadamard matrix in float64; the library's float32
+     * butterfly may round the last float16 bit differently) */
+    for (int b = 0; b < n_seqs; b++)
+        for (int64_t t = 0; t < f.sink && t < lens[b]; t++)
+            for (int64_t h = 0; h < H; h++)
+                for (int64_t i = 0; i < D; i++) {
+                    const int64_t e = h * D + i;
+                    ASSERT_TRUE(seqs[b].sink[t * row + e] == kvc_f32_to_f16(sink_in[b][0][t * row + e]));
+                    double a = sink_in[b][1][t * row + e];
+                    if (f.rotate_v) {
+                        a = 0;
+                        for (int64_t jj = 0; jj < D; jj++)
+                            a += (__builtin_popcountll((unsigned long long)(i & jj)) & 1 ? -1.0 : 1.0) *
+                                 sink_in[b][1][t * row + h * D + jj];
+                        a /= sqrt((double)D);
+                    }
+                    const double got = kvc_f16_to_f32(seqs[b].sink[(f.sink + t) * row + e]);
+                    ASSERT_TRUE(fabs(got - a) <= 1e-3 * fabs(a) + 1e-6);
+                }
     /* rows: positions whose float16 values the tail still holds, from
      * floor(n / G) * G - 1 on (older ones are refused: test_refused) */
     int32_t qseq[64], qpos[64];
@@ -265,19 +314,21 @@ static int run_case(const grid_case *gc, const int64_t *lens, int n_seqs, uint64
         }
     });
     free(out1), free(out2), free(lse1), free(lse2), free(q), free(ref), free(rlse);
-    free(pages), free(ids), free(tails), free(off), free(spr);
+    free(pages), free(ids), free(tails), free(sinks), free(off), free(spr);
     return rc;
 }
 
 TEST(attention_grid) {
     static const grid_case cases[] = {
-        {KVC_KVFMT_KIVI8, 1, 1, 64, 16},  {KVC_KVFMT_KIVI4, 1, 1, 64, 16},
-        {KVC_KVFMT_KIVI8, 2, 4, 128, 64}, {KVC_KVFMT_KIVI4, 2, 4, 128, 64},
-        {KVC_KVFMT_KIVI8, 3, 3, 64, 128}, {KVC_KVFMT_KIVI4, 3, 3, 64, 128},
-        {KVC_KVFMT_KIVI8, 1, 8, 128, 16}, {KVC_KVFMT_KIVI4, 2, 8, 64, 32},
-        {KVC_KVFMT_KIVI8, 2, 2, 96, 16},  /* Dh 96: gv 32 */
-        {KVC_KVFMT_KIVI4, 1, 2, 16, 16},  /* Dh 16: avx512 leaves it to the generic C */
-        {KVC_KVFMT_KIVI8, 3, 6, 64, 8},   /* P 8: avx512 leaves it to the generic C */
+        {KVC_KVFMT_KIVI8, 1, 1, 64, 16, -1},  {KVC_KVFMT_KIVI4, 1, 1, 64, 16, -1},
+        {KVC_KVFMT_KIVI8, 2, 4, 128, 64, -1}, {KVC_KVFMT_KIVI4, 2, 4, 128, 64, -1},
+        {KVC_KVFMT_KIVI8, 3, 3, 64, 128, -1}, {KVC_KVFMT_KIVI4, 3, 3, 64, 128, -1},
+        {KVC_KVFMT_KIVI8, 1, 8, 128, 16, -1}, {KVC_KVFMT_KIVI4, 2, 8, 64, 32, -1},
+        {KVC_KVFMT_KIVI8, 2, 2, 96, 16, -1},  /* Dh 96: gv 32 */
+        {KVC_KVFMT_KIVI4, 1, 2, 16, 16, -1},  /* Dh 16: avx512 leaves it to the generic C */
+        {KVC_KVFMT_KIVI8, 3, 6, 64, 8, -1},   /* P 8: avx512 leaves it to the generic C */
+        {KVC_KVFMT_KIVI8, 2, 4, 128, 16, 3},  /* custom sinks: S 3 at 8 bits, 16 at 4 */
+        {KVC_KVFMT_KIVI4, 3, 3, 64, 32, 16},  {KVC_KVFMT_KIVI4, 1, 4, 64, 16, 0},
     };
     static const int64_t lens_a[4] = {1, 63, 200, 130};
     static const int64_t lens_b[2] = {1100, 64};
@@ -291,7 +342,8 @@ TEST(attention_grid) {
 /* A decode step of one sequence that ends exactly on a group (empty tail)
  * and a long one split into the kernels' chunks (over 1024 keys). */
 TEST(attention_chunks) {
-    static const grid_case cases[] = {{KVC_KVFMT_KIVI8, 1, 4, 128, 16}, {KVC_KVFMT_KIVI4, 3, 3, 64, 16}};
+    static const grid_case cases[] = {{KVC_KVFMT_KIVI8, 1, 4, 128, 16, -1},
+                                         {KVC_KVFMT_KIVI4, 3, 3, 64, 16, -1}};
     static const int64_t lens[1] = {2560};
     static const int64_t lens2[2] = {3000, 128};
     for (int i = 0; i < 2; i++) {

@@ -59,6 +59,14 @@ static int fill_seq(kvc_cache *c, int64_t n_tokens, int32_t t0, uint64_t seed, i
         }
     }
     free(buf);
+    const size_t sb = kvc_cache_sink_bytes(c); /* kivi4: the first page's sink rows */
+    if (sb && n > 0) {
+        uint16_t *rows = malloc(sb);
+        for (size_t i = 0; i < sb / 2; i++) rows[i] = (uint16_t)(test_rng_next(&seed) & 0x7bff);
+        kvc_status st2 = kvc_cache_write_sink(c, ids[0], rows, sb);
+        free(rows);
+        if (st2 != KVC_OK) return -1;
+    }
     return (int)n;
 }
 
@@ -196,21 +204,38 @@ static int roundtrip_case(kvc_dtype dtype, kvc_kv_format fmt, int32_t P) {
     int32_t *tok = malloc((size_t)n_tok * sizeof(int32_t));
     for (int64_t i = 0; i < n_tok; i++) tok[i] = 100 + (int32_t)i;
     kvc_store_key ns = key_of(5), *keys = malloc((size_t)np * sizeof(kvc_store_key));
+    /* a first page of kivi4 carries its sink rows (position 0 in float16) */
     const size_t size = kvc_store_object_bytes(src, 0), pb = kvc_cache_page_bytes(src);
-    ASSERT_TRUE(size == KVC_STORE_HEADER_BYTES + (size_t)P * 4 + pb);
-    unsigned char *obj = malloc(size), *a = malloc(pb), *b = malloc(pb);
+    const size_t sb = kvc_cache_sink_bytes(src);
+    ASSERT_EQ_I64(sb, fmt == KVC_KVFMT_KIVI4 ? 3 * 2 * 1 * 2 * 64 * 2 : 0); /* L 3, H 2, Dh 64 */
+    ASSERT_TRUE(size == KVC_STORE_HEADER_BYTES + (size_t)P * 4 + pb + sb);
+    unsigned char *obj = malloc(size), *a = malloc(pb + sb + 1), *b = malloc(pb + sb + 1);
     for (int pg = 0; pg < np; pg++) {
         kvc_store_expect e;
         expect_of(&ns, tok, pg, P, keys, &e);
         size_t n = 0;
         ASSERT_OK(kvc_store_serialize_page(src, ids[pg], &e, NULL, obj, size, &n));
-        ASSERT_EQ_I64(n, size);
+        ASSERT_EQ_I64(n, size - (pg > 0 ? sb : 0));
+        if (sb && pg == 0) { /* the sink rows differ until restored */
+            ASSERT_OK(kvc_cache_read_sink(src, ids[0], a, sb));
+            ASSERT_OK(kvc_cache_read_sink(dst, dids[0], b, sb));
+            ASSERT_TRUE(memcmp(a, b, sb) != 0);
+            /* a page that is no first page holds none */
+            ASSERT_STATUS(kvc_cache_read_sink(src, ids[1], a, sb), KVC_ERR_INVALID_ARG);
+            ASSERT_STATUS(kvc_store_restore_page(dst, dids[0], obj, n - 1, &e, NULL, NULL),
+                          KVC_ERR_CORRUPT);
+        }
         kvc_store_miss m;
-        ASSERT_OK(kvc_store_restore_page(dst, dids[pg], obj, size, &e, NULL, &m));
+        ASSERT_OK(kvc_store_restore_page(dst, dids[pg], obj, n, &e, NULL, &m));
         ASSERT_EQ_I64(m, KVC_STORE_MISS_COUNT);
         ASSERT_OK(kvc_cache_read_page(src, ids[pg], a, pb));
         ASSERT_OK(kvc_cache_read_page(dst, dids[pg], b, pb));
         ASSERT_MEM_EQ(a, b, pb);
+        if (sb && pg == 0) {
+            ASSERT_OK(kvc_cache_read_sink(src, ids[0], a, sb));
+            ASSERT_OK(kvc_cache_read_sink(dst, dids[0], b, sb));
+            ASSERT_MEM_EQ(a, b, sb);
+        }
     }
     ASSERT_OK(kvc_cache_check(dst));
     free(obj), free(a), free(b), free(tok), free(keys);

@@ -240,9 +240,22 @@ KVC_API kvc_status kvc_cache_read_page(const kvc_cache *cache, int32_t page_id, 
 KVC_API kvc_status kvc_cache_write_page(kvc_cache *cache, int32_t page_id, const void *src,
                                         size_t size);
 
+/* A format with sink rows (kivi4: position 0 kept in float16, kvfmt.h)
+ * keeps them with each sequence's first page: kvc_cache_sink_bytes is their
+ * size over all layers ((num_layers, 2, S, H, Dh) float16; 0 for a cache
+ * without them). read_sink and write_sink move them for page page_id, which
+ * must hold them (a sequence's first page, or a cached one that was),
+ * else KVC_ERR_INVALID_ARG; write_sink, like write_page, only into a page
+ * held by exactly one sequence. */
+KVC_API size_t kvc_cache_sink_bytes(const kvc_cache *cache);
+KVC_API kvc_status kvc_cache_read_sink(const kvc_cache *cache, int32_t page_id, void *dst,
+                                       size_t size);
+KVC_API kvc_status kvc_cache_write_sink(kvc_cache *cache, int32_t page_id, const void *src,
+                                        size_t size);
+
 /* Called when an unreferenced cached page is about to be reused (evicted),
  * its contents and token ids still intact; it must not call the cache
- * except kvc_cache_read_page and kvc_cache_page_tokens. */
+ * except kvc_cache_read_page, kvc_cache_read_sink and kvc_cache_page_tokens. */
 typedef void (*kvc_cache_evict_fn)(void *user, const kvc_cache *cache, int32_t page_id);
 /* Sets (fn NULL: clears) the eviction hook. */
 KVC_API kvc_status kvc_cache_set_evict_hook(kvc_cache *cache, kvc_cache_evict_fn fn, void *user);

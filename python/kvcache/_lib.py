@@ -279,6 +279,7 @@ class KvfmtSeq(ctypes.Structure):
         ("pages", ctypes.POINTER(ctypes.c_int32)),
         ("n_kv", ctypes.c_int64),
         ("tail", ctypes.c_void_p),
+        ("sink", ctypes.c_void_p),
     ]
 
 
@@ -296,6 +297,7 @@ class Kvfmt(ctypes.Structure):
         ("head_dim", ctypes.c_int32),
         ("page_size", ctypes.c_int32),
         ("window", ctypes.c_int32),
+        ("sink", ctypes.c_int32),
     ]
 
 
@@ -367,6 +369,9 @@ kvc_cache_kvfmt_seqs = optional_proto(
 kvc_cache_get_params = optional_proto(
     "kvc_cache_get_params", _c_int, _vp, ctypes.POINTER(CacheParams))
 kvc_cache_page_bytes = optional_proto("kvc_cache_page_bytes", ctypes.c_size_t, _vp)
+kvc_cache_sink_bytes = optional_proto("kvc_cache_sink_bytes", ctypes.c_size_t, _vp)
+kvc_cache_read_sink = optional_proto(
+    "kvc_cache_read_sink", _c_int, _vp, ctypes.c_int32, _vp, ctypes.c_size_t)
 kvc_cache_read_page = optional_proto(
     "kvc_cache_read_page", _c_int, _vp, ctypes.c_int32, _vp, ctypes.c_size_t)
 kvc_cache_write_page = optional_proto(
@@ -1076,6 +1081,7 @@ class KvFmtSeq(ctypes.Structure):
         ("pages", ctypes.POINTER(ctypes.c_int32)),
         ("n_kv", ctypes.c_int64),
         ("tail", ctypes.POINTER(ctypes.c_uint16)),
+        ("sink", ctypes.POINTER(ctypes.c_uint16)),
     ]
 
 
@@ -1092,6 +1098,7 @@ kvc_kvfmt_make = optional_proto(
 kvc_kvfmt_check = optional_proto("kvc_kvfmt_check", _c_int, _FP)
 kvc_kvfmt_page_bytes = optional_proto("kvc_kvfmt_page_bytes", ctypes.c_size_t, _FP)
 kvc_kvfmt_tail_bytes = optional_proto("kvc_kvfmt_tail_bytes", ctypes.c_size_t, _FP)
+kvc_kvfmt_sink_bytes = optional_proto("kvc_kvfmt_sink_bytes", ctypes.c_size_t, _FP)
 kvc_kvfmt_append = optional_proto(
     "kvc_kvfmt_append", _c_int, _FP, _TP, _SP, ctypes.c_int64, _i64p, _TP, _TP, _vp,
 )

@@ -598,8 +598,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
                          num_kv_heads, head_dim, page_size, sm_scale, logits_soft_cap,
                          window_left, q_data_type, o_data_type):
         """kv_data_type "kivi8"/"kivi4" (docs/KV_FORMATS.md): run then takes a
-        (pages, tails) pair, as append_paged_kv_cache(kv_format=) writes it,
-        and each request's query sits at its last position."""
+        (pages, tails) pair (kivi8) or (pages, tails, sinks) triple (kivi4), as
+        append_paged_kv_cache(kv_format=) writes it, and each request's query
+        sits at its last position."""
         from . import kvfmt
 
         if logits_soft_cap not in (None, 0, 0.0) or _lib.int32_attr(window_left,
@@ -615,7 +616,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
                  np.array(_lib.int32_array(indices, "indices").reshape(-1)),
                  np.array(_lib.int64_array(last_page_len, "last_page_len").reshape(-1)))
         tails = np.zeros((table[2].shape[0],) + fmt.tail_shape, np.float16)
-        kvfmt.seqs_from_table(fmt, tails, *table)  # validates the table now
+        sinks = np.zeros((table[2].shape[0],) + fmt.sink_shape, np.float16)
+        kvfmt.seqs_from_table(fmt, tails, *table, sinks)  # validates the table now
         self._free_plan()
         self._info = None
         self._kvfmt = (fmt, table, sm_scale, hq, _data_type(q_data_type, "q_data_type", False),
@@ -632,12 +634,14 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
                 raise InvalidArgumentError(f"{name} is not supported over {fmt.name} caches")
         if window_left not in (None, -1):
             raise InvalidArgumentError(f"window_left is not supported over {fmt.name} caches")
+        what = "(pages, tails, sinks) triple" if fmt.sink else "(pages, tails) pair"
         if not kvfmt.is_compressed_cache(paged_kv_cache):
-            raise InvalidArgumentError(f"a {fmt.name} plan runs on a (pages, tails) pair: uint8 "
-                                       f"(max_pages, {fmt.page_bytes}), float16 "
-                                       f"(B, {', '.join(map(str, fmt.tail_shape))})")
-        pages, tails = paged_kv_cache
-        seqs = kvfmt.seqs_from_table(fmt, tails, *table)
+            raise InvalidArgumentError(
+                f"a {fmt.name} plan runs on a {what}: uint8 (max_pages, {fmt.page_bytes}), "
+                f"float16 (B, {', '.join(map(str, fmt.tail_shape))})" +
+                (f", float16 (B, {', '.join(map(str, fmt.sink_shape))})" if fmt.sink else ""))
+        pages, tails, sinks = kvfmt.cache_parts(fmt, paged_kv_cache)
+        seqs = kvfmt.seqs_from_table(fmt, tails, *table, sinks)
         qa = _lib.as_array(q, "q")
         if q_dt is not None and qa.dtype != q_dt:
             raise InvalidArgumentError(f"q is {qa.dtype}, the plan said {q_dt}")

@@ -699,14 +699,51 @@ class PagedKVCache(_lib.NoCopy):
             n = int(np.prod(shape)) * 2
             return np.frombuffer(ctypes.string_at(out.tail, n), np.float16).reshape(shape)
 
+    def sink(self, seq_id, layer):
+        """A copy of a sequence's sink rows in layer ``layer``, ``(2, S, H,
+        Dh)`` float16 (K then V of positions ``[0, S)``; kivi4: S = 1), kept
+        with its first page and shared with every sequence that shares that
+        page; None for a format without them or a sequence with no tokens."""
+        layer = _lib.int32_attr(layer, "layer")
+        seqs = np.array([_seq_id(seq_id)], np.int64)
+        out = _lib.KvfmtSeq()
+        fmt = _lib.Kvfmt()
+        with self._lock:
+            _lib.check(_lib.kvc_cache_kvfmt(self._ptr(), ctypes.byref(fmt)))
+            _lib.check(_lib.kvc_cache_kvfmt_seqs(self._ptr(), layer, _i64p(seqs), 1,
+                                                 ctypes.byref(out)))
+            if not out.sink:
+                return None
+            shape = (2, fmt.sink, self._num_kv_heads, self._head_dim)
+            n = int(np.prod(shape)) * 2
+            return np.frombuffer(ctypes.string_at(out.sink, n), np.float16).reshape(shape)
+
     # -- pages and the KV store -------------------------------------------------
 
     @property
     def page_bytes(self) -> int:
         """Bytes of one page over all layers: what read_page / write_page
-        move and a KV store object's payload (kvc_cache_page_bytes)."""
+        move and a KV store object's payload (kvc_cache_page_bytes; a first
+        page's object also carries its sink rows, sink_bytes)."""
         with self._lock:
             return int(_lib.kvc_cache_page_bytes(self._ptr()))
+
+    @property
+    def sink_bytes(self) -> int:
+        """Bytes of a first page's sink rows over all layers ((L, 2, S, H, Dh)
+        float16; 0 for a cache without them) (kvc_cache_sink_bytes)."""
+        with self._lock:
+            return int(_lib.kvc_cache_sink_bytes(self._ptr()))
+
+    def read_sink(self, page_id) -> np.ndarray:
+        """A copy of first page ``page_id``'s sink rows, uint8 (sink_bytes,)
+        (kvc_cache_read_sink); InvalidArgumentError for a page that holds none."""
+        pid = _lib.int32_attr(page_id, "page_id")
+        with self._lock:
+            ptr = self._ptr()
+            out = np.empty(int(_lib.kvc_cache_sink_bytes(ptr)), np.uint8)
+            _lib.check(_lib.kvc_cache_read_sink(ptr, pid, out.ctypes.data, out.size))
+        return out
 
     def read_page(self, page_id) -> np.ndarray:
         """A copy of page ``page_id``'s bytes (every layer's data block and,

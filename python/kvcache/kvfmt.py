@@ -4,7 +4,10 @@ include/kvcache/kvfmt.h).
 K is quantized per channel over groups of ``G`` consecutive tokens of a
 sequence, V per token over groups of ``gv`` channels (kivi4: after a Hadamard
 rotation of each head's V). Tokens not yet in a complete group stay in a
-per-sequence float16 *tail*, K and V alike.
+per-sequence float16 *tail*, K and V alike. The first ``S`` positions (kivi4:
+position 0, the attention sink) stay in float16 for good, in *sink rows*
+``(2, S, H, Dh)`` that go with the sequence's first page: sequences sharing
+that page share them.
 
 - :class:`KVFormat`: a format's parameters for one geometry,
   ``KVFormat.member("kivi4", num_kv_heads, head_dim, page_size)``, with
@@ -12,7 +15,7 @@ per-sequence float16 *tail*, K and V alike.
 - :class:`KVSeq`: one sequence of one layer as the kernels see it: its page
   ids (int32), its length ``n_kv`` and its tail, a float16 numpy array
   ``(2, G, H, Dh)`` (K then V; slot ``t % G`` holds position ``t``) that
-  :func:`append` updates in place.
+  :func:`append` updates in place, and (kivi4) its sink rows.
 - :func:`append` stores K/V rows of several sequences; :func:`attention`
   attends over them (decode or causal prefill).
 
@@ -71,9 +74,12 @@ class KVFormat:
         num_kv_heads, head_dim, page_size: ``H``, ``Dh``, ``P``.
         window: ``W``, positions of complete groups before a query's own
             group that it still reads in float16 (a multiple of G).
+        sink: ``S`` in [0, min(G - 1, 16)], positions [0, S) kept in float16
+            (sink rows) and left out of group 0's K statistics (kivi4: 1).
         name: "kivi8", "kivi4" or "custom".
         page_bytes: bytes of one page of one layer.
         tail_bytes: bytes of one sequence's tail of one layer (``2*(G+W)*H*Dh*2``).
+        sink_bytes: bytes of one sequence's sink rows of one layer (``2*S*H*Dh*2``).
     """
 
     bits: int
@@ -86,8 +92,10 @@ class KVFormat:
     page_size: int
     window: int = 0
     name: str = "custom"
+    sink: int = 0
     page_bytes: int = field(init=False)
     tail_bytes: int = field(init=False)
+    sink_bytes: int = field(init=False)
     _c: _lib.KvFmt = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -100,7 +108,7 @@ class KVFormat:
             raise InvalidArgumentError(f"KVFormat name must be 'custom' (or a member's, from "
                                        f"KVFormat.member), got {self.name!r}")
         for attr in ("bits", "group", "v_group", "num_kv_heads", "head_dim", "page_size",
-                     "window"):
+                     "window", "sink"):
             v = _lib.int32_attr(getattr(self, attr), attr)
             object.__setattr__(self, attr, v)
             setattr(c, attr, v)
@@ -119,6 +127,7 @@ class KVFormat:
         object.__setattr__(self, "_c", c)
         object.__setattr__(self, "page_bytes", int(_lib.kvc_kvfmt_page_bytes(_byref(c))))
         object.__setattr__(self, "tail_bytes", int(_lib.kvc_kvfmt_tail_bytes(_byref(c))))
+        object.__setattr__(self, "sink_bytes", int(_lib.kvc_kvfmt_sink_bytes(_byref(c))))
 
     @classmethod
     def member(cls, name: str, num_kv_heads: int, head_dim: int, page_size: int) -> "KVFormat":
@@ -138,13 +147,23 @@ class KVFormat:
             _byref(c)))
         return cls(c.bits, c.group, c.v_group, bool(c.v_asym), bool(c.rotate_v),
                    c.num_kv_heads, c.head_dim, c.page_size, c.window,
-                   _lib.kvc_kv_format_name(c.id).decode())
+                   _lib.kvc_kv_format_name(c.id).decode(), c.sink)
 
     @property
     def tail_shape(self) -> tuple:
         """(2, G + W, H, Dh): a sequence's tail, K then V; slot t % (G + W)
         holds position t."""
         return (2, self.group + self.window, self.num_kv_heads, self.head_dim)
+
+    @property
+    def sink_shape(self) -> tuple:
+        """(2, S, H, Dh): a sequence's sink rows, K then V; row i holds
+        position i."""
+        return (2, self.sink, self.num_kv_heads, self.head_dim)
+
+    def new_sink(self):
+        """Zeroed float16 sink rows (2, S, H, Dh), or None when S is 0."""
+        return np.zeros(self.sink_shape, _F16) if self.sink else None
 
     def new_pages(self, num_pages: int) -> np.ndarray:
         """A zeroed uint8 page array (num_pages, page_bytes)."""
@@ -155,8 +174,9 @@ class KVFormat:
         return np.zeros(self.tail_shape, _F16)
 
     def new_seq(self, pages, n_kv: int = 0) -> "KVSeq":
-        """A KVSeq with the given page ids and length and a new zeroed tail."""
-        return KVSeq(pages, n_kv, self.new_tail())
+        """A KVSeq with the given page ids and length, a new zeroed tail and
+        (S > 0) new zeroed sink rows."""
+        return KVSeq(pages, n_kv, self.new_tail(), self.new_sink())
 
 
 @dataclass(eq=False)
@@ -171,11 +191,16 @@ class KVSeq:
             :func:`append`, add the rows it brings (the caller owns it).
         tail: float16 numpy array (2, G, H, Dh), C-contiguous; updated in
             place by :func:`append` (never copied).
+        sink: float16 numpy array (2, S, H, Dh), C-contiguous, when the
+            format keeps sink rows (S > 0), else None; :func:`append` writes
+            row i when it stores position i. Sequences that share their first
+            page must share (or hold equal) sink rows.
     """
 
     pages: np.ndarray
     n_kv: int
     tail: np.ndarray
+    sink: np.ndarray | None = None
 
     def __post_init__(self):
         self.pages = _pages_ids(self.pages)
@@ -245,6 +270,24 @@ def _seqs(fmt: KVFormat, seqs, writable: bool):
         arr[i].pages = ctypes.cast(_lib.data_ptr(pages), ctypes.POINTER(ctypes.c_int32))
         arr[i].n_kv = n_kv
         arr[i].tail = ctypes.cast(_lib.data_ptr(tail), ctypes.POINTER(ctypes.c_uint16))
+        sink = s.sink
+        if fmt.sink == 0:
+            if sink is not None:
+                raise InvalidArgumentError(f"seqs[{i}].sink must be None: the format keeps no "
+                                           f"sink rows")
+            continue
+        sshape = fmt.sink_shape
+        if not isinstance(sink, np.ndarray) or sink.dtype != _F16 or sink.shape != sshape:
+            raise InvalidArgumentError(f"seqs[{i}].sink must be float16 {sshape} (the format "
+                                       f"keeps position 0 in float16), got "
+                                       f"{getattr(sink, 'dtype', type(sink).__name__)} "
+                                       f"{getattr(sink, 'shape', '')}")
+        if not (sink.flags.c_contiguous and sink.flags.aligned) or \
+                (writable and not sink.flags.writeable):
+            raise InvalidArgumentError(f"seqs[{i}].sink must be C-contiguous, aligned and "
+                                       f"{'writeable' if writable else 'readable'} in place")
+        keep.append(sink)
+        arr[i].sink = ctypes.cast(_lib.data_ptr(sink), ctypes.POINTER(ctypes.c_uint16))
     return arr, keep, n
 
 
@@ -262,8 +305,9 @@ def append(fmt, pages, seqs, row_indptr, key, value, num_threads=None) -> None:
     Rows ``[row_indptr[b], row_indptr[b+1])`` of key/value are positions
     ``n_kv - count .. n_kv - 1`` of ``seqs[b]`` (``count`` the rows of b,
     ``seqs[b].n_kv`` already counting them). Each row goes to the tail
-    (float16, V rotated first when the format rotates); each K group the
-    rows complete is quantized into its pages.
+    (float16, V rotated first when the format rotates), rows of positions
+    below S also to the sink rows; each K group the rows complete is
+    quantized into its pages.
 
     Args:
         fmt: a :class:`KVFormat`.
@@ -310,8 +354,9 @@ def attention(fmt, pages, seqs, q, q_seq, q_pos, sm_scale=None, return_lse=False
 
     Query row i of ``seqs[q_seq[i]]`` at position ``p = q_pos[i]`` attends
     keys ``[0, p]`` of it (causal) as a decode step at p would: positions
-    before ``max(0, (p + 1) // G * G - W)`` from the pages, dequantized, the
-    rest in float16 from the tail. So p must still have them in the tail:
+    before ``max(0, (p + 1) // G * G - W)`` from the pages, dequantized (the
+    sink positions ``[0, S)`` from the sink rows), the rest in float16 from
+    the tail. So p must still have them in the tail:
     ``p + 1 >= n_kv // G * G`` (use :func:`append_attention` for the rows of
     a store). Query head h reads KV
     head ``h // (Hq // H)``. Scores and softmax in float32 (or wider); with
@@ -394,23 +439,42 @@ def _attend(fmt, pages, seqs, row_indptr, key, value, q, q_seq, q_pos, sm_scale,
 
 # ---------------------------------------------------------------------------
 # FlashInfer-style entry points (paged.append_paged_kv_cache and the batch
-# decode wrapper take a compressed cache as a ``(pages, tails)`` pair)
+# decode wrapper take a compressed cache as a ``(pages, tails)`` pair, or a
+# ``(pages, tails, sinks)`` triple for a format with sink rows)
 
 
 def is_compressed_cache(paged_kv_cache) -> bool:
-    """Whether paged_kv_cache is a compressed-format ``(pages, tails)`` pair:
-    pages uint8 (max_pages, page_bytes), tails float16 (B, 2, G + W, H, Dh)."""
-    if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) != 2:
+    """Whether paged_kv_cache is a compressed-format ``(pages, tails)`` pair
+    or ``(pages, tails, sinks)`` triple: pages uint8 (max_pages, page_bytes),
+    tails float16 (B, 2, G + W, H, Dh), sinks float16 (B, 2, S, H, Dh)."""
+    if not isinstance(paged_kv_cache, (tuple, list)) or len(paged_kv_cache) not in (2, 3):
         return False
-    a, b = paged_kv_cache
+    a, b = paged_kv_cache[:2]
     return (isinstance(a, np.ndarray) and a.dtype == _U8 and a.ndim == 2 and
-            isinstance(b, np.ndarray) and b.dtype == _F16 and b.ndim == 5)
+            isinstance(b, np.ndarray) and b.dtype == _F16 and b.ndim == 5 and
+            (len(paged_kv_cache) == 2 or (isinstance(paged_kv_cache[2], np.ndarray) and
+                                          paged_kv_cache[2].ndim == 5)))
 
 
-def seqs_from_table(fmt, tails, kv_indptr, kv_indices, kv_last_page_len):
+def cache_parts(fmt, paged_kv_cache):
+    """(pages, tails, sinks) of a compressed cache for fmt: sinks None for a
+    format without sink rows; a format with them needs the triple."""
+    parts = tuple(paged_kv_cache)
+    if fmt.sink and len(parts) != 3:
+        raise InvalidArgumentError(f"a {fmt.name} cache is a (pages, tails, sinks) triple: "
+                                   f"{fmt.name} keeps position 0 in float16, sinks float16 "
+                                   f"(B, {', '.join(map(str, fmt.sink_shape))})")
+    if not fmt.sink and len(parts) != 2:
+        raise InvalidArgumentError(f"a {fmt.name} cache is a (pages, tails) pair (the format "
+                                   f"keeps no sink rows)")
+    return parts[0], parts[1], parts[2] if fmt.sink else None
+
+
+def seqs_from_table(fmt, tails, kv_indptr, kv_indices, kv_last_page_len, sinks=None):
     """KVSeqs of a CSR page table (request b: pages kv_indices[kv_indptr[b]:
     kv_indptr[b+1]], length page_size * (pages - 1) + kv_last_page_len[b]) over
-    tails (B, 2, G + W, H, Dh) float16, tails[b] request b's (updated in place)."""
+    tails (B, 2, G + W, H, Dh) float16, tails[b] request b's (updated in place),
+    and for a format with sink rows sinks (B, 2, S, H, Dh) float16."""
     fmt = _check_fmt(fmt)
     ip = _lib.int64_array(kv_indptr, "kv_indptr").reshape(-1)
     ix = _lib.int32_array(kv_indices, "kv_indices").reshape(-1)
@@ -425,6 +489,11 @@ def seqs_from_table(fmt, tails, kv_indptr, kv_indices, kv_last_page_len):
         raise InvalidArgumentError(f"tails must be float16 {(B,) + fmt.tail_shape}, got "
                                    f"{getattr(tails, 'dtype', type(tails))} "
                                    f"{getattr(tails, 'shape', '')}")
+    if fmt.sink and (not isinstance(sinks, np.ndarray) or sinks.dtype != _F16 or
+                     sinks.shape != (B,) + fmt.sink_shape):
+        raise InvalidArgumentError(f"sinks must be float16 {(B,) + fmt.sink_shape}, got "
+                                   f"{getattr(sinks, 'dtype', type(sinks))} "
+                                   f"{getattr(sinks, 'shape', '')}")
     P = fmt.page_size
     seqs = []
     for b in range(B):
@@ -434,7 +503,7 @@ def seqs_from_table(fmt, tails, kv_indptr, kv_indices, kv_last_page_len):
             raise InvalidArgumentError(f"kv_last_page_len[{b}] = {lp} outside [1, {P}] "
                                        f"(request {b} has {n_pages} pages)")
         n = P * (n_pages - 1) + lp if n_pages else 0
-        seqs.append(KVSeq(ix[ip[b]:ip[b + 1]], n, tails[b]))
+        seqs.append(KVSeq(ix[ip[b]:ip[b + 1]], n, tails[b], sinks[b] if fmt.sink else None))
     return seqs
 
 

@@ -320,8 +320,10 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
         num_threads: worker threads (None: all CPUs); n_threads is the same.
         kv_format: "kivi8" or "kivi4" for a compressed-format cache
             (docs/KV_FORMATS.md): paged_kv_cache is then a ``(pages, tails)``
-            pair, pages uint8 (max_pages, page_bytes) and tails float16
-            (B, 2, G, H, Dh), both updated in place; each request's rows
+            pair (kivi8) or ``(pages, tails, sinks)`` triple (kivi4, which
+            keeps position 0 in float16), pages uint8 (max_pages, page_bytes),
+            tails float16 (B, 2, G, H, Dh) and sinks float16 (B, 2, S, H, Dh),
+            all updated in place; each request's rows
             must be its last positions in order (as get_batch_indices_positions
             makes them); kv_layout, kv_scale and quant_group do not apply.
 
@@ -360,18 +362,21 @@ def _append_compressed(append_key, append_value, batch_indices, positions, paged
     from . import kvfmt as _kvfmt
 
     if not _kvfmt.is_compressed_cache(paged_kv_cache):
-        raise InvalidArgumentError("kv_format: paged_kv_cache must be a (pages, tails) pair: "
-                                   "uint8 (max_pages, page_bytes), float16 (B, 2, G, H, Dh)")
+        raise InvalidArgumentError("kv_format: paged_kv_cache must be a (pages, tails) pair "
+                                   "(kivi8) or (pages, tails, sinks) triple (kivi4): uint8 "
+                                   "(max_pages, page_bytes), float16 (B, 2, G, H, Dh), float16 "
+                                   "(B, 2, S, H, Dh)")
     if kv_format is None:
         raise InvalidArgumentError("a (pages, tails) cache needs kv_format='kivi8' or 'kivi4'")
-    pages, tails = paged_kv_cache
+    pages, tails = paged_kv_cache[:2]
     H, Dh = int(tails.shape[3]), int(tails.shape[4])
     last = _lib.int64_array(kv_last_page_len, "kv_last_page_len").reshape(-1)
     ip = _lib.int64_array(kv_indptr, "kv_indptr").reshape(-1)
     # page_size: from the format's page bytes (a member's pages have P * bytes/token)
     P = _kvfmt.page_size_of(kv_format, H, Dh, int(pages.shape[1]))
     fmt = _kvfmt.KVFormat.member(kv_format, H, Dh, P)
-    seqs = _kvfmt.seqs_from_table(fmt, tails, ip, kv_indices, last)
+    _, _, sinks = _kvfmt.cache_parts(fmt, paged_kv_cache)
+    seqs = _kvfmt.seqs_from_table(fmt, tails, ip, kv_indices, last, sinks)
     bi = _lib.int64_array(batch_indices, "batch_indices").reshape(-1)
     pos = _lib.int64_array(positions, "positions").reshape(-1)
     nnz = bi.shape[0]

@@ -41,6 +41,7 @@ class Format:
     page_size: int
     v_sym: bool = False  # V symmetric (scale only) instead of scale and zero point
     window: int = 0  # W: positions of complete groups a query still reads in float16
+    sink: int = 0  # S: positions [0, S) kept in float16, out of group 0's K statistics
 
     @property
     def levels(self) -> int:
@@ -68,12 +69,16 @@ class Format:
             raise ValueError("rotate_v needs a power-of-two head_dim")
         if self.window < 0 or self.window % G:
             raise ValueError("window must be a multiple of the group")
+        if not 0 <= self.sink < G or self.sink > 16:
+            raise ValueError("sink must be in [0, min(G - 1, 16)]")
 
 
 def member(name: str, n_kv_heads: int, head_dim: int, page_size: int = 16) -> Format:
     """The named members of section 2 (V groups of gcd(gv, Dh) channels)."""
-    bits, gv, rot, sym = {"kivi8": (8, 64, False, False), "kivi4": (4, 64, True, False)}[name]
-    f = Format(bits, 64, math.gcd(gv, head_dim), rot, n_kv_heads, head_dim, page_size, sym)
+    bits, gv, rot, sym, sink = {"kivi8": (8, 64, False, False, 0),
+                                "kivi4": (4, 64, True, False, 1)}[name]
+    f = Format(bits, 64, math.gcd(gv, head_dim), rot, n_kv_heads, head_dim, page_size, sym,
+               sink=sink)
     f.check()
     return f
 
@@ -221,10 +226,14 @@ def to_stored(fmt: Format, k: np.ndarray, v: np.ndarray):
     return k16, v16
 
 
-def encode_group(fmt: Format, k16: np.ndarray, v16: np.ndarray) -> dict:
-    """G tokens (G, H, Dh) float16 -> the group's quantized arrays."""
+def encode_group(fmt: Format, k16: np.ndarray, v16: np.ndarray, first: bool = False) -> dict:
+    """G tokens (G, H, Dh) float16 -> the group's quantized arrays. In a
+    sequence's first group the sink positions [0, S) are left out of the K
+    statistics and get K code 0 (attention reads them in float16)."""
     G, H, Dh = k16.shape
-    kq, ks, kz = quantize(k16, 0, fmt.levels)  # per (head, channel) over tokens
+    s0 = fmt.sink if first else 0
+    kq, ks, kz = quantize(k16[s0:], 0, fmt.levels)  # per (head, channel) over tokens
+    kq = np.concatenate([np.zeros((s0, H, Dh), np.uint8), kq])
     vg = v16.reshape(G, H, Dh // fmt.v_group, fmt.v_group)
     if fmt.v_sym:  # per (token, head, channel group)
         vq, vs = quantize_sym(vg, 3, fmt.qmax)
@@ -313,7 +322,8 @@ class Sequence:
         tk = np.concatenate([self.tail_k, k16])
         tv = np.concatenate([self.tail_v, v16])
         G = self.fmt.group
-        new = [encode_group(self.fmt, tk[i:i + G], tv[i:i + G])
+        first = not self.groups
+        new = [encode_group(self.fmt, tk[i:i + G], tv[i:i + G], first and i == 0)
                for i in range(0, len(tk) - G + 1, G)]
         done = len(new) * G
         self.groups += new
@@ -351,12 +361,21 @@ class Sequence:
     def tail_bytes(self) -> bytes:
         return self.tail_k.tobytes() + self.tail_v.tobytes()
 
+    def sink_bytes(self) -> bytes:
+        """The sink rows (2, S, H, Dh) float16: K then V of positions [0, S)
+        (of those stored)."""
+        S = self.fmt.sink
+        return self.all_k[:S].tobytes() + self.all_v[:S].tobytes()
+
     def values(self):
         """K, V (n, H, Dh) float64 as attention sees them (V in the rotated basis
-        when rotate_v): dequantized groups, then the tail."""
+        when rotate_v): dequantized groups (the sink positions in float16), then
+        the tail."""
         parts = [decode_group(self.fmt, g) for g in self.groups]
         k = np.concatenate([p[0] for p in parts] + [self.tail_k.astype(F32)]).astype(F64)
         v = np.concatenate([p[1] for p in parts] + [self.tail_v.astype(F32)]).astype(F64)
+        S = self.fmt.sink
+        k[:S], v[:S] = self.all_k[:S].astype(F64), self.all_v[:S].astype(F64)
         return k, v
 
 
@@ -368,12 +387,15 @@ def f16_from(fmt: Format, p: int) -> int:
 
 def values_at(fmt: Format, seq: Sequence, p: int):
     """K, V (p + 1, H, Dh) float64 as a query at position p sees them (V in the
-    rotated basis when rotate_v): whole groups before f16_from(p) dequantized,
-    the stored float16 values after."""
+    rotated basis when rotate_v): whole groups before f16_from(p) dequantized
+    but for the sink positions [0, S), the stored float16 values of those and
+    of positions from f16_from(p) on."""
     e = f16_from(fmt, p)
     parts = [decode_group(fmt, g) for g in seq.groups[:e // fmt.group]]
     k = np.concatenate([x[0] for x in parts] + [seq.all_k[e:p + 1].astype(F32)]).astype(F64)
     v = np.concatenate([x[1] for x in parts] + [seq.all_v[e:p + 1].astype(F32)]).astype(F64)
+    S = min(fmt.sink, e)
+    k[:S], v[:S] = seq.all_k[:S].astype(F64), seq.all_v[:S].astype(F64)
     return k, v
 
 

@@ -852,6 +852,17 @@ def test_kvfmt_bytes_per_token_and_views(fmt, bpt):
         seq, _ = pc.add_sequence(10)
         assert pc.tail(seq, 0).shape == (2, 64, 3, 64)
         assert pc.tail(seq, 0).dtype == np.float16
+        # kivi4 keeps position 0 in float16 with the first page (zeroed until written)
+        sink = pc.sink(seq, 29)
+        if fmt == "kivi4":
+            assert sink.shape == (2, 1, 3, 64) and sink.dtype == np.float16 and not sink.any()
+            assert pc.sink_bytes == 30 * 2 * 1 * 3 * 64 * 2
+            first = pc.page_table([seq])[1][0]
+            assert pc.read_sink(first).shape == (pc.sink_bytes,)
+        else:
+            assert sink is None and pc.sink_bytes == 0
+            with pytest.raises(InvalidArgumentError, match="no sink rows"):
+                pc.read_sink(0)
         pc.check()
     with pytest.raises(InvalidArgumentError, match="kv_format"):
         kvcache.PagedKVCache(1, 1, 8, 16, num_pages=4, kv_format="kivi2")

@@ -44,12 +44,14 @@ kvfmt = kvcache.kvfmt
 def ref_format(fmt: KVFormat) -> R.Format:
     """The reference's Format for a binding KVFormat (checked equal for members)."""
     rf = R.Format(fmt.bits, fmt.group, fmt.v_group, fmt.rotate_v, fmt.num_kv_heads,
-                  fmt.head_dim, fmt.page_size, v_sym=not fmt.v_asym, window=fmt.window)
+                  fmt.head_dim, fmt.page_size, v_sym=not fmt.v_asym, window=fmt.window,
+                  sink=fmt.sink)
     rf.check()
     if fmt.name in ("kivi8", "kivi4"):
         assert rf == R.member(fmt.name, fmt.num_kv_heads, fmt.head_dim, fmt.page_size)
     assert fmt.page_bytes == R.page_bytes(rf)
     assert fmt.tail_bytes == 2 * (fmt.group + fmt.window) * fmt.num_kv_heads * fmt.head_dim * 2
+    assert fmt.sink_bytes == 2 * fmt.sink * fmt.num_kv_heads * fmt.head_dim * 2
     return rf
 
 
@@ -129,7 +131,8 @@ class Store:
     def __init__(self, fmt, ids, init):
         self.fmt = fmt
         self.pages = init.copy()
-        self.seqs = [KVSeq(i, 0, np.full(fmt.tail_shape, F16(7.5))) for i in ids]
+        self.seqs = [KVSeq(i, 0, np.full(fmt.tail_shape, F16(7.5)),
+                           np.full(fmt.sink_shape, F16(7.5)) if fmt.sink else None) for i in ids]
 
     def run(self, calls, k, v, dtype, num_threads, after=None, queries=None):
         """Appends rows per `calls` (k, v: per sequence (n, H, Dh) float32);
@@ -221,6 +224,14 @@ def check_bytes(fmt, pages, seqs, rseqs, what=""):
         tv = s.tail[1, ts % T].view(np.uint16)
         assert np.array_equal(tk, r.all_k[ts].view(np.uint16)), f"{what} seq {b}: K tail differs"
         assert np.array_equal(tv, r.all_v[ts].view(np.uint16)), f"{what} seq {b}: V tail differs"
+        # the sink rows: positions [0, S) as float16 (the reference's bytes)
+        S = min(fmt.sink, s.n_kv)
+        if fmt.sink:
+            got = s.sink[:, :S].tobytes()
+            want = r.all_k[:S].tobytes() + r.all_v[:S].tobytes()
+            assert got == want, f"{what} seq {b}: sink rows differ"
+        else:
+            assert s.sink is None
 
 
 def ref_attention(rf: R.Format, rseq: R.Sequence, q, pos, sm_scale=None):
@@ -276,7 +287,14 @@ def test_members_match_reference():
             assert f.name == name and f.bits == (8 if name == "kivi8" else 4)
             assert f.group == 64 and f.v_asym and f.rotate_v == (name == "kivi4")
             assert f.v_group == math.gcd(64, Dh)
+            assert f.sink == (name == "kivi4")  # position 0 in float16 (appendix B)
             ref_format(f)
+            s = f.new_seq([0])
+            if f.sink:
+                assert s.sink.shape == f.sink_shape == (2, 1, H, Dh) and s.sink.dtype == F16
+                assert f.new_sink().nbytes == f.sink_bytes
+            else:
+                assert s.sink is None and f.new_sink() is None and f.sink_bytes == 0
             assert f.new_pages(3).shape == (3, f.page_bytes)
             assert f.new_tail().nbytes == f.tail_bytes
     f = KVFormat.member("KiVi4", 3, 64, 16)  # any case
@@ -314,6 +332,13 @@ def test_custom_format_checked():
         KVFormat(5, 64, 16, True, False, 1, 32, 16)
     with pytest.raises(kvcache.InvalidArgumentError, match="not kivi8's"):
         KVFormat(8, 64, 16, True, False, 1, 64, 16, name="kivi8")
+    with pytest.raises(kvcache.InvalidArgumentError, match="not kivi4's"):  # kivi4 keeps S 1
+        KVFormat(4, 64, 64, True, True, 1, 64, 16, name="kivi4")
+    assert KVFormat(4, 64, 64, True, True, 1, 64, 16, name="kivi4", sink=1) == \
+        KVFormat.member("kivi4", 1, 64, 16)
+    for S in (-1, 32, 17):  # [0, min(G - 1, 16)]
+        with pytest.raises(kvcache.InvalidArgumentError, match="sink"):
+            KVFormat(4, 32, 16, False, True, 2, 32, 16, sink=S)
 
 
 # ---------------------------------------------------------------------------
@@ -372,6 +397,8 @@ def test_append_bytes_match_reference(rng, name, H, Dh, P):
     assert np.array_equal(b2.pages, a.pages)
     for s1, s2 in zip(a.seqs, b2.seqs):
         assert np.array_equal(s1.tail.view(np.uint16), s2.tail.view(np.uint16))
+        if fmt.sink:
+            assert np.array_equal(s1.sink.view(np.uint16), s2.sink.view(np.uint16))
 
     # other chunkings (all rows in one call; small chunks): the specified bytes
     for calls2 in ([[(b, n) for b, n in enumerate(lens)]], schedule(rng, lens, (1, 64, 5))):
@@ -382,12 +409,13 @@ def test_append_bytes_match_reference(rng, name, H, Dh, P):
 
 
 @pytest.mark.parametrize("v_asym", [True, False])
-@pytest.mark.parametrize("bits,G,P", [(4, 32, 16), (8, 32, 64), (4, 16, 64), (8, 128, 32)])
-def test_append_custom_formats(rng, bits, G, P, v_asym):
-    """Custom tuples: symmetric V, other K groups (the kernels take any
-    checked format)."""
+@pytest.mark.parametrize("bits,G,P,S", [(4, 32, 16, 0), (8, 32, 64, 3), (4, 16, 64, 15),
+                                        (8, 128, 32, 1)])
+def test_append_custom_formats(rng, bits, G, P, S, v_asym):
+    """Custom tuples: symmetric V, other K groups, S sink rows (the kernels
+    take any checked format)."""
     H, Dh = 2, 32
-    fmt = KVFormat(bits, G, 16, v_asym, bits == 4, H, Dh, P)
+    fmt = KVFormat(bits, G, 16, v_asym, bits == 4, H, Dh, P, sink=S)
     rf = ref_format(fmt)
     lens = [3 * G + 5, G - 1, 2 * G]
     data = [make_kv(rng, n, H, Dh) for n in lens]
@@ -463,7 +491,7 @@ def test_strided_inputs_and_truncate_fork():
     ref.append(k[:150], v[:150])
     check_bytes(fmt, pages, [s], [ref], "strided")
     # fork at 150: shares the pages of groups 0 and 1, own pages from 128 on
-    child = KVSeq(np.concatenate([ids[:8], np.arange(5)]), 200, s.tail.copy())
+    child = KVSeq(np.concatenate([ids[:8], np.arange(5)]), 200, s.tail.copy(), s.sink)
     ck, cv = make_kv(rng, 50, 2, 64)
     kvfmt.append(fmt, pages, [child], [0, 50], ck, cv)
     rchild = ref.fork()
@@ -625,13 +653,16 @@ def _append_rows(fmt, pages, seqs, data, count, k_fix=None, v_fix=None, dtype=F3
 
 
 def _snapshot(pages, seqs):
-    return pages.copy(), [s.tail.copy() for s in seqs]
+    return (pages.copy(), [s.tail.copy() for s in seqs],
+            [None if s.sink is None else s.sink.copy() for s in seqs])
 
 
 def _unchanged(pages, seqs, snap):
     assert np.array_equal(pages, snap[0]), "pages written by a failing call"
-    for s, t in zip(seqs, snap[1]):
+    for s, t, k in zip(seqs, snap[1], snap[2]):
         assert np.array_equal(s.tail.view(np.uint16), t.view(np.uint16)), "tail written"
+        if k is not None:
+            assert np.array_equal(s.sink.view(np.uint16), k.view(np.uint16)), "sink written"
 
 
 def _set(idx, val):
@@ -737,7 +768,21 @@ def test_binding_and_shape_errors():
         bad_tail = KVSeq(seqs[0].pages, seqs[0].n_kv, seqs[0].tail.astype(F32))
         with pytest.raises(IA, match="tail must be float16"):
             kvfmt.append(fmt, pages, [bad_tail, seqs[1]], [0, 2, 4], k, k)
-        short = KVSeq(seqs[0].pages[:2], seqs[0].n_kv, seqs[0].tail)
+        if fmt.sink:  # a format with sink rows needs them
+            nosink = KVSeq(seqs[0].pages, seqs[0].n_kv, seqs[0].tail)
+            with pytest.raises(IA, match="sink must be float16"):
+                kvfmt.append(fmt, pages, [nosink, seqs[1]], [0, 2, 4], k, k)
+            ro_sink = seqs[0].sink.copy()
+            ro_sink.flags.writeable = False
+            with pytest.raises(IA, match="sink must be C-contiguous"):
+                kvfmt.append(fmt, pages, [KVSeq(seqs[0].pages, seqs[0].n_kv, seqs[0].tail,
+                                                ro_sink), seqs[1]], [0, 2, 4], k, k)
+        else:
+            with pytest.raises(IA, match="sink must be None"):
+                kvfmt.append(fmt, pages, [KVSeq(seqs[0].pages, seqs[0].n_kv, seqs[0].tail,
+                                                np.zeros((2, 1, 2, 64), F16)), seqs[1]],
+                             [0, 2, 4], k, k)
+        short = KVSeq(seqs[0].pages[:2], seqs[0].n_kv, seqs[0].tail, seqs[0].sink)
         with pytest.raises(IA, match="page ids for n_kv"):
             kvfmt.append(fmt, pages, [short, seqs[1]], [0, 2, 4], k, k)
         with pytest.raises(IA, match="KVFormat"):
@@ -767,3 +812,24 @@ def test_binding_and_shape_errors():
     ro = pages.copy()
     ro.flags.writeable = False  # attention only reads
     kvfmt.attention(fmt, ro, seqs, q, [0, 1], [59, 0])
+
+
+def test_failed_first_append_leaves_the_sink_rows():
+    """A call that stores position 0 and fails (a NaN in a later row) writes
+    neither the sink rows nor anything else."""
+    fmt = KVFormat.member("kivi4", 2, 64, 16)
+    rng = np.random.default_rng(19)
+    k, v = make_kv(rng, 70, 2, 64, mild=True)
+    pages = fmt.new_pages(5)
+    s = fmt.new_seq(np.arange(5), 70)
+    s.sink[:] = F16(7.5)
+    snap = _snapshot(pages, [s])
+    k[66, 1, 3] = np.nan
+    with pytest.raises(kvcache.InvalidArgumentError, match="NaN"):
+        kvfmt.append(fmt, pages, [s], [0, 70], k, v)
+    _unchanged(pages, [s], snap)
+    k[66, 1, 3] = 0.5
+    kvfmt.append(fmt, pages, [s], [0, 70], k, v)
+    r = R.Sequence(ref_format(fmt))
+    r.append(k, v)
+    check_bytes(fmt, pages, [s], [r], "after the failed call")

@@ -1,6 +1,7 @@
 """The compressed formats through the FlashInfer-style entry points:
 append_paged_kv_cache(kv_format=...) and BatchDecodeWithPagedKVCacheWrapper
-with kv_data_type="kivi8"/"kivi4", over a (pages, tails) pair. Checked
+with kv_data_type="kivi8"/"kivi4", over a (pages, tails) pair (kivi8) or a
+(pages, tails, sinks) triple (kivi4, position 0 in float16). Checked
 against the format's own API (kvcache.kvfmt, itself checked byte for byte
 against the numpy reference in test_kvfmt.py) and the float64 reference."""
 
@@ -39,6 +40,18 @@ def test_append_and_decode_wrapper(name, H, Dh, P, grp):
     tails = np.zeros((3,) + fmt.tail_shape, np.float16)
     ref_pages = fmt.new_pages(n_pages)
     ref_tails = np.zeros_like(tails)
+    sinks = np.zeros((3,) + fmt.sink_shape, np.float16)
+    ref_sinks = np.zeros_like(sinks)
+    cache = (pages, tails, sinks) if fmt.sink else (pages, tails)
+    if fmt.sink:  # kivi4 without its sink rows: refused, nothing written
+        with pytest.raises(IA, match="triple"):
+            append_paged_kv_cache(np.zeros((70, H, Dh), np.float32),
+                                  np.zeros((70, H, Dh), np.float32), np.zeros(70, np.int32),
+                                  np.arange(70, dtype=np.int32), (pages, tails),
+                                  indices[:-(-70 // P)], np.array([0, -(-70 // P)], np.int32),
+                                  np.array([70 - P * (-(-70 // P) - 1)], np.int32),
+                                  kv_format=name)
+        assert not pages.any() and not tails.any()
     rseqs = [R.Sequence(R.member(name, H, Dh, P)) for _ in range(3)]
     done = [0, 0, 0]
     for step in steps:
@@ -53,18 +66,23 @@ def test_append_and_decode_wrapper(name, H, Dh, P, grp):
         app = np.concatenate([[0], np.cumsum(step)]).astype(np.int32)
         seq_lens = np.array(done, np.int32)
         bi, pos = get_batch_indices_positions(app, seq_lens, int(app[-1]))
-        append_paged_kv_cache(np.concatenate(k), np.concatenate(v), bi, pos, (pages, tails),
+        append_paged_kv_cache(np.concatenate(k), np.concatenate(v), bi, pos, cache,
                               ix, ip, last, kv_format=name)
-        seqs = [kvfmt.KVSeq(ix[ip[b]:ip[b + 1]], done[b], ref_tails[b]) for b in range(3)]
+        seqs = [kvfmt.KVSeq(ix[ip[b]:ip[b + 1]], done[b], ref_tails[b],
+                            ref_sinks[b] if fmt.sink else None) for b in range(3)]
         kvfmt.append(fmt, ref_pages, seqs, app, np.concatenate(k), np.concatenate(v))
         assert np.array_equal(pages, ref_pages) and np.array_equal(tails, ref_tails)
+        assert np.array_equal(sinks, ref_sinks)
         for b in range(3):
             rseqs[b].append(k[b], v[b])
         # decode: each request's query at its last position
         w = BatchDecodeWithPagedKVCacheWrapper(num_threads=2)
         w.plan(ip, ix, last, H * grp, H, Dh, P, kv_data_type=name)
         q = rng.standard_normal((3, H * grp, Dh)).astype(np.float32)
-        o, lse = w.run(q, (pages, tails), return_lse=True)
+        o, lse = w.run(q, cache, return_lse=True)
+        if fmt.sink:
+            with pytest.raises(IA, match="triple"):
+                w.run(q, (pages, tails))
         o2, lse2 = kvfmt.attention(fmt, pages, seqs, q, [0, 1, 2], [d - 1 for d in done],
                                    return_lse=True, num_threads=2)
         assert np.array_equal(o, o2) and np.array_equal(lse, lse2)
@@ -106,3 +124,6 @@ def test_append_refuses_what_a_compressed_cache_cannot_take():
     w.plan(ip, ix, last, 2, 1, 64, 16, kv_data_type="kivi8")
     with pytest.raises(IA, match="pages, tails"):
         w.run(np.zeros((1, 2, 64), np.float32), pages)
+    with pytest.raises(IA, match="pair"):  # kivi8 keeps no sink rows
+        w.run(np.zeros((1, 2, 64), np.float32),
+              (pages, tails, np.zeros((1, 2, 1, 1, 64), np.float16)))

@@ -136,10 +136,12 @@ def test_namespace_digest_matches_the_documented_text(rng):
         (dict(page_size=16, dtype="int8", quant_group=16, scale_dtype="float32"),
          "int8 layout NHD group 16 scale float32"),
         (dict(page_size=4, dtype="int4", kv_layout="HND"), "int4 layout HND group 8 scale float16"),
-        (dict(page_size=16, kv_format="kivi4"),
+        (dict(page_size=16, kv_format="kivi4"),  # its sink row: " sink 1"
          f"kivi4 bits {fmt.bits} group {fmt.group} v_group {fmt.v_group} v_asym "
          f"{int(fmt.v_asym)} rotate_v {int(fmt.rotate_v)} window {fmt.window} "
-         "k_codes channel-major"),
+         f"k_codes channel-major sink {fmt.sink}"),
+        (dict(page_size=16, kv_format="kivi8"),  # no sink rows: no field
+         "kivi8 bits 8 group 64 v_group 64 v_asym 1 rotate_v 0 window 0 k_codes channel-major"),
     ]
     for cache, kv_line in cases:
         for salt in (b"", b"tenant\x00\xff-7"):

@@ -155,6 +155,7 @@ int32_t kvc__take_page(kvc_cache *c) {
         kvc__index_remove(c, p);
         c->st.evictions++;
     }
+    kvc__sink_drop(c, p); /* its contents are gone; a first page gets new ones */
     c->pages[p].ref = 1;
     c->n_used++;
     return p;
@@ -173,8 +174,12 @@ void kvc__unref_page(kvc_cache *c, int32_t page) {
     kvc__page *pg = &c->pages[page];
     if (--pg->ref > 0) return;
     c->n_used--;
-    if (pg->in_index) kvc__lru_push_tail(c, page);
-    else c->free_stack[c->n_free++] = page;
+    if (pg->in_index) {
+        kvc__lru_push_tail(c, page);
+    } else {
+        kvc__sink_drop(c, page); /* nobody can find it again */
+        c->free_stack[c->n_free++] = page;
+    }
 }
 
 void kvc__copy_page(kvc_cache *c, int32_t dst, int32_t src) {
@@ -191,6 +196,10 @@ void kvc__copy_page(kvc_cache *c, int32_t dst, int32_t src) {
     if (c->tokens)
         memcpy(c->tokens + (int64_t)dst * c->ps, c->tokens + (int64_t)src * c->ps,
                (size_t)c->ps * sizeof(int32_t));
+    if (c->sinks && c->sinks[src]) { /* a first page: its sink rows go with it */
+        kvc__sink_attach(c, dst);
+        memcpy(c->sinks[dst], c->sinks[src], kvc__sinks_bytes(c));
+    }
     c->st.cow_copies++;
 }
 
@@ -354,6 +363,7 @@ kvc_status kvc_cache_create(const kvc_cache_params *params, kvc_cache **out) {
     c->kvfmt = kvfmt;
     c->fmt = fmt;
     c->tail_bytes = kvfmt ? kvc_kvfmt_tail_bytes(&fmt) : 0;
+    c->sink_bytes = kvfmt ? kvc_kvfmt_sink_bytes(&fmt) : 0;
     c->group = kvfmt ? fmt.group : 1;
     c->unit = kvfmt && fmt.group > p->page_size ? fmt.group : p->page_size;
     int64_t nb = 1;
@@ -367,6 +377,11 @@ kvc_status kvc_cache_create(const kvc_cache_params *params, kvc_cache **out) {
     ok = ok && c->pages;
     if (ok) c->free_stack = kvc__cache_alloc(c, (size_t)num_pages * sizeof(int32_t));
     ok = ok && c->free_stack;
+    if (ok && c->sink_bytes) {
+        c->sinks = kvc__cache_alloc(c, (size_t)num_pages * sizeof(uint16_t *));
+        ok = ok && c->sinks;
+        if (ok) memset(c->sinks, 0, (size_t)num_pages * sizeof(uint16_t *));
+    }
     if (ok && p->enable_prefix_caching) {
         c->tokens = kvc__cache_alloc(c, (size_t)(num_pages * p->page_size) * sizeof(int32_t));
         ok = ok && c->tokens;
@@ -406,6 +421,10 @@ void kvc_cache_destroy(kvc_cache *c) {
         kvc__cache_free(c, c->seqs[i]);
     }
     kvc__cache_free(c, c->seqs);
+    if (c->sinks)
+        for (int64_t i = 0; i < c->num_pages; i++) kvc__cache_free(c, c->sinks[i]);
+    kvc__cache_free(c, c->sinks);
+    kvc__cache_free(c, c->spare_sink);
     kvc__cache_free(c, c->buckets);
     kvc__cache_free(c, c->tokens);
     kvc__cache_free(c, c->free_stack);
@@ -635,6 +654,39 @@ kvc_status kvc_cache_write_page(kvc_cache *c, int32_t page, const void *src, siz
     return KVC_OK;
 }
 
+size_t kvc_cache_sink_bytes(const kvc_cache *c) {
+    return c && c->sinks ? kvc__sinks_bytes(c) : 0;
+}
+
+static kvc_status sink_io_check(const kvc_cache *c, const char *fn, int32_t page, const void *buf,
+                                size_t size) {
+    KVC_CHECK(c != NULL && buf != NULL, "%s: cache and buffer must not be NULL", fn);
+    KVC_CHECK(c->sinks != NULL, "%s: the cache keeps no sink rows (format %s)", fn,
+              c->kvfmt ? kvc_kv_format_name(c->fmt.id) : "none");
+    KVC_CHECK(page >= 0 && page < c->num_pages, "%s: page %d outside [0, %lld)", fn, (int)page,
+              (long long)c->num_pages);
+    KVC_CHECK(size == kvc__sinks_bytes(c), "%s: size %zu != kvc_cache_sink_bytes %zu", fn, size,
+              kvc__sinks_bytes(c));
+    KVC_CHECK(c->sinks[page] != NULL, "%s: page %d is no sequence's first page (it holds no "
+              "sink rows)", fn, (int)page);
+    return KVC_OK;
+}
+
+kvc_status kvc_cache_read_sink(const kvc_cache *c, int32_t page, void *dst, size_t size) {
+    KVC_TRY(sink_io_check(c, "kvc_cache_read_sink", page, dst, size));
+    memcpy(dst, c->sinks[page], size);
+    return KVC_OK;
+}
+
+kvc_status kvc_cache_write_sink(kvc_cache *c, int32_t page, const void *src, size_t size) {
+    static const char fn[] = "kvc_cache_write_sink";
+    KVC_TRY(sink_io_check(c, fn, page, src, size));
+    KVC_CHECK(c->pages[page].ref == 1, "%s: page %d is held by %d sequences (need exactly one)",
+              fn, (int)page, (int)c->pages[page].ref);
+    memcpy(c->sinks[page], src, size);
+    return KVC_OK;
+}
+
 kvc_status kvc_cache_set_evict_hook(kvc_cache *c, kvc_cache_evict_fn fn, void *user) {
     KVC_CHECK(c != NULL, "kvc_cache_set_evict_hook: cache is NULL");
     c->evict_fn = fn;
@@ -677,6 +729,9 @@ static kvc_status check_pages(const kvc_cache *c, int32_t *cnt) {
             return BAD("sequence %lld: %s", (long long)s->id,
                        c->kvfmt ? "no tail in a compressed-format cache"
                                 : "a tail in a per-token cache");
+        if (c->sinks && s->n_pages > 0 && !c->sinks[s->pages[0]])
+            return BAD("sequence %lld: first page %d has no sink rows", (long long)s->id,
+                       (int)s->pages[0]);
         /* a page is hashed (and registered) only once its K groups are complete */
         if (s->nh * c->ps > s->known / c->unit * c->unit)
             return BAD("sequence %lld: %lld pages hashed, beyond its %lld tokens' whole groups",
@@ -800,8 +855,9 @@ static kvc_status check_geometry(const kvc_cache *c) {
         c->fmt.page_size != c->ps || c->scale != NULL ||
         c->page_data_bytes != kvc_kvfmt_page_bytes(&c->fmt) ||
         c->layer_data_bytes != c->page_data_bytes * (size_t)c->num_pages ||
-        c->tail_bytes != kvc_kvfmt_tail_bytes(&c->fmt))
-        return BAD("compressed format %s: storage or tail sizes inconsistent",
+        c->tail_bytes != kvc_kvfmt_tail_bytes(&c->fmt) ||
+        c->sink_bytes != kvc_kvfmt_sink_bytes(&c->fmt) || (c->sinks != NULL) != (c->sink_bytes > 0))
+        return BAD("compressed format %s: storage, tail or sink sizes inconsistent",
                    kvc_kv_format_name(c->fmt.id));
     return KVC_OK;
 }

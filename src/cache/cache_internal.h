@@ -64,6 +64,12 @@ struct kvc_cache {
     int kvfmt;
     kvc_kvfmt fmt;
     size_t tail_bytes; /* one layer's tail of one sequence */
+    size_t sink_bytes; /* one layer's sink rows (kvfmt.h), 0 when the format keeps none */
+    uint16_t **sinks;  /* per page: the sink rows (all layers) of the sequences whose first
+                        * page it is; set when a page is taken as a first page (or copied
+                        * from one), kept while it is cached (a prefix hit reuses them),
+                        * dropped when the page is taken again; NULL array without sinks */
+    uint16_t *spare_sink; /* reserved before a commit that gives a page sink rows */
     int32_t group;     /* G of the format; 1 for a per-token cache (no group rules) */
     int32_t unit;      /* lcm(P, G) = max(P, G): prefix hits and registered pages are
                         * whole units, so never part of a K group; P for a per-token cache */
@@ -145,6 +151,15 @@ void kvc__copy_page(kvc_cache *c, int32_t dst, int32_t src);
  * memory. Only for a compressed cache (a per-token cache's sequences have
  * no tails). */
 uint16_t *kvc__tails_alloc(kvc_cache *c, const uint16_t *src);
+/* Sink rows (kvfmt_cache.c): kvc__sink_reserve makes sure the next
+ * kvc__sink_attach cannot fail (KVC_ERR_NOMEM otherwise); attach gives page
+ * p zeroed sink rows; kvc__sink_drop releases p's. No-ops without sinks. */
+kvc_status kvc__sink_reserve(kvc_cache *c, const char *fn);
+void kvc__sink_attach(kvc_cache *c, int32_t page);
+void kvc__sink_drop(kvc_cache *c, int32_t page);
+static inline size_t kvc__sinks_bytes(const kvc_cache *c) {
+    return c->sink_bytes * (size_t)c->p.num_layers;
+}
 /* Bytes of a sequence's tails (all layers). */
 static inline size_t kvc__tails_bytes(const kvc_cache *c) {
     return c->tail_bytes * (size_t)c->p.num_layers;

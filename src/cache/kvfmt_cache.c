@@ -23,6 +23,31 @@ uint16_t *kvc__tails_alloc(kvc_cache *c, const uint16_t *src) {
     return t;
 }
 
+kvc_status kvc__sink_reserve(kvc_cache *c, const char *fn) {
+    if (!c->sinks || c->spare_sink) return KVC_OK;
+    c->spare_sink = kvc__cache_alloc(c, kvc__sinks_bytes(c));
+    if (!c->spare_sink)
+        return kvc__error(KVC_ERR_NOMEM, "%s: out of memory (%zu bytes of sink rows)", fn,
+                          kvc__sinks_bytes(c));
+    return KVC_OK;
+}
+
+void kvc__sink_attach(kvc_cache *c, int32_t page) {
+    if (!c->sinks) return;
+    if (!c->sinks[page]) {
+        c->sinks[page] = c->spare_sink; /* reserved by the caller */
+        c->spare_sink = NULL;
+    }
+    memset(c->sinks[page], 0, kvc__sinks_bytes(c)); /* deterministic until written */
+}
+
+void kvc__sink_drop(kvc_cache *c, int32_t page) {
+    if (!c->sinks || !c->sinks[page]) return;
+    if (!c->spare_sink) c->spare_sink = c->sinks[page]; /* the next attach needs none */
+    else kvc__cache_free(c, c->sinks[page]);
+    c->sinks[page] = NULL;
+}
+
 static kvc_status need_kvfmt(const kvc_cache *c, const char *fn) {
     KVC_CHECK(c != NULL, "%s: cache is NULL", fn);
     KVC_CHECK(c->kvfmt, "%s: the cache is a per-token cache (kv_format none, dtype %s), not a "
@@ -63,11 +88,16 @@ kvc_status kvc_cache_kvfmt_seqs(const kvc_cache *c, int32_t layer, const kvc_seq
             return kvc__error(KVC_ERR_NOT_FOUND, "%s: unknown sequence %lld (seqs[%lld])", fn,
                               (long long)seqs[b], (long long)b);
     const size_t per_layer = c->tail_bytes / sizeof(uint16_t);
+    const size_t sink_layer = c->sink_bytes / sizeof(uint16_t);
     for (int64_t b = 0; b < n_seqs; b++) {
         const kvc__seq *s = kvc__find_seq(c, seqs[b], NULL);
         out[b].pages = s->pages;
         out[b].n_kv = s->len;
         out[b].tail = s->tail + (size_t)layer * per_layer;
+        /* the first page's sink rows (kvc_cache_check: every first page has them) */
+        out[b].sink = c->sinks && s->n_pages > 0 && c->sinks[s->pages[0]]
+                          ? c->sinks[s->pages[0]] + (size_t)layer * sink_layer
+                          : NULL;
     }
     return KVC_OK;
 }

@@ -311,6 +311,14 @@ kvc_status kvc_cache_add_sequence(kvc_cache *c, const int32_t *token_ids, int64_
         kvc__cache_free(c, grown);
         return no_space(c, fn, need);
     }
+    if (hits == 0 && np > 0) {
+        kvc_status st = kvc__sink_reserve(c, fn); /* for the new first page */
+        if (st != KVC_OK) {
+            kvc__cache_free(c, s);
+            kvc__cache_free(c, grown);
+            return st;
+        }
+    }
     if (c->kvfmt) { /* after the space check: the tails may be large */
         s->tail = kvc__tails_alloc(c, NULL);
         if (!s->tail) {
@@ -324,6 +332,7 @@ kvc_status kvc_cache_add_sequence(kvc_cache *c, const int32_t *token_ids, int64_
     s->id = c->next_id++;
     for (int64_t j = 0; j < hits; j++) kvc__ref_page(c, s->pages[j]);
     for (int64_t j = hits; j < np; j++) s->pages[j] = kvc__take_page(c);
+    if (hits == 0 && np > 0) kvc__sink_attach(c, s->pages[0]);
     s->len = n_tokens;
     s->n_pages = np;
     s->nh = hits;
@@ -367,6 +376,9 @@ kvc_status kvc_cache_append(kvc_cache *c, kvc_seq_id seq, const int32_t *token_i
     for (int64_t j = first; j < s->n_pages; j++) cow += c->pages[s->pages[j]].ref > 1;
     const int64_t need = np - s->n_pages + cow;
     if (need > kvc__available(c)) return no_space(c, fn, need);
+    /* a new first page, or a copy of a shared one, gets sink rows */
+    if (s->n_pages == 0 || (first == 0 && c->pages[s->pages[0]].ref > 1))
+        KVC_TRY(kvc__sink_reserve(c, fn));
     if (np > s->cap) {
         int64_t cap = s->cap * 2 > np ? s->cap * 2 : np;
         kvc__seq *g = seq_alloc(c, cap);
@@ -388,6 +400,7 @@ kvc_status kvc_cache_append(kvc_cache *c, kvc_seq_id seq, const int32_t *token_i
         }
     }
     for (int64_t j = s->n_pages; j < np; j++) s->pages[j] = kvc__take_page(c);
+    if (s->n_pages == 0) kvc__sink_attach(c, s->pages[0]);
     s->n_pages = np;
     if (c->tokens && token_ids && s->known == len) {
         for (int64_t i = 0; i < n; i++) {

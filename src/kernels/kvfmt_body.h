@@ -395,6 +395,8 @@ void KV_NAME(const kvc_kvfmt_job *j) {
                         r = KV_MUL(KV_ADD(r, KV_SET1(bias[v])), KV_SET1(j->sc));
                         const int64_t lim = j->pos[v] - b0;
                         r = KV_KEEP_LE(r, rel, KV_SET1((float)(lim < (int64_t)n ? lim : n)));
+                        if (tb < j->sink) /* the sink positions: read in float16 below */
+                            r = KV_KEEP_LE(r, KV_SET1((float)(j->sink - b0)), rel);
                         KV_STORE(s[v] + (tb - b0), r);
                     }
                 }
@@ -468,13 +470,19 @@ void KV_NAME(const kvc_kvfmt_job *j) {
             }
         }
     }
-    /* ---- float16 rows (positions fstart .. maxpos, from the window) ---- */
-    if (j->do_tail && maxpos >= j->fstart) {
-        const int64_t n = maxpos + 1 - j->fstart, np = (n + KV_VL - 1) / KV_VL * KV_VL;
+    /* ---- float16 rows: the sink rows when group 0 was read quantized, then
+     * positions fstart .. maxpos from the window ---- */
+    const int64_t ns = j->fstart > 0 ? j->sink : 0;
+    const int64_t nwin = maxpos >= j->fstart ? maxpos + 1 - j->fstart : 0;
+    if (j->do_tail && ns + nwin > 0) {
+        const int64_t n = ns + nwin, np = (n + KV_VL - 1) / KV_VL * KV_VL;
+#define KV_F16_AT(kv, t, tt)                                                                 \
+    ((t) < ns ? (kv ? j->sv : j->sk) + (t) * j->srs                                          \
+              : (kv ? j->wv : j->wk) +                                                       \
+                    (j->wmod ? (tt) % j->wmod : (tt) - j->w0) * j->wrs)
         for (int64_t t = 0; t < n; t++) {
-            const int64_t tt = j->fstart + t;
-            const int64_t sl = j->wmod ? tt % j->wmod : tt - j->w0;
-            kv_f16_row(j->wk + sl * j->wrs + (int64_t)j->h * Dh, row, Dh);
+            const int64_t tt = t < ns ? t : j->fstart + t - ns;
+            kv_f16_row(KV_F16_AT(0, t, tt) + (int64_t)j->h * Dh, row, Dh);
             for (int v = 0; v < nv; v++) {
                 kv_vec a = KV_ZERO();
                 for (int c = 0; c < Dh; c += KV_VL) a = KV_FMA(KV_LOAD(j->q[v] + c), KV_LOAD(row + c), a);
@@ -485,15 +493,15 @@ void KV_NAME(const kvc_kvfmt_job *j) {
             for (int64_t t = n; t < np; t++) s[v][t] = -INFINITY;
         kv_softmax(&st, nv, s, np, Dh);
         for (int64_t t = 0; t < n; t++) {
-            const int64_t tt = j->fstart + t;
-            const int64_t sl = j->wmod ? tt % j->wmod : tt - j->w0;
-            kv_f16_row(j->wv + sl * j->wrs + (int64_t)j->h * Dh, row, Dh);
+            const int64_t tt = t < ns ? t : j->fstart + t - ns;
+            kv_f16_row(KV_F16_AT(1, t, tt) + (int64_t)j->h * Dh, row, Dh);
             for (int v = 0; v < nv; v++) {
                 const kv_vec p = KV_SET1(s[v][t]);
                 for (int c = 0; c < Dh; c += KV_VL)
                     KV_STORE(st.o[v] + c, KV_FMA(p, KV_LOAD(row + c), KV_LOAD(st.o[v] + c)));
             }
         }
+#undef KV_F16_AT
     }
     for (int v = 0; v < nv; v++) {
         j->m[v] = st.m[v];

@@ -35,6 +35,11 @@ typedef struct kvc_kvfmt_job {
      * wv + slot * wrs, slot = wmod ? t % wmod : t - w0 */
     const uint16_t *wk, *wv;
     int64_t wrs, w0, wmod;
+    /* sink rows: position i < sink's K at sk + i * srs, V at sv + i * srs;
+     * read in float16 (and masked in group 0) when fstart > 0 */
+    const uint16_t *sk, *sv;
+    int64_t srs;
+    int sink;
     int64_t fstart; /* every vector reads positions [fstart, pos] in float16 */
     int64_t t0, t1; /* quantized tokens [t0, t1) of this chunk, group aligned, t1 <= fstart */
     int do_tail;    /* this chunk also reads the float16 rows */

@@ -130,7 +130,8 @@ static void attend_task(void *arg, int64_t task) {
                 for (int64_t g = 0; g < ng; g++) {
                     float d = 0;
                     for (int64_t ch = 0; ch < Dh; ch++) d += qs[g][ch] * codes[ch];
-                    sc[g][t - t0] = (d + bias[g]) * c->sm_scale;
+                    /* the sink positions are read in float16 below */
+                    sc[g][t - t0] = t < f->sink ? -INFINITY : (d + bias[g]) * c->sm_scale;
                 }
             }
             softmax_step(&st, ng, sc, t1 - t0, Dh);
@@ -160,6 +161,25 @@ static void attend_task(void *arg, int64_t task) {
                         for (int64_t k = 0; k < gv; k++) st.o[g][ch + k] += a;
                     }
                 }
+            }
+        }
+        /* the sink rows, when the query reads group 0 quantized */
+        if (nq > 0 && f->sink > 0) {
+            for (int64_t t = 0; t < f->sink; t++) {
+                const uint16_t *kr = s->sink + t * HD + h * Dh;
+                for (int64_t ch = 0; ch < Dh; ch++) codes[ch] = kvc_f16_to_f32(kr[ch]);
+                for (int64_t g = 0; g < ng; g++) {
+                    float d = 0;
+                    for (int64_t ch = 0; ch < Dh; ch++) d += qv[g][ch] * codes[ch];
+                    sc[g][t] = d * c->sm_scale;
+                }
+            }
+            softmax_step(&st, ng, sc, f->sink, Dh);
+            for (int64_t t = 0; t < f->sink; t++) {
+                const uint16_t *vr = s->sink + (f->sink + t) * HD + h * Dh;
+                for (int64_t ch = 0; ch < Dh; ch++) codes[ch] = kvc_f16_to_f32(vr[ch]);
+                for (int64_t g = 0; g < ng; g++)
+                    for (int64_t ch = 0; ch < Dh; ch++) st.o[g][ch] += sc[g][t] * codes[ch];
             }
         }
         /* float16 rows, in blocks of up to 512 tokens (at most G - 1 + W of them) */
@@ -252,6 +272,8 @@ kvc_status kvc__kvfmt_attn_check(const char *fn, const kvc_kvfmt *f, const kvc_t
                   "in the call that stores them)", fn, (long long)i, (int)q_pos[i],
                   (long long)l0, (long long)s->n_kv);
         KVC_CHECK(s->pages && s->tail, "%s: sequence %d: NULL pages or tail", fn, (int)q_seq[i]);
+        KVC_CHECK(f->sink == 0 || s->sink, "%s: sequence %d: NULL sink (the format keeps %d "
+                  "sink rows)", fn, (int)q_seq[i], (int)f->sink);
         const int64_t np = (kvc__kvfmt_f16_from(f, q_pos[i]) + P - 1) / P;
         for (int64_t p = 0; p < np; p++)
             KVC_CHECK(s->pages[p] >= 0 && s->pages[p] < pages->shape[0], "%s: sequence %d: "

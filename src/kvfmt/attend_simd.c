@@ -53,7 +53,7 @@ static kvc_kvfmt_kernel simd_kernel(const kvc_kvfmt *f) {
         return NULL;
     if ((f->bits != 8 && f->bits != 4) || !f->v_asym) return NULL;
     if (f->head_dim % (f->bits == 4 ? 2 * vl : vl) || f->v_group % vl || f->page_size % vl ||
-        f->group % vl || f->group + f->window > KVC_KVFMT_BT_MAX)
+        f->group % vl || f->group + f->window + f->sink > KVC_KVFMT_BT_MAX)
         return NULL;
     return k;
 }
@@ -137,6 +137,10 @@ static void make_job(const simd_ctx *c, int64_t task, kvc_kvfmt_job *jp) {
     j.wrs = w->rs;
     j.w0 = w->w0;
     j.wmod = w->mod;
+    j.sink = f->sink;
+    j.srs = (int64_t)f->num_kv_heads * f->head_dim;
+    j.sk = s->sink;
+    j.sv = s->sink ? s->sink + f->sink * j.srs : NULL;
     j.fstart = u->qend;
     j.t0 = ci * u->chunk;
     j.t1 = j.t0 + u->chunk < u->qend ? j.t0 + u->chunk : u->qend;

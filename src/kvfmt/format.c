@@ -51,6 +51,9 @@ kvc_status kvc_kvfmt_check(const kvc_kvfmt *f) {
     KVC_CHECK(f->window >= 0 && f->window % G == 0 && f->window <= 4096,
               "%s: window %d must be a multiple of the group %lld in [0, 4096]", fn,
               (int)f->window, (long long)G);
+    KVC_CHECK(f->sink >= 0 && f->sink < G && f->sink <= 16,
+              "%s: sink %d must be in [0, %lld] (below the group %lld, at most 16)", fn,
+              (int)f->sink, (long long)(G - 1 < 16 ? G - 1 : 16), (long long)G);
     KVC_CHECK(f->v_asym == 0 || f->v_asym == 1, "%s: v_asym must be 0 or 1", fn);
     KVC_CHECK(f->rotate_v == 0 || f->rotate_v == 1, "%s: rotate_v must be 0 or 1", fn);
     KVC_CHECK(H * Dh * P <= ((int64_t)1 << 40), "%s: page too large", fn);
@@ -72,6 +75,7 @@ kvc_status kvc_kvfmt_make(kvc_kv_format id, int32_t num_kv_heads, int32_t head_d
     while (head_dim > 0 && head_dim % f.v_group) f.v_group /= 2;
     f.v_asym = 1;
     f.rotate_v = id == KVC_KVFMT_KIVI4;
+    f.sink = id == KVC_KVFMT_KIVI4; /* position 0 in float16 (appendix B) */
     f.num_kv_heads = num_kv_heads;
     f.head_dim = head_dim;
     f.page_size = page_size;
@@ -114,6 +118,14 @@ size_t kvc_kvfmt_tail_bytes(const kvc_kvfmt *f) {
         return 0;
     }
     return (size_t)2 * (f->group + f->window) * f->num_kv_heads * f->head_dim * 2;
+}
+
+size_t kvc_kvfmt_sink_bytes(const kvc_kvfmt *f) {
+    if (kvc_kvfmt_check(f) != KVC_OK) {
+        kvc_clear_error();
+        return 0;
+    }
+    return (size_t)2 * f->sink * f->num_kv_heads * f->head_dim * 2;
 }
 
 void kvc__kvfmt_rotate(float *x, int32_t n) {

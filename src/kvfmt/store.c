@@ -113,13 +113,14 @@ static void group_task(void *arg, int64_t task) {
         src[i] = r;
         src[G + i] = r + c->HD;
     }
-    /* K: per channel over the G tokens */
-    const int64_t R = G > P ? G / P : 1, per = c->l.k_share;
+    /* K: per channel over the G tokens; in group 0 the sink positions [0, S)
+     * are left out (their codes are 0: attention reads the sink rows) */
+    const int64_t R = G > P ? G / P : 1, per = c->l.k_share, i0 = j == 0 ? f->sink : 0;
     for (int64_t e = 0; e < c->HD; e++) {
         const int64_t h = e / Dh, ch = e % Dh;
         float lo = INFINITY, hi = -INFINITY;
         uint16_t lo16 = 0;
-        for (int64_t i = 0; i < G; i++) {
+        for (int64_t i = i0; i < G; i++) {
             const float x = kvc_f16_to_f32(src[i][e]);
             if (x < lo) lo = x, lo16 = src[i][e];
             if (x > hi) hi = x;
@@ -128,7 +129,7 @@ static void group_task(void *arg, int64_t task) {
         const double scd = kvc_f16_to_f32(sc);
         for (int64_t i = 0; i < G; i++) {
             const int64_t t = j * G + i;
-            const int q = code_of(kvc_f16_to_f32(src[i][e]), lo, scd);
+            const int q = i < i0 ? 0 : code_of(kvc_f16_to_f32(src[i][e]), lo, scd);
             put_code(page_ptr(c, s, t) + c->l.k_codes, (h * Dh + ch) * P + t % P, bits, q);
         }
         /* parameters: page of the group (P >= G) or page e / per of its run */
@@ -268,6 +269,8 @@ static kvc_status append_attend(const char *fn, const kvc_kvfmt *f, kvc_tensor *
         if (cnt == 0) continue;
         KVC_CHECK(s->tail != NULL && s->pages != NULL, "%s: sequence %lld: NULL pages or tail",
                   fn, (long long)b);
+        KVC_CHECK(f->sink == 0 || s->sink != NULL, "%s: sequence %lld: NULL sink (the format "
+                  "keeps %d sink rows)", fn, (long long)b, (int)f->sink);
         const int64_t np = (s->n_kv + P - 1) / P;
         for (int64_t p = 0; p < np; p++)
             KVC_CHECK(s->pages[p] >= 0 && s->pages[p] < pages->shape[0], "%s: sequence %lld: "
@@ -354,8 +357,18 @@ static kvc_status append_attend(const char *fn, const kvc_kvfmt *f, kvc_tensor *
         kvc__scratch_release(pool, mem);
         return st;
     }
-    /* quantize the complete groups, attend, then write the tails */
+    /* quantize the complete groups, write the sink rows, attend (reading
+     * them), then write the tails */
     if (n_tasks > 0) kvc__parallel_for(pool, n_tasks, group_task, &c);
+    for (int64_t b = 0; b < n_seqs; b++) {
+        const kvc_kvfmt_seq *s = &seqs[b];
+        const int64_t pos0 = s->n_kv - (row_indptr[b + 1] - row_indptr[b]);
+        for (int64_t t = pos0; t < f->sink && t < s->n_kv; t++) {
+            const uint16_t *r = c.st + (c.off[b] + t - c.w0[b]) * 2 * HD;
+            memcpy(s->sink + t * HD, r, (size_t)HD * 2);
+            memcpy(s->sink + (f->sink + t) * HD, r + HD, (size_t)HD * 2);
+        }
+    }
     if (q)
         kvc__kvfmt_attend(f, pages, seqs, wins, q, q_seq, q_pos, sm, out, lse, pool,
                           simd_bytes ? mem + own : NULL);

@@ -83,9 +83,12 @@ kvc_status kvc_store_namespace(const kvc_store_namespace_desc *d, kvc_store_key 
         KVC_TRY(kvc_kvfmt_make(c->kv_format, d->n_kv_heads, d->head_dim, c->page_size, &f));
         n += snprintf(text + n, sizeof text - (size_t)n,
                       "kv %s bits %d group %d v_group %d v_asym %d rotate_v %d window %d k_codes "
-                      "channel-major\n",
+                      "channel-major",
                       kvc_kv_format_name(c->kv_format), (int)f.bits, (int)f.group,
                       (int)f.v_group, (int)f.v_asym, (int)f.rotate_v, (int)f.window);
+        /* only when set: formats without sink rows keep their namespaces */
+        if (f.sink) n += snprintf(text + n, sizeof text - (size_t)n, " sink %d", (int)f.sink);
+        n += snprintf(text + n, sizeof text - (size_t)n, "\n");
     } else {
         const int q = c->dtype == KVC_I8 || c->dtype == KVC_I4;
         KVC_CHECK(c->dtype >= 0 && c->dtype < KVC_DTYPE_COUNT, "%s: bad dtype %d", fn,
@@ -170,7 +173,30 @@ size_t kvc_store_object_bytes(const kvc_cache *cache, int auth) {
     kvc_cache_params p;
     if (!cache || kvc_cache_get_params(cache, &p) != KVC_OK) return 0;
     return KVC_STORE_HEADER_BYTES + (size_t)p.page_size * 4 + kvc_cache_page_bytes(cache) +
+           kvc_cache_sink_bytes(cache) + (auth ? KVC_STORE_AUTH_TAG_BYTES : 0);
+}
+
+/* Payload bytes of the object at position: the page of every layer, then
+ * for a sequence's first page of a format with sink rows, those rows. */
+static size_t payload_bytes(const kvc_cache *cache, int64_t position) {
+    return kvc_cache_page_bytes(cache) + (position == 0 ? kvc_cache_sink_bytes(cache) : 0);
+}
+
+size_t kvc__store_object_size(const kvc_cache *cache, int64_t position, int auth) {
+    kvc_cache_params p;
+    if (!cache || kvc_cache_get_params(cache, &p) != KVC_OK) return 0;
+    return KVC_STORE_HEADER_BYTES + (size_t)p.page_size * 4 + payload_bytes(cache, position) +
            (auth ? KVC_STORE_AUTH_TAG_BYTES : 0);
+}
+
+kvc_status kvc__store_apply_payload(kvc_cache *cache, int32_t page_id, const void *obj) {
+    kvc_cache_params p;
+    KVC_TRY(kvc_cache_get_params(cache, &p));
+    const unsigned char *o = obj, *pl = o + KVC_STORE_HEADER_BYTES + (size_t)p.page_size * 4;
+    const size_t np = kvc_cache_page_bytes(cache);
+    if (get_u64(o + 64) == 0 && kvc_cache_sink_bytes(cache) > 0) /* before the page: no half */
+        KVC_TRY(kvc_cache_write_sink(cache, page_id, pl + np, kvc_cache_sink_bytes(cache)));
+    return kvc_cache_write_page(cache, page_id, pl, np);
 }
 
 /* Tokens as little-endian bytes then the payload: what the payload
@@ -204,13 +230,15 @@ kvc_status kvc_store_serialize_page(const kvc_cache *cache, int32_t page_id,
               "%s: cache, e, e->tokens and dst must not be NULL", fn);
     kvc_cache_params p;
     KVC_TRY(kvc_cache_get_params(cache, &p));
-    const size_t need = kvc_store_object_bytes(cache, auth_key != NULL);
-    KVC_CHECK(cap >= need, "%s: cap %zu < %zu bytes needed", fn, cap, need);
     KVC_CHECK(e->position >= 0 && e->position % p.page_size == 0,
               "%s: position %lld is not a page start", fn, (long long)e->position);
+    const size_t nt = (size_t)p.page_size * 4, np = payload_bytes(cache, e->position);
+    const size_t need = KVC_STORE_HEADER_BYTES + nt + np + (auth_key ? KVC_STORE_AUTH_TAG_BYTES : 0);
+    KVC_CHECK(cap >= need, "%s: cap %zu < %zu bytes needed", fn, cap, need);
     unsigned char *o = dst, *tok = o + KVC_STORE_HEADER_BYTES;
-    const size_t nt = (size_t)p.page_size * 4, np = kvc_cache_page_bytes(cache);
-    KVC_TRY(kvc_cache_read_page(cache, page_id, tok + nt, np));
+    const size_t pb = kvc_cache_page_bytes(cache);
+    KVC_TRY(kvc_cache_read_page(cache, page_id, tok + nt, pb));
+    if (np > pb) KVC_TRY(kvc_cache_read_sink(cache, page_id, tok + nt + pb, np - pb));
     memset(o, 0, KVC_STORE_HEADER_BYTES);
     memcpy(o, magic, 8);
     put_u16(o + 8, KVC_STORE_OBJ_VERSION);
@@ -222,7 +250,7 @@ kvc_status kvc_store_serialize_page(const kvc_cache *cache, int32_t page_id,
     put_u64(o + 64, (uint64_t)e->position);
     put_u32(o + 72, (uint32_t)p.page_size);
     put_u32(o + 76, (uint32_t)p.num_layers);
-    put_u64(o + 80, (uint64_t)(np / (size_t)p.num_layers));
+    put_u64(o + 80, (uint64_t)(pb / (size_t)p.num_layers));
     put_u64(o + 88, (uint64_t)np);
     for (int32_t i = 0; i < p.page_size; i++) put_u32(tok + 4 * i, (uint32_t)e->tokens[i]);
     payload_sum(tok, nt, tok + nt, np, o + 96);
@@ -278,10 +306,11 @@ kvc_status kvc_store_verify_object(const kvc_cache *cache, const void *obj, size
         return miss_(miss, KVC_STORE_MISS_HEADER, "header checksum mismatch");
     const uint32_t flags = get_u32(o + 12), n_tok = get_u32(o + 72), n_layers = get_u32(o + 76);
     const uint64_t layer_bytes = get_u64(o + 80), payload = get_u64(o + 88);
-    const size_t np = kvc_cache_page_bytes(cache), nt = (size_t)p.page_size * 4;
+    const size_t pb = kvc_cache_page_bytes(cache), nt = (size_t)p.page_size * 4;
+    const size_t np = payload_bytes(cache, (int64_t)get_u64(o + 64));
     if (flags > 1) return miss_(miss, KVC_STORE_MISS_VERSION, "unknown flags");
     if (n_tok != (uint32_t)p.page_size || n_layers != (uint32_t)p.num_layers ||
-        payload != np || layer_bytes != np / (size_t)p.num_layers)
+        payload != np || layer_bytes != pb / (size_t)p.num_layers)
         return miss_(miss, KVC_STORE_MISS_GEOMETRY, "page size, layers or payload size differ");
     const size_t tag = (flags & 1) ? KVC_STORE_AUTH_TAG_BYTES : 0;
     if (size != KVC_STORE_HEADER_BYTES + nt + np + tag)
@@ -314,10 +343,5 @@ kvc_status kvc_store_restore_page(kvc_cache *cache, int32_t page_id, const void 
                                   const kvc_store_expect *e, const uint8_t *auth_key,
                                   kvc_store_miss *miss) {
     KVC_TRY(kvc_store_verify_object(cache, obj, size, e, auth_key, miss));
-    kvc_cache_params p;
-    KVC_TRY(kvc_cache_get_params(cache, &p));
-    return kvc_cache_write_page(cache, page_id,
-                                (const unsigned char *)obj + KVC_STORE_HEADER_BYTES +
-                                    (size_t)p.page_size * 4,
-                                kvc_cache_page_bytes(cache));
+    return kvc__store_apply_payload(cache, page_id, obj);
 }

@@ -929,12 +929,8 @@ void kvc__store_load_finish(kvc__store_load *l, kvc_cache *cache, int64_t skip,
     pthread_join(l->thr, NULL);
     if (n > l->ready - skip) n = l->ready - skip;
     if (cache && skip >= 0) {
-        const size_t off = KVC_STORE_HEADER_BYTES + (size_t)l->r.P * 4;
-        const size_t pb = kvc_cache_page_bytes(cache);
         for (int64_t i = 0; i < n; i++) /* verified whole: the write cannot be refused */
-            if (kvc_cache_write_page(cache, page_ids[i],
-                                     (const unsigned char *)l->r.kept[skip + i] + off, pb) !=
-                KVC_OK)
+            if (kvc__store_apply_payload(cache, page_ids[i], l->r.kept[skip + i]) != KVC_OK)
                 kvc_clear_error();
     }
     for (int64_t i = 0; i < l->r.max; i++)
@@ -948,7 +944,7 @@ void kvc__store_load_finish(kvc__store_load *l, kvc_cache *cache, int64_t skip,
 
 kvc_status kvc__store_save_page(kvc_store *s, const kvc_cache *cache, int32_t page_id,
                                 const kvc_store_expect *e, uint32_t tiers) {
-    const size_t size = kvc_store_object_bytes(cache, s->has_auth);
+    const size_t size = kvc__store_object_size(cache, e->position, s->has_auth);
     void *obj = kvc__objpool_get(s->pool, size);
     kvc_status st = obj ? kvc_store_serialize_page(cache, page_id, e, kvc__store_auth_key(s), obj,
                                                    size, NULL)

@@ -17,6 +17,12 @@ uint64_t kvc__store_hash64(const void *a, size_t na, uint64_t seed);
 /* Pages per prefix unit of cache: G / P for a compressed format whose K
  * groups span pages, else 1 (kvc_store_page_keys). */
 int32_t kvc__store_unit_pages(const kvc_cache *cache);
+/* Bytes of the object of the page at position (a first page of a format
+ * with sink rows carries them: docs/KV_STORE.md section 3). */
+size_t kvc__store_object_size(const kvc_cache *cache, int64_t position, int auth);
+/* Writes a verified object's payload into page page_id: its sink rows
+ * first when it carries them, then the page (nothing when the first fails). */
+kvc_status kvc__store_apply_payload(kvc_cache *cache, int32_t page_id, const void *obj);
 /* kvc_store_put taking ownership of obj (malloc'd; freed on every path),
  * for the tiers of mask tiers (bit t: tier t). */
 kvc_status kvc__store_put_owned(kvc_store *s, const kvc_store_key *ns, const kvc_store_key *key,

@@ -261,7 +261,8 @@ static int setup_kivi(att_case *c, att_shape s, int64_t B, int64_t L, kvc_kv_for
     }
     const kvc_kvfmt *f = &c->fmt;
     const int64_t pages = (L + ATT_PAGE - 1) / ATT_PAGE, P = B * pages;
-    const size_t pb = kvc_kvfmt_page_bytes(f), tb = kvc_kvfmt_tail_bytes(f);
+    /* each sequence's tail, then its sink rows (kivi4: position 0) */
+    const size_t pb = kvc_kvfmt_page_bytes(f), tb = kvc_kvfmt_tail_bytes(f) + kvc_kvfmt_sink_bytes(f);
     c->kv_stride = kivi_layer_bytes(f, B, L);
     c->layers = layers;
     c->k = bench_alloc(c->kv_stride * (size_t)layers);
@@ -303,6 +304,8 @@ static int setup_kivi(att_case *c, att_shape s, int64_t B, int64_t L, kvc_kv_for
         kvc_kvfmt_seq *sq = &c->seqs[b];
         sq->pages = c->indices + b * pages;
         sq->tail = (uint16_t *)(void *)((unsigned char *)c->tails + (size_t)b * tb);
+        sq->sink = f->sink ? (uint16_t *)(void *)((unsigned char *)sq->tail + kvc_kvfmt_tail_bytes(f))
+                           : NULL;
         for (int64_t t0 = 0; t0 < L && rc == 0; t0 += CH) {
             const int64_t n = L - t0 < CH ? L - t0 : CH;
             for (int64_t i = 0; i < n * row; i++) {
