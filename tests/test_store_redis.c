@@ -130,6 +130,29 @@ typedef struct child_server {
     char url[256];
 } child_server;
 
+/* Servers still running when the process exits (a test that failed between
+ * start and stop returns early): killed then, never left behind. */
+static pid_t g_children[8];
+
+static void kill_children(void) {
+    for (int i = 0; i < 8; i++)
+        if (g_children[i] > 0) {
+            kill(g_children[i], SIGKILL);
+            waitpid(g_children[i], NULL, 0);
+            g_children[i] = 0;
+        }
+}
+
+static void track_child(pid_t pid, int add) {
+    static int registered;
+    if (!registered) registered = atexit(kill_children) == 0;
+    for (int i = 0; i < 8; i++)
+        if (add ? g_children[i] == 0 : g_children[i] == pid) {
+            g_children[i] = add ? pid : 0;
+            return;
+        }
+}
+
 static int child_start(child_server *cs) {
     const char *bin = getenv("KVC_TEST_REDIS_SERVER");
     if (!bin) return -1;
@@ -152,6 +175,7 @@ static int child_start(child_server *cs) {
               (char *)NULL);
         _exit(127);
     }
+    track_child(cs->pid, 1);
     for (int i = 0; i < 100; i++) { /* up to ~5 s */
         redisContext *c = raw_connect(cs->url);
         redisReply *r = c && !c->err ? redisCommand(c, "PING") : NULL;
@@ -168,6 +192,7 @@ static void child_stop(child_server *cs) {
     if (cs->pid > 0) {
         kill(cs->pid, SIGKILL);
         waitpid(cs->pid, NULL, 0);
+        track_child(cs->pid, 0);
     }
     cs->pid = 0;
 }
