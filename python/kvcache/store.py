@@ -631,7 +631,9 @@ def store_page_keys(ns, tokens, page_size, unit_pages: int = 1) -> list[bytes]:
 
 
 def store_object_bytes(cache, auth: bool = False) -> int:
-    """Bytes of one page's object for cache (header, ids, payload, tag)."""
+    """Bytes of one page's object for cache (header, ids, payload, tag); the
+    larger size, a first page's, for a format with sink rows (kivi4 carries
+    position 0's in float16 with the sequence's first page)."""
     c = _cache_of(cache)
     sl = _load()
     with c._lock:
