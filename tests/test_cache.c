@@ -678,7 +678,8 @@ static int nomem_case(kvc_cache_params p) {
 }
 
 /* Per-token and compressed caches (whose sequences also own tails: one more
- * allocation for add and fork, the fork's a copy). */
+ * allocation for add and fork, the fork's a copy; kivi4's first pages their
+ * sink rows). */
 TEST(nomem_every_allocation_site) {
     if (nomem_case(small_params(2, 1024))) return 1;
     kvc_cache_params p = small_params(4, 1024);
@@ -687,6 +688,11 @@ TEST(nomem_every_allocation_site) {
     p.head_dim = 8;
     if (nomem_case(p)) {
         fprintf(stderr, "  (kivi8)\n");
+        return 1;
+    }
+    p.kv_format = KVC_KVFMT_KIVI4; /* and first pages' sink rows (reserved before commits) */
+    if (nomem_case(p)) {
+        fprintf(stderr, "  (kivi4)\n");
         return 1;
     }
     return 0;
