@@ -455,8 +455,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
                 "float16", "bfloat16", "int8", "int4" (uint8 arrays), or a
                 numpy dtype); or a compressed format, "kivi8" or "kivi4"
                 (docs/KV_FORMATS.md): run then takes the (pages, tails) pair
-                that append_paged_kv_cache(kv_format=) writes (sm_scale only;
-                no soft cap, window, sinks or calibration scales). Prefill
+                (kivi8) or (pages, tails, sinks) triple (kivi4) that
+                append_paged_kv_cache(kv_format=) writes (sm_scale only; no
+                soft cap, window, learned sinks or calibration scales). Prefill
                 over these formats stores and attends in one call:
                 kvcache.kvfmt.append_attention.
             quant_group: int8/int4 caches: group size of the scales.
