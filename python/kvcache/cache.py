@@ -738,23 +738,21 @@ class PagedKVCache(_lib.NoCopy):
     def read_sink(self, page_id) -> np.ndarray:
         """A copy of first page ``page_id``'s sink rows, uint8 (sink_bytes,)
         (kvc_cache_read_sink); InvalidArgumentError for a page that holds none."""
+        return self._read_bytes(page_id, _lib.kvc_cache_sink_bytes, _lib.kvc_cache_read_sink)
+
+    def _read_bytes(self, page_id, size_fn, read_fn) -> np.ndarray:
         pid = _lib.int32_attr(page_id, "page_id")
         with self._lock:
             ptr = self._ptr()
-            out = np.empty(int(_lib.kvc_cache_sink_bytes(ptr)), np.uint8)
-            _lib.check(_lib.kvc_cache_read_sink(ptr, pid, out.ctypes.data, out.size))
+            out = np.empty(int(size_fn(ptr)), np.uint8)
+            _lib.check(read_fn(ptr, pid, out.ctypes.data, out.size))
         return out
 
     def read_page(self, page_id) -> np.ndarray:
         """A copy of page ``page_id``'s bytes (every layer's data block and,
         for int8/int4, scale block): uint8 (page_bytes,)
         (kvc_cache_read_page)."""
-        pid = _lib.int32_attr(page_id, "page_id")
-        with self._lock:
-            ptr = self._ptr()
-            out = np.empty(int(_lib.kvc_cache_page_bytes(ptr)), np.uint8)
-            _lib.check(_lib.kvc_cache_read_page(ptr, pid, out.ctypes.data, out.size))
-        return out
+        return self._read_bytes(page_id, _lib.kvc_cache_page_bytes, _lib.kvc_cache_read_page)
 
     def write_page(self, page_id, data) -> None:
         """Overwrites page ``page_id`` with ``data`` (page_bytes bytes, as
