@@ -73,6 +73,15 @@ static void softmax_step(state *st, int64_t ng, float (*s)[512], int64_t n, int6
     }
 }
 
+/* Row u of a query's float16 rows (K, or V with kv 1): sink row u for u <
+ * ns, else position nq + u - ns from the window. */
+static const uint16_t *f16_row(const kvc_kvfmt *f, const kvc_kvfmt_seq *s,
+                               const kvc__kvfmt_win *win, int64_t ns, int64_t nq, int64_t u,
+                               int kv) {
+    if (u < ns) return s->sink + (kv * f->sink + u) * (int64_t)f->num_kv_heads * f->head_dim;
+    return (kv ? win->v : win->k) + kvc__kvfmt_slot(win, nq + u - ns) * win->rs;
+}
+
 static void attend_task(void *arg, int64_t task) {
     const attend_ctx *c = arg;
     const kvc_kvfmt *f = c->f;
@@ -163,43 +172,27 @@ static void attend_task(void *arg, int64_t task) {
                 }
             }
         }
-        /* the sink rows, when the query reads group 0 quantized */
-        if (nq > 0 && f->sink > 0) {
-            for (int64_t t = 0; t < f->sink; t++) {
-                const uint16_t *kr = s->sink + t * HD + h * Dh;
+        /* float16 rows: the sink rows when group 0 was read quantized, then
+         * positions nq .. pos from the window; in blocks of up to 512 (at most
+         * S + G - 1 + W rows) */
+        const int64_t ns = nq > 0 ? f->sink : 0, nf = ns + pos + 1 - nq;
+        for (int64_t u0 = 0; u0 < nf; u0 += 512) {
+            const int64_t u1 = u0 + 512 < nf ? u0 + 512 : nf;
+            for (int64_t u = u0; u < u1; u++) {
+                const uint16_t *kr = f16_row(f, s, win, ns, nq, u, 0) + h * Dh;
                 for (int64_t ch = 0; ch < Dh; ch++) codes[ch] = kvc_f16_to_f32(kr[ch]);
                 for (int64_t g = 0; g < ng; g++) {
                     float d = 0;
                     for (int64_t ch = 0; ch < Dh; ch++) d += qv[g][ch] * codes[ch];
-                    sc[g][t] = d * c->sm_scale;
+                    sc[g][u - u0] = d * c->sm_scale;
                 }
             }
-            softmax_step(&st, ng, sc, f->sink, Dh);
-            for (int64_t t = 0; t < f->sink; t++) {
-                const uint16_t *vr = s->sink + (f->sink + t) * HD + h * Dh;
-                for (int64_t ch = 0; ch < Dh; ch++) codes[ch] = kvc_f16_to_f32(vr[ch]);
-                for (int64_t g = 0; g < ng; g++)
-                    for (int64_t ch = 0; ch < Dh; ch++) st.o[g][ch] += sc[g][t] * codes[ch];
-            }
-        }
-        /* float16 rows, in blocks of up to 512 tokens (at most G - 1 + W of them) */
-        for (int64_t t0 = nq; t0 <= pos; t0 += 512) {
-            const int64_t t1 = t0 + 512 <= pos + 1 ? t0 + 512 : pos + 1;
-            for (int64_t t = t0; t < t1; t++) {
-                const uint16_t *kr = win->k + kvc__kvfmt_slot(win, t) * win->rs + h * Dh;
-                for (int64_t ch = 0; ch < Dh; ch++) codes[ch] = kvc_f16_to_f32(kr[ch]);
-                for (int64_t g = 0; g < ng; g++) {
-                    float d = 0;
-                    for (int64_t ch = 0; ch < Dh; ch++) d += qv[g][ch] * codes[ch];
-                    sc[g][t - t0] = d * c->sm_scale;
-                }
-            }
-            softmax_step(&st, ng, sc, t1 - t0, Dh);
-            for (int64_t t = t0; t < t1; t++) {
-                const uint16_t *vr = win->v + kvc__kvfmt_slot(win, t) * win->rs + h * Dh;
+            softmax_step(&st, ng, sc, u1 - u0, Dh);
+            for (int64_t u = u0; u < u1; u++) {
+                const uint16_t *vr = f16_row(f, s, win, ns, nq, u, 1) + h * Dh;
                 for (int64_t ch = 0; ch < Dh; ch++) codes[ch] = kvc_f16_to_f32(vr[ch]);
                 for (int64_t g = 0; g < ng; g++) {
-                    const float p = sc[g][t - t0];
+                    const float p = sc[g][u - u0];
                     for (int64_t ch = 0; ch < Dh; ch++) st.o[g][ch] += p * codes[ch];
                 }
             }

@@ -169,13 +169,6 @@ const char *kvc_store_miss_name(kvc_store_miss m) {
     return m >= 0 && m < KVC_STORE_MISS_COUNT ? names[m] : "?";
 }
 
-size_t kvc_store_object_bytes(const kvc_cache *cache, int auth) {
-    kvc_cache_params p;
-    if (!cache || kvc_cache_get_params(cache, &p) != KVC_OK) return 0;
-    return KVC_STORE_HEADER_BYTES + (size_t)p.page_size * 4 + kvc_cache_page_bytes(cache) +
-           kvc_cache_sink_bytes(cache) + (auth ? KVC_STORE_AUTH_TAG_BYTES : 0);
-}
-
 /* Payload bytes of the object at position: the page of every layer, then
  * for a sequence's first page of a format with sink rows, those rows. */
 static size_t payload_bytes(const kvc_cache *cache, int64_t position) {
@@ -189,13 +182,18 @@ size_t kvc__store_object_size(const kvc_cache *cache, int64_t position, int auth
            (auth ? KVC_STORE_AUTH_TAG_BYTES : 0);
 }
 
+/* The largest object: a first page's, which carries the sink rows if any. */
+size_t kvc_store_object_bytes(const kvc_cache *cache, int auth) {
+    return kvc__store_object_size(cache, 0, auth);
+}
+
 kvc_status kvc__store_apply_payload(kvc_cache *cache, int32_t page_id, const void *obj) {
     kvc_cache_params p;
     KVC_TRY(kvc_cache_get_params(cache, &p));
     const unsigned char *o = obj, *pl = o + KVC_STORE_HEADER_BYTES + (size_t)p.page_size * 4;
     const size_t np = kvc_cache_page_bytes(cache);
-    if (get_u64(o + 64) == 0 && kvc_cache_sink_bytes(cache) > 0) /* before the page: no half */
-        KVC_TRY(kvc_cache_write_sink(cache, page_id, pl + np, kvc_cache_sink_bytes(cache)));
+    const size_t ns = payload_bytes(cache, (int64_t)get_u64(o + 64)) - np;
+    if (ns > 0) KVC_TRY(kvc_cache_write_sink(cache, page_id, pl + np, ns)); /* first: no half */
     return kvc_cache_write_page(cache, page_id, pl, np);
 }
 
@@ -233,7 +231,7 @@ kvc_status kvc_store_serialize_page(const kvc_cache *cache, int32_t page_id,
     KVC_CHECK(e->position >= 0 && e->position % p.page_size == 0,
               "%s: position %lld is not a page start", fn, (long long)e->position);
     const size_t nt = (size_t)p.page_size * 4, np = payload_bytes(cache, e->position);
-    const size_t need = KVC_STORE_HEADER_BYTES + nt + np + (auth_key ? KVC_STORE_AUTH_TAG_BYTES : 0);
+    const size_t need = kvc__store_object_size(cache, e->position, auth_key != NULL);
     KVC_CHECK(cap >= need, "%s: cap %zu < %zu bytes needed", fn, cap, need);
     unsigned char *o = dst, *tok = o + KVC_STORE_HEADER_BYTES;
     const size_t pb = kvc_cache_page_bytes(cache);
