@@ -78,7 +78,12 @@ static void deq(const kvc_kvfmt *f, const lay *l, const unsigned char *pages, si
             idx = e % l->share;
         }
         const double ks = f16at(kp + l->ks + idx * 2), kz = f16at(kp + l->kz + idx * 2);
-        k[c] = (double)(float)(code_at(pg + l->kc + (h * D + c) * P * f->bits / 8, o, f->bits) * ks + kz);
+        /* K codes: 8-bit channels 2i, 2i + 1 token by token in a run of 2P
+         * bytes (an odd D's last channel alone), 4-bit a channel's P codes */
+        const int64_t kpair = f->bits == 8 && (c | 1) < D;
+        const unsigned char *krow = pg + l->kc + (h * D + (kpair ? c & ~1 : c)) * P * f->bits / 8;
+        const int64_t ki = kpair ? 2 * o + (c & 1) : o;
+        k[c] = (double)(float)(code_at(krow, ki, f->bits) * ks + kz);
         const int64_t vi = ((h * P + o) * nvg + c / f->v_group) * 2;
         const double vs = f16at(pg + l->vs + vi), vz = f16at(pg + l->vz + vi);
         v[c] = (double)(float)(code_at(pg + l->vc + (h * D + c) * P * f->bits / 8, o, f->bits) * vs + vz);
@@ -327,6 +332,7 @@ TEST(attention_grid) {
         {KVC_KVFMT_KIVI8, 2, 2, 96, 16, -1},  /* Dh 96: gv 32 */
         {KVC_KVFMT_KIVI4, 1, 2, 16, 16, -1},  /* Dh 16: avx512 leaves it to the generic C */
         {KVC_KVFMT_KIVI8, 3, 6, 64, 8, -1},   /* P 8: avx512 leaves it to the generic C */
+        {KVC_KVFMT_KIVI8, 1, 2, 5, 64, -1},   /* odd Dh: its last K channel unpaired */
         {KVC_KVFMT_KIVI8, 2, 4, 128, 16, 3},  /* custom sinks: S 3 at 8 bits, 16 at 4 */
         {KVC_KVFMT_KIVI4, 3, 3, 64, 32, 16},  {KVC_KVFMT_KIVI4, 1, 4, 64, 16, 0},
     };

@@ -261,9 +261,22 @@ def _codes(fmt: Format, q: np.ndarray) -> bytes:
     return (pack4(u & 15) if fmt.bits == 4 else u).tobytes()
 
 
+def _k_codes_layout(fmt: Format, kq: np.ndarray) -> np.ndarray:
+    """K codes (H, Dh, P) in page order: 4-bit channel-major as given; 8-bit
+    channels 2i and 2i+1 interleaved token by token in a run of 2P codes
+    (an odd Dh's last channel stays a run of P)."""
+    if fmt.bits == 4:
+        return kq
+    H, Dh, P = kq.shape
+    e = Dh - Dh % 2
+    pairs = kq[:, :e].reshape(H, e // 2, 2, P).transpose(0, 1, 3, 2).reshape(H, e * P)
+    return np.concatenate([pairs, kq[:, e:].reshape(H, -1)], axis=1)
+
+
 def page_records(fmt: Format, groups: list) -> list:
     """The bytes of every page that the given complete groups fill (section 5).
-    Page p holds tokens [pP, (p+1)P); order inside a page: K codes (H, Dh, P),
+    Page p holds tokens [pP, (p+1)P); order inside a page: K codes (H, Dh, P;
+    8-bit in channel pairs),
     V codes (H, Dh, P), V scale (H, P, Dh/gv), V zero (same), K scale share,
     K zero share. Pages not yet filled by complete groups are not returned."""
     P, G = fmt.page_size, fmt.group
@@ -279,7 +292,7 @@ def page_records(fmt: Format, groups: list) -> list:
     pages = []
     for p in range(n_tok // P):
         t = slice(p * P, (p + 1) * P)
-        kq = cat["kq"][t].transpose(1, 2, 0)  # (H, Dh, P): channel-major
+        kq = _k_codes_layout(fmt, cat["kq"][t].transpose(1, 2, 0))  # (H, Dh, P)
         vq = cat["vq"][t].transpose(1, 2, 0)  # (H, Dh, P)
         vs = cat["vs"][t].transpose(1, 0, 2)  # (H, P, Dh/gv)
         vz = b"" if fmt.v_sym else cat["vz"][t].transpose(1, 0, 2).astype(F16).tobytes()

@@ -141,7 +141,7 @@ def test_namespace_digest_matches_the_documented_text(rng):
          f"{int(fmt.v_asym)} rotate_v {int(fmt.rotate_v)} window {fmt.window} "
          f"k_codes channel-major sink {fmt.sink}"),
         (dict(page_size=16, kv_format="kivi8"),  # no sink rows: no field
-         "kivi8 bits 8 group 64 v_group 64 v_asym 1 rotate_v 0 window 0 k_codes channel-major"),
+         "kivi8 bits 8 group 64 v_group 64 v_asym 1 rotate_v 0 window 0 k_codes channel-pairs"),
     ]
     for cache, kv_line in cases:
         for salt in (b"", b"tenant\x00\xff-7"):

@@ -18,6 +18,7 @@ typedef __m256 kv_vec;
 #define KV_ZERO() _mm256_setzero_ps()
 #define KV_SET1(x) _mm256_set1_ps(x)
 #define KV_ADD(a, b) _mm256_add_ps((a), (b))
+#define KV_SUB(a, b) _mm256_sub_ps((a), (b))
 #define KV_MUL(a, b) _mm256_mul_ps((a), (b))
 #define KV_MAX(a, b) _mm256_max_ps((a), (b))
 #define KV_FMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
@@ -25,7 +26,6 @@ typedef __m256 kv_vec;
 #define KV_HSUM(v) kvc__hsum8(v)
 #define KV_HMAX(v) kvc__hmax8(v)
 #define KV_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p)))
-#define KV_U8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(p))))
 #define KV_NVB 4
 static inline void kv_kc4(const void *p0, const void *p1, __m256 *x0, __m256 *x1) {
     int a, b;
@@ -73,6 +73,9 @@ static inline __m256i kv_c4x4(const void *p0, const void *p1, const void *p2, co
     return _mm256_cvtepu8_epi16(_mm_setr_epi32(a, b, c, d));
 }
 #define KV_C4X4(p0, p1, p2, p3) kv_c4x4(p0, p1, p2, p3)
+#define KV_ABS(v) _mm256_andnot_ps(_mm256_set1_ps(-0.0f), (v))
+#define KV_PAIR(p) _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(p)))
+#define KV_ISET1(x) _mm256_set1_epi32(x)
 #define KV_IOTA() _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7)
 #define KV_KEEP_LE(v, x, y) \
     _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), (v), _mm256_cmp_ps((x), (y), _CMP_LE_OQ))

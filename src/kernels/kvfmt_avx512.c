@@ -19,6 +19,7 @@ typedef __m512 kv_vec;
 #define KV_ZERO() _mm512_setzero_ps()
 #define KV_SET1(x) _mm512_set1_ps(x)
 #define KV_ADD(a, b) _mm512_add_ps((a), (b))
+#define KV_SUB(a, b) _mm512_sub_ps((a), (b))
 #define KV_MUL(a, b) _mm512_mul_ps((a), (b))
 #define KV_MAX(a, b) _mm512_max_ps((a), (b))
 #define KV_FMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
@@ -26,7 +27,6 @@ typedef __m512 kv_vec;
 #define KV_HMAX(v) _mm512_reduce_max_ps(v)
 #define KV_EXP2(v) kvc__exp2_16(v)
 #define KV_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p)))
-#define KV_U8(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p))))
 #define KV_NVB 8
 static inline void kv_kc4(const void *p0, const void *p1, __m512 *x0, __m512 *x1) {
     long long a, b;
@@ -76,6 +76,9 @@ static inline __m512i kv_c4x4(const void *p0, const void *p1, const void *p2, co
     return _mm512_cvtepu8_epi16(_mm256_set_epi64x(d, c, b, a));
 }
 #define KV_C4X4(p0, p1, p2, p3) kv_c4x4(p0, p1, p2, p3)
+#define KV_ABS(v) _mm512_abs_ps(v)
+#define KV_PAIR(p) _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(const void *)(p)))
+#define KV_ISET1(x) _mm512_set1_epi32(x)
 #define KV_IOTA() _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 #define KV_KEEP_LE(v, x, y) \
     _mm512_mask_blend_ps(_mm512_cmp_ps_mask((x), (y), _CMP_LE_OQ), _mm512_set1_ps(-INFINITY), (v))

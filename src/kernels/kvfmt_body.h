@@ -3,27 +3,32 @@
  * kvfmt_avx2.c and kvfmt_avx512.c after they define the vector primitives:
  *
  *   KV_VL lanes; kv_vec; KV_LOAD/KV_STORE (float32), KV_ZERO, KV_SET1,
- *   KV_ADD, KV_MUL, KV_FMA(a, b, c) = a * b + c, KV_MAX, KV_HSUM, KV_HMAX,
+ *   KV_ADD, KV_SUB, KV_MUL, KV_FMA(a, b, c) = a * b + c, KV_MAX, KV_HSUM, KV_HMAX,
  *   KV_EXP2 (2^x, 0 below -126), KV_F16(p) (KV_VL float16 -> float32),
- *   KV_U8(p) (KV_VL bytes -> float32), KV_KC4(p0, p1, x0, x1) (VL / 2 bytes
- *   at p0 and at p1, 4-bit codes of VL tokens each, to float32: the even
- *   tokens' codes, then the odd ones'), KV_UNPERM4(v) (that order back to
- *   token order), KV_NVB (query vectors per K pass), KV_REDUCE(t) (t: VL vectors of VL
- *   floats; lane i = sum of vector i), KV_KEEP_LE(v, x, y) (lanes where
+ *   KV_KC4(p0, p1, x0, x1) (VL / 2 bytes at p0 and at p1, 4-bit codes of VL
+ *   tokens each, to float32: the even tokens' codes, then the odd ones'),
+ *   KV_UNPERM4(v) (that order back to token order), KV_NVB (query vectors
+ *   per K pass), KV_REDUCE(t) (t: VL vectors of VL floats; lane i = sum of
+ *   vector i), KV_KEEP_LE(v, x, y) (lanes where
  *   x <= y, else -inf); integer: kv_ivec (2 VL int16 or VL int32), KV_IZERO,
  *   KV_ILOAD/KV_ISTORE, KV_IADD (int32), KV_DPWSSD(acc, a, b) (acc + the
  *   int16 pair products of a and b, summed per int32 lane), KV_CVTI (float
  *   to int32, nearest), KV_I2F, KV_C8X2(p0, p1) (VL bytes at each, to 2 VL
  *   int16), KV_C4X4(p0 .. p3) (VL / 2 bytes at each, to 2 VL int16),
  *   KV_LO4/KV_HI4 (int16 lanes & 15, >> 4), KV_F16_HALF(p, hi) (VL float16
- *   from the low (hi 0) or high halves of VL 32-bit words at p).
+ *   from the low (hi 0) or high halves of VL 32-bit words at p), KV_ABS,
+ *   KV_PAIR(p) (2 VL bytes to 2 VL int16), KV_ISET1(x) (int32 broadcast).
  *
  * Work per job (per softmax block of up to 256 tokens, whole groups):
  *   K: per group, the K scale is folded into the query vectors (qs = q *
- *      scale, bias = q . zero); channel-major codes: per VL tokens of a
- *      page, each channel's codes are converted once and serve every query
- *      vector (q . k = qs . code + bias, vectorized over tokens, one FMA per
- *      channel and query vector with qs broadcast): no reduction.
+ *      scale, bias = q . zero); q . k = qs . code + bias, vectorized over
+ *      VL tokens of a page, no reduction. 8-bit codes come in channel pairs
+ *      (token by token): qs is rounded to int16 per group and query vector
+ *      (scale 2^15 / max |qs|), each pair's 2 VL codes are widened once and
+ *      serve every query vector, one vpdpwssd (2 channels) per pair and
+ *      query vector with the vector's int16 pair broadcast. 4-bit codes are
+ *      channel-major: each channel's codes are converted to float once, one
+ *      FMA per channel and query vector with qs broadcast.
  *   V: channel-major codes: o_c += sum_t (p_t * vscale_t) code[c, t] +
  *      sum_t p_t * vzero_t, vectorized over tokens: the weights p_t *
  *      vscale_t are rounded to int16 per block and query vector (scale
@@ -244,9 +249,11 @@ static void kv_pf_block(kv_pf *pf, const kvc_kvfmt_job *j, int64_t t0, int64_t t
         if (n == P) {
             kv_pf_add(pf, pg + j->k_codes + hb, j->Dh * Pb);
             kv_pf_add(pf, pg + j->v_codes + hb, j->Dh * Pb);
-        } else { /* part of each channel's run */
-            for (int64_t c = 0; c < j->Dh; c++)
-                kv_pf_add(pf, pg + j->k_codes + hb + c * Pb + o * j->bits / 8, n * j->bits / 8);
+        } else { /* part of each channel's run (8-bit K: each channel pair's) */
+            const int64_t kstep = j->bits == 8 ? 2 : 1;
+            for (int64_t c = 0; c < j->Dh; c += kstep)
+                kv_pf_add(pf, pg + j->k_codes + hb + c * Pb + o * kstep * j->bits / 8,
+                          n * kstep * j->bits / 8);
             for (int64_t c = 0; c < j->Dh; c++)
                 kv_pf_add(pf, pg + j->v_codes + hb + c * Pb + o * j->bits / 8, n * j->bits / 8);
         }
@@ -265,14 +272,38 @@ KV_INLINE void kv_pf_step(kv_pf *pf, int k) {
     }
 }
 
-/* q . k for VL tokens of one page (channel-major K: channel c's codes for
- * them at kc + c * Pb) and nb query vectors (rows of qs, stride qstride):
- * out[v] lane i = sum_c qs[v][c] * code[c][i]; 4-bit lanes are the even
- * tokens, then the odd ones (KV_UNPERM4 restores token order). Two
- * accumulators per vector (even and odd channels) cover the FMA latency. */
+/* q . k for VL tokens of one page and nb query vectors: out[v] lane i =
+ * sum_c qs[v][c] * code[c][i]. 8-bit: channels c, c + 1's codes for them
+ * at kc + c * Pb (2 VL bytes, token by token), qs as int16 (rows of qi,
+ * stride qstride; out in units of the vector's int16 scale); each of the
+ * two int32 accumulators sums Dh / 4 pairs, <= 128 * 2 * 255 * 32767 <
+ * 2^31 at Dh 512. 4-bit: channel c's codes at kc + c * Pb, qs as float
+ * (rows of qs), lanes the even tokens, then the odd ones (KV_UNPERM4
+ * restores token order). Two accumulators per vector cover the latency. */
 KV_INLINE void kv_k_chunk(const unsigned char *kc, int64_t Pb, int Dh, const int bits,
-                          const float *qs, int64_t qstride, const int nb, kv_vec *out, kv_pf *pf,
-                          int pfr) {
+                          const float *qs, const int16_t *qi, int64_t qstride, const int nb,
+                          kv_vec *out, kv_pf *pf, int pfr) {
+    if (bits == 8) {
+        kv_ivec ia[KV_NVB], ib[KV_NVB];
+        for (int v = 0; v < nb; v++) ia[v] = ib[v] = KV_IZERO();
+        for (int c0 = 0; c0 < Dh; c0 += 8) { /* Dh % 8 == 0 */
+            if ((c0 & 31) == 0) kv_pf_step(pf, pfr); /* spread: a burst stalls the loads */
+            const unsigned char *p = kc + c0 * Pb;
+#pragma GCC unroll 2
+            for (int c = 0; c < 8; c += 4) {
+                const kv_ivec x0 = KV_PAIR(p + c * Pb), x1 = KV_PAIR(p + (c + 2) * Pb);
+                for (int v = 0; v < nb; v++) {
+                    int32_t w0, w1; /* the int16 pairs (c, c + 1) and (c + 2, c + 3) */
+                    memcpy(&w0, qi + v * qstride + c0 + c, 4);
+                    memcpy(&w1, qi + v * qstride + c0 + c + 2, 4);
+                    ia[v] = KV_DPWSSD(ia[v], x0, KV_ISET1(w0));
+                    ib[v] = KV_DPWSSD(ib[v], x1, KV_ISET1(w1));
+                }
+            }
+        }
+        for (int v = 0; v < nb; v++) out[v] = KV_ADD(KV_I2F(ia[v]), KV_I2F(ib[v]));
+        return;
+    }
     kv_vec a[KV_NVB], b[KV_NVB];
     for (int v = 0; v < nb; v++) a[v] = b[v] = KV_ZERO();
     for (int c0 = 0; c0 < Dh; c0 += 8) { /* Dh % 8 == 0 */
@@ -282,12 +313,7 @@ KV_INLINE void kv_k_chunk(const unsigned char *kc, int64_t Pb, int Dh, const int
 #pragma GCC unroll 4
         for (int c = 0; c < 8; c += 2) {
             kv_vec x0, x1;
-            if (bits == 8) {
-                x0 = KV_U8(p + c * Pb);
-                x1 = KV_U8(p + (c + 1) * Pb);
-            } else {
-                KV_KC4(p + c * Pb, p + (c + 1) * Pb, x0, x1);
-            }
+            KV_KC4(p + c * Pb, p + (c + 1) * Pb, x0, x1);
             for (int v = 0; v < nb; v++) {
                 a[v] = KV_FMA(KV_SET1(q[v * qstride + c]), x0, a[v]);
                 b[v] = KV_FMA(KV_SET1(q[v * qstride + c + 1]), x1, b[v]);
@@ -298,11 +324,12 @@ KV_INLINE void kv_k_chunk(const unsigned char *kc, int64_t Pb, int Dh, const int
 }
 
 static void kv_k_chunks(const unsigned char *kc, int64_t Pb, int Dh, int bits, const float *qs,
-                        int64_t qstride, int nb, kv_vec *out, kv_pf *pf, int pfr) {
+                        const int16_t *qi, int64_t qstride, int nb, kv_vec *out, kv_pf *pf,
+                        int pfr) {
     switch (nb * 2 + (bits == 8)) {
-#define KV_KC_CASE(n)                                                                  \
-    case 2 * n: kv_k_chunk(kc, Pb, Dh, 4, qs, qstride, n, out, pf, pfr); break;     \
-    case 2 * n + 1: kv_k_chunk(kc, Pb, Dh, 8, qs, qstride, n, out, pf, pfr); break;
+#define KV_KC_CASE(n)                                                                    \
+    case 2 * n: kv_k_chunk(kc, Pb, Dh, 4, qs, qi, qstride, n, out, pf, pfr); break;   \
+    case 2 * n + 1: kv_k_chunk(kc, Pb, Dh, 8, qs, qi, qstride, n, out, pf, pfr); break;
     KV_KC_CASE(1) KV_KC_CASE(2) KV_KC_CASE(3) KV_KC_CASE(4)
 #if KV_NVB > 4
     KV_KC_CASE(5) KV_KC_CASE(6) KV_KC_CASE(7) KV_KC_CASE(8)
@@ -318,6 +345,8 @@ void KV_NAME(const kvc_kvfmt_job *j) {
     const int64_t BT = G <= KV_BT ? (KV_BT / G) * G : G; /* tokens per softmax block */
     static const int64_t QS = KVC_ATTN_MAX_HEAD_DIM;
     _Alignas(64) float qs[KVC_KVFMT_NV][KVC_ATTN_MAX_HEAD_DIM];
+    _Alignas(64) int16_t qi[KVC_KVFMT_NV][KVC_ATTN_MAX_HEAD_DIM + 2 * KV_VL]; /* 8-bit: qs */
+    float qinv[KVC_KVFMT_NV]; /* 8-bit: qs = qi * qinv */
     _Alignas(64) float s[KVC_KVFMT_NV][KVC_KVFMT_BT_MAX];
     _Alignas(64) int16_t wi[KVC_KVFMT_NV][KV_WI];
     _Alignas(64) float wf[KV_WI];
@@ -379,20 +408,47 @@ void KV_NAME(const kvc_kvfmt_job *j) {
                     bz = KV_FMA(qv, KV_LOAD(kz + c), bz);
                 }
                 bias[v] = KV_HSUM(bz);
+                if (bits == 8) { /* qs to int16, the largest magnitude 32767 */
+                    kv_vec mx = KV_ZERO();
+                    for (int c = 0; c < Dh; c += KV_VL) mx = KV_MAX(mx, KV_ABS(KV_LOAD(qs[v] + c)));
+                    const float m = KV_HMAX(mx);
+                    const kv_vec inv = KV_SET1(m > 0 ? 32767.0f / m : 0.0f);
+                    qinv[v] = m > 0 ? m / 32767.0f : 0.0f;
+                    /* the rounding error e_c = qi_c * qinv - qs_c costs sum_c e_c *
+                     * code_c; its part at the codes' centre 128 goes to the bias,
+                     * leaving sum_c e_c * (code_c - 128) */
+                    kv_vec err = KV_ZERO();
+                    const kv_vec qv = KV_SET1(qinv[v]);
+                    for (int c = 0; c < Dh; c += 2 * KV_VL) { /* a zero half past Dh */
+                        const kv_vec x0 = KV_LOAD(qs[v] + c);
+                        const kv_ivec a = KV_CVTI(KV_MUL(x0, inv));
+                        err = KV_ADD(err, KV_FMA(KV_I2F(a), qv, KV_SUB(KV_ZERO(), x0)));
+                        kv_ivec b = KV_IZERO();
+                        if (c + KV_VL < Dh) {
+                            const kv_vec x1 = KV_LOAD(qs[v] + c + KV_VL);
+                            b = KV_CVTI(KV_MUL(x1, inv));
+                            err = KV_ADD(err, KV_FMA(KV_I2F(b), qv, KV_SUB(KV_ZERO(), x1)));
+                        }
+                        KV_ISTORE(qi[v] + c, KV_PACK16(a, b));
+                    }
+                    bias[v] -= 128.0f * KV_HSUM(err);
+                }
             }
             for (int64_t tb = g0; tb < ge; tb += KV_VL) {
                 /* VL tokens inside one page (P % VL == 0) */
-                const unsigned char *kc = kv_page(j, tb) + j->k_codes +
-                                          (int64_t)j->h * Dh * Pb + (tb % P) * bits / 8;
+                const unsigned char *kc = kv_page(j, tb) + j->k_codes + (int64_t)j->h * Dh * Pb +
+                                          (bits == 8 ? (tb % P) * 2 : (tb % P) / 2);
                 const kv_vec rel = KV_ADD(iota, KV_SET1((float)(tb - b0)));
                 for (int v0 = 0; v0 < nv; v0 += KV_NVB) {
                     const int nb = nv - v0 < KV_NVB ? nv - v0 : KV_NVB;
                     kv_vec acc[KV_NVB];
-                    kv_k_chunks(kc, Pb, Dh, bits, qs[v0], QS, nb, acc, &pf,
+                    kv_k_chunks(kc, Pb, Dh, bits, qs[v0], qi[v0],
+                                bits == 8 ? KVC_ATTN_MAX_HEAD_DIM + 2 * KV_VL : QS, nb, acc, &pf,
                                 v0 ? 0 : (pf_rate * KV_VL * 32 + Dh - 1) / Dh);
                     for (int v = v0; v < v0 + nb; v++) {
-                        kv_vec r = bits == 4 ? KV_UNPERM4(acc[v - v0]) : acc[v - v0];
-                        r = KV_MUL(KV_ADD(r, KV_SET1(bias[v])), KV_SET1(j->sc));
+                        const kv_vec r0 = bits == 4 ? KV_UNPERM4(acc[v - v0])
+                                                    : KV_MUL(acc[v - v0], KV_SET1(qinv[v]));
+                        kv_vec r = KV_MUL(KV_ADD(r0, KV_SET1(bias[v])), KV_SET1(j->sc));
                         const int64_t lim = j->pos[v] - b0;
                         r = KV_KEEP_LE(r, rel, KV_SET1((float)(lim < (int64_t)n ? lim : n)));
                         if (tb < j->sink) /* the sink positions: read in float16 below */

@@ -132,10 +132,9 @@ static void attend_task(void *arg, int64_t task) {
                 bias[g] = b;
             }
             for (int64_t t = t0; t < t1; t++) {
-                /* channel-major: channel ch's codes of the page are a row of P */
                 const unsigned char *pg = page_of(c, s, t) + l->k_codes;
                 for (int64_t ch = 0; ch < Dh; ch++)
-                    unpack(pg, (h * Dh + ch) * P + t % P, 1, bits, 0, codes + ch);
+                    unpack(pg, kvc__kvfmt_kidx(bits, Dh, P, h, ch, t % P), 1, bits, 0, codes + ch);
                 for (int64_t g = 0; g < ng; g++) {
                     float d = 0;
                     for (int64_t ch = 0; ch < Dh; ch++) d += qs[g][ch] * codes[ch];

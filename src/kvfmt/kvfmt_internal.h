@@ -11,7 +11,8 @@
 
 /* Byte offsets of a page's fields, in the document's order. */
 typedef struct kvc__kvfmt_layout {
-    size_t k_codes;  /* (H, Dh, P) codes (channel-major), int4 packed along P */
+    size_t k_codes;  /* (H, Dh, P) codes: channel pairs (8-bit) or channel-major
+                        (4-bit, packed along P); kvc__kvfmt_kidx */
     size_t v_codes;  /* (H, Dh, P) codes, int4 packed along P */
     size_t v_scale;  /* (H, P, Dh / gv) float16 */
     size_t v_zero;   /* same, asym only (== k_scale when sym) */
@@ -22,6 +23,18 @@ typedef struct kvc__kvfmt_layout {
 } kvc__kvfmt_layout;
 
 kvc__kvfmt_layout kvc__kvfmt_layout_of(const kvc_kvfmt *f);
+
+/* Index of the K code of head h, channel ch, page slot o among a page's K
+ * codes (a byte at 8 bits, a nibble at 4; section 5). 8-bit: channels
+ * 2i and 2i + 1 share a run of 2P bytes, token by token (a code vector then
+ * feeds integer pair dot products); an odd head_dim's last channel is a run
+ * of P. 4-bit: channel-major, a channel's P codes contiguous. */
+static inline int64_t kvc__kvfmt_kidx(int bits, int64_t Dh, int64_t P, int64_t h, int64_t ch,
+                                      int64_t o) {
+    const int64_t c0 = ch & ~(int64_t)1;
+    if (bits == 4 || c0 + 1 >= Dh) return (h * Dh + ch) * P + o;
+    return (h * Dh + c0) * P + 2 * o + (ch & 1);
+}
 
 /* Stored form of one V row (Dh float32 values): rotated when the format
  * says so (float32 butterfly, section 4), in place. */

@@ -130,7 +130,8 @@ static void group_task(void *arg, int64_t task) {
         for (int64_t i = 0; i < G; i++) {
             const int64_t t = j * G + i;
             const int q = i < i0 ? 0 : code_of(kvc_f16_to_f32(src[i][e]), lo, scd);
-            put_code(page_ptr(c, s, t) + c->l.k_codes, (h * Dh + ch) * P + t % P, bits, q);
+            put_code(page_ptr(c, s, t) + c->l.k_codes, kvc__kvfmt_kidx(bits, Dh, P, h, ch, t % P),
+                     bits, q);
         }
         /* parameters: page of the group (P >= G) or page e / per of its run */
         unsigned char *pg;

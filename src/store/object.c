@@ -83,9 +83,10 @@ kvc_status kvc_store_namespace(const kvc_store_namespace_desc *d, kvc_store_key 
         KVC_TRY(kvc_kvfmt_make(c->kv_format, d->n_kv_heads, d->head_dim, c->page_size, &f));
         n += snprintf(text + n, sizeof text - (size_t)n,
                       "kv %s bits %d group %d v_group %d v_asym %d rotate_v %d window %d k_codes "
-                      "channel-major",
+                      "%s",
                       kvc_kv_format_name(c->kv_format), (int)f.bits, (int)f.group,
-                      (int)f.v_group, (int)f.v_asym, (int)f.rotate_v, (int)f.window);
+                      (int)f.v_group, (int)f.v_asym, (int)f.rotate_v, (int)f.window,
+                      f.bits == 8 ? "channel-pairs" : "channel-major");
         /* only when set: formats without sink rows keep their namespaces */
         if (f.sink) n += snprintf(text + n, sizeof text - (size_t)n, " sink %d", (int)f.sink);
         n += snprintf(text + n, sizeof text - (size_t)n, "\n");
