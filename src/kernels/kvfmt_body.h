@@ -401,16 +401,15 @@ void KV_NAME(const kvc_kvfmt_job *j) {
             const int64_t ge = g0 + G < te ? g0 + G : te;
             kv_kparams(j, g0 / G, ks, kz);
             for (int v = 0; v < nv; v++) {
-                kv_vec bz = KV_ZERO();
+                kv_vec bz = KV_ZERO(), mx = KV_ZERO();
                 for (int c = 0; c < Dh; c += KV_VL) {
-                    const kv_vec qv = KV_LOAD(j->q[v] + c);
-                    KV_STORE(qs[v] + c, KV_MUL(qv, KV_LOAD(ks + c)));
+                    const kv_vec qv = KV_LOAD(j->q[v] + c), x = KV_MUL(qv, KV_LOAD(ks + c));
+                    KV_STORE(qs[v] + c, x);
                     bz = KV_FMA(qv, KV_LOAD(kz + c), bz);
+                    mx = KV_MAX(mx, KV_ABS(x));
                 }
                 bias[v] = KV_HSUM(bz);
                 if (bits == 8) { /* qs to int16, the largest magnitude 32767 */
-                    kv_vec mx = KV_ZERO();
-                    for (int c = 0; c < Dh; c += KV_VL) mx = KV_MAX(mx, KV_ABS(KV_LOAD(qs[v] + c)));
                     const float m = KV_HMAX(mx);
                     const kv_vec inv = KV_SET1(m > 0 ? 32767.0f / m : 0.0f);
                     qinv[v] = m > 0 ? m / 32767.0f : 0.0f;
