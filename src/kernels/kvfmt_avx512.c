@@ -91,5 +91,9 @@ static inline __m512 kv_reduce16(const float *t) {
 }
 #define KV_REDUCE(t) kv_reduce16(t)
 
+/* P . V tiles: code vectors x query vectors held in registers */
+#define KV_WK 4
+#define KV_WV 4
+#define KV_VTILES KV_VT(1, 1) KV_VT(1, 2) KV_VT(1, 3) KV_VT(1, 4) KV_VT(2, 1) KV_VT(2, 2) KV_VT(2, 3) KV_VT(2, 4) KV_VT(3, 1) KV_VT(3, 2) KV_VT(3, 3) KV_VT(3, 4) KV_VT(4, 1) KV_VT(4, 2) KV_VT(4, 3) KV_VT(4, 4)
 #define KV_NAME kvc__kvfmt_run_avx512
 #include "kvfmt_body.h"

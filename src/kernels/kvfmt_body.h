@@ -34,16 +34,17 @@
  *      vscale_t are rounded to int16 per block and query vector (scale
  *      2^15 / max), the codes widened to int16, and vpdpwssd takes 2 VL
  *      tokens per instruction (twice an FMA's, with no float conversion);
- *      per channel, its codes for the block are widened once and serve
- *      every query vector; VL channels' sums are reduced together, once per
- *      block.
+ *      with KV_WK (AVX-512) the weights of KV_WK code vectors and KV_WV query
+ *      vectors stay in registers while VL channels' codes stream past them
+ *      (each widened once per tile); without (AVX2), per channel, its codes
+ *      are widened once and serve every query vector, the weights read from
+ *      L1; VL channels' sums are reduced together, once per block.
  *   4-bit codes: lanes follow the nibbles (even tokens, then odd); the K
  *   scores are permuted back, the V weights permuted to match.
  */
 #include <math.h>
 #include <string.h>
 
-#define KV_SEG 8 /* code vectors held in registers at a time */
 #define KV_BT 256
 #define KV_WI (KVC_KVFMT_BT_MAX + 4 * KV_VL) /* int16 V weights of a block, padded */
 
@@ -57,6 +58,17 @@ typedef struct kv_state {
     float m[KVC_KVFMT_NV], l[KVC_KVFMT_NV];
     _Alignas(64) float o[KVC_KVFMT_NV][KVC_ATTN_MAX_HEAD_DIM];
 } kv_state;
+
+static inline const unsigned char *kv_opaque(const unsigned char *p) {
+    __asm__("" : "+r"(p));
+    return p;
+}
+
+#ifndef KV_WK
+/* Without P . V tiles (AVX2: with 16 registers its tiles spilled and ran
+ * 5-10% slower): per channel, its codes against every weight row, the
+ * weights read from L1. */
+#define KV_SEG 8 /* code vectors held in registers at a time */
 
 /* nk int16 code vectors against nv int16 weight rows: tmp[v * VL + i] (a
  * float vector) = (or +=) the int32 lanes of sum_k w[v * ws + k * 2 VL] . c[k]
@@ -79,11 +91,6 @@ KV_INLINE void kv_idots(const kv_ivec *c, const int nk, const int16_t *w, int64_
         if (add) r = KV_ADD(r, KV_LOAD(t));
         KV_STORE(t, r);
     }
-}
-
-static inline const unsigned char *kv_opaque(const unsigned char *p) {
-    __asm__("" : "+r"(p));
-    return p;
 }
 
 /* One channel's V codes for part of a block, widened to int16: code vector
@@ -129,9 +136,11 @@ static void kv_v_channel(const unsigned char *const *cb, int64_t off, int nk, in
     }
 }
 
+#endif
+
 /* V weights w[0 .. n) (>= 0, zero up to nw) to int16 for vpdpwssd, scaled
  * so the largest is 32767 (relative error 2^-16 of the block's largest
- * weight, below float16's), in the order kv_v_seg reads codes: 8-bit, token
+ * weight, below float16's), in the order kv_v_tile reads codes: 8-bit, token
  * order; 4-bit, per 4 VL tokens the even tokens, then the odd ones. out: nw
  * words; returns the scale back to float. */
 static float kv_wquant(const float *w, int64_t n, int bits, int16_t *out, int64_t nw) {
@@ -272,6 +281,77 @@ KV_INLINE void kv_pf_step(kv_pf *pf, int k) {
     }
 }
 
+#ifdef KV_WK /* P . V tiles of KV_WK code vectors by KV_WV weight rows */
+/* P . V of one tile: n (<= KV_WK) int16 code vectors of each of VL channels
+ * c0 + i against nb (<= KV_WV) weight rows held in registers while the
+ * channels' codes stream past them (the weights are the same for every
+ * channel): acc[v * VL + i] (VL int32 lanes) = (or +=) sum_k w[v * ws + k *
+ * 2 VL] . code_k(channel c0 + i). Code vector k of a channel: 8-bit, the
+ * VL-token chunks cb[2k], cb[2k + 1]; 4-bit (k even), vectors k, k + 1 =
+ * the low and high nibbles of chunks cb[2k .. 2k + 3]; channel c0 + i at
+ * offset (c0 + i) * Pb in each chunk. pf: prefetch steps, pfc per channel
+ * (NULL: none). */
+KV_INLINE void kv_v_tile(const unsigned char *const *cb, int64_t off0, int64_t Pb, const int n,
+                         const int bits, const int16_t *w, int64_t ws, const int nb, kv_ivec *acc,
+                         int first, kv_pf *pf, int pfc) {
+    kv_ivec W[KV_WV][KV_WK];
+    for (int v = 0; v < nb; v++)
+        for (int k = 0; k < n; k++) W[v][k] = KV_ILOAD(w + v * ws + k * 2 * KV_VL);
+    for (int i = 0; i < KV_VL; i++) {
+        if (pf) kv_pf_step(pf, pfc);
+        const int64_t off = off0 + i * Pb;
+        kv_ivec c[KV_WK];
+        /* the barrier keeps each address a scalar add in the load (GCC would
+         * otherwise add off to the pointers in vectors and move them out) */
+#define KV_CB(k) (kv_opaque(cb[k]) + off)
+        if (bits == 8) {
+            for (int k = 0; k < n; k++) c[k] = KV_C8X2(KV_CB(2 * k), KV_CB(2 * k + 1));
+        } else {
+            for (int k = 0; k < n; k += 2) {
+                const kv_ivec x = KV_C4X4(KV_CB(2 * k), KV_CB(2 * k + 1), KV_CB(2 * k + 2), KV_CB(2 * k + 3));
+                c[k] = KV_LO4(x);
+                c[k + 1] = KV_HI4(x);
+            }
+        }
+#undef KV_CB
+        for (int v = 0; v < nb; v++) {
+            kv_ivec a = KV_DPWSSD(KV_IZERO(), W[v][0], c[0]);
+            for (int k = 1; k < n; k++) a = KV_DPWSSD(a, W[v][k], c[k]);
+            kv_ivec *t = acc + v * KV_VL + i;
+            *t = first ? a : KV_IADD(*t, a);
+        }
+    }
+}
+
+/* P . V for the VL channels c0 + i (codes at offset off0 + i * Pb of the
+ * chunks cb) against nv weight rows (stride ws) of nk code vectors each:
+ * acc[v * VL + i] = the int32 lanes of the dot products (<= 32 vectors of
+ * 2 * 255 * 32767 per lane: below 2^31). */
+static void kv_v_rows(const unsigned char *const *cb, int64_t off0, int64_t Pb, int nk, int bits,
+                      const int16_t *w, int64_t ws, int nv, kv_ivec *acc, kv_pf *pf, int pfc) {
+    for (int s = 0; s < nk; s += KV_WK) {
+        const int n = nk - s < KV_WK ? nk - s : KV_WK; /* even at 4 bits: nk is */
+        for (int v0 = 0; v0 < nv; v0 += KV_WV) {
+            const int nb = nv - v0 < KV_WV ? nv - v0 : KV_WV;
+            const unsigned char *const *c = cb + 2 * s;
+            const int16_t *ww = w + v0 * ws + s * 2 * KV_VL;
+            kv_ivec *a = acc + v0 * KV_VL;
+            kv_pf *p = s == 0 && v0 == 0 ? pf : NULL;
+            switch ((n - 1) * KV_WV + nb - 1 + (bits == 8 ? 0 : KV_WK * KV_WV)) {
+#define KV_VT(N, B)                                                                            \
+    case (N - 1) * KV_WV + B - 1: kv_v_tile(c, off0, Pb, N, 8, ww, ws, B, a, s == 0, p, pfc); break; \
+    case (N - 1) * KV_WV + B - 1 + KV_WK * KV_WV:                                                \
+        kv_v_tile(c, off0, Pb, N, 4, ww, ws, B, a, s == 0, p, pfc);                              \
+        break;
+                KV_VTILES
+#undef KV_VT
+            default: break;
+            }
+        }
+    }
+}
+#endif
+
 /* q . k for VL tokens of one page and nb query vectors: out[v] lane i =
  * sum_c qs[v][c] * code[c][i]. 8-bit: channels c, c + 1's codes for them
  * at kc + c * Pb (2 VL bytes, token by token), qs as int16 (rows of qi,
@@ -351,6 +431,9 @@ void KV_NAME(const kvc_kvfmt_job *j) {
     _Alignas(64) int16_t wi[KVC_KVFMT_NV][KV_WI];
     _Alignas(64) float wf[KV_WI];
     _Alignas(64) float tmp[KVC_KVFMT_NV * KV_VL * KV_VL];
+#ifdef KV_WK
+    kv_ivec iacc[KVC_KVFMT_NV * KV_VL];
+#endif
     _Alignas(64) float ks[KVC_ATTN_MAX_HEAD_DIM], kz[KVC_ATTN_MAX_HEAD_DIM];
     _Alignas(64) float vsb[KVC_KVFMT_BT_MAX], vzb[KVC_KVFMT_BT_MAX];
     _Alignas(64) uint16_t hb[KVC_KVFMT_BT_MAX * 2];
@@ -513,10 +596,17 @@ void KV_NAME(const kvc_kvfmt_job *j) {
                 /* the rest of the next block's lines, spread over the channels
                  * (a burst would fill the fill buffers and stall the loads) */
                 const int pfc = (int)((pf.total - pf.done + Dh - c0 - 1) / (Dh - c0));
+#ifdef KV_WK
+                kv_v_rows(cb, (int64_t)c0 * Pb, Pb, nk, bits, wi[0], KV_WI, nv, iacc, &pf, pfc);
+                for (int v = 0; v < nv; v++)
+                    for (int i = 0; i < KV_VL; i++)
+                        KV_STORE(tmp + ((int64_t)v * KV_VL + i) * KV_VL, KV_I2F(iacc[v * KV_VL + i]));
+#else
                 for (int i = 0; i < KV_VL; i++) {
                     kv_pf_step(&pf, pfc);
                     kv_v_channel(cb, (int64_t)(c0 + i) * Pb, nk, bits, wi[0], KV_WI, nv, tmp, i);
                 }
+#endif
                 for (int v = 0; v < nv; v++) {
                     const kv_vec r = KV_REDUCE(tmp + (int64_t)v * KV_VL * KV_VL);
                     KV_STORE(st.o[v] + c0, KV_ADD(KV_LOAD(st.o[v] + c0),
