@@ -273,12 +273,22 @@ static void kv_pf_block(kv_pf *pf, const kvc_kvfmt_job *j, int64_t t0, int64_t t
     }
 }
 
-KV_INLINE void kv_pf_step(kv_pf *pf, int k) {
-    while (k-- > 0 && pf->ri < pf->nr) {
-        pf->done++;
-        _mm_prefetch((const char *)pf->p[pf->ri] + pf->li * 64, _MM_HINT_T1);
-        if (++pf->li == pf->n[pf->ri]) pf->li = 0, pf->ri++;
+/* Issues the next k queued lines: a run of a range at a time, the state in
+ * registers (the loop is most of the bookkeeping of a chunk's K pass). */
+static void kv_pf_step(kv_pf *pf, int k) {
+    int ri = pf->ri;
+    int64_t li = pf->li, left = k;
+    while (left > 0 && ri < pf->nr) {
+        const int64_t rest = pf->n[ri] - li, m = left < rest ? left : rest;
+        const char *p = (const char *)pf->p[ri] + li * 64;
+        for (int64_t x = 0; x < m; x++) _mm_prefetch(p + x * 64, _MM_HINT_T1);
+        left -= m;
+        li += m;
+        if (li == pf->n[ri]) li = 0, ri++;
     }
+    pf->done += k - left;
+    pf->ri = ri;
+    pf->li = li;
 }
 
 #ifdef KV_WK /* P . V tiles of KV_WK code vectors by KV_WV weight rows */
