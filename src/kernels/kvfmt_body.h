@@ -140,7 +140,7 @@ static void kv_v_channel(const unsigned char *const *cb, int64_t off, int nk, in
 
 /* V weights w[0 .. n) (>= 0, zero up to nw) to int16 for vpdpwssd, scaled
  * so the largest is 32767 (relative error 2^-16 of the block's largest
- * weight, below float16's), in the order kv_v_tile reads codes: 8-bit, token
+ * weight, below float16's), in the order the P . V loops read codes: 8-bit, token
  * order; 4-bit, per 4 VL tokens the even tokens, then the odd ones. out: nw
  * words; returns the scale back to float. */
 static float kv_wquant(const float *w, int64_t n, int bits, int16_t *out, int64_t nw) {
