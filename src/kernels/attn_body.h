@@ -7,7 +7,7 @@
  *   AB_LOAD(p) AB_STORE(p, v)         aligned enough: p is a multiple of AB_VL floats
  *   AB_ZERO() AB_SET1(x)
  *   AB_FMA(a, b, c)                   a * b + c
- *   AB_MUL(a, b) AB_ADD AB_SUB AB_MAX AB_HSUM(v) AB_HMAX(v)
+ *   AB_MUL(a, b) AB_ADD AB_SUB AB_MAX AB_HMAX(v), AB_HSUM(v) (AB_VL == 1 only)
  *   AB_EXP2(v)                        2^v for v <= 0, exactly 0 below -126
  *   ab_row_to_f32(src, dt, sc, sd, group, D, dst)   one K/V row -> D floats
  *

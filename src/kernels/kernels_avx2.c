@@ -686,13 +686,6 @@ static void ab_row_to_f32(const void *src, kvc_dtype dt, const void *sc, kvc_dty
     kvc__dequant_row_tail(src, dt, sc, sd, g, e, D, dst);
 }
 
-KVC_INLINE float hsum8(__m256 v) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    a = _mm_add_ss(a, _mm_movehdup_ps(a));
-    return _mm_cvtss_f32(a);
-}
-
 /* AB_LOADK: 8 elements [e, e+8) of a K/V row as float32, unscaled. */
 KVC_INLINE __m256 ab_loadk8(const void *p, kvc_dtype dt, int e) {
     switch (dt) {
@@ -766,7 +759,6 @@ typedef __m256 ab_vec;
 #define AB_ADD(a, b) _mm256_add_ps((a), (b))
 #define AB_SUB(a, b) _mm256_sub_ps((a), (b))
 #define AB_MAX(a, b) _mm256_max_ps((a), (b))
-#define AB_HSUM(v) hsum8(v)
 #define AB_HMAX(v) hmax8(v)
 #define AB_EXP2(v) kvc__exp2_8(v)
 #define AB_LOADK(p, dt, e) ab_loadk8((p), (dt), (e))

@@ -998,7 +998,6 @@ typedef __m512 ab_vec;
 #define AB_ADD(a, b) _mm512_add_ps((a), (b))
 #define AB_SUB(a, b) _mm512_sub_ps((a), (b))
 #define AB_MAX(a, b) _mm512_max_ps((a), (b))
-#define AB_HSUM(v) _mm512_reduce_add_ps(v)
 #define AB_HMAX(v) _mm512_reduce_max_ps(v)
 #define AB_EXP2(v) kvc__exp2_16(v)
 #define AB_LOADK(p, dt, e) ab_loadk16((p), (dt), (e))
