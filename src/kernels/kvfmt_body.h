@@ -64,6 +64,29 @@ static inline const unsigned char *kv_opaque(const unsigned char *p) {
     return p;
 }
 
+/* One channel's V codes, widened to int16: code vector k (< n) from the
+ * VL-token chunks cb[2k], cb[2k + 1] at offset off (8-bit), or (4-bit, k
+ * even) vectors k, k + 1 = the low and high nibbles of chunks cb[2k ..
+ * 2k + 3]. */
+KV_INLINE void kv_v_codes(const unsigned char *const *cb, int64_t off, const int n, const int bits,
+                          kv_ivec *c) {
+    /* the barrier keeps each address a scalar add in the load (GCC would
+     * otherwise add off to the pointers in vectors and move them out) */
+#define KV_CB(k) (kv_opaque(cb[k]) + off)
+    if (bits == 8) {
+#pragma GCC unroll 8
+        for (int k = 0; k < n; k++) c[k] = KV_C8X2(KV_CB(2 * k), KV_CB(2 * k + 1));
+    } else {
+#pragma GCC unroll 4
+        for (int k = 0; k < n; k += 2) {
+            const kv_ivec x = KV_C4X4(KV_CB(2 * k), KV_CB(2 * k + 1), KV_CB(2 * k + 2), KV_CB(2 * k + 3));
+            c[k] = KV_LO4(x);
+            c[k + 1] = KV_HI4(x);
+        }
+    }
+#undef KV_CB
+}
+
 #ifndef KV_WK
 /* Without P . V tiles (AVX2: with 16 registers its tiles spilled and ran
  * 5-10% slower): per channel, its codes against every weight row, the
@@ -93,27 +116,11 @@ KV_INLINE void kv_idots(const kv_ivec *c, const int nk, const int16_t *w, int64_
     }
 }
 
-/* One channel's V codes for part of a block, widened to int16: code vector
- * k from the VL-token chunks cb[2k], cb[2k + 1] (8-bit), or (4-bit, k even)
- * vectors k, k + 1 = the low and high nibbles of chunks cb[2k .. 2k + 3]. */
+/* One channel's V codes for part of a block (kv_v_codes) against the weights. */
 KV_INLINE void kv_v_seg(const unsigned char *const *cb, int64_t off, const int nk, int bits,
                         const int16_t *w, int64_t ws, int nv, float *tmp, int i, int add) {
     kv_ivec c[KV_SEG];
-    /* the barrier keeps each address a scalar add in the load (GCC would
-     * otherwise add off to the pointers in vectors and move them out) */
-#define KV_CB(k) (kv_opaque(cb[k]) + off)
-    if (bits == 8) {
-#pragma GCC unroll 8
-        for (int k = 0; k < nk; k++) c[k] = KV_C8X2(KV_CB(2 * k), KV_CB(2 * k + 1));
-    } else {
-#pragma GCC unroll 4
-        for (int k = 0; k < nk; k += 2) {
-            const kv_ivec x = KV_C4X4(KV_CB(2 * k), KV_CB(2 * k + 1), KV_CB(2 * k + 2), KV_CB(2 * k + 3));
-            c[k] = KV_LO4(x);
-            c[k + 1] = KV_HI4(x);
-        }
-    }
-#undef KV_CB
+    kv_v_codes(cb, off, nk, bits, c);
     kv_idots(c, nk, w, ws, nv, tmp, i, add);
 }
 
@@ -296,11 +303,9 @@ static void kv_pf_step(kv_pf *pf, int k) {
  * c0 + i against nb (<= KV_WV) weight rows held in registers while the
  * channels' codes stream past them (the weights are the same for every
  * channel): acc[v * VL + i] (VL int32 lanes) = (or +=) sum_k w[v * ws + k *
- * 2 VL] . code_k(channel c0 + i). Code vector k of a channel: 8-bit, the
- * VL-token chunks cb[2k], cb[2k + 1]; 4-bit (k even), vectors k, k + 1 =
- * the low and high nibbles of chunks cb[2k .. 2k + 3]; channel c0 + i at
- * offset (c0 + i) * Pb in each chunk. pf: prefetch steps, pfc per channel
- * (NULL: none). */
+ * 2 VL] . code_k(channel c0 + i), the codes as kv_v_codes reads them,
+ * channel c0 + i at offset (c0 + i) * Pb in each chunk. pf: prefetch steps,
+ * pfc per channel (NULL: none). */
 KV_INLINE void kv_v_tile(const unsigned char *const *cb, int64_t off0, int64_t Pb, const int n,
                          const int bits, const int16_t *w, int64_t ws, const int nb, kv_ivec *acc,
                          int first, kv_pf *pf, int pfc) {
@@ -309,21 +314,8 @@ KV_INLINE void kv_v_tile(const unsigned char *const *cb, int64_t off0, int64_t P
         for (int k = 0; k < n; k++) W[v][k] = KV_ILOAD(w + v * ws + k * 2 * KV_VL);
     for (int i = 0; i < KV_VL; i++) {
         if (pf) kv_pf_step(pf, pfc);
-        const int64_t off = off0 + i * Pb;
         kv_ivec c[KV_WK];
-        /* the barrier keeps each address a scalar add in the load (GCC would
-         * otherwise add off to the pointers in vectors and move them out) */
-#define KV_CB(k) (kv_opaque(cb[k]) + off)
-        if (bits == 8) {
-            for (int k = 0; k < n; k++) c[k] = KV_C8X2(KV_CB(2 * k), KV_CB(2 * k + 1));
-        } else {
-            for (int k = 0; k < n; k += 2) {
-                const kv_ivec x = KV_C4X4(KV_CB(2 * k), KV_CB(2 * k + 1), KV_CB(2 * k + 2), KV_CB(2 * k + 3));
-                c[k] = KV_LO4(x);
-                c[k + 1] = KV_HI4(x);
-            }
-        }
-#undef KV_CB
+        kv_v_codes(cb, off0 + i * Pb, n, bits, c);
         for (int v = 0; v < nb; v++) {
             kv_ivec a = KV_DPWSSD(KV_IZERO(), W[v][0], c[0]);
             for (int k = 1; k < n; k++) a = KV_DPWSSD(a, W[v][k], c[k]);
@@ -512,16 +504,13 @@ void KV_NAME(const kvc_kvfmt_job *j) {
                     kv_vec err = KV_ZERO();
                     const kv_vec qv = KV_SET1(qinv[v]);
                     for (int c = 0; c < Dh; c += 2 * KV_VL) { /* a zero half past Dh */
-                        const kv_vec x0 = KV_LOAD(qs[v] + c);
-                        const kv_ivec a = KV_CVTI(KV_MUL(x0, inv));
-                        err = KV_ADD(err, KV_FMA(KV_I2F(a), qv, KV_SUB(KV_ZERO(), x0)));
-                        kv_ivec b = KV_IZERO();
-                        if (c + KV_VL < Dh) {
-                            const kv_vec x1 = KV_LOAD(qs[v] + c + KV_VL);
-                            b = KV_CVTI(KV_MUL(x1, inv));
-                            err = KV_ADD(err, KV_FMA(KV_I2F(b), qv, KV_SUB(KV_ZERO(), x1)));
+                        kv_ivec h[2] = {KV_IZERO(), KV_IZERO()};
+                        for (int u = 0; u < 2 && c + u * KV_VL < Dh; u++) {
+                            const kv_vec x = KV_LOAD(qs[v] + c + u * KV_VL);
+                            h[u] = KV_CVTI(KV_MUL(x, inv));
+                            err = KV_SUB(KV_FMA(KV_I2F(h[u]), qv, err), x);
                         }
-                        KV_ISTORE(qi[v] + c, KV_PACK16(a, b));
+                        KV_ISTORE(qi[v] + c, KV_PACK16(h[0], h[1]));
                     }
                     bias[v] -= 128.0f * KV_HSUM(err);
                 }
