@@ -43,9 +43,12 @@
 
 /* ---- instruction peaks ----------------------------------------------------------- */
 
-#define PEAK_ITERS (1 << 20) /* loop trips per call per thread (16 instructions, ~3 ms):
-                              * a pass must dwarf starting its threads (4096 gave 2
-                              * threads a seventh of 1 thread's peak, 65536 1.3x) */
+/* Loop trips per call per thread (16 instructions, ~3 ms at 1 << 20): a pass
+ * must dwarf starting its threads (4096 gave 2 threads a seventh of 1 thread's
+ * peak, 65536 1.3x). --quick runs 1 << 14: its figures are not meaningful, and
+ * a sanitizer build takes tens of times as long per trip (at 1 << 20 the
+ * quick run took 106 s of its test's 120 under ASan at -O0, 14 s at 1 << 14). */
+static int peak_iters = 1 << 20;
 
 typedef enum peak_kind {
     PEAK_NONE,
@@ -63,7 +66,7 @@ __attribute__((target("avx512f,avx512vnni"))) static uint64_t peak_vnni512(void)
     __m512i a[16];
     const __m512i x = _mm512_set1_epi8(1), y = _mm512_set1_epi8(-1);
     for (int k = 0; k < 16; k++) a[k] = _mm512_set1_epi32(k);
-    for (int it = 0; it < PEAK_ITERS; it++)
+    for (int it = 0; it < peak_iters; it++)
         for (int k = 0; k < 16; k++) a[k] = _mm512_dpbusd_epi32(a[k], x, y);
     __m512i s = a[0];
     for (int k = 1; k < 16; k++) s = _mm512_xor_si512(s, a[k]);
@@ -75,7 +78,7 @@ __attribute__((target("avx512f,avx512vnni"))) static uint64_t peak_vnniw512(void
     __m512i a[16];
     const __m512i x = _mm512_set1_epi16(1), y = _mm512_set1_epi16(-1);
     for (int k = 0; k < 16; k++) a[k] = _mm512_set1_epi32(k);
-    for (int it = 0; it < PEAK_ITERS; it++)
+    for (int it = 0; it < peak_iters; it++)
         for (int k = 0; k < 16; k++) a[k] = _mm512_dpwssd_epi32(a[k], x, y);
     __m512i s = a[0];
     for (int k = 1; k < 16; k++) s = _mm512_xor_si512(s, a[k]);
@@ -87,7 +90,7 @@ __attribute__((target("avx2"))) static uint64_t peak_maddwd256(void) {
     __m256i a[12];
     const __m256i y = _mm256_set1_epi16(1);
     for (int k = 0; k < 12; k++) a[k] = _mm256_set1_epi32(k);
-    for (int it = 0; it < PEAK_ITERS; it++)
+    for (int it = 0; it < peak_iters; it++)
         for (int k = 0; k < 12; k++) a[k] = _mm256_madd_epi16(a[k], y);
     __m256i s = a[0];
     for (int k = 1; k < 12; k++) s = _mm256_xor_si256(s, a[k]);
@@ -99,7 +102,7 @@ __attribute__((target("avx2"))) static uint64_t peak_maddubs256(void) {
     __m256i a[12];
     const __m256i y = _mm256_set1_epi8(3);
     for (int k = 0; k < 12; k++) a[k] = _mm256_set1_epi16((short)k);
-    for (int it = 0; it < PEAK_ITERS; it++)
+    for (int it = 0; it < peak_iters; it++)
         for (int k = 0; k < 12; k++) a[k] = _mm256_maddubs_epi16(a[k], y);
     __m256i s = a[0];
     for (int k = 1; k < 12; k++) s = _mm256_xor_si256(s, a[k]);
@@ -111,7 +114,7 @@ __attribute__((target("avx512f"))) static uint64_t peak_fma512(void) {
     __m512 a[16];
     const __m512 x = _mm512_set1_ps(0.999f), y = _mm512_set1_ps(1e-3f);
     for (int k = 0; k < 16; k++) a[k] = _mm512_set1_ps((float)k);
-    for (int it = 0; it < PEAK_ITERS; it++)
+    for (int it = 0; it < peak_iters; it++)
         for (int k = 0; k < 16; k++) a[k] = _mm512_fmadd_ps(a[k], x, y);
     __m512 s = a[0];
     for (int k = 1; k < 16; k++) s = _mm512_add_ps(s, a[k]);
@@ -122,7 +125,7 @@ __attribute__((target("avx2,fma"))) static uint64_t peak_fma256(void) {
     __m256 a[12];
     const __m256 x = _mm256_set1_ps(0.999f), y = _mm256_set1_ps(1e-3f);
     for (int k = 0; k < 12; k++) a[k] = _mm256_set1_ps((float)k);
-    for (int it = 0; it < PEAK_ITERS; it++)
+    for (int it = 0; it < peak_iters; it++)
         for (int k = 0; k < 12; k++) a[k] = _mm256_fmadd_ps(a[k], x, y);
     __m256 s = a[0];
     for (int k = 1; k < 12; k++) s = _mm256_add_ps(s, a[k]);
@@ -135,12 +138,12 @@ __attribute__((target("avx2,fma"))) static uint64_t peak_fma256(void) {
 /* Operations (multiply-add = 2) of one peak call on one thread. */
 static double peak_ops(peak_kind k) {
     switch (k) {
-    case PEAK_VNNI512: return 2.0 * 64 * 16 * PEAK_ITERS;
-    case PEAK_VNNIW512: return 2.0 * 32 * 16 * PEAK_ITERS;
-    case PEAK_MADDUBS256: return 2.0 * 32 * 12 * PEAK_ITERS;
-    case PEAK_MADDWD256: return 2.0 * 16 * 12 * PEAK_ITERS;
-    case PEAK_FMA512: return 2.0 * 16 * 16 * PEAK_ITERS;
-    case PEAK_FMA256: return 2.0 * 8 * 12 * PEAK_ITERS;
+    case PEAK_VNNI512: return 2.0 * 64 * 16 * (double)peak_iters;
+    case PEAK_VNNIW512: return 2.0 * 32 * 16 * (double)peak_iters;
+    case PEAK_MADDUBS256: return 2.0 * 32 * 12 * (double)peak_iters;
+    case PEAK_MADDWD256: return 2.0 * 16 * 12 * (double)peak_iters;
+    case PEAK_FMA512: return 2.0 * 16 * 16 * (double)peak_iters;
+    case PEAK_FMA256: return 2.0 * 8 * 12 * (double)peak_iters;
     default: return 0;
     }
 }
@@ -304,6 +307,7 @@ int bench_gemm(const bench_opts *o) {
     /* bytes of W copies for n = 1: well past the last-level cache */
     const int64_t stream_bytes = (int64_t)(o->quick ? 8 : 256) << 20;
     const double ref_budget = o->quick ? 0.005 : 0.1, peak_budget = o->quick ? 0.005 : 0.1;
+    peak_iters = o->quick ? 1 << 14 : 1 << 20;
 
     bench_print_machine(o, "gemm", stdout);
     if (!o->json)
