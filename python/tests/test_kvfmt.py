@@ -532,11 +532,32 @@ ATTN_CASES = [("kivi8", 1, 64, 16), ("kivi8", 2, 96, 128), ("kivi8", 3, 128, 8),
 
 @pytest.mark.parametrize("name,H,Dh,P", ATTN_CASES,
                          ids=[f"{n}-H{h}-Dh{d}-P{p}" for n, h, d, p in ATTN_CASES])
-def test_attention_matches_reference(rng, name, H, Dh, P):
+def test_attention_matches_reference(rng, isa, name, H, Dh, P):
     fmt = KVFormat.member(name, H, Dh, P)
+    attention_case(rng, fmt, 3 if name == "kivi8" else 1 + int(rng.integers(3)))
+
+
+# Custom tuples (bits, G, W, S, P), H 2, Dh 64: a float16 window W > 0 (a
+# query reads the W positions before its own group in float16 even where
+# they are quantized), sinks, groups other than 64.
+ATTN_CUSTOM = [(8, 64, 64, 0, 16), (4, 32, 64, 3, 16), (8, 32, 128, 1, 64),
+               (4, 64, 128, 0, 32), (4, 16, 32, 15, 8)]
+
+
+@pytest.mark.parametrize("bits,G,W,S,P", ATTN_CUSTOM,
+                         ids=[f"b{b}-G{g}-W{w}-S{s}-P{p}" for b, g, w, s, p in ATTN_CUSTOM])
+def test_attention_custom_formats(rng, isa, bits, G, W, S, P):
+    fmt = KVFormat(bits, G, 16, True, bits == 4, 2, 64, P, window=W, sink=S)
+    attention_case(rng, fmt, 3)
+
+
+def attention_case(rng, fmt, grp):
+    """Prefill in random chunks, then decode at the last and earlier
+    positions, against the float64 reference (1 and 2 threads the same bits)."""
+    H, Dh, P, G = fmt.num_kv_heads, fmt.head_dim, fmt.page_size, fmt.group
     rf = ref_format(fmt)
     lens = [int(x) for x in rng.integers(1, 300, 3)]
-    lens[1] = 64 * int(rng.integers(1, 4))  # ends on a group boundary: empty tail
+    lens[1] = G * int(rng.integers(1, 4))  # ends on a group boundary: empty tail
     data = [make_kv(rng, n, H, Dh, mild=True) for n in lens]
     k = [d[0] for d in data]
     v = [d[1] for d in data]
@@ -545,7 +566,6 @@ def test_attention_matches_reference(rng, name, H, Dh, P):
                np.zeros((n_pages, fmt.page_bytes), np.uint8))
     rseqs = [R.Sequence(rf) for _ in lens]
     vmax = max(float(np.abs(x).max()) for x in v)
-    grp = 3 if name == "kivi8" else 1 + int(rng.integers(3))
     ltol = LSE_TOL_INT if fmt.bits == 8 else LSE_TOL
     sm = None if H != 2 else 0.3
 
@@ -579,7 +599,7 @@ def test_attention_matches_reference(rng, name, H, Dh, P):
     q = rng.standard_normal((nq, H * grp, Dh)).astype(F32)
     qseq = np.array([0, 1, 2] + [int(x) for x in rng.integers(0, 3, 6)], np.int32)
     # the tail still holds what positions from floor(n / G) * G - 1 on read
-    lows = [max(0, n // 64 * 64 - 1) for n in lens]
+    lows = [max(0, n // G * G - 1) for n in lens]
     qpos = np.array([lens[b] - 1 for b in range(3)] +
                     [int(rng.integers(lows[b], lens[b])) for b in qseq[3:]], np.int32)
     for b in range(3):  # an older position's float16 values are gone: refused

@@ -439,7 +439,6 @@ void KV_NAME(const kvc_kvfmt_job *j) {
     _Alignas(64) float ks[KVC_ATTN_MAX_HEAD_DIM], kz[KVC_ATTN_MAX_HEAD_DIM];
     _Alignas(64) float vsb[KVC_KVFMT_BT_MAX], vzb[KVC_KVFMT_BT_MAX];
     _Alignas(64) uint16_t hb[KVC_KVFMT_BT_MAX * 2];
-    _Alignas(64) float row[KVC_ATTN_MAX_HEAD_DIM];
     const unsigned char *cb[KVC_KVFMT_BT_MAX / KV_VL + 4];
     float bias[KVC_KVFMT_NV];
     kv_state st;
@@ -624,26 +623,54 @@ void KV_NAME(const kvc_kvfmt_job *j) {
     ((t) < ns ? (kv ? j->sv : j->sk) + (t) * j->srs                                          \
               : (kv ? j->wv : j->wk) +                                                       \
                     (j->wmod ? (tt) % j->wmod : (tt) - j->w0) * j->wrs)
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t tt = t < ns ? t : j->fstart + t - ns;
-            kv_f16_row(KV_F16_AT(0, t, tt) + (int64_t)j->h * Dh, row, Dh);
+        /* VL rows at a time, converted once into rw (qs is free here): a
+         * vector's VL scores come out of one KV_REDUCE, and its output row
+         * is loaded and stored once per VL tokens */
+        _Static_assert(KVC_KVFMT_NV >= KV_VL, "qs holds VL rows");
+        float(*rw)[KVC_ATTN_MAX_HEAD_DIM] = qs;
+        for (int64_t t0 = 0; t0 < np; t0 += KV_VL) {
+            const int nt = (int)(n - t0 < KV_VL ? n - t0 : KV_VL);
+            /* lane i: the window row's index past fstart, compared with pos -
+             * fstart (>= -1: a unit's rows share fstart = f16_from(pos));
+             * sink rows (read only when fstart >= G > sink, so pos >= fstart
+             * - 1 >= sink) -1: always visible; missing rows +inf */
+            _Alignas(64) float rel[KV_VL];
+            for (int i = 0; i < KV_VL; i++) {
+                const int64_t t = t0 + i;
+                rel[i] = i >= nt ? INFINITY : t < ns ? -1.0f : (float)(t - ns);
+                if (i < nt)
+                    kv_f16_row(KV_F16_AT(0, t, t < ns ? t : j->fstart + t - ns) + (int64_t)j->h * Dh,
+                               rw[i], Dh);
+            }
+            const kv_vec rv = KV_LOAD(rel);
             for (int v = 0; v < nv; v++) {
-                kv_vec a = KV_ZERO();
-                for (int c = 0; c < Dh; c += KV_VL) a = KV_FMA(KV_LOAD(j->q[v] + c), KV_LOAD(row + c), a);
-                s[v][t] = tt <= j->pos[v] ? KV_HSUM(a) * j->sc : -INFINITY;
+                for (int i = 0; i < KV_VL; i++) {
+                    kv_vec a = KV_ZERO();
+                    if (i < nt)
+                        for (int c = 0; c < Dh; c += KV_VL)
+                            a = KV_FMA(KV_LOAD(j->q[v] + c), KV_LOAD(rw[i] + c), a);
+                    KV_STORE(tmp + (int64_t)i * KV_VL, a);
+                }
+                const int64_t lim = j->pos[v] - j->fstart;
+                const kv_vec r = KV_MUL(KV_REDUCE(tmp), KV_SET1(j->sc));
+                KV_STORE(s[v] + t0, KV_KEEP_LE(r, rv, KV_SET1((float)(lim < n ? lim : n))));
             }
         }
-        for (int v = 0; v < nv; v++)
-            for (int64_t t = n; t < np; t++) s[v][t] = -INFINITY;
         kv_softmax(&st, nv, s, np, Dh);
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t tt = t < ns ? t : j->fstart + t - ns;
-            kv_f16_row(KV_F16_AT(1, t, tt) + (int64_t)j->h * Dh, row, Dh);
-            for (int v = 0; v < nv; v++) {
-                const kv_vec p = KV_SET1(s[v][t]);
-                for (int c = 0; c < Dh; c += KV_VL)
-                    KV_STORE(st.o[v] + c, KV_FMA(p, KV_LOAD(row + c), KV_LOAD(st.o[v] + c)));
+        for (int64_t t0 = 0; t0 < n; t0 += KV_VL) {
+            const int nt = (int)(n - t0 < KV_VL ? n - t0 : KV_VL);
+            for (int i = 0; i < nt; i++) {
+                const int64_t t = t0 + i;
+                kv_f16_row(KV_F16_AT(1, t, t < ns ? t : j->fstart + t - ns) + (int64_t)j->h * Dh,
+                           rw[i], Dh);
             }
+            for (int v = 0; v < nv; v++)
+                for (int c = 0; c < Dh; c += KV_VL) {
+                    kv_vec o = KV_LOAD(st.o[v] + c);
+                    for (int i = 0; i < nt; i++)
+                        o = KV_FMA(KV_SET1(s[v][t0 + i]), KV_LOAD(rw[i] + c), o);
+                    KV_STORE(st.o[v] + c, o);
+                }
         }
 #undef KV_F16_AT
     }
