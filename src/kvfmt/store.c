@@ -5,6 +5,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "../kernels/kernels.h"
 #include "kvfmt_internal.h"
 
 #define ROWS_PER_TASK 32
@@ -26,41 +27,32 @@ typedef struct store_ctx {
     int64_t *task_grp;
 } store_ctx;
 
-static float load(const kvc_tensor *t, int64_t row, int64_t h, int64_t c) {
-    const char *p = (const char *)t->data;
-    const int64_t off = row * t->stride[0] + h * t->stride[1] + c;
-    switch (t->dtype) {
-    case KVC_F16: return kvc_f16_to_f32(((const uint16_t *)p)[off]);
-    case KVC_BF16: return kvc_bf16_to_f32(((const uint16_t *)p)[off]);
-    default: return ((const float *)p)[off];
-    }
-}
-
-static int f16_finite(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
-
 /* A zero point of -0 is stored as +0: min over {-0, +0} is either. */
 static uint16_t canon0(uint16_t h) { return h == 0x8000u ? 0 : h; }
 
-/* Rows [task * ROWS_PER_TASK, ...) to float16; V rotated first. */
+/* Rows [task * ROWS_PER_TASK, ...) to float16; V rotated first. The
+ * dispatched conversions round to nearest even as kvc_f32_to_f16 does, so
+ * the bytes are the same on every ISA. */
 static void convert_task(void *arg, int64_t task) {
     store_ctx *c = arg;
+    const kvc_kernels *kk = kvc__kernels();
     const int64_t H = c->f->num_kv_heads, Dh = c->f->head_dim;
     const int64_t r0 = task * ROWS_PER_TASK;
     const int64_t r1 = r0 + ROWS_PER_TASK < c->nnz ? r0 + ROWS_PER_TASK : c->nnz;
-    float buf[KVC_ATTN_MAX_HEAD_DIM];
+    _Alignas(64) float buf[KVC_ATTN_MAX_HEAD_DIM];
     int ok = 1;
     for (int64_t r = r0; r < r1; r++)
         for (int kv = 0; kv < 2; kv++)
             for (int64_t h = 0; h < H; h++) {
                 const kvc_tensor *t = kv ? c->value : c->key;
-                for (int64_t i = 0; i < Dh; i++) buf[i] = load(t, r, h, i);
-                for (int64_t i = 0; i < Dh; i++) ok &= isfinite(buf[i]) != 0;
+                const int64_t off = r * t->stride[0] + h * t->stride[1];
+                const void *src = (const char *)t->data + off * (t->dtype == KVC_F32 ? 4 : 2);
+                kk->convert(src, t->dtype, buf, KVC_F32, Dh);
+                ok &= kk->all_finite(buf, KVC_F32, Dh, INFINITY);
                 if (kv && c->f->rotate_v) kvc__kvfmt_rotate(buf, (int32_t)Dh);
                 uint16_t *dst = c->st + ((c->dst[r] * 2 + kv) * H + h) * Dh;
-                for (int64_t i = 0; i < Dh; i++) {
-                    dst[i] = kvc_f32_to_f16(buf[i]);
-                    ok &= f16_finite(dst[i]);
-                }
+                kk->convert(buf, KVC_F32, dst, KVC_F16, Dh);
+                ok &= kk->all_finite(dst, KVC_F16, Dh, INFINITY); /* beyond float16's range */
             }
     c->bad[task] = (unsigned char)!ok;
 }
