@@ -619,10 +619,12 @@ void KV_NAME(const kvc_kvfmt_job *j) {
     const int64_t nwin = maxpos >= j->fstart ? maxpos + 1 - j->fstart : 0;
     if (j->do_tail && ns + nwin > 0) {
         const int64_t n = ns + nwin, np = (n + KV_VL - 1) / KV_VL * KV_VL;
-#define KV_F16_AT(kv, t, tt)                                                                 \
-    ((t) < ns ? (kv ? j->sv : j->sk) + (t) * j->srs                                          \
-              : (kv ? j->wv : j->wk) +                                                       \
-                    (j->wmod ? (tt) % j->wmod : (tt) - j->w0) * j->wrs)
+/* head h of float16 row t: sink row t < ns, else position fstart + t - ns */
+#define KV_F16_ROW(kv, t)                                                                    \
+    (((t) < ns ? (kv ? j->sv : j->sk) + (t) * j->srs                                         \
+               : (kv ? j->wv : j->wk) + (j->wmod ? (j->fstart + (t) - ns) % j->wmod          \
+                                                 : j->fstart + (t) - ns - j->w0) * j->wrs) + \
+     (int64_t)j->h * Dh)
         /* VL rows at a time, converted once into rw (qs is free here): a
          * vector's VL scores come out of one KV_REDUCE, and its output row
          * is loaded and stored once per VL tokens */
@@ -639,8 +641,7 @@ void KV_NAME(const kvc_kvfmt_job *j) {
                 const int64_t t = t0 + i;
                 rel[i] = i >= nt ? INFINITY : t < ns ? -1.0f : (float)(t - ns);
                 if (i < nt)
-                    kv_f16_row(KV_F16_AT(0, t, t < ns ? t : j->fstart + t - ns) + (int64_t)j->h * Dh,
-                               rw[i], Dh);
+                    kv_f16_row(KV_F16_ROW(0, t), rw[i], Dh);
             }
             const kv_vec rv = KV_LOAD(rel);
             for (int v = 0; v < nv; v++) {
@@ -659,11 +660,7 @@ void KV_NAME(const kvc_kvfmt_job *j) {
         kv_softmax(&st, nv, s, np, Dh);
         for (int64_t t0 = 0; t0 < n; t0 += KV_VL) {
             const int nt = (int)(n - t0 < KV_VL ? n - t0 : KV_VL);
-            for (int i = 0; i < nt; i++) {
-                const int64_t t = t0 + i;
-                kv_f16_row(KV_F16_AT(1, t, t < ns ? t : j->fstart + t - ns) + (int64_t)j->h * Dh,
-                           rw[i], Dh);
-            }
+            for (int i = 0; i < nt; i++) kv_f16_row(KV_F16_ROW(1, t0 + i), rw[i], Dh);
             for (int v = 0; v < nv; v++)
                 for (int c = 0; c < Dh; c += KV_VL) {
                     kv_vec o = KV_LOAD(st.o[v] + c);
@@ -672,7 +669,7 @@ void KV_NAME(const kvc_kvfmt_job *j) {
                     KV_STORE(st.o[v] + c, o);
                 }
         }
-#undef KV_F16_AT
+#undef KV_F16_ROW
     }
     for (int v = 0; v < nv; v++) {
         j->m[v] = st.m[v];
