@@ -625,6 +625,86 @@ def attention_case(rng, fmt, grp):
     assert np.array_equal(o16, o16_32.astype(F16))
 
 
+# (name or custom tuple (bits, G, W, S), Dh): prompts long enough to cross
+# the SIMD path's key chunks (1,024 tokens) twice; at Dh 128 the one-call
+# prefill's ~1,560 tasks exceed a wave (8 MiB of 8.3 KiB states: 1,008), so
+# it also runs in two waves
+ROWS_CASES = [("kivi8", 128), ("kivi4", 64), ((4, 32, 64, 3), 64)]
+
+
+@pytest.mark.parametrize("case,Dh", ROWS_CASES, ids=[f"{c}-Dh{d}" for c, d in ROWS_CASES])
+def test_attention_rows_independent_of_the_call(rng, isa, case, Dh):
+    """A query row gets the same bits whatever call computes it (section 6):
+    a prefill in chunks of any size, one call for the whole prompt, decode
+    steps of one row, and batches with other sequences (other numbers of work
+    units per call), on every ISA, 1 and 2 threads."""
+    # the generic C path (scalar) splits no keys, and is slow: a shorter prompt
+    H, P, grp, N = 2, 16, 3, 2 * 1024 + 300 if isa != "scalar" else 600
+    if isinstance(case, str):
+        fmt = KVFormat.member(case, H, Dh, P)
+    else:
+        bits, G, W, S = case
+        fmt = KVFormat(bits, G, 16, True, bits == 4, H, Dh, P, window=W, sink=S)
+    k, v = make_kv(rng, N, H, Dh, mild=True)
+    q = rng.standard_normal((N, H * grp, Dh)).astype(F32)
+    ko, vo = make_kv(rng, N, H, Dh, mild=True)  # another sequence, batched with it
+    qo = rng.standard_normal((N, H * grp, Dh)).astype(F32)
+    npg = -(-N // P)
+
+    def run(steps, threads=1):
+        """steps: per call, rows of (sequence 0, sequence 1); sequence 0's outputs."""
+        pages = np.zeros((2 * npg, fmt.page_bytes), np.uint8)
+        seqs = [KVSeq(np.arange(b * npg, (b + 1) * npg, dtype=np.int32), 0,
+                      np.zeros(fmt.tail_shape, F16),
+                      np.zeros(fmt.sink_shape, F16) if fmt.sink else None) for b in range(2)]
+        data = [(k, v, q), (ko, vo, qo)]
+        out = np.full((N, H * grp, Dh), np.nan, F32)
+        for step in steps:
+            call = [(b, c) for b, c in enumerate(step) if c > 0]
+            cs, rk, rv, rq, qs, qp, ind = [], [], [], [], [], [], [0]
+            for i, (b, c) in enumerate(call):
+                s = seqs[b]
+                lo = s.n_kv
+                s.n_kv = lo + c
+                cs.append(s)
+                rk.append(data[b][0][lo:lo + c])
+                rv.append(data[b][1][lo:lo + c])
+                rq.append(data[b][2][lo:lo + c])
+                qs += [i] * c
+                qp += list(range(lo, lo + c))
+                ind.append(ind[-1] + c)
+            o = kvfmt.append_attention(fmt, pages, cs, np.array(ind), np.concatenate(rk),
+                                       np.concatenate(rv), np.concatenate(rq),
+                                       np.array(qs, np.int32), np.array(qp, np.int32),
+                                       num_threads=threads)
+            if call[0][0] == 0:
+                lo = seqs[0].n_kv - call[0][1]
+                out[lo:seqs[0].n_kv] = o[:call[0][1]]
+        assert seqs[0].n_kv == N and not np.isnan(out).any()
+        return out
+
+    want = run([(min(512, N - a), 0) for a in range(0, N, 512)])
+    assert np.array_equal(run([(N, 0)], 2), want), "one call"
+    # decode steps of one row past a prefill, the last 40 rows alone
+    dec = run([(N - 40, 0)] + [(1, 0)] * 40)
+    assert np.array_equal(dec, want), "decode steps"
+    # batched: sequence 1 in the same calls (more units), in other chunks
+    cuts = [int(x) for x in rng.integers(1, 700, 12)]
+    steps, a, a1 = [], 0, 0
+    for c in cuts:
+        steps.append((min(c, N - a), min(c % 300, N - a1)))
+        a += steps[-1][0]
+        a1 += steps[-1][1]
+    steps.append((N - a, 0))
+    assert np.array_equal(run([s for s in steps if s[0] or s[1]], 2), want), "batched"
+    # the reference, on the last rows (dequantized values, float64)
+    rseq = R.Sequence(ref_format(fmt))
+    rseq.append(k, v)
+    sel = np.arange(N - 8, N)
+    wo, _ = ref_attention(ref_format(fmt), rseq, q[sel], sel, None)
+    assert np.allclose(want[sel], wo, rtol=O_TOL, atol=O_TOL * float(np.abs(v).max()))
+
+
 def test_attention_rotation_is_undone():
     """kivi4 and a kivi8-like format without rotation see nearly the same
     output: the rotation only moves the quantization error."""

@@ -6,7 +6,8 @@ default model (SmolLM2-135M-Instruct Q4_1):
   docs/BENCHMARKS.md's perplexity table): >= 99.5% for kivi8, >= 95% for
   kivi4;
 - every query attends what a decode at its position would, so the logits do
-  not depend on how the prompt is cut into steps (bitwise);
+  not depend on how the prompt is cut into steps (bitwise), also past the
+  SIMD kernels' key chunks of 1,024 tokens (and the stored K/V neither);
 - the engine's batched generation equals each request alone, token for token,
   with chunked prefill and prefix caching in play.
 """
@@ -79,6 +80,34 @@ def test_argmax_agreement_with_float16(smol, text_ids, float16_logits, fmt):
     # the same logits, bit for bit, however the prompt is cut into steps
     lg2 = _logits(smol, text_ids, fmt, 100)
     assert np.array_equal(lg, lg2), (fmt, float(np.abs(lg - lg2).max()))
+
+
+@needs_model
+@pytest.mark.parametrize("fmt", ["kivi8", "kivi4"])
+def test_long_prompt_decode_equals_prefill(smol, fmt):
+    # past 1,024 tokens the SIMD kernels split a query's keys in chunks: a
+    # decode step (one row) and a prefill row must still get the same bits,
+    # and so every layer's stored K/V the same bytes
+    text = (LICENSES / "GPL-3").read_text() + (LICENSES / "Apache-2.0").read_text()
+    ids = smol.tokenizer.encode(text)[:1100]
+    n, tail = len(ids), 36
+    runs = []
+    for steps in ([600, n - 600], [n - tail] + [1] * tail):
+        cache = smol.new_cache(n + 16, kv_dtype=fmt)
+        seq, _ = cache.add_sequence(n)
+        lg, p = [], 0
+        for k in steps:
+            lg.append(smol.forward(cache, [seq], [p], [k], ids[p:p + k],
+                                   want_logits=np.ones(k, bool), num_threads=2))
+            p += k
+        pages = cache.page_table([seq])[1]
+        full = n // cache.kv_group * cache.kv_group // cache.page_size  # complete K groups
+        kv = [cache.kvfmt_pages(layer)[pages[:full]].copy() for layer in (1, 15, 29)]
+        runs.append((np.concatenate(lg)[-tail:], kv))
+        cache.check()
+    assert np.array_equal(runs[0][0], runs[1][0]), float(np.abs(runs[0][0] - runs[1][0]).max())
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert np.array_equal(a, b)
 
 
 @needs_model

@@ -6,8 +6,9 @@
  * quantized groups and, in the last chunk, the float16 tail. The kernel
  * leaves an online-softmax state in base 2 (scores times sm_scale * log2 e):
  * m (running max), l (sum of 2^(s - m)), o (sum of weights times V, in the
- * stored (rotated) basis, not normalized); attend.c merges the chunks of a
- * job in a fixed order, so results do not depend on the thread count.
+ * stored (rotated) basis, not normalized); attend_simd.c merges a unit's
+ * chunks in a fixed order, so results depend neither on the thread count
+ * nor on the other rows of the call.
  *
  * kvfmt_body.h is the body; kvfmt_avx2.c and kvfmt_avx512.c supply the
  * vector primitives. The scalar ISA keeps attend.c's generic C.

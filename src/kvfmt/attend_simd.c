@@ -2,12 +2,16 @@
  * src/kernels/kvfmt_*.c). Work units: a run of up to KVC_KVFMT_NV / heads
  * consecutive query rows of one sequence that read the same quantized
  * groups (prefill: a group's codes are converted once for the whole run),
- * one KV head, its query heads (in passes of at most KVC_KVFMT_NV). When
- * there are few units (small batch decode), each unit's keys are split in
- * chunks of a fixed number of tokens, merged in chunk order afterwards:
- * the split depends on the problem only, never on the pool, so results are
- * the same for any thread count. The memory comes from the caller, sized
- * by kvc__kvfmt_simd_bytes before anything is written. */
+ * one KV head, its query heads (in passes of at most KVC_KVFMT_NV). Each
+ * unit's keys are split in chunks of a fixed number of tokens at absolute
+ * positions (tasks, so that a small batch's decode uses every thread),
+ * merged in chunk order afterwards. The split depends on the unit's
+ * positions alone, never on the other rows of the call or on the pool:
+ * a row gets the same bits in a decode step, in a prefill of any length
+ * and in any batch (docs/KV_FORMATS.md section 6). Units run in waves whose
+ * partial states fit a fixed budget, so a long prefill's memory does not
+ * grow with rows times chunks. The memory comes from the caller, sized by
+ * kvc__kvfmt_simd_bytes before anything is written. */
 #include <math.h>
 #include <string.h>
 
@@ -16,8 +20,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include "../kernels/kvfmt_kernels.h"
 
-#define SPLIT_UNITS 32 /* fewer units than this: split keys in chunks */
-#define SPLIT_TOKENS 1024
+#define SPLIT_TOKENS 1024              /* keys per task (rounded up to whole blocks) */
+#define WAVE_BYTES ((int64_t)8 << 20) /* partial states of one wave of units */
 
 typedef struct sunit {
     int64_t row0, task0;
@@ -35,10 +39,12 @@ typedef struct simd_ctx {
     kvc_kvfmt_kernel kernel;
     const sunit *units;
     const int64_t *task_unit;
-    float *scratch; /* per task: m (NV), l (NV), o (NV, Dh) */
+    float *scratch; /* per task of the wave: m (NV), l (NV), o (NV, Dh) */
     int64_t sstride;
     float sc;
-    int64_t ntasks, stride; /* tasks; the pool's threads (prefetch guess) */
+    int64_t stride;       /* the pool's threads (prefetch guess) */
+    int64_t tbase, tend;  /* the wave's tasks [tbase, tend) ... */
+    int64_t ubase;        /* ... and its first unit */
 } simd_ctx;
 
 static kvc_kvfmt_kernel simd_kernel(const kvc_kvfmt *f) {
@@ -72,7 +78,13 @@ static int64_t run_end(const kvc_kvfmt *f, const int32_t *q_seq, const int32_t *
 
 typedef struct plan {
     int64_t nunits, ntasks, hp, rb, npass, chunk;
+    int64_t sstride;    /* floats of one task's partial state */
+    int64_t wave_tasks; /* most tasks of one wave (>= every unit's chunks) */
 } plan;
+
+static int64_t chunks_of(const plan *p, int64_t qend) {
+    return qend > 0 ? (qend + p->chunk - 1) / p->chunk : 1;
+}
 
 static plan make_plan(const kvc_kvfmt *f, int64_t nq, int64_t Hq, const int32_t *q_seq,
                       const int32_t *q_pos) {
@@ -81,18 +93,20 @@ static plan make_plan(const kvc_kvfmt *f, int64_t nq, int64_t Hq, const int32_t 
     p.hp = grp < KVC_KVFMT_NV ? grp : KVC_KVFMT_NV; /* heads per pass */
     p.rb = KVC_KVFMT_NV / p.hp;                     /* rows per unit */
     p.npass = (grp + p.hp - 1) / p.hp;
-    int64_t nruns = 0;
-    for (int64_t i = 0; i < nq; i = run_end(f, q_seq, q_pos, nq, i, p.rb)) nruns++;
-    p.nunits = nruns * H * p.npass;
     const int64_t BT = G <= 256 ? (256 / G) * G : G;
-    p.chunk = p.nunits < SPLIT_UNITS ? (SPLIT_TOKENS + BT - 1) / BT * BT : INT64_MAX / 2;
+    p.chunk = (SPLIT_TOKENS + BT - 1) / BT * BT;
+    p.sstride = 2 * KVC_KVFMT_NV + KVC_KVFMT_NV * (int64_t)f->head_dim;
+    int64_t nruns = 0, most = 1;
     p.ntasks = 0;
-    for (int64_t i = 0; i < nq;) {
-        const int64_t e = run_end(f, q_seq, q_pos, nq, i, p.rb);
-        const int64_t qend = kvc__kvfmt_f16_from(f, q_pos[i]);
-        p.ntasks += (qend > 0 ? (qend + p.chunk - 1) / p.chunk : 1) * H * p.npass;
-        i = e;
+    for (int64_t i = 0; i < nq; i = run_end(f, q_seq, q_pos, nq, i, p.rb)) {
+        const int64_t nch = chunks_of(&p, kvc__kvfmt_f16_from(f, q_pos[i]));
+        p.ntasks += nch * H * p.npass;
+        most = nch > most ? nch : most;
+        nruns++;
     }
+    p.nunits = nruns * H * p.npass;
+    const int64_t budget = WAVE_BYTES / (p.sstride * (int64_t)sizeof(float));
+    p.wave_tasks = p.ntasks < budget ? p.ntasks : budget > most ? budget : most;
     return p;
 }
 
@@ -100,9 +114,8 @@ size_t kvc__kvfmt_simd_bytes(const kvc_kvfmt *f, int64_t nq, int64_t Hq, const i
                              const int32_t *q_pos) {
     if (nq == 0 || !simd_kernel(f)) return 0;
     const plan p = make_plan(f, nq, Hq, q_seq, q_pos);
-    const int64_t sstride = 2 * KVC_KVFMT_NV + KVC_KVFMT_NV * (int64_t)f->head_dim;
     return (size_t)p.nunits * sizeof(sunit) + (size_t)p.ntasks * sizeof(int64_t) +
-           (size_t)(p.ntasks * sstride) * sizeof(float) + 64;
+           (size_t)(p.wave_tasks * p.sstride) * sizeof(float) + 64;
 }
 
 /* The job of one task (its outputs in the task's scratch). */
@@ -154,7 +167,7 @@ static void make_job(const simd_ctx *c, int64_t task, kvc_kvfmt_job *jp) {
             j.pos[v] = c->q_pos[row];
         }
     j.sc = c->sc;
-    float *m = c->scratch + task * c->sstride;
+    float *m = c->scratch + (task - c->tbase) * c->sstride;
     j.m = m;
     j.l = m + KVC_KVFMT_NV;
     j.o = m + 2 * KVC_KVFMT_NV;
@@ -163,39 +176,41 @@ static void make_job(const simd_ctx *c, int64_t task, kvc_kvfmt_job *jp) {
     *jp = j;
 }
 
-static void simd_task(void *arg, int64_t task) {
+static void simd_task(void *arg, int64_t i) {
     const simd_ctx *c = arg;
+    const int64_t task = c->tbase + i;
     kvc_kvfmt_job j, nx;
     make_job(c, task, &j);
     /* tasks are claimed in order, so with n threads of similar speed this
      * one runs task + n next: its first lines are fetched during our last
      * block instead of stalling its start (a guess: only prefetches) */
-    if (task + c->stride < c->ntasks) {
+    if (task + c->stride < c->tend) {
         make_job(c, task + c->stride, &nx);
         j.next = &nx;
     }
-    j.first_fetched = task >= c->stride;
+    j.first_fetched = i >= c->stride;
     c->kernel(&j);
 }
 
 /* Merges a unit's chunks (in order), normalizes, rotates back, writes. */
-static void simd_finish(void *arg, int64_t ui) {
+static void simd_finish(void *arg, int64_t i) {
     const simd_ctx *c = arg;
-    const sunit *u = &c->units[ui];
+    const sunit *u = &c->units[c->ubase + i];
+    const float *part = c->scratch + (u->task0 - c->tbase) * c->sstride; /* chunk 0's */
     const int64_t Dh = c->f->head_dim;
     for (int32_t r = 0; r < u->nrows; r++)
         for (int32_t g = 0; g < u->nh; g++) {
             const int64_t row = u->row0 + r, v = r * u->nh + g, qh = u->hq0 + g;
             float mx = -INFINITY;
             for (int32_t k = 0; k < u->nchunks; k++) {
-                const float mk = c->scratch[(u->task0 + k) * c->sstride + v];
+                const float mk = part[k * c->sstride + v];
                 mx = mk > mx ? mk : mx;
             }
             float *o = (float *)c->out->data + row * c->out->stride[0] + qh * c->out->stride[1];
             float l = 0;
             for (int64_t ch = 0; ch < Dh; ch++) o[ch] = 0;
             for (int32_t k = 0; k < u->nchunks; k++) {
-                const float *st = c->scratch + (u->task0 + k) * c->sstride;
+                const float *st = part + k * c->sstride;
                 if (st[v] == -INFINITY) continue;
                 const float w = u->nchunks == 1 ? 1.0f : exp2f(st[v] - mx);
                 l += st[KVC_KVFMT_NV + v] * w;
@@ -222,15 +237,14 @@ int kvc__kvfmt_attend_simd(const kvc_kvfmt *f, const kvc_tensor *pages,
     if (!kern || !mem || nq == 0) return 0;
     const plan p = make_plan(f, nq, Hq, q_seq, q_pos);
     const int64_t H = f->num_kv_heads, grp = Hq / H;
-    const int64_t sstride = 2 * KVC_KVFMT_NV + KVC_KVFMT_NV * (int64_t)f->head_dim;
     float *scratch = (float *)(((uintptr_t)mem + 63) & ~(uintptr_t)63);
-    sunit *units = (sunit *)(scratch + p.ntasks * sstride);
+    sunit *units = (sunit *)(scratch + p.wave_tasks * p.sstride);
     int64_t *task_unit = (int64_t *)(units + p.nunits);
     int64_t ntasks = 0, ui = 0;
     for (int64_t i = 0; i < nq;) {
         const int64_t e = run_end(f, q_seq, q_pos, nq, i, p.rb);
         const int64_t qend = kvc__kvfmt_f16_from(f, q_pos[i]);
-        const int64_t nch = qend > 0 ? (qend + p.chunk - 1) / p.chunk : 1;
+        const int64_t nch = chunks_of(&p, qend);
         for (int64_t h = 0; h < H; h++)
             for (int64_t ps = 0; ps < p.npass; ps++) {
                 sunit *u = &units[ui++];
@@ -250,10 +264,20 @@ int kvc__kvfmt_attend_simd(const kvc_kvfmt *f, const kvc_tensor *pages,
     for (int64_t u = 0; u < p.nunits; u++)
         for (int32_t k = 0; k < units[u].nchunks; k++) task_unit[units[u].task0 + k] = u;
     simd_ctx c = {f, kvc__kvfmt_layout_of(f), pages, q, out, lse, seqs, wins, q_seq, q_pos,
-                  kern, units, task_unit, scratch, sstride, sm * 1.44269504088896341f,
-                  p.ntasks, kvc_threadpool_n_threads(pool)};
-    kvc__parallel_for(pool, p.ntasks, simd_task, &c);
-    kvc__parallel_for(pool, p.nunits, simd_finish, &c);
+                  kern, units, task_unit, scratch, p.sstride, sm * 1.44269504088896341f,
+                  kvc_threadpool_n_threads(pool), 0, 0, 0};
+    /* waves: the most whole units whose tasks fit wave_tasks */
+    for (int64_t u0 = 0, u1; u0 < p.nunits; u0 = u1) {
+        for (u1 = u0 + 1; u1 < p.nunits &&
+                          units[u1].task0 + units[u1].nchunks - units[u0].task0 <= p.wave_tasks;
+             u1++) {
+        }
+        c.ubase = u0;
+        c.tbase = units[u0].task0;
+        c.tend = units[u1 - 1].task0 + units[u1 - 1].nchunks;
+        kvc__parallel_for(pool, c.tend - c.tbase, simd_task, &c);
+        kvc__parallel_for(pool, u1 - u0, simd_finish, &c);
+    }
     return 1;
 }
 
