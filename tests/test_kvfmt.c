@@ -359,9 +359,91 @@ TEST(attention_chunks) {
     return 0;
 }
 
+/* One prompt's rows through kvc_kvfmt_append_attention: in one call (many
+ * work units: at Dh 128 more tasks than one wave of partial states holds),
+ * in calls of 512 rows, and as a prefill followed by one-row decode steps.
+ * A row gets the same bits in every schedule (docs/KV_FORMATS.md section 6;
+ * the SIMD path splits every row's keys in the same chunks). */
+static int rows_case(kvc_kv_format id, int32_t D, int64_t N, uint64_t seed) {
+    const int64_t H = 2, grp = 3, Hq = H * grp, P = 16, row = H * D, qrow = Hq * D;
+    kvc_kvfmt f;
+    ASSERT_OK(kvc_kvfmt_make(id, (int32_t)H, D, (int32_t)P, &f));
+    const int64_t npages = (N + P - 1) / P;
+    const size_t pb = kvc_kvfmt_page_bytes(&f), tb = kvc_kvfmt_tail_bytes(&f);
+    const size_t sb = kvc_kvfmt_sink_bytes(&f);
+    float *k = malloc((size_t)(N * row) * 4), *v = malloc((size_t)(N * row) * 4);
+    float *q = malloc((size_t)(N * qrow) * 4);
+    float *want = malloc((size_t)(N * qrow) * 4), *got = malloc((size_t)(N * qrow) * 4);
+    unsigned char *pages = malloc((size_t)npages * pb);
+    uint16_t *tail = malloc(tb), *sink = malloc(sb + 2);
+    int32_t *ids = malloc((size_t)npages * 4), *qseq = calloc((size_t)N, 4);
+    int32_t *qpos = malloc((size_t)N * 4);
+    ASSERT_TRUE(k && v && q && want && got && pages && tail && sink && ids && qseq && qpos);
+    uint64_t rng = seed;
+    for (int64_t i = 0; i < N * row; i++) {
+        k[i] = (float)(i % row) * 0.05f + test_rng_f32(&rng);
+        v[i] = test_rng_f32(&rng) * 2.0f;
+    }
+    for (int64_t i = 0; i < N * qrow; i++) q[i] = test_rng_f32(&rng) * 1.5f;
+    for (int64_t i = 0; i < npages; i++) ids[i] = (int32_t)(npages - 1 - i);
+    for (int64_t i = 0; i < N; i++) qpos[i] = (int32_t)i;
+    /* schedules: calls' row counts (-1: the rest), ending with 0 */
+    static const int64_t one[] = {-1, 0}, chunks[] = {512, 512, 512, 512, 512, -1, 0};
+    int64_t steps[64];
+    const int n_dec = 20;
+    const int64_t *scheds[3] = {one, chunks, steps};
+    int rc = 0;
+    FOR_EACH_ISA({
+        /* the generic C path splits no keys, and is slow: a shorter prompt */
+        const int64_t Ni = kvc_get_isa() == KVC_ISA_SCALAR && N > 400 ? 400 : N;
+        steps[0] = Ni - n_dec;
+        for (int i = 0; i < n_dec; i++) steps[1 + i] = 1;
+        steps[1 + n_dec] = 0;
+        for (int sc = 0; sc < 3 && rc == 0; sc++) {
+            float *out = sc == 0 ? want : got;
+            memset(out, 0xff, (size_t)(N * qrow) * 4);
+            memset(pages, 0, (size_t)npages * pb);
+            kvc_kvfmt_seq seq = {ids, 0, tail, f.sink ? sink : NULL};
+            for (const int64_t *c = scheds[sc]; *c != 0 && seq.n_kv < Ni; c++) {
+                const int64_t p0 = seq.n_kv, n = *c < 0 || p0 + *c > Ni ? Ni - p0 : *c;
+                seq.n_kv = p0 + n;
+                int64_t ip[2] = {0, n}, sh[3] = {n, H, D}, qsh[3] = {n, Hq, D};
+                int64_t psh[2] = {npages, (int64_t)pb};
+                kvc_tensor tk = kvc_tensor_make(k + p0 * row, KVC_F32, 3, sh);
+                kvc_tensor tv = kvc_tensor_make(v + p0 * row, KVC_F32, 3, sh);
+                kvc_tensor tq = kvc_tensor_make(q + p0 * qrow, KVC_F32, 3, qsh);
+                kvc_tensor to = kvc_tensor_make(out + p0 * qrow, KVC_F32, 3, qsh);
+                kvc_tensor tp = kvc_tensor_make(pages, KVC_U8, 2, psh);
+                ASSERT_OK(kvc_kvfmt_append_attention(&f, &tp, &seq, 1, ip, &tk, &tv, &tq, qseq,
+                                                     qpos + p0, NULL, &to, NULL,
+                                                     test_pool(sc == 1 ? 1 : 2)));
+            }
+            ASSERT_EQ_I64(seq.n_kv, Ni);
+            if (sc > 0 && memcmp(want, got, (size_t)(Ni * qrow) * 4) != 0) {
+                int64_t i = 0;
+                while (memcmp(want + i * qrow, got + i * qrow, (size_t)qrow * 4) == 0) i++;
+                fprintf(stderr, "  %s D %d isa %s: schedule %d differs from one call at row "
+                        "%lld\n", kvc_kv_format_name(id), (int)D, kvc_isa_name(kvc_get_isa()),
+                        sc, (long long)i);
+                rc = 1;
+            }
+        }
+    });
+    free(k), free(v), free(q), free(want), free(got), free(pages), free(tail), free(sink);
+    free(ids), free(qseq), free(qpos);
+    return rc;
+}
+
+TEST(attention_rows_same_in_any_call) {
+    /* past two of the SIMD path's 1,024-token chunks */
+    if (rows_case(KVC_KVFMT_KIVI8, 128, 2300, test_seed + 1) != 0) return 1;
+    return rows_case(KVC_KVFMT_KIVI4, 64, 2300, test_seed + 2);
+}
+
 const char *test_suite_name = "kvfmt";
 const test_case test_suite[] = {
     TEST_ENTRY(attention_grid),
     TEST_ENTRY(attention_chunks),
+    TEST_ENTRY(attention_rows_same_in_any_call),
     {0, 0},
 };

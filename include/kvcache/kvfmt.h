@@ -140,8 +140,9 @@ KVC_API kvc_status kvc_kvfmt_append(const kvc_kvfmt *f, kvc_tensor *pages,
  *   lse     NULL or (nq, Hq) float32: log2 of the softmax denominator of
  *           scaled scores (as kvc_decode_run)
  * Scores and softmax in float32 or wider; with rotate_v the output is
- * rotated back. Threads split (row, KV head) work in fixed pieces: the
- * result does not depend on the pool.
+ * rotated back. Work is split in fixed pieces (a row's keys in chunks of
+ * 1,024 positions): a row's result does not depend on the pool, nor on the
+ * other rows of the call (one row or a whole prompt, any batch).
  */
 KVC_API kvc_status kvc_kvfmt_attention(const kvc_kvfmt *f, const kvc_tensor *pages,
                                        const kvc_kvfmt_seq *seqs, int64_t n_seqs,
