@@ -47,6 +47,7 @@
 
 #include "kvcache/kvcache.h"
 #include "fuzz.h"
+#include "fuzz_input.h"
 
 /* A plan is sized by the caller's arrays (an MLA plan keeps task state for
  * every query row, a cascade plan accumulators for them), so a corrupted
@@ -61,24 +62,6 @@
 const char *__asan_default_options(void);
 const char *__asan_default_options(void) {
     return "allocator_may_return_null=1:max_allocation_size_mb=1024";
-}
-
-/* ---- the input ----------------------------------------------------------- */
-
-typedef struct reader {
-    const uint8_t *p;
-    size_t n, i;
-} reader;
-
-static unsigned next(reader *r) { return r->i < r->n ? r->p[r->i++] : 0; }
-static unsigned pick(reader *r, unsigned n) { return next(r) % n; }
-
-static uint64_t rng_state;
-static uint64_t rnd(void) {
-    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
 }
 
 /* ---- buffers ------------------------------------------------------------- */
@@ -1908,15 +1891,7 @@ static void execute(call *c, int specials) {
 /* ---- entry --------------------------------------------------------------------- */
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    static int init;
-    if (!init) {
-        init = 1;
-        pools[0] = NULL;
-        CHECK(kvc_threadpool_create(1, &pools[1]) == KVC_OK);
-        CHECK(kvc_threadpool_create(2, &pools[2]) == KVC_OK);
-        const char *e = getenv("KVC_FUZZ_STATS");
-        if (e && *e && *e != '0') atexit(print_stats);
-    }
+    fuzz_start(pools, print_stats);
     reader r = {data, size, 0};
     call *c = calloc(1, sizeof *c);
     CHECK(c);

@@ -33,22 +33,8 @@
 
 #include "kvcache/kvcache.h"
 #include "fuzz.h"
+#include "fuzz_input.h"
 
-typedef struct reader {
-    const uint8_t *p;
-    size_t n, i;
-} reader;
-
-static unsigned next(reader *r) { return r->i < r->n ? r->p[r->i++] : 0; }
-static unsigned pick(reader *r, unsigned n) { return next(r) % n; }
-
-static uint64_t rng_state;
-static uint64_t rnd(void) {
-    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
 static float rndf(float lo, float hi) { return lo + (hi - lo) * (float)(rnd() >> 40) / 16777216.0f; }
 
 enum { OP_APPEND, OP_ATTENTION, OP_APPEND_ATTENTION, OP_COUNT };
@@ -408,14 +394,7 @@ static void execute(call *c) {
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    static int init;
-    if (!init) {
-        init = 1;
-        CHECK(kvc_threadpool_create(1, &pools[1]) == KVC_OK);
-        CHECK(kvc_threadpool_create(2, &pools[2]) == KVC_OK);
-        const char *e = getenv("KVC_FUZZ_STATS");
-        if (e && *e && *e != '0') atexit(print_stats);
-    }
+    fuzz_start(pools, print_stats);
     reader r = {data, size, 0};
     call *c = calloc(1, sizeof *c);
     CHECK(c);
