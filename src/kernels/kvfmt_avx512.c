@@ -44,7 +44,13 @@ typedef __m512i kv_ivec; /* 32 int16 or 16 int32 */
 #define KV_ILOAD(p) _mm512_loadu_si512((const void *)(p))
 #define KV_ISTORE(p, v) _mm512_storeu_si512((void *)(p), (v))
 #define KV_IADD(a, b) _mm512_add_epi32((a), (b))
-#define KV_DPWSSD(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
+/* in place: through the intrinsic GCC 12 computes into a copy of the
+ * accumulator and moves it back, a register move per vpdpwssd in the loops */
+static inline __m512i kv_dpwssd(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
+    return acc;
+}
+#define KV_DPWSSD(acc, a, b) kv_dpwssd((acc), (a), (b))
 #define KV_CVTI(v) _mm512_cvtps_epi32(v)
 #define KV_I2F(v) _mm512_cvtepi32_ps(v)
 /* int32 to int16 (saturating), a's lanes then b's */

@@ -354,30 +354,39 @@ static void kv_v_rows(const unsigned char *const *cb, int64_t off0, int64_t Pb, 
 }
 #endif
 
+/* Rows of the scaled query vectors: float (4-bit) and int16 (8-bit). Fixed
+ * strides keep each vector's operand at a constant offset from one pointer
+ * (a runtime stride made GCC hold a pointer per vector and spill them: two
+ * loads per FMA). */
+#define KV_QS KVC_ATTN_MAX_HEAD_DIM
+#define KV_QIS (KVC_ATTN_MAX_HEAD_DIM + 2 * KV_VL)
+
 /* q . k for VL tokens of one page and nb query vectors: out[v] lane i =
  * sum_c qs[v][c] * code[c][i]. 8-bit: channels c, c + 1's codes for them
  * at kc + c * Pb (2 VL bytes, token by token), qs as int16 (rows of qi,
- * stride qstride; out in units of the vector's int16 scale); each of the
+ * stride KV_QIS; out in units of the vector's int16 scale); each of the
  * two int32 accumulators sums Dh / 4 pairs, <= 128 * 2 * 255 * 32767 <
  * 2^31 at Dh 512. 4-bit: channel c's codes at kc + c * Pb, qs as float
- * (rows of qs), lanes the even tokens, then the odd ones (KV_UNPERM4
- * restores token order). Two accumulators per vector cover the latency. */
+ * (rows of qs, stride KV_QS), lanes the even tokens, then the odd ones
+ * (KV_UNPERM4 restores token order). Two accumulators per vector cover the
+ * latency: the even channels (8-bit: pairs 4k, 4k + 1) and the odd ones. */
 KV_INLINE void kv_k_chunk(const unsigned char *kc, int64_t Pb, int Dh, const int bits,
-                          const float *qs, const int16_t *qi, int64_t qstride, const int nb,
-                          kv_vec *out, kv_pf *pf, int pfr) {
+                          const float *qs, const int16_t *qi, const int nb, kv_vec *out,
+                          kv_pf *pf, int pfr) {
     if (bits == 8) {
         kv_ivec ia[KV_NVB], ib[KV_NVB];
         for (int v = 0; v < nb; v++) ia[v] = ib[v] = KV_IZERO();
-        for (int c0 = 0; c0 < Dh; c0 += 8) { /* Dh % 8 == 0 */
+        const unsigned char *p = kc;
+        const int64_t P2 = 2 * Pb;
+        for (int c0 = 0; c0 < Dh; c0 += 8, p += 4 * P2) { /* Dh % 8 == 0 */
             if ((c0 & 31) == 0) kv_pf_step(pf, pfr); /* spread: a burst stalls the loads */
-            const unsigned char *p = kc + c0 * Pb;
-#pragma GCC unroll 2
-            for (int c = 0; c < 8; c += 4) {
-                const kv_ivec x0 = KV_PAIR(p + c * Pb), x1 = KV_PAIR(p + (c + 2) * Pb);
+            for (int c = c0; c < c0 + 8; c += 4) {
+                const unsigned char *pc = c == c0 ? p : p + 2 * P2;
+                const kv_ivec x0 = KV_PAIR(pc), x1 = KV_PAIR(pc + P2);
                 for (int v = 0; v < nb; v++) {
                     int32_t w0, w1; /* the int16 pairs (c, c + 1) and (c + 2, c + 3) */
-                    memcpy(&w0, qi + v * qstride + c0 + c, 4);
-                    memcpy(&w1, qi + v * qstride + c0 + c + 2, 4);
+                    memcpy(&w0, qi + v * KV_QIS + c, 4);
+                    memcpy(&w1, qi + v * KV_QIS + c + 2, 4);
                     ia[v] = KV_DPWSSD(ia[v], x0, KV_ISET1(w0));
                     ib[v] = KV_DPWSSD(ib[v], x1, KV_ISET1(w1));
                 }
@@ -388,30 +397,26 @@ KV_INLINE void kv_k_chunk(const unsigned char *kc, int64_t Pb, int Dh, const int
     }
     kv_vec a[KV_NVB], b[KV_NVB];
     for (int v = 0; v < nb; v++) a[v] = b[v] = KV_ZERO();
-    for (int c0 = 0; c0 < Dh; c0 += 8) { /* Dh % 8 == 0 */
-        if ((c0 & 31) == 0) kv_pf_step(pf, pfr); /* spread: a burst stalls the loads */
-        const unsigned char *p = kc + c0 * Pb;
-        const float *q = qs + c0;
+    const unsigned char *p = kc;
 #pragma GCC unroll 4
-        for (int c = 0; c < 8; c += 2) {
-            kv_vec x0, x1;
-            KV_KC4(p + c * Pb, p + (c + 1) * Pb, x0, x1);
-            for (int v = 0; v < nb; v++) {
-                a[v] = KV_FMA(KV_SET1(q[v * qstride + c]), x0, a[v]);
-                b[v] = KV_FMA(KV_SET1(q[v * qstride + c + 1]), x1, b[v]);
-            }
+    for (int c = 0; c < Dh; c += 2, p += 2 * Pb) { /* Dh % 8 == 0 */
+        if ((c & 31) == 0) kv_pf_step(pf, pfr); /* spread: a burst stalls the loads */
+        kv_vec x0, x1;
+        KV_KC4(p, p + Pb, x0, x1);
+        for (int v = 0; v < nb; v++) {
+            a[v] = KV_FMA(KV_SET1(qs[v * KV_QS + c]), x0, a[v]);
+            b[v] = KV_FMA(KV_SET1(qs[v * KV_QS + c + 1]), x1, b[v]);
         }
     }
     for (int v = 0; v < nb; v++) out[v] = KV_ADD(a[v], b[v]);
 }
 
 static void kv_k_chunks(const unsigned char *kc, int64_t Pb, int Dh, int bits, const float *qs,
-                        const int16_t *qi, int64_t qstride, int nb, kv_vec *out, kv_pf *pf,
-                        int pfr) {
+                        const int16_t *qi, int nb, kv_vec *out, kv_pf *pf, int pfr) {
     switch (nb * 2 + (bits == 8)) {
-#define KV_KC_CASE(n)                                                                    \
-    case 2 * n: kv_k_chunk(kc, Pb, Dh, 4, qs, qi, qstride, n, out, pf, pfr); break;   \
-    case 2 * n + 1: kv_k_chunk(kc, Pb, Dh, 8, qs, qi, qstride, n, out, pf, pfr); break;
+#define KV_KC_CASE(n)                                                          \
+    case 2 * n: kv_k_chunk(kc, Pb, Dh, 4, qs, qi, n, out, pf, pfr); break;   \
+    case 2 * n + 1: kv_k_chunk(kc, Pb, Dh, 8, qs, qi, n, out, pf, pfr); break;
     KV_KC_CASE(1) KV_KC_CASE(2) KV_KC_CASE(3) KV_KC_CASE(4)
 #if KV_NVB > 4
     KV_KC_CASE(5) KV_KC_CASE(6) KV_KC_CASE(7) KV_KC_CASE(8)
@@ -425,9 +430,8 @@ void KV_NAME(const kvc_kvfmt_job *j) {
     const int nv = j->nv, Dh = j->Dh, bits = j->bits, P = j->P, G = j->G;
     const int64_t Pb = (int64_t)P * bits / 8;       /* V code bytes of one channel in a page */
     const int64_t BT = G <= KV_BT ? (KV_BT / G) * G : G; /* tokens per softmax block */
-    static const int64_t QS = KVC_ATTN_MAX_HEAD_DIM;
-    _Alignas(64) float qs[KVC_KVFMT_NV][KVC_ATTN_MAX_HEAD_DIM];
-    _Alignas(64) int16_t qi[KVC_KVFMT_NV][KVC_ATTN_MAX_HEAD_DIM + 2 * KV_VL]; /* 8-bit: qs */
+    _Alignas(64) float qs[KVC_KVFMT_NV][KV_QS];
+    _Alignas(64) int16_t qi[KVC_KVFMT_NV][KV_QIS]; /* 8-bit: qs */
     float qinv[KVC_KVFMT_NV]; /* 8-bit: qs = qi * qinv */
     _Alignas(64) float s[KVC_KVFMT_NV][KVC_KVFMT_BT_MAX];
     _Alignas(64) int16_t wi[KVC_KVFMT_NV][KV_WI];
@@ -522,8 +526,7 @@ void KV_NAME(const kvc_kvfmt_job *j) {
                 for (int v0 = 0; v0 < nv; v0 += KV_NVB) {
                     const int nb = nv - v0 < KV_NVB ? nv - v0 : KV_NVB;
                     kv_vec acc[KV_NVB];
-                    kv_k_chunks(kc, Pb, Dh, bits, qs[v0], qi[v0],
-                                bits == 8 ? KVC_ATTN_MAX_HEAD_DIM + 2 * KV_VL : QS, nb, acc, &pf,
+                    kv_k_chunks(kc, Pb, Dh, bits, qs[v0], qi[v0], nb, acc, &pf,
                                 v0 ? 0 : (pf_rate * KV_VL * 32 + Dh - 1) / Dh);
                     for (int v = v0; v < v0 + nb; v++) {
                         const kv_vec r0 = bits == 4 ? KV_UNPERM4(acc[v - v0])
