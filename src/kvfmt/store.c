@@ -72,109 +72,151 @@ static int code_of(double x, double zero, double scale) {
     return scale > 0 ? (int)rint((x - zero) / scale) : 0;
 }
 
+/* code_of for x >= zero (an asymmetric group's values) and scale > 0: the
+ * quotient is in [0, 2^8], where adding and taking away 2^52 rounds to
+ * nearest even as rint does, without a libm call or a branch, so the loops
+ * below vectorize. A group whose scale is 0 has every value equal to its
+ * zero point: its scale is passed as 1 (code 0 either way). */
+static inline int code_up(float x, float zero, double scale) {
+    return (int)((((double)x - (double)zero) / scale + 0x1p52) - 0x1p52);
+}
+
+static inline double scale_for_codes(uint16_t sc) {
+    return sc ? (double)kvc_f16_to_f32(sc) : 1.0;
+}
+
 static unsigned char *page_ptr(const store_ctx *c, const kvc_kvfmt_seq *s, int64_t t) {
     const int32_t id = s->pages[t / c->f->page_size];
     return (unsigned char *)c->pages->data + (int64_t)id * c->pages->stride[0];
-}
-
-static void put_code(unsigned char *base, int64_t idx, int bits, int q) {
-    if (bits == 8) {
-        base[idx] = (unsigned char)q;
-    } else {
-        unsigned char *b = base + idx / 2;
-        *b = (idx & 1) ? (unsigned char)((*b & 0x0f) | (q << 4)) : (unsigned char)((*b & 0xf0) | q);
-    }
 }
 
 static void put_f16(unsigned char *base, size_t off, int64_t idx, uint16_t v) {
     memcpy(base + off + (size_t)idx * 2, &v, 2);
 }
 
+/* The codes of head h's Dh channels for tokens t and t + 1 (4-bit: t even,
+ * both in one page, the same byte) or t alone (8-bit). idx(ch, slot) is the
+ * code's index in the field at off. */
+static void put_codes(unsigned char *pg, size_t off, int bits, int64_t Dh, int64_t P, int64_t h,
+                      int64_t slot, const unsigned char *q0, const unsigned char *q1, int k) {
+    unsigned char *base = pg + off;
+    if (bits == 4) { /* channel-major, nibbles along P: slot even, low nibble */
+        for (int64_t ch = 0; ch < Dh; ch++)
+            base[((h * Dh + ch) * P + slot) / 2] = (unsigned char)(q0[ch] | (q1[ch] << 4));
+    } else if (k) { /* K: channel pairs, token by token */
+        for (int64_t ch = 0; ch < Dh; ch++) base[kvc__kvfmt_kidx(8, Dh, P, h, ch, slot)] = q0[ch];
+    } else {
+        for (int64_t ch = 0; ch < Dh; ch++) base[(h * Dh + ch) * P + slot] = q0[ch];
+    }
+}
+
 /* One complete K group of one sequence: token t's float16 values come from
- * this call's rows when t >= pos0, else from the tail. */
+ * this call's rows when t >= pos0, else from the tail. The values are
+ * converted to float32 a head row at a time (exact); the arithmetic is the
+ * reference's (code_of, cover_scale), so the bytes are too. */
 static void group_task(void *arg, int64_t task) {
     store_ctx *c = arg;
     const kvc_kvfmt *f = c->f;
+    const kvc_kernels *kk = kvc__kernels();
     const int64_t b = c->task_seq[task], j = c->task_grp[task];
     const kvc_kvfmt_seq *s = &c->seqs[b];
     const int64_t H = f->num_kv_heads, Dh = f->head_dim, P = f->page_size, G = f->group;
     const int L = (1 << f->bits) - 1, Qs = (1 << (f->bits - 1)) - 1, bits = f->bits;
+    const int step = bits == 4 ? 2 : 1; /* tokens per code write (G, P and j * G even at 4 bits) */
     const uint16_t *src[2 * 512]; /* rows of the group: K at [i], V at [G + i] (G <= 512) */
     for (int64_t i = 0; i < G; i++) {
         const uint16_t *r = c->st + (c->off[b] + j * G + i - c->w0[b]) * 2 * c->HD;
         src[i] = r;
         src[G + i] = r + c->HD;
     }
+    enum { D = KVC_ATTN_MAX_HEAD_DIM };
+    _Alignas(64) float x[2][D], lo[D], hi[D];
+    double scd[D];
+    unsigned char q[2][D];
     /* K: per channel over the G tokens; in group 0 the sink positions [0, S)
      * are left out (their codes are 0: attention reads the sink rows) */
     const int64_t R = G > P ? G / P : 1, per = c->l.k_share, i0 = j == 0 ? f->sink : 0;
-    for (int64_t e = 0; e < c->HD; e++) {
-        const int64_t h = e / Dh, ch = e % Dh;
-        float lo = INFINITY, hi = -INFINITY;
-        uint16_t lo16 = 0;
+    for (int64_t h = 0; h < H; h++) {
+        for (int64_t ch = 0; ch < Dh; ch++) lo[ch] = INFINITY, hi[ch] = -INFINITY;
         for (int64_t i = i0; i < G; i++) {
-            const float x = kvc_f16_to_f32(src[i][e]);
-            if (x < lo) lo = x, lo16 = src[i][e];
-            if (x > hi) hi = x;
+            kk->convert(src[i] + h * Dh, KVC_F16, x[0], KVC_F32, Dh);
+            for (int64_t ch = 0; ch < Dh; ch++) {
+                lo[ch] = x[0][ch] < lo[ch] ? x[0][ch] : lo[ch];
+                hi[ch] = x[0][ch] > hi[ch] ? x[0][ch] : hi[ch];
+            }
         }
-        const uint16_t sc = cover_scale((double)hi - (double)lo, L);
-        const double scd = kvc_f16_to_f32(sc);
-        for (int64_t i = 0; i < G; i++) {
+        for (int64_t ch = 0; ch < Dh; ch++) {
+            const int64_t e = h * Dh + ch;
+            const uint16_t sc = cover_scale((double)hi[ch] - (double)lo[ch], L);
+            scd[ch] = scale_for_codes(sc);
+            /* parameters: page of the group (P >= G) or page e / per of its run */
+            unsigned char *pg;
+            int64_t idx;
+            if (G <= P) {
+                pg = page_ptr(c, s, j * G);
+                idx = (j % (P / G)) * c->HD + e;
+            } else {
+                pg = page_ptr(c, s, (j * R + e / per) * P);
+                idx = e % per;
+            }
+            put_f16(pg, c->l.k_scale, idx, sc);
+            put_f16(pg, c->l.k_zero, idx, canon0(kvc_f32_to_f16(lo[ch]))); /* lo: a float16 */
+        }
+        for (int64_t i = 0; i < G; i += step) {
+            for (int u = 0; u < step; u++) {
+                if (i + u < i0) {
+                    memset(q[u], 0, (size_t)Dh);
+                    continue;
+                }
+                kk->convert(src[i + u] + h * Dh, KVC_F16, x[u], KVC_F32, Dh);
+                for (int64_t ch = 0; ch < Dh; ch++)
+                    q[u][ch] = (unsigned char)code_up(x[u][ch], lo[ch], scd[ch]);
+            }
             const int64_t t = j * G + i;
-            const int q = i < i0 ? 0 : code_of(kvc_f16_to_f32(src[i][e]), lo, scd);
-            put_code(page_ptr(c, s, t) + c->l.k_codes, kvc__kvfmt_kidx(bits, Dh, P, h, ch, t % P),
-                     bits, q);
+            put_codes(page_ptr(c, s, t), c->l.k_codes, bits, Dh, P, h, t % P, q[0], q[1], 1);
         }
-        /* parameters: page of the group (P >= G) or page e / per of its run */
-        unsigned char *pg;
-        int64_t idx;
-        if (G <= P) {
-            pg = page_ptr(c, s, j * G);
-            idx = (j % (P / G)) * c->HD + e;
-        } else {
-            pg = page_ptr(c, s, (j * R + e / per) * P);
-            idx = e % per;
-        }
-        put_f16(pg, c->l.k_scale, idx, sc);
-        put_f16(pg, c->l.k_zero, idx, canon0(lo16));
     }
     /* V: per token, groups of gv channels */
     const int64_t gv = f->v_group, ng = Dh / gv;
-    for (int64_t i = 0; i < G; i++) {
+    for (int64_t i = 0; i < G; i += step) {
         const int64_t t = j * G + i, slot = t % P;
         unsigned char *pg = page_ptr(c, s, t);
-        for (int64_t h = 0; h < H; h++)
-            for (int64_t g = 0; g < ng; g++) {
-                const uint16_t *x = src[G + i] + h * Dh + g * gv;
-                float lo = INFINITY, hi = -INFINITY, amax = 0;
-                uint16_t lo16 = 0;
-                for (int64_t k = 0; k < gv; k++) {
-                    const float v = kvc_f16_to_f32(x[k]);
-                    if (v < lo) lo = v, lo16 = x[k];
-                    if (v > hi) hi = v;
-                    if (fabsf(v) > amax) amax = fabsf(v);
-                }
-                const int64_t pidx = (h * P + slot) * ng + g;
-                if (f->v_asym) {
-                    const uint16_t sc = cover_scale((double)hi - (double)lo, L);
-                    const double scd = kvc_f16_to_f32(sc);
-                    for (int64_t k = 0; k < gv; k++) {
-                        const int q = code_of(kvc_f16_to_f32(x[k]), lo, scd);
-                        put_code(pg + c->l.v_codes, (h * Dh + g * gv + k) * P + slot, bits, q);
+        for (int64_t h = 0; h < H; h++) {
+            for (int u = 0; u < step; u++) {
+                const uint16_t *xh = src[G + i + u] + h * Dh;
+                for (int64_t g = 0; g < ng; g++) {
+                    const uint16_t *xr = xh + g * gv;
+                    const int64_t pidx = (h * P + slot + u) * ng + g;
+                    if (f->v_asym) {
+                        float *xf = x[u] + g * gv, l = INFINITY, hv = -INFINITY;
+                        kk->convert(xr, KVC_F16, xf, KVC_F32, gv);
+                        for (int64_t k = 0; k < gv; k++) {
+                            l = xf[k] < l ? xf[k] : l;
+                            hv = xf[k] > hv ? xf[k] : hv;
+                        }
+                        const uint16_t sc = cover_scale((double)hv - (double)l, L);
+                        const double sd = scale_for_codes(sc);
+                        for (int64_t k = 0; k < gv; k++)
+                            q[u][g * gv + k] = (unsigned char)code_up(xf[k], l, sd);
+                        put_f16(pg, c->l.v_scale, pidx, sc);
+                        put_f16(pg, c->l.v_zero, pidx, canon0(kvc_f32_to_f16(l)));
+                    } else {
+                        float amax = 0;
+                        for (int64_t k = 0; k < gv; k++) {
+                            const float v = fabsf(kvc_f16_to_f32(xr[k]));
+                            amax = v > amax ? v : amax;
+                        }
+                        const uint16_t sc = cover_scale(amax, Qs);
+                        const double sd = kvc_f16_to_f32(sc);
+                        for (int64_t k = 0; k < gv; k++)
+                            q[u][g * gv + k] = (unsigned char)(code_of(kvc_f16_to_f32(xr[k]), 0.0, sd) &
+                                                               (bits == 8 ? 0xff : 0x0f));
+                        put_f16(pg, c->l.v_scale, pidx, sc);
                     }
-                    put_f16(pg, c->l.v_scale, pidx, sc);
-                    put_f16(pg, c->l.v_zero, pidx, canon0(lo16));
-                } else {
-                    const uint16_t sc = cover_scale(amax, Qs);
-                    const double scd = kvc_f16_to_f32(sc);
-                    for (int64_t k = 0; k < gv; k++) {
-                        const int q = code_of(kvc_f16_to_f32(x[k]), 0.0, scd);
-                        put_code(pg + c->l.v_codes, (h * Dh + g * gv + k) * P + slot, bits,
-                                 q & (bits == 8 ? 0xff : 0x0f));
-                    }
-                    put_f16(pg, c->l.v_scale, pidx, sc);
                 }
             }
+            put_codes(pg, c->l.v_codes, bits, Dh, P, h, slot, q[0], q[1], 0);
+        }
     }
 }
 
