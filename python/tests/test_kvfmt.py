@@ -418,13 +418,15 @@ def test_append_bytes_match_reference(rng, name, H, Dh, P):
 
 
 @pytest.mark.parametrize("v_asym", [True, False])
-@pytest.mark.parametrize("bits,G,P,S", [(4, 32, 16, 0), (8, 32, 64, 3), (4, 16, 64, 15),
-                                        (8, 128, 32, 1)])
-def test_append_custom_formats(rng, bits, G, P, S, v_asym):
-    """Custom tuples: symmetric V, other K groups, S sink rows (the kernels
-    take any checked format)."""
-    H, Dh = 2, 32
-    fmt = KVFormat(bits, G, 16, v_asym, bits == 4, H, Dh, P, sink=S)
+@pytest.mark.parametrize("bits,G,P,S,Dh,gv", [(4, 32, 16, 0, 32, 16), (8, 32, 64, 3, 32, 16),
+                                              (4, 16, 64, 15, 32, 16), (8, 128, 32, 1, 32, 16),
+                                              (8, 16, 32, 2, 35, 7), (8, 32, 16, 0, 9, 3)])
+def test_append_custom_formats(rng, bits, G, P, S, Dh, gv, v_asym):
+    """Custom tuples: symmetric V, other K groups, S sink rows, an odd head
+    dimension (8-bit K's last channel outside the pairs), V groups of 7 and
+    3 channels (the kernels take any checked format)."""
+    H = 2
+    fmt = KVFormat(bits, G, gv, v_asym, bits == 4, H, Dh, P, sink=S)
     rf = ref_format(fmt)
     lens = [3 * G + 5, G - 1, 2 * G]
     data = [make_kv(rng, n, H, Dh) for n in lens]

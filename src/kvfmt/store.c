@@ -103,11 +103,43 @@ static void put_codes(unsigned char *pg, size_t off, int bits, int64_t Dh, int64
     if (bits == 4) { /* channel-major, nibbles along P: slot even, low nibble */
         for (int64_t ch = 0; ch < Dh; ch++)
             base[((h * Dh + ch) * P + slot) / 2] = (unsigned char)(q0[ch] | (q1[ch] << 4));
-    } else if (k) { /* K: channel pairs, token by token */
-        for (int64_t ch = 0; ch < Dh; ch++) base[kvc__kvfmt_kidx(8, Dh, P, h, ch, slot)] = q0[ch];
+    } else if (k) { /* K: channel pairs, token by token; an odd last channel alone */
+        int64_t ch = 0;
+        for (; ch + 1 < Dh; ch += 2) {
+            unsigned char *d = base + (h * Dh + ch) * P + 2 * slot;
+            d[0] = q0[ch];
+            d[1] = q0[ch + 1];
+        }
+        if (ch < Dh) base[kvc__kvfmt_kidx(8, Dh, P, h, ch, slot)] = q0[ch];
     } else {
         for (int64_t ch = 0; ch < Dh; ch++) base[(h * Dh + ch) * P + slot] = q0[ch];
     }
+}
+
+/* Smallest and largest of x[0 .. n): in 8 lanes, so that the loop
+ * vectorizes (a running minimum waits on its latency per value). The
+ * order can change only the sign of a zero result, which no output sees:
+ * codes subtract it, the stored zero point is canon0's, the range is the
+ * same. */
+static void range_of(const float *x, int64_t n, float *lo, float *hi) {
+    float l8[8], h8[8], l = INFINITY, h = -INFINITY;
+    for (int u = 0; u < 8; u++) l8[u] = INFINITY, h8[u] = -INFINITY;
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8)
+        for (int u = 0; u < 8; u++) {
+            l8[u] = x[k + u] < l8[u] ? x[k + u] : l8[u];
+            h8[u] = x[k + u] > h8[u] ? x[k + u] : h8[u];
+        }
+    for (; k < n; k++) {
+        l = x[k] < l ? x[k] : l;
+        h = x[k] > h ? x[k] : h;
+    }
+    for (int u = 0; u < 8; u++) {
+        l = l8[u] < l ? l8[u] : l;
+        h = h8[u] > h ? h8[u] : h;
+    }
+    *lo = l;
+    *hi = h;
 }
 
 /* One complete K group of one sequence: token t's float16 values come from
@@ -188,12 +220,9 @@ static void group_task(void *arg, int64_t task) {
                     const uint16_t *xr = xh + g * gv;
                     const int64_t pidx = (h * P + slot + u) * ng + g;
                     if (f->v_asym) {
-                        float *xf = x[u] + g * gv, l = INFINITY, hv = -INFINITY;
+                        float *xf = x[u] + g * gv, l, hv;
                         kk->convert(xr, KVC_F16, xf, KVC_F32, gv);
-                        for (int64_t k = 0; k < gv; k++) {
-                            l = xf[k] < l ? xf[k] : l;
-                            hv = xf[k] > hv ? xf[k] : hv;
-                        }
+                        range_of(xf, gv, &l, &hv);
                         const uint16_t sc = cover_scale((double)hv - (double)l, L);
                         const double sd = scale_for_codes(sc);
                         for (int64_t k = 0; k < gv; k++)
