@@ -369,7 +369,8 @@ static void kv_v_rows(const unsigned char *const *cb, int64_t off0, int64_t Pb, 
  * 2^31 at Dh 512. 4-bit: channel c's codes at kc + c * Pb, qs as float
  * (rows of qs, stride KV_QS), lanes the even tokens, then the odd ones
  * (KV_UNPERM4 restores token order). Two accumulators per vector cover the
- * latency: the even channels (8-bit: pairs 4k, 4k + 1) and the odd ones. */
+ * latency: the even channels and the odd ones (8-bit: the pairs starting at
+ * 4k and at 4k + 2). */
 KV_INLINE void kv_k_chunk(const unsigned char *kc, int64_t Pb, int Dh, const int bits,
                           const float *qs, const int16_t *qi, const int nb, kv_vec *out,
                           kv_pf *pf, int pfr) {
