@@ -1895,9 +1895,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     reader r = {data, size, 0};
     call *c = calloc(1, sizeof *c);
     CHECK(c);
-    c->op = (int)pick(&r, OP_COUNT);
-    rng_state = next(&r) | (uint64_t)next(&r) << 8;
-    unsigned flags = next(&r);
+    unsigned flags;
+    c->op = fuzz_header(&r, OP_COUNT, &flags);
     c->qg = 1;
     c->tol = 1e-5;
     memset(g_qo, 0, sizeof g_qo);

@@ -30,6 +30,15 @@ static inline uint64_t rnd(void) {
     return z ^ (z >> 31);
 }
 
+/* The header every input starts with: the operator (a byte, modulo n_ops),
+ * two bytes seeding rnd(), then a byte of flags; returns the operator. */
+static inline int fuzz_header(reader *r, unsigned n_ops, unsigned *flags) {
+    const int op = (int)pick(r, n_ops);
+    rng_state = next(r) | (uint64_t)next(r) << 8;
+    *flags = next(r);
+    return op;
+}
+
 /* Once per process: pools[1] and pools[2] with 1 and 2 threads (pools[0]
  * NULL: the caller's thread), and stats printed at exit when
  * KVC_FUZZ_STATS is set and not 0. */

@@ -398,9 +398,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     reader r = {data, size, 0};
     call *c = calloc(1, sizeof *c);
     CHECK(c);
-    c->op = (int)pick(&r, OP_COUNT);
-    rng_state = next(&r) | (uint64_t)next(&r) << 8;
-    const unsigned flags = next(&r);
+    unsigned flags;
+    c->op = fuzz_header(&r, OP_COUNT, &flags);
     gen_format(&r, c);
     gen_call(&r, c);
     c->expect = c->fmt_ok ? EXP_VALID : EXP_FAIL;
