@@ -1178,9 +1178,62 @@ TEST(softcap_kernel) {
     return 0;
 }
 
+/* The rotation of kivi's V (docs/KV_FORMATS.md section 4): the scalar
+ * kernel against H x / sqrt(n) in float64 with H built entry by entry, and
+ * every ISA bit for bit against the scalar one (the stored bytes depend on
+ * it), orders 1..512, with zeros, subnormals, large values and non-finite
+ * ones (those only need to stay NaN or the same infinity). */
+TEST(hadamard_kernel) {
+    enum { NMAX = 512 };
+    static float x[NMAX], ref[NMAX], out[NMAX];
+    uint64_t rng = test_seed ^ 0x4ad;
+    const kvc_isa best = kvc_best_isa();
+    for (int n = 1; n <= NMAX; n *= 2)
+        for (int rep = 0; rep < 6; rep++) {
+            double amax = 0;
+            for (int i = 0; i < n; i++) {
+                const uint64_t r = test_rng_next(&rng);
+                x[i] = (float)((double)(r >> 11) * 0x1p-53 * 2.0 - 1.0);
+                if (rep == 1) x[i] *= 1e30f; /* sums near float32's top */
+                if (rep == 2 && i % 3 == 0) x[i] = i % 2 ? 1e-40f : -0.0f;
+                if (rep == 3) x[i] = (float)(r % 7) - 3.0f; /* exact sums, ties in the scale */
+                if (rep >= 4 && i % 5 == 1) x[i] = rep == 4 ? INFINITY : NAN;
+                amax = fmax(amax, fabs((double)x[i]));
+            }
+            ASSERT_OK(kvc_set_isa(KVC_ISA_SCALAR));
+            memcpy(ref, x, sizeof(float) * (size_t)n);
+            kvc__kernels()->hadamard(ref, n);
+            int L = 0;
+            while ((1 << L) < n) L++;
+            const double tol = (L + 2) * (double)n * 0x1p-24 * amax / sqrt((double)n);
+            for (int i = 0; i < n && rep < 4; i++) {
+                double want = 0;
+                for (int j = 0; j < n; j++)
+                    want += (__builtin_popcount((unsigned)(i & j)) & 1 ? -1.0 : 1.0) * (double)x[j];
+                want /= sqrt((double)n);
+                if (!(fabs((double)ref[i] - want) <= tol))
+                    TEST_FAIL_("n %d rep %d: element %d is %a, float64 %a (tolerance %g)", n, rep,
+                               i, (double)ref[i], want, tol);
+            }
+            for (int isa = 1; isa <= (int)best; isa++) {
+                ASSERT_OK(kvc_set_isa((kvc_isa)isa));
+                memcpy(out, x, sizeof(float) * (size_t)n);
+                kvc__kernels()->hadamard(out, n);
+                for (int i = 0; i < n; i++)
+                    if (isnan(ref[i]) ? !isnan(out[i]) : memcmp(&out[i], &ref[i], 4) != 0)
+                        TEST_FAIL_("%s n %d rep %d: element %d is %a, scalar %a",
+                                   kvc_isa_name((kvc_isa)isa), n, rep, i, (double)out[i],
+                                   (double)ref[i]);
+            }
+        }
+    ASSERT_OK(kvc_set_isa(best));
+    return 0;
+}
+
 const char *test_suite_name = "attn";
 const test_case test_suite[] = {
     TEST_ENTRY(softcap_kernel),
+    TEST_ENTRY(hadamard_kernel),
     TEST_ENTRY(single_dtypes_layouts),
     TEST_ENTRY(single_lengths_dims_gqa),
     TEST_ENTRY(single_odd_groups_and_dims),

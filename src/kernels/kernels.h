@@ -114,6 +114,12 @@ typedef struct kvc_kernels {
     /* s[0..n) = cap * tanh(s / cap) * mul in place (vec_math.h): the soft
      * cap every attention kernel applies, exposed for tests. */
     void (*softcap)(float *s, int64_t n, float cap, float mul);
+    /* x[0..n) = H x in place, H the normalized Sylvester Hadamard matrix of
+     * order n (a power of two): float32 butterflies, stages h = 1, 2, 4, ...,
+     * then each element times (float)(1 / sqrt(n)) (docs/KV_FORMATS.md
+     * section 4). Every ISA does the same operations on the same operands, so
+     * the bits are the same (V is rotated before it is stored). */
+    void (*hadamard)(float *x, int32_t n);
     /* Inverse: y = (float)q * scale converted to yd. */
     void (*dequantize)(const void *q, int bits, const void *scale, kvc_dtype sd, int64_t n,
                        int g, void *y, kvc_dtype yd);
@@ -216,6 +222,9 @@ int kvc__amx_init(void);
  * (the scalar path; SIMD row conversions use it for tails and odd groups). */
 void kvc__dequant_row_tail(const void *src, kvc_dtype dt, const void *sc, kvc_dtype sd, int g,
                            int e0, int D, float *dst);
+
+/* The scalar hadamard (SIMD tables use it for orders below a vector). */
+void kvc__hadamard_ref(float *x, int32_t n);
 
 /* Rounds a float32 scale to what a scale tensor of dtype sd stores. */
 float kvc__scale_round(float s, kvc_dtype sd);

@@ -776,9 +776,41 @@ static void softcap_avx2(float *s, int64_t n, float cap, float mul) {
     kvc__softcap_row(s, n, cap, mul);
 }
 
+/* As hadamard_avx512 with 8 lanes: stages 1..4 inside each vector (lane i
+ * takes lane i ^ h; lanes with i & h set keep x_{i-h} - x_i), then whole
+ * vectors. */
+static void hadamard_avx2(float *x, int32_t n) {
+    if (n < 8) {
+        kvc__hadamard_ref(x, n);
+        return;
+    }
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int32_t i = 0; i < n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        for (int h = 1; h < 8; h *= 2) {
+            const __m256i hv = _mm256_set1_epi32(h);
+            const __m256 y = _mm256_permutevar8x32_ps(v, _mm256_xor_si256(lane, hv));
+            const __m256 hi =
+                _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(lane, hv), hv));
+            v = _mm256_blendv_ps(_mm256_add_ps(v, y), _mm256_sub_ps(y, v), hi);
+        }
+        _mm256_storeu_ps(x + i, v);
+    }
+    for (int32_t h = 8; h < n; h *= 2)
+        for (int32_t i0 = 0; i0 < n; i0 += 2 * h)
+            for (int32_t i = i0; i < i0 + h; i += 8) {
+                const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + h);
+                _mm256_storeu_ps(x + i, _mm256_add_ps(a, b));
+                _mm256_storeu_ps(x + i + h, _mm256_sub_ps(a, b));
+            }
+    const __m256 s = _mm256_set1_ps((float)(1.0 / sqrt((double)n)));
+    for (int32_t i = 0; i < n; i += 8)
+        _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), s));
+}
+
 static const kvc_kernels table = {
     KVC_ISA_AVX2, copy_avx2, convert_avx2, all_finite_avx2, quantize_avx2, quantize_stream_avx2,
-    quant_scales_avx2, quant_values_avx2, softcap_avx2, dequantize_avx2, dequantize_rows_avx2,
+    quant_scales_avx2, quant_values_avx2, softcap_avx2, hadamard_avx2, dequantize_avx2, dequantize_rows_avx2,
     attn_decode_avx2,
     NULL, NULL, NULL, NULL, NULL, /* no AMX decode */
 };

@@ -1015,9 +1015,40 @@ static void softcap_avx512(float *s, int64_t n, float cap, float mul) {
     kvc__softcap_row(s, n, cap, mul);
 }
 
+/* Stages h = 1..8 inside each vector (lane i takes lane i ^ h: lanes with
+ * i & h clear keep x_i + x_{i+h}, the others x_{i-h} - x_i, the reference's
+ * operands in its order), then whole vectors. */
+static void hadamard_avx512(float *x, int32_t n) {
+    if (n < 16) {
+        kvc__hadamard_ref(x, n);
+        return;
+    }
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int32_t i = 0; i < n; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        for (int h = 1; h < 16; h *= 2) {
+            const __m512i hv = _mm512_set1_epi32(h);
+            const __m512 y = _mm512_permutexvar_ps(_mm512_xor_si512(lane, hv), v);
+            v = _mm512_mask_sub_ps(_mm512_add_ps(v, y), _mm512_test_epi32_mask(lane, hv), y, v);
+        }
+        _mm512_storeu_ps(x + i, v);
+    }
+    for (int32_t h = 16; h < n; h *= 2)
+        for (int32_t i0 = 0; i0 < n; i0 += 2 * h)
+            for (int32_t i = i0; i < i0 + h; i += 16) {
+                const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + h);
+                _mm512_storeu_ps(x + i, _mm512_add_ps(a, b));
+                _mm512_storeu_ps(x + i + h, _mm512_sub_ps(a, b));
+            }
+    const __m512 s = _mm512_set1_ps((float)(1.0 / sqrt((double)n)));
+    for (int32_t i = 0; i < n; i += 16)
+        _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), s));
+}
+
 static const kvc_kernels table = {
     KVC_ISA_AVX512, copy_avx512, convert_avx512, all_finite_avx512, quantize_avx512,
     quantize_stream_avx512, quant_scales_avx512, quant_values_avx512, softcap_avx512,
+    hadamard_avx512,
     dequantize_avx512, dequantize_rows_avx512, attn_decode_avx512,
     NULL, NULL, NULL, NULL, NULL, /* no AMX decode */
 };

@@ -185,9 +185,23 @@ static void softcap_ref(float *s, int64_t n, float cap, float mul) {
     kvc__softcap_row(s, n, cap, mul);
 }
 
+void kvc__hadamard_ref(float *x, int32_t n) {
+    /* butterflies by blocks (no per-element test: vectorizes; the same
+     * operations as element by element, so the same bits) */
+    for (int32_t h = 1; h < n; h *= 2)
+        for (int32_t i0 = 0; i0 < n; i0 += 2 * h)
+            for (int32_t i = i0; i < i0 + h; i++) {
+                const float a = x[i], b = x[i + h];
+                x[i] = a + b;
+                x[i + h] = a - b;
+            }
+    const float s = (float)(1.0 / sqrt((double)n));
+    for (int32_t i = 0; i < n; i++) x[i] *= s;
+}
+
 static const kvc_kernels table = {
     KVC_ISA_SCALAR, copy_ref, convert_ref, all_finite_ref, quantize_ref, quantize_ref,
-    quant_scales_ref, quant_values_ref, softcap_ref, dequantize_ref, dequantize_rows_ref,
+    quant_scales_ref, quant_values_ref, softcap_ref, kvc__hadamard_ref, dequantize_ref, dequantize_rows_ref,
     attn_decode_ref,
     NULL, NULL, NULL, NULL, NULL, /* no AMX decode */
 };

@@ -1,9 +1,9 @@
 /* Format members, parameter checks and the page layout (docs/KV_FORMATS.md
  * sections 1, 2 and 5). */
-#include <math.h>
 #include <string.h>
 #include <strings.h>
 
+#include "../kernels/kernels.h"
 #include "kvfmt_internal.h"
 
 static const char *const k_names[KVC_KVFMT_COUNT] = {"none", "kivi8", "kivi4"};
@@ -128,16 +128,4 @@ size_t kvc_kvfmt_sink_bytes(const kvc_kvfmt *f) {
     return (size_t)2 * f->sink * f->num_kv_heads * f->head_dim * 2;
 }
 
-void kvc__kvfmt_rotate(float *x, int32_t n) {
-    /* butterflies by blocks (no per-element test: vectorizes; the same
-     * operations as element by element, so the same bits) */
-    for (int32_t h = 1; h < n; h *= 2)
-        for (int32_t i0 = 0; i0 < n; i0 += 2 * h)
-            for (int32_t i = i0; i < i0 + h; i++) {
-                const float a = x[i], b = x[i + h];
-                x[i] = a + b;
-                x[i + h] = a - b;
-            }
-    const float s = (float)(1.0 / sqrt((double)n));
-    for (int32_t i = 0; i < n; i++) x[i] *= s;
-}
+void kvc__kvfmt_rotate(float *x, int32_t n) { kvc__kernels()->hadamard(x, n); }

@@ -23,8 +23,9 @@ typedef struct store_ctx {
     uint16_t *st;
     int64_t *w0, *off, *dst; /* dst: staging row of input row r */
     unsigned char *bad;      /* per conversion task: a non-finite or overflowing value */
-    int64_t *task_seq;       /* group task -> sequence; task_grp -> group index */
+    int64_t *task_seq;       /* complete group -> sequence; task_grp -> group index */
     int64_t *task_grp;
+    int64_t hpt, nhc;        /* heads per group task, tasks per group */
 } store_ctx;
 
 /* A zero point of -0 is stored as +0: min over {-0, +0} is either. */
@@ -150,9 +151,11 @@ static void group_task(void *arg, int64_t task) {
     store_ctx *c = arg;
     const kvc_kvfmt *f = c->f;
     const kvc_kernels *kk = kvc__kernels();
-    const int64_t b = c->task_seq[task], j = c->task_grp[task];
+    const int64_t gt = task / c->nhc, b = c->task_seq[gt], j = c->task_grp[gt];
     const kvc_kvfmt_seq *s = &c->seqs[b];
-    const int64_t H = f->num_kv_heads, Dh = f->head_dim, P = f->page_size, G = f->group;
+    const int64_t Dh = f->head_dim, P = f->page_size, G = f->group;
+    const int64_t h0 = task % c->nhc * c->hpt;
+    const int64_t h1 = h0 + c->hpt < f->num_kv_heads ? h0 + c->hpt : f->num_kv_heads;
     const int L = (1 << f->bits) - 1, Qs = (1 << (f->bits - 1)) - 1, bits = f->bits;
     const int step = bits == 4 ? 2 : 1; /* tokens per code write (G, P and j * G even at 4 bits) */
     const uint16_t *src[2 * 512]; /* rows of the group: K at [i], V at [G + i] (G <= 512) */
@@ -168,7 +171,7 @@ static void group_task(void *arg, int64_t task) {
     /* K: per channel over the G tokens; in group 0 the sink positions [0, S)
      * are left out (their codes are 0: attention reads the sink rows) */
     const int64_t R = G > P ? G / P : 1, per = c->l.k_share, i0 = j == 0 ? f->sink : 0;
-    for (int64_t h = 0; h < H; h++) {
+    for (int64_t h = h0; h < h1; h++) {
         for (int64_t ch = 0; ch < Dh; ch++) lo[ch] = INFINITY, hi[ch] = -INFINITY;
         for (int64_t i = i0; i < G; i++) {
             kk->convert(src[i] + h * Dh, KVC_F16, x[0], KVC_F32, Dh);
@@ -213,7 +216,7 @@ static void group_task(void *arg, int64_t task) {
     for (int64_t i = 0; i < G; i += step) {
         const int64_t t = j * G + i, slot = t % P;
         unsigned char *pg = page_ptr(c, s, t);
-        for (int64_t h = 0; h < H; h++) {
+        for (int64_t h = h0; h < h1; h++) {
             for (int u = 0; u < step; u++) {
                 const uint16_t *xh = src[G + i + u] + h * Dh;
                 for (int64_t g = 0; g < ng; g++) {
@@ -249,11 +252,35 @@ static void group_task(void *arg, int64_t task) {
     }
 }
 
+/* Heads per group task: whole groups when there are as many as threads
+ * (a pass over one head reads every staged row for a few lines: about 15%
+ * more time than a whole group's), else each group cut into runs of heads
+ * so that every thread has one: a decode step's single complete group took
+ * 0.35-0.4 ms on one thread at H 8 / Dh 128. The bytes do not depend on the
+ * cut. */
+static int64_t heads_per_task(const kvc_kvfmt *f, int64_t n_groups, const kvc_threadpool *pool) {
+    const int64_t nt = kvc_threadpool_n_threads(pool), H = f->num_kv_heads;
+    if (n_groups >= nt || (int64_t)f->group * f->head_dim * H < 8192) return H;
+    const int64_t runs = (nt + n_groups - 1) / n_groups;
+    return (H + runs - 1) / runs;
+}
+
 /* Staging rows of sequence b: [w0, n_kv), w0 = max(0, floor(pos0 / G) * G -
  * W): the old tail (which holds them) and the new rows. */
 static int64_t stage_w0(const kvc_kvfmt *f, int64_t pos0) {
     const int64_t w0 = pos0 / f->group * f->group - f->window;
     return w0 > 0 ? w0 : 0;
+}
+
+/* Rows [pos0, n) that complete no group (most decode steps) go straight into
+ * the ring: the slots they take held positions below n - G - W, which no
+ * query of the call reads (section 6), so only they are staged. */
+static int ring_direct(const kvc_kvfmt *f, int64_t n, int64_t cnt) {
+    return cnt > 0 && (n - cnt) / f->group == n / f->group;
+}
+
+static int64_t stage_from(const kvc_kvfmt *f, int64_t n, int64_t cnt) {
+    return ring_direct(f, n, cnt) ? n - cnt : stage_w0(f, n - cnt);
 }
 
 static size_t scratch_bytes(const kvc_kvfmt *f, int64_t nnz, int64_t n_seqs, int64_t n_rows,
@@ -272,7 +299,7 @@ static void count_work(const kvc_kvfmt *f, const kvc_kvfmt_seq *seqs, int64_t n_
         const int64_t cnt = row_indptr[b + 1] - row_indptr[b], n = seqs[b].n_kv;
         if (cnt <= 0) continue;
         *n_tasks += n / f->group - (n - cnt) / f->group;
-        *n_rows += n - stage_w0(f, n - cnt);
+        *n_rows += n - stage_from(f, n, cnt);
     }
 }
 
@@ -377,7 +404,7 @@ static kvc_status append_attend(const char *fn, const kvc_kvfmt *f, kvc_tensor *
             wins[b] = kvc__kvfmt_tail_win(f, s);
             continue;
         }
-        c.w0[b] = stage_w0(f, pos0);
+        c.w0[b] = stage_from(f, s->n_kv, cnt);
         c.off[b] = row;
         for (int64_t t = c.w0[b]; t < pos0; t++) { /* the old tail's rows */
             uint16_t *d = c.st + (row + t - c.w0[b]) * 2 * HD;
@@ -387,12 +414,16 @@ static kvc_status append_attend(const char *fn, const kvc_kvfmt *f, kvc_tensor *
         for (int64_t r = row_indptr[b]; r < row_indptr[b + 1]; r++)
             c.dst[r] = row + pos0 - c.w0[b] + (r - row_indptr[b]);
         for (int64_t j = pos0 / G; j < s->n_kv / G; j++) c.task_seq[k] = b, c.task_grp[k] = j, k++;
-        wins[b].k = c.st + row * 2 * HD;
+        row += s->n_kv - c.w0[b];
+        if (ring_direct(f, s->n_kv, cnt)) {
+            wins[b] = kvc__kvfmt_tail_win(f, s); /* the rows are in the ring by then */
+            continue;
+        }
+        wins[b].k = c.st + c.off[b] * 2 * HD;
         wins[b].v = wins[b].k + HD;
         wins[b].rs = 2 * HD;
         wins[b].w0 = c.w0[b];
         wins[b].mod = 0;
-        row += s->n_kv - c.w0[b];
     }
     kvc_status st = KVC_OK;
     if (q) {
@@ -421,24 +452,36 @@ static kvc_status append_attend(const char *fn, const kvc_kvfmt *f, kvc_tensor *
         kvc__scratch_release(pool, mem);
         return st;
     }
-    /* quantize the complete groups, write the sink rows, attend (reading
-     * them), then write the tails */
-    if (n_tasks > 0) kvc__parallel_for(pool, n_tasks, group_task, &c);
+    /* quantize the complete groups, write the sink rows and the rows that go
+     * straight into the ring, attend (reading them), then write the other
+     * tails */
+    if (n_tasks > 0) {
+        c.hpt = heads_per_task(f, n_tasks, pool);
+        c.nhc = (H + c.hpt - 1) / c.hpt;
+        kvc__parallel_for(pool, n_tasks * c.nhc, group_task, &c);
+    }
     for (int64_t b = 0; b < n_seqs; b++) {
         const kvc_kvfmt_seq *s = &seqs[b];
-        const int64_t pos0 = s->n_kv - (row_indptr[b + 1] - row_indptr[b]);
+        const int64_t cnt = row_indptr[b + 1] - row_indptr[b], pos0 = s->n_kv - cnt;
         for (int64_t t = pos0; t < f->sink && t < s->n_kv; t++) {
             const uint16_t *r = c.st + (c.off[b] + t - c.w0[b]) * 2 * HD;
             memcpy(s->sink + t * HD, r, (size_t)HD * 2);
             memcpy(s->sink + (f->sink + t) * HD, r + HD, (size_t)HD * 2);
         }
+        if (ring_direct(f, s->n_kv, cnt))
+            for (int64_t t = pos0; t < s->n_kv; t++) {
+                const uint16_t *r = c.st + (c.off[b] + t - pos0) * 2 * HD;
+                memcpy(s->tail + (t % T) * HD, r, (size_t)HD * 2);
+                memcpy(s->tail + (T + t % T) * HD, r + HD, (size_t)HD * 2);
+            }
     }
     if (q)
         kvc__kvfmt_attend(f, pages, seqs, wins, q, q_seq, q_pos, sm, out, lse, pool,
                           simd_bytes ? mem + own : NULL);
     for (int64_t b = 0; b < n_seqs; b++) {
         const kvc_kvfmt_seq *s = &seqs[b];
-        if (row_indptr[b + 1] == row_indptr[b]) continue;
+        const int64_t cnt = row_indptr[b + 1] - row_indptr[b];
+        if (cnt == 0 || ring_direct(f, s->n_kv, cnt)) continue;
         for (int64_t t = stage_w0(f, s->n_kv); t < s->n_kv; t++) { /* what the tail holds */
             const uint16_t *r = c.st + (c.off[b] + t - c.w0[b]) * 2 * HD;
             memcpy(s->tail + (t % T) * HD, r, (size_t)HD * 2);
