@@ -541,9 +541,11 @@ def test_attention_matches_reference(rng, isa, name, H, Dh, P):
 
 # Custom tuples (bits, G, W, S, P), H 2, Dh 64: a float16 window W > 0 (a
 # query reads the W positions before its own group in float16 even where
-# they are quantized), sinks, groups other than 64.
+# they are quantized), sinks, groups other than 64, pages of more tokens
+# than the generic kernel's 512-token blocks (it read a whole page's codes).
 ATTN_CUSTOM = [(8, 64, 64, 0, 16), (4, 32, 64, 3, 16), (8, 32, 128, 1, 64),
-               (4, 64, 128, 0, 32), (4, 16, 32, 15, 8)]
+               (4, 64, 128, 0, 32), (4, 16, 32, 15, 8), (8, 64, 0, 0, 1024),
+               (4, 128, 128, 1, 1024)]
 
 
 @pytest.mark.parametrize("bits,G,W,S,P", ATTN_CUSTOM,

@@ -149,10 +149,11 @@ static void attend_task(void *arg, int64_t task) {
                 for (int64_t t = t0; t < t1;) { /* page by page */
                     const int64_t te = (t / P + 1) * P < t1 ? (t / P + 1) * P : t1;
                     const unsigned char *pg = page_of(c, s, t);
-                    float cv[512];
-                    unpack(pg + l->v_codes, (h * Dh + ch) * P, P, bits, !f->v_asym, cv);
+                    float cv[512]; /* te - t <= G <= 512 (a page may hold more) */
+                    unpack(pg + l->v_codes, (h * Dh + ch) * P + t % P, te - t, bits, !f->v_asym,
+                           cv);
                     for (int64_t u = t; u < te; u++)
-                        wc[u - t0] = cv[u % P] * f16at(pg, l->v_scale, (h * P + u % P) * nvg + vg);
+                        wc[u - t0] = cv[u - t] * f16at(pg, l->v_scale, (h * P + u % P) * nvg + vg);
                     t = te;
                 }
                 for (int64_t g = 0; g < ng; g++) {
