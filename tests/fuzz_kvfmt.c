@@ -75,11 +75,12 @@ typedef struct call {
 } call;
 
 static const int32_t dims[] = {8, 16, 32, 64, 96, 128, 6, 5};
-static const int32_t sizes[] = {16, 8, 32, 64, 1, 2, 128, 4};
+/* 1024: pages past the generic kernel's 512-token blocks */
+static const int32_t sizes[] = {16, 8, 32, 64, 1, 2, 128, 4, 1024};
 static const int32_t groups[] = {64, 32, 16, 128, 8, 48};
 
 static void gen_format(reader *r, call *c) {
-    const int32_t H = 1 + (int32_t)pick(r, 3), Dh = dims[pick(r, 8)], P = sizes[pick(r, 8)];
+    const int32_t H = 1 + (int32_t)pick(r, 3), Dh = dims[pick(r, 8)], P = sizes[pick(r, 9)];
     const unsigned kind = pick(r, 4);
     if (kind < 2) {
         c->fmt_ok = kvc_kvfmt_make(kind == 0 ? KVC_KVFMT_KIVI8 : KVC_KVFMT_KIVI4, H, Dh, P,
