@@ -1353,6 +1353,44 @@ TEST(writer_thread_yields_the_cpus) {
 #endif
 }
 
+/* flush without a limit: an infinite or huge timeout waits for the writes
+ * (its deadline once overflowed time_t: pthread_cond_timedwait failed at
+ * once and flush spun forever holding the lock the writer needed); NaN is
+ * refused. */
+TEST(flush_without_a_limit) {
+    char dir[] = "/tmp/kvc_store_XXXXXX", url[64];
+    ASSERT_TRUE(mkdtemp(dir) != NULL);
+    snprintf(url, sizeof url, "dir:%s", dir);
+    const char *u = url;
+    kvc_store *s = NULL;
+    ASSERT_OK(kvc_store_open(&u, 1, NULL, &s));
+    enum { N = 24, SZ = 256 * 1024 };
+    unsigned char *obj = malloc(SZ);
+    ASSERT_TRUE(obj != NULL);
+    memset(obj, 0x5a, SZ);
+    kvc_store_key ns, key;
+    memset(&ns, 7, sizeof ns);
+    const double limits[2] = {INFINITY, 1e300};
+    for (int round = 0; round < 2; round++) {
+        for (int i = 0; i < N; i++) {
+            memset(&key, 0, sizeof key);
+            key.b[0] = (uint8_t)round, key.b[1] = (uint8_t)i;
+            ASSERT_OK(kvc_store_put(s, &ns, &key, obj, SZ));
+        }
+        ASSERT_OK(kvc_store_flush(s, limits[round]));
+        kvc_store_stats st;
+        ASSERT_OK(kvc_store_get_stats(s, &st));
+        ASSERT_EQ_I64(st.writes_done, (round + 1) * N);
+        ASSERT_EQ_I64(st.writes_failed, 0);
+    }
+    ASSERT_STATUS(kvc_store_flush(s, NAN), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "NaN");
+    free(obj);
+    kvc_store_close(s);
+    rm_rf(dir);
+    return 0;
+}
+
 const char *test_suite_name = "store";
 const test_case test_suite[] = {
     TEST_ENTRY(page_keys_match_independent_xxh3),
@@ -1368,6 +1406,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(partly_shared_groups_keep_their_own_pages),
     TEST_ENTRY(engine_steps_others_while_a_load_runs),
     TEST_ENTRY(objpool_reuses_within_its_bound),
+    TEST_ENTRY(flush_without_a_limit),
     TEST_ENTRY(hash_variants_agree),
     TEST_ENTRY(writer_thread_yields_the_cpus),
     TEST_ENTRY(write_policies_per_tier),

@@ -67,20 +67,36 @@ static int obj_ok(const void *obj, size_t len, const kvc_store_key *k) {
 }
 
 /* Puts keys[0..n) with objects from fill_obj / obj_size. */
-static kvc_status put_keys(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
-                           int64_t n, int64_t *n_written) {
+/* Puts n objects; *n_written: how many landed, and written[i] (may be NULL)
+ * which. */
+static kvc_status put_keys_w(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
+                             int64_t n, int64_t *n_written, unsigned char *written) {
     void **objs = calloc((size_t)n, sizeof *objs);
     size_t *lens = calloc((size_t)n, sizeof *lens);
+    unsigned char *w = malloc((size_t)n + 1);
     for (int64_t i = 0; i < n; i++) {
         lens[i] = obj_size(&keys[i]);
         objs[i] = malloc(lens[i]);
         fill_obj(objs[i], lens[i], &keys[i]);
     }
-    kvc_status st = t->ops->put(t, ns, keys, (const void *const *)objs, lens, n, n_written);
-    for (int64_t i = 0; i < n; i++) free(objs[i]);
+    memset(w, 2, (size_t)n);
+    kvc_status st = t->ops->put(t, ns, keys, (const void *const *)objs, lens, n, w);
+    *n_written = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (w[i] > 1) st = KVC_ERR_INTERNAL; /* every flag set, 0 or 1 */
+        *n_written += w[i] == 1;
+        free(objs[i]);
+    }
+    if (written) memcpy(written, w, (size_t)n);
+    free(w);
     free(objs);
     free(lens);
     return st;
+}
+
+static kvc_status put_keys(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
+                           int64_t n, int64_t *n_written) {
+    return put_keys_w(t, ns, keys, n, n_written, NULL);
 }
 
 /* Gets keys[0..n) and counts the right objects (-1: a wrong one, or an
@@ -215,9 +231,9 @@ TEST(put_get_roundtrip_binary) {
         fill_obj(objs[i], sizes[i], &keys[i]);
     }
     ((uint8_t *)objs[0])[0] = 0; /* a lone zero byte */
-    int64_t written = -1;
-    ASSERT_OK(t->ops->put(t, &ns, keys, (const void *const *)objs, sizes, 3, &written));
-    ASSERT_EQ_I64(written, 3);
+    unsigned char written[3] = {2, 2, 2};
+    ASSERT_OK(t->ops->put(t, &ns, keys, (const void *const *)objs, sizes, 3, written));
+    ASSERT_TRUE(written[0] == 1 && written[1] == 1 && written[2] == 1);
     kvc_store_key order[4] = {keys[0], keys[3], keys[1], keys[2]}; /* keys[3]: absent */
     void *got[4];
     size_t lens[4];
@@ -277,12 +293,13 @@ TEST(absent_keys_and_empty_batches) {
     }
     ASSERT_OK(t->ops->get(t, &ns, keys, 5, objs, lens));
     for (int i = 0; i < 5; i++) ASSERT_TRUE(objs[i] == NULL && lens[i] == 0);
-    int64_t run = -1, written = -1;
+    int64_t run = -1;
+    unsigned char written = 2;
     ASSERT_OK(t->ops->probe(t, &ns, keys, 0, &run));
     ASSERT_EQ_I64(run, 0);
     ASSERT_OK(t->ops->get(t, &ns, keys, 0, objs, lens));
     ASSERT_OK(t->ops->put(t, &ns, keys, NULL, NULL, 0, &written));
-    ASSERT_EQ_I64(written, 0);
+    ASSERT_EQ_I64(written, 2); /* n 0: nothing touched */
     size_t zero = 0;
     const void *one[1] = {"x"};
     ASSERT_STATUS(t->ops->put(t, &ns, keys, one, &zero, 1, &written), KVC_ERR_INVALID_ARG);
@@ -465,12 +482,14 @@ static int server_down_body(child_server *cs) {
     rand_key(&ns);
     for (int i = 0; i < N; i++) rand_key(&keys[i]);
     int64_t written, n_mine = 0, first_child = -1;
+    unsigned char on1[N], w[N];
     ASSERT_OK(put_keys(t, &ns, keys, N, &written));
     ASSERT_EQ_I64(written, N);
     redisContext *c1 = raw_connect(url1);
     ASSERT_TRUE(c1 && !c1->err);
     for (int i = 0; i < N; i++) {
-        if (raw_int(c1, "EXISTS", &ns, &keys[i]) == 1) mine[n_mine++] = keys[i];
+        on1[i] = raw_int(c1, "EXISTS", &ns, &keys[i]) == 1;
+        if (on1[i]) mine[n_mine++] = keys[i];
         else if (first_child < 0) first_child = i;
     }
     redisFree(c1);
@@ -494,8 +513,10 @@ static int server_down_body(child_server *cs) {
     /* put: the writer's connection finds the server gone (a write to a
      * closed socket: SIGPIPE must not kill us); the live server's keys land. */
     t0 = now_s();
-    ASSERT_STATUS(put_keys(t, &ns, keys, N, &written), KVC_ERR_IO);
+    ASSERT_STATUS(put_keys_w(t, &ns, keys, N, &written, w), KVC_ERR_IO);
     ASSERT_EQ_I64(written, n_mine);
+    for (int i = 0; i < N; i++) /* exactly the live server's keys, wherever they sit */
+        if (w[i] != on1[i]) TEST_FAIL_("key %d: written %d, on the live server %d", i, w[i], on1[i]);
     ASSERT_STATUS(put_keys(t, &ns, keys, N, &written), KVC_ERR_IO); /* down: at once */
     ASSERT_STR_CONTAINS(kvc_last_error(), "down");
     ASSERT_TRUE(now_s() - t0 < 5.0);

@@ -204,7 +204,8 @@ KVC_API kvc_status kvc_store_open(const char *const *urls, int32_t n_urls,
 KVC_API void kvc_store_close(kvc_store *store);
 
 /* Waits until every write queued so far is written (or failed), at most
- * timeout_s (< 0: no limit); KVC_ERR_IO on timeout. */
+ * timeout_s (< 0 or over 100 years: no limit; NaN: KVC_ERR_INVALID_ARG);
+ * KVC_ERR_IO on timeout. */
 KVC_API kvc_status kvc_store_flush(kvc_store *store, double timeout_s);
 
 /* Removes every object of namespace ns from every tier. */

@@ -565,16 +565,16 @@ static kvc_status put_one(dir_tier *d, const kvc_store_key *ns, const kvc_store_
 
 static kvc_status dir_put(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
                           const void *const *objs, const size_t *lens, int64_t n,
-                          int64_t *n_written) {
+                          unsigned char *written) {
     dir_tier *d = (dir_tier *)t;
-    if (n_written) *n_written = 0;
+    if (written && n > 0) memset(written, 0, (size_t)n);
     KVC_CHECK(ns && n >= 0 && ((keys && objs && lens) || n == 0),
               "dir tier put: bad arguments (n=%lld)", (long long)n);
     for (int64_t i = 0; i < n; i++)
         KVC_CHECK(objs[i] || lens[i] == 0, "dir tier put: object %lld is NULL", (long long)i);
     for (int64_t i = 0; i < n; i++) {
         KVC_TRY(put_one(d, ns, &keys[i], objs[i], lens[i]));
-        if (n_written) *n_written = i + 1;
+        if (written) written[i] = 1;
         if (d->max_bytes) evict(d);
     }
     return KVC_OK;

@@ -291,7 +291,7 @@ typedef struct batch {
     size_t *lens;                  /* OP_GET */
     const void *const *put_objs;   /* OP_PUT */
     const size_t *put_lens;        /* OP_PUT */
-    int64_t written;               /* OP_PUT */
+    unsigned char *written;        /* OP_PUT: 1 per object written (NULL: not wanted) */
 } batch;
 
 static const char *const op_cmd[] = {"EXISTS", "GET", "SET"};
@@ -305,7 +305,7 @@ static kvc_status take_reply(batch *b, server *sv, conn *c, int64_t i, redisRepl
         b->present[i] = r->integer > 0;
     } else if (b->op == OP_PUT) {
         if (r->type != REDIS_REPLY_STATUS) return conn_protocol(sv, c, "SET", r);
-        b->written++;
+        if (b->written) b->written[i] = 1;
     } else if (r->type == REDIS_REPLY_STRING) {
         /* No object is empty: an empty string is no object. The reply's
          * string is taken over, not copied: create_string put it in a
@@ -417,17 +417,15 @@ static kvc_status redis_get(kvc_tier *t, const kvc_store_key *ns, const kvc_stor
 
 static kvc_status redis_put(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
                             const void *const *objs, const size_t *lens, int64_t n,
-                            int64_t *n_written) {
-    if (n_written) *n_written = 0;
+                            unsigned char *written) {
+    if (written && n > 0) memset(written, 0, (size_t)n);
     KVC_CHECK(ns && n >= 0 && (n == 0 || (keys && objs && lens)), "redis tier put: bad arguments");
     for (int64_t i = 0; i < n; i++)
         KVC_CHECK(objs[i] && lens[i] > 0, "redis tier put: object %lld is empty", (long long)i);
     if (n == 0) return KVC_OK;
     batch b = {.rt = (redis_tier *)t, .op = OP_PUT, .ns = ns, .keys = keys, .n = n,
-               .put_objs = objs, .put_lens = lens};
-    kvc_status st = batch_run(&b);
-    if (n_written) *n_written = b.written;
-    return st;
+               .put_objs = objs, .put_lens = lens, .written = written};
+    return batch_run(&b);
 }
 
 /* SCAN for ns's keys on server s and UNLINK them, batch by batch. */

@@ -217,15 +217,18 @@ static void *writer(void *arg) {
                 const kvc_store_key *ns = &batch[idx[i]]->ns;
                 int j = i + 1;
                 while (j < m && memcmp(batch[idx[j]]->ns.b, ns->b, 16) == 0) j++;
-                int64_t w = 0;
+                unsigned char w[BATCH]; /* which objects landed: events name only them */
                 kvc_status st = s->tiers[t]->ops->put(s->tiers[t], ns, tk + i, to + i, tl + i,
-                                                      j - i, &w);
+                                                      j - i, w);
                 if (st != KVC_OK) {
                     errors++;
-                    failed += (j - i) - w;
                     kvc_clear_error();
                 }
-                for (int64_t k = 0; k < w; k++) {
+                for (int k = 0; k < j - i; k++) {
+                    if (!w[k]) {
+                        failed++;
+                        continue;
+                    }
                     bytes += (int64_t)tl[i + k];
                     emit_stored(s, t, batch[idx[i + k]]);
                 }
@@ -315,6 +318,10 @@ kvc_status kvc_store_put(kvc_store *s, const kvc_store_key *ns, const kvc_store_
 
 kvc_status kvc_store_flush(kvc_store *s, double timeout_s) {
     KVC_CHECK(s != NULL, "kvc_store_flush: store is NULL");
+    KVC_CHECK(timeout_s == timeout_s, "kvc_store_flush: timeout_s is NaN");
+    /* a limit past a century is none: its deadline would overflow time_t
+     * (pthread_cond_timedwait then fails at once, forever) */
+    if (timeout_s > 3.2e9) timeout_s = -1;
     struct timespec dl;
     clock_gettime(CLOCK_REALTIME, &dl); /* pthread_cond_timedwait's clock */
     if (timeout_s >= 0) {
@@ -325,7 +332,7 @@ kvc_status kvc_store_flush(kvc_store *s, double timeout_s) {
     pthread_mutex_lock(&s->mu);
     const int64_t target = s->enq;
     int rc = 0;
-    while (s->done < target && rc != ETIMEDOUT) {
+    while (s->done < target && (rc == 0 || rc == EINTR)) {
         if (timeout_s < 0) pthread_cond_wait(&s->cv_done, &s->mu);
         else rc = pthread_cond_timedwait(&s->cv_done, &s->mu, &dl);
     }

@@ -47,12 +47,13 @@ typedef struct kvc_tier_ops {
     /* Writes n objects. Each is visible whole or not at all, never in part,
      * whatever happens to this process or the tier meanwhile (a killed
      * writer, a full disk). An existing object under the same key is
-     * replaced (its bytes are the same by construction). On error some
-     * objects may have been written, each whole; *n_written (may be NULL)
-     * receives how many were. */
+     * replaced (its bytes are the same by construction). written (may be
+     * NULL): written[i] = 1 for each object written, else 0. On error some
+     * objects may have been written, each whole, in any order (several
+     * servers, or an error reply in the middle of a pipeline). */
     kvc_status (*put)(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
                       const void *const *objs, const size_t *lens, int64_t n,
-                      int64_t *n_written);
+                      unsigned char *written);
     /* Removes every object of namespace ns (all processes' writes). */
     kvc_status (*invalidate)(kvc_tier *t, const kvc_store_key *ns);
     void (*close)(kvc_tier *t); /* frees t */
