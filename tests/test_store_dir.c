@@ -85,7 +85,7 @@ static kvc_status put1(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key
 static int get1(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *k, size_t len) {
     void *obj = NULL;
     size_t n = 0;
-    if (t->ops->get(t, ns, k, 1, &obj, &n) != KVC_OK) return -1;
+    if (t->ops->get(t, ns, k, 1, SIZE_MAX, &obj, &n) != KVC_OK) return -1;
     int r = obj ? (check_obj(k, obj, n, len) ? 1 : -1) : 0;
     free(obj);
     return r;
@@ -187,7 +187,7 @@ TEST(round_trip) {
 
     void *objs[N + 1];
     size_t got[N + 1];
-    ASSERT_OK(t->ops->get(t, &ns, keys, N + 1, objs, got));
+    ASSERT_OK(t->ops->get(t, &ns, keys, N + 1, SIZE_MAX, objs, got));
     for (int i = 0; i < N; i++) {
         ASSERT_TRUE(check_obj(&keys[i], objs[i], got[i], sizes[i]));
         free(objs[i]);
@@ -195,7 +195,7 @@ TEST(round_trip) {
     ASSERT_TRUE(objs[N] == NULL);
     ASSERT_EQ_I64(got[N], 0);
     /* Another namespace sees none of them. */
-    ASSERT_OK(t->ops->get(t, &ns2, keys, 2, objs, got));
+    ASSERT_OK(t->ops->get(t, &ns2, keys, 2, SIZE_MAX, objs, got));
     ASSERT_TRUE(objs[0] == NULL && objs[1] == NULL);
 
     int64_t np = -1;
@@ -218,6 +218,39 @@ TEST(round_trip) {
     ASSERT_EQ_I64(get1(t, &ns, &keys[1], 0), 1);
 
     ASSERT_EQ_I64(count_tmp(dir), 0);
+    t->ops->close(t);
+    rm_rf(dir);
+    return 0;
+}
+
+/* Files no writer made: one larger than any object comes back as its first
+ * max_len + 1 bytes (read and allocated no further: a 1 GiB sparse file
+ * here), and a FIFO under a key is an error at once (its open waited for a
+ * writer forever). */
+TEST(oversized_file_and_fifo_under_a_key) {
+    char dir[64], p[256];
+    ASSERT_TRUE(make_tmpdir(dir) == 0);
+    kvc_tier *t = NULL;
+    ASSERT_OK(open_at(dir, NULL, &t));
+    kvc_store_key ns = mk(3, 0xa0), big = mk(1, 0), fifo = mk(2, 0);
+    ASSERT_OK(put1(t, &ns, &big, 5000));
+    obj_file(dir, &ns, &big, p);
+    ASSERT_TRUE(truncate(p, (off_t)1 << 30) == 0);
+    void *obj = NULL;
+    size_t len = 0;
+    ASSERT_OK(t->ops->get(t, &ns, &big, 1, 4999, &obj, &len));
+    ASSERT_TRUE(obj != NULL && len == 5000); /* max_len 4999: the first 5,000 bytes */
+    ASSERT_TRUE(check_obj(&big, obj, len, 5000));
+    free(obj);
+    ASSERT_OK(t->ops->get(t, &ns, &big, 1, 20000, &obj, &len));
+    ASSERT_TRUE(obj != NULL && len == 20001);
+    free(obj);
+    ASSERT_OK(put1(t, &ns, &fifo, 10));
+    obj_file(dir, &ns, &fifo, p);
+    ASSERT_TRUE(unlink(p) == 0 && mkfifo(p, 0644) == 0);
+    ASSERT_STATUS(t->ops->get(t, &ns, &fifo, 1, SIZE_MAX, &obj, &len), KVC_ERR_IO);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "not a regular file");
+    ASSERT_TRUE(obj == NULL);
     t->ops->close(t);
     rm_rf(dir);
     return 0;
@@ -545,7 +578,7 @@ static void *th_reader(void *arg) {
         size_t lens[8];
         if (c->t->ops->probe(c->t, &ns, keys, 8, &np) != KVC_OK || np < 0 || np > 8)
             atomic_fetch_add(&c->bad, 1);
-        if (c->t->ops->get(c->t, &ns, keys, 8, objs, lens) != KVC_OK) {
+        if (c->t->ops->get(c->t, &ns, keys, 8, SIZE_MAX, objs, lens) != KVC_OK) {
             atomic_fetch_add(&c->bad, 1);
             continue;
         }
@@ -701,6 +734,7 @@ TEST(bad_urls) {
 const char *test_suite_name = "store_dir";
 const test_case test_suite[] = {
     TEST_ENTRY(round_trip),
+    TEST_ENTRY(oversized_file_and_fifo_under_a_key),
     TEST_ENTRY(reopen_rebuilds_index),
     TEST_ENTRY(lru_keeps_recently_read),
     TEST_ENTRY(write_error_leaves_nothing),

@@ -105,7 +105,7 @@ static int64_t get_keys(kvc_tier *t, const kvc_store_key *ns, const kvc_store_ke
                         kvc_status *st) {
     void **objs = calloc((size_t)n, sizeof *objs);
     size_t *lens = calloc((size_t)n, sizeof *lens);
-    *st = t->ops->get(t, ns, keys, n, objs, lens);
+    *st = t->ops->get(t, ns, keys, n, SIZE_MAX, objs, lens);
     int64_t good = 0;
     for (int64_t i = 0; i < n; i++) {
         if (*st != KVC_OK && objs[i]) good = -1000000; /* tier.h: all NULL on error */
@@ -237,7 +237,7 @@ TEST(put_get_roundtrip_binary) {
     kvc_store_key order[4] = {keys[0], keys[3], keys[1], keys[2]}; /* keys[3]: absent */
     void *got[4];
     size_t lens[4];
-    ASSERT_OK(t->ops->get(t, &ns, order, 4, got, lens));
+    ASSERT_OK(t->ops->get(t, &ns, order, 4, SIZE_MAX, got, lens));
     ASSERT_TRUE(got[1] == NULL && lens[1] == 0);
     const int src[4] = {0, -1, 1, 2};
     for (int i = 0; i < 4; i++) {
@@ -247,6 +247,14 @@ TEST(put_get_roundtrip_binary) {
         ASSERT_MEM_EQ(got[i], objs[src[i]], lens[i]);
         free(got[i]);
     }
+    /* max_len 1000: the server sends the first 1,001 bytes of the 100,000-
+     * byte and 1 MiB objects (no valid object would be that large; nothing
+     * more is read or allocated) and the 1-byte one whole */
+    ASSERT_OK(t->ops->get(t, &ns, order, 4, 1000, got, lens));
+    ASSERT_TRUE(got[1] == NULL && lens[1] == 0);
+    ASSERT_TRUE(got[0] && lens[0] == 1 && got[2] && lens[2] == 1001 && got[3] && lens[3] == 1001);
+    ASSERT_MEM_EQ(got[3], objs[2], 1001);
+    for (int i = 0; i < 4; i++) free(got[i]);
     for (int i = 0; i < 3; i++) free(objs[i]);
     t->ops->close(t);
     return 0;
@@ -291,13 +299,13 @@ TEST(absent_keys_and_empty_batches) {
         objs[i] = (void *)&lens[i]; /* garbage the call must overwrite */
         lens[i] = 7;
     }
-    ASSERT_OK(t->ops->get(t, &ns, keys, 5, objs, lens));
+    ASSERT_OK(t->ops->get(t, &ns, keys, 5, SIZE_MAX, objs, lens));
     for (int i = 0; i < 5; i++) ASSERT_TRUE(objs[i] == NULL && lens[i] == 0);
     int64_t run = -1;
     unsigned char written = 2;
     ASSERT_OK(t->ops->probe(t, &ns, keys, 0, &run));
     ASSERT_EQ_I64(run, 0);
-    ASSERT_OK(t->ops->get(t, &ns, keys, 0, objs, lens));
+    ASSERT_OK(t->ops->get(t, &ns, keys, 0, SIZE_MAX, objs, lens));
     ASSERT_OK(t->ops->put(t, &ns, keys, NULL, NULL, 0, &written));
     ASSERT_EQ_I64(written, 2); /* n 0: nothing touched */
     size_t zero = 0;

@@ -428,17 +428,22 @@ static kvc_status dir_probe(kvc_tier *t, const kvc_store_key *ns, const kvc_stor
     return KVC_OK;
 }
 
-/* Reads one file whole into *obj, a buffer of pool (NULL: absent, or
- * shortened meanwhile). */
-static kvc_status read_obj(kvc__objpool *pool, const char *p, void **obj, size_t *len) {
-    int fd = open(p, O_RDONLY | O_CLOEXEC);
+/* Reads one file into *obj, a buffer of pool (NULL: absent, or shortened
+ * meanwhile): whole, or its first max_len + 1 bytes when larger (tier.h);
+ * *file_size: its size. O_NONBLOCK: opening a FIFO planted under a key
+ * would wait for a writer forever (regular files ignore the flag). */
+static kvc_status read_obj(kvc__objpool *pool, const char *p, size_t max_len, void **obj,
+                           size_t *len, uint64_t *file_size) {
+    int fd = open(p, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0 && (errno == ENOENT || errno == ENOTDIR)) return KVC_OK;
     struct stat st;
     const char *why = fd < 0 || fstat(fd, &st) != 0 ? strerror(errno)
                       : !S_ISREG(st.st_mode)         ? "not a regular file"
-                      : (uint64_t)st.st_size > SIZE_MAX / 2 ? "too large"
                                                      : NULL;
-    size_t size = why ? 0 : (size_t)st.st_size, got = 0;
+    if (max_len > SIZE_MAX / 2) max_len = SIZE_MAX / 2;
+    size_t size = why ? 0 : (uint64_t)st.st_size > max_len ? max_len + 1 : (size_t)st.st_size;
+    size_t got = 0;
+    if (!why) *file_size = (uint64_t)st.st_size;
     char *buf = why ? NULL : kvc__objpool_get(pool, size);
     kvc_status status = why ? kvc__error(KVC_ERR_IO, "dir tier: cannot read %.200s: %s", p, why)
                       : !buf ? kvc__error(KVC_ERR_NOMEM, "dir tier: out of memory (%zu bytes)", size)
@@ -451,9 +456,10 @@ static kvc_status read_obj(kvc__objpool *pool, const char *p, void **obj, size_t
         if (r > 0) got += (size_t)r;
     }
     if (status == KVC_OK && got == size) {
-        /* mtime = now marks the use for every process's LRU (header comment). */
+        /* mtime = now marks the use for every process's LRU (header comment);
+         * not an oversized file's: it is no object */
         const struct timespec ts[2] = {{0, UTIME_OMIT}, {0, UTIME_NOW}};
-        (void)futimens(fd, ts);
+        if ((uint64_t)size == (uint64_t)st.st_size) (void)futimens(fd, ts);
         *obj = buf, *len = size;
         buf = NULL;
     }
@@ -463,7 +469,7 @@ static kvc_status read_obj(kvc__objpool *pool, const char *p, void **obj, size_t
 }
 
 static kvc_status dir_get(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
-                          int64_t n, void **objs, size_t *lens) {
+                          int64_t n, size_t max_len, void **objs, size_t *lens) {
     dir_tier *d = (dir_tier *)t;
     KVC_CHECK(ns && n >= 0 && ((keys && objs && lens) || n == 0),
               "dir tier get: bad arguments (n=%lld)", (long long)n);
@@ -471,13 +477,14 @@ static kvc_status dir_get(kvc_tier *t, const kvc_store_key *ns, const kvc_store_
     char p[PATH_BUF];
     for (int64_t i = 0; i < n; i++) {
         obj_path(d, ns, &keys[i], 2, p);
-        kvc_status st = read_obj(t->pool, p, &objs[i], &lens[i]);
+        uint64_t fsize = 0;
+        kvc_status st = read_obj(t->pool, p, max_len, &objs[i], &lens[i], &fsize);
         if (st != KVC_OK) {
             for (int64_t j = 0; j < i; j++)
                 kvc__objpool_put(t->pool, objs[j], lens[j]), objs[j] = NULL, lens[j] = 0;
             return st;
         }
-        if (objs[i] && d->max_bytes) idx_touch_locked(d, ns, &keys[i], lens[i], 0);
+        if (objs[i] && d->max_bytes) idx_touch_locked(d, ns, &keys[i], fsize, 0);
     }
     return KVC_OK;
 }

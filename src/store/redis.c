@@ -289,12 +289,13 @@ typedef struct batch {
     signed char *present;          /* OP_PROBE: 1, 0, or -1 (unknown) */
     void **objs;                   /* OP_GET */
     size_t *lens;                  /* OP_GET */
+    long long max_len;             /* OP_GET: bytes past it are not sent */
     const void *const *put_objs;   /* OP_PUT */
     const size_t *put_lens;        /* OP_PUT */
     unsigned char *written;        /* OP_PUT: 1 per object written (NULL: not wanted) */
 } batch;
 
-static const char *const op_cmd[] = {"EXISTS", "GET", "SET"};
+static const char *const op_cmd[] = {"EXISTS", "GETRANGE", "SET"};
 
 /* Takes (and frees) the reply for keys[i]. */
 static kvc_status take_reply(batch *b, server *sv, conn *c, int64_t i, redisReply *r) {
@@ -318,7 +319,7 @@ static kvc_status take_reply(batch *b, server *sv, conn *c, int64_t i, redisRepl
             r->str = NULL;
         }
     } else if (r->type != REDIS_REPLY_NIL) {
-        return conn_protocol(sv, c, "GET", r);
+        return conn_protocol(sv, c, "GETRANGE", r);
     }
     freeReplyObject(r);
     return st;
@@ -338,8 +339,11 @@ static kvc_status batch_server(batch *b, int s) {
         if (b->own[i] != s) continue;
         key_name(b->ns, &b->keys[i], name);
         int rc;
-        if (b->op != OP_PUT)
-            rc = redisAppendCommand(c->ctx, "%s %s", op_cmd[b->op], name);
+        if (b->op == OP_PROBE)
+            rc = redisAppendCommand(c->ctx, "EXISTS %s", name);
+        else if (b->op == OP_GET) /* GETRANGE: a huge value planted under a key costs
+                                     max_len + 1 bytes, not its size (an absent key: "") */
+            rc = redisAppendCommand(c->ctx, "GETRANGE %s 0 %lld", name, b->max_len);
         else if (b->rt->ttl)
             rc = redisAppendCommand(c->ctx, "SET %s %b EX %ld", name, b->put_objs[i],
                                     b->put_lens[i], b->rt->ttl);
@@ -395,7 +399,7 @@ static kvc_status redis_probe(kvc_tier *t, const kvc_store_key *ns, const kvc_st
 }
 
 static kvc_status redis_get(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
-                            int64_t n, void **objs, size_t *lens) {
+                            int64_t n, size_t max_len, void **objs, size_t *lens) {
     KVC_CHECK(ns && n >= 0 && (n == 0 || (keys && objs && lens)), "redis tier get: bad arguments");
     for (int64_t i = 0; i < n; i++) {
         objs[i] = NULL;
@@ -403,7 +407,8 @@ static kvc_status redis_get(kvc_tier *t, const kvc_store_key *ns, const kvc_stor
     }
     if (n == 0) return KVC_OK;
     batch b = {.rt = (redis_tier *)t, .op = OP_GET, .ns = ns, .keys = keys, .n = n,
-               .objs = objs, .lens = lens};
+               .objs = objs, .lens = lens,
+               .max_len = max_len < (size_t)LLONG_MAX ? (long long)max_len : LLONG_MAX - 1};
     kvc_status st = batch_run(&b);
     if (st != KVC_OK) { /* tier.h: on error nothing to free */
         for (int64_t i = 0; i < n; i++) {

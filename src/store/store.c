@@ -751,6 +751,10 @@ static int64_t restore_pipeline(restore_ctx *r) {
         return -1;
     }
     const double deadline = now_s() + s->p.load_timeout_s;
+    /* the largest object of this cache: a tier sends no more than one byte
+     * past it (tier.h), so a huge planted object is refused by its size */
+    size_t max_len = kvc_store_object_bytes(r->cache, s->has_auth);
+    if (max_len == 0) max_len = SIZE_MAX / 2;
     int64_t pos = 0, errors = 0, timeouts = 0;
     int cancel = 0;
     for (int32_t t = 0; t < s->n_tiers && pos < r->max && !timeouts && !cancel; t++) {
@@ -773,8 +777,8 @@ static int64_t restore_pipeline(restore_ctx *r) {
             }
             const int64_t n = r->max - fetched < BATCH ? r->max - fetched : BATCH;
             void *objs[BATCH];
-            if (s->tiers[t]->ops->get(s->tiers[t], &r->ns, r->keys + r->first + fetched, n, objs,
-                                      b->lens) != KVC_OK) {
+            if (s->tiers[t]->ops->get(s->tiers[t], &r->ns, r->keys + r->first + fetched, n,
+                                      max_len, objs, b->lens) != KVC_OK) {
                 errors++;
                 kvc_clear_error();
                 free(b);

@@ -39,11 +39,13 @@ typedef struct kvc_tier_ops {
                         int64_t n, int64_t *n_present);
     /* Reads keys[0..n): objs[i] receives a copy of the object in a buffer
      * of the tier's pool (the caller gives it back or frees it) and lens[i]
-     * its size, or NULL / 0 when absent. On an
-     * error every objs[i] is NULL (nothing to free). Pipelined: one round
-     * trip per server for the whole batch. */
+     * its size, or NULL / 0 when absent. An object over max_len bytes comes
+     * back as its first max_len + 1 (no valid object is that large: a size
+     * the store refuses, without a huge read or allocation). On an error
+     * every objs[i] is NULL (nothing to free). Pipelined: one round trip
+     * per server for the whole batch. */
     kvc_status (*get)(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys, int64_t n,
-                      void **objs, size_t *lens);
+                      size_t max_len, void **objs, size_t *lens);
     /* Writes n objects. Each is visible whole or not at all, never in part,
      * whatever happens to this process or the tier meanwhile (a killed
      * writer, a full disk). An existing object under the same key is
