@@ -657,6 +657,17 @@ TEST(invalidate_one_namespace) {
     ASSERT_EQ_I64(get1(t, &ns1, &keys[0], 10), 1);
     ASSERT_EQ_I64(log.n, 1); /* 10010 > 10000: ns2's oldest went */
     ASSERT_TRUE(same_key(&log.ns[0], &ns2) && same_key(&log.key[0], &keys[0]));
+    /* PATH/tmp removed by hand: invalidate recreates it (the rename into it
+     * failed with ENOENT, taken for "no such namespace": nothing removed) */
+    snprintf(p, sizeof p, "%s/tmp", dir);
+    ASSERT_TRUE(rmdir(p) == 0);
+    ASSERT_OK(t->ops->invalidate(t, &ns2));
+    ASSERT_OK(t->ops->probe(t, &ns2, keys, 5, &np));
+    ASSERT_EQ_I64(np, 0);
+    kvc__store_key_hex(&ns2, nh);
+    snprintf(p, sizeof p, "%s/%s", dir, nh);
+    ASSERT_TRUE(!exists(p));
+    ASSERT_EQ_I64(count_tmp(dir), 0);
     t->ops->close(t);
     rm_rf(dir);
     return 0;

@@ -598,8 +598,15 @@ static kvc_status dir_invalidate(kvc_tier *t, const kvc_store_key *ns) {
     snprintf(dst, sizeof dst, "%s/tmp/inval.%ld.%llu.%s", d->root, (long)getpid(),
              (unsigned long long)atomic_fetch_add(&tmp_counter, 1), nh);
     kvc_status st = KVC_OK;
-    if (rename(src, dst) != 0) {
-        if (errno != ENOENT)
+    int rc = rename(src, dst);
+    if (rc != 0 && errno == ENOENT && access(src, F_OK) == 0) { /* PATH/tmp removed by hand */
+        char td[PATH_BUF];
+        snprintf(td, sizeof td, "%s/tmp", d->root);
+        if (mkdir(td, 0755) == 0 || errno == EEXIST) rc = rename(src, dst);
+        else errno = ENOENT; /* report the rename */
+    }
+    if (rc != 0) {
+        if (errno != ENOENT || access(src, F_OK) == 0) /* ENOENT: no such namespace */
             st = kvc__error(KVC_ERR_IO, "dir tier: cannot rename %.200s to %.200s: %s", src, dst,
                             strerror(errno));
     } else if (rm_tree(AT_FDCWD, dst, 0) != 0) { /* the next open retries it */
