@@ -672,6 +672,19 @@ static int kv_bytes_case(const kvc_model *m, const char *path, kvc_dtype dtype,
     ASSERT_OK(kvc_cache_page_table(w, &sw, 1, indptr, zids, 32, &last, &np));
     ASSERT_OK(kvc_store_restore_run(s, w, &ns, prompt, 0, n_pages, zids, &got));
     ASSERT_EQ_I64(got, n_pages);
+    /* runs past int32 token positions: refused (the sizes wrapped: a heap
+     * overflow at 2^60, a signed overflow at INT64_MAX), nothing read */
+    const int64_t far[3] = {(int64_t)1 << 60, INT64_MAX - unit + 1, (int64_t)1 << 27};
+    for (int i = 0; i < 3; i++) {
+        const int64_t first = far[i] / unit * unit;
+        ASSERT_STATUS(kvc_store_restore_run(s, w, &ns, prompt, first, unit, zids, &got),
+                      KVC_ERR_INVALID_ARG);
+        ASSERT_STR_CONTAINS(kvc_last_error(), "int32 token positions");
+        ASSERT_EQ_I64(got, 0);
+        ASSERT_STATUS(kvc_store_save_run(s, x, &ns, prompt, first, unit, ids),
+                      KVC_ERR_INVALID_ARG);
+    }
+    ASSERT_OK(kvc_cache_check(w));
     for (int64_t p = 0; p < n_pages; p++) {
         ASSERT_OK(kvc_cache_read_page(w, zids[p], by, pb));
         ASSERT_OK(kvc_cache_read_page(x, ids[p], bx, pb));

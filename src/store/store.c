@@ -576,19 +576,29 @@ static void add_stats(kvc_store *s, int64_t hit, int64_t miss, int64_t errors, i
     pthread_mutex_unlock(&s->mu);
 }
 
-/* Keys of pages [0, n) of tokens into a malloc'd array (NULL: message set). */
-static kvc_store_key *keys_of(const kvc_store_key *ns, const int32_t *tokens, int64_t n,
-                              int32_t page_size, int32_t unit_pages) {
-    kvc_store_key *k = malloc((size_t)(n > 0 ? n : 1) * sizeof *k);
-    if (!k) {
-        kvc__error(KVC_ERR_NOMEM, "store: out of memory");
-        return NULL;
-    }
-    if (kvc_store_page_keys(ns, tokens, n, page_size, unit_pages, k) != KVC_OK) {
+/* Whether pages [first, first + n) stay within int32 token positions (a
+ * caller's huge first_page would otherwise wrap the sizes computed from it). */
+static int run_fits(int64_t first, int64_t n, int32_t page_size) {
+    const int64_t lim = page_size > 0 ? INT32_MAX / page_size : 0;
+    return first >= 0 && n >= 0 && n <= lim && first <= lim - n;
+}
+
+/* Keys of pages [0, first + n) of tokens into a malloc'd array. */
+static kvc_status keys_of(const kvc_store_key *ns, const int32_t *tokens, int64_t first,
+                          int64_t n, int32_t page_size, int32_t unit_pages, kvc_store_key **out) {
+    *out = NULL;
+    KVC_CHECK(run_fits(first, n, page_size), "store: pages %lld + %lld of %d tokens are past "
+              "int32 token positions", (long long)first, (long long)n, (int)page_size);
+    const int64_t m = first + n;
+    kvc_store_key *k = malloc((size_t)(m > 0 ? m : 1) * sizeof *k);
+    if (!k) return kvc__error(KVC_ERR_NOMEM, "store: out of memory");
+    kvc_status st = kvc_store_page_keys(ns, tokens, m, page_size, unit_pages, k);
+    if (st != KVC_OK) {
         free(k);
-        return NULL;
+        return st;
     }
-    return k;
+    *out = k;
+    return KVC_OK;
 }
 
 kvc_status kvc__store_probe_run(kvc_store *s, const kvc_store_key *ns, const int32_t *tokens,
@@ -596,8 +606,8 @@ kvc_status kvc__store_probe_run(kvc_store *s, const kvc_store_key *ns, const int
                                 int64_t max, int64_t *n_pages) {
     *n_pages = 0;
     if (max <= 0) return KVC_OK;
-    kvc_store_key *k = keys_of(ns, tokens, first + max, page_size, unit_pages);
-    if (!k) return KVC_ERR_NOMEM;
+    kvc_store_key *k;
+    KVC_TRY(keys_of(ns, tokens, first, max, page_size, unit_pages, &k));
     int64_t pos = 0, errors = 0;
     for (int32_t t = 0; t < s->n_tiers && pos < max; t++) {
         int64_t n = 0;
@@ -829,8 +839,7 @@ kvc_status kvc_store_restore_run(kvc_store *s, kvc_cache *cache, const kvc_store
     KVC_CHECK(first % u == 0 && max % u == 0, "%s: first_page %lld and max_pages %lld must be "
               "whole units of %d pages (K groups span pages)", fn, (long long)first,
               (long long)max, (int)u);
-    r.keys = keys_of(ns, tokens, first + max, cp.page_size, u);
-    if (!r.keys) return KVC_ERR_NOMEM;
+    KVC_TRY(keys_of(ns, tokens, first, max, cp.page_size, u, &r.keys));
     r.s = s;
     r.cache = r.wcache = cache;
     r.ns = *ns;
@@ -878,16 +887,17 @@ kvc__store_load *kvc__store_load_start(kvc_store *s, const kvc_cache *cache,
                                        const kvc_store_key *ns, const int32_t *tokens,
                                        int64_t first, int64_t n) {
     kvc_cache_params cp;
-    if (n <= 0 || s->n_tiers == 0 || kvc_cache_get_params(cache, &cp) != KVC_OK) return NULL;
+    if (n <= 0 || s->n_tiers == 0 || kvc_cache_get_params(cache, &cp) != KVC_OK ||
+        !run_fits(first, n, cp.page_size))
+        return NULL;
     kvc__store_load *l = calloc(1, sizeof *l);
     if (!l) return NULL;
     const size_t nt = (size_t)(first + n) * (size_t)cp.page_size;
     l->tokens = malloc(nt * sizeof(int32_t));
     l->r.kept = calloc((size_t)n, sizeof(void *));
     l->r.kept_lens = calloc((size_t)n, sizeof(size_t));
-    l->r.keys = l->tokens ? keys_of(ns, tokens, first + n, cp.page_size,
-                                    kvc__store_unit_pages(cache))
-                          : NULL;
+    if (l->tokens) /* l->r.keys NULL on failure: handled below */
+        (void)keys_of(ns, tokens, first, n, cp.page_size, kvc__store_unit_pages(cache), &l->r.keys);
     if (!l->tokens || !l->r.kept || !l->r.kept_lens || !l->r.keys) {
         kvc_clear_error();
         free(l->tokens), free(l->r.kept), free(l->r.kept_lens), free(l->r.keys), free(l);
@@ -982,8 +992,8 @@ kvc_status kvc_store_save_run(kvc_store *s, const kvc_cache *cache, const kvc_st
               "units of %d pages (K groups span pages)", fn, (long long)first, (long long)n,
               (int)u);
     if (s->n_tiers == 0) return KVC_OK; /* nowhere to write: nothing to serialize */
-    kvc_store_key *k = keys_of(ns, tokens, first + n, P, u);
-    if (!k) return KVC_ERR_NOMEM;
+    kvc_store_key *k;
+    KVC_TRY(keys_of(ns, tokens, first, n, P, u, &k));
     kvc_status ret = KVC_OK;
     for (int64_t i = 0; i < n; i++) {
         const int64_t pg = first + i;
