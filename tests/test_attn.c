@@ -4,7 +4,9 @@
  * single and paged, all storage dtypes, GQA ratios, odd head dims, chunk
  * boundaries, soft cap, window, lse, rejected inputs.
  */
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS, MAP_NORESERVE */
 #include <stdlib.h>
+#include <sys/mman.h>
 
 #include "test_elems.h"
 #include "kernels/kernels.h" /* the soft-cap kernel, the ISA tables */
@@ -1178,6 +1180,76 @@ TEST(softcap_kernel) {
     return 0;
 }
 
+/* Scratch sized from the caller's shapes: broadcast (stride 0) views make
+ * huge shapes cheap, and the products once wrapped into tiny allocations
+ * the kernels then wrote past. Each call must fail cleanly instead. */
+TEST(huge_broadcast_shapes_refused) {
+    static float row[64], qrow[64];
+    for (int i = 0; i < 64; i++) row[i] = 0.5f, qrow[i] = 0.1f;
+    { /* decode plan: 2^24 pages of 2^30 tokens (every page id 0), 4096 heads */
+        const int32_t H = 4096, D = 62, P = 1 << 30, pages = 1 << 24;
+        int32_t indptr[2] = {0, pages}, last[1] = {P}, zero = 0;
+        int64_t s1 = 2, sB = 1, sN = pages;
+        kvc_tensor ti = kvc_tensor_make(indptr, KVC_I32, 1, &s1);
+        kvc_tensor tl = kvc_tensor_make(last, KVC_I32, 1, &sB);
+        kvc_tensor tx = kvc_tensor_make(&zero, KVC_I32, 1, &sN);
+        tx.stride[0] = 0;
+        kvc_decode_plan *plan = NULL;
+        ASSERT_STATUS(kvc_decode_plan_create(&ti, &tx, &tl, H, H, D, P, 1, &plan), KVC_ERR_NOMEM);
+        ASSERT_TRUE(plan == NULL);
+    }
+    { /* single decode: 2^57 keys (one row), 1024 query heads (one row) */
+        const int64_t L = (int64_t)1 << 57, Hq = 1024, D = 62;
+        int64_t ks[3] = {L, 1, D}, qs[2] = {Hq, D};
+        kvc_tensor k = kvc_tensor_make(row, KVC_F32, 3, ks);
+        k.stride[0] = k.stride[1] = 0;
+        kvc_tensor q = kvc_tensor_make(qrow, KVC_F32, 2, qs);
+        q.stride[0] = 0;
+        float *o = calloc((size_t)(Hq * D), sizeof(float));
+        ASSERT_TRUE(o != NULL);
+        o[0] = 7.0f;
+        kvc_tensor out = kvc_tensor_make(o, KVC_F32, 2, qs);
+        ASSERT_STATUS(kvc_single_decode(&q, &k, &k, NULL, NULL, 0, KVC_NHD, NULL, &out, NULL, NULL),
+                      KVC_ERR_NOMEM);
+        ASSERT_TRUE(o[0] == 7.0f); /* nothing written */
+        free(o);
+    }
+    { /* cascade plan: 2^31 - 1 query rows x 2^31 - 1 heads x 512 */
+        int32_t qo[2] = {0, 2147483647}, kvp[2] = {0, 1}, idx[1] = {0}, last[1] = {1};
+        int64_t two = 2, one = 1;
+        kvc_tensor tq = kvc_tensor_make(qo, KVC_I32, 1, &two);
+        kvc_tensor tk = kvc_tensor_make(kvp, KVC_I32, 1, &two);
+        kvc_tensor tx = kvc_tensor_make(idx, KVC_I32, 1, &one);
+        kvc_tensor tl = kvc_tensor_make(last, KVC_I32, 1, &one);
+        kvc_cascade_plan *p = NULL;
+        kvc_status st = kvc_cascade_plan_create(1, &tq, &tk, &tx, &tl, 2147483647, 2147483647,
+                                                512, 16, 0, 1, &p);
+        ASSERT_TRUE(st < 0 && p == NULL);
+    }
+    { /* single prefill with a custom mask: 2^34 x 2^30 bits wrapped to 0, so a (0,)
+       * mask passed; the output is a MAP_NORESERVE mapping nothing touches */
+        const int64_t qo = (int64_t)1 << 34, L = (int64_t)1 << 30, D = 16;
+        int64_t ks[3] = {L, 1, D}, qs[3] = {qo, 1, D}, ms[1] = {0};
+        kvc_tensor k = kvc_tensor_make(row, KVC_F32, 3, ks);
+        k.stride[0] = k.stride[1] = 0;
+        kvc_tensor q = kvc_tensor_make(qrow, KVC_F32, 3, qs);
+        q.stride[0] = q.stride[1] = 0;
+        const size_t ob = (size_t)(qo * D) * 2;
+        void *o = mmap(NULL, ob, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        ASSERT_TRUE(o != MAP_FAILED);
+        kvc_tensor out = kvc_tensor_make(o, KVC_BF16, 3, qs);
+        static uint8_t mbuf[1];
+        kvc_tensor mask = kvc_tensor_make(mbuf, KVC_U8, 1, ms);
+        ASSERT_STATUS(kvc_single_prefill(&q, &k, &k, NULL, NULL, 0, KVC_NHD, 0, &mask, NULL, NULL,
+                                         &out, NULL, NULL),
+                      KVC_ERR_INVALID_ARG);
+        ASSERT_STR_CONTAINS(kvc_last_error(), "too large");
+        munmap(o, ob);
+    }
+    return 0;
+}
+
 /* The rotation of kivi's V (docs/KV_FORMATS.md section 4): the scalar
  * kernel against H x / sqrt(n) in float64 with H built entry by entry, and
  * every ISA bit for bit against the scalar one (the stored bytes depend on
@@ -1234,6 +1306,7 @@ const char *test_suite_name = "attn";
 const test_case test_suite[] = {
     TEST_ENTRY(softcap_kernel),
     TEST_ENTRY(hadamard_kernel),
+    TEST_ENTRY(huge_broadcast_shapes_refused),
     TEST_ENTRY(single_dtypes_layouts),
     TEST_ENTRY(single_lengths_dims_gqa),
     TEST_ENTRY(single_odd_groups_and_dims),

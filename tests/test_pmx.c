@@ -5,7 +5,9 @@
  * leaving cache and scale bytes unchanged. The larger numpy-referenced grids
  * live in python/tests/test_pmx.py; this suite also runs under sanitizers.
  */
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS, MAP_NORESERVE */
 #include <stdlib.h>
+#include <sys/mman.h>
 
 #include "test_elems.h"
 
@@ -548,6 +550,32 @@ TEST(zero_sizes) {
     return 0;
 }
 
+/* The output's heads H * num_repeat once wrapped (H 2^33, num_repeat 2^30:
+ * 2^63), so a (1, 1, 0, 1) key passed its shape check and the read-back
+ * wrote H * num_repeat rows into it. The cache: a 16 GiB MAP_NORESERVE
+ * mapping nothing touches. */
+TEST(output_heads_overflow_refused) {
+    const int64_t H = (int64_t)1 << 33;
+    int64_t cks[4] = {1, 0, H, 1}, cs[6] = {1, 1, 2, 1, H, 1}, os[4] = {1, 1, 0, 1};
+    static int8_t dummy[1], kb[1];
+    kvc_tensor ck = kvc_tensor_make(dummy, KVC_I8, 4, cks);
+    const size_t cb = (size_t)(2 * H);
+    void *cm = mmap(NULL, cb, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                    -1, 0);
+    ASSERT_TRUE(cm != MAP_FAILED);
+    kvc_tensor cache = kvc_tensor_make(cm, KVC_I8, 6, cs);
+    int64_t sp = 1, one = 1;
+    kvc_tensor tsp = kvc_tensor_make(&sp, KVC_I64, 1, &one);
+    kvc_tensor key = kvc_tensor_make(kb, KVC_I8, 4, os);
+    kvc_pmx_kv_params p = kvc_pmx_kv_default_params();
+    p.num_repeat = 1 << 30;
+    ASSERT_STATUS(kvc_pmx_key_value_cache(&ck, &ck, &tsp, &cache, NULL, &p, &key, NULL, NULL),
+                  KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "overflow");
+    munmap(cm, cb);
+    return 0;
+}
+
 const char *test_suite_name = "pmx";
 const test_case test_suite[] = {
     TEST_ENTRY(static_grid),
@@ -555,5 +583,6 @@ const test_case test_suite[] = {
     TEST_ENTRY(dynamic_rejects_leave_cache_unchanged),
     TEST_ENTRY(static_rejects_leave_cache_unchanged),
     TEST_ENTRY(zero_sizes),
+    TEST_ENTRY(output_heads_overflow_refused),
     {0, 0},
 };

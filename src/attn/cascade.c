@@ -78,7 +78,13 @@ kvc_status kvc_cascade_plan_create(int32_t num_levels, const kvc_tensor *qo_indp
         }
         p->n = l + 1;
     }
-    const size_t nv = (size_t)(nnz * num_qo_heads * head_dim) + 1, ns = (size_t)(nnz * num_qo_heads) + 1;
+    int64_t nv64;
+    if (!kvc__mul3_le(nnz, num_qo_heads, head_dim, KVC__MAX_SCRATCH_FLOATS, &nv64)) {
+        kvc_cascade_plan_destroy(p);
+        return kvc__error(KVC_ERR_NOMEM, "%s: out of memory (%lld rows x %d heads x %d)", fn,
+                          (long long)nnz, (int)num_qo_heads, (int)head_dim);
+    }
+    const size_t nv = (size_t)nv64 + 1, ns = (size_t)(nnz * num_qo_heads) + 1;
     p->acc = malloc(nv * sizeof(float));
     p->acc_lse = malloc(ns * sizeof(float));
     if (num_levels > 1) {

@@ -584,8 +584,11 @@ kvc_status kvc_single_decode(const kvc_tensor *q, const kvc_tensor *k, const kvc
     int64_t len = L, nch = chunks_of(L), task0[2] = {0, nch}, part0 = 0;
     float *part = NULL;
     if (nch > 1) {
-        part = malloc((size_t)(nch * Hq * (D + 2)) * sizeof(float));
-        if (!part) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+        int64_t np;
+        if (!kvc__mul3_le(nch, Hq, D + 2, KVC__MAX_SCRATCH_FLOATS, &np) ||
+            !(part = malloc((size_t)np * sizeof(float))))
+            return kvc__error(KVC_ERR_NOMEM, "%s: out of memory (%lld chunks x %lld heads of "
+                              "partial results)", fn, (long long)nch, (long long)Hq);
     }
     attn_ctx c;
     memset(&c, 0, sizeof c);
@@ -680,7 +683,17 @@ kvc_status kvc_decode_plan_create(const kvc_tensor *kv_indptr, const kvc_tensor 
         p->nch[b] = chunks_of(p->len[b]);
         p->task0[b + 1] = p->task0[b] + p->nch[b];
         p->part0[b] = parts;
-        if (p->nch[b] > 1) parts += p->nch[b] * p->Hq * (p->D + 2);
+        int64_t np = 0;
+        if (p->nch[b] > 1 &&
+            (!kvc__mul3_le(p->nch[b], p->Hq, p->D + 2, KVC__MAX_SCRATCH_FLOATS, &np) ||
+             np > KVC__MAX_SCRATCH_FLOATS - parts)) {
+            kvc__error(KVC_ERR_NOMEM, "%s: out of memory (request %lld: %lld chunks x %lld "
+                       "heads of partial results)", fn, (long long)b, (long long)p->nch[b],
+                       (long long)p->Hq);
+            kvc_decode_plan_destroy(p);
+            return KVC_ERR_NOMEM;
+        }
+        parts += np;
     }
     if (parts > 0) {
         p->part = malloc((size_t)parts * sizeof(float));

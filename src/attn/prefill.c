@@ -409,8 +409,13 @@ static kvc_status pack_masks(const char *fn, const kvc_tensor *mask, const kvc_t
     KVC_CHECK(!(mask && packed), "%s: give custom_mask or packed_custom_mask, not both", fn);
     int64_t n_bits = 0, n_bytes = 0;
     for (int64_t r = 0; r < B; r++) {
-        n_bits += qo_len[r] * kv_len[r];
-        n_bytes += (qo_len[r] * kv_len[r] + 7) / 8;
+        int64_t nb; /* the mask's bits: qo_len * kv_len may pass int64 (broadcast q, k, v) */
+        KVC_CHECK(kvc__mul3_le(qo_len[r], kv_len[r], 1, INT64_MAX - 7, &nb) &&
+                      nb <= INT64_MAX - 7 - n_bits,
+                  "%s: request %lld: a mask of %lld x %lld bits is too large", fn, (long long)r,
+                  (long long)qo_len[r], (long long)kv_len[r]);
+        n_bits += nb;
+        n_bytes += (nb + 7) / 8;
     }
     const kvc_tensor *t = mask ? mask : packed;
     const char *name = mask ? "custom_mask" : "packed_custom_mask";

@@ -33,6 +33,23 @@ KVC_API kvc_status kvc__error(kvc_status status, const char *fmt, ...) KVC_PRINT
         if (!(cond)) return kvc__error(KVC_ERR_INVALID_ARG, __VA_ARGS__);                          \
     } while (0)
 
+/* *out = a * b * c, all >= 0; 0 when the product passes max (scratch sizes
+ * computed from a caller's shapes: broadcast views make huge shapes cheap,
+ * so they must not wrap into a small allocation). */
+static inline int kvc__mul3_le(int64_t a, int64_t b, int64_t c, int64_t max, int64_t *out) {
+    int64_t p;
+    if (a < 0 || b < 0 || c < 0 || __builtin_mul_overflow(a, b, &p) ||
+        __builtin_mul_overflow(p, c, &p) || p > max)
+        return 0;
+    *out = p;
+    return 1;
+}
+
+/* Elements of float scratch a call may ask malloc for: past this a size in
+ * bytes could wrap (and no machine has the memory). */
+#define KVC__MAX_SCRATCH_FLOATS                                                                    \
+    ((int64_t)((SIZE_MAX < (size_t)INT64_MAX ? SIZE_MAX : (size_t)INT64_MAX) / 16))
+
 /* Size in bytes of n elements (n even for int4). Inline: it sits in the
  * per-row address arithmetic of every operator. */
 static inline int64_t kvc__bytes(kvc_dtype dt, int64_t n) {

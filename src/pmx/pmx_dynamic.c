@@ -282,6 +282,10 @@ kvc_status kvc_pmx_dynamic_key_value_cache(
         else
             st = check_slots(fn, &c, b, kvlen, maxT);
     }
+    int64_t hr_dh; /* the output's heads H * num_repeat: must not wrap */
+    if (st == KVC_OK && !kvc__mul3_le(H, c.op.repeat, Dh, INT64_MAX, &hr_dh))
+        st = kvc__error(KVC_ERR_INVALID_ARG, "%s: %lld heads x num_repeat %lld x head_dim %lld "
+                        "overflow", fn, (long long)H, (long long)c.op.repeat, (long long)Dh);
     const int64_t oshape[3] = {n_out, H * c.op.repeat, Dh};
     if (st == KVC_OK && key) st = kvc__pmx_check_output(fn, "key", key, c.op.t1, 3, oshape);
     if (st == KVC_OK && value) st = kvc__pmx_check_output(fn, "value", value, c.op.t1, 3, oshape);

@@ -142,6 +142,10 @@ kvc_status kvc_pmx_key_value_cache(const kvc_tensor *current_key, const kvc_tens
               (long long)c.start_pos, (long long)c.S, (long long)maxS);
     c.T = c.start_pos + c.S;
 
+    int64_t hr_dh; /* the output's heads H * num_repeat: must not wrap */
+    KVC_CHECK(kvc__mul3_le(H, c.op.repeat, Dh, INT64_MAX, &hr_dh),
+              "%s: %lld heads x num_repeat %lld x head_dim %lld overflow", fn, (long long)H,
+              (long long)c.op.repeat, (long long)Dh);
     const int64_t oshape[4] = {c.B, c.T, H * c.op.repeat, Dh};
     if (key) KVC_TRY(kvc__pmx_check_output(fn, "key", key, c.op.t1, 4, oshape));
     if (value) KVC_TRY(kvc__pmx_check_output(fn, "value", value, c.op.t1, 4, oshape));
