@@ -51,13 +51,16 @@ static int64_t padded_rows(const kvc_mla_plan *p, int64_t b) {
 }
 
 /* Floats per slot of request b: q (rows, Dc + Dk), acc (rows, Dc), m, l;
- * rounded to 16 so slots stay 64-byte aligned. */
+ * rounded to 16 so slots stay 64-byte aligned. -1: beyond any memory. */
 static int64_t slot_floats(const kvc_mla_plan *p, int64_t b) {
-    const int64_t f = padded_rows(p, b) * (2 * p->Dc + p->Dk + 2);
+    int64_t f;
+    if (!kvc__mul3_le(padded_rows(p, b), 2 * p->Dc + p->Dk + 2, 1, KVC__MAX_SCRATCH_FLOATS, &f))
+        return -1;
     return (f + 15) / 16 * 16;
 }
 
-/* Chunks and slot floats of the whole batch for a chunk length. */
+/* Chunks and slot floats of the whole batch for a chunk length (-1: beyond
+ * any memory). */
 static int64_t layout_for(kvc_mla_plan *p, int64_t chunk) {
     int64_t floats = 0, tasks = 0;
     p->task0[0] = 0;
@@ -65,7 +68,11 @@ static int64_t layout_for(kvc_mla_plan *p, int64_t chunk) {
         const int64_t qo = p->qo_indptr[b + 1] - p->qo_indptr[b];
         p->nch[b] = qo == 0 ? 0 : p->len[b] <= chunk ? 1 : (p->len[b] + chunk - 1) / chunk;
         p->slot0[b] = floats;
-        floats += p->nch[b] * slot_floats(p, b);
+        const int64_t sf = slot_floats(p, b);
+        int64_t f;
+        if (sf < 0 || !kvc__mul3_le(p->nch[b], sf, 1, KVC__MAX_SCRATCH_FLOATS - floats, &f))
+            return -1;
+        floats += f;
         tasks += p->nch[b];
         p->task0[b + 1] = tasks;
     }
@@ -390,8 +397,13 @@ kvc_status kvc_mla_plan_create(const kvc_tensor *qo_indptr, const kvc_tensor *kv
     chunk = (chunk + MLA_MIN_CHUNK - 1) / MLA_MIN_CHUNK * MLA_MIN_CHUNK;
     if (chunk < MLA_MIN_CHUNK) chunk = MLA_MIN_CHUNK;
     int64_t floats = layout_for(p, chunk);
-    while (floats > MLA_SLOT_BUDGET && chunk < longest) floats = layout_for(p, chunk *= 2);
+    while ((floats < 0 || floats > MLA_SLOT_BUDGET) && chunk < longest)
+        floats = layout_for(p, chunk *= 2);
     p->chunk = chunk;
+    if (floats < 0) {
+        kvc_mla_plan_destroy(p);
+        return kvc__error(KVC_ERR_NOMEM, "%s: out of memory (task state beyond any memory)", fn);
+    }
     if (floats > 0) {
         p->slots = aligned_alloc(64, (size_t)floats * sizeof(float));
         if (!p->slots) {
