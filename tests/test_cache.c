@@ -179,6 +179,10 @@ TEST(bad_args_and_unknown_ids) {
     ASSERT_EQ_I64(n, 4); /* tells the size it needs */
     int64_t cs[2];
     ASSERT_STATUS(kvc_cache_cachestarts(c, &s, 1, cs, 1), KVC_ERR_INVALID_ARG);
+    /* 4 x 2^62 wrapped to 0, which let a NULL cachestarts through */
+    kvc_seq_id four[4] = {s, s, s, s};
+    ASSERT_STATUS(kvc_cache_cachestarts(c, four, 4, NULL, (int64_t)1 << 62), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_cache_cachestarts(c, &s, 1, NULL, 4), KVC_ERR_INVALID_ARG);
     /* unknown and freed ids */
     kvc_seq_id bad[3] = {s + 1, -1, 12345};
     for (int i = 0; i < 3; i++) {

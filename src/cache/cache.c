@@ -536,7 +536,11 @@ kvc_status kvc_cache_cachestarts(const kvc_cache *c, const kvc_seq_id *seqs, int
     KVC_TRY(find_all(c, fn, seqs, n_seqs, &total, &maxp));
     KVC_CHECK(maxp <= max_pages, "%s: a sequence holds %lld pages, max_pages is %lld", fn,
               (long long)maxp, (long long)max_pages);
-    KVC_CHECK(cachestarts != NULL || n_seqs * max_pages == 0, "%s: cachestarts is NULL", fn);
+    KVC_CHECK(n_seqs == 0 || max_pages <= INT64_MAX / n_seqs,
+              "%s: %lld sequences x max_pages %lld overflow", fn, (long long)n_seqs,
+              (long long)max_pages);
+    KVC_CHECK(cachestarts != NULL || n_seqs == 0 || max_pages == 0, "%s: cachestarts is NULL",
+              fn);
     for (int64_t b = 0; b < n_seqs; b++) {
         const kvc__seq *s = kvc__find_seq(c, seqs[b], NULL);
         int64_t *row = cachestarts + b * max_pages;
