@@ -207,7 +207,8 @@ typedef struct kvc_engine_params {
     int32_t quant_group;       /* int8/int4 (default 8) */
     int32_t page_size;         /* tokens per page (default 16) */
     int64_t kv_capacity_tokens; /* cache size in token slots (default 16384) */
-    int32_t max_step_tokens;   /* token rows per step: decodes + prefill chunks (default 512) */
+    int32_t max_step_tokens;   /* token rows per step: decodes + prefill chunks (default 512;
+                                  at most kv_capacity_tokens) */
     int32_t max_running;       /* sequences in flight (default 64) */
     int32_t enable_prefix_caching; /* default 1 */
     kvc_kv_format kv_format;   /* KVC_KVFMT_NONE (default: kv_dtype), or a compressed format

@@ -154,6 +154,9 @@ kvc_status kvc_engine_create(const kvc_model *m, const kvc_engine_params *params
                   p.kv_capacity_tokens >= 1,
               "%s: max_step_tokens, max_running, page_size and kv_capacity_tokens must be >= 1",
               fn);
+    /* every row of a step goes into the cache: more than it holds never runs, and the
+     * step's buffers are sized from this (INT32_MAX reserved gigabytes per step) */
+    if (p.max_step_tokens > p.kv_capacity_tokens) p.max_step_tokens = (int32_t)p.kv_capacity_tokens;
     kvc_model_info in;
     KVC_TRY(kvc_model_get_info(m, &in));
     kvc_cache_params cp = kvc_model_cache_params(m, p.kv_dtype, p.kv_capacity_tokens);
