@@ -421,11 +421,37 @@ TEST(bad_args) {
     return 0;
 }
 
+/* A second publisher replaces the first as the store's callback; closing
+ * the first then leaves the second's in place (it once cleared whatever was
+ * installed, and the second went silent). */
+TEST(closing_a_replaced_publisher_keeps_the_new_one) {
+    fixture fx;
+    ASSERT_OK(fixture_open(&fx));
+    kvc_store_events *ev1 = NULL, *ev2 = NULL;
+    ASSERT_OK(kvc_store_events_open(fx.st, fx.ep, &ev1));
+    ASSERT_OK(kvc_store_events_open(fx.st, fx.rep, &ev2));
+    kvc_store_events_close(ev1);
+    enum { N = 5 };
+    kvc_store_key ns = mk(4, 0xbb);
+    for (int i = 0; i < N; i++) ASSERT_OK(kvc_store_invalidate(fx.st, &ns));
+    kvc_store_events_stats es = {0};
+    for (int tries = 0; tries < 500 && es.events_sent + es.events_dropped < N; tries++) {
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        ASSERT_OK(kvc_store_events_get_stats(ev2, &es));
+    }
+    ASSERT_EQ_I64(es.events_sent + es.events_dropped, N);
+    kvc_store_events_close(ev2);
+    fixture_close(&fx);
+    return 0;
+}
+
 const char *test_suite_name = "store_events";
 const test_case test_suite[] = {
     TEST_ENTRY(wire_format),
     TEST_ENTRY(close_drains),
     TEST_ENTRY(replay),
     TEST_ENTRY(bad_args),
+    TEST_ENTRY(closing_a_replaced_publisher_keeps_the_new_one),
     {0, 0},
 };

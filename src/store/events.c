@@ -495,7 +495,7 @@ void kvc_store_events_close(kvc_store_events *e) {
     if (!e) return;
     /* first: once it returns no callback is running, so nothing adds to
      * the ring after the drain below */
-    kvc_store_set_event_callback(e->store, NULL, NULL);
+    kvc__store_clear_event_callback(e->store, on_event, e);
     pthread_mutex_lock(&e->mu);
     e->stop = 1;
     pthread_cond_signal(&e->cv);

@@ -158,6 +158,12 @@ kvc_status kvc_store_set_event_callback(kvc_store *s, kvc_store_event_fn fn, voi
     return KVC_OK;
 }
 
+void kvc__store_clear_event_callback(kvc_store *s, kvc_store_event_fn fn, void *user) {
+    pthread_mutex_lock(&s->ev_mu);
+    if (s->ev_fn == fn && s->ev_user == user) s->ev_fn = NULL, s->ev_user = NULL;
+    pthread_mutex_unlock(&s->ev_mu);
+}
+
 /* ---- writer -------------------------------------------------------------------- */
 
 /* Background writes yield the CPUs to the engine's threads (as RocksDB's

@@ -45,6 +45,10 @@ kvc_status kvc__store_probe_run(kvc_store *s, const kvc_store_key *ns, const int
                                 int64_t max_pages, int64_t *n_pages);
 /* Calls the event callback, if any, with ev. */
 void kvc__store_emit(kvc_store *s, const kvc_store_event *ev);
+/* Clears the event callback if it is still (fn, user): a publisher closing
+ * after another replaced it leaves the other's in place. Returns when no
+ * call of (fn, user) is running. */
+void kvc__store_clear_event_callback(kvc_store *s, kvc_store_event_fn fn, void *user);
 /* kvc__store_emit of an event of kind about one page (key, parent and
  * tokens may be NULL: absent from the event). */
 void kvc__store_emit_page(kvc_store *s, kvc_store_event_kind kind, int32_t tier,
