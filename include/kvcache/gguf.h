@@ -158,11 +158,13 @@ KVC_API kvc_status kvc_gguf_kv_type(const kvc_gguf *g, int64_t i, kvc_gguf_type 
 /*
  * Typed getters by key. KVC_ERR_NOT_FOUND if the key is absent,
  * KVC_ERR_INVALID_ARG if its type does not fit: get_i64 accepts any integer
- * type (and bool; a uint64 above INT64_MAX is an error), get_f64 any integer
- * or float type (not bool; float32 is widened exactly), get_str a string.
+ * type (and bool; a uint64 above INT64_MAX is an error), get_u64 the same
+ * with any uint64 (a negative value is an error), get_f64 any integer or
+ * float type (not bool; float32 is widened exactly), get_str a string.
  * Outputs are left unchanged on error.
  */
 KVC_API kvc_status kvc_gguf_get_i64(const kvc_gguf *g, const char *key, int64_t *out);
+KVC_API kvc_status kvc_gguf_get_u64(const kvc_gguf *g, const char *key, uint64_t *out);
 KVC_API kvc_status kvc_gguf_get_f64(const kvc_gguf *g, const char *key, double *out);
 KVC_API kvc_status kvc_gguf_get_str(const kvc_gguf *g, const char *key, const char **s,
                                     size_t *len);

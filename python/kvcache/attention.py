@@ -581,10 +581,18 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
         run() calls too, as in FlashInfer; nothing changes if one is
         refused); rope_scale and rope_theta are ignored ("NONE" encoding).
         kv_scale: int8/int4 caches, as run's."""
-        if self._plan is None:
+        if self._plan is None and self._kvfmt is None:
             raise InvalidArgumentError("BatchDecodeWithPagedKVCacheWrapper.forward: call plan() "
                                        "(begin_forward) first")
         _compat.neutral("pos_encoding_mode", pos_encoding_mode, ("NONE", None))
+        if self._kvfmt is not None:  # a compressed plan: sm_scale only, as its plan()
+            fmt, table, _, hq, q_dt, o_dt = self._kvfmt
+            if logits_soft_cap not in (None, 0, 0.0) or window_left not in (None, -1):
+                raise InvalidArgumentError(f"logits_soft_cap and window_left are not supported "
+                                           f"over {fmt.name} caches")
+            self._kvfmt = (fmt, table, sm_scale, hq, q_dt, o_dt)
+            return self.run(q, paged_kv_cache, kv_scale, return_lse, q_scale=q_scale,
+                            k_scale=k_scale, v_scale=v_scale)
         self._info["params"] = _attn_params(sm_scale, logits_soft_cap, window_left)
         return self.run(q, paged_kv_cache, kv_scale, return_lse, q_scale=q_scale,
                         k_scale=k_scale, v_scale=v_scale)

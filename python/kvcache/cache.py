@@ -762,7 +762,10 @@ class PagedKVCache(_lib.NoCopy):
         if isinstance(data, (bytes, bytearray, memoryview)):
             buf = np.frombuffer(bytes(data), np.uint8)
         else:
-            buf = np.ascontiguousarray(_lib.as_array(data, "data")).view(np.uint8).reshape(-1)
+            arr = _lib.as_array(data, "data")
+            if arr.dtype not in (np.uint8, np.int8):  # bytes, not values to reinterpret
+                raise InvalidArgumentError(f"data must be bytes or a uint8 array, got {arr.dtype}")
+            buf = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
         with self._lock:
             _lib.check(_lib.kvc_cache_write_page(self._ptr(), pid, buf.ctypes.data, buf.size))
 

@@ -81,6 +81,8 @@ kvc_gguf_find_key = optional_proto("kvc_gguf_find_key", _i64, _vp, _CSTR)
 kvc_gguf_key = optional_proto("kvc_gguf_key", ctypes.c_char_p, _vp, _i64)
 kvc_gguf_kv_type = optional_proto("kvc_gguf_kv_type", _c_int, _vp, _i64, _IP, _IP, _I64P)
 kvc_gguf_get_i64 = optional_proto("kvc_gguf_get_i64", _c_int, _vp, _CSTR, _I64P)
+kvc_gguf_get_u64 = optional_proto("kvc_gguf_get_u64", _c_int, _vp, _CSTR,
+                                  ctypes.POINTER(ctypes.c_uint64))
 kvc_gguf_get_f64 = optional_proto("kvc_gguf_get_f64", _c_int, _vp, _CSTR,
                                   ctypes.POINTER(ctypes.c_double))
 kvc_gguf_get_str = optional_proto("kvc_gguf_get_str", _c_int, _vp, _CSTR, _STRP, _SZP)
@@ -305,13 +307,10 @@ class GGUFFile(NoCopy):
             check(kvc_gguf_get_arr(h, k, None, None, ctypes.byref(data)))
             dt = np.dtype(_NUMPY[et])
             return np.frombuffer(_bytes_at(data.value, n * dt.itemsize), dtype=dt).copy()
-        if t == UINT64:
-            v = ctypes.c_int64()
-            if kvc_gguf_get_i64(h, k, ctypes.byref(v)) != 0:
-                d = ctypes.c_double()
-                check(kvc_gguf_get_f64(h, k, ctypes.byref(d)))
-                return int(d.value)
-            return v.value
+        if t == UINT64:  # all 64 bits (a double would round those above 2**53)
+            u = ctypes.c_uint64()
+            check(kvc_gguf_get_u64(h, k, ctypes.byref(u)))
+            return u.value
         v = ctypes.c_int64()
         check(kvc_gguf_get_i64(h, k, ctypes.byref(v)))
         return bool(v.value) if t == BOOL else v.value

@@ -285,6 +285,8 @@ class Model(_lib.NoCopy):
         out = np.empty((t.size, self.n_vocab), np.float32)
         _, code = _kv_dtype(kv_dtype)
         df = -1 if decode_from is None else _index(decode_from, "decode_from")
+        if not -(2**63) <= df < 2**63:  # an int64 in C: no silent wrap
+            raise InvalidArgumentError(f"decode_from = {df} does not fit in int64")
         nt = _threads(num_threads)
         with self._life.use():
             _lib.check(kvc_model_eval(self._ptr, t.ctypes.data, t.size, df, code,

@@ -51,6 +51,7 @@ import weakref
 import numpy as np
 
 from . import _lib
+from .cache import _int  # an int64 argument, range-checked (ctypes would wrap it)
 from .errors import (
     CorruptError,
     InvalidArgumentError,
@@ -482,7 +483,7 @@ def _cache_params(cache) -> _lib.CacheParams:
         if f in cache:
             setattr(p, f, _lib.int32_attr(cache[f], f))
     if "num_pages" in cache:
-        p.num_pages = int(cache["num_pages"])
+        p.num_pages = _int(cache["num_pages"], "num_pages", -(2**63))
     dtype = cache.get("dtype", "float16")
     fmt = cache.get("kv_format")
     if isinstance(dtype, str) and dtype.strip().lower() in ("kivi8", "kivi4"):
@@ -772,7 +773,7 @@ class KVStore(_lib.NoCopy):
         if queue_objects is not None:
             p.queue_objects = _lib.int32_attr(queue_objects, "queue_objects")
         if queue_bytes is not None:
-            p.queue_bytes = int(queue_bytes)
+            p.queue_bytes = _int(queue_bytes, "queue_bytes", -(2**63))
         self._auth = _auth(auth_key)
         p.auth_key = ctypes.cast(ctypes.c_char_p(self._auth), _vp) if self._auth else None
         p.load_timeout_s = float(load_timeout_s)
@@ -783,7 +784,7 @@ class KVStore(_lib.NoCopy):
             p.writer_nice = _lib.int32_attr(writer_nice, "writer_nice")
         p.promote = 1 if promote else 0
         if object_pool_bytes is not None:
-            p.object_pool_bytes = int(object_pool_bytes)
+            p.object_pool_bytes = _int(object_pool_bytes, "object_pool_bytes", -(2**63))
         arr = (ctypes.c_char_p * max(len(urls), 1))(*[u.encode("utf-8") for u in urls])
         h = _vp()
         _lib.check(sl.kvc_store_open(arr, len(urls), ctypes.byref(p), ctypes.byref(h)))
@@ -944,7 +945,7 @@ class KVStore(_lib.NoCopy):
         c = _cache_of(cache)
         t = _tokens(tokens)
         ids = _lib.int32_array(page_ids, "page_ids").reshape(-1)
-        fp, mp = int(first_page), int(max_pages)
+        fp, mp = _int(first_page, "first_page"), _int(max_pages, "max_pages")
         if fp < 0 or mp < 0 or ids.size < mp or t.size < (fp + mp) * c.page_size:
             raise InvalidArgumentError(
                 f"restore_run: first_page {fp}, max_pages {mp} need {mp} page ids (got "
@@ -963,7 +964,7 @@ class KVStore(_lib.NoCopy):
         c = _cache_of(cache)
         t = _tokens(tokens)
         ids = _lib.int32_array(page_ids, "page_ids").reshape(-1)
-        fp, n = int(first_page), int(n_pages)
+        fp, n = _int(first_page, "first_page"), _int(n_pages, "n_pages")
         if fp < 0 or n < 0 or ids.size < n or t.size < (fp + n) * c.page_size:
             raise InvalidArgumentError(
                 f"save_run: first_page {fp}, n_pages {n} need {n} page ids (got {ids.size}) "

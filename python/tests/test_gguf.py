@@ -88,6 +88,8 @@ def all_types_writer(version=3, alignment=None):
     w.add("v.bool_t", True, V.BOOL)
     w.add("v.bool_f", False, V.BOOL)
     w.add("v.u64", 2**63 - 1, V.UINT64)
+    w.add("v.u64_max", 2**64 - 1, V.UINT64)  # above int64 and a double's 53 bits
+    w.add("v.u64_odd", 2**63 + 1001, V.UINT64)
     w.add("v.i64", -(2**40), V.INT64)
     w.add("v.f64", -2.25, V.FLOAT64)
     w.add("v.str", "héllo wörld ✓")
@@ -199,6 +201,8 @@ def test_writer_read_by_gguf_package_and_c_reader(tmp_path, rng, version, alignm
             assert_same_value(f.metadata[key], theirs, key)
         assert f.metadata["v.str"] == "héllo wörld ✓"
         assert f.metadata["v.u64"] == 2**63 - 1
+        assert f.metadata["v.u64_max"] == 2**64 - 1
+        assert f.metadata["v.u64_odd"] == 2**63 + 1001
         assert f.metadata["arr.u64"].tolist() == [2**64 - 1, 3]
         assert f.metadata["arr.str"] == ["a", "", "Ġthe", "<|im_end|>", "ünï"]
         assert f.metadata["arr.nested"] is None

@@ -86,6 +86,14 @@ def test_append_and_decode_wrapper(name, H, Dh, P, grp):
         o2, lse2 = kvfmt.attention(fmt, pages, seqs, q, [0, 1, 2], [d - 1 for d in done],
                                    return_lse=True, num_threads=2)
         assert np.array_equal(o, o2) and np.array_equal(lse, lse2)
+        # FlashInfer's deprecated forward(): the same, and its sm_scale replaces the plan's
+        assert np.array_equal(w.forward(q, cache), o)
+        o3 = w.forward(q, cache, sm_scale=0.5)
+        assert np.array_equal(o3, kvfmt.attention(fmt, pages, seqs, q, [0, 1, 2],
+                                                  [d - 1 for d in done], 0.5, num_threads=2))
+        with pytest.raises(IA, match="not supported"):
+            w.forward(q, cache, logits_soft_cap=30.0)
+        w.plan(ip, ix, last, H * grp, H, Dh, P, kv_data_type=name)
         vmax = max(float(np.abs(x).max()) for x in v) + 4
         for b in range(3):
             kk, vv = R.values_at(rseqs[b].fmt, rseqs[b], done[b] - 1)

@@ -133,6 +133,8 @@ def test_tiny_logits_match_numpy_reference(tiny):
     # rows from 20 on through the decode kernel, as the engine generates
     c = m.eval(toks, kv_dtype="float32", num_threads=2, decode_from=20)
     _check_logits(c, want, _tol(_types_of(cfg)))
+    with pytest.raises(kvcache.InvalidArgumentError, match="decode_from"):  # no int64 wrap
+        m.eval(toks, kv_dtype="float32", decode_from=2**64 + 20)
 
 
 def test_tiny_eval_threads_and_isas_agree(tiny):

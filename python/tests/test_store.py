@@ -302,6 +302,11 @@ def test_corrupt_objects_are_refused_with_their_reason(rng):
     assert np.array_equal(other.read_page(p2[0]), before)
     kvcache.store_restore_page(other, p2[0], obj, *ok)
     assert np.array_equal(other.read_page(p2[0]), pc.read_page(pages[0]))
+    # write_page takes bytes: float64 values are refused, not reinterpreted
+    page = pc.read_page(pages[0])
+    with pytest.raises(kvcache.InvalidArgumentError, match="uint8"):
+        other.write_page(p2[0], page.view(np.float64))
+    assert np.array_equal(other.read_page(p2[0]), page)
     other.check()
 
 
@@ -352,6 +357,11 @@ def test_store_errors_reach_kvc_last_error(tmp_path):
         kvcache.KVStore(f"dir:{tmp_path}", writer_nice=-1)
     with pytest.raises(kvcache.InvalidArgumentError, match="object_pool_bytes"):
         kvcache.KVStore(f"dir:{tmp_path}", object_pool_bytes=-1)
+    # int64 fields: ctypes would wrap 2**64 + 1024 into a 1,024-byte queue
+    with pytest.raises(kvcache.InvalidArgumentError, match="queue_bytes"):
+        kvcache.KVStore(f"dir:{tmp_path}", queue_bytes=2**64 + 1024)
+    with pytest.raises(kvcache.InvalidArgumentError, match="object_pool_bytes"):
+        kvcache.KVStore(f"dir:{tmp_path}", object_pool_bytes=2**64 - 5)
     st = kvcache.KVStore([f"dir:{tmp_path}?write=back", f"dir:{tmp_path}/b"],
                          write_policy="selective:3", writer_nice=0, object_pool_bytes=0,
                          auth_key=bytes(range(32)), queue_objects=8, queue_bytes=1 << 20)

@@ -906,6 +906,21 @@ kvc_status kvc_gguf_get_i64(const kvc_gguf *g, const char *key, int64_t *out) {
     return KVC_OK;
 }
 
+kvc_status kvc_gguf_get_u64(const kvc_gguf *g, const char *key, uint64_t *out) {
+    const gguf_kv *kv = NULL;
+    KVC_TRY(lookup(g, key, "kvc_gguf_get_u64", &kv));
+    KVC_CHECK(out != NULL, "kvc_gguf_get_u64: out is NULL");
+    int is_unsigned = 0;
+    uint64_t bits = 0;
+    KVC_CHECK(int_value(g, kv, &is_unsigned, &bits),
+              "kvc_gguf_get_u64: key '%.200s' has type %s, not an integer", key,
+              value_type_name(kv->type));
+    KVC_CHECK(is_unsigned || bits <= (uint64_t)INT64_MAX,
+              "kvc_gguf_get_u64: key '%.200s' = %lld is negative", key, (long long)(int64_t)bits);
+    *out = bits;
+    return KVC_OK;
+}
+
 kvc_status kvc_gguf_get_f64(const kvc_gguf *g, const char *key, double *out) {
     const gguf_kv *kv = NULL;
     KVC_TRY(lookup(g, key, "kvc_gguf_get_f64", &kv));
