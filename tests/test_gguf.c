@@ -379,6 +379,17 @@ static int check_sample(const kvc_gguf *g, const sample *s, uint32_t version) {
     ASSERT_STR_CONTAINS(kvc_last_error(), "no key 'no.such.key'");
     ASSERT_STATUS(kvc_gguf_get_i64(g, NULL, &v), KVC_ERR_INVALID_ARG);
     ASSERT_STATUS(kvc_gguf_get_i64(g, "t.u8", NULL), KVC_ERR_INVALID_ARG);
+    uint64_t u = 77;
+    ASSERT_OK(kvc_gguf_get_u64(g, "t.u64", &u));
+    ASSERT_TRUE(u == (1ull << 63) + 5); /* every bit, past int64 and a double's 53 */
+    ASSERT_OK(kvc_gguf_get_u64(g, "t.u32", &u));
+    ASSERT_TRUE(u == 4000000000ull);
+    u = 77;
+    ASSERT_STATUS(kvc_gguf_get_u64(g, "t.i8", &u), KVC_ERR_INVALID_ARG); /* -100 */
+    ASSERT_STR_CONTAINS(kvc_last_error(), "negative");
+    ASSERT_TRUE(u == 77);
+    ASSERT_STATUS(kvc_gguf_get_u64(g, "t.f32", &u), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_gguf_get_u64(g, "no.such.key", &u), KVC_ERR_NOT_FOUND);
 
     /* floats */
     double f;
