@@ -24,12 +24,12 @@ int cli_read_file(const char *cmd, const char *path, char **text, size_t *len) {
     }
     size_t n = 0, cap = 4096;
     char *buf = malloc(cap);
-    int err = buf == NULL;
+    int err = buf == NULL, read_errno = 0;
     while (!err) {
         if (n + 1 == cap) {
             char *q = cap <= SIZE_MAX / 2 ? realloc(buf, cap * 2) : NULL;
             if (!q) {
-                err = 1;
+                err = 1, read_errno = ENOMEM;
                 break;
             }
             buf = q;
@@ -39,13 +39,15 @@ int cli_read_file(const char *cmd, const char *path, char **text, size_t *len) {
         n += got;
         if (got == 0) {
             err = ferror(f) != 0;
+            read_errno = errno; /* "Is a directory", as perplexity says it */
             break;
         }
     }
     if (!is_stdin) fclose(f);
     if (err) {
         fprintf(stderr, "kvcache: %s: cannot read %s: %s\n", cmd,
-                is_stdin ? "standard input" : path, buf ? "read error" : "out of memory");
+                is_stdin ? "standard input" : path,
+                !buf ? "out of memory" : read_errno ? strerror(read_errno) : "read error");
         free(buf);
         return -1;
     }
@@ -261,8 +263,8 @@ static void emit_token(const kvc_tokenizer *tok, int32_t id, kvc_utf8_stream *u8
 
 int cli_generate(const char *cmd, kvc_engine *eng, const kvc_tokenizer *tok, const int32_t *ids,
                  int64_t n_ids, int32_t n_predict, const kvc_sampling_params *sp, int ignore_eos,
-                 int quiet, const char *echo, FILE *out, char **keep, size_t *keep_len,
-                 cli_gen_result *res) {
+                 int quiet, const char *echo, size_t echo_len, FILE *out, char **keep,
+                 size_t *keep_len, cli_gen_result *res) {
     memset(res, 0, sizeof *res);
     res->n_prompt = n_ids;
     kvc_engine_stats s0, s;
@@ -301,12 +303,18 @@ int cli_generate(const char *cmd, kvc_engine *eng, const kvc_tokenizer *tok, con
             t_first = bench_now();
             cli_progress_end(&pr);
             res->n_reused = s.cached_tokens - s0.cached_tokens;
-            if (echo) fputs(echo, out);
+            if (echo) fwrite(echo, 1, echo_len, out); /* all of it: a NUL byte included */
         }
         res->finish = ev[0].finish;
         if (ev[0].finish != KVC_FINISH_EOG)
             emit_token(tok, ev[0].token, &u8, out, keep, keep_len, &nomem);
-        fflush(out);
+        /* a full disk or a closed pipe (SIGPIPE ignored) stops the generation
+         * and fails the command; main's last fflush finds nothing left */
+        if (fflush(out) != 0 || ferror(out)) {
+            fprintf(stderr, "kvcache: %s: cannot write the output: %s\n", cmd, strerror(errno));
+            kvc_engine_cancel(eng, rid);
+            return -1;
+        }
     }
     char tail[4];
     size_t tail_len = 0;

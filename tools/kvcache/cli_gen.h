@@ -103,7 +103,7 @@ typedef struct cli_gen_result {
 
 int cli_generate(const char *cmd, kvc_engine *eng, const kvc_tokenizer *tok, const int32_t *ids,
                  int64_t n_ids, int32_t n_predict, const kvc_sampling_params *sp, int ignore_eos,
-                 int quiet, const char *echo, FILE *out, char **keep, size_t *keep_len,
-                 cli_gen_result *res);
+                 int quiet, const char *echo, size_t echo_len, FILE *out, char **keep,
+                 size_t *keep_len, cli_gen_result *res);
 
 #endif

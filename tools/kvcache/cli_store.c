@@ -56,23 +56,36 @@ int cli_store_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_sto
         o->events = v;
     } else if (!strcmp(a, "--kv-events-replay")) {
         o->replay = v;
-    } else if (!strcmp(v, "through")) {
-        o->policy = 0;
-    } else if (!strcmp(v, "back")) {
-        o->policy = 1;
-    } else {
+    } else { /* --kv-store-write */
         int64_t n = 0;
-        if (strncmp(v, "selective:", 10) || cli_parse_i64(v + 10, 1, 1 << 20, &n))
+        o->policy_set = 1;
+        if (!strcmp(v, "through")) {
+            o->policy = 0;
+        } else if (!strcmp(v, "back")) {
+            o->policy = 1;
+        } else if (strncmp(v, "selective:", 10) || cli_parse_i64(v + 10, 1, 1 << 20, &n)) {
             return cli_usage_error(cmd, "--kv-store-write: expected through, back or "
                                    "selective:N (N >= 1), got '%s'", v);
-        o->policy = 2;
-        o->hits = (int32_t)n;
+        } else {
+            o->policy = 2;
+            o->hits = (int32_t)n;
+        }
     }
     return 1;
 }
 
 int cli_store_opts_any(const cli_store_opts *o) {
     return o->n_urls > 0 || o->events || o->replay || o->json_stats;
+}
+
+int cli_store_opts_check(const char *cmd, const cli_store_opts *o) {
+    if (o->replay && !o->events)
+        return cli_usage_error(cmd, "--kv-events-replay needs --kv-events");
+    if (o->n_urls == 0 && o->salt)
+        fprintf(stderr, "kvcache: %s: warning: --salt without --kv-store\n", cmd);
+    if (o->n_urls == 0 && o->policy_set)
+        fprintf(stderr, "kvcache: %s: warning: --kv-store-write without --kv-store\n", cmd);
+    return 0;
 }
 
 /* --json-stats: one line on stderr (the store's counters 0 without one). */
@@ -112,14 +125,11 @@ static void close_events(const char *cmd) {
 int cli_store_attach(const char *cmd, const cli_store_opts *o, const char *model_path,
                      const kvc_model *model, kvc_engine *eng, kvc_store **store) {
     *store = NULL;
-    if (o->replay && !o->events) {
+    if (o->replay && !o->events) { /* cli_store_opts_check refused it already */
         fprintf(stderr, "kvcache: %s: --kv-events-replay needs --kv-events\n", cmd);
         return -1;
     }
-    if (o->n_urls == 0 && !o->events) {
-        if (o->salt) fprintf(stderr, "kvcache: %s: warning: --salt without --kv-store\n", cmd);
-        return 0;
-    }
+    if (o->n_urls == 0 && !o->events) return 0; /* --salt alone: warned at parsing */
     /* --kv-events alone: a store of no tiers carries the engine's events */
     kvc_cache_params cp;
     kvc_store_key ns;

@@ -18,6 +18,7 @@ typedef struct cli_store_opts {
     const char *urls[CLI_STORE_MAX];
     int n_urls;
     int policy;       /* kvc_store_write_policy */
+    int policy_set;   /* --kv-store-write given */
     int32_t hits;     /* selective:N */
     const char *salt; /* NULL: none */
     const char *events; /* --kv-events ENDPOINT, NULL: none */
@@ -32,6 +33,11 @@ void cli_store_opts_default(cli_store_opts *o);
 int cli_store_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_store_opts *o);
 /* 1 when o asks for anything of the store (a tier, events, stats). */
 int cli_store_opts_any(const cli_store_opts *o);
+
+/* After parsing: options that need another (--kv-events-replay needs
+ * --kv-events) are a usage error (its exit code), 0 if fine; options that
+ * do nothing without --kv-store get a warning. */
+int cli_store_opts_check(const char *cmd, const cli_store_opts *o);
 
 /* Opens the store of o (none: *store NULL, returns 0) and attaches it to
  * eng for the model at model_path, and with --kv-events starts publishing

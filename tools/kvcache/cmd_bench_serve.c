@@ -253,6 +253,7 @@ int cmd_bench_serve(int argc, char **argv) {
             return cli_usage_error(cmd, "unexpected argument '%s'", a);
         }
     }
+    if (cli_store_opts_check(cmd, &so)) return CLI_EXIT_USAGE;
     if (text && text_file) return cli_usage_error(cmd, "give -p or -f, not both");
     if (sync && cli_store_opts_any(&so))
         return cli_usage_error(cmd, "--kv-store, --kv-events and --json-stats need the engine "

@@ -141,6 +141,7 @@ int cmd_chat(int argc, char **argv) {
         else if (cli_parse_i64(v, 16, 1 << 20, &ctx_size))
             return cli_usage_error(cmd, "-c: expected an integer in [16, 1048576], got '%s'", v);
     }
+    if (cli_store_opts_check(cmd, &so)) return CLI_EXIT_USAGE;
     if (system && system_file) return cli_usage_error(cmd, "give --system or --system-file");
     if ((system_file && !strcmp(system_file, "-")) || (tmpl_file && !strcmp(tmpl_file, "-")))
         return cli_usage_error(cmd, "standard input carries the messages: name a file");
@@ -239,7 +240,7 @@ int cmd_chat(int argc, char **argv) {
         size_t reply_len = 0;
         cli_gen_result r;
         int bad = cli_generate(cmd, eng, tok, ids, n_ids, n_predict, &sp, o.ignore_eos, o.quiet,
-                               NULL, stdout, &reply, &reply_len, &r);
+                               NULL, 0, stdout, &reply, &reply_len, &r);
         free(ids);
         fputc('\n', stdout);
         fflush(stdout);

@@ -88,6 +88,7 @@ int cmd_run(int argc, char **argv) {
             return cli_usage_error(cmd, "unexpected argument '%s'", a);
         }
     }
+    if (cli_store_opts_check(cmd, &so)) return CLI_EXIT_USAGE;
     if (prompt && prompt_file) return cli_usage_error(cmd, "give -p or -f, not both");
     if (!prompt && !prompt_file)
         return cli_usage_error(cmd, "a prompt is required (-p TEXT or -f FILE)");
@@ -153,7 +154,7 @@ int cmd_run(int argc, char **argv) {
     /* plain completion echoes the prompt, as llama.cpp does; it is printed
      * once the prompt is computed, below the progress line */
     if (cli_generate(cmd, eng, tok, ids, n_ids, (int32_t)o.n_predict, &sp, o.ignore_eos, o.quiet,
-                     chat ? NULL : prompt, stdout, NULL, NULL, &r))
+                     chat ? NULL : prompt, chat ? 0 : plen, stdout, NULL, NULL, &r))
         goto done;
     fputc('\n', stdout);
     fflush(stdout);

@@ -33,7 +33,7 @@ static const char usage_text[] =
     "  perplexity       perplexity of a text file (llama-perplexity's protocol)\n"
     "  info             library version, ISA in use and supported, CPUs\n"
     "  bench [TARGET]   micro-benchmarks; TARGET: pmx (default), append, cache,\n"
-    "                   attention, prefill, mla, gemm, kernel\n"
+    "                   attention, prefill, mla, gemm, kernel, store\n"
     "  help [COMMAND]   this text, or the help of COMMAND\n"
     "  version          print the library version\n"
     "\n"
@@ -231,7 +231,7 @@ int main(int argc, char **argv) {
     }
     int rc = run_command(argc - 1, argv + 1);
     /* A full disk or closed pipe on stdout must not pass silently. */
-    if (fflush(stdout) != 0 && rc == CLI_EXIT_OK) {
+    if ((fflush(stdout) != 0 || ferror(stdout)) && rc == CLI_EXIT_OK) {
         fprintf(stderr, "kvcache: error writing to stdout\n");
         rc = CLI_EXIT_FAIL;
     }
