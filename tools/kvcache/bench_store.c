@@ -144,20 +144,45 @@ static int do_get(bs *b) {
     return 0;
 }
 
+/* s[0..n) single-quoted for sh into dst (a ' as '\''); "" when it does not fit. */
+static void shell_quote(char *dst, size_t cap, const char *s, size_t n) {
+    size_t o = 0;
+    dst[0] = 0;
+    if (cap < 3) return;
+    dst[o++] = '\'';
+    for (size_t i = 0; i < n; i++) {
+        if (o + 6 >= cap) {
+            dst[0] = 0;
+            return;
+        }
+        if (s[i] == '\'') {
+            memcpy(dst + o, "'\\''", 4);
+            o += 4;
+        } else {
+            dst[o++] = s[i];
+        }
+    }
+    dst[o++] = '\'';
+    dst[o] = 0;
+}
+
 /* requests/s of redis-benchmark's SET and GET (value bytes, pipeline 32)
- * against url's first server; 0 when it cannot run. */
+ * against url's first server; 0 when it cannot run. The host or socket
+ * path goes to the shell quoted. */
 static void redis_benchmark(const char *url, size_t value, int64_t n, double *set_rps,
                             double *get_rps) {
     *set_rps = *get_rps = 0;
-    char target[512], cmd[1024];
+    char target[560], q[520], cmd[1100];
     if (!strncmp(url, "unix://", 7)) {
-        snprintf(target, sizeof target, "-s %.*s", (int)strcspn(url + 7, ",?"), url + 7);
+        shell_quote(q, sizeof q, url + 7, strcspn(url + 7, ",?"));
+        snprintf(target, sizeof target, "-s %s", q);
     } else {
         const char *h = url + 8; /* redis:// */
         size_t hl = strcspn(h, ":,?");
-        snprintf(target, sizeof target, "-h %.*s -p %d", (int)hl, h,
-                 h[hl] == ':' ? atoi(h + hl + 1) : 6379);
+        shell_quote(q, sizeof q, h, hl);
+        snprintf(target, sizeof target, "-h %s -p %d", q, h[hl] == ':' ? atoi(h + hl + 1) : 6379);
     }
+    if (!q[0]) return;
     snprintf(cmd, sizeof cmd, "redis-benchmark %s -c 1 -t set,get -d %zu -P 32 -n %lld -r %lld "
              "--csv 2>/dev/null", target, value, (long long)(n * 4), (long long)n);
     FILE *f = popen(cmd, "r");
