@@ -889,15 +889,21 @@ static int int_value(const kvc_gguf *g, const gguf_kv *kv, int *is_unsigned, uin
     }
 }
 
-kvc_status kvc_gguf_get_i64(const kvc_gguf *g, const char *key, int64_t *out) {
+/* An integer value's 64 bits and signedness, for get_i64 and get_u64. */
+static kvc_status int_of_key(const kvc_gguf *g, const char *key, const char *fn, const void *out,
+                             int *is_unsigned, uint64_t *bits) {
     const gguf_kv *kv = NULL;
-    KVC_TRY(lookup(g, key, "kvc_gguf_get_i64", &kv));
-    KVC_CHECK(out != NULL, "kvc_gguf_get_i64: out is NULL");
+    KVC_TRY(lookup(g, key, fn, &kv));
+    KVC_CHECK(out != NULL, "%s: out is NULL", fn);
+    KVC_CHECK(int_value(g, kv, is_unsigned, bits), "%s: key '%.200s' has type %s, not an integer",
+              fn, key, value_type_name(kv->type));
+    return KVC_OK;
+}
+
+kvc_status kvc_gguf_get_i64(const kvc_gguf *g, const char *key, int64_t *out) {
     int is_unsigned = 0;
     uint64_t bits = 0;
-    KVC_CHECK(int_value(g, kv, &is_unsigned, &bits),
-              "kvc_gguf_get_i64: key '%.200s' has type %s, not an integer", key,
-              value_type_name(kv->type));
+    KVC_TRY(int_of_key(g, key, "kvc_gguf_get_i64", out, &is_unsigned, &bits));
     KVC_CHECK(!is_unsigned || bits <= (uint64_t)INT64_MAX,
               "kvc_gguf_get_i64: key '%.200s' = %llu does not fit in int64", key,
               (unsigned long long)bits);
@@ -907,14 +913,9 @@ kvc_status kvc_gguf_get_i64(const kvc_gguf *g, const char *key, int64_t *out) {
 }
 
 kvc_status kvc_gguf_get_u64(const kvc_gguf *g, const char *key, uint64_t *out) {
-    const gguf_kv *kv = NULL;
-    KVC_TRY(lookup(g, key, "kvc_gguf_get_u64", &kv));
-    KVC_CHECK(out != NULL, "kvc_gguf_get_u64: out is NULL");
     int is_unsigned = 0;
     uint64_t bits = 0;
-    KVC_CHECK(int_value(g, kv, &is_unsigned, &bits),
-              "kvc_gguf_get_u64: key '%.200s' has type %s, not an integer", key,
-              value_type_name(kv->type));
+    KVC_TRY(int_of_key(g, key, "kvc_gguf_get_u64", out, &is_unsigned, &bits));
     KVC_CHECK(is_unsigned || bits <= (uint64_t)INT64_MAX,
               "kvc_gguf_get_u64: key '%.200s' = %lld is negative", key, (long long)(int64_t)bits);
     *out = bits;
