@@ -71,15 +71,16 @@ static int obj_ok(const void *obj, size_t len, const kvc_store_key *k) {
  * which. */
 static kvc_status put_keys_w(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
                              int64_t n, int64_t *n_written, unsigned char *written) {
-    void **objs = calloc((size_t)n, sizeof *objs);
-    size_t *lens = calloc((size_t)n, sizeof *lens);
-    unsigned char *w = malloc((size_t)n + 1);
+    const size_t nn = n > 0 ? (size_t)n : 0; /* n >= 0 (a negative size warns at -O1) */
+    void **objs = calloc(nn + 1, sizeof *objs);
+    size_t *lens = calloc(nn + 1, sizeof *lens);
+    unsigned char *w = malloc(nn + 1);
     for (int64_t i = 0; i < n; i++) {
         lens[i] = obj_size(&keys[i]);
         objs[i] = malloc(lens[i]);
         fill_obj(objs[i], lens[i], &keys[i]);
     }
-    memset(w, 2, (size_t)n);
+    memset(w, 2, nn);
     kvc_status st = t->ops->put(t, ns, keys, (const void *const *)objs, lens, n, w);
     *n_written = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -87,7 +88,7 @@ static kvc_status put_keys_w(kvc_tier *t, const kvc_store_key *ns, const kvc_sto
         *n_written += w[i] == 1;
         free(objs[i]);
     }
-    if (written) memcpy(written, w, (size_t)n);
+    if (written) memcpy(written, w, nn);
     free(w);
     free(objs);
     free(lens);
