@@ -81,7 +81,7 @@ int cli_store_opts_any(const cli_store_opts *o) {
 int cli_store_opts_check(const char *cmd, const cli_store_opts *o) {
     if (o->replay && !o->events)
         return cli_usage_error(cmd, "--kv-events-replay needs --kv-events");
-    if (o->n_urls == 0 && o->salt)
+    if (o->n_urls == 0 && !o->events && o->salt) /* with --kv-events it salts the keys sent */
         fprintf(stderr, "kvcache: %s: warning: --salt without --kv-store\n", cmd);
     if (o->n_urls == 0 && o->policy_set)
         fprintf(stderr, "kvcache: %s: warning: --kv-store-write without --kv-store\n", cmd);
