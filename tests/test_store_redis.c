@@ -525,7 +525,8 @@ static int server_down_body(child_server *cs) {
     ASSERT_STATUS(put_keys_w(t, &ns, keys, N, &written, w), KVC_ERR_IO);
     ASSERT_EQ_I64(written, n_mine);
     for (int i = 0; i < N; i++) /* exactly the live server's keys, wherever they sit */
-        if (w[i] != on1[i]) TEST_FAIL_("key %d: written %d, on the live server %d", i, w[i], on1[i]);
+        if (w[i] != on1[i])
+            TEST_FAIL_("key %d: written %d, on the live server %d", i, w[i], on1[i]);
     ASSERT_STATUS(put_keys(t, &ns, keys, N, &written), KVC_ERR_IO); /* down: at once */
     ASSERT_STR_CONTAINS(kvc_last_error(), "down");
     ASSERT_TRUE(now_s() - t0 < 5.0);

@@ -810,7 +810,8 @@ static void hadamard_avx2(float *x, int32_t n) {
 
 static const kvc_kernels table = {
     KVC_ISA_AVX2, copy_avx2, convert_avx2, all_finite_avx2, quantize_avx2, quantize_stream_avx2,
-    quant_scales_avx2, quant_values_avx2, softcap_avx2, hadamard_avx2, dequantize_avx2, dequantize_rows_avx2,
+    quant_scales_avx2, quant_values_avx2, softcap_avx2, hadamard_avx2, dequantize_avx2,
+    dequantize_rows_avx2,
     attn_decode_avx2,
     NULL, NULL, NULL, NULL, NULL, /* no AMX decode */
 };

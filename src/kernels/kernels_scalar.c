@@ -201,7 +201,8 @@ void kvc__hadamard_ref(float *x, int32_t n) {
 
 static const kvc_kernels table = {
     KVC_ISA_SCALAR, copy_ref, convert_ref, all_finite_ref, quantize_ref, quantize_ref,
-    quant_scales_ref, quant_values_ref, softcap_ref, kvc__hadamard_ref, dequantize_ref, dequantize_rows_ref,
+    quant_scales_ref, quant_values_ref, softcap_ref, kvc__hadamard_ref, dequantize_ref,
+    dequantize_rows_ref,
     attn_decode_ref,
     NULL, NULL, NULL, NULL, NULL, /* no AMX decode */
 };

@@ -283,6 +283,17 @@ static int64_t stage_from(const kvc_kvfmt *f, int64_t n, int64_t cnt) {
     return ring_direct(f, n, cnt) ? n - cnt : stage_w0(f, n - cnt);
 }
 
+/* Staged rows of positions [from, n_kv) of sequence b into its tail ring. */
+static void write_tail(const store_ctx *c, int64_t b, int64_t from) {
+    const kvc_kvfmt_seq *s = &c->seqs[b];
+    const int64_t T = c->f->group + c->f->window, HD = c->HD;
+    for (int64_t t = from; t < s->n_kv; t++) {
+        const uint16_t *r = c->st + (c->off[b] + t - c->w0[b]) * 2 * HD;
+        memcpy(s->tail + (t % T) * HD, r, (size_t)HD * 2);
+        memcpy(s->tail + (T + t % T) * HD, r + HD, (size_t)HD * 2);
+    }
+}
+
 static size_t scratch_bytes(const kvc_kvfmt *f, int64_t nnz, int64_t n_seqs, int64_t n_rows,
                             int64_t n_tasks) {
     const int64_t n_conv = (nnz + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
@@ -468,12 +479,7 @@ static kvc_status append_attend(const char *fn, const kvc_kvfmt *f, kvc_tensor *
             memcpy(s->sink + t * HD, r, (size_t)HD * 2);
             memcpy(s->sink + (f->sink + t) * HD, r + HD, (size_t)HD * 2);
         }
-        if (ring_direct(f, s->n_kv, cnt))
-            for (int64_t t = pos0; t < s->n_kv; t++) {
-                const uint16_t *r = c.st + (c.off[b] + t - pos0) * 2 * HD;
-                memcpy(s->tail + (t % T) * HD, r, (size_t)HD * 2);
-                memcpy(s->tail + (T + t % T) * HD, r + HD, (size_t)HD * 2);
-            }
+        if (ring_direct(f, s->n_kv, cnt)) write_tail(&c, b, pos0);
     }
     if (q)
         kvc__kvfmt_attend(f, pages, seqs, wins, q, q_seq, q_pos, sm, out, lse, pool,
@@ -481,12 +487,8 @@ static kvc_status append_attend(const char *fn, const kvc_kvfmt *f, kvc_tensor *
     for (int64_t b = 0; b < n_seqs; b++) {
         const kvc_kvfmt_seq *s = &seqs[b];
         const int64_t cnt = row_indptr[b + 1] - row_indptr[b];
-        if (cnt == 0 || ring_direct(f, s->n_kv, cnt)) continue;
-        for (int64_t t = stage_w0(f, s->n_kv); t < s->n_kv; t++) { /* what the tail holds */
-            const uint16_t *r = c.st + (c.off[b] + t - c.w0[b]) * 2 * HD;
-            memcpy(s->tail + (t % T) * HD, r, (size_t)HD * 2);
-            memcpy(s->tail + (T + t % T) * HD, r + HD, (size_t)HD * 2);
-        }
+        if (cnt > 0 && !ring_direct(f, s->n_kv, cnt))
+            write_tail(&c, b, stage_w0(f, s->n_kv)); /* what the tail holds */
     }
     kvc__scratch_release(pool, mem);
     return KVC_OK;

@@ -12,6 +12,7 @@
 #define _POSIX_C_SOURCE 200809L /* clock_gettime, pthread_cond_timedwait */
 #endif
 #include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -324,7 +325,7 @@ kvc_status kvc_store_put(kvc_store *s, const kvc_store_key *ns, const kvc_store_
 
 kvc_status kvc_store_flush(kvc_store *s, double timeout_s) {
     KVC_CHECK(s != NULL, "kvc_store_flush: store is NULL");
-    KVC_CHECK(timeout_s == timeout_s, "kvc_store_flush: timeout_s is NaN");
+    KVC_CHECK(!isnan(timeout_s), "kvc_store_flush: timeout_s is NaN");
     /* a limit past a century is none: its deadline would overflow time_t
      * (pthread_cond_timedwait then fails at once, forever) */
     if (timeout_s > 3.2e9) timeout_s = -1;
