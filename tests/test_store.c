@@ -1370,6 +1370,115 @@ TEST(writer_thread_yields_the_cpus) {
  * (its deadline once overflowed time_t: pthread_cond_timedwait failed at
  * once and flush spun forever holding the lock the writer needed); NaN is
  * refused. */
+/* The engine-cache pages a store's events named: STORED adds, REMOVED drops. */
+typedef struct gpu_set {
+    kvc_store_key keys[256];
+    int n, stored, removed, bad; /* bad: a removal of a key not in the set */
+} gpu_set;
+
+static void gpu_set_event(void *user, const kvc_store_event *ev) {
+    gpu_set *g = user;
+    if (ev->tier != KVC_STORE_TIER_CACHE) return;
+    int at = -1;
+    for (int i = 0; i < g->n && at < 0; i++)
+        if (!memcmp(&g->keys[i], &ev->key, sizeof ev->key)) at = i;
+    if (ev->kind == KVC_STORE_EVENT_STORED) {
+        g->stored++;
+        if (at < 0 && g->n < 256) g->keys[g->n++] = ev->key;
+    } else if (ev->kind == KVC_STORE_EVENT_REMOVED) {
+        g->removed++;
+        if (at < 0) g->bad++;
+        else g->keys[at] = g->keys[--g->n];
+    }
+}
+
+static int serve_one(kvc_engine *e, const int32_t *prompt, int n) {
+    int64_t id;
+    ASSERT_OK(kvc_engine_add_request(e, prompt, n, 4, NULL, 1, &id));
+    while (kvc_engine_pending(e) > 0) {
+        kvc_engine_event ev[4];
+        int64_t ne = 0;
+        ASSERT_OK(kvc_engine_step(e, ev, 4, &ne));
+    }
+    return 0;
+}
+
+TEST(detach_reports_the_cache_gone) {
+    NEED_TINY(m);
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    enum { N = 100 };
+    int32_t prompt[N];
+    random_prompt(prompt, N, test_seed + 7, in.n_vocab);
+    srun r = srun_default();
+    kvc_engine_params ep = srun_engine_params(&r);
+    kvc_engine *e = NULL, *e2 = NULL;
+    kvc_store *s = NULL, *s1 = NULL;
+    kvc_store_key ns;
+    ASSERT_OK(kvc_engine_create(m, &ep, &e));
+    ASSERT_OK(srun_ns(m, tiny_path, &r, &ns));
+    ASSERT_OK(kvc_store_open(NULL, 0, NULL, &s)); /* no tiers: events only */
+    ASSERT_OK(kvc_store_open(NULL, 0, NULL, &s1));
+    gpu_set g;
+    memset(&g, 0, sizeof g);
+    ASSERT_OK(kvc_store_set_event_callback(s, gpu_set_event, &g));
+
+    ASSERT_OK(kvc_store_attach_engine(s, e, &ns));
+    if (serve_one(e, prompt, N)) return 1;
+    ASSERT_EQ_I64(g.stored, N / 16); /* the full pages of the prompt */
+    ASSERT_EQ_I64(g.n, N / 16);
+    kvc_engine_connector c;
+    ASSERT_OK(kvc_engine_get_connector(e, &c));
+    ASSERT_TRUE(c.user != NULL && c.probe != NULL);
+    ASSERT_OK(kvc_store_detach_engine(s, e));
+    ASSERT_EQ_I64(g.n, 0); /* every page it reported, reported gone */
+    ASSERT_EQ_I64(g.removed, N / 16);
+    ASSERT_EQ_I64(g.bad, 0);
+    ASSERT_OK(kvc_engine_get_connector(e, &c));
+    ASSERT_TRUE(c.user == NULL && c.probe == NULL && c.on_final == NULL);
+    ASSERT_STATUS(kvc_store_detach_engine(s, e), KVC_ERR_INVALID_ARG);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "not attached");
+    ASSERT_STATUS(kvc_store_detach_engine(NULL, e), KVC_ERR_INVALID_ARG);
+    prompt[0] ^= 1; /* a new prompt: the engine serves it, the store hears nothing */
+    if (serve_one(e, prompt, N)) return 1;
+    ASSERT_EQ_I64(g.stored, N / 16);
+
+    /* attached again while attached: the first attachment's pages are gone */
+    ASSERT_OK(kvc_store_attach_engine(s, e, &ns));
+    prompt[0] ^= 2;
+    if (serve_one(e, prompt, N)) return 1;
+    ASSERT_EQ_I64(g.n, N / 16);
+    ASSERT_OK(kvc_store_attach_engine(s, e, &ns));
+    ASSERT_EQ_I64(g.n, 0);
+    ASSERT_EQ_I64(g.bad, 0);
+    ASSERT_OK(kvc_store_detach_engine(s, e));
+    ASSERT_STATUS(kvc_store_detach_engine(s, e), KVC_ERR_INVALID_ARG);
+
+    /* detaching from a store the engine has left keeps the newer connector */
+    ASSERT_OK(kvc_store_attach_engine(s, e, &ns));
+    ASSERT_OK(kvc_store_attach_engine(s1, e, &ns));
+    ASSERT_OK(kvc_store_detach_engine(s, e));
+    ASSERT_OK(kvc_engine_get_connector(e, &c));
+    ASSERT_TRUE(c.user != NULL && c.probe != NULL);
+    ASSERT_OK(kvc_store_detach_engine(s1, e));
+    ASSERT_OK(kvc_engine_get_connector(e, &c));
+    ASSERT_TRUE(c.user == NULL);
+
+    /* a refused attach lists nothing */
+    ep.enable_prefix_caching = 0;
+    ASSERT_OK(kvc_engine_create(m, &ep, &e2));
+    ASSERT_STATUS(kvc_store_attach_engine(s, e2, &ns), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_store_detach_engine(s, e2), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_engine_get_connector(NULL, &c), KVC_ERR_INVALID_ARG);
+
+    kvc_engine_destroy(e2);
+    kvc_engine_destroy(e);
+    kvc_store_close(s1);
+    kvc_store_close(s);
+    kvc_model_destroy(m);
+    return 0;
+}
+
 TEST(flush_without_a_limit) {
     char dir[] = "/tmp/kvc_store_XXXXXX", url[64];
     ASSERT_TRUE(mkdtemp(dir) != NULL);
@@ -1418,6 +1527,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(write_policies_and_a_full_queue),
     TEST_ENTRY(partly_shared_groups_keep_their_own_pages),
     TEST_ENTRY(engine_steps_others_while_a_load_runs),
+    TEST_ENTRY(detach_reports_the_cache_gone),
     TEST_ENTRY(objpool_reuses_within_its_bound),
     TEST_ENTRY(flush_without_a_limit),
     TEST_ENTRY(hash_variants_agree),

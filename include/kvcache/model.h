@@ -346,6 +346,9 @@ typedef struct kvc_engine_connector {
  * window (W = 0: restored pages then give exactly the recomputed K/V). */
 KVC_API kvc_status kvc_engine_set_connector(kvc_engine *engine,
                                             const kvc_engine_connector *connector);
+/* The engine's connector (a copy; all NULL when it has none). */
+KVC_API kvc_status kvc_engine_get_connector(const kvc_engine *engine,
+                                            kvc_engine_connector *out);
 
 KVC_API kvc_status kvc_engine_get_stats(const kvc_engine *engine, kvc_engine_stats *out);
 /* The engine's cache (for inspection: kvc_cache_get_stats, kvc_cache_check). */

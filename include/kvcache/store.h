@@ -337,6 +337,15 @@ KVC_API kvc_status kvc_store_events_get_stats(kvc_store_events *ev, kvc_store_ev
  * (each attach is independent); the store must outlive them. */
 KVC_API kvc_status kvc_store_attach_engine(kvc_store *store, kvc_engine *engine,
                                            const kvc_store_key *ns);
+/* Stops store following engine: the engine loses its connector (unless it
+ * was given another since; loads in flight are dropped), the store frees
+ * what it kept for it, and REMOVED events (tier KVC_STORE_TIER_CACHE) name
+ * every page of the engine's cache it reported stored, so a subscriber
+ * drops them. Call it before destroying an engine whose store lives on (a
+ * store keeps an attachment until then, or until kvc_store_close), never
+ * while the engine steps. KVC_ERR_INVALID_ARG if engine is not attached.
+ * Attaching an engine again replaces its attachment the same way. */
+KVC_API kvc_status kvc_store_detach_engine(kvc_store *store, kvc_engine *engine);
 
 #ifdef __cplusplus
 }

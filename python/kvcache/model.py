@@ -521,9 +521,10 @@ class Engine(_lib.NoCopy):
 
     @_lib.locked
     def _detach_store(self, store) -> None:
-        """Called by KVStore.close: the engine stops using the store."""
+        """Called by KVStore.close (its pointer still set): the engine stops
+        using the store, which reports the engine cache's pages removed."""
         if self._ptr and self._store is store:
-            _lib.check(kvc_engine_set_connector(self._ptr, None))
+            _lib.check(store._lib.kvc_store_detach_engine(store._ptr, self._ptr))
         self._store = None
 
     @property
@@ -533,7 +534,11 @@ class Engine(_lib.NoCopy):
 
     @_lib.locked
     def close(self):
+        """Frees the engine, detaching it from its KVStore first (the store's
+        events then report its cache's pages removed)."""
         if self._ptr:
+            if self._store is not None:
+                self._store._detach(self, self._ptr)
             kvc_engine_destroy(self._ptr)
             self._ptr = None
         self._store = None

@@ -244,6 +244,7 @@ _PROTOS = {
     "kvc_store_get_stats": (_c_int, _vp, ctypes.POINTER(StoreStats)),
     "kvc_store_set_event_callback": (_c_int, _vp, EVENT_FN, _vp),
     "kvc_store_attach_engine": (_c_int, _vp, _vp, _KP),
+    "kvc_store_detach_engine": (_c_int, _vp, _vp),
 }
 
 
@@ -983,6 +984,19 @@ class KVStore(_lib.NoCopy):
             _lib.check(self._lib.kvc_store_attach_engine(self._ptr, engine_ptr, ctypes.byref(k)))
             with self._elock:
                 self._engines.add(engine)
+
+    def _detach(self, engine, engine_ptr: int) -> None:
+        """kvc_store_detach_engine (Engine.close calls it, holding its lock):
+        the store frees what it kept for the engine and reports the pages of
+        its cache removed. A store closing meanwhile detaches it itself."""
+        with self._elock:
+            self._engines.discard(engine)
+        try:
+            with self._use():
+                _lib.check(self._lib.kvc_store_detach_engine(self._ptr, engine_ptr))
+        except InvalidArgumentError:
+            if not self._life.closed:
+                raise
 
 
 @atexit.register

@@ -534,6 +534,49 @@ def test_a_store_of_no_tiers_reports_the_cache_alone(tiny_path, tmp_path):
         assert st.stats()["writes_queued"] == 0
 
 
+def test_detached_engines_leave_no_pages_in_the_events(tiny_path):
+    """Engine.close and KVStore.close detach (kvc_store_detach_engine): the
+    pages the events named stored in the engine's cache are then named
+    removed, so a subscriber rebuilding the set is left with none; engines
+    attached in turn to one store each report only their own."""
+    def follow(events):
+        live, ever = set(), 0
+        for e in events:
+            assert e["tier"] == kvcache.store.TIER_CACHE
+            if e["kind"] == "stored":
+                assert e["key"] not in live
+                live.add(e["key"])
+                ever += 1
+            else:
+                assert e["kind"] == "removed" and e["key"] in live
+                live.remove(e["key"])
+        return live, ever
+
+    with Model(tiny_path) as m:
+        prompts = _prompts(m.n_vocab)
+        events = []
+        with kvcache.KVStore([]) as st:
+            st.set_event_callback(events.append)
+            for p in prompts:  # an engine per prompt, as Model.generate makes
+                eng = Engine(m, kv_dtype="float16", page_size=16, kv_store=st)
+                eng.add_request(p, 2, ignore_eos=True)
+                eng.run()
+                live, ever = follow(events)
+                assert len(live) == len(p) // 16
+                eng.close()
+                assert follow(events) == (set(), ever)
+                assert eng.kv_store is None
+            m.generate([prompts[0]], 2, kv_store=st)
+            assert follow(events)[0] == set()
+            eng = Engine(m, kv_dtype="float16", page_size=16, kv_store=st)
+            eng.add_request(prompts[1], 2, ignore_eos=True)
+            eng.run()
+            assert follow(events)[0]
+        assert follow(events)[0] == set()  # the store's close detached it
+        assert eng.kv_store is None
+        eng.close()
+
+
 def test_engine_attach_detach_and_events(tiny_path, tmp_path):
     events = []
     with Model(tiny_path) as m:

@@ -119,7 +119,7 @@ def test_subscriber_rebuilds_the_dir_tier(tmp_path):
     removed_disk = 0
     for msgs in streams:
         assert msgs, "no event reached the subscriber"
-        sets.pop("GPU", None)  # a new process: a new engine cache
+        gpu_seen = 0
         for ev in _decode(msgs):
             kind, medium = ev["type"], ev.get("medium")
             assert medium in ("GPU", "DISK")
@@ -138,6 +138,7 @@ def test_subscriber_rebuilds_the_dir_tier(tmp_path):
                     assert all(h in ever_stored for h in hashes)
                 ever_stored.update(hashes)
                 s.update(hashes)
+                gpu_seen += medium == "GPU"
             elif kind == "BlockRemoved":
                 assert all(isinstance(h, bytes) and len(h) == 16 for h in ev["block_hashes"])
                 removed_disk += medium == "DISK"
@@ -145,7 +146,8 @@ def test_subscriber_rebuilds_the_dir_tier(tmp_path):
             else:
                 assert kind == "AllBlocksCleared"
                 s.clear()
-    assert sets.get("GPU")
+        # the process detached its engine: every GPU page it reported, removed
+        assert gpu_seen and not sets.get("GPU")
     assert removed_disk > 0, "the budget should have evicted"
 
     files = {p for p in store.rglob("*.kvp") if "tmp" not in p.relative_to(store).parts}
@@ -189,6 +191,28 @@ def test_kv_events_without_a_store(tmp_path):
     stored = [b for b in blocks(alone) if b[0] == "BlockStored"]
     assert len(stored) >= 2 * 64 // 16  # each prompt's pages, at least
     assert blocks(alone) == blocks(beside)
+
+
+def test_bench_serve_cases_share_one_stream():
+    """bench-serve with several cases: one publisher for all (sequence
+    numbers run on, which _decode checks), and each case's engine, detached
+    at its end, leaves no GPU page behind before the next case's."""
+    model = _model()
+    args = ["-m", str(model), "--batch", "1,2", "--prompt-len", "160", "--gen", "2",
+            "--kv-dtype", "f16,kivi8", "-t", "2"]
+    evs = _decode(_serve(args, f"tcp://127.0.0.1:{_free_port()}"))
+    live: set[bytes] = set()
+    drained = 0  # times the set of GPU pages went back to empty
+    for ev in evs:
+        assert ev["medium"] == "GPU" and ev["type"] in ("BlockStored", "BlockRemoved")
+        if ev["type"] == "BlockStored":
+            live.update(ev["block_hashes"])
+        else:
+            assert set(ev["block_hashes"]) <= live
+            live.difference_update(ev["block_hashes"])
+            drained += not live
+    assert not live
+    assert drained == 4  # 2 batch sizes x 2 formats: four engines in turn
 
 
 def test_replay_returns_what_the_subscriber_saw(tmp_path):

@@ -322,6 +322,16 @@ kvc_status kvc_engine_set_connector(kvc_engine *e, const kvc_engine_connector *c
     return kvc_cache_set_evict_hook(e->cache, c->on_evict ? evict_trampoline : NULL, e);
 }
 
+kvc_status kvc_engine_get_connector(const kvc_engine *e, kvc_engine_connector *out) {
+    KVC_CHECK(e != NULL && out != NULL, "kvc_engine_get_connector: engine and out must not be "
+              "NULL");
+    if (e->has_conn)
+        *out = e->conn;
+    else
+        memset(out, 0, sizeof *out);
+    return KVC_OK;
+}
+
 /* Page ids of seq into e->pg; their count, or -1 (message set). */
 static int64_t seq_pages(kvc_engine *e, kvc_seq_id seq) {
     int32_t indptr[2], last;

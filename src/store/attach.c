@@ -162,6 +162,16 @@ static void on_evict(void *user, const kvc_cache *cache, int32_t id) {
     a->slots[id].valid = 0; /* about to be reused */
 }
 
+/* REMOVED events for the pages of the cache a's slots name, when the store
+ * stops following that cache (its events would otherwise leave subscribers
+ * counting on pages nobody will report removed). */
+static void report_removed(const attach *a) {
+    for (int64_t id = 0; id < a->num_pages; id++)
+        if (a->slots[id].valid)
+            kvc__store_emit_page(a->s, KVC_STORE_EVENT_REMOVED, KVC_STORE_TIER_CACHE, &a->ns,
+                                 &a->slots[id].key, &a->slots[id].parent, NULL, 0);
+}
+
 kvc_status kvc_store_attach_engine(kvc_store *s, kvc_engine *engine, const kvc_store_key *ns) {
     static const char fn[] = "kvc_store_attach_engine";
     KVC_CHECK(s != NULL && engine != NULL && ns != NULL, "%s: store, engine and ns must not be "
@@ -198,10 +208,34 @@ kvc_status kvc_store_attach_engine(kvc_store *s, kvc_engine *engine, const kvc_s
     c.on_final = on_final;
     if (a->selective) c.on_hit = on_hit;
     c.on_evict = on_evict;
-    kvc_status st = kvc__store_attach_add(s, a);
-    if (st != KVC_OK) {
+    kvc_status st = kvc__store_attach_add(s, engine, a);
+    if (st == KVC_OK) st = kvc_engine_set_connector(engine, &c);
+    if (st != KVC_OK) { /* the engine and the store as they were */
+        kvc__store_attach_take(s, engine, NULL); /* a, if listed */
         kvc__store_attach_free(a);
         return st;
     }
-    return kvc_engine_set_connector(engine, &c); /* a stays listed: freed at close */
+    /* An older attachment of this engine pointer: the same engine attached
+     * again, or a destroyed one at the same address. It gets no more calls:
+     * its pages are reported gone, as a router must not count on them. */
+    attach *old = kvc__store_attach_take(s, engine, a);
+    if (old) {
+        report_removed(old);
+        kvc__store_attach_free(old);
+    }
+    return KVC_OK;
+}
+
+kvc_status kvc_store_detach_engine(kvc_store *s, kvc_engine *engine) {
+    static const char fn[] = "kvc_store_detach_engine";
+    KVC_CHECK(s != NULL && engine != NULL, "%s: store and engine must not be NULL", fn);
+    attach *a = kvc__store_attach_take(s, engine, NULL);
+    KVC_CHECK(a != NULL, "%s: the engine is not attached to this store", fn);
+    kvc_engine_connector c;
+    /* the engine may have been given another connector since */
+    if (kvc_engine_get_connector(engine, &c) == KVC_OK && c.user == a)
+        kvc_engine_set_connector(engine, NULL); /* cannot fail: engine is not NULL */
+    report_removed(a);
+    kvc__store_attach_free(a);
+    return KVC_OK;
 }

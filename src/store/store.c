@@ -64,7 +64,7 @@ struct kvc_store {
     kvc_store_event_fn ev_fn;
     void *ev_user;
     kvc__objpool *pool; /* object buffers of the tiers' gets, restores and writes */
-    void **attached; /* kvc_store_attach_engine's, freed at close */
+    kvc__store_attached *attached; /* kvc_store_attach_engine's, freed at detach or close */
     int64_t n_attached;
 };
 
@@ -434,7 +434,7 @@ void kvc_store_close(kvc_store *s) {
         free(it);
     }
     for (int32_t t = 0; t < s->n_tiers; t++) s->tiers[t]->ops->close(s->tiers[t]);
-    for (int64_t i = 0; i < s->n_attached; i++) kvc__store_attach_free(s->attached[i]);
+    for (int64_t i = 0; i < s->n_attached; i++) kvc__store_attach_free(s->attached[i].a);
     free(s->attached);
     kvc__objpool_destroy(s->pool);
     pthread_cond_destroy(&s->cv_work);
@@ -530,12 +530,29 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
     return KVC_OK;
 }
 
-kvc_status kvc__store_attach_add(kvc_store *s, void *a) {
-    void **q = realloc(s->attached, (size_t)(s->n_attached + 1) * sizeof(void *));
-    if (!q) return kvc__error(KVC_ERR_NOMEM, "kvc_store_attach_engine: out of memory");
-    s->attached = q;
-    s->attached[s->n_attached++] = a;
-    return KVC_OK;
+kvc_status kvc__store_attach_add(kvc_store *s, const void *engine, void *a) {
+    pthread_mutex_lock(&s->mu);
+    kvc__store_attached *q = realloc(s->attached, (size_t)(s->n_attached + 1) * sizeof *q);
+    if (q) {
+        s->attached = q;
+        s->attached[s->n_attached++] = (kvc__store_attached){engine, a};
+    }
+    pthread_mutex_unlock(&s->mu);
+    return q ? KVC_OK : kvc__error(KVC_ERR_NOMEM, "kvc_store_attach_engine: out of memory");
+}
+
+void *kvc__store_attach_take(kvc_store *s, const void *engine, const void *skip) {
+    void *a = NULL;
+    pthread_mutex_lock(&s->mu);
+    for (int64_t i = s->n_attached - 1; i >= 0 && !a; i--) {
+        if (s->attached[i].engine != engine || s->attached[i].a == skip) continue;
+        a = s->attached[i].a;
+        memmove(s->attached + i, s->attached + i + 1,
+                (size_t)(s->n_attached - i - 1) * sizeof *s->attached);
+        s->n_attached--;
+    }
+    pthread_mutex_unlock(&s->mu);
+    return a;
 }
 
 kvc_status kvc_store_get_stats(kvc_store *s, kvc_store_stats *out) {

@@ -62,8 +62,15 @@ kvc_status kvc__store_save_page(kvc_store *s, const kvc_cache *cache, int32_t pa
  * a page object far enough to hold them; 0 (nothing allocated) otherwise. */
 int32_t kvc__store_object_ids(const void *obj, size_t size, kvc_store_key *parent,
                               int32_t **ids);
-/* Lists an engine attachment for freeing at kvc_store_close. */
-kvc_status kvc__store_attach_add(kvc_store *s, void *a);
+/* The store's list of engine attachments (attach.c's), by engine: each is
+ * freed when detached or at kvc_store_close. take unlists and returns the
+ * newest attachment of engine other than skip (NULL: none). */
+typedef struct kvc__store_attached {
+    const void *engine;
+    void *a;
+} kvc__store_attached;
+kvc_status kvc__store_attach_add(kvc_store *s, const void *engine, void *a);
+void *kvc__store_attach_take(kvc_store *s, const void *engine, const void *skip);
 /* A background load for an engine (attach.c): reads and verifies pages
  * [first, first + n) of tokens on its own thread, tiers in order, keeping
  * the objects. start: NULL when it cannot start (nothing to undo). poll:
@@ -77,7 +84,7 @@ kvc__store_load *kvc__store_load_start(kvc_store *s, const kvc_cache *cache,
 int kvc__store_load_poll(kvc__store_load *l, int wait, int64_t *n_ready);
 void kvc__store_load_finish(kvc__store_load *l, kvc_cache *cache, int64_t skip,
                             const int32_t *page_ids, int64_t n);
-/* Frees what kvc_store_attach_engine made (at close). */
+/* Frees what kvc_store_attach_engine made (at detach or close). */
 void kvc__store_attach_free(void *a);
 
 #endif

@@ -108,9 +108,11 @@ static void print_json_stats(const kvc_engine *eng, int has_tiers, int64_t verif
 }
 
 #ifdef KVC_HAVE_STORE
-/* The publisher of --kv-events. One store per process, so a file-scope
- * handle keeps the commands' calls unchanged. */
+/* The publisher of --kv-events, and the store's counters when the engine
+ * was attached (--json-stats reports that engine's share). One store per
+ * process, so file-scope handles keep the commands' calls unchanged. */
 static kvc_store_events *g_events;
+static kvc_store_stats g_base;
 
 static void close_events(const char *cmd) {
     if (!g_events) return;
@@ -122,30 +124,16 @@ static void close_events(const char *cmd) {
     g_events = NULL;
 }
 
-int cli_store_attach(const char *cmd, const cli_store_opts *o, const char *model_path,
-                     const kvc_model *model, kvc_engine *eng, kvc_store **store) {
-    *store = NULL;
-    if (o->replay && !o->events) { /* cli_store_opts_check refused it already */
-        fprintf(stderr, "kvcache: %s: --kv-events-replay needs --kv-events\n", cmd);
-        return -1;
-    }
-    if (o->n_urls == 0 && !o->events) return 0; /* --salt alone: warned at parsing */
-    /* --kv-events alone: a store of no tiers carries the engine's events */
-    kvc_cache_params cp;
-    kvc_store_key ns;
+/* Opens the store of o and its publisher into *store; 0, or -1 (printed). */
+static int open_store(const char *cmd, const cli_store_opts *o, kvc_store **store) {
     kvc_store_params sp = kvc_store_default_params();
     sp.write_policy = (kvc_store_write_policy)o->policy;
     sp.selective_hits = o->hits;
-    if (kvc_cache_get_params(kvc_engine_cache(eng), &cp) != KVC_OK ||
-        kvc_store_model_namespace(model_path, model, &cp, o->salt,
-                                  o->salt ? strlen(o->salt) : 0, &ns) != KVC_OK ||
-        kvc_store_open(o->urls, o->n_urls, &sp, store) != KVC_OK) {
+    if (kvc_store_open(o->urls, o->n_urls, &sp, store) != KVC_OK) {
         fprintf(stderr, "kvcache: %s: --kv-store: %s\n", cmd, kvc_last_error());
-        kvc_store_close(*store);
-        *store = NULL;
         return -1;
     }
-    /* events first: the attach may already report pages */
+    /* events before any attach: an attach may already report pages */
     kvc_store_events_params evp = kvc_store_events_default_params();
     evp.replay_endpoint = o->replay;
     if (o->events && kvc_store_events_open_with(*store, o->events, &evp, &g_events) != KVC_OK) {
@@ -154,11 +142,29 @@ int cli_store_attach(const char *cmd, const cli_store_opts *o, const char *model
         *store = NULL;
         return -1;
     }
-    if (kvc_store_attach_engine(*store, eng, &ns) != KVC_OK) {
+    return 0;
+}
+
+int cli_store_attach(const char *cmd, const cli_store_opts *o, const char *model_path,
+                     const kvc_model *model, kvc_engine *eng, kvc_store **store) {
+    if (o->replay && !o->events) { /* cli_store_opts_check refused it already */
+        fprintf(stderr, "kvcache: %s: --kv-events-replay needs --kv-events\n", cmd);
+        return -1;
+    }
+    if (o->n_urls == 0 && !o->events) return 0; /* --salt alone: warned at parsing */
+    /* --kv-events alone: a store of no tiers carries the engine's events */
+    kvc_cache_params cp;
+    kvc_store_key ns;
+    if (kvc_cache_get_params(kvc_engine_cache(eng), &cp) != KVC_OK ||
+        kvc_store_model_namespace(model_path, model, &cp, o->salt,
+                                  o->salt ? strlen(o->salt) : 0, &ns) != KVC_OK) {
         fprintf(stderr, "kvcache: %s: --kv-store: %s\n", cmd, kvc_last_error());
-        close_events(cmd);
-        kvc_store_close(*store);
-        *store = NULL;
+        return -1;
+    }
+    if (!*store && open_store(cmd, o, store)) return -1;
+    if (kvc_store_get_stats(*store, &g_base) != KVC_OK ||
+        kvc_store_attach_engine(*store, eng, &ns) != KVC_OK) {
+        fprintf(stderr, "kvcache: %s: --kv-store: %s\n", cmd, kvc_last_error());
         return -1;
     }
     return 0;
@@ -169,13 +175,19 @@ void cli_store_finish(const char *cmd, const cli_store_opts *o, kvc_store *store
                       double timeout_s) {
     if (store && kvc_store_flush(store, timeout_s) != KVC_OK)
         fprintf(stderr, "kvcache: %s: warning: %s\n", cmd, kvc_last_error());
-    close_events(cmd); /* after the flush: the writes' events go out too */
     if (!o->json_stats) return;
-    kvc_store_stats ss;
+    kvc_store_stats ss, b = g_base;
     memset(&ss, 0, sizeof ss);
-    if (store) kvc_store_get_stats(store, &ss);
-    print_json_stats(eng, o->n_urls > 0, ss.verify_failures, ss.errors, ss.bytes_read,
-                     ss.bytes_written, ss.writes_dropped, ttft_s, decode_tok_s);
+    if (!store || kvc_store_get_stats(store, &ss) != KVC_OK) memset(&b, 0, sizeof b);
+    print_json_stats(eng, o->n_urls > 0, ss.verify_failures - b.verify_failures,
+                     ss.errors - b.errors, ss.bytes_read - b.bytes_read,
+                     ss.bytes_written - b.bytes_written, ss.writes_dropped - b.writes_dropped,
+                     ttft_s, decode_tok_s);
+}
+
+void cli_store_detach(kvc_store *store, kvc_engine *eng) {
+    if (store && eng && kvc_store_detach_engine(store, eng) != KVC_OK)
+        kvc_clear_error(); /* not attached (its attach failed): nothing to report */
 }
 
 void cli_store_close(kvc_store *store) {
@@ -200,5 +212,6 @@ void cli_store_finish(const char *cmd, const cli_store_opts *o, kvc_store *store
     if (o->json_stats) print_json_stats(eng, 0, 0, 0, 0, 0, 0, ttft_s, decode_tok_s);
 }
 
+void cli_store_detach(kvc_store *store, kvc_engine *eng) { (void)store, (void)eng; }
 void cli_store_close(kvc_store *store) { (void)store; }
 #endif

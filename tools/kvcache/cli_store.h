@@ -39,18 +39,24 @@ int cli_store_opts_any(const cli_store_opts *o);
  * do nothing without --kv-store get a warning. */
 int cli_store_opts_check(const char *cmd, const cli_store_opts *o);
 
-/* Opens the store of o (none: *store NULL, returns 0) and attaches it to
- * eng for the model at model_path, and with --kv-events starts publishing
- * its events. Prints why and returns -1 on failure. */
+/* Attaches the store of o to eng for the model at model_path, opening it
+ * first unless *store is open (bench-serve keeps one store, and so one
+ * event stream, across its cases; none asked for: *store stays NULL) and
+ * with --kv-events publishing its events. Prints why and returns -1 on
+ * failure (*store, if opened, is still to be closed). */
 int cli_store_attach(const char *cmd, const cli_store_opts *o, const char *model_path,
                      const kvc_model *model, kvc_engine *eng, kvc_store **store);
 
-/* Flushes the store's writes (at most timeout_s), then sends the events
- * still queued and stops publishing, and with --json-stats prints the stats
- * line on stderr. ttft_s / decode_tok_s: the command's. */
+/* Flushes the store's writes (at most timeout_s) and with --json-stats
+ * prints the stats line on stderr (the store's counts since the attach).
+ * ttft_s / decode_tok_s: the command's. */
 void cli_store_finish(const char *cmd, const cli_store_opts *o, kvc_store *store,
                       const kvc_engine *eng, double ttft_s, double decode_tok_s,
                       double timeout_s);
+/* Detaches eng (subscribers hear its cache's pages removed): before the
+ * engine is destroyed. */
+void cli_store_detach(kvc_store *store, kvc_engine *eng);
+/* Sends the events still queued, stops publishing and closes the store. */
 void cli_store_close(kvc_store *store);
 
 #endif

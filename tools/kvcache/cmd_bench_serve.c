@@ -49,9 +49,10 @@ static const char serve_usage[] =
     "  --json               one JSON object per line\n"
     "  --kv-store URL, --kv-store-write P, --salt S, --kv-events E,\n"
     "  --kv-events-replay E, --json-stats\n"
-    "                       a KV store for every case's engine (as for `kvcache\n"
-    "                       run`; engine mode only); --json-stats prints each\n"
-    "                       case's counters on stderr\n"
+    "                       one KV store, and one event stream, for every case's\n"
+    "                       engine in turn (as for `kvcache run`; engine mode\n"
+    "                       only); --json-stats prints each case's counters on\n"
+    "                       stderr\n"
     "  -h, --help           this text\n"
     "\n"
     "Engine mode (default): all B requests go to the engine at once, as a server\n"
@@ -110,7 +111,7 @@ static int serve_engine_run(const serve_case *c, serve_result *r) {
     ep.kv_capacity_tokens = B * (c->prompt_len + c->gen + ep.page_size);
     ep.enable_prefix_caching = c->prefix_cache;
     kvc_engine *eng = NULL;
-    kvc_store *store = NULL;
+    kvc_store **store = c->kv_store;
     kvc_engine_event *ev = malloc((size_t)B * sizeof *ev);
     int32_t *prompt = malloc((size_t)c->prompt_len * sizeof(int32_t));
     int32_t *out = malloc((size_t)(B * c->gen) * sizeof(int32_t)); /* generated, per sequence */
@@ -121,7 +122,7 @@ static int serve_engine_run(const serve_case *c, serve_result *r) {
         goto out;
     }
     if (kvc_engine_create(c->model, &ep, &eng) != KVC_OK) goto fail;
-    if (c->store && cli_store_attach("bench-serve", c->store, c->model_path, c->model, eng, &store))
+    if (c->store && cli_store_attach("bench-serve", c->store, c->model_path, c->model, eng, store))
         goto out;
     const double t0 = bench_now();
     for (int64_t b = 0; b < B; b++) {
@@ -166,7 +167,7 @@ static int serve_engine_run(const serve_case *c, serve_result *r) {
     r->tokens_fnv = serve_tokens_fnv(out, B, c->gen);
     r->store_hit_tokens = s.external_tokens;
     if (c->store)
-        cli_store_finish("bench-serve", c->store, store, eng, r->ttft_s,
+        cli_store_finish("bench-serve", c->store, *store, eng, r->ttft_s,
                          r->decode_s > 0 ? (double)r->decode_tokens / r->decode_s : 0.0, 60.0);
     ok = 1;
     goto out;
@@ -174,8 +175,8 @@ fail:
     fprintf(stderr, "%skvcache: bench-serve: %s\n", c->tty ? "\r\033[K" : "", kvc_last_error());
 out:
     if (c->tty) fputs("\r\033[K", stderr);
+    if (c->store) cli_store_detach(*store, eng);
     kvc_engine_destroy(eng);
-    cli_store_close(store);
     free(ev);
     free(prompt);
     free(out);
@@ -192,6 +193,7 @@ int cmd_bench_serve(int argc, char **argv) {
     int set_batch = 0, set_prompt = 0, set_gen = 0, set_dtype = 0; /* win over --quick */
     int dtypes[8] = {KVC_F16, CLI_KV_KIVI8};
     cli_store_opts so;
+    kvc_store *store = NULL; /* engine mode with a store: one for every case */
     cli_store_opts_default(&so);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -333,7 +335,7 @@ int cmd_bench_serve(int argc, char **argv) {
                                   .shared = shared, .prefix_cache = !no_prefix,
                                   .text = text_ids, .tty = isatty(2) && !json,
                                   .store = cli_store_opts_any(&so) ? &so : NULL,
-                                  .model_path = model_path};
+                                  .kv_store = &store, .model_path = model_path};
             serve_result r;
             if ((sync ? serve_sync_run(&c, &r) : serve_engine_run(&c, &r)) != 0) {
                 rc = CLI_EXIT_FAIL;
@@ -375,6 +377,7 @@ int cmd_bench_serve(int argc, char **argv) {
         }
     }
 done:
+    cli_store_close(store);
     free(text_ids);
     free(file_text);
     kvc_model_destroy(model);

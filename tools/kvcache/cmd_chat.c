@@ -274,6 +274,7 @@ done:
     free(c.m);
     free(c.owned);
     free(line);
+    cli_store_detach(store, eng);
     kvc_engine_destroy(eng);
     cli_store_close(store);
     kvc_model_destroy(model);

@@ -177,6 +177,7 @@ int cmd_run(int argc, char **argv) {
 fail:
     fprintf(stderr, "kvcache: run: %s\n", kvc_last_error());
 done:
+    cli_store_detach(store, eng);
     kvc_engine_destroy(eng);
     cli_store_close(store);
     free(ids);

@@ -20,6 +20,8 @@ typedef struct serve_case {
     const int32_t *text; /* prompt_len tokens every sequence gets (-p/-f), or NULL */
     int tty;          /* progress on stderr */
     const struct cli_store_opts *store; /* --kv-store (engine mode), or NULL */
+    struct kvc_store **kv_store; /* with store: the store, opened by the first case and
+                                    kept for the others (one event stream) */
     const char *model_path;
 } serve_case;
 
