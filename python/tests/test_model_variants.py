@@ -93,8 +93,9 @@ def test_variant_matches_reference(name, tmp_path):
 
 def test_rope_scaling_as_llama_cpp_reads_it(tmp_path):
     """A factor without a type is linear (llama.cpp's default); type "none"
-    turns it off; accepted keys that change nothing leave the logits
-    bitwise the same."""
+    turns it off; the older rope.scale_linear counts only without a
+    rope.scaling.factor key (a factor of 0 is none); accepted keys that
+    change nothing leave the logits bitwise the same."""
     def logits(path, **kw):
         write_tiny_llama(path, seed=5, weight_types="F32", **kw)
         m = Model(path)
@@ -130,6 +131,10 @@ def test_rope_scaling_as_llama_cpp_reads_it(tmp_path):
     info, same = logits(tmp_path / "harmless.gguf", extra_kv=harmless)
     assert info["rope_scale"] == 1.0
     assert np.array_equal(same, plain)
+    info, zero = logits(tmp_path / "zero.gguf", extra_kv={"llama.rope.scaling.factor": 0.0,
+                                                          "llama.rope.scale_linear": 4.0})
+    assert info["rope_scale"] == 1.0
+    assert np.array_equal(zero, plain)
 
 
 # ---- refusals -----------------------------------------------------------

@@ -224,8 +224,9 @@ static kvc_status check_keys(const kvc_gguf *g, const kvc__arch *a) {
 }
 
 /* Linear rope scaling, as llama.cpp reads it: the factor from
- * rope.scaling.factor, else rope.scale_linear (0 or absent: none); the type
- * defaults to linear, "none" disables the factor, others are refused. */
+ * rope.scaling.factor, or from rope.scale_linear when that key is absent
+ * (a factor of 0 is none, the older key then unread); the type defaults to
+ * linear, "none" disables the factor, others are refused. */
 static kvc_status read_rope_scaling(const kvc_gguf *g, const kvc__arch *a, kvc_model_info *in) {
     char key[128];
     arch_key(key, sizeof key, a, "rope.scaling.type");
@@ -246,7 +247,7 @@ static kvc_status read_rope_scaling(const kvc_gguf *g, const kvc__arch *a, kvc_m
     double f = 0;
     KVC_TRY(get_num(g, a, "rope.scaling.factor", 0.0, &f, &found));
     const char *which = "rope.scaling.factor";
-    if (!found || f == 0) {
+    if (!found) {
         KVC_TRY(get_num(g, a, "rope.scale_linear", 0.0, &f, &found));
         which = "rope.scale_linear";
     }
