@@ -184,6 +184,11 @@ REFUSED = {
                    r"llama\.attention\.causal = false"),
     "value_length": (dict(extra_kv={"llama.attention.value_length": 8}), Unsupported,
                      r"llama\.attention\.value_length = 8 differs from the key length 16"),
+    # absent, the value head size is n_embd / n_head (llama.cpp), not the key length
+    "value_length_default": (dict(head_dim=24, omit_kv=("llama.attention.value_length",)),
+                             Unsupported, r"llama\.attention\.value_length is absent, so the "
+                                          r"value head size is embedding_length / head_count = "
+                                          r"16 .*differs from the key length 24"),
     "unknown_arch_key": (dict(extra_kv={"llama.swin_norm": True}), Unsupported,
                          r"key llama\.swin_norm is not supported"),
     "other_arch_keys": (dict(extra_kv={"qwen2.block_count": 2}), Unsupported,

@@ -321,11 +321,20 @@ kvc_status kvc__model_hparams(const kvc_gguf *g, kvc_model_info *in, kvc__hparam
     if (v > 512)
         return kvc__error(KVC_ERR_UNSUPPORTED, "model: head dim %lld > 512", (long long)v);
     in->head_dim = i32(v);
-    KVC_TRY(get_int(g, a, "attention.value_length", 0, in->head_dim, 1, BIG, &v));
+    /* value head size: attention.value_length, else n_embd / n_head as for
+     * the key (llama.cpp's default: not the key length when that is given) */
+    char key[128];
+    arch_key(key, sizeof key, a, "attention.value_length");
+    KVC_TRY(get_int(g, a, "attention.value_length", 0, in->n_embd / in->n_head, 1, BIG, &v));
+    if (v != in->head_dim && kvc_gguf_find_key(g, key) < 0)
+        return kvc__error(KVC_ERR_UNSUPPORTED, "model: metadata key %s is absent, so the value "
+                          "head size is embedding_length / head_count = %lld (as llama.cpp "
+                          "reads it), which differs from the key length %d: not implemented",
+                          key, (long long)v, (int)in->head_dim);
     if (v != in->head_dim)
-        return kvc__error(KVC_ERR_UNSUPPORTED, "model: metadata key %s.attention.value_length = "
-                          "%lld differs from the key length %d: not implemented",
-                          a->name, (long long)v, (int)in->head_dim);
+        return kvc__error(KVC_ERR_UNSUPPORTED, "model: metadata key %s = %lld differs from the "
+                          "key length %d: not implemented", key, (long long)v,
+                          (int)in->head_dim);
     KVC_TRY(get_int(g, a, "rope.dimension_count", 0, in->head_dim, 2, in->head_dim, &v));
     if (v % 2 != 0)
         return kvc__error(KVC_ERR_CORRUPT, "model: metadata key %s.rope.dimension_count = %lld "
@@ -340,7 +349,6 @@ kvc_status kvc__model_hparams(const kvc_gguf *g, kvc_model_info *in, kvc__hparam
         return kvc__error(KVC_ERR_UNSUPPORTED, "model: metadata key %s.expert_count/"
                           "expert_used_count = %lld: mixture of experts is not implemented",
                           a->name, (long long)v);
-    char key[128];
     arch_key(key, sizeof key, a, "attention.causal");
     KVC_TRY(find(g, key, K_BOOL, 0, &found));
     if (found) {
