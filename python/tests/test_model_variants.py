@@ -202,6 +202,10 @@ REFUSED = {
     # missing, mistyped, inconsistent metadata
     "missing_key": (dict(omit_kv=("llama.embedding_length",)), Corrupt,
                     r"^model: required metadata key llama\.embedding_length is missing$"),
+    # llama.cpp requires it too: a guessed epsilon would change every norm
+    "missing_rms_eps": (dict(omit_kv=("llama.attention.layer_norm_rms_epsilon",)), Corrupt,
+                        r"^model: required metadata key llama\.attention\.layer_norm_rms_epsilon"
+                        r" is missing$"),
     "mistyped_int": (dict(omit_kv=("llama.block_count",), extra_kv={"llama.block_count": "2"}),
                      Corrupt, r"^model: metadata key llama\.block_count has type string, "
                               r"expected an integer$"),

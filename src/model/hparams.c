@@ -308,7 +308,12 @@ kvc_status kvc__model_hparams(const kvc_gguf *g, kvc_model_info *in, kvc__hparam
     in->n_ctx_train = i32(v);
     KVC_TRY(get_int(g, a, "vocab_size", 0, -1, 1, BIG, &hp->vocab_size));
     KVC_TRY(get_pos(g, a, "rope.freq_base", 10000.0, &in->rope_freq_base));
-    KVC_TRY(get_pos(g, a, "attention.layer_norm_rms_epsilon", 1e-5, &in->rms_eps));
+    /* required, as llama.cpp requires it of both architectures: a guessed
+     * epsilon would change every norm */
+    char key[128];
+    arch_key(key, sizeof key, a, "attention.layer_norm_rms_epsilon");
+    KVC_TRY(find(g, key, K_FLOAT, 1, &found));
+    KVC_TRY(get_pos(g, a, "attention.layer_norm_rms_epsilon", 0.0, &in->rms_eps));
     if (in->n_head % in->n_head_kv != 0)
         return kvc__error(KVC_ERR_CORRUPT, "model: %d heads are not a multiple of %d kv heads",
                           (int)in->n_head, (int)in->n_head_kv);
@@ -323,7 +328,6 @@ kvc_status kvc__model_hparams(const kvc_gguf *g, kvc_model_info *in, kvc__hparam
     in->head_dim = i32(v);
     /* value head size: attention.value_length, else n_embd / n_head as for
      * the key (llama.cpp's default: not the key length when that is given) */
-    char key[128];
     arch_key(key, sizeof key, a, "attention.value_length");
     KVC_TRY(get_int(g, a, "attention.value_length", 0, in->n_embd / in->n_head, 1, BIG, &v));
     if (v != in->head_dim && kvc_gguf_find_key(g, key) < 0)
