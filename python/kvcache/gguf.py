@@ -10,8 +10,7 @@ Metadata values become Python objects: integers -> int, bool -> bool,
 float32/float64 -> float, string -> str (UTF-8, invalid bytes replaced),
 numeric arrays -> numpy arrays (little-endian copies), string arrays ->
 list[str], arrays of arrays -> None (the C API does not expose their
-elements). A uint64 value above 2**63 - 1 is returned as an int through
-float64 (the C getter only reads signed 64-bit integers).
+elements). A uint64 value is exact up to 2**64 - 1 (kvc_gguf_get_u64).
 """
 
 from __future__ import annotations
