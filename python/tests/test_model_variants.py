@@ -249,6 +249,22 @@ def test_refused_with_a_message_naming_it(name, tmp_path):
         Model(path)
 
 
+def test_vocabulary_and_embedding_rows_must_agree(tmp_path):
+    """A tokenizer one token short of token_embd's rows is an inconsistent
+    file: CorruptError, as for the other metadata (not an argument error)."""
+    path = tmp_path / "short.gguf"
+    tiny = write_tiny_llama(path, n_vocab=360)
+    write_tiny_llama(path, n_vocab=360,
+                     omit_kv=("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"),
+                     extra_kv={"tokenizer.ggml.tokens": (tiny.tokens[:-1], ValueType.ARRAY,
+                                                         ValueType.STRING),
+                               "tokenizer.ggml.token_type": (tiny.token_types[:-1],
+                                                             ValueType.ARRAY, ValueType.INT32)})
+    with pytest.raises(kvcache.CorruptError,
+                       match=r"token_embd has 360 rows but the vocabulary 359 tokens"):
+        Model(path)
+
+
 def test_harmless_tokenizer_keys_load(tmp_path):
     """Keys that cannot change the tokens load: scores, FIM ids, named
     templates, switches left off."""

@@ -253,9 +253,9 @@ static kvc_status load_all(kvc_model *m, const kvc_model_params *p) {
     kvc_gguf_tensor te;
     KVC_TRY(kvc_gguf_get_tensor(m->g, ti, &te));
     in->n_vocab = (int32_t)te.ne[1];
-    KVC_CHECK(in->n_vocab == kvc_tokenizer_n_vocab(m->tok),
-              "model: token_embd has %lld rows but the vocabulary %d tokens", (long long)te.ne[1],
-              (int)kvc_tokenizer_n_vocab(m->tok));
+    if (te.ne[1] != kvc_tokenizer_n_vocab(m->tok)) /* the file's inconsistency, not the caller's */
+        return kvc__error(KVC_ERR_CORRUPT, "model: token_embd has %lld rows but the vocabulary "
+                          "%d tokens", (long long)te.ne[1], (int)kvc_tokenizer_n_vocab(m->tok));
     if (hp.vocab_size >= 0 && hp.vocab_size != in->n_vocab)
         return kvc__error(KVC_ERR_CORRUPT, "model: metadata key %s.vocab_size = %lld but "
                           "token_embd has %d rows", arch->name, (long long)hp.vocab_size,
