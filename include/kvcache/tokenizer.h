@@ -112,8 +112,11 @@ KVC_API void kvc_tokenizer_destroy(kvc_tokenizer *t); /* NULL is a no-op */
 
 KVC_API int32_t kvc_tokenizer_n_vocab(const kvc_tokenizer *t);
 KVC_API int32_t kvc_tokenizer_bos(const kvc_tokenizer *t); /* -1 if none */
-/* 1 if the vocabulary asks for BOS before a prompt (tokenizer.ggml.add_bos_token):
- * what to pass as kvc_tokenize's add_bos for a fresh prompt. */
+/* 1 if the vocabulary asks for BOS before a prompt: what to pass as
+ * kvc_tokenize's add_bos for a fresh prompt. From a GGUF it is
+ * tokenizer.ggml.add_bos_token, or without that key llama.cpp's default:
+ * 1 for its Llama 3 pre-tokenizers (llama3, llama-v3, llama-bpe, falcon3),
+ * 0 for the others. */
 KVC_API int kvc_tokenizer_add_bos(const kvc_tokenizer *t);
 KVC_API int32_t kvc_tokenizer_eos(const kvc_tokenizer *t); /* -1 if none */
 /* End of turn for chat (e.g. <|im_end|>, <|eot_id|>), else eos. */

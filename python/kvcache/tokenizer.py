@@ -86,6 +86,7 @@ _from_gguf = _p("kvc_tokenizer_from_gguf", _c_int, _vp, ctypes.POINTER(_vp))
 _destroy = _p("kvc_tokenizer_destroy", None, _vp)
 _n_vocab = _p("kvc_tokenizer_n_vocab", _i32, _vp)
 _bos = _p("kvc_tokenizer_bos", _i32, _vp)
+_add_bos = _p("kvc_tokenizer_add_bos", _c_int, _vp)
 _eos = _p("kvc_tokenizer_eos", _i32, _vp)
 _eot = _p("kvc_tokenizer_eot", _i32, _vp)
 _is_eog = _p("kvc_tokenizer_is_eog", _c_int, _vp, _i32)
@@ -328,6 +329,14 @@ class Tokenizer(_lib.NoCopy):
     def bos(self) -> int:
         """Beginning-of-sequence id, -1 if none."""
         return _bos(self._ptr())
+
+    @property
+    @_in_use
+    def add_bos(self) -> bool:
+        """Whether a fresh prompt starts with BOS (``encode(add_bos=...)``):
+        tokenizer.ggml.add_bos_token, or without it llama.cpp's default
+        (true for the Llama 3 pre-tokenizers); False when there is no BOS."""
+        return bool(_add_bos(self._ptr()))
 
     @property
     @_in_use

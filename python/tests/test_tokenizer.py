@@ -272,6 +272,37 @@ def test_from_gguf_errors(tmp_path):
         kvcache.Tokenizer.from_gguf(bad)
 
 
+def test_add_bos_default_as_llama_cpp(tmp_path):
+    """tokenizer.ggml.add_bos_token when present; without it llama.cpp's
+    default: BOS for its Llama 3 pre-tokenizers (whose files often omit the
+    key), none for the others; a key of another type is a corrupt file."""
+    from kvcache.gguf_writer import write_tiny_llama
+
+    def tok_of(pre, add_bos=None):
+        path = tmp_path / f"{pre}-{add_bos}.gguf"
+        extra = {"tokenizer.ggml.pre": pre}
+        if add_bos is not None:
+            extra["tokenizer.ggml.add_bos_token"] = add_bos
+        write_tiny_llama(path, omit_kv=("tokenizer.ggml.pre", "tokenizer.ggml.add_bos_token"),
+                         extra_kv=extra)
+        return kvcache.Tokenizer.from_gguf(path)
+
+    for pre, want in (("llama-bpe", True), ("llama3", True), ("llama-v3", True),
+                      ("falcon3", True), ("smollm", False), ("gpt2", False),
+                      ("qwen2", False), ("dbrx", False)):
+        t = tok_of(pre)
+        assert t.add_bos is want, pre
+        assert t.bos >= 0
+        t.close()
+    for pre in ("llama-bpe", "smollm"):
+        for flag in (True, False):
+            t = tok_of(pre, flag)
+            assert t.add_bos is flag, (pre, flag)
+            t.close()
+    with pytest.raises(kvcache.CorruptError, match="add_bos_token"):
+        tok_of("llama-bpe", "yes")
+
+
 # ---------------------------------------------------------------------------
 # other pre-tokenizers, on a small vocabulary: every byte plus a few merges
 

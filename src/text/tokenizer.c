@@ -45,19 +45,27 @@ typedef enum pre_kind {
 } pre_kind;
 
 /* tokenizer.ggml.pre values -> regex family. The aliases are the names
- * llama.cpp gives the same regex set (llama-vocab.cpp, pre-type switch). */
+ * llama.cpp gives the same regex set (llama-vocab.cpp, pre-type switch);
+ * its Llama 3 arm also ignores merges and adds BOS unless the file says. */
 static const struct {
     const char *name;
     pre_kind kind;
-    int ignore_merges; /* a piece that is itself a token is not merged (Llama 3) */
+    int llama3; /* ignore merges (a piece that is itself a token stays whole); BOS by default */
 } pre_names[] = {
     {"gpt2", PRE_GPT2, 0},       {"mpt", PRE_GPT2, 0},         {"olmo", PRE_GPT2, 0},
     {"jais", PRE_GPT2, 0},       {"smollm", PRE_SMOLLM, 0},    {"starcoder", PRE_SMOLLM, 0},
     {"refact", PRE_SMOLLM, 0},   {"command-r", PRE_SMOLLM, 0}, {"codeshell", PRE_SMOLLM, 0},
-    {"exaone", PRE_SMOLLM, 0},   {"llama3", PRE_LLAMA3, 1},    {"llama-bpe", PRE_LLAMA3, 1},
-    {"dbrx", PRE_LLAMA3, 0},     {"smaug-bpe", PRE_LLAMA3, 0}, {"qwen2", PRE_QWEN2, 0},
-    {"stablelm2", PRE_QWEN2, 0},
+    {"exaone", PRE_SMOLLM, 0},   {"llama3", PRE_LLAMA3, 1},    {"llama-v3", PRE_LLAMA3, 1},
+    {"llama-bpe", PRE_LLAMA3, 1}, {"falcon3", PRE_LLAMA3, 1},  {"dbrx", PRE_LLAMA3, 0},
+    {"smaug-bpe", PRE_LLAMA3, 0}, {"qwen2", PRE_QWEN2, 0},     {"stablelm2", PRE_QWEN2, 0},
 };
+
+/* pre_names' index of name, or -1. */
+static int pre_index(const char *name) {
+    for (size_t i = 0; i < sizeof pre_names / sizeof pre_names[0]; i++)
+        if (strcmp(name, pre_names[i].name) == 0) return (int)i;
+    return -1;
+}
 
 /* One code point of the text: value, class, UTF-8 length. */
 typedef struct cp_info {
@@ -508,9 +516,7 @@ kvc_status kvc_tokenizer_create(const kvc_tokenizer_vocab *v, kvc_tokenizer **ou
     KVC_TRY(check_id(v, v->unk_id, "unk_id"));
     KVC_TRY(check_id(v, v->pad_id, "pad_id"));
     const char *pre = v->pre ? v->pre : "gpt2";
-    int kind = -1;
-    for (size_t i = 0; i < sizeof pre_names / sizeof pre_names[0]; i++)
-        if (strcmp(pre, pre_names[i].name) == 0) kind = (int)i;
+    const int kind = pre_index(pre);
     if (kind < 0)
         return kvc__error(KVC_ERR_UNSUPPORTED,
                           "tokenizer: pre-tokenizer \"%.40s\" is not supported (supported: gpt2, "
@@ -521,7 +527,7 @@ kvc_status kvc_tokenizer_create(const kvc_tokenizer_vocab *v, kvc_tokenizer **ou
     if (!t) return kvc__error(KVC_ERR_NOMEM, "tokenizer: out of memory");
     t->n_vocab = v->n_vocab;
     t->pre = pre_names[kind].kind;
-    t->ignore_merges = pre_names[kind].ignore_merges;
+    t->ignore_merges = pre_names[kind].llama3;
     snprintf(t->pre_name, sizeof t->pre_name, "%s", pre_names[kind].name);
     t->bos = v->bos_id;
     t->eos = v->eos_id;
@@ -724,8 +730,16 @@ kvc_status kvc_tokenizer_from_gguf(const kvc_gguf *g, kvc_tokenizer **out) {
     v.token_types = tt;
     v.merges = mer;
     v.merge_lens = mer_lens;
-    int64_t add_bos = 0;
-    if (kvc_gguf_get_i64(g, "tokenizer.ggml.add_bos_token", &add_bos) != KVC_OK) add_bos = 0;
+    /* absent: llama.cpp's default, BOS for the Llama 3 family (its files
+     * often leave the key out), none otherwise */
+    const int pi = pre_index(pre);
+    int64_t add_bos = pi >= 0 && pre_names[pi].llama3;
+    if (kvc_gguf_find_key(g, "tokenizer.ggml.add_bos_token") >= 0 &&
+        kvc_gguf_get_i64(g, "tokenizer.ggml.add_bos_token", &add_bos) != KVC_OK) {
+        st = kvc__error(KVC_ERR_CORRUPT, "tokenizer: tokenizer.ggml.add_bos_token is not a "
+                        "boolean");
+        goto done;
+    }
     v.add_bos = add_bos != 0;
     if ((st = gguf_token_id(g, "tokenizer.ggml.bos_token_id", v.n_vocab, &v.bos_id)) ||
         (st = gguf_token_id(g, "tokenizer.ggml.eos_token_id", v.n_vocab, &v.eos_id)) ||
