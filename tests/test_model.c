@@ -576,6 +576,76 @@ TEST(tiny_engine_failed_step_changes_nothing) {
     return 0;
 }
 
+/* A connector that restores in line whatever it is asked for (the pages'
+ * contents do not matter: the steps here fail at sampling). */
+static kvc_status all_probe(void *user, const kvc_cache *c, const int32_t *tokens, int64_t first,
+                            int64_t max, int64_t *n) {
+    (void)user, (void)c, (void)tokens, (void)first;
+    *n = max;
+    return KVC_OK;
+}
+static void *no_load(void *user, const kvc_cache *c, const int32_t *tokens, int64_t first,
+                     int64_t n) {
+    (void)user, (void)c, (void)tokens, (void)first, (void)n;
+    return NULL;
+}
+static int no_poll(void *user, void *load, int wait, int64_t *ready) {
+    (void)user, (void)load, (void)wait;
+    *ready = 0;
+    return 1;
+}
+static void no_finish(void *user, void *load, kvc_cache *c, int64_t skip, const int32_t *ids,
+                      int64_t n) {
+    (void)user, (void)load, (void)c, (void)skip, (void)ids, (void)n;
+}
+static kvc_status all_restore(void *user, kvc_cache *c, const int32_t *tokens, int64_t first,
+                              int64_t n, const int32_t *ids, int64_t *n_restored) {
+    (void)user, (void)c, (void)tokens, (void)first, (void)ids;
+    *n_restored = n;
+    return KVC_OK;
+}
+
+/* A failed step undoes the counting of the admissions it made, the
+ * connector's tokens included: retried (here, failing again with the
+ * restored pages now a prefix hit), each prompt token is counted once, as
+ * cached, restored or missed. */
+TEST(tiny_engine_failed_step_counts_no_restored_tokens) {
+    NEED_NAN_TINY(m, "output_norm.weight");
+    kvc_engine_params ep = kvc_engine_default_params();
+    ep.page_size = 4;
+    ep.kv_capacity_tokens = 64;
+    kvc_engine *e;
+    ASSERT_OK(kvc_engine_create(m, &ep, &e));
+    kvc_engine_connector c;
+    memset(&c, 0, sizeof c);
+    c.probe = all_probe;
+    c.load_start = no_load;
+    c.load_poll = no_poll;
+    c.load_finish = no_finish;
+    c.restore = all_restore;
+    ASSERT_OK(kvc_engine_set_connector(e, &c));
+    int32_t p[10];
+    for (int i = 0; i < 10; i++) p[i] = 5 + i;
+    int64_t id;
+    ASSERT_OK(kvc_engine_add_request(e, p, 10, 2, NULL, 1, &id));
+    kvc_engine_event ev[1];
+    int64_t ne;
+    for (int k = 0; k < 2; k++) {
+        ASSERT_STATUS(kvc_engine_step(e, ev, 1, &ne), KVC_ERR_INVALID_ARG);
+        ASSERT_OK(kvc_cache_check(kvc_engine_cache(e)));
+        kvc_engine_stats st;
+        ASSERT_OK(kvc_engine_get_stats(e, &st));
+        ASSERT_EQ_I64(st.prompt_tokens, 0);
+        ASSERT_EQ_I64(st.cached_tokens, 0);
+        ASSERT_EQ_I64(st.external_tokens, 0);
+        ASSERT_EQ_I64(st.external_miss_tokens, 0);
+    }
+    ASSERT_OK(kvc_engine_cancel(e, id));
+    kvc_engine_destroy(e);
+    kvc_model_destroy(m);
+    return 0;
+}
+
 /* A forward that fails after layer 0 stored K/V (layer 1's q/k/v are NaN),
  * with two identical prompts admitted in the same step: the second hits the
  * pages the first reserved in that step. The failed step must leave no page
@@ -1027,6 +1097,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(tiny_engine_compressed_formats_batched_equals_alone),
     TEST_ENTRY(tiny_engine_preemption_inside_prompt_chunks),
     TEST_ENTRY(tiny_engine_failed_step_changes_nothing),
+    TEST_ENTRY(tiny_engine_failed_step_counts_no_restored_tokens),
     TEST_ENTRY(tiny_engine_failed_forward_leaves_no_page_findable),
     TEST_ENTRY(tiny_engine_failed_step_rolls_back_running_requests),
     TEST_ENTRY(tiny_engine_errors_and_cancel),

@@ -43,6 +43,8 @@ typedef struct req {
     int32_t admitted_once; /* its prompt is counted in the stats */
     int64_t counted_at;    /* the admission that counted it, and its cached tokens */
     int64_t counted_cached;
+    int64_t counted_ext;   /* and those it restored (external_tokens) and missed there */
+    int64_t counted_miss;
     kvc_sampling_params sp;
     uint64_t rng;
     kvc_seq_id seq; /* -1 when not admitted */
@@ -456,6 +458,8 @@ static kvc_status fail_step(kvc_engine *e, int64_t admit0, kvc_status st) {
             r->admitted_once = 0;
             e->st.prompt_tokens -= r->n_prompt;
             e->st.cached_tokens -= r->counted_cached;
+            e->st.external_tokens -= r->counted_ext;
+            e->st.external_miss_tokens -= r->counted_miss;
         }
         remove_at(e->run, &e->n_run, i);
         if (!push(&e->wait, &e->n_wait, &e->cap_wait, r, 1))
@@ -759,7 +763,6 @@ admission:
         r->n_done = n_cached + ext;
         r->n_resv = r->n_done + chunk;
         r->n_final = r->n_done / e->unit * e->unit;
-        e->st.external_tokens += ext;
         if (e->has_conn && e->conn.on_hit && n_cached >= e->p.page_size &&
             seq_pages(e, seq) >= n_cached / e->p.page_size)
             e->conn.on_hit(e->conn.user, e->cache, r->tok, 0, n_cached / e->p.page_size, e->pg);
@@ -768,11 +771,15 @@ admission:
             r->admitted_once = 1;
             r->counted_at = r->admit;
             r->counted_cached = n_cached < r->n_prompt ? n_cached : r->n_prompt;
+            /* restored tokens too, once (a failed step uncounts them, and a
+             * retry finds them as a prefix hit): cached + restored + missed
+             * is the prompt */
+            r->counted_ext = n_cached + ext < r->n_prompt ? ext : r->n_prompt - r->counted_cached;
+            r->counted_miss = e->has_conn ? r->n_prompt - r->counted_cached - r->counted_ext : 0;
             e->st.prompt_tokens += r->n_prompt;
             e->st.cached_tokens += r->counted_cached;
-            if (e->has_conn)
-                e->st.external_miss_tokens += r->n_prompt - r->counted_cached -
-                                              (ext < r->n_prompt ? ext : r->n_prompt);
+            e->st.external_tokens += r->counted_ext;
+            e->st.external_miss_tokens += r->counted_miss;
         }
         e->b_req[nb] = r;
         e->b_seq[nb] = r->seq;
