@@ -974,6 +974,113 @@ TEST(restored_pages_are_promoted_to_earlier_tiers) {
     return 0;
 }
 
+/* The attached engine's cache events (KVC_STORE_TIER_CACHE), by key. */
+typedef struct cache_evs {
+    kvc_store_key keys[64];
+    int stored[64], removed[64], n;
+} cache_evs;
+
+static void cache_ev_cb(void *user, const kvc_store_event *ev) {
+    cache_evs *c = user;
+    if (ev->tier != KVC_STORE_TIER_CACHE || ev->kind == KVC_STORE_EVENT_CLEARED) return;
+    int i = 0;
+    while (i < c->n && memcmp(&c->keys[i], &ev->key, sizeof ev->key) != 0) i++;
+    if (i == c->n) {
+        if (c->n == 64) return;
+        c->keys[c->n++] = ev->key;
+    }
+    if (ev->kind == KVC_STORE_EVENT_STORED) c->stored[i]++;
+    else c->removed[i]++;
+}
+
+static int cache_ev_find(const cache_evs *c, const kvc_store_key *k) {
+    for (int i = 0; i < c->n; i++)
+        if (!memcmp(&c->keys[i], k, sizeof *k)) return i;
+    return -1;
+}
+
+/* Pages restored into the engine's cache are in it like computed ones: a
+ * router following its events hears of each (stored) and of its eviction
+ * (removed), in line or by a background load; restored pages are not
+ * written back to the tiers. */
+TEST(restored_pages_are_reported_in_the_cache_events) {
+    NEED_TINY(m);
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    enum { NB = 150, NA = 40, GEN = 8 };
+    int32_t pb[NB], pa[NA], pc[NB];
+    random_prompt(pb, NB, test_seed + 21, in.n_vocab);
+    random_prompt(pa, NA, test_seed + 22, in.n_vocab);
+    random_prompt(pc, NB, test_seed + 23, in.n_vocab);
+    char dir[] = "/tmp/kvc_store_XXXXXX", url[64];
+    ASSERT_TRUE(mkdtemp(dir) != NULL);
+    snprintf(url, sizeof url, "dir:%s", dir);
+    srun r = srun_default();
+    r.url = url;
+    const int32_t *pp[1] = {pb};
+    const int lens[1] = {NB};
+    int32_t ref[GEN];
+    if (srun_go(m, tiny_path, &r, 1, pp, lens, GEN, ref, NULL, NULL)) return 1; /* B stored */
+    kvc_store_key ns, keys[9];
+    ASSERT_OK(srun_ns(m, tiny_path, &r, &ns));
+    ASSERT_OK(kvc_store_page_keys(&ns, pb, 9, 16, 1, keys));
+    for (int bg = 0; bg < 2; bg++) { /* B alone: in line; after A: a background load */
+        r.capacity = 160; /* 10 pages: C evicts B's */
+        kvc_engine_params ep = srun_engine_params(&r);
+        kvc_engine *e = NULL;
+        kvc_store *s = NULL;
+        ASSERT_OK(kvc_engine_create(m, &ep, &e));
+        const char *urls[1] = {url};
+        kvc_store_params sp = kvc_store_default_params();
+        ASSERT_OK(kvc_store_open(urls, 1, &sp, &s));
+        cache_evs ce;
+        memset(&ce, 0, sizeof ce);
+        ASSERT_OK(kvc_store_set_event_callback(s, cache_ev_cb, &ce));
+        ASSERT_OK(kvc_store_attach_engine(s, e, &ns));
+        int64_t id;
+        if (bg) ASSERT_OK(kvc_engine_add_request(e, pa, NA, GEN, NULL, 1, &id));
+        ASSERT_OK(kvc_engine_add_request(e, pb, NB, GEN, NULL, 1, &id));
+        int32_t out[GEN];
+        int got = 0;
+        kvc_engine_event ev[2];
+        int64_t ne;
+        while (kvc_engine_pending(e) > 0) {
+            ASSERT_OK(kvc_engine_step(e, ev, 2, &ne));
+            ASSERT_OK(kvc_cache_check(kvc_engine_cache(e)));
+            for (int64_t i = 0; i < ne; i++)
+                if (ev[i].request_id == id) out[got++] = ev[i].token;
+        }
+        ASSERT_EQ_I64(got, GEN);
+        ASSERT_MEM_EQ(out, ref, sizeof ref);
+        kvc_engine_stats es;
+        ASSERT_OK(kvc_engine_get_stats(e, &es));
+        ASSERT_EQ_I64(es.external_tokens, 144);
+        for (int k = 0; k < 9; k++) {
+            const int i = cache_ev_find(&ce, &keys[k]);
+            if (i < 0 || ce.stored[i] != 1 || ce.removed[i] != 0)
+                TEST_FAIL_("bg %d: page %d: %d stored, %d removed events, want 1 and 0", bg, k,
+                           i < 0 ? 0 : ce.stored[i], i < 0 ? 0 : ce.removed[i]);
+        }
+        ASSERT_OK(kvc_store_flush(s, 30.0));
+        kvc_store_stats ss;
+        ASSERT_OK(kvc_store_get_stats(s, &ss));
+        ASSERT_EQ_I64(ss.writes_queued, bg ? 2 : 0); /* A's 2 final pages, never B's again */
+        ASSERT_OK(kvc_engine_add_request(e, pc, NB, 1, NULL, 1, &id)); /* evicts B's pages */
+        while (kvc_engine_pending(e) > 0) ASSERT_OK(kvc_engine_step(e, ev, 2, &ne));
+        for (int k = 0; k < 9; k++) {
+            const int i = cache_ev_find(&ce, &keys[k]);
+            if (i < 0 || ce.removed[i] != 1)
+                TEST_FAIL_("bg %d: page %d evicted: %d removed events, want 1", bg, k,
+                           i < 0 ? 0 : ce.removed[i]);
+        }
+        kvc_engine_destroy(e);
+        kvc_store_close(s);
+    }
+    rm_rf(dir);
+    kvc_model_destroy(m);
+    return 0;
+}
+
 /* Two prompts sharing 80 tokens: their pages 4 hold the same ids but lie in
  * different K groups (kivi: other quantization parameters), so their keys
  * must differ, or one restores the other's page. */
@@ -1534,5 +1641,6 @@ const test_case test_suite[] = {
     TEST_ENTRY(writer_thread_yields_the_cpus),
     TEST_ENTRY(write_policies_per_tier),
     TEST_ENTRY(restored_pages_are_promoted_to_earlier_tiers),
+    TEST_ENTRY(restored_pages_are_reported_in_the_cache_events),
     {0, 0},
 };

@@ -255,8 +255,9 @@ KVC_API kvc_status kvc_store_get_stats(kvc_store *store, kvc_store_stats *out);
  * tier >= 0 is a tier (index in the urls of kvc_store_open): stored after
  * the write, removed by its budget, cleared by kvc_store_invalidate.
  * tier KVC_STORE_TIER_CACHE is the cache of an attached engine: stored when
- * a page becomes final there, removed when the cache evicts it. Called from
- * the writer thread or the engine's; must not call back into the store.
+ * a page becomes final there or is restored into it from a tier, removed
+ * when the cache evicts it. Called from the writer thread or the engine's;
+ * must not call back into the store.
  * tokens: the page's ids (NULL for removals and clears). */
 #define KVC_STORE_TIER_CACHE (-1)
 typedef enum kvc_store_event_kind {

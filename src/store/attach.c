@@ -3,8 +3,8 @@
  * admission, saves by each tier's write policy. Write-back and selective writes
  * need to know a page's key when the engine no longer names it (eviction,
  * a prefix hit): a table by page id remembers the key, parent, position
- * and token ids of every page this engine saw final, checked against the
- * cache's own token ids before a page is saved.
+ * and token ids of every page this engine saw final or restored, checked
+ * against the cache's own token ids before a page is saved.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -48,12 +48,6 @@ static kvc_status probe(void *user, const kvc_cache *cache, const int32_t *token
     return kvc__store_probe_run(a->s, &a->ns, tokens, a->P, a->U, first, max, n);
 }
 
-static kvc_status restore(void *user, kvc_cache *cache, const int32_t *tokens, int64_t first,
-                          int64_t n, const int32_t *page_ids, int64_t *n_restored) {
-    attach *a = user;
-    return kvc_store_restore_run(a->s, cache, &a->ns, tokens, first, n, page_ids, n_restored);
-}
-
 static void *load_start(void *user, const kvc_cache *cache, const int32_t *tokens,
                         int64_t first, int64_t n) {
     attach *a = user;
@@ -63,12 +57,6 @@ static void *load_start(void *user, const kvc_cache *cache, const int32_t *token
 static int load_poll(void *user, void *load, int wait, int64_t *n_ready) {
     (void)user;
     return kvc__store_load_poll(load, wait, n_ready);
-}
-
-static void load_finish(void *user, void *load, kvc_cache *cache, int64_t skip,
-                        const int32_t *page_ids, int64_t n) {
-    (void)user;
-    kvc__store_load_finish(load, cache, skip, page_ids, n);
 }
 
 /* The expectation (what the object must say) of page id's slot. */
@@ -104,13 +92,16 @@ static void save_slot(attach *a, const kvc_cache *cache, int32_t id, uint32_t ti
     queue_slot(a, cache, id, tiers);
 }
 
-/* Records each page in its slot (keys computed once, for the slot, the
- * event and a write-through), then tells listeners the cache holds it;
- * a write-through is queued after that event, so subscribers hear of a
- * page in the cache before the writer's event of it in a tier. */
-static void on_final(void *user, const kvc_cache *cache, const int32_t *tokens, int64_t first,
-                     int64_t n, const int32_t *page_ids) {
-    attach *a = user;
+/* Records pages [first, first + n) of tokens (in page_ids) in their slots
+ * (keys computed once, for the slot, the event and a write-through), then
+ * tells listeners the cache holds them; a write-through is queued after that
+ * event, so subscribers hear of a page in the cache before the writer's
+ * event of it in a tier. Restored pages are recorded as saved to every tier
+ * (the policies never write them back) but are in the cache like the others:
+ * reported now, and their eviction later. */
+static void record_pages(attach *a, const kvc_cache *cache, const int32_t *tokens, int64_t first,
+                         int64_t n, const int32_t *page_ids, int restored) {
+    if (n <= 0) return;
     kvc_store_key *k = malloc((size_t)(first + n) * sizeof *k);
     if (!k || kvc_store_page_keys(&a->ns, tokens, first + n, a->P, a->U, k) != KVC_OK) {
         free(k);
@@ -127,14 +118,45 @@ static void on_final(void *user, const kvc_cache *cache, const int32_t *tokens, 
         sl->position = pg * a->P;
         sl->hits = 0;
         sl->valid = 1;
-        sl->saved = 0;
+        sl->saved = restored ? ~0u : 0;
         memcpy(a->tokens + (int64_t)id * a->P, tokens + pg * a->P,
                (size_t)a->P * sizeof(int32_t));
         kvc__store_emit_page(a->s, KVC_STORE_EVENT_STORED, KVC_STORE_TIER_CACHE, &a->ns,
                              &sl->key, &sl->parent, tokens + pg * a->P, a->P);
-        if (a->through) queue_slot(a, cache, id, a->through);
+        if (a->through && !restored) queue_slot(a, cache, id, a->through);
     }
     free(k);
+}
+
+static void on_final(void *user, const kvc_cache *cache, const int32_t *tokens, int64_t first,
+                     int64_t n, const int32_t *page_ids) {
+    record_pages(user, cache, tokens, first, n, page_ids, 0);
+}
+
+/* Pages written into the engine's cache are recorded (record_pages) in
+ * whole units: the engine computes a unit's pages written past the last
+ * whole one again. */
+static kvc_status restore(void *user, kvc_cache *cache, const int32_t *tokens, int64_t first,
+                          int64_t n, const int32_t *page_ids, int64_t *n_restored) {
+    attach *a = user;
+    kvc_status st =
+        kvc_store_restore_run(a->s, cache, &a->ns, tokens, first, n, page_ids, n_restored);
+    if (st == KVC_OK) record_pages(a, cache, tokens, first, *n_restored / a->U * a->U, page_ids, 1);
+    return st;
+}
+
+static void load_finish(void *user, void *load, kvc_cache *cache, int64_t skip,
+                        const int32_t *page_ids, int64_t n) {
+    attach *a = user;
+    int64_t first = 0, ready = 0;
+    /* recorded before the write, while the load holds the ids: the engine
+     * gives it pages only once it is done, when the run it writes is known */
+    if (load && cache && n > 0 && kvc__store_load_poll(load, 0, &ready)) {
+        const int32_t *tokens = kvc__store_load_tokens(load, &first);
+        const int64_t w = n < ready - skip ? n : ready - skip;
+        record_pages(a, cache, tokens, first + skip, w / a->U * a->U, page_ids, 1);
+    }
+    kvc__store_load_finish(load, cache, skip, page_ids, n);
 }
 
 static void on_hit(void *user, const kvc_cache *cache, const int32_t *tokens, int64_t first,

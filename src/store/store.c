@@ -959,6 +959,11 @@ int kvc__store_load_poll(kvc__store_load *l, int wait, int64_t *n_ready) {
     return done;
 }
 
+const int32_t *kvc__store_load_tokens(const kvc__store_load *l, int64_t *first) {
+    *first = l->r.first;
+    return l->tokens;
+}
+
 void kvc__store_load_finish(kvc__store_load *l, kvc_cache *cache, int64_t skip,
                             const int32_t *page_ids, int64_t n) {
     if (!l) return;

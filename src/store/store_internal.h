@@ -84,6 +84,8 @@ kvc__store_load *kvc__store_load_start(kvc_store *s, const kvc_cache *cache,
 int kvc__store_load_poll(kvc__store_load *l, int wait, int64_t *n_ready);
 void kvc__store_load_finish(kvc__store_load *l, kvc_cache *cache, int64_t skip,
                             const int32_t *page_ids, int64_t n);
+/* The load's token ids (its copy, pages [0, first + n)) and *first. */
+const int32_t *kvc__store_load_tokens(const kvc__store_load *l, int64_t *first);
 /* Frees what kvc_store_attach_engine made (at detach or close). */
 void kvc__store_attach_free(void *a);
 
