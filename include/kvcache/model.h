@@ -114,7 +114,8 @@ typedef struct kvc_model_info {
  * what the runtime would not follow, see above) and loads the tokenizer.
  * KVC_ERR_UNSUPPORTED for an architecture, key value or tensor not
  * implemented, KVC_ERR_CORRUPT for missing, mistyped or inconsistent
- * metadata or tensors; the message names the key or tensor. */
+ * metadata or tensors, KVC_ERR_NOT_FOUND for a file without a tokenizer
+ * (as kvc_tokenizer_from_gguf); the message names the key or tensor. */
 KVC_API kvc_status kvc_model_load(const char *path, const kvc_model_params *params,
                                   kvc_model **out);
 KVC_API void kvc_model_destroy(kvc_model *model); /* NULL is a no-op */

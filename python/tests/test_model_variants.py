@@ -237,6 +237,10 @@ REFUSED = {
                  Unsupported, r"key tokenizer\.ggml\.precompiled_charsmap is not understood"),
     "eom_not_eog": (dict(extra_kv={"tokenizer.ggml.eom_token_id": (5, ValueType.UINT32)}),
                     Unsupported, r"eom_token_id 5 is not a token this runtime ends"),
+    "no_tokenizer": (dict(omit_kv=("tokenizer.ggml.model", "tokenizer.ggml.pre",
+                                   "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                                   "tokenizer.ggml.merges")),
+                     kvcache.NotFoundError, r"tokenizer"),
 }
 
 
