@@ -203,6 +203,8 @@ REFUSED = {
     "missing_key": (dict(omit_kv=("llama.embedding_length",)), Corrupt,
                     r"^model: required metadata key llama\.embedding_length is missing$"),
     # llama.cpp requires it too: a guessed epsilon would change every norm
+    "missing_context_length": (dict(omit_kv=("llama.context_length",)), Corrupt,
+                               r"^model: required metadata key llama\.context_length is missing$"),
     "missing_rms_eps": (dict(omit_kv=("llama.attention.layer_norm_rms_epsilon",)), Corrupt,
                         r"^model: required metadata key llama\.attention\.layer_norm_rms_epsilon"
                         r" is missing$"),

@@ -304,7 +304,7 @@ kvc_status kvc__model_hparams(const kvc_gguf *g, kvc_model_info *in, kvc__hparam
     in->n_head = i32(v);
     KVC_TRY(get_int(g, a, "attention.head_count_kv", 0, in->n_head, 1, BIG, &v));
     in->n_head_kv = i32(v);
-    KVC_TRY(get_int(g, a, "context_length", 0, 4096, 1, BIG, &v));
+    KVC_TRY(get_int(g, a, "context_length", 1, 0, 1, BIG, &v));
     in->n_ctx_train = i32(v);
     KVC_TRY(get_int(g, a, "vocab_size", 0, -1, 1, BIG, &hp->vocab_size));
     KVC_TRY(get_pos(g, a, "rope.freq_base", 10000.0, &in->rope_freq_base));
