@@ -575,6 +575,8 @@ TEST(chat_differential_regressions) {
         {"{{ [7, 8][1::9223372036854775807] }}", "[8]"},
         {"{{ [1, 2, 3][::-9223372036854775807 - 1] }}", "[3]"}, /* step INT64_MIN */
         {"{{ 'x' * 1 | safe }}", NULL},
+        /* loop.depth was missing: undefined, so it printed nothing */
+        {"{% for i in [1, 2] %}{{ loop.depth }}{{ loop.depth0 }}{% endfor %}", "1010"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         render(cases[i].tmpl, m, 1, 1, buf, sizeof buf, &st);

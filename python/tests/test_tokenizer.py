@@ -651,6 +651,9 @@ DIFFERENTIAL_REGRESSIONS = [
     "{{ ['s', 7][1::9223372036854775807] }}{{ [1, 2, 3][-1::-9223372036854775807] }}",
     # safe makes a string
     "{{ 'x' * 1 | safe }}", "{{ (1 | safe) ~ (none | safe) ~ (u | safe) }}",
+    # loop.depth and depth0 (a loop that is not recursive is at depth 1)
+    "{% for m in messages %}{{ loop.depth }}{{ loop.depth0 }}{% if loop.depth == 1 %}!{% endif %}"
+    "{% for x in [1] %}{{ loop.depth }}{% endfor %}{% endfor %}",
 ]
 
 

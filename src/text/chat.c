@@ -111,7 +111,7 @@ static kvc_status exec_for(ctx *c, const node *n) {
         if (st == KVC_OK) all = kept.u.l;
     }
     value loop;
-    if (st == KVC_OK) st = kvc__chat_new_dict(c, 10, &loop);
+    if (st == KVC_OK) st = kvc__chat_new_dict(c, 12, &loop);
     int64_t len = (int64_t)all->n;
     int completed = 0; /* an iteration ran to the end of the body */
     for (int64_t i = 0; st == KVC_OK && i < len; i++) {
@@ -130,6 +130,9 @@ static kvc_status exec_for(ctx *c, const node *n) {
         if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("first"), v_bool(i == 0));
         if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("last"), v_bool(i == len - 1));
         if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("length"), v_int(len));
+        /* recursive loops are refused, so every loop is at depth 1 */
+        if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("depth"), v_int(1));
+        if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("depth0"), v_int(0));
         if (st == KVC_OK)
             st = kvc__chat_dict_set(c, d, cstr("previtem"), i > 0 ? all->items[i - 1] : v_undef());
         if (st == KVC_OK)
