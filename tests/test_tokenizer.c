@@ -626,7 +626,9 @@ TEST(chat_errors) {
                                  "{% macro m(x) %}{{ varargs }}{% endmacro %}{{ m(1) }}",
                                  /* a namespace could hold itself: printing it recursed forever */
                                  "{% set ns = namespace() %}{% set ns.x = [ns] %}{{ ns }}",
-                                 "{{ now() }}"};
+                                 "{{ now() }}",
+                                 /* was kept as written; jinja2 decodes it (U+2022) */
+                                 "{{ '\\N{BULLET}' }}"};
     for (size_t i = 0; i < sizeof unsupported / sizeof unsupported[0]; i++) {
         kvc_status st =
             kvc_chat_apply_template(NULL, unsupported[i], m, 1, 1, buf, sizeof buf, &len);

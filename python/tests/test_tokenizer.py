@@ -545,6 +545,7 @@ def test_template_errors():
         kvcache.render_chat_template("{% if messages if true %}X{% endif %}", msgs)
     assert kvcache.render_chat_template("{% if (1 if true else 0) %}X{% endif %}", msgs) == "X"
     for bad in ["a\n{{ '\\xZZ' }}", "a\n{{ '\\ud800' }}",  # escapes report their line too
+                "a\n{{ '\\N{BULLET}' }}",  # was kept as written; jinja2 prints U+2022
                 "a\n{# open\nstill open"]:  # an unterminated comment: the line it starts on
         with pytest.raises(kvcache.UnsupportedError, match="line 2"):
             kvcache.render_chat_template(bad, msgs)

@@ -94,6 +94,8 @@ static kvc_status decode_string(ctx *c, const char *s, size_t n, str *out) {
         case 'x': digits = 2; break;
         case 'u': digits = 4; break;
         case 'U': digits = 8; break;
+        case 'N': /* \N{name}: the Unicode name table is not here; never kept as written */
+            return kvc__chat_syntax_error(c, NULL, "\\N{...} escapes are not supported");
         default:
             if (e >= '0' && e <= '7') { /* up to three octal digits */
                 unsigned v = 0;
