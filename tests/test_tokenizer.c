@@ -628,7 +628,9 @@ TEST(chat_errors) {
                                  "{% set ns = namespace() %}{% set ns.x = [ns] %}{{ ns }}",
                                  "{{ now() }}",
                                  /* was kept as written; jinja2 decodes it (U+2022) */
-                                 "{{ '\\N{BULLET}' }}"};
+                                 "{{ '\\N{BULLET}' }}",
+                                 /* printf-style formatting: was INVALID_ARG, a type error */
+                                 "{{ '%s items' % 3 }}", "{{ 'x' % u }}"};
     for (size_t i = 0; i < sizeof unsupported / sizeof unsupported[0]; i++) {
         kvc_status st =
             kvc_chat_apply_template(NULL, unsupported[i], m, 1, 1, buf, sizeof buf, &len);

@@ -1060,7 +1060,7 @@ def test_unsupported_only_when_evaluated():
     msgs = CONVERSATIONS[1]
     assert kvcache.render_chat_template(DEAD_BRANCHES, msgs) == _jinja(DEAD_BRANCHES, msgs, True)
     for expr in ["1.5", "3 / 2", "(1, 2)", "2 ** 8", "'a b' | wordcount", "'a' is lower",
-                 "[1] | sum", "[1] | select", "1e3"]:
+                 "[1] | sum", "[1] | select", "1e3", "'%s!' % 'x'", "'%d' % 2"]:
         template = "line1\n{%% if messages %%}{{ %s }}{%% endif %%}" % expr
         with pytest.raises(kvcache.UnsupportedError, match="line 2"):
             kvcache.render_chat_template(template, msgs)

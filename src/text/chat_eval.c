@@ -276,6 +276,10 @@ static kvc_status arith(ctx *c, const node *n, const value *a, const value *b, v
         KVC_TRY(kvc__chat_to_str(c, b, &y));
         return kvc__chat_concat(c, x, y, out);
     }
+    if (op == '%' && a->t == V_STR) /* Python's printf-style formatting, not a type error */
+        return kvc__error(KVC_ERR_UNSUPPORTED,
+                          "chat template, line %d: string formatting with '%%' is not supported",
+                          n->line);
     if (a->t == V_UNDEF || b->t == V_UNDEF) return kvc__chat_undefined_error(a->t == V_UNDEF ? n->a : n->b);
     if (op == '+' && a->t == V_STR && b->t == V_STR)
         return kvc__chat_concat(c, a->u.s, b->u.s, out);
