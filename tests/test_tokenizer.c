@@ -577,6 +577,11 @@ TEST(chat_differential_regressions) {
         {"{{ 'x' * 1 | safe }}", NULL},
         /* loop.depth was missing: undefined, so it printed nothing */
         {"{% for i in [1, 2] %}{{ loop.depth }}{{ loop.depth0 }}{% endfor %}", "1010"},
+        /* jinja2 looks the attribute up first: d.items is the method, never d['items'] */
+        {"{% set d = {'items': {'type': 'int'}, 'pop': 2} %}{{ d.items is defined }} "
+         "{{ d.items.type is defined }} {{ d['items'].type }} {{ d.pop is defined }} "
+         "{{ {}['get'] is callable }}",
+         "True False int False True"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         render(cases[i].tmpl, m, 1, 1, buf, sizeof buf, &st);
@@ -630,7 +635,10 @@ TEST(chat_errors) {
                                  /* was kept as written; jinja2 decodes it (U+2022) */
                                  "{{ '\\N{BULLET}' }}",
                                  /* printf-style formatting: was INVALID_ARG, a type error */
-                                 "{{ '%s items' % 3 }}", "{{ 'x' % u }}"};
+                                 "{{ '%s items' % 3 }}", "{{ 'x' % u }}",
+                                 /* a method as a value: jinja2 prints its address */
+                                 "{{ {'items': 1}.items }}",
+                                 "{% set f = {}.get %}{{ f('a') }}"};
     for (size_t i = 0; i < sizeof unsupported / sizeof unsupported[0]; i++) {
         kvc_status st =
             kvc_chat_apply_template(NULL, unsupported[i], m, 1, 1, buf, sizeof buf, &len);

@@ -655,6 +655,10 @@ DIFFERENTIAL_REGRESSIONS = [
     # loop.depth and depth0 (a loop that is not recursive is at depth 1)
     "{% for m in messages %}{{ loop.depth }}{{ loop.depth0 }}{% if loop.depth == 1 %}!{% endif %}"
     "{% for x in [1] %}{{ loop.depth }}{% endfor %}{% endfor %}",
+    # an attribute is looked up before the item: d.items is the method, not d['items']
+    "{% set d = {'items': [1], 'pop': 2, 'x': 3} %}{{ d.items is defined }} {{ d.pop is defined }}"
+    " {{ d['items'] }} {% if d.keys %}K{% endif %} {{ d.items.x is defined }} {{ d.x }}"
+    " {{ {}['get'] is defined }} {{ 'a'.upper is callable }} {{ [1]['count'] is defined }}",
 ]
 
 
@@ -668,6 +672,15 @@ def test_differential_regressions_match_jinja():
                 kvcache.render_chat_template(template, msgs)
             continue
         assert kvcache.render_chat_template(template, msgs) == want, template
+    # a JSON schema's "items" is p['items']; p.items is the dict method (it was the item)
+    template = ("{% for t in tools %}{% for n, p in t.parameters.properties.items() %}{{ n }}:"
+                "{{ p.type }}{% if p.items is mapping %}[{{ p['items'].type }}]{% endif %}"
+                "{% if p.items.type is defined %}!{% endif %};{% endfor %}{% endfor %}")
+    tools = [{"parameters": {"properties": {"a": {"type": "array", "items": {"type": "int"}},
+                                            "b": {"type": "string"}}}}]
+    want = _jinja(template, msgs, True, tools=tools)
+    assert want == "a:array;b:string;"
+    assert kvcache.render_chat_template(template, msgs, tools=tools) == want
     # outside the subset, not an error in jinja2: UNSUPPORTED, not INVALID_ARG
     assert _jinja("{{ {1: 'a'}[1] }}", msgs, True) == "a"
     with pytest.raises(kvcache.UnsupportedError, match="string dictionary keys"):
@@ -1060,7 +1073,8 @@ def test_unsupported_only_when_evaluated():
     msgs = CONVERSATIONS[1]
     assert kvcache.render_chat_template(DEAD_BRANCHES, msgs) == _jinja(DEAD_BRANCHES, msgs, True)
     for expr in ["1.5", "3 / 2", "(1, 2)", "2 ** 8", "'a b' | wordcount", "'a' is lower",
-                 "[1] | sum", "[1] | select", "1e3", "'%s!' % 'x'", "'%d' % 2"]:
+                 "[1] | sum", "[1] | select", "1e3", "'%s!' % 'x'", "'%d' % 2",
+                 "{'a': 1}.items", "'a'.upper ~ 'x'"]:  # jinja2 prints a method's address
         template = "line1\n{%% if messages %%}{{ %s }}{%% endif %%}" % expr
         with pytest.raises(kvcache.UnsupportedError, match="line 2"):
             kvcache.render_chat_template(template, msgs)

@@ -17,7 +17,55 @@ kvc_status kvc__chat_undefined_error(const node *n) {
     return kvc__chat_runtime_error(n, "an undefined value is used");
 }
 
-/* Python indexing: list/str by (possibly negative) int, dict by key. */
+static int name_in(str name, const char *const *names) {
+    for (; *names; names++)
+        if (str_eq(name, *names)) return 1;
+    return 0;
+}
+
+/* The Python attribute `name` of obj, where it has one jinja2 lets templates
+ * see: the method as a value (F_METHOD), or undefined for the methods that
+ * modify (ImmutableSandboxedEnvironment) -- never the dict's item of that
+ * name. 0 if obj has no such attribute. */
+static int py_attr(const value *obj, str name, value *out) {
+    static const char *const str_methods[] = {
+        "capitalize", "casefold",  "center",     "count",        "encode",     "endswith",
+        "expandtabs", "find",      "format",     "format_map",   "index",      "isalnum",
+        "isalpha",    "isascii",   "isdecimal",  "isdigit",      "isidentifier", "islower",
+        "isnumeric",  "isprintable", "isspace",  "istitle",      "isupper",    "join",
+        "ljust",      "lower",     "lstrip",     "maketrans",    "partition",  "removeprefix",
+        "removesuffix", "replace", "rfind",      "rindex",       "rjust",      "rpartition",
+        "rsplit",     "rstrip",    "split",      "splitlines",   "startswith", "strip",
+        "swapcase",   "title",     "translate",  "upper",        "zfill",      NULL};
+    static const char *const dict_methods[] = {"copy", "fromkeys", "get", "items", "keys",
+                                               "values", NULL};
+    static const char *const dict_modifiers[] = {"clear", "pop", "popitem", "setdefault",
+                                                 "update", NULL};
+    static const char *const list_methods[] = {"copy", "count", "index", NULL};
+    static const char *const tuple_methods[] = {"count", "index", NULL};
+    int method = 0;
+    if (obj->t == V_STR) {
+        method = name_in(name, str_methods);
+    } else if (obj->t == V_DICT && !obj->u.d->is_namespace) { /* a Namespace has no methods */
+        if (name_in(name, dict_modifiers)) {
+            *out = v_undef();
+            return 1;
+        }
+        method = name_in(name, dict_methods);
+    } else if (obj->t == V_LIST && obj->u.l->kind == L_LIST) {
+        method = name_in(name, list_methods);
+    } else if (obj->t == V_LIST && obj->u.l->kind == L_TUPLE) {
+        method = name_in(name, tuple_methods);
+    }
+    if (method) {
+        out->t = V_FUNC;
+        out->u.i = F_METHOD;
+    }
+    return method;
+}
+
+/* Python indexing: list/str by (possibly negative) int, dict by key; a
+ * string key that is no item is looked up as an attribute, as jinja2 does. */
 static kvc_status get_item(ctx *c, const node *n, const value *obj, const value *key, value *out) {
     *out = v_undef();
     if (obj->t == V_UNDEF) return kvc__chat_undefined_error(n->a);
@@ -25,8 +73,15 @@ static kvc_status get_item(ctx *c, const node *n, const value *obj, const value 
         if (key->t == V_STR) {
             KVC_TRY(charge(c, key->u.s.n));
             value *v = kvc__chat_dict_find(obj->u.d, key->u.s);
-            if (v) *out = *v;
+            if (v)
+                *out = *v;
+            else
+                py_attr(obj, key->u.s, out);
         }
+        return KVC_OK;
+    }
+    if (key->t == V_STR) {
+        py_attr(obj, key->u.s, out);
         return KVC_OK;
     }
     if ((obj->t == V_STR || (obj->t == V_LIST && obj->u.l->kind <= L_RANGE)) && is_num(key)) {
@@ -39,9 +94,12 @@ static kvc_status get_item(ctx *c, const node *n, const value *obj, const value 
     return KVC_OK;
 }
 
+/* jinja2's attribute lookup: the Python attribute first (d.items is the
+ * method, whatever d['items'] holds), then the item. */
 static kvc_status get_attr(const node *n, const value *obj, str name, value *out) {
     *out = v_undef();
     if (obj->t == V_UNDEF) return kvc__chat_undefined_error(n->a);
+    if (py_attr(obj, name, out)) return KVC_OK;
     if (obj->t == V_DICT) {
         value *v = kvc__chat_dict_find(obj->u.d, name);
         if (v) *out = *v;
@@ -203,6 +261,11 @@ static kvc_status call_builtin(ctx *c, const node *n, int fn, const args *a, val
                                        (int)(msg.n < 400 ? msg.n : 400), msg.p);
     }
     if (fn == F_STRFTIME) return kvc__chat_strftime_now(c, n, a, out);
+    if (fn == F_METHOD)
+        return kvc__error(KVC_ERR_UNSUPPORTED,
+                          "chat template, line %d: calling a method taken as a value is not "
+                          "supported (call it where it is looked up: x.get(...))",
+                          n->line);
     if (fn == F_NAMESPACE) {
         if (a->n_pos)
             return kvc__chat_runtime_error(n, "namespace() takes keyword arguments only here");

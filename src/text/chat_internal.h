@@ -79,7 +79,9 @@ void kvc__chat_arena_free(arena *a);
 
 typedef enum vtype { V_UNDEF, V_NONE, V_BOOL, V_INT, V_STR, V_LIST, V_DICT, V_FUNC, V_MACRO } vtype;
 
-typedef enum builtin { F_RAISE, F_NAMESPACE, F_RANGE, F_STRFTIME } builtin;
+/* F_METHOD: a method of a str, list or dict taken as a value (d.items without a
+ * call), as jinja2's attribute lookup finds it: defined, truthy and callable. */
+typedef enum builtin { F_RAISE, F_NAMESPACE, F_RANGE, F_STRFTIME, F_METHOD } builtin;
 
 typedef struct node node;
 

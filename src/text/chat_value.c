@@ -157,7 +157,13 @@ static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr) {
         KVC_TRY(sb_cstr(c, b, "<Macro '"));
         KVC_TRY(kvc__chat_sb_put(c, b, v->u.m->def->name.p, v->u.m->def->name.n));
         return sb_cstr(c, b, "'>");
-    default: return sb_cstr(c, b, "<function>");
+    default:
+        if (v->u.i == F_METHOD) /* jinja2 prints its address */
+            return kvc__error(KVC_ERR_UNSUPPORTED,
+                              "chat template, line %d: printing a method (x.items without a "
+                              "call) is not supported",
+                              c->cur ? c->cur->line : 0);
+        return sb_cstr(c, b, "<function>");
     }
 }
 
