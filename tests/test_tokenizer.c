@@ -582,6 +582,9 @@ TEST(chat_differential_regressions) {
          "{{ d.items.type is defined }} {{ d['items'].type }} {{ d.pop is defined }} "
          "{{ {}['get'] is callable }}",
          "True False int False True"},
+        /* join's attribute= was ignored: the whole items were joined */
+        {"{{ [{'a': 'x'}, {'a': 2}, {'b': 1}] | join(', ', attribute='a') }}", "x, 2, "},
+        {"{{ [1, 2] | join('-', 'x', 3) }}", NULL},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         render(cases[i].tmpl, m, 1, 1, buf, sizeof buf, &st);

@@ -659,6 +659,10 @@ DIFFERENTIAL_REGRESSIONS = [
     "{% set d = {'items': [1], 'pop': 2, 'x': 3} %}{{ d.items is defined }} {{ d.pop is defined }}"
     " {{ d['items'] }} {% if d.keys %}K{% endif %} {{ d.items.x is defined }} {{ d.x }}"
     " {{ {}['get'] is defined }} {{ 'a'.upper is callable }} {{ [1]['count'] is defined }}",
+    # join's attribute= (was ignored: the whole items were joined), and its arguments
+    "{{ [{'a': 'x'}, {'a': 2}, {'b': 1}] | join(', ', attribute='a') }}"
+    "{{ [[1, 2], [3, 4]] | join('-', attribute=1) }}{{ messages | join('|', 'role') }}",
+    "{{ [1, 2] | join('-', 'x', 3) }}", "{{ [1, 2] | join(x=1) }}",
 ]
 
 

@@ -411,16 +411,22 @@ static kvc_status apply_filter(ctx *c, const node *n, str f, value x, const args
         return KVC_OK;
     }
     if (str_eq(f, "join")) {
+        static const char *const params[] = {"d", "attribute"};
+        KVC_TRY(check_params(n, &a, "join", params, 2));
         value items;
-        str sep = {"", 0};
+        str sep = {"", 0}, attr = {NULL, 0};
         const value *d = kvc__chat_arg(&a, 0, "d");
         if (d) KVC_TRY(kvc__chat_to_str(c, d, &sep));
+        const value *at = kvc__chat_arg(&a, 1, "attribute"); /* join each item's attribute */
+        if (at && at->t != V_NONE) KVC_TRY(kvc__chat_to_str(c, at, &attr));
         KVC_TRY(kvc__chat_iter_items(c, n, &x, &items));
         sbuf b = {NULL, 0, 0};
         for (size_t i = 0; i < items.u.l->n; i++) {
             str e;
+            value v = items.u.l->items[i];
             if (i) KVC_TRY(kvc__chat_sb_put(c, &b, sep.p, sep.n));
-            KVC_TRY(kvc__chat_to_str(c, &items.u.l->items[i], &e));
+            if (attr.p) KVC_TRY(get_path(c, n, &items.u.l->items[i], attr, &v));
+            KVC_TRY(kvc__chat_to_str(c, &v, &e));
             KVC_TRY(kvc__chat_sb_put(c, &b, e.p, e.n));
         }
         *out = v_str(b.p ? b.p : "", b.n);
