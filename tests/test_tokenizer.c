@@ -585,6 +585,8 @@ TEST(chat_differential_regressions) {
         /* join's attribute= was ignored: the whole items were joined */
         {"{{ [{'a': 'x'}, {'a': 2}, {'b': 1}] | join(', ', attribute='a') }}", "x, 2, "},
         {"{{ [1, 2] | join('-', 'x', 3) }}", NULL},
+        /* split(None, maxsplit): the rest kept its trailing whitespace stripped */
+        {"{{ 'a  b '.split(none, 1) }}{{ ' a  b '.split(none, 0) }}", "['a', 'b ']['a  b ']"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         render(cases[i].tmpl, m, 1, 1, buf, sizeof buf, &st);

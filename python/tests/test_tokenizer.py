@@ -663,6 +663,9 @@ DIFFERENTIAL_REGRESSIONS = [
     "{{ [{'a': 'x'}, {'a': 2}, {'b': 1}] | join(', ', attribute='a') }}"
     "{{ [[1, 2], [3, 4]] | join('-', attribute=1) }}{{ messages | join('|', 'role') }}",
     "{{ [1, 2] | join('-', 'x', 3) }}", "{{ [1, 2] | join(x=1) }}",
+    # split(None, maxsplit): the rest keeps its trailing whitespace (it was stripped)
+    "{{ 'a  b '.split(none, 1) }}{{ ' a  b\t'.split(none, 0) }}{{ 'a '.split(none, 1) }}"
+    "{{ 'x y\u3000'.split(maxsplit=1) }}",
 ]
 
 

@@ -412,7 +412,6 @@ kvc_status kvc__chat_set_var(ctx *c, str name, value v);
 
 /* String methods and filters (see their definitions). */
 kvc_status kvc__chat_map_case(ctx *c, str s, char mode, value *out);
-str kvc__chat_strip_str(str s, int left, int right);
 kvc_status kvc__chat_strip_chars(ctx *c, str s, const str *chars, int left, int right, str *out);
 const char *kvc__chat_find_sub(str hay, str needle, size_t from);
 kvc_status kvc__chat_str_replace(ctx *c, const node *n, str s, str old, str rep, int64_t count,

@@ -568,11 +568,6 @@ static str strip_set(str s, const cp_set *set, int left, int right) {
     return r;
 }
 
-/* strip_set for whitespace (no set). */
-str kvc__chat_strip_str(str s, int left, int right) {
-    return strip_set(s, NULL, left, right);
-}
-
 /* strip/lstrip/rstrip with chars (NULL: whitespace) as the template calls
  * them: the chars made into a set first, the bytes charged to MAX_WORK. */
 kvc_status kvc__chat_strip_chars(ctx *c, str s, const str *chars, int left, int right, str *out) {
@@ -634,9 +629,8 @@ kvc_status kvc__chat_str_split(ctx *c, const node *n, str s, const value *sep, i
             int len;
             while (i < s.n && space_at(s.p, s.n, i, &len)) i += (size_t)len;
             if (i >= s.n) break;
-            if (maxsplit >= 0 && splits >= maxsplit) {
-                str rest = kvc__chat_strip_str((str){s.p + i, s.n - i}, 0, 1);
-                KVC_TRY(kvc__chat_list_push(c, out->u.l, v_str(rest.p, rest.n)));
+            if (maxsplit >= 0 && splits >= maxsplit) { /* the rest keeps its trailing space */
+                KVC_TRY(kvc__chat_list_push(c, out->u.l, v_str(s.p + i, s.n - i)));
                 break;
             }
             size_t j = i;
