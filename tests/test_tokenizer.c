@@ -643,7 +643,9 @@ TEST(chat_errors) {
                                  "{{ '%s items' % 3 }}", "{{ 'x' % u }}",
                                  /* a method as a value: jinja2 prints its address */
                                  "{{ {'items': 1}.items }}",
-                                 "{% set f = {}.get %}{{ f('a') }}"};
+                                 "{% set f = {}.get %}{{ f('a') }}",
+                                 /* start and end were ignored: 'abc'.startswith('b', 1) false */
+                                 "{{ 'abc'.startswith('b', 1) }}"};
     for (size_t i = 0; i < sizeof unsupported / sizeof unsupported[0]; i++) {
         kvc_status st =
             kvc_chat_apply_template(NULL, unsupported[i], m, 1, 1, buf, sizeof buf, &len);
@@ -652,7 +654,8 @@ TEST(chat_errors) {
     }
     const char *invalid[] = {"{{ 'a' + 1 }}", "{{ nope.x }}", "{{ 1 // 0 }}",
                              "{% for x in 3 %}{% endfor %}", "{{ 9223372036854775807 + 1 }}",
-                             "{{ 'a' is odd 3 }}", "{{ x | tojson }}", "{{ m() }}{% macro m() %}{% endmacro %}",
+                             "{{ 'a' is odd 3 }}", "{{ x | tojson }}", "{{ 'a'.upper(1) }}",
+                             "{{ m() }}{% macro m() %}{% endmacro %}",
                              "{% macro m(a) %}{% endmacro %}{{ m(1, 2) }}",
                              "{% macro m(a) %}{% endmacro %}{{ m(1, a=2) }}",
                              "{{ strftime_now(1) }}", "{{ [1] | select | length }}",

@@ -666,6 +666,9 @@ DIFFERENTIAL_REGRESSIONS = [
     # split(None, maxsplit): the rest keeps its trailing whitespace (it was stripped)
     "{{ 'a  b '.split(none, 1) }}{{ ' a  b\t'.split(none, 0) }}{{ 'a '.split(none, 1) }}"
     "{{ 'x y\u3000'.split(maxsplit=1) }}",
+    # methods given more arguments than Python takes: TypeError (they were ignored)
+    "{{ 'xax'.strip('x', 1) }}", "{{ 'a'.upper(1) }}", "{{ {'a': 1}.get('a', 2, 3) }}",
+    "{{ {'a': 1}.items(1) }}",
 ]
 
 
@@ -1081,7 +1084,8 @@ def test_unsupported_only_when_evaluated():
     assert kvcache.render_chat_template(DEAD_BRANCHES, msgs) == _jinja(DEAD_BRANCHES, msgs, True)
     for expr in ["1.5", "3 / 2", "(1, 2)", "2 ** 8", "'a b' | wordcount", "'a' is lower",
                  "[1] | sum", "[1] | select", "1e3", "'%s!' % 'x'", "'%d' % 2",
-                 "{'a': 1}.items", "'a'.upper ~ 'x'"]:  # jinja2 prints a method's address
+                 "{'a': 1}.items", "'a'.upper ~ 'x'",  # jinja2 prints a method's address
+                 "'abc'.startswith('b', 1)", "'abc'.endswith('b', 0, 2)"]:  # were ignored
         template = "line1\n{%% if messages %%}{{ %s }}{%% endif %%}" % expr
         with pytest.raises(kvcache.UnsupportedError, match="line 2"):
             kvcache.render_chat_template(template, msgs)

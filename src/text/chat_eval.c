@@ -178,9 +178,34 @@ kvc_status kvc__chat_want_str(const node *n, const value *v, const char *what, s
     return KVC_OK;
 }
 
+/* Python's positional argument count of the methods below: more is a
+ * TypeError, except startswith / endswith's start and end (not here). */
+static kvc_status method_arity(const node *n, const value *obj, str m, const args *a) {
+    static const struct {
+        const char *name;
+        size_t max;
+    } arity[] = {{"strip", 1},  {"lstrip", 1},     {"rstrip", 1},     {"startswith", 1},
+                 {"endswith", 1}, {"upper", 0},    {"lower", 0},      {"title", 0},
+                 {"capitalize", 0}, {"split", 2},  {"replace", 3},    {"get", 2},
+                 {"items", 0},  {"keys", 0},       {"values", 0}};
+    for (size_t i = 0; i < sizeof arity / sizeof arity[0]; i++) {
+        if (!str_eq(m, arity[i].name) || a->n_pos <= arity[i].max) continue;
+        if (str_eq(m, "startswith") || str_eq(m, "endswith")) /* (prefix, start, end) */
+            return kvc__error(KVC_ERR_UNSUPPORTED,
+                              "chat template, line %d: %s.%s() with start or end is not "
+                              "supported",
+                              n->line, kvc__chat_type_name(obj), arity[i].name);
+        return kvc__chat_runtime_error(n, "%s.%s() takes at most %zu arguments (%zu given)",
+                                       kvc__chat_type_name(obj), arity[i].name, arity[i].max,
+                                       a->n_pos);
+    }
+    return KVC_OK;
+}
+
 static kvc_status call_method(ctx *c, const node *n, const value *obj, str m, const args *a,
                               value *out) {
     if (obj->t == V_UNDEF) return kvc__chat_undefined_error(n->a->a);
+    if (obj->t == V_STR || obj->t == V_DICT) KVC_TRY(method_arity(n, obj, m, a));
     if (obj->t == V_STR) {
         str s = obj->u.s, x = {NULL, 0};
         if (str_eq(m, "strip") || str_eq(m, "lstrip") || str_eq(m, "rstrip")) {
