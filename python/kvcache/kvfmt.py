@@ -14,7 +14,7 @@ that page share them.
   ``page_bytes`` (one page of one layer) and ``tail_bytes``.
 - :class:`KVSeq`: one sequence of one layer as the kernels see it: its page
   ids (int32), its length ``n_kv`` and its tail, a float16 numpy array
-  ``(2, G, H, Dh)`` (K then V; slot ``t % G`` holds position ``t``) that
+  ``(2, G + W, H, Dh)`` (K then V; slot ``t % (G + W)`` holds position ``t``) that
   :func:`append` updates in place, and (kivi4) its sink rows.
 - :func:`append` stores K/V rows of several sequences; :func:`attention`
   attends over them (decode or causal prefill).
@@ -189,7 +189,7 @@ class KVSeq:
             read). Converted to a C-contiguous int32 array (copied if needed).
         n_kv: tokens stored, *counting those of the current append*: before
             :func:`append`, add the rows it brings (the caller owns it).
-        tail: float16 numpy array (2, G, H, Dh), C-contiguous; updated in
+        tail: float16 numpy array (2, G + W, H, Dh), C-contiguous; updated in
             place by :func:`append` (never copied).
         sink: float16 numpy array (2, S, H, Dh), C-contiguous, when the
             format keeps sink rows (S > 0), else None; :func:`append` writes
@@ -370,7 +370,7 @@ def attention(fmt, pages, seqs, q, q_seq, q_pos, sm_scale=None, return_lse=False
             exactly). Hq % H == 0.
         q_seq: (nq) ints in [0, len(seqs)); q_pos: (nq) ints in
             [max(0, n_kv // G * G - 1), n_kv) of their sequence.
-        sm_scale: None (1/sqrt(Dh)) or a finite nonzero number.
+        sm_scale: None (1/sqrt(Dh)) or a finite positive number.
         return_lse: also return lse.
         num_threads: worker threads (None: all CPUs); the result does not
             depend on it.

@@ -339,6 +339,9 @@ def test_custom_format_checked():
         KVFormat(4, 7, 16, True, False, 1, 32, 14)  # 4-bit groups inside a page: even
     with pytest.raises(kvcache.InvalidArgumentError, match="bits"):
         KVFormat(5, 64, 16, True, False, 1, 32, 16)
+    with pytest.raises(kvcache.InvalidArgumentError, match="group 1024 above 512"):
+        KVFormat(8, 1024, 16, True, False, 1, 32, 16)  # refused here, not at every store
+    assert KVFormat(8, 512, 16, True, False, 1, 32, 16).group == 512
     with pytest.raises(kvcache.InvalidArgumentError, match="not kivi8's"):
         KVFormat(8, 64, 16, True, False, 1, 64, 16, name="kivi8")
     with pytest.raises(kvcache.InvalidArgumentError, match="not kivi4's"):  # kivi4 keeps S 1

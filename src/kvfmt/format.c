@@ -34,6 +34,8 @@ kvc_status kvc_kvfmt_check(const kvc_kvfmt *f) {
               (int)f->v_group);
     KVC_CHECK(Dh <= KVC_ATTN_MAX_HEAD_DIM, "%s: head_dim %lld above %d", fn, (long long)Dh,
               KVC_ATTN_MAX_HEAD_DIM);
+    /* the append and attention kernels hold a group's rows on the stack */
+    KVC_CHECK(G <= 512, "%s: group %lld above 512", fn, (long long)G);
     KVC_CHECK(Dh % f->v_group == 0, "%s: v_group %d does not divide head_dim %lld", fn,
               (int)f->v_group, (long long)Dh);
     KVC_CHECK(P % G == 0 || G % P == 0, "%s: group %lld and page_size %lld: one must divide the "
