@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <sys/mman.h>
 
+#include "kernels/kernels.h" /* kvc__set_llc_bytes */
 #include "test_elems.h"
 
 /* ---- reference row store / load (SEMANTICS section 1) --------------------- */
@@ -362,6 +363,29 @@ TEST(dynamic_grid) {
     return 0;
 }
 
+/* Loads larger than the last-level cache write the output with
+ * non-temporal stores, through a staging buffer for conversions (and with
+ * repeats); kvc__set_llc_bytes(0) sends every call of both grids there. */
+TEST(grids_with_streaming_loads) {
+    const int64_t saved = kvc__llc_bytes();
+    kvc__set_llc_bytes(0);
+    int bad = test_static_grid() || test_dynamic_grid();
+    /* token-major runs longer than the stage (16 KiB): several chunks of
+     * whole groups, float32 and float16 outputs, int8 and int4 */
+    static const static_case runs[4] = {
+        {0, 8, 16, 1, KVC_F32, KVC_I8, KVC_F16, 2, 2, 1, 0, 140, 1, 129, 4, 64},
+        {0, 4, 32, 1, KVC_F32, KVC_I4, KVC_F32, 2, 2, 1, 0, 140, 7, 120, 4, 64},
+        {0, 8, 8, 1, KVC_F16, KVC_I8, KVC_F32, 1, 1, 1, 0, 200, 1, 150, 8, 128},
+        {0, 0, 8, 1, KVC_F32, KVC_F16, KVC_F32, 1, 1, 1, 0, 200, 1, 150, 8, 128}};
+    FOR_EACH_ISA({
+        for (int i = 0; i < 4 && !bad; i++)
+            for (int th = 1; th <= 2 && !bad; th++) bad = run_static(&runs[i], th);
+    });
+    kvc__set_llc_bytes(saved);
+    ASSERT_EQ_I64(bad, 0);
+    return 0;
+}
+
 /* ---- rejected calls ------------------------------------------------------------- */
 
 /* A valid dynamic int8 call, mutated one field at a time by the test. */
@@ -580,6 +604,7 @@ const char *test_suite_name = "pmx";
 const test_case test_suite[] = {
     TEST_ENTRY(static_grid),
     TEST_ENTRY(dynamic_grid),
+    TEST_ENTRY(grids_with_streaming_loads),
     TEST_ENTRY(dynamic_rejects_leave_cache_unchanged),
     TEST_ENTRY(static_rejects_leave_cache_unchanged),
     TEST_ENTRY(zero_sizes),

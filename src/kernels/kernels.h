@@ -160,7 +160,20 @@ typedef struct kvc_kernels {
                       float sc, int bits, int qbits);
     void (*amx_run)(void *st, const kvc_amx_keys *keys);
     void (*amx_end)(const void *st, float *m, float *l, float *acc, int Dp);
+    /* copy with non-temporal stores on dst's 64-byte-aligned lines: they are
+     * neither read first (for ownership) nor left in the caches, for outputs
+     * a call writes past the cache's size (kvc__llc_bytes). Not fenced:
+     * kvc__stream_fence() before another thread reads dst. scalar: copy. */
+    void (*copy_stream)(void *dst, const void *src, size_t n);
 } kvc_kernels;
+
+/* Orders the calling thread's earlier non-temporal stores before its later
+ * stores (sfence; x86-64's baseline SSE), e.g. the end of a parallel task. */
+static inline void kvc__stream_fence(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_sfence();
+#endif
+}
 
 /* Caches the AMX decode handles: int8 or int4 (unpacked to int8 in the
  * kernel), head dim a multiple of 64 up to KVC_AMX_MAX_DIM, quant group 16

@@ -808,12 +808,36 @@ static void hadamard_avx2(float *x, int32_t n) {
         _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), s));
 }
 
+/* copy with 32-byte non-temporal stores on dst's 64-byte-aligned part
+ * (kernels.h copy_stream). */
+static void copy_stream_avx2(void *dst, const void *src, size_t n) {
+    char *d = dst;
+    const char *s = src;
+    size_t i = (size_t)(-(uintptr_t)d & 63);
+    if (i > n) i = n;
+    if (i) memcpy(d, s, i);
+    for (; i + 128 <= n; i += 128) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(s + i));
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
+        const __m256i c = _mm256_loadu_si256((const __m256i *)(s + i + 64));
+        const __m256i e = _mm256_loadu_si256((const __m256i *)(s + i + 96));
+        _mm256_stream_si256((__m256i *)(d + i), a);
+        _mm256_stream_si256((__m256i *)(d + i + 32), b);
+        _mm256_stream_si256((__m256i *)(d + i + 64), c);
+        _mm256_stream_si256((__m256i *)(d + i + 96), e);
+    }
+    for (; i + 32 <= n; i += 32)
+        _mm256_stream_si256((__m256i *)(d + i), _mm256_loadu_si256((const __m256i *)(s + i)));
+    if (i < n) memcpy(d + i, s + i, n - i);
+}
+
 static const kvc_kernels table = {
     KVC_ISA_AVX2, copy_avx2, convert_avx2, all_finite_avx2, quantize_avx2, quantize_stream_avx2,
     quant_scales_avx2, quant_values_avx2, softcap_avx2, hadamard_avx2, dequantize_avx2,
     dequantize_rows_avx2,
     attn_decode_avx2,
     NULL, NULL, NULL, NULL, NULL, /* no AMX decode */
+    copy_stream_avx2,
 };
 
 const kvc_kernels *kvc__kernels_avx2(void) { return &table; }

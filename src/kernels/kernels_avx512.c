@@ -1045,12 +1045,33 @@ static void hadamard_avx512(float *x, int32_t n) {
         _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), s));
 }
 
+/* copy with 64-byte non-temporal stores on dst's aligned lines (kernels.h
+ * copy_stream). */
+static void copy_stream_avx512(void *dst, const void *src, size_t n) {
+    char *d = dst;
+    const char *s = src;
+    size_t i = (size_t)(-(uintptr_t)d & 63);
+    if (i > n) i = n;
+    if (i) memcpy(d, s, i);
+    for (; i + 256 <= n; i += 256) {
+        const __m512i a = _mm512_loadu_si512(s + i), b = _mm512_loadu_si512(s + i + 64);
+        const __m512i c = _mm512_loadu_si512(s + i + 128), e = _mm512_loadu_si512(s + i + 192);
+        _mm512_stream_si512((void *)(d + i), a);
+        _mm512_stream_si512((void *)(d + i + 64), b);
+        _mm512_stream_si512((void *)(d + i + 128), c);
+        _mm512_stream_si512((void *)(d + i + 192), e);
+    }
+    for (; i + 64 <= n; i += 64) _mm512_stream_si512((void *)(d + i), _mm512_loadu_si512(s + i));
+    if (i < n) memcpy(d + i, s + i, n - i);
+}
+
 static const kvc_kernels table = {
     KVC_ISA_AVX512, copy_avx512, convert_avx512, all_finite_avx512, quantize_avx512,
     quantize_stream_avx512, quant_scales_avx512, quant_values_avx512, softcap_avx512,
     hadamard_avx512,
     dequantize_avx512, dequantize_rows_avx512, attn_decode_avx512,
     NULL, NULL, NULL, NULL, NULL, /* no AMX decode */
+    copy_stream_avx512,
 };
 
 const kvc_kernels *kvc__kernels_avx512(void) { return &table; }

@@ -205,6 +205,7 @@ static const kvc_kernels table = {
     dequantize_rows_ref,
     attn_decode_ref,
     NULL, NULL, NULL, NULL, NULL, /* no AMX decode */
+    copy_ref, /* copy_stream: portable C has no non-temporal store */
 };
 
 const kvc_kernels *kvc__kernels_scalar(void) { return &table; }

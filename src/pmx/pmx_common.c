@@ -35,13 +35,48 @@ static void store_run(const pmx_op *op, const pmx_rows *in, const pmx_rows *c, i
 }
 
 /* One contiguous run of n elements from cache to output. */
-static void load_run(const pmx_op *op, const pmx_rows *c, const pmx_rows *out, int64_t n) {
+static void load_run_cached(const pmx_op *op, const pmx_rows *c, const pmx_rows *out, int64_t n) {
     if (op->bits)
         op->k->dequantize(c->ptr, op->bits, c->sptr, c->sdtype, n, op->group, out->ptr, op->t1);
     else if (op->t1 == op->t2)
         op->k->copy(out->ptr, c->ptr, (size_t)kvc__bytes(op->t1, n));
     else
         op->k->convert(c->ptr, op->t2, out->ptr, op->t1, n);
+}
+
+/* Bytes of the L1-resident buffer a streaming load converts into before
+ * its non-temporal copy to the output. */
+#define PMX_STAGE 16384
+
+/* load_run_cached, with op->stream through the stage (a float copy goes
+ * straight), so the output's lines are written without being read. */
+static void load_run(const pmx_op *op, const pmx_rows *c, const pmx_rows *out, int64_t n) {
+    if (!op->stream) {
+        load_run_cached(op, c, out, n);
+        return;
+    }
+    if (!op->bits && op->t1 == op->t2) {
+        op->k->copy_stream(out->ptr, c->ptr, (size_t)kvc__bytes(op->t1, n));
+        return;
+    }
+    _Alignas(64) char stage[PMX_STAGE];
+    int64_t step = PMX_STAGE / kvc__bytes(op->t1, 1);
+    if (op->bits) step -= step % (2 * op->group); /* whole groups, whole int4 bytes */
+    if (step <= 0) {
+        load_run_cached(op, c, out, n);
+        return;
+    }
+    pmx_rows b = *out;
+    b.ptr = stage;
+    for (int64_t i = 0; i < n; i += step) {
+        const int64_t m = n - i < step ? n - i : step;
+        pmx_rows a = *c;
+        a.ptr += kvc__bytes(c->dtype, i);
+        if (a.sptr) a.sptr += kvc__bytes(c->sdtype, i / op->group);
+        load_run_cached(op, &a, &b, m);
+        op->k->copy_stream(out->ptr + kvc__bytes(op->t1, i), stage,
+                           (size_t)kvc__bytes(op->t1, m));
+    }
 }
 
 /* Whether heads (and then tokens) of both blocks are back to back, so a
@@ -75,7 +110,8 @@ static void load_row(const pmx_op *op, const pmx_rows *cache, const pmx_rows *ou
     load_run(op, &a, &b, op->Dh);
     const size_t row_bytes = (size_t)kvc__bytes(op->t1, op->Dh);
     for (int64_t r = 1; r < op->repeat; r++)
-        op->k->copy(b.ptr + kvc__bytes(op->t1, r * out->head_stride), b.ptr, row_bytes);
+        (op->stream ? op->k->copy_stream : op->k->copy)(
+            b.ptr + kvc__bytes(op->t1, r * out->head_stride), b.ptr, row_bytes);
 }
 
 /* One token (all heads) of one half. */
@@ -88,10 +124,38 @@ static void store_token(const pmx_op *op, const pmx_rows *in, const pmx_rows *ca
     for (int64_t h = 0; h < op->H; h++) store_row(op, in, cache, t, h);
 }
 
+/* The head-major quantized load of one token with op->stream: as many of
+ * its rows as the stage holds per dequantize_rows call, then each row (and
+ * its repeats) copied out with non-temporal stores. */
+static void load_token_stream(const pmx_op *op, const pmx_rows *cache, const pmx_rows *out,
+                              int64_t t) {
+    _Alignas(64) char stage[PMX_STAGE];
+    const pmx_rows a = pmx_rows_offset(cache, t, 0), b = pmx_rows_offset(out, t, 0);
+    const int64_t row_bytes = kvc__bytes(op->t1, op->Dh); /* <= 2 KiB: Dh <= 512 */
+    const int64_t per = PMX_STAGE / row_bytes;
+    for (int64_t h0 = 0; h0 < op->H; h0 += per) {
+        const int64_t nh = op->H - h0 < per ? op->H - h0 : per;
+        op->k->dequantize_rows(a.ptr + kvc__bytes(a.dtype, h0 * a.head_stride),
+                               kvc__bytes(a.dtype, a.head_stride), op->bits,
+                               a.sptr + kvc__bytes(a.sdtype, h0 * a.shead_stride),
+                               kvc__bytes(a.sdtype, a.shead_stride), a.sdtype, nh, op->Dh,
+                               op->group, stage, row_bytes, op->t1);
+        for (int64_t h = 0; h < nh; h++)
+            for (int64_t r = 0; r < op->repeat; r++)
+                op->k->copy_stream(
+                    b.ptr + kvc__bytes(op->t1, ((h0 + h) * op->repeat + r) * b.head_stride),
+                    stage + h * row_bytes, (size_t)row_bytes);
+    }
+}
+
 static void load_token(const pmx_op *op, const pmx_rows *cache, const pmx_rows *out, int64_t t) {
     if (op->repeat == 1 && heads_packed(op, cache, op->H) && heads_packed(op, out, op->H)) {
         pmx_rows a = pmx_rows_offset(cache, t, 0), b = pmx_rows_offset(out, t, 0);
         load_run(op, &a, &b, op->H * op->Dh);
+        return;
+    }
+    if (op->bits && op->stream) {
+        load_token_stream(op, cache, out, t);
         return;
     }
     if (op->bits) { /* head-major cache: the token's H rows in one kernel call */
@@ -148,8 +212,17 @@ void kvc__pmx_store(const pmx_op *op, const pmx_rows in[2], const pmx_rows cache
         for (int64_t t = 0; t < ntok && pending[kv]; t++) store_token(op, &in[kv], &cache[kv], t);
 }
 
+static void pmx_load(const pmx_op *op, const pmx_rows cache[2], const pmx_rows out[2],
+                     int64_t ntok);
+
 void kvc__pmx_load(const pmx_op *op, const pmx_rows cache[2], const pmx_rows out[2],
                    int64_t ntok) {
+    pmx_load(op, cache, out, ntok);
+    if (op->stream) kvc__stream_fence(); /* a task's output is whole when it ends */
+}
+
+static void pmx_load(const pmx_op *op, const pmx_rows cache[2], const pmx_rows out[2],
+                     int64_t ntok) {
     int pending[2];
     for (int kv = 0; kv < 2; kv++) {
         pending[kv] = out[kv].ptr != NULL;
@@ -168,6 +241,13 @@ void kvc__pmx_load(const pmx_op *op, const pmx_rows cache[2], const pmx_rows out
     }
     for (int kv = 0; kv < 2; kv++)
         for (int64_t t = 0; t < ntok && pending[kv]; t++) load_token(op, &cache[kv], &out[kv], t);
+}
+
+int kvc__pmx_stream_loads(const pmx_op *op, int64_t ntok, int halves) {
+    const double rows = (double)ntok * (double)halves * (double)op->H;
+    const double moved = rows * (double)op->repeat * (double)kvc__bytes(op->t1, op->Dh) +
+                         rows * (double)kvc__bytes(op->t2, op->Dh);
+    return moved > (double)kvc__llc_bytes();
 }
 
 int kvc__pmx_head_major(const pmx_op *op, const pmx_rows cache[2]) {

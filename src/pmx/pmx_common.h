@@ -44,7 +44,8 @@ typedef struct pmx_op {
     int bits, group;  /* quant_bit (0 = none) and quant_group */
     kvc_dtype sd;     /* scale dtype when quantized (pmx ops; the append keeps its own per half) */
     kvc_dtype t1, t2; /* input/output dtype, cache dtype */
-    int stream;       /* quantized stores may bypass the caches (large calls) */
+    int stream;       /* stores to the cache (quantized) or the output may bypass the caches
+                         (calls that move more than kvc__llc_bytes) */
 } pmx_op;
 
 /* Rows of a float/int8 tensor (no scales) whose tokens lie along dimension
@@ -72,6 +73,11 @@ static inline pmx_rows pmx_rows_offset(const pmx_rows *r, int64_t t, int64_t h) 
  * (index 0) and V (index 1); a half whose in[kv].ptr is NULL is skipped. */
 void kvc__pmx_store(const pmx_op *op, const pmx_rows in[2], const pmx_rows cache[2],
                     int64_t ntok);
+
+/* 1 if loading ntok tokens of `halves` halves (K, V) moves more than the
+ * last-level cache holds: its output is then written with non-temporal
+ * stores (set op->stream for the loads). */
+int kvc__pmx_stream_loads(const pmx_op *op, int64_t ntok, int halves);
 
 /* 1 if a token's heads are not back to back in the cache (head-major
  * layouts): callers then run K and V as separate tasks. */

@@ -309,6 +309,7 @@ kvc_status kvc_pmx_dynamic_key_value_cache(
         c.halves = kvc__pmx_head_major(&c.op, c.half) ? 2 : 1;
         kvc__parallel_for(pool, c.halves * ((n_in + KVC_PMX_CHUNK - 1) / KVC_PMX_CHUNK),
                           store_task, &c);
+        c.op.stream = kvc__pmx_stream_loads(&c.op, n_out, (key != NULL) + (value != NULL));
         if (key || value)
             kvc__parallel_for(pool, c.halves * ((n_out + KVC_PMX_CHUNK - 1) / KVC_PMX_CHUNK),
                               load_task, &c);

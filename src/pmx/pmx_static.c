@@ -169,6 +169,7 @@ kvc_status kvc_pmx_key_value_cache(const kvc_tensor *current_key, const kvc_tens
     pmx_rows halves[2] = {cache_rows(&c, 0, 0), cache_rows(&c, 0, 1)};
     c.halves = kvc__pmx_head_major(&c.op, halves) ? 2 : 1;
     kvc__parallel_for(pool, c.B * c.halves * c.n_chunks_store, store_task, &c);
+    c.op.stream = kvc__pmx_stream_loads(&c.op, c.B * c.T, (key != NULL) + (value != NULL));
     if (key || value) kvc__parallel_for(pool, c.B * c.halves * c.n_chunks_load, load_task, &c);
     return KVC_OK;
 }
