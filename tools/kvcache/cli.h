@@ -36,8 +36,6 @@ int cmd_perplexity(int argc, char **argv);
 /* Default model path (models/ under the working directory, or
  * $KVCACHE_MODEL). */
 const char *cli_default_model(void);
-/* Parses a KV storage dtype name (f32/float32, f16/float16, bf16/bfloat16,
- * int8, int4); 0 or -1. */
 /* KV storage codes of --kv-dtype: a kvc_dtype (a per-token cache), or
  * CLI_KV_FMT + a kvc_kv_format (a compressed format). */
 #define CLI_KV_FMT 100
@@ -73,7 +71,6 @@ int cli_parse_f64(const char *s, double *out);
 /* A whole non-negative decimal integer up to UINT64_MAX; -1 otherwise. */
 int cli_parse_u64(const char *s, uint64_t *out);
 
-/* Number of online CPUs (>= 1). */
 /* The CPUs this process may run on (kvc_cpu_count: its affinity mask). */
 int cli_online_cpus(void);
 /* Warns on stderr when threads exceeds cli_online_cpus(). */

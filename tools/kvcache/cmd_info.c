@@ -17,7 +17,7 @@ static const char info_usage[] =
     "  best_isa        best ISA this CPU/OS supports (ignores KVC_ISA)\n"
     "  supported_isas  every ISA this CPU/OS can run\n"
     "  KVC_ISA         the KVC_ISA environment variable ('(unset)' if unset)\n"
-    "  cpus            online CPUs\n"
+    "  cpus            the CPUs this process may run on (its affinity mask)\n"
     "  cpu             CPU model\n";
 
 int cmd_info(int argc, char **argv) {

@@ -46,7 +46,7 @@ static const char ppl_usage[] =
     "                       (default f16; int8/int4 are the compressed formats kivi8/kivi4)\n"
     "  --kv-group N         int8-token/int4-token: elements per scale, dividing the head dim\n"
     "                       (default 8, the engine's)\n"
-    "  -t, --threads N      threads (default: online CPUs)\n"
+    "  -t, --threads N      threads (default: the CPUs this process may run on)\n"
     "  --no-mmap            read the model into memory instead of mapping it\n"
     "  --json               one JSON object: ppl, ppl_stderr, n_chunks, n_scored, n_ctx,\n"
     "                       n_tokens, kv_dtype, kv_group, kv_bytes_per_token\n"
