@@ -27,7 +27,8 @@ const char cli_store_opts_help[] =
     "  --kv-events-replay ENDPOINT  answer vLLM replay requests (ROUTER socket)\n"
     "                      with the last 10000 batches (64 MiB at most)\n"
     "  --json-stats        at exit, one JSON line of prompt, cache and store\n"
-    "                      counters on stderr\n";
+    "                      counters, time to first token and decode tokens/s on\n"
+    "                      stderr\n";
 
 void cli_store_opts_default(cli_store_opts *o) {
     memset(o, 0, sizeof *o);
