@@ -193,6 +193,18 @@ def test_tiny_batch_and_threads_do_not_change_the_result(tiny):
                          *extra) == base
 
 
+def test_tiny_text_from_standard_input(tiny):
+    """-f - reads the text from standard input, as run and chat do."""
+    path, text, *_ = tiny
+    base = _json("-m", path, "-f", text, "-c", 64, "-t", 1)
+    with open(text, "rb") as f:
+        r = subprocess.run([str(_cli()), "perplexity", "-m", str(path), "-f", "-", "-c", "64",
+                            "-t", "1", "--json"], stdin=f, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == base
+
+
 def test_tiny_progress_only_on_a_terminal(tiny):
     path, text, *_ = tiny
     master, slave = pty.openpty()

@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "cli_gen.h"
 #include "kvcache/kvcache.h"
 
 static const char ppl_usage[] =
@@ -38,7 +39,7 @@ static const char ppl_usage[] =
     "options:\n"
     "  -m, --model PATH     GGUF model (default $KVCACHE_MODEL, else\n"
     "                       models/SmolLM2-135M-Instruct.Q4_1.gguf)\n"
-    "  -f, --file FILE      the text (at least N_CTX tokens)\n"
+    "  -f, --file FILE      the text (at least N_CTX tokens; - reads standard input)\n"
     "  -c, --ctx-size N     tokens per chunk, 8 .. the model's context (default 1024)\n"
     "  -b, --batch-size N   token rows per forward step (default 512; results do not\n"
     "                       depend on it)\n"
@@ -52,39 +53,6 @@ static const char ppl_usage[] =
     "                       n_tokens, kv_dtype, kv_group, kv_bytes_per_token\n"
     "  -q, --quiet          no progress on stderr (shown only on a terminal anyway)\n"
     "  -h, --help           this text\n";
-
-/* Whole file into a malloc'd buffer; NULL with errno set on failure. */
-static char *read_file(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap);
-    int err = buf ? 0 : ENOMEM;
-    while (buf) {
-        errno = 0;
-        n += fread(buf + n, 1, cap - n, f);
-        if (ferror(f)) { /* e.g. EISDIR for a directory */
-            err = errno ? errno : EIO;
-            break;
-        }
-        if (n < cap) break;
-        char *nb = cap <= SIZE_MAX / 2 ? realloc(buf, cap * 2) : NULL;
-        if (!nb) {
-            err = ENOMEM;
-            break;
-        }
-        buf = nb;
-        cap *= 2;
-    }
-    fclose(f);
-    if (err) {
-        free(buf);
-        errno = err;
-        return NULL;
-    }
-    *len = n;
-    return buf;
-}
 
 /* -log softmax(logits)[tok] in double, shifted by the max so exp never
  * overflows; NaN if a logit is not finite. */
@@ -230,11 +198,8 @@ int cmd_perplexity(int argc, char **argv) {
 
     /* the text first: a wrong path should not wait for the model to load */
     size_t text_len = 0;
-    char *text = read_file(file, &text_len);
-    if (!text) {
-        fprintf(stderr, "kvcache: perplexity: cannot read %s: %s\n", file, strerror(errno));
-        return CLI_EXIT_FAIL;
-    }
+    char *text = NULL;
+    if (cli_read_file(cmd, file, &text, &text_len)) return CLI_EXIT_FAIL; /* "-": stdin */
     const int tty = !quiet && isatty(2);
     kvc_model_params mp = kvc_model_default_params();
     mp.use_mmap = !no_mmap;
