@@ -107,11 +107,20 @@ static void store_row(const pmx_op *op, const pmx_rows *in, const pmx_rows *cach
 static void load_row(const pmx_op *op, const pmx_rows *cache, const pmx_rows *out, int64_t t,
                      int64_t h) {
     pmx_rows a = pmx_rows_offset(cache, t, h), b = pmx_rows_offset(out, t, h * op->repeat);
+    const size_t row_bytes = (size_t)kvc__bytes(op->t1, op->Dh); /* <= 2 KiB: Dh <= 512 */
+    if (op->stream && op->repeat > 1) { /* the repeats from the stage, not from the output */
+        _Alignas(64) char stage[PMX_STAGE];
+        pmx_rows s = b;
+        s.ptr = stage;
+        load_run_cached(op, &a, &s, op->Dh);
+        for (int64_t r = 0; r < op->repeat; r++)
+            op->k->copy_stream(b.ptr + kvc__bytes(op->t1, r * out->head_stride), stage,
+                               row_bytes);
+        return;
+    }
     load_run(op, &a, &b, op->Dh);
-    const size_t row_bytes = (size_t)kvc__bytes(op->t1, op->Dh);
     for (int64_t r = 1; r < op->repeat; r++)
-        (op->stream ? op->k->copy_stream : op->k->copy)(
-            b.ptr + kvc__bytes(op->t1, r * out->head_stride), b.ptr, row_bytes);
+        op->k->copy(b.ptr + kvc__bytes(op->t1, r * out->head_stride), b.ptr, row_bytes);
 }
 
 /* One token (all heads) of one half. */
