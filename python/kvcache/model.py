@@ -111,7 +111,6 @@ kvc_engine_step = _p("kvc_engine_step", _c_int, _vp, ctypes.POINTER(EngineEvent)
 kvc_engine_pending = _p("kvc_engine_pending", _i64, _vp)
 kvc_engine_get_stats = _p("kvc_engine_get_stats", _c_int, _vp, ctypes.POINTER(EngineStats))
 kvc_engine_cache = _p("kvc_engine_cache", _vp, _vp)
-kvc_engine_set_connector = _p("kvc_engine_set_connector", _c_int, _vp, _vp)
 
 # "int8"/"int4" are the per-token caches (SEMANTICS section 1); "kivi8"/"kivi4"
 # the compressed formats of docs/KV_FORMATS.md (kv format codes 1, 2).

@@ -16,7 +16,6 @@
  */
 #define _POSIX_C_SOURCE 200809L /* isatty */
 
-#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
