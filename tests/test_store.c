@@ -18,6 +18,7 @@
 #include "kvcache/store.h"
 #include "store/store_internal.h"
 #include "test.h"
+#include "test_oom.h"
 
 /* ---- helpers ------------------------------------------------------------------ */
 
@@ -1473,10 +1474,6 @@ TEST(writer_thread_yields_the_cpus) {
 #endif
 }
 
-/* flush without a limit: an infinite or huge timeout waits for the writes
- * (its deadline once overflowed time_t: pthread_cond_timedwait failed at
- * once and flush spun forever holding the lock the writer needed); NaN is
- * refused. */
 /* The engine-cache pages a store's events named: STORED adds, REMOVED drops. */
 typedef struct gpu_set {
     kvc_store_key keys[256];
@@ -1586,6 +1583,115 @@ TEST(detach_reports_the_cache_gone) {
     return 0;
 }
 
+/* 0 when the cache events say of the prompt's pages [0, n_pages) what the
+ * cache holds: one STORED more than REMOVED for a page it holds (its prefix
+ * findable), as many of each for one it does not. Unless exact, a page the
+ * cache holds may also have no event at all (the events of pages recorded
+ * while out of memory are lost, never wrong). */
+static int events_match_cache(const cache_evs *ce, const kvc_cache *cache, const int32_t *prompt,
+                              int64_t n_tok, const kvc_store_key *keys, int n_pages, int exact,
+                              const char *when) {
+    int64_t hit = 0;
+    ASSERT_OK(kvc_cache_lookup_prefix(cache, prompt, n_tok, 0, &hit));
+    for (int k = 0; k < n_pages; k++) {
+        const int i = cache_ev_find(ce, &keys[k]);
+        const int have = i < 0 ? 0 : ce->stored[i] - ce->removed[i];
+        const int want = hit >= (int64_t)(k + 1) * 16;
+        if (have != want && (exact || have != 0))
+            TEST_FAIL_("%s: page %d: %d stored, %d removed events; the cache %s it", when, k,
+                       i < 0 ? 0 : ce->stored[i], i < 0 ? 0 : ce->removed[i],
+                       want ? "holds" : "does not hold");
+    }
+    return 0;
+}
+
+/* An in-line restore (here stopping at a corrupted page) whose admission
+ * then fails (any one allocation of the step failing) rolls its pages back
+ * out of the cache, and the events must say so: a router must never count
+ * on pages the cache no longer holds. */
+TEST(rolled_back_restores_report_their_pages_gone) {
+    if (!test_oom_available()) SKIP("allocation failures need the linker's --wrap");
+    NEED_TINY(m);
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    enum { N = 100, GEN = 2, NP = N / 16 };
+    int32_t prompt[N], ref[GEN];
+    random_prompt(prompt, N, test_seed + 31, in.n_vocab);
+    const int32_t *pp[1] = {prompt};
+    const int lens[1] = {N};
+    char dir[] = "/tmp/kvc_store_XXXXXX", url[64], file[256];
+    ASSERT_TRUE(mkdtemp(dir) != NULL);
+    snprintf(url, sizeof url, "dir:%s", dir);
+    srun r = srun_default();
+    r.url = url;
+    if (srun_go(m, tiny_path, &r, 1, pp, lens, GEN, ref, NULL, NULL)) return 1;
+    kvc_store_key ns, keys[NP];
+    ASSERT_OK(srun_ns(m, tiny_path, &r, &ns));
+    ASSERT_OK(kvc_store_page_keys(&ns, prompt, NP, 16, 1, keys));
+    page_file(dir, &ns, prompt, 3, file, sizeof file);
+    ASSERT_OK(corrupt_file(file, 0) == 0 ? KVC_OK : KVC_ERR_IO); /* pages 0-2 restored */
+    int failed_restores = 0;
+    for (long k = 1;; k++) {
+        kvc_engine_params ep = srun_engine_params(&r);
+        ep.n_threads = 1; /* the step's allocations in one order */
+        kvc_engine *e = NULL;
+        kvc_store *s = NULL;
+        ASSERT_OK(kvc_engine_create(m, &ep, &e));
+        const char *urls[1] = {url};
+        kvc_store_params sp = kvc_store_default_params();
+        /* no writes: the corrupted page stays, and one thread allocates */
+        sp.write_policy = KVC_STORE_WRITE_SELECTIVE;
+        sp.selective_hits = 1000;
+        ASSERT_OK(kvc_store_open(urls, 1, &sp, &s));
+        cache_evs ce;
+        memset(&ce, 0, sizeof ce);
+        ASSERT_OK(kvc_store_set_event_callback(s, cache_ev_cb, &ce));
+        ASSERT_OK(kvc_store_attach_engine(s, e, &ns));
+        int64_t id;
+        ASSERT_OK(kvc_engine_add_request(e, prompt, N, GEN, NULL, 1, &id));
+        kvc_engine_event ev[1];
+        int64_t ne = 0;
+        test_oom_arm(k, 0);
+        const kvc_status st = kvc_engine_step(e, ev, 1, &ne);
+        const long failed = test_oom_disarm();
+        kvc_clear_error();
+        ASSERT_OK(kvc_cache_check(kvc_engine_cache(e)));
+        char when[64];
+        snprintf(when, sizeof when, "allocation %ld failed (step: %s)", k, kvc_status_str(st));
+        if (events_match_cache(&ce, kvc_engine_cache(e), prompt, N, keys, NP, !failed, when))
+            return 1;
+        const int i0 = cache_ev_find(&ce, &keys[0]);
+        if (i0 >= 0 && ce.removed[i0] > 0) { /* restored, then rolled back */
+            failed_restores++;
+            printf("  allocation %ld: restore rolled back (step: %s)\n", k, kvc_status_str(st));
+        }
+        int32_t out[GEN];
+        int got = st == KVC_OK && ne == 1 ? 1 : 0;
+        if (got) out[0] = ev[0].token;
+        while (kvc_engine_pending(e) > 0) {
+            ASSERT_OK(kvc_engine_step(e, ev, 1, &ne));
+            if (ne == 1) out[got++] = ev[0].token;
+        }
+        ASSERT_EQ_I64(got, GEN);
+        ASSERT_MEM_EQ(out, ref, sizeof ref);
+        if (events_match_cache(&ce, kvc_engine_cache(e), prompt, N, keys, NP, !failed,
+                               "at the end"))
+            return 1;
+        ASSERT_OK(kvc_store_detach_engine(s, e));
+        kvc_engine_destroy(e);
+        kvc_store_close(s);
+        if (failed == 0) break; /* the step made fewer than k allocations */
+    }
+    ASSERT_TRUE(failed_restores > 0); /* some failure undid a restore */
+    rm_rf(dir);
+    kvc_model_destroy(m);
+    return 0;
+}
+
+/* flush without a limit: an infinite or huge timeout waits for the writes
+ * (its deadline once overflowed time_t: pthread_cond_timedwait failed at
+ * once and flush spun forever holding the lock the writer needed); NaN is
+ * refused. */
 TEST(flush_without_a_limit) {
     char dir[] = "/tmp/kvc_store_XXXXXX", url[64];
     ASSERT_TRUE(mkdtemp(dir) != NULL);
@@ -1635,6 +1741,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(partly_shared_groups_keep_their_own_pages),
     TEST_ENTRY(engine_steps_others_while_a_load_runs),
     TEST_ENTRY(detach_reports_the_cache_gone),
+    TEST_ENTRY(rolled_back_restores_report_their_pages_gone),
     TEST_ENTRY(objpool_reuses_within_its_bound),
     TEST_ENTRY(flush_without_a_limit),
     TEST_ENTRY(hash_variants_agree),

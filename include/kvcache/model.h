@@ -318,7 +318,8 @@ typedef struct kvc_engine_stats {
  *                became final (full, K groups complete) with tokens' ids;
  *   on_hit       pages the prefix cache served at admission;
  *   on_evict     the cache is about to reuse a cached page (its hook,
- *                cache.h).
+ *                cache.h), or the engine rolls back a page restore wrote
+ *                in the same admission (the rest of it failed).
  * on_final, on_hit and on_evict may be NULL. All are called from the
  * thread that steps the engine, within kvc_engine_step (load_finish also
  * from kvc_engine_cancel, kvc_engine_set_connector and kvc_engine_destroy).

@@ -557,6 +557,14 @@ static int behind_a_load(const kvc_engine *e, const req *r, int64_t hit) {
     return 0;
 }
 
+/* Pages [first, first + n) of e->pg, restored into the cache in this
+ * admission, leave it with a rollback: the connector hears of each as of an
+ * eviction (it reported them restored; a router must not count on them). */
+static void unrestore(kvc_engine *e, int64_t first, int64_t n) {
+    if (!e->conn.on_evict) return;
+    for (int64_t i = 0; i < n; i++) e->conn.on_evict(e->conn.user, e->cache, e->pg[first + i]);
+}
+
 /* The in-line restore (connector restore): *ext tokens after the n_cached
  * hit of r's new sequence seq, reserved with *chunk more. What is not
  * restored is rolled back and computed instead: *ext and *chunk are updated
@@ -584,6 +592,7 @@ static kvc_status restore_ext(kvc_engine *e, req *r, kvc_seq_id seq, int64_t n_c
     kvc_status st = kvc_cache_append(e->cache, seq, r->tok + keep, *chunk, NULL);
     if (st != KVC_OK) {
         kvc_clear_error();
+        unrestore(e, n_cached / P, nr);
         kvc_cache_rollback(e->cache, seq, n_cached);
         return KVC_ERR_NO_SPACE;
     }
@@ -740,7 +749,8 @@ admission:
         }
         if (st != KVC_OK) return fail_step(e, admit0, st);
         if (!push(&e->run, &e->n_run, &e->cap_run, r, 0)) {
-            kvc_cache_rollback(e->cache, seq, n_cached); /* reserved, never written */
+            if (!r->load) unrestore(e, n_cached / e->p.page_size, ext / e->p.page_size);
+            kvc_cache_rollback(e->cache, seq, n_cached); /* reserved, or restored here */
             kvc_cache_free_sequence(e->cache, seq);
             return fail_step(e, admit0, kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn));
         }
