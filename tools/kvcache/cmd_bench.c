@@ -266,8 +266,9 @@ int cmd_bench(int argc, char **argv) {
             return cli_usage_error(cmd, "bench: --isa '%s': expected scalar, avx2, avx512 or amx",
                                    isa_name);
         if (kvc_set_isa(isa) != KVC_OK) {
+            /* a valid request this CPU cannot run: the work fails, not the command line */
             fprintf(stderr, "kvcache: bench: --isa %s: %s\n", isa_name, kvc_last_error());
-            return CLI_EXIT_USAGE;
+            return CLI_EXIT_FAIL;
         }
     }
     /* what the attention operators take, before any case runs */
