@@ -216,9 +216,16 @@ REFUSED = {
     "mistyped_float": (dict(omit_kv=("llama.rope.freq_base",),
                             extra_kv={"llama.rope.freq_base": "1e4"}),
                        Corrupt, r"llama\.rope\.freq_base has type string, expected a number"),
-    "array_for_int": (dict(omit_kv=("llama.feed_forward_length",),
+    # per-layer values (llama.cpp reads these keys as one value or an array)
+    "per_layer_int": (dict(omit_kv=("llama.feed_forward_length",),
                            extra_kv={"llama.feed_forward_length": [128, 128]}),
-                      Corrupt, r"llama\.feed_forward_length has type array of uint32, expected"),
+                      Unsupported, r"^model: metadata key llama\.feed_forward_length is an array "
+                                   r"of 2 values \(one per layer\); per-layer values are not "
+                                   r"supported$"),
+    "string_array_for_int": (dict(omit_kv=("llama.feed_forward_length",),
+                                  extra_kv={"llama.feed_forward_length": ["128", "128"]}),
+                             Corrupt, r"llama\.feed_forward_length has type array of string, "
+                                      r"expected an integer"),
     "mistyped_arch": (dict(omit_kv=("general.architecture",),
                            extra_kv={"general.architecture": 7}),
                       Corrupt, r"general\.architecture has type uint32, expected a string"),

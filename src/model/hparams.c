@@ -117,7 +117,15 @@ static kvc_status find(const kvc_gguf *g, const char *key, kind k, int required,
         return kvc__error(KVC_ERR_CORRUPT, "model: required metadata key %s is missing", key);
     }
     kvc_gguf_type t, et;
-    KVC_TRY(kvc_gguf_kv_type(g, i, &t, &et, NULL));
+    int64_t n;
+    KVC_TRY(kvc_gguf_kv_type(g, i, &t, &et, &n));
+    /* llama.cpp reads some numbers as one value per layer (head counts,
+     * feed-forward lengths of OpenELM-like models): a real file's feature,
+     * which this runtime does not follow */
+    if (t == KVC_GGUF_ARRAY && (k == K_INT || k == K_FLOAT) && fits(et, k))
+        return kvc__error(KVC_ERR_UNSUPPORTED, "model: metadata key %s is an array of %lld "
+                          "values (one per layer); per-layer values are not supported",
+                          key, (long long)n);
     if (!fits(t, k))
         return kvc__error(KVC_ERR_CORRUPT, "model: metadata key %s has type %s%s%s, expected %s",
                           key, type_name(t), t == KVC_GGUF_ARRAY ? " of " : "",
