@@ -585,6 +585,8 @@ TEST(chat_differential_regressions) {
         /* join's attribute= was ignored: the whole items were joined */
         {"{{ [{'a': 'x'}, {'a': 2}, {'b': 1}] | join(', ', attribute='a') }}", "x, 2, "},
         {"{{ [1, 2] | join('-', 'x', 3) }}", NULL},
+        /* replace's old and new go through str(): a number was refused */
+        {"{{ 'x1' | replace('x', 1) }}", "11"},
         /* split(None, maxsplit): the rest kept its trailing whitespace stripped */
         {"{{ 'a  b '.split(none, 1) }}{{ ' a  b '.split(none, 0) }}", "['a', 'b ']['a  b ']"},
     };
@@ -660,6 +662,10 @@ TEST(chat_errors) {
                              "{% macro m(a) %}{% endmacro %}{{ m(1, a=2) }}",
                              "{{ strftime_now(1) }}", "{{ [1] | select | length }}",
                              "{% if false %}{{ 1.5 }}{% endif %}{{ 1 // 0 }}",
+                             /* arguments a filter's signature refuses: were ignored */
+                             "{{ 'x'|upper(1) }}", "{{ [1]|length(1) }}",
+                             "{{ 'x'|trim(foo='x') }}", "{{ 'x'|replace('x') }}",
+                             "{{ 'x'|d('a', boolean=true, default_value='b') }}",
                              /* 100k nested lists overflowed the stack when printed */
                              "{% set ns = namespace(x=[]) %}{% for i in range(100000) %}"
                              "{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x }}"};

@@ -669,6 +669,17 @@ DIFFERENTIAL_REGRESSIONS = [
     # methods given more arguments than Python takes: TypeError (they were ignored)
     "{{ 'xax'.strip('x', 1) }}", "{{ 'a'.upper(1) }}", "{{ {'a': 1}.get('a', 2, 3) }}",
     "{{ {'a': 1}.items(1) }}",
+    # filters given arguments jinja2's signatures refuse: TypeError (they were ignored)
+    "{{ 'x'|trim(1, 2, 3) }}", "{{ 'x'|length(1) }}", "{{ [1]|count(x=1) }}", "{{ 'x'|upper(1) }}",
+    "{{ 'x'|lower(x=1) }}", "{{ 'x'|title(1) }}", "{{ 'x'|capitalize(1) }}", "{{ 'x'|string(1) }}",
+    "{{ 'x'|safe(1) }}", "{{ [1]|first(1) }}", "{{ [1]|last(x=1) }}", "{{ [1]|list(1) }}",
+    "{{ [1]|reverse(1) }}", "{{ 'x'|default('a', true, 3) }}", "{{ 'x'|default(foo=1) }}",
+    "{{ 'x'|d('a', boolean=true, default_value='b') }}", "{{ 'x'|trim(foo='x') }}",
+    "{{ 'abc'|trim('a', chars='b') }}", "{{ 'x'|replace('a', 'b', 1, 2) }}",
+    "{{ 'x'|replace('a', 'b', foo=2) }}", "{{ 'x'|replace('x') }}", "{{ [1, 2]|map('string', 1)|list }}",
+    "{{ []|map('upper', 1)|list }} {{ 'x'|replace(new='a', old='x') }} {{ 'x'|trim(chars='x') }}",
+    # replace's old and new go through str() (a number was refused)
+    "{{ 'x1'|replace('x', 1) }} {{ 'x1'|replace(1, none) }} {{ 'xxx'|replace('x', 'y', true) }}",
 ]
 
 

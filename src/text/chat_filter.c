@@ -31,13 +31,16 @@ static str strip_num_space(str s) {
 }
 
 /* Python's argument binding for a filter taking names[0..n_names) (by
- * position or keyword): too many, unknown or repeated arguments are a
- * TypeError in jinja2, so a run-time error here. */
+ * position or keyword), the first n_required of them required: missing,
+ * too many, unknown or repeated arguments are a TypeError in jinja2, so a
+ * run-time error here (they were ignored). */
 static kvc_status check_params(const node *n, const args *a, const char *fname,
-                               const char *const *names, size_t n_names) {
+                               const char *const *names, size_t n_names, size_t n_required) {
     if (a->n_pos > n_names)
-        return kvc__chat_runtime_error(n, "%s() takes at most %zu arguments (%zu given)", fname,
-                                       n_names, a->n_pos);
+        return n_names ? kvc__chat_runtime_error(n, "%s() takes at most %zu arguments (%zu given)",
+                                                 fname, n_names, a->n_pos)
+                       : kvc__chat_runtime_error(n, "%s() takes no arguments (%zu given)", fname,
+                                                 a->n_pos + a->n_kw);
     for (size_t k = 0; k < a->n_kw; k++) {
         size_t i = 0;
         while (i < n_names && !str_eq(a->kw_names[k], names[i])) i++;
@@ -50,8 +53,29 @@ static kvc_status check_params(const node *n, const args *a, const char *fname,
             return kvc__chat_runtime_error(n, "%s() got multiple values for argument '%s'",
                                            fname, names[i]);
     }
+    for (size_t i = a->n_pos; i < n_required; i++)
+        if (!kvc__chat_arg(a, i, names[i]))
+            return kvc__chat_runtime_error(n, "%s() missing required argument '%s'", fname,
+                                           names[i]);
     return KVC_OK;
 }
+
+/* The parameters of the filters kvcache has (after the input), as jinja2
+ * declares them; the generator filters (select, map, ...) check their own. */
+static const struct {
+    const char *name;
+    const char *params[4];
+    size_t n, required;
+} filter_params[] = {
+    {"default", {"default_value", "boolean"}, 2, 0}, {"d", {"default_value", "boolean"}, 2, 0},
+    {"length", {NULL}, 0, 0}, {"count", {NULL}, 0, 0}, /* len(x): nothing more */
+    {"first", {NULL}, 0, 0}, {"last", {NULL}, 0, 0}, {"list", {NULL}, 0, 0},
+    {"safe", {NULL}, 0, 0}, {"reverse", {NULL}, 0, 0}, {"string", {NULL}, 0, 0},
+    {"upper", {NULL}, 0, 0}, {"lower", {NULL}, 0, 0}, {"title", {NULL}, 0, 0},
+    {"capitalize", {NULL}, 0, 0}, {"trim", {"chars"}, 1, 0},
+    {"join", {"d", "attribute"}, 2, 0}, {"int", {"default", "base"}, 2, 0},
+    {"replace", {"old", "new", "count"}, 3, 2},
+    {"tojson", {"ensure_ascii", "indent", "separators", "sort_keys"}, 4, 0}};
 
 /* Python's int(t, base) on a stripped string: optional sign, the base's
  * prefix (0x/0o/0b; base 0 takes it from the prefix, and refuses leading
@@ -357,6 +381,10 @@ static kvc_status apply_filter(ctx *c, const node *n, str f, value x, const args
         *out = gen_res;
         return KVC_OK;
     }
+    for (size_t i = 0; i < sizeof filter_params / sizeof filter_params[0]; i++)
+        if (str_eq(f, filter_params[i].name))
+            KVC_TRY(check_params(n, &a, filter_params[i].name, filter_params[i].params,
+                                 filter_params[i].n, filter_params[i].required));
     if (str_eq(f, "default") || str_eq(f, "d")) {
         const value *dflt = kvc__chat_arg(&a, 0, "default_value");
         const value *boolean = kvc__chat_arg(&a, 1, "boolean");
@@ -411,8 +439,6 @@ static kvc_status apply_filter(ctx *c, const node *n, str f, value x, const args
         return KVC_OK;
     }
     if (str_eq(f, "join")) {
-        static const char *const params[] = {"d", "attribute"};
-        KVC_TRY(check_params(n, &a, "join", params, 2));
         value items;
         str sep = {"", 0}, attr = {NULL, 0};
         const value *d = kvc__chat_arg(&a, 0, "d");
@@ -449,8 +475,6 @@ static kvc_status apply_filter(ctx *c, const node *n, str f, value x, const args
         return KVC_OK;
     }
     if (str_eq(f, "int")) {
-        static const char *const params[] = {"default", "base"};
-        KVC_TRY(check_params(n, &a, "int", params, 2));
         if (x.t == V_UNDEF) return kvc__chat_undefined_error(n->a); /* int(Undefined) raises */
         if (is_num(&x)) {
             *out = v_int(x.u.i);
@@ -474,8 +498,6 @@ static kvc_status apply_filter(ctx *c, const node *n, str f, value x, const args
         return KVC_OK;
     }
     if (str_eq(f, "tojson")) {
-        static const char *const params[] = {"ensure_ascii", "indent", "separators", "sort_keys"};
-        KVC_TRY(check_params(n, &a, "tojson", params, 4));
         return kvc__chat_tojson(c, n, &x, &a, out);
     }
     static const char *const on_str[] = {"string", "trim",       "upper",  "lower",
@@ -505,10 +527,11 @@ static kvc_status apply_filter(ctx *c, const node *n, str f, value x, const args
     if (str_eq(f, "lower")) return kvc__chat_map_case(c, s, 'l', out);
     if (str_eq(f, "capitalize")) return kvc__chat_map_case(c, s, 'c', out);
     if (str_eq(f, "title")) return kvc__chat_map_case(c, s, 't', out);
-    /* replace */
+    /* replace: str(s).replace(str(old), str(new), count) without autoescape
+     * ('x'|replace('x', 1) is '1'; it was refused) */
     str old = {NULL, 0}, rep = {NULL, 0};
-    KVC_TRY(kvc__chat_want_str(n, kvc__chat_arg(&a, 0, "old"), "replace() old", &old));
-    KVC_TRY(kvc__chat_want_str(n, kvc__chat_arg(&a, 1, "new"), "replace() new", &rep));
+    KVC_TRY(kvc__chat_to_str(c, kvc__chat_arg(&a, 0, "old"), &old));
+    KVC_TRY(kvc__chat_to_str(c, kvc__chat_arg(&a, 1, "new"), &rep));
     const value *cnt = kvc__chat_arg(&a, 2, "count");
     if (cnt && cnt->t != V_NONE && !is_num(cnt))
         return kvc__chat_runtime_error(n, "count must be an integer");
