@@ -646,6 +646,11 @@ TEST(chat_errors) {
                                  /* a method as a value: jinja2 prints its address */
                                  "{{ {'items': 1}.items }}",
                                  "{% set f = {}.get %}{{ f('a') }}",
+                                 /* methods as values were all equal (d.items == d.keys) */
+                                 "{% set d = {} %}{{ d.items == d.keys }}",
+                                 "{{ 'a'.upper != 'b'.upper }}", "{{ {}.get in [{}.keys] }}",
+                                 /* printed as <function>; jinja2 prints an address */
+                                 "{{ range }}", "{{ [namespace] }}",
                                  /* start and end were ignored: 'abc'.startswith('b', 1) false */
                                  "{{ 'abc'.startswith('b', 1) }}"};
     for (size_t i = 0; i < sizeof unsupported / sizeof unsupported[0]; i++) {

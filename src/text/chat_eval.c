@@ -460,7 +460,7 @@ kvc_status kvc__chat_contains(ctx *c, const node *n, const value *x, const value
         KVC_TRY(charge(c, (cost_of(x) + 1) * coll->u.l->n));
         *r = 0;
         for (size_t i = 0; i < coll->u.l->n && !*r; i++)
-            *r = kvc__chat_values_equal(x, &coll->u.l->items[i]);
+            KVC_TRY(kvc__chat_equal(n, x, &coll->u.l->items[i], r));
     } else if (coll->t == V_DICT) {
         if (x->t == V_DICT || (x->t == V_LIST && x->u.l->kind != L_TUPLE && x->u.l->kind != L_RANGE))
             return kvc__chat_runtime_error(n, "unhashable type: '%s'", kvc__chat_type_name(x));
@@ -484,11 +484,10 @@ static kvc_status eval_cmp(ctx *c, const node *n, value *out) {
         str op = n->names[i];
         int r = 0;
         KVC_TRY(charge(c, cost_of(&left) + cost_of(&right)));
-        if (str_eq(op, "=="))
-            r = kvc__chat_values_equal(&left, &right);
-        else if (str_eq(op, "!="))
-            r = !kvc__chat_values_equal(&left, &right);
-        else if (str_eq(op, "in") || str_eq(op, "not in")) {
+        if (str_eq(op, "==") || str_eq(op, "!=")) {
+            KVC_TRY(kvc__chat_equal(n, &left, &right, &r));
+            if (op.p[0] == '!') r = !r;
+        } else if (str_eq(op, "in") || str_eq(op, "not in")) {
             KVC_TRY(kvc__chat_contains(c, n, &left, &right, &r));
             if (op.p[0] == 'n') r = !r;
         } else {

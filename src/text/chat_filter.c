@@ -663,7 +663,8 @@ static kvc_status apply_test(ctx *c, const node *n, str t, const value *x, const
         char op = cmps[i].op;
         if (op == '=' || op == '!') {
             KVC_TRY(charge(c, (x->t == V_STR ? x->u.s.n : 0) + 1));
-            *r = kvc__chat_values_equal(x, y) == (op == '=');
+            KVC_TRY(kvc__chat_equal(n, x, y, r));
+            *r = *r == (op == '=');
         } else {
             int cmp = 0;
             KVC_TRY(kvc__chat_order(n, x, y, &cmp));

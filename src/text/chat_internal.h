@@ -383,8 +383,10 @@ static inline int is_num(const value *v) {
     return v->t == V_INT || v->t == V_BOOL;
 }
 
-/* Python's ==, and a < b (-1 / 0 / 1 into *cmp) for numbers, strings and lists. */
-int kvc__chat_values_equal(const value *a, const value *b);
+/* Python's == into *r (refused where kvcache cannot know it: two methods
+ * taken as values), and a < b (-1 / 0 / 1 into *cmp) for numbers, strings
+ * and lists; n for error lines. */
+kvc_status kvc__chat_equal(const node *n, const value *a, const value *b, int *r);
 kvc_status kvc__chat_order(const node *n, const value *a, const value *b, int *cmp);
 
 /* Lists and dicts in the arena; dict_find gives NULL for a missing key. */

@@ -157,13 +157,12 @@ static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr) {
         KVC_TRY(sb_cstr(c, b, "<Macro '"));
         KVC_TRY(kvc__chat_sb_put(c, b, v->u.m->def->name.p, v->u.m->def->name.n));
         return sb_cstr(c, b, "'>");
-    default:
-        if (v->u.i == F_METHOD) /* jinja2 prints its address */
-            return kvc__error(KVC_ERR_UNSUPPORTED,
-                              "chat template, line %d: printing a method (x.items without a "
-                              "call) is not supported",
-                              c->cur ? c->cur->line : 0);
-        return sb_cstr(c, b, "<function>");
+    default: /* jinja2 prints its address (<function safe_range at 0x...>) */
+        return kvc__error(KVC_ERR_UNSUPPORTED,
+                          "chat template, line %d: printing a %s taken as a value (%s without "
+                          "a call) is not supported", c->cur ? c->cur->line : 0,
+                          v->u.i == F_METHOD ? "method" : "function",
+                          v->u.i == F_METHOD ? "x.items" : "range");
     }
 }
 
@@ -180,7 +179,10 @@ kvc_status kvc__chat_to_str(ctx *c, const value *v, str *out) {
     return KVC_OK;
 }
 
-int kvc__chat_values_equal(const value *a, const value *b) {
+/* Python's a == b: 1 or 0, or -1 where kvcache cannot know it: two methods
+ * taken as values are equal when bound to the same object (identity, which
+ * kvcache does not track for strings) and the same method. */
+static int equal3(const value *a, const value *b) {
     if (is_num(a) && is_num(b)) return a->u.i == b->u.i;
     if (a->t != b->t) return 0;
     switch (a->t) {
@@ -192,15 +194,16 @@ int kvc__chat_values_equal(const value *a, const value *b) {
         if (a->u.l->n != b->u.l->n || a->u.l->kind != b->u.l->kind) return 0;
         if (a->u.l->kind == L_VALUES) return 0; /* values views compare by identity */
         for (size_t i = 0; i < a->u.l->n; i++) {
+            int e;
             if (a->u.l->kind == L_KEYS || a->u.l->kind == L_ITEMS) { /* as sets */
                 size_t j = 0;
-                while (j < b->u.l->n && !kvc__chat_values_equal(&a->u.l->items[i],
-                                                                &b->u.l->items[j]))
+                while (j < b->u.l->n && (e = equal3(&a->u.l->items[i], &b->u.l->items[j])) == 0)
                     j++;
                 if (j == b->u.l->n) return 0;
-            } else if (!kvc__chat_values_equal(&a->u.l->items[i], &b->u.l->items[i])) {
-                return 0;
+            } else {
+                e = equal3(&a->u.l->items[i], &b->u.l->items[i]);
             }
+            if (e != 1) return e;
         }
         return 1;
     case V_DICT:
@@ -211,14 +214,26 @@ int kvc__chat_values_equal(const value *a, const value *b) {
                    !(a->u.d->keys[i].n == b->u.d->keys[j].n &&
                      memcmp(a->u.d->keys[i].p, b->u.d->keys[j].p, a->u.d->keys[i].n) == 0))
                 j++;
-            if (j == b->u.d->n || !kvc__chat_values_equal(&a->u.d->vals[i], &b->u.d->vals[j]))
-                return 0;
+            if (j == b->u.d->n) return 0;
+            int e = equal3(&a->u.d->vals[i], &b->u.d->vals[j]);
+            if (e != 1) return e;
         }
         return 1;
-    case V_FUNC: return a->u.i == b->u.i;
+    case V_FUNC:
+        if (a->u.i == F_METHOD && b->u.i == F_METHOD) return -1;
+        return a->u.i == b->u.i; /* builtins: the same function or not */
     case V_MACRO: return a->u.m == b->u.m;
     default: return 0;
     }
+}
+
+kvc_status kvc__chat_equal(const node *n, const value *a, const value *b, int *r) {
+    *r = equal3(a, b);
+    if (*r < 0)
+        return kvc__error(KVC_ERR_UNSUPPORTED,
+                          "chat template, line %d: comparing methods taken as values (x.items "
+                          "without a call) is not supported", n ? n->line : 0);
+    return KVC_OK;
 }
 
 /* Python's a < b (-1 / 0 / 1 into *cmp) for numbers, strings, lists and
@@ -237,7 +252,9 @@ kvc_status kvc__chat_order(const node *n, const value *a, const value *b, int *c
     if (a->t == V_LIST && b->t == V_LIST && a->u.l->kind == b->u.l->kind &&
         a->u.l->kind <= L_TUPLE) {
         for (size_t i = 0; i < a->u.l->n && i < b->u.l->n; i++) {
-            if (kvc__chat_values_equal(&a->u.l->items[i], &b->u.l->items[i])) continue;
+            int e;
+            KVC_TRY(kvc__chat_equal(n, &a->u.l->items[i], &b->u.l->items[i], &e));
+            if (e) continue;
             return kvc__chat_order(n, &a->u.l->items[i], &b->u.l->items[i], cmp);
         }
         *cmp = a->u.l->n < b->u.l->n ? -1 : a->u.l->n > b->u.l->n;
