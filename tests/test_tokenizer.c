@@ -585,6 +585,10 @@ TEST(chat_differential_regressions) {
         /* join's attribute= was ignored: the whole items were joined */
         {"{{ [{'a': 'x'}, {'a': 2}, {'b': 1}] | join(', ', attribute='a') }}", "x, 2, "},
         {"{{ [1, 2] | join('-', 'x', 3) }}", NULL},
+        /* a range's attributes were undefined, and it printed as a list */
+        {"{{ range(5).start }} {{ range(1, 9, 2).step }} {{ range(5)[1:3].stop }} "
+         "{{ range(3)[::-1] }} {{ [range(2)] }} {{ range(5).count is defined }}",
+         "0 2 3 range(2, -1, -1) [range(0, 2)] True"},
         /* replace's old and new go through str(): a number was refused */
         {"{{ 'x1' | replace('x', 1) }}", "11"},
         /* split(None, maxsplit): the rest kept its trailing whitespace stripped */

@@ -683,6 +683,12 @@ DIFFERENTIAL_REGRESSIONS = [
     "{{ 'abc'|trim('a', chars='b') }}", "{{ 'x'|replace('a', 'b', 1, 2) }}",
     "{{ 'x'|replace('a', 'b', foo=2) }}", "{{ 'x'|replace('x') }}", "{{ [1, 2]|map('string', 1)|list }}",
     "{{ []|map('upper', 1)|list }} {{ 'x'|replace(new='a', old='x') }} {{ 'x'|trim(chars='x') }}",
+    # a range's start, stop and step (were undefined); it prints as Python's repr (as a list)
+    "{{ range(5).start }} {{ range(5).stop }} {{ range(1, 9, 2).step }} {{ range(5)['stop'] }}",
+    "{{ range(5) }} {{ range(1, 9, 2) }} {{ range(3)[::-1] }} {{ range(0)[::-1] }}"
+    " {{ range(10)[2:5] }} {{ range(3)[5:] }} {{ range(10, 0, -3)[1::2] }} {{ [range(2)] }}",
+    "{{ range(2) ~ '' }} {{ range(5)[1:3].start }} {{ range(5).count is defined }}"
+    " {{ range(5).foo is defined }} {{ range(0) == range(2, 2) }}",
     # a method taken as a value equals no number, string or builtin function
     "{% set d = {} %}{{ d.items == 1 }} {{ d.items in [1, 'a'] }} {{ [1, d.items] == [2, d.keys] }}"
     " {{ range == range }} {{ range == namespace }}",

@@ -44,6 +44,14 @@ static int py_attr(const value *obj, str name, value *out) {
     static const char *const list_methods[] = {"copy", "count", "index", NULL};
     static const char *const tuple_methods[] = {"count", "index", NULL};
     int method = 0;
+    if (obj->t == V_LIST && obj->u.l->kind == L_RANGE) { /* range(5).stop was undefined */
+        const list *r = obj->u.l;
+        if (str_eq(name, "start") || str_eq(name, "stop") || str_eq(name, "step")) {
+            *out = v_int(name.p[2] == 'a' ? r->start : name.p[2] == 'o' ? r->stop : r->step);
+            return 1;
+        }
+        method = name_in(name, tuple_methods);
+    }
     if (obj->t == V_STR) {
         method = name_in(name, str_methods);
     } else if (obj->t == V_DICT && !obj->u.d->is_namespace) { /* a Namespace has no methods */
@@ -143,6 +151,17 @@ static kvc_status eval_slice(ctx *c, const node *n, value *out) {
     value res;
     KVC_TRY(kvc__chat_new_list(c, 4, &res));
     res.u.l->kind = obj.t == V_LIST ? obj.u.l->kind : L_LIST; /* a range's slice is a range */
+    if (obj.t == V_LIST && obj.u.l->kind == L_RANGE) { /* Python's range slicing */
+        const list *r = obj.u.l;
+        int64_t a0, a1, s0;
+        if (__builtin_mul_overflow(start, r->step, &a0) ||
+            __builtin_add_overflow(a0, r->start, &res.u.l->start) ||
+            __builtin_mul_overflow(stop, r->step, &a1) ||
+            __builtin_add_overflow(a1, r->start, &res.u.l->stop) ||
+            __builtin_mul_overflow(step, r->step, &s0))
+            return kvc__chat_runtime_error(n, "a range slice beyond 64-bit integers");
+        res.u.l->step = s0;
+    }
     for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
         KVC_TRY(kvc__chat_list_push(c, res.u.l, items.u.l->items[i]));
         /* stop on the last index before i + step could overflow (|step| in
@@ -313,6 +332,9 @@ static kvc_status call_builtin(ctx *c, const node *n, int fn, const args *a, val
     if (r[2] == 0) return kvc__chat_runtime_error(n, "range() step must not be zero");
     KVC_TRY(kvc__chat_new_list(c, 4, out));
     out->u.l->kind = L_RANGE;
+    out->u.l->start = r[0];
+    out->u.l->stop = r[1];
+    out->u.l->step = r[2];
     for (int64_t i = r[0]; r[2] > 0 ? i < r[1] : i > r[1]; i += r[2]) {
         if (out->u.l->n >= 1000000) return kvc__chat_runtime_error(n, "range() is too long");
         KVC_TRY(kvc__chat_list_push(c, out->u.l, v_int(i)));

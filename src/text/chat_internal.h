@@ -117,8 +117,8 @@ typedef struct value {
 /* What Python object a list stands for. jinja2 hands templates these as
  * they are; kvcache keeps their items in a list and their kind, which
  * decides +, *, subscripts, comparisons and the sequence test as Python
- * would (they print as lists, though: kvcache has no range(0, 3) or
- * dict_keys([...]) text). */
+ * would (views print as lists, though: kvcache has no dict_keys([...])
+ * text; a range prints as range(0, 3)). */
 typedef enum lkind {
     L_LIST,
     L_TUPLE,  /* an items() pair: prints as (k, v) */
@@ -137,6 +137,7 @@ struct list {
     int consumed; /* L_GEN: iterated */
     int depth;    /* nesting (see MAX_VALUE_DEPTH) */
     int has_ns;   /* holds a namespace, at any depth */
+    int64_t start, stop, step; /* L_RANGE: its attributes (and how it prints) */
 };
 
 struct dict {

@@ -138,6 +138,16 @@ static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr) {
                               "chat template, line %d: printing a generator (what select, "
                               "reject, selectattr, rejectattr, map and items give; add "
                               "|list) is not supported", c->cur ? c->cur->line : 0);
+        if (v->u.l->kind == L_RANGE) { /* Python's repr: range(0, 3), range(0, 9, 2) */
+            snprintf(num, sizeof num, "%lld", (long long)v->u.l->start);
+            KVC_TRY(sb_cstr(c, b, "range("));
+            KVC_TRY(sb_cstr(c, b, num));
+            snprintf(num, sizeof num, ", %lld", (long long)v->u.l->stop);
+            KVC_TRY(sb_cstr(c, b, num));
+            snprintf(num, sizeof num, ", %lld", (long long)v->u.l->step);
+            if (v->u.l->step != 1) KVC_TRY(sb_cstr(c, b, num));
+            return sb_cstr(c, b, ")");
+        }
         KVC_TRY(sb_cstr(c, b, v->u.l->kind == L_TUPLE ? "(" : "["));
         for (size_t i = 0; i < v->u.l->n; i++) {
             if (i) KVC_TRY(sb_cstr(c, b, ", "));
@@ -272,6 +282,8 @@ kvc_status kvc__chat_new_list(ctx *c, size_t cap, value *out) {
     l->consumed = 0;
     l->depth = 0;
     l->has_ns = 0;
+    l->start = l->stop = 0;
+    l->step = 1;
     l->cap = cap ? cap : 1;
     ALLOC(c, l->items, l->cap);
     out->t = V_LIST;
