@@ -589,6 +589,17 @@ TEST(chat_differential_regressions) {
         {"{{ range(5).start }} {{ range(1, 9, 2).step }} {{ range(5)[1:3].stop }} "
          "{{ range(3)[::-1] }} {{ [range(2)] }} {{ range(5).count is defined }}",
          "0 2 3 range(2, -1, -1) [range(0, 2)] True"},
+        /* `loop` was a dict: loop.keys(), 'index' in loop and loop|length (its 11 keys)
+         * worked; now jinja2's LoopContext, with cycle() and changed() */
+        {"{% for x in [1, 1, 2] %}{{ loop|length }}{{ loop.cycle('a', 'b') }}"
+         "{{ loop.changed(x) }}{{ loop is mapping }}{{ loop['index'] }}{{ loop }};{% endfor %}",
+         "3aTrueFalse1<LoopContext 1/3>;3bFalseFalse2<LoopContext 2/3>;"
+         "3aTrueFalse3<LoopContext 3/3>;"},
+        {"{% for x in [1] %}{{ loop.keys() }}{% endfor %}", NULL},
+        {"{% for x in [1] %}{{ loop.get('index') }}{% endfor %}", NULL},
+        {"{% set ns = namespace(l=0) %}{% for x in [1, 2, 3] %}{% set ns.l = loop %}"
+         "{% if x == 2 %}{% break %}{% endif %}{% endfor %}{{ ns.l.index }}{{ ns.l.last }}",
+         "2False"},
         /* replace's old and new go through str(): a number was refused */
         {"{{ 'x1' | replace('x', 1) }}", "11"},
         /* split(None, maxsplit): the rest kept its trailing whitespace stripped */
@@ -655,6 +666,9 @@ TEST(chat_errors) {
                                  "{{ 'a'.upper != 'b'.upper }}", "{{ {}.get in [{}.keys] }}",
                                  /* printed as <function>; jinja2 prints an address */
                                  "{{ range }}", "{{ [namespace] }}",
+                                 /* iterating jinja2's LoopContext advances the loop */
+                                 "{% for x in [1, 2] %}{{ 'index' in loop }}{% endfor %}",
+                                 "{% for x in [1, 2] %}{{ loop|join }}{% endfor %}",
                                  /* start and end were ignored: 'abc'.startswith('b', 1) false */
                                  "{{ 'abc'.startswith('b', 1) }}"};
     for (size_t i = 0; i < sizeof unsupported / sizeof unsupported[0]; i++) {

@@ -539,7 +539,11 @@ def test_template_errors():
                 # equal here), and prints functions with their address
                 "{% set d = {} %}{{ d.items == d.keys }}", "{{ 'a'.upper == 'b'.upper }}",
                 "{% set d = {} %}{{ d.items in [d.keys] }}", "{{ range }}",
-                "{{ raise_exception ~ '' }}"]:
+                "{{ raise_exception ~ '' }}",
+                # iterating jinja2's LoopContext advances the loop itself
+                "{% for x in [1, 2] %}{{ 'index' in loop }}{% endfor %}",
+                "{% for x in [1, 2] %}{% for k in loop %}{{ k }}{% endfor %}{% endfor %}",
+                "{% for x in [1, 2] %}{{ loop|first }}{% endfor %}"]:
         with pytest.raises(kvcache.UnsupportedError):
             kvcache.render_chat_template(bad, msgs)
     for bad in ["{{ 'a' + 1 }}", "{{ undefined_x.y }}", "{{ 1 // 0 }}", "{% for x in 5 %}{% endfor %}",
@@ -689,6 +693,28 @@ DIFFERENTIAL_REGRESSIONS = [
     " {{ range(10)[2:5] }} {{ range(3)[5:] }} {{ range(10, 0, -3)[1::2] }} {{ [range(2)] }}",
     "{{ range(2) ~ '' }} {{ range(5)[1:3].start }} {{ range(5).count is defined }}"
     " {{ range(5).foo is defined }} {{ range(0) == range(2, 2) }}",
+    # `loop` is jinja2's LoopContext, not a dict (loop.items(), loop|length, 'x' in loop, ...)
+    "{% for x in [1, 2] %}{{ loop.items() }}{% endfor %}",
+    "{% for x in [1, 2] %}{{ loop.keys() }}{% endfor %}",
+    "{% for x in [1, 2] %}{{ loop.get('index') }}{% endfor %}",
+    "{% for x in [1, 2] %}{{ loop['index'] }}{{ loop['nextitem'] }}{{ loop[0] }}{{ loop|length }}"
+    "{{ loop }}{{ [loop] }}{{ loop|string }}{{ loop.foo }}{{ loop._length }}{% endfor %}",
+    "{% for x in [1, 2, 3] %}{{ loop.cycle('a', 'b') }}{% endfor %}",
+    "{% for x in [1, 2, 3] %}{{ loop.cycle() }}{% endfor %}",
+    "{% for x in [1, 2, 3] %}{{ loop.cycle(x=1) }}{% endfor %}",
+    "{% for x in [1, 1, 2, 2, 1] %}{{ loop.changed(x) }}{% endfor %}",
+    "{% for x in [1, 1, 2] %}{{ loop.changed() }}{{ loop.changed(x, 1) }}{% endfor %}",
+    "{% for x in [1, 2] %}{{ loop is mapping }}{{ loop is iterable }}{{ loop is sequence }}"
+    "{{ loop is callable }}{{ loop.cycle is callable }}{% if loop %}T{% endif %}{% endfor %}",
+    "{% for x in [1, 2] %}{{ loop == loop }}{{ loop != 1 }}{% set l = loop %}"
+    "{% for y in [1] %}{{ loop == l }}{% endfor %}{% endfor %}",
+    "{% for x in [1, 2] %}{{ loop.index() }}{% endfor %}", "{% for x in [1] %}{{ loop(x) }}{% endfor %}",
+    "{% for x in [1] %}{{ loop|tojson }}{% endfor %}", "{% for x in [1] %}{{ loop < loop }}{% endfor %}",
+    "{% set ns = namespace(l=none) %}{% for x in [1, 2, 3] %}{% set ns.l = loop %}{% endfor %}"
+    "{{ ns.l.index }}{{ ns.l.last }}{{ ns.l }}",
+    "{% set ns = namespace(l=none) %}{% for x in [1, 2, 3] %}{% set ns.l = loop %}"
+    "{% if x == 2 %}{% break %}{% endif %}{% endfor %}{{ ns.l.index }}{{ ns.l.last }}{{ ns.l.nextitem }}",
+    "{% for a in [1, 2] %}{% for x in [1, 2, 3] if loop.index > 1 %}{{ x }}{% endfor %}{% endfor %}",
     # a method taken as a value equals no number, string or builtin function
     "{% set d = {} %}{{ d.items == 1 }} {{ d.items in [1, 'a'] }} {{ [1, d.items] == [2, d.keys] }}"
     " {{ range == range }} {{ range == namespace }}",

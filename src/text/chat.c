@@ -110,8 +110,13 @@ static kvc_status exec_for(ctx *c, const node *n) {
         }
         if (st == KVC_OK) all = kept.u.l;
     }
-    value loop;
-    if (st == KVC_OK) st = kvc__chat_new_dict(c, 12, &loop);
+    value loop = {V_LOOP, {0}};
+    if (st == KVC_OK) {
+        loop_ctx *lp = kvc__chat_arena_alloc(&c->ar, sizeof *lp);
+        if (!lp) st = kvc__chat_alloc_failed(c);
+        else memset(lp, 0, sizeof *lp);
+        loop.u.lp = lp;
+    }
     int64_t len = (int64_t)all->n;
     int completed = 0; /* an iteration ran to the end of the body */
     for (int64_t i = 0; st == KVC_OK && i < len; i++) {
@@ -121,23 +126,10 @@ static kvc_status exec_for(ctx *c, const node *n) {
         }
         fr->n = 0; /* every iteration starts a fresh scope, as in Jinja */
         st = bind_targets(c, n, all->items[i]);
-        dict *d = loop.u.d;
-        d->n = 0;
-        if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("index"), v_int(i + 1));
-        if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("index0"), v_int(i));
-        if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("revindex"), v_int(len - i));
-        if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("revindex0"), v_int(len - i - 1));
-        if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("first"), v_bool(i == 0));
-        if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("last"), v_bool(i == len - 1));
-        if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("length"), v_int(len));
-        /* recursive loops are refused, so every loop is at depth 1 */
-        if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("depth"), v_int(1));
-        if (st == KVC_OK) st = kvc__chat_dict_set(c, d, cstr("depth0"), v_int(0));
-        if (st == KVC_OK)
-            st = kvc__chat_dict_set(c, d, cstr("previtem"), i > 0 ? all->items[i - 1] : v_undef());
-        if (st == KVC_OK)
-            st = kvc__chat_dict_set(c, d, cstr("nextitem"),
-                                    i + 1 < len ? all->items[i + 1] : v_undef());
+        if (st == KVC_OK) { /* `loop` is the same object every iteration, as in jinja2 */
+            loop.u.lp->items = all;
+            loop.u.lp->index0 = i;
+        }
         if (st == KVC_OK) st = kvc__chat_set_var(c, cstr("loop"), loop);
         if (st == KVC_OK) st = exec(c, n->b);
         if (st == KVC_OK && !c->loop_ctl) completed = 1;

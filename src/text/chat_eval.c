@@ -23,6 +23,33 @@ static int name_in(str name, const char *const *names) {
     return 0;
 }
 
+/* The attributes of jinja2's LoopContext that kvcache has (recursive loops
+ * are refused, so every loop is at depth 1); 0 for any other name. */
+static int loop_attr(const loop_ctx *lp, str name, value *out) {
+    int64_t i = lp->index0, len = (int64_t)lp->items->n;
+    static const char *const names[] = {"index", "index0", "revindex", "revindex0", "first",
+                                        "last",  "length", "depth",    "depth0",    "previtem",
+                                        "nextitem", "cycle", "changed", NULL};
+    int k = 0;
+    while (names[k] && !str_eq(name, names[k])) k++;
+    switch (k) {
+    case 0: *out = v_int(i + 1); return 1;
+    case 1: *out = v_int(i); return 1;
+    case 2: *out = v_int(len - i); return 1;
+    case 3: *out = v_int(len - i - 1); return 1;
+    case 4: *out = v_bool(i == 0); return 1;
+    case 5: *out = v_bool(i == len - 1); return 1;
+    case 6: *out = v_int(len); return 1;
+    case 7: *out = v_int(1); return 1;
+    case 8: *out = v_int(0); return 1;
+    case 9: *out = i > 0 ? lp->items->items[i - 1] : v_undef(); return 1;
+    case 10: *out = i + 1 < len ? lp->items->items[i + 1] : v_undef(); return 1;
+    case 11:
+    case 12: out->t = V_FUNC; out->u.i = F_METHOD; return 1;
+    default: return 0;
+    }
+}
+
 /* The Python attribute `name` of obj, where it has one jinja2 lets templates
  * see: the method as a value (F_METHOD), or undefined for the methods that
  * modify (ImmutableSandboxedEnvironment) -- never the dict's item of that
@@ -44,6 +71,7 @@ static int py_attr(const value *obj, str name, value *out) {
     static const char *const list_methods[] = {"copy", "count", "index", NULL};
     static const char *const tuple_methods[] = {"count", "index", NULL};
     int method = 0;
+    if (obj->t == V_LOOP) return loop_attr(obj->u.lp, name, out);
     if (obj->t == V_LIST && obj->u.l->kind == L_RANGE) { /* range(5).stop was undefined */
         const list *r = obj->u.l;
         if (str_eq(name, "start") || str_eq(name, "stop") || str_eq(name, "step")) {
@@ -221,9 +249,48 @@ static kvc_status method_arity(const node *n, const value *obj, str m, const arg
     return KVC_OK;
 }
 
+/* loop.cycle(*values) and loop.changed(*values), as jinja2's LoopContext has them. */
+static kvc_status call_loop_method(ctx *c, const node *n, loop_ctx *lp, str m, const args *a,
+                                   value *out) {
+    int cycle = str_eq(m, "cycle");
+    if (!cycle && !str_eq(m, "changed")) {
+        value v;
+        if (loop_attr(lp, m, &v)) /* loop.index(): an int called */
+            return kvc__chat_runtime_error(n, "'%s' object is not callable",
+                                           kvc__chat_type_name(&v));
+        return kvc__chat_runtime_error(n, "'LoopContext' object has no attribute '%.*s'",
+                                       (int)(m.n < 40 ? m.n : 40), m.p);
+    }
+    if (a->n_kw)
+        return kvc__chat_runtime_error(n, "loop.%s() got an unexpected keyword argument '%.*s'",
+                                       cycle ? "cycle" : "changed",
+                                       (int)(a->kw_names[0].n < 40 ? a->kw_names[0].n : 40),
+                                       a->kw_names[0].p);
+    if (cycle) {
+        if (!a->n_pos) return kvc__chat_runtime_error(n, "no items for cycling given");
+        *out = a->pos[lp->index0 % (int64_t)a->n_pos];
+        return KVC_OK;
+    }
+    /* changed: whether the arguments differ from the last call's (Python's
+     * tuple !=), true on the first call */
+    int same = lp->last_changed && lp->n_changed == a->n_pos;
+    for (size_t i = 0; same && i < a->n_pos; i++)
+        KVC_TRY(kvc__chat_equal(n, &lp->last_changed[i], &a->pos[i], &same));
+    if (!same) {
+        value *keep;
+        ALLOC(c, keep, a->n_pos + 1);
+        memcpy(keep, a->pos, a->n_pos * sizeof *keep);
+        lp->last_changed = keep;
+        lp->n_changed = a->n_pos;
+    }
+    *out = v_bool(!same);
+    return KVC_OK;
+}
+
 static kvc_status call_method(ctx *c, const node *n, const value *obj, str m, const args *a,
                               value *out) {
     if (obj->t == V_UNDEF) return kvc__chat_undefined_error(n->a->a);
+    if (obj->t == V_LOOP) return call_loop_method(c, n, obj->u.lp, m, a, out);
     if (obj->t == V_STR || obj->t == V_DICT) KVC_TRY(method_arity(n, obj, m, a));
     if (obj->t == V_STR) {
         str s = obj->u.s, x = {NULL, 0};
@@ -490,6 +557,9 @@ kvc_status kvc__chat_contains(ctx *c, const node *n, const value *x, const value
         *r = x->t == V_STR && kvc__chat_dict_find(coll->u.d, x->u.s) != NULL;
     } else if (coll->t == V_UNDEF) {
         *r = 0; /* iterating an undefined value gives nothing */
+    } else if (coll->t == V_LOOP) {
+        value items; /* refused: it would advance the loop */
+        return kvc__chat_iter_items(c, n, coll, &items);
     } else {
         return kvc__chat_runtime_error(n, "argument of type '%s' is not iterable",
                                        kvc__chat_type_name(coll));

@@ -404,6 +404,7 @@ static kvc_status apply_filter(ctx *c, const node *n, str f, value x, const args
             *out = v_int((int64_t)x.u.l->n);
             return KVC_OK;
         case V_DICT: *out = v_int((int64_t)x.u.d->n); return KVC_OK;
+        case V_LOOP: *out = v_int((int64_t)x.u.lp->items->n); return KVC_OK; /* loop.length */
         case V_UNDEF: *out = v_int(0); return KVC_OK;
         default:
             return kvc__chat_runtime_error(n, "object of type '%s' has no len()",
@@ -616,9 +617,11 @@ static kvc_status apply_test(ctx *c, const node *n, str t, const value *x, const
     else if (str_eq(t, "mapping"))
         *r = x->t == V_DICT;
     else if (str_eq(t, "callable"))
-        *r = x->t == V_FUNC || x->t == V_MACRO || x->t == V_UNDEF; /* Undefined has __call__ */
+        /* Undefined has __call__, and so has LoopContext (for recursive loops) */
+        *r = x->t == V_FUNC || x->t == V_MACRO || x->t == V_UNDEF || x->t == V_LOOP;
     else if (str_eq(t, "iterable")) /* Undefined: empty, as jinja2 */
-        *r = x->t == V_STR || x->t == V_LIST || x->t == V_DICT || x->t == V_UNDEF;
+        *r = x->t == V_STR || x->t == V_LIST || x->t == V_DICT || x->t == V_UNDEF ||
+             x->t == V_LOOP;
     else if (str_eq(t, "sequence")) /* len() and [] both work: not on dict views */
         *r = x->t == V_STR || (x->t == V_LIST && x->u.l->kind <= L_RANGE) || x->t == V_DICT ||
              x->t == V_UNDEF;

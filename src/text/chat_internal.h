@@ -77,7 +77,18 @@ void kvc__chat_arena_free(arena *a);
 
 /* ---- values ----------------------------------------------------------------- */
 
-typedef enum vtype { V_UNDEF, V_NONE, V_BOOL, V_INT, V_STR, V_LIST, V_DICT, V_FUNC, V_MACRO } vtype;
+typedef enum vtype {
+    V_UNDEF,
+    V_NONE,
+    V_BOOL,
+    V_INT,
+    V_STR,
+    V_LIST,
+    V_DICT,
+    V_FUNC,
+    V_MACRO,
+    V_LOOP /* a for loop's `loop` (jinja2's LoopContext) */
+} vtype;
 
 /* F_METHOD: a method of a str, list or dict taken as a value (d.items without a
  * call), as jinja2's attribute lookup finds it: defined, truthy and callable. */
@@ -102,8 +113,19 @@ typedef struct str {
 
 typedef struct list list;
 typedef struct dict dict;
+typedef struct value value;
 
-typedef struct value {
+/* jinja2's LoopContext, one per loop run, updated in place as it advances
+ * (a copy kept past the loop sees its last iteration, as in jinja2). Not a
+ * dict: it has no items, keys or get, and is not a mapping. */
+typedef struct loop_ctx {
+    const list *items; /* what the loop visits (past its `if` filter) */
+    int64_t index0;
+    value *last_changed; /* changed(...)'s previous arguments (NULL: never called) */
+    size_t n_changed;
+} loop_ctx;
+
+struct value {
     vtype t;
     union {
         int64_t i; /* V_BOOL, V_INT, V_FUNC (builtin) */
@@ -111,8 +133,9 @@ typedef struct value {
         list *l;
         dict *d;
         const macro_ref *m; /* V_MACRO */
+        loop_ctx *lp;       /* V_LOOP */
     } u;
-} value;
+};
 
 /* What Python object a list stands for. jinja2 hands templates these as
  * they are; kvcache keeps their items in a list and their kind, which
@@ -376,6 +399,7 @@ static inline int truthy(const value *v) {
     case V_DICT: return v->u.d->n != 0;
     case V_FUNC:
     case V_MACRO: return 1;
+    case V_LOOP: return v->u.lp->items->n != 0; /* len(loop) */
     default: return 0;
     }
 }

@@ -71,6 +71,7 @@ const char *kvc__chat_type_name(const value *v) {
     }
     case V_DICT: return "dict";
     case V_MACRO: return "Macro";
+    case V_LOOP: return "LoopContext";
     default: return "function";
     }
 }
@@ -125,7 +126,7 @@ static kvc_status repr_str(ctx *c, sbuf *b, str s) {
 }
 
 static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr) {
-    char num[32];
+    char num[48];
     switch (v->t) {
     case V_UNDEF: return repr ? sb_cstr(c, b, "Undefined") : KVC_OK; /* jinja2's repr */
     case V_NONE: return sb_cstr(c, b, "None");
@@ -167,6 +168,11 @@ static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr) {
         KVC_TRY(sb_cstr(c, b, "<Macro '"));
         KVC_TRY(kvc__chat_sb_put(c, b, v->u.m->def->name.p, v->u.m->def->name.n));
         return sb_cstr(c, b, "'>");
+    case V_LOOP: /* jinja2's repr: <LoopContext index/length> */
+        snprintf(num, sizeof num, "%lld/%zu>", (long long)v->u.lp->index0 + 1,
+                 v->u.lp->items->n);
+        KVC_TRY(sb_cstr(c, b, "<LoopContext "));
+        return sb_cstr(c, b, num);
     default: /* jinja2 prints its address (<function safe_range at 0x...>) */
         return kvc__error(KVC_ERR_UNSUPPORTED,
                           "chat template, line %d: printing a %s taken as a value (%s without "
@@ -233,6 +239,7 @@ static int equal3(const value *a, const value *b) {
         if (a->u.i == F_METHOD && b->u.i == F_METHOD) return -1;
         return a->u.i == b->u.i; /* builtins: the same function or not */
     case V_MACRO: return a->u.m == b->u.m;
+    case V_LOOP: return a->u.lp == b->u.lp; /* identity */
     default: return 0;
     }
 }
@@ -407,6 +414,10 @@ kvc_status kvc__chat_iter_items(ctx *c, const node *n, const value *v, value *ou
     }
     if (v->t == V_STR) return kvc__chat_str_chars(c, v->u.s, out);
     if (v->t == V_UNDEF) return kvc__chat_new_list(c, 0, out);
+    if (v->t == V_LOOP) /* jinja2's LoopContext iterates by advancing the loop itself */
+        return kvc__error(KVC_ERR_UNSUPPORTED,
+                          "chat template, line %d: iterating `loop` (for, in, join, list, ...) "
+                          "is not supported", n ? n->line : 0);
     if (v->t == V_DICT) {
         KVC_TRY(kvc__chat_new_list(c, v->u.d->n, out));
         for (size_t i = 0; i < v->u.d->n; i++)
