@@ -600,6 +600,9 @@ TEST(chat_differential_regressions) {
         {"{% set ns = namespace(l=0) %}{% for x in [1, 2, 3] %}{% set ns.l = loop %}"
          "{% if x == 2 %}{% break %}{% endif %}{% endfor %}{{ ns.l.index }}{{ ns.l.last }}",
          "2False"},
+        /* a namespace equals only itself (compared as a dict, and `in {}` refused it) */
+        {"{% set n = namespace(a=1) %}{{ n == namespace(a=1) }} {{ n == n }} {{ n in {} }}",
+         "False True False"},
         /* replace's old and new go through str(): a number was refused */
         {"{{ 'x1' | replace('x', 1) }}", "11"},
         /* split(None, maxsplit): the rest kept its trailing whitespace stripped */

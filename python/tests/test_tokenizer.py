@@ -715,6 +715,9 @@ DIFFERENTIAL_REGRESSIONS = [
     "{% set ns = namespace(l=none) %}{% for x in [1, 2, 3] %}{% set ns.l = loop %}"
     "{% if x == 2 %}{% break %}{% endif %}{% endfor %}{{ ns.l.index }}{{ ns.l.last }}{{ ns.l.nextitem }}",
     "{% for a in [1, 2] %}{% for x in [1, 2, 3] if loop.index > 1 %}{{ x }}{% endfor %}{% endfor %}",
+    # a namespace equals only itself (was compared as a dict); it is hashable
+    "{{ namespace(a=1) == namespace(a=1) }} {% set n = namespace(a=1) %}{{ n == n }} {{ n in [n] }}"
+    " {{ [n] == [namespace(a=1)] }} {{ n != namespace(a=1) }} {{ n == {'a': 1} }} {{ n in {} }}",
     # a method taken as a value equals no number, string or builtin function
     "{% set d = {} %}{{ d.items == 1 }} {{ d.items in [1, 'a'] }} {{ [1, d.items] == [2, d.keys] }}"
     " {{ range == range }} {{ range == namespace }}",

@@ -551,7 +551,9 @@ kvc_status kvc__chat_contains(ctx *c, const node *n, const value *x, const value
         for (size_t i = 0; i < coll->u.l->n && !*r; i++)
             KVC_TRY(kvc__chat_equal(n, x, &coll->u.l->items[i], r));
     } else if (coll->t == V_DICT) {
-        if (x->t == V_DICT || (x->t == V_LIST && x->u.l->kind != L_TUPLE && x->u.l->kind != L_RANGE))
+        /* a Namespace is hashable (by identity): never a key here */
+        if ((x->t == V_DICT && !x->u.d->is_namespace) ||
+            (x->t == V_LIST && x->u.l->kind != L_TUPLE && x->u.l->kind != L_RANGE))
             return kvc__chat_runtime_error(n, "unhashable type: '%s'", kvc__chat_type_name(x));
         KVC_TRY(charge(c, cost_of(x)));
         *r = x->t == V_STR && kvc__chat_dict_find(coll->u.d, x->u.s) != NULL;

@@ -223,6 +223,9 @@ static int equal3(const value *a, const value *b) {
         }
         return 1;
     case V_DICT:
+        /* jinja2's Namespace has no __eq__: identity (namespace(a=1) == namespace(a=1) was
+         * true) */
+        if (a->u.d->is_namespace || b->u.d->is_namespace) return a->u.d == b->u.d;
         if (a->u.d->n != b->u.d->n) return 0;
         for (size_t i = 0; i < a->u.d->n; i++) {
             size_t j = 0;
