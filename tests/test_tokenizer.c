@@ -603,6 +603,11 @@ TEST(chat_differential_regressions) {
         /* a namespace equals only itself (compared as a dict, and `in {}` refused it) */
         {"{% set n = namespace(a=1) %}{{ n == namespace(a=1) }} {{ n == n }} {{ n in {} }}",
          "False True False"},
+        /* reverse gives an iterator, as reversed() (it was a list: + and len() took it) */
+        {"{{ [1, 2] | reverse | join }} {{ [1, 2] | reverse | list }} {{ 'ab' | reverse }}",
+         "21 [2, 1] ba"},
+        {"{{ [1, 2] | reverse | length }}", NULL},
+        {"{{ ([1, 2] | reverse) + [3] }}", NULL},
         /* replace's old and new go through str(): a number was refused */
         {"{{ 'x1' | replace('x', 1) }}", "11"},
         /* split(None, maxsplit): the rest kept its trailing whitespace stripped */
@@ -669,6 +674,7 @@ TEST(chat_errors) {
                                  "{{ 'a'.upper != 'b'.upper }}", "{{ {}.get in [{}.keys] }}",
                                  /* printed as <function>; jinja2 prints an address */
                                  "{{ range }}", "{{ [namespace] }}",
+                                 "{{ [1, 2] | reverse }}", /* jinja2 prints an address */
                                  /* iterating jinja2's LoopContext advances the loop */
                                  "{% for x in [1, 2] %}{{ 'index' in loop }}{% endfor %}",
                                  "{% for x in [1, 2] %}{{ loop|join }}{% endfor %}",

@@ -465,7 +465,9 @@ static kvc_status apply_filter(ctx *c, const node *n, str f, value x, const args
         KVC_TRY(kvc__chat_new_list(c, items.u.l->n, &res));
         for (size_t i = items.u.l->n; i-- > 0;)
             KVC_TRY(kvc__chat_list_push(c, res.u.l, items.u.l->items[i]));
-        if (x.t != V_STR) {
+        if (x.t != V_STR) { /* reversed(x): a one-shot iterator; a generator (not
+                             * reversible) becomes a reversed list */
+            if (x.t != V_LIST || x.u.l->kind != L_GEN) res.u.l->kind = L_GEN;
             *out = res;
             return KVC_OK;
         }

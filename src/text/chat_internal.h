@@ -149,7 +149,8 @@ typedef enum lkind {
     L_KEYS,   /* dict.keys(), dict.values(), dict.items(): views, not */
     L_VALUES, /* subscriptable, no + or * */
     L_ITEMS,
-    L_GEN /* what select, map, items, ... give: a generator, always true, no len(),
+    L_GEN /* what select, map, items, reverse, ... give: a generator or iterator,
+           * always true, no len(),
            * iterated once (a second time is refused), printing it is refused */
 } lkind;
 

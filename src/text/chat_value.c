@@ -137,8 +137,8 @@ static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr) {
         if (v->u.l->kind == L_GEN) /* jinja2 prints <generator object ... at 0x...> */
             return kvc__error(KVC_ERR_UNSUPPORTED,
                               "chat template, line %d: printing a generator (what select, "
-                              "reject, selectattr, rejectattr, map and items give; add "
-                              "|list) is not supported", c->cur ? c->cur->line : 0);
+                              "reject, selectattr, rejectattr, map, items and reverse give; "
+                              "add |list) is not supported", c->cur ? c->cur->line : 0);
         if (v->u.l->kind == L_RANGE) { /* Python's repr: range(0, 3), range(0, 9, 2) */
             snprintf(num, sizeof num, "%lld", (long long)v->u.l->start);
             KVC_TRY(sb_cstr(c, b, "range("));
