@@ -612,6 +612,11 @@ TEST(chat_differential_regressions) {
         {"{{ 'x1' | replace('x', 1) }}", "11"},
         /* split(None, maxsplit): the rest kept its trailing whitespace stripped */
         {"{{ 'a  b '.split(none, 1) }}{{ ' a  b '.split(none, 0) }}", "['a', 'b ']['a  b ']"},
+        /* dict views printed as lists */
+        {"{% set d = {'a': 1, 'b': 'x'} %}{{ d.keys() }} {{ [d.values()] }} {{ d.items() | string }}"
+         " {{ {}.keys() }} {{ d.items() | list }} {{ d.values() | length }} {{ 'b' in d.keys() }}",
+         "dict_keys(['a', 'b']) [dict_values([1, 'x'])] dict_items([('a', 1), ('b', 'x')])"
+         " dict_keys([]) [('a', 1), ('b', 'x')] 2 True"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         render(cases[i].tmpl, m, 1, 1, buf, sizeof buf, &st);

@@ -651,6 +651,13 @@ DIFFERENTIAL_REGRESSIONS = [
     "{{ {'a': 1}.items()[:1] }}", "{{ range(3) == [0, 1, 2] }} {{ range(2) == range(2) }}",
     "{{ {'a': 1, 'b': 2}.keys() == {'b': 2, 'a': 1}.keys() }} {{ range(3)[1:] | list }}",
     "{{ (range(2) | list) + [5] }} {{ range(2) | list == [0, 1] }}",
+    # ... and they print as Python prints them (they printed as lists)
+    "{% set d = {'a': 1, 'b': 'x'} %}{{ d.keys() }} {{ d.values() }} {{ d.items() }} {{ {}.items() }}"
+    " {{ [d.keys(), {'k': d.values()}] }} {{ d.items() | string }} {{ d.keys() ~ '' | upper }}"
+    " {{ d.items() | list }} {{ d.keys() | list }} {{ d.values() | length }} {{ 'a' in d.keys() }}"
+    " {{ 'x' in d.values() }} {{ d.values() | join(',') }} {{ d.keys() | first }}"
+    " {% for k, v in d.items() %}{{ k }}{{ v }}{% endfor %} {{ d.items() | select | list }}",
+    "{{ {'a': 1}.keys() | tojson }}",
     # list * int
     "{{ [1, 'a'] * 2 }} {{ 2 * [[1]] }} {{ [1] * 0 }} {{ [1] * -1 }} {{ [] * 3 }}",
     "{{ range(2) * 2 }}",

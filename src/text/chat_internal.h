@@ -139,9 +139,8 @@ struct value {
 
 /* What Python object a list stands for. jinja2 hands templates these as
  * they are; kvcache keeps their items in a list and their kind, which
- * decides +, *, subscripts, comparisons and the sequence test as Python
- * would (views print as lists, though: kvcache has no dict_keys([...])
- * text; a range prints as range(0, 3)). */
+ * decides +, *, subscripts, comparisons, the sequence test and how it prints
+ * (dict_keys([...]), range(0, 3)) as Python would. */
 typedef enum lkind {
     L_LIST,
     L_TUPLE,  /* an items() pair: prints as (k, v) */

@@ -149,12 +149,16 @@ static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr) {
             if (v->u.l->step != 1) KVC_TRY(sb_cstr(c, b, num));
             return sb_cstr(c, b, ")");
         }
-        KVC_TRY(sb_cstr(c, b, v->u.l->kind == L_TUPLE ? "(" : "["));
+        lkind k = v->u.l->kind;
+        int view = k == L_KEYS || k == L_VALUES || k == L_ITEMS; /* dict_keys([...]), ... */
+        if (view) KVC_TRY(sb_cstr(c, b, k == L_KEYS ? "dict_keys(" : k == L_VALUES ?
+                                  "dict_values(" : "dict_items("));
+        KVC_TRY(sb_cstr(c, b, k == L_TUPLE ? "(" : "["));
         for (size_t i = 0; i < v->u.l->n; i++) {
             if (i) KVC_TRY(sb_cstr(c, b, ", "));
             KVC_TRY(write_value(c, b, &v->u.l->items[i], 1));
         }
-        return sb_cstr(c, b, v->u.l->kind == L_TUPLE ? ")" : "]");
+        return sb_cstr(c, b, k == L_TUPLE ? ")" : view ? "])" : "]");
     case V_DICT: /* a namespace() prints as Jinja's Namespace object */
         KVC_TRY(sb_cstr(c, b, v->u.d->is_namespace ? "<Namespace {" : "{"));
         for (size_t i = 0; i < v->u.d->n; i++) {
