@@ -612,6 +612,24 @@ TEST(chat_differential_regressions) {
         {"{{ 'x1' | replace('x', 1) }}", "11"},
         /* split(None, maxsplit): the rest kept its trailing whitespace stripped */
         {"{{ 'a  b '.split(none, 1) }}{{ ' a  b '.split(none, 0) }}", "['a', 'b ']['a  b ']"},
+        /* a loop's `if` filter ran over every item before the body: jinja2 tests each
+         * one as the loop reaches it (peeking ahead for loop.last, all for length) */
+        {"{% set ns = namespace(n=0) %}{% for x in [1, 2, 3] if x > ns.n %}{% set ns.n = 5 %}"
+         "{{ x }}{% endfor %}", "1"},
+        {"{% set ns = namespace(n=0) %}{% for x in [1, 2, 3, 4, 5] if x > ns.n %}{{ x }}"
+         "{% set ns.n = x + 1 %}{{ loop.last }}{{ loop.nextitem }};{% endfor %}",
+         "1False3;3False5;5True;"},
+        {"{% set ns = namespace(n=0) %}{% for x in [1, 2, 3, 4] if x > ns.n %}{{ x }}"
+         "{% set ns.n = 5 %}{{ loop.length }}{{ loop }}{% endfor %}", "11<LoopContext 1/1>"},
+        {"{% set ns = namespace(n=0) %}{% for x in [1, 2, 3] if x > ns.n %}{{ x }}"
+         "{% if x == 1 %}{% continue %}{% endif %}{% set ns.n = 5 %}{% else %}E{% endfor %}",
+         "12"},
+        {"{% set ns = namespace(n=0) %}{% for x in [1, 2, 3] if x > ns.n %}{% set ns.n = 5 %}"
+         "{% continue %}{% else %}E{% endfor %}", "E"},
+        {"{% set y = 0 %}{% for x in [1, 2] if x > y %}{% set y = 5 %}{{ x }}{% endfor %}", "12"},
+        {"{% for x in [1, 0] if 1 // x %}{{ x }}{% break %}{% endfor %}", "1"},
+        {"{% set ns = namespace(l=none) %}{% for x in [1, 2] if ns.l is none or ns.l.last %}"
+         "{% set ns.l = loop %}{% endfor %}", NULL}, /* the generator is already executing */
         /* dict views printed as lists */
         {"{% set d = {'a': 1, 'b': 'x'} %}{{ d.keys() }} {{ [d.values()] }} {{ d.items() | string }}"
          " {{ {}.keys() }} {{ d.items() | list }} {{ d.values() | length }} {{ 'b' in d.keys() }}",
@@ -631,6 +649,11 @@ TEST(chat_differential_regressions) {
     /* outside the subset (jinja2 renders it): UNSUPPORTED, not a template error */
     render("{{ {1: 'a'} }}", m, 1, 1, buf, sizeof buf, &st);
     ASSERT_STATUS(st, KVC_ERR_UNSUPPORTED);
+    /* the rest of a filtered loop left with break, tested after the loop */
+    render("{% set ns = namespace(l=none) %}{% for x in [1, 2] if x %}{% set ns.l = loop %}"
+           "{% break %}{% endfor %}{{ ns.l.length }}", m, 1, 1, buf, sizeof buf, &st);
+    ASSERT_STATUS(st, KVC_ERR_UNSUPPORTED);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "filtered loop");
     return 0;
 }
 

@@ -88,48 +88,106 @@ static kvc_status bind_targets(ctx *c, const node *n, value item) {
     return KVC_OK;
 }
 
+/* A loop's `if` filter, run as jinja2 runs it: a generator the loop pulls
+ * each item from as it reaches it (and further ahead when loop.last,
+ * nextitem or length is read), so what the body changes (a namespace) is
+ * seen by the tests of the items after. */
+struct loop_filter {
+    const node *n;   /* the for statement: targets, condition n->d */
+    const list *src; /* every item */
+    size_t next;     /* the first one not tested */
+    int frame;       /* the loop's frame: the condition sees the scopes below it */
+    int floor, def_depth; /* the view of the for statement (see ctx) */
+    int busy;        /* the condition is running */
+    int ended;       /* the loop is over (left with break) */
+};
+
+kvc_status kvc__chat_loop_pull(ctx *c, loop_ctx *lp, int64_t want) {
+    loop_filter *f = lp->filter;
+    if (!f || (int64_t)lp->items->n > want) return KVC_OK;
+    if (f->ended) /* jinja2 would test them now, with its names bound as at the loop's start */
+        return kvc__error(KVC_ERR_UNSUPPORTED,
+                          "chat template, line %d: loop.last, nextitem, length or revindex of "
+                          "a filtered loop (for ... if) left early, read after the loop, is "
+                          "not supported", c->cur ? c->cur->line : f->n->line);
+    if (f->busy) /* the condition reads its own loop ahead: Python's ValueError */
+        return kvc__chat_runtime_error(f->n->d, "generator already executing");
+    if (c->n_frames >= MAX_DEPTH + 1) return kvc__chat_runtime_error(f->n, "nested too deeply");
+    const node *cur = c->cur;
+    int floor = c->scope_floor, def_depth = c->def_depth, lo = c->hide_lo, hi = c->hide_hi;
+    frame *fr = &c->frames[c->n_frames++];
+    fr->n = 0;
+    fr->serial = ++c->next_serial;
+    c->scope_floor = f->floor;
+    c->def_depth = f->def_depth;
+    c->hide_lo = f->frame;
+    c->hide_hi = c->n_frames - 1;
+    f->busy = 1;
+    kvc_status st = KVC_OK;
+    while (st == KVC_OK && (int64_t)lp->items->n <= want && f->next < f->src->n) {
+        value item = f->src->items[f->next++], ok;
+        int pass = 0;
+        fr->n = 0;
+        st = bind_targets(c, f->n, item);
+        if (st == KVC_OK) st = kvc__chat_eval(c, f->n->d, &ok);
+        if (st == KVC_OK) st = kvc__chat_truth(c, &ok, &pass);
+        if (st == KVC_OK && pass) st = kvc__chat_list_push(c, lp->items, item);
+    }
+    f->busy = 0;
+    c->n_frames--;
+    c->scope_floor = floor;
+    c->def_depth = def_depth;
+    c->hide_lo = lo;
+    c->hide_hi = hi;
+    c->cur = cur;
+    if (st == KVC_OK && f->next == f->src->n) lp->filter = NULL; /* all tested */
+    return st;
+}
+
+kvc_status kvc__chat_truth(ctx *c, const value *v, int *r) {
+    if (v->t == V_LOOP) KVC_TRY(kvc__chat_loop_pull(c, v->u.lp, INT64_MAX));
+    *r = truthy(v);
+    return KVC_OK;
+}
+
 static kvc_status exec_for(ctx *c, const node *n) {
     value iter, items;
     KVC_TRY(kvc__chat_eval(c, n->a, &iter));
     KVC_TRY(kvc__chat_iter_items(c, n, &iter, &items));
     if (c->n_frames >= MAX_DEPTH + 1) return kvc__chat_runtime_error(n, "loops nested too deeply");
+    loop_ctx *lp;
+    ALLOC(c, lp, 1);
+    memset(lp, 0, sizeof *lp);
+    lp->items = items.u.l;
+    if (n->d) { /* `for x in xs if cond`: items are tested as the loop reaches them */
+        value kept;
+        KVC_TRY(kvc__chat_new_list(c, 0, &kept));
+        ALLOC(c, lp->filter, 1);
+        memset(lp->filter, 0, sizeof *lp->filter);
+        lp->filter->n = n;
+        lp->filter->src = items.u.l;
+        lp->filter->frame = c->n_frames;
+        lp->filter->floor = c->scope_floor;
+        lp->filter->def_depth = c->def_depth;
+        lp->items = kept.u.l;
+    }
     frame *fr = &c->frames[c->n_frames++];
     fr->n = 0;
     fr->serial = ++c->next_serial;
-    list *all = items.u.l;
-    kvc_status st = KVC_OK;
-    if (n->d) { /* `for x in xs if cond`: loop over the items that pass */
-        value kept;
-        st = kvc__chat_new_list(c, all->n, &kept);
-        for (size_t i = 0; st == KVC_OK && i < all->n; i++) {
-            fr->n = 0;
-            value ok;
-            st = bind_targets(c, n, all->items[i]);
-            if (st == KVC_OK) st = kvc__chat_eval(c, n->d, &ok);
-            if (st == KVC_OK && truthy(&ok)) st = kvc__chat_list_push(c, kept.u.l, all->items[i]);
-        }
-        if (st == KVC_OK) all = kept.u.l;
-    }
     value loop = {V_LOOP, {0}};
-    if (st == KVC_OK) {
-        loop_ctx *lp = kvc__chat_arena_alloc(&c->ar, sizeof *lp);
-        if (!lp) st = kvc__chat_alloc_failed(c);
-        else memset(lp, 0, sizeof *lp);
-        loop.u.lp = lp;
-    }
-    int64_t len = (int64_t)all->n;
+    loop.u.lp = lp;
+    kvc_status st = KVC_OK;
     int completed = 0; /* an iteration ran to the end of the body */
-    for (int64_t i = 0; st == KVC_OK && i < len; i++) {
+    for (int64_t i = 0; st == KVC_OK; i++) {
+        st = kvc__chat_loop_pull(c, lp, i);
+        if (st != KVC_OK || i >= (int64_t)lp->items->n) break;
         if (++c->steps > MAX_STEPS) {
             st = kvc__chat_runtime_error(n, "more than %lld loop iterations", (long long)MAX_STEPS);
             break;
         }
         fr->n = 0; /* every iteration starts a fresh scope, as in Jinja */
-        st = bind_targets(c, n, all->items[i]);
-        if (st == KVC_OK) { /* `loop` is the same object every iteration, as in jinja2 */
-            loop.u.lp->items = all;
-            loop.u.lp->index0 = i;
-        }
+        lp->index0 = i; /* `loop` is the same object every iteration, as in jinja2 */
+        st = bind_targets(c, n, lp->items->items[i]);
         if (st == KVC_OK) st = kvc__chat_set_var(c, cstr("loop"), loop);
         if (st == KVC_OK) st = exec(c, n->b);
         if (st == KVC_OK && !c->loop_ctl) completed = 1;
@@ -139,6 +197,7 @@ static kvc_status exec_for(ctx *c, const node *n) {
         }
         c->loop_ctl = 0;
     }
+    if (lp->filter) lp->filter->ended = 1;
     /* jinja2 runs the else block unless some iteration reached the end of
      * the body: an empty loop, but also one whose every iteration ended in
      * break or continue. It has a scope of its own (without the loop's
@@ -165,10 +224,13 @@ static kvc_status exec(ctx *c, const node *n) {
         KVC_TRY(kvc__chat_to_str(c, &v, &s));
         return out_put(c, n, s.p, s.n);
     }
-    case S_IF:
+    case S_IF: {
+        int t;
         KVC_TRY(kvc__chat_eval(c, n->a, &v));
-        if (truthy(&v)) return exec(c, n->b);
+        KVC_TRY(kvc__chat_truth(c, &v, &t));
+        if (t) return exec(c, n->b);
         return n->c ? exec(c, n->c) : KVC_OK;
+    }
     case S_FOR: return exec_for(c, n);
     case S_SET: KVC_TRY(kvc__chat_eval(c, n->a, &v)); return kvc__chat_set_var(c, n->name, v);
     case S_SETATTR: {
@@ -263,9 +325,10 @@ kvc_status kvc__chat_call_macro(ctx *c, const node *n, const macro_ref *m, const
     frame *fr = &c->frames[c->n_frames++];
     fr->n = 0;
     fr->serial = ++c->next_serial;
-    int floor = c->scope_floor, def_depth = c->def_depth;
+    int floor = c->scope_floor, def_depth = c->def_depth, lo = c->hide_lo, hi = c->hide_hi;
     c->scope_floor = c->n_frames - 1; /* the body sees its own scope and its definer's */
     c->def_depth = m->depth;
+    c->hide_lo = c->hide_hi = 0;
     size_t mark = c->out_n;
     kvc_status st = KVC_OK;
     for (size_t i = 0; st == KVC_OK && i < d->nnames; i++) {
@@ -279,6 +342,8 @@ kvc_status kvc__chat_call_macro(ctx *c, const node *n, const macro_ref *m, const
     if (st == KVC_OK) st = exec(c, d->b);
     c->scope_floor = floor;
     c->def_depth = def_depth;
+    c->hide_lo = lo;
+    c->hide_hi = hi;
     c->n_frames--;
     KVC_TRY(st);
     char *p;

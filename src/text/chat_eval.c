@@ -50,6 +50,19 @@ static int loop_attr(const loop_ctx *lp, str name, value *out) {
     }
 }
 
+/* Reading loop.last or nextitem peeks at the next item, and loop.length,
+ * revindex or revindex0 needs them all: a filtered loop tests them then,
+ * as jinja2's LoopContext does. */
+static kvc_status loop_ahead(ctx *c, const value *obj, str name) {
+    if (obj->t != V_LOOP) return KVC_OK;
+    loop_ctx *lp = obj->u.lp;
+    if (str_eq(name, "last") || str_eq(name, "nextitem"))
+        return kvc__chat_loop_pull(c, lp, lp->index0 + 1);
+    if (str_eq(name, "length") || str_eq(name, "revindex") || str_eq(name, "revindex0"))
+        return kvc__chat_loop_pull(c, lp, INT64_MAX);
+    return KVC_OK;
+}
+
 /* The Python attribute `name` of obj, where it has one jinja2 lets templates
  * see: the method as a value (F_METHOD), or undefined for the methods that
  * modify (ImmutableSandboxedEnvironment) -- never the dict's item of that
@@ -117,6 +130,7 @@ static kvc_status get_item(ctx *c, const node *n, const value *obj, const value 
         return KVC_OK;
     }
     if (key->t == V_STR) {
+        KVC_TRY(loop_ahead(c, obj, key->u.s));
         py_attr(obj, key->u.s, out);
         return KVC_OK;
     }
@@ -132,9 +146,10 @@ static kvc_status get_item(ctx *c, const node *n, const value *obj, const value 
 
 /* jinja2's attribute lookup: the Python attribute first (d.items is the
  * method, whatever d['items'] holds), then the item. */
-static kvc_status get_attr(const node *n, const value *obj, str name, value *out) {
+static kvc_status get_attr(ctx *c, const node *n, const value *obj, str name, value *out) {
     *out = v_undef();
     if (obj->t == V_UNDEF) return kvc__chat_undefined_error(n->a);
+    KVC_TRY(loop_ahead(c, obj, name));
     if (py_attr(obj, name, out)) return KVC_OK;
     if (obj->t == V_DICT) {
         value *v = kvc__chat_dict_find(obj->u.d, name);
@@ -621,10 +636,11 @@ kvc_status kvc__chat_eval(ctx *c, const node *n, value *out) {
 
 static kvc_status eval_node(ctx *c, const node *n, value *out) {
     value a, b;
+    int t;
     switch (n->k) {
     case E_LIT: *out = n->lit; return KVC_OK;
     case E_NAME: kvc__chat_lookup(c, n->name, out); return KVC_OK;
-    case E_ATTR: KVC_TRY(kvc__chat_eval(c, n->a, &a)); return get_attr(n, &a, n->name, out);
+    case E_ATTR: KVC_TRY(kvc__chat_eval(c, n->a, &a)); return get_attr(c, n, &a, n->name, out);
     case E_INDEX:
         KVC_TRY(kvc__chat_eval(c, n->a, &a));
         KVC_TRY(kvc__chat_eval(c, n->b, &b));
@@ -650,18 +666,21 @@ static kvc_status eval_node(ctx *c, const node *n, value *out) {
         return KVC_OK;
     case E_NOT:
         KVC_TRY(kvc__chat_eval(c, n->a, &a));
-        *out = v_bool(!truthy(&a));
+        KVC_TRY(kvc__chat_truth(c, &a, &t));
+        *out = v_bool(!t);
         return KVC_OK;
     case E_AND: /* Python: the deciding operand itself */
         KVC_TRY(kvc__chat_eval(c, n->a, &a));
-        if (!truthy(&a)) {
+        KVC_TRY(kvc__chat_truth(c, &a, &t));
+        if (!t) {
             *out = a;
             return KVC_OK;
         }
         return kvc__chat_eval(c, n->b, out);
     case E_OR:
         KVC_TRY(kvc__chat_eval(c, n->a, &a));
-        if (truthy(&a)) {
+        KVC_TRY(kvc__chat_truth(c, &a, &t));
+        if (t) {
             *out = a;
             return KVC_OK;
         }
@@ -673,7 +692,8 @@ static kvc_status eval_node(ctx *c, const node *n, value *out) {
     case E_CMP: return eval_cmp(c, n, out);
     case E_COND:
         KVC_TRY(kvc__chat_eval(c, n->a, &a));
-        if (truthy(&a)) return kvc__chat_eval(c, n->b, out);
+        KVC_TRY(kvc__chat_truth(c, &a, &t));
+        if (t) return kvc__chat_eval(c, n->b, out);
         if (n->c) return kvc__chat_eval(c, n->c, out);
         *out = v_undef();
         return KVC_OK;

@@ -266,7 +266,9 @@ static kvc_status generator_filter(ctx *c, const node *n, str f, const value *x,
         *out = res;
         return KVC_OK;
     }
-    if (!truthy(x)) { /* jinja2 looks at nothing else, not even the names */
+    int t;
+    KVC_TRY(kvc__chat_truth(c, x, &t));
+    if (!t) { /* jinja2 looks at nothing else, not even the names */
         KVC_TRY(kvc__chat_new_list(c, 0, out));
         out->u.l->kind = L_GEN;
         return KVC_OK;
@@ -345,7 +347,7 @@ static kvc_status generator_filter(ctx *c, const node *n, str f, const value *x,
         if (name.p)
             KVC_TRY(apply_test(c, n, name, &v, &rest, &keep));
         else
-            keep = truthy(&v);
+            KVC_TRY(kvc__chat_truth(c, &v, &keep));
         if (keep == (sel || sel_attr)) KVC_TRY(kvc__chat_list_push(c, res.u.l, *item));
     }
     *out = res;
@@ -388,7 +390,10 @@ static kvc_status apply_filter(ctx *c, const node *n, str f, value x, const args
     if (str_eq(f, "default") || str_eq(f, "d")) {
         const value *dflt = kvc__chat_arg(&a, 0, "default_value");
         const value *boolean = kvc__chat_arg(&a, 1, "boolean");
-        int use = x.t == V_UNDEF || (boolean && truthy(boolean) && !truthy(&x));
+        int use = x.t == V_UNDEF, b = 0, t = 1;
+        if (!use && boolean) KVC_TRY(kvc__chat_truth(c, boolean, &b));
+        if (b) KVC_TRY(kvc__chat_truth(c, &x, &t));
+        use = use || !t;
         *out = use ? (dflt ? *dflt : v_str("", 0)) : x;
         return KVC_OK;
     }
@@ -404,7 +409,10 @@ static kvc_status apply_filter(ctx *c, const node *n, str f, value x, const args
             *out = v_int((int64_t)x.u.l->n);
             return KVC_OK;
         case V_DICT: *out = v_int((int64_t)x.u.d->n); return KVC_OK;
-        case V_LOOP: *out = v_int((int64_t)x.u.lp->items->n); return KVC_OK; /* loop.length */
+        case V_LOOP: /* loop.length */
+            KVC_TRY(kvc__chat_loop_pull(c, x.u.lp, INT64_MAX));
+            *out = v_int((int64_t)x.u.lp->items->n);
+            return KVC_OK;
         case V_UNDEF: *out = v_int(0); return KVC_OK;
         default:
             return kvc__chat_runtime_error(n, "object of type '%s' has no len()",
@@ -624,10 +632,11 @@ static kvc_status apply_test(ctx *c, const node *n, str t, const value *x, const
     else if (str_eq(t, "iterable")) /* Undefined: empty, as jinja2 */
         *r = x->t == V_STR || x->t == V_LIST || x->t == V_DICT || x->t == V_UNDEF ||
              x->t == V_LOOP;
-    else if (str_eq(t, "sequence")) /* len() and [] both work: not on dict views */
+    else if (str_eq(t, "sequence")) { /* len() and [] both work: not on dict views */
+        if (x->t == V_LOOP) KVC_TRY(kvc__chat_loop_pull(c, x->u.lp, INT64_MAX)); /* len() */
         *r = x->t == V_STR || (x->t == V_LIST && x->u.l->kind <= L_RANGE) || x->t == V_DICT ||
              x->t == V_UNDEF;
-    else if (str_eq(t, "filter") || str_eq(t, "test")) {
+    } else if (str_eq(t, "filter") || str_eq(t, "test")) {
         /* `x in env.filters`: lists, dicts and sets-like views are unhashable */
         if ((x->t == V_DICT && !x->u.d->is_namespace) ||
             (x->t == V_LIST && (x->u.l->kind == L_LIST || x->u.l->kind == L_KEYS ||

@@ -115,14 +115,19 @@ typedef struct list list;
 typedef struct dict dict;
 typedef struct value value;
 
+/* A loop's `if` filter (chat.c): jinja2 runs it as a generator, testing
+ * each item when the loop reaches it, so the body can change what it sees. */
+typedef struct loop_filter loop_filter;
+
 /* jinja2's LoopContext, one per loop run, updated in place as it advances
  * (a copy kept past the loop sees its last iteration, as in jinja2). Not a
  * dict: it has no items, keys or get, and is not a mapping. */
 typedef struct loop_ctx {
-    const list *items; /* what the loop visits (past its `if` filter) */
+    list *items; /* what the loop visits: with an `if` filter, the items that passed so far */
     int64_t index0;
     value *last_changed; /* changed(...)'s previous arguments (NULL: never called) */
     size_t n_changed;
+    loop_filter *filter; /* NULL: no filter, or every item tested */
 } loop_ctx;
 
 struct value {
@@ -266,6 +271,9 @@ typedef struct ctx {
     /* Inside a macro call, lookup sees frames[scope_floor..n_frames) and
      * then the frames below def_depth (where the macro was defined). */
     int scope_floor, def_depth;
+    /* Frames [hide_lo, hide_hi) are not seen: a loop's filter, run in a frame
+     * of its own on top, does not see the loop's body (0, 0: none hidden). */
+    int hide_lo, hide_hi;
     int eval_depth; /* eval recursion: chains (a.b.c, x + y + z, |f|g) nest too */
     char *out;
     size_t out_n, out_cap;
@@ -399,10 +407,19 @@ static inline int truthy(const value *v) {
     case V_DICT: return v->u.d->n != 0;
     case V_FUNC:
     case V_MACRO: return 1;
-    case V_LOOP: return v->u.lp->items->n != 0; /* len(loop) */
+    case V_LOOP: return v->u.lp->items->n != 0; /* len(loop): see kvc__chat_truth */
     default: return 0;
     }
 }
+
+/* bool(v) for a template: bool(loop) is len(loop), which first tests the
+ * rest of a filtered loop's items, as jinja2 does (chat.c). */
+kvc_status kvc__chat_truth(ctx *c, const value *v, int *r);
+
+/* Tests a filtered loop's items until more than `want` passed or none is
+ * left (INT64_MAX: all), as jinja2's LoopContext does when loop.last or
+ * nextitem peeks ahead and when its length is needed (chat.c). */
+kvc_status kvc__chat_loop_pull(ctx *c, loop_ctx *lp, int64_t want);
 
 static inline int is_num(const value *v) {
     return v->t == V_INT || v->t == V_BOOL;

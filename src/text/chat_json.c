@@ -145,8 +145,8 @@ kvc_status kvc__chat_tojson(ctx *c, const node *n, const value *x, const args *a
     const value *seps = kvc__chat_arg(a, 2, "separators"), *sort = kvc__chat_arg(a, 3, "sort_keys");
     json_opts o;
     memset(&o, 0, sizeof o);
-    o.ascii = ascii && truthy(ascii);
-    o.sort = sort && truthy(sort);
+    if (ascii) KVC_TRY(kvc__chat_truth(c, ascii, &o.ascii));
+    if (sort) KVC_TRY(kvc__chat_truth(c, sort, &o.sort));
     if (indent && indent->t != V_NONE) {
         o.indent = 1;
         if (is_num(indent)) { /* ' ' * n: nothing for n <= 0 */

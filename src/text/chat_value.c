@@ -173,6 +173,7 @@ static kvc_status write_value(ctx *c, sbuf *b, const value *v, int repr) {
         KVC_TRY(kvc__chat_sb_put(c, b, v->u.m->def->name.p, v->u.m->def->name.n));
         return sb_cstr(c, b, "'>");
     case V_LOOP: /* jinja2's repr: <LoopContext index/length> */
+        KVC_TRY(kvc__chat_loop_pull(c, v->u.lp, INT64_MAX));
         snprintf(num, sizeof num, "%lld/%zu>", (long long)v->u.lp->index0 + 1,
                  v->u.lp->items->n);
         KVC_TRY(sb_cstr(c, b, "<LoopContext "));
@@ -438,6 +439,7 @@ kvc_status kvc__chat_iter_items(ctx *c, const node *n, const value *v, value *ou
 
 int kvc__chat_lookup(ctx *c, str name, value *out) {
     for (int f = c->n_frames - 1; f >= 0; f--) {
+        if (f >= c->hide_lo && f < c->hide_hi) continue; /* a loop's body, from its filter */
         if (f < c->scope_floor && f >= c->def_depth) { /* in a macro: skip to its definer's */
             f = c->def_depth;
             continue;
