@@ -596,7 +596,13 @@ class Gen:
                                        self.expr(2, "list")])
             self.loops.append(("i", "int" if it.startswith("range") else "any"))
         cond = " if " + self.expr(2, "bool") if self.chance(0.2) else ""
-        out = self.tag("for %s in %s%s" % (head, it, cond)) + self.block(d - 1)
+        bump = ""
+        if cond and self.ns and self.chance(0.5):  # a counter the body moves: tested lazily
+            ns = self.pick(self.ns)
+            cond = " if %s.count %s %s" % (ns, self.pick(["<", "<=", ">", "!="]),
+                                           self.r.randint(0, 3))
+            bump = self.tag("set %s.count = %s.count + 1" % (ns, ns))
+        out = self.tag("for %s in %s%s" % (head, it, cond)) + bump + self.block(d - 1)
         if self.chance(0.25):
             out += self.tag("else") + self.block(d - 1)
         self.loops, self.vars = saved
