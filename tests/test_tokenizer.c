@@ -630,6 +630,14 @@ TEST(chat_differential_regressions) {
         {"{% for x in [1, 0] if 1 // x %}{{ x }}{% break %}{% endfor %}", "1"},
         {"{% set ns = namespace(l=none) %}{% for x in [1, 2] if ns.l is none or ns.l.last %}"
          "{% set ns.l = loop %}{% endfor %}", NULL}, /* the generator is already executing */
+        /* attribute= of map, selectattr, join found items only, not attributes */
+        {"{% for x in [1, 2] %}{{ [loop] | map(attribute='index') | list }}"
+         "{{ [loop] | selectattr('last') | list | length }}{% endfor %}"
+         "{{ [{'a': 1}] | map(attribute='items') | first is defined }}"
+         "{{ [{}] | map(attribute='pop') | first is defined }}"
+         "{{ [{'items': 1}, [5]] | map(attribute='items') | list }}"
+         "{{ [{'a': [5, 6]}] | join(attribute='a.1') }}",
+         "[1]0[2]1TrueFalse[1, Undefined]6"},
         /* dict views printed as lists */
         {"{% set d = {'a': 1, 'b': 'x'} %}{{ d.keys() }} {{ [d.values()] }} {{ d.items() | string }}"
          " {{ {}.keys() }} {{ d.items() | list }} {{ d.values() | length }} {{ 'b' in d.keys() }}",

@@ -762,6 +762,14 @@ DIFFERENTIAL_REGRESSIONS = [
     "{% set ns.l = loop %}{% endfor %}",
     "{% set ns = namespace(l=none) %}{% for x in [1, 2, 3] if x %}{% set ns.l = loop %}"
     "{{ loop.last }}{% break %}{% endfor %}{{ ns.l.last }}{{ ns.l.nextitem }}{{ ns.l.index }}",
+    # attribute= of map, selectattr, rejectattr and join: jinja2's getitem, the item and
+    # else the attribute (attributes were undefined)
+    "{% for x in [1, 2] %}{{ [loop]|map(attribute='index')|list }}"
+    "{{ [loop]|selectattr('last')|list|length }}{% endfor %}{{ ['ab']|map(attribute='upper')|list|length }}"
+    "{{ [{'a': 1}]|map(attribute='items')|first is defined }}{{ [{}]|map(attribute='pop')|first is defined }}"
+    "{{ [{'items': 1}]|map(attribute='items')|list }}{{ [{'0': 'z'}, [4], 'xy']|map(attribute='0')|list }}"
+    "{{ [range(3)]|map(attribute='stop')|list }}{{ [none, 1]|map(attribute='x', default='d')|list }}"
+    "{{ [{'a': {'b': 1}}]|rejectattr('a.b')|list }}{{ [{'a': [5, 6]}]|join(attribute='a.1') }}",
     # a namespace equals only itself (was compared as a dict); it is hashable
     "{{ namespace(a=1) == namespace(a=1) }} {% set n = namespace(a=1) %}{{ n == n }} {{ n in [n] }}"
     " {{ [n] == [namespace(a=1)] }} {{ n != namespace(a=1) }} {{ n == {'a': 1} }} {{ n in {} }}",

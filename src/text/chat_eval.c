@@ -115,7 +115,8 @@ static int py_attr(const value *obj, str name, value *out) {
 
 /* Python indexing: list/str by (possibly negative) int, dict by key; a
  * string key that is no item is looked up as an attribute, as jinja2 does. */
-static kvc_status get_item(ctx *c, const node *n, const value *obj, const value *key, value *out) {
+kvc_status kvc__chat_get_item(ctx *c, const node *n, const value *obj, const value *key,
+                              value *out) {
     *out = v_undef();
     if (obj->t == V_UNDEF) return kvc__chat_undefined_error(n->a);
     if (obj->t == V_DICT) {
@@ -644,7 +645,7 @@ static kvc_status eval_node(ctx *c, const node *n, value *out) {
     case E_INDEX:
         KVC_TRY(kvc__chat_eval(c, n->a, &a));
         KVC_TRY(kvc__chat_eval(c, n->b, &b));
-        return get_item(c, n, &a, &b, out);
+        return kvc__chat_get_item(c, n, &a, &b, out);
     case E_SLICE: return eval_slice(c, n, out);
     case E_CALL: return eval_call(c, n, out);
     case E_FILTER: return kvc__chat_eval_filter(c, n, out);

@@ -205,7 +205,8 @@ static kvc_status apply_test(ctx *c, const node *n, str t, const value *x, const
                              int *r);
 
 /* jinja2's attribute getter for selectattr / rejectattr / map(attribute=):
- * dotted parts, the all-digit ones as integer indexes. */
+ * dotted parts, the all-digit ones as integer indexes, each looked up as
+ * jinja2's getitem does (the item, else the attribute: loop.index, d.items). */
 static kvc_status get_path(ctx *c, const node *n, const value *item, str path, value *out) {
     value v = *item;
     KVC_TRY(charge(c, path.n));
@@ -220,18 +221,9 @@ static kvc_status get_path(ctx *c, const node *n, const value *item, str path, v
             idx = idx * 10 + (part.p[k] - '0');
         }
         if (v.t == V_UNDEF) return kvc__chat_undefined_error(n);
-        if (v.t == V_DICT) {
-            value *hit = kvc__chat_dict_find(v.u.d, part);
-            v = hit ? *hit : v_undef();
-        } else if (digits && v.t == V_LIST && v.u.l->kind <= L_RANGE) {
-            v = idx < (int64_t)v.u.l->n ? v.u.l->items[idx] : v_undef();
-        } else if (digits && v.t == V_STR) {
-            value chars;
-            KVC_TRY(kvc__chat_str_chars(c, v.u.s, &chars));
-            v = idx < (int64_t)chars.u.l->n ? chars.u.l->items[idx] : v_undef();
-        } else {
-            v = v_undef();
-        }
+        value key = digits ? v_int(idx) : v_str(part.p, part.n), next;
+        KVC_TRY(kvc__chat_get_item(c, n, &v, &key, &next));
+        v = next;
         i = j + 1;
     }
     *out = v;

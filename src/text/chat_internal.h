@@ -511,6 +511,11 @@ kvc_status kvc__chat_want_str(const node *n, const value *v, const char *what, s
 /* "'name' is undefined" for a name node, else "an undefined value is used". */
 kvc_status kvc__chat_undefined_error(const node *n);
 
+/* jinja2's getitem, obj[key] (n->a the object's node): a list's or string's item by
+ * int, a dict's by key, else the Python attribute named key (as for d.items). */
+kvc_status kvc__chat_get_item(ctx *c, const node *n, const value *obj, const value *key,
+                              value *out);
+
 /* Python's `x in coll` into *r. */
 kvc_status kvc__chat_contains(ctx *c, const node *n, const value *x, const value *coll, int *r);
 
