@@ -229,7 +229,26 @@ def get_seq_lens(kv_indptr, kv_last_page_len, page_size) -> np.ndarray:
     return out
 
 
-def get_batch_indices_positions(append_indptr, seq_lens, nnz):
+def _index_out(buf, name: str, nnz: int):
+    """A caller's output buffer for get_batch_indices_positions: an int32
+    numpy array of shape (nnz,), writeable (FlashInfer checks shape, dtype
+    and device the same way)."""
+    if buf is None:
+        return None
+    if not isinstance(buf, np.ndarray):
+        raise InvalidArgumentError(f"get_batch_indices_positions: {name} must be a numpy "
+                                   f"array (int32, ({nnz},)) or None, got "
+                                   f"{type(buf).__name__}")
+    if buf.dtype != np.int32 or buf.shape != (nnz,):
+        raise InvalidArgumentError(f"get_batch_indices_positions: {name} is {buf.dtype} "
+                                   f"{buf.shape}; this call writes int32 ({nnz},)")
+    if not buf.flags.writeable:
+        raise InvalidArgumentError(f"get_batch_indices_positions: {name} is read-only")
+    return buf
+
+
+def get_batch_indices_positions(append_indptr, seq_lens, nnz, batch_indices=None,
+                                positions=None):
     """Maps the rows of a ragged append to (request, position).
 
     Args:
@@ -239,6 +258,9 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz):
         seq_lens: (B) ints, each request's length *including* the appended
             tokens (so ``append_indptr[b+1] - append_indptr[b] <= seq_lens[b]``).
         nnz: int, the number of rows, ``append_indptr[B]``.
+        batch_indices, positions: optional pre-allocated outputs
+            (FlashInfer's), writeable int32 numpy arrays of shape (nnz,);
+            written (only when the call succeeds) and returned.
 
     Returns:
         (batch_indices, positions), int32 (nnz) each: for row j of request b,
@@ -259,12 +281,23 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz):
     if n != total:
         raise InvalidArgumentError(
             f"get_batch_indices_positions: nnz = {n} but append_indptr[B] = {total}")
-    batch_indices = np.empty(n, np.int32)
-    positions = np.empty(n, np.int32)
-    ts = [_lib.make_tensor(a) for a in (indptr, lens, batch_indices, positions)]
+    out_bi = _index_out(batch_indices, "batch_indices", n)
+    out_pos = _index_out(positions, "positions", n)
+    if out_bi is not None and out_pos is not None and np.shares_memory(out_bi, out_pos):
+        raise InvalidArgumentError("get_batch_indices_positions: batch_indices and positions "
+                                   "must not share memory")
+    bi = np.empty(n, np.int32)
+    pos = np.empty(n, np.int32)
+    ts = [_lib.make_tensor(a) for a in (indptr, lens, bi, pos)]
     _lib.check(_lib.kvc_get_batch_indices_positions(
         ctypes.byref(ts[0]), ctypes.byref(ts[1]), n, ctypes.byref(ts[2]), ctypes.byref(ts[3])))
-    return batch_indices, positions
+    if out_bi is not None:
+        np.copyto(out_bi, bi)
+        bi = out_bi
+    if out_pos is not None:
+        np.copyto(out_pos, pos)
+        pos = out_pos
+    return bi, pos
 
 
 # ---------------------------------------------------------------------------

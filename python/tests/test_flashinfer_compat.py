@@ -527,3 +527,37 @@ def test_error_messages_name_the_problem(rng):
         w.run(q, unpacked, kv_scale=scale)
     with pytest.raises(kvcache.InvalidArgumentError, match=r"kv_data_type int4 \(uint8\)"):
         w.run(q, np.zeros((2, 2, ps, h, dh), np.int8), kv_scale=scale)
+
+
+def test_get_batch_indices_positions_out_buffers():
+    """flashinfer.get_batch_indices_positions(append_indptr, seq_lens, nnz,
+    batch_indices=None, positions=None): pre-allocated int32 (nnz,) outputs
+    are written and returned; wrong ones are refused before anything is
+    written."""
+    bi_buf = np.full(10, 99, np.int32)
+    pos_buf = np.full(10, 99, np.int32)
+    bi, pos = kvcache.get_batch_indices_positions([0, 1, 3, 6, 10], [5, 5, 5, 5], 10,
+                                                  bi_buf, pos_buf)
+    assert bi is bi_buf and pos is pos_buf
+    assert bi.tolist() == [0, 1, 1, 2, 2, 2, 3, 3, 3, 3]
+    assert pos.tolist() == [4, 3, 4, 2, 3, 4, 1, 2, 3, 4]
+    only = np.zeros(10, np.int32)
+    bi, pos = kvcache.get_batch_indices_positions([0, 1, 3, 6, 10], [5, 5, 5, 5], 10,
+                                                  positions=only)
+    assert pos is only and pos.tolist() == [4, 3, 4, 2, 3, 4, 1, 2, 3, 4]
+    assert bi.tolist() == [0, 1, 1, 2, 2, 2, 3, 3, 3, 3]
+    ro = np.zeros(10, np.int32)
+    ro.flags.writeable = False
+    for bad in ({"batch_indices": np.zeros(10, np.int64)}, {"positions": np.zeros(9, np.int32)},
+                {"positions": [0] * 10}, {"batch_indices": ro},
+                {"batch_indices": bi_buf, "positions": bi_buf}):
+        keep = {k: np.array(v) for k, v in bad.items() if isinstance(v, np.ndarray)}
+        with pytest.raises(kvcache.InvalidArgumentError):
+            kvcache.get_batch_indices_positions([0, 1, 3, 6, 10], [5, 5, 5, 5], 10, **bad)
+        for k, v in keep.items():
+            np.testing.assert_array_equal(bad[k], v)
+    # a failing call (bad seq_lens) leaves the buffers untouched
+    bi_buf[:] = 7
+    with pytest.raises(kvcache.InvalidArgumentError):
+        kvcache.get_batch_indices_positions([0, 1, 3, 6, 10], [5, 5, 5, 2], 10, bi_buf)
+    assert (bi_buf == 7).all()
