@@ -9,7 +9,10 @@ Paged cache forms (index 0 of the ``2`` axis is K, 1 is V):
 - ``kv_layout="NHD"``: one array ``(max_pages, 2, page_size, H, Dh)`` or a
   tuple ``(k_cache, v_cache)`` of ``(max_pages, page_size, H, Dh)`` arrays;
 - ``kv_layout="HND"``: ``(max_pages, 2, H, page_size, Dh)`` or a tuple of
-  ``(max_pages, H, page_size, Dh)``.
+  ``(max_pages, H, page_size, Dh)``;
+- with ``page_size`` 1 the page axis may be left out, as FlashInfer allows:
+  ``(max_pages, 2, H, Dh)`` or a tuple of ``(max_pages, H, Dh)`` (either
+  layout; int8/int4 scales likewise).
 
 Storage dtypes: float32, float16, ``ml_dtypes.bfloat16`` (inputs converted,
 round to nearest even), int8, and int4 given as a **uint8** array whose last
@@ -117,6 +120,18 @@ def _flags_ok(a, writable: bool) -> bool:
     return f.aligned and (not writable or f.writeable)
 
 
+def _unsqueeze_page(x, layout, ndim: int):
+    """FlashInfer's _expand_5d / _expand_4d: with page_size 1 the page axis
+    may be left out, a combined cache (max_pages, 2, H, Dh) or a K/V array
+    (max_pages, H, Dh) (any layout). x itself unless it is a numpy array
+    with ndim - 1 dimensions; then a view with the size-1 page axis put back
+    where the layout has it (NHD: before H, HND: after H), so writes reach
+    x."""
+    if isinstance(x, np.ndarray) and x.ndim == ndim - 1:
+        return np.expand_dims(x, -3 if layout == _lib.KVC_NHD else -2)
+    return x
+
+
 def _paged_cache(paged_kv_cache, kv_scale, layout, quant_group, quantizing,
                  writable: bool = True):
     """kvc_paged_cache for the cache/scale arguments of append_paged_kv_cache,
@@ -124,7 +139,18 @@ def _paged_cache(paged_kv_cache, kv_scale, layout, quant_group, quantizing,
     kvc_kv_layout code (_layout_code); quant_group: checked by int32_attr;
     quantizing: the inputs are floats (so an int8/int4 cache needs scales);
     writable False for readers (attention), which accept read-only arrays.
-    A reader gets a PagedCache it must not modify (C takes it as const)."""
+    A reader gets a PagedCache it must not modify (C takes it as const).
+    Page size 1 caches (and scales) may leave the page axis out, as
+    FlashInfer allows (_unsqueeze_page)."""
+    if isinstance(paged_kv_cache, np.ndarray):
+        if paged_kv_cache.ndim == 4:
+            paged_kv_cache = _unsqueeze_page(paged_kv_cache, layout, 5)
+            kv_scale = _unsqueeze_page(kv_scale, layout, 5)
+    elif _is_pair(paged_kv_cache) and len(paged_kv_cache) == 2 and any(
+            isinstance(a, np.ndarray) and a.ndim == 3 for a in paged_kv_cache):
+        paged_kv_cache = tuple(_unsqueeze_page(a, layout, 4) for a in paged_kv_cache)
+        if _is_pair(kv_scale) and len(kv_scale) == 2:
+            kv_scale = tuple(_unsqueeze_page(a, layout, 4) for a in kv_scale)
     key = None
     if isinstance(paged_kv_cache, np.ndarray) and (
             kv_scale is None or isinstance(kv_scale, np.ndarray)):

@@ -561,3 +561,65 @@ def test_get_batch_indices_positions_out_buffers():
     with pytest.raises(kvcache.InvalidArgumentError):
         kvcache.get_batch_indices_positions([0, 1, 3, 6, 10], [5, 5, 5, 2], 10, bi_buf)
     assert (bi_buf == 7).all()
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_page_size_one_squeezed_cache(rng, layout, dtype):
+    """FlashInfer's _expand_5d / _expand_4d: with page_size 1 a paged cache
+    may leave the page axis out ((max_pages, 2, H, Dh) combined, (max_pages,
+    H, Dh) per K/V; scales likewise). Appends write through to the caller's
+    array and every paged run gives what the 5-D form gives."""
+    h, hq, dh, n_pages, group = 2, 4, 32, 7, 8
+    lens = [3, 4]
+    indptr = np.array([0, 3, 7], np.int32)
+    indices = rng.permutation(n_pages).astype(np.int32)
+    last = np.ones(2, np.int32)
+    k = rng.standard_normal((7, h, dh)).astype(F32)
+    v = rng.standard_normal((7, h, dh)).astype(F32)
+    bi, pos = kvcache.get_batch_indices_positions([0, 3, 7], lens, 7)
+    cdt = np.int8 if dtype == "int8" else F32
+    squeezed = np.zeros((n_pages, 2, h, dh), cdt)
+    scale = np.zeros((n_pages, 2, h, dh // group), F32) if dtype == "int8" else None
+    kw = {"kv_scale": scale, "quant_group": group} if dtype == "int8" else {}
+    kvcache.append_paged_kv_cache(k, v, bi, pos, squeezed, indices, indptr, last, layout, **kw)
+    full_shape = (n_pages, 2, 1, h, dh) if layout == "NHD" else (n_pages, 2, h, 1, dh)
+    full = np.zeros(full_shape, cdt)
+    full_scale = None if scale is None else np.zeros(full_shape[:-1] + (dh // group,), F32)
+    kw5 = {"kv_scale": full_scale, "quant_group": group} if dtype == "int8" else {}
+    kvcache.append_paged_kv_cache(k, v, bi, pos, full, indices, indptr, last, layout, **kw5)
+    np.testing.assert_array_equal(squeezed, full.reshape(squeezed.shape))
+    if scale is not None:
+        np.testing.assert_array_equal(scale, full_scale.reshape(scale.shape))
+    pair = (squeezed[:, 0], squeezed[:, 1])
+    pair_scale = None if scale is None else (scale[:, 0], scale[:, 1])
+    runs = {"kv_scale": scale} if scale is not None else {}
+    runs_pair = {"kv_scale": pair_scale} if scale is not None else {}
+    runs5 = {"kv_scale": full_scale} if scale is not None else {}
+    plan_kw = {"quant_group": group} if dtype == "int8" else {}
+
+    q = rng.standard_normal((2, hq, dh)).astype(F32)
+    dec = kvcache.BatchDecodeWithPagedKVCacheWrapper(None, layout)
+    dec.plan(indptr, indices, last, hq, h, dh, 1, **plan_kw)
+    want = dec.run(q, full, **runs5)
+    np.testing.assert_array_equal(dec.run(q, squeezed, **runs), want)
+    np.testing.assert_array_equal(dec.run(q, pair, **runs_pair), want)
+
+    qp = rng.standard_normal((5, hq, dh)).astype(F32)
+    qo = np.array([0, 2, 5], np.int32)
+    pre = kvcache.BatchPrefillWithPagedKVCacheWrapper(None, layout)
+    pre.plan(qo, indptr, indices, last, hq, h, dh, 1, causal=True, **plan_kw)
+    want = pre.run(qp, full, **runs5)
+    np.testing.assert_array_equal(pre.run(qp, squeezed, **runs), want)
+    np.testing.assert_array_equal(pre.run(qp, pair, **runs_pair), want)
+
+    cas = kvcache.MultiLevelCascadeAttentionWrapper(2, None, layout)
+    cas.plan([np.array([0, 5], np.int32), qo], [np.array([0, 1], np.int32), indptr],
+             [indices[:1], indices], [np.ones(1, np.int32), last], hq, h, dh, 1, True,
+             **plan_kw)
+    want = cas.run(qp, full, **runs5)
+    np.testing.assert_array_equal(cas.run(qp, squeezed, **runs), want)
+    # a squeezed cache is page_size 1: a plan for another page size refuses it
+    dec.plan(np.array([0, 1, 2], np.int32), indices[:2], last, hq, h, dh, 4, **plan_kw)
+    with pytest.raises(kvcache.InvalidArgumentError):
+        dec.run(q, squeezed, **runs)
