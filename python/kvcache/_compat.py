@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import math
 import numbers
+import warnings
 
 import numpy as np
 
@@ -149,6 +150,36 @@ def no_jit(jit_args=None, jit_kwargs=None) -> None:
     variants) have no CPU meaning: None only."""
     neutral("jit_args", jit_args, (None,))
     neutral("jit_kwargs", jit_kwargs, (None,))
+
+
+def legacy_positional(api: str, args, names, kwargs) -> dict:
+    """FlashInfer's deprecated positional plan() options: args named in the
+    order of names and merged into kwargs, with a DeprecationWarning; too
+    many, or one also given by keyword, is a TypeError (as in FlashInfer)."""
+    if len(args) > len(names):
+        raise TypeError(f"{api}.plan() accepts at most {len(names)} deprecated optional "
+                        f"positional arguments after page_size; got {len(args)}")
+    merged = dict(kwargs)
+    for name, value in zip(names, args):
+        if name in merged:
+            raise TypeError(f"{api}.plan() got multiple values for argument {name!r}")
+        merged[name] = value
+    warnings.warn(f"Passing optional arguments to {api}.plan() positionally is deprecated "
+                  f"(as in FlashInfer); pass them as keyword arguments instead.",
+                  DeprecationWarning, stacklevel=4)
+    return merged
+
+
+def no_variant_inputs(**kwargs) -> None:
+    """FlashInfer plan() inputs of kernel variants kvcache does not have
+    (multi-item scoring: prefix_len_ptr, token_pos_in_items_ptr,
+    token_pos_in_items_len, max_item_len_ptr) and of its trtllm-gen / cudnn
+    backends (seq_lens, seq_lens_q, block_tables, max_token_per_sequence,
+    max_sequence_kv, v_indptr, o_indptr): accepted at their defaults (None;
+    0 for token_pos_in_items_len) only, refused otherwise rather than
+    ignored."""
+    for name, value in kwargs.items():
+        neutral(name, value, (0,) if name == "token_pos_in_items_len" else (None,))
 
 
 def neutral(name: str, value, allowed) -> None:

@@ -396,6 +396,15 @@ def _data_type(x, name: str, allow_quant: bool):
     return dt
 
 
+#: FlashInfer's BatchDecodeWithPagedKVCacheWrapper.plan: the options it still
+#: takes positionally after page_size (deprecated), in that order.
+_DECODE_PLAN_LEGACY_POS_ARGS = (
+    "pos_encoding_mode", "window_left", "logits_soft_cap", "q_data_type", "kv_data_type",
+    "o_data_type", "data_type", "sm_scale", "rope_scale", "rope_theta", "non_blocking",
+    "block_tables", "seq_lens", "fixed_split_size", "disable_split_kv", "q_len_per_req",
+)
+
+
 class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
     """Batched decode (one query token per request) over a paged cache
     (flashinfer.BatchDecodeWithPagedKVCacheWrapper).
@@ -439,12 +448,15 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
 
     @_lib.locked
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-             page_size, *, pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None,
-             q_data_type=None, kv_data_type=None, o_data_type=None, data_type=None,
-             sm_scale=None, rope_scale=None, rope_theta=None, non_blocking=True,
-             fixed_split_size=None, disable_split_kv=False, q_len_per_req=1,
-             window_right=0, block_tables=None, seq_lens=None, quant_group=8) -> None:
+             page_size, *deprecated_positional_args, **kwargs) -> None:
         """Plans decode for one batch composition.
+
+        The options after page_size are keyword arguments. As in FlashInfer,
+        up to 16 may still be given positionally, in its legacy order
+        (pos_encoding_mode, window_left, logits_soft_cap, q_data_type,
+        kv_data_type, o_data_type, data_type, sm_scale, rope_scale,
+        rope_theta, non_blocking, block_tables, seq_lens, fixed_split_size,
+        disable_split_kv, q_len_per_req), with a DeprecationWarning.
 
         Args:
             indptr (B+1), indices (indptr[B]), last_page_len (B): the CSR page
@@ -478,6 +490,20 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
             block_tables, seq_lens: the page table as FlashInfer's trtllm-gen
                 backend takes it; None only (give indptr/indices/last_page_len).
         """
+        if deprecated_positional_args:
+            kwargs = _compat.legacy_positional(
+                "BatchDecodeWithPagedKVCacheWrapper", deprecated_positional_args,
+                _DECODE_PLAN_LEGACY_POS_ARGS, kwargs)
+        self._plan_impl(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+                        page_size, **kwargs)
+
+    def _plan_impl(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
+                   head_dim, page_size, *, pos_encoding_mode="NONE", window_left=-1,
+                   logits_soft_cap=None, q_data_type=None, kv_data_type=None,
+                   o_data_type=None, data_type=None, sm_scale=None, rope_scale=None,
+                   rope_theta=None, non_blocking=True, fixed_split_size=None,
+                   disable_split_kv=False, q_len_per_req=1, window_right=0, block_tables=None,
+                   seq_lens=None, quant_group=8) -> None:
         _compat.neutral("pos_encoding_mode", pos_encoding_mode, ("NONE", None))
         _compat.neutral("q_len_per_req", q_len_per_req, (1, None))
         _compat.neutral("block_tables", block_tables, (None,))

@@ -100,11 +100,12 @@ class MultiLevelCascadeAttentionWrapper(_lib.NoCopy):
     @_lib.locked
     def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
              paged_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-             causal=False, *, pos_encoding_mode="NONE", use_fp16_qk_reduction=False,
+             causal=False, pos_encoding_mode="NONE", use_fp16_qk_reduction=False,
              sm_scale=None, window_left=-1, logits_soft_cap=None, rope_scale=None,
-             rope_theta=None, q_data_type=None, kv_data_type=None, o_data_type=None,
+             rope_theta=None, q_data_type=None, kv_data_type=None, *, o_data_type=None,
              quant_group=8) -> None:
-        """Plans every level for one batch composition.
+        """Plans every level for one batch composition (FlashInfer's
+        arguments in its order; o_data_type and quant_group by keyword).
 
         Args:
             qo_indptr_arr: num_levels arrays (B_l + 1): level l's requests'
@@ -190,6 +191,9 @@ class MultiLevelCascadeAttentionWrapper(_lib.NoCopy):
                      (self._plan, br(q_t), br(pc), br(params), br(o_t), _ref(lse_t)))
         del keep
         return outs.result(return_lse)
+
+    #: FlashInfer's alias of run.
+    forward = run
 
     def _free_plan(self) -> None:
         if self._plan is not None:

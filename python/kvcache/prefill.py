@@ -395,12 +395,16 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
     @_lib.locked
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, head_dim_vo=None,
-             custom_mask=None, packed_custom_mask=None, causal=False, *,
+             custom_mask=None, packed_custom_mask=None, causal=False,
              pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None,
              window_left=-1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
              q_data_type=None, kv_data_type=None, o_data_type=None, non_blocking=True,
-             fixed_split_size=None, disable_split_kv=False, quant_group=8) -> None:
-        """Plans prefill for one batch composition.
+             prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len=0,
+             max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None,
+             max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None,
+             disable_split_kv=False, *, quant_group=8) -> None:
+        """Plans prefill for one batch composition (FlashInfer's arguments in
+        its order, so positional calls mean the same).
 
         Args:
             qo_indptr (B+1): request b's query rows are
@@ -425,9 +429,19 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             non_blocking, fixed_split_size, disable_split_kv: checked and
                 ignored (no device copies; the split of a request depends on
                 its length alone, so results are batch-invariant anyway).
+            prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len,
+                max_item_len_ptr (multi-item scoring), seq_lens, seq_lens_q,
+                block_tables, max_token_per_sequence, max_sequence_kv
+                (FlashInfer's trtllm-gen/cudnn forms of the page table):
+                None (and 0) only.
             quant_group: int8/int4 caches: group size of the scales.
         """
         _compat.host_options(non_blocking, fixed_split_size, disable_split_kv)
+        _compat.no_variant_inputs(
+            prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
+            token_pos_in_items_len=token_pos_in_items_len, max_item_len_ptr=max_item_len_ptr,
+            seq_lens=seq_lens, seq_lens_q=seq_lens_q, block_tables=block_tables,
+            max_token_per_sequence=max_token_per_sequence, max_sequence_kv=max_sequence_kv)
         info, heads, qo, custom, packed = self._plan_common(
             qo_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, custom_mask,
             packed_custom_mask, causal, pos_encoding_mode, use_fp16_qk_reduction, sm_scale,
@@ -542,19 +556,32 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
 
     @_lib.locked
     def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk,
-             head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False, *,
-             pos_encoding_mode="NONE", use_fp16_qk_reduction=False, sm_scale=None,
-             window_left=-1, logits_soft_cap=None, rope_scale=None, rope_theta=None,
+             head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False,
+             pos_encoding_mode="NONE", use_fp16_qk_reduction=False, window_left=-1,
+             logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None,
              q_data_type=None, kv_data_type=None, o_data_type=None, non_blocking=True,
-             fixed_split_size=None, disable_split_kv=False, quant_group=8) -> None:
-        """Plans prefill for one batch composition.
+             prefix_len_ptr=None, token_pos_in_items_ptr=None, token_pos_in_items_len=0,
+             max_item_len_ptr=None, fixed_split_size=None, disable_split_kv=False,
+             seq_lens=None, seq_lens_q=None, max_token_per_sequence=None,
+             max_sequence_kv=None, v_indptr=None, o_indptr=None, *, quant_group=8) -> None:
+        """Plans prefill for one batch composition (FlashInfer's arguments in
+        its order, which differs from the paged wrapper's: window_left,
+        logits_soft_cap, then sm_scale).
 
         Args:
             qo_indptr (B+1), kv_indptr (B+1): query rows and key rows of each
                 request (both start at 0, non-decreasing; validated).
+            v_indptr, o_indptr: FlashInfer's cudnn-only separate V / output
+                offsets; None only.
             Others: as BatchPrefillWithPagedKVCacheWrapper.plan.
         """
         _compat.host_options(non_blocking, fixed_split_size, disable_split_kv)
+        _compat.no_variant_inputs(
+            prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
+            token_pos_in_items_len=token_pos_in_items_len, max_item_len_ptr=max_item_len_ptr,
+            seq_lens=seq_lens, seq_lens_q=seq_lens_q,
+            max_token_per_sequence=max_token_per_sequence, max_sequence_kv=max_sequence_kv,
+            v_indptr=v_indptr, o_indptr=o_indptr)
         info, heads, qo, custom, packed = self._plan_common(
             qo_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, custom_mask,
             packed_custom_mask, causal, pos_encoding_mode, use_fp16_qk_reduction, sm_scale,

@@ -623,3 +623,79 @@ def test_page_size_one_squeezed_cache(rng, layout, dtype):
     dec.plan(np.array([0, 1, 2], np.int32), indices[:2], last, hq, h, dh, 4, **plan_kw)
     with pytest.raises(kvcache.InvalidArgumentError):
         dec.run(q, squeezed, **runs)
+
+
+def test_plan_positional_order(rng):
+    """The wrappers' plan() options in FlashInfer's positional order (the
+    paged and ragged prefill wrappers order sm_scale / window_left /
+    logits_soft_cap differently); decode's legacy positional options warn
+    as FlashInfer's do; the cascade wrapper has FlashInfer's forward alias."""
+    h, hq, dh, ps = 2, 4, 32, 4
+    cache, indptr, indices, last, kv = _paged(rng, [9, 6], ps, h, dh)
+    qo = np.array([0, 3, 5], np.int32)
+    q = rng.standard_normal((5, hq, dh)).astype(F32)
+    knobs = dict(causal=True, sm_scale=0.3, window_left=2, logits_soft_cap=5.0)
+
+    paged = kvcache.BatchPrefillWithPagedKVCacheWrapper(None, "NHD")
+    paged.plan(qo, indptr, indices, last, hq, h, dh, ps, **knobs)
+    want = paged.run(q, cache)
+    # head_dim_vo, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
+    # use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, rope_scale,
+    # rope_theta, q_data_type, kv_data_type, o_data_type, non_blocking
+    paged.plan(qo, indptr, indices, last, hq, h, dh, ps, None, None, None, True, "NONE", False,
+               0.3, 2, 5.0, None, None, "float32", "float32", "float32", True)
+    np.testing.assert_array_equal(paged.run(q, cache), want)
+
+    k = np.concatenate([a for a, _ in kv])
+    v = np.concatenate([b for _, b in kv])
+    kvp = np.array([0, 9, 15], np.int32)
+    ragged = kvcache.BatchPrefillWithRaggedKVCacheWrapper(None, "NHD")
+    ragged.plan(qo, kvp, hq, h, dh, **knobs)
+    want_r = ragged.run(q, k, v)
+    np.testing.assert_array_equal(want_r, want)
+    # ..., causal, pos_encoding_mode, use_fp16_qk_reduction, window_left,
+    # logits_soft_cap, sm_scale, rope_scale, rope_theta, q/kv/o_data_type
+    ragged.plan(qo, kvp, hq, h, dh, None, None, None, True, "NONE", False, 2, 5.0, 0.3, None,
+                None, "float32", "float32", "float32")
+    np.testing.assert_array_equal(ragged.run(q, k, v), want_r)
+
+    # kernel-variant / other-backend inputs are refused, not ignored
+    for name in ("prefix_len_ptr", "seq_lens", "block_tables", "max_sequence_kv",
+                 "token_pos_in_items_len"):
+        with pytest.raises(kvcache.UnsupportedError, match=name):
+            paged.plan(qo, indptr, indices, last, hq, h, dh, ps, **{name: 3})
+    for name in ("v_indptr", "o_indptr", "seq_lens_q", "max_item_len_ptr"):
+        with pytest.raises(kvcache.UnsupportedError, match=name):
+            ragged.plan(qo, kvp, hq, h, dh, **{name: kvp})
+
+    top = np.array([0, 5], np.int32)
+    cas = kvcache.MultiLevelCascadeAttentionWrapper(2, None, "NHD")
+    levels = ([top, qo], [np.array([0, 0], np.int32), indptr],
+              [np.zeros(0, np.int32), indices], [np.zeros(1, np.int32), last])
+    cas.plan(*levels, hq, h, dh, ps, True, sm_scale=0.3, window_left=2, logits_soft_cap=5.0)
+    want_c = cas.run(q, cache)
+    # causal, pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left,
+    # logits_soft_cap, rope_scale, rope_theta, q_data_type, kv_data_type
+    cas.plan(*levels, hq, h, dh, ps, True, "NONE", False, 0.3, 2, 5.0, None, None, "float32",
+             "float32")
+    np.testing.assert_array_equal(cas.forward(q, cache), want_c)
+    ar.assert_close(want_c, want, 1e-5, "cascade with an empty top level")
+
+    qd = rng.standard_normal((2, hq, dh)).astype(F32)
+    dec = kvcache.BatchDecodeWithPagedKVCacheWrapper(None, "NHD")
+    dec.plan(indptr, indices, last, hq, h, dh, ps, window_left=3, logits_soft_cap=5.0,
+             sm_scale=0.3)
+    want_d = dec.run(qd, cache)
+    # legacy order: pos_encoding_mode, window_left, logits_soft_cap, q_data_type,
+    # kv_data_type, o_data_type, data_type, sm_scale
+    with pytest.warns(DeprecationWarning, match="positionally"):
+        dec.plan(indptr, indices, last, hq, h, dh, ps, "NONE", 3, 5.0, "float32", "float32",
+                 None, None, 0.3)
+    np.testing.assert_array_equal(dec.run(qd, cache), want_d)
+    with pytest.raises(TypeError, match="multiple values"):
+        dec.plan(indptr, indices, last, hq, h, dh, ps, "NONE", 3, window_left=3)
+    with pytest.raises(TypeError, match="at most 16"):
+        dec.plan(indptr, indices, last, hq, h, dh, ps, *([None] * 17))
+    with pytest.raises(TypeError):
+        dec.plan(indptr, indices, last, hq, h, dh, ps, no_such_option=1)
+    np.testing.assert_array_equal(dec.run(qd, cache), want_d)  # failed plans changed nothing
