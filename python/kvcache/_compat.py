@@ -170,6 +170,17 @@ def legacy_positional(api: str, args, names, kwargs) -> dict:
     return merged
 
 
+def no_run_extras(**kwargs) -> None:
+    """FlashInfer run() inputs for what kvcache does not have: NVFP4 block
+    scales (kv_cache_sf), skip-softmax sparsity
+    (skip_softmax_threshold_scale_factor), an fp8 output scale (o_scale),
+    fp16 softmax / spcompress switches (use_fp16_softmax, uses_spcompress),
+    MLA fp8 scales (ckv_scale, ckv_scale_arr, kpe_scale): None (or False
+    for the switches) only, refused otherwise rather than ignored."""
+    for name, value in kwargs.items():
+        neutral(name, value, (None, False) if name.startswith("use") else (None,))
+
+
 def no_variant_inputs(**kwargs) -> None:
     """FlashInfer plan() inputs of kernel variants kvcache does not have
     (multi-item scoring: prefix_len_ptr, token_pos_in_items_ptr,

@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import warnings
 
 import numpy as np
 
@@ -549,7 +550,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
     @_lib.locked
     def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False, *, q_scale=None,
             k_scale=None, v_scale=None, out=None, lse=None, window_left=None, enable_pdl=None,
-            sinks=None):
+            sinks=None, q_len_per_req=None, skip_softmax_threshold_scale_factor=None,
+            kv_cache_sf=None):
         """Decode attention for one layer.
 
         Args:
@@ -573,11 +575,25 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
                 units, not scaled by sm_scale; -inf: none): head h's softmax
                 also counts exp(sinks[h]), which takes weight from the keys
                 and adds to the lse (then log2(2^lse + 2^(sinks[h] log2 e))).
+            q_len_per_req: FlashInfer's deprecated run() copy of the plan
+                option (a DeprecationWarning): None or 1.
+            skip_softmax_threshold_scale_factor, kv_cache_sf: FlashInfer's
+                skip-softmax sparsity and NVFP4 block scales; None only.
 
         Returns:
             o (B, num_qo_heads, head_dim) of o_data_type (None: q's dtype),
             or (o, lse (B, num_qo_heads) float32) with return_lse.
         """
+        if (q_len_per_req is not None or skip_softmax_threshold_scale_factor is not None or
+                kv_cache_sf is not None):
+            _compat.no_run_extras(
+                skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+                kv_cache_sf=kv_cache_sf)
+            if q_len_per_req is not None:
+                warnings.warn("Passing q_len_per_req to BatchDecodeWithPagedKVCacheWrapper.run() "
+                              "is deprecated (as in FlashInfer); pass it to plan() instead.",
+                              DeprecationWarning, stacklevel=3)
+                _compat.neutral("q_len_per_req", q_len_per_req, (1,))
         if self._kvfmt is not None:
             return self._run_compressed(q, paged_kv_cache, return_lse, kv_scale, q_scale,
                                         k_scale, v_scale, out, lse, window_left, sinks)

@@ -155,7 +155,8 @@ class BatchMLAPagedAttentionWrapper(_lib.NoCopy):
 
     @_lib.locked
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False,
-            profiler_buffer=None, kv_len=None, page_table=None, return_lse_base_on_e=False):
+            profiler_buffer=None, kv_len=None, page_table=None, return_lse_base_on_e=False,
+            o_scale=None, *, ckv_scale=None, ckv_scale_arr=None, kpe_scale=None):
         """MLA attention for one layer.
 
         Args:
@@ -171,6 +172,9 @@ class BatchMLAPagedAttentionWrapper(_lib.NoCopy):
             profiler_buffer, kv_len, page_table: FlashInfer backend-specific
                 inputs; must be None.
             return_lse_base_on_e: lse in natural log instead of base 2.
+            o_scale (FlashInfer's cutlass fp8 output scale), ckv_scale,
+                ckv_scale_arr, kpe_scale (its fp8 cache scales): None only
+                (FlashInfer too refuses them for a 16-bit cache).
 
         Returns:
             out, or (out, lse (N, num_heads) float32) with return_lse.
@@ -182,6 +186,10 @@ class BatchMLAPagedAttentionWrapper(_lib.NoCopy):
             if v is not None:
                 raise UnsupportedError(f"BatchMLAPagedAttentionWrapper.run: {n} is not "
                                        f"supported (the plan holds the page table)")
+        if (o_scale is not None or ckv_scale is not None or ckv_scale_arr is not None or
+                kpe_scale is not None):
+            _compat.no_run_extras(o_scale=o_scale, ckv_scale=ckv_scale,
+                                  ckv_scale_arr=ckv_scale_arr, kpe_scale=kpe_scale)
         info = self._info
         return_lse = _lib.flag(return_lse, "return_lse")
         _lib.flag(return_lse_base_on_e, "return_lse_base_on_e")

@@ -465,7 +465,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
     @_lib.locked
     def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False, *, q_scale=None,
             k_scale=None, v_scale=None, out=None, lse=None, window_left=None, enable_pdl=None,
-            sinks=None):
+            sinks=None, kv_cache_sf=None, skip_softmax_threshold_scale_factor=None,
+            use_fp16_softmax=None, uses_spcompress=None):
         """Prefill attention for one layer.
 
         Args:
@@ -487,11 +488,21 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             window_left: None or the planned value; enable_pdl: ignored.
             sinks: as BatchDecodeWithPagedKVCacheWrapper.run: None or
                 (num_qo_heads,) attention-sink logits.
+            kv_cache_sf, skip_softmax_threshold_scale_factor: FlashInfer's
+                NVFP4 block scales and skip-softmax sparsity, None only;
+                use_fp16_softmax, uses_spcompress: None or False (the
+                softmax is float32).
 
         Returns:
             o (qo_indptr[-1], num_qo_heads, head_dim), or (o, lse
             (qo_indptr[-1], num_qo_heads) float32) with return_lse.
         """
+        if (kv_cache_sf is not None or skip_softmax_threshold_scale_factor is not None or
+                use_fp16_softmax or uses_spcompress):
+            _compat.no_run_extras(
+                kv_cache_sf=kv_cache_sf,
+                skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+                use_fp16_softmax=use_fp16_softmax, uses_spcompress=uses_spcompress)
         if self._plan is None:
             raise InvalidArgumentError(f"{self._name}.run: call plan() first")
         info = self._info
@@ -600,7 +611,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
 
     @_lib.locked
     def run(self, q, k, v, kv_scale=None, return_lse=False, *, q_scale=None, k_scale=None,
-            v_scale=None, out=None, lse=None, window_left=None, enable_pdl=None, sinks=None):
+            v_scale=None, o_scale=None, out=None, lse=None, window_left=None, enable_pdl=None,
+            sinks=None, kv_cache_sf=None):
         """Prefill attention for one layer.
 
         Args:
@@ -613,10 +625,14 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
             return_lse: also return the base-2 log-sum-exp.
             q_scale, k_scale, v_scale, out, lse, window_left, enable_pdl,
                 sinks: as the paged wrapper's run.
+            o_scale, kv_cache_sf: FlashInfer's fp8 output scale and NVFP4
+                block scales; None only.
 
         Returns:
             o, or (o, lse) with return_lse, as the paged wrapper.
         """
+        if o_scale is not None or kv_cache_sf is not None:
+            _compat.no_run_extras(o_scale=o_scale, kv_cache_sf=kv_cache_sf)
         qa, q_t = self._check_q(q)
         info = self._info
         params, vc = _run_knobs(info, q_scale, k_scale, v_scale, window_left, enable_pdl, sinks)

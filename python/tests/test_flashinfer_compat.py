@@ -699,3 +699,66 @@ def test_plan_positional_order(rng):
     with pytest.raises(TypeError):
         dec.plan(indptr, indices, last, hq, h, dh, ps, no_such_option=1)
     np.testing.assert_array_equal(dec.run(qd, cache), want_d)  # failed plans changed nothing
+
+
+def test_run_extras_refused_not_ignored(rng):
+    """run() inputs FlashInfer has for features kvcache lacks (NVFP4 block
+    scales, skip-softmax sparsity, fp8 output / MLA cache scales, fp16
+    softmax) are accepted at their defaults and refused otherwise, never
+    silently ignored; decode's deprecated run(q_len_per_req=) warns as
+    FlashInfer's and takes 1 only."""
+    h, hq, dh, ps = 2, 4, 32, 4
+    cache, indptr, indices, last, kv = _paged(rng, [9, 6], ps, h, dh)
+    qd = rng.standard_normal((2, hq, dh)).astype(F32)
+    dec = kvcache.BatchDecodeWithPagedKVCacheWrapper(None, "NHD")
+    dec.plan(indptr, indices, last, hq, h, dh, ps)
+    want = dec.run(qd, cache)
+    np.testing.assert_array_equal(
+        dec.run(qd, cache, skip_softmax_threshold_scale_factor=None, kv_cache_sf=None), want)
+    with pytest.warns(DeprecationWarning, match="q_len_per_req"):
+        np.testing.assert_array_equal(dec.run(qd, cache, q_len_per_req=1), want)
+    with pytest.warns(DeprecationWarning), pytest.raises(kvcache.UnsupportedError):
+        dec.run(qd, cache, q_len_per_req=2)
+    for bad in ({"kv_cache_sf": cache}, {"skip_softmax_threshold_scale_factor": 0.5}):
+        with pytest.raises(kvcache.UnsupportedError, match=next(iter(bad))):
+            dec.run(qd, cache, **bad)
+        with pytest.raises(kvcache.UnsupportedError):
+            dec.run_return_lse(qd, cache, **bad)
+
+    qo = np.array([0, 3, 5], np.int32)
+    q = rng.standard_normal((5, hq, dh)).astype(F32)
+    paged = kvcache.BatchPrefillWithPagedKVCacheWrapper(None, "NHD")
+    paged.plan(qo, indptr, indices, last, hq, h, dh, ps, causal=True)
+    want = paged.run(q, cache)
+    np.testing.assert_array_equal(paged.run(q, cache, use_fp16_softmax=False, kv_cache_sf=None,
+                                            uses_spcompress=None), want)
+    for bad in ({"kv_cache_sf": cache}, {"skip_softmax_threshold_scale_factor": 0.5},
+                {"use_fp16_softmax": True}, {"uses_spcompress": True}):
+        with pytest.raises(kvcache.UnsupportedError, match=next(iter(bad))):
+            paged.run(q, cache, **bad)
+
+    k = np.concatenate([a for a, _ in kv])
+    v = np.concatenate([b for _, b in kv])
+    ragged = kvcache.BatchPrefillWithRaggedKVCacheWrapper(None, "NHD")
+    ragged.plan(qo, np.array([0, 9, 15], np.int32), hq, h, dh, causal=True)
+    np.testing.assert_array_equal(ragged.run(q, k, v, o_scale=None), want)
+    for bad in ({"o_scale": 2.0}, {"kv_cache_sf": (k, v)}):
+        with pytest.raises(kvcache.UnsupportedError, match=next(iter(bad))):
+            ragged.run(q, k, v, **bad)
+
+    heads, d_ckv, d_kpe = 2, 32, 16
+    ckv = rng.standard_normal((4, ps, d_ckv)).astype(F32)
+    kpe = rng.standard_normal((4, ps, d_kpe)).astype(F32)
+    mla = kvcache.BatchMLAPagedAttentionWrapper(None)
+    mla.plan(np.array([0, 1], np.int32), np.array([0, 2], np.int32), np.array([1, 3], np.int32),
+             np.array([7], np.int32), heads, d_ckv, d_kpe, ps, False, 0.2)
+    qn = rng.standard_normal((1, heads, d_ckv)).astype(F32)
+    qp = rng.standard_normal((1, heads, d_kpe)).astype(F32)
+    want = mla.run(qn, qp, ckv, kpe)
+    # o_scale is FlashInfer's 12th positional argument
+    np.testing.assert_array_equal(
+        mla.run(qn, qp, ckv, kpe, None, None, False, None, None, None, False, None), want)
+    for bad in ({"o_scale": 1.0}, {"ckv_scale": 1.0}, {"kpe_scale": 1.0},
+                {"ckv_scale_arr": np.ones((4, ps, 1), F32)}):
+        with pytest.raises(kvcache.UnsupportedError, match=next(iter(bad))):
+            mla.run(qn, qp, ckv, kpe, **bad)
