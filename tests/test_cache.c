@@ -6,11 +6,14 @@
  * prefix pages must hold exactly those tokens' K/V); exact hit lengths and
  * eviction order; copy-on-write of data and scales (NHD/HND, int8/int4);
  * out-of-pages and out-of-memory failures (every allocation site) leaving
- * everything unchanged; unknown ids and bad parameters.
+ * everything unchanged; unknown ids and bad parameters; every mutating call
+ * failing on each of its allocations (test_oom.h) or on its arguments in
+ * representative states, leaving every observable byte unchanged.
  */
 #include <stdlib.h>
 
 #include "test.h"
+#include "test_oom.h"
 #include "cache/cache_internal.h" /* kvc__cache_set_hash_mask */
 
 /* ---- helpers ------------------------------------------------------------------------------- */
@@ -1710,6 +1713,659 @@ TEST(large_pool_asks_for_huge_pages) {
 #endif
 }
 
+/* ---- every failed call leaves the cache exactly as it was ------------------------------------ */
+
+/*
+ * The error rule (cache.h: "a call that fails changes nothing"), checked for
+ * every mutating call in a set of representative states: several sequences,
+ * prefix hits on used and cached pages, forks sharing a partly filled page,
+ * a zero-length sequence, a compressed format with a partly filled K group
+ * (kivi4: sink rows on first pages), and the same near full (no free page,
+ * the id array at its capacity). Each call fails on its k-th allocation for
+ * every k (test_oom.h: malloc and friends wrapped at link time, so no
+ * allocation escapes), alone and with every later one failing too, and on
+ * invalid arguments; it must then return an error with a message, pass
+ * kvc_cache_check and leave everything observable unchanged: lengths, page
+ * tables, compressed views (pages, tails, sink rows), every page's bytes,
+ * tokens and sink rows, prefix lookups, stats, the free stack and LRU order
+ * (which pages the next calls take or evict) and the eviction hook's calls.
+ * After a failure the same call, unarmed, must give what it gives on a
+ * fresh state.
+ */
+#define FX_SEQS 24
+#define FX_TOK 200
+
+typedef struct fx {
+    kvc_cache *c;
+    int kvfmt;
+    int32_t ps;
+    int64_t evictions; /* eviction hook calls */
+    /* every sequence ever created (freed ones stay: their ids must stay unknown) */
+    kvc_seq_id id[FX_SEQS];
+    int32_t tok[FX_SEQS][FX_TOK]; /* the prompt it was added with (lookups probe it) */
+    int64_t ntok[FX_SEQS];
+    uint64_t salt[FX_SEQS];
+    int n;
+    /* roles (indices into id): a; b a fork of a; h a prefix hit on a; d freed (its
+     * full pages cached); e added without ids; z truncated to 0; f and g = fork(f)
+     * share a partly filled first page (near full: then fillers) */
+    int a, b, h, d, e, z, f, g;
+    kvc_threadpool *pool; /* 2 threads, its own: a fresh pool allocates its scratch */
+} fx;
+
+static void fx_evict(void *user, const kvc_cache *c, int32_t page) {
+    (void)c;
+    (void)page;
+    ((fx *)user)->evictions++;
+}
+
+static int32_t fx_token(int base, int64_t i) { return (int32_t)(base * 1000 + i); }
+
+static int fx_add(fx *f, int base, int64_t n, uint64_t salt, int *role) {
+    ASSERT_TRUE(f->n < FX_SEQS && n <= FX_TOK);
+    int32_t *t = f->tok[f->n];
+    for (int64_t i = 0; i < n; i++) t[i] = fx_token(base, i);
+    ASSERT_OK(kvc_cache_add_sequence(f->c, base ? t : NULL, n, salt, &f->id[f->n], NULL));
+    f->ntok[f->n] = base ? n : 0;
+    f->salt[f->n] = salt;
+    if (role) *role = f->n;
+    f->n++;
+    return 0;
+}
+
+static int fx_fork(fx *f, int parent, int *role) {
+    ASSERT_TRUE(f->n < FX_SEQS);
+    ASSERT_OK(kvc_cache_fork(f->c, f->id[parent], &f->id[f->n]));
+    memcpy(f->tok[f->n], f->tok[parent], sizeof f->tok[0]);
+    f->ntok[f->n] = f->ntok[parent];
+    f->salt[f->n] = f->salt[parent];
+    *role = f->n++;
+    return 0;
+}
+
+/* Distinct bytes everywhere a call may copy or overwrite: page storage, and
+ * for a compressed format every sequence's tails and sink rows (small float16
+ * values: a completed group quantizes the tail's rows). */
+static int fx_fill(fx *f) {
+    kvc_cache *c = f->c;
+    unsigned char *d = c->data;
+    const size_t nd = c->layer_data_bytes * (size_t)c->p.num_layers;
+    for (size_t i = 0; i < nd; i++) d[i] = (unsigned char)(i * 131 + 17);
+    if (c->scale)
+        for (size_t i = 0; i < c->layer_scale_bytes * (size_t)c->p.num_layers; i++)
+            c->scale[i] = (unsigned char)(i * 71 + 5);
+    if (!f->kvfmt) return 0;
+    kvc_kvfmt fmt;
+    ASSERT_OK(kvc_cache_kvfmt(c, &fmt));
+    const size_t tl = kvc_kvfmt_tail_bytes(&fmt) / 2, sl = kvc_kvfmt_sink_bytes(&fmt) / 2;
+    for (int i = 0; i < f->n; i++) {
+        for (int l = 0; l < c->p.num_layers; l++) {
+            kvc_kvfmt_seq s;
+            if (kvc_cache_kvfmt_seqs(c, l, &f->id[i], 1, &s) != KVC_OK) break; /* freed */
+            for (size_t j = 0; j < tl; j++)
+                s.tail[j] = (uint16_t)(0x3c00 + (j * 7 + i * 3 + l) % 512);
+            if (s.sink)
+                for (size_t j = 0; j < sl; j++) s.sink[j] = (uint16_t)(0x3800 + (j + i * 5) % 256);
+        }
+    }
+    kvc_clear_error();
+    return 0;
+}
+
+/* A per-token cache (dtype f32 or int8, page size 4, 24 pages) or a
+ * compressed one (kivi8 / kivi4, page size 16, G 64: 4 pages per K group,
+ * 24 pages); near_full: no free page, the cached ones left, and 16 live
+ * sequences (the id array's capacity). */
+static int fx_build(fx *f, kvc_dtype dt, kvc_kv_format kf, int near_full, int collide) {
+    memset(f, 0, sizeof *f);
+    kvc_cache_params p;
+    if (kf != KVC_KVFMT_NONE) {
+        p = fmt_params(kf, 16, 24);
+    } else {
+        p = small_params(4, 24);
+        p.dtype = dt;
+        p.quant_group = 2;
+        p.layout = collide ? KVC_HND : KVC_NHD;
+    }
+    if (collide == 2) p.enable_prefix_caching = 0;
+    ASSERT_OK(kvc_cache_create(&p, &f->c));
+    if (collide == 1) kvc__cache_set_hash_mask(f->c, 0); /* every page in one bucket, one hash */
+    f->kvfmt = kf != KVC_KVFMT_NONE;
+    f->ps = p.page_size;
+    ASSERT_OK(kvc_cache_set_evict_hook(f->c, fx_evict, f));
+    int tmp;
+    if (!f->kvfmt) {
+        if (fx_add(f, 1, 10, 0, &f->a)) return 1; /* 3 pages, the last partly filled */
+        if (fx_fork(f, f->a, &f->b)) return 1;
+        if (fx_add(f, 1, 9, 0, &f->h)) return 1;     /* hits a's 2 full pages */
+        if (fx_add(f, 2, 9, 5, &f->d)) return 1;     /* salt 5 */
+        ASSERT_OK(kvc_cache_free_sequence(f->c, f->id[f->d])); /* 2 pages cached */
+        if (fx_add(f, 0, 6, 0, &f->e)) return 1;     /* no ids */
+        if (fx_add(f, 3, 6, 0, &f->z)) return 1;
+        ASSERT_OK(kvc_cache_truncate(f->c, f->id[f->z], 0)); /* its full page cached */
+        if (fx_add(f, 4, 3, 0, &f->f)) return 1;     /* one partly filled page */
+        if (fx_fork(f, f->f, &f->g)) return 1;
+        ASSERT_OK(kvc_cache_append(f->c, f->id[f->h], NULL, 1, NULL)); /* h: 10 tokens */
+    } else {
+        if (fx_add(f, 1, 70, 0, &f->a)) return 1; /* a whole group, 6 tokens of the next */
+        if (fx_fork(f, f->a, &f->b)) return 1;
+        if (fx_add(f, 1, 64, 0, &f->h)) return 1;     /* 64 tokens: no hit (< len) */
+        ASSERT_OK(kvc_cache_free_sequence(f->c, f->id[f->h]));
+        if (fx_add(f, 1, 80, 0, &f->h)) return 1;     /* hits a's first group (used) */
+        ASSERT_OK(kvc_cache_append(f->c, f->id[f->h], NULL, 48, NULL)); /* 128: group 1 reserved */
+        if (fx_add(f, 2, 65, 5, &f->d)) return 1;
+        ASSERT_OK(kvc_cache_free_sequence(f->c, f->id[f->d])); /* its group cached */
+        if (fx_add(f, 0, 20, 0, &f->e)) return 1;
+        if (fx_add(f, 3, 10, 0, &f->z)) return 1;
+        ASSERT_OK(kvc_cache_truncate(f->c, f->id[f->z], 0));
+        if (fx_add(f, 4, 20, 0, &f->f)) return 1; /* 2 pages of an incomplete group */
+        if (fx_fork(f, f->f, &f->g)) return 1;
+    }
+    if (near_full) {
+        kvc_cache_stats st;
+        ASSERT_OK(kvc_cache_get_stats(f->c, &st));
+        if (fx_add(f, 0, st.free_pages * f->ps, 0, &tmp)) return 1; /* takes the free pages */
+        while (f->c->n_seqs < 16)
+            if (fx_add(f, 0, 0, 0, &tmp)) return 1; /* empty sequences hold no page */
+        ASSERT_OK(kvc_cache_get_stats(f->c, &st));
+        ASSERT_EQ_I64(st.free_pages, 0);
+        ASSERT_TRUE(st.cached_pages > 0);
+        ASSERT_EQ_I64(f->c->n_seqs, f->c->seqs_cap);
+    }
+    ASSERT_OK(kvc_cache_check(f->c));
+    if (f->kvfmt) ASSERT_OK(kvc_threadpool_create(2, &f->pool));
+    return fx_fill(f);
+}
+
+static void fx_destroy(fx *f) {
+    kvc_cache_destroy(f->c);
+    kvc_threadpool_destroy(f->pool);
+}
+
+/* ---- snapshots ---- */
+
+typedef struct fsnap {
+    unsigned char *p;
+    size_t n, cap;
+    size_t mark[256];
+    const char *what[256];
+    int nmark;
+} fsnap;
+
+static void fs_put(fsnap *s, const void *d, size_t n) {
+    if (s->n + n > s->cap) {
+        size_t cap = s->cap ? s->cap : 4096;
+        while (cap < s->n + n) cap *= 2;
+        unsigned char *q = realloc(s->p, cap);
+        if (!q) abort(); /* taken unarmed */
+        s->p = q;
+        s->cap = cap;
+    }
+    memcpy(s->p + s->n, d, n);
+    s->n += n;
+}
+static void fs_i64(fsnap *s, int64_t v) { fs_put(s, &v, sizeof v); }
+static void fs_mark(fsnap *s, const char *what) {
+    if (s->nmark < 256) {
+        s->mark[s->nmark] = s->n;
+        s->what[s->nmark++] = what;
+    }
+}
+
+static void fsnap_take(fx *f, fsnap *s) {
+    kvc_cache *c = f->c;
+    s->n = 0;
+    s->nmark = 0;
+    fs_mark(s, "stats");
+    kvc_cache_stats st;
+    fs_i64(s, kvc_cache_get_stats(c, &st));
+    st.failed_allocs = 0; /* counts KVC_ERR_NO_SPACE failures by design */
+    fs_put(s, &st, sizeof st);
+    /* which pages the next calls take (free stack) or evict (LRU order), and
+     * the sequence ids they hand out */
+    fs_mark(s, "free stack, LRU order, next id");
+    fs_put(s, c->free_stack, (size_t)c->n_free * sizeof(int32_t));
+    for (int32_t q = c->lru_head; q != KVC__NO_PAGE; q = c->pages[q].next) fs_i64(s, q);
+    fs_i64(s, c->next_id);
+    fs_i64(s, c->n_indexed);
+    fs_i64(s, f->evictions);
+    const int L = c->p.num_layers;
+    kvc_kvfmt fmt;
+    size_t tb = 0, sb = 0;
+    if (f->kvfmt && kvc_cache_kvfmt(c, &fmt) == KVC_OK) {
+        tb = kvc_kvfmt_tail_bytes(&fmt);
+        sb = kvc_kvfmt_sink_bytes(&fmt);
+    }
+    for (int i = 0; i < f->n; i++) {
+        fs_mark(s, "a sequence's length and page table");
+        int64_t len = -1, ni = -1;
+        fs_i64(s, kvc_cache_seq_len(c, f->id[i], &len));
+        fs_i64(s, len);
+        int32_t indptr[2] = {0, 0}, idx[64], last = -1;
+        kvc_status ps = kvc_cache_page_table(c, &f->id[i], 1, indptr, idx, 64, &last, &ni);
+        fs_i64(s, ps);
+        fs_i64(s, ni);
+        fs_i64(s, last);
+        if (ps == KVC_OK) fs_put(s, idx, (size_t)ni * sizeof(int32_t));
+        if (!f->kvfmt) continue;
+        fs_mark(s, "a sequence's compressed view (pages, tail, sink rows)");
+        for (int l = 0; l < L; l++) {
+            kvc_kvfmt_seq v;
+            memset(&v, 0, sizeof v);
+            kvc_status vs = kvc_cache_kvfmt_seqs(c, l, &f->id[i], 1, &v);
+            fs_i64(s, vs);
+            if (vs != KVC_OK) continue;
+            fs_i64(s, v.n_kv);
+            fs_put(s, v.pages, (size_t)((v.n_kv + f->ps - 1) / f->ps) * sizeof(int32_t));
+            fs_put(s, v.tail, tb);
+            if (v.sink) fs_put(s, v.sink, sb);
+        }
+    }
+    const size_t pb = kvc_cache_page_bytes(c), skb = kvc_cache_sink_bytes(c);
+    unsigned char *buf = malloc(pb > skb ? pb : skb);
+    if (!buf) abort();
+    int32_t tk[64];
+    for (int32_t q = 0; q < c->num_pages; q++) {
+        fs_mark(s, "a page's tokens, bytes and sink rows");
+        memset(tk, 0, sizeof tk);
+        fs_i64(s, kvc_cache_page_tokens(c, q, tk));
+        fs_put(s, tk, (size_t)f->ps * sizeof(int32_t));
+        kvc_cache_read_page(c, q, buf, pb);
+        fs_put(s, buf, pb);
+        if (skb) {
+            kvc_status ks = kvc_cache_read_sink(c, q, buf, skb);
+            fs_i64(s, ks);
+            if (ks == KVC_OK) fs_put(s, buf, skb);
+        }
+    }
+    free(buf);
+    /* prefix lookups of every prompt, as given and one token longer (whole pages) */
+    fs_mark(s, "prefix lookups");
+    for (int i = 0; i < f->n; i++) {
+        if (!f->ntok[i]) continue;
+        int32_t t[FX_TOK + 1];
+        memcpy(t, f->tok[i], (size_t)f->ntok[i] * sizeof(int32_t));
+        t[f->ntok[i]] = -5;
+        for (int64_t extra = 0; extra < 2; extra++) {
+            int64_t hit = -1;
+            fs_i64(s, kvc_cache_lookup_prefix(c, t, f->ntok[i] + extra, f->salt[i], &hit));
+            fs_i64(s, hit);
+        }
+    }
+    kvc_clear_error();
+}
+
+/* 0 when equal, else prints what differs and returns 1. */
+static int fsnap_cmp(const fsnap *a, const fsnap *b, const char *when) {
+    size_t n = a->n < b->n ? a->n : b->n, i = 0;
+    while (i < n && a->p[i] == b->p[i]) i++;
+    if (i == n && a->n == b->n) return 0;
+    const char *what = "?";
+    for (int m = 0; m < a->nmark && a->mark[m] <= i; m++) what = a->what[m];
+    TEST_FAIL_("%s: the cache changed (snapshot byte %zu of %zu/%zu: %s)", when, i, a->n, b->n,
+               what);
+}
+
+/* ---- the calls ---- */
+
+enum {
+    OP_ADD_MISS, OP_ADD_HIT_USED, OP_ADD_HIT_CACHED, OP_ADD_NULL, OP_ADD_EMPTY, OP_ADD_HUGE,
+    OP_APPEND_COW, OP_APPEND_COW_FIRST, OP_APPEND_GROW, OP_APPEND_EMPTY, OP_APPEND_NULL,
+    OP_APPEND_TOKENS, OP_FORK, OP_FORK_EMPTY, OP_TRUNCATE, OP_TRUNCATE_EX, OP_ROLLBACK,
+    OP_FREE, OP_FREE_SHARED, OP_WRITE_PAGE, OP_WRITE_SINK, OP_KVFMT_APPEND,
+    OP_KVFMT_APPEND_POOL, OP_KVFMT_APPEND_ATTN, OP_PAGED_APPEND, OP_COUNT
+};
+static const char *const op_names[OP_COUNT] = {
+    "add (miss)", "add (hit on used pages)", "add (hit on cached pages)", "add (no ids)",
+    "add (0 tokens)", "add (whole capacity)", "append (copy-on-write)",
+    "append (copy-on-write of a first page)", "append (table grows)",
+    "append (to a 0-length sequence)", "append (no ids)", "append (ids)", "fork",
+    "fork (0-length)", "truncate", "truncate_ex", "rollback", "free", "free (shared pages)",
+    "write_page", "write_sink", "kvc_kvfmt_append", "kvc_kvfmt_append (2 threads)",
+    "kvc_kvfmt_append_attention", "kvc_append_paged_kv_cache"};
+
+static float g_rows[16 * 2 * 8], g_q[2 * 2 * 8], g_out[2 * 2 * 8];
+
+/* Stores rows for h (the last 8 of its reserved 128: completes K group 1)
+ * and e (its last 3) in layer 0, as a model step does; attn: and attends
+ * from h's last and e's last position (bad 4: below the tail's reach). */
+static kvc_status fx_kvfmt_append(fx *f, int bad, int attn, kvc_threadpool *pool) {
+    kvc_tensor pages, k, v;
+    kvc_kvfmt fmt;
+    kvc_kvfmt_seq s[2];
+    kvc_status st = kvc_cache_kvfmt(f->c, &fmt);
+    if (st != KVC_OK) return st;
+    if ((st = kvc_cache_kvfmt_layer(f->c, 0, &pages)) != KVC_OK) return st;
+    const kvc_seq_id ids[2] = {f->id[f->h], f->id[f->e]};
+    if ((st = kvc_cache_kvfmt_seqs(f->c, 0, ids, 2, s)) != KVC_OK) return st;
+    const int64_t indptr[3] = {0, 8, 11}, shape[3] = {11, fmt.num_kv_heads, fmt.head_dim};
+    for (int i = 0; i < 11 * 16; i++) g_rows[i] = (float)((i * 37) % 19) * 0.25f - 2.0f;
+    if (bad == 1) g_rows[5 * 16 + 3] = NAN;          /* nothing written */
+    if (bad == 2) s[1].n_kv = 2;                     /* 3 rows, n_kv 2 */
+    k = kvc_tensor_make(g_rows, KVC_F32, 3, shape);
+    v = kvc_tensor_make(g_rows, KVC_F32, 3, shape);
+    if (bad == 3) k.shape[0] = 10;                   /* rows != row_indptr */
+    if (!attn) return kvc_kvfmt_append(&fmt, &pages, s, 2, indptr, &k, &v, pool);
+    for (int i = 0; i < 32; i++) g_q[i] = (float)(i % 5) * 0.5f - 1.0f;
+    const int64_t qshape[3] = {2, fmt.num_kv_heads, fmt.head_dim}; /* Hq = H */
+    kvc_tensor q = kvc_tensor_make(g_q, KVC_F32, 3, qshape);
+    kvc_tensor out = kvc_tensor_make(g_out, KVC_F32, 3, qshape);
+    const int32_t q_seq[2] = {0, 1}, q_pos[2] = {bad == 4 ? 10 : 127, 19};
+    const kvc_attn_params ap = kvc_attn_default_params();
+    return kvc_kvfmt_append_attention(&fmt, &pages, s, 2, indptr, &k, &v, &q, q_seq, q_pos, &ap,
+                                      &out, NULL, pool);
+}
+
+/* Per-token caches: K/V rows for e's last 2 positions (4, 5) in layer 0
+ * through its page table; bad 1: a NaN into an int8 cache (float caches
+ * take it), bad 2: position 6 beyond e's length. */
+static kvc_status fx_paged_append(fx *f, int bad) {
+    kvc_paged_cache pc;
+    kvc_status st = kvc_cache_layer(f->c, 0, &pc);
+    if (st != KVC_OK) return st;
+    int32_t indptr[2], idx[8], last;
+    int64_t n;
+    if ((st = kvc_cache_page_table(f->c, &f->id[f->e], 1, indptr, idx, 8, &last, &n)) != KVC_OK)
+        return st;
+    const int64_t H = f->c->p.num_kv_heads, Dh = f->c->p.head_dim;
+    for (int i = 0; i < 2 * H * Dh; i++) g_rows[i] = (float)i * 0.75f - 1.0f;
+    if (bad == 1) g_rows[1] = NAN;
+    const int32_t bi[2] = {0, 0}, pos[2] = {4, bad == 2 ? 6 : 5};
+    const int64_t rs[3] = {2, H, Dh}, two = 2, one = 1;
+    kvc_tensor k = kvc_tensor_make(g_rows, KVC_F32, 3, rs);
+    kvc_tensor tb = kvc_tensor_make((void *)bi, KVC_I32, 1, &two);
+    kvc_tensor tp = kvc_tensor_make((void *)pos, KVC_I32, 1, &two);
+    kvc_tensor ti = kvc_tensor_make(idx, KVC_I32, 1, &n);
+    kvc_tensor tq = kvc_tensor_make(indptr, KVC_I32, 1, &two);
+    kvc_tensor tl = kvc_tensor_make(&last, KVC_I32, 1, &one);
+    return kvc_append_paged_kv_cache(&k, &k, &tb, &tp, &pc, &ti, &tq, &tl, NULL);
+}
+
+/* A page held by one sequence only (e's first). */
+static int32_t fx_page(fx *f, int role, int64_t j) {
+    int32_t indptr[2], idx[64], last;
+    int64_t n;
+    if (kvc_cache_page_table(f->c, &f->id[role], 1, indptr, idx, 64, &last, &n) != KVC_OK ||
+        j >= n)
+        return -1;
+    return idx[j];
+}
+
+static unsigned char g_page_src[1 << 16];
+
+/* Runs op; *applies is 0 where it does not exist for this cache kind. */
+static kvc_status fx_op(fx *f, int op, int *applies) {
+    kvc_cache *c = f->c;
+    const int64_t P = f->ps, big = f->kvfmt ? 70 : 11;
+    int32_t t[FX_TOK];
+    kvc_seq_id s;
+    int64_t hit, kept;
+    *applies = 1;
+    switch (op) {
+    case OP_ADD_MISS:
+        for (int i = 0; i < big; i++) t[i] = fx_token(9, i);
+        return kvc_cache_add_sequence(c, t, big, 0, &s, &hit);
+    case OP_ADD_HIT_USED: /* a's whole pages (groups), then other tokens */
+        for (int i = 0; i < big; i++) t[i] = i < big - 6 ? fx_token(1, i) : fx_token(8, i);
+        return kvc_cache_add_sequence(c, t, big, 0, &s, &hit);
+    case OP_ADD_HIT_CACHED: /* d's, salt 5 */
+        for (int i = 0; i < big + P; i++) t[i] = fx_token(2, i);
+        return kvc_cache_add_sequence(c, t, big + P, 5, &s, &hit);
+    case OP_ADD_NULL: return kvc_cache_add_sequence(c, NULL, P + 1, 0, &s, &hit);
+    case OP_ADD_EMPTY:
+        t[0] = 1;
+        return kvc_cache_add_sequence(c, t, 0, 0, &s, &hit);
+    case OP_ADD_HUGE:
+        return kvc_cache_add_sequence(c, NULL, kvc_cache_capacity_tokens(c), 0, &s, &hit);
+    case OP_APPEND_COW: /* b shares a's partly filled last page (group) */
+        for (int i = 0; i < 3; i++) t[i] = fx_token(5, i);
+        return kvc_cache_append(c, f->id[f->b], t, 3, NULL);
+    case OP_APPEND_COW_FIRST: /* g shares f's first page */
+        return kvc_cache_append(c, f->id[f->g], NULL, 2, NULL);
+    case OP_APPEND_GROW: { /* a's page table outgrows its capacity */
+        const int64_t n = f->kvfmt ? 60 : 8;
+        int32_t pos[64];
+        for (int i = 0; i < n; i++) t[i] = fx_token(6, i);
+        return kvc_cache_append(c, f->id[f->a], t, n, pos);
+    }
+    case OP_APPEND_EMPTY: return kvc_cache_append(c, f->id[f->z], NULL, 1, NULL);
+    case OP_APPEND_NULL: return kvc_cache_append(c, f->id[f->e], NULL, 2, NULL);
+    case OP_APPEND_TOKENS: /* h: completes a page */
+        for (int i = 0; i < P; i++) t[i] = fx_token(7, i);
+        return kvc_cache_append(c, f->id[f->h], t, P - 2, NULL);
+    case OP_FORK: return kvc_cache_fork(c, f->id[f->a], &s);
+    case OP_FORK_EMPTY: return kvc_cache_fork(c, f->id[f->z], &s);
+    case OP_TRUNCATE: return kvc_cache_truncate(c, f->id[f->a], f->kvfmt ? 64 : 5);
+    case OP_TRUNCATE_EX: return kvc_cache_truncate_ex(c, f->id[f->a], f->kvfmt ? 30 : 5, &kept);
+    case OP_ROLLBACK: return kvc_cache_rollback(c, f->id[f->h], f->kvfmt ? 100 : 5);
+    case OP_FREE: return kvc_cache_free_sequence(c, f->id[f->h]);
+    case OP_FREE_SHARED: return kvc_cache_free_sequence(c, f->id[f->a]);
+    case OP_WRITE_PAGE:
+        return kvc_cache_write_page(c, fx_page(f, f->e, 0), g_page_src, kvc_cache_page_bytes(c));
+    case OP_WRITE_SINK:
+        if (!kvc_cache_sink_bytes(c)) break;
+        return kvc_cache_write_sink(c, fx_page(f, f->e, 0), g_page_src, kvc_cache_sink_bytes(c));
+    case OP_KVFMT_APPEND:
+    case OP_KVFMT_APPEND_POOL:
+    case OP_KVFMT_APPEND_ATTN:
+        if (!f->kvfmt) break;
+        return fx_kvfmt_append(f, 0, op == OP_KVFMT_APPEND_ATTN,
+                               op == OP_KVFMT_APPEND_POOL ? f->pool : NULL);
+    case OP_PAGED_APPEND:
+        if (f->kvfmt) break;
+        return fx_paged_append(f, 0);
+    }
+    *applies = 0;
+    return KVC_OK;
+}
+
+/* Calls that must fail on their arguments (want: the status). */
+enum {
+    BAD_ADD_NULL_CACHE, BAD_ADD_NULL_SEQ, BAD_ADD_NEG, BAD_ADD_OVER, BAD_APPEND_UNKNOWN,
+    BAD_APPEND_FREED, BAD_APPEND_NEG_ID, BAD_APPEND_NEG, BAD_APPEND_OVER, BAD_APPEND_NULL_CACHE,
+    BAD_FORK_UNKNOWN, BAD_FORK_NULL_CHILD, BAD_FORK_NULL_CACHE, BAD_TRUNC_OVER, BAD_TRUNC_NEG,
+    BAD_TRUNC_UNKNOWN, BAD_TRUNC_GROUP, BAD_TRUNC_EX_OVER, BAD_ROLLBACK_OVER, BAD_ROLLBACK_NEG,
+    BAD_ROLLBACK_FREED, BAD_FREE_UNKNOWN, BAD_FREE_FREED, BAD_FREE_NULL_CACHE, BAD_WP_SHARED,
+    BAD_WP_CACHED, BAD_WP_RANGE, BAD_WP_SIZE, BAD_WP_NULL, BAD_WS_NOT_FIRST, BAD_WS_SHARED,
+    BAD_WS_SIZE, BAD_HOOK_NULL_CACHE, BAD_KVFMT_NAN, BAD_KVFMT_NKV, BAD_KVFMT_SHAPE,
+    BAD_KVFMT_QPOS, BAD_PAGED_NAN, BAD_PAGED_POS, BAD_COUNT
+};
+
+static kvc_status fx_bad(fx *f, int op, kvc_status *want, int *applies) {
+    kvc_cache *c = f->c;
+    int32_t t[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    kvc_seq_id s, unknown = f->c->next_id + 7;
+    int64_t hit, len = 0;
+    const size_t pb = kvc_cache_page_bytes(c), sb = kvc_cache_sink_bytes(c);
+    kvc_cache_seq_len(c, f->id[f->a], &len);
+    *applies = 1;
+    *want = KVC_ERR_INVALID_ARG;
+    switch (op) {
+    case BAD_ADD_NULL_CACHE: return kvc_cache_add_sequence(NULL, t, 4, 0, &s, &hit);
+    case BAD_ADD_NULL_SEQ: return kvc_cache_add_sequence(c, t, 4, 0, NULL, &hit);
+    case BAD_ADD_NEG: return kvc_cache_add_sequence(c, t, -1, 0, &s, &hit);
+    case BAD_ADD_OVER:
+        return kvc_cache_add_sequence(c, NULL, kvc_cache_capacity_tokens(c) + 1, 0, &s, &hit);
+    case BAD_APPEND_UNKNOWN:
+        *want = KVC_ERR_NOT_FOUND;
+        return kvc_cache_append(c, unknown, t, 1, NULL);
+    case BAD_APPEND_FREED:
+        *want = KVC_ERR_NOT_FOUND;
+        return kvc_cache_append(c, f->id[f->d], t, 1, NULL);
+    case BAD_APPEND_NEG_ID: *want = KVC_ERR_NOT_FOUND; return kvc_cache_append(c, -1, t, 1, NULL);
+    case BAD_APPEND_NEG: return kvc_cache_append(c, f->id[f->a], t, -1, NULL);
+    case BAD_APPEND_OVER:
+        return kvc_cache_append(c, f->id[f->a], NULL, kvc_cache_capacity_tokens(c) - len + 1, NULL);
+    case BAD_APPEND_NULL_CACHE: return kvc_cache_append(NULL, f->id[f->a], t, 1, NULL);
+    case BAD_FORK_UNKNOWN: *want = KVC_ERR_NOT_FOUND; return kvc_cache_fork(c, unknown, &s);
+    case BAD_FORK_NULL_CHILD: return kvc_cache_fork(c, f->id[f->a], NULL);
+    case BAD_FORK_NULL_CACHE: return kvc_cache_fork(NULL, f->id[f->a], &s);
+    case BAD_TRUNC_OVER: return kvc_cache_truncate(c, f->id[f->a], len + 1);
+    case BAD_TRUNC_NEG: return kvc_cache_truncate(c, f->id[f->a], -1);
+    case BAD_TRUNC_UNKNOWN: *want = KVC_ERR_NOT_FOUND; return kvc_cache_truncate(c, unknown, 0);
+    case BAD_TRUNC_GROUP: /* inside a quantized group */
+        if (!f->kvfmt) break;
+        return kvc_cache_truncate(c, f->id[f->a], 30);
+    case BAD_TRUNC_EX_OVER: return kvc_cache_truncate_ex(c, f->id[f->a], len + 1, &hit);
+    case BAD_ROLLBACK_OVER: return kvc_cache_rollback(c, f->id[f->a], len + 1);
+    case BAD_ROLLBACK_NEG: return kvc_cache_rollback(c, f->id[f->a], -3);
+    case BAD_ROLLBACK_FREED:
+        *want = KVC_ERR_NOT_FOUND;
+        return kvc_cache_rollback(c, f->id[f->d], 0);
+    case BAD_FREE_UNKNOWN: *want = KVC_ERR_NOT_FOUND; return kvc_cache_free_sequence(c, unknown);
+    case BAD_FREE_FREED: *want = KVC_ERR_NOT_FOUND; return kvc_cache_free_sequence(c, f->id[f->d]);
+    case BAD_FREE_NULL_CACHE: return kvc_cache_free_sequence(NULL, f->id[f->a]);
+    case BAD_WP_SHARED: return kvc_cache_write_page(c, fx_page(f, f->a, 0), g_page_src, pb);
+    case BAD_WP_CACHED: return kvc_cache_write_page(c, c->lru_head, g_page_src, pb);
+    case BAD_WP_RANGE: return kvc_cache_write_page(c, (int32_t)c->num_pages, g_page_src, pb);
+    case BAD_WP_SIZE: return kvc_cache_write_page(c, fx_page(f, f->e, 0), g_page_src, pb - 1);
+    case BAD_WP_NULL: return kvc_cache_write_page(c, fx_page(f, f->e, 0), NULL, pb);
+    case BAD_WS_NOT_FIRST: /* kivi4: e's second page holds no sink rows; else none at all */
+        return kvc_cache_write_sink(c, fx_page(f, f->e, 1), g_page_src, sb ? sb : 8);
+    case BAD_WS_SHARED:
+        if (!sb) break;
+        return kvc_cache_write_sink(c, fx_page(f, f->a, 0), g_page_src, sb);
+    case BAD_WS_SIZE:
+        if (!sb) break;
+        return kvc_cache_write_sink(c, fx_page(f, f->e, 0), g_page_src, sb + 2);
+    case BAD_HOOK_NULL_CACHE: return kvc_cache_set_evict_hook(NULL, fx_evict, f);
+    case BAD_KVFMT_NAN:
+    case BAD_KVFMT_NKV:
+    case BAD_KVFMT_SHAPE:
+        if (!f->kvfmt) break;
+        return fx_kvfmt_append(f, op - BAD_KVFMT_NAN + 1, 0, NULL);
+    case BAD_KVFMT_QPOS:
+        if (!f->kvfmt) break;
+        return fx_kvfmt_append(f, 4, 1, NULL);
+    case BAD_PAGED_NAN:
+        if (f->kvfmt || c->p.dtype != KVC_I8) break;
+        return fx_paged_append(f, 1);
+    case BAD_PAGED_POS:
+        if (f->kvfmt) break;
+        return fx_paged_append(f, 2);
+    }
+    *applies = 0;
+    return KVC_OK;
+}
+
+/* After a failed call: an error with a message, every invariant, nothing changed. */
+static int fx_failed(fx *f, kvc_status st, const fsnap *before, fsnap *tmp, const char *when) {
+    if (st == KVC_OK) TEST_FAIL_("%s: succeeded", when);
+    if (kvc_last_error()[0] == 0) TEST_FAIL_("%s: %s without a message", when, kvc_status_str(st));
+    kvc_status ck = kvc_cache_check(f->c);
+    if (ck != KVC_OK) TEST_FAIL_("%s: kvc_cache_check: %s", when, kvc_last_error());
+    fsnap_take(f, tmp);
+    return fsnap_cmp(before, tmp, when);
+}
+
+typedef struct fx_kind {
+    const char *name;
+    kvc_dtype dt;
+    kvc_kv_format kf;
+    int near_full;
+    int collide; /* 1: every hash collides (HND for a per-token cache); 2: no prefix caching */
+} fx_kind;
+
+static int fx_case(const fx_kind *kd, fsnap *s0, fsnap *s1, fsnap *ref, int *n_failures) {
+    fx f;
+    char when[256];
+    /* invalid arguments */
+    for (int op = 0; op < BAD_COUNT; op++) {
+        if (fx_build(&f, kd->dt, kd->kf, kd->near_full, kd->collide)) return 1;
+        fsnap_take(&f, s0);
+        kvc_status want;
+        int applies;
+        kvc_clear_error();
+        kvc_status st = fx_bad(&f, op, &want, &applies);
+        snprintf(when, sizeof when, "%s: invalid call %d (%s)", kd->name, op, kvc_last_error());
+        if (applies) {
+            if (st != want)
+                TEST_FAIL_("%s: %s, want %s", when, kvc_status_str(st), kvc_status_str(want));
+            if (fx_failed(&f, st, s0, s1, when)) return 1;
+        }
+        fx_destroy(&f);
+    }
+    /* each call with its k-th allocation failing, then every one from the k-th on */
+    for (int op = 0; op < OP_COUNT; op++) {
+        int applies;
+        if (fx_build(&f, kd->dt, kd->kf, kd->near_full, kd->collide)) return 1;
+        fsnap_take(&f, s0);
+        kvc_clear_error();
+        const kvc_status want = fx_op(&f, op, &applies);
+        snprintf(when, sizeof when, "%s: %s unarmed (%s)", kd->name, op_names[op],
+                 kvc_last_error());
+        if (want != KVC_OK && applies) /* out of pages (near full) */
+            if (want != KVC_ERR_NO_SPACE || fx_failed(&f, want, s0, s1, when)) {
+                TEST_FAIL_("%s: %s", when, kvc_status_str(want));
+            }
+        ASSERT_OK(kvc_cache_check(f.c));
+        fsnap_take(&f, ref);
+        fx_destroy(&f);
+        if (!applies || !test_oom_available()) continue;
+        for (long k = 1;; k++) {
+            long failed = 0;
+            for (int sticky = 0; sticky < 2; sticky++) {
+                if (fx_build(&f, kd->dt, kd->kf, kd->near_full, kd->collide)) return 1;
+                fsnap_take(&f, s0);
+                kvc_clear_error();
+                test_oom_arm(k, sticky);
+                kvc_status st = fx_op(&f, op, &applies);
+                failed = test_oom_disarm();
+                snprintf(when, sizeof when, "%s: %s, allocation %ld%s failing (%s)", kd->name,
+                         op_names[op], k, sticky ? " and later ones" : "", kvc_last_error());
+                if (failed && st != KVC_OK) {
+                    (*n_failures)++;
+                    if (fx_failed(&f, st, s0, s1, when)) return 1;
+                    /* nothing hidden changed either: the call now does what it does
+                     * on a fresh state */
+                    kvc_clear_error();
+                    st = fx_op(&f, op, &applies);
+                }
+                if (st != want) TEST_FAIL_("%s: then %s, want %s", when, kvc_status_str(st),
+                                           kvc_status_str(want));
+                ASSERT_OK(kvc_cache_check(f.c));
+                fsnap_take(&f, s1);
+                if (fsnap_cmp(ref, s1, when)) return 1;
+                fx_destroy(&f);
+                if (!failed) break; /* the call made fewer than k allocations */
+            }
+            if (!failed) break;
+            ASSERT_TRUE(k < 64);
+        }
+    }
+    return 0;
+}
+
+TEST(failed_calls_change_nothing) {
+    static const fx_kind kinds[] = {
+        {"f32", KVC_F32, KVC_KVFMT_NONE, 0, 0},
+        {"f32 near full", KVC_F32, KVC_KVFMT_NONE, 1, 0},
+        {"int8", KVC_I8, KVC_KVFMT_NONE, 0, 0},
+        {"int4 HND, colliding hashes", KVC_I4, KVC_KVFMT_NONE, 0, 1},
+        {"kivi8", KVC_F16, KVC_KVFMT_KIVI8, 0, 0},
+        {"kivi8 near full, colliding hashes", KVC_F16, KVC_KVFMT_KIVI8, 1, 1},
+        {"kivi4", KVC_F16, KVC_KVFMT_KIVI4, 0, 0},
+        {"kivi4 near full", KVC_F16, KVC_KVFMT_KIVI4, 1, 0},
+        {"kivi4, no prefix caching", KVC_F16, KVC_KVFMT_KIVI4, 0, 2},
+    };
+    for (size_t i = 0; i < sizeof g_page_src; i++) g_page_src[i] = (unsigned char)(i * 13 + 1);
+    fsnap s0, s1, ref;
+    memset(&s0, 0, sizeof s0);
+    memset(&s1, 0, sizeof s1);
+    memset(&ref, 0, sizeof ref);
+    int n_failures = 0, rc = 0;
+    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0] && !rc; i++)
+        rc = fx_case(&kinds[i], &s0, &s1, &ref, &n_failures);
+    free(s0.p);
+    free(s1.p);
+    free(ref.p);
+    if (rc) return 1;
+    if (!test_oom_available()) SKIP("allocation failures need the linker's --wrap");
+    printf("  %d failed calls checked\n", n_failures);
+    ASSERT_TRUE(n_failures > 100);
+    return 0;
+}
+
 const char *test_suite_name = "cache";
 const test_case test_suite[] = {
     TEST_ENTRY(params),
@@ -1734,5 +2390,6 @@ const test_case test_suite[] = {
     TEST_ENTRY(kvfmt_sink_rows_follow_the_first_page),
     TEST_ENTRY(kvfmt_truncate_rules),
     TEST_ENTRY(large_pool_asks_for_huge_pages),
+    TEST_ENTRY(failed_calls_change_nothing),
     {0, 0},
 };
