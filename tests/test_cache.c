@@ -1355,6 +1355,28 @@ static void fill_vals(mseq *m, int64_t from) {
 /* Hash bits kept by random_run's caches (narrowed to force collisions). */
 static uint64_t g_hash_mask = ~(uint64_t)0;
 
+/* Runs call (an add, append or fork of random_run) first with one of its
+ * first 4 allocations failing, alone or with every later one (test_oom.h):
+ * a failure must leave a message, the invariants and the page tables and
+ * stats (snapshot a) as they were; then the call runs unarmed. Random
+ * states reach what fixed ones do not: duplicate pages, collisions, every
+ * page size against the K group. */
+#define RUN_FAILING_FIRST(call)                                                                    \
+    do {                                                                                           \
+        kvc_clear_error();                                                                         \
+        test_oom_arm(1 + (long)(test_rng_next(&r.rng) % 4), (int)(test_rng_next(&r.rng) % 2));    \
+        st = (call);                                                                               \
+        if (test_oom_disarm() && st != KVC_OK) {                                                   \
+            if (!kvc_last_error()[0]) TEST_FAIL_("%s -> %s without a message", #call,             \
+                                                 kvc_status_str(st));                              \
+            ASSERT_OK(kvc_cache_check(r.c));                                                       \
+            snap after_;                                                                           \
+            ASSERT_TRUE(take_snap(r.c, ids, r.n, &after_) == 0);                                   \
+            ASSERT_MEM_EQ(&a, &after_, sizeof a);                                                  \
+            st = (call);                                                                           \
+        }                                                                                          \
+    } while (0)
+
 static int random_run(int32_t ps, int64_t pages, int prefix, kvc_kv_layout lay, int steps,
                       uint64_t seed, kvc_kv_format kf) {
     rt r;
@@ -1408,7 +1430,8 @@ static int random_run(int32_t ps, int64_t pages, int prefix, kvc_kv_layout lay, 
             fill_vals(m, 0);
             int64_t hit = -1;
             int with_ids = test_rng_next(&r.rng) % 8 != 0;
-            st = kvc_cache_add_sequence(r.c, with_ids ? m->tok : NULL, m->len, 0, &m->id, &hit);
+            RUN_FAILING_FIRST(
+                kvc_cache_add_sequence(r.c, with_ids ? m->tok : NULL, m->len, 0, &m->id, &hit));
             if (st == KVC_OK) {
                 ASSERT_TRUE(hit >= 0 && hit < m->len && hit % unit == 0);
                 if (!prefix || !with_ids) ASSERT_EQ_I64(hit, 0);
@@ -1425,7 +1448,7 @@ static int random_run(int32_t ps, int64_t pages, int prefix, kvc_kv_layout lay, 
                 int32_t tk[RMAX_LEN], posn[RMAX_LEN];
                 for (int64_t j = 0; j < k; j++) tk[j] = (int32_t)(test_rng_next(&r.rng) % 3);
                 int with_ids = test_rng_next(&r.rng) % 10 != 0;
-                st = kvc_cache_append(r.c, m->id, with_ids ? tk : NULL, k, posn);
+                RUN_FAILING_FIRST(kvc_cache_append(r.c, m->id, with_ids ? tk : NULL, k, posn));
                 if (st == KVC_OK) {
                     for (int64_t j = 0; j < k; j++) {
                         ASSERT_EQ_I64(posn[j], m->len + j);
@@ -1438,7 +1461,7 @@ static int random_run(int32_t ps, int64_t pages, int prefix, kvc_kv_layout lay, 
                 }
             } else if (op < 75 && r.n < RMAX_SEQ) { /* fork */
                 mseq *d = &r.s[r.n];
-                st = kvc_cache_fork(r.c, m->id, &d->id);
+                RUN_FAILING_FIRST(kvc_cache_fork(r.c, m->id, &d->id));
                 if (st == KVC_OK) {
                     kvc_seq_id id = d->id;
                     *d = *m;
