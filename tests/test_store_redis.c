@@ -11,6 +11,8 @@
 #include <time.h>
 #include <unistd.h>
 #include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 
 #include "kvcache/store.h"
 #include "store/tier.h"
@@ -853,6 +855,52 @@ out:
     return rc;
 }
 
+/* A server that accepts connections and never answers (hung, stopped with
+ * SIGSTOP, a blackholed proxy): a restore gives up at about load_timeout_s
+ * (docs/KV_STORE.md section 4), not at the tier's 2 s socket timeout. */
+TEST(silent_server_costs_at_most_load_timeout) {
+    NEED_ENV("KVC_TEST_REDIS_DIR", dir);
+    char path[512], url[600];
+    snprintf(path, sizeof path, "%s/silent.sock", dir);
+    unlink(path);
+    int lfd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    ASSERT_TRUE(strlen(path) < sizeof sa.sun_path);
+    memcpy(sa.sun_path, path, strlen(path) + 1);
+    ASSERT_TRUE(lfd >= 0 && bind(lfd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
+                listen(lfd, 16) == 0); /* the kernel completes connects; nobody reads */
+    snprintf(url, sizeof url, "unix://%s", path);
+    kvc_cache_params cp = kvc_cache_default_params();
+    cp.num_layers = 2, cp.num_kv_heads = 2, cp.head_dim = 64, cp.page_size = 16,
+    cp.num_pages = 8;
+    kvc_cache *c = NULL;
+    ASSERT_OK(kvc_cache_create(&cp, &c));
+    kvc_store_params sp = kvc_store_default_params();
+    sp.load_timeout_s = 0.3;
+    kvc_store *s = NULL;
+    const char *u = url;
+    ASSERT_OK(kvc_store_open(&u, 1, &sp, &s));
+    kvc_store_key ns;
+    rand_key(&ns);
+    int32_t tok[64], ids[4] = {0, 1, 2, 3};
+    for (int i = 0; i < 64; i++) tok[i] = i;
+    double t0 = now_s();
+    int64_t n = -1;
+    ASSERT_OK(kvc_store_restore_run(s, c, &ns, tok, 0, 4, ids, &n));
+    ASSERT_EQ_I64(n, 0);
+    const double took = now_s() - t0;
+    if (took > 1.2) TEST_FAIL_("restore took %.2f s with load_timeout_s 0.3", took);
+    kvc_store_stats st;
+    ASSERT_OK(kvc_store_get_stats(s, &st));
+    ASSERT_EQ_I64(st.errors, 1);
+    ASSERT_EQ_I64(st.miss_pages, 4);
+    kvc_store_close(s);
+    kvc_cache_destroy(c);
+    close(lfd);
+    unlink(path);
+    return 0;
+}
+
 const char *test_suite_name = "store_redis";
 const test_case test_suite[] = {
     TEST_ENTRY(put_get_roundtrip_binary),
@@ -868,6 +916,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(bad_urls_rejected),
     TEST_ENTRY(tcp_url),
     TEST_ENTRY(engine_restores_from_redis_and_survives_a_killed_server),
+    TEST_ENTRY(silent_server_costs_at_most_load_timeout),
     {0, 0},
 };
 

@@ -159,10 +159,16 @@ static kvc_status conn_acquire(server *sv, conn *c, pipe_guard *g) {
             return kvc__error(KVC_ERR_IO, "redis tier: server %s is down (%s); retry in %lld ms",
                               sv->url, c->why, (long long)(wait / 1000000 + 1));
         }
-        struct timeval tv = {0, CONNECT_MS * 1000};
+        /* reads wait no longer than a load may (tier.h: read_timeout_ms) */
+        int64_t conn_ms = CONNECT_MS, cmd_ms = COMMAND_MS, lim = c->tier->read_timeout_ms;
+        if (c == &sv->rd && lim > 0) {
+            conn_ms = lim < conn_ms ? lim : conn_ms;
+            cmd_ms = lim < cmd_ms ? lim : cmd_ms;
+        }
+        struct timeval tv = {(time_t)(conn_ms / 1000), (suseconds_t)(conn_ms % 1000 * 1000)};
         c->ctx = sv->path ? redisConnectUnixWithTimeout(sv->path, tv)
                           : redisConnectWithTimeout(sv->host, sv->port, tv);
-        struct timeval cmd = {COMMAND_MS / 1000, (COMMAND_MS % 1000) * 1000};
+        struct timeval cmd = {(time_t)(cmd_ms / 1000), (suseconds_t)(cmd_ms % 1000 * 1000)};
         if (!c->ctx || c->ctx->err || redisSetTimeout(c->ctx, cmd) != REDIS_OK) {
             kvc_status st = c->ctx ? conn_fail(sv, c, "cannot connect")
                                    : (conn_drop(c, 1, "cannot connect: out of memory"),

@@ -503,6 +503,8 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
             s->tier_ctx[i].t = i;
             s->tiers[i]->removed_user = &s->tier_ctx[i];
             s->tiers[i]->pool = s->pool;
+            s->tiers[i]->read_timeout_ms = /* 0 (the tier's default) past ~11 days */
+                p.load_timeout_s < 1e6 ? (int64_t)ceil(p.load_timeout_s * 1000) : 0;
             s->n_tiers = i + 1;
         }
     }

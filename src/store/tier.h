@@ -84,6 +84,10 @@ struct kvc_tier {
     kvc_tier_removed_fn removed; /* may be NULL; set by the store after open */
     void *removed_user;
     kvc__objpool *pool; /* may be NULL; set by the store after open (get's buffers) */
+    /* > 0: probe and get give up on a silent server after this many ms (the
+     * store's load_timeout_s, set after open), so that a load that stops at
+     * load_timeout_s is not held past it by one blocked read */
+    int64_t read_timeout_ms;
 };
 
 /* "dir:PATH" or "dir:PATH?max_bytes=N" (N bytes, suffixes K, M, G = 2^10,
