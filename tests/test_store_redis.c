@@ -14,6 +14,9 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #include "kvcache/store.h"
 #include "store/tier.h"
 #include "test.h"
@@ -416,6 +419,10 @@ TEST(two_servers_spread_and_stable) {
         long long e2 = raw_int(c2, "EXISTS", &ns, &keys[i]);
         ASSERT_EQ_I64(e1 + e2, 1); /* exactly one server holds each key */
         where[i] = e1 ? 1 : 2;
+        /* the placement docs/KV_STORE.md section 5 gives, computed here */
+        const uint64_t s1 = XXH3_64bits_withSeed(keys[i].b, 16, XXH3_64bits(url1, strlen(url1)));
+        const uint64_t s2 = XXH3_64bits_withSeed(keys[i].b, 16, XXH3_64bits(url2, strlen(url2)));
+        ASSERT_EQ_I64(where[i], s1 > s2 || (s1 == s2 && strcmp(url1, url2) < 0) ? 1 : 2);
         on1 += e1 == 1;
         on2 += e2 == 1;
     }
