@@ -15,6 +15,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #include "kvcache/store.h"
 #include "store/store_internal.h"
 #include "test.h"
@@ -336,6 +339,79 @@ TEST(every_refusal_is_counted_by_its_reason_and_writes_nothing) {
     kvc_clear_error();
     ASSERT_OK(kvc_store_verify_object(c, good, size, &e, NULL, NULL));
     free(good), free(o), free(before), free(after);
+    kvc_cache_destroy(c);
+    return 0;
+}
+
+/* Every header field where docs/KV_STORE.md section 3 puts it, little-endian,
+ * and both checksums over exactly the bytes it names (XXH3-128 computed here,
+ * canonical bytes); flags other than bit 0 and another header size are
+ * "version" misses behind a valid header checksum. */
+static uint64_t le(const unsigned char *p, int n) {
+    uint64_t v = 0;
+    for (int i = n - 1; i >= 0; i--) v = v << 8 | p[i];
+    return v;
+}
+
+static void xxh128_canon(const void *a, size_t na, const void *b, size_t nb, unsigned char *out) {
+    XXH3_state_t st;
+    XXH3_128bits_reset(&st);
+    XXH3_128bits_update(&st, a, na);
+    XXH3_128bits_update(&st, b, nb);
+    XXH128_canonical_t c;
+    XXH128_canonicalFromHash(&c, XXH3_128bits_digest(&st));
+    memcpy(out, c.digest, 16);
+}
+
+TEST(object_layout_is_the_documented_one) {
+    kvc_cache *c = make_cache(KVC_I8, KVC_KVFMT_NONE, 16, 4);
+    ASSERT_TRUE(c != NULL);
+    int32_t ids[4];
+    kvc_seq_id s;
+    ASSERT_TRUE(fill_seq(c, 32, -5, 11, ids, 4, &s) == 2); /* a negative id too */
+    int32_t tok[32];
+    for (int i = 0; i < 32; i++) tok[i] = -5 + i;
+    kvc_store_key ns = key_of(21), keys[2];
+    kvc_store_expect e;
+    expect_of(&ns, tok, 1, 16, keys, &e);
+    const size_t size = kvc_store_object_bytes(c, 0), pb = kvc_cache_page_bytes(c);
+    unsigned char *o = malloc(size), *page = malloc(pb), sum[16];
+    size_t got = 0;
+    ASSERT_OK(kvc_store_serialize_page(c, ids[1], &e, NULL, o, size, &got));
+    ASSERT_EQ_I64(got, 128 + 16 * 4 + pb);
+    ASSERT_MEM_EQ(o, "KVCPAGE\0", 8);
+    ASSERT_EQ_I64(le(o + 8, 2), 1);
+    ASSERT_EQ_I64(le(o + 10, 2), 128);
+    ASSERT_EQ_I64(le(o + 12, 4), 0);
+    ASSERT_MEM_EQ(o + 16, ns.b, 16);
+    ASSERT_MEM_EQ(o + 32, keys[1].b, 16);
+    ASSERT_MEM_EQ(o + 48, keys[0].b, 16);
+    ASSERT_EQ_I64(le(o + 64, 8), 16);
+    ASSERT_EQ_I64(le(o + 72, 4), 16);
+    ASSERT_EQ_I64(le(o + 76, 4), 3);
+    ASSERT_EQ_I64(le(o + 80, 8), pb / 3);
+    ASSERT_EQ_I64(le(o + 88, 8), pb);
+    for (int i = 0; i < 16; i++) ASSERT_EQ_I64((int32_t)le(o + 128 + 4 * i, 4), tok[16 + i]);
+    ASSERT_OK(kvc_cache_read_page(c, ids[1], page, pb));
+    ASSERT_MEM_EQ(o + 128 + 64, page, pb);
+    xxh128_canon(o + 128, 64, o + 128 + 64, pb, sum);
+    ASSERT_MEM_EQ(o + 96, sum, 16);
+    xxh128_canon(o, 112, NULL, 0, sum);
+    ASSERT_MEM_EQ(o + 112, sum, 16);
+    /* flags bit 1, header bytes 64: unknown versions, the header resealed */
+    kvc_store_miss m;
+    for (int k = 0; k < 2; k++) {
+        unsigned char *x = malloc(size);
+        memcpy(x, o, size);
+        if (k == 0) x[12] |= 2;
+        else x[10] = 64;
+        xxh128_canon(x, 112, NULL, 0, x + 112);
+        ASSERT_STATUS(kvc_store_verify_object(c, x, size, &e, NULL, &m), KVC_ERR_CORRUPT);
+        ASSERT_EQ_I64(m, KVC_STORE_MISS_VERSION);
+        free(x);
+    }
+    ASSERT_OK(kvc_store_verify_object(c, o, size, &e, NULL, &m));
+    free(o), free(page);
     kvc_cache_destroy(c);
     return 0;
 }
@@ -1732,6 +1808,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(namespace_separates_everything_it_names),
     TEST_ENTRY(objects_round_trip_every_storage),
     TEST_ENTRY(every_refusal_is_counted_by_its_reason_and_writes_nothing),
+    TEST_ENTRY(object_layout_is_the_documented_one),
     TEST_ENTRY(authenticated_objects),
     TEST_ENTRY(cache_page_io_rules),
     TEST_ENTRY(engine_restores_prompts_from_a_directory_exactly),
