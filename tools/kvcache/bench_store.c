@@ -48,7 +48,7 @@ typedef struct bs bs;
 struct bs {
     kvc_cache *src, *dst;
     int32_t *ids, *dids, *tok;
-    int64_t n;
+    int64_t n, ps; /* pages, tokens a page */
     size_t obj_bytes, page_bytes;
     unsigned char *objs; /* n objects */
     unsigned char *flat; /* n pages, memcpy source / destination */
@@ -91,8 +91,8 @@ static void expect_of(bs *b, int64_t pg, kvc_store_expect *e) {
     e->ns = b->ns;
     e->key = b->keys[pg];
     e->parent = pg > 0 ? b->keys[pg - 1] : b->ns;
-    e->position = pg * 16;
-    e->tokens = b->tok + pg * 16;
+    e->position = pg * b->ps;
+    e->tokens = b->tok + pg * b->ps;
 }
 
 static int do_memcpy(bs *b) {
@@ -260,6 +260,7 @@ int bench_store(int argc, char **argv) {
     cp.num_pages = pages;
     cp.dtype = KVC_F16;
     b.n = pages;
+    b.ps = ps;
     if (kvc_cache_create(&cp, &b.src) != KVC_OK || kvc_cache_create(&cp, &b.dst) != KVC_OK)
         goto fail;
     b.page_bytes = kvc_cache_page_bytes(b.src);
