@@ -138,6 +138,36 @@ static int opt_value(int argc, char **argv, int *i, const char *name, const char
     return 1;
 }
 
+/* The options below that not every target uses (--group, --layers,
+ * --soft-cap and --threads have warnings of their own): one bit each. */
+enum {
+    GIVEN_BATCH = 1 << 0,
+    GIVEN_KVLEN = 1 << 1,
+    GIVEN_HEADS = 1 << 2,
+    GIVEN_HEAD_DIM = 1 << 3,
+    GIVEN_CACHE = 1 << 4,
+    GIVEN_OP = 1 << 5,
+    GIVEN_LAYOUT = 1 << 6,
+    GIVEN_MODE = 1 << 7,
+    GIVEN_TIME = 1 << 8,
+};
+static const char *const given_names[] = {"--batch", "--kvlen", "--heads",  "--head-dim", "--cache",
+                                          "--op",    "--layout", "--mode", "--time"};
+#define GIVEN_SHAPE (GIVEN_BATCH | GIVEN_KVLEN | GIVEN_HEADS | GIVEN_HEAD_DIM)
+
+/* Those options target uses (its bench_*.c reads them). */
+static unsigned target_uses(const char *target) {
+    if (!strcmp(target, "pmx")) return ~0u;
+    if (!strcmp(target, "append") || !strcmp(target, "prefill"))
+        return GIVEN_SHAPE | GIVEN_CACHE | GIVEN_TIME;
+    if (!strcmp(target, "attention")) return GIVEN_SHAPE | GIVEN_CACHE | GIVEN_LAYOUT | GIVEN_TIME;
+    if (!strcmp(target, "mla")) return GIVEN_SHAPE | GIVEN_TIME;
+    if (!strcmp(target, "gemm")) return GIVEN_BATCH | GIVEN_TIME;
+    if (!strcmp(target, "kernel"))
+        return GIVEN_KVLEN | GIVEN_HEADS | GIVEN_HEAD_DIM | GIVEN_CACHE | GIVEN_TIME;
+    return 0; /* cache: --quick, --json, --threads only */
+}
+
 int cmd_bench(int argc, char **argv) {
     /* int8/int4 name the compressed formats in attention (as --kv-dtype does),
      * the per-token caches elsewhere; int8-token/int4-token are always those */
@@ -159,6 +189,7 @@ int cmd_bench(int argc, char **argv) {
     const char *target = "pmx";
     const char *isa_name = NULL;
     int threads_given = 0;
+    unsigned given = 0; /* GIVEN_* */
     int first = 1;
     if (argc > 1 && !strcmp(argv[1], "store")) return bench_store(argc, argv);
     if (argc > 1 && argv[1][0] != '-') {
@@ -197,18 +228,22 @@ int cmd_bench(int argc, char **argv) {
                                        "of up to %d counts in [1, %d]",
                                        v, BENCH_MAX_THREAD_COUNTS, BENCH_MAX_THREADS);
         } else if ((r = opt_value(argc, argv, &i, "--batch", &v)) != 0) {
+            given |= GIVEN_BATCH;
             if (r < 0 || cli_parse_i64(v, 1, 1 << 20, &n) != 0)
                 return cli_usage_error(cmd, "bench: --batch expects an integer in [1, 1048576]");
             o.batch = n;
         } else if ((r = opt_value(argc, argv, &i, "--kvlen", &v)) != 0) {
+            given |= GIVEN_KVLEN;
             if (r < 0 || cli_parse_i64(v, 1, 1 << 24, &n) != 0)
                 return cli_usage_error(cmd, "bench: --kvlen expects an integer in [1, 16777216]");
             o.kvlen = n;
         } else if ((r = opt_value(argc, argv, &i, "--heads", &v)) != 0) {
+            given |= GIVEN_HEADS;
             if (r < 0 || cli_parse_i64(v, 1, 1 << 16, &n) != 0)
                 return cli_usage_error(cmd, "bench: --heads expects an integer in [1, 65536]");
             o.heads = n;
         } else if ((r = opt_value(argc, argv, &i, "--head-dim", &v)) != 0) {
+            given |= GIVEN_HEAD_DIM;
             if (r < 0 || cli_parse_i64(v, 8, 1 << 16, &n) != 0 || n % 8 != 0)
                 return cli_usage_error(cmd, "bench: --head-dim expects a multiple of 8 in "
                                             "[8, 65536] (the quantization group is 8)");
@@ -230,14 +265,17 @@ int cmd_bench(int argc, char **argv) {
             if (r < 0 || cli_parse_f64(v, &o.soft_cap) != 0 || !(o.soft_cap > 0))
                 return cli_usage_error(cmd, "bench: --soft-cap expects a number > 0");
         } else if ((r = opt_value(argc, argv, &i, "--cache", &v)) != 0) {
+            given |= GIVEN_CACHE;
             if (r < 0 || parse_names(v, cache_names, 7, &o.caches) != 0)
                 return cli_usage_error(cmd, "bench: --cache expects a list of f16,int8,int4,"
                                             "int8-token,int4-token (and kivi8,kivi4 for "
                                             "attention)");
         } else if ((r = opt_value(argc, argv, &i, "--op", &v)) != 0) {
+            given |= GIVEN_OP;
             if (r < 0 || parse_names(v, op_names, 2, &o.ops) != 0)
                 return cli_usage_error(cmd, "bench: --op expects a list of static,dynamic");
         } else if ((r = opt_value(argc, argv, &i, "--layout", &v)) != 0) {
+            given |= GIVEN_LAYOUT;
             if (strcmp(target, "attention") == 0) {
                 if (r < 0 || parse_names(v, paged_layout_names, 2, &o.layouts) != 0)
                     return cli_usage_error(cmd,
@@ -246,9 +284,11 @@ int cmd_bench(int argc, char **argv) {
                 return cli_usage_error(cmd, "bench: --layout expects a list of 0,1,2,3");
             }
         } else if ((r = opt_value(argc, argv, &i, "--mode", &v)) != 0) {
+            given |= GIVEN_MODE;
             if (r < 0 || parse_names(v, mode_names, 2, &o.modes) != 0)
                 return cli_usage_error(cmd, "bench: --mode expects a list of offset,paged");
         } else if ((r = opt_value(argc, argv, &i, "--time", &v)) != 0) {
+            given |= GIVEN_TIME;
             if (r < 0 || cli_parse_seconds(v, 60.0, &o.time_s) != 0)
                 return cli_usage_error(cmd, "bench: --time expects seconds in (0, 60]");
         } else if ((r = opt_value(argc, argv, &i, "--isa", &v)) != 0) {
@@ -298,6 +338,10 @@ int cmd_bench(int argc, char **argv) {
         fprintf(stderr, "kvcache: bench %s: --layers is ignored (attention only)\n", target);
     if (o.soft_cap > 0 && strcmp(target, "attention") != 0)
         fprintf(stderr, "kvcache: bench %s: --soft-cap is ignored (attention only)\n", target);
+    for (int k = 0; k < (int)(sizeof given_names / sizeof given_names[0]); k++)
+        if (given & ~target_uses(target) & (1u << k))
+            fprintf(stderr, "kvcache: bench %s: %s is ignored (this target does not use it)\n",
+                    target, given_names[k]);
     if (threads_given && !strcmp(target, "kernel"))
         fprintf(stderr, "kvcache: bench kernel: --threads is ignored (one thread)\n");
     if (o.time_s == 0) o.time_s = o.quick ? 0.01 : 0.3;
