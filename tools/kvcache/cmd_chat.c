@@ -11,6 +11,7 @@
  */
 #define _POSIX_C_SOURCE 200809L /* getline, isatty */
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -197,7 +198,14 @@ int cmd_chat(int argc, char **argv) {
             fputs("> ", stdout);
             fflush(stdout);
         }
+        errno = 0;
         ssize_t got = getline(&line, &line_cap, stdin);
+        if (got < 0 && ferror(stdin)) { /* e.g. a directory: not the end of the input */
+            fprintf(stderr, "kvcache: chat: cannot read standard input: %s\n",
+                    errno ? strerror(errno) : "read error");
+            rc = CLI_EXIT_FAIL;
+            break;
+        }
         if (got < 0) { /* end of input */
             if (interactive) fputc('\n', stdout); /* after the "> " of a Ctrl-D */
             break;
