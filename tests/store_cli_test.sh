@@ -51,13 +51,15 @@ redis)
     ;;
 dir_full)
     # files may hold 64 KiB, a page object 368 KiB: every write fails
-    # (EFBIG), the run is unchanged and counts the errors
+    # (EFBIG), the run is unchanged, counts the errors and warns of them
     run ref
     (trap '' XFSZ; ulimit -f 128; exec "$kv" run -m "$model" -f "$tmp/prompt.txt" -n 6 -t 2 -q \
         --json-stats --kv-store "dir:$tmp/full" > "$tmp/full.out" 2> "$tmp/full.err") ||
         fail "full: exit status $?"
     cmp -s "$tmp/ref.out" "$tmp/full.out" || fail "output with a full disk differs"
     [ "$(stat_of full store_errors)" -gt 0 ] || fail "no store errors counted"
+    grep -q "^kvcache: run: warning: --kv-store: [1-9][0-9]* tier calls failed" "$tmp/full.err" ||
+        fail "the failed writes were not warned about"
     [ "$(stat_of full store_bytes_written)" -eq 0 ] || fail "bytes written to a full disk"
     find "$tmp/full" -name '*.kvp' | grep -q . && fail "an object is visible"
     find "$tmp/full/tmp" -type f | grep -q . && fail "a temporary file is left"

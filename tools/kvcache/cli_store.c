@@ -176,10 +176,16 @@ void cli_store_finish(const char *cmd, const cli_store_opts *o, kvc_store *store
                       double timeout_s) {
     if (store && kvc_store_flush(store, timeout_s) != KVC_OK)
         fprintf(stderr, "kvcache: %s: warning: %s\n", cmd, kvc_last_error());
-    if (!o->json_stats) return;
     kvc_store_stats ss, b = g_base;
     memset(&ss, 0, sizeof ss);
     if (!store || kvc_store_get_stats(store, &ss) != KVC_OK) memset(&b, 0, sizeof b);
+    /* a tier that fails (a server down, a full disk) costs the run nothing
+     * but the pages it would have served or kept: said, not silent */
+    if (ss.errors > b.errors)
+        fprintf(stderr, "kvcache: %s: warning: --kv-store: %lld tier calls failed (a server "
+                "down, a full disk?): their pages were computed or not stored\n", cmd,
+                (long long)(ss.errors - b.errors));
+    if (!o->json_stats) return;
     print_json_stats(eng, o->n_urls > 0, ss.verify_failures - b.verify_failures,
                      ss.errors - b.errors, ss.bytes_read - b.bytes_read,
                      ss.bytes_written - b.bytes_written, ss.writes_dropped - b.writes_dropped,
