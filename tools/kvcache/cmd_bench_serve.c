@@ -8,6 +8,7 @@
  */
 #define _POSIX_C_SOURCE 200809L /* isatty */
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -273,6 +274,7 @@ int cmd_bench_serve(int argc, char **argv) {
             n_dtypes = 1;
         }
     }
+    cli_ignore_sigpipe(); /* each case's line is checked */
     char *file_text = NULL;
     size_t text_len = text ? strlen(text) : 0;
     if (text_file) {
@@ -373,7 +375,11 @@ int cmd_bench_serve(int argc, char **argv) {
                        dec_tps, r.decode_batch, (long long)r.kv_bytes_per_token,
                        (long long)r.cached_tokens, (long long)r.preemptions);
             }
-            fflush(stdout);
+            if (fflush(stdout) != 0 || ferror(stdout)) { /* the reader is gone: stop */
+                fprintf(stderr, "kvcache: bench-serve: cannot write the output: %s\n",
+                        strerror(errno));
+                rc = CLI_EXIT_FAIL;
+            }
         }
     }
 done:

@@ -14,6 +14,7 @@
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -100,6 +101,8 @@ int cli_parse_u64(const char *s, uint64_t *out) {
     *out = (uint64_t)v;
     return 0;
 }
+
+void cli_ignore_sigpipe(void) { signal(SIGPIPE, SIG_IGN); }
 
 int cli_online_cpus(void) { return kvc_cpu_count(); }
 
