@@ -235,12 +235,16 @@ int cmd_chat(int argc, char **argv) {
             break;
         }
         if (n_ids >= cap) {
-            /* the message is dropped; the conversation so far stays usable */
+            /* the message is dropped; the conversation so far stays usable
+             * (and the turn is not one: --verbose numbers, the first TTFT) */
             free(ids);
             conv_truncate(&c, c.n - 1);
+            turn--;
             fprintf(stderr, "kvcache: chat: the conversation would hold %lld tokens, the "
-                            "context %lld: /reset to start a new one\n",
-                    (long long)n_ids, (long long)cap);
+                            "context %lld: %s\n",
+                    (long long)n_ids, (long long)cap,
+                    c.n > n_keep ? "/reset to start a new one"
+                                 : "a shorter message, or -c to change the context");
             continue;
         }
         const int64_t room = cap - n_ids;
