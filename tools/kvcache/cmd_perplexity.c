@@ -182,6 +182,7 @@ int cmd_perplexity(int argc, char **argv) {
         } else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) {
             if (cli_parse_i64(v, 1, 256, &threads))
                 return cli_usage_error(cmd, "-t: expected an integer in [1, 256], got '%s'", v);
+            cli_warn_threads(cmd, threads);
         } else if (!strcmp(a, "--kv-dtype")) {
             if (cli_parse_kv_dtype(v, &kv_dtype))
                 return cli_usage_error(cmd, "--kv-dtype: expected one of " CLI_KV_HELP
