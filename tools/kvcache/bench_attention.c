@@ -416,9 +416,12 @@ static int run_case(att_run *r, att_shape s, int64_t B, int64_t L, kvc_kv_layout
                     att_case *keep) {
     if (keep) memset(keep, 0, sizeof *keep);
     const bench_opts *o = r->o;
-    size_t kvl, scl;
-    layer_bytes(s, B, L, dt, r->group, &kvl, &scl);
-    size_t need = 2 * (kvl + scl); /* one layer */
+    /* one layer's bytes, in double first: the largest --batch, --kvlen and
+     * --heads overflow size_t (a wrapped size could even be 0, a divisor below) */
+    const double slots = (double)B * (double)((L + ATT_PAGE - 1) / ATT_PAGE) * ATT_PAGE;
+    double need_d = 2 * slots * (double)(s.H * s.D) * kvc_dtype_bits(dt) / 8 +
+                    (dt != KVC_F16 ? 2 * slots * (double)(s.H * (s.D / r->group)) * 2 : 0);
+    size_t need = 0;
     const int kivi = fmt != KVC_KVFMT_NONE;
     if (kivi) {
         kvc_kvfmt f;
@@ -426,12 +429,18 @@ static int run_case(att_run *r, att_shape s, int64_t B, int64_t L, kvc_kv_layout
             fprintf(stderr, "kvcache: bench attention: %s\n", kvc_last_error());
             return -1;
         }
-        need = kivi_layer_bytes(&f, B, L);
+        need_d = slots / ATT_PAGE * (double)kvc_kvfmt_page_bytes(&f);
+        if (need_d <= ATT_MEM_LIMIT) need = kivi_layer_bytes(&f, B, L);
+    } else if (need_d <= ATT_MEM_LIMIT) {
+        size_t kvl, scl;
+        layer_bytes(s, B, L, dt, r->group, &kvl, &scl);
+        need = 2 * (kvl + scl);
     }
-    if (need > ATT_MEM_LIMIT) { /* said and counted, not silently left out */
+    if (need_d > ATT_MEM_LIMIT || need > ATT_MEM_LIMIT) { /* said and counted, not silently left out */
         fprintf(stderr, "kvcache: bench attention: %s B %lld kv %lld skipped: one layer needs "
                 "%.1f GiB, over the %.0f GiB limit\n", name, (long long)B, (long long)L,
-                (double)need / (1 << 30), (double)ATT_MEM_LIMIT / (1 << 30));
+                (need_d > (double)need ? need_d : (double)need) / (1 << 30),
+                (double)ATT_MEM_LIMIT / (1 << 30));
         r->skipped += o->n_thread_counts;
         return 0;
     }
