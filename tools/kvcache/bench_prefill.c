@@ -23,6 +23,7 @@
 #define PF_PAGE 16
 #define PF_GROUP 32
 #define PF_GOAL 0.4
+#define PF_MEM_LIMIT ((size_t)6 << 30) /* per case (q, out, K, V) */
 
 /* ---- cases ------------------------------------------------------------------------ */
 
@@ -198,6 +199,20 @@ int bench_prefill(const bench_opts *o) {
             fprintf(stderr, "kvcache: bench prefill: head dim must be a multiple of %d for int8 "
                             "caches\n", PF_GROUP);
             return CLI_EXIT_USAGE;
+        }
+    /* in double: the largest --batch, --kvlen and --heads overflow int64_t */
+    for (int si = 0; si < n_shapes; si++)
+        for (int li = 0; li < n_lens; li++) {
+            const pf_shape s = shapes[si];
+            const double slots = (double)B * (double)((lens[li] + PF_PAGE - 1) / PF_PAGE * PF_PAGE);
+            const double bytes = 2 * slots * (double)(s.H * s.D) * 2 + /* K, V (f16 at most) */
+                                 2 * (double)B * (double)lens[li] * (double)(s.Hq * s.D) * 2;
+            if (bytes > (double)PF_MEM_LIMIT) {
+                fprintf(stderr, "kvcache: bench prefill: these sizes need more than %.0f GiB per "
+                        "case; lower --batch, --kvlen, --heads or --head-dim\n",
+                        (double)(PF_MEM_LIMIT >> 30));
+                return CLI_EXIT_USAGE;
+            }
         }
     bench_print_machine(o, "prefill", stdout);
     if (!o->json)
