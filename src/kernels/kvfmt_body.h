@@ -149,25 +149,43 @@ static void kv_v_channel(const unsigned char *const *cb, int64_t off, int nk, in
  * so the largest is 32767 (relative error 2^-16 of the block's largest
  * weight, below float16's), in the order the P . V loops read codes: 8-bit, token
  * order; 4-bit, per 4 VL tokens the even tokens, then the odd ones. out: nw
- * words; returns the scale back to float. */
-static float kv_wquant(const float *w, int64_t n, int bits, int16_t *out, int64_t nw) {
+ * words; returns the scale back to float, and in *err the rounding errors'
+ * sum, sum_t (wi_t * scale - w_t): their cost at the codes' centre Lq / 2,
+ * the same in every channel of the group, is what the caller takes back out
+ * (undone by a rotation of V, a common error of all channels lands on
+ * channel 0, sqrt(gv) times larger). */
+static float kv_wquant(const float *w, int64_t n, int bits, int16_t *out, int64_t nw,
+                       float *err) {
     kv_vec mx = KV_ZERO();
     for (int64_t t = 0; t < n; t += KV_VL) mx = KV_MAX(mx, KV_LOAD(w + t));
     const float m = KV_HMAX(mx);
     const kv_vec inv = KV_SET1(m > 0 ? 32767.0f / m : 0.0f);
-#define KV_WQ(t) KV_CVTI(KV_MUL(KV_LOAD(w + (t)), inv))
+    const kv_vec back = KV_SET1(m > 0 ? m / 32767.0f : 0.0f);
+    kv_vec e = KV_ZERO(); /* (the weights past n are 0: no error) */
+#define KV_WQ(t, h)                                                                              \
+    const kv_ivec h = KV_CVTI(KV_MUL(KV_LOAD(w + (t)), inv));                                    \
+    e = KV_SUB(KV_FMA(KV_I2F(h), back, e), KV_LOAD(w + (t)))
     if (bits == 8) {
-        for (int64_t t = 0; t < nw; t += 2 * KV_VL) KV_ISTORE(out + t, KV_PACK16(KV_WQ(t), KV_WQ(t + KV_VL)));
+        for (int64_t t = 0; t < nw; t += 2 * KV_VL) {
+            KV_WQ(t, h0);
+            KV_WQ(t + KV_VL, h1);
+            KV_ISTORE(out + t, KV_PACK16(h0, h1));
+        }
     } else {
         for (int64_t t = 0; t < nw; t += 4 * KV_VL) {
             kv_ivec e0, o0, e1, o1;
-            KV_EVOD(KV_WQ(t), KV_WQ(t + KV_VL), e0, o0);
-            KV_EVOD(KV_WQ(t + 2 * KV_VL), KV_WQ(t + 3 * KV_VL), e1, o1);
+            KV_WQ(t, h0);
+            KV_WQ(t + KV_VL, h1);
+            KV_WQ(t + 2 * KV_VL, h2);
+            KV_WQ(t + 3 * KV_VL, h3);
+            KV_EVOD(h0, h1, e0, o0);
+            KV_EVOD(h2, h3, e1, o1);
             KV_ISTORE(out + t, KV_PACK16(e0, e1));
             KV_ISTORE(out + t + 2 * KV_VL, KV_PACK16(o0, o1));
         }
     }
 #undef KV_WQ
+    *err = KV_HSUM(e);
     return m > 0 ? m / 32767.0f : 0.0f;
 }
 
@@ -433,7 +451,9 @@ void KV_NAME(const kvc_kvfmt_job *j) {
     const int64_t BT = G <= KV_BT ? (KV_BT / G) * G : G; /* tokens per softmax block */
     _Alignas(64) float qs[KVC_KVFMT_NV][KV_QS];
     _Alignas(64) int16_t qi[KVC_KVFMT_NV][KV_QIS]; /* 8-bit: qs */
-    float qinv[KVC_KVFMT_NV]; /* 8-bit: qs = qi * qinv */
+    float qinv[KVC_KVFMT_NV]; /* 8-bit: qs = qi * qinv (+ qi2 * qinv2) */
+    _Alignas(64) int16_t qi2[KVC_KVFMT_NV][KV_QIS]; /* 8-bit: what qi missed, when it counts */
+    float qinv2[KVC_KVFMT_NV];
     _Alignas(64) float s[KVC_KVFMT_NV][KVC_KVFMT_BT_MAX];
     _Alignas(64) int16_t wi[KVC_KVFMT_NV][KV_WI];
     _Alignas(64) float wf[KV_WI];
@@ -489,6 +509,7 @@ void KV_NAME(const kvc_kvfmt_job *j) {
         for (int64_t g0 = b0; g0 < te; g0 += G) {
             const int64_t ge = g0 + G < te ? g0 + G : te;
             kv_kparams(j, g0 / G, ks, kz);
+            int two = 0; /* some vector of this group takes a second int16 term */
             for (int v = 0; v < nv; v++) {
                 kv_vec bz = KV_ZERO(), mx = KV_ZERO();
                 for (int c = 0; c < Dh; c += KV_VL) {
@@ -505,20 +526,55 @@ void KV_NAME(const kvc_kvfmt_job *j) {
                     /* the rounding error e_c = qi_c * qinv - qs_c costs sum_c e_c *
                      * code_c; its part at the codes' centre 128 goes to the bias,
                      * leaving sum_c e_c * (code_c - 128) */
-                    kv_vec err = KV_ZERO();
+                    kv_vec err = KV_ZERO(), eabs = KV_ZERO(), rmx = KV_ZERO();
                     const kv_vec qv = KV_SET1(qinv[v]);
                     for (int c = 0; c < Dh; c += 2 * KV_VL) { /* a zero half past Dh */
                         kv_ivec h[2] = {KV_IZERO(), KV_IZERO()};
                         for (int u = 0; u < 2 && c + u * KV_VL < Dh; u++) {
                             const kv_vec x = KV_LOAD(qs[v] + c + u * KV_VL);
                             h[u] = KV_CVTI(KV_MUL(x, inv));
-                            err = KV_SUB(KV_FMA(KV_I2F(h[u]), qv, err), x);
+                            const kv_vec e = KV_FMA(KV_I2F(h[u]), qv, KV_SUB(KV_ZERO(), x));
+                            err = KV_ADD(err, e);
+                            eabs = KV_ADD(eabs, KV_ABS(e));
                         }
                         KV_ISTORE(qi[v] + c, KV_PACK16(h[0], h[1]));
+                    }
+                    /* The error left, sum_c e_c * (code_c - 128), is at most 128 *
+                     * sum |e_c| (times the score scale): below 2^-8 it is noise next
+                     * to float16 (a query's channels of comparable K ranges); above,
+                     * one channel's range dwarfs the others' (an outlier channel),
+                     * and the rounding errors r_c = qs_c - qi_c * qinv are rounded
+                     * to int16 in turn, a second dot product with 2^-15 of the error */
+                    qinv2[v] = 0.0f;
+                    if (128.0f * KV_HSUM(eabs) * fabsf(j->sc) > 0x1p-8f) {
+                        two = 1;
+                        for (int c = 0; c < Dh; c += KV_VL) {
+                            const kv_vec x = KV_LOAD(qs[v] + c);
+                            const kv_vec r = /* x - qi * qinv, rounded once */
+                                KV_FMA(KV_I2F(KV_CVTI(KV_MUL(x, inv))), KV_SET1(-qinv[v]), x);
+                            KV_STORE(qs[v] + c, r); /* qs is not read again at 8 bits */
+                            rmx = KV_MAX(rmx, KV_ABS(r));
+                        }
+                        const float m2 = KV_HMAX(rmx);
+                        const kv_vec inv2 = KV_SET1(m2 > 0 ? 32767.0f / m2 : 0.0f);
+                        qinv2[v] = m2 > 0 ? m2 / 32767.0f : 0.0f;
+                        const kv_vec qv2 = KV_SET1(qinv2[v]);
+                        err = KV_ZERO();
+                        for (int c = 0; c < Dh; c += 2 * KV_VL) {
+                            kv_ivec h[2] = {KV_IZERO(), KV_IZERO()};
+                            for (int u = 0; u < 2 && c + u * KV_VL < Dh; u++) {
+                                const kv_vec r = KV_LOAD(qs[v] + c + u * KV_VL);
+                                h[u] = KV_CVTI(KV_MUL(r, inv2));
+                                err = KV_SUB(KV_FMA(KV_I2F(h[u]), qv2, err), r);
+                            }
+                            KV_ISTORE(qi2[v] + c, KV_PACK16(h[0], h[1]));
+                        }
                     }
                     bias[v] -= 128.0f * KV_HSUM(err);
                 }
             }
+            for (int v = 0; v < nv && two; v++) /* no second term: zeros */
+                if (qinv2[v] == 0.0f) memset(qi2[v], 0, sizeof qi2[v]);
             for (int64_t tb = g0; tb < ge; tb += KV_VL) {
                 /* VL tokens inside one page (P % VL == 0) */
                 const unsigned char *kc = kv_page(j, tb) + j->k_codes + (int64_t)j->h * Dh * Pb +
@@ -529,9 +585,12 @@ void KV_NAME(const kvc_kvfmt_job *j) {
                     kv_vec acc[KV_NVB];
                     kv_k_chunks(kc, Pb, Dh, bits, qs[v0], qi[v0], nb, acc, &pf,
                                 v0 ? 0 : (pf_rate * KV_VL * 32 + Dh - 1) / Dh);
+                    kv_vec acc2[KV_NVB];
+                    if (two) kv_k_chunks(kc, Pb, Dh, bits, qs[v0], qi2[v0], nb, acc2, &pf, 0);
                     for (int v = v0; v < v0 + nb; v++) {
-                        const kv_vec r0 = bits == 4 ? KV_UNPERM4(acc[v - v0])
-                                                    : KV_MUL(acc[v - v0], KV_SET1(qinv[v]));
+                        kv_vec r0 = bits == 4 ? KV_UNPERM4(acc[v - v0])
+                                              : KV_MUL(acc[v - v0], KV_SET1(qinv[v]));
+                        if (two) r0 = KV_FMA(acc2[v - v0], KV_SET1(qinv2[v]), r0);
                         kv_vec r = KV_MUL(KV_ADD(r0, KV_SET1(bias[v])), KV_SET1(j->sc));
                         const int64_t lim = j->pos[v] - b0;
                         r = KV_KEEP_LE(r, rel, KV_SET1((float)(lim < (int64_t)n ? lim : n)));
@@ -583,6 +642,7 @@ void KV_NAME(const kvc_kvfmt_job *j) {
                 t = pe;
             }
             float zsum[KVC_KVFMT_NV], wsc[KVC_KVFMT_NV];
+            const float centre = bits == 8 ? 127.5f : 7.5f; /* Lq / 2 */
             for (int v = 0; v < nv; v++) {
                 kv_vec z = KV_ZERO();
                 for (int64_t t = 0; t < n; t += KV_VL) {
@@ -591,8 +651,9 @@ void KV_NAME(const kvc_kvfmt_job *j) {
                     KV_STORE(wf + t, KV_MUL(p, KV_LOAD(vsb + t)));
                 }
                 for (int64_t t = n; t < nw; t += KV_VL) KV_STORE(wf + t, KV_ZERO());
-                zsum[v] = KV_HSUM(z);
-                wsc[v] = kv_wquant(wf, n, bits, wi[v], nw);
+                float werr;
+                wsc[v] = kv_wquant(wf, n, bits, wi[v], nw, &werr);
+                zsum[v] = KV_HSUM(z) - centre * werr;
             }
             for (int c0 = jg * j->gv; c0 < (jg + 1) * j->gv; c0 += KV_VL) {
                 /* the rest of the next block's lines, spread over the channels
