@@ -345,6 +345,74 @@ TEST(attention_grid) {
     return 0;
 }
 
+/* core.h's 256 KiB of stack holds the compressed formats' attention too:
+ * the SIMD kernels keep their per-task state there (~215 KiB at AVX-512,
+ * qi2 sharing wi's rows). One sequence of 300 positions with an outlier K
+ * channel (the 8-bit second query term), decode and prefill rows, both
+ * members, on a thread created with exactly that stack, every ISA: the same
+ * bits as on the main thread. */
+typedef struct stack_job {
+    const kvc_kvfmt *f;
+    const kvc_tensor *pages, *q;
+    const kvc_kvfmt_seq *seq;
+    const int32_t *q_seq, *q_pos;
+    kvc_tensor *out;
+    kvc_status st;
+} stack_job;
+
+static void *stack_attention(void *arg) {
+    stack_job *j = arg;
+    j->st = kvc_kvfmt_attention(j->f, j->pages, j->seq, 1, j->q, j->q_seq, j->q_pos, NULL,
+                                j->out, NULL, NULL);
+    return NULL;
+}
+
+TEST(attention_in_256k_of_stack) {
+    const kvc_kv_format members[2] = {KVC_KVFMT_KIVI8, KVC_KVFMT_KIVI4};
+    enum { N = 300, P = 16, H = 2, D = 128, HQ = 16, NQ = 8, NP = (N + P - 1) / P };
+    for (int m = 0; m < 2; m++) {
+        kvc_kvfmt f;
+        ASSERT_OK(kvc_kvfmt_make(members[m], H, D, P, &f));
+        const size_t pb = kvc_kvfmt_page_bytes(&f), ob = (size_t)NQ * HQ * D * 4;
+        unsigned char *pages = calloc(NP, pb);
+        uint16_t *tail = calloc(1, kvc_kvfmt_tail_bytes(&f));
+        uint16_t *sink = f.sink ? calloc(1, kvc_kvfmt_sink_bytes(&f)) : NULL;
+        float *k = malloc((size_t)N * H * D * 4), *v = malloc((size_t)N * H * D * 4);
+        float *q = malloc(ob), *o1 = malloc(ob), *o2 = malloc(ob);
+        ASSERT_TRUE(pages && tail && (sink || !f.sink) && k && v && q && o1 && o2);
+        uint64_t rng = test_seed + 400 + (uint64_t)m;
+        for (int64_t i = 0; i < (int64_t)N * H * D; i++) {
+            k[i] = test_rng_f32(&rng);
+            v[i] = test_rng_f32(&rng);
+            if (i % D == 7) k[i] = k[i] > 0 ? 1000.0f : -1000.0f; /* the outlier channel */
+        }
+        for (int64_t i = 0; i < (int64_t)NQ * HQ * D; i++) q[i] = test_rng_f32(&rng);
+        int32_t ids[NP], q_seq[NQ], q_pos[NQ];
+        for (int i = 0; i < NP; i++) ids[i] = NP - 1 - i;
+        for (int i = 0; i < NQ; i++) q_seq[i] = 0, q_pos[i] = N - NQ + i;
+        kvc_kvfmt_seq seq = {ids, N, tail, sink};
+        int64_t ip[2] = {0, N}, sh[3] = {N, H, D}, psh[2] = {NP, (int64_t)pb};
+        int64_t qsh[3] = {NQ, HQ, D};
+        kvc_tensor tk = kvc_tensor_make(k, KVC_F32, 3, sh), tv = kvc_tensor_make(v, KVC_F32, 3, sh);
+        kvc_tensor tp = kvc_tensor_make(pages, KVC_U8, 2, psh);
+        kvc_tensor tq = kvc_tensor_make(q, KVC_F32, 3, qsh);
+        ASSERT_OK(kvc_kvfmt_append(&f, &tp, &seq, 1, ip, &tk, &tv, NULL));
+        FOR_EACH_ISA({
+            kvc_tensor t1 = kvc_tensor_make(o1, KVC_F32, 3, qsh);
+            kvc_tensor t2 = kvc_tensor_make(o2, KVC_F32, 3, qsh);
+            memset(o2, 0xff, ob);
+            ASSERT_OK(kvc_kvfmt_attention(&f, &tp, &seq, 1, &tq, q_seq, q_pos, NULL, &t1, NULL,
+                                          NULL));
+            stack_job j = {&f, &tp, &tq, &seq, q_seq, q_pos, &t2, KVC_ERR_INTERNAL};
+            ASSERT_TRUE(test_on_small_stack(stack_attention, &j) == 0);
+            ASSERT_OK(j.st);
+            ASSERT_MEM_EQ(o1, o2, ob);
+        });
+        free(pages), free(tail), free(sink), free(k), free(v), free(q), free(o1), free(o2);
+    }
+    return 0;
+}
+
 /* A decode step of one sequence that ends exactly on a group (empty tail)
  * and a long one split into the kernels' chunks (over 1024 keys). */
 TEST(attention_chunks) {
@@ -443,6 +511,7 @@ TEST(attention_rows_same_in_any_call) {
 const char *test_suite_name = "kvfmt";
 const test_case test_suite[] = {
     TEST_ENTRY(attention_grid),
+    TEST_ENTRY(attention_in_256k_of_stack),
     TEST_ENTRY(attention_chunks),
     TEST_ENTRY(attention_rows_same_in_any_call),
     {0, 0},

@@ -452,10 +452,15 @@ void KV_NAME(const kvc_kvfmt_job *j) {
     _Alignas(64) float qs[KVC_KVFMT_NV][KV_QS];
     _Alignas(64) int16_t qi[KVC_KVFMT_NV][KV_QIS]; /* 8-bit: qs */
     float qinv[KVC_KVFMT_NV]; /* 8-bit: qs = qi * qinv (+ qi2 * qinv2) */
-    _Alignas(64) int16_t qi2[KVC_KVFMT_NV][KV_QIS]; /* 8-bit: what qi missed, when it counts */
     float qinv2[KVC_KVFMT_NV];
     _Alignas(64) float s[KVC_KVFMT_NV][KVC_KVFMT_BT_MAX];
-    _Alignas(64) int16_t wi[KVC_KVFMT_NV][KV_WI];
+    /* the V weights (wi, the P . V of a block) and, in the scores before
+     * them, the second int16 term of 8-bit queries (qi2) share their rows:
+     * the stack stays within core.h's 256 KiB */
+    _Static_assert(KV_QIS <= KV_WI, "qi2 rows fit in wi's");
+    _Alignas(64) int16_t wbuf[KVC_KVFMT_NV * KV_WI];
+    int16_t (*const wi)[KV_WI] = (int16_t (*)[KV_WI])wbuf;
+    int16_t (*const qi2)[KV_QIS] = (int16_t (*)[KV_QIS])wbuf; /* what qi missed, when it counts */
     _Alignas(64) float wf[KV_WI];
     _Alignas(64) float tmp[KVC_KVFMT_NV * KV_VL * KV_VL];
 #ifdef KV_WK
