@@ -140,6 +140,15 @@ TEST(utf8_and_classes) {
     ASSERT_EQ_I64(kvc__cp_class(0x1F389), KVC__CP_OTHER); /* emoji: So */
     ASSERT_EQ_I64(kvc__cp_class(0xDCFF), KVC__CP_OTHER);  /* an escaped bad byte */
     ASSERT_EQ_I64(kvc__cp_class(0x10FFFF), KVC__CP_OTHER);
+    /* the classes are Unicode 16.0's, as Hugging Face tokenizers' (gen_unicode_tables.py):
+     * letters and digits of 15.0, 15.1 and 16.0, and one that 17.0 assigned */
+    ASSERT_EQ_I64(kvc__cp_class(0x31350), KVC__CP_LETTER); /* CJK extension H (15.0) */
+    ASSERT_EQ_I64(kvc__cp_class(0x1E4D0), KVC__CP_LETTER); /* Nag Mundari letter O (15.0) */
+    ASSERT_EQ_I64(kvc__cp_class(0x11F50), KVC__CP_NUMBER); /* Kawi digit zero (15.0) */
+    ASSERT_EQ_I64(kvc__cp_class(0x2EBF0), KVC__CP_LETTER); /* CJK extension I (15.1) */
+    ASSERT_EQ_I64(kvc__cp_class(0x1C89), KVC__CP_LETTER);  /* Cyrillic capital TJE (16.0) */
+    ASSERT_EQ_I64(kvc__cp_class(0x16130), KVC__CP_NUMBER); /* Gurung Khema digit zero (16.0) */
+    ASSERT_EQ_I64(kvc__cp_class(0x16EA0), KVC__CP_OTHER);  /* Beria Erfe letter (17.0) */
     ASSERT_TRUE(kvc__py_isspace(0x1C) && !kvc__py_isspace(0x200B) && kvc__py_isspace(' '));
     return 0;
 }

@@ -9,7 +9,8 @@
  *      parse_special, USER_DEFINED tokens (added words) always, as Hugging
  *      Face tokenizers and llama.cpp do. BPE never produces them from text;
  *   2. the rest is split into pieces by the pre-tokenizer's regexes
- *      (hand-written scanners; classes from Unicode 14.0 tables):
+ *      (hand-written scanners; classes from Unicode 16.0 tables, as Hugging
+ *      Face tokenizers 0.23; llama.cpp's are 15.1, without 16.0's letters):
  *        "gpt2" (also mpt, olmo, jais):
  *            's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
  *        "smollm" (also starcoder, refact, command-r, codeshell, exaone):

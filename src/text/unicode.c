@@ -2,7 +2,7 @@
  * Unicode helpers: strict UTF-8 decoding, the code-point classes the
  * pre-tokenizer scanners ask for, and GPT-2's byte <-> unicode table.
  *
- * The class table (unicode_tables.h) is generated from Python's unicodedata
+ * The class table (unicode_tables.h) is generated from Unicode 16.0's data
  * by scripts/gen_unicode_tables.py: ~800 sorted ranges, searched by bisection
  * for non-ASCII code points; ASCII has its own 128-entry table because almost
  * all text the tokenizer sees is mostly ASCII.

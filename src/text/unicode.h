@@ -70,7 +70,8 @@ uint32_t kvc__byte_to_cp(unsigned char b);
 /* Inverse: the byte of code point cp, or -1 if cp is not in the image. */
 int kvc__cp_to_byte(uint32_t cp);
 
-/* Unicode version of the class table ("14.0.0"). */
+/* Unicode version of the class table ("16.0.0"; the chat templates' tables
+ * follow the str of the Python that generated them). */
 const char *kvc__unicode_version(void);
 
 #endif
