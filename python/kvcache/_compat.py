@@ -181,6 +181,34 @@ def no_run_extras(**kwargs) -> None:
         neutral(name, value, (None, False) if name.startswith("use") else (None,))
 
 
+def no_kernel_args(api: str, args) -> None:
+    """FlashInfer's wrapper run(q, cache, *args, ...) passes extra positional
+    inputs to custom JIT kernel variants (and, on its fp8 tensor-core path,
+    reads per-tensor fp8 scale tensors from them). kvcache has neither, so
+    any extra positional is refused, each one named: every option after the
+    cache (k/v for ragged) is keyword-only, as in FlashInfer, kvcache's own
+    kv_scale= included."""
+    if not args:
+        return
+    named = "; ".join(f"args[{i}]: {_describe(a)}" for i, a in enumerate(args))
+    raise UnsupportedError(
+        f"{api}.run() got {len(args)} extra positional argument(s) ({named}): FlashInfer "
+        f"passes these to custom kernel variants, which kvcache does not have. Options are "
+        f"keyword-only, as in FlashInfer: kv_scale= (int8/int4 group scales), return_lse=, "
+        f"q_scale=/k_scale=/v_scale=, out=, lse=")
+
+
+def _describe(x) -> str:
+    """A short description of an argument for an error message."""
+    if isinstance(x, np.ndarray):
+        return f"{x.dtype} array of shape {x.shape}"
+    if isinstance(x, (tuple, list)):
+        return (f"{type(x).__name__} of {len(x)} (" +
+                ", ".join(_describe(a) for a in x[:4]) + (", ..." if len(x) > 4 else "") + ")")
+    r = repr(x)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
 def no_variant_inputs(**kwargs) -> None:
     """FlashInfer plan() inputs of kernel variants kvcache does not have
     (multi-item scoring: prefix_len_ptr, token_pos_in_items_ptr,

@@ -548,7 +548,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
     begin_forward = plan
 
     @_lib.locked
-    def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False, *, q_scale=None,
+    def run(self, q, paged_kv_cache, *args, kv_scale=None, return_lse=False, q_scale=None,
             k_scale=None, v_scale=None, out=None, lse=None, window_left=None, enable_pdl=None,
             sinks=None, q_len_per_req=None, skip_softmax_threshold_scale_factor=None,
             kv_cache_sf=None):
@@ -561,6 +561,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
                 v_cache) pair of (max_pages, page_size, H, Dh) /
                 (max_pages, H, page_size, Dh) arrays, as for
                 append_paged_kv_cache; uint8 means int4.
+            *args: FlashInfer's extra inputs of custom kernel variants;
+                none is accepted (UnsupportedError naming them): the options
+                below are keyword-only, as FlashInfer's.
             kv_scale: int8/int4 caches only (required there): scales
                 mirroring the cache (one array or a pair), last dimension
                 Dh / quant_group.
@@ -584,6 +587,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
             o (B, num_qo_heads, head_dim) of o_data_type (None: q's dtype),
             or (o, lse (B, num_qo_heads) float32) with return_lse.
         """
+        _compat.no_kernel_args("BatchDecodeWithPagedKVCacheWrapper", args)
         if (q_len_per_req is not None or skip_softmax_threshold_scale_factor is not None or
                 kv_cache_sf is not None):
             _compat.no_run_extras(
@@ -633,10 +637,12 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
                 raise InvalidArgumentError(f"logits_soft_cap and window_left are not supported "
                                            f"over {fmt.name} caches")
             self._kvfmt = (fmt, table, sm_scale, hq, q_dt, o_dt)
-            return self.run(q, paged_kv_cache, kv_scale, return_lse, q_scale=q_scale,
+            return self.run(q, paged_kv_cache, kv_scale=kv_scale, return_lse=return_lse,
+                            q_scale=q_scale,
                             k_scale=k_scale, v_scale=v_scale)
         self._info["params"] = _attn_params(sm_scale, logits_soft_cap, window_left)
-        return self.run(q, paged_kv_cache, kv_scale, return_lse, q_scale=q_scale,
+        return self.run(q, paged_kv_cache, kv_scale=kv_scale, return_lse=return_lse,
+                            q_scale=q_scale,
                         k_scale=k_scale, v_scale=v_scale)
 
     #: FlashInfer's deprecated forward_return_lse: forward(..., return_lse=True).

@@ -112,13 +112,13 @@ def _decode_case(rng, threads, batch, kv_len, cache_dtype, *, use_out=False, ret
 
     if use_out:
         def py():
-            return w.run(q, cache, scale, return_lse, out=out, lse=lse)
+            return w.run(q, cache, kv_scale=scale, return_lse=return_lse, out=out, lse=lse)
     elif return_lse:
         def py():
-            return w.run(q, cache, scale, True)
+            return w.run(q, cache, kv_scale=scale, return_lse=True)
     else:
         def py():
-            return w.run(q, cache, scale)
+            return w.run(q, cache, kv_scale=scale)
 
     pc, keep = _combined_cache(cache, scale, _lib.KVC_NHD, group)
     params = _lib.kvc_attn_default_params()

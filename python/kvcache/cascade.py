@@ -160,7 +160,7 @@ class MultiLevelCascadeAttentionWrapper(_lib.NoCopy):
         """FlashInfer's deprecated end_forward(): nothing to do."""
 
     @_lib.locked
-    def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False, *, q_scale=None,
+    def run(self, q, paged_kv_cache, *args, kv_scale=None, return_lse=False, q_scale=None,
             k_scale=None, v_scale=None, out=None, lse=None):
         """Cascade attention for one layer.
 
@@ -168,6 +168,8 @@ class MultiLevelCascadeAttentionWrapper(_lib.NoCopy):
             q: (nnz, num_qo_heads, head_dim) float32/float16/bfloat16.
             paged_kv_cache: one array or a (k_cache, v_cache) pair, as for
                 BatchPrefillWithPagedKVCacheWrapper.run (only read).
+            *args: none accepted (FlashInfer's run takes q and the cache
+                only); the options below are keyword-only.
             kv_scale: int8/int4 caches only: scales mirroring the cache.
             return_lse: also return the base-2 log-sum-exp of the merged
                 state.
@@ -178,6 +180,7 @@ class MultiLevelCascadeAttentionWrapper(_lib.NoCopy):
             o (nnz, num_qo_heads, head_dim), or (o, lse (nnz, num_qo_heads)
             float32) with return_lse.
         """
+        _compat.no_kernel_args("MultiLevelCascadeAttentionWrapper", args)
         if self._plan is None:
             raise InvalidArgumentError("MultiLevelCascadeAttentionWrapper.run: call plan() first")
         info = self._info

@@ -463,7 +463,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
     begin_forward = plan
 
     @_lib.locked
-    def run(self, q, paged_kv_cache, kv_scale=None, return_lse=False, *, q_scale=None,
+    def run(self, q, paged_kv_cache, *args, kv_scale=None, return_lse=False, q_scale=None,
             k_scale=None, v_scale=None, out=None, lse=None, window_left=None, enable_pdl=None,
             sinks=None, kv_cache_sf=None, skip_softmax_threshold_scale_factor=None,
             use_fp16_softmax=None, uses_spcompress=None):
@@ -476,6 +476,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
                 v_cache) pair of (max_pages, page_size, H, Dh) /
                 (max_pages, H, page_size, Dh) arrays; uint8 means int4. Only
                 read (read-only arrays are fine).
+            *args: FlashInfer's extra inputs of custom kernel variants;
+                none is accepted (UnsupportedError naming them): the options
+                below are keyword-only, as FlashInfer's.
             kv_scale: int8/int4 caches only (required there): scales
                 mirroring the cache (one array or a pair), last dimension
                 Dh / quant_group.
@@ -497,6 +500,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             o (qo_indptr[-1], num_qo_heads, head_dim), or (o, lse
             (qo_indptr[-1], num_qo_heads) float32) with return_lse.
         """
+        _compat.no_kernel_args(self._name, args)
         if (kv_cache_sf is not None or skip_softmax_threshold_scale_factor is not None or
                 use_fp16_softmax or uses_spcompress):
             _compat.no_run_extras(
@@ -532,8 +536,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         caches, as run's."""
         self._forward_options(causal, pos_encoding_mode, use_fp16_qk_reduction, window_left,
                               logits_soft_cap, sm_scale)
-        return self.run(q, paged_kv_cache, kv_scale, return_lse, k_scale=k_scale,
-                        v_scale=v_scale)
+        return self.run(q, paged_kv_cache, kv_scale=kv_scale, return_lse=return_lse,
+                        k_scale=k_scale, v_scale=v_scale)
 
     #: FlashInfer's deprecated forward_return_lse: forward(..., return_lse=True).
     forward_return_lse = functools.partialmethod(forward, return_lse=True)
@@ -610,7 +614,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
     begin_forward = plan
 
     @_lib.locked
-    def run(self, q, k, v, kv_scale=None, return_lse=False, *, q_scale=None, k_scale=None,
+    def run(self, q, k, v, *args, kv_scale=None, return_lse=False, q_scale=None, k_scale=None,
             v_scale=None, o_scale=None, out=None, lse=None, window_left=None, enable_pdl=None,
             sinks=None, kv_cache_sf=None):
         """Prefill attention for one layer.
@@ -619,6 +623,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
             q: (qo_indptr[-1], num_qo_heads, head_dim) float32/float16/bfloat16.
             k, v: (kv_indptr[-1], H, Dh) (NHD) or (H, kv_indptr[-1], Dh)
                 (HND): float32, float16, bfloat16, int8 or uint8 (int4).
+            *args: none accepted, as the paged wrapper's run (options are
+                keyword-only).
             kv_scale: int8/int4 only (required there): a (k_scale, v_scale)
                 pair of float32/float16 arrays, k's shape with last
                 dimension Dh / quant_group.
@@ -631,6 +637,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         Returns:
             o, or (o, lse) with return_lse, as the paged wrapper.
         """
+        _compat.no_kernel_args(self._name, args)
         if o_scale is not None or kv_cache_sf is not None:
             _compat.no_run_extras(o_scale=o_scale, kv_cache_sf=kv_cache_sf)
         qa, q_t = self._check_q(q)
@@ -670,7 +677,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
         kv_scale: int8/int4 k/v, as run's)."""
         self._forward_options(causal, pos_encoding_mode, use_fp16_qk_reduction, window_left,
                               logits_soft_cap, sm_scale)
-        return self.run(q, k, v, kv_scale, return_lse)
+        return self.run(q, k, v, kv_scale=kv_scale, return_lse=return_lse)
 
     #: FlashInfer's deprecated forward_return_lse: forward(..., return_lse=True).
     forward_return_lse = functools.partialmethod(forward, return_lse=True)

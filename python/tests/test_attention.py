@@ -464,7 +464,7 @@ def test_batch_decode_every_isa(isa, rng):
         w = kvcache.BatchDecodeWithPagedKVCacheWrapper(kv_layout="HND")
         w.plan(indptr, indices, last, 4, 2, 32, 16)
         q = rng.standard_normal((3, 4, 32)).astype(np.float32)
-        o, lse = w.run(q, cache, scale, return_lse=True)
+        o, lse = w.run(q, cache, kv_scale=scale, return_lse=True)
         for b in range(3):
             want_o, want_lse = ref_decode(f64(q[b]), kv[b][0], kv[b][1])
             assert_close(o[b], want_o, 1e-5, f"o {isa} {storage} request {b}")
@@ -521,7 +521,7 @@ def test_batch_decode_errors(rng):
     w = kvcache.BatchDecodeWithPagedKVCacheWrapper(kv_layout="NHD")
     q = rng.standard_normal((2, 4, 32)).astype(np.float32)
     with pytest.raises(E, match="plan"):
-        w.run(q, cache, scale)
+        w.run(q, cache, kv_scale=scale)
     # FlashInfer's positional arguments (buffers, backend, jit_args) are taken
     # and ignored; num_threads after them is keyword-only
     kvcache.BatchDecodeWithPagedKVCacheWrapper(None, "NHD", False, False, None, None, None,
@@ -549,26 +549,26 @@ def test_batch_decode_errors(rng):
     with pytest.raises(E, match="window_right"):
         w.plan(indptr, indices, last, 4, 2, 32, 16, window_right=-2)
     w.plan(indptr, indices, last, 4, 2, 32, 16, kv_data_type="int8", q_data_type="float32")
-    o = w.run(q, cache, scale)
+    o = w.run(q, cache, kv_scale=scale)
     for right in (-1, 5):  # the query is the last position: nothing to its right
         w.plan(indptr, indices, last, 4, 2, 32, 16, kv_data_type="int8", q_data_type="float32",
                window_right=right)
-        np.testing.assert_array_equal(w.run(q, cache, scale), o)
+        np.testing.assert_array_equal(w.run(q, cache, kv_scale=scale), o)
     with pytest.raises(E):
         w.run(q, cache)  # int8 without scales
     with pytest.raises(E):
-        w.run(q[:1], cache, scale)  # batch size
+        w.run(q[:1], cache, kv_scale=scale)  # batch size
     with pytest.raises(E):
-        w.run(q[:, :, :16], cache, scale)  # head_dim
+        w.run(q[:, :, :16], cache, kv_scale=scale)  # head_dim
     with pytest.raises(E):
-        w.run(q.astype(F16), cache, scale)  # q_data_type
+        w.run(q.astype(F16), cache, kv_scale=scale)  # q_data_type
     with pytest.raises(E):
         w.run(q, cache.astype(F32))  # kv_data_type / scale
     with pytest.raises(E):
-        w.run(q, cache[:2], scale[:2])  # page ids outside the cache
+        w.run(q, cache[:2], kv_scale=scale[:2])  # page ids outside the cache
     with pytest.raises(E):
-        w.run(q, (cache[:, 0], cache[:, 1]), scale)  # scale must mirror the cache
-    o2 = w.run(q, cache, scale)
+        w.run(q, (cache[:, 0], cache[:, 1]), kv_scale=scale)  # scale must mirror the cache
+    o2 = w.run(q, cache, kv_scale=scale)
     ref.assert_same_bytes(o2, o, "o after errors")
 
 
@@ -582,8 +582,8 @@ def test_batch_decode_strided_views(rng, layout):
     w = kvcache.BatchDecodeWithPagedKVCacheWrapper(kv_layout=layout, num_threads=2)
     w.plan(indptr, indices, last, 6, 2, 32, 16, kv_data_type="int4")
     q = rng.standard_normal((3, 6, 32)).astype(np.float32).astype(F16)
-    o = w.run(q, cache, scale)
-    o2 = w.run(q, (cache[:, 0], cache[:, 1]), (scale[:, 0], scale[:, 1]))
+    o = w.run(q, cache, kv_scale=scale)
+    o2 = w.run(q, (cache[:, 0], cache[:, 1]), kv_scale=(scale[:, 0], scale[:, 1]))
     ref.assert_same_bytes(o2, o, "views vs combined")
     for b in range(3):
         want_o, _ = ref_decode(f64(q[b]), kv[b][0], kv[b][1])

@@ -170,7 +170,7 @@ def test_cascade_vs_reference_and_flat_prefill(isa, rng, c):
         wb = kvcache.BatchPrefillWithPagedKVCacheWrapper(kv_layout=sc.pg.layout)
         wb.plan(sc.qo_indptr, *sc.flat_table(), hq, sc.pg.heads, c["dh"], sc.page_size,
                 causal=causal)
-        ob, lb = wb.run(q, sc.pg.cache, sc.pg.scale, return_lse=True)
+        ob, lb = wb.run(q, sc.pg.cache, kv_scale=sc.pg.scale, return_lse=True)
         assert_close(o, f64(ob), out_tol(q.dtype), "o vs batch prefill " + what)
         assert_close(lse, f64(lb), lse_tol(q.dtype), "lse vs batch prefill " + what)
         # and per request, a single prefill over the concatenated K/V
@@ -251,7 +251,7 @@ def test_cascade_errors(rng):
         kvcache.MultiLevelCascadeAttentionWrapper(3, None, "NHD", False, None, None, None, None, 2)
     w = kvcache.MultiLevelCascadeAttentionWrapper(3, kv_layout="NHD")
     with pytest.raises(E, match="plan"):
-        w.run(q, sc.pg.cache, sc.pg.scale)
+        w.run(q, sc.pg.cache, kv_scale=sc.pg.scale)
     bad_qo_end = [a.copy() for a in qo]
     bad_qo_end[1][-1] -= 1  # levels no longer end at the same total
     bad_last = [a.copy() for a in last]
@@ -267,11 +267,11 @@ def test_cascade_errors(rng):
     with pytest.raises(E):
         w.plan(qo, ip, idx, last, hq, h, 64, 5, window_left=-2)
     w.plan(qo, ip, idx, last, hq, h, 64, 5, causal=True, kv_data_type="int8")
-    o = w.run(q, sc.pg.cache, sc.pg.scale)
-    for args in ((q, sc.pg.cache), (q[:-1], sc.pg.cache, sc.pg.scale),
-                 (q[:, :, :32], sc.pg.cache, sc.pg.scale),
-                 (q, sc.pg.cache[:3], sc.pg.scale[:3]),
-                 (q, sc.pg.cache.astype(F32))):
+    o = w.run(q, sc.pg.cache, kv_scale=sc.pg.scale)
+    for args, scale in (((q, sc.pg.cache), None), ((q[:-1], sc.pg.cache), sc.pg.scale),
+                        ((q[:, :, :32], sc.pg.cache), sc.pg.scale),
+                        ((q, sc.pg.cache[:3]), sc.pg.scale[:3]),
+                        ((q, sc.pg.cache.astype(F32)), None)):
         with pytest.raises(E):
-            w.run(*args)
-    ref.assert_same_bytes(w.run(q, sc.pg.cache, sc.pg.scale), o, "o after errors")
+            w.run(*args, kv_scale=scale)
+    ref.assert_same_bytes(w.run(q, sc.pg.cache, kv_scale=sc.pg.scale), o, "o after errors")

@@ -310,14 +310,15 @@ def test_int8_decode_scales_change_between_calls(rng):
     w = kvcache.BatchDecodeWithPagedKVCacheWrapper(num_threads=1)
     w.plan(indptr, indices, last, hq, h, d, ps, kv_data_type="int8", quant_group=g)
     q = rng.standard_normal((1, hq, d)).astype(np.float32)
-    o1 = w.run(q, cache, scale)
-    o2 = w.run(q, cache, scale * 2)  # other scale array, same layout: V doubles, scores change
+    o1 = w.run(q, cache, kv_scale=scale)
+    # other scale array, same layout: V doubles, scores change
+    o2 = w.run(q, cache, kv_scale=scale * 2)
     assert not np.array_equal(o1, o2)
-    np.testing.assert_array_equal(w.run(q, cache, scale), o1)
+    np.testing.assert_array_equal(w.run(q, cache, kv_scale=scale), o1)
     with pytest.raises(InvalidArgumentError, match="kv_scale"):
         w.run(q, cache)  # the scale is still required after calls that had one
     with pytest.raises(InvalidArgumentError):
-        w.run(q, cache, (scale, scale))
+        w.run(q, cache, kv_scale=(scale, scale))
 
 
 def test_append_follows_the_arrays_and_flags(rng):

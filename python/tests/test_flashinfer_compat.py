@@ -404,7 +404,7 @@ def test_deprecated_forward_api(rng):
     c8 = rng.integers(-127, 128, cache.shape).astype(np.int8)
     s8 = (0.01 + 0.02 * rng.random(cache.shape[:-1] + (dh // 8,))).astype(F32)
     w.plan(indptr, indices, last, hq, h, dh, 4, kv_data_type="int8", quant_group=8)
-    np.testing.assert_array_equal(w.forward(q, c8, kv_scale=s8), w.run(q, c8, s8))
+    np.testing.assert_array_equal(w.forward(q, c8, kv_scale=s8), w.run(q, c8, kv_scale=s8))
 
     # paged prefill planned without causal, forward(causal=True) = a causal plan
     qo = np.array([0, 4, 9], np.int32)
@@ -762,3 +762,94 @@ def test_run_extras_refused_not_ignored(rng):
                 {"ckv_scale_arr": np.ones((4, ps, 1), F32)}):
         with pytest.raises(kvcache.UnsupportedError, match=next(iter(bad))):
             mla.run(qn, qp, ckv, kpe, **bad)
+
+
+def test_run_takes_flashinfer_positionals_only(rng):
+    """FlashInfer's wrappers are run(q, paged_kv_cache, *args, q_scale=...,
+    return_lse=..., ...) (ragged: run(q, k, v, *args, ...)): *args are inputs
+    of custom kernel variants, and everything after them is keyword-only.
+    kvcache has no kernel variants, so an extra positional is refused with
+    UnsupportedError naming it (a stale run(q, cache, kv_scale) call is not
+    read as anything); kv_scale= and return_lse= work by keyword, against
+    float64 references of the dequantized int8 cache."""
+    import inspect
+
+    h, hq, dh, ps, group = 2, 4, 16, 4, 8
+    pg = ar.Paged(rng, [9, 5], ps, h, dh, "int8", group=group)
+    s8 = pg.scale
+    sm = 1.0 / math.sqrt(dh)
+    keyword_only = ("kv_scale", "return_lse", "q_scale", "k_scale", "v_scale", "out", "lse")
+
+    def check_signature(fn, fixed):
+        ps_ = list(inspect.signature(fn).parameters.values())
+        assert [p.name for p in ps_[:len(fixed)]] == list(fixed)
+        assert ps_[len(fixed)].kind is inspect.Parameter.VAR_POSITIONAL
+        kinds = {p.name: p.kind for p in ps_}
+        for name in keyword_only:
+            assert kinds[name] is inspect.Parameter.KEYWORD_ONLY, name
+
+    def refused(call, n):
+        with pytest.raises(kvcache.UnsupportedError) as e:
+            call()
+        msg = str(e.value)
+        assert f"got {n} extra positional argument" in msg and "args[0]" in msg
+        assert "kv_scale=" in msg
+        return msg
+
+    # decode
+    qd = ar.random_q(rng, (2, hq, dh), F32)
+    dec = kvcache.BatchDecodeWithPagedKVCacheWrapper(None, "NHD")
+    check_signature(dec.run, ("q", "paged_kv_cache"))
+    dec.plan(*pg.table(), hq, h, dh, ps, kv_data_type="int8", quant_group=group)
+    o, lse = dec.run(qd, pg.cache, kv_scale=s8, return_lse=True)
+    want_o, want_lse = _decode_ref(qd, pg.kv, sm)
+    ar.assert_close(o, want_o, 1e-5, "decode o")
+    ar.assert_close(lse, want_lse, 1e-5, "decode lse")
+    msg = refused(lambda: dec.run(qd, pg.cache, s8), 1)
+    assert f"float32 array of shape {s8.shape}" in msg
+    refused(lambda: dec.run_return_lse(qd, pg.cache, s8), 1)
+    msg = refused(lambda: dec.run(qd, pg.cache, s8, True), 2)
+    assert "args[1]: True" in msg
+    dec.plan(*pg.table(), hq, h, dh, ps)  # float cache: a positional None is refused too
+    fcache = pg.deq.astype(F32)
+    refused(lambda: dec.run(qd, fcache, None), 1)
+    np.testing.assert_array_equal(dec.run(qd, fcache, kv_scale=None),
+                                  dec.run(qd, fcache))
+
+    # paged prefill
+    qo = np.array([0, 3, 5], np.int32)
+    qp = ar.random_q(rng, (5, hq, dh), F32)
+    paged = kvcache.BatchPrefillWithPagedKVCacheWrapper(None, "NHD")
+    check_signature(paged.run, ("q", "paged_kv_cache"))
+    paged.plan(qo, *pg.table(), hq, h, dh, ps, causal=True, kv_data_type="int8",
+               quant_group=group)
+    o, lse = paged.run(qp, pg.cache, kv_scale=s8, return_lse=True)
+    want_o, want_lse = ar.batch_prefill(ar.f64(qp), pg.kv, qo, causal=True)
+    ar.assert_close(o, want_o, 1e-5, "paged prefill o")
+    ar.assert_close(lse, want_lse, 1e-5, "paged prefill lse")
+    refused(lambda: paged.run(qp, pg.cache, s8), 1)
+    refused(lambda: paged.run_return_lse(qp, pg.cache, s8), 1)
+
+    # ragged prefill: k, v and their (k_scale, v_scale) pair
+    ragged = kvcache.BatchPrefillWithRaggedKVCacheWrapper(None, "NHD")
+    check_signature(ragged.run, ("q", "k", "v"))
+    parts = [pg.stored_request(b) for b in range(2)]
+    k, v, ks, vs = (np.concatenate([p[i] for p in parts]) for i in range(4))
+    ragged.plan(qo, np.array([0, 9, 14], np.int32), hq, h, dh, causal=True,
+                kv_data_type="int8", quant_group=group)
+    o, lse = ragged.run(qp, k, v, kv_scale=(ks, vs), return_lse=True)
+    ar.assert_close(o, want_o, 1e-5, "ragged o")
+    ar.assert_close(lse, want_lse, 1e-5, "ragged lse")
+    msg = refused(lambda: ragged.run(qp, k, v, (ks, vs)), 1)
+    assert "tuple of 2" in msg
+
+    # cascade: one level, the same causal prefill
+    cas = kvcache.MultiLevelCascadeAttentionWrapper(1, None, "NHD")
+    check_signature(cas.run, ("q", "paged_kv_cache"))
+    cas.plan([qo], [pg.indptr], [pg.indices], [pg.last], hq, h, dh, ps, causal=True,
+             kv_data_type="int8", quant_group=group)
+    o, lse = cas.run(qp, pg.cache, kv_scale=s8, return_lse=True)
+    ar.assert_close(o, want_o, 1e-5, "cascade o")
+    ar.assert_close(lse, want_lse, 1e-5, "cascade lse")
+    refused(lambda: cas.run(qp, pg.cache, s8), 1)
+    refused(lambda: cas.forward(qp, pg.cache, s8, True), 2)

@@ -526,7 +526,7 @@ def run_paged_case(rng, c, num_threads=2):
 @pytest.mark.parametrize("c", BATCH, ids=[batch_id(c) for c in BATCH])
 def test_batch_prefill_paged_grid(isa, rng, c):
     w, pg, q, _qo_indptr, _kw, o, _lse = run_paged_case(rng, c)
-    o2 = w.run(q, pg.cache, pg.scale)  # run again, without lse: same bytes
+    o2 = w.run(q, pg.cache, kv_scale=pg.scale)  # run again, without lse: same bytes
     ref.assert_same_bytes(o2, o, "o of a second run without lse")
 
 
@@ -605,7 +605,7 @@ def run_ragged_case(rng, c, num_threads=2):
 def test_batch_prefill_ragged_grid(isa, rng, c):
     c = dict(c, storage=ar.STORAGES[(c["i"] + 1) % 5], layout=LAYOUTS[(c["i"] // 2 + 1) % 2])
     w, args, _qi, _ki, _kw, o, _lse = run_ragged_case(rng, c)
-    o2 = w.run(*args[:3], args[3])
+    o2 = w.run(*args[:3], kv_scale=args[3])
     ref.assert_same_bytes(o2, o, "o of a second run without lse")
 
 
@@ -628,7 +628,7 @@ def test_batch_rows_equal_single_requests(rng, kind):
                                                              num_threads=1)
             w1.plan(qo_indptr, *pg.table(), q.shape[1], pg.heads, c["dh"], c["page_size"],
                     **kw)
-            o1, lse1 = w1.run(q, pg.cache, pg.scale, return_lse=True)
+            o1, lse1 = w1.run(q, pg.cache, kv_scale=pg.scale, return_lse=True)
         else:
             _w, args, qo_indptr, kv_indptr, kw, o, lse = run_ragged_case(rng, c, num_threads=2)
             q, kl, vl, kv_scale = args
@@ -649,7 +649,7 @@ def test_batch_rows_equal_single_requests(rng, kind):
                                 None if vs is None else vs[sl]))
             w1 = kvcache.BatchPrefillWithRaggedKVCacheWrapper(kv_layout=lay, num_threads=1)
             w1.plan(qo_indptr, kv_indptr, q.shape[1], per_req[0][0].shape[1], c["dh"], **kw)
-            o1, lse1 = w1.run(q, kl, vl, kv_scale, return_lse=True)
+            o1, lse1 = w1.run(q, kl, vl, kv_scale=kv_scale, return_lse=True)
         ref.assert_same_bytes(o1, o, f"{kind} o, 1 vs 2 threads")
         ref.assert_same_bytes(lse1, lse, f"{kind} lse, 1 vs 2 threads")
         off = 0
@@ -691,13 +691,13 @@ def test_batch_packed_mask_equals_boolean_and_views(rng, layout):
                    {"packed_custom_mask": packed_kvc}):
             w = kvcache.BatchPrefillWithPagedKVCacheWrapper(None, layout)
             w.plan(qo_indptr, *pg.table(), hq, h, dh, ps, quant_group=group, **kw)
-            outs.append(w.run(q, pg.cache, pg.scale, return_lse=True))
+            outs.append(w.run(q, pg.cache, kv_scale=pg.scale, return_lse=True))
         check_batch(*outs[0], q, want_o, want_lse, qo_indptr, f"{storage} group {group}")
         for o, lse in outs[1:]:
             ref.assert_same_bytes(o, outs[0][0], "o packed vs boolean batch mask")
             ref.assert_same_bytes(lse, outs[0][1], "lse packed vs boolean batch mask")
         sc = None if pg.scale is None else (pg.scale[:, 0], pg.scale[:, 1])
-        ov, lv = w.run(q, (pg.cache[:, 0], pg.cache[:, 1]), sc, return_lse=True)
+        ov, lv = w.run(q, (pg.cache[:, 0], pg.cache[:, 1]), kv_scale=sc, return_lse=True)
         ref.assert_same_bytes(ov, outs[0][0], "o of K/V views vs combined cache")
         ref.assert_same_bytes(lv, outs[0][1], "lse of K/V views vs combined cache")
 
@@ -776,7 +776,7 @@ def test_batch_plan_reuse_and_qo_only_requests(rng):
         cache = pg.cache.copy()
         cache.flags.writeable = False
         scale = None if pg.scale is None else pg.scale.copy()
-        o, lse = w.run(q, cache, scale, return_lse=True)
+        o, lse = w.run(q, cache, kv_scale=scale, return_lse=True)
         want_o, want_lse = ar.batch_prefill(f64(q), pg.kv, qo_indptr, causal=True)
         check_batch(o, lse, q, want_o, want_lse, qo_indptr, f"layer {layer}")
         assert np.all(o[0:3] == 0) and np.all(np.isneginf(lse[0:3]))  # request 1: no keys
@@ -792,7 +792,7 @@ def test_batch_prefill_errors(rng):
     q = ar.random_q(rng, (5, hq, dh), F32)
     w = kvcache.BatchPrefillWithPagedKVCacheWrapper(kv_layout="NHD")
     with pytest.raises(E, match="plan"):
-        w.run(q, pg.cache, pg.scale)
+        w.run(q, pg.cache, kv_scale=pg.scale)
     # FlashInfer's positional arguments (buffers, backend, jit_args, jit_kwargs)
     # are taken and ignored; num_threads after them is keyword-only
     fi_args = (None, "NHD", False) + (None,) * 6 + ("fa3", None, None)
@@ -832,14 +832,15 @@ def test_batch_prefill_errors(rng):
     w.plan(qo_indptr, indptr, indices, last, hq, h, dh, ps, causal=True, kv_data_type="int8",
            q_data_type="float32")
     cache0, scale0 = pg.cache.copy(), pg.scale.copy()
-    o = w.run(q, pg.cache, pg.scale)
-    for args in ((q, pg.cache), (q[:4], pg.cache, pg.scale), (q[:, :, :16], pg.cache, pg.scale),
-                 (q[:, :2], pg.cache, pg.scale), (q.astype(F16), pg.cache, pg.scale),
-                 (q, pg.cache.astype(F32)), (q, pg.cache[:2], pg.scale[:2]),
-                 (q, (pg.cache[:, 0], pg.cache[:, 1]), pg.scale)):
+    o = w.run(q, pg.cache, kv_scale=pg.scale)
+    for args, scale in (((q, pg.cache), None), ((q[:4], pg.cache), pg.scale),
+                        ((q[:, :, :16], pg.cache), pg.scale), ((q[:, :2], pg.cache), pg.scale),
+                        ((q.astype(F16), pg.cache), pg.scale), ((q, pg.cache.astype(F32)), None),
+                        ((q, pg.cache[:2]), pg.scale[:2]),
+                        ((q, (pg.cache[:, 0], pg.cache[:, 1])), pg.scale)):
         with pytest.raises(E):
-            w.run(*args)
-    ref.assert_same_bytes(w.run(q, pg.cache, pg.scale), o, "o after errors")
+            w.run(*args, kv_scale=scale)
+    ref.assert_same_bytes(w.run(q, pg.cache, kv_scale=pg.scale), o, "o after errors")
     ref.assert_same_bytes(pg.cache, cache0, "cache (only read)")
     ref.assert_same_bytes(pg.scale, scale0, "scale (only read)")
     # ragged
