@@ -439,13 +439,44 @@ def _accepted(allowed) -> str:
     return " (accepted: " + ", ".join(_CODE_NAMES.get(c, str(c)) for c in allowed) + ")"
 
 
+#: The names a dtype may be given by, wherever kvcache takes one as a string
+#: (plan q/kv/o_data_type, o_dtype, PagedKVCache dtype and scale_dtype, quant
+#: dtypes, Model kv_dtype, KV store configs): FlashInfer's, which are torch
+#: attribute names (getattr(torch, name), so "float" is float32 and "half"
+#: float16, unlike numpy's "float" = float64), and kvcache's short forms
+#: ("f32", "fp16", "bf16", "i8", "i4"; "i8" is int8 here, not numpy's int64).
+#: Case and surrounding blanks are ignored. Other strings fall back to numpy's
+#: dtype names ("single", "f4", ...) where a numpy dtype is wanted.
+DTYPE_ALIASES = {
+    "float32": KVC_F32, "float": KVC_F32, "fp32": KVC_F32, "f32": KVC_F32,
+    "float16": KVC_F16, "half": KVC_F16, "fp16": KVC_F16, "f16": KVC_F16,
+    "bfloat16": KVC_BF16, "bf16": KVC_BF16,
+    "int8": KVC_I8, "i8": KVC_I8,
+    "int4": KVC_I4, "i4": KVC_I4,
+    "uint8": KVC_U8,
+}
+
+
+def dtype_alias(name) -> int | None:
+    """kvc_dtype code of a dtype name of DTYPE_ALIASES, or None."""
+    if not isinstance(name, str):
+        return None
+    return DTYPE_ALIASES.get(name.strip().lower())
+
+
 def resolve_dtype(dtype) -> np.dtype:
-    """numpy dtype from a numpy dtype/type or a name ("float32", "bfloat16", ...)."""
-    if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
+    """numpy dtype from a numpy dtype/type or a name (DTYPE_ALIASES first:
+    "float32"/"float", "float16"/"half", "bfloat16", ...; "int4" is uint8,
+    the arrays that hold packed int4)."""
+    code = dtype_alias(dtype)
+    if code == KVC_BF16:
         bf = bfloat16_dtype()
         if bf is None:
             raise InvalidArgumentError("bfloat16 needs the ml_dtypes package")
         return bf
+    if code is not None:
+        return np.dtype({KVC_F32: np.float32, KVC_F16: np.float16, KVC_I8: np.int8,
+                         KVC_I4: np.uint8, KVC_U8: np.uint8}[code])
     try:
         return np.dtype(dtype)
     except TypeError as exc:

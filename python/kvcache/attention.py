@@ -369,27 +369,16 @@ def single_decode_with_kv_cache(q, k, v, kv_layout="NHD", pos_encoding_mode="NON
 # ---------------------------------------------------------------------------
 # Batched decode over a paged cache
 
-_KV_TYPE_NAMES = {
-    "float32": np.dtype(np.float32), "fp32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16), "fp16": np.dtype(np.float16),
-    "half": np.dtype(np.float16), "int8": np.dtype(np.int8), "int4": _U8, "uint8": _U8,
-}
-
-
 def _data_type(x, name: str, allow_quant: bool):
-    """numpy dtype for a plan's q_data_type / kv_data_type (None: any)."""
+    """numpy dtype for a plan's q_data_type / kv_data_type (None: any): a
+    numpy dtype or a name (_lib.DTYPE_ALIASES: FlashInfer's "float32" /
+    "float", "float16" / "half", "bfloat16", and "int8", "int4" / "uint8")."""
     if x is None:
         return None
-    if isinstance(x, str):
-        key = x.strip().lower()
-        if key in ("bfloat16", "bf16"):
-            dt = _lib.resolve_dtype("bfloat16")
-        elif key in _KV_TYPE_NAMES:
-            dt = _KV_TYPE_NAMES[key]
-        else:
-            raise InvalidArgumentError(f"{name}: unknown dtype {x!r}")
-    else:
+    try:
         dt = _lib.resolve_dtype(x)
+    except InvalidArgumentError:
+        raise InvalidArgumentError(f"{name}: unknown dtype {x!r}") from None
     code = _lib.dtype_code(dt)
     allowed = _KV_CODES if allow_quant else _lib.FLOAT_CODES
     if code not in allowed:
@@ -465,8 +454,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
             num_qo_heads, num_kv_heads, head_dim, page_size: ints
                 (num_qo_heads % num_kv_heads == 0).
             kv_data_type: optional cache dtype that run checks ("float32",
-                "float16", "bfloat16", "int8", "int4" (uint8 arrays), or a
-                numpy dtype); or a compressed format, "kivi8" or "kivi4"
+                "float16", "bfloat16", "int8", "int4" (uint8 arrays), any
+                name of _lib.DTYPE_ALIASES such as FlashInfer's "float"
+                (float32) and "half", or a numpy dtype); or a compressed format, "kivi8" or "kivi4"
                 (docs/KV_FORMATS.md): run then takes the (pages, tails) pair
                 (kivi8) or (pages, tails, sinks) triple (kivi4) that
                 append_paged_kv_cache(kv_format=) writes (sm_scale only; no

@@ -69,13 +69,6 @@ _DTYPE_NAMES = {
     _lib.KVC_I8: "int8",
     _lib.KVC_I4: "int4",
 }
-_DTYPE_ALIASES = {
-    "float32": _lib.KVC_F32, "f32": _lib.KVC_F32, "fp32": _lib.KVC_F32, "float": _lib.KVC_F32,
-    "float16": _lib.KVC_F16, "f16": _lib.KVC_F16, "fp16": _lib.KVC_F16, "half": _lib.KVC_F16,
-    "bfloat16": _lib.KVC_BF16, "bf16": _lib.KVC_BF16,
-    "int8": _lib.KVC_I8, "i8": _lib.KVC_I8,
-    "int4": _lib.KVC_I4, "i4": _lib.KVC_I4,
-}
 _QUANT_CODES = (_lib.KVC_I8, _lib.KVC_I4)
 _INT64_MAX = 2**63 - 1
 
@@ -83,7 +76,7 @@ _INT64_MAX = 2**63 - 1
 def _dtype_code(dtype, name: str, allowed) -> int:
     """kvc_dtype code of a storage/scale dtype given by name or numpy dtype."""
     if isinstance(dtype, str):
-        code = _DTYPE_ALIASES.get(dtype.strip().lower())
+        code = _lib.dtype_alias(dtype)  # FlashInfer's names ("float", "half", ...) too
     else:
         try:
             code = _lib.dtype_code(np.dtype(dtype))
@@ -270,7 +263,8 @@ class PagedKVCache(_lib.NoCopy):
         num_pages: pages in the pool (> 0), or None to derive it from
             max_bytes.
         dtype: storage: "float32", "float16", "bfloat16", "int8" or "int4"
-            (or a numpy dtype for the first four).
+            (or a numpy dtype for the first four; FlashInfer's "float" and
+            "half" and the short forms of _lib.DTYPE_ALIASES are accepted).
         kv_layout: "NHD" or "HND".
         enable_prefix_caching: look up / register full pages by their token
             ids (needs token ids in add_sequence/append).

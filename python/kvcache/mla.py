@@ -62,7 +62,7 @@ def _float_type(x, name: str):
     """numpy dtype of a plan's q_data_type / kv_data_type (None: not checked)."""
     if x is None:
         return None
-    dt = _lib.resolve_dtype(x.strip().lower() if isinstance(x, str) else x)
+    dt = _lib.resolve_dtype(x)
     if _lib.dtype_code(dt) not in _lib.FLOAT_CODES:
         raise InvalidArgumentError(f"{name} must be float32, float16 or bfloat16, got {dt}")
     return dt
@@ -122,7 +122,8 @@ class BatchMLAPagedAttentionWrapper(_lib.NoCopy):
                 DeepSeek's pre-absorption head dim).
             q_data_type, kv_data_type: optional dtypes run checks q_nope/q_pe
                 and ckv_cache/kpe_cache against ("float32", "float16",
-                "bfloat16" or numpy dtypes).
+                "bfloat16", FlashInfer's "float" (float32) and "half", or
+                numpy dtypes).
             use_profiler: must be False (no profiler here).
             logits_soft_cap: None or 0 for none, else cap * tanh(s / cap).
         """

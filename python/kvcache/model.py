@@ -116,25 +116,26 @@ kvc_engine_cache = _p("kvc_engine_cache", _vp, _vp)
 # the compressed formats of docs/KV_FORMATS.md (kv format codes 1, 2).
 _KV_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, "int4": 4}
 _KV_FORMATS = {"kivi8": 1, "kivi4": 2}
-_DTYPE_ALIASES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+_CODE_KEYS = {_lib.KVC_F32: "float32", _lib.KVC_F16: "float16", _lib.KVC_BF16: "bfloat16",
+              _lib.KVC_I8: "int8", _lib.KVC_I4: "int4"}
 
 
 def _kv_dtype(name) -> tuple[str, int]:
-    """(name, kvc_dtype code) of a per-token cache dtype."""
-    key = _DTYPE_ALIASES.get(str(name), str(name))
-    if key not in _KV_DTYPES:
+    """(name, kvc_dtype code) of a per-token cache dtype, by any name of
+    _lib.DTYPE_ALIASES ("float16"/"half"/"f16", "float32"/"float", ...)."""
+    code = _lib.dtype_alias(name)
+    if code not in _CODE_KEYS:
         raise InvalidArgumentError(
             f"kv_dtype {name!r}: expected one of {', '.join(_KV_DTYPES)}")
-    code = {"float32": _lib.KVC_F32, "float16": _lib.KVC_F16, "bfloat16": _lib.KVC_BF16,
-            "int8": _lib.KVC_I8, "int4": _lib.KVC_I4}[key]
-    return key, code
+    return _CODE_KEYS[code], code
 
 
 def _kv_storage(name) -> tuple[str, int, int]:
     """(name, kvc_dtype code, kvc_kv_format code) of a kv_dtype that may also
     name a compressed format (then the dtype code is float16's, unused)."""
-    if str(name) in _KV_FORMATS:
-        return str(name), _lib.KVC_F16, _KV_FORMATS[str(name)]
+    fmt = name.strip().lower() if isinstance(name, str) else None
+    if fmt in _KV_FORMATS:
+        return fmt, _lib.KVC_F16, _KV_FORMATS[fmt]
     try:
         key, code = _kv_dtype(name)
     except InvalidArgumentError:

@@ -423,7 +423,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
             sm_scale, window_left, logits_soft_cap: as
                 single_prefill_with_kv_cache.
             q_data_type, kv_data_type: optional dtypes that run checks
-                ("float32", "float16", "bfloat16"; kv also "int8", "int4").
+                ("float32", "float16", "bfloat16"; kv also "int8", "int4"; any
+                name of _lib.DTYPE_ALIASES, FlashInfer's "float" and "half" too).
             o_data_type: output dtype (None: q's).
             rope_scale, rope_theta: ignored ("NONE" encoding).
             non_blocking, fixed_split_size, disable_split_kv: checked and

@@ -853,3 +853,129 @@ def test_run_takes_flashinfer_positionals_only(rng):
     ar.assert_close(lse, want_lse, 1e-5, "cascade lse")
     refused(lambda: cas.run(qp, pg.cache, s8), 1)
     refused(lambda: cas.forward(qp, pg.cache, s8, True), 2)
+
+
+# FlashInfer reads dtype strings as torch attribute names (utils.py
+# canonicalize_torch_dtype: getattr(torch, name)): "float" is float32 and
+# "half" float16 there, unlike numpy's "float" (float64).
+_FLOAT_NAMES = [("float", F32), ("float32", F32), ("half", F16), ("float16", F16),
+                (" Float ", F32), ("fp16", F16), ("f32", F32)]
+
+
+@pytest.mark.parametrize("name,dt", _FLOAT_NAMES, ids=[n.strip() + "-" + np.dtype(d).name
+                                                        for n, d in _FLOAT_NAMES])
+def test_dtype_names_as_flashinfer(rng, name, dt):
+    """Every place that takes a dtype by name reads FlashInfer's names the
+    same way: plan q/kv/o_data_type of the decode, prefill, cascade and MLA
+    wrappers, single_prefill's o_dtype, PagedKVCache dtype/scale_dtype,
+    quant.convert/quantize/dequantize and Model kv_dtype. The outputs have
+    that dtype and match float64 references; float64 names stay refused."""
+    from kvcache import model as kv_model
+    from kvcache import quant
+
+    h, hq, dh, ps = 2, 4, 16, 4
+    tol = 1e-5 if dt == F32 else 2e-3
+    cache, indptr, indices, last, kv = _paged(rng, [7, 5], ps, h, dh)
+    cache = cache.astype(dt)
+    kv = [(ar.f64(k.astype(dt)), ar.f64(v.astype(dt))) for k, v in kv]
+    qd = ar.random_q(rng, (2, hq, dh), dt)
+    dec = kvcache.BatchDecodeWithPagedKVCacheWrapper(None, "NHD")
+    dec.plan(indptr, indices, last, hq, h, dh, ps, q_data_type=name, kv_data_type=name,
+             o_data_type=name)
+    o = dec.run(qd, cache)
+    assert o.dtype == dt
+    ar.assert_close(o, _decode_ref(qd, kv, 1.0 / math.sqrt(dh))[0], tol, f"decode {name}")
+    other = F16 if dt == F32 else F32
+    with pytest.raises(kvcache.InvalidArgumentError):  # the plan's q dtype is checked
+        dec.run(qd.astype(other), cache)
+    dec.plan(indptr, indices, last, hq, h, dh, ps, data_type=name)  # FlashInfer's deprecated
+    assert dec.run(qd, cache).dtype == dt
+
+    qo = np.array([0, 3, 5], np.int32)
+    qp = ar.random_q(rng, (5, hq, dh), dt)
+    want_o, _ = ar.batch_prefill(ar.f64(qp), kv, qo, causal=True)
+    paged = kvcache.BatchPrefillWithPagedKVCacheWrapper(None, "NHD")
+    paged.plan(qo, indptr, indices, last, hq, h, dh, ps, causal=True, q_data_type=name,
+               kv_data_type=name, o_data_type=name)
+    o = paged.run(qp, cache)
+    assert o.dtype == dt
+    ar.assert_close(o, want_o, tol, f"paged prefill {name}")
+    ragged = kvcache.BatchPrefillWithRaggedKVCacheWrapper(None, "NHD")
+    ragged.plan(qo, np.array([0, 7, 12], np.int32), hq, h, dh, causal=True, q_data_type=name,
+                kv_data_type=name, o_data_type=name)
+    k = np.concatenate([a for a, _ in kv]).astype(dt)
+    v = np.concatenate([b for _, b in kv]).astype(dt)
+    o = ragged.run(qp, k, v)
+    assert o.dtype == dt
+    ar.assert_close(o, want_o, tol, f"ragged {name}")
+    cas = kvcache.MultiLevelCascadeAttentionWrapper(1, None, "NHD")
+    cas.plan([qo], [indptr], [indices], [last], hq, h, dh, ps, causal=True, q_data_type=name,
+             kv_data_type=name, o_data_type=name)
+    o = cas.run(qp, cache)
+    assert o.dtype == dt
+    ar.assert_close(o, want_o, tol, f"cascade {name}")
+    o = kvcache.single_prefill_with_kv_cache(qp[:3], kv[0][0].astype(dt), kv[0][1].astype(dt),
+                                             causal=True, o_dtype=name)
+    assert o.dtype == dt
+    ar.assert_close(o, want_o[:3], tol, f"single prefill {name}")
+
+    mla = kvcache.BatchMLAPagedAttentionWrapper(None)
+    mla.plan(np.array([0, 1], np.int32), np.array([0, 2], np.int32), np.array([1, 3], np.int32),
+             np.array([7], np.int32), 2, 32, 16, ps, False, 0.2, q_data_type=name,
+             kv_data_type=name)
+    ckv = ar.random_q(rng, (4, ps, 32), dt)
+    kpe = ar.random_q(rng, (4, ps, 16), dt)
+    qn, qpe = ar.random_q(rng, (1, 2, 32), dt), ar.random_q(rng, (1, 2, 16), dt)
+    assert mla.run(qn, qpe, ckv, kpe).shape == (1, 2, 32)
+    with pytest.raises(kvcache.InvalidArgumentError):
+        mla.run(qn.astype(other), qpe.astype(other), ckv, kpe)
+
+    pc = kvcache.PagedKVCache(1, h, dh, ps, 4, dtype=name)
+    assert pc.dtype == np.dtype(dt).name
+    pc.close()
+    pc = kvcache.PagedKVCache(1, h, dh, ps, 4, dtype="int8", scale_dtype=name)
+    assert pc.scale_dtype == np.dtype(dt).name
+    pc.close()
+    x = rng.standard_normal((3, 16)).astype(np.float32)
+    y = quant.convert(x, name)
+    assert y.dtype == dt
+    np.testing.assert_array_equal(y, x.astype(dt))
+    qx, s = quant.quantize(x, 8, 8, scale_dtype=name)
+    assert s.dtype == dt
+    assert quant.dequantize(qx, s, 8, 8, dtype=name).dtype == dt
+    assert kv_model._kv_storage(name)[:2] == (np.dtype(dt).name,
+                                              {F32: 0, F16: 1}[dt])
+
+    for bad in ("float64", "double"):
+        with pytest.raises(kvcache.InvalidArgumentError):
+            dec.plan(indptr, indices, last, hq, h, dh, ps, q_data_type=bad)
+        with pytest.raises(kvcache.InvalidArgumentError):
+            kvcache.PagedKVCache(1, h, dh, ps, 4, dtype=bad)
+        with pytest.raises(kvcache.InvalidArgumentError):
+            quant.convert(x, bad)
+        with pytest.raises(kvcache.InvalidArgumentError):
+            kv_model._kv_storage(bad)
+
+
+def test_quantized_dtype_names(rng):
+    """kv_data_type "int8"/"i8" and "int4"/"i4"/"uint8" (int4 lives in uint8
+    arrays) name the same cache dtypes in every wrapper."""
+    h, hq, dh, ps = 2, 4, 16, 4
+    pg = ar.Paged(rng, [6, 3], ps, h, dh, "int4", group=8)
+    qd = ar.random_q(rng, (2, hq, dh), F32)
+    dec = kvcache.BatchDecodeWithPagedKVCacheWrapper(None, "NHD")
+    outs = []
+    for name in ("int4", "I4", "uint8"):
+        dec.plan(*pg.table(), hq, h, dh, ps, kv_data_type=name, quant_group=8)
+        outs.append(dec.run(qd, pg.cache, kv_scale=pg.scale))
+    want, _ = _decode_ref(qd, pg.kv, 1.0 / math.sqrt(dh))
+    ar.assert_close(outs[0], want, 1e-5, "int4 decode")
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+    for name in ("int8", "i8"):
+        dec.plan(*pg.table(), hq, h, dh, ps, kv_data_type=name, quant_group=8)
+        with pytest.raises(kvcache.InvalidArgumentError, match="int8"):
+            dec.run(qd, pg.cache, kv_scale=pg.scale)  # a uint8 (int4) cache
+    pc = kvcache.PagedKVCache(1, h, dh, ps, 4, dtype="i4")
+    assert pc.dtype == "int4"
+    pc.close()
