@@ -811,11 +811,48 @@ def test_differential_regressions_match_jinja():
     want = _jinja(template, msgs, True, tools=tools)
     assert want == "a:array;b:string;"
     assert kvcache.render_chat_template(template, msgs, tools=tools) == want
-    # the rest of a filtered loop left early, needed after the loop: jinja2 would test it
-    # then, with the names bound as when the loop started; kvcache refuses
-    template = ("{% set ns = namespace(n=0, l=none) %}{% for x in [1, 2, 3] if x > ns.n %}"
-                "{% set ns.l = loop %}{% break %}{% endfor %}{% set ns.n = 2 %}{{ ns.l.length }}")
-    assert _jinja(template, msgs, True) == "2"
+    # the rest of a filtered loop left with break, needed after the loop: jinja2 tests it
+    # then, reading the names around the for statement as they are then (closure
+    # variables of its generator), so a later set counts (this was refused)
+    cases = {
+        "{% set ns = namespace(n=0, l=none) %}{% for x in [1, 2, 3] if x > ns.n %}"
+        "{% set ns.l = loop %}{% break %}{% endfor %}{% set ns.n = 2 %}{{ ns.l.length }}": "2",
+        "{% set y = 0 %}{% set ns = namespace(l=none) %}{% for x in [1, 2, 3] if x > y %}"
+        "{% set ns.l = loop %}{% break %}{% endfor %}{% set y = 2 %}{{ ns.l.length }}": "2",
+        "{% set ns = namespace(l=none) %}{% for x in [1, 2, 3] if w is not defined or x > w %}"
+        "{% set ns.l = loop %}{% break %}{% endfor %}{% set w = 2 %}{{ ns.l.length }}": "2",
+        "{% set y = 0 %}{% set ns = namespace(l=none) %}{% for x in [1, 2, 3] if x > y %}"
+        "{% set ns.l = loop %}{% break %}{% endfor %}{% set y = 5 %}{{ ns.l.last }}"
+        "{{ ns.l.nextitem }}{{ ns.l.revindex }}": "True1",
+        # a later iteration of the enclosing loop: its variables as they are then
+        "{% set ns = namespace(l=none) %}{% for a in [0, 2] %}{% if a == 0 %}"
+        "{% for x in [1, 2, 3] if x > a %}{% set ns.l = loop %}{% break %}{% endfor %}"
+        "{% else %}{{ ns.l.length }}{% endif %}{% endfor %}": "2",
+        # inside the macro that holds the loop, after its variable changed
+        "{% set ns = namespace(l=none) %}{% macro m(k) %}{% set k2 = k + 1 %}"
+        "{% for x in [1, 2, 3, 4] if x > k2 %}{% set ns.l = loop %}{% break %}{% endfor %}"
+        "{% set k2 = 3 %}{{ ns.l.length }}{% endmacro %}{{ m(0) }}": "2",
+        # not the body's names, nor a later loop's
+        "{% set ns = namespace(l=none) %}{% set y = 0 %}{% for x in [1, 2, 3] if x > y %}"
+        "{% set ns.l = loop %}{% set y = 5 %}{% break %}{% endfor %}{% for i in [1] %}"
+        "{% set y = 2 %}{% set x = 9 %}{{ ns.l.length }}{% endfor %}": "3",
+    }
+    for template, want in cases.items():
+        assert _jinja(template, msgs, True) == want, template
+        assert kvcache.render_chat_template(template, msgs) == want, template
+    # read after the macro holding the loop returned: jinja2 tests with the macro's last
+    # values; kvcache refuses (after a loop or block set jinja2 fails on `missing`)
+    template = ("{% set ns = namespace(l=none) %}{% macro m(k) %}{% for x in [1, 2, 3, 4] if "
+                "x > k %}{% set ns.l = loop %}{% break %}{% endfor %}{% endmacro %}{{ m(0) }}"
+                "{{ ns.l.length }}")
+    assert _jinja(template, msgs, True) == "4"
+    with pytest.raises(kvcache.UnsupportedError, match="filtered loop"):
+        kvcache.render_chat_template(template, msgs)
+    template = ("{% set ns = namespace(l=none) %}{% for a in [0, 2] %}{% if a == 0 %}"
+                "{% for x in [1, 2, 3] if x > a %}{% set ns.l = loop %}{% break %}{% endfor %}"
+                "{% endif %}{% endfor %}{{ ns.l.length }}")
+    with pytest.raises(Exception):
+        _jinja(template, msgs, True)
     with pytest.raises(kvcache.UnsupportedError, match="filtered loop"):
         kvcache.render_chat_template(template, msgs)
     # outside the subset, not an error in jinja2: UNSUPPORTED, not INVALID_ARG

@@ -91,12 +91,24 @@ static kvc_status bind_targets(ctx *c, const node *n, value item) {
 /* A loop's `if` filter, run as jinja2 runs it: a generator the loop pulls
  * each item from as it reaches it (and further ahead when loop.last,
  * nextitem or length is read), so what the body changes (a namespace) is
- * seen by the tests of the items after. */
+ * seen by the tests of the items after.
+ *
+ * jinja2's generator is a Python function nested in the one that runs the
+ * for statement, so the names its condition reads are closure variables:
+ * each test sees their values at that moment. A loop left with break and
+ * read later (a `loop` kept in a namespace) tests the rest of its items then,
+ * with the values the scopes around the for statement have then (set after
+ * the loop, or in a later iteration of an enclosing loop): while those
+ * scopes are live, this is what looking them up finds. Once the scope that
+ * held the for statement is gone, jinja2 still sees its last values (a
+ * macro's, kept by the closure) or Python's `missing` (a loop's or block
+ * set's, which it clears when leaving them); that case is refused. */
 struct loop_filter {
     const node *n;   /* the for statement: targets, condition n->d */
     const list *src; /* every item */
     size_t next;     /* the first one not tested */
     int frame;       /* the loop's frame: the condition sees the scopes below it */
+    uint64_t serial; /* frames[frame - 1].serial at the loop's start */
     int floor, def_depth; /* the view of the for statement (see ctx) */
     int busy;        /* the condition is running */
     int ended;       /* the loop is over (left with break) */
@@ -105,11 +117,16 @@ struct loop_filter {
 kvc_status kvc__chat_loop_pull(ctx *c, loop_ctx *lp, int64_t want) {
     loop_filter *f = lp->filter;
     if (!f || (int64_t)lp->items->n > want) return KVC_OK;
-    if (f->ended) /* jinja2 would test them now, with its names bound as at the loop's start */
+    /* After the loop, the scopes below its frame are still the same pushes
+     * (the stack only grows and shrinks at the top, and a push takes a new
+     * serial) when the innermost of them is; the frames from the loop's up
+     * are others now, hidden below as the loop's body was. */
+    if (f->ended && (f->frame > c->n_frames || c->frames[f->frame - 1].serial != f->serial))
         return kvc__error(KVC_ERR_UNSUPPORTED,
                           "chat template, line %d: loop.last, nextitem, length or revindex of "
-                          "a filtered loop (for ... if) left early, read after the loop, is "
-                          "not supported", c->cur ? c->cur->line : f->n->line);
+                          "a filtered loop (for ... if) left with break, read after the macro, "
+                          "loop or block set that held it has ended, is not supported",
+                          c->cur ? c->cur->line : f->n->line);
     if (f->busy) /* the condition reads its own loop ahead: Python's ValueError */
         return kvc__chat_runtime_error(f->n->d, "generator already executing");
     if (c->n_frames >= MAX_DEPTH + 1) return kvc__chat_runtime_error(f->n, "nested too deeply");
@@ -167,6 +184,7 @@ static kvc_status exec_for(ctx *c, const node *n) {
         lp->filter->n = n;
         lp->filter->src = items.u.l;
         lp->filter->frame = c->n_frames;
+        lp->filter->serial = c->frames[c->n_frames - 1].serial;
         lp->filter->floor = c->scope_floor;
         lp->filter->def_depth = c->def_depth;
         lp->items = kept.u.l;
