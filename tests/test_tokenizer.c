@@ -647,6 +647,13 @@ TEST(chat_differential_regressions) {
          "{{ [{'items': 1}, [5]] | map(attribute='items') | list }}"
          "{{ [{'a': [5, 6]}] | join(attribute='a.1') }}",
          "[1]0[2]1TrueFalse[1, Undefined]6"},
+        /* a range's count and index, as Python's (they were refused) */
+        {"{{ range(5).count(2) }}{{ range(5).count(5) }}{{ range(5).count(true) }}"
+         "{{ range(5).count('a') }}{{ range(10, 0, -3).index(4) }}{{ range(10)[2:8:2].index(6) }}"
+         "{{ range(9223372036854775800, 9223372036854775807, 3).index(9223372036854775806) }}",
+         "10102" "2" "2"},
+        {"{{ range(5).index(5) }}", NULL},
+        {"{{ range(5).count() }}", NULL},
         /* dict views printed as lists */
         {"{% set d = {'a': 1, 'b': 'x'} %}{{ d.keys() }} {{ [d.values()] }} {{ d.items() | string }}"
          " {{ {}.keys() }} {{ d.items() | list }} {{ d.values() | length }} {{ 'b' in d.keys() }}",

@@ -708,6 +708,24 @@ DIFFERENTIAL_REGRESSIONS = [
     " {{ range(10)[2:5] }} {{ range(3)[5:] }} {{ range(10, 0, -3)[1::2] }} {{ [range(2)] }}",
     "{{ range(2) ~ '' }} {{ range(5)[1:3].start }} {{ range(5).count is defined }}"
     " {{ range(5).foo is defined }} {{ range(0) == range(2, 2) }}",
+    # a range's count and index, as Python's (they were refused): arithmetic for ints and
+    # bools, no item equals anything else; index's ValueError and the arity TypeErrors fail
+    "{{ range(5).count(2) }}{{ range(5).count(5) }}{{ range(5).count(-1) }}"
+    "{{ range(5).count(true) }}{{ range(5).count(false) }}{{ range(5).count('a') }}"
+    "{{ range(5).count(none) }}{{ range(5).count(nope) }}{{ range(5).count([1]) }}"
+    "{{ range(0).count(0) }}{{ range(5).count(range(5)) }}",
+    "{{ range(10, 0, -3).count(4) }}{{ range(10, 0, -3).count(5) }}{{ range(10, 0, -3).index(4) }}"
+    "{{ range(10, 0, -3).index(1) }}{{ range(10)[2:8:2].index(6) }}"
+    "{{ range(10, 0, -3)[1::2].index(1) }}{{ range(10, 0, -3)[1::2].count(4) }}"
+    "{{ range(3)[::-1].index(0) }}{{ range(3).index(true) }}{{ range(-5, 5).index(-5) }}",
+    "{{ range(9223372036854775800, 9223372036854775807, 3).index(9223372036854775806) }}"
+    "{{ range(-9223372036854775807, 9223372036854775807, 9223372036854775807).index(0) }}"
+    "{{ range(0, -10, -9223372036854775807).count(-9) }}{{ range(5, -9223372036854775807, -1)"
+    ".count(-9223372036854775806) }}",
+    "{% set r = range(3) %}{{ r.count(r|first) }}{{ r.index(r|last) }}",
+    "{{ range(5).index(5) }}", "{{ range(5, 0, -1).index(0) }}", "{{ range(5).index('a') }}",
+    "{{ range(5).index(nope) }}", "{{ range(5).count() }}", "{{ range(5).count(1, 2) }}",
+    "{{ range(5).count(x=1) }}", "{{ range(5).index() }}", "{{ range(5).index(1, 0) }}",
     # `loop` is jinja2's LoopContext, not a dict (loop.items(), loop|length, 'x' in loop, ...)
     "{% for x in [1, 2] %}{{ loop.items() }}{% endfor %}",
     "{% for x in [1, 2] %}{{ loop.keys() }}{% endfor %}",
@@ -855,6 +873,13 @@ def test_differential_regressions_match_jinja():
         _jinja(template, msgs, True)
     with pytest.raises(kvcache.UnsupportedError, match="filtered loop"):
         kvcache.render_chat_template(template, msgs)
+    # range.index of a missing value is Python's ValueError, a template error (not UNSUPPORTED)
+    for template, msg in (("{{ range(5).index(5) }}", "5 is not in range"),
+                          ("{{ range(5).index('a') }}", "not in sequence"),
+                          ("{{ range(5).count() }}", r"takes exactly one argument \(0 given\)"),
+                          ("{{ range(5).index(x=1) }}", "no keyword arguments")):
+        with pytest.raises(kvcache.InvalidArgumentError, match=msg):
+            kvcache.render_chat_template(template, msgs)
     # outside the subset, not an error in jinja2: UNSUPPORTED, not INVALID_ARG
     assert _jinja("{{ {1: 'a'}[1] }}", msgs, True) == "a"
     with pytest.raises(kvcache.UnsupportedError, match="string dictionary keys"):

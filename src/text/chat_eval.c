@@ -303,10 +303,54 @@ static kvc_status call_loop_method(ctx *c, const node *n, loop_ctx *lp, str m, c
     return KVC_OK;
 }
 
+/* range.count(x) and range.index(x), as Python's: an int (or bool) is looked
+ * up arithmetically (a range is what start, stop and step say; its items are
+ * those too), anything else equals no item (no floats here), so its count is
+ * 0 and its index a ValueError. Exactly one positional argument. */
+static kvc_status call_range_method(const node *n, const list *r, str m, const args *a,
+                                    value *out) {
+    int count = str_eq(m, "count");
+    if (a->n_kw)
+        return kvc__chat_runtime_error(n, "range.%s() takes no keyword arguments",
+                                       count ? "count" : "index");
+    if (a->n_pos != 1)
+        return kvc__chat_runtime_error(n, "range.%s() takes exactly one argument (%zu given)",
+                                       count ? "count" : "index", a->n_pos);
+    const value *x = &a->pos[0];
+    int hit = 0;
+    uint64_t pos = 0;
+    if (is_num(x)) {
+        int64_t v = x->u.i;
+        /* differences in unsigned arithmetic: exact, as they lie in [0, 2^64) */
+        if (r->step > 0 && v >= r->start && v < r->stop) {
+            uint64_t d = (uint64_t)v - (uint64_t)r->start, s = (uint64_t)r->step;
+            hit = d % s == 0;
+            pos = d / s;
+        } else if (r->step < 0 && v <= r->start && v > r->stop) {
+            uint64_t d = (uint64_t)r->start - (uint64_t)v, s = 0 - (uint64_t)r->step;
+            hit = d % s == 0;
+            pos = d / s;
+        }
+    }
+    if (count) {
+        *out = v_int(hit);
+        return KVC_OK;
+    }
+    if (!hit) {
+        if (is_num(x))
+            return kvc__chat_runtime_error(n, "%lld is not in range", (long long)x->u.i);
+        return kvc__chat_runtime_error(n, "sequence.index(x): x not in sequence");
+    }
+    *out = v_int((int64_t)pos); /* < the range's length, which fits */
+    return KVC_OK;
+}
+
 static kvc_status call_method(ctx *c, const node *n, const value *obj, str m, const args *a,
                               value *out) {
     if (obj->t == V_UNDEF) return kvc__chat_undefined_error(n->a->a);
     if (obj->t == V_LOOP) return call_loop_method(c, n, obj->u.lp, m, a, out);
+    if (obj->t == V_LIST && obj->u.l->kind == L_RANGE && (str_eq(m, "count") || str_eq(m, "index")))
+        return call_range_method(n, obj->u.l, m, a, out);
     if (obj->t == V_STR || obj->t == V_DICT) KVC_TRY(method_arity(n, obj, m, a));
     if (obj->t == V_STR) {
         str s = obj->u.s, x = {NULL, 0};
