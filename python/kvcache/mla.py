@@ -127,7 +127,7 @@ class BatchMLAPagedAttentionWrapper(_lib.NoCopy):
             use_profiler: must be False (no profiler here).
             logits_soft_cap: None or 0 for none, else cap * tanh(s / cap).
         """
-        if use_profiler:
+        if use_profiler is not None and _lib.flag(use_profiler, "use_profiler"):
             raise UnsupportedError("BatchMLAPagedAttentionWrapper.plan: use_profiler is not "
                                    "supported")
         ints = [_lib.int32_attr(x, n) for x, n in (

@@ -149,14 +149,17 @@ def _opt_tensor(arr):
 
 def _check_flashinfer_only(head_dim_qk, head_dim_vo, pos_encoding_mode,
                            use_fp16_qk_reduction=False) -> None:
-    """FlashInfer options kvcache accepts only at their neutral values."""
-    if head_dim_vo is not None and head_dim_vo != head_dim_qk:
+    """FlashInfer options kvcache accepts only at their neutral values (an
+    array or other odd value is refused as such, not by its truth value)."""
+    if head_dim_vo is not None and _lib.int32_attr(head_dim_vo, "head_dim_vo") != head_dim_qk:
         raise UnsupportedError(f"head_dim_vo ({head_dim_vo}) must equal head_dim_qk "
                                f"({head_dim_qk}) or be None")
-    if pos_encoding_mode not in (None, "NONE"):
+    if not (pos_encoding_mode is None or
+            (isinstance(pos_encoding_mode, str) and pos_encoding_mode == "NONE")):
         raise UnsupportedError(f"pos_encoding_mode {pos_encoding_mode!r}: only 'NONE' (apply "
                                f"RoPE before storing K and before attention)")
-    if use_fp16_qk_reduction:
+    if use_fp16_qk_reduction is not None and _lib.flag(use_fp16_qk_reduction,
+                                                       "use_fp16_qk_reduction"):
         raise UnsupportedError("use_fp16_qk_reduction: q.k is always accumulated in float32")
 
 
@@ -503,7 +506,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
         """
         _compat.no_kernel_args(self._name, args)
         if (kv_cache_sf is not None or skip_softmax_threshold_scale_factor is not None or
-                use_fp16_softmax or uses_spcompress):
+                use_fp16_softmax is not None or uses_spcompress is not None):
             _compat.no_run_extras(
                 kv_cache_sf=kv_cache_sf,
                 skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,

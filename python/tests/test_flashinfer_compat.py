@@ -979,3 +979,59 @@ def test_quantized_dtype_names(rng):
     pc = kvcache.PagedKVCache(1, h, dh, ps, 4, dtype="i4")
     assert pc.dtype == "int4"
     pc.close()
+
+
+def test_gpu_switches_refused_by_value_not_truth(rng):
+    """Options accepted only at their neutral value (head_dim_vo,
+    pos_encoding_mode, use_fp16_qk_reduction, run's use_fp16_softmax /
+    uses_spcompress, MLA's use_profiler) refuse arrays and other odd values
+    with kvcache's errors; they were tested by truth value, so an array
+    raised numpy's own ValueError ("truth value of an array is ambiguous")
+    and a string such as "False" counted as true."""
+    h, hq, dh, ps = 2, 4, 16, 4
+    cache, indptr, indices, last, kv = _paged(rng, [6, 3], ps, h, dh)
+    qo = np.array([0, 2, 3], np.int32)
+    q = rng.standard_normal((3, hq, dh)).astype(F32)
+    odd = (np.zeros(2), np.array([]), np.array([True, False]), "False", 2)
+    paged = kvcache.BatchPrefillWithPagedKVCacheWrapper(None, "NHD")
+    ragged = kvcache.BatchPrefillWithRaggedKVCacheWrapper(None, "NHD")
+    cas = kvcache.MultiLevelCascadeAttentionWrapper(1, None, "NHD")
+    plans = {
+        "paged": lambda **kw: paged.plan(qo, indptr, indices, last, hq, h, dh, ps, **kw),
+        "ragged": lambda **kw: ragged.plan(qo, np.array([0, 6, 9], np.int32), hq, h, dh, **kw),
+        "cascade": lambda **kw: cas.plan([qo], [indptr], [indices], [last], hq, h, dh, ps, **kw),
+        "single": lambda **kw: kvcache.single_prefill_with_kv_cache(q[:2], kv[0][0], kv[0][1],
+                                                                    **kw),
+    }
+    for name, plan in plans.items():
+        for bad in odd:
+            for opt in ("use_fp16_qk_reduction", "pos_encoding_mode"):
+                with pytest.raises(E):
+                    plan(**{opt: bad})
+            if name in ("paged", "ragged"):
+                with pytest.raises(E):
+                    plan(head_dim_vo=bad)
+        plan(use_fp16_qk_reduction=False, pos_encoding_mode="NONE")  # the neutral values
+        plan(use_fp16_qk_reduction=None, pos_encoding_mode=None)
+    with pytest.raises(kvcache.UnsupportedError, match="use_fp16_qk_reduction"):
+        plans["paged"](use_fp16_qk_reduction=True)
+    with pytest.raises(kvcache.UnsupportedError, match="head_dim_vo"):
+        plans["paged"](head_dim_vo=dh * 2)
+    plans["paged"](head_dim_vo=dh)
+    want = ar.batch_prefill(ar.f64(q), [(ar.f64(k), ar.f64(v)) for k, v in kv], qo)[0]
+    ar.assert_close(paged.run(q, cache, use_fp16_softmax=False, uses_spcompress=None), want,
+                    1e-5, "paged prefill")
+    for opt in ("use_fp16_softmax", "uses_spcompress"):
+        for bad in odd + (True,):
+            with pytest.raises(kvcache.UnsupportedError, match=opt):
+                paged.run(q, cache, **{opt: bad})
+
+    mla = kvcache.BatchMLAPagedAttentionWrapper(None)
+    margs = (np.array([0, 1], np.int32), np.array([0, 2], np.int32), np.array([1, 3], np.int32),
+             np.array([7], np.int32), 2, 32, 16, ps, False, 0.2)
+    for bad in odd:
+        with pytest.raises(E):
+            mla.plan(*margs, use_profiler=bad)
+    with pytest.raises(kvcache.UnsupportedError, match="use_profiler"):
+        mla.plan(*margs, use_profiler=True)
+    mla.plan(*margs, use_profiler=False)
