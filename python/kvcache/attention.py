@@ -611,12 +611,14 @@ class BatchDecodeWithPagedKVCacheWrapper(_lib.NoCopy):
     @_lib.locked
     def forward(self, q, paged_kv_cache, pos_encoding_mode="NONE", q_scale=None, k_scale=None,
                 v_scale=None, window_left=-1, logits_soft_cap=None, sm_scale=None,
-                rope_scale=None, rope_theta=None, return_lse=False, *, kv_scale=None):
+                rope_scale=None, rope_theta=None, *, return_lse=False, kv_scale=None):
         """FlashInfer's deprecated forward(): run() after window_left,
         logits_soft_cap and sm_scale replace the planned ones (for later
         run() calls too, as in FlashInfer; nothing changes if one is
         refused); rope_scale and rope_theta are ignored ("NONE" encoding).
-        kv_scale: int8/int4 caches, as run's."""
+        return_lse (keyword-only: FlashInfer's forward takes only the
+        positionals above; forward_return_lse sets it) and kv_scale
+        (int8/int4 caches) as run's."""
         if self._plan is None and self._kvfmt is None:
             raise InvalidArgumentError("BatchDecodeWithPagedKVCacheWrapper.forward: call plan() "
                                        "(begin_forward) first")

@@ -531,13 +531,14 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapperBase):
     @_lib.locked
     def forward(self, q, paged_kv_cache, causal=False, pos_encoding_mode="NONE",
                 use_fp16_qk_reduction=False, k_scale=None, v_scale=None, window_left=-1,
-                logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None,
-                return_lse=False, *, kv_scale=None):
+                logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None, *,
+                return_lse=False, kv_scale=None):
         """FlashInfer's deprecated forward(): run() after these options
         replace the planned causal, window_left, logits_soft_cap and sm_scale
         (for later run() calls too, as in FlashInfer); rope_scale and
-        rope_theta are ignored ("NONE" encoding). kv_scale: int8/int4
-        caches, as run's."""
+        rope_theta are ignored ("NONE" encoding). return_lse (keyword-only,
+        as FlashInfer's forward has no such positional; forward_return_lse
+        sets it) and kv_scale (int8/int4 caches) as run's."""
         self._forward_options(causal, pos_encoding_mode, use_fp16_qk_reduction, window_left,
                               logits_soft_cap, sm_scale)
         return self.run(q, paged_kv_cache, kv_scale=kv_scale, return_lse=return_lse,
@@ -674,7 +675,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapperBase):
     @_lib.locked
     def forward(self, q, k, v, causal=False, pos_encoding_mode="NONE",
                 use_fp16_qk_reduction=False, window_left=-1, logits_soft_cap=None,
-                sm_scale=None, rope_scale=None, rope_theta=None, return_lse=False, *,
+                sm_scale=None, rope_scale=None, rope_theta=None, *, return_lse=False,
                 kv_scale=None):
         """FlashInfer's deprecated forward(): run() after these options
         replace the planned ones (as BatchPrefillWithPagedKVCacheWrapper.forward;

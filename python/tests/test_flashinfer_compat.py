@@ -1035,3 +1035,59 @@ def test_gpu_switches_refused_by_value_not_truth(rng):
     with pytest.raises(kvcache.UnsupportedError, match="use_profiler"):
         mla.plan(*margs, use_profiler=True)
     mla.plan(*margs, use_profiler=False)
+
+
+def test_forward_positionals_as_flashinfer(rng):
+    """The deprecated forward()s take FlashInfer's positionals only (its
+    forward has no return_lse; forward_return_lse sets it): a further
+    positional is a TypeError, as in FlashInfer, not read as return_lse."""
+    import inspect
+
+    fi_forward = {  # flashinfer decode.py / prefill.py forward(self, ...)
+        kvcache.BatchDecodeWithPagedKVCacheWrapper: [
+            "q", "paged_kv_cache", "pos_encoding_mode", "q_scale", "k_scale", "v_scale",
+            "window_left", "logits_soft_cap", "sm_scale", "rope_scale", "rope_theta"],
+        kvcache.BatchPrefillWithPagedKVCacheWrapper: [
+            "q", "paged_kv_cache", "causal", "pos_encoding_mode", "use_fp16_qk_reduction",
+            "k_scale", "v_scale", "window_left", "logits_soft_cap", "sm_scale", "rope_scale",
+            "rope_theta"],
+        kvcache.BatchPrefillWithRaggedKVCacheWrapper: [
+            "q", "k", "v", "causal", "pos_encoding_mode", "use_fp16_qk_reduction",
+            "window_left", "logits_soft_cap", "sm_scale", "rope_scale", "rope_theta"],
+    }
+    for cls, names in fi_forward.items():
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+        positional = [p.name for p in params
+                      if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        assert positional == names, cls.__name__
+        assert inspect.signature(cls.forward).parameters["return_lse"].kind is \
+            inspect.Parameter.KEYWORD_ONLY
+
+    h, hq, dh, ps = 2, 4, 16, 4
+    cache, indptr, indices, last, kv = _paged(rng, [5, 3], ps, h, dh)
+    q = rng.standard_normal((2, hq, dh)).astype(F32)
+    w = kvcache.BatchDecodeWithPagedKVCacheWrapper(None, "NHD")
+    w.plan(indptr, indices, last, hq, h, dh, ps)
+    with pytest.raises(TypeError):
+        w.forward(q, cache, "NONE", None, None, None, -1, None, None, None, None, True)
+    o, lse = w.forward(q, cache, return_lse=True)
+    want_o, want_lse = _decode_ref(q, kv, 1.0 / math.sqrt(dh))
+    ar.assert_close(o, want_o, 1e-5, "forward o")
+    ar.assert_close(lse, want_lse, 1e-5, "forward lse")
+    o2, lse2 = w.forward_return_lse(q, cache)
+    np.testing.assert_array_equal(o2, o)
+    np.testing.assert_array_equal(lse2, lse)
+    qo = np.array([0, 2, 3], np.int32)
+    qp = rng.standard_normal((3, hq, dh)).astype(F32)
+    p = kvcache.BatchPrefillWithPagedKVCacheWrapper(None, "NHD")
+    p.plan(qo, indptr, indices, last, hq, h, dh, ps)
+    with pytest.raises(TypeError):
+        p.forward(qp, cache, False, "NONE", False, None, None, -1, None, None, None, None, True)
+    r = kvcache.BatchPrefillWithRaggedKVCacheWrapper(None, "NHD")
+    r.plan(qo, np.array([0, 5, 8], np.int32), hq, h, dh)
+    k = np.concatenate([a for a, _ in kv])
+    v = np.concatenate([b for _, b in kv])
+    with pytest.raises(TypeError):
+        r.forward(qp, k, v, False, "NONE", False, -1, None, None, None, None, True)
+    np.testing.assert_array_equal(r.forward(qp, k, v, return_lse=True)[0],
+                                  p.forward(qp, cache, return_lse=True)[0])
