@@ -858,11 +858,37 @@ def test_differential_regressions_match_jinja():
     for template, want in cases.items():
         assert _jinja(template, msgs, True) == want, template
         assert kvcache.render_chat_template(template, msgs) == want, template
-    # read after the macro holding the loop returned: jinja2 tests with the macro's last
-    # values; kvcache refuses (after a loop or block set jinja2 fails on `missing`)
-    template = ("{% set ns = namespace(l=none) %}{% macro m(k) %}{% for x in [1, 2, 3, 4] if "
-                "x > k %}{% set ns.l = loop %}{% break %}{% endfor %}{% endmacro %}{{ m(0) }}"
-                "{{ ns.l.length }}")
+    # read after the macro holding the loop returned: its variables as the call left them
+    # (jinja2's closure keeps them), each call its own, the definer's names as they are now
+    ns = "{% set ns = namespace(l=none, a=none, b=none) %}"
+    cases = {
+        ns + "{% macro m(k) %}{% for x in [1, 2, 3, 4] if x > k %}{% set ns.l = loop %}"
+        "{% break %}{% endfor %}{% endmacro %}{{ m(0) }}{{ ns.l.length }}": "4",
+        ns + "{% macro m(k) %}{% if true %}{% for x in [1, 2, 3, 4] if x > k %}"
+        "{% set ns.l = loop %}{% break %}{% endfor %}{% endif %}{% set k = 3 %}{% endmacro %}"
+        "{{ m(0) }}{{ ns.l.length }}": "2",
+        ns + "{% macro m(k) %}{% for x in [1, 2, 3, 4] if x > k %}{% set ns.l = loop %}"
+        "{% break %}{% endfor %}{% endmacro %}{{ m(0) }}{% set ns.a = ns.l %}{{ m(2) }}"
+        "{{ ns.a.length }}{{ ns.l.length }}{{ ns.a.last }}{{ ns.l.nextitem }}": "42False4",
+        ns + "{% set y = 0 %}{% macro m(k) %}{% for x in [1, 2, 3, 4] if x > k + y %}"
+        "{% set ns.l = loop %}{% break %}{% endfor %}{% endmacro %}{{ m(0) }}{% set y = 2 %}"
+        "{{ ns.l.length }}": "3",
+        ns + "{% macro r(n) %}{% for x in [1, 2, 3, 4] if x > n %}{% if n == 0 %}"
+        "{% set ns.a = loop %}{% else %}{% set ns.b = loop %}{% endif %}{% break %}{% endfor %}"
+        "{% if n > 0 %}{{ r(n - 1) }}{% endif %}{% endmacro %}{{ r(2) }}{{ ns.a.length }}"
+        "{{ ns.b.length }}": "43",
+        ns + "{% macro m(k) %}{% for x in [1, 2, 3, 4] if x > k %}{% set ns.l = loop %}"
+        "{% break %}{% endfor %}{% endmacro %}{% macro n() %}{{ m(1) }}{{ ns.l.length }}"
+        "{% endmacro %}{{ n() }}{{ ns.l.length }}{% if ns.l %}T{% endif %}{{ ns.l|length }}": "33T3",
+    }
+    for template, want in cases.items():
+        assert _jinja(template, msgs, True) == want, template
+        assert kvcache.render_chat_template(template, msgs) == want, template
+    # read after a block set (or loop) holding the loop ended: jinja2 renders when the
+    # condition reads no name it declared, and fails otherwise; kvcache refuses
+    template = ("{% set ns = namespace(l=none) %}{% macro m(k) %}{% set s %}"
+                "{% for x in [1, 2, 3, 4] if x > k %}{% set ns.l = loop %}{% break %}{% endfor %}"
+                "{% endset %}{% endmacro %}{{ m(0) }}{{ ns.l.length }}")
     assert _jinja(template, msgs, True) == "4"
     with pytest.raises(kvcache.UnsupportedError, match="filtered loop"):
         kvcache.render_chat_template(template, msgs)

@@ -99,10 +99,13 @@ static kvc_status bind_targets(ctx *c, const node *n, value item) {
  * read later (a `loop` kept in a namespace) tests the rest of its items then,
  * with the values the scopes around the for statement have then (set after
  * the loop, or in a later iteration of an enclosing loop): while those
- * scopes are live, this is what looking them up finds. Once the scope that
- * held the for statement is gone, jinja2 still sees its last values (a
- * macro's, kept by the closure) or Python's `missing` (a loop's or block
- * set's, which it clears when leaving them); that case is refused. */
+ * scopes are live, this is what looking them up finds. When the for
+ * statement sits directly in a macro's body, the macro's scope outlives the
+ * call in jinja2's closure with its last values: kvcache keeps a copy of it
+ * when the call returns (`saved`). Once a loop or block set that held the
+ * for statement has ended, jinja2 reads Python's `missing` in the names it
+ * declares (it clears them when leaving: an error), and the outer names as
+ * they are; kvcache does not track which names those are, and refuses. */
 struct loop_filter {
     const node *n;   /* the for statement: targets, condition n->d */
     const list *src; /* every item */
@@ -110,9 +113,37 @@ struct loop_filter {
     int frame;       /* the loop's frame: the condition sees the scopes below it */
     uint64_t serial; /* frames[frame - 1].serial at the loop's start */
     int floor, def_depth; /* the view of the for statement (see ctx) */
+    uint64_t def_serial;  /* in a macro (floor > 0): frames[def_depth - 1].serial */
     int busy;        /* the condition is running */
     int ended;       /* the loop is over (left with break) */
+    int saved;       /* the macro frame at floor returned: its copy below */
+    str *saved_names;
+    value *saved_vals;
+    size_t saved_n;
+    loop_filter *next_left; /* ctx.left: the next one, from a shallower or earlier loop */
 };
+
+/* A macro call at frames[depth] returns: the filtered loops left with break
+ * directly in its body (the head of ctx.left: deeper calls took theirs off
+ * when they returned) keep a copy of its scope, as jinja2's closure keeps
+ * it, and leave the list. */
+static kvc_status keep_macro_scope(ctx *c, int depth) {
+    const frame *fr = &c->frames[depth];
+    while (c->left && c->left->frame > depth) {
+        loop_filter *f = c->left;
+        c->left = f->next_left;
+        if (f->serial != fr->serial || f->next >= f->src->n) continue;
+        ALLOC(c, f->saved_names, fr->n + 1);
+        ALLOC(c, f->saved_vals, fr->n + 1);
+        if (fr->n) {
+            memcpy(f->saved_names, fr->names, fr->n * sizeof *fr->names);
+            memcpy(f->saved_vals, fr->vals, fr->n * sizeof *fr->vals);
+        }
+        f->saved_n = fr->n;
+        f->saved = 1;
+    }
+    return KVC_OK;
+}
 
 kvc_status kvc__chat_loop_pull(ctx *c, loop_ctx *lp, int64_t want) {
     loop_filter *f = lp->filter;
@@ -121,24 +152,39 @@ kvc_status kvc__chat_loop_pull(ctx *c, loop_ctx *lp, int64_t want) {
      * (the stack only grows and shrinks at the top, and a push takes a new
      * serial) when the innermost of them is; the frames from the loop's up
      * are others now, hidden below as the loop's body was. */
-    if (f->ended && (f->frame > c->n_frames || c->frames[f->frame - 1].serial != f->serial))
+    int gone = f->ended &&
+               (f->frame > c->n_frames || c->frames[f->frame - 1].serial != f->serial);
+    /* the for statement's macro returned: its saved scope stands in for it, and the
+     * macro's definer's scopes must be the same pushes */
+    if (gone && !(f->saved && f->def_depth >= 1 && f->def_depth <= c->n_frames &&
+                  c->frames[f->def_depth - 1].serial == f->def_serial))
         return kvc__error(KVC_ERR_UNSUPPORTED,
                           "chat template, line %d: loop.last, nextitem, length or revindex of "
-                          "a filtered loop (for ... if) left with break, read after the macro, "
-                          "loop or block set that held it has ended, is not supported",
+                          "a filtered loop (for ... if) left with break, read after the loop "
+                          "or block set that held it has ended, is not supported",
                           c->cur ? c->cur->line : f->n->line);
     if (f->busy) /* the condition reads its own loop ahead: Python's ValueError */
         return kvc__chat_runtime_error(f->n->d, "generator already executing");
-    if (c->n_frames >= MAX_DEPTH + 1) return kvc__chat_runtime_error(f->n, "nested too deeply");
+    if (c->n_frames >= MAX_DEPTH + 1 - gone)
+        return kvc__chat_runtime_error(f->n, "nested too deeply");
     const node *cur = c->cur;
     int floor = c->scope_floor, def_depth = c->def_depth, lo = c->hide_lo, hi = c->hide_hi;
+    frame keep = {0}, *saved = NULL;
+    if (gone) { /* the macro's scope, back on top for the test (the slot's own arrays kept) */
+        saved = &c->frames[c->n_frames++];
+        keep = *saved;
+        saved->names = f->saved_names;
+        saved->vals = f->saved_vals;
+        saved->n = saved->cap = f->saved_n; /* full: nothing is added in place */
+        saved->serial = ++c->next_serial;
+    }
     frame *fr = &c->frames[c->n_frames++];
     fr->n = 0;
     fr->serial = ++c->next_serial;
-    c->scope_floor = f->floor;
+    c->scope_floor = gone ? c->n_frames - 2 : f->floor;
     c->def_depth = f->def_depth;
-    c->hide_lo = f->frame;
-    c->hide_hi = c->n_frames - 1;
+    c->hide_lo = gone ? 0 : f->frame;
+    c->hide_hi = gone ? 0 : c->n_frames - 1;
     f->busy = 1;
     kvc_status st = KVC_OK;
     while (st == KVC_OK && (int64_t)lp->items->n <= want && f->next < f->src->n) {
@@ -152,6 +198,10 @@ kvc_status kvc__chat_loop_pull(ctx *c, loop_ctx *lp, int64_t want) {
     }
     f->busy = 0;
     c->n_frames--;
+    if (saved) {
+        *saved = keep;
+        c->n_frames--;
+    }
     c->scope_floor = floor;
     c->def_depth = def_depth;
     c->hide_lo = lo;
@@ -187,6 +237,8 @@ static kvc_status exec_for(ctx *c, const node *n) {
         lp->filter->serial = c->frames[c->n_frames - 1].serial;
         lp->filter->floor = c->scope_floor;
         lp->filter->def_depth = c->def_depth;
+        if (c->scope_floor > 0 && c->def_depth >= 1)
+            lp->filter->def_serial = c->frames[c->def_depth - 1].serial;
         lp->items = kept.u.l;
     }
     frame *fr = &c->frames[c->n_frames++];
@@ -215,7 +267,14 @@ static kvc_status exec_for(ctx *c, const node *n) {
         }
         c->loop_ctl = 0;
     }
-    if (lp->filter) lp->filter->ended = 1;
+    if (lp->filter) { /* left with break, items untested */
+        lp->filter->ended = 1;
+        if (c->scope_floor > 0 && c->scope_floor == lp->filter->frame - 1) {
+            /* directly in a macro's body: keep_macro_scope saves its scope */
+            lp->filter->next_left = c->left;
+            c->left = lp->filter;
+        }
+    }
     /* jinja2 runs the else block unless some iteration reached the end of
      * the body: an empty loop, but also one whose every iteration ended in
      * break or continue. It has a scope of its own (without the loop's
@@ -358,6 +417,7 @@ kvc_status kvc__chat_call_macro(ctx *c, const node *n, const macro_ref *m, const
         if (st == KVC_OK) st = kvc__chat_set_var(c, d->names[i], v);
     }
     if (st == KVC_OK) st = exec(c, d->b);
+    if (st == KVC_OK && c->left) st = keep_macro_scope(c, c->n_frames - 1);
     c->scope_floor = floor;
     c->def_depth = def_depth;
     c->hide_lo = lo;

@@ -281,6 +281,8 @@ typedef struct ctx {
     int64_t work;     /* bytes string operations went through (MAX_WORK) */
     const node *cur;  /* the node being evaluated or executed (error lines) */
     int loop_ctl; /* 1 break, 2 continue, pending */
+    loop_filter *left; /* filtered loops left with break, items untested, directly in the
+                        * bodies of the macro calls running (chat.c) */
     /* globals */
     value messages, add_generation_prompt, bos_token, eos_token;
     dict *vars; /* kvc_chat_apply_template_json: the context's members (NULL: none); they
