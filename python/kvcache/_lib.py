@@ -457,18 +457,30 @@ DTYPE_ALIASES = {
 }
 
 
-def dtype_alias(name) -> int | None:
-    """kvc_dtype code of a dtype name of DTYPE_ALIASES, or None."""
+#: FlashInfer's (torch's) low-precision float dtypes, for which kvcache has no
+#: storage: a valid name of a feature kvcache lacks, so UnsupportedError.
+UNSUPPORTED_DTYPE_NAMES = ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                           "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2")
+
+
+def dtype_alias(name, what: str = "dtype") -> int | None:
+    """kvc_dtype code of a dtype name of DTYPE_ALIASES, or None; raises
+    UnsupportedError for the names of UNSUPPORTED_DTYPE_NAMES (what: the
+    argument, for the message)."""
     if not isinstance(name, str):
         return None
-    return DTYPE_ALIASES.get(name.strip().lower())
+    key = name.strip().lower()
+    if key in UNSUPPORTED_DTYPE_NAMES:
+        raise UnsupportedError(f"{what} {name!r} (FlashInfer's fp8/fp4) is not supported: "
+                               f"kvcache stores float32, float16, bfloat16, int8 or int4")
+    return DTYPE_ALIASES.get(key)
 
 
-def resolve_dtype(dtype) -> np.dtype:
+def resolve_dtype(dtype, what: str = "dtype") -> np.dtype:
     """numpy dtype from a numpy dtype/type or a name (DTYPE_ALIASES first:
     "float32"/"float", "float16"/"half", "bfloat16", ...; "int4" is uint8,
     the arrays that hold packed int4)."""
-    code = dtype_alias(dtype)
+    code = dtype_alias(dtype, what)
     if code == KVC_BF16:
         bf = bfloat16_dtype()
         if bf is None:

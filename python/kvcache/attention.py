@@ -376,7 +376,7 @@ def _data_type(x, name: str, allow_quant: bool):
     if x is None:
         return None
     try:
-        dt = _lib.resolve_dtype(x)
+        dt = _lib.resolve_dtype(x, name)
     except InvalidArgumentError:
         raise InvalidArgumentError(f"{name}: unknown dtype {x!r}") from None
     code = _lib.dtype_code(dt)

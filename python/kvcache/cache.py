@@ -76,7 +76,7 @@ _INT64_MAX = 2**63 - 1
 def _dtype_code(dtype, name: str, allowed) -> int:
     """kvc_dtype code of a storage/scale dtype given by name or numpy dtype."""
     if isinstance(dtype, str):
-        code = _lib.dtype_alias(dtype)  # FlashInfer's names ("float", "half", ...) too
+        code = _lib.dtype_alias(dtype, name)  # FlashInfer's names ("float", "half", ...) too
     else:
         try:
             code = _lib.dtype_code(np.dtype(dtype))

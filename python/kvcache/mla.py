@@ -62,7 +62,7 @@ def _float_type(x, name: str):
     """numpy dtype of a plan's q_data_type / kv_data_type (None: not checked)."""
     if x is None:
         return None
-    dt = _lib.resolve_dtype(x)
+    dt = _lib.resolve_dtype(x, name)
     if _lib.dtype_code(dt) not in _lib.FLOAT_CODES:
         raise InvalidArgumentError(f"{name} must be float32, float16 or bfloat16, got {dt}")
     return dt

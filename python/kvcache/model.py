@@ -123,7 +123,7 @@ _CODE_KEYS = {_lib.KVC_F32: "float32", _lib.KVC_F16: "float16", _lib.KVC_BF16: "
 def _kv_dtype(name) -> tuple[str, int]:
     """(name, kvc_dtype code) of a per-token cache dtype, by any name of
     _lib.DTYPE_ALIASES ("float16"/"half"/"f16", "float32"/"float", ...)."""
-    code = _lib.dtype_alias(name)
+    code = _lib.dtype_alias(name, "kv_dtype")
     if code not in _CODE_KEYS:
         raise InvalidArgumentError(
             f"kv_dtype {name!r}: expected one of {', '.join(_KV_DTYPES)}")

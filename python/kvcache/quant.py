@@ -33,7 +33,7 @@ def _float_input(x, name: str) -> np.ndarray:
 
 
 def _float_dtype(dtype, name: str) -> tuple[np.dtype, int]:
-    dt = _lib.resolve_dtype(dtype)
+    dt = _lib.resolve_dtype(dtype, name)
     code = _lib.dtype_code(dt)
     if code not in _lib.FLOAT_CODES:
         raise InvalidArgumentError(f"{name} must be float32, float16 or bfloat16, got {dt}")
@@ -41,7 +41,7 @@ def _float_dtype(dtype, name: str) -> tuple[np.dtype, int]:
 
 
 def _scale_dtype(dtype) -> tuple[np.dtype, int]:
-    dt = _lib.resolve_dtype(dtype)
+    dt = _lib.resolve_dtype(dtype, "scale_dtype")
     code = _lib.dtype_code(dt)
     if code not in (_lib.KVC_F32, _lib.KVC_F16):
         raise InvalidArgumentError(f"scale dtype must be float32 or float16, got {dt}")

@@ -1091,3 +1091,41 @@ def test_forward_positionals_as_flashinfer(rng):
         r.forward(qp, k, v, False, "NONE", False, -1, None, None, None, None, True)
     np.testing.assert_array_equal(r.forward(qp, k, v, return_lse=True)[0],
                                   p.forward(qp, cache, return_lse=True)[0])
+
+
+def test_fp8_dtype_names_unsupported(rng):
+    """FlashInfer's fp8 / fp4 dtype names (torch's float8_e4m3fn, ...) are
+    valid names of storage kvcache lacks: UnsupportedError naming the
+    argument, wherever a dtype is given by name (they were 'unknown dtype'
+    InvalidArgumentErrors, or 'must be one of' ones)."""
+    from kvcache import model as kv_model
+    from kvcache import quant
+
+    h, hq, dh, ps = 2, 4, 16, 4
+    _, indptr, indices, last, _ = _paged(rng, [5], ps, h, dh)
+    x = rng.standard_normal((2, 16)).astype(F32)
+    for name in ("float8_e4m3fn", "float8_e5m2", " Float8_E4M3FN "):
+        calls = {
+            "kv_data_type": lambda: kvcache.BatchDecodeWithPagedKVCacheWrapper().plan(
+                indptr, indices, last, hq, h, dh, ps, kv_data_type=name),
+            "q_data_type": lambda: kvcache.BatchPrefillWithPagedKVCacheWrapper().plan(
+                np.array([0, 1], np.int32), indptr, indices, last, hq, h, dh, ps,
+                q_data_type=name),
+            "o_dtype": lambda: kvcache.single_prefill_with_kv_cache(
+                rng.standard_normal((1, hq, dh)).astype(F32),
+                rng.standard_normal((3, h, dh)).astype(F32),
+                rng.standard_normal((3, h, dh)).astype(F32), o_dtype=name),
+            "dtype": lambda: kvcache.PagedKVCache(1, h, dh, ps, 4, dtype=name),
+            "scale_dtype": lambda: quant.quantize(x, 8, 8, scale_dtype=name),
+            "kv_dtype": lambda: kv_model._kv_storage(name),
+        }
+        for what, call in calls.items():
+            with pytest.raises(kvcache.UnsupportedError, match=f"{what} .*fp8"):
+                call()
+        with pytest.raises(kvcache.UnsupportedError, match="fp8"):
+            quant.convert(x, name)
+        mla = kvcache.BatchMLAPagedAttentionWrapper(None)
+        with pytest.raises(kvcache.UnsupportedError, match="kv_data_type .*fp8"):
+            mla.plan(np.array([0, 1], np.int32), np.array([0, 2], np.int32),
+                     np.array([1, 3], np.int32), np.array([7], np.int32), 2, 32, 16, ps, False,
+                     0.2, kv_data_type=name)
