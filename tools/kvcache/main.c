@@ -152,12 +152,15 @@ const char *cli_default_model(void) {
 int cli_parse_kv_dtype(const char *s, int *dtype) {
     /* int8 and int4 name the best compressed formats (docs/KV_FORMATS.md);
      * the per-token caches of the library's int8/int4 dtypes stay reachable
-     * as int8-token and int4-token */
+     * as int8-token and int4-token. The float names are the Python package's
+     * (FlashInfer's torch names "float" and "half" included). */
     static const struct {
         const char *name;
         int dt;
-    } names[] = {{"f32", KVC_F32},   {"float32", KVC_F32},  {"f16", KVC_F16},
-                 {"float16", KVC_F16}, {"bf16", KVC_BF16}, {"bfloat16", KVC_BF16},
+    } names[] = {{"f32", KVC_F32},   {"float32", KVC_F32},  {"fp32", KVC_F32},
+                 {"float", KVC_F32}, {"f16", KVC_F16},      {"float16", KVC_F16},
+                 {"fp16", KVC_F16},  {"half", KVC_F16},     {"bf16", KVC_BF16},
+                 {"bfloat16", KVC_BF16},
                  {"int8", CLI_KV_KIVI8}, {"int4", CLI_KV_KIVI4}, {"kivi8", CLI_KV_KIVI8},
                  {"kivi4", CLI_KV_KIVI4}, {"int8-token", KVC_I8}, {"int4-token", KVC_I4}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
