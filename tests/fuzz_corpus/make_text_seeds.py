@@ -83,6 +83,21 @@ MACROS = (
     "{{ py_type({'type': ['a', ['b']]}) }}{% for m in messages %}{{ turn(m) }}"
     "{{ turn(m, sep=' ') | length }}{% endfor %}{{ turn }}{{ py_type(1, 2, 3) }}"
 )
+# filtered loops left with break and read later (in a namespace, after the
+# loop, after a macro call returned), range methods
+LOOPS = (
+    "{%- set ns = namespace(l=none, a=none, n=0) %}{% set y = 0 %}"
+    "{%- for m in messages if m.role != 'system' and y < 2 %}{% set ns.l = loop %}"
+    "{%- if loop.index > 1 %}{% break %}{% endif %}{% endfor %}{% set y = 5 %}"
+    "{{ ns.l.length if ns.l }}{{ ns.l.last if ns.l }}{{ ns.l.nextitem if ns.l }}\n"
+    "{%- macro m(k) %}{% for x in range(6) if x > k + ns.n %}{% set ns.a = loop %}{% break %}"
+    "{%- endfor %}{% set k = 3 %}{% endmacro %}{{ m(0) }}{% set ns.n = 1 %}{{ ns.a.revindex }}\n"
+    "{{- range(10, 0, -3).index(4) }}{{ range(5).count(true) }}\n"
+    "{%- if messages | length > 5 %}{{ range(5).index(7) }}{% endif %}"
+    "{%- if messages | length == 1 %}{% for o in [0, 1] %}{% if o == 0 %}"
+    "{%- for x in [1, 2, 3] if x > o %}{% set ns.l = loop %}{% break %}{% endfor %}{% endif %}"
+    "{%- endfor %}{{ ns.l.length }}{% endif %}"
+)
 
 CHATS = {
     "smollm2": SMOLLM2,
@@ -93,6 +108,7 @@ CHATS = {
     "text_only": "plain text {{ 'and' }} {% raw %}{{ raw }}{% endraw %}",
     "tools": TOOLS,
     "macros": MACROS,
+    "loops": LOOPS,
 }
 CONTENTS = [b"You are terse.", b"Hello \xc3\xa9 <|im_start|> world", b"Hi! {{ not code }}",
             b"a" * 40, b"", b"last"]
