@@ -33,6 +33,10 @@ def calib(x, name: str):
     """A scalar calibration scale as float (None: none); finite and > 0."""
     if x is None:
         return None
+    if isinstance(x, np.ndarray) and x.ndim == 1:  # FlashInfer's prefill takes one per head
+        raise UnsupportedError(
+            f"{name} as an array (a calibration scale per head) is not supported: pass one "
+            f"number; int8/int4 group scales go in kv_scale")
     if not is_scalar(x):
         raise InvalidArgumentError(
             f"{name} must be a number (FlashInfer's calibration scale) or None; int8/int4 "

@@ -211,6 +211,10 @@ def test_batch_decode_knobs(rng):
                 {"v_scale": 0}):
         with pytest.raises(kvcache.InvalidArgumentError):
             w.run(q, cache, **bad)
+    # FlashInfer's per-head calibration scales (prefill): refused as unsupported
+    for name in ("q_scale", "k_scale", "v_scale"):
+        with pytest.raises(kvcache.UnsupportedError, match=f"{name} as an array"):
+            w.run(q, cache, **{name: np.ones(hq, F32)})
     ro = np.empty((len(lens), hq, dh), F32)
     ro.flags.writeable = False
     with pytest.raises(kvcache.InvalidArgumentError, match="read-only"):
