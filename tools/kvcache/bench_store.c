@@ -23,6 +23,7 @@
 
 #include "bench.h"
 #include "cli.h"
+#include "cli_store.h"
 #include "kvcache/kvcache.h"
 #ifdef KVC_HAVE_STORE
 #include "kvcache/store.h"
@@ -241,6 +242,9 @@ int bench_store(int argc, char **argv) {
                                        v);
         } else if (!strcmp(a, "--kv-store")) {
             if (n_urls == 16) return cli_usage_error(cmd, "at most 16 --kv-store");
+            const char *why = cli_store_url_problem(v);
+            if (why) return cli_usage_error(cmd, "--kv-store '%.200s': %s (" CLI_STORE_URL_FORMS
+                                            ")", v, why);
             urls[n_urls++] = v;
         } else if (!strcmp(a, "--time")) {
             if (cli_parse_seconds(v, 600, &budget))

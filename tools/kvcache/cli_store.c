@@ -1,4 +1,5 @@
 /* The KV store options (cli_store.h). */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,6 +31,135 @@ const char cli_store_opts_help[] =
     "                      counters, time to first token and decode tokens/s on\n"
     "                      stderr\n";
 
+/* ---- URL syntax (docs/KV_STORE.md section 5) ------------------------------
+ * The grammar kvc_store_open parses, checked here so that a mistyped URL is
+ * a command-line error (exit 2) before the model loads, not a failure after
+ * it. The store stays the authority: what passes here may still fail to
+ * open (a directory that cannot be created, a build without hiredis). */
+
+/* Digits only, in [1, max]; -1 otherwise. */
+static int64_t url_count(const char *s, size_t n, int64_t max) {
+    int64_t v = 0;
+    if (n == 0 || n > 19) return -1;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9' || v > (max - (s[i] - '0')) / 10) return -1;
+        v = v * 10 + (s[i] - '0');
+    }
+    return v >= 1 ? v : -1;
+}
+
+/* "write=P" (v: the text after "write=", n bytes): 0 or -1. */
+static int url_policy(const char *v, size_t n) {
+    if ((n == 7 && !strncmp(v, "through", 7)) || (n == 4 && !strncmp(v, "back", 4))) return 0;
+    return n > 10 && !strncmp(v, "selective:", 10) && url_count(v + 10, n - 10, 1 << 20) > 0
+               ? 0
+               : -1;
+}
+
+/* One Redis server, s[0..n): redis://HOST:PORT, redis://[ADDR]:PORT or
+ * unix:///PATH. NULL if fine, else why not (static text). */
+static const char *url_server(const char *s, size_t n) {
+    if (n == 0) return "an empty server in the list";
+    if (n >= 7 && !strncmp(s, "unix://", 7)) {
+        if (n == 7 || s[7] != '/') return "unix:// needs an absolute path (unix:///PATH)";
+        if (n - 7 >= 108) return "the socket path is longer than 107 bytes";
+        return NULL;
+    }
+    if (n < 8 || strncmp(s, "redis://", 8)) return "a server is redis://HOST:PORT or unix:///PATH";
+    const char *h = s + 8, *end = s + n, *colon;
+    if (memchr(h, '@', (size_t)(end - h))) return "credentials are not supported";
+    size_t hlen;
+    if (*h == '[') { /* [IPv6]:PORT */
+        const char *close = memchr(h, ']', (size_t)(end - h));
+        if (!close || close + 1 == end || close[1] != ':') return "want redis://[ADDR]:PORT";
+        h++;
+        hlen = (size_t)(close - h);
+        colon = close + 1;
+    } else {
+        colon = memchr(h, ':', (size_t)(end - h));
+        if (!colon) return "missing :PORT (redis://HOST:PORT)";
+        hlen = (size_t)(colon - h);
+    }
+    if (hlen == 0 || memchr(h, '/', hlen)) return "bad host";
+    if (url_count(colon + 1, (size_t)(end - colon - 1), 65535) < 0)
+        return "the port must be a number in [1, 65535] (no /DB)";
+    return NULL;
+}
+
+const char *cli_store_url_problem(const char *url) {
+    /* the store takes write= out of the options after the last '?' */
+    const char *q = strrchr(url, '?');
+    const size_t base_len = q ? (size_t)(q - url) : strlen(url);
+    char opts[512] = ""; /* the tier's own options, '&'-separated */
+    size_t no = 0;
+    int writes = 0, n_opts = 0;
+    for (const char *p = q ? q + 1 : NULL; p;) {
+        const char *e = strchr(p, '&');
+        const size_t n = e ? (size_t)(e - p) : strlen(p);
+        if (n >= 6 && !strncmp(p, "write=", 6)) {
+            if (writes++) return "write= given twice";
+            if (url_policy(p + 6, n - 6)) return "write= takes through, back or selective:N "
+                                                 "(1 <= N <= 1048576)";
+        } else {
+            if (no + n + 2 > sizeof opts) return "options too long";
+            if (n_opts++) opts[no++] = '&';
+            memcpy(opts + no, p, n);
+            no += n;
+            opts[no] = '\0';
+        }
+        p = e ? e + 1 : NULL;
+    }
+    if (base_len >= 4 && !strncmp(url, "dir:", 4)) {
+        const char *path = url + 4, *pq = memchr(path, '?', base_len - 4);
+        const size_t plen = pq ? (size_t)(pq - path) : base_len - 4;
+        if (plen == 0) return "empty PATH (dir:PATH)";
+        if (plen > 3900) return "PATH longer than 3900 bytes";
+        if (pq) return "a '?' in PATH"; /* the tier reads options from the first one */
+        if (n_opts == 0) return NULL;
+        /* max_bytes=N[K|M|G], the only option of a directory */
+        if (n_opts > 1 || strncmp(opts, "max_bytes=", 10))
+            return "a directory's only option is max_bytes=N[K|M|G]";
+        const char *v = opts + 10;
+        size_t dn = strspn(v, "0123456789");
+        const int shift = v[dn] == 'K' ? 10 : v[dn] == 'M' ? 20 : v[dn] == 'G' ? 30 : 0;
+        if (dn == 0 || v[dn + (shift > 0)] != '\0' ||
+            url_count(v, dn, (int64_t)(INT64_MAX >> shift)) < 0)
+            return "max_bytes takes a positive number of bytes, optionally with K, M or G "
+                   "(e.g. max_bytes=512M)";
+        return NULL;
+    }
+    if ((base_len >= 8 && !strncmp(url, "redis://", 8)) ||
+        (base_len >= 7 && !strncmp(url, "unix://", 7))) {
+        int n_srv = 0;
+        for (const char *s = url;; n_srv++) {
+            const size_t len = strcspn(s, ",?");
+            const char *why = url_server(s, len < base_len - (size_t)(s - url)
+                                                    ? len
+                                                    : base_len - (size_t)(s - url));
+            if (why) return why;
+            for (const char *t = url; t < s;) { /* the same server twice */
+                const size_t tl = strcspn(t, ",?");
+                if (tl == len && !strncmp(t, s, len)) return "a server listed twice";
+                t += tl + 1;
+            }
+            if (s + len >= url + base_len) break;
+            s += len + 1;
+        }
+        if (n_srv + 1 > 64) return "more than 64 servers";
+        for (const char *p = n_opts ? opts : NULL; p;) { /* ttl=SECONDS */
+            const char *e = strchr(p, '&');
+            const size_t n = e ? (size_t)(e - p) : strlen(p);
+            if (n < 4 || strncmp(p, "ttl=", 4) || url_count(p + 4, n - 4, INT32_MAX) < 0)
+                return "a Redis tier's only option is ttl=SECONDS (a positive integer)";
+            p = e ? e + 1 : NULL;
+        }
+        return NULL;
+    }
+    return "unknown scheme";
+}
+
+#define URL_SHOW 200 /* characters of a URL quoted in a message */
+
 void cli_store_opts_default(cli_store_opts *o) {
     memset(o, 0, sizeof *o);
     o->hits = 2;
@@ -50,6 +180,9 @@ int cli_store_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_sto
     if (!strcmp(a, "--kv-store")) {
         if (o->n_urls == CLI_STORE_MAX)
             return cli_usage_error(cmd, "--kv-store: at most %d stores", CLI_STORE_MAX);
+        const char *why = cli_store_url_problem(v);
+        if (why) return cli_usage_error(cmd, "--kv-store '%.*s': %s (" CLI_STORE_URL_FORMS ")",
+                                        URL_SHOW, v, why);
         o->urls[o->n_urls++] = v;
     } else if (!strcmp(a, "--salt")) {
         o->salt = v;

@@ -28,6 +28,15 @@ typedef struct cli_store_opts {
 
 extern const char cli_store_opts_help[];
 
+/* The syntax of a --kv-store URL (docs/KV_STORE.md section 5), checked
+ * when the option is parsed so that a malformed one is a usage error before
+ * the model loads: NULL if url is well formed, else why not (static text).
+ * Opening the store may still fail (a directory that cannot be made). */
+const char *cli_store_url_problem(const char *url);
+#define CLI_STORE_URL_FORMS                                                                        \
+    "a tier is dir:PATH[?max_bytes=N], redis://HOST:PORT or unix:///PATH[?ttl=SECONDS], with "  \
+    "?write=P or &write=P"
+
 void cli_store_opts_default(cli_store_opts *o);
 /* As cli_gen_opts_parse: 1 parsed, 0 not a store option, CLI_EXIT_USAGE. */
 int cli_store_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_store_opts *o);
