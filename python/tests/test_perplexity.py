@@ -272,6 +272,22 @@ def test_tiny_errors(tiny, tmp_path):
     assert r.returncode == 1 and "cannot load" in r.stderr
 
 
+def test_tiny_reader_gone(tiny):
+    """A closed stdout is a write error (exit 1, said on stderr) once the model
+    and cache are freed, not a death by SIGPIPE (-13)."""
+    path, text, *_ = tiny
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([str(_cli()), "perplexity", "-m", str(path), "-f", str(text), "-c",
+                            "64", "-t", "1"], stdout=w, stderr=subprocess.PIPE, text=True,
+                           timeout=600)
+    finally:
+        os.close(w)
+    assert p.returncode == 1, p.stderr
+    assert "kvcache: perplexity: cannot write the output: Broken pipe" in p.stderr
+
+
 def test_help_lists_the_command():
     r = subprocess.run([str(_cli()), "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "\n  perplexity " in r.stdout

@@ -167,6 +167,13 @@ void bench_sink(uint64_t v);
 
 /* ---- output ------------------------------------------------------------ */
 
+/* Flushes a case's line to stdout. When it cannot be written (a full disk,
+ * a reader gone: SIGPIPE is ignored) says so on stderr and exits with
+ * CLI_EXIT_FAIL: the remaining cases would run for no one, and a benchmark
+ * holds nothing outside the process to close (bench store reports once its
+ * stores are closed). */
+void bench_flush(const char *target);
+
 /* Writes s as a JSON string literal (with quotes). */
 void bench_json_str(FILE *f, const char *s);
 

@@ -341,7 +341,7 @@ static int run_case(const bench_opts *o, app_case *c, bench_membw_ctx *mb, doubl
         r.met = c->d.decode ? r.ns_tok <= 1000.0 : r.ratio >= 0.6;
         *met += r.met;
         print_row(o, &r);
-        fflush(stdout);
+        bench_flush("append");
     }
     return failed;
 }

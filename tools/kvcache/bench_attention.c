@@ -545,7 +545,7 @@ static int run_case(att_run *r, att_shape s, int64_t B, int64_t L, kvc_kv_layout
                    rd, ratio, fps * 1e-9, fma_ratio, sp, goal,
                    met < 0 ? "" : met ? " ok" : " MISSED", ly);
         }
-        fflush(stdout);
+        bench_flush("attention");
     }
     if (keep)
         *keep = c;

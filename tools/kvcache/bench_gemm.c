@@ -431,7 +431,7 @@ int bench_gemm(const bench_opts *o) {
                                    tm.median_s * 1e6, rate, bound, rs, unit,
                                    c.n == 1 ? "" : " vs ", c.n == 1 ? "" : peak_name(pk));
                         }
-                        fflush(stdout);
+                        bench_flush("gemm");
                     }
                 bench_free(c.w);
                 bench_free(c.x);

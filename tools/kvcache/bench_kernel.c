@@ -295,7 +295,7 @@ int bench_kernel(const bench_opts *o) {
             else
                 printf("%6lld %-5s %-8s %12.1f %7.2fx %10.2g%s\n", (long long)c.L, names[di],
                        kname, ns, t16 > 0.0 ? t16 / ns : 0.0, diff, bad ? " WRONG" : "");
-            fflush(stdout);
+            bench_flush("kernel");
         }
     }
     if (o->json)

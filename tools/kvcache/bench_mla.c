@@ -281,7 +281,7 @@ int bench_mla(const bench_opts *o) {
                                    (long long)chunk, us, c.bytes * 1e-6, gbs, rd, rratio, gfl, peak,
                                    fratio, bound);
                         }
-                        fflush(stdout);
+                        bench_flush("mla");
                     }
                     free_case(&c);
                 }

@@ -558,7 +558,7 @@ static void run_case(const bench_opts *o, pmx_case *c, int ct_idx, bench_membw_c
         r.ratio = r.gbs / r.memcpy_gbs;
         if (r.ratio >= c->ct->goal) tot->goals_met++;
         print_row(o, &r);
-        fflush(stdout);
+        bench_flush("pmx");
     }
 }
 
@@ -638,7 +638,7 @@ int bench_pmx(const bench_opts *o) {
         print_membw(o, &bw, "start");
     }
     if (!o->json) print_table_header();
-    fflush(stdout);
+    bench_flush("pmx");
 
     pmx_totals tot;
     memset(&tot, 0, sizeof tot);

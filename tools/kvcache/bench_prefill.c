@@ -301,7 +301,7 @@ int bench_prefill(const bench_opts *o) {
                                    tm.median_s * 1e3, gf, peak, ratio,
                                    met < 0 ? "" : met ? " >=0.4 ok" : " >=0.4 MISSED");
                         }
-                        fflush(stdout);
+                        bench_flush("prefill");
                     }
                     free_case(&c);
                 }

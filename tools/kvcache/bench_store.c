@@ -209,7 +209,7 @@ static void report(int json, const char *what, const char *url, double gbs, doub
         printf("%-10s %-40s %9.2f %9.2f %-16s %6.2f\n", what, url ? url : "-", gbs, ref,
                ref_name, ref > 0 ? gbs / ref : 0.0);
     }
-    fflush(stdout);
+    bench_flush("store");
 }
 
 int bench_store(int argc, char **argv) {

@@ -6,7 +6,9 @@
  * what the machine can do with n threads, independent of the library.
  */
 #define _POSIX_C_SOURCE 200809L
+#include <errno.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -156,6 +158,14 @@ int bench_output_finite(const void *p, size_t n, int dt) {
 }
 
 static volatile uint64_t g_sink;
+
+void bench_flush(const char *target) {
+    errno = 0;
+    if (fflush(stdout) == 0 && !ferror(stdout)) return;
+    fprintf(stderr, "kvcache: bench %s: cannot write the output: %s\n", target,
+            errno ? strerror(errno) : "write error");
+    exit(CLI_EXIT_FAIL);
+}
 
 void bench_sink(uint64_t v) {
     g_sink ^= v;

@@ -71,12 +71,6 @@ int cli_parse_f64(const char *s, double *out);
 /* A whole non-negative decimal integer up to UINT64_MAX; -1 otherwise. */
 int cli_parse_u64(const char *s, uint64_t *out);
 
-/* Ignores SIGPIPE, for the commands that check their writes to stdout (run,
- * chat, bench-serve): a reader gone (`kvcache run ... | head -c1`) is then a
- * write error they report (exit 1) after closing what they opened (a KV
- * store's queued writes, an event stream), not a death by signal. */
-void cli_ignore_sigpipe(void);
-
 /* The CPUs this process may run on (kvc_cpu_count: its affinity mask). */
 int cli_online_cpus(void);
 /* Warns on stderr when threads exceeds cli_online_cpus(). */

@@ -274,7 +274,6 @@ int cmd_bench_serve(int argc, char **argv) {
             n_dtypes = 1;
         }
     }
-    cli_ignore_sigpipe(); /* each case's line is checked */
     char *file_text = NULL;
     size_t text_len = text ? strlen(text) : 0;
     if (text_file) {

@@ -147,7 +147,6 @@ int cmd_chat(int argc, char **argv) {
     if ((system_file && !strcmp(system_file, "-")) || (tmpl_file && !strcmp(tmpl_file, "-")))
         return cli_usage_error(cmd, "standard input carries the messages: name a file");
 
-    cli_ignore_sigpipe(); /* cli_generate checks every write */
     int rc = CLI_EXIT_FAIL;
     char *sys_text = NULL, *tmpl = NULL, *line = NULL;
     size_t len = 0, line_cap = 0;

@@ -95,7 +95,6 @@ int cmd_run(int argc, char **argv) {
     if (system && !chat) return cli_usage_error(cmd, "--system needs --chat");
     if (tmpl_file && !chat) return cli_usage_error(cmd, "--chat-template needs --chat");
 
-    cli_ignore_sigpipe(); /* cli_generate checks every write */
     int rc = CLI_EXIT_FAIL;
     char *file_text = NULL, *tmpl = NULL;
     size_t plen = prompt ? strlen(prompt) : 0, tmpl_len = 0;

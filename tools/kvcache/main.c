@@ -9,7 +9,8 @@
  *   kvcache bench [TARGET]  micro-benchmarks (kvcache bench --help lists them)
  *   kvcache run, bench-serve, perplexity: a GGUF model through the cache
  *
- * Exit status: 0 success, 1 the work failed, 2 bad command line.
+ * Exit status: 0 success, 1 the work failed (stdout that cannot be written
+ * included: SIGPIPE is ignored), 2 bad command line.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
@@ -101,8 +102,6 @@ int cli_parse_u64(const char *s, uint64_t *out) {
     *out = (uint64_t)v;
     return 0;
 }
-
-void cli_ignore_sigpipe(void) { signal(SIGPIPE, SIG_IGN); }
 
 int cli_online_cpus(void) { return kvc_cpu_count(); }
 
@@ -235,10 +234,18 @@ int main(int argc, char **argv) {
         fprintf(stderr, "kvcache: %s\n", kvc_last_error());
         return CLI_EXIT_USAGE;
     }
+    /* A reader gone early (`kvcache info | head -c1`) is a write error that
+     * every command reports (exit 1) after closing what it opened (a KV
+     * store's queued writes, an event stream), not a death by signal (141). */
+    signal(SIGPIPE, SIG_IGN);
     int rc = run_command(argc - 1, argv + 1);
     /* A full disk or closed pipe on stdout must not pass silently. */
-    if ((fflush(stdout) != 0 || ferror(stdout)) && rc == CLI_EXIT_OK) {
-        fprintf(stderr, "kvcache: error writing to stdout\n");
+    errno = 0;
+    const int flush_failed = fflush(stdout) != 0;
+    const int err = errno;
+    if ((flush_failed || ferror(stdout)) && rc == CLI_EXIT_OK) {
+        fprintf(stderr, "kvcache: %s: cannot write the output: %s\n", argv[1],
+                flush_failed && err ? strerror(err) : "write error");
         rc = CLI_EXIT_FAIL;
     }
     return rc;
