@@ -272,6 +272,22 @@ def test_tiny_errors(tiny, tmp_path):
     assert r.returncode == 1 and "cannot load" in r.stderr
 
 
+def test_tiny_default_ctx_is_the_model_context(tiny):
+    """Without -c, chunks are 1024 tokens or the whole context of a smaller
+    model (the tiny one's 256), said on stderr unless -q; an explicit -c past
+    it stays an error (test_tiny_errors)."""
+    path, text, *_ = tiny
+    r = _run("-m", path, "-f", text, "-t", 1, "--json")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "kvcache: perplexity: chunks of 256 tokens, the model's context " \
+                       "(-c to choose)\n"
+    got = json.loads(r.stdout)
+    assert got["n_ctx"] == 256
+    assert got == _json("-m", path, "-f", text, "-t", 1, "-c", 256)
+    r = _run("-m", path, "-f", text, "-t", 1, "--json", "-q")
+    assert r.returncode == 0 and r.stderr == "" and json.loads(r.stdout) == got
+
+
 def test_tiny_reader_gone(tiny):
     """A closed stdout is a write error (exit 1, said on stderr) once the model
     and cache are freed, not a death by SIGPIPE (-13)."""

@@ -39,7 +39,8 @@ static const char ppl_usage[] =
     "  -m, --model PATH     GGUF model (default $KVCACHE_MODEL, else\n"
     "                       models/SmolLM2-135M-Instruct.Q4_1.gguf)\n"
     "  -f, --file FILE      the text (at least N_CTX tokens; - reads standard input)\n"
-    "  -c, --ctx-size N     tokens per chunk, 8 .. the model's context (default 1024)\n"
+    "  -c, --ctx-size N     tokens per chunk, 8 .. the model's context (default 1024,\n"
+    "                       or the model's context when it is smaller)\n"
     "  -b, --batch-size N   token rows per forward step (default 512; results do not\n"
     "                       depend on it)\n"
     "  --kv-dtype TYPE      KV cache storage: " CLI_KV_HELP "\n"
@@ -50,7 +51,8 @@ static const char ppl_usage[] =
     "  --no-mmap            read the model into memory instead of mapping it\n"
     "  --json               one JSON object: ppl, ppl_stderr, n_chunks, n_scored, n_ctx,\n"
     "                       n_tokens, kv_dtype, kv_group, kv_bytes_per_token\n"
-    "  -q, --quiet          no progress on stderr (shown only on a terminal anyway)\n"
+    "  -q, --quiet          no progress (shown only on a terminal anyway) or notes on\n"
+    "                       stderr\n"
     "  -h, --help           this text\n";
 
 /* -log softmax(logits)[tok] in double, shifted by the max so exp never
@@ -141,7 +143,7 @@ int cmd_perplexity(int argc, char **argv) {
     const char *cmd = "perplexity";
     const char *model_path = cli_default_model(), *file = NULL;
     int json = 0, quiet = 0, kv_dtype = KVC_F16, no_mmap = 0;
-    int64_t n_ctx = 1024, n_batch = 512, threads = cli_online_cpus();
+    int64_t n_ctx = 0, n_batch = 512, threads = cli_online_cpus(); /* n_ctx 0: the default */
     int64_t group = kvc_engine_default_params().quant_group;
     int set_group = 0;
     for (int i = 1; i < argc; i++) {
@@ -220,7 +222,17 @@ int cmd_perplexity(int argc, char **argv) {
     kvc_model_ctx *ctx = NULL;
     kvc_model_info info;
     if (kvc_model_get_info(model, &info) != KVC_OK) goto fail;
-    if (n_ctx > info.n_ctx_train) {
+    if (n_ctx == 0) { /* llama-perplexity's 1024, or the whole context of a smaller model */
+        n_ctx = info.n_ctx_train < 1024 ? info.n_ctx_train : 1024;
+        if (n_ctx < 1024 && !quiet)
+            fprintf(stderr, "kvcache: perplexity: chunks of %lld tokens, the model's context "
+                    "(-c to choose)\n", (long long)n_ctx);
+        if (n_ctx < 8) {
+            fprintf(stderr, "kvcache: perplexity: the model's context of %lld tokens is below "
+                    "the 8 a chunk needs\n", (long long)n_ctx);
+            goto done;
+        }
+    } else if (n_ctx > info.n_ctx_train) {
         rc = cli_usage_error(cmd, "-c %lld: the model's context is %d tokens", (long long)n_ctx,
                              (int)info.n_ctx_train);
         goto done;
