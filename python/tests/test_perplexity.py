@@ -205,6 +205,17 @@ def test_tiny_text_from_standard_input(tiny):
     assert json.loads(r.stdout) == base
 
 
+def test_tiny_standard_input_is_named(tiny):
+    """Messages name -f - "standard input", not "-"."""
+    path, *_ = tiny
+    r = subprocess.run([str(_cli()), "perplexity", "-m", str(path), "-f", "-", "-c", "100"],
+                       input=TEXT[:100], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True, timeout=600)
+    assert r.returncode == 1, r.stderr
+    assert "kvcache: perplexity: standard input has " in r.stderr, r.stderr
+    assert "tokens; -c 100 needs at least 100" in r.stderr
+
+
 def test_tiny_progress_only_on_a_terminal(tiny):
     path, text, *_ = tiny
     master, slave = pty.openpty()

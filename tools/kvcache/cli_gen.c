@@ -15,6 +15,10 @@
 #include "bench.h" /* bench_now */
 #include "cli.h"
 
+const char *cli_file_name(const char *path) {
+    return strcmp(path, "-") == 0 ? "standard input" : path;
+}
+
 int cli_read_file(const char *cmd, const char *path, char **text, size_t *len) {
     const int is_stdin = strcmp(path, "-") == 0;
     FILE *f = is_stdin ? stdin : fopen(path, "rb");
@@ -45,8 +49,7 @@ int cli_read_file(const char *cmd, const char *path, char **text, size_t *len) {
     }
     if (!is_stdin) fclose(f);
     if (err) {
-        fprintf(stderr, "kvcache: %s: cannot read %s: %s\n", cmd,
-                is_stdin ? "standard input" : path,
+        fprintf(stderr, "kvcache: %s: cannot read %s: %s\n", cmd, cli_file_name(path),
                 !buf ? "out of memory" : read_errno ? strerror(read_errno) : "read error");
         free(buf);
         return -1;

@@ -21,6 +21,8 @@
  * (*text, freed by the caller; *len bytes, NULs inside kept). On failure
  * prints "kvcache: CMD: cannot read PATH: reason" and returns -1. */
 int cli_read_file(const char *cmd, const char *path, char **text, size_t *len);
+/* How messages name a file argument: "standard input" for "-", else path. */
+const char *cli_file_name(const char *path);
 /* cli_read_file for a prompt (-f, a system message): one trailing newline is
  * dropped, as llama.cpp's -f does, so `echo TEXT > FILE` gives -p TEXT. */
 int cli_read_prompt(const char *cmd, const char *path, char **text, size_t *len);

@@ -257,7 +257,7 @@ int cmd_perplexity(int argc, char **argv) {
     const int64_t n_chunks = n_ids / n_ctx;
     if (n_chunks < 1) {
         fprintf(stderr, "kvcache: perplexity: %s has %lld tokens; -c %lld needs at least %lld "
-                        "(one chunk)\n", file, (long long)n_ids, (long long)n_ctx,
+                        "(one chunk)\n", cli_file_name(file), (long long)n_ids, (long long)n_ctx,
                 (long long)n_ctx);
         goto done;
     }
