@@ -590,13 +590,22 @@ int bench_attention(const bench_opts *o) {
         groups[si] = o->group == BENCH_GROUP_ROW ? shapes[si].D : o->group ? o->group : ATT_GROUP;
     const int64_t want_layers = o->layers ? o->layers : 1;
     const unsigned layouts = o->layouts ? o->layouts : 1u; /* bit 0 NHD, bit 1 HND */
-    for (int si = 0; si < n_shapes; si++)
-        if (shapes[si].D % groups[si] != 0 && (caches & (BENCH_CACHE_INT8 | BENCH_CACHE_INT4))) {
+    for (int si = 0; si < n_shapes; si++) {
+        const int64_t D = shapes[si].D;
+        if (D % groups[si] != 0 && (caches & (BENCH_CACHE_INT8 | BENCH_CACHE_INT4))) {
             fprintf(stderr, "kvcache: bench attention: head dim %lld is not a multiple of the "
                             "quant group %lld of int8/int4 caches\n",
-                    (long long)shapes[si].D, (long long)groups[si]);
+                    (long long)D, (long long)groups[si]);
             return CLI_EXIT_USAGE;
         }
+        /* kivi4 rotates V by a Hadamard transform (kvc_kvfmt_check): refused
+         * here, before any case, rather than failing its cases */
+        if ((D & (D - 1)) != 0 && (caches & BENCH_CACHE_KIVI4)) {
+            fprintf(stderr, "kvcache: bench attention: kivi4 needs a power-of-two head dim, not "
+                            "%lld (--cache without kivi4 for this one)\n", (long long)D);
+            return CLI_EXIT_USAGE;
+        }
+    }
     char gdesc[64];
     if (o->group == BENCH_GROUP_ROW)
         snprintf(gdesc, sizeof gdesc, "one scale per head row (quant group Dh)");

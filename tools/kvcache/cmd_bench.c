@@ -37,7 +37,9 @@ static const char bench_usage[] =
     "          H 8: 256 KiB, 2 MiB, 16 MiB of float16 K/V; int8 half), int8/int4\n"
     "          speed against the float16 kernel\n"
     "  store   the KV store's data path (own options: kvcache bench store --help)\n"
-    "\n"
+    "\n";
+/* in two: C11 compilers need only take 4095-character strings */
+static const char bench_usage_options[] =
     "options (the defaults are pmx's; attention, prefill, mla and kernel sweep their\n"
     "own sets of shapes, batches and lengths unless an option fixes one):\n"
     "  --threads LIST    comma-separated thread counts, each run in turn (default 1,2)\n"
@@ -46,8 +48,11 @@ static const char bench_usage[] =
     "                    (default 2048; append: prefill tokens per request, 2048)\n"
     "  --heads N         KV heads H (default 8; attention, prefill and kernel: with\n"
     "                    4 query heads each; mla: query heads)\n"
-    "  --head-dim N      head dimension Dh, a multiple of 8 (default 128; attention and\n"
-    "                    prefill: at most 512, what the kernels take)\n"
+    "  --head-dim N      head dimension Dh (default 128), a multiple of 8 (pmx, append);\n"
+    "                    attention and prefill: at most 512 and a multiple of the\n"
+    "                    int8/int4 quant group (attention: --group, default 32;\n"
+    "                    prefill: 32), attention's kivi4 a power of two; kernel: a\n"
+    "                    multiple of 16 and of --group, at most 512; mla: 512 only\n"
     "  --group N|row     attention, kernel: int8/int4 quant group (default 32),\n"
     "                    dividing Dh; row: one scale per head row (group = Dh\n"
     "                    of each shape)\n"
@@ -201,8 +206,8 @@ int cmd_bench(int argc, char **argv) {
             strcmp(target, "gemm") != 0 && strcmp(target, "kernel") != 0) {
             fprintf(stderr,
                     "kvcache: bench: unknown target '%s' (known: pmx, append, cache, attention, "
-                    "prefill, mla, gemm, kernel, store)\n\n%s",
-                    target, bench_usage);
+                    "prefill, mla, gemm, kernel, store)\n\n%s%s",
+                    target, bench_usage, bench_usage_options);
             return CLI_EXIT_USAGE;
         }
     }
@@ -214,6 +219,7 @@ int cmd_bench(int argc, char **argv) {
         int64_t n;
         if (cli_is_help(a)) {
             fputs(bench_usage, stdout);
+            fputs(bench_usage_options, stdout);
             return CLI_EXIT_OK;
         } else if (strcmp(a, "--quick") == 0) {
             o.quick = 1;
@@ -246,7 +252,8 @@ int cmd_bench(int argc, char **argv) {
             given |= GIVEN_HEAD_DIM;
             if (r < 0 || cli_parse_i64(v, 8, 1 << 16, &n) != 0 || n % 8 != 0)
                 return cli_usage_error(cmd, "bench: --head-dim expects a multiple of 8 in "
-                                            "[8, 65536] (the quantization group is 8)");
+                                            "[8, 65536] (a target may need more: see "
+                                            "--help)");
             o.head_dim = n;
         } else if ((r = opt_value(argc, argv, &i, "--group", &v)) != 0) {
             if (r > 0 && !strcmp(v, "row")) {
