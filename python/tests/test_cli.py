@@ -52,4 +52,6 @@ def test_reader_gone_is_a_write_error(args, who):
     by SIGPIPE, in every command (run, chat and bench-serve: tests/CMakeLists.txt)."""
     p = run_reader_gone(*args)
     assert p.returncode == 1, (args, p.returncode, p.stderr)
-    assert f"kvcache: {who}: cannot write the output: Broken pipe" in p.stderr, p.stderr
+    # the reason is errno's when the last flush failed ("write error" when an
+    # earlier write did: stdio keeps only the error flag)
+    assert f"kvcache: {who}: cannot write the output: " in p.stderr, p.stderr
