@@ -271,7 +271,11 @@ def test_tiny_errors(tiny, tmp_path):
         (["-f", text, "--kv-dtype", "int3"], 2, "--kv-dtype: expected"),
         (["-f", text, "--kv-group", 32], 2, "--kv-group needs --kv-dtype int8-token or int4-token"),
         (["-f", text, "-c", 64, "--kv-dtype", "int8-token", "--kv-group", 3], 2, "--kv-group 3"),
-        (["-f", text, "-c"], 2, "missing value"),
+        (["-f", text, "-c"], 2, "-c needs a value"),
+        (["-f", text, "--cache"], 2, "unexpected argument '--cache'"),
+        (["-f", text, "-c", "+64"], 2, "-c: expected an integer in [8, 1048576], got '+64'"),
+        (["-f", text, "--ctx-size", " 64"], 2, "--ctx-size: expected an integer in [8, 1048576]"),
+        (["-f", text, "-t", "0x2"], 2, "-t: expected an integer in [1, 256]"),
         ([], 2, "a text file is required"),
     ]
     for args, rc, msg in cases:

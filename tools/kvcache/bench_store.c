@@ -218,6 +218,9 @@ int bench_store(int argc, char **argv) {
     int n_urls = 0, json = 0;
     int64_t pages = 128, layers = 30, heads = 3, dh = 64, ps = 16;
     double budget = 1.0;
+    static const char *const with_value[] = {
+        "--pages", "--layers", "--heads", "--head-dim", "--page-size", "--kv-store",
+        "--time", NULL};
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (cli_is_help(a)) {
@@ -228,7 +231,9 @@ int bench_store(int argc, char **argv) {
             json = 1;
             continue;
         }
-        if (!v) return cli_usage_error(cmd, "unexpected argument '%s' (or missing value)", a);
+        if (!cli_is_one_of(a, with_value))
+            return cli_usage_error(cmd, "unexpected argument '%s'", a);
+        if (!v) return cli_usage_error(cmd, "%s needs a value", a);
         i++;
         int64_t *dst = !strcmp(a, "--pages")       ? &pages
                        : !strcmp(a, "--layers")    ? &layers
@@ -237,9 +242,7 @@ int bench_store(int argc, char **argv) {
                        : !strcmp(a, "--page-size") ? &ps
                                                    : NULL;
         if (dst) {
-            if (cli_parse_i64(v, 1, 1 << 16, dst))
-                return cli_usage_error(cmd, "%s: expected an integer in [1, 65536], got '%s'", a,
-                                       v);
+            if (cli_opt_i64(cmd, a, v, 1, 1 << 16, dst)) return CLI_EXIT_USAGE;
         } else if (!strcmp(a, "--kv-store")) {
             if (n_urls == 16) return cli_usage_error(cmd, "at most 16 --kv-store");
             const char *why = cli_store_url_problem(v);
@@ -248,7 +251,7 @@ int bench_store(int argc, char **argv) {
             urls[n_urls++] = v;
         } else if (!strcmp(a, "--time")) {
             if (cli_parse_seconds(v, 600, &budget))
-                return cli_usage_error(cmd, "--time: bad value '%s'", v);
+                return cli_usage_error(cmd, "--time: expected seconds in (0, 600], got '%s'", v);
         } else {
             return cli_usage_error(cmd, "unexpected argument '%s'", a);
         }

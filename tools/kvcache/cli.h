@@ -53,22 +53,34 @@ const char *cli_kv_name(int code);     /* "kivi8", "int8-token", "float16", ... 
 /* 1 if arg is "-h" or "--help". */
 int cli_is_help(const char *arg);
 
+/* 1 if arg is one of names (NULL-terminated). */
+int cli_is_one_of(const char *arg, const char *const *names);
+
 /* Prints "kvcache: <message>" and a hint to run "kvcache <cmd> --help" on
  * stderr; returns CLI_EXIT_USAGE so callers can `return cli_usage_error(...)`. */
 int cli_usage_error(const char *cmd, const char *fmt, ...) CLI_PRINTF(2, 3);
 
-/* Parses a whole decimal integer in [lo, hi] into *out; 0 on success, -1 on
- * garbage, trailing characters or out-of-range values. */
+/* Numbers of the command line, one syntax for all (main.c): decimal digits,
+ * '-' before a negative number, no '+', spaces, hexadecimal, inf or nan. */
+
+/* A decimal integer in [lo, hi] into *out; 0 on success, -1 on garbage,
+ * trailing characters or out-of-range values. */
 int cli_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out);
 
-/* Parses a positive decimal number (e.g. "0.3") in (0, hi]; 0 or -1. */
+/* cli_parse_i64 for the value v of option opt (as the user wrote it: "-c"
+ * or "--ctx-size"): 0, or CLI_EXIT_USAGE after "OPT: expected an integer in
+ * [LO, HI], got 'V'". */
+int cli_opt_i64(const char *cmd, const char *opt, const char *v, int64_t lo, int64_t hi,
+                int64_t *out);
+
+/* A positive decimal number (e.g. "0.3") in (0, hi]; 0 or -1. */
 int cli_parse_seconds(const char *s, double hi, double *out);
 
-/* A whole decimal number (strtod syntax, nothing after it, not empty, not
- * NaN, finite) into *out; -1 if s is not one. Range checks are the caller's. */
+/* A finite decimal number ([-]D[.D][e[+-]D], nothing after it) into *out;
+ * -1 if s is not one. Range checks are the caller's. */
 int cli_parse_f64(const char *s, double *out);
 
-/* A whole non-negative decimal integer up to UINT64_MAX; -1 otherwise. */
+/* A non-negative decimal integer up to UINT64_MAX; -1 otherwise. */
 int cli_parse_u64(const char *s, uint64_t *out);
 
 /* The CPUs this process may run on (kvc_cpu_count: its affinity mask). */

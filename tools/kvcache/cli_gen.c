@@ -143,18 +143,15 @@ int cli_gen_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_gen_o
     if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
         o->model_path = v;
     } else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
-        if (cli_parse_i64(v, 1, 1 << 20, &o->n_predict))
-            return cli_usage_error(cmd, "-n: expected an integer in [1, 1048576], got '%s'", v);
+        if (cli_opt_i64(cmd, a, v, 1, 1 << 20, &o->n_predict)) return CLI_EXIT_USAGE;
     } else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) {
-        if (cli_parse_i64(v, 1, 256, &o->threads))
-            return cli_usage_error(cmd, "-t: expected an integer in [1, 256], got '%s'", v);
+        if (cli_opt_i64(cmd, a, v, 1, 256, &o->threads)) return CLI_EXIT_USAGE;
         cli_warn_threads(cmd, o->threads);
     } else if (!strcmp(a, "--seed")) {
         if (cli_parse_u64(v, &o->seed))
-            return cli_usage_error(cmd, "--seed: expected an integer in [0, 2^64), got '%s'", v);
+            return cli_usage_error(cmd, "%s: expected an integer in [0, 2^64), got '%s'", a, v);
     } else if (!strcmp(a, "--top-k")) {
-        if (cli_parse_i64(v, 0, 1 << 30, &o->top_k))
-            return cli_usage_error(cmd, "--top-k: expected an integer >= 0, got '%s'", v);
+        if (cli_opt_i64(cmd, a, v, 0, 1 << 30, &o->top_k)) return CLI_EXIT_USAGE;
     } else if (!strcmp(a, "--temp")) {
         if (cli_parse_f64(v, &o->temp) || !(o->temp >= 0 && o->temp <= 100))
             return cli_usage_error(cmd, "--temp: expected a number in [0, 100], got '%s'", v);

@@ -235,19 +235,16 @@ int cmd_bench(int argc, char **argv) {
                                        v, BENCH_MAX_THREAD_COUNTS, BENCH_MAX_THREADS);
         } else if ((r = opt_value(argc, argv, &i, "--batch", &v)) != 0) {
             given |= GIVEN_BATCH;
-            if (r < 0 || cli_parse_i64(v, 1, 1 << 20, &n) != 0)
-                return cli_usage_error(cmd, "bench: --batch expects an integer in [1, 1048576]");
-            o.batch = n;
+            if (r < 0) return cli_usage_error(cmd, "bench: --batch needs a value");
+            if (cli_opt_i64(cmd, "--batch", v, 1, 1 << 20, &o.batch)) return CLI_EXIT_USAGE;
         } else if ((r = opt_value(argc, argv, &i, "--kvlen", &v)) != 0) {
             given |= GIVEN_KVLEN;
-            if (r < 0 || cli_parse_i64(v, 1, 1 << 24, &n) != 0)
-                return cli_usage_error(cmd, "bench: --kvlen expects an integer in [1, 16777216]");
-            o.kvlen = n;
+            if (r < 0) return cli_usage_error(cmd, "bench: --kvlen needs a value");
+            if (cli_opt_i64(cmd, "--kvlen", v, 1, 1 << 24, &o.kvlen)) return CLI_EXIT_USAGE;
         } else if ((r = opt_value(argc, argv, &i, "--heads", &v)) != 0) {
             given |= GIVEN_HEADS;
-            if (r < 0 || cli_parse_i64(v, 1, 1 << 16, &n) != 0)
-                return cli_usage_error(cmd, "bench: --heads expects an integer in [1, 65536]");
-            o.heads = n;
+            if (r < 0) return cli_usage_error(cmd, "bench: --heads needs a value");
+            if (cli_opt_i64(cmd, "--heads", v, 1, 1 << 16, &o.heads)) return CLI_EXIT_USAGE;
         } else if ((r = opt_value(argc, argv, &i, "--head-dim", &v)) != 0) {
             given |= GIVEN_HEAD_DIM;
             if (r < 0 || cli_parse_i64(v, 8, 1 << 16, &n) != 0 || n % 8 != 0)
@@ -265,9 +262,8 @@ int cmd_bench(int argc, char **argv) {
                 o.group = n;
             }
         } else if ((r = opt_value(argc, argv, &i, "--layers", &v)) != 0) {
-            if (r < 0 || cli_parse_i64(v, 1, 1024, &n) != 0)
-                return cli_usage_error(cmd, "bench: --layers expects an integer in [1, 1024]");
-            o.layers = n;
+            if (r < 0) return cli_usage_error(cmd, "bench: --layers needs a value");
+            if (cli_opt_i64(cmd, "--layers", v, 1, 1024, &o.layers)) return CLI_EXIT_USAGE;
         } else if ((r = opt_value(argc, argv, &i, "--soft-cap", &v)) != 0) {
             if (r < 0 || cli_parse_f64(v, &o.soft_cap) != 0 || !(o.soft_cap > 0))
                 return cli_usage_error(cmd, "bench: --soft-cap expects a number > 0");

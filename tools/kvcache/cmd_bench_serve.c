@@ -196,6 +196,9 @@ int cmd_bench_serve(int argc, char **argv) {
     cli_store_opts so;
     kvc_store *store = NULL; /* engine mode with a store: one for every case */
     cli_store_opts_default(&so);
+    static const char *const with_value[] = {
+        "-m", "--model", "-p", "--prompt", "-f", "--file", "--batch", "--prompt-len",
+        "--gen", "--step-tokens", "-t", "--threads", "--kv-dtype", NULL};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -217,7 +220,9 @@ int cmd_bench_serve(int argc, char **argv) {
             *flag = 1;
             continue;
         }
-        if (!v) return cli_usage_error(cmd, "unexpected argument '%s' (or missing value)", a);
+        if (!cli_is_one_of(a, with_value))
+            return cli_usage_error(cmd, "unexpected argument '%s'", a);
+        if (!v) return cli_usage_error(cmd, "%s needs a value", a);
         i++;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
             model_path = v;
@@ -232,19 +237,15 @@ int cmd_bench_serve(int argc, char **argv) {
                                        "comma-separated, got '%s'", v);
             set_batch = 1;
         } else if (!strcmp(a, "--prompt-len")) {
-            if (cli_parse_i64(v, 1, 1 << 20, &prompt_len))
-                return cli_usage_error(cmd, "--prompt-len: bad value '%s'", v);
+            if (cli_opt_i64(cmd, a, v, 1, 1 << 20, &prompt_len)) return CLI_EXIT_USAGE;
             set_prompt = 1;
         } else if (!strcmp(a, "--gen")) {
-            if (cli_parse_i64(v, 1, 1 << 20, &gen))
-                return cli_usage_error(cmd, "--gen: bad value '%s'", v);
+            if (cli_opt_i64(cmd, a, v, 1, 1 << 20, &gen)) return CLI_EXIT_USAGE;
             set_gen = 1;
         } else if (!strcmp(a, "--step-tokens")) {
-            if (cli_parse_i64(v, 1, 1 << 20, &step_tokens))
-                return cli_usage_error(cmd, "--step-tokens: bad value '%s'", v);
+            if (cli_opt_i64(cmd, a, v, 1, 1 << 20, &step_tokens)) return CLI_EXIT_USAGE;
         } else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) {
-            if (cli_parse_i64(v, 1, 256, &threads))
-                return cli_usage_error(cmd, "-t: bad value '%s'", v);
+            if (cli_opt_i64(cmd, a, v, 1, 256, &threads)) return CLI_EXIT_USAGE;
             cli_warn_threads(cmd, threads);
         } else if (!strcmp(a, "--kv-dtype")) {
             n_dtypes = split_list(v, 8, dtype_item, dtypes);

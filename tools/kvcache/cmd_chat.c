@@ -139,8 +139,8 @@ int cmd_chat(int argc, char **argv) {
         i++;
         if (dst)
             *dst = v;
-        else if (cli_parse_i64(v, 16, 1 << 20, &ctx_size))
-            return cli_usage_error(cmd, "-c: expected an integer in [16, 1048576], got '%s'", v);
+        else if (cli_opt_i64(cmd, a, v, 16, 1 << 20, &ctx_size))
+            return CLI_EXIT_USAGE;
     }
     if (cli_store_opts_check(cmd, &so)) return CLI_EXIT_USAGE;
     if (system && system_file) return cli_usage_error(cmd, "give --system or --system-file");

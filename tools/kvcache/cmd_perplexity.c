@@ -146,6 +146,9 @@ int cmd_perplexity(int argc, char **argv) {
     int64_t n_ctx = 0, n_batch = 512, threads = cli_online_cpus(); /* n_ctx 0: the default */
     int64_t group = kvc_engine_default_params().quant_group;
     int set_group = 0;
+    static const char *const with_value[] = {
+        "-m", "--model", "-f", "--file", "-c", "--ctx-size", "-b", "--batch-size",
+        "--kv-group", "-t", "--threads", "--kv-dtype", NULL};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -165,25 +168,23 @@ int cmd_perplexity(int argc, char **argv) {
             no_mmap = 1;
             continue;
         }
-        if (!v) return cli_usage_error(cmd, "unexpected argument '%s' (or missing value)", a);
+        if (!cli_is_one_of(a, with_value))
+            return cli_usage_error(cmd, "unexpected argument '%s'", a);
+        if (!v) return cli_usage_error(cmd, "%s needs a value", a);
         i++;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
             model_path = v;
         } else if (!strcmp(a, "-f") || !strcmp(a, "--file")) {
             file = v;
         } else if (!strcmp(a, "-c") || !strcmp(a, "--ctx-size")) {
-            if (cli_parse_i64(v, 8, 1 << 20, &n_ctx))
-                return cli_usage_error(cmd, "-c: expected an integer in [8, 1048576], got '%s'", v);
+            if (cli_opt_i64(cmd, a, v, 8, 1 << 20, &n_ctx)) return CLI_EXIT_USAGE;
         } else if (!strcmp(a, "-b") || !strcmp(a, "--batch-size")) {
-            if (cli_parse_i64(v, 1, 1 << 20, &n_batch))
-                return cli_usage_error(cmd, "-b: expected an integer in [1, 1048576], got '%s'", v);
+            if (cli_opt_i64(cmd, a, v, 1, 1 << 20, &n_batch)) return CLI_EXIT_USAGE;
         } else if (!strcmp(a, "--kv-group")) {
-            if (cli_parse_i64(v, 1, 1 << 20, &group))
-                return cli_usage_error(cmd, "--kv-group: expected a positive integer, got '%s'", v);
+            if (cli_opt_i64(cmd, a, v, 1, 1 << 20, &group)) return CLI_EXIT_USAGE;
             set_group = 1;
         } else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) {
-            if (cli_parse_i64(v, 1, 256, &threads))
-                return cli_usage_error(cmd, "-t: expected an integer in [1, 256], got '%s'", v);
+            if (cli_opt_i64(cmd, a, v, 1, 256, &threads)) return CLI_EXIT_USAGE;
             cli_warn_threads(cmd, threads);
         } else if (!strcmp(a, "--kv-dtype")) {
             if (cli_parse_kv_dtype(v, &kv_dtype))

@@ -79,8 +79,7 @@ int cmd_run(int argc, char **argv) {
             special = 1;
         } else if (!strcmp(a, "-c") || !strcmp(a, "--ctx-size")) {
             if (!v) return cli_usage_error(cmd, "%s needs a value", a);
-            if (cli_parse_i64(v, 0, INT32_MAX, &n_ctx))
-                return cli_usage_error(cmd, "-c: expected an integer in [0, 2^31), got '%s'", v);
+            if (cli_opt_i64(cmd, a, v, 0, INT32_MAX, &n_ctx)) return CLI_EXIT_USAGE;
             i++;
         } else if (!strcmp(a, "-q") || !strcmp(a, "--quiet")) {
             o.quiet = 1;

@@ -47,6 +47,12 @@ int cli_is_help(const char *arg) {
     return strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0;
 }
 
+int cli_is_one_of(const char *arg, const char *const *names) {
+    for (; *names; names++)
+        if (strcmp(arg, *names) == 0) return 1;
+    return 0;
+}
+
 int cli_usage_error(const char *cmd, const char *fmt, ...) {
     va_list ap;
     fputs("kvcache: ", stderr);
@@ -60,30 +66,38 @@ int cli_usage_error(const char *cmd, const char *fmt, ...) {
     return CLI_EXIT_USAGE;
 }
 
-int cli_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
-    if (s == NULL || *s == '\0') return -1;
-    char *end = NULL;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno != 0 || end == s || *end != '\0') return -1;
-    if (v < lo || v > hi) return -1;
-    *out = (int64_t)v;
+/* Every number of the command line has one syntax: decimal digits, a '-'
+ * before a negative one, nothing else (strtoll and strtod alone would take
+ * leading spaces, a '+', hexadecimal, "inf"; strtoull "-1" as 2^64 - 1), so
+ * that -n, --seed, --threads and the rest accept and refuse alike. */
+
+int cli_parse_u64(const char *s, uint64_t *out) {
+    if (s == NULL || *s < '0' || *s > '9') return -1;
+    uint64_t v = 0;
+    for (; *s; s++) {
+        if (*s < '0' || *s > '9' || v > (UINT64_MAX - (uint64_t)(*s - '0')) / 10) return -1;
+        v = v * 10 + (uint64_t)(*s - '0');
+    }
+    *out = v;
     return 0;
 }
 
-int cli_parse_seconds(const char *s, double hi, double *out) {
-    if (s == NULL || *s == '\0') return -1;
-    char *end = NULL;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno != 0 || end == s || *end != '\0') return -1;
-    if (!(v > 0.0) || !(v <= hi)) return -1; /* also rejects NaN */
+int cli_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
+    uint64_t m;
+    if (s == NULL || cli_parse_u64(s + (*s == '-'), &m) != 0) return -1;
+    if (m > (uint64_t)INT64_MAX + (*s == '-')) return -1;
+    const int64_t v = *s != '-' ? (int64_t)m : m > (uint64_t)INT64_MAX ? INT64_MIN : -(int64_t)m;
+    if (v < lo || v > hi) return -1;
     *out = v;
     return 0;
 }
 
 int cli_parse_f64(const char *s, double *out) {
-    if (s == NULL || *s == '\0') return -1;
+    /* digits with a '.' and an exponent: [-]D[.D][e[+-]D] or [-].D... */
+    if (s == NULL) return -1;
+    const char *p = s + (*s == '-');
+    if (!((*p >= '0' && *p <= '9') || (*p == '.' && p[1] >= '0' && p[1] <= '9'))) return -1;
+    if (strspn(p, "0123456789.eE+-") != strlen(p)) return -1;
     char *end = NULL;
     errno = 0;
     double v = strtod(s, &end);
@@ -92,15 +106,18 @@ int cli_parse_f64(const char *s, double *out) {
     return 0;
 }
 
-int cli_parse_u64(const char *s, uint64_t *out) {
-    /* strtoull accepts "-1" (as UINT64_MAX) and leading spaces: digits only */
-    if (s == NULL || *s < '0' || *s > '9') return -1;
-    char *end = NULL;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno != 0 || *end != '\0') return -1;
-    *out = (uint64_t)v;
+int cli_parse_seconds(const char *s, double hi, double *out) {
+    double v;
+    if (cli_parse_f64(s, &v) != 0 || !(v > 0.0) || !(v <= hi)) return -1;
+    *out = v;
     return 0;
+}
+
+int cli_opt_i64(const char *cmd, const char *opt, const char *v, int64_t lo, int64_t hi,
+                int64_t *out) {
+    if (cli_parse_i64(v, lo, hi, out) == 0) return 0;
+    return cli_usage_error(cmd, "%s: expected an integer in [%lld, %lld], got '%s'", opt,
+                           (long long)lo, (long long)hi, v);
 }
 
 int cli_online_cpus(void) { return kvc_cpu_count(); }
