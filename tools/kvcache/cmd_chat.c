@@ -172,6 +172,10 @@ int cmd_chat(int argc, char **argv) {
                                         special, &ids, &n);
         free(ids);
         if (st != KVC_OK) goto fail;
+        if (n == 0) { /* an empty template: every turn would fail in the engine */
+            fprintf(stderr, "kvcache: chat: the chat template renders a message as no tokens\n");
+            goto done;
+        }
     }
     kvc_engine_params ep = kvc_engine_default_params();
     ep.n_threads = (int32_t)o.threads;
