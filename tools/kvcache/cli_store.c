@@ -186,10 +186,14 @@ int cli_store_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_sto
         o->urls[o->n_urls++] = v;
     } else if (!strcmp(a, "--salt")) {
         o->salt = v;
-    } else if (!strcmp(a, "--kv-events")) {
-        o->events = v;
-    } else if (!strcmp(a, "--kv-events-replay")) {
-        o->replay = v;
+    } else if (!strcmp(a, "--kv-events") || !strcmp(a, "--kv-events-replay")) {
+        /* ZeroMQ's TRANSPORT://ADDRESS, checked before the model loads (the
+         * bind, after it, is the authority) */
+        const size_t t = strspn(v, "abcdefghijklmnopqrstuvwxyz");
+        if (t == 0 || strncmp(v + t, "://", 3) || v[t + 3] == '\0')
+            return cli_usage_error(cmd, "%s '%.*s': an endpoint is TRANSPORT://ADDRESS, e.g. "
+                                   "tcp://127.0.0.1:5557", a, URL_SHOW, v);
+        *(!strcmp(a, "--kv-events") ? &o->events : &o->replay) = v;
     } else { /* --kv-store-write */
         int64_t n = 0;
         o->policy_set = 1;
