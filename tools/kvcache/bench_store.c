@@ -256,6 +256,17 @@ int bench_store(int argc, char **argv) {
             return cli_usage_error(cmd, "unexpected argument '%s'", a);
         }
     }
+    /* every page lives five times (two caches, the objects, two flat copies)
+     * at 4 bytes per element (float16 K and V): sizes past 6 GiB are refused
+     * before any allocation, as bench pmx does, rather than left to fail or
+     * to the OOM killer once the buffers are filled (double: the product of
+     * the options can pass int64) */
+    const double need = 5.0 * 4.0 * (double)pages * (double)layers * (double)heads * (double)dh *
+                        (double)ps;
+    if (need > (double)((int64_t)6 << 30))
+        return cli_usage_error(cmd, "bench store: these sizes need about %.1f GiB (limit 6 GiB); "
+                               "lower --pages, --layers, --heads, --head-dim or --page-size",
+                               need / (1 << 30));
     bs b;
     memset(&b, 0, sizeof b);
     int rc = CLI_EXIT_FAIL;
