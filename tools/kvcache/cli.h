@@ -86,7 +86,7 @@ int cli_parse_u64(const char *s, uint64_t *out);
 /* The CPUs this process may run on (kvc_cpu_count: its affinity mask). */
 int cli_online_cpus(void);
 /* Warns on stderr when threads exceeds cli_online_cpus(). */
-void cli_warn_threads(const char *cmd, int64_t threads);
+void cli_warn_threads(const char *cmd, const char *opt, int64_t threads); /* opt: as written */
 
 /* Value of the first "key : value" line of /proc/cpuinfo into buf ("" if
  * absent or unreadable); returns buf. */

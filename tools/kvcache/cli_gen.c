@@ -146,7 +146,7 @@ int cli_gen_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_gen_o
         if (cli_opt_i64(cmd, a, v, 1, 1 << 20, &o->n_predict)) return CLI_EXIT_USAGE;
     } else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) {
         if (cli_opt_i64(cmd, a, v, 1, 256, &o->threads)) return CLI_EXIT_USAGE;
-        cli_warn_threads(cmd, o->threads);
+        cli_warn_threads(cmd, a, o->threads);
     } else if (!strcmp(a, "--seed")) {
         if (cli_parse_u64(v, &o->seed))
             return cli_usage_error(cmd, "%s: expected an integer in [0, 2^64), got '%s'", a, v);

@@ -246,7 +246,7 @@ int cmd_bench_serve(int argc, char **argv) {
             if (cli_opt_i64(cmd, a, v, 1, 1 << 20, &step_tokens)) return CLI_EXIT_USAGE;
         } else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) {
             if (cli_opt_i64(cmd, a, v, 1, 256, &threads)) return CLI_EXIT_USAGE;
-            cli_warn_threads(cmd, threads);
+            cli_warn_threads(cmd, a, threads);
         } else if (!strcmp(a, "--kv-dtype")) {
             n_dtypes = split_list(v, 8, dtype_item, dtypes);
             if (n_dtypes <= 0)

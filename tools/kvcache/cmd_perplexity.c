@@ -185,7 +185,7 @@ int cmd_perplexity(int argc, char **argv) {
             set_group = 1;
         } else if (!strcmp(a, "-t") || !strcmp(a, "--threads")) {
             if (cli_opt_i64(cmd, a, v, 1, 256, &threads)) return CLI_EXIT_USAGE;
-            cli_warn_threads(cmd, threads);
+            cli_warn_threads(cmd, a, threads);
         } else if (!strcmp(a, "--kv-dtype")) {
             if (cli_parse_kv_dtype(v, &kv_dtype))
                 return cli_usage_error(cmd, "--kv-dtype: expected one of " CLI_KV_HELP

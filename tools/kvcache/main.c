@@ -122,13 +122,13 @@ int cli_opt_i64(const char *cmd, const char *opt, const char *v, int64_t lo, int
 
 int cli_online_cpus(void) { return kvc_cpu_count(); }
 
-void cli_warn_threads(const char *cmd, int64_t threads) {
+void cli_warn_threads(const char *cmd, const char *opt, int64_t threads) {
     const int n = kvc_cpu_count();
     if (threads > n)
         fprintf(stderr,
-                "kvcache %s: warning: -t %lld is more than the %d CPUs this process may run on; "
-                "the extra threads share CPUs (no faster than -t %d)\n",
-                cmd, (long long)threads, n, n);
+                "kvcache: %s: warning: %s %lld is more than the %d CPUs this process may run on; "
+                "the extra threads share CPUs (no faster than %s %d)\n",
+                cmd, opt, (long long)threads, n, opt, n);
 }
 
 const char *cli_cpuinfo(const char *key, char *buf, int n) {
