@@ -55,3 +55,54 @@ def test_reader_gone_is_a_write_error(args, who):
     # the reason is errno's when the last flush failed ("write error" when an
     # earlier write did: stdio keeps only the error flag)
     assert f"kvcache: {who}: cannot write the output: " in p.stderr, p.stderr
+
+
+def test_kv_store_url_syntax_is_the_stores(tmp_path):
+    """The CLI checks --kv-store URLs as the option is parsed (a malformed one
+    is a usage error, exit 2, before the model loads): it must refuse exactly
+    the URLs kvc_store_open refuses as malformed (InvalidArgumentError)."""
+    from kvcache.errors import InvalidArgumentError, UnsupportedError
+    from kvcache.store import KVStore
+
+    d = f"dir:{tmp_path}/s"
+    urls = [
+        "foo:bar", "DIR:/x", " dir:/x", "dir:", d, d + "?", d + "?max_bytes=0", d + "?max_bytes=1",
+        d + "?max_bytes=8G&write=back", d + "?write=back&max_bytes=8G",
+        d + "?write=back&write=back",
+        d + "?max_bytes=1K&max_bytes=2", d + "?max_bytes=1&", d + "?max_bytes=9223372036854775807",
+        d + "?max_bytes=9223372036854775808", d + "?max_bytes=8589934591G",
+        d + "?max_bytes=8589934592G", d + "?max_bytes=00000000000000000000001K",
+        d + "?max_bytes=1X",
+        d + "?max_bytes=+1", d + "?b", d + "?b?max_bytes=1", d + "?b?write=back", d + "?write=",
+        d + "?write=selective:0", d + "?write=selective:1048576", d + "?write=selective:1048577",
+        d + "?write=selective:+3", d + "?write=selective:000000000000000000000003",
+        d + "?write=through", d + "?write=Back",
+        "redis://h", "redis://h:", "redis://h:0", "redis://h:65535", "redis://h:65536",
+        "redis://h:+1", "redis://h:01", "redis://h:0000000001", "redis://h:00000000001",
+        "redis://h:6379/0", "redis://:pw@h:1", "redis://u@h:1", "redis://[::1]:6379",
+        "redis://[::1]6379", "redis://[::1]:", "redis://[]:1", "redis://:1", "redis://h/x:1",
+        "redis://h:1,redis://h:1", "redis://h:1,redis://h:2", "redis://h:1,", ",redis://h:1",
+        "redis://h:1,,redis://h:2", "redis://h:1,unix:///s?ttl=1", "redis://h:1?ttl=5",
+        "redis://h:1?ttl=0", "redis://h:1?ttl=2147483647", "redis://h:1?ttl=2147483648",
+        "redis://h:1?ttl=5&", "redis://h:1?ttl=5&ttl=6", "redis://h:1?ttl=5&write=back",
+        "redis://h:1?write=back&ttl=5", "redis://h:1?write=back", "redis://h:1?",
+        "redis://h:1?foo=1",
+        "redis://h:1?ttl=1?write=back", "redis://h:1?ttl=1?ttl=2", "redis://h:1&write=back",
+        "unix://rel", "unix://", "unix:///", "unix:///tmp/s", "unix:///" + "x" * 106,
+        "unix:///" + "x" * 107, ",".join(f"redis://h:{p}" for p in range(1, 65)),
+        ",".join(f"redis://h:{p}" for p in range(1, 66)),
+    ]
+    for url in urls:
+        try:
+            KVStore([url]).close()
+            malformed = False
+        except InvalidArgumentError:
+            malformed = True
+        except UnsupportedError:  # a Redis URL in a build without hiredis: no verdict
+            continue
+        r = subprocess.run([str(cli()), "run", "-m", str(tmp_path / "none.gguf"), "-p", "hi",
+                            "--kv-store", url], capture_output=True, text=True, timeout=60)
+        if malformed:
+            assert r.returncode == 2 and "--kv-store '" in r.stderr, (url, r.stderr)
+        else:
+            assert r.returncode == 1 and "cannot load" in r.stderr, (url, r.stderr)

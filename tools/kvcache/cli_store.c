@@ -37,10 +37,11 @@ const char cli_store_opts_help[] =
  * it. The store stays the authority: what passes here may still fail to
  * open (a directory that cannot be created, a build without hiredis). */
 
-/* Digits only, in [1, max]; -1 otherwise. */
-static int64_t url_count(const char *s, size_t n, int64_t max) {
+/* s[0..n) as a count in [1, max] of at most max_len digits (nothing else);
+ * -1 otherwise. */
+static int64_t url_count(const char *s, size_t n, int64_t max, size_t max_len) {
     int64_t v = 0;
-    if (n == 0 || n > 19) return -1;
+    if (n == 0 || n > max_len) return -1;
     for (size_t i = 0; i < n; i++) {
         if (s[i] < '0' || s[i] > '9' || v > (max - (s[i] - '0')) / 10) return -1;
         v = v * 10 + (s[i] - '0');
@@ -51,7 +52,8 @@ static int64_t url_count(const char *s, size_t n, int64_t max) {
 /* "write=P" (v: the text after "write=", n bytes): 0 or -1. */
 static int url_policy(const char *v, size_t n) {
     if ((n == 7 && !strncmp(v, "through", 7)) || (n == 4 && !strncmp(v, "back", 4))) return 0;
-    return n > 10 && !strncmp(v, "selective:", 10) && url_count(v + 10, n - 10, 1 << 20) > 0
+    return n > 10 && !strncmp(v, "selective:", 10) &&
+                   url_count(v + 10, n - 10, 1 << 20, SIZE_MAX) > 0
                ? 0
                : -1;
 }
@@ -81,81 +83,87 @@ static const char *url_server(const char *s, size_t n) {
         hlen = (size_t)(colon - h);
     }
     if (hlen == 0 || memchr(h, '/', hlen)) return "bad host";
-    if (url_count(colon + 1, (size_t)(end - colon - 1), 65535) < 0)
+    if (url_count(colon + 1, (size_t)(end - colon - 1), 65535, 10) < 0)
         return "the port must be a number in [1, 65535] (no /DB)";
     return NULL;
 }
 
-const char *cli_store_url_problem(const char *url) {
-    /* the store takes write= out of the options after the last '?' */
-    const char *q = strrchr(url, '?');
-    const size_t base_len = q ? (size_t)(q - url) : strlen(url);
-    char opts[512] = ""; /* the tier's own options, '&'-separated */
-    size_t no = 0;
-    int writes = 0, n_opts = 0;
-    for (const char *p = q ? q + 1 : NULL; p;) {
-        const char *e = strchr(p, '&');
-        const size_t n = e ? (size_t)(e - p) : strlen(p);
-        if (n >= 6 && !strncmp(p, "write=", 6)) {
-            if (writes++) return "write= given twice";
-            if (url_policy(p + 6, n - 6)) return "write= takes through, back or selective:N "
-                                                 "(1 <= N <= 1048576)";
-        } else {
-            if (no + n + 2 > sizeof opts) return "options too long";
-            if (n_opts++) opts[no++] = '&';
-            memcpy(opts + no, p, n);
-            no += n;
-            opts[no] = '\0';
-        }
-        p = e ? e + 1 : NULL;
-    }
-    if (base_len >= 4 && !strncmp(url, "dir:", 4)) {
-        const char *path = url + 4, *pq = memchr(path, '?', base_len - 4);
-        const size_t plen = pq ? (size_t)(pq - path) : base_len - 4;
+/* The tier URL left once write= is taken out (u: as the store passes it to
+ * the tier). */
+static const char *url_tier_problem(const char *u) {
+    if (!strncmp(u, "dir:", 4)) { /* dir:PATH[?max_bytes=N[K|M|G]] */
+        const char *path = u + 4, *q = strchr(path, '?');
+        const size_t plen = q ? (size_t)(q - path) : strlen(path);
         if (plen == 0) return "empty PATH (dir:PATH)";
         if (plen > 3900) return "PATH longer than 3900 bytes";
-        if (pq) return "a '?' in PATH"; /* the tier reads options from the first one */
-        if (n_opts == 0) return NULL;
-        /* max_bytes=N[K|M|G], the only option of a directory */
-        if (n_opts > 1 || strncmp(opts, "max_bytes=", 10))
-            return "a directory's only option is max_bytes=N[K|M|G]";
-        const char *v = opts + 10;
-        size_t dn = strspn(v, "0123456789");
+        if (!q) return NULL;
+        if (strncmp(q + 1, "max_bytes=", 10)) return "a directory's only option is max_bytes=N";
+        const char *v = q + 11;
+        const size_t dn = strspn(v, "0123456789");
         const int shift = v[dn] == 'K' ? 10 : v[dn] == 'M' ? 20 : v[dn] == 'G' ? 30 : 0;
-        if (dn == 0 || v[dn + (shift > 0)] != '\0' ||
-            url_count(v, dn, (int64_t)(INT64_MAX >> shift)) < 0)
+        if (v[dn + (shift > 0)] != '\0' || url_count(v, dn, INT64_MAX >> shift, SIZE_MAX) < 0)
             return "max_bytes takes a positive number of bytes, optionally with K, M or G "
-                   "(e.g. max_bytes=512M)";
+                   "(e.g. max_bytes=512M), and nothing after it";
         return NULL;
     }
-    if ((base_len >= 8 && !strncmp(url, "redis://", 8)) ||
-        (base_len >= 7 && !strncmp(url, "unix://", 7))) {
-        int n_srv = 0;
-        for (const char *s = url;; n_srv++) {
-            const size_t len = strcspn(s, ",?");
-            const char *why = url_server(s, len < base_len - (size_t)(s - url)
-                                                    ? len
-                                                    : base_len - (size_t)(s - url));
-            if (why) return why;
-            for (const char *t = url; t < s;) { /* the same server twice */
-                const size_t tl = strcspn(t, ",?");
-                if (tl == len && !strncmp(t, s, len)) return "a server listed twice";
-                t += tl + 1;
-            }
-            if (s + len >= url + base_len) break;
-            s += len + 1;
-        }
-        if (n_srv + 1 > 64) return "more than 64 servers";
-        for (const char *p = n_opts ? opts : NULL; p;) { /* ttl=SECONDS */
+    if (strncmp(u, "redis://", 8) && strncmp(u, "unix://", 7)) return "unknown scheme";
+    const size_t list_len = strcspn(u, "?");
+    if (u[list_len] == '?') { /* ttl=SECONDS, '&'-separated */
+        const char *q = u + list_len + 1;
+        do {
+            const size_t n = strcspn(q, "&");
+            if (n < 4 || strncmp(q, "ttl=", 4) || url_count(q + 4, n - 4, INT32_MAX, 10) < 0)
+                return "a Redis tier's only option is ttl=SECONDS (a positive integer)";
+            q += n;
+        } while (*q++ == '&');
+    }
+    int n_srv = 1;
+    for (size_t i = 0; i < list_len; i++) n_srv += u[i] == ',';
+    if (n_srv > 64) return "more than 64 servers";
+    for (const char *s = u;; s++) { /* each server, s[0..len) */
+        const size_t len = strcspn(s, ",?");
+        const char *why = url_server(s, len);
+        if (why) return why;
+        for (const char *t = u; t < s; t += strcspn(t, ",?") + 1) /* the same server twice */
+            if (strcspn(t, ",?") == len && !strncmp(t, s, len)) return "a server listed twice";
+        s += len;
+        if (*s != ',') break;
+        if (s + 1 == u + list_len) return "an empty server in the list"; /* a trailing ',' */
+    }
+    return NULL;
+}
+
+const char *cli_store_url_problem(const char *url) {
+    /* as kvc_store_open: write=P comes out of the options after the last
+     * '?', the others stay for the tier, which parses what is left */
+    const char *q = strrchr(url, '?');
+    char *u = malloc(strlen(url) + 1), *o = u;
+    if (!u) return NULL; /* no memory to check with: the store will say */
+    memcpy(u, url, q ? (size_t)(q - url) : strlen(url) + 1);
+    const char *why = NULL;
+    if (q) {
+        o += q - url;
+        int writes = 0, kept = 0;
+        for (const char *p = q + 1;;) {
             const char *e = strchr(p, '&');
             const size_t n = e ? (size_t)(e - p) : strlen(p);
-            if (n < 4 || strncmp(p, "ttl=", 4) || url_count(p + 4, n - 4, INT32_MAX) < 0)
-                return "a Redis tier's only option is ttl=SECONDS (a positive integer)";
-            p = e ? e + 1 : NULL;
+            if (n >= 6 && !strncmp(p, "write=", 6)) {
+                if (writes++) why = "write= given twice";
+                else if (url_policy(p + 6, n - 6))
+                    why = "write= takes through, back or selective:N (1 <= N <= 1048576)";
+            } else {
+                *o++ = kept++ ? '&' : '?';
+                memcpy(o, p, n);
+                o += n;
+            }
+            if (!e || why) break;
+            p = e + 1;
         }
-        return NULL;
+        *o = '\0';
     }
-    return "unknown scheme";
+    if (!why) why = url_tier_problem(u);
+    free(u);
+    return why;
 }
 
 #define URL_SHOW 200 /* characters of a URL quoted in a message */
