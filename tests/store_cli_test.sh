@@ -2,7 +2,8 @@
 # Two processes sharing a KV store through the CLI, on the default model:
 #   store_cli_test.sh CASE KVCACHE_BINARY MODEL
 # Cases: dir (f16 and int4 = kivi4), redis (KVC_TEST_REDIS: run through
-# tests/with_redis.sh), dir_full (every write fails: the file size limit).
+# tests/with_redis.sh), dir_full (every write fails: the file size limit),
+# events_fail (--kv-events cannot bind: the store's directory is not left).
 # The second process must restore the prompt (--json-stats) and print
 # exactly what a process without a store prints (greedy decoding).
 # Exit 0 pass, 1 fail (with the reason), 77 skip (the model is absent).
@@ -64,6 +65,18 @@ dir_full)
     find "$tmp/full" -name '*.kvp' | grep -q . && fail "an object is visible"
     find "$tmp/full/tmp" -type f | grep -q . && fail "a temporary file is left"
     echo "dir_full: $(stat_of full store_errors) failed writes, output unchanged"
+    ;;
+events_fail)
+    # the store opens (making its directory), then --kv-events fails: the
+    # run fails and leaves no directory; one that existed keeps its files
+    mkdir "$tmp/old" && echo mine > "$tmp/old/mine" || fail "cannot set up"
+    "$kv" run -m "$model" -p hi -n 1 -q --kv-store "dir:$tmp/new" --kv-store "dir:$tmp/old" \
+        --kv-events "bogus://x" > "$tmp/ev.out" 2> "$tmp/ev.err" && fail "a bad endpoint passed"
+    grep -q -- "--kv-events" "$tmp/ev.err" || fail "no --kv-events message"
+    [ ! -e "$tmp/new" ] || fail "dir:$tmp/new was left behind"
+    [ ! -e "$tmp/old/tmp" ] || fail "dir:$tmp/old/tmp was left behind"
+    [ "$(cat "$tmp/old/mine")" = mine ] || fail "a file of an existing directory changed"
+    echo "events_fail: nothing left behind"
     ;;
 *) fail "unknown case" ;;
 esac

@@ -1802,6 +1802,68 @@ TEST(flush_without_a_limit) {
     return 0;
 }
 
+/* A failed kvc_store_open leaves nothing behind: the directories it made
+ * for earlier dir: tiers are removed when a later URL fails (a bad URL, an
+ * unusable directory), nested ones included; a directory that existed
+ * stays with its files. kvc_store_abandon undoes an open the same way
+ * (the CLI's, when --kv-events cannot bind). */
+static int is_dir(const char *p) {
+    struct stat st;
+    return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+TEST(failed_open_removes_what_it_created) {
+    char base[] = "/tmp/kvc_store_XXXXXX", a[128], ab[128], old[128], file[160], tmp[160],
+         ua[160], uab[160], uold[160], ufile[200];
+    ASSERT_TRUE(mkdtemp(base) != NULL);
+    snprintf(a, sizeof a, "%s/a", base);
+    snprintf(ab, sizeof ab, "%s/a/b", base);
+    snprintf(old, sizeof old, "%s/old", base);
+    snprintf(file, sizeof file, "%s/old/mine", base);
+    ASSERT_TRUE(mkdir(old, 0755) == 0);
+    FILE *f = fopen(file, "w");
+    ASSERT_TRUE(f != NULL);
+    fputs("x", f);
+    fclose(f);
+    snprintf(ua, sizeof ua, "dir:%s", a);
+    snprintf(uab, sizeof uab, "dir:%s?max_bytes=1M", ab);
+    snprintf(uold, sizeof uold, "dir:%s", old);
+    snprintf(ufile, sizeof ufile, "dir:%s/sub", file); /* under a file: cannot be made */
+    const char *bad_last[][4] = {
+        {ua, uab, uold, "nope://x"},         /* an unknown scheme */
+        {ua, uab, uold, "dir:/k?write=x"},   /* a bad write policy */
+        {ua, uab, uold, ufile},              /* a directory that cannot be made */
+        {uold, ua, uab, "dir:/k?max_bytes=0"}, /* a dir tier's own option */
+    };
+    for (int c = 0; c < 4; c++) {
+        kvc_store *s = (kvc_store *)1;
+        kvc_status st = kvc_store_open(bad_last[c], 4, NULL, &s);
+        if (st >= 0) TEST_FAIL_("case %d: open succeeded", c);
+        ASSERT_TRUE(s == NULL);
+        if (is_dir(a) || is_dir(ab)) TEST_FAIL_("case %d: %s left behind", c, a);
+        snprintf(tmp, sizeof tmp, "%s/tmp", old);
+        if (is_dir(tmp)) TEST_FAIL_("case %d: %s left behind", c, tmp);
+        ASSERT_TRUE(is_dir(old) && access(file, F_OK) == 0); /* existed: kept */
+    }
+    /* the open's own tmp/ in a directory that existed goes, the rest stays */
+    const char *two[2] = {uold, ua};
+    kvc_store *s = NULL;
+    ASSERT_OK(kvc_store_open(two, 2, NULL, &s));
+    ASSERT_TRUE(is_dir(tmp) && is_dir(a));
+    kvc_store_abandon(s);
+    ASSERT_TRUE(!is_dir(tmp) && !is_dir(a) && access(file, F_OK) == 0);
+    /* anything written keeps its directory: abandon removes only empty ones */
+    ASSERT_OK(kvc_store_open(&two[1], 1, NULL, &s));
+    kvc_store_key ns = key_of(1), key = key_of(2);
+    ASSERT_OK(kvc_store_put(s, &ns, &key, "object", 6));
+    ASSERT_OK(kvc_store_flush(s, -1));
+    kvc_store_abandon(s);
+    ASSERT_TRUE(is_dir(a));
+    kvc_store_abandon(NULL);
+    rm_rf(base);
+    return 0;
+}
+
 const char *test_suite_name = "store";
 const test_case test_suite[] = {
     TEST_ENTRY(page_keys_match_independent_xxh3),
@@ -1821,6 +1883,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(rolled_back_restores_report_their_pages_gone),
     TEST_ENTRY(objpool_reuses_within_its_bound),
     TEST_ENTRY(flush_without_a_limit),
+    TEST_ENTRY(failed_open_removes_what_it_created),
     TEST_ENTRY(hash_variants_agree),
     TEST_ENTRY(writer_thread_yields_the_cpus),
     TEST_ENTRY(write_policies_per_tier),

@@ -193,7 +193,9 @@ KVC_API kvc_store_params kvc_store_default_params(void);
 
 /* Opens the tiers urls[0..n_urls) (lookup order = this order) and starts the
  * writer thread. A Redis server that does not answer is not an error (it
- * is retried with back-off); a bad URL or an unusable directory is.
+ * is retried with back-off); a bad URL or an unusable directory is, and
+ * then nothing is left open or created (the directories it made for
+ * earlier dir: tiers are removed again).
  * n_urls 0 (urls may be NULL) opens a store of no tiers: it finds nothing
  * and writes nothing, and an engine attached to it reports its cache's
  * pages as events (a router that follows the engine without a store). */
@@ -202,6 +204,13 @@ KVC_API kvc_status kvc_store_open(const char *const *urls, int32_t n_urls,
 /* Stops the writer; queued writes not yet written are dropped (counted):
  * kvc_store_flush first to keep them. NULL is a no-op. */
 KVC_API void kvc_store_close(kvc_store *store);
+/* kvc_store_close for a store whose setup failed right after
+ * kvc_store_open (e.g. kvc_store_events_open could not bind): also removes
+ * the directories that open created for its dir tiers (PATH, PATH/tmp)
+ * while they are still empty, so the failed setup leaves nothing behind.
+ * A directory that existed before, or that holds anything, stays. NULL is
+ * a no-op. (A failing kvc_store_open does this itself.) */
+KVC_API void kvc_store_abandon(kvc_store *store);
 
 /* Waits until every write queued so far is written (or failed), at most
  * timeout_s (< 0 or over 100 years: no limit; NaN: KVC_ERR_INVALID_ARG);

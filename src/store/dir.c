@@ -77,6 +77,7 @@ typedef struct dir_tier {
     dindex idx;
     int64_t scanned_at; /* CLOCK_MONOTONIC ns of the listing idx came from */
     uint64_t inval_gen; /* bumped by invalidate: a listing made across it is stale */
+    int made_root, made_tmp; /* open created PATH, PATH/tmp: a failed open removes them */
 } dir_tier;
 
 static atomic_uint_fast64_t tmp_counter; /* unique temporary names within a process */
@@ -633,7 +634,19 @@ static void dir_close(kvc_tier *t) {
     free(d);
 }
 
-static const kvc_tier_ops dir_ops = {dir_probe, dir_get, dir_put, dir_invalidate, dir_close};
+/* Undoes open: removes PATH/tmp and PATH if open created them and they are
+ * still empty (rmdir, never a file: whatever anyone put there stays). */
+static void dir_abandon(kvc_tier *t) {
+    dir_tier *d = (dir_tier *)t;
+    char p[PATH_BUF];
+    snprintf(p, sizeof p, "%s/tmp", d->root);
+    if (d->made_tmp) (void)rmdir(p);
+    if (d->made_root) (void)rmdir(d->root);
+    d->made_tmp = d->made_root = 0;
+}
+
+static const kvc_tier_ops dir_ops = {dir_probe,      dir_get,   dir_put,
+                                     dir_invalidate, dir_close, dir_abandon};
 
 /* ---- open ----------------------------------------------------------------- */
 
@@ -664,10 +677,12 @@ static kvc_status parse_query(const char *url, const char *q, uint64_t *out) {
     return KVC_OK;
 }
 
-/* mkdir p unless it is a directory already. */
-static kvc_status ensure_dir(const char *p) {
+/* mkdir p unless it is a directory already; *made = 1 when this call
+ * created it (only that one may be removed again by a failed open). */
+static kvc_status ensure_dir(const char *p, int *made) {
     struct stat st;
-    if (mkdir(p, 0755) != 0 && errno != EEXIST)
+    if (mkdir(p, 0755) == 0) *made = 1;
+    else if (errno != EEXIST)
         return kvc__error(KVC_ERR_IO, "dir tier: cannot create directory %.200s: %s", p,
                           strerror(errno));
     if (stat(p, &st) != 0)
@@ -711,13 +726,14 @@ kvc_status kvc__tier_dir_open(const char *url, kvc_tier **out) {
     }
     char tp[PATH_BUF];
     snprintf(tp, sizeof tp, "%s/tmp", root);
-    kvc_status st = ensure_dir(root);
-    if (st == KVC_OK) st = ensure_dir(tp);
+    kvc_status st = ensure_dir(root, &d->made_root);
+    if (st == KVC_OK) st = ensure_dir(tp, &d->made_tmp);
     if (st == KVC_OK) clean_tmp(d);
     /* No eviction here: the store sets the removed callback after open, and
      * the first put past the budget evicts anyway. */
     if (st == KVC_OK && max_bytes) st = rescan(d);
     if (st != KVC_OK) {
+        dir_abandon(&d->base);
         dir_close(&d->base);
         return st;
     }

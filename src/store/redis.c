@@ -523,8 +523,8 @@ static void redis_close(kvc_tier *t) {
     free(rt);
 }
 
-static const kvc_tier_ops redis_ops = {redis_probe, redis_get, redis_put, redis_invalidate,
-                                       redis_close};
+static const kvc_tier_ops redis_ops = {redis_probe, redis_get,   redis_put,
+                                       redis_invalidate, redis_close, NULL};
 
 /* ---- URLs ----------------------------------------------------------------- */
 

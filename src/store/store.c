@@ -421,7 +421,15 @@ static kvc_status take_write_option(const char *url, char **clean,
     return KVC_OK;
 }
 
-void kvc_store_close(kvc_store *s) {
+/* Closes tiers [0, n); abandon: undoes their opens first (tier.h), last
+ * tier first, since a tier's new directory may lie inside an earlier one's. */
+static void close_tiers(kvc_tier *const *tiers, int32_t n, int abandon) {
+    for (int32_t t = n - 1; abandon && t >= 0; t--)
+        if (tiers[t]->ops->abandon) tiers[t]->ops->abandon(tiers[t]);
+    for (int32_t t = 0; t < n; t++) tiers[t]->ops->close(tiers[t]);
+}
+
+static void store_close(kvc_store *s, int abandon) {
     if (!s) return;
     pthread_mutex_lock(&s->mu);
     s->stop = 1;
@@ -433,7 +441,7 @@ void kvc_store_close(kvc_store *s) {
         free(it->obj);
         free(it);
     }
-    for (int32_t t = 0; t < s->n_tiers; t++) s->tiers[t]->ops->close(s->tiers[t]);
+    close_tiers(s->tiers, s->n_tiers, abandon);
     for (int64_t i = 0; i < s->n_attached; i++) kvc__store_attach_free(s->attached[i].a);
     free(s->attached);
     kvc__objpool_destroy(s->pool);
@@ -443,6 +451,9 @@ void kvc_store_close(kvc_store *s) {
     pthread_mutex_destroy(&s->ev_mu);
     free(s);
 }
+
+void kvc_store_close(kvc_store *s) { store_close(s, 0); }
+void kvc_store_abandon(kvc_store *s) { store_close(s, 1); }
 
 kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_store_params *params,
                           kvc_store **out) {
@@ -508,8 +519,8 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
             s->n_tiers = i + 1;
         }
     }
-    if (st != KVC_OK) {
-        for (int32_t t = 0; t < s->n_tiers; t++) s->tiers[t]->ops->close(s->tiers[t]);
+    if (st != KVC_OK) { /* nothing left behind: the directories made for it go too */
+        close_tiers(s->tiers, s->n_tiers, 1);
         kvc__objpool_destroy(s->pool);
         free(s);
         return st;
@@ -519,7 +530,7 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
     pthread_cond_init(&s->cv_work, NULL);
     pthread_cond_init(&s->cv_done, NULL);
     if (pthread_create(&s->thr, NULL, writer, s) != 0) {
-        for (int32_t t = 0; t < s->n_tiers; t++) s->tiers[t]->ops->close(s->tiers[t]);
+        close_tiers(s->tiers, s->n_tiers, 1);
         pthread_cond_destroy(&s->cv_work);
         pthread_cond_destroy(&s->cv_done);
         pthread_mutex_destroy(&s->mu);

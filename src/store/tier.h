@@ -59,6 +59,10 @@ typedef struct kvc_tier_ops {
     /* Removes every object of namespace ns (all processes' writes). */
     kvc_status (*invalidate)(kvc_tier *t, const kvc_store_key *ns);
     void (*close)(kvc_tier *t); /* frees t */
+    /* May be NULL. Before close, when the store's open failed after this
+     * tier's: removes what the tier's open created (a dir tier's new
+     * directories, while still empty), never what existed before it. */
+    void (*abandon)(kvc_tier *t);
 } kvc_tier_ops;
 
 /* Recycled object buffers (objpool.c), shared by a store and its tiers:

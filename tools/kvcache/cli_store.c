@@ -284,7 +284,7 @@ static int open_store(const char *cmd, const cli_store_opts *o, kvc_store **stor
     evp.replay_endpoint = o->replay;
     if (o->events && kvc_store_events_open_with(*store, o->events, &evp, &g_events) != KVC_OK) {
         fprintf(stderr, "kvcache: %s: --kv-events: %s\n", cmd, kvc_last_error());
-        kvc_store_close(*store);
+        kvc_store_abandon(*store); /* and the directories its open made */
         *store = NULL;
         return -1;
     }
