@@ -1864,6 +1864,70 @@ TEST(failed_open_removes_what_it_created) {
     return 0;
 }
 
+/* A page whose file cannot be read (a directory where it belongs) cuts the
+ * restored run there: the pages before it in the same batch are restored,
+ * the tier call does not fail, and a later tier continues from that page. */
+TEST(unreadable_page_is_a_miss_of_its_own) {
+    char base[] = "/tmp/kvc_store_XXXXXX", d1[64], d2[64], u1[80], u2[80], p[256];
+    ASSERT_TRUE(mkdtemp(base) != NULL);
+    snprintf(d1, sizeof d1, "%s/one", base);
+    snprintf(d2, sizeof d2, "%s/two", base);
+    snprintf(u1, sizeof u1, "dir:%s", d1);
+    snprintf(u2, sizeof u2, "dir:%s", d2);
+    enum { P = 16, N = 8 };
+    kvc_cache *src = make_cache(KVC_F16, KVC_KVFMT_NONE, P, N),
+              *dst = make_cache(KVC_F16, KVC_KVFMT_NONE, P, N);
+    ASSERT_TRUE(src && dst);
+    int32_t ids[N], dids[N], tok[N * P];
+    kvc_seq_id sq, dq;
+    ASSERT_EQ_I64(fill_seq(src, N * P, 100, 7, ids, N, &sq), N);
+    ASSERT_EQ_I64(fill_seq(dst, N * P, 100, 99, dids, N, &dq), N);
+    for (int i = 0; i < N * P; i++) tok[i] = 100 + i;
+    const kvc_store_key ns = key_of(11);
+    kvc_store_key keys[N];
+    ASSERT_OK(kvc_store_page_keys(&ns, tok, N, P, 1, keys));
+    const size_t pb = kvc_cache_page_bytes(src);
+    unsigned char *a = malloc(pb), *b = malloc(pb);
+    for (int round = 0; round < 2; round++) { /* one tier, then a second behind it */
+        const char *urls[2] = {u1, u2};
+        kvc_store_params sp = kvc_store_default_params();
+        sp.promote = 0; /* no write to tier 0 (and its failure) while counting */
+        kvc_store *s = NULL;
+        ASSERT_OK(kvc_store_open(urls, 1 + round, &sp, &s));
+        ASSERT_OK(kvc_store_save_run(s, src, &ns, tok, 0, N, ids));
+        ASSERT_OK(kvc_store_flush(s, -1));
+        char nh[33], kh[33];
+        kvc__store_key_hex(&ns, nh);
+        kvc__store_key_hex(&keys[3], kh);
+        snprintf(p, sizeof p, "%s/%s/%.2s/%s.kvp", d1, nh, kh, kh);
+        ASSERT_TRUE((unlink(p) == 0 || round == 1) && (mkdir(p, 0755) == 0 || round == 1));
+        kvc_store_stats s0, st; /* the restore's share (tier 0 refused page 3's write) */
+        ASSERT_OK(kvc_store_get_stats(s, &s0));
+        int64_t n = -1;
+        ASSERT_OK(kvc_store_restore_run(s, dst, &ns, tok, 0, N, dids, &n));
+        ASSERT_OK(kvc_store_get_stats(s, &st));
+        ASSERT_EQ_I64(st.errors - s0.errors, 0);
+        ASSERT_EQ_I64(n, round == 0 ? 3 : N);
+        ASSERT_EQ_I64(st.hit_pages - s0.hit_pages, n);
+        for (int pg = 0; pg < n; pg++) {
+            ASSERT_OK(kvc_cache_read_page(src, ids[pg], a, pb));
+            ASSERT_OK(kvc_cache_read_page(dst, dids[pg], b, pb));
+            ASSERT_MEM_EQ(a, b, pb);
+        }
+        if (round == 0) { /* past the cut: untouched */
+            ASSERT_OK(kvc_cache_read_page(src, ids[3], a, pb));
+            ASSERT_OK(kvc_cache_read_page(dst, dids[3], b, pb));
+            ASSERT_TRUE(memcmp(a, b, pb) != 0);
+        }
+        kvc_store_close(s);
+    }
+    free(a), free(b);
+    kvc_cache_destroy(src);
+    kvc_cache_destroy(dst);
+    rm_rf(base);
+    return 0;
+}
+
 const char *test_suite_name = "store";
 const test_case test_suite[] = {
     TEST_ENTRY(page_keys_match_independent_xxh3),
@@ -1884,6 +1948,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(objpool_reuses_within_its_bound),
     TEST_ENTRY(flush_without_a_limit),
     TEST_ENTRY(failed_open_removes_what_it_created),
+    TEST_ENTRY(unreadable_page_is_a_miss_of_its_own),
     TEST_ENTRY(hash_variants_agree),
     TEST_ENTRY(writer_thread_yields_the_cpus),
     TEST_ENTRY(write_policies_per_tier),

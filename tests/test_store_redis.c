@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 
@@ -217,6 +218,97 @@ static void child_stop(child_server *cs) {
         track_child(cs->pid, 0);
     }
     cs->pid = 0;
+}
+
+/* A fake server on a Unix socket, on a thread of its own, for replies no
+ * real server gives (or not in time): it accepts one connection, reads
+ * until `want` GETRANGE commands came, sends the first `prompt` bytes of
+ * script at once and the rest `chunk` bytes every `gap_ms` ms, then holds
+ * the connection until the client closes it. Every wait is bounded (10 s),
+ * so a test that fails never hangs. */
+typedef struct fake_server {
+    char path[300], url[320];
+    int lfd, want, gap_ms;
+    const char *script;
+    size_t len, prompt, chunk;
+    size_t sent;  /* script bytes the client took before closing */
+    pthread_t thr;
+} fake_server;
+
+static void *fake_main(void *arg) {
+    fake_server *f = arg;
+    struct pollfd pl = {f->lfd, POLLIN, 0};
+    if (poll(&pl, 1, 10000) != 1) return NULL;
+    int fd = accept(f->lfd, NULL, NULL);
+    if (fd < 0) return NULL;
+    char buf[4096], win[11 + sizeof buf];
+    size_t carry = 0; /* the window's bytes kept from the last read: a match may span two */
+    int seen = 0;
+    while (seen < f->want) { /* counts "\r\nGETRANGE\r\n" (12 bytes) in the stream */
+        struct pollfd pr = {fd, POLLIN, 0};
+        ssize_t r = poll(&pr, 1, 10000) == 1 ? read(fd, buf, sizeof buf) : -1;
+        if (r <= 0) break;
+        memcpy(win + carry, buf, (size_t)r);
+        const size_t wl = carry + (size_t)r;
+        for (size_t i = 0; i + 12 <= wl; i++) seen += !memcmp(win + i, "\r\nGETRANGE\r\n", 12);
+        carry = wl < 11 ? wl : 11;
+        memmove(win, win + wl - carry, carry);
+    }
+    while (f->sent < f->len) {
+        size_t n = f->sent < f->prompt ? f->prompt - f->sent : f->chunk;
+        if (n > f->len - f->sent) n = f->len - f->sent;
+        ssize_t w = send(fd, f->script + f->sent, n, MSG_NOSIGNAL);
+        if (w <= 0) break; /* the client closed: it gave up on the rest */
+        f->sent += (size_t)w;
+        struct pollfd pc = {fd, POLLIN, 0}; /* a close shows as readable */
+        if (f->sent >= f->prompt && f->sent < f->len && poll(&pc, 1, f->gap_ms) == 1 &&
+            read(fd, buf, sizeof buf) <= 0)
+            break;
+    }
+    struct pollfd pe = {fd, POLLIN, 0};
+    while (poll(&pe, 1, 10000) == 1 && read(fd, buf, sizeof buf) > 0) {
+    }
+    close(fd);
+    return NULL;
+}
+
+/* Binds f's socket in dir and starts its thread; 0 or -1. */
+static int fake_start(fake_server *f, const char *dir, const char *name) {
+    snprintf(f->path, sizeof f->path, "%s/%s.sock", dir, name);
+    snprintf(f->url, sizeof f->url, "unix://%s", f->path);
+    unlink(f->path);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (strlen(f->path) >= sizeof sa.sun_path) return -1;
+    memcpy(sa.sun_path, f->path, strlen(f->path) + 1);
+    f->lfd = socket(AF_UNIX, SOCK_STREAM, 0);
+    if (f->lfd < 0 || bind(f->lfd, (struct sockaddr *)&sa, sizeof sa) != 0 ||
+        listen(f->lfd, 4) != 0)
+        return -1;
+    return pthread_create(&f->thr, NULL, fake_main, f) == 0 ? 0 : -1;
+}
+
+static void fake_stop(fake_server *f) {
+    pthread_join(f->thr, NULL);
+    close(f->lfd);
+    unlink(f->path);
+}
+
+/* Appends a RESP bulk string of n bytes to *buf (size *len). */
+static void resp_bulk(char **buf, size_t *len, const void *p, size_t n) {
+    char hdr[32];
+    const int h = snprintf(hdr, sizeof hdr, "$%zu\r\n", n);
+    *buf = realloc(*buf, *len + (size_t)h + n + 2);
+    memcpy(*buf + *len, hdr, (size_t)h);
+    memcpy(*buf + *len + h, p, n);
+    memcpy(*buf + *len + h + n, "\r\n", 2);
+    *len += (size_t)h + n + 2;
+}
+
+static void resp_raw(char **buf, size_t *len, const char *text) {
+    const size_t n = strlen(text);
+    *buf = realloc(*buf, *len + n);
+    memcpy(*buf + *len, text, n);
+    *len += n;
 }
 
 /* ---- tests ------------------------------------------------------------------ */
@@ -455,37 +547,91 @@ TEST(two_servers_spread_and_stable) {
     return 0;
 }
 
-/* A server's error reply (here WRONGTYPE: a list where an object belongs)
- * fails the call, and the connection stays in step for the next one. */
+/* A key holding another type (a list, a hash) answers GETRANGE with a
+ * WRONGTYPE error: a miss for that key alone; the batch's other keys come
+ * back right, and the connection stays in step for the next call. */
 TEST(error_reply_keeps_connection_in_step) {
     NEED_ENV("KVC_TEST_REDIS", url);
     kvc_tier *t;
     ASSERT_OK(kvc__tier_redis_open(url, &t));
-    kvc_store_key ns, keys[3];
+    kvc_store_key ns, keys[5];
     rand_key(&ns);
-    for (int i = 0; i < 3; i++) rand_key(&keys[i]);
+    for (int i = 0; i < 5; i++) rand_key(&keys[i]);
     int64_t written;
-    ASSERT_OK(put_keys(t, &ns, keys, 3, &written));
+    ASSERT_OK(put_keys(t, &ns, keys, 5, &written));
     redisContext *c = raw_connect(url);
     ASSERT_TRUE(c && !c->err);
-    ASSERT_EQ_I64(raw_int(c, "DEL", &ns, &keys[1]), 1);
-    char nsh[33], kh[33];
-    kvc__store_key_hex(&ns, nsh);
-    kvc__store_key_hex(&keys[1], kh);
-    redisReply *r = redisCommand(c, "LPUSH kvc:%s:%s x", nsh, kh);
-    ASSERT_TRUE(r && r->type == REDIS_REPLY_INTEGER);
-    freeReplyObject(r);
+    const char *cmds[2] = {"LPUSH kvc:%s:%s x", "HSET kvc:%s:%s f v"};
+    for (int k = 0; k < 2; k++) {
+        const kvc_store_key *key = &keys[1 + 2 * k];
+        ASSERT_EQ_I64(raw_int(c, "DEL", &ns, key), 1);
+        char nsh[33], kh[33];
+        kvc__store_key_hex(&ns, nsh);
+        kvc__store_key_hex(key, kh);
+        redisReply *r = redisCommand(c, cmds[k], nsh, kh);
+        ASSERT_TRUE(r && r->type == REDIS_REPLY_INTEGER);
+        freeReplyObject(r);
+    }
+    void *objs[5];
+    size_t lens[5];
+    ASSERT_OK(t->ops->get(t, &ns, keys, 5, SIZE_MAX, objs, lens));
+    for (int i = 0; i < 5; i++) {
+        if (i == 1 || i == 3 ? objs[i] != NULL || lens[i] != 0
+                             : !obj_ok(objs[i], lens[i], &keys[i]))
+            TEST_FAIL_("key %d: %p, %zu bytes", i, objs[i], lens[i]);
+        free(objs[i]);
+    }
     kvc_status st;
-    ASSERT_EQ_I64(get_keys(t, &ns, keys, 3, &st), 0); /* all NULL */
-    ASSERT_STATUS(st, KVC_ERR_IO);
-    ASSERT_STR_CONTAINS(kvc_last_error(), "WRONGTYPE");
-    kvc_store_key ends[2] = {keys[0], keys[2]};
-    ASSERT_EQ_I64(get_keys(t, &ns, ends, 2, &st), 2);
+    kvc_store_key ends[3] = {keys[0], keys[2], keys[4]};
+    ASSERT_EQ_I64(get_keys(t, &ns, ends, 3, &st), 3);
     ASSERT_OK(st);
     ASSERT_OK(t->ops->invalidate(t, &ns));
     ASSERT_EQ_I64(raw_int(c, "EXISTS", &ns, &keys[1]), 0);
     redisFree(c);
     t->ops->close(t);
+    return 0;
+}
+
+/* Replies to GETRANGE that no object is (an array, a number, a status, a
+ * nil, a WRONGTYPE error) are misses for their keys alone: the connection
+ * stays in step, and the keys answered by strings come back right. */
+TEST(non_string_replies_are_misses_of_their_own) {
+    NEED_ENV("KVC_TEST_REDIS_DIR", dir);
+    enum { N = 7 };
+    kvc_store_key ns, keys[N];
+    rand_key(&ns);
+    for (int i = 0; i < N; i++) rand_key(&keys[i]);
+    const char *other[N] = {NULL, "*2\r\n:1\r\n$1\r\nx\r\n", ":7\r\n", "+OK\r\n", "$-1\r\n",
+                            "-WRONGTYPE Operation against a key holding the wrong kind\r\n",
+                            NULL};
+    char *script = NULL;
+    size_t len = 0;
+    for (int i = 0; i < N; i++) {
+        if (other[i]) {
+            resp_raw(&script, &len, other[i]);
+            continue;
+        }
+        uint8_t *o = malloc(obj_size(&keys[i]));
+        fill_obj(o, obj_size(&keys[i]), &keys[i]);
+        resp_bulk(&script, &len, o, obj_size(&keys[i]));
+        free(o);
+    }
+    fake_server f = {.want = N, .script = script, .len = len, .prompt = len};
+    ASSERT_TRUE(fake_start(&f, dir, "types") == 0);
+    kvc_tier *t;
+    ASSERT_OK(kvc__tier_redis_open(f.url, &t));
+    void *objs[N];
+    size_t lens[N];
+    ASSERT_OK(t->ops->get(t, &ns, keys, N, SIZE_MAX, objs, lens));
+    for (int i = 0; i < N; i++) {
+        if (other[i] ? objs[i] != NULL || lens[i] != 0 : !obj_ok(objs[i], lens[i], &keys[i]))
+            TEST_FAIL_("key %d: %p, %zu bytes", i, objs[i], lens[i]);
+        free(objs[i]);
+    }
+    t->ops->close(t);
+    fake_stop(&f);
+    ASSERT_EQ_I64(f.sent, len);
+    free(script);
     return 0;
 }
 
@@ -917,6 +1063,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(invalidate_removes_only_its_namespace),
     TEST_ENTRY(two_servers_spread_and_stable),
     TEST_ENTRY(error_reply_keeps_connection_in_step),
+    TEST_ENTRY(non_string_replies_are_misses_of_their_own),
     TEST_ENTRY(server_killed_and_restarted),
     TEST_ENTRY(unreachable_server_at_open),
     TEST_ENTRY(concurrent_put_and_get),

@@ -429,34 +429,48 @@ static kvc_status dir_probe(kvc_tier *t, const kvc_store_key *ns, const kvc_stor
     return KVC_OK;
 }
 
-/* Reads one file into *obj, a buffer of pool (NULL: absent, or shortened
- * meanwhile): whole, or its first max_len + 1 bytes when larger (tier.h);
- * *file_size: its size. O_NONBLOCK: opening a FIFO planted under a key
- * would wait for a writer forever (regular files ignore the flag). */
+/* Whether a failed open says nothing about the file itself: the process
+ * or the system is short of descriptors or memory, so every file would
+ * fail alike (an error of the call, not a miss of one key). */
+static int process_limit(int e) { return e == EMFILE || e == ENFILE || e == ENOMEM; }
+
+/* Reads one file into *obj, a buffer of pool: whole, or its first
+ * max_len + 1 bytes when larger (tier.h); *file_size: its size. *obj stays
+ * NULL when there is no object to read: absent, shortened meanwhile, or
+ * unreadable (no permission, a directory or a FIFO at the key's path, an
+ * I/O error): a miss for this key only, whatever the batch's other keys
+ * hold. An error only when no file could be read (out of descriptors or
+ * memory). O_NONBLOCK: opening a FIFO planted under a key would wait for a
+ * writer forever (regular files ignore the flag). */
 static kvc_status read_obj(kvc__objpool *pool, const char *p, size_t max_len, void **obj,
                            size_t *len, uint64_t *file_size) {
     int fd = open(p, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-    if (fd < 0 && (errno == ENOENT || errno == ENOTDIR)) return KVC_OK;
+    if (fd < 0)
+        return process_limit(errno) ? kvc__error(KVC_ERR_IO, "dir tier: cannot open %.200s: %s",
+                                                 p, strerror(errno))
+                                    : KVC_OK;
     struct stat st;
-    const char *why = fd < 0 || fstat(fd, &st) != 0 ? strerror(errno)
-                      : !S_ISREG(st.st_mode)         ? "not a regular file"
-                                                     : NULL;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return KVC_OK;
+    }
     if (max_len > SIZE_MAX / 2) max_len = SIZE_MAX / 2;
-    size_t size = why ? 0 : (uint64_t)st.st_size > max_len ? max_len + 1 : (size_t)st.st_size;
+    const size_t size = (uint64_t)st.st_size > max_len ? max_len + 1 : (size_t)st.st_size;
+    *file_size = (uint64_t)st.st_size;
+    char *buf = kvc__objpool_get(pool, size);
+    if (!buf) {
+        close(fd);
+        return kvc__error(KVC_ERR_NOMEM, "dir tier: out of memory (%zu bytes)", size);
+    }
     size_t got = 0;
-    if (!why) *file_size = (uint64_t)st.st_size;
-    char *buf = why ? NULL : kvc__objpool_get(pool, size);
-    kvc_status status = why ? kvc__error(KVC_ERR_IO, "dir tier: cannot read %.200s: %s", p, why)
-                      : !buf ? kvc__error(KVC_ERR_NOMEM, "dir tier: out of memory (%zu bytes)", size)
-                             : KVC_OK;
-    while (status == KVC_OK && got < size) {
+    int bad = 0;
+    while (!bad && got < size) {
         ssize_t r = read(fd, buf + got, size - got);
-        if (r < 0 && errno != EINTR)
-            status = kvc__error(KVC_ERR_IO, "dir tier: cannot read %.200s: %s", p, strerror(errno));
+        if (r < 0 && errno != EINTR) bad = 1; /* EIO, EISDIR: this file's miss */
         if (r == 0) break; /* shorter than fstat said: not a whole object, a miss */
         if (r > 0) got += (size_t)r;
     }
-    if (status == KVC_OK && got == size) {
+    if (!bad && got == size) {
         /* mtime = now marks the use for every process's LRU (header comment);
          * not an oversized file's: it is no object */
         const struct timespec ts[2] = {{0, UTIME_OMIT}, {0, UTIME_NOW}};
@@ -465,8 +479,8 @@ static kvc_status read_obj(kvc__objpool *pool, const char *p, size_t max_len, vo
         buf = NULL;
     }
     kvc__objpool_put(pool, buf, size);
-    if (fd >= 0) close(fd);
-    return status;
+    close(fd);
+    return KVC_OK;
 }
 
 static kvc_status dir_get(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,

@@ -303,8 +303,33 @@ typedef struct batch {
 
 static const char *const op_cmd[] = {"EXISTS", "GETRANGE", "SET"};
 
-/* Takes (and frees) the reply for keys[i]. */
+/* Whether r is Redis's error for a key holding another type (someone put a
+ * hash or a list under an object's name): a fact about that key alone. */
+static int wrong_type(const redisReply *r) {
+    return r->type == REDIS_REPLY_ERROR && r->str && r->len >= 9 &&
+           !memcmp(r->str, "WRONGTYPE", 9);
+}
+
+/* Takes (and frees) the reply for keys[i]. A GETRANGE answered by anything
+ * but a string (a WRONGTYPE error, a nil, an array or a number) is no
+ * object: a miss for that key, whose complete reply keeps the connection in
+ * step, so the batch's other keys still count. Other error replies (NOAUTH,
+ * LOADING, ...) are about the server: the call fails. */
 static kvc_status take_reply(batch *b, server *sv, conn *c, int64_t i, redisReply *r) {
+    if (b->op == OP_GET && (wrong_type(r) || r->type != REDIS_REPLY_ERROR)) {
+        if (r->type == REDIS_REPLY_STRING && r->len > 0) {
+            /* No object is empty: an empty string is no object. The reply's
+             * string is taken over, not copied: create_string put it in a
+             * buffer of the pool (or hiredis in a malloc block: its default
+             * allocator, never replaced here), and freeReplyObject then
+             * frees a NULL. */
+            b->objs[i] = r->str;
+            b->lens[i] = r->len;
+            r->str = NULL;
+        }
+        freeReplyObject(r);
+        return KVC_OK;
+    }
     if (r->type == REDIS_REPLY_ERROR) return reply_error(sv, op_cmd[b->op], r);
     kvc_status st = KVC_OK;
     if (b->op == OP_PROBE) {
@@ -313,19 +338,6 @@ static kvc_status take_reply(batch *b, server *sv, conn *c, int64_t i, redisRepl
     } else if (b->op == OP_PUT) {
         if (r->type != REDIS_REPLY_STATUS) return conn_protocol(sv, c, "SET", r);
         if (b->written) b->written[i] = 1;
-    } else if (r->type == REDIS_REPLY_STRING) {
-        /* No object is empty: an empty string is no object. The reply's
-         * string is taken over, not copied: create_string put it in a
-         * buffer of the pool (or hiredis in a malloc block: its default
-         * allocator, never replaced here), and freeReplyObject then frees
-         * a NULL. */
-        if (r->len > 0) {
-            b->objs[i] = r->str;
-            b->lens[i] = r->len;
-            r->str = NULL;
-        }
-    } else if (r->type != REDIS_REPLY_NIL) {
-        return conn_protocol(sv, c, "GETRANGE", r);
     }
     freeReplyObject(r);
     return st;

@@ -10,9 +10,11 @@
  * makes that safe (its own locks or one connection per caller thread).
  *
  * Errors: return kvc_status with kvc__error's message. A key that is absent
- * is not an error (probe counts it, get leaves its slot NULL). An
- * unreachable server or an unreadable directory is KVC_ERR_IO; the store
- * counts it and treats the call as all misses.
+ * is not an error (probe counts it, get leaves its slot NULL), nor is one
+ * that cannot be read (get: an unreadable file, a value that is no string:
+ * its slot NULL, the other keys read as usual). An unreachable server or
+ * an unreadable directory is KVC_ERR_IO; the store counts it and treats
+ * the call as all misses.
  */
 #ifndef KVC_STORE_TIER_H
 #define KVC_STORE_TIER_H
