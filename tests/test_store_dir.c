@@ -85,7 +85,7 @@ static kvc_status put1(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key
 static int get1(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *k, size_t len) {
     void *obj = NULL;
     size_t n = 0;
-    if (t->ops->get(t, ns, k, 1, SIZE_MAX, &obj, &n) != KVC_OK) return -1;
+    if (t->ops->get(t, ns, k, 1, SIZE_MAX, 0, &obj, &n) != KVC_OK) return -1;
     int r = obj ? (check_obj(k, obj, n, len) ? 1 : -1) : 0;
     free(obj);
     return r;
@@ -187,7 +187,7 @@ TEST(round_trip) {
 
     void *objs[N + 1];
     size_t got[N + 1];
-    ASSERT_OK(t->ops->get(t, &ns, keys, N + 1, SIZE_MAX, objs, got));
+    ASSERT_OK(t->ops->get(t, &ns, keys, N + 1, SIZE_MAX, 0, objs, got));
     for (int i = 0; i < N; i++) {
         ASSERT_TRUE(check_obj(&keys[i], objs[i], got[i], sizes[i]));
         free(objs[i]);
@@ -195,7 +195,7 @@ TEST(round_trip) {
     ASSERT_TRUE(objs[N] == NULL);
     ASSERT_EQ_I64(got[N], 0);
     /* Another namespace sees none of them. */
-    ASSERT_OK(t->ops->get(t, &ns2, keys, 2, SIZE_MAX, objs, got));
+    ASSERT_OK(t->ops->get(t, &ns2, keys, 2, SIZE_MAX, 0, objs, got));
     ASSERT_TRUE(objs[0] == NULL && objs[1] == NULL);
 
     int64_t np = -1;
@@ -238,18 +238,18 @@ TEST(oversized_file_and_fifo_under_a_key) {
     ASSERT_TRUE(truncate(p, (off_t)1 << 30) == 0);
     void *obj = NULL;
     size_t len = 0;
-    ASSERT_OK(t->ops->get(t, &ns, &big, 1, 4999, &obj, &len));
+    ASSERT_OK(t->ops->get(t, &ns, &big, 1, 4999, 0, &obj, &len));
     ASSERT_TRUE(obj != NULL && len == 5000); /* max_len 4999: the first 5,000 bytes */
     ASSERT_TRUE(check_obj(&big, obj, len, 5000));
     free(obj);
-    ASSERT_OK(t->ops->get(t, &ns, &big, 1, 20000, &obj, &len));
+    ASSERT_OK(t->ops->get(t, &ns, &big, 1, 20000, 0, &obj, &len));
     ASSERT_TRUE(obj != NULL && len == 20001);
     free(obj);
     ASSERT_OK(put1(t, &ns, &fifo, 10));
     obj_file(dir, &ns, &fifo, p);
     ASSERT_TRUE(unlink(p) == 0 && mkfifo(p, 0644) == 0);
     obj = (void *)1;
-    ASSERT_OK(t->ops->get(t, &ns, &fifo, 1, SIZE_MAX, &obj, &len));
+    ASSERT_OK(t->ops->get(t, &ns, &fifo, 1, SIZE_MAX, 0, &obj, &len));
     ASSERT_TRUE(obj == NULL && len == 0);
     t->ops->close(t);
     rm_rf(dir);
@@ -282,7 +282,7 @@ TEST(unreadable_key_is_a_miss_of_its_own) {
     ASSERT_TRUE(truncate(p, 0) == 0);
     void *objs[N];
     size_t lens[N];
-    ASSERT_OK(t->ops->get(t, &ns, k, N, SIZE_MAX, objs, lens));
+    ASSERT_OK(t->ops->get(t, &ns, k, N, SIZE_MAX, 0, objs, lens));
     for (int i = 0; i < N; i++) {
         const int miss = i == 1 || i == 3 || (i == 5 && !root);
         if (miss ? objs[i] != NULL || lens[i] != 0
@@ -294,6 +294,36 @@ TEST(unreadable_key_is_a_miss_of_its_own) {
     t->ops->close(t);
     obj_file(dir, &ns, &k[5], p);
     chmod(p, 0644);
+    rm_rf(dir);
+    return 0;
+}
+
+/* A get stops at its deadline (tier.h): past it, nothing more is read (a
+ * deadline already gone: every key NULL, KVC_OK); one ahead reads all. */
+TEST(get_stops_at_its_deadline) {
+    char dir[64];
+    ASSERT_TRUE(make_tmpdir(dir) == 0);
+    kvc_tier *t = NULL;
+    ASSERT_OK(open_at(dir, NULL, &t));
+    enum { N = 4 };
+    kvc_store_key ns = mk(4, 0x77), k[N];
+    for (int i = 0; i < N; i++) {
+        k[i] = mk((uint32_t)i, 0x77);
+        ASSERT_OK(put1(t, &ns, &k[i], 64));
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    const int64_t now = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+    void *objs[N];
+    size_t lens[N];
+    ASSERT_OK(t->ops->get(t, &ns, k, N, SIZE_MAX, now - 1, objs, lens));
+    for (int i = 0; i < N; i++) ASSERT_TRUE(objs[i] == NULL && lens[i] == 0);
+    ASSERT_OK(t->ops->get(t, &ns, k, N, SIZE_MAX, now + (int64_t)3600 * 1000000000, objs, lens));
+    for (int i = 0; i < N; i++) {
+        ASSERT_TRUE(check_obj(&k[i], objs[i], lens[i], 64));
+        free(objs[i]);
+    }
+    t->ops->close(t);
     rm_rf(dir);
     return 0;
 }
@@ -620,7 +650,7 @@ static void *th_reader(void *arg) {
         size_t lens[8];
         if (c->t->ops->probe(c->t, &ns, keys, 8, &np) != KVC_OK || np < 0 || np > 8)
             atomic_fetch_add(&c->bad, 1);
-        if (c->t->ops->get(c->t, &ns, keys, 8, SIZE_MAX, objs, lens) != KVC_OK) {
+        if (c->t->ops->get(c->t, &ns, keys, 8, SIZE_MAX, 0, objs, lens) != KVC_OK) {
             atomic_fetch_add(&c->bad, 1);
             continue;
         }
@@ -789,6 +819,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(round_trip),
     TEST_ENTRY(oversized_file_and_fifo_under_a_key),
     TEST_ENTRY(unreadable_key_is_a_miss_of_its_own),
+    TEST_ENTRY(get_stops_at_its_deadline),
     TEST_ENTRY(reopen_rebuilds_index),
     TEST_ENTRY(lru_keeps_recently_read),
     TEST_ENTRY(write_error_leaves_nothing),

@@ -112,7 +112,7 @@ static int64_t get_keys(kvc_tier *t, const kvc_store_key *ns, const kvc_store_ke
                         kvc_status *st) {
     void **objs = calloc((size_t)n, sizeof *objs);
     size_t *lens = calloc((size_t)n, sizeof *lens);
-    *st = t->ops->get(t, ns, keys, n, SIZE_MAX, objs, lens);
+    *st = t->ops->get(t, ns, keys, n, SIZE_MAX, 0, objs, lens);
     int64_t good = 0;
     for (int64_t i = 0; i < n; i++) {
         if (*st != KVC_OK && objs[i]) good = -1000000; /* tier.h: all NULL on error */
@@ -335,7 +335,7 @@ TEST(put_get_roundtrip_binary) {
     kvc_store_key order[4] = {keys[0], keys[3], keys[1], keys[2]}; /* keys[3]: absent */
     void *got[4];
     size_t lens[4];
-    ASSERT_OK(t->ops->get(t, &ns, order, 4, SIZE_MAX, got, lens));
+    ASSERT_OK(t->ops->get(t, &ns, order, 4, SIZE_MAX, 0, got, lens));
     ASSERT_TRUE(got[1] == NULL && lens[1] == 0);
     const int src[4] = {0, -1, 1, 2};
     for (int i = 0; i < 4; i++) {
@@ -348,7 +348,7 @@ TEST(put_get_roundtrip_binary) {
     /* max_len 1000: the server sends the first 1,001 bytes of the 100,000-
      * byte and 1 MiB objects (no valid object would be that large; nothing
      * more is read or allocated) and the 1-byte one whole */
-    ASSERT_OK(t->ops->get(t, &ns, order, 4, 1000, got, lens));
+    ASSERT_OK(t->ops->get(t, &ns, order, 4, 1000, 0, got, lens));
     ASSERT_TRUE(got[1] == NULL && lens[1] == 0);
     ASSERT_TRUE(got[0] && lens[0] == 1 && got[2] && lens[2] == 1001 && got[3] && lens[3] == 1001);
     ASSERT_MEM_EQ(got[3], objs[2], 1001);
@@ -397,13 +397,13 @@ TEST(absent_keys_and_empty_batches) {
         objs[i] = (void *)&lens[i]; /* garbage the call must overwrite */
         lens[i] = 7;
     }
-    ASSERT_OK(t->ops->get(t, &ns, keys, 5, SIZE_MAX, objs, lens));
+    ASSERT_OK(t->ops->get(t, &ns, keys, 5, SIZE_MAX, 0, objs, lens));
     for (int i = 0; i < 5; i++) ASSERT_TRUE(objs[i] == NULL && lens[i] == 0);
     int64_t run = -1;
     unsigned char written = 2;
     ASSERT_OK(t->ops->probe(t, &ns, keys, 0, &run));
     ASSERT_EQ_I64(run, 0);
-    ASSERT_OK(t->ops->get(t, &ns, keys, 0, SIZE_MAX, objs, lens));
+    ASSERT_OK(t->ops->get(t, &ns, keys, 0, SIZE_MAX, 0, objs, lens));
     ASSERT_OK(t->ops->put(t, &ns, keys, NULL, NULL, 0, &written));
     ASSERT_EQ_I64(written, 2); /* n 0: nothing touched */
     size_t zero = 0;
@@ -574,7 +574,7 @@ TEST(error_reply_keeps_connection_in_step) {
     }
     void *objs[5];
     size_t lens[5];
-    ASSERT_OK(t->ops->get(t, &ns, keys, 5, SIZE_MAX, objs, lens));
+    ASSERT_OK(t->ops->get(t, &ns, keys, 5, SIZE_MAX, 0, objs, lens));
     for (int i = 0; i < 5; i++) {
         if (i == 1 || i == 3 ? objs[i] != NULL || lens[i] != 0
                              : !obj_ok(objs[i], lens[i], &keys[i]))
@@ -622,7 +622,7 @@ TEST(non_string_replies_are_misses_of_their_own) {
     ASSERT_OK(kvc__tier_redis_open(f.url, &t));
     void *objs[N];
     size_t lens[N];
-    ASSERT_OK(t->ops->get(t, &ns, keys, N, SIZE_MAX, objs, lens));
+    ASSERT_OK(t->ops->get(t, &ns, keys, N, SIZE_MAX, 0, objs, lens));
     for (int i = 0; i < N; i++) {
         if (other[i] ? objs[i] != NULL || lens[i] != 0 : !obj_ok(objs[i], lens[i], &keys[i]))
             TEST_FAIL_("key %d: %p, %zu bytes", i, objs[i], lens[i]);
@@ -1054,6 +1054,78 @@ TEST(silent_server_costs_at_most_load_timeout) {
     return 0;
 }
 
+/* load_timeout_s holds within a batch: a server that sends a batch's first
+ * replies at once and then trickles the rest (a chunk every 20 ms: no
+ * socket wait ever times out) is cut at the deadline. The pages that came
+ * whole before it are restored and right, the trickled ones are not, and
+ * the cut counts as a timeout, not as a server error (it kept talking).
+ * Before, the deadline was checked between batches only: the restore took
+ * every page, ~2.6 s with load_timeout_s 0.5. */
+TEST(trickling_server_is_cut_at_load_timeout) {
+    NEED_ENV("KVC_TEST_REDIS_DIR", dir);
+    enum { P = 16, N = 4 };
+    kvc_cache_params cp = kvc_cache_default_params();
+    cp.num_layers = 2, cp.num_kv_heads = 2, cp.head_dim = 64, cp.page_size = P;
+    cp.num_pages = N;
+    kvc_cache *src = NULL, *dst = NULL;
+    ASSERT_OK(kvc_cache_create(&cp, &src));
+    ASSERT_OK(kvc_cache_create(&cp, &dst));
+    int32_t tok[N * P], ids[N], dids[N], indptr[2], last;
+    for (int i = 0; i < N * P; i++) tok[i] = 7 + i;
+    kvc_seq_id sq, dq;
+    int64_t hit = 0, np = 0;
+    ASSERT_OK(kvc_cache_add_sequence(src, tok, N * P, 0, &sq, &hit));
+    ASSERT_OK(kvc_cache_add_sequence(dst, tok, N * P, 0, &dq, &hit));
+    ASSERT_OK(kvc_cache_page_table(src, &sq, 1, indptr, ids, N, &last, &np));
+    ASSERT_EQ_I64(np, N);
+    ASSERT_OK(kvc_cache_page_table(dst, &dq, 1, indptr, dids, N, &last, &np));
+    const size_t pb = kvc_cache_page_bytes(src), size = kvc_store_object_bytes(src, 0);
+    uint8_t *page = malloc(pb), *back = malloc(pb), *obj = malloc(size);
+    kvc_store_key ns, keys[N];
+    rand_key(&ns);
+    ASSERT_OK(kvc_store_page_keys(&ns, tok, N, P, 1, keys));
+    char *script = NULL;
+    size_t len = 0, prompt = 0;
+    for (int pg = 0; pg < N; pg++) {
+        fill_obj(page, pb, &keys[pg]);
+        ASSERT_OK(kvc_cache_write_page(src, ids[pg], page, pb));
+        kvc_store_expect e = {.ns = ns, .key = keys[pg], .parent = pg ? keys[pg - 1] : ns,
+                              .position = (int64_t)pg * P, .tokens = tok + pg * P};
+        size_t n = 0;
+        ASSERT_OK(kvc_store_serialize_page(src, ids[pg], &e, NULL, obj, size, &n));
+        resp_bulk(&script, &len, obj, n);
+        if (pg == 1) prompt = len; /* pages 0 and 1 at once */
+    }
+    fake_server f = {.want = N, .script = script, .len = len, .prompt = prompt, .chunk = 256,
+                     .gap_ms = 20};
+    ASSERT_TRUE(fake_start(&f, dir, "trickle") == 0);
+    kvc_store_params sp = kvc_store_default_params();
+    sp.load_timeout_s = 0.5;
+    kvc_store *s = NULL;
+    const char *u = f.url;
+    ASSERT_OK(kvc_store_open(&u, 1, &sp, &s));
+    int64_t n = -1;
+    ASSERT_OK(kvc_store_restore_run(s, dst, &ns, tok, 0, N, dids, &n));
+    kvc_store_stats st;
+    ASSERT_OK(kvc_store_get_stats(s, &st));
+    kvc_store_close(s);
+    fake_stop(&f);
+    if (n > 2) TEST_FAIL_("%lld pages restored: the trickled ones too", (long long)n);
+    ASSERT_EQ_I64(st.timeouts, 1);
+    ASSERT_EQ_I64(st.errors, 0);
+    ASSERT_EQ_I64(st.hit_pages, n);
+    ASSERT_TRUE(f.sent < len); /* the client left before the last byte */
+    for (int pg = 0; pg < n; pg++) {
+        ASSERT_OK(kvc_cache_read_page(src, ids[pg], page, pb));
+        ASSERT_OK(kvc_cache_read_page(dst, dids[pg], back, pb));
+        ASSERT_MEM_EQ(page, back, pb);
+    }
+    free(page), free(back), free(obj), free(script);
+    kvc_cache_destroy(src);
+    kvc_cache_destroy(dst);
+    return 0;
+}
+
 const char *test_suite_name = "store_redis";
 const test_case test_suite[] = {
     TEST_ENTRY(put_get_roundtrip_binary),
@@ -1071,6 +1143,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(tcp_url),
     TEST_ENTRY(engine_restores_from_redis_and_survives_a_killed_server),
     TEST_ENTRY(silent_server_costs_at_most_load_timeout),
+    TEST_ENTRY(trickling_server_is_cut_at_load_timeout),
     {0, 0},
 };
 

@@ -172,7 +172,8 @@ typedef struct kvc_store_params {
     int32_t queue_objects;       /* writes waiting at most (default 4096) */
     int64_t queue_bytes;         /* and their bytes (default 512 MiB) */
     const uint8_t *auth_key;     /* NULL (default) or KVC_STORE_AUTH_KEY_BYTES, copied */
-    double load_timeout_s;       /* a restore gives up after this (default 2 s) */
+    double load_timeout_s;       /* a restore gives up after this (default 2 s), within
+                                    a read batch too (docs/KV_STORE.md section 4) */
     kvc_store_write_policy write_policy; /* engine attachment (default THROUGH), for the
                                             tiers whose URL names none (?write=) */
     int32_t selective_hits;      /* SELECTIVE: hits before a write (default 2) */

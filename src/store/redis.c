@@ -37,6 +37,8 @@ enum {
     COMMAND_MS = 2000,     /* per socket read/write, not per call */
     BACKOFF_MIN_MS = 50,
     BACKOFF_MAX_MS = 2000,
+    DEADLINE_SLACK_MS = 10, /* a read under a deadline may end this much past it */
+    SILENT_MS = 100,        /* no byte for this long (or the socket timeout): down */
     KEY_NAME_LEN = 4 + 32 + 1 + 32, /* "kvc:" ns ":" key */
 };
 
@@ -48,6 +50,7 @@ typedef struct conn {
     const kvc_tier *tier; /* its pool receives GET replies */
     redisReplyObjectFunctions fn; /* hiredis's, with create_string */
     void *(*base_string)(const redisReadTask *, char *, size_t); /* hiredis's */
+    int64_t cmd_ms, cur_ms; /* socket timeout: the connection's own, the one set now */
     int64_t retry_at_ns; /* while down: no connect attempt before this */
     int64_t backoff_ms;  /* the next back-off */
     char why[160];       /* the last failure, for messages while down */
@@ -148,9 +151,18 @@ static kvc_status conn_fail(server *sv, conn *c, const char *what) {
     return kvc__error(KVC_ERR_IO, "redis tier: server %s: %s", sv->url, why);
 }
 
-/* Locks c and makes sure it is connected. On failure c is unlocked again
- * and the status is KVC_ERR_IO (at once while the server is down). */
-static kvc_status conn_acquire(server *sv, conn *c, pipe_guard *g) {
+/* Sets c's socket timeout (both ways) to ms; -1 on failure. */
+static int conn_timeout(conn *c, int64_t ms) {
+    struct timeval tv = {(time_t)(ms / 1000), (suseconds_t)(ms % 1000 * 1000)};
+    if (redisSetTimeout(c->ctx, tv) != REDIS_OK) return -1;
+    c->cur_ms = ms;
+    return 0;
+}
+
+/* Locks c and makes sure it is connected (by deadline_ns when not 0). On
+ * failure c is unlocked again and the status is KVC_ERR_IO (at once while
+ * the server is down). */
+static kvc_status conn_acquire(server *sv, conn *c, int64_t deadline_ns, pipe_guard *g) {
     pthread_mutex_lock(&c->mu);
     if (!c->ctx) {
         int64_t wait = c->retry_at_ns - now_ns();
@@ -165,11 +177,13 @@ static kvc_status conn_acquire(server *sv, conn *c, pipe_guard *g) {
             conn_ms = lim < conn_ms ? lim : conn_ms;
             cmd_ms = lim < cmd_ms ? lim : cmd_ms;
         }
+        const int64_t left_ms = deadline_ns ? (deadline_ns - now_ns()) / 1000000 + 1 : conn_ms;
+        if (left_ms < conn_ms) conn_ms = left_ms > 1 ? left_ms : 1; /* 0 is no limit */
         struct timeval tv = {(time_t)(conn_ms / 1000), (suseconds_t)(conn_ms % 1000 * 1000)};
         c->ctx = sv->path ? redisConnectUnixWithTimeout(sv->path, tv)
                           : redisConnectWithTimeout(sv->host, sv->port, tv);
-        struct timeval cmd = {(time_t)(cmd_ms / 1000), (suseconds_t)(cmd_ms % 1000 * 1000)};
-        if (!c->ctx || c->ctx->err || redisSetTimeout(c->ctx, cmd) != REDIS_OK) {
+        c->cmd_ms = cmd_ms;
+        if (!c->ctx || c->ctx->err || conn_timeout(c, cmd_ms) != 0) {
             kvc_status st = c->ctx ? conn_fail(sv, c, "cannot connect")
                                    : (conn_drop(c, 1, "cannot connect: out of memory"),
                                       kvc__error(KVC_ERR_IO, "redis tier: server %s: %s", sv->url,
@@ -192,9 +206,12 @@ static kvc_status conn_acquire(server *sv, conn *c, pipe_guard *g) {
     return KVC_OK;
 }
 
-/* Unlocks c; a call that kept its connection resets the back-off. */
+/* Unlocks c; a call that kept its connection resets the back-off and the
+ * socket timeout a deadline lowered (the next call may have none). */
 static void conn_release(conn *c, pipe_guard *g) {
     pipe_unblock(g);
+    if (c->ctx && c->cur_ms != c->cmd_ms && conn_timeout(c, c->cmd_ms) != 0)
+        conn_drop(c, 0, "cannot set the socket timeout"); /* reconnect next time */
     if (c->ctx) c->backoff_ms = BACKOFF_MIN_MS;
     pthread_mutex_unlock(&c->mu);
 }
@@ -209,6 +226,50 @@ static kvc_status conn_reply(server *sv, conn *c, redisReply **out) {
         return conn_fail(sv, c, "no reply");
     }
     *out = r;
+    return KVC_OK;
+}
+
+/* conn_reply for a call that must end by deadline_ns (CLOCK_MONOTONIC, not
+ * 0): hiredis's blocking loop (write the commands, then read until a reply
+ * parses) with the clock checked between socket calls, and the socket
+ * timeout lowered to the time left whenever a wait could otherwise end
+ * more than DEADLINE_SLACK_MS past the deadline (one setsockopt per such
+ * interval, not per read): a server that trickles its replies cannot hold
+ * the call longer. Past the deadline: *out NULL, KVC_OK, and the
+ * connection dropped without back-off (replies still due on it; the
+ * server may be fine, only the caller's time is up), unless the server
+ * sent not a byte for SILENT_MS (or its whole socket timeout, if shorter)
+ * up to it: then it fails as a socket timeout does (down, back-off). */
+static kvc_status conn_reply_by(server *sv, conn *c, int64_t deadline_ns, redisReply **out) {
+    *out = NULL;
+    int wdone = 0;
+    int64_t heard = now_ns(); /* the wait's start, then the last byte's arrival */
+    for (;;) {
+        void *r = NULL; /* a reply already read in (redisGetReply's order) */
+        if (redisGetReplyFromReader(c->ctx, &r) != REDIS_OK) return conn_fail(sv, c, "no reply");
+        if (r) {
+            *out = r;
+            return KVC_OK;
+        }
+        const int64_t now = now_ns();
+        if (now >= deadline_ns) break;
+        if (now + c->cur_ms * 1000000 > deadline_ns + DEADLINE_SLACK_MS * 1000000) {
+            const int64_t left = (deadline_ns - now) / 1000000 + 1; /* >= 1: 0 is no limit */
+            if (conn_timeout(c, left < c->cmd_ms ? left : c->cmd_ms) != 0)
+                return conn_fail(sv, c, "cannot set the socket timeout");
+        }
+        const size_t had = c->ctx->reader->len; /* grows only as bytes are fed */
+        const int rc = wdone ? redisBufferRead(c->ctx) : redisBufferWrite(c->ctx, &wdone);
+        if (rc == REDIS_OK && c->ctx->reader->len > had) heard = now_ns();
+        if (rc != REDIS_OK) {
+            if (now_ns() >= deadline_ns) break; /* the socket timed out at the deadline */
+            return conn_fail(sv, c, "no reply");
+        }
+    }
+    const int64_t silent_ms = c->cmd_ms < SILENT_MS ? c->cmd_ms : SILENT_MS;
+    if (now_ns() - heard >= silent_ms * 1000000)
+        return conn_fail(sv, c, "no reply by the load's deadline");
+    conn_drop(c, 0, "a read passed its deadline");
     return KVC_OK;
 }
 
@@ -296,6 +357,7 @@ typedef struct batch {
     void **objs;                   /* OP_GET */
     size_t *lens;                  /* OP_GET */
     long long max_len;             /* OP_GET: bytes past it are not sent */
+    int64_t deadline_ns;           /* OP_GET: CLOCK_MONOTONIC, 0: none (tier.h) */
     const void *const *put_objs;   /* OP_PUT */
     const size_t *put_lens;        /* OP_PUT */
     unsigned char *written;        /* OP_PUT: 1 per object written (NULL: not wanted) */
@@ -350,7 +412,8 @@ static kvc_status batch_server(batch *b, int s) {
     server *sv = &b->rt->srv[s];
     conn *c = b->op == OP_PUT ? &sv->wr : &sv->rd;
     pipe_guard g;
-    KVC_TRY(conn_acquire(sv, c, &g));
+    if (b->deadline_ns && now_ns() >= b->deadline_ns) return KVC_OK; /* its keys stay NULL */
+    KVC_TRY(conn_acquire(sv, c, b->deadline_ns, &g));
     kvc_status st = KVC_OK;
     char name[KEY_NAME_LEN + 1];
     for (int64_t i = 0; i < b->n; i++) {
@@ -375,7 +438,9 @@ static kvc_status batch_server(batch *b, int s) {
     for (int64_t i = 0; i < b->n && c->ctx; i++) {
         if (b->own[i] != s) continue;
         redisReply *r;
-        kvc_status st_r = conn_reply(sv, c, &r);
+        kvc_status st_r = b->deadline_ns ? conn_reply_by(sv, c, b->deadline_ns, &r)
+                                         : conn_reply(sv, c, &r);
+        if (st_r == KVC_OK && !r) break; /* past the deadline: the rest stay NULL */
         if (st_r == KVC_OK) st_r = take_reply(b, sv, c, i, r);
         if (st == KVC_OK) st = st_r;
     }
@@ -417,7 +482,8 @@ static kvc_status redis_probe(kvc_tier *t, const kvc_store_key *ns, const kvc_st
 }
 
 static kvc_status redis_get(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
-                            int64_t n, size_t max_len, void **objs, size_t *lens) {
+                            int64_t n, size_t max_len, int64_t deadline_ns, void **objs,
+                            size_t *lens) {
     KVC_CHECK(ns && n >= 0 && (n == 0 || (keys && objs && lens)), "redis tier get: bad arguments");
     for (int64_t i = 0; i < n; i++) {
         objs[i] = NULL;
@@ -426,7 +492,8 @@ static kvc_status redis_get(kvc_tier *t, const kvc_store_key *ns, const kvc_stor
     if (n == 0) return KVC_OK;
     batch b = {.rt = (redis_tier *)t, .op = OP_GET, .ns = ns, .keys = keys, .n = n,
                .objs = objs, .lens = lens,
-               .max_len = max_len < (size_t)LLONG_MAX ? (long long)max_len : LLONG_MAX - 1};
+               .max_len = max_len < (size_t)LLONG_MAX ? (long long)max_len : LLONG_MAX - 1,
+               .deadline_ns = deadline_ns};
     kvc_status st = batch_run(&b);
     if (st != KVC_OK) { /* tier.h: on error nothing to free */
         for (int64_t i = 0; i < n; i++) {
@@ -455,7 +522,7 @@ static kvc_status redis_put(kvc_tier *t, const kvc_store_key *ns, const kvc_stor
 static kvc_status invalidate_server(server *sv, const char *pattern) {
     pipe_guard g;
     conn *c = &sv->rd;
-    KVC_TRY(conn_acquire(sv, c, &g));
+    KVC_TRY(conn_acquire(sv, c, 0, &g));
     kvc_status st = KVC_OK;
     char cursor[32] = "0";
     do {

@@ -798,6 +798,8 @@ static int64_t restore_pipeline(restore_ctx *r) {
         return -1;
     }
     const double deadline = now_s() + s->p.load_timeout_s;
+    /* the tiers stop at it within a batch too (tier.h); none past ~11 days */
+    const int64_t deadline_ns = s->p.load_timeout_s < 1e6 ? (int64_t)(deadline * 1e9) : 0;
     /* the largest object of this cache: a tier sends no more than one byte
      * past it (tier.h), so a huge planted object is refused by its size */
     size_t max_len = kvc_store_object_bytes(r->cache, s->has_auth);
@@ -825,7 +827,7 @@ static int64_t restore_pipeline(restore_ctx *r) {
             const int64_t n = r->max - fetched < BATCH ? r->max - fetched : BATCH;
             void *objs[BATCH];
             if (s->tiers[t]->ops->get(s->tiers[t], &r->ns, r->keys + r->first + fetched, n,
-                                      max_len, objs, b->lens) != KVC_OK) {
+                                      max_len, deadline_ns, objs, b->lens) != KVC_OK) {
                 errors++;
                 kvc_clear_error();
                 free(b);
@@ -845,7 +847,10 @@ static int64_t restore_pipeline(restore_ctx *r) {
                 pthread_cond_signal(&r->cv);
                 pthread_mutex_unlock(&r->mu);
             }
-            if (absent) break;
+            if (absent) {
+                timeouts = now_s() > deadline; /* maybe cut by it: no next tier */
+                break;
+            }
         }
         pos = restore_drain(r);
     }

@@ -45,9 +45,12 @@ typedef struct kvc_tier_ops {
      * back as its first max_len + 1 (no valid object is that large: a size
      * the store refuses, without a huge read or allocation). On an error
      * every objs[i] is NULL (nothing to free). Pipelined: one round trip
-     * per server for the whole batch. */
+     * per server for the whole batch. deadline_ns (CLOCK_MONOTONIC ns, 0:
+     * none): the call returns by then, give or take one read under way
+     * (a socket wait's ~10 ms of slack, one file's read): keys it did not
+     * read by then come back NULL, the ones read are kept (KVC_OK). */
     kvc_status (*get)(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys, int64_t n,
-                      size_t max_len, void **objs, size_t *lens);
+                      size_t max_len, int64_t deadline_ns, void **objs, size_t *lens);
     /* Writes n objects. Each is visible whole or not at all, never in part,
      * whatever happens to this process or the tier meanwhile (a killed
      * writer, a full disk). An existing object under the same key is
