@@ -328,6 +328,41 @@ TEST(get_stops_at_its_deadline) {
     return 0;
 }
 
+/* One object of a write batch that cannot be written (over the budget, a
+ * directory at its path) costs only itself: the others are written, each
+ * whole, written[] says which, and the call reports the first failure. */
+TEST(unwritable_object_costs_only_itself) {
+    char dir[64], p[256];
+    ASSERT_TRUE(make_tmpdir(dir) == 0);
+    kvc_tier *t = NULL;
+    ASSERT_OK(open_at(dir, "?max_bytes=1K", &t));
+    enum { N = 5 };
+    kvc_store_key ns = mk(5, 0x11), k[N];
+    const size_t len[N] = {100, 5000, 100, 100, 100}; /* 1: past max_bytes */
+    void *objs[N];
+    for (int i = 0; i < N; i++) {
+        k[i] = mk((uint32_t)i, 0x11);
+        objs[i] = malloc(len[i]);
+        fill(&k[i], objs[i], len[i]);
+    }
+    ASSERT_OK(put1(t, &ns, &k[3], 100));
+    obj_file(dir, &ns, &k[3], p); /* 3: a directory where its file goes */
+    ASSERT_TRUE(unlink(p) == 0 && mkdir(p, 0755) == 0);
+    unsigned char w[N];
+    ASSERT_STATUS(t->ops->put(t, &ns, k, (const void *const *)objs, len, N, w), KVC_ERR_NO_SPACE);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "max_bytes");
+    const unsigned char want[N] = {1, 0, 1, 0, 1};
+    for (int i = 0; i < N; i++) {
+        if (w[i] != want[i]) TEST_FAIL_("object %d: written %d", i, w[i]);
+        if (i != 3) ASSERT_EQ_I64(get1(t, &ns, &k[i], len[i]), want[i]);
+        free(objs[i]);
+    }
+    ASSERT_EQ_I64(count_tmp(dir), 0); /* no temporary file left */
+    t->ops->close(t);
+    rm_rf(dir);
+    return 0;
+}
+
 TEST(reopen_rebuilds_index) {
     char dir[64], p[256];
     ASSERT_TRUE(make_tmpdir(dir) == 0);
@@ -820,6 +855,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(oversized_file_and_fifo_under_a_key),
     TEST_ENTRY(unreadable_key_is_a_miss_of_its_own),
     TEST_ENTRY(get_stops_at_its_deadline),
+    TEST_ENTRY(unwritable_object_costs_only_itself),
     TEST_ENTRY(reopen_rebuilds_index),
     TEST_ENTRY(lru_keeps_recently_read),
     TEST_ENTRY(write_error_leaves_nothing),

@@ -597,12 +597,20 @@ static kvc_status dir_put(kvc_tier *t, const kvc_store_key *ns, const kvc_store_
               "dir tier put: bad arguments (n=%lld)", (long long)n);
     for (int64_t i = 0; i < n; i++)
         KVC_CHECK(objs[i] || lens[i] == 0, "dir tier put: object %lld is NULL", (long long)i);
+    /* Each object on its own: one that cannot be written (over the budget,
+     * a directory at its path) costs only itself; the first error is kept. */
+    kvc_status ret = KVC_OK;
+    char first[512] = ""; /* its message: later failures overwrite kvc_last_error */
     for (int64_t i = 0; i < n; i++) {
-        KVC_TRY(put_one(d, ns, &keys[i], objs[i], lens[i]));
+        kvc_status st = put_one(d, ns, &keys[i], objs[i], lens[i]);
+        if (st != KVC_OK) {
+            if (ret == KVC_OK) ret = st, snprintf(first, sizeof first, "%s", kvc_last_error());
+            continue;
+        }
         if (written) written[i] = 1;
         if (d->max_bytes) evict(d);
     }
-    return KVC_OK;
+    return ret == KVC_OK ? KVC_OK : kvc__error(ret, "%s", first);
 }
 
 static kvc_status dir_invalidate(kvc_tier *t, const kvc_store_key *ns) {
