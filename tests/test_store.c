@@ -1928,6 +1928,48 @@ TEST(unreadable_page_is_a_miss_of_its_own) {
     return 0;
 }
 
+/* Attaching an engine again when an allocation fails leaves the first
+ * attachment in place: the engine keeps its connector and can be detached.
+ * (A failed listing of the new attachment used to unlist the old one
+ * instead, which the engine still called: detach then failed, "not
+ * attached".) */
+TEST(failed_reattach_keeps_the_attachment) {
+    if (!test_oom_available()) SKIP("allocation failures need the linker's --wrap");
+    NEED_TINY(m);
+    kvc_engine_params ep = kvc_engine_default_params();
+    ep.enable_prefix_caching = 1;
+    kvc_store_key ns = key_of(21);
+    int failures = 0;
+    for (long k = 1;; k++) {
+        kvc_engine *e = NULL;
+        kvc_store *s = NULL;
+        ASSERT_OK(kvc_engine_create(m, &ep, &e));
+        ASSERT_OK(kvc_store_open(NULL, 0, NULL, &s));
+        ASSERT_OK(kvc_store_attach_engine(s, e, &ns));
+        kvc_engine_connector before, after;
+        ASSERT_OK(kvc_engine_get_connector(e, &before));
+        test_oom_arm(k, 0);
+        const kvc_status st = kvc_store_attach_engine(s, e, &ns);
+        const long failed = test_oom_disarm();
+        ASSERT_OK(kvc_engine_get_connector(e, &after));
+        if (st != KVC_OK) {
+            failures++;
+            if (!failed) TEST_FAIL_("attach failed (%s) with no allocation failed",
+                                    kvc_last_error());
+            if (after.user != before.user) TEST_FAIL_("allocation %ld: connector changed", k);
+        }
+        kvc_clear_error();
+        const kvc_status dt = kvc_store_detach_engine(s, e);
+        if (dt != KVC_OK) TEST_FAIL_("allocation %ld failed: detach: %s", k, kvc_last_error());
+        kvc_engine_destroy(e);
+        kvc_store_close(s);
+        if (failed == 0) break;
+    }
+    ASSERT_TRUE(failures > 0);
+    kvc_model_destroy(m);
+    return 0;
+}
+
 const char *test_suite_name = "store";
 const test_case test_suite[] = {
     TEST_ENTRY(page_keys_match_independent_xxh3),
@@ -1949,6 +1991,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(flush_without_a_limit),
     TEST_ENTRY(failed_open_removes_what_it_created),
     TEST_ENTRY(unreadable_page_is_a_miss_of_its_own),
+    TEST_ENTRY(failed_reattach_keeps_the_attachment),
     TEST_ENTRY(hash_variants_agree),
     TEST_ENTRY(writer_thread_yields_the_cpus),
     TEST_ENTRY(write_policies_per_tier),

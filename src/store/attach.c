@@ -231,9 +231,13 @@ kvc_status kvc_store_attach_engine(kvc_store *s, kvc_engine *engine, const kvc_s
     if (a->selective) c.on_hit = on_hit;
     c.on_evict = on_evict;
     kvc_status st = kvc__store_attach_add(s, engine, a);
-    if (st == KVC_OK) st = kvc_engine_set_connector(engine, &c);
+    if (st != KVC_OK) { /* a is not listed: an older attachment stays as it is */
+        kvc__store_attach_free(a);
+        return st;
+    }
+    st = kvc_engine_set_connector(engine, &c);
     if (st != KVC_OK) { /* the engine and the store as they were */
-        kvc__store_attach_take(s, engine, NULL); /* a, if listed */
+        kvc__store_attach_take(s, engine, NULL); /* a: listed last, the newest */
         kvc__store_attach_free(a);
         return st;
     }
