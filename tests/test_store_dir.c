@@ -363,6 +363,43 @@ TEST(unwritable_object_costs_only_itself) {
     return 0;
 }
 
+/* A write batch larger than the budget evicts some of its own objects:
+ * those come back written[i] = 0 (the store then announces no stored
+ * event after their removed one), the others 1, each as its file says. */
+TEST(batch_evicting_its_own_objects_says_so) {
+    char dir[64], p[256];
+    ASSERT_TRUE(make_tmpdir(dir) == 0);
+    kvc_tier *t = NULL;
+    ASSERT_OK(open_at(dir, "?max_bytes=3000", &t));
+    removed_log log = {0};
+    t->removed = on_removed;
+    t->removed_user = &log;
+    enum { N = 8 };
+    kvc_store_key ns = mk(6, 0x42), k[N];
+    size_t len[N];
+    void *objs[N];
+    for (int i = 0; i < N; i++) {
+        k[i] = mk((uint32_t)i, 0x42);
+        len[i] = 1000;
+        objs[i] = malloc(len[i]);
+        fill(&k[i], objs[i], len[i]);
+    }
+    unsigned char w[N];
+    ASSERT_OK(t->ops->put(t, &ns, k, (const void *const *)objs, len, N, w));
+    int kept = 0;
+    for (int i = 0; i < N; i++) {
+        obj_file(dir, &ns, &k[i], p);
+        if (w[i] != exists(p)) TEST_FAIL_("object %d: written %d, file %d", i, w[i], exists(p));
+        kept += w[i];
+        free(objs[i]);
+    }
+    ASSERT_EQ_I64(kept, 3);
+    ASSERT_EQ_I64(log.n, N - 3); /* each eviction still reported */
+    t->ops->close(t);
+    rm_rf(dir);
+    return 0;
+}
+
 TEST(reopen_rebuilds_index) {
     char dir[64], p[256];
     ASSERT_TRUE(make_tmpdir(dir) == 0);
@@ -856,6 +893,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(unreadable_key_is_a_miss_of_its_own),
     TEST_ENTRY(get_stops_at_its_deadline),
     TEST_ENTRY(unwritable_object_costs_only_itself),
+    TEST_ENTRY(batch_evicting_its_own_objects_says_so),
     TEST_ENTRY(reopen_rebuilds_index),
     TEST_ENTRY(lru_keeps_recently_read),
     TEST_ENTRY(write_error_leaves_nothing),

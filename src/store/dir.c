@@ -382,8 +382,12 @@ static void clean_tmp(const dir_tier *d) {
 /* After a write: re-lists the directory once the index is RESCAN_S old
  * (other processes' writes count towards the budget too), then drops least
  * recently used objects until the budget holds. The victims leave the index
- * under the lock; files and callbacks follow outside it. */
-static void evict(dir_tier *d) {
+ * under the lock; files and callbacks follow outside it. A victim among
+ * keys[0..n) of ns (the put call's objects so far) gets written[j] = 0: the
+ * store announces an object stored after put returns, which for an object
+ * already gone would follow its removal and outlive it at the subscriber. */
+static void evict(dir_tier *d, const kvc_store_key *ns, const kvc_store_key *keys, int64_t n,
+                  unsigned char *written) {
     pthread_mutex_lock(&d->mu);
     int stale = now_ns(CLOCK_MONOTONIC) - d->scanned_at > (int64_t)RESCAN_S * 1000000000;
     pthread_mutex_unlock(&d->mu);
@@ -402,6 +406,8 @@ static void evict(dir_tier *d) {
         nx = e->next;
         obj_path(d, &e->ns, &e->key, 2, p);
         (void)unlink(p); /* ENOENT: another process evicted it first */
+        for (int64_t j = 0; written && j < n; j++)
+            if (!memcmp(e->key.b, keys[j].b, 16) && !memcmp(e->ns.b, ns->b, 16)) written[j] = 0;
         if (d->base.removed) d->base.removed(d->base.removed_user, &e->ns, &e->key);
         free(e);
     }
@@ -608,7 +614,7 @@ static kvc_status dir_put(kvc_tier *t, const kvc_store_key *ns, const kvc_store_
             continue;
         }
         if (written) written[i] = 1;
-        if (d->max_bytes) evict(d);
+        if (d->max_bytes) evict(d, ns, keys, i + 1, written);
     }
     return ret == KVC_OK ? KVC_OK : kvc__error(ret, "%s", first);
 }

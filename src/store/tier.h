@@ -55,7 +55,9 @@ typedef struct kvc_tier_ops {
      * whatever happens to this process or the tier meanwhile (a killed
      * writer, a full disk). An existing object under the same key is
      * replaced (its bytes are the same by construction). written (may be
-     * NULL): written[i] = 1 for each object written, else 0. On error some
+     * NULL): written[i] = 1 for each object written and still there when
+     * put returns (a dir tier's budget may evict one of the call's own),
+     * else 0. On error some
      * objects may have been written, each whole, in any order (several
      * servers, or an error reply in the middle of a pipeline). */
     kvc_status (*put)(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
