@@ -1360,7 +1360,7 @@ ISA_TEST(quant_f16_scale_overflow) {
 
 TEST(quant_argument_errors) {
     float x[64] = {0}, y[64];
-    unsigned char q[64], s[64 * 4];
+    _Alignas(8) unsigned char q[64], s[64 * 4]; /* s + 2 is then misaligned for float32 */
     memset(q, 0xab, sizeof q);
     memset(s, 0xab, sizeof s);
     memset(y, 0xab, sizeof y);
@@ -1402,6 +1402,17 @@ TEST(quant_argument_errors) {
     EXPECT_BAD(kvc_quantize(NULL, KVC_F32, 64, 8, 8, q, s, KVC_F32));
     EXPECT_BAD(kvc_dequantize(q, 8, NULL, KVC_F32, 64, 8, y, KVC_F32));
     EXPECT_BAD(kvc_convert(x, KVC_F32, NULL, KVC_F16, 64));
+    /* float buffers not aligned to their elements (the kernels' typed loads
+     * need it); int8/int4 codes may sit anywhere */
+    unsigned char *xb = (unsigned char *)x, *yb = (unsigned char *)y;
+    EXPECT_BAD(kvc_convert(xb + 1, KVC_F32, y, KVC_F16, 8));
+    EXPECT_BAD(kvc_convert(xb + 2, KVC_F32, y, KVC_F16, 8));
+    EXPECT_BAD(kvc_convert(x, KVC_F32, yb + 1, KVC_BF16, 8));
+    EXPECT_BAD(kvc_convert(xb + 1, KVC_F16, y, KVC_F16, 8));
+    EXPECT_BAD(kvc_quantize(xb + 2, KVC_F32, 8, 8, 8, q, s, KVC_F32));
+    EXPECT_BAD(kvc_quantize(x, KVC_F32, 8, 8, 8, q, s + 1, KVC_F16));
+    EXPECT_BAD(kvc_dequantize(q, 8, s + 2, KVC_F32, 8, 8, y, KVC_F32));
+    EXPECT_BAD(kvc_dequantize(q, 8, s, KVC_F32, 8, 8, yb + 1, KVC_F16));
 #undef EXPECT_BAD
     ASSERT_TRUE(all_bytes(q, sizeof q, 0xab));
     ASSERT_TRUE(all_bytes(s, sizeof s, 0xab));
@@ -1411,6 +1422,9 @@ TEST(quant_argument_errors) {
     ASSERT_OK(kvc_dequantize(q, 4, s, KVC_F16, 0, 8, y, KVC_F32));
     ASSERT_OK(kvc_convert(x, KVC_F32, y, KVC_F16, 0));
     ASSERT_TRUE(all_bytes(y, sizeof y, 0xab));
+    /* unaligned codes, and 16-bit data at an odd 2-byte offset, are fine */
+    ASSERT_OK(kvc_quantize(xb + 2, KVC_F16, 8, 8, 8, q + 1, s + 2, KVC_F16));
+    ASSERT_OK(kvc_dequantize(q + 1, 8, s + 2, KVC_F16, 8, 8, yb + 2, KVC_BF16));
     return 0;
 }
 

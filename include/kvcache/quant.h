@@ -9,6 +9,11 @@
  *   scale  = max(absmax / qmax, 1e-5f), then rounded to the scale dtype
  *   q_i    = clamp(round_half_to_even(x_i / scale), -qmax, qmax)
  *   dequant_i = (float)q_i * scale, then converted to the output dtype.
+ *
+ * Buffers are plain arrays of n (or n / g) elements; float buffers must be
+ * aligned to their element size (2 bytes for float16/bfloat16, 4 for
+ * float32), as kvc_tensor data, else KVC_ERR_INVALID_ARG. int8/int4 codes
+ * need no alignment. A failed call writes nothing.
  */
 #ifndef KVCACHE_QUANT_H
 #define KVCACHE_QUANT_H

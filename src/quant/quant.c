@@ -6,6 +6,16 @@
 
 static int is_float(kvc_dtype d) { return d == KVC_F32 || d == KVC_F16 || d == KVC_BF16; }
 
+/* The kernels load elements through typed pointers (C needs them aligned;
+ * a vectorised scalar loop may fault otherwise), so a buffer must be aligned
+ * to its element size, as kvc_tensor data is (core.h). */
+static kvc_status check_aligned(const char *fn, const char *name, const void *p, kvc_dtype d) {
+    const uintptr_t a = (uintptr_t)kvc_dtype_bits(d) / 8;
+    KVC_CHECK(a <= 1 || (uintptr_t)p % a == 0, "%s: %s %p is not aligned to its %d-byte %s elements",
+              fn, name, p, (int)a, kvc_dtype_name(d));
+    return KVC_OK;
+}
+
 kvc_status kvc_convert(const void *src, kvc_dtype src_dtype, void *dst, kvc_dtype dst_dtype,
                        int64_t n) {
     KVC_CHECK(n >= 0, "kvc_convert: n = %lld < 0", (long long)n);
@@ -14,6 +24,8 @@ kvc_status kvc_convert(const void *src, kvc_dtype src_dtype, void *dst, kvc_dtyp
               kvc_dtype_name(src_dtype), kvc_dtype_name(dst_dtype));
     if (n == 0) return KVC_OK;
     KVC_CHECK(src && dst, "kvc_convert: NULL buffer");
+    KVC_TRY(check_aligned("kvc_convert", "src", src, src_dtype));
+    KVC_TRY(check_aligned("kvc_convert", "dst", dst, dst_dtype));
     kvc__kernels()->convert(src, src_dtype, dst, dst_dtype, n);
     return KVC_OK;
 }
@@ -39,6 +51,8 @@ kvc_status kvc_quantize(const void *x, kvc_dtype x_dtype, int64_t n, int32_t qua
               kvc_dtype_name(x_dtype));
     if (n == 0) return KVC_OK;
     KVC_CHECK(x && q && scale, "kvc_quantize: NULL buffer");
+    KVC_TRY(check_aligned("kvc_quantize", "x", x, x_dtype));
+    KVC_TRY(check_aligned("kvc_quantize", "scale", scale, scale_dtype));
     const kvc_kernels *k = kvc__kernels();
     if (!k->all_finite(x, x_dtype, n, kvc__quant_limit(quant_bit, scale_dtype)))
         return kvc__quant_input_error("kvc_quantize", "the input", x, x_dtype, n, quant_bit,
@@ -56,6 +70,8 @@ kvc_status kvc_dequantize(const void *q, int32_t quant_bit, const void *scale,
               kvc_dtype_name(y_dtype));
     if (n == 0) return KVC_OK;
     KVC_CHECK(q && scale && y, "kvc_dequantize: NULL buffer");
+    KVC_TRY(check_aligned("kvc_dequantize", "scale", scale, scale_dtype));
+    KVC_TRY(check_aligned("kvc_dequantize", "y", y, y_dtype));
     kvc__kernels()->dequantize(q, quant_bit, scale, scale_dtype, n, quant_group, y, y_dtype);
     return KVC_OK;
 }
