@@ -275,6 +275,12 @@ TEST(creators_leave_out_null_on_failure) {
     kvc_gguf *g = bad;
     ASSERT_TRUE(kvc_gguf_open("/nonexistent/kvcache-test.gguf", &g) < 0);
     ASSERT_TRUE(g == NULL);
+    g = bad;
+    ASSERT_TRUE(kvc_gguf_open_read("/nonexistent/kvcache-test.gguf", &g) < 0);
+    ASSERT_TRUE(g == NULL);
+    g = bad;
+    ASSERT_TRUE(kvc_gguf_open_memory("GGUX", 4, &g) < 0);
+    ASSERT_TRUE(g == NULL);
     kvc_model_ctx *ctx = bad;
     ASSERT_STATUS(kvc_model_ctx_create(NULL, 1, &ctx), KVC_ERR_INVALID_ARG);
     ASSERT_TRUE(ctx == NULL);
@@ -287,6 +293,9 @@ TEST(creators_leave_out_null_on_failure) {
     kvc_tokenizer_vocab vocab = {0};
     kvc_tokenizer *tok = bad;
     ASSERT_STATUS(kvc_tokenizer_create(&vocab, &tok), KVC_ERR_INVALID_ARG); /* n_vocab 0 */
+    ASSERT_TRUE(tok == NULL);
+    tok = bad;
+    ASSERT_STATUS(kvc_tokenizer_from_gguf(NULL, &tok), KVC_ERR_INVALID_ARG);
     ASSERT_TRUE(tok == NULL);
     return 0;
 }

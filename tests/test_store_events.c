@@ -406,11 +406,14 @@ TEST(bad_args) {
     kvc_store_events *ev = NULL;
     ASSERT_STATUS(kvc_store_events_open(NULL, ep, &ev), KVC_ERR_INVALID_ARG);
     ASSERT_STATUS(kvc_store_events_open(st, NULL, &ev), KVC_ERR_INVALID_ARG);
+    static char sentinel;
+    ev = (kvc_store_events *)&sentinel; /* a failed open sets it to NULL (core.h) */
     ASSERT_STATUS(kvc_store_events_open(st, "nope://x", &ev), KVC_ERR_IO);
     ASSERT_STR_CONTAINS(kvc_last_error(), "nope://x");
     ASSERT_TRUE(ev == NULL);
     kvc_store_events_params p = kvc_store_events_default_params();
     p.replay_endpoint = "nope://y";
+    ev = (kvc_store_events *)&sentinel;
     ASSERT_STATUS(kvc_store_events_open_with(st, ep, &p, &ev), KVC_ERR_IO);
     ASSERT_STR_CONTAINS(kvc_last_error(), "nope://y");
     ASSERT_TRUE(ev == NULL);
