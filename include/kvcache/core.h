@@ -57,8 +57,9 @@ typedef enum kvc_status {
 /* Static name of a status, e.g. "invalid argument". Never NULL. */
 KVC_API const char *kvc_status_str(kvc_status status);
 
-/* Detail message of the last failed call on this thread ("" if none). The
- * pointer stays valid until the next kvcache call on this thread. */
+/* Detail message of the last failed call on this thread ("" if none). Read
+ * it before the next kvcache call on this thread: that call may replace or
+ * clear it (even when it succeeds), and the pointer stays valid until then. */
 KVC_API const char *kvc_last_error(void);
 
 /* Clears this thread's last error message. */
