@@ -84,7 +84,9 @@ KVC_API kvc_status kvc_cache_create(const kvc_cache_params *params, kvc_cache **
 KVC_API void kvc_cache_destroy(kvc_cache *cache); /* NULL is a no-op */
 
 /* Bytes of storage (data + scales, all layers) per token slot; for a
- * compressed format num_layers * page_bytes / page_size (tails excluded). */
+ * compressed format num_layers * page_bytes / page_size (tails excluded).
+ * These size accessors (and kvc_cache_page_bytes, kvc_cache_sink_bytes)
+ * return 0 for a NULL cache. */
 KVC_API size_t kvc_cache_bytes_per_token(const kvc_cache *cache);
 /* num_pages * page_size. */
 KVC_API int64_t kvc_cache_capacity_tokens(const kvc_cache *cache);
@@ -103,7 +105,8 @@ KVC_API kvc_status kvc_cache_layer_tensors(const kvc_cache *cache, int32_t layer
 /*
  * New sequence holding n_tokens tokens (token_ids may be NULL when prefix
  * caching is off or not wanted: then nothing is looked up or registered).
- * Reserves slots for all of them; *n_cached receives how many leading tokens
+ * Reserves slots for all of them; *seq receives its id and *n_cached (if
+ * n_cached is not NULL) how many leading tokens
  * were found in the prefix cache (whole pages, < n_tokens), whose K/V the
  * caller must not write again. salt separates tenants/adapters (0 = none).
  * n_tokens beyond the cache's whole capacity is KVC_ERR_INVALID_ARG (it can
