@@ -120,11 +120,13 @@ KVC_API kvc_status kvc_model_load(const char *path, const kvc_model_params *para
                                   kvc_model **out);
 KVC_API void kvc_model_destroy(kvc_model *model); /* NULL is a no-op */
 KVC_API kvc_status kvc_model_get_info(const kvc_model *model, kvc_model_info *out);
-/* The model's tokenizer (owned by the model). */
+/* The model's tokenizer (owned by the model); NULL for a NULL model. */
 KVC_API const kvc_tokenizer *kvc_model_tokenizer(const kvc_model *model);
 
 /* Cache parameters for this model (layers, heads, head dim) with the given
- * storage dtype and capacity in tokens; the rest as kvc_cache_default_params. */
+ * storage dtype and capacity in tokens (rounded up to whole pages of the
+ * default page_size); the rest as kvc_cache_default_params. A NULL model
+ * gives kvc_cache_default_params() (which kvc_cache_create refuses). */
 KVC_API kvc_cache_params kvc_model_cache_params(const kvc_model *model, kvc_dtype kv_dtype,
                                                 int64_t capacity_tokens);
 
@@ -163,6 +165,7 @@ KVC_API kvc_cache_params kvc_model_cache_params(const kvc_model *model, kvc_dtyp
  */
 typedef struct kvc_model_ctx kvc_model_ctx;
 
+/* n_threads in [1, 1024] (the context's own pool; 0 is not "all CPUs"). */
 KVC_API kvc_status kvc_model_ctx_create(const kvc_model *model, int32_t n_threads,
                                         kvc_model_ctx **out);
 KVC_API void kvc_model_ctx_destroy(kvc_model_ctx *ctx); /* NULL is a no-op */
@@ -175,7 +178,8 @@ KVC_API kvc_status kvc_model_forward(kvc_model_ctx *ctx, kvc_cache *cache, int32
 
 /* Convenience: the logits of every position of one token sequence, computed
  * in one step in a fresh cache of kv_dtype (decode_from as in
- * kvc_model_forward; < 0 for none). logits (n_tokens, n_vocab).
+ * kvc_model_forward; < 0 for none). tokens (n_tokens) int32, logits
+ * (n_tokens, n_vocab) float32; n_threads as kvc_model_ctx_create.
  * KVC_ERR_INVALID_ARG if n_tokens exceeds the context limit (n_ctx). */
 KVC_API kvc_status kvc_model_eval(const kvc_model *model, const int32_t *tokens, int64_t n_tokens,
                                   int64_t decode_from, kvc_dtype kv_dtype, float *logits,
@@ -184,17 +188,20 @@ KVC_API kvc_status kvc_model_eval(const kvc_model *model, const int32_t *tokens,
 /* ---- sampling -------------------------------------------------------------- */
 
 typedef struct kvc_sampling_params {
-    float temperature; /* 0: greedy (argmax, lowest id on ties) */
-    int32_t top_k;     /* 0: off */
-    float top_p;       /* 1: off */
+    float temperature; /* finite, >= 0; 0: greedy (argmax, lowest id on ties) */
+    int32_t top_k;     /* >= 0; 0: off (1: greedy) */
+    float top_p;       /* in (0, 1]; 1: off */
     uint64_t seed;
 } kvc_sampling_params;
 
 KVC_API kvc_sampling_params kvc_sampling_default_params(void); /* greedy */
 
-/* Samples one token from logits (n_vocab); *rng is the caller's generator
- * state (seeded from params.seed) and is advanced. Deterministic for a
- * given state. */
+/* Samples one token from logits (n_vocab) float32 (params NULL: greedy);
+ * *rng is the caller's generator state (seeded from params.seed) and is
+ * advanced when a draw is made: a greedy call (or an infinite maximum)
+ * neither reads nor advances it, and rng may then be NULL. Deterministic
+ * for a given state. KVC_ERR_INVALID_ARG for a NaN logit or parameters
+ * outside the ranges above. */
 KVC_API kvc_status kvc_sample(const float *logits, int32_t n_vocab,
                               const kvc_sampling_params *params, uint64_t *rng, int32_t *token);
 
@@ -203,7 +210,7 @@ KVC_API kvc_status kvc_sample(const float *logits, int32_t n_vocab,
 typedef struct kvc_engine kvc_engine;
 
 typedef struct kvc_engine_params {
-    int32_t n_threads;         /* >= 1 (default 1) */
+    int32_t n_threads;         /* in [1, 1024] (default 1) */
     kvc_dtype kv_dtype;        /* KVC_F32, KVC_F16 (default), KVC_BF16, KVC_I8, KVC_I4 */
     int32_t quant_group;       /* int8/int4 (default 8) */
     int32_t page_size;         /* tokens per page (default 16) */
@@ -223,9 +230,12 @@ KVC_API kvc_status kvc_engine_create(const kvc_model *model, const kvc_engine_pa
 KVC_API void kvc_engine_destroy(kvc_engine *engine); /* NULL is a no-op */
 
 /* Queues a request: prompt tokens (copied), up to max_new_tokens generated
- * tokens, stopping early at an end-of-generation token unless ignore_eos.
- * KVC_ERR_INVALID_ARG if n_prompt + max_new_tokens exceeds the model's
- * context limit (kvc_model_params.n_ctx) or the cache's capacity. */
+ * tokens, stopping early at an end-of-generation token unless ignore_eos;
+ * sampling NULL: greedy. *request_id receives the request's id.
+ * KVC_ERR_INVALID_ARG if n_prompt < 1, max_new_tokens < 1, a prompt token
+ * is outside [0, n_vocab), sampling is outside kvc_sampling_params' ranges,
+ * or n_prompt + max_new_tokens exceeds the model's context limit
+ * (kvc_model_params.n_ctx) or the cache's capacity. */
 KVC_API kvc_status kvc_engine_add_request(kvc_engine *engine, const int32_t *prompt,
                                           int64_t n_prompt, int32_t max_new_tokens,
                                           const kvc_sampling_params *sampling, int32_t ignore_eos,
@@ -263,7 +273,7 @@ typedef struct kvc_engine_event {
 KVC_API kvc_status kvc_engine_step(kvc_engine *engine, kvc_engine_event *events, int64_t cap,
                                    int64_t *n_events);
 
-/* Requests queued or running. */
+/* Requests queued or running (0 for NULL). */
 KVC_API int64_t kvc_engine_pending(const kvc_engine *engine);
 
 typedef struct kvc_engine_stats {
@@ -353,7 +363,8 @@ KVC_API kvc_status kvc_engine_get_connector(const kvc_engine *engine,
                                             kvc_engine_connector *out);
 
 KVC_API kvc_status kvc_engine_get_stats(const kvc_engine *engine, kvc_engine_stats *out);
-/* The engine's cache (for inspection: kvc_cache_get_stats, kvc_cache_check). */
+/* The engine's cache (for inspection: kvc_cache_get_stats, kvc_cache_check);
+ * NULL for NULL. */
 KVC_API const kvc_cache *kvc_engine_cache(const kvc_engine *engine);
 
 #ifdef __cplusplus
