@@ -111,6 +111,8 @@ KVC_API kvc_status kvc_tokenizer_create(const kvc_tokenizer_vocab *vocab, kvc_to
 KVC_API kvc_status kvc_tokenizer_from_gguf(const kvc_gguf *g, kvc_tokenizer **out);
 KVC_API void kvc_tokenizer_destroy(kvc_tokenizer *t); /* NULL is a no-op */
 
+/* Accessors of a NULL t: n_vocab 0, ids -1, add_bos and is_eog 0,
+ * token_type -1. */
 KVC_API int32_t kvc_tokenizer_n_vocab(const kvc_tokenizer *t);
 KVC_API int32_t kvc_tokenizer_bos(const kvc_tokenizer *t); /* -1 if none */
 /* 1 if the vocabulary asks for BOS before a prompt: what to pass as
@@ -199,12 +201,15 @@ KVC_API void kvc_utf8_stream_init(kvc_utf8_stream *s); /* NULL is a no-op */
  * that never gives KVC_ERR_NO_SPACE. */
 KVC_API size_t kvc_utf8_stream_bound(size_t n);
 /* Appends n bytes (in may be NULL when n is 0) and writes the valid UTF-8
- * they complete to out; *out_len its length. KVC_ERR_NO_SPACE (nothing
- * written, the stream unchanged) if it exceeds cap. */
+ * they complete to out; *out_len receives its length, also when it exceeds
+ * cap: then KVC_ERR_NO_SPACE, out and the stream unchanged (feed again with
+ * that much room). */
 KVC_API kvc_status kvc_utf8_stream_feed(kvc_utf8_stream *s, const char *in, size_t n, char *out,
                                         size_t cap, size_t *out_len);
 /* Ends the stream: a held incomplete character becomes U+FFFD (3 bytes,
- * else nothing is written); the stream is then empty and may be reused. */
+ * else nothing is written); the stream is then empty and may be reused.
+ * Buffer contract as kvc_utf8_stream_feed (cap < 3 with a held tail:
+ * KVC_ERR_NO_SPACE, the tail still held). */
 KVC_API kvc_status kvc_utf8_stream_flush(kvc_utf8_stream *s, char *out, size_t cap,
                                          size_t *out_len);
 
