@@ -138,6 +138,9 @@ KVC_API kvc_status kvc_gguf_open_read(const char *path, kvc_gguf **out);
 KVC_API kvc_status kvc_gguf_open_memory(const void *data, size_t size, kvc_gguf **out);
 KVC_API void kvc_gguf_close(kvc_gguf *g); /* NULL is a no-op */
 
+/* The accessors returning a value give 0 (version, alignment, counts), -1
+ * (find_*) or NULL (kvc_gguf_key) for a NULL g. */
+
 KVC_API uint32_t kvc_gguf_version(const kvc_gguf *g);
 /* Byte alignment of the data section (general.alignment, default 32). */
 KVC_API uint32_t kvc_gguf_alignment(const kvc_gguf *g);
