@@ -131,13 +131,15 @@ typedef struct kvc_store_expect {
     const int32_t *tokens;         /* page_size ids */
 } kvc_store_expect;
 
-/* Bytes of one page's object for cache (header, token ids, payload of every
- * layer, and the tag when auth). */
+/* Bytes of the largest page object for cache (header, token ids, payload
+ * of every layer, and the tag when auth != 0): a sequence's first page's,
+ * which in a format with sink rows also carries them (kvc_cache_sink_bytes
+ * more than the others' objects). 0 for a NULL cache. */
 KVC_API size_t kvc_store_object_bytes(const kvc_cache *cache, int auth);
 
 /* Serializes page page_id of cache (every layer: kvc_cache_read_page) as the
- * object e describes into dst (cap >= kvc_store_object_bytes; *size
- * receives the bytes written). auth_key: NULL or KVC_STORE_AUTH_KEY_BYTES
+ * object e describes into dst (cap >= kvc_store_object_bytes suffices for
+ * any page; *size receives the bytes written). auth_key: NULL or KVC_STORE_AUTH_KEY_BYTES
  * (adds the tag; KVC_ERR_UNSUPPORTED if built without libsodium). The
  * caller vouches that the page holds e's tokens. */
 KVC_API kvc_status kvc_store_serialize_page(const kvc_cache *cache, int32_t page_id,
@@ -177,8 +179,8 @@ typedef struct kvc_store_params {
     kvc_store_write_policy write_policy; /* engine attachment (default THROUGH), for the
                                             tiers whose URL names none (?write=) */
     int32_t selective_hits;      /* SELECTIVE: hits before a write (default 2) */
-    int32_t writer_nice;         /* added to the writer thread's nice value, capped at 19
-                                    (Linux; default 19, 0 keeps the caller's): background
+    int32_t writer_nice;         /* in [0, 39], added to the writer thread's nice value,
+                                    capped at 19 (Linux; default 19, 0 keeps the caller's): background
                                     writes take the CPUs the engine leaves idle, and on a
                                     machine it keeps busy the queue fills and writes drop */
     int32_t promote;             /* 1 (default): a page restored from a later tier is also
@@ -218,7 +220,10 @@ KVC_API void kvc_store_abandon(kvc_store *store);
  * KVC_ERR_IO on timeout. */
 KVC_API kvc_status kvc_store_flush(kvc_store *store, double timeout_s);
 
-/* Removes every object of namespace ns from every tier. */
+/* Removes every object of namespace ns from every tier, after waiting (30 s
+ * at most: KVC_ERR_IO past it, nothing removed) for the queued writes, which
+ * could bring pages back. A tier that fails does not stop the others: the
+ * first failure is returned, and the tiers that succeeded are cleared. */
 KVC_API kvc_status kvc_store_invalidate(kvc_store *store, const kvc_store_key *ns);
 
 /* Queues a copy of obj (size bytes) under (ns, key) for every tier. Never
