@@ -80,7 +80,9 @@ KVC_API kvc_status kvc_kvfmt_check(const kvc_kvfmt *f);
 /* Bytes of one page of one layer: P * (bytes per token per layer). 0 for
  * a format that fails kvc_kvfmt_check. */
 KVC_API size_t kvc_kvfmt_page_bytes(const kvc_kvfmt *f);
-/* Bytes of one layer's tail of one sequence: 2 * (G + W) * H * Dh * 2. */
+/* Bytes of one layer's tail of one sequence: 2 * (G + W) * H * Dh * 2 (0
+ * for a format that fails kvc_kvfmt_check). These three take NULL as a
+ * failing format and leave kvc_last_error() empty. */
 KVC_API size_t kvc_kvfmt_tail_bytes(const kvc_kvfmt *f);
 /* Bytes of one layer's sink rows of one sequence: 2 * S * H * Dh * 2 (0
  * when S is 0 or the format fails kvc_kvfmt_check). */
