@@ -15,6 +15,7 @@
  *   kvcache/gguf.h       GGUF reader
  *   kvcache/tokenizer.h  GGUF byte-level BPE tokenizers ("gpt2"), chat templates
  *   kvcache/model.h      model runtime: a GGUF transformer served through the cache
+ * Not included: kvcache/store.h (KV store, its own library libkvcache_store).
  *
  * Minimal use (store one token of a float16 batch into an int8 cache):
  *
