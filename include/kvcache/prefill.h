@@ -66,8 +66,9 @@ KVC_API kvc_status kvc_single_prefill(const kvc_tensor *q, const kvc_tensor *k,
  * page table and mask sizes, copies them, partitions the work for n_threads
  * and allocates every buffer run needs), then run per layer with no
  * allocation. Requests with qo_len 0 are allowed (nothing to write).
- * n_threads: the largest pool run will be given (<= 0: the online CPUs);
- * run rejects a pool with more threads. Results do not depend on it. A plan
+ * n_threads: the largest pool run will be given (<= 0: the online CPUs; at
+ * most 1024, as for decode and cascade plans); run rejects a pool with more
+ * threads. Results do not depend on it. A plan
  * holds work buffers: one run at a time per plan.
  */
 typedef struct kvc_prefill_plan kvc_prefill_plan;
