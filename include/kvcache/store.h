@@ -247,7 +247,11 @@ KVC_API kvc_status kvc_store_restore_run(kvc_store *store, kvc_cache *cache,
                                          const int32_t *page_ids, int64_t *n_pages);
 
 /* Serializes pages [first_page, first_page + n_pages) of tokens (page ids
- * page_ids[0..n_pages)) and queues them (kvc_store_put). */
+ * page_ids[0..n_pages)) and queues them (kvc_store_put). tokens holds
+ * (first_page + n_pages) * page_size ids (the keys chain from page 0);
+ * first_page and n_pages are whole units (kvc_store_page_keys). A page that
+ * fails to serialize or queue is dropped (counted) and the others are still
+ * queued: the first failure is returned. */
 KVC_API kvc_status kvc_store_save_run(kvc_store *store, const kvc_cache *cache,
                                       const kvc_store_key *ns, const int32_t *tokens,
                                       int64_t first_page, int64_t n_pages,
