@@ -330,7 +330,9 @@ typedef struct kvc_engine_stats {
  *   on_evict     the cache is about to reuse a cached page (its hook,
  *                cache.h), or the engine rolls back a page restore wrote
  *                in the same admission (the rest of it failed).
- * on_final, on_hit and on_evict may be NULL. All are called from the
+ * probe, load_start, load_poll and load_finish are required
+ * (kvc_engine_set_connector: KVC_ERR_INVALID_ARG); restore (then no in-line
+ * restores), on_final, on_hit and on_evict may be NULL. All are called from the
  * thread that steps the engine, within kvc_engine_step (load_finish also
  * from kvc_engine_cancel, kvc_engine_set_connector and kvc_engine_destroy).
  */
