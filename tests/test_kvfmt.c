@@ -508,11 +508,59 @@ TEST(attention_rows_same_in_any_call) {
     return rows_case(KVC_KVFMT_KIVI4, 64, 2300, test_seed + 2);
 }
 
+/* Attention parameters: NULL or the defaults work; values outside
+ * attention.h's ranges are KVC_ERR_INVALID_ARG (as decode and prefill
+ * refuse them), an enabled cap/window/sinks KVC_ERR_UNSUPPORTED; a refused
+ * call leaves out untouched. */
+TEST(attention_params_checked_as_elsewhere) {
+    enum { H = 1, D = 64, P = 16, N = 4 };
+    kvc_kvfmt f;
+    ASSERT_OK(kvc_kvfmt_make(KVC_KVFMT_KIVI8, H, D, P, &f));
+    const size_t pb = kvc_kvfmt_page_bytes(&f);
+    unsigned char *pages = calloc(1, pb);
+    uint16_t *tail = malloc(kvc_kvfmt_tail_bytes(&f));
+    float k[N * H * D], q[H * D], out[H * D];
+    ASSERT_TRUE(pages && tail);
+    for (int i = 0; i < N * H * D; i++) k[i] = 0.01f * (float)(i % 37);
+    for (int i = 0; i < H * D; i++) q[i] = 0.1f;
+    int32_t ids[1] = {0}, qseq[1] = {0}, qpos[1] = {N - 1};
+    kvc_kvfmt_seq seq = {ids, N, tail, NULL};
+    int64_t ip[2] = {0, N}, sh[3] = {N, H, D}, qsh[3] = {1, H, D}, psh[2] = {1, (int64_t)pb};
+    kvc_tensor tk = kvc_tensor_make(k, KVC_F32, 3, sh), tq = kvc_tensor_make(q, KVC_F32, 3, qsh);
+    kvc_tensor to = kvc_tensor_make(out, KVC_F32, 3, qsh), tp = kvc_tensor_make(pages, KVC_U8, 2, psh);
+    ASSERT_OK(kvc_kvfmt_append(&f, &tp, &seq, 1, ip, &tk, &tk, NULL));
+    ASSERT_OK(kvc_kvfmt_attention(&f, &tp, &seq, 1, &tq, qseq, qpos, NULL, &to, NULL, NULL));
+    kvc_attn_params p = kvc_attn_default_params();
+    ASSERT_OK(kvc_kvfmt_attention(&f, &tp, &seq, 1, &tq, qseq, qpos, &p, &to, NULL, NULL));
+    const struct { float cap; int32_t win; float sm; kvc_status want; } bad[] = {
+        {-1.0f, -1, 0.0f, KVC_ERR_INVALID_ARG},     {NAN, -1, 0.0f, KVC_ERR_INVALID_ARG},
+        {INFINITY, -1, 0.0f, KVC_ERR_INVALID_ARG}, {0.0f, -2, 0.0f, KVC_ERR_INVALID_ARG},
+        {0.0f, -1, -1.0f, KVC_ERR_INVALID_ARG},    {0.0f, -1, NAN, KVC_ERR_INVALID_ARG},
+        {30.0f, -1, 0.0f, KVC_ERR_UNSUPPORTED},    {0.0f, 0, 0.0f, KVC_ERR_UNSUPPORTED},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        p = kvc_attn_default_params();
+        p.logits_soft_cap = bad[i].cap;
+        p.window_left = bad[i].win;
+        p.sm_scale = bad[i].sm;
+        memset(out, 0xab, sizeof out);
+        kvc_clear_error();
+        ASSERT_STATUS(kvc_kvfmt_attention(&f, &tp, &seq, 1, &tq, qseq, qpos, &p, &to, NULL, NULL),
+                      bad[i].want);
+        ASSERT_TRUE(kvc_last_error()[0] != '\0');
+        for (size_t j = 0; j < sizeof out; j++) ASSERT_TRUE(((unsigned char *)out)[j] == 0xab);
+    }
+    free(pages);
+    free(tail);
+    return 0;
+}
+
 const char *test_suite_name = "kvfmt";
 const test_case test_suite[] = {
     TEST_ENTRY(attention_grid),
     TEST_ENTRY(attention_in_256k_of_stack),
     TEST_ENTRY(attention_chunks),
     TEST_ENTRY(attention_rows_same_in_any_call),
+    TEST_ENTRY(attention_params_checked_as_elsewhere),
     {0, 0},
 };

@@ -70,11 +70,13 @@ extern "C" {
  * take; past it they fail with KVC_ERR_UNSUPPORTED. */
 #define KVC_ATTN_MAX_HEAD_DIM 512
 
+/* Attention parameters; every operator taking them accepts NULL for the
+ * defaults and refuses values outside the ranges below (KVC_ERR_INVALID_ARG). */
 typedef struct kvc_attn_params {
-    float sm_scale;        /* 0: 1/sqrt(Dh) */
-    float logits_soft_cap; /* > 0 enables cap * tanh(s / cap); tanh within 1.5 ulp,
-                              the same bits on every ISA */
-    int32_t window_left;   /* -1: no window */
+    float sm_scale;        /* finite; 0: 1/sqrt(Dh) */
+    float logits_soft_cap; /* finite, >= 0; > 0 enables cap * tanh(s / cap); tanh within
+                              1.5 ulp, the same bits on every ISA */
+    int32_t window_left;   /* >= -1; -1: no window */
     /* (Hq) float32 attention-sink logits or NULL (none): head h's softmax
      * denominator also counts exp(sinks[h]) (natural units, not scaled by
      * sm_scale or capped; -inf: no sink for that head, NaN and values

@@ -136,8 +136,9 @@ KVC_API kvc_status kvc_kvfmt_append(const kvc_kvfmt *f, kvc_tensor *pages,
  *           q_pos + 1 >= floor(n_kv / G) * G (older positions' float16
  *           values are gone from the tail: attend them in the call that
  *           stores them, kvc_kvfmt_append_attention)
- *   params  sm_scale (0: 1/sqrt(Dh)); logits_soft_cap, window_left and
- *           sinks are not supported (KVC_ERR_UNSUPPORTED if set)
+ *   params  NULL or sm_scale >= 0 (0: 1/sqrt(Dh)); logits_soft_cap,
+ *           window_left and sinks are not supported (KVC_ERR_UNSUPPORTED if
+ *           enabled; values outside attention.h's ranges: INVALID_ARG)
  *   out     (nq, Hq, Dh) float32, last dimension contiguous
  *   lse     NULL or (nq, Hq) float32: log2 of the softmax denominator of
  *           scaled scores (as kvc_decode_run)

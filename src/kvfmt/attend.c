@@ -249,6 +249,11 @@ kvc_status kvc__kvfmt_attn_check(const char *fn, const kvc_kvfmt *f, const kvc_t
     if (params) {
         KVC_CHECK(!(params->sm_scale < 0) && isfinite(params->sm_scale),
                   "%s: sm_scale must be finite and >= 0", fn);
+        /* the ranges every attention operator refuses outside (attention.h) */
+        KVC_CHECK(isfinite(params->logits_soft_cap) && params->logits_soft_cap >= 0.0f,
+                  "%s: logits_soft_cap must be finite and >= 0 (0 disables it)", fn);
+        KVC_CHECK(params->window_left >= -1, "%s: window_left %d must be >= -1", fn,
+                  (int)params->window_left);
         if (params->logits_soft_cap > 0 || params->window_left >= 0 || params->sinks)
             return kvc__error(KVC_ERR_UNSUPPORTED, "%s: logits_soft_cap, window_left and sinks "
                               "are not supported over compressed formats", fn);
