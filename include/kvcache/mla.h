@@ -71,7 +71,7 @@ typedef struct kvc_mla_plan kvc_mla_plan;
  *   causal      0 or 1
  *   sm_scale    required (FlashInfer has no default: the pre-absorption head
  *               dim, e.g. 1/sqrt(128 + 64), is not known here); finite, != 0
- *   logits_soft_cap  0 disables; > 0 applies cap * tanh(s / cap)
+ *   logits_soft_cap  finite, >= 0: 0 disables; > 0 applies cap * tanh(s / cap)
  * The index arrays are copied; page ids are checked against the caches at
  * run. Errors: KVC_ERR_INVALID_ARG (bad table or attribute),
  * KVC_ERR_UNSUPPORTED (head dims), KVC_ERR_NOMEM; *out is NULL then.
