@@ -263,6 +263,63 @@ TEST(page_tables) {
     return 0;
 }
 
+/* An output laid over seqs (core.h: overlap gives an undefined result, but
+ * nothing read or written out of bounds): the lookups read seqs again after
+ * writing, and found a freed id (a NULL sequence) or a longer one. Buffers
+ * are exactly sized on the heap, so a sanitizer or valgrind sees any stray
+ * access; the old code crashed on the NULL. */
+TEST(page_tables_over_their_seqs) {
+    kvc_cache *c;
+    kvc_cache_params p = small_params(4, 32);
+    p.enable_prefix_caching = 0;
+    ASSERT_OK(kvc_cache_create(&p, &c));
+    kvc_seq_id s[4];
+    for (int i = 0; i < 4; i++) ASSERT_OK(kvc_cache_add_sequence(c, NULL, 1 + 9 * i, 0, &s[i], NULL));
+    const int64_t total = 1 + 3 + 5 + 7;
+    /* cachestarts over seqs: row 0 turns seqs[1..3] into page starts and -1s */
+    int64_t *cs = malloc(4 * 8 * sizeof(int64_t));
+    ASSERT_TRUE(cs != NULL);
+    for (int i = 0; i < 4; i++) cs[i] = s[3 - i];
+    ASSERT_OK(kvc_cache_cachestarts(c, cs, 4, cs, 8));
+    free(cs);
+    /* kv_indices (int32) over seqs (int64), capacity exactly the total */
+    int64_t *buf = malloc((size_t)total * sizeof(int32_t));
+    int32_t *indptr = malloc(5 * sizeof(int32_t)), *last = malloc(4 * sizeof(int32_t));
+    ASSERT_TRUE(buf && indptr && last);
+    for (int i = 0; i < 4; i++) buf[i] = s[3 - i];
+    int64_t n = -1;
+    ASSERT_OK(kvc_cache_page_table(c, buf, 4, indptr, (int32_t *)buf, total, last, &n));
+    ASSERT_EQ_I64(n, total);
+    ASSERT_TRUE(indptr[4] <= total);
+    /* kv_indptr over seqs */
+    int32_t *idx = malloc((size_t)total * sizeof(int32_t));
+    ASSERT_TRUE(idx != NULL);
+    for (int i = 0; i < 4; i++) buf[i] = s[i];
+    ASSERT_OK(kvc_cache_page_table(c, buf, 4, (int32_t *)buf, idx, total, last, &n));
+    free(idx);
+    free(buf);
+    free(indptr);
+    free(last);
+    ASSERT_OK(kvc_cache_check(c));
+    kvc_cache_destroy(c);
+    /* kvc_cache_kvfmt_seqs: out over seqs */
+    kvc_cache_params q = small_params(16, 8);
+    q.num_kv_heads = 1;
+    q.head_dim = 64;
+    q.kv_format = KVC_KVFMT_KIVI8;
+    ASSERT_OK(kvc_cache_create(&q, &c));
+    kvc_seq_id t[2];
+    ASSERT_OK(kvc_cache_add_sequence(c, NULL, 3, 0, &t[0], NULL));
+    ASSERT_OK(kvc_cache_add_sequence(c, NULL, 20, 0, &t[1], NULL));
+    kvc_kvfmt_seq *out = malloc(2 * sizeof *out);
+    ASSERT_TRUE(out != NULL);
+    memcpy(out, t, sizeof t); /* seqs in out[0]'s bytes */
+    ASSERT_OK(kvc_cache_kvfmt_seqs(c, 0, (const kvc_seq_id *)out, 2, out));
+    free(out);
+    kvc_cache_destroy(c);
+    return 0;
+}
+
 /* ---- prefix hits -------------------------------------------------------------------------------- */
 
 TEST(prefix_hits) {
@@ -2393,7 +2450,7 @@ const char *test_suite_name = "cache";
 const test_case test_suite[] = {
     TEST_ENTRY(params),
     TEST_ENTRY(bad_args_and_unknown_ids),
-    TEST_ENTRY(page_tables),
+    TEST_ENTRY(page_tables), TEST_ENTRY(page_tables_over_their_seqs),
     TEST_ENTRY(prefix_hits),
     TEST_ENTRY(lookup_prefix_matches_add),
     TEST_ENTRY(eviction_order),

@@ -517,11 +517,16 @@ kvc_status kvc_cache_page_table(const kvc_cache *c, const kvc_seq_id *seqs, int6
     int64_t o = 0;
     kv_indptr[0] = 0;
     for (int64_t b = 0; b < n_seqs; b++) {
+        /* seqs read again: an output overlapping it (core.h: undefined) may have
+         * changed it, so the found sequence and the validated total still bound
+         * every access */
         const kvc__seq *s = kvc__find_seq(c, seqs[b], NULL);
-        memcpy(kv_indices + o, s->pages, (size_t)s->n_pages * sizeof(int32_t));
-        o += s->n_pages;
+        const int64_t np = s ? (s->n_pages < total - o ? s->n_pages : total - o) : 0;
+        if (np > 0) memcpy(kv_indices + o, s->pages, (size_t)np * sizeof(int32_t));
+        o += np;
         kv_indptr[b + 1] = (int32_t)o;
-        kv_last_page_len[b] = s->len == 0 ? 0 : (int32_t)(s->len - (s->n_pages - 1) * c->ps);
+        kv_last_page_len[b] =
+            !s || s->len == 0 ? 0 : (int32_t)(s->len - (s->n_pages - 1) * c->ps);
     }
     if (n_indices) *n_indices = total;
     return KVC_OK;
@@ -542,10 +547,12 @@ kvc_status kvc_cache_cachestarts(const kvc_cache *c, const kvc_seq_id *seqs, int
     KVC_CHECK(cachestarts != NULL || n_seqs == 0 || max_pages == 0, "%s: cachestarts is NULL",
               fn);
     for (int64_t b = 0; b < n_seqs; b++) {
+        /* bounded again, as in kvc_cache_page_table: seqs may overlap cachestarts */
         const kvc__seq *s = kvc__find_seq(c, seqs[b], NULL);
+        const int64_t np = s ? (s->n_pages < max_pages ? s->n_pages : max_pages) : 0;
         int64_t *row = cachestarts + b * max_pages;
-        for (int64_t j = 0; j < s->n_pages; j++) row[j] = (int64_t)s->pages[j] * c->ps;
-        for (int64_t j = s->n_pages; j < max_pages; j++) row[j] = -1;
+        for (int64_t j = 0; j < np; j++) row[j] = (int64_t)s->pages[j] * c->ps;
+        for (int64_t j = np; j < max_pages; j++) row[j] = -1;
     }
     return KVC_OK;
 }

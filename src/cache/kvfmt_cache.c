@@ -90,7 +90,13 @@ kvc_status kvc_cache_kvfmt_seqs(const kvc_cache *c, int32_t layer, const kvc_seq
     const size_t per_layer = c->tail_bytes / sizeof(uint16_t);
     const size_t sink_layer = c->sink_bytes / sizeof(uint16_t);
     for (int64_t b = 0; b < n_seqs; b++) {
+        /* seqs read again: out overlapping it (core.h: undefined) may have
+         * changed it; an id no longer found gives an empty sequence, not a crash */
         const kvc__seq *s = kvc__find_seq(c, seqs[b], NULL);
+        if (!s) {
+            memset(&out[b], 0, sizeof out[b]);
+            continue;
+        }
         out[b].pages = s->pages;
         out[b].n_kv = s->len;
         out[b].tail = s->tail + (size_t)layer * per_layer;
