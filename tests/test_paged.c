@@ -534,6 +534,69 @@ TEST(seq_lens_formula) {
     return 0;
 }
 
+/* n zeroed bytes followed by 64 guard bytes of 0x5a (see guard_ok). */
+static void *guarded(size_t n) {
+    unsigned char *p = malloc(n + 64);
+    if (p) {
+        memset(p, 0, n);
+        memset(p + n, 0x5a, 64);
+    }
+    return p;
+}
+
+static int guard_ok(const void *p, size_t n) {
+    for (size_t i = 0; i < 64; i++)
+        if (((const unsigned char *)p)[n + i] != 0x5a) return 0;
+    return 1;
+}
+
+/* The table helpers read their inputs again while writing: an output laid
+ * over an input (core.h: undefined) must still keep every access in bounds.
+ * Guard bytes after each buffer catch stray writes and, read as page ids,
+ * stray reads; on the old code each case went past its buffers. */
+TEST(helpers_stay_in_bounds_with_outputs_over_inputs) {
+    int64_t b2 = 2, b3 = 3, b4 = 4, n = 0;
+    {   /* positions[0] over append_indptr[2]: b = 1 then seemed to append 98 rows */
+        int32_t *ai = guarded(4 * 4), *sl = guarded(2 * 4), *bi = guarded(2 * 4);
+        ASSERT_TRUE(ai && sl && bi);
+        ai[1] = 1, ai[2] = 2, sl[0] = 100, sl[1] = 5;
+        kvc_tensor tai = kvc_tensor_make(ai, KVC_I32, 1, &b3), tsl = kvc_tensor_make(sl, KVC_I32, 1, &b2);
+        kvc_tensor tbi = kvc_tensor_make(bi, KVC_I32, 1, &b2), tpo = kvc_tensor_make(ai + 2, KVC_I32, 1, &b2);
+        ASSERT_OK(kvc_get_batch_indices_positions(&tai, &tsl, 2, &tbi, &tpo));
+        ASSERT_TRUE(guard_ok(ai, 16) && guard_ok(bi, 8));
+        free(ai), free(sl), free(bi);
+    }
+    {   /* cachestarts over kv_indptr: later requests' page runs turned huge */
+        int64_t *cs = guarded(3 * 2 * 8), csh[2] = {3, 2};
+        int32_t *ix = guarded(3 * 4);
+        ASSERT_TRUE(cs && ix);
+        int32_t *ip = (int32_t *)(cs + 1);
+        ip[1] = 1, ip[2] = 2, ip[3] = 3;
+        kvc_tensor tip = kvc_tensor_make(ip, KVC_I32, 1, &b4), tix = kvc_tensor_make(ix, KVC_I32, 1, &b3);
+        kvc_tensor tcs = kvc_tensor_make(cs, KVC_I64, 2, csh);
+        ASSERT_OK(kvc_page_table_to_pmx(&tip, &tix, 1000, &tcs));
+        for (int i = 0; i < 6; i++) ASSERT_TRUE(cs[i] == 0 || cs[i] == -1); /* ix is 0s */
+        ASSERT_TRUE(guard_ok(cs, 48));
+        free(cs), free(ix);
+    }
+    {   /* kv_indices over seq_lens[1]: request 1 then seemed to hold 100 pages */
+        int64_t *cs = guarded(2 * 2 * 8), csh[2] = {2, 2};
+        int32_t *sl = guarded(3 * 4), *ip = guarded(3 * 4), *last = guarded(2 * 4);
+        ASSERT_TRUE(cs && sl && ip && last);
+        cs[0] = 400, cs[1] = 404, cs[2] = 408, cs[3] = 412;
+        sl[0] = 1, sl[1] = 1;
+        kvc_tensor tcs = kvc_tensor_make(cs, KVC_I64, 2, csh), tsl = kvc_tensor_make(sl, KVC_I32, 1, &b2);
+        kvc_tensor tip = kvc_tensor_make(ip, KVC_I32, 1, &b3), tla = kvc_tensor_make(last, KVC_I32, 1, &b2);
+        kvc_tensor tix = kvc_tensor_make(sl + 1, KVC_I32, 1, &b2);
+        ASSERT_OK(kvc_pmx_to_page_table(&tcs, &tsl, 4, &tip, &tix, &tla, &n));
+        ASSERT_EQ_I64(n, 2);
+        ASSERT_TRUE(ip[2] <= 2);
+        ASSERT_TRUE(guard_ok(sl, 12));
+        free(cs), free(sl), free(ip), free(last);
+    }
+    return 0;
+}
+
 TEST(pmx_round_trip) {
     /* 4 requests, page size 3: 7 tokens (3 pages), empty, 3 tokens, 1 token. */
     int32_t indptr[5] = {0, 3, 3, 4, 5}, indices[5] = {6, 0, 4, 2, 5}, last[4] = {1, 0, 3, 1};
@@ -1124,7 +1187,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(append_mla),
     TEST_ENTRY(batch_indices_positions_docstring),
     TEST_ENTRY(seq_lens_formula),
-    TEST_ENTRY(pmx_round_trip),
+    TEST_ENTRY(helpers_stay_in_bounds_with_outputs_over_inputs), TEST_ENTRY(pmx_round_trip),
     TEST_ENTRY(end_to_end_pmx_read),
     TEST_ENTRY(append_rejects_leave_cache_unchanged),
     TEST_ENTRY(append_nonfinite_scales_first),

@@ -176,8 +176,14 @@ kvc_status kvc_get_batch_indices_positions(const kvc_tensor *append_indptr,
     }
     int32_t *bi = batch_indices->data, *pos = positions->data;
     for (int64_t b = 0; b < B; b++) {
-        const int32_t end = kvc__i32_1d(append_indptr, b + 1), len = kvc__i32_1d(seq_lens, b);
-        for (int32_t j = kvc__i32_1d(append_indptr, b); j < end; j++) {
+        /* the inputs are read again as the outputs are written: one laid over
+         * them (core.h: undefined) may change them, so the validated [0, nnz)
+         * bounds every write */
+        const int32_t len = kvc__i32_1d(seq_lens, b);
+        int64_t j0 = kvc__i32_1d(append_indptr, b), end = kvc__i32_1d(append_indptr, b + 1);
+        j0 = j0 < 0 ? 0 : j0;
+        end = end > nnz ? nnz : end;
+        for (int64_t j = j0; j < end; j++) {
             bi[j * batch_indices->stride[0]] = (int32_t)b;
             pos[j * positions->stride[0]] = len - (end - j);
         }
@@ -222,10 +228,14 @@ kvc_status kvc_page_table_to_pmx(const kvc_tensor *kv_indptr, const kvc_tensor *
     }
     int64_t *cs = cachestarts->data;
     for (int64_t b = 0; b < B; b++) {
+        /* kv_indptr read again: cachestarts laid over it (core.h: undefined)
+         * may have changed it, so kv_indices is read within its n_pages only */
         const int64_t p0 = kvc__i32_1d(kv_indptr, b), pages = kvc__i32_1d(kv_indptr, b + 1) - p0;
         for (int64_t j = 0; j < maxP; j++)
             cs[b * cachestarts->stride[0] + j * cachestarts->stride[1]] =
-                j < pages ? (int64_t)kvc__i32_1d(kv_indices, p0 + j) * page_size : -1;
+                j < pages && p0 + j >= 0 && p0 + j < n_pages
+                    ? (int64_t)kvc__i32_1d(kv_indices, p0 + j) * page_size
+                    : -1;
     }
     return KVC_OK;
 }
@@ -287,8 +297,13 @@ kvc_status kvc_pmx_to_page_table(const kvc_tensor *cachestarts, const kvc_tensor
     int64_t k = 0;
     indptr[0] = 0;
     for (int64_t b = 0; b < B; b++) {
-        const int64_t len = seq_len_at(seq_lens, b);
-        const int64_t pages = len / page_size + (len % page_size != 0);
+        /* seq_lens read again: an output laid over it (core.h: undefined) may
+         * have changed it, so MaxP and the validated total bound every access */
+        int64_t len = seq_len_at(seq_lens, b);
+        len = len < 0 ? 0 : len;
+        int64_t pages = len / page_size + (len % page_size != 0);
+        pages = pages < maxP ? pages : maxP;
+        pages = pages < total - k ? pages : total - k;
         for (int64_t j = 0; j < pages; j++, k++)
             indices[k * kv_indices->stride[0]] = (int32_t)(cs[b * cs0 + j * cs1] / page_size);
         indptr[(b + 1) * kv_indptr->stride[0]] = (int32_t)k;
