@@ -279,6 +279,34 @@ TEST(segment_packbits_in_place_indptr) {
     return 0;
 }
 
+/* out laid over the index array the loop reads again (core.h: undefined,
+ * but in bounds): the first packed byte turned the last offset into 255,
+ * and the old code then read x and wrote out far past their ends. */
+TEST(packed_output_over_indptr_stays_in_bounds) {
+    uint8_t x[16];
+    memset(x, 1, sizeof x);
+    int64_t *ip = malloc(3 * 8 + GUARD);
+    ASSERT_TRUE(ip != NULL);
+    memset(ip, CANARY, 3 * 8 + GUARD);
+    ip[0] = 0, ip[1] = 8, ip[2] = 16;
+    int64_t oip[3];
+    kvc_tensor t = vec(ip, KVC_I64, 3), to = vec(oip, KVC_I64, 3);
+    ASSERT_OK(kvc_segment_packbits(x, &t, KVC_BITORDER_LITTLE, (uint8_t *)&ip[2], 2, &to));
+    ASSERT_TRUE(guards_intact((const uint8_t *)ip, 0, 3 * 8, 3 * 8 + GUARD));
+    ASSERT_TRUE(oip[2] <= 2);
+    free(ip);
+    int32_t *qo = malloc(3 * 4 + GUARD), kv[3] = {0, 8, 16}, mi[3];
+    ASSERT_TRUE(qo != NULL);
+    memset(qo, CANARY, 3 * 4 + GUARD);
+    qo[0] = 0, qo[1] = 1, qo[2] = 2;
+    kvc_tensor tq = vec(qo, KVC_I32, 3), tk = vec(kv, KVC_I32, 3), tm = vec(mi, KVC_I32, 3);
+    ASSERT_OK(kvc_build_packed_custom_mask(x, &tq, &tk, (uint8_t *)&qo[2], 2, &tm));
+    ASSERT_TRUE(guards_intact((const uint8_t *)qo, 0, 3 * 4, 3 * 4 + GUARD));
+    ASSERT_TRUE(mi[2] <= 2);
+    free(qo);
+    return 0;
+}
+
 TEST(segment_packbits_empty) {
     /* B = 0 (indptr = [0]) and all-empty segments need no buffers. */
     int32_t ip[3] = {0, 0, 0}, oip[3] = {7, 7, 7};
@@ -503,7 +531,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(segment_packbits_known_values),
     TEST_ENTRY(segment_packbits_random),
     TEST_ENTRY(segment_packbits_in_place_indptr),
-    TEST_ENTRY(segment_packbits_empty),
+    TEST_ENTRY(packed_output_over_indptr_stays_in_bounds), TEST_ENTRY(segment_packbits_empty),
     TEST_ENTRY(segment_packbits_rejects),
     TEST_ENTRY(custom_mask_layout),
     TEST_ENTRY(custom_mask_equals_segment_packbits_little),

@@ -105,6 +105,17 @@ kvc_status kvc_packbits(const uint8_t *x, int64_t n, kvc_bitorder order, uint8_t
 
 /* ---- index arrays -------------------------------------------------------- */
 
+/* A run of want elements cut to the avail input elements left and the room
+ * output bytes left: the totals validated before writing. The write loops
+ * read the index arrays again, and an output laid over them (core.h:
+ * undefined) could otherwise make a run overrun x or out. */
+static int64_t bounded_run(int64_t want, int64_t avail, int64_t room) {
+    if (want < 0) want = 0;
+    if (want > avail) want = avail;
+    if (room < INT64_MAX / 8 && want > room * 8) want = room * 8;
+    return want;
+}
+
 /* A 1-D int32/int64 index tensor of length >= 1; *len gets its length. */
 static kvc_status check_indptr(const char *fn, const kvc_tensor *t, const char *name,
                                int allow_i64, int64_t *len) {
@@ -186,6 +197,7 @@ kvc_status kvc_segment_packbits(const uint8_t *x, const kvc_tensor *indptr, kvc_
     idx_set(out_indptr, 0, 0);
     for (int64_t i = 0; i + 1 < len; i++) {
         int64_t end = idx_at(indptr, i + 1);
+        end = start + bounded_run(end < start ? 0 : end - start, n - start, out_capacity - pos);
         pack_run(x + start, end - start, order, out + pos);
         pos += packed_bytes(end - start);
         idx_set(out_indptr, i + 1, pos);
@@ -236,11 +248,14 @@ kvc_status kvc_build_packed_custom_mask(const uint8_t *mask, const kvc_tensor *q
     int64_t src = 0, pos = 0;
     idx_set(mask_indptr, 0, 0);
     for (int64_t b = 0; b + 1 < len; b++) {
-        int64_t qo = idx_at(qo_indptr, b + 1) - idx_at(qo_indptr, b);
-        int64_t kv = idx_at(kv_indptr, b + 1) - idx_at(kv_indptr, b);
-        pack_run(mask + src, qo * kv, KVC_BITORDER_LITTLE, out + pos);
-        src += qo * kv;
-        pos += packed_bytes(qo * kv);
+        const int64_t qo = idx_at(qo_indptr, b + 1) - idx_at(qo_indptr, b);
+        const int64_t kv = idx_at(kv_indptr, b + 1) - idx_at(kv_indptr, b);
+        /* qo * kv without overflow, then within the validated totals */
+        const int64_t want = qo <= 0 || kv <= 0 ? 0 : qo > (bits - src) / kv ? bits - src : qo * kv;
+        const int64_t run = bounded_run(want, bits - src, out_capacity - pos);
+        pack_run(mask + src, run, KVC_BITORDER_LITTLE, out + pos);
+        src += run;
+        pos += packed_bytes(run);
         idx_set(mask_indptr, b + 1, pos);
     }
     return KVC_OK;
