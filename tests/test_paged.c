@@ -597,6 +597,31 @@ TEST(helpers_stay_in_bounds_with_outputs_over_inputs) {
     return 0;
 }
 
+/* A paged cache laid over its own kv_indices (core.h: undefined, in bounds):
+ * row 0's K lands on kv_indices[1], so row 1's page id read afterwards is a
+ * float's bits; the old code stored row 1 there, ~1e9 pages away. */
+TEST(append_cache_over_its_page_table_stays_in_bounds) {
+    float *k = guarded(8 * 4), *v = guarded(8 * 4); /* (max_pages 2, P 2, H 1, Dh 2) */
+    ASSERT_TRUE(k && v);
+    int32_t *ix = (int32_t *)&k[2]; /* page 0, slot 1 */
+    ix[0] = 0, ix[1] = 1;
+    int32_t ip[3] = {0, 1, 2}, last[2] = {2, 2}, bi[2] = {0, 1}, pos[2] = {1, 0};
+    float x[4] = {3e9f, 3e9f, 1.0f, 2.0f};
+    int64_t b2 = 2, b3 = 3, csh[4] = {2, 2, 1, 2}, xsh[3] = {2, 1, 2};
+    kvc_paged_cache pc;
+    memset(&pc, 0, sizeof pc);
+    pc.k = kvc_tensor_make(k, KVC_F32, 4, csh);
+    pc.v = kvc_tensor_make(v, KVC_F32, 4, csh);
+    pc.layout = KVC_NHD;
+    kvc_tensor tx = kvc_tensor_make(x, KVC_F32, 3, xsh), tix = kvc_tensor_make(ix, KVC_I32, 1, &b2);
+    kvc_tensor tip = kvc_tensor_make(ip, KVC_I32, 1, &b3), tla = kvc_tensor_make(last, KVC_I32, 1, &b2);
+    kvc_tensor tbi = kvc_tensor_make(bi, KVC_I32, 1, &b2), tpo = kvc_tensor_make(pos, KVC_I32, 1, &b2);
+    ASSERT_OK(kvc_append_paged_kv_cache(&tx, &tx, &tbi, &tpo, &pc, &tix, &tip, &tla, NULL));
+    ASSERT_TRUE(guard_ok(k, 32) && guard_ok(v, 32));
+    free(k), free(v);
+    return 0;
+}
+
 TEST(pmx_round_trip) {
     /* 4 requests, page size 3: 7 tokens (3 pages), empty, 3 tokens, 1 token. */
     int32_t indptr[5] = {0, 3, 3, 4, 5}, indices[5] = {6, 0, 4, 2, 5}, last[4] = {1, 0, 3, 1};
@@ -1187,7 +1212,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(append_mla),
     TEST_ENTRY(batch_indices_positions_docstring),
     TEST_ENTRY(seq_lens_formula),
-    TEST_ENTRY(helpers_stay_in_bounds_with_outputs_over_inputs), TEST_ENTRY(pmx_round_trip),
+    TEST_ENTRY(helpers_stay_in_bounds_with_outputs_over_inputs), TEST_ENTRY(append_cache_over_its_page_table_stays_in_bounds), TEST_ENTRY(pmx_round_trip),
     TEST_ENTRY(end_to_end_pmx_read),
     TEST_ENTRY(append_rejects_leave_cache_unchanged),
     TEST_ENTRY(append_nonfinite_scales_first),

@@ -47,6 +47,7 @@ typedef struct append_call {
     int halves;    /* 1: both halves in one task; 2: separate tasks (head-major caches) */
     const kvc_tensor *bi, *pos, *indices, *indptr; /* validated 1-D int32 */
     int64_t nnz, page_size, n_chunks;
+    int64_t B, n_indices, max_pages; /* the bounds check_rows validated */
     unsigned char *bad; /* finiteness pass: one flag per chunk */
     void *scratch;      /* holds half[].qs */
 } append_call;
@@ -86,7 +87,16 @@ static void store_rows(const append_call *c, int64_t j0, int64_t j1, int only) {
     for (int64_t j = j0; j < j1;) {
         const int32_t b = kvc__i32_1d(c->bi, j), p = kvc__i32_1d(c->pos, j);
         const int64_t slot = p % P;
-        const int64_t page = kvc__i32_1d(c->indices, kvc__i32_1d(c->indptr, b) + p / P);
+        /* The index tensors are read again here: a cache laid over them
+         * (core.h: undefined) may have changed them, so a row whose
+         * destination left the validated bounds is skipped, never stored out
+         * of bounds. */
+        const int64_t ip = b >= 0 && b < c->B && p >= 0 ? kvc__i32_1d(c->indptr, b) + p / P : -1;
+        const int64_t page = ip >= 0 && ip < c->n_indices ? kvc__i32_1d(c->indices, ip) : -1;
+        if (page < 0 || page >= c->max_pages) {
+            j++;
+            continue;
+        }
         int64_t run = 1;
         while (j + run < j1 && run < P - slot && kvc__i32_1d(c->bi, j + run) == b &&
                kvc__i32_1d(c->pos, j + run) == p + run)
@@ -294,6 +304,9 @@ static kvc_status check_rows(const char *fn, append_call *c, const kvc_tensor *k
     int64_t B;
     KVC_TRY(kvc__paged_check_table(fn, c->indptr, c->indices, kv_last_page_len, c->page_size,
                                    max_pages, 1, &B));
+    c->B = B;
+    c->n_indices = c->indices->shape[0];
+    c->max_pages = max_pages;
     KVC_TRY(kvc__paged_check_i32(fn, "batch_indices", c->bi, c->nnz));
     KVC_TRY(kvc__paged_check_i32(fn, "positions", c->pos, c->nnz));
     for (int64_t j = 0; j < c->nnz; j++) {
