@@ -443,6 +443,67 @@ static kvc_status fixture_call(dyn_fixture *f) {
                                            &f->tov, NULL);
 }
 
+/* n zeroed bytes followed by 64 guard bytes of 0x5a. */
+static void *guarded(size_t n) {
+    unsigned char *p = malloc(n + 64);
+    if (p) {
+        memset(p, 0, n);
+        memset(p + n, 0x5a, 64);
+    }
+    return p;
+}
+
+static int guard_ok(const void *p, size_t n) {
+    for (size_t i = 0; i < 64; i++)
+        if (((const unsigned char *)p)[n + i] != 0x5a) return 0;
+    return 1;
+}
+
+/* A cache laid over the index tensors (core.h: undefined, but in bounds).
+ * KeyValueCache: batch 0's V lands on cachestarts[1], which the old code
+ * then read as batch 1's slot (a float's bits, far past MaxT). Multi-head
+ * cache attention: batch 0's K lands on kvstarts[2], which the old code read
+ * again after the store, sizing batch 1's pages past its buffers. */
+TEST(cache_over_index_tensors_stays_in_bounds) {
+    /* layout 0 (MaxT 4, L 1, 2, H 1, Dh 2) float32: slot t is floats [4t, 4t + 4) */
+    float *cache = guarded(16 * 4);
+    ASSERT_TRUE(cache != NULL);
+    int64_t *cs = (int64_t *)cache; /* cachestarts[0] = K of slot 0, [1] = its V */
+    cs[0] = 0, cs[1] = 1;
+    float x[4] = {1.0f, 2.0f, 3e9f, 3e9f}; /* (2 rows, H 1, Dh 2); V the same */
+    int64_t ss[3] = {0, 1, 2}, ks[3] = {0, 1, 2}, sp[2] = {0, 0}, mx = 1;
+    int64_t n3 = 3, n2 = 2, csh[5] = {4, 1, 2, 1, 2}, xsh[3] = {2, 1, 2};
+    kvc_tensor tx = kvc_tensor_make(x, KVC_F32, 3, xsh), tc = kvc_tensor_make(cache, KVC_F32, 5, csh);
+    kvc_tensor tss = kvc_tensor_make(ss, KVC_I64, 1, &n3), tks = kvc_tensor_make(ks, KVC_I64, 1, &n3);
+    kvc_tensor tsp = kvc_tensor_make(sp, KVC_I64, 1, &n2), tcs = kvc_tensor_make(cs, KVC_I64, 1, &n2);
+    kvc_tensor tmx = kvc_tensor_make(&mx, KVC_I64, 0, NULL);
+    kvc_pmx_kv_params p = kvc_pmx_kv_default_params();
+    ASSERT_OK(kvc_pmx_dynamic_key_value_cache(&tx, &tx, &tss, &tks, &tcs, &tsp, &tmx, &tmx, &tc,
+                                              NULL, &p, NULL, NULL, NULL));
+    ASSERT_TRUE(guard_ok(cache, 64));
+    /* MHCA: kvstarts[1], [2] in slot 1's K and V, where batch 0 stores; the old
+     * code then read batch 0 as ~4e18 keys long */
+    memset(cache, 0, 64);
+    int64_t *kv = (int64_t *)(cache + 2);
+    kv[0] = 0, kv[1] = 1, kv[2] = 2;
+    int64_t cs2[2] = {1, 2}, db = 0;
+    float q[4] = {1, 1, 1, 1}, o[4];
+    kvc_tensor tkv = kvc_tensor_make(kv, KVC_I64, 1, &n3), tcs2 = kvc_tensor_make(cs2, KVC_I64, 1, &n2);
+    kvc_tensor tq = kvc_tensor_make(q, KVC_F32, 3, xsh), to = kvc_tensor_make(o, KVC_F32, 3, xsh);
+    kvc_tensor tdb = kvc_tensor_make(&db, KVC_I64, 0, NULL);
+    kvc_pmx_mhca_params mp = kvc_pmx_mhca_default_params();
+    mp.num_heads = 1, mp.head_dim = 2;
+    kvc_tensor tx2 = tx;
+    float x2[4] = {3e9f, 3e9f, 1.0f, 2.0f};
+    tx2.data = x2;
+    ASSERT_OK(kvc_pmx_dynamic_multi_head_cache_attention(&tq, &tx2, &tx2, &tss, &tkv, &tcs2, &tsp,
+                                                         &tdb, &tmx, &tmx, &tc, NULL, NULL, &mp,
+                                                         &to, NULL));
+    ASSERT_TRUE(guard_ok(cache, 64));
+    free(cache);
+    return 0;
+}
+
 TEST(dynamic_rejects_leave_cache_unchanged) {
     static dyn_fixture f, orig;
     fixture_init(&f);
@@ -605,7 +666,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(static_grid),
     TEST_ENTRY(dynamic_grid),
     TEST_ENTRY(grids_with_streaming_loads),
-    TEST_ENTRY(dynamic_rejects_leave_cache_unchanged),
+    TEST_ENTRY(cache_over_index_tensors_stays_in_bounds), TEST_ENTRY(dynamic_rejects_leave_cache_unchanged),
     TEST_ENTRY(static_rejects_leave_cache_unchanged),
     TEST_ENTRY(zero_sizes),
     TEST_ENTRY(output_heads_overflow_refused),

@@ -147,7 +147,7 @@ kvc_status kvc_pmx_dynamic_multi_head_cache_attention(
     int64_t n_pages = 0, maxkv = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t kl = i64_1d(kvstarts, b + 1) - i64_1d(kvstarts, b);
-        const int64_t np_b = (kl + ps - 1) / ps;
+        const int64_t np_b = kl > 0 ? (kl + ps - 1) / ps : 0;
         n_pages += mode == 0 ? 1 : np_b < max_p ? np_b : max_p;
         if (kl > maxkv) maxkv = kl;
         if (n_pages > ((int64_t)1 << 40))
@@ -161,15 +161,13 @@ kvc_status kvc_pmx_dynamic_multi_head_cache_attention(
     kvc_status st = KVC_OK;
     if (!buf || !causal) st = kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
     if (st == KVC_OK) st = kvc__pf_scratch_create(fn, kvc_threadpool_n_threads(pool), D, &scr);
-    /* The store validates the cache, scale, cachestarts, start_pos and the
-     * lengths before writing; after it succeeds nothing can fail. */
-    if (st == KVC_OK)
-        st = kvc_pmx_dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts,
-                                             cachestarts, start_pos, max_seqlen, max_kvlen, cache,
-                                             scale, &params->kv, NULL, NULL, pool);
+    int64_t *qo0 = buf, *qo_len = buf + nb, *kv_len = buf + 2 * nb, *page0 = buf + 3 * nb;
+    int64_t *row0 = buf + 4 * nb, *col0 = buf + 5 * nb, *task0 = buf + 6 * nb;
     if (st == KVC_OK) {
-        int64_t *qo0 = buf, *qo_len = buf + nb, *kv_len = buf + 2 * nb, *page0 = buf + 3 * nb;
-        int64_t *row0 = buf + 4 * nb, *col0 = buf + 5 * nb, *task0 = buf + 6 * nb;
+        /* The lengths and pages, taken before the store writes the cache (a
+         * cache laid over the index tensors, undefined by core.h, must not
+         * send the attention out of bounds); the store then validates these
+         * same values, and within the sizes above whatever they are. */
         int64_t *pages = buf + 7 * nb + 1, np = 0;
         const kvc_tensor *cs = cachestarts;
         for (int64_t b = 0; b < B; b++) {
@@ -182,10 +180,20 @@ kvc_status kvc_pmx_dynamic_multi_head_cache_attention(
             if (mode == 0) {
                 pages[np++] = ((const int64_t *)cs->data)[b * cs->stride[0]];
             } else {
-                for (int64_t p = 0; p < (kv_len[b] + ps - 1) / ps; p++)
+                const int64_t np_b = kv_len[b] > 0 ? (kv_len[b] + ps - 1) / ps : 0;
+                for (int64_t p = 0; p < np_b && p < max_p; p++)
                     pages[np++] = ((const int64_t *)cs->data)[b * cs->stride[0] + p * cs->stride[1]];
             }
         }
+    }
+    /* The store validates the cache, scale, cachestarts, start_pos and the
+     * lengths before writing; after it succeeds nothing can fail. */
+    if (st == KVC_OK)
+        st = kvc_pmx_dynamic_key_value_cache(current_key, current_value, seqstarts, kvstarts,
+                                             cachestarts, start_pos, max_seqlen, max_kvlen, cache,
+                                             scale, &params->kv, NULL, NULL, pool);
+    if (st == KVC_OK) {
+        int64_t *pages = buf + 7 * nb + 1;
         kvc__pf_batch bt;
         memset(&bt, 0, sizeof bt);
         bt.B = B, bt.Hq = Hq, bt.H = H, bt.D = D;

@@ -22,7 +22,7 @@ typedef struct dyn_call {
     kvc_tensor *out[2];
     const kvc_tensor *cachestarts;
     const int64_t *seqstarts, *kvstarts, *start_pos; /* contiguous copies' views, (B+1)/(B) */
-    int64_t B, mode, page_size;
+    int64_t B, mode, page_size, maxT;
     pmx_rows half[2]; /* slot 0 of K and V in layer layer_idx */
     int64_t n_rows_in, n_rows_out;
     int halves; /* 1: K and V in one task; 2: separate tasks (head-major) */
@@ -76,6 +76,13 @@ static void move_rows(const dyn_call *c, int64_t r0, int64_t r1, int store, int 
         /* Stored rows start at start_pos; read rows at position 0. */
         int64_t pos = r - starts[b] + (store ? c->start_pos[b] : 0), run;
         int64_t slot = slot_of(c, b, pos, end - r, &run);
+        /* cachestarts is read here, not copied: a cache or output laid over it
+         * (core.h: undefined) may have changed it, so a run whose slots left
+         * the validated [0, MaxT) is skipped, never moved out of bounds */
+        if (slot < 0 || slot > c->maxT - run) {
+            r += run;
+            continue;
+        }
         pmx_rows cache[2], rows[2] = {{0}, {0}};
         for (int kv = 0; kv < 2; kv++) {
             cache[kv] = pmx_rows_offset(&c->half[kv], slot, 0);
@@ -214,6 +221,7 @@ kvc_status kvc_pmx_dynamic_key_value_cache(
                                          "(L, 2, MaxT, H, Dh)", "(L, 2, H, MaxT, Dh)"};
     const int64_t *cs = cache->shape;
     const int64_t maxT = cs[tok_dim[layout]];
+    c.maxT = maxT;
     KVC_CHECK(cs[layer_dim[layout]] == params->num_layer && cs[kv_dim[layout]] == 2 &&
                   cs[head_dim[layout]] == H && cs[4] == Dh,
               "%s: cache %s does not match layout %d %s with L=%d, H=%lld, Dh=%lld", fn,
