@@ -385,6 +385,26 @@ TEST(no_space_and_bad_args) {
     ASSERT_STATUS(kvc_detokenize(t, two, 2, buf, sizeof buf, &len), KVC_ERR_NO_SPACE);
     ASSERT_EQ_I64(len, 11);
     ASSERT_STATUS(kvc_detokenize(t, two, -1, buf, sizeof buf, &len), KVC_ERR_INVALID_ARG);
+    /* buf laid over ids (core.h: undefined, but in bounds): token 256 here
+     * decodes to "aaaa" 09 01 00 00, which turns ids[1] from byte 0 (one byte)
+     * into 265, <|im_start|> (12): the old code copied those 12 bytes past
+     * the 9 validated (cap) */
+    tiny tv;
+    tiny_init(&tv, "gpt2");
+    tv.tokens[256] = "aaaa\xC4\x89\xC4\x81\xC4\x80\xC4\x80"; /* a a a a U+0109 U+0101 U+0100 U+0100 */
+    kvc_tokenizer *t2 = NULL;
+    ASSERT_OK(kvc_tokenizer_create(&tv.v, &t2));
+    ASSERT_EQ_I64(ID_START, 265);
+    int32_t *over = malloc(4 * sizeof(int32_t) + 64);
+    ASSERT_TRUE(over != NULL);
+    memset(over, 0x5a, 4 * sizeof(int32_t) + 64);
+    over[0] = 256, over[1] = 0;
+    ASSERT_OK(kvc_detokenize(t2, over, 2, (char *)over, 9, &len));
+    ASSERT_EQ_I64(len, 9);
+    for (size_t i = 9; i < 4 * sizeof(int32_t) + 64; i++) /* nothing past the 9 bytes */
+        ASSERT_TRUE(((unsigned char *)over)[i] == 0x5a);
+    free(over);
+    kvc_tokenizer_destroy(t2);
     ASSERT_EQ_I64(kvc_tokenizer_n_vocab(NULL), 0);
     ASSERT_EQ_I64(kvc_tokenizer_bos(NULL), -1);
     kvc_tokenizer_destroy(NULL);

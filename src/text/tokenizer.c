@@ -1180,8 +1180,13 @@ kvc_status kvc_detokenize(const kvc_tokenizer *t, const int32_t *ids, int64_t n,
                           total, cap);
     size_t o = 0;
     for (int64_t i = 0; i < n; i++) {
+        /* ids read again: buf laid over them (core.h: undefined) may have
+         * changed them, so the id and the validated total still bound the copy */
+        const int32_t id = ids[i];
+        if (id < 0 || id >= t->n_vocab) continue;
         size_t k;
-        const char *p = kvc__tokenizer_piece(t, ids[i], &k);
+        const char *p = kvc__tokenizer_piece(t, id, &k);
+        if (k > total - o) k = total - o;
         if (k) memcpy(buf + o, p, k);
         o += k;
     }
