@@ -119,6 +119,18 @@ TEST(utf8_stream_holds_back) {
     ASSERT_STATUS(kvc_utf8_stream_feed(NULL, "a", 1, out, 4, &len), KVC_ERR_INVALID_ARG);
     ASSERT_STATUS(kvc_utf8_stream_feed(&s, NULL, 1, out, 4, &len), KVC_ERR_INVALID_ARG);
     kvc_utf8_stream_init(NULL); /* a no-op (tokenizer.h) */
+    /* in place (out over in: core.h: undefined, but in bounds): the first
+     * U+FFFD overwrites "é", which the old code's writing pass then read as
+     * two stray bytes, writing 9 bytes where the counting pass allowed 5 */
+    kvc_utf8_stream_init(&s);
+    unsigned char *b = malloc(5 + 64);
+    ASSERT_TRUE(b != NULL);
+    memset(b, 0x5a, 5 + 64);
+    memcpy(b, "\xFF\xC3\xA9\xC3", 4);
+    ASSERT_OK(kvc_utf8_stream_feed(&s, (const char *)b, 4, (char *)b, 5, &len));
+    ASSERT_EQ_I64(len, 5);
+    for (int i = 5; i < 5 + 64; i++) ASSERT_TRUE(b[i] == 0x5a);
+    free(b);
     return 0;
 }
 

@@ -51,17 +51,21 @@ static kvc_status check_args(const char *fn, const kvc_utf8_stream *s, const cha
     return KVC_OK;
 }
 
-/* Runs the decoder over held + in, writing to out (NULL: count only). Returns
- * the output length; held and n_held receive the incomplete tail. */
+/* Runs the decoder over held + in, writing to out (NULL: count only) at most
+ * limit bytes. Returns the output length; held and n_held receive the
+ * incomplete tail. The limit matters only when out overlaps in (core.h:
+ * undefined): the writing pass then reads other bytes than the counting one
+ * and must still stop at the length that pass found. */
 static size_t run(const unsigned char *held0, int n_held0, const unsigned char *in, size_t n,
-                  int final, unsigned char *out, unsigned char held[4], int *n_held) {
+                  int final, unsigned char *out, size_t limit, unsigned char held[4],
+                  int *n_held) {
     unsigned char p[4];
     int k = n_held0;
     memcpy(p, held0, (size_t)k);
     size_t o = 0;
 #define PUT(src, len)                                                                              \
     do {                                                                                           \
-        if (out) memcpy(out + o, (src), (len));                                                    \
+        if (out && o <= limit && (len) <= limit - o) memcpy(out + o, (src), (len));               \
         o += (len);                                                                                \
     } while (0)
     for (size_t i = 0; i < n;) {
@@ -102,11 +106,11 @@ static kvc_status step(const char *fn, kvc_utf8_stream *s, const char *in, size_
     unsigned char held[4];
     int nh;
     const unsigned char *u = (const unsigned char *)in;
-    const size_t need = run(s->held, s->n_held, u, n, final, NULL, held, &nh);
+    const size_t need = run(s->held, s->n_held, u, n, final, NULL, 0, held, &nh);
     *out_len = need;
     if (need > cap)
         return kvc__error(KVC_ERR_NO_SPACE, "%s: %zu bytes of output, cap is %zu", fn, need, cap);
-    run(s->held, s->n_held, u, n, final, (unsigned char *)out, held, &nh);
+    run(s->held, s->n_held, u, n, final, (unsigned char *)out, need, held, &nh);
     memcpy(s->held, held, (size_t)nh);
     s->n_held = (unsigned char)nh;
     return KVC_OK;
