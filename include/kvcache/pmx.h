@@ -42,6 +42,8 @@ typedef struct kvc_pmx_kv_params {
     int32_t page_size;    /* dynamic only, used by cache_mode 1; >= 1 (default 128) */
 } kvc_pmx_kv_params;
 
+/* The defaults to start from: the operators below take no NULL params
+ * (KVC_ERR_INVALID_ARG). */
 KVC_API kvc_pmx_kv_params kvc_pmx_kv_default_params(void);
 
 /*
