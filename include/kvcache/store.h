@@ -240,7 +240,9 @@ KVC_API kvc_status kvc_store_put(kvc_store *store, const kvc_store_key *ns,
  * tiers tried in order, each continuing where the previous one stopped;
  * cut at the first absent or failing object or at the timeout; a cut may
  * fall inside a unit, whose pages the caller then recomputes). tokens
- * holds (first_page + max_pages) * page_size ids. */
+ * holds (first_page + max_pages) * page_size ids. The call verifies and
+ * writes on a thread of its own while it reads the next objects (joined
+ * before it returns; KVC_ERR_NOMEM if it cannot start). */
 KVC_API kvc_status kvc_store_restore_run(kvc_store *store, kvc_cache *cache,
                                          const kvc_store_key *ns, const int32_t *tokens,
                                          int64_t first_page, int64_t max_pages,
