@@ -500,6 +500,18 @@ TEST(cache_over_index_tensors_stays_in_bounds) {
                                                          &tdb, &tmx, &tmx, &tc, NULL, NULL, &mp,
                                                          &to, NULL));
     ASSERT_TRUE(guard_ok(cache, 64));
+    /* the lengths and pages are taken before the store validates cachestarts:
+     * a missing or mistyped one is still refused, not read */
+    ASSERT_STATUS(kvc_pmx_dynamic_multi_head_cache_attention(&tq, &tx2, &tx2, &tss, &tkv, NULL,
+                                                             &tsp, &tdb, &tmx, &tmx, &tc, NULL,
+                                                             NULL, &mp, &to, NULL),
+                  KVC_ERR_INVALID_ARG);
+    kvc_tensor t32 = tcs2;
+    t32.dtype = KVC_I32;
+    ASSERT_STATUS(kvc_pmx_dynamic_multi_head_cache_attention(&tq, &tx2, &tx2, &tss, &tkv, &t32,
+                                                             &tsp, &tdb, &tmx, &tmx, &tc, NULL,
+                                                             NULL, &mp, &to, NULL),
+                  KVC_ERR_INVALID_ARG);
     free(cache);
     return 0;
 }

@@ -163,7 +163,13 @@ kvc_status kvc_pmx_dynamic_multi_head_cache_attention(
     if (st == KVC_OK) st = kvc__pf_scratch_create(fn, kvc_threadpool_n_threads(pool), D, &scr);
     int64_t *qo0 = buf, *qo_len = buf + nb, *kv_len = buf + 2 * nb, *page0 = buf + 3 * nb;
     int64_t *row0 = buf + 4 * nb, *col0 = buf + 5 * nb, *task0 = buf + 6 * nb;
-    if (st == KVC_OK) {
+    /* cachestarts is not validated yet (the store does it): read it only in
+     * the shape the store requires, else the store fails before any use */
+    const int cs_ok = cachestarts && cachestarts->data && (uintptr_t)cachestarts->data % 8 == 0 &&
+                      cachestarts->dtype == KVC_I64 &&
+                      cachestarts->ndim == (mode == 0 ? 1 : 2) && cachestarts->shape[0] == B &&
+                      cachestarts->stride[0] >= 0 && (mode == 0 || cachestarts->stride[1] >= 0);
+    if (st == KVC_OK && cs_ok) {
         /* The lengths and pages, taken before the store writes the cache (a
          * cache laid over the index tensors, undefined by core.h, must not
          * send the attention out of bounds); the store then validates these
