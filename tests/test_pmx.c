@@ -502,6 +502,7 @@ TEST(cache_over_index_tensors_stays_in_bounds) {
     ASSERT_TRUE(guard_ok(cache, 64));
     /* the lengths and pages are taken before the store validates cachestarts:
      * a missing or mistyped one is still refused, not read */
+    kv[0] = 0, kv[1] = 1, kv[2] = 2; /* as valid as before the store above */
     ASSERT_STATUS(kvc_pmx_dynamic_multi_head_cache_attention(&tq, &tx2, &tx2, &tss, &tkv, NULL,
                                                              &tsp, &tdb, &tmx, &tmx, &tc, NULL,
                                                              NULL, &mp, &to, NULL),
