@@ -6,7 +6,9 @@
 #include <errno.h>
 #include <stdatomic.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "test_oom.h"
 
@@ -25,6 +27,24 @@ long test_oom_disarm(void) {
     atomic_store(&armed, 0);
     return atomic_load(&failed);
 }
+
+/* test_fail_unlink's state: a suffix is set and read by the test's thread
+ * between the library's calls (the store's writer may unlink meanwhile:
+ * the pointer is atomic, the string outlives the arming). */
+static char unlink_suffix[256];
+static atomic_int unlink_on, unlink_err;
+static atomic_long unlink_failed;
+
+void test_fail_unlink(const char *suffix, int err) {
+    atomic_store(&unlink_on, 0);
+    atomic_store(&unlink_failed, 0);
+    if (!suffix) return;
+    snprintf(unlink_suffix, sizeof unlink_suffix, "%s", suffix);
+    atomic_store(&unlink_err, err);
+    atomic_store(&unlink_on, 1);
+}
+
+long test_fail_unlink_count(void) { return atomic_load(&unlink_failed); }
 
 #ifdef KVC_TEST_OOM
 
@@ -60,6 +80,20 @@ void *__wrap_aligned_alloc(size_t align, size_t n) {
 }
 int __wrap_posix_memalign(void **p, size_t align, size_t n) {
     return fail_now() ? ENOMEM : __real_posix_memalign(p, align, n);
+}
+
+int __real_unlink(const char *path);
+int __wrap_unlink(const char *path);
+int __wrap_unlink(const char *path) {
+    if (atomic_load(&unlink_on)) {
+        const size_t n = strlen(path), k = strlen(unlink_suffix);
+        if (n >= k && !strcmp(path + n - k, unlink_suffix)) {
+            atomic_fetch_add(&unlink_failed, 1);
+            errno = atomic_load(&unlink_err);
+            return -1;
+        }
+    }
+    return __real_unlink(path);
 }
 
 #else

@@ -21,4 +21,13 @@ void test_oom_arm(long n, int sticky);
  * the call made fewer than n, so it ran as usual). */
 long test_oom_disarm(void);
 
+/* unlink(2) failures (the suites that wrap allocations wrap unlink too):
+ * from now on, every unlink of a path ending in suffix fails with err and
+ * leaves the file alone; NULL suffix: unlink works again. Available when
+ * test_oom_available() says so. */
+void test_fail_unlink(const char *suffix, int err);
+
+/* How many unlink calls test_fail_unlink failed since it was last called. */
+long test_fail_unlink_count(void);
+
 #endif

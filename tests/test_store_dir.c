@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "test.h"
+#include "test_oom.h"
 #include "store/tier.h"
 
 /* ---- helpers -------------------------------------------------------------- */
@@ -395,6 +396,72 @@ TEST(batch_evicting_its_own_objects_says_so) {
     }
     ASSERT_EQ_I64(kept, 3);
     ASSERT_EQ_I64(log.n, N - 3); /* each eviction still reported */
+    t->ops->close(t);
+    rm_rf(dir);
+    return 0;
+}
+
+/* A budget victim whose file cannot be removed (unlink fails: EIO, an
+ * immutable file) is still there: no removed callback, its bytes still
+ * count, the next least recently used object goes instead, and the next
+ * eviction tries it again first. (Before: it left the index and was
+ * reported removed while its file stayed; the budget counted low until the
+ * next listing, which found it and reported its removal a second time.) */
+TEST(evict_keeps_an_object_it_cannot_remove) {
+    if (!test_oom_available()) SKIP("unlink failures need the linker's --wrap");
+    char dir[64], p[256];
+    ASSERT_TRUE(make_tmpdir(dir) == 0);
+    kvc_tier *t = NULL;
+    ASSERT_OK(open_at(dir, "?max_bytes=3000", &t));
+    removed_log log = {0};
+    t->removed = on_removed;
+    t->removed_user = &log;
+    kvc_store_key ns = mk(4, 0x77), k[6];
+    for (uint32_t i = 0; i < 6; i++) k[i] = mk(i, 0x77);
+    for (int i = 0; i < 3; i++) ASSERT_OK(put1(t, &ns, &k[i], 1000));
+    char kh[33], suffix[40];
+    kvc__store_key_hex(&k[0], kh);
+    snprintf(suffix, sizeof suffix, "/%s.kvp", kh);
+    test_fail_unlink(suffix, EIO); /* k[0], the least recently used, stays */
+    ASSERT_OK(put1(t, &ns, &k[3], 1000));
+    long failed = test_fail_unlink_count();
+    test_fail_unlink(NULL, 0);
+    ASSERT_EQ_I64(failed, 1);
+    ASSERT_EQ_I64(log.n, 1); /* k[1] went in its place */
+    ASSERT_TRUE(same_key(&log.key[0], &k[1]));
+    obj_file(dir, &ns, &k[0], p);
+    ASSERT_TRUE(exists(p));
+    ASSERT_EQ_I64(get1(t, &ns, &k[1], 1000), 0);
+    /* k[0] still counts (3000 bytes: k[0], k[2], k[3]) and is still the
+     * least recently used: the next write removes it, once. */
+    ASSERT_OK(put1(t, &ns, &k[4], 1000));
+    ASSERT_EQ_I64(log.n, 2);
+    ASSERT_TRUE(same_key(&log.key[1], &k[0]));
+    ASSERT_TRUE(!exists(p));
+    for (int i = 2; i < 5; i++) ASSERT_EQ_I64(get1(t, &ns, &k[i], 1000), 1);
+    /* A batch whose own object cannot be removed: it stays written, and
+     * the budget takes the rest, the batch's newer object included. */
+    kvc_store_key kb[2] = {mk(5, 0x77), mk(6, 0x77)};
+    kvc__store_key_hex(&kb[0], kh);
+    snprintf(suffix, sizeof suffix, "/%s.kvp", kh);
+    size_t lens[2] = {1000, 3000};
+    void *bufs[2] = {malloc(lens[0]), malloc(lens[1])};
+    for (int i = 0; i < 2; i++) fill(&kb[i], bufs[i], lens[i]);
+    unsigned char w[2] = {2, 2};
+    test_fail_unlink(suffix, EIO);
+    ASSERT_OK(t->ops->put(t, &ns, kb, (const void *const *)bufs, lens, 2, w));
+    test_fail_unlink(NULL, 0);
+    free(bufs[0]);
+    free(bufs[1]);
+    ASSERT_EQ_I64(w[0], 1);
+    ASSERT_EQ_I64(w[1], 0);
+    ASSERT_EQ_I64(log.n, 6); /* k[2], k[3], k[4] and kb[1]; never kb[0] */
+    for (int i = 2; i < 6; i++)
+        if (same_key(&log.key[i], &kb[0])) TEST_FAIL_("kb[0] reported removed (%d)", i);
+    ASSERT_TRUE(same_key(&log.key[5], &kb[1]));
+    for (int i = 2; i < 5; i++) ASSERT_EQ_I64(get1(t, &ns, &k[i], 1000), 0);
+    ASSERT_EQ_I64(get1(t, &ns, &kb[0], 1000), 1);
+    ASSERT_EQ_I64(get1(t, &ns, &kb[1], 3000), 0);
     t->ops->close(t);
     rm_rf(dir);
     return 0;
@@ -894,6 +961,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(get_stops_at_its_deadline),
     TEST_ENTRY(unwritable_object_costs_only_itself),
     TEST_ENTRY(batch_evicting_its_own_objects_says_so),
+    TEST_ENTRY(evict_keeps_an_object_it_cannot_remove),
     TEST_ENTRY(reopen_rebuilds_index),
     TEST_ENTRY(lru_keeps_recently_read),
     TEST_ENTRY(write_error_leaves_nothing),

@@ -379,38 +379,83 @@ static void clean_tmp(const dir_tier *d) {
     closedir(dir);
 }
 
+/* Puts e, taken out of ix by evict, back at the LRU head (least recently
+ * used: the next eviction tries it first). */
+static void idx_put_back(dindex *ix, ent *e) {
+    if (idx_add(ix, e)) { /* out of memory: the budget counts low until a listing */
+        free(e);
+        return;
+    }
+    lru_unlink(ix, e);
+    e->next = ix->head;
+    if (ix->head) ix->head->prev = e;
+    else ix->tail = e;
+    ix->head = e;
+}
+
 /* After a write: re-lists the directory once the index is RESCAN_S old
  * (other processes' writes count towards the budget too), then drops least
  * recently used objects until the budget holds. The victims leave the index
  * under the lock; files and callbacks follow outside it. A victim among
  * keys[0..n) of ns (the put call's objects so far) gets written[j] = 0: the
  * store announces an object stored after put returns, which for an object
- * already gone would follow its removal and outlive it at the subscriber. */
+ * already gone would follow its removal and outlive it at the subscriber.
+ * A victim whose file cannot be removed (unlink fails, e.g. EIO, EROFS, an
+ * immutable file) is still there: it gets no removed callback, stays
+ * written, goes back into the index at the LRU head (its bytes still count,
+ * so the next least recently used objects go instead) and is tried first
+ * by the next eviction. ENOENT is a removal: another process evicted or
+ * invalidated it first. */
 static void evict(dir_tier *d, const kvc_store_key *ns, const kvc_store_key *keys, int64_t n,
                   unsigned char *written) {
     pthread_mutex_lock(&d->mu);
     int stale = now_ns(CLOCK_MONOTONIC) - d->scanned_at > (int64_t)RESCAN_S * 1000000000;
     pthread_mutex_unlock(&d->mu);
     if (stale) (void)rescan(d); /* a failed listing: go on with what we have */
-    ent *victims = NULL, **tail = &victims;
+    ent *stuck = NULL;      /* victims that stayed, out of the index meanwhile: newest first */
+    uint64_t stuck_bytes = 0;
     pthread_mutex_lock(&d->mu);
-    while (d->idx.bytes > d->max_bytes && d->idx.head) {
-        ent *e = d->idx.head;
-        idx_del(&d->idx, e);
-        *tail = e;
-        tail = &e->next;
-    }
+    const uint64_t gen = d->inval_gen;
     pthread_mutex_unlock(&d->mu);
     char p[PATH_BUF];
-    for (ent *e = victims, *nx; e; e = nx) {
-        nx = e->next;
-        obj_path(d, &e->ns, &e->key, 2, p);
-        (void)unlink(p); /* ENOENT: another process evicted it first */
-        for (int64_t j = 0; written && j < n; j++)
-            if (!memcmp(e->key.b, keys[j].b, 16) && !memcmp(e->ns.b, ns->b, 16)) written[j] = 0;
-        if (d->base.removed) d->base.removed(d->base.removed_user, &e->ns, &e->key);
-        free(e);
+    for (;;) {
+        ent *victims = NULL, **tail = &victims;
+        pthread_mutex_lock(&d->mu);
+        while (d->idx.bytes + stuck_bytes > d->max_bytes && d->idx.head) {
+            ent *e = d->idx.head;
+            idx_del(&d->idx, e);
+            *tail = e;
+            tail = &e->next;
+        }
+        pthread_mutex_unlock(&d->mu);
+        if (!victims) break;
+        for (ent *e = victims, *nx; e; e = nx) {
+            nx = e->next;
+            obj_path(d, &e->ns, &e->key, 2, p);
+            if (unlink(p) != 0 && errno != ENOENT) {
+                e->next = stuck;
+                stuck = e;
+                stuck_bytes += e->size;
+                continue;
+            }
+            for (int64_t j = 0; written && j < n; j++)
+                if (!memcmp(e->key.b, keys[j].b, 16) && !memcmp(e->ns.b, ns->b, 16))
+                    written[j] = 0;
+            if (d->base.removed) d->base.removed(d->base.removed_user, &e->ns, &e->key);
+            free(e);
+        }
     }
+    /* Newest first onto the head: the oldest ends up first, as before. An
+     * invalidate meanwhile may have taken a stuck object's namespace (its
+     * entries left the index then): those wait for the next listing. */
+    pthread_mutex_lock(&d->mu);
+    for (ent *e = stuck, *nx; e; e = nx) {
+        nx = e->next;
+        e->prev = e->next = NULL;
+        if (d->inval_gen == gen && !idx_find(&d->idx, &e->ns, &e->key)) idx_put_back(&d->idx, e);
+        else free(e);
+    }
+    pthread_mutex_unlock(&d->mu);
 }
 
 /* ---- operations ----------------------------------------------------------- */
