@@ -884,6 +884,82 @@ TEST(invalidate_one_namespace) {
     return 0;
 }
 
+/* An invalidate whose rename fails (PATH/tmp a file: ENOTDIR) removed
+ * nothing: it fails, and the index still counts the namespace's objects,
+ * so the budget evicts them as before. (Before: the index forgot them while
+ * their files stayed, and the budget ran over by their size.) */
+TEST(failed_invalidate_keeps_the_index) {
+    char dir[64], p[256];
+    ASSERT_TRUE(make_tmpdir(dir) == 0);
+    kvc_tier *t = NULL;
+    ASSERT_OK(open_at(dir, "?max_bytes=3000", &t));
+    removed_log log = {0};
+    t->removed = on_removed;
+    t->removed_user = &log;
+    kvc_store_key ns1 = mk(1, 0x31), ns2 = mk(2, 0x31), k[3];
+    for (uint32_t i = 0; i < 3; i++) {
+        k[i] = mk(i, 0x31);
+        ASSERT_OK(put1(t, &ns1, &k[i], 1000));
+    }
+    char tmpd[128];
+    snprintf(tmpd, sizeof tmpd, "%s/tmp", dir);
+    FILE *f;
+    ASSERT_TRUE(rmdir(tmpd) == 0 && (f = fopen(tmpd, "w")) != NULL);
+    fclose(f);
+    ASSERT_STATUS(t->ops->invalidate(t, &ns1), KVC_ERR_IO);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "cannot rename");
+    ASSERT_TRUE(unlink(tmpd) == 0 && mkdir(tmpd, 0755) == 0);
+    int64_t np = -1;
+    ASSERT_OK(t->ops->probe(t, &ns1, k, 3, &np));
+    ASSERT_EQ_I64(np, 3); /* all still there */
+    ASSERT_OK(put1(t, &ns2, &k[0], 1000)); /* 4000 bytes: ns1's oldest goes */
+    ASSERT_EQ_I64(log.n, 1);
+    ASSERT_TRUE(same_key(&log.ns[0], &ns1) && same_key(&log.key[0], &k[0]));
+    obj_file(dir, &ns1, &k[0], p);
+    ASSERT_TRUE(!exists(p));
+    t->ops->close(t);
+    rm_rf(dir);
+    return 0;
+}
+
+/* Once the rename took the namespace out of view, invalidate succeeds even
+ * if the tree cannot be removed (here a directory chain deeper than the
+ * removal goes): the objects are gone, so the store announces the
+ * namespace cleared. (Before: KVC_ERR_IO, and no cleared event although
+ * every object was gone.) The tree stays in PATH/tmp for a later open. */
+TEST(invalidate_past_the_rename_succeeds) {
+    char dir[64], p[512];
+    ASSERT_TRUE(make_tmpdir(dir) == 0);
+    kvc_tier *t = NULL;
+    ASSERT_OK(open_at(dir, "?max_bytes=3000", &t));
+    removed_log log = {0};
+    t->removed = on_removed;
+    t->removed_user = &log;
+    kvc_store_key ns1 = mk(1, 0x32), ns2 = mk(2, 0x32), k[3];
+    for (uint32_t i = 0; i < 3; i++) {
+        k[i] = mk(i, 0x32);
+        ASSERT_OK(put1(t, &ns1, &k[i], 1000));
+    }
+    char nh[33];
+    kvc__store_key_hex(&ns1, nh);
+    int len = snprintf(p, sizeof p, "%s/%s", dir, nh);
+    for (int depth = 0; depth < 12; depth++) { /* rm_tree stops at 8 levels */
+        len += snprintf(p + len, sizeof p - (size_t)len, "/d");
+        ASSERT_TRUE(mkdir(p, 0755) == 0);
+    }
+    ASSERT_OK(t->ops->invalidate(t, &ns1));
+    int64_t np = -1;
+    ASSERT_OK(t->ops->probe(t, &ns1, k, 3, &np));
+    ASSERT_EQ_I64(np, 0);
+    ASSERT_EQ_I64(get1(t, &ns1, &k[0], 1000), 0);
+    /* the index forgot ns1: three objects of ns2 fit with no eviction */
+    for (int i = 0; i < 3; i++) ASSERT_OK(put1(t, &ns2, &k[i], 1000));
+    ASSERT_EQ_I64(log.n, 0);
+    t->ops->close(t);
+    rm_rf(dir);
+    return 0;
+}
+
 TEST(bad_urls) {
     static const struct {
         const char *url, *msg;
@@ -969,6 +1045,8 @@ const test_case test_suite[] = {
     TEST_ENTRY(two_processes_same_keys),
     TEST_ENTRY(threads_put_and_get),
     TEST_ENTRY(invalidate_one_namespace),
+    TEST_ENTRY(failed_invalidate_keeps_the_index),
+    TEST_ENTRY(invalidate_past_the_rename_succeeds),
     TEST_ENTRY(bad_urls),
     {0, 0},
 };

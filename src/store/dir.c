@@ -664,6 +664,14 @@ static kvc_status dir_put(kvc_tier *t, const kvc_store_key *ns, const kvc_store_
     return ret == KVC_OK ? KVC_OK : kvc__error(ret, "%s", first);
 }
 
+/* Invalidate succeeds once the namespace's objects are out of every
+ * reader's view: the rename. Removing the renamed tree is housekeeping: a
+ * failure there (an entry that cannot be removed, a tree deeper than ours)
+ * leaves the directory in PATH/tmp for a later open's clean-up (clean_tmp)
+ * and is no error, since the objects are gone (the store announces the
+ * namespace cleared). A failed rename removed nothing: the call fails and
+ * the index keeps the namespace's objects (they still count in the budget
+ * and can be evicted). */
 static kvc_status dir_invalidate(kvc_tier *t, const kvc_store_key *ns) {
     dir_tier *d = (dir_tier *)t;
     KVC_CHECK(ns, "dir tier invalidate: ns is NULL");
@@ -674,7 +682,6 @@ static kvc_status dir_invalidate(kvc_tier *t, const kvc_store_key *ns) {
     obj_path(d, ns, ns, 0, src);
     snprintf(dst, sizeof dst, "%s/tmp/inval.%ld.%llu.%s", d->root, (long)getpid(),
              (unsigned long long)atomic_fetch_add(&tmp_counter, 1), nh);
-    kvc_status st = KVC_OK;
     int rc = rename(src, dst);
     if (rc != 0 && errno == ENOENT && access(src, F_OK) == 0) { /* PATH/tmp removed by hand */
         char td[PATH_BUF];
@@ -682,13 +689,10 @@ static kvc_status dir_invalidate(kvc_tier *t, const kvc_store_key *ns) {
         if (mkdir(td, 0755) == 0 || errno == EEXIST) rc = rename(src, dst);
         else errno = ENOENT; /* report the rename */
     }
-    if (rc != 0) {
-        if (errno != ENOENT || access(src, F_OK) == 0) /* ENOENT: no such namespace */
-            st = kvc__error(KVC_ERR_IO, "dir tier: cannot rename %.200s to %.200s: %s", src, dst,
-                            strerror(errno));
-    } else if (rm_tree(AT_FDCWD, dst, 0) != 0) { /* the next open retries it */
-        st = kvc__error(KVC_ERR_IO, "dir tier: cannot remove %.200s: %s", dst, strerror(errno));
-    }
+    if (rc != 0 && (errno != ENOENT || access(src, F_OK) == 0)) /* ENOENT: no such namespace */
+        return kvc__error(KVC_ERR_IO, "dir tier: cannot rename %.200s to %.200s: %s", src, dst,
+                          strerror(errno));
+    if (rc == 0) (void)rm_tree(AT_FDCWD, dst, 0); /* failed: the next open retries it */
     if (d->max_bytes) {
         pthread_mutex_lock(&d->mu);
         for (ent *e = d->idx.head, *nx; e; e = nx) {
@@ -698,7 +702,7 @@ static kvc_status dir_invalidate(kvc_tier *t, const kvc_store_key *ns) {
         d->inval_gen++;
         pthread_mutex_unlock(&d->mu);
     }
-    return st;
+    return KVC_OK;
 }
 
 static void dir_close(kvc_tier *t) {

@@ -63,7 +63,11 @@ typedef struct kvc_tier_ops {
     kvc_status (*put)(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
                       const void *const *objs, const size_t *lens, int64_t n,
                       unsigned char *written);
-    /* Removes every object of namespace ns (all processes' writes). */
+    /* Removes every object of namespace ns (all processes' writes). A dir
+     * tier fails only when it removed nothing (the namespace's rename);
+     * space it could not reclaim after that is a later open's clean-up, not
+     * an error (the objects are gone). A Redis tier may have removed some
+     * objects when it fails (an error reply or a lost server midway). */
     kvc_status (*invalidate)(kvc_tier *t, const kvc_store_key *ns);
     void (*close)(kvc_tier *t); /* frees t */
     /* May be NULL. Before close, when the store's open failed after this
