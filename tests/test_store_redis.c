@@ -222,13 +222,14 @@ static void child_stop(child_server *cs) {
 
 /* A fake server on a Unix socket, on a thread of its own, for replies no
  * real server gives (or not in time): it accepts one connection, reads
- * until `want` GETRANGE commands came, sends the first `prompt` bytes of
+ * until `want` commands `cmd` (NULL: GETRANGE) came, sends the first `prompt` bytes of
  * script at once and the rest `chunk` bytes every `gap_ms` ms, then holds
  * the connection until the client closes it. Every wait is bounded (10 s),
  * so a test that fails never hangs. */
 typedef struct fake_server {
     char path[300], url[320];
     int lfd, want, gap_ms;
+    const char *cmd; /* the command counted (NULL: GETRANGE) */
     const char *script;
     size_t len, prompt, chunk;
     size_t sent;  /* script bytes the client took before closing */
@@ -241,17 +242,19 @@ static void *fake_main(void *arg) {
     if (poll(&pl, 1, 10000) != 1) return NULL;
     int fd = accept(f->lfd, NULL, NULL);
     if (fd < 0) return NULL;
-    char buf[4096], win[11 + sizeof buf];
+    char buf[4096], win[63 + sizeof buf], pat[64];
+    const size_t plen = (size_t)snprintf(pat, sizeof pat, "\r\n%.32s\r\n",
+                                         f->cmd ? f->cmd : "GETRANGE");
     size_t carry = 0; /* the window's bytes kept from the last read: a match may span two */
     int seen = 0;
-    while (seen < f->want) { /* counts "\r\nGETRANGE\r\n" (12 bytes) in the stream */
+    while (seen < f->want) { /* counts "\r\nCMD\r\n" in the stream */
         struct pollfd pr = {fd, POLLIN, 0};
         ssize_t r = poll(&pr, 1, 10000) == 1 ? read(fd, buf, sizeof buf) : -1;
         if (r <= 0) break;
         memcpy(win + carry, buf, (size_t)r);
         const size_t wl = carry + (size_t)r;
-        for (size_t i = 0; i + 12 <= wl; i++) seen += !memcmp(win + i, "\r\nGETRANGE\r\n", 12);
-        carry = wl < 11 ? wl : 11;
+        for (size_t i = 0; i + plen <= wl; i++) seen += !memcmp(win + i, pat, plen);
+        carry = wl < plen - 1 ? wl : plen - 1;
         memmove(win, win + wl - carry, carry);
     }
     while (f->sent < f->len) {
@@ -589,6 +592,40 @@ TEST(error_reply_keeps_connection_in_step) {
     ASSERT_EQ_I64(raw_int(c, "EXISTS", &ns, &keys[1]), 0);
     redisFree(c);
     t->ops->close(t);
+    return 0;
+}
+
+/* A reply of the wrong type to one SET of a pipelined put (a peer that is
+ * no Redis, or a broken proxy) fails the call and drops the connection,
+ * but only after the other replies are read: the objects the server said
+ * it stored come back written. (Before: the connection was dropped at
+ * once and every later object of the batch counted as not written.) */
+TEST(wrong_reply_to_a_put_costs_only_its_object) {
+    NEED_ENV("KVC_TEST_REDIS_DIR", dir);
+    enum { N = 4 };
+    kvc_store_key ns, keys[N];
+    rand_key(&ns);
+    for (int i = 0; i < N; i++) rand_key(&keys[i]);
+    static const char script[] = "+OK\r\n:1\r\n+OK\r\n+OK\r\n";
+    fake_server f = {.want = N, .cmd = "SET", .script = script, .len = sizeof script - 1,
+                     .prompt = sizeof script - 1};
+    ASSERT_TRUE(fake_start(&f, dir, "settype") == 0);
+    kvc_tier *t;
+    ASSERT_OK(kvc__tier_redis_open(f.url, &t));
+    int64_t n_written = -1;
+    unsigned char w[N];
+    ASSERT_STATUS(put_keys_w(t, &ns, keys, N, &n_written, w), KVC_ERR_IO);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "unexpected reply type");
+    const unsigned char want[N] = {1, 0, 1, 1};
+    for (int i = 0; i < N; i++)
+        if (w[i] != want[i]) TEST_FAIL_("object %d: written %d", i, w[i]);
+    ASSERT_EQ_I64(n_written, 3);
+    /* the connection is gone: the server backs off */
+    ASSERT_STATUS(put_keys(t, &ns, keys, 1, &n_written), KVC_ERR_IO);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "is down (unexpected reply type");
+    t->ops->close(t);
+    fake_stop(&f);
+    ASSERT_EQ_I64(f.sent, sizeof script - 1);
     return 0;
 }
 
@@ -1135,6 +1172,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(invalidate_removes_only_its_namespace),
     TEST_ENTRY(two_servers_spread_and_stable),
     TEST_ENTRY(error_reply_keeps_connection_in_step),
+    TEST_ENTRY(wrong_reply_to_a_put_costs_only_its_object),
     TEST_ENTRY(non_string_replies_are_misses_of_their_own),
     TEST_ENTRY(server_killed_and_restarted),
     TEST_ENTRY(unreachable_server_at_open),

@@ -54,6 +54,7 @@ typedef struct conn {
     int64_t retry_at_ns; /* while down: no connect attempt before this */
     int64_t backoff_ms;  /* the next back-off */
     char why[160];       /* the last failure, for messages while down */
+    char distrust[96];   /* a reply of the wrong type came: drop at release ("": none) */
 } conn;
 
 typedef struct server {
@@ -210,6 +211,10 @@ static kvc_status conn_acquire(server *sv, conn *c, int64_t deadline_ns, pipe_gu
  * socket timeout a deadline lowered (the next call may have none). */
 static void conn_release(conn *c, pipe_guard *g) {
     pipe_unblock(g);
+    if (c->distrust[0]) { /* conn_protocol: the replies were read, now let it go */
+        if (c->ctx) conn_drop(c, 1, c->distrust);
+        c->distrust[0] = 0;
+    }
     if (c->ctx && c->cur_ms != c->cmd_ms && conn_timeout(c, c->cmd_ms) != 0)
         conn_drop(c, 0, "cannot set the socket timeout"); /* reconnect next time */
     if (c->ctx) c->backoff_ms = BACKOFF_MIN_MS;
@@ -283,13 +288,15 @@ static kvc_status conn_append_failed(server *sv, conn *c) {
 }
 
 /* A reply of the wrong type: the peer does not speak the protocol we
- * expect, so nothing else it says on this connection can be trusted. */
+ * expect, so the connection is dropped (and the server backs off) when the
+ * call releases it. Not before: the reply parsed whole, so the stream is
+ * still in step, and the replies still due for the call's other commands
+ * are read first. A put's other objects may well have been stored, and
+ * their replies say which (written[] must not call them lost). */
 static kvc_status conn_protocol(server *sv, conn *c, const char *cmd, redisReply *r) {
-    char what[96];
-    snprintf(what, sizeof what, "unexpected reply type %d to %s", r->type, cmd);
+    snprintf(c->distrust, sizeof c->distrust, "unexpected reply type %d to %s", r->type, cmd);
     freeReplyObject(r);
-    conn_drop(c, 1, what);
-    return kvc__error(KVC_ERR_IO, "redis tier: server %s: %s", sv->url, what);
+    return kvc__error(KVC_ERR_IO, "redis tier: server %s: %s", sv->url, c->distrust);
 }
 
 /* An error reply (e.g. OOM under maxmemory): the connection stays in sync. */
