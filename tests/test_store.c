@@ -1770,6 +1770,41 @@ TEST(rolled_back_restores_report_their_pages_gone) {
  * (its deadline once overflowed time_t: pthread_cond_timedwait failed at
  * once and flush spun forever holding the lock the writer needed); NaN is
  * refused. */
+/* writes_done and writes_failed count objects, once each however many
+ * tiers an object goes to: an object two of three tiers refuse (over their
+ * max_bytes) is one failed write, and bytes_written sums the tiers' bytes.
+ * (Before: writes_failed counted each refusing tier, 2 here, against
+ * writes_done's 1 per object.) */
+TEST(write_stats_count_objects_once) {
+    char dir[] = "/tmp/kvc_store_XXXXXX", u[3][96];
+    ASSERT_TRUE(mkdtemp(dir) != NULL);
+    snprintf(u[0], sizeof u[0], "dir:%s/a?max_bytes=1K", dir);
+    snprintf(u[1], sizeof u[1], "dir:%s/b?max_bytes=1K", dir);
+    snprintf(u[2], sizeof u[2], "dir:%s/c", dir);
+    const char *urls[3] = {u[0], u[1], u[2]};
+    kvc_store *s = NULL;
+    ASSERT_OK(kvc_store_open(urls, 3, NULL, &s));
+    unsigned char big[2048], small[100];
+    memset(big, 1, sizeof big);
+    memset(small, 2, sizeof small);
+    kvc_store_key ns, k1, k2;
+    memset(&ns, 3, sizeof ns);
+    memset(&k1, 4, sizeof k1);
+    memset(&k2, 5, sizeof k2);
+    ASSERT_OK(kvc_store_put(s, &ns, &k1, big, sizeof big)); /* only c takes it */
+    ASSERT_OK(kvc_store_put(s, &ns, &k2, small, sizeof small));
+    ASSERT_OK(kvc_store_flush(s, 30.0));
+    kvc_store_stats st;
+    ASSERT_OK(kvc_store_get_stats(s, &st));
+    ASSERT_EQ_I64(st.writes_queued, 2);
+    ASSERT_EQ_I64(st.writes_done, 2);
+    ASSERT_EQ_I64(st.writes_failed, 1);
+    ASSERT_EQ_I64(st.bytes_written, (int64_t)sizeof big + 3 * (int64_t)sizeof small);
+    kvc_store_close(s);
+    rm_rf(dir);
+    return 0;
+}
+
 TEST(flush_without_a_limit) {
     char dir[] = "/tmp/kvc_store_XXXXXX", url[64];
     ASSERT_TRUE(mkdtemp(dir) != NULL);
@@ -1990,6 +2025,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(detach_reports_the_cache_gone),
     TEST_ENTRY(rolled_back_restores_report_their_pages_gone),
     TEST_ENTRY(objpool_reuses_within_its_bound),
+    TEST_ENTRY(write_stats_count_objects_once),
     TEST_ENTRY(flush_without_a_limit),
     TEST_ENTRY(failed_open_removes_what_it_created),
     TEST_ENTRY(unreadable_page_is_a_miss_of_its_own),

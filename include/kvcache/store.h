@@ -265,7 +265,14 @@ typedef struct kvc_store_stats {
     int64_t misses[KVC_STORE_MISS_COUNT]; /* by reason; [ABSENT]: miss_pages not refused
                                              (absent, unreachable, past the timeout) */
     int64_t errors;                   /* tier calls that failed (I/O, server down) */
-    int64_t bytes_read, bytes_written;
+    int64_t bytes_read;               /* object bytes read from the tiers */
+    int64_t bytes_written;            /* object bytes stored, summed over the tiers */
+    /* Objects, each counted once however many tiers it goes to: queued
+     * for the writer; done: the writer is through with them, stored or
+     * not; dropped: never queued (a full queue, out of memory); failed: of
+     * the done ones, those that at least one of their tiers did not store
+     * (an error, a refusal, a dir: budget that evicted it within its own
+     * batch). */
     int64_t writes_queued, writes_done, writes_dropped, writes_failed;
     int64_t timeouts;                 /* restores cut by load_timeout_s */
 } kvc_store_stats;

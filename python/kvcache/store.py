@@ -857,7 +857,9 @@ class KVStore(_lib.NoCopy):
         """Counters: hit_pages, miss_pages, verify_failures, misses (a dict by
         reason name: "absent", "truncated", ...), errors, bytes_read,
         bytes_written, writes_queued, writes_done, writes_dropped,
-        writes_failed, timeouts."""
+        writes_failed, timeouts. Writes count objects, once each whatever
+        their tiers (writes_failed: objects some tier did not store);
+        bytes_written sums the tiers' bytes (kvc_store_stats, store.h)."""
         s = StoreStats()
         with self._use():
             _lib.check(self._lib.kvc_store_get_stats(self._ptr, ctypes.byref(s)))

@@ -208,6 +208,9 @@ static void *writer(void *arg) {
         pthread_mutex_unlock(&s->mu);
 
         int64_t failed = 0, bytes = 0, errors = 0;
+        /* lost[i]: a tier of batch[i] did not store it (writes_failed counts
+         * objects, as writes_done does, not object-tier pairs) */
+        unsigned char lost[BATCH] = {0};
         /* per tier, the items that name it; a tier call takes one
          * namespace: split the run at changes */
         for (int32_t t = 0; t < s->n_tiers; t++) {
@@ -233,7 +236,7 @@ static void *writer(void *arg) {
                 }
                 for (int k = 0; k < j - i; k++) {
                     if (!w[k]) {
-                        failed++;
+                        lost[idx[i + k]] = 1;
                         continue;
                     }
                     bytes += (int64_t)tl[i + k];
@@ -243,6 +246,7 @@ static void *writer(void *arg) {
             }
         }
         for (int i = 0; i < n; i++) {
+            failed += lost[i];
             kvc__objpool_put(s->pool, batch[i]->obj, batch[i]->size);
             free(batch[i]);
         }
