@@ -10,7 +10,9 @@
 #include <zmq.h>
 
 #include "test.h"
+#include "test_oom.h"
 #include "kvcache/store.h"
+#include "store/store_internal.h" /* kvc__store_emit_page: one event, no other allocation */
 
 #define P 4 /* tokens per page */
 
@@ -424,6 +426,51 @@ TEST(bad_args) {
     return 0;
 }
 
+/* An event dropped before it is sent (here its ids' copy fails for lack
+ * of memory; a full queue alike) has no sequence number of its own: the
+ * next batch skips one, so a subscriber sees a gap and knows it lost
+ * events, as for a failed send. (Before: the numbers ran on, 0 then 1, and
+ * the loss was invisible: a router kept a block the store never said it
+ * held, or one already gone.) */
+TEST(dropped_event_leaves_a_gap) {
+    if (!test_oom_available()) SKIP("allocation failures need the linker's --wrap");
+    fixture fx;
+    ASSERT_OK(fixture_open(&fx));
+    kvc_store_events *ev = NULL;
+    ASSERT_OK(kvc_store_events_open(fx.st, fx.ep, &ev));
+    sub s;
+    ASSERT_TRUE(sub_open(&s, fx.ep) == 0);
+    const int32_t toks[P] = {11, 12, 13, 14};
+    kvc_store_key ns = mk(7, 0xcc), k[3];
+    for (uint32_t i = 0; i < 3; i++) k[i] = mk(i, 0xcc);
+    uint64_t seq = 99;
+    msgpack_unpacked u;
+    void *buf = NULL;
+    kvc__store_emit_page(fx.st, KVC_STORE_EVENT_STORED, 0, &ns, &k[0], &ns, toks, P);
+    ASSERT_TRUE(sub_recv(&s, &seq, &u, &buf) == 0); /* batch 0 sent: the publisher idles */
+    ASSERT_EQ_I64((int64_t)seq, 0);
+    msgpack_unpacked_destroy(&u);
+    free(buf);
+    test_oom_arm(1, 0); /* the event's copy of its ids, the only allocation */
+    kvc__store_emit_page(fx.st, KVC_STORE_EVENT_STORED, 0, &ns, &k[1], &k[0], toks, P);
+    ASSERT_EQ_I64(test_oom_disarm(), 1);
+    kvc_store_events_stats es;
+    ASSERT_OK(kvc_store_events_get_stats(ev, &es));
+    ASSERT_EQ_I64(es.events_dropped, 1);
+    kvc__store_emit_page(fx.st, KVC_STORE_EVENT_STORED, 0, &ns, &k[2], &k[1], toks, P);
+    ASSERT_TRUE(sub_recv(&s, &seq, &u, &buf) == 0);
+    ASSERT_EQ_I64((int64_t)seq, 2); /* 1 is the gap */
+    const msgpack_object *evs = &u.data.via.array.ptr[1];
+    ASSERT_EQ_I64((int64_t)evs->via.array.size, 1);
+    ASSERT_TRUE(is_key(map_get(&evs->via.array.ptr[0], "parent_block_hash"), &k[1]));
+    msgpack_unpacked_destroy(&u);
+    free(buf);
+    kvc_store_events_close(ev);
+    sub_close(&s);
+    fixture_close(&fx);
+    return 0;
+}
+
 /* A second publisher replaces the first as the store's callback; closing
  * the first then leaves the second's in place (it once cleared whatever was
  * installed, and the second went silent). */
@@ -456,5 +503,6 @@ const test_case test_suite[] = {
     TEST_ENTRY(replay),
     TEST_ENTRY(bad_args),
     TEST_ENTRY(closing_a_replaced_publisher_keeps_the_new_one),
+    TEST_ENTRY(dropped_event_leaves_a_gap),
     {0, 0},
 };

@@ -321,7 +321,8 @@ typedef struct kvc_store_events kvc_store_events;
 /* Binds a PUB socket to endpoint ("tcp://127.0.0.1:5557", "tcp://0.0.0.0:5557",
  * "ipc:///path") and installs itself as store's event callback (replacing
  * any). Events wait in a bounded queue (4096): a full queue drops them
- * (counted), never blocking the writer or an engine. A publisher thread
+ * (counted, and the next batch skips a sequence number: a gap tells
+ * subscribers of the loss), never blocking the writer or an engine. A publisher thread
  * sends them in batches (64 events or 10 ms), the first one no sooner than
  * 200 ms after the bind (subscribers that connect in that time miss
  * nothing). The store must outlive it. */

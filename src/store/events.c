@@ -59,6 +59,7 @@ struct kvc_store_events {
     qev ring[QUEUE_CAP];
     int32_t head, n;
     int stop;
+    int lost; /* an event was dropped since the last batch was taken: skip a number */
     double t_bind; /* monotonic */
     uint64_t seq;  /* next sequence number (publisher thread only) */
     kvc_store_events_stats st;
@@ -89,6 +90,7 @@ static void on_event(void *user, const kvc_store_event *ev) {
     pthread_mutex_lock(&e->mu);
     if (e->n == QUEUE_CAP || lost_tokens) { /* a BlockStored without its ids is useless */
         e->st.events_dropped++;
+        e->lost = 1;
         pthread_mutex_unlock(&e->mu);
         free(tok);
         return;
@@ -369,13 +371,20 @@ static void *publisher(void *arg) {
         for (int i = 0; i < n; i++) batch[i] = e->ring[(e->head + i) % QUEUE_CAP];
         e->head = (e->head + n) % QUEUE_CAP;
         e->n -= n;
+        const int lost = e->lost;
+        e->lost = 0;
         pthread_mutex_unlock(&e->mu);
+        /* Events dropped before this batch have no number of their own:
+         * one is skipped, so a subscriber sees the gap (a loss) as for a
+         * failed send. Never replayable: replay's answer starts past it. */
+        if (lost) e->seq++;
 
         msgpack_sbuffer_clear(&o.sb);
         o.failed = 0;
         pack_batch(&o, e->store, batch, n);
         const uint64_t seq = e->seq;
         const int ok = !o.failed && send_batch(e, &o) == 0;
+        if (o.failed) e->seq++; /* not encoded, not sent: its number is a gap too */
         /* kept even when the PUB send failed: replay can still deliver it */
         if (!o.failed) keep_batch(e, seq, &o.sb);
         for (int i = 0; i < n; i++) free(batch[i].tokens);
