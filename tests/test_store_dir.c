@@ -827,6 +827,48 @@ TEST(threads_put_and_get) {
     return 0;
 }
 
+/* A namespace directory that appears and vanishes while invalidate runs
+ * (writers starting it, other invalidations): either way the call succeeds.
+ * It used to ask whether the directory existed twice after a failed rename
+ * and fail when the answers differed. */
+typedef struct flip_ctx {
+    char src[256], away[256];
+    atomic_int stop;
+} flip_ctx;
+
+static void *flip_ns_dir(void *arg) {
+    flip_ctx *f = arg;
+    while (!atomic_load(&f->stop)) {
+        (void)mkdir(f->src, 0755);
+        (void)rename(f->src, f->away); /* gone again (may lose to invalidate) */
+        (void)rmdir(f->away);
+    }
+    return NULL;
+}
+
+TEST(invalidate_while_the_namespace_comes_and_goes) {
+    char dir[64];
+    ASSERT_TRUE(make_tmpdir(dir) == 0);
+    kvc_tier *t = NULL;
+    ASSERT_OK(open_at(dir, "", &t));
+    kvc_store_key ns = mk(7, 0x30);
+    char nh[33];
+    kvc__store_key_hex(&ns, nh);
+    flip_ctx f = {0};
+    snprintf(f.src, sizeof f.src, "%s/%s", dir, nh);
+    snprintf(f.away, sizeof f.away, "%s/away", dir);
+    pthread_t th;
+    ASSERT_TRUE(pthread_create(&th, NULL, flip_ns_dir, &f) == 0);
+    int bad = 0;
+    for (int i = 0; i < 20000 && !bad; i++) bad = t->ops->invalidate(t, &ns) != KVC_OK;
+    atomic_store(&f.stop, 1);
+    pthread_join(th, NULL);
+    ASSERT_EQ_I64(bad, 0);
+    t->ops->close(t);
+    rm_rf(dir);
+    return 0;
+}
+
 TEST(invalidate_one_namespace) {
     char dir[64], p[256];
     ASSERT_TRUE(make_tmpdir(dir) == 0);
@@ -1044,6 +1086,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(killed_writer_leaves_whole_objects),
     TEST_ENTRY(two_processes_same_keys),
     TEST_ENTRY(threads_put_and_get),
+    TEST_ENTRY(invalidate_while_the_namespace_comes_and_goes),
     TEST_ENTRY(invalidate_one_namespace),
     TEST_ENTRY(failed_invalidate_keeps_the_index),
     TEST_ENTRY(invalidate_past_the_rename_succeeds),

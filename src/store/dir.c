@@ -683,13 +683,17 @@ static kvc_status dir_invalidate(kvc_tier *t, const kvc_store_key *ns) {
     snprintf(dst, sizeof dst, "%s/tmp/inval.%ld.%llu.%s", d->root, (long)getpid(),
              (unsigned long long)atomic_fetch_add(&tmp_counter, 1), nh);
     int rc = rename(src, dst);
-    if (rc != 0 && errno == ENOENT && access(src, F_OK) == 0) { /* PATH/tmp removed by hand */
+    if (rc != 0 && errno == ENOENT) {
+        /* No such namespace, or PATH/tmp removed by hand. Told apart by
+         * PATH/tmp, not by src, which a racing writer may create any time
+         * after the rename (it starts afresh, as after a rename). */
         char td[PATH_BUF];
         snprintf(td, sizeof td, "%s/tmp", d->root);
-        if (mkdir(td, 0755) == 0 || errno == EEXIST) rc = rename(src, dst);
-        else errno = ENOENT; /* report the rename */
+        if (access(td, F_OK) != 0 && (mkdir(td, 0755) == 0 || errno == EEXIST))
+            rc = rename(src, dst);
+        if (rc != 0 && errno == ENOENT) rc = 1; /* nothing to remove */
     }
-    if (rc != 0 && (errno != ENOENT || access(src, F_OK) == 0)) /* ENOENT: no such namespace */
+    if (rc < 0)
         return kvc__error(KVC_ERR_IO, "dir tier: cannot rename %.200s to %.200s: %s", src, dst,
                           strerror(errno));
     if (rc == 0) (void)rm_tree(AT_FDCWD, dst, 0); /* failed: the next open retries it */
