@@ -27,7 +27,7 @@ def _float_input(x, name: str) -> np.ndarray:
     if code not in _lib.FLOAT_CODES:
         raise InvalidArgumentError(
             f"{name}: dtype must be float32, float16 or bfloat16, got {arr.dtype}")
-    if not arr.flags.c_contiguous:
+    if not (arr.flags.c_contiguous and arr.flags.aligned):  # C reads aligned elements
         arr = arr.copy(order="C")
     return arr
 
@@ -160,7 +160,7 @@ def dequantize(q, scale, quant_bit: int = 8, quant_group: int = 8, dtype=np.floa
     if scode not in (_lib.KVC_F32, _lib.KVC_F16):
         raise InvalidArgumentError(f"dequantize: scale dtype must be float32 or float16, "
                                    f"got {sa.dtype}")
-    if not sa.flags.c_contiguous:
+    if not (sa.flags.c_contiguous and sa.flags.aligned):
         sa = sa.copy(order="C")
     ydt, ycode = _float_dtype(dtype, "dtype")
     if not _qmax_args_ok(quant_bit, quant_group):

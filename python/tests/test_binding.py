@@ -243,6 +243,12 @@ def test_input_copied_only_when_needed():
     q, s = kvcache.quantize(m, 8, 8)
     q2, s2 = kvcache.quantize(np.ascontiguousarray(m), 8, 8)
     assert (q == q2).all() and (s == s2).all()
+    # convert and dequantize copy misaligned floats too (the C calls refuse them)
+    np.testing.assert_array_equal(kvcache.convert(m, np.float16),
+                                  kvcache.convert(np.ascontiguousarray(m), np.float16))
+    sm = _misaligned(s.shape, np.float32)
+    sm[:] = s
+    np.testing.assert_array_equal(kvcache.dequantize(q, sm, 8, 8), kvcache.dequantize(q, s, 8, 8))
 
 
 def test_boolean_arguments_take_bools_and_0_1_only():
