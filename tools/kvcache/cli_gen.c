@@ -8,8 +8,10 @@
 #include "cli_gen.h"
 
 #include <errno.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "bench.h" /* bench_now */
@@ -19,6 +21,13 @@ const char *cli_file_name(const char *path) {
     return strcmp(path, "-") == 0 ? "standard input" : path;
 }
 
+static int too_big(const char *cmd, const char *path) {
+    fprintf(stderr, "kvcache: %s: cannot read %s: larger than %zu MiB, the limit of an input "
+            "(far past any model's context)\n", cmd, cli_file_name(path),
+            CLI_MAX_INPUT_BYTES >> 20);
+    return -1;
+}
+
 int cli_read_file(const char *cmd, const char *path, char **text, size_t *len) {
     const int is_stdin = strcmp(path, "-") == 0;
     FILE *f = is_stdin ? stdin : fopen(path, "rb");
@@ -26,18 +35,31 @@ int cli_read_file(const char *cmd, const char *path, char **text, size_t *len) {
         fprintf(stderr, "kvcache: %s: cannot read %s: %s\n", cmd, path, strerror(errno));
         return -1;
     }
+    struct stat st;
+    if (fstat(fileno(f), &st) == 0 && S_ISREG(st.st_mode) &&
+        (uintmax_t)st.st_size > CLI_MAX_INPUT_BYTES) {
+        if (!is_stdin) fclose(f);
+        return too_big(cmd, path);
+    }
     size_t n = 0, cap = 4096;
     char *buf = malloc(cap);
     int err = buf == NULL, read_errno = 0;
     while (!err) {
-        if (n + 1 == cap) {
-            char *q = cap <= SIZE_MAX / 2 ? realloc(buf, cap * 2) : NULL;
+        if (n > CLI_MAX_INPUT_BYTES) { /* a pipe or a device: no size to check first */
+            if (!is_stdin) fclose(f);
+            free(buf);
+            return too_big(cmd, path);
+        }
+        if (n + 1 == cap) { /* room for one byte past the limit, no more */
+            const size_t nc = cap * 2 < CLI_MAX_INPUT_BYTES + 2 ? cap * 2
+                                                                : CLI_MAX_INPUT_BYTES + 2;
+            char *q = realloc(buf, nc);
             if (!q) {
                 err = 1, read_errno = ENOMEM;
                 break;
             }
             buf = q;
-            cap *= 2;
+            cap = nc;
         }
         size_t got = fread(buf + n, 1, cap - 1 - n, f);
         n += got;

@@ -17,9 +17,19 @@
  * (on a terminal only): below it prefill takes about a second or less. */
 #define CLI_PROGRESS_MIN_TOKENS 256
 
+/* The most bytes an input file (a prompt, a system message, a chat template,
+ * a perplexity text) or a chat line may hold: 256 MiB. Text runs about 4
+ * bytes a token, and a token is rarely over 64 bytes (the longest pieces of
+ * common vocabularies are runs of spaces or code), so 256 MiB is 4 M tokens
+ * even at 64 bytes each: past any model's context (and hours of perplexity),
+ * while /dev/zero or a wrong file is refused before it takes the memory. */
+#define CLI_MAX_INPUT_BYTES ((size_t)256 << 20)
+
 /* Reads a whole file, "-" = standard input, into a NUL-terminated buffer
  * (*text, freed by the caller; *len bytes, NULs inside kept). On failure
- * prints "kvcache: CMD: cannot read PATH: reason" and returns -1. */
+ * prints "kvcache: CMD: cannot read PATH: reason" and returns -1; a file
+ * over CLI_MAX_INPUT_BYTES is a failure, found by its size when it has one
+ * (a regular file) or once that many bytes are read (a pipe, a device). */
 int cli_read_file(const char *cmd, const char *path, char **text, size_t *len);
 /* How messages name a file argument: "standard input" for "-", else path. */
 const char *cli_file_name(const char *path);

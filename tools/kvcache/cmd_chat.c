@@ -9,7 +9,7 @@
  * and the tokens where the re-rendered reply differs from the generated one
  * are computed. --verbose prints how many prompt tokens each turn reused.
  */
-#define _POSIX_C_SOURCE 200809L /* getline, isatty */
+#define _POSIX_C_SOURCE 200809L /* isatty, ssize_t, getc_unlocked */
 
 #include <errno.h>
 #include <stdio.h>
@@ -77,6 +77,35 @@ static int conv_push(conv *c, const char *role, char *content, int owned) {
 
 static void conv_truncate(conv *c, int64_t n) {
     while (c->n > n) free(c->owned[--c->n]);
+}
+
+/* A line of f, its '\n' dropped, into *line (NUL-terminated; *cap bytes):
+ * its length; -1 at the end of input or on a read error (ferror tells);
+ * -2 when memory runs out; -3 past CLI_MAX_INPUT_BYTES, the rest of it left
+ * unread (getline took all of `chat < /dev/zero`, one endless line, until
+ * memory ran out). */
+static ssize_t read_line(FILE *f, char **line, size_t *cap) {
+    size_t n = 0;
+    int ch;
+    if (*cap == 0) { /* an empty line needs its NUL */
+        if (!(*line = malloc(256))) return -2;
+        *cap = 256;
+    }
+    while ((ch = getc_unlocked(f)) != EOF && ch != '\n') { /* one reader: no lock a byte */
+        if (n == CLI_MAX_INPUT_BYTES) return -3;
+        if (n + 2 > *cap) {
+            size_t nc = 2 * *cap;
+            if (nc > CLI_MAX_INPUT_BYTES + 1) nc = CLI_MAX_INPUT_BYTES + 1;
+            char *q = realloc(*line, nc);
+            if (!q) return -2;
+            *line = q;
+            *cap = nc;
+        }
+        (*line)[n++] = (char)ch;
+    }
+    if (ch == EOF && (n == 0 || ferror(f))) return -1;
+    (*line)[n] = '\0';
+    return (ssize_t)n;
 }
 
 static int nomem(void) {
@@ -203,7 +232,18 @@ int cmd_chat(int argc, char **argv) {
             fflush(stdout);
         }
         errno = 0;
-        ssize_t got = getline(&line, &line_cap, stdin);
+        ssize_t got = read_line(stdin, &line, &line_cap);
+        if (got == -2) {
+            rc = nomem();
+            break;
+        }
+        if (got == -3) {
+            fprintf(stderr, "kvcache: chat: cannot read standard input: a line longer than %zu "
+                    "MiB, the limit of a message (far past any model's context)\n",
+                    CLI_MAX_INPUT_BYTES >> 20);
+            rc = CLI_EXIT_FAIL;
+            break;
+        }
         if (got < 0 && ferror(stdin)) { /* e.g. a directory: not the end of the input */
             fprintf(stderr, "kvcache: chat: cannot read standard input: %s\n",
                     errno ? strerror(errno) : "read error");

@@ -22,7 +22,7 @@ static const char run_usage_head[] =
     "options:\n"
     "  -p, --prompt TEXT   prompt text\n"
     "  -f, --file FILE     prompt read from FILE ('-': standard input; one trailing\n"
-    "                      newline dropped)\n"
+    "                      newline dropped; at most 256 MiB)\n"
     "  --chat              apply the model's chat template (PROMPT is the user turn)\n"
     "  --system TEXT       system message for --chat\n"
     "  --chat-template F   Jinja chat template read from file F instead of the model's\n"
