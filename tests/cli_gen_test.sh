@@ -69,10 +69,12 @@ chat_template)
         fail "a bad template accepted"
     grep -q 'kvcache: chat: .*bogus' "$tmp/err" || fail "no message for a bad template"
     [ -s "$tmp/out" ] && fail "output despite a bad template"
-    # a conversation past -c: the message is refused, the chat goes on (the
-    # first message: /reset would not help)
+    # a conversation past -c: the message is refused (the first message:
+    # /reset would not help); the only one, so no turn ran: exit 1
     printf 'Tell me a long story about a dragon and a knight.\n' |
-        "$kv" chat -m "$model" -c 32 -n 4 > "$tmp/out" 2> "$tmp/err" || fail "exit status $?"
+        "$kv" chat -m "$model" -c 32 -n 4 > "$tmp/out" 2> "$tmp/err"
+    st=$?
+    [ $st -eq 1 ] || fail "exit status $st, expected 1 (no message answered)"
     grep -q 'the conversation would hold [0-9]* tokens, the context 32: a shorter message, or -c' \
         "$tmp/err" || fail "no message past the context"
     [ -s "$tmp/out" ] && fail "a reply past the context"

@@ -35,6 +35,9 @@ static const char chat_usage_head[] =
     "  /exit               quit (so does the end of input)\n"
     "  /reset              start a new conversation (the system message stays)\n"
     "\n"
+    "A message that would take the conversation past the context (-c) is dropped,\n"
+    "said on stderr; the exit status is 1 when messages came and none was answered.\n"
+    "\n"
     "options:\n"
     "  -s, --system TEXT   system message (also -sys, --system-prompt)\n"
     "  --system-file FILE  system message read from FILE, one trailing newline\n"
@@ -226,7 +229,8 @@ int cmd_chat(int argc, char **argv) {
     const int interactive = isatty(0);
     const kvc_sampling_params sp = cli_gen_sampling(&o);
     rc = CLI_EXIT_OK;
-    for (int64_t turn = 0;;) {
+    int64_t turn = 0, dropped = 0;
+    for (;;) {
         if (interactive) {
             fputs("> ", stdout);
             fflush(stdout);
@@ -283,6 +287,7 @@ int cmd_chat(int argc, char **argv) {
             free(ids);
             conv_truncate(&c, c.n - 1);
             turn--;
+            dropped++;
             fprintf(stderr, "kvcache: chat: the conversation would hold %lld tokens, the "
                             "context %lld: %s\n",
                     (long long)n_ids, (long long)cap,
@@ -321,6 +326,10 @@ int cmd_chat(int argc, char **argv) {
                     (long long)r.n_gen, r.t_decode,
                     r.finish == KVC_FINISH_LENGTH ? " (stopped at -n)" : "");
     }
+    /* messages came and none could be answered (each past the context): the
+     * session failed, as run does for a prompt past its context; a session
+     * with answers keeps 0, its dropped messages said on stderr */
+    if (rc == CLI_EXIT_OK && turn == 0 && dropped > 0) rc = CLI_EXIT_FAIL;
     cli_store_finish(cmd, &so, store, eng, ttft, dec_s > 0 ? dec_tok / dec_s : 0.0, 60.0);
     goto done;
 fail:
