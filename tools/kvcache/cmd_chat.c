@@ -220,7 +220,9 @@ int cmd_chat(int argc, char **argv) {
         rc = CLI_EXIT_FAIL;
         goto done;
     }
-    const int64_t cap = kvc_cache_capacity_tokens(kvc_engine_cache(eng));
+    /* the limit is -c as given (or the trained context), as run's -c is, not
+     * the cache's capacity, which whole pages round up */
+    const int64_t cap = ctx_size;
     if (system && conv_push(&c, "system", (char *)system, 0)) {
         rc = nomem();
         goto done;
