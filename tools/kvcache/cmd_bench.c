@@ -303,6 +303,16 @@ int cmd_bench(int argc, char **argv) {
             return cli_usage_error(cmd, "bench: unexpected argument '%s'", a);
         }
     }
+    if (threads_given && !strcmp(target, "kernel")) {
+        fprintf(stderr, "kvcache: bench kernel: --threads is ignored (one thread)\n");
+    } else if (threads_given) { /* as run, chat and perplexity warn: the largest count */
+        int most = 0;
+        for (int k = 0; k < o.n_thread_counts; k++)
+            if (o.threads[k] > most) most = o.threads[k];
+        char name[32];
+        snprintf(name, sizeof name, "bench %s", target);
+        cli_warn_threads(name, "--threads", most);
+    }
     if (isa_name != NULL) {
         kvc_isa isa;
         if (parse_isa(isa_name, &isa) != 0)
@@ -345,8 +355,6 @@ int cmd_bench(int argc, char **argv) {
         if (given & ~target_uses(target) & (1u << k))
             fprintf(stderr, "kvcache: bench %s: %s is ignored (this target does not use it)\n",
                     target, given_names[k]);
-    if (threads_given && !strcmp(target, "kernel"))
-        fprintf(stderr, "kvcache: bench kernel: --threads is ignored (one thread)\n");
     if (o.time_s == 0) o.time_s = o.quick ? 0.01 : 0.3;
     o.membw_bytes = (size_t)(o.quick ? 64 : 256) << 20;
     if (strcmp(target, "cache") == 0) return bench_cache(&o);
