@@ -264,7 +264,7 @@ int bench_store(int argc, char **argv) {
     const double need = 5.0 * 4.0 * (double)pages * (double)layers * (double)heads * (double)dh *
                         (double)ps;
     if (need > (double)((int64_t)6 << 30))
-        return cli_usage_error(cmd, "bench store: these sizes need about %.1f GiB (limit 6 GiB); "
+        return cli_usage_error(cmd, "these sizes need about %.1f GiB (limit 6 GiB); "
                                "lower --pages, --layers, --heads, --head-dim or --page-size",
                                need / (1 << 30));
     bs b;

@@ -56,8 +56,9 @@ int cli_is_help(const char *arg);
 /* 1 if arg is one of names (NULL-terminated). */
 int cli_is_one_of(const char *arg, const char *const *names);
 
-/* Prints "kvcache: <message>" and a hint to run "kvcache <cmd> --help" on
- * stderr; returns CLI_EXIT_USAGE so callers can `return cli_usage_error(...)`. */
+/* Prints "kvcache: CMD: <message>" (no "CMD: " when cmd is NULL) and a hint
+ * to run "kvcache CMD --help" on stderr; returns CLI_EXIT_USAGE so callers
+ * can `return cli_usage_error(...)`. */
 int cli_usage_error(const char *cmd, const char *fmt, ...) CLI_PRINTF(2, 3);
 
 /* Numbers of the command line, one syntax for all (main.c): decimal digits,

@@ -211,7 +211,8 @@ int cmd_bench(int argc, char **argv) {
             return CLI_EXIT_USAGE;
         }
     }
-    const char *cmd = "bench";
+    char cmd[32]; /* "bench TARGET": usage errors and warnings name the target */
+    snprintf(cmd, sizeof cmd, "bench %s", target);
     for (int i = first; i < argc; i++) {
         const char *a = argv[i];
         const char *v = NULL;
@@ -226,29 +227,29 @@ int cmd_bench(int argc, char **argv) {
         } else if (strcmp(a, "--json") == 0) {
             o.json = 1;
         } else if ((r = opt_value(argc, argv, &i, "--threads", &v)) != 0) {
-            if (r < 0) return cli_usage_error(cmd, "bench: --threads needs a value");
+            if (r < 0) return cli_usage_error(cmd, "--threads needs a value");
             threads_given = 1;
             if (parse_threads(v, &o) != 0)
                 return cli_usage_error(cmd,
-                                       "bench: --threads '%s': expected a comma-separated list "
+                                       "--threads '%s': expected a comma-separated list "
                                        "of up to %d counts in [1, %d]",
                                        v, BENCH_MAX_THREAD_COUNTS, BENCH_MAX_THREADS);
         } else if ((r = opt_value(argc, argv, &i, "--batch", &v)) != 0) {
             given |= GIVEN_BATCH;
-            if (r < 0) return cli_usage_error(cmd, "bench: --batch needs a value");
+            if (r < 0) return cli_usage_error(cmd, "--batch needs a value");
             if (cli_opt_i64(cmd, "--batch", v, 1, 1 << 20, &o.batch)) return CLI_EXIT_USAGE;
         } else if ((r = opt_value(argc, argv, &i, "--kvlen", &v)) != 0) {
             given |= GIVEN_KVLEN;
-            if (r < 0) return cli_usage_error(cmd, "bench: --kvlen needs a value");
+            if (r < 0) return cli_usage_error(cmd, "--kvlen needs a value");
             if (cli_opt_i64(cmd, "--kvlen", v, 1, 1 << 24, &o.kvlen)) return CLI_EXIT_USAGE;
         } else if ((r = opt_value(argc, argv, &i, "--heads", &v)) != 0) {
             given |= GIVEN_HEADS;
-            if (r < 0) return cli_usage_error(cmd, "bench: --heads needs a value");
+            if (r < 0) return cli_usage_error(cmd, "--heads needs a value");
             if (cli_opt_i64(cmd, "--heads", v, 1, 1 << 16, &o.heads)) return CLI_EXIT_USAGE;
         } else if ((r = opt_value(argc, argv, &i, "--head-dim", &v)) != 0) {
             given |= GIVEN_HEAD_DIM;
             if (r < 0 || cli_parse_i64(v, 8, 1 << 16, &n) != 0 || n % 8 != 0)
-                return cli_usage_error(cmd, "bench: --head-dim expects a multiple of 8 in "
+                return cli_usage_error(cmd, "--head-dim expects a multiple of 8 in "
                                             "[8, 65536] (a target may need more: see "
                                             "--help)");
             o.head_dim = n;
@@ -257,50 +258,50 @@ int cmd_bench(int argc, char **argv) {
                 o.group = BENCH_GROUP_ROW;
             } else {
                 if (r < 0 || cli_parse_i64(v, 2, 1 << 16, &n) != 0 || n % 2 != 0)
-                    return cli_usage_error(cmd, "bench: --group expects an even integer in "
+                    return cli_usage_error(cmd, "--group expects an even integer in "
                                                 "[2, 65536] or row");
                 o.group = n;
             }
         } else if ((r = opt_value(argc, argv, &i, "--layers", &v)) != 0) {
-            if (r < 0) return cli_usage_error(cmd, "bench: --layers needs a value");
+            if (r < 0) return cli_usage_error(cmd, "--layers needs a value");
             if (cli_opt_i64(cmd, "--layers", v, 1, 1024, &o.layers)) return CLI_EXIT_USAGE;
         } else if ((r = opt_value(argc, argv, &i, "--soft-cap", &v)) != 0) {
             if (r < 0 || cli_parse_f64(v, &o.soft_cap) != 0 || !(o.soft_cap > 0))
-                return cli_usage_error(cmd, "bench: --soft-cap expects a number > 0");
+                return cli_usage_error(cmd, "--soft-cap expects a number > 0");
         } else if ((r = opt_value(argc, argv, &i, "--cache", &v)) != 0) {
             given |= GIVEN_CACHE;
             if (r < 0 || parse_names(v, cache_names, 7, &o.caches) != 0)
-                return cli_usage_error(cmd, "bench: --cache expects a list of f16,int8,int4,"
+                return cli_usage_error(cmd, "--cache expects a list of f16,int8,int4,"
                                             "int8-token,int4-token (and kivi8,kivi4 for "
                                             "attention)");
         } else if ((r = opt_value(argc, argv, &i, "--op", &v)) != 0) {
             given |= GIVEN_OP;
             if (r < 0 || parse_names(v, op_names, 2, &o.ops) != 0)
-                return cli_usage_error(cmd, "bench: --op expects a list of static,dynamic");
+                return cli_usage_error(cmd, "--op expects a list of static,dynamic");
         } else if ((r = opt_value(argc, argv, &i, "--layout", &v)) != 0) {
             given |= GIVEN_LAYOUT;
             if (strcmp(target, "attention") == 0) {
                 if (r < 0 || parse_names(v, paged_layout_names, 2, &o.layouts) != 0)
                     return cli_usage_error(cmd,
-                                           "bench: attention --layout expects a list of nhd,hnd");
+                                           "attention --layout expects a list of nhd,hnd");
             } else if (r < 0 || parse_names(v, layout_names, 4, &o.layouts) != 0) {
-                return cli_usage_error(cmd, "bench: --layout expects a list of 0,1,2,3");
+                return cli_usage_error(cmd, "--layout expects a list of 0,1,2,3");
             }
         } else if ((r = opt_value(argc, argv, &i, "--mode", &v)) != 0) {
             given |= GIVEN_MODE;
             if (r < 0 || parse_names(v, mode_names, 2, &o.modes) != 0)
-                return cli_usage_error(cmd, "bench: --mode expects a list of offset,paged");
+                return cli_usage_error(cmd, "--mode expects a list of offset,paged");
         } else if ((r = opt_value(argc, argv, &i, "--time", &v)) != 0) {
             given |= GIVEN_TIME;
             if (r < 0 || cli_parse_seconds(v, 60.0, &o.time_s) != 0)
-                return cli_usage_error(cmd, "bench: --time expects seconds in (0, 60]");
+                return cli_usage_error(cmd, "--time expects seconds in (0, 60]");
         } else if ((r = opt_value(argc, argv, &i, "--isa", &v)) != 0) {
-            if (r < 0) return cli_usage_error(cmd, "bench: --isa needs a value");
+            if (r < 0) return cli_usage_error(cmd, "--isa needs a value");
             isa_name = v;
         } else if (a[0] == '-') {
-            return cli_usage_error(cmd, "bench: unknown option '%s'", a);
+            return cli_usage_error(cmd, "unknown option '%s'", a);
         } else {
-            return cli_usage_error(cmd, "bench: unexpected argument '%s'", a);
+            return cli_usage_error(cmd, "unexpected argument '%s'", a);
         }
     }
     if (threads_given && !strcmp(target, "kernel")) {
@@ -309,14 +310,12 @@ int cmd_bench(int argc, char **argv) {
         int most = 0;
         for (int k = 0; k < o.n_thread_counts; k++)
             if (o.threads[k] > most) most = o.threads[k];
-        char name[32];
-        snprintf(name, sizeof name, "bench %s", target);
-        cli_warn_threads(name, "--threads", most);
+        cli_warn_threads(cmd, "--threads", most);
     }
     if (isa_name != NULL) {
         kvc_isa isa;
         if (parse_isa(isa_name, &isa) != 0)
-            return cli_usage_error(cmd, "bench: --isa '%s': expected scalar, avx2, avx512 or amx",
+            return cli_usage_error(cmd, "--isa '%s': expected scalar, avx2, avx512 or amx",
                                    isa_name);
         if (kvc_set_isa(isa) != KVC_OK) {
             /* a valid request this CPU cannot run: the work fails, not the command line */
@@ -327,8 +326,8 @@ int cmd_bench(int argc, char **argv) {
     /* what the attention operators take, before any case runs */
     if ((!strcmp(target, "attention") || !strcmp(target, "prefill")) &&
         o.head_dim > KVC_ATTN_MAX_HEAD_DIM)
-        return cli_usage_error(cmd, "bench %s: --head-dim %lld: the attention kernels take a "
-                               "multiple of 8 in [8, %d]", target, (long long)o.head_dim,
+        return cli_usage_error(cmd, "--head-dim %lld: the attention kernels take a multiple "
+                               "of 8 in [8, %d]", (long long)o.head_dim,
                                KVC_ATTN_MAX_HEAD_DIM);
     {
         const unsigned tok = (o.caches >> 5) & 3u; /* int8-token, int4-token */
@@ -341,7 +340,7 @@ int cmd_bench(int argc, char **argv) {
         }
     }
     if ((o.caches & BENCH_CACHE_KIVI) && strcmp(target, "attention") != 0)
-        return cli_usage_error(cmd, "bench %s: --cache kivi8/kivi4: attention only", target);
+        return cli_usage_error(cmd, "--cache kivi8/kivi4: attention only");
     /* options a target does not use are said, not silently dropped */
     const int grouped = !strcmp(target, "attention") || !strcmp(target, "kernel");
     if (o.group && !grouped)

@@ -26,7 +26,7 @@ int cmd_info(int argc, char **argv) {
             fputs(info_usage, stdout);
             return CLI_EXIT_OK;
         }
-        return cli_usage_error("info", "info: unexpected argument '%s'", argv[i]);
+        return cli_usage_error("info", "unexpected argument '%s'", argv[i]);
     }
     printf("version: %s\n", kvc_version_string());
     printf("isa: %s\n", kvc_isa_name(kvc_get_isa()));

@@ -56,6 +56,7 @@ int cli_is_one_of(const char *arg, const char *const *names) {
 int cli_usage_error(const char *cmd, const char *fmt, ...) {
     va_list ap;
     fputs("kvcache: ", stderr);
+    if (cmd != NULL) fprintf(stderr, "%s: ", cmd); /* every command's errors name it */
     va_start(ap, fmt);
     vfprintf(stderr, fmt, ap);
     va_end(ap);
