@@ -51,6 +51,22 @@ typedef struct bench_opts {
     unsigned modes;   /* bit m: cache_mode m (pmx dynamic: 0 offset, 1 paged) */
 } bench_opts;
 
+/* ---- size guard -------------------------------------------------------- */
+
+/* The most bytes one case of any target may take: 6 GiB, or 256 MiB under
+ * --quick. A smoke test must stay quick whatever sizes come with it: a
+ * 5 GiB case takes minutes to fill and time (--quick's own sizes need a few
+ * MiB). */
+#define BENCH_MEM_LIMIT ((size_t)6 << 30)
+#define BENCH_QUICK_MEM_LIMIT ((size_t)256 << 20)
+size_t bench_mem_limit(const bench_opts *o);
+/* The one answer of every target to options whose largest case needs more
+ * (need bytes, in double: the options' product can pass int64): "kvcache:
+ * bench TARGET: these sizes need about X GiB per case, over the limit of
+ * 6 GiB (256 MiB with --quick); lower OPTS" on stderr, before any case runs;
+ * returns CLI_EXIT_USAGE. */
+int bench_refuse_size(const bench_opts *o, const char *target, double need, const char *opts);
+
 /* ---- timing ------------------------------------------------------------ */
 
 /* Seconds from CLOCK_MONOTONIC. */

@@ -28,7 +28,6 @@
 
 #define APP_PAGE 16
 #define APP_GROUP 8
-#define APP_MEM_LIMIT ((size_t)6 << 30)
 
 typedef struct app_cachetype {
     unsigned bit; /* BENCH_CACHE_* */
@@ -356,15 +355,14 @@ int bench_append(const bench_opts *o) {
     /* prefill: 4 requests x kvlen tokens into fresh pages */
     const int64_t T = o->kvlen ? o->kvlen : (o->quick ? 128 : 2048);
     shapes[1] = (app_dims){o->quick ? 2 : 4, T, T, H, D, 0};
+    double need = 0;
     for (int s = 0; s < 2; s++)
         for (int ci = 0; ci < N_CACHETYPES; ci++)
             if ((o->caches & app_cachetypes[ci].bit) &&
-                case_bytes(&shapes[s], &app_cachetypes[ci]) > (double)APP_MEM_LIMIT) {
-                fprintf(stderr, "kvcache: bench append: these sizes need more than %.0f GiB per "
-                        "case; lower --batch, --kvlen, --heads or --head-dim\n",
-                        (double)(APP_MEM_LIMIT >> 30));
-                return CLI_EXIT_USAGE;
-            }
+                case_bytes(&shapes[s], &app_cachetypes[ci]) > need)
+                need = case_bytes(&shapes[s], &app_cachetypes[ci]);
+    if (need > (double)bench_mem_limit(o))
+        return bench_refuse_size(o, "append", need, "--batch, --kvlen, --heads or --head-dim");
     bench_print_machine(o, "append", stdout);
     if (!o->json)
         printf("# kvc_append_paged_kv_cache, NHD combined cache, page_size %d, H=%lld, Dh=%lld, "

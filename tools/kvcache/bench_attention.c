@@ -46,7 +46,6 @@
 
 #define ATT_PAGE 16
 #define ATT_GROUP 32
-#define ATT_MEM_LIMIT ((size_t)6 << 30) /* per case; two are alive at once */
 
 typedef struct att_shape {
     int64_t Hq, H, D;
@@ -406,6 +405,22 @@ static void case_close(att_case *c) {
     c->plan = NULL;
 }
 
+/* Bytes of one layer of a case (K and V, scales or format parameters), in
+ * double first: the largest --batch, --kvlen and --heads overflow size_t (a
+ * wrapped size could even be 0, a divisor below); 0 for a shape the format
+ * refuses (run_case says why). */
+static double att_need(att_shape s, int64_t B, int64_t L, kvc_dtype dt, kvc_kv_format fmt,
+                       int64_t group) {
+    const double slots = (double)B * (double)((L + ATT_PAGE - 1) / ATT_PAGE) * ATT_PAGE;
+    if (fmt != KVC_KVFMT_NONE) {
+        kvc_kvfmt f;
+        if (kvc_kvfmt_make(fmt, (int32_t)s.H, (int32_t)s.D, ATT_PAGE, &f) != KVC_OK) return 0;
+        return slots / ATT_PAGE * (double)kvc_kvfmt_page_bytes(&f);
+    }
+    return 2 * slots * (double)(s.H * s.D) * kvc_dtype_bits(dt) / 8 +
+           (dt != KVC_F16 ? 2 * slots * (double)(s.H * (s.D / group)) * 2 : 0);
+}
+
 /* Times one cache (every thread count of the run) and prints its rows.
  * pair: the float16 case of the same shape, batch, kv and layout (NULL if
  * none), timed beside it for the speed ratio. keep (float16 only): the
@@ -416,11 +431,8 @@ static int run_case(att_run *r, att_shape s, int64_t B, int64_t L, kvc_kv_layout
                     att_case *keep) {
     if (keep) memset(keep, 0, sizeof *keep);
     const bench_opts *o = r->o;
-    /* one layer's bytes, in double first: the largest --batch, --kvlen and
-     * --heads overflow size_t (a wrapped size could even be 0, a divisor below) */
-    const double slots = (double)B * (double)((L + ATT_PAGE - 1) / ATT_PAGE) * ATT_PAGE;
-    double need_d = 2 * slots * (double)(s.H * s.D) * kvc_dtype_bits(dt) / 8 +
-                    (dt != KVC_F16 ? 2 * slots * (double)(s.H * (s.D / r->group)) * 2 : 0);
+    const size_t limit = bench_mem_limit(o);
+    const double need_d = att_need(s, B, L, dt, fmt, r->group);
     size_t need = 0;
     const int kivi = fmt != KVC_KVFMT_NONE;
     if (kivi) {
@@ -429,22 +441,23 @@ static int run_case(att_run *r, att_shape s, int64_t B, int64_t L, kvc_kv_layout
             fprintf(stderr, "kvcache: bench attention: %s\n", kvc_last_error());
             return -1;
         }
-        need_d = slots / ATT_PAGE * (double)kvc_kvfmt_page_bytes(&f);
-        if (need_d <= ATT_MEM_LIMIT) need = kivi_layer_bytes(&f, B, L);
-    } else if (need_d <= ATT_MEM_LIMIT) {
+        if (need_d <= limit) need = kivi_layer_bytes(&f, B, L);
+    } else if (need_d <= limit) {
         size_t kvl, scl;
         layer_bytes(s, B, L, dt, r->group, &kvl, &scl);
         need = 2 * (kvl + scl);
     }
-    if (need_d > ATT_MEM_LIMIT || need > ATT_MEM_LIMIT) { /* said and counted, not silently left out */
+    /* bench_attention refused options past the limit; an exact size a few
+     * bytes over the estimate is still said and counted, not left out */
+    if (need_d > limit || need > limit) {
         fprintf(stderr, "kvcache: bench attention: %s B %lld kv %lld skipped: one layer needs "
                 "%.1f GiB, over the %.0f GiB limit\n", name, (long long)B, (long long)L,
                 (need_d > (double)need ? need_d : (double)need) / (1 << 30),
-                (double)ATT_MEM_LIMIT / (1 << 30));
+                (double)limit / (1 << 30));
         r->skipped += o->n_thread_counts;
         return 0;
     }
-    int64_t layers = (int64_t)(ATT_MEM_LIMIT / need); /* as many as fit, at most asked */
+    int64_t layers = (int64_t)(limit / need); /* as many as fit, at most asked */
     if (layers > r->want_layers) layers = r->want_layers;
     const char *lay = layout == KVC_HND ? "HND" : "NHD";
     att_case c;
@@ -606,6 +619,21 @@ int bench_attention(const bench_opts *o) {
             return CLI_EXIT_USAGE;
         }
     }
+    /* every case's bytes before any runs: options past the limit are
+     * refused, as every target does (they were skipped case by case, and a
+     * 5 GiB case under the limit took minutes, --quick or not) */
+    double need = 0;
+    for (int si = 0; si < n_shapes; si++)
+        for (int bi = 0; bi < n_batches; bi++)
+            for (int li = 0; li < n_lens; li++)
+                for (int ci = 0; ci < 5; ci++) {
+                    if (!(caches & cts[ci].bit)) continue;
+                    const double b = att_need(shapes[si], batches[bi], lens[li], cts[ci].dt,
+                                              cts[ci].fmt, groups[si]);
+                    if (b > need) need = b;
+                }
+    if (need > (double)bench_mem_limit(o))
+        return bench_refuse_size(o, "attention", need, "--batch, --kvlen, --heads or --head-dim");
     char gdesc[64];
     if (o->group == BENCH_GROUP_ROW)
         snprintf(gdesc, sizeof gdesc, "one scale per head row (quant group Dh)");
@@ -626,9 +654,9 @@ int bench_attention(const bench_opts *o) {
     if (!o->json && o->soft_cap > 0)
         printf("# logits_soft_cap %g on every call\n", o->soft_cap);
     if (!o->json && want_layers > 1)
-        printf("# each call reads the next of %lld layers' caches (fewer where marked: 6 GiB "
-               "in all)\n",
-               (long long)want_layers);
+        printf("# each call reads the next of %lld layers' caches (fewer where marked: %.0f "
+               "MiB in all)\n",
+               (long long)want_layers, (double)(bench_mem_limit(o) >> 20));
     bench_membw_ctx *mb = bench_membw_create(o->membw_bytes);
     if (!mb) return CLI_EXIT_FAIL;
     if (!o->json)

@@ -202,6 +202,12 @@ int bench_kernel(const bench_opts *o) {
     const int n_lens = o->kvlen ? 1 : (o->quick ? 1 : 3);
     const int64_t Lmax = lens[n_lens - 1];
     const int ng = D / group;
+    /* float16 K and V, int8 K and V at half, their scales: refused past the
+     * limit before any allocation, as every target does (--kvlen 16777216
+     * asked for 1 TiB) */
+    const double need = 3.0 * (double)Lmax * H * D * 2 + 2.0 * (double)Lmax * H * ng * 2;
+    if (need > (double)bench_mem_limit(o))
+        return bench_refuse_size(o, "kernel", need, "--kvlen, --heads or --head-dim");
     const int64_t GD = (int64_t)KB_G * D;
     const size_t kvb = (size_t)(Lmax * H * D * 2), sb = (size_t)(Lmax * H * ng * 2);
     unsigned char *k16 = bench_alloc(kvb), *v16 = bench_alloc(kvb), *k8 = bench_alloc(kvb / 2),

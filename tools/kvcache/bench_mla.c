@@ -28,7 +28,6 @@
 #define MLA_DC 512
 #define MLA_DK 64
 #define MLA_PAGE 64
-#define MLA_MEM_LIMIT ((size_t)6 << 30)
 
 /* ---- FMA peak reference
  * ------------------------------------------------------ */
@@ -184,6 +183,20 @@ int bench_mla(const bench_opts *o) {
         fprintf(stderr, "kvcache: bench mla: D_ckv is fixed at %d (D_kpe %d)\n", MLA_DC, MLA_DK);
         return CLI_EXIT_USAGE;
     }
+    /* every case's bytes (cache, q, out) before any runs; in double: the
+     * largest --batch, --kvlen and --heads overflow int64_t */
+    double need = 0;
+    for (int hi = 0; hi < n_hqs; hi++)
+        for (int bi = 0; bi < n_batches; bi++)
+            for (int li = 0; li < n_lens; li++) {
+                const double B = (double)batches[bi], Hq = (double)hqs[hi],
+                             slots = (double)((lens[li] + MLA_PAGE - 1) / MLA_PAGE * MLA_PAGE);
+                const double b = B * slots * (MLA_DC + MLA_DK) * 2.0 +
+                                 B * Hq * (2 * MLA_DC + MLA_DK) * 2.0;
+                if (b > need) need = b;
+            }
+    if (need > (double)bench_mem_limit(o))
+        return bench_refuse_size(o, "mla", need, "--batch, --kvlen or --heads");
 
     bench_print_machine(o, "mla", stdout);
     if (!o->json)
@@ -207,15 +220,6 @@ int bench_mla(const bench_opts *o) {
             for (int li = 0; li < n_lens; li++)
                 for (int di = 0; di < 2; di++) {
                     const int64_t Hq = hqs[hi], B = batches[bi], L = lens[li];
-                    const double need = (double)(B * (L + MLA_PAGE)) * (MLA_DC + MLA_DK) * 2.0;
-                    if (need > (double)MLA_MEM_LIMIT) { /* said and counted */
-                        fprintf(stderr, "kvcache: bench mla: Hq %lld B %lld kv %lld skipped: "
-                                "%.1f GiB of cache, over the %.0f GiB limit\n", (long long)Hq,
-                                (long long)B, (long long)L, need / (1 << 30),
-                                (double)MLA_MEM_LIMIT / (1 << 30));
-                        skipped += o->n_thread_counts;
-                        continue;
-                    }
                     mla_bcase c;
                     if (setup(&c, Hq, B, L, dts[di]) != 0) {
                         bench_membw_destroy(mb);

@@ -30,7 +30,6 @@
 
 #define PMX_GROUP 8
 #define PMX_PAGE_SIZE 128
-#define PMX_MEM_LIMIT ((size_t)6 << 30) /* refuse sizes needing more (bytes) */
 
 /* ---- cases ------------------------------------------------------------- */
 
@@ -589,20 +588,16 @@ int bench_pmx(const bench_opts *o) {
      * their product can still exceed int64: estimate in double first (8 bytes
      * per element: float16 K and V outputs and cache), then count exactly. */
     double need = (double)d.B * (double)d.N * (double)d.H * (double)d.D * 8.0;
-    if (need <= (double)PMX_MEM_LIMIT) {
+    const double limit = (double)bench_mem_limit(o);
+    if (need <= limit) {
         for (int vi = 0; vi < N_VARIANTS; vi++)
             for (int ci = 0; ci < N_CACHETYPES; ci++) {
                 size_t b = case_bytes(&d, &pmx_variants[vi], &pmx_cachetypes[ci]);
                 if ((double)b > need) need = (double)b;
             }
     }
-    if (need > (double)PMX_MEM_LIMIT) {
-        fprintf(stderr,
-                "kvcache: bench pmx: these sizes need about %.1f GiB per case (limit %.0f GiB); "
-                "lower --batch, --kvlen, --heads or --head-dim\n",
-                need / (1 << 30), (double)(PMX_MEM_LIMIT >> 30));
-        return CLI_EXIT_USAGE;
-    }
+    if (need > limit)
+        return bench_refuse_size(o, "pmx", need, "--batch, --kvlen, --heads or --head-dim");
 
     int selected = 0;
     for (int vi = 0; vi < N_VARIANTS; vi++)

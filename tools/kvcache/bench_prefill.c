@@ -23,7 +23,6 @@
 #define PF_PAGE 16
 #define PF_GROUP 32
 #define PF_GOAL 0.4
-#define PF_MEM_LIMIT ((size_t)6 << 30) /* per case (q, out, K, V) */
 
 /* ---- cases ------------------------------------------------------------------------ */
 
@@ -200,20 +199,19 @@ int bench_prefill(const bench_opts *o) {
                             "caches\n", PF_GROUP);
             return CLI_EXIT_USAGE;
         }
-    /* in double: the largest --batch, --kvlen and --heads overflow int64_t */
+    /* in double: the largest --batch, --kvlen and --heads overflow int64_t;
+     * per case: q, out, K, V */
+    double need = 0;
     for (int si = 0; si < n_shapes; si++)
         for (int li = 0; li < n_lens; li++) {
             const pf_shape s = shapes[si];
             const double slots = (double)B * (double)((lens[li] + PF_PAGE - 1) / PF_PAGE * PF_PAGE);
             const double bytes = 2 * slots * (double)(s.H * s.D) * 2 + /* K, V (f16 at most) */
                                  2 * (double)B * (double)lens[li] * (double)(s.Hq * s.D) * 2;
-            if (bytes > (double)PF_MEM_LIMIT) {
-                fprintf(stderr, "kvcache: bench prefill: these sizes need more than %.0f GiB per "
-                        "case; lower --batch, --kvlen, --heads or --head-dim\n",
-                        (double)(PF_MEM_LIMIT >> 30));
-                return CLI_EXIT_USAGE;
-            }
+            if (bytes > need) need = bytes;
         }
+    if (need > (double)bench_mem_limit(o))
+        return bench_refuse_size(o, "prefill", need, "--batch, --kvlen, --heads or --head-dim");
     bench_print_machine(o, "prefill", stdout);
     if (!o->json)
         printf("# kvc_prefill_run_paged, one layer per call: %lld request(s) of qo = kv tokens, "

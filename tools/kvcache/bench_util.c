@@ -382,3 +382,16 @@ uint64_t bench_mix64(uint64_t x) {
     x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
     return x ^ (x >> 31);
 }
+
+/* ---- size guard -------------------------------------------------------- */
+
+size_t bench_mem_limit(const bench_opts *o) {
+    return o->quick ? BENCH_QUICK_MEM_LIMIT : BENCH_MEM_LIMIT;
+}
+
+int bench_refuse_size(const bench_opts *o, const char *target, double need, const char *opts) {
+    fprintf(stderr, "kvcache: bench %s: these sizes need about %.4g GiB per case, over the limit "
+            "of %s; lower %s\n", target, need / (1 << 30),
+            o->quick ? "256 MiB with --quick" : "6 GiB", opts);
+    return CLI_EXIT_USAGE;
+}
