@@ -74,6 +74,11 @@ int cli_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out);
 int cli_opt_i64(const char *cmd, const char *opt, const char *v, int64_t lo, int64_t hi,
                 int64_t *out);
 
+/* 0 if the value v of option opt names a file, else CLI_EXIT_USAGE after
+ * "OPT: expected a file name, got ''": an empty one (an unset shell
+ * variable) would fail later as "cannot load : : cannot open". */
+int cli_opt_path(const char *cmd, const char *opt, const char *v);
+
 /* A positive decimal number (e.g. "0.3") in (0, hi]; 0 or -1. */
 int cli_parse_seconds(const char *s, double hi, double *out);
 

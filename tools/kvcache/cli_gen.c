@@ -163,6 +163,7 @@ int cli_gen_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_gen_o
     if (!v) return cli_usage_error(cmd, "%s needs a value", a);
     ++*i;
     if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
+        if (cli_opt_path(cmd, a, v)) return CLI_EXIT_USAGE;
         o->model_path = v;
     } else if (!strcmp(a, "-n") || !strcmp(a, "--n-predict")) {
         if (cli_opt_i64(cmd, a, v, 1, 1 << 20, &o->n_predict)) return CLI_EXIT_USAGE;

@@ -225,10 +225,12 @@ int cmd_bench_serve(int argc, char **argv) {
         if (!v) return cli_usage_error(cmd, "%s needs a value", a);
         i++;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
+            if (cli_opt_path(cmd, a, v)) return CLI_EXIT_USAGE;
             model_path = v;
         } else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) {
             text = v;
         } else if (!strcmp(a, "-f") || !strcmp(a, "--file")) {
+            if (cli_opt_path(cmd, a, v)) return CLI_EXIT_USAGE;
             text_file = v;
         } else if (!strcmp(a, "--batch")) {
             n_batches = split_list(v, 16, batch_item, batches);

@@ -169,6 +169,7 @@ int cmd_chat(int argc, char **argv) {
         if (!dst && !is_ctx) return cli_usage_error(cmd, "unexpected argument '%s'", a);
         if (!v) return cli_usage_error(cmd, "%s needs a value", a);
         i++;
+        if (dst && dst != &system && cli_opt_path(cmd, a, v)) return CLI_EXIT_USAGE;
         if (dst)
             *dst = v;
         else if (cli_opt_i64(cmd, a, v, 16, 1 << 20, &ctx_size))

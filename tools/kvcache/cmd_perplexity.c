@@ -174,8 +174,10 @@ int cmd_perplexity(int argc, char **argv) {
         if (!v) return cli_usage_error(cmd, "%s needs a value", a);
         i++;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
+            if (cli_opt_path(cmd, a, v)) return CLI_EXIT_USAGE;
             model_path = v;
         } else if (!strcmp(a, "-f") || !strcmp(a, "--file")) {
+            if (cli_opt_path(cmd, a, v)) return CLI_EXIT_USAGE;
             file = v;
         } else if (!strcmp(a, "-c") || !strcmp(a, "--ctx-size")) {
             if (cli_opt_i64(cmd, a, v, 8, 1 << 20, &n_ctx)) return CLI_EXIT_USAGE;

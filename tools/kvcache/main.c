@@ -121,6 +121,11 @@ int cli_opt_i64(const char *cmd, const char *opt, const char *v, int64_t lo, int
                            (long long)lo, (long long)hi, v);
 }
 
+int cli_opt_path(const char *cmd, const char *opt, const char *v) {
+    if (v[0] != '\0') return 0;
+    return cli_usage_error(cmd, "%s: expected a file name, got ''", opt);
+}
+
 int cli_online_cpus(void) { return kvc_cpu_count(); }
 
 void cli_warn_threads(const char *cmd, const char *opt, int64_t threads) {
