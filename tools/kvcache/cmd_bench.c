@@ -3,6 +3,7 @@
  * benchmark target into a bench_opts and runs the target. Without a target
  * (or when the first argument is an option) the target is pmx.
  */
+#include <float.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -268,8 +269,12 @@ int cmd_bench(int argc, char **argv) {
             if (r < 0) return cli_usage_error(cmd, "--layers needs a value");
             if (cli_opt_i64(cmd, "--layers", v, 1, 1024, &o.layers)) return CLI_EXIT_USAGE;
         } else if ((r = opt_value(argc, argv, &i, "--soft-cap", &v)) != 0) {
-            if (r < 0 || cli_parse_f64(v, &o.soft_cap) != 0 || !(o.soft_cap > 0))
-                return cli_usage_error(cmd, "--soft-cap expects a number > 0");
+            /* > 0 and finite as the float the operator takes: 1e308 became inf
+             * (every case failed) and 1e-50 became 0 (soft cap off, said on) */
+            if (r < 0 || cli_parse_f64(v, &o.soft_cap) != 0 || !((float)o.soft_cap > 0) ||
+                (float)o.soft_cap > FLT_MAX)
+                return cli_usage_error(cmd, "--soft-cap expects a number > 0, finite as a "
+                                       "float (about 1.2e-38 to 3.4e38)");
         } else if ((r = opt_value(argc, argv, &i, "--cache", &v)) != 0) {
             given |= GIVEN_CACHE;
             if (r < 0 || parse_names(v, cache_names, 7, &o.caches) != 0)
