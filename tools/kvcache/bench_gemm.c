@@ -41,6 +41,8 @@
 #include "cli.h"
 #include "kvcache/kvcache.h"
 
+#define GM_MAX_N 128 /* rows of X and Y: n of the largest case (a prefill chunk) */
+
 /* ---- instruction peaks ----------------------------------------------------------- */
 
 /* Loop trips per call per thread (16 instructions, ~3 ms at 1 << 20): a pass
@@ -301,6 +303,12 @@ int bench_gemm(const bench_opts *o) {
     const gm_shape *shapes = o->quick ? shapes_quick : shapes_full;
     const int n_shapes = o->quick ? 3 : 6, n_ns = o->quick ? 2 : 3;
     const int64_t *ns = o->quick ? ns_quick : ns_full;
+    /* X and Y hold 128 rows: a larger --batch was cut to 128 unsaid */
+    if (o->batch > GM_MAX_N) {
+        fprintf(stderr, "kvcache: bench gemm: --batch %lld: at most %d (the rows n of X)\n",
+                (long long)o->batch, GM_MAX_N);
+        return CLI_EXIT_USAGE;
+    }
     int64_t one_n = o->batch;
     int n_ns_used = one_n ? 1 : n_ns;
     if (one_n) ns = &one_n;
@@ -346,8 +354,8 @@ int bench_gemm(const bench_opts *o) {
                 c.wbytes = s.rows * kvc__ggml_row_bytes(wt, s.cols);
                 c.copies = (stream_bytes + c.wbytes - 1) / c.wbytes;
                 c.w = bench_alloc((size_t)(c.copies * c.wbytes));
-                c.x = bench_alloc((size_t)(128 * s.cols) * sizeof(float));
-                c.y = bench_alloc((size_t)(128 * s.rows) * sizeof(float));
+                c.x = bench_alloc((size_t)(GM_MAX_N * s.cols) * sizeof(float));
+                c.y = bench_alloc((size_t)(GM_MAX_N * s.rows) * sizeof(float));
                 if (!c.w || !c.x || !c.y) {
                     fprintf(stderr, "kvcache: bench gemm: out of memory\n");
                     bench_free(c.w);
@@ -359,7 +367,7 @@ int bench_gemm(const bench_opts *o) {
                 }
                 fill_w(wt, c.w, c.wbytes);
                 for (int64_t k = 1; k < c.copies; k++) memcpy(c.w + k * c.wbytes, c.w, (size_t)c.wbytes);
-                for (int64_t k = 0; k < 128 * s.cols; k++)
+                for (int64_t k = 0; k < GM_MAX_N * s.cols; k++)
                     c.x[k] = (float)((double)(bench_mix64((uint64_t)k + 5) >> 11) * 0x1p-53 - 0.5);
                 const char *kernel = kvc__gemm_kernel_name(wt);
                 const int quant = wt != KVC_GGML_F16;
@@ -372,7 +380,6 @@ int bench_gemm(const bench_opts *o) {
                         const peak_kind pk = peak_for(kernel, wt, bits);
                         c.n = ns[ni];
                         c.next = 0;
-                        if (c.n > 128) c.n = 128;
                         const int64_t saved_copies = c.copies;
                         if (c.n > 1) c.copies = 1; /* compute-bound: W stays in cache */
                         bench_timing tm;
