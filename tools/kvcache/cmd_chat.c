@@ -44,8 +44,8 @@ static const char chat_usage_head[] =
     "                      dropped (also -sysf, --system-prompt-file)\n"
     "  --chat-template F   Jinja chat template read from file F instead of the model's\n"
     "                      (also --chat-template-file)\n"
-    "  -c, --ctx-size N    conversation tokens the cache holds (default 4096, at most\n"
-    "                      the model's trained context)\n"
+    "  -c, --ctx-size N    conversation tokens the cache holds (default 4096; lowered\n"
+    "                      to the model's trained context, said on stderr)\n"
     "  --special           control-token text typed in a message becomes control\n"
     "                      tokens (default: plain text)\n";
 static const char chat_usage_tail[] =
@@ -196,7 +196,12 @@ int cmd_chat(int argc, char **argv) {
     kvc_model_info info;
     if (kvc_model_get_info(model, &info) != KVC_OK) goto fail;
     /* positions past the trained context are RoPE angles the model never saw */
-    if (ctx_size > info.n_ctx_train) ctx_size = info.n_ctx_train;
+    if (ctx_size > info.n_ctx_train) {
+        ctx_size = info.n_ctx_train;
+        if (!o.quiet) /* said, as run says -n lowered, so that messages' context adds up */
+            fprintf(stderr, "kvcache: chat: -c lowered to %lld: the model's trained context\n",
+                    (long long)ctx_size);
+    }
     {   /* a template that cannot render fails now, not at the first message */
         kvc_chat_message probe[2] = {{"system", system ? system : ""}, {"user", "hi"}};
         int32_t *ids = NULL;
