@@ -16,6 +16,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kvcache/kvcache.h"
@@ -138,6 +139,23 @@ static inline uint64_t test_rng_next(uint64_t *s) {
 /* Uniform float in [-1, 1). */
 static inline float test_rng_f32(uint64_t *s) {
     return (float)((double)(test_rng_next(s) >> 11) * (1.0 / 9007199254740992.0) * 2.0 - 1.0);
+}
+
+/* n zeroed bytes followed by 64 guard bytes of 0x5a (malloc'ed; NULL if it
+ * fails): test_guard_ok tells whether a call wrote past the n bytes, and
+ * the guard read as indices is far out of range (stray reads show too). */
+static inline void *test_guarded(size_t n) {
+    unsigned char *p = malloc(n + 64);
+    if (p) {
+        memset(p, 0, n);
+        memset(p + n, 0x5a, 64);
+    }
+    return p;
+}
+static inline int test_guard_ok(const void *p, size_t n) {
+    for (size_t i = 0; i < 64; i++)
+        if (((const unsigned char *)p)[n + i] != 0x5a) return 0;
+    return 1;
 }
 
 #endif

@@ -534,22 +534,6 @@ TEST(seq_lens_formula) {
     return 0;
 }
 
-/* n zeroed bytes followed by 64 guard bytes of 0x5a (see guard_ok). */
-static void *guarded(size_t n) {
-    unsigned char *p = malloc(n + 64);
-    if (p) {
-        memset(p, 0, n);
-        memset(p + n, 0x5a, 64);
-    }
-    return p;
-}
-
-static int guard_ok(const void *p, size_t n) {
-    for (size_t i = 0; i < 64; i++)
-        if (((const unsigned char *)p)[n + i] != 0x5a) return 0;
-    return 1;
-}
-
 /* The table helpers read their inputs again while writing: an output laid
  * over an input (core.h: undefined) must still keep every access in bounds.
  * Guard bytes after each buffer catch stray writes and, read as page ids,
@@ -557,18 +541,18 @@ static int guard_ok(const void *p, size_t n) {
 TEST(helpers_stay_in_bounds_with_outputs_over_inputs) {
     int64_t b2 = 2, b3 = 3, b4 = 4, n = 0;
     {   /* positions[0] over append_indptr[2]: b = 1 then seemed to append 98 rows */
-        int32_t *ai = guarded(4 * 4), *sl = guarded(2 * 4), *bi = guarded(2 * 4);
+        int32_t *ai = test_guarded(4 * 4), *sl = test_guarded(2 * 4), *bi = test_guarded(2 * 4);
         ASSERT_TRUE(ai && sl && bi);
         ai[1] = 1, ai[2] = 2, sl[0] = 100, sl[1] = 5;
         kvc_tensor tai = kvc_tensor_make(ai, KVC_I32, 1, &b3), tsl = kvc_tensor_make(sl, KVC_I32, 1, &b2);
         kvc_tensor tbi = kvc_tensor_make(bi, KVC_I32, 1, &b2), tpo = kvc_tensor_make(ai + 2, KVC_I32, 1, &b2);
         ASSERT_OK(kvc_get_batch_indices_positions(&tai, &tsl, 2, &tbi, &tpo));
-        ASSERT_TRUE(guard_ok(ai, 16) && guard_ok(bi, 8));
+        ASSERT_TRUE(test_guard_ok(ai, 16) && test_guard_ok(bi, 8));
         free(ai), free(sl), free(bi);
     }
     {   /* cachestarts over kv_indptr: later requests' page runs turned huge */
-        int64_t *cs = guarded(3 * 2 * 8), csh[2] = {3, 2};
-        int32_t *ix = guarded(3 * 4);
+        int64_t *cs = test_guarded(3 * 2 * 8), csh[2] = {3, 2};
+        int32_t *ix = test_guarded(3 * 4);
         ASSERT_TRUE(cs && ix);
         int32_t *ip = (int32_t *)(cs + 1);
         ip[1] = 1, ip[2] = 2, ip[3] = 3;
@@ -576,12 +560,12 @@ TEST(helpers_stay_in_bounds_with_outputs_over_inputs) {
         kvc_tensor tcs = kvc_tensor_make(cs, KVC_I64, 2, csh);
         ASSERT_OK(kvc_page_table_to_pmx(&tip, &tix, 1000, &tcs));
         for (int i = 0; i < 6; i++) ASSERT_TRUE(cs[i] == 0 || cs[i] == -1); /* ix is 0s */
-        ASSERT_TRUE(guard_ok(cs, 48));
+        ASSERT_TRUE(test_guard_ok(cs, 48));
         free(cs), free(ix);
     }
     {   /* kv_indices over seq_lens[1]: request 1 then seemed to hold 100 pages */
-        int64_t *cs = guarded(2 * 2 * 8), csh[2] = {2, 2};
-        int32_t *sl = guarded(3 * 4), *ip = guarded(3 * 4), *last = guarded(2 * 4);
+        int64_t *cs = test_guarded(2 * 2 * 8), csh[2] = {2, 2};
+        int32_t *sl = test_guarded(3 * 4), *ip = test_guarded(3 * 4), *last = test_guarded(2 * 4);
         ASSERT_TRUE(cs && sl && ip && last);
         cs[0] = 400, cs[1] = 404, cs[2] = 408, cs[3] = 412;
         sl[0] = 1, sl[1] = 1;
@@ -591,7 +575,7 @@ TEST(helpers_stay_in_bounds_with_outputs_over_inputs) {
         ASSERT_OK(kvc_pmx_to_page_table(&tcs, &tsl, 4, &tip, &tix, &tla, &n));
         ASSERT_EQ_I64(n, 2);
         ASSERT_TRUE(ip[2] <= 2);
-        ASSERT_TRUE(guard_ok(sl, 12));
+        ASSERT_TRUE(test_guard_ok(sl, 12));
         free(cs), free(sl), free(ip), free(last);
     }
     return 0;
@@ -601,7 +585,7 @@ TEST(helpers_stay_in_bounds_with_outputs_over_inputs) {
  * row 0's K lands on kv_indices[1], so row 1's page id read afterwards is a
  * float's bits; the old code stored row 1 there, ~1e9 pages away. */
 TEST(append_cache_over_its_page_table_stays_in_bounds) {
-    float *k = guarded(8 * 4), *v = guarded(8 * 4); /* (max_pages 2, P 2, H 1, Dh 2) */
+    float *k = test_guarded(8 * 4), *v = test_guarded(8 * 4); /* (max_pages 2, P 2, H 1, Dh 2) */
     ASSERT_TRUE(k && v);
     int32_t *ix = (int32_t *)&k[2]; /* page 0, slot 1 */
     ix[0] = 0, ix[1] = 1;
@@ -617,7 +601,7 @@ TEST(append_cache_over_its_page_table_stays_in_bounds) {
     kvc_tensor tip = kvc_tensor_make(ip, KVC_I32, 1, &b3), tla = kvc_tensor_make(last, KVC_I32, 1, &b2);
     kvc_tensor tbi = kvc_tensor_make(bi, KVC_I32, 1, &b2), tpo = kvc_tensor_make(pos, KVC_I32, 1, &b2);
     ASSERT_OK(kvc_append_paged_kv_cache(&tx, &tx, &tbi, &tpo, &pc, &tix, &tip, &tla, NULL));
-    ASSERT_TRUE(guard_ok(k, 32) && guard_ok(v, 32));
+    ASSERT_TRUE(test_guard_ok(k, 32) && test_guard_ok(v, 32));
     free(k), free(v);
     return 0;
 }

@@ -443,22 +443,6 @@ static kvc_status fixture_call(dyn_fixture *f) {
                                            &f->tov, NULL);
 }
 
-/* n zeroed bytes followed by 64 guard bytes of 0x5a. */
-static void *guarded(size_t n) {
-    unsigned char *p = malloc(n + 64);
-    if (p) {
-        memset(p, 0, n);
-        memset(p + n, 0x5a, 64);
-    }
-    return p;
-}
-
-static int guard_ok(const void *p, size_t n) {
-    for (size_t i = 0; i < 64; i++)
-        if (((const unsigned char *)p)[n + i] != 0x5a) return 0;
-    return 1;
-}
-
 /* A cache laid over the index tensors (core.h: undefined, but in bounds).
  * KeyValueCache: batch 0's V lands on cachestarts[1], which the old code
  * then read as batch 1's slot (a float's bits, far past MaxT). Multi-head
@@ -466,7 +450,7 @@ static int guard_ok(const void *p, size_t n) {
  * again after the store, sizing batch 1's pages past its buffers. */
 TEST(cache_over_index_tensors_stays_in_bounds) {
     /* layout 0 (MaxT 4, L 1, 2, H 1, Dh 2) float32: slot t is floats [4t, 4t + 4) */
-    float *cache = guarded(16 * 4);
+    float *cache = test_guarded(16 * 4);
     ASSERT_TRUE(cache != NULL);
     int64_t *cs = (int64_t *)cache; /* cachestarts[0] = K of slot 0, [1] = its V */
     cs[0] = 0, cs[1] = 1;
@@ -480,7 +464,7 @@ TEST(cache_over_index_tensors_stays_in_bounds) {
     kvc_pmx_kv_params p = kvc_pmx_kv_default_params();
     ASSERT_OK(kvc_pmx_dynamic_key_value_cache(&tx, &tx, &tss, &tks, &tcs, &tsp, &tmx, &tmx, &tc,
                                               NULL, &p, NULL, NULL, NULL));
-    ASSERT_TRUE(guard_ok(cache, 64));
+    ASSERT_TRUE(test_guard_ok(cache, 64));
     /* MHCA: kvstarts[1], [2] in slot 1's K and V, where batch 0 stores; the old
      * code then read batch 0 as ~4e18 keys long */
     memset(cache, 0, 64);
@@ -499,7 +483,7 @@ TEST(cache_over_index_tensors_stays_in_bounds) {
     ASSERT_OK(kvc_pmx_dynamic_multi_head_cache_attention(&tq, &tx2, &tx2, &tss, &tkv, &tcs2, &tsp,
                                                          &tdb, &tmx, &tmx, &tc, NULL, NULL, &mp,
                                                          &to, NULL));
-    ASSERT_TRUE(guard_ok(cache, 64));
+    ASSERT_TRUE(test_guard_ok(cache, 64));
     /* the lengths and pages are taken before the store validates cachestarts:
      * a missing or mistyped one is still refused, not read */
     kv[0] = 0, kv[1] = 1, kv[2] = 2; /* as valid as before the store above */

@@ -11,16 +11,8 @@ from pathlib import Path
 import pytest
 
 import kvcache
+from cli_path import kvcache_cli
 
-
-def cli() -> Path:
-    env = os.environ.get("KVCACHE_CLI")
-    if env:
-        return Path(env)  # set by ctest: it must exist
-    p = Path(kvcache.library_path).parent / "kvcache"
-    if not p.exists():
-        pytest.skip(f"the kvcache CLI is not built next to {kvcache.library_path}")
-    return p
 
 
 def run_reader_gone(*args, timeout=300):
@@ -29,7 +21,7 @@ def run_reader_gone(*args, timeout=300):
     r, w = os.pipe()
     os.close(r)
     try:
-        return subprocess.run([str(cli()), *map(str, args)], stdout=w, stderr=subprocess.PIPE,
+        return subprocess.run([str(kvcache_cli()), *map(str, args)], stdout=w, stderr=subprocess.PIPE,
                               stdin=subprocess.DEVNULL, text=True, timeout=timeout)
     finally:
         os.close(w)
@@ -100,7 +92,7 @@ def test_kv_store_url_syntax_is_the_stores(tmp_path):
             malformed = True
         except UnsupportedError:  # a Redis URL in a build without hiredis: no verdict
             continue
-        r = subprocess.run([str(cli()), "run", "-m", str(tmp_path / "none.gguf"), "-p", "hi",
+        r = subprocess.run([str(kvcache_cli()), "run", "-m", str(tmp_path / "none.gguf"), "-p", "hi",
                             "--kv-store", url], capture_output=True, text=True, timeout=60)
         if malformed:
             assert r.returncode == 2 and "--kv-store '" in r.stderr, (url, r.stderr)

@@ -26,6 +26,7 @@ from kvcache.model import Model
 gguf = pytest.importorskip("gguf")
 from kvcache.gguf_writer import write_tiny_llama  # noqa: E402
 from llama_reference import LlamaReference  # noqa: E402
+from cli_path import kvcache_cli  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,18 +50,9 @@ TEXT = (
 )
 
 
-def _cli() -> Path:
-    env = os.environ.get("KVCACHE_CLI")
-    if env:
-        return Path(env)  # set by ctest: it must exist
-    p = Path(kvcache.library_path).parent / "kvcache"
-    if not p.exists():
-        pytest.skip(f"the kvcache CLI is not built next to {kvcache.library_path}")
-    return p
-
 
 def _run(*args, stderr=subprocess.PIPE):
-    return subprocess.run([str(_cli()), "perplexity", *map(str, args)], stdout=subprocess.PIPE,
+    return subprocess.run([str(kvcache_cli()), "perplexity", *map(str, args)], stdout=subprocess.PIPE,
                           stderr=stderr, text=True, timeout=600)
 
 
@@ -198,7 +190,7 @@ def test_tiny_text_from_standard_input(tiny):
     path, text, *_ = tiny
     base = _json("-m", path, "-f", text, "-c", 64, "-t", 1)
     with open(text, "rb") as f:
-        r = subprocess.run([str(_cli()), "perplexity", "-m", str(path), "-f", "-", "-c", "64",
+        r = subprocess.run([str(kvcache_cli()), "perplexity", "-m", str(path), "-f", "-", "-c", "64",
                             "-t", "1", "--json"], stdin=f, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -208,7 +200,7 @@ def test_tiny_text_from_standard_input(tiny):
 def test_tiny_standard_input_is_named(tiny):
     """Messages name -f - "standard input", not "-"."""
     path, *_ = tiny
-    r = subprocess.run([str(_cli()), "perplexity", "-m", str(path), "-f", "-", "-c", "100"],
+    r = subprocess.run([str(kvcache_cli()), "perplexity", "-m", str(path), "-f", "-", "-c", "100"],
                        input=TEXT[:100], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                        text=True, timeout=600)
     assert r.returncode == 1, r.stderr
@@ -310,7 +302,7 @@ def test_tiny_reader_gone(tiny):
     r, w = os.pipe()
     os.close(r)
     try:
-        p = subprocess.run([str(_cli()), "perplexity", "-m", str(path), "-f", str(text), "-c",
+        p = subprocess.run([str(kvcache_cli()), "perplexity", "-m", str(path), "-f", str(text), "-c",
                             "64", "-t", "1"], stdout=w, stderr=subprocess.PIPE, text=True,
                            timeout=600)
     finally:
@@ -320,9 +312,9 @@ def test_tiny_reader_gone(tiny):
 
 
 def test_help_lists_the_command():
-    r = subprocess.run([str(_cli()), "--help"], capture_output=True, text=True)
+    r = subprocess.run([str(kvcache_cli()), "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "\n  perplexity " in r.stdout
-    r = subprocess.run([str(_cli()), "help", "perplexity"], capture_output=True, text=True)
+    r = subprocess.run([str(kvcache_cli()), "help", "perplexity"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("usage: kvcache perplexity")
 
 

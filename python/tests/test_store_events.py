@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_path import kvcache_cli
 
 zmq = pytest.importorskip("zmq")
 msgpack = pytest.importorskip("msgpack")
@@ -24,17 +25,6 @@ msgpack = pytest.importorskip("msgpack")
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_MODEL = REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-
-def _cli() -> Path:
-    env = os.environ.get("KVCACHE_CLI")
-    if env:
-        return Path(env)  # set by ctest: it must exist
-    import kvcache
-
-    p = Path(kvcache.library_path).parent / "kvcache"
-    if not p.exists():
-        pytest.skip(f"the kvcache CLI is not built next to {kvcache.library_path}")
-    return p
 
 
 def _model() -> Path:
@@ -60,7 +50,7 @@ def _serve(args: list[str], endpoint: str) -> list[list[bytes]]:
     sub.setsockopt(zmq.RCVHWM, 0)
     sub.setsockopt(zmq.RECONNECT_IVL, 10)  # retry fast until the process binds
     sub.connect(endpoint)
-    proc = subprocess.Popen([str(_cli()), "bench-serve", *args, "--kv-events", endpoint],
+    proc = subprocess.Popen([str(kvcache_cli()), "bench-serve", *args, "--kv-events", endpoint],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     msgs = []
     try:
@@ -228,7 +218,7 @@ def test_replay_returns_what_the_subscriber_saw(tmp_path):
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.RECONNECT_IVL, 10)
     sub.connect(endpoint)
-    proc = subprocess.Popen([str(_cli()), "chat", "-m", str(model), "-n", "24", "-t", "2",
+    proc = subprocess.Popen([str(kvcache_cli()), "chat", "-m", str(model), "-n", "24", "-t", "2",
                              "--kv-events", endpoint, "--kv-events-replay", replay_ep],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
