@@ -151,6 +151,7 @@ typedef struct child_server {
     pid_t pid;
     char dir[200];
     char url[256];
+    const char *requirepass; /* NULL: none */
 } child_server;
 
 /* Servers still running when the process exits (a test that failed between
@@ -195,14 +196,15 @@ static int child_start(child_server *cs) {
         }
         execl(bin, bin, "--unixsocket", cs->url + 7, "--unixsocketperm", "700", "--port", "0",
               "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", cs->dir,
-              (char *)NULL);
+              cs->requirepass ? "--requirepass" : (char *)NULL, cs->requirepass, (char *)NULL);
         _exit(127);
     }
     track_child(cs->pid, 1);
     for (int i = 0; i < 100; i++) { /* up to ~5 s */
         redisContext *c = raw_connect(cs->url);
         redisReply *r = c && !c->err ? redisCommand(c, "PING") : NULL;
-        int ok = r && r->type == REDIS_REPLY_STATUS;
+        int ok = r && (r->type == REDIS_REPLY_STATUS || /* up, wants a password */
+                       (r->type == REDIS_REPLY_ERROR && !strncmp(r->str, "NOAUTH", 6)));
         if (r) freeReplyObject(r);
         if (c) redisFree(c);
         if (ok) return 0;
@@ -858,9 +860,21 @@ TEST(bad_urls_rejected) {
         {"redis://h:65536", "bad port"},
         {"redis://h:12ab", "bad port"},
         {"redis://h:", "bad port"},
-        {"redis://h:6379/0", "bad port"},
+        {"redis://h:6379/", "bad database"},
+        {"redis://h:6379/x", "bad database"},
+        {"redis://h:6379/-1", "bad database"},
+        {"redis://h:6379/2147483648", "bad database"},
+        {"redis://h:1/1?db=2", "/DB and the URL ?db=N"},
         {"redis://:6379", "bad host"},
-        {"redis://u:pw@h:6379", "credentials"},
+        {"redis://u@h:6379", "needs a password"},
+        {"redis://u:@h:6379", "empty password"},
+        {"redis://:@h:6379", "empty password"},
+        {"redis://:p%zz@h:6379", "%-escape"},
+        {"redis://:p%4@h:6379", "%-escape"},
+        {"redis://:p%@h:6379", "%-escape"},
+        {"redis://:p%00@h:6379", "%-escape"},
+        {"redis://:pw@h:6379,redis://h:6379", "listed twice"},
+        {"rediss://h:6379", "TLS"},
         {"redis://[::1:6379", "[ADDR]:PORT"},
         {"unix://relative.sock", "absolute path"},
         {"unix:///tmp/x.sock?ttl=0", "positive integer"},
@@ -868,7 +882,11 @@ TEST(bad_urls_rejected) {
         {"unix:///tmp/x.sock?ttl=1.5", "positive integer"},
         {"unix:///tmp/x.sock?ttl=", "positive integer"},
         {"unix:///tmp/x.sock?ttl=99999999999", "positive integer"},
-        {"unix:///tmp/x.sock?db=1", "unknown option"},
+        {"unix:///tmp/x.sock?db=x", "database number"},
+        {"unix:///tmp/x.sock?db=-1", "database number"},
+        {"unix:///tmp/x.sock?db=", "database number"},
+        {"unix:///tmp/x.sock?dbx=1", "unknown option"},
+        {"unix://:pw@relative.sock", "absolute path"},
         {"unix:///tmp/x.sock?", "empty query"},
         {"unix:///tmp/x.sock?ttl=5&", "empty option"},
         {"redis://a:1,,redis://b:2", "empty server"},
@@ -911,6 +929,136 @@ TEST(bad_urls_rejected) {
     ASSERT_STR_CONTAINS(kvc_last_error(), "at most 64");
     ASSERT_OK(kvc__tier_redis_open("redis://[::1]:6379,unix:///x.sock?ttl=60", &t));
     t->ops->close(t);
+
+    /* a password never shows: not in the name, not in a message */
+    static const char *const secret[] = {
+        "redis://:s3cr3t@h",          "redis://u:s3cr3t@h:99999", "redis://u:s3cr3t@h:1/x",
+        "unix://:s3cr3t@rel.sock",    "unix://u:s3cr3t@",         "redis://u:s3cr3t@h:1/@x",
+        "ftp://u:s3cr3t@h:1",         "redis://u:s3cr3t@h:1?db=q",
+    };
+    for (size_t i = 0; i < sizeof secret / sizeof secret[0]; i++) {
+        ASSERT_STATUS(kvc__tier_redis_open(secret[i], &t), KVC_ERR_INVALID_ARG);
+        if (strstr(kvc_last_error(), "s3cr3t")) TEST_FAIL_("%s: %s", secret[i], kvc_last_error());
+    }
+    ASSERT_OK(kvc__tier_redis_open("redis://user:s3cr3t@h:1/2,unix://:p%2C%40w@/x.sock?ttl=5", &t));
+    if (strcmp(t->name, "redis://h:1/2,unix:///x.sock?ttl=5")) TEST_FAIL_("name %s", t->name);
+    t->ops->close(t);
+    ASSERT_OK(kvc__tier_redis_open("redis://h:1/0,redis://h:2?ttl=1", &t));
+    t->ops->close(t);
+    return 0;
+}
+
+/* ACL user "kvctest" with password pw on the server at url (raw); 0 or -1. */
+static int acl_user(const char *url, const char *pw) {
+    redisContext *c = raw_connect(url);
+    redisReply *r = c && !c->err ? redisCommand(c, "ACL SETUSER kvctest reset on >%s ~* +@all", pw)
+                                 : NULL;
+    int ok = r && r->type == REDIS_REPLY_STATUS;
+    if (r) freeReplyObject(r);
+    if (c) redisFree(c);
+    return ok ? 0 : -1;
+}
+
+/* Whether key is in database db of the server at url (raw, default user). */
+static int raw_exists_in(const char *url, int db, const kvc_store_key *ns,
+                         const kvc_store_key *key) {
+    redisContext *c = raw_connect(url);
+    redisReply *r = c && !c->err ? redisCommand(c, "SELECT %d", db) : NULL;
+    long long v = r && r->type == REDIS_REPLY_STATUS ? raw_int(c, "EXISTS", ns, key) : -1;
+    if (r) freeReplyObject(r);
+    if (c) redisFree(c);
+    return (int)v;
+}
+
+/* redis://USER:PASSWORD@.../DB and unix://USER:PASSWORD@/...?db=N: AUTH and
+ * SELECT on connect, the %-escapes decoded, a refusal a readable error that
+ * never shows the password. */
+TEST(credentials_and_database) {
+    NEED_ENV("KVC_TEST_REDIS", ux);
+    NEED_ENV("KVC_TEST_REDIS_TCP", tcp);
+    static const char pw[] = "p@ss:w/rd%,?&"; /* every character that needs escaping */
+    static const char pw_enc[] = "p%40ss%3Aw%2Frd%25%2C%3F%26";
+    ASSERT_TRUE(acl_user(ux, pw) == 0 && acl_user(tcp, pw) == 0);
+    char good[2][512], bad[2][512];
+    snprintf(good[0], sizeof good[0], "unix://kvctest:%s@%s?db=5", pw_enc, ux + 7);
+    snprintf(good[1], sizeof good[1], "redis://kvctest:%s@%s/7", pw_enc, tcp + 8);
+    snprintf(bad[0], sizeof bad[0], "unix://kvctest:wrong-pw@%s", ux + 7);
+    snprintf(bad[1], sizeof bad[1], "redis://kvctest:%s@%s/99999", pw_enc, tcp + 8);
+    const char *raw[2] = {ux, tcp};
+    const int db[2] = {5, 7};
+    enum { N = 8 };
+    for (int k = 0; k < 2; k++) {
+        kvc_tier *t;
+        ASSERT_OK(kvc__tier_redis_open(good[k], &t));
+        ASSERT_TRUE(!strstr(t->name, "p%40ss") && !strstr(t->name, "kvctest"));
+        kvc_store_key ns, keys[N];
+        rand_key(&ns);
+        for (int i = 0; i < N; i++) rand_key(&keys[i]);
+        int64_t written, run;
+        ASSERT_OK(put_keys(t, &ns, keys, N, &written));
+        ASSERT_EQ_I64(written, N);
+        kvc_status st;
+        ASSERT_EQ_I64(get_keys(t, &ns, keys, N, &st), N);
+        ASSERT_OK(st);
+        ASSERT_OK(t->ops->probe(t, &ns, keys, N, &run));
+        ASSERT_EQ_I64(run, N);
+        ASSERT_EQ_I64(raw_exists_in(raw[k], db[k], &ns, &keys[0]), 1);
+        ASSERT_EQ_I64(raw_exists_in(raw[k], 0, &ns, &keys[0]), 0);
+        ASSERT_OK(t->ops->invalidate(t, &ns));
+        ASSERT_EQ_I64(raw_exists_in(raw[k], db[k], &ns, &keys[0]), 0);
+        t->ops->close(t);
+
+        /* wrong password (unix), a database the server does not have (tcp) */
+        ASSERT_OK(kvc__tier_redis_open(bad[k], &t));
+        ASSERT_EQ_I64(get_keys(t, &ns, keys, N, &st), 0);
+        ASSERT_STATUS(st, KVC_ERR_IO);
+        ASSERT_STR_CONTAINS(kvc_last_error(), k ? "SELECT refused" : "AUTH refused");
+        ASSERT_STR_CONTAINS(kvc_last_error(), k ? "out of range" : "WRONGPASS");
+        ASSERT_TRUE(!strstr(kvc_last_error(), "wrong-pw") && !strstr(kvc_last_error(), "p%40"));
+        ASSERT_STATUS(put_keys(t, &ns, keys, N, &written), KVC_ERR_IO);
+        ASSERT_EQ_I64(written, 0);
+        t->ops->close(t);
+    }
+    return 0;
+}
+
+/* A server with requirepass: AUTH PASSWORD (no user) from redis://:PW@;
+ * without it the error says a password is wanted. */
+TEST(requirepass_server) {
+    NEED_ENV("KVC_TEST_REDIS_SERVER", bin);
+    (void)bin;
+    child_server cs = {0};
+    cs.requirepass = "only-pw";
+    ASSERT_TRUE(child_start(&cs) == 0);
+    int rc = 1;
+    char with[400], without[400];
+    snprintf(with, sizeof with, "unix://:only-pw@%s", cs.url + 7);
+    snprintf(without, sizeof without, "%s", cs.url);
+    kvc_tier *t = NULL, *t2 = NULL;
+    kvc_store_key ns, keys[4];
+    rand_key(&ns);
+    for (int i = 0; i < 4; i++) rand_key(&keys[i]);
+    int64_t written;
+    kvc_status st;
+    if (kvc__tier_redis_open(with, &t) != KVC_OK || put_keys(t, &ns, keys, 4, &written) != KVC_OK ||
+        written != 4 || get_keys(t, &ns, keys, 4, &st) != 4 || st != KVC_OK) {
+        fprintf(stderr, "with the password: %s\n", kvc_last_error());
+    } else if (kvc__tier_redis_open(without, &t2) != KVC_OK ||
+               get_keys(t2, &ns, keys, 4, &st) != 0 || st != KVC_ERR_IO ||
+               !strstr(kvc_last_error(), "NOAUTH") ||
+               !strstr(kvc_last_error(), "password in the URL")) {
+        fprintf(stderr, "without the password: %s\n", kvc_last_error());
+    } else {
+        rc = 0;
+    }
+    if (t) t->ops->close(t);
+    if (t2) t2->ops->close(t2);
+    child_stop(&cs);
+    char sock[300];
+    snprintf(sock, sizeof sock, "%s/r.sock", cs.dir);
+    unlink(sock);
+    rmdir(cs.dir);
+    if (rc) TEST_FAIL_("see above");
     return 0;
 }
 
@@ -1179,6 +1327,8 @@ const test_case test_suite[] = {
     TEST_ENTRY(concurrent_put_and_get),
     TEST_ENTRY(bad_urls_rejected),
     TEST_ENTRY(tcp_url),
+    TEST_ENTRY(credentials_and_database),
+    TEST_ENTRY(requirepass_server),
     TEST_ENTRY(engine_restores_from_redis_and_survives_a_killed_server),
     TEST_ENTRY(silent_server_costs_at_most_load_timeout),
     TEST_ENTRY(trickling_server_is_cut_at_load_timeout),

@@ -18,9 +18,12 @@
  *
  * Tiers, looked up in the order given: "dir:PATH[?max_bytes=N]" (one file
  * per page, written under a temporary name and renamed, LRU within a byte
- * budget, shared safely by processes) and "redis://HOST:PORT" or
- * "unix:///PATH" (Redis or Valkey through hiredis; several servers in one
- * comma-separated URL share the keys by rendezvous hashing; "?ttl=SECONDS").
+ * budget, shared safely by processes) and
+ * "redis://[[USER]:PASSWORD@]HOST:PORT[/DB]" or
+ * "unix://[[USER]:PASSWORD@]/PATH" (Redis or Valkey through hiredis; AUTH
+ * and SELECT on connect, credentials %XX-encoded; several servers in one
+ * comma-separated URL share the keys by rendezvous hashing;
+ * "?ttl=SECONDS&db=N"; docs/KV_STORE.md section 5).
  * Any tier's URL may end in a write policy for engines attached to the
  * store, "write=through", "write=back" or "write=selective:N" (after '?',
  * or '&' after the tier's own option: "dir:/k?max_bytes=8G&write=back");
@@ -162,6 +165,14 @@ KVC_API kvc_status kvc_store_restore_page(kvc_cache *cache, int32_t page_id, con
 
 /* ---- the store ---------------------------------------------------------- */
 
+/* Threads: a kvc_store locks itself. Any number of threads may call the
+ * functions below on one store at once (engines attached to it stepped on
+ * threads of their own, restores, saves, puts, flushes, stats, invalidates,
+ * event callback changes), except kvc_store_close and kvc_store_abandon,
+ * which no other call on the store may overlap. What a call touches besides
+ * the store follows its own rules: a kvc_cache or a kvc_engine is used by
+ * one thread at a time (an engine's attachment is called from the thread
+ * that steps it; kvc_store_detach_engine never while the engine steps). */
 typedef struct kvc_store kvc_store;
 
 typedef enum kvc_store_write_policy {
@@ -364,7 +375,8 @@ KVC_API kvc_status kvc_store_events_get_stats(kvc_store_events *ev, kvc_store_ev
  * The engine probes its own prefix cache, then the store, when it admits a
  * request, restores the run it finds into the pages it reserves, and saves
  * pages by the store's write policy. One store may serve several engines
- * (each attach is independent); the store must outlive them. */
+ * (each attach is independent), stepped on one thread or on several at
+ * once; the store must outlive them. */
 KVC_API kvc_status kvc_store_attach_engine(kvc_store *store, kvc_engine *engine,
                                            const kvc_store_key *ns);
 /* Stops store following engine: the engine loses its connector (unless it

@@ -4,8 +4,8 @@ library ``libkvcache_store``; docs/KV_STORE.md is the contract).
 A full page of K/V is kept as one object (every layer) under a 128-bit key
 chained from a namespace digest (model, tokenizer, geometry, KV format, salt)
 over the page's token ids, in tiers looked up in order: ``"dir:PATH"`` (one
-file per page) and ``"redis://HOST:PORT"`` / ``"unix:///PATH"`` (Redis or
-Valkey). Any process of any build on any machine computes the same keys, so
+file per page) and ``"redis://[[USER]:PASSWORD@]HOST:PORT[/DB]"`` /
+``"unix:///PATH"`` (Redis or Valkey). Any process of any build on any machine computes the same keys, so
 independent processes share pages::
 
     with kvcache.KVStore(["dir:/var/cache/kv", "unix:///run/redis.sock"]) as st:
@@ -723,14 +723,36 @@ def _policy(write_policy) -> tuple[int, int | None]:
                                f"(N >= 1), got {write_policy!r}")
 
 
+def _shown(url: str) -> str:
+    """url less the credentials of its Redis servers (as the C tier's name)."""
+    if not url.startswith(("redis://", "unix://")):
+        return url
+    head, q, rest = url.partition("?")
+    out = []
+    for srv in head.split(","):
+        if srv.startswith("unix://"):
+            r = srv[7:]
+            at = -1 if r.startswith("/") else r.find("@/")
+            out.append("unix://" + r[at + 1:])
+        elif srv.startswith("redis://"):
+            r = srv[8:]
+            at = r.split("/", 1)[0].rfind("@")
+            out.append("redis://" + r[at + 1:])
+        else:
+            out.append(srv)
+    return ",".join(out) + q + rest
+
+
 class KVStore(_lib.NoCopy):
     """A KV store (C: kvc_store): tiers looked up in the order of ``urls``,
     written by a background thread through a bounded queue.
 
     Args:
         urls: one URL or a list: ``"dir:PATH[?max_bytes=N]"``,
-            ``"redis://HOST:PORT"``, ``"unix:///PATH"`` (``?ttl=SECONDS``;
-            several Redis servers in one comma-separated URL share the keys);
+            ``"redis://[[USER]:PASSWORD@]HOST:PORT[/DB]"``,
+            ``"unix://[[USER]:PASSWORD@]/PATH"`` (``?ttl=SECONDS&db=N``;
+            credentials ``%XX``-encoded, never shown in messages; several
+            Redis servers in one comma-separated URL share the keys);
             any of them may name its own write policy with ``write=`` (``"dir:/k?write=back"``,
             ``"dir:/k?max_bytes=1G&write=selective:2"``). An empty list opens
             a store of no tiers: it finds and writes nothing, and an attached
@@ -834,7 +856,7 @@ class KVStore(_lib.NoCopy):
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
-        return f"KVStore({self.urls!r}, {state})"
+        return f"KVStore({[_shown(u) for u in self.urls]!r}, {state})"
 
     # -- operations ---------------------------------------------------------
 

@@ -80,6 +80,20 @@ def test_kv_store_url_syntax_is_the_stores(tmp_path):
         "redis://h:1?write=back&ttl=5", "redis://h:1?write=back", "redis://h:1?",
         "redis://h:1?foo=1",
         "redis://h:1?ttl=1?write=back", "redis://h:1?ttl=1?ttl=2", "redis://h:1&write=back",
+        "redis://h:1/", "redis://h:1/x", "redis://h:1/00", "redis://h:1/01", "redis://h:1/-1",
+        "redis://h:1/2147483647", "redis://h:1/2147483648", "redis://h:1/00000000001",
+        "redis://h:1/0?db=1", "redis://h:1,redis://h:2/3?db=1", "redis://h:1,redis://h:2?db=1",
+        "redis://h:1?db=0", "redis://h:1?db=00", "redis://h:1?db=2147483648", "redis://h:1?db=",
+        "redis://h:1?db=x", "redis://h:1?ttl=5&db=2&write=back", "redis://h:1?db=+1",
+        "redis://:pw@h:1", "redis://u:pw@h:1/2", "redis://u@h:1", "redis://u:@h:1",
+        "redis://:@h:1", "redis://:p%41@h:1", "redis://:p%4@h:1", "redis://:p%@h:1",
+        "redis://:p%00@h:1", "redis://:p%zz@h:1", "redis://%00:p@h:1", "redis://:a@b@h:1",
+        "redis://:pw@h:1,redis://h:1", "redis://:pw@h:1,redis://:pw2@h:1",
+        "redis://:pw@h:1,redis://:pw@h:2", "redis://h:1/@x", "redis://u:p/w@h:1",
+        "redis://:pw@[::1]:1/4", "redis://:pw@", "redis://@h:1", "rediss://h:1",
+        "redis://h:1,rediss://h:2", "unix://:pw@/s", "unix://u:pw@/s?db=3", "unix://:pw@s",
+        "unix://:pw@", "unix:///a@/b", "unix://:pw@/s,unix:///s", "unix://:p%2F@/s",
+        "unix://u@/s", "unix://:p@w@/s",
         "unix://rel", "unix://", "unix:///", "unix:///tmp/s", "unix:///" + "x" * 106,
         "unix:///" + "x" * 107, ",".join(f"redis://h:{p}" for p in range(1, 65)),
         ",".join(f"redis://h:{p}" for p in range(1, 66)),
@@ -95,6 +109,8 @@ def test_kv_store_url_syntax_is_the_stores(tmp_path):
         r = subprocess.run([str(kvcache_cli()), "run", "-m", str(tmp_path / "none.gguf"), "-p", "hi",
                             "--kv-store", url], capture_output=True, text=True, timeout=60)
         if malformed:
-            assert r.returncode == 2 and "--kv-store '" in r.stderr, (url, r.stderr)
+            assert r.returncode == 2 and "--kv-store" in r.stderr, (url, r.stderr)
+            # a URL that may hold a password is not echoed
+            assert ("@" in url) == ("--kv-store '" not in r.stderr), (url, r.stderr)
         else:
             assert r.returncode == 1 and "cannot load" in r.stderr, (url, r.stderr)

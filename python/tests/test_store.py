@@ -378,6 +378,24 @@ def test_store_errors_reach_kvc_last_error(tmp_path):
             b"not a page object"
 
 
+def test_passwords_stay_out_of_repr_and_errors():
+    # connections are made on use: a store of unreachable servers opens
+    urls = ["redis://user:s3cr3t@127.0.0.1:1,unix://:s3cr3t2@/nonexistent.sock?ttl=5&db=1"]
+    try:
+        st = kvcache.KVStore(urls)
+    except kvcache.UnsupportedError:  # a build without hiredis: nothing to show
+        pytest.fail("this build has no Redis tier (scripts/setup.sh installs libhiredis-dev)")
+    with st:
+        assert st.urls == urls  # as given
+        assert repr(st) == ("KVStore(['redis://127.0.0.1:1,unix:///nonexistent.sock?ttl=5&db=1']"
+                            ", open)")
+    for bad in ("redis://u:s3cr3t@h", "redis://u@h:1", "unix://:s3cr3t@rel.sock",
+                "redis://:s3cr3t@h:1/x"):
+        with pytest.raises(kvcache.InvalidArgumentError) as e:
+            kvcache.KVStore(bad)
+        assert "s3cr3t" not in str(e.value), str(e.value)
+
+
 def _run_py(code: str, env_over: dict, timeout=120):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(PYDIR) + os.pathsep + env.get("PYTHONPATH", "")

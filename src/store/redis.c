@@ -58,10 +58,12 @@ typedef struct conn {
 } conn;
 
 typedef struct server {
-    char *url;     /* as given: its identity for hashing and messages */
+    char *url;     /* as given less USER:PASSWORD@: its identity for hashing and messages */
     char *host;    /* redis://HOST:PORT, or NULL */
     int port;
     char *path;    /* unix://PATH, or NULL */
+    char *user, *pass; /* AUTH [USER] PASSWORD on connect (decoded), or NULL */
+    long db;       /* SELECT db on connect when > 0 */
     uint64_t seed; /* XXH3 of url: the rendezvous seed */
     conn rd, wr;   /* reads (probe, get, invalidate), writes (put) */
 } server;
@@ -71,6 +73,7 @@ typedef struct redis_tier {
     server *srv;
     int n_srv;
     long ttl; /* seconds, 0: none */
+    long db;  /* ?db=N for the servers without /DB, -1: none */
 } redis_tier;
 
 /* ---- time, signals -------------------------------------------------------- */
@@ -160,14 +163,48 @@ static int conn_timeout(conn *c, int64_t ms) {
     return 0;
 }
 
+/* AUTH and SELECT on a fresh connection (c->mu held, SIGPIPE blocked):
+ * 0 done, 1 no reply (the caller fails it as a connect), -1 the server
+ * refused: c is dropped with back-off (wrong credentials or database do not
+ * fix themselves; retrying at once would only hammer the server) and the
+ * error set. */
+static int conn_handshake(server *sv, conn *c) {
+    for (int step = 0; step < 2; step++) {
+        redisReply *r;
+        if (step == 0 && sv->pass)
+            r = sv->user ? redisCommand(c->ctx, "AUTH %s %s", sv->user, sv->pass)
+                         : redisCommand(c->ctx, "AUTH %s", sv->pass);
+        else if (step == 1 && sv->db > 0)
+            r = redisCommand(c->ctx, "SELECT %ld", sv->db);
+        else
+            continue;
+        if (!r) return 1;
+        if (r->type == REDIS_REPLY_STATUS) {
+            freeReplyObject(r);
+            continue;
+        }
+        /* the server's words (never the password: Redis does not echo it) */
+        char why[160];
+        snprintf(why, sizeof why, "%s refused: %.100s", step ? "SELECT" : "AUTH",
+                 r->type == REDIS_REPLY_ERROR && r->str ? r->str : "unexpected reply");
+        freeReplyObject(r);
+        conn_drop(c, 1, why);
+        kvc__error(KVC_ERR_IO, "redis tier: server %s: %s", sv->url, why);
+        return -1;
+    }
+    return 0;
+}
+
 /* Locks c and makes sure it is connected (by deadline_ns when not 0). On
  * failure c is unlocked again and the status is KVC_ERR_IO (at once while
  * the server is down). */
 static kvc_status conn_acquire(server *sv, conn *c, int64_t deadline_ns, pipe_guard *g) {
     pthread_mutex_lock(&c->mu);
+    pipe_block(g); /* the handshake writes too */
     if (!c->ctx) {
         int64_t wait = c->retry_at_ns - now_ns();
         if (wait > 0) {
+            pipe_unblock(g);
             pthread_mutex_unlock(&c->mu);
             return kvc__error(KVC_ERR_IO, "redis tier: server %s is down (%s); retry in %lld ms",
                               sv->url, c->why, (long long)(wait / 1000000 + 1));
@@ -184,11 +221,19 @@ static kvc_status conn_acquire(server *sv, conn *c, int64_t deadline_ns, pipe_gu
         c->ctx = sv->path ? redisConnectUnixWithTimeout(sv->path, tv)
                           : redisConnectWithTimeout(sv->host, sv->port, tv);
         c->cmd_ms = cmd_ms;
-        if (!c->ctx || c->ctx->err || conn_timeout(c, cmd_ms) != 0) {
-            kvc_status st = c->ctx ? conn_fail(sv, c, "cannot connect")
-                                   : (conn_drop(c, 1, "cannot connect: out of memory"),
-                                      kvc__error(KVC_ERR_IO, "redis tier: server %s: %s", sv->url,
-                                                 c->why));
+        /* the handshake waits no longer than the connect may */
+        int hs = !c->ctx || c->ctx->err || conn_timeout(c, conn_ms < cmd_ms ? conn_ms : cmd_ms)
+                     ? 1
+                     : conn_handshake(sv, c);
+        if (hs == 0 && conn_timeout(c, cmd_ms) != 0) hs = 1;
+        if (hs != 0) {
+            kvc_status st = KVC_ERR_IO; /* hs < 0: conn_handshake set the error */
+            if (hs > 0 && c->ctx) st = conn_fail(sv, c, "cannot connect");
+            else if (hs > 0) {
+                conn_drop(c, 1, "cannot connect: out of memory");
+                st = kvc__error(KVC_ERR_IO, "redis tier: server %s: %s", sv->url, c->why);
+            }
+            pipe_unblock(g);
             pthread_mutex_unlock(&c->mu);
             return st;
         }
@@ -203,7 +248,6 @@ static kvc_status conn_acquire(server *sv, conn *c, int64_t deadline_ns, pipe_gu
             c->ctx->reader->privdata = c;
         }
     }
-    pipe_block(g);
     return KVC_OK;
 }
 
@@ -301,8 +345,12 @@ static kvc_status conn_protocol(server *sv, conn *c, const char *cmd, redisReply
 
 /* An error reply (e.g. OOM under maxmemory): the connection stays in sync. */
 static kvc_status reply_error(server *sv, const char *cmd, redisReply *r) {
-    kvc_status st = kvc__error(KVC_ERR_IO, "redis tier: server %s: %s: %.*s", sv->url, cmd,
-                               r->len > 200 ? 200 : (int)r->len, r->str ? r->str : "");
+    const int noauth = r->str && !strncmp(r->str, "NOAUTH", 6);
+    kvc_status st = kvc__error(KVC_ERR_IO, "redis tier: server %s: %s: %.*s%s", sv->url, cmd,
+                               r->len > 200 ? 200 : (int)r->len, r->str ? r->str : "",
+                               noauth ? " (give the password in the URL: "
+                                        "redis://[USER]:PASSWORD@HOST:PORT)"
+                                      : "");
     freeReplyObject(r);
     return st;
 }
@@ -604,6 +652,12 @@ static void redis_close(kvc_tier *t) {
         free(sv->url);
         free(sv->host);
         free(sv->path);
+        free(sv->user);
+        if (sv->pass) { /* not left in freed memory */
+            volatile char *p = sv->pass;
+            while (*p) *p++ = 0;
+            free(sv->pass);
+        }
     }
     free(rt->srv);
     free(rt);
@@ -614,18 +668,22 @@ static const kvc_tier_ops redis_ops = {redis_probe, redis_get,   redis_put,
 
 /* ---- URLs ----------------------------------------------------------------- */
 
-#define URL_FORMS "redis://HOST:PORT or unix:///PATH, comma-separated, optional ?ttl=SECONDS"
+#define URL_FORMS                                                                          \
+    "redis://[[USER]:PASSWORD@]HOST:PORT[/DB] or unix://[[USER]:PASSWORD@]/PATH, "            \
+    "comma-separated, optional ?ttl=SECONDS&db=N"
 
-/* Digits only, value in [1, max]; -1 otherwise. */
-static long parse_pos(const char *s, size_t len, long max) {
+/* Digits only, value in [lo, max]; -1 otherwise. */
+static long parse_num(const char *s, size_t len, long lo, long max) {
     if (len == 0 || len > 10) return -1;
     long long v = 0;
     for (size_t i = 0; i < len; i++) {
         if (s[i] < '0' || s[i] > '9') return -1;
         v = v * 10 + (s[i] - '0');
     }
-    return v >= 1 && v <= max ? (long)v : -1;
+    return v >= lo && v <= max ? (long)v : -1;
 }
+
+static long parse_pos(const char *s, size_t len, long max) { return parse_num(s, len, 1, max); }
 
 static char *dup_n(const char *s, size_t n) {
     char *d = malloc(n + 1);
@@ -636,61 +694,160 @@ static char *dup_n(const char *s, size_t n) {
     return d;
 }
 
-/* One server URL, s[0..len), into sv. */
+static int hex_val(char c) {
+    return c >= '0' && c <= '9' ? c - '0'
+           : c >= 'a' && c <= 'f' ? c - 'a' + 10
+           : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                  : -1;
+}
+
+/* s[0..n) with %XX decoded, into *out (malloc'd); a bad escape or %00 is
+ * INVALID_ARG (the message names the field, never its text: a password). */
+static kvc_status url_decode(const char *s, size_t n, const char *what, const char *url,
+                             char **out) {
+    char *d = malloc(n + 1), *o = d;
+    if (!d) return kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory");
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] != '%') {
+            *o++ = s[i];
+            continue;
+        }
+        const int hi = i + 2 < n ? hex_val(s[i + 1]) : -1;
+        const int lo = hi >= 0 ? hex_val(s[i + 2]) : -1;
+        if (lo < 0 || (hi | lo) == 0) {
+            free(d);
+            return kvc__error(KVC_ERR_INVALID_ARG, "redis tier URL \"%s\": the %s has a bad "
+                              "%%-escape (want %%XX, two hex digits, not %%00)", url, what);
+        }
+        *o++ = (char)(hi << 4 | lo);
+        i += 2;
+    }
+    *o = 0;
+    *out = d;
+    return KVC_OK;
+}
+
+/* "USER:PASSWORD" or ":PASSWORD" (s[0..n), as written) into sv. */
+static kvc_status parse_userinfo(const char *s, size_t n, server *sv, const char *url) {
+    const char *colon = memchr(s, ':', n);
+    KVC_CHECK(colon, "redis tier URL \"%s\": a user name needs a password "
+              "(USER:PASSWORD@ or :PASSWORD@)", url);
+    const size_t ulen = (size_t)(colon - s), plen = n - ulen - 1;
+    KVC_CHECK(plen > 0, "redis tier URL \"%s\": empty password", url);
+    if (ulen) KVC_TRY(url_decode(s, ulen, "user name", url, &sv->user));
+    return url_decode(colon + 1, plen, "password", url, &sv->pass);
+}
+
+/* u for a message, unless it may hold a password (an '@' the parser could
+ * not take as the end of credentials). */
+static const char *shown(const char *u) {
+    return strchr(u, '@') ? "(not shown: it has an '@')" : u;
+}
+
+/* One server URL, s[0..len), into sv. sv->url becomes the URL less its
+ * credentials: the server's identity (hashing, "listed twice", messages,
+ * the tier's name), so that a password never shows and changing one does
+ * not move keys. */
 static kvc_status parse_server(const char *s, size_t len, server *sv) {
     KVC_CHECK(len > 0, "redis tier URL: empty server in the list (want " URL_FORMS ")");
-    if (!(sv->url = dup_n(s, len))) return kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory");
+    char *given = dup_n(s, len); /* for messages until sv->url exists: redact first */
+    if (!given) return kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory");
+    const int is_unix = !strncmp(given, "unix://", 7), is_redis = !strncmp(given, "redis://", 8);
+    const size_t pre = is_unix ? 7 : is_redis ? 8 : 0;
+    kvc_status st = KVC_OK;
+    if (!pre) {
+        st = !strncmp(given, "rediss://", 9)
+                 ? kvc__error(KVC_ERR_INVALID_ARG, "redis tier URL: rediss:// (TLS) is not "
+                              "supported (want " URL_FORMS ")")
+                 : kvc__error(KVC_ERR_INVALID_ARG, "redis tier URL \"%.200s\": unknown scheme "
+                              "(want " URL_FORMS ")", strchr(given, '@') ? "..." : given);
+        free(given);
+        return st;
+    }
+    /* credentials: up to the first "@/" for unix:// (the path follows),
+     * up to the last '@' before the first '/' for redis:// */
+    const char *rest = given + pre, *at = NULL;
+    if (is_unix) {
+        if (rest[0] != '/') {
+            const char *p = strstr(rest, "@/");
+            at = p;
+        }
+    } else {
+        const size_t auth_len = strcspn(rest, "/");
+        for (size_t i = 0; i < auth_len; i++)
+            if (rest[i] == '@') at = rest + i;
+    }
+    /* the identity: scheme and what follows the credentials */
+    const char *after = at ? at + 1 : rest;
+    sv->url = malloc(pre + strlen(after) + 1);
+    if (!sv->url) {
+        free(given);
+        return kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory");
+    }
+    memcpy(sv->url, given, pre);
+    strcpy(sv->url + pre, after);
     const char *u = sv->url;
-    if (!strncmp(u, "unix://", 7)) {
+    if (at) st = parse_userinfo(rest, (size_t)(at - rest), sv, u);
+    free(given);
+    KVC_TRY(st);
+    if (is_unix) {
         const char *p = u + 7;
         KVC_CHECK(p[0] == '/', "redis tier URL \"%s\": unix:// needs an absolute path "
-                  "(unix:///PATH/TO/SOCKET)", u);
+                  "(unix:///PATH/TO/SOCKET)", shown(u));
         KVC_CHECK(strlen(p) < sizeof(((struct sockaddr_un *)0)->sun_path),
-                  "redis tier URL \"%s\": socket path longer than %zu bytes", u,
+                  "redis tier URL \"%s\": socket path longer than %zu bytes", shown(u),
                   sizeof(((struct sockaddr_un *)0)->sun_path) - 1);
         sv->path = dup_n(p, strlen(p));
-    } else if (!strncmp(u, "redis://", 8)) {
+    } else {
         const char *h = u + 8, *colon;
         size_t hlen;
-        KVC_CHECK(!strchr(h, '@'), "redis tier URL \"%s\": credentials are not supported", u);
+        KVC_CHECK(!strchr(h, '@'), "redis tier URL \"%s\": bad host", shown(u));
         if (h[0] == '[') { /* [IPv6]:PORT */
             const char *close = strchr(h, ']');
             KVC_CHECK(close && close[1] == ':', "redis tier URL \"%s\": want redis://[ADDR]:PORT",
-                      u);
+                      shown(u));
             h++;
             hlen = (size_t)(close - h);
             colon = close + 1;
         } else {
             colon = strchr(h, ':');
-            KVC_CHECK(colon, "redis tier URL \"%s\": missing :PORT (want redis://HOST:PORT)", u);
+            KVC_CHECK(colon, "redis tier URL \"%s\": missing :PORT (want redis://HOST:PORT)", shown(u));
             hlen = (size_t)(colon - h);
         }
-        KVC_CHECK(hlen > 0 && !memchr(h, '/', hlen), "redis tier URL \"%s\": bad host", u);
-        long port = parse_pos(colon + 1, strlen(colon + 1), 65535);
-        KVC_CHECK(port > 0, "redis tier URL \"%s\": bad port \"%s\" (want 1..65535)", u, colon + 1);
+        KVC_CHECK(hlen > 0 && !memchr(h, '/', hlen), "redis tier URL \"%s\": bad host", shown(u));
+        const char *slash = strchr(colon + 1, '/');
+        const size_t port_len = slash ? (size_t)(slash - colon - 1) : strlen(colon + 1);
+        long port = parse_pos(colon + 1, port_len, 65535);
+        KVC_CHECK(port > 0, "redis tier URL \"%s\": bad port (want 1..65535)", shown(u));
+        if (slash) {
+            sv->db = parse_num(slash + 1, strlen(slash + 1), 0, INT_MAX);
+            KVC_CHECK(sv->db >= 0, "redis tier URL \"%s\": bad database (want /N, N a number "
+                      "from 0)", shown(u));
+        }
         sv->port = (int)port;
         sv->host = dup_n(h, hlen);
-    } else {
-        return kvc__error(KVC_ERR_INVALID_ARG, "redis tier URL \"%s\": unknown scheme (want "
-                          URL_FORMS ")", u);
     }
     if (!sv->host && !sv->path) return kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory");
-    sv->seed = XXH3_64bits(sv->url, len);
+    sv->seed = XXH3_64bits(sv->url, strlen(sv->url));
     return KVC_OK;
 }
 
-/* "?ttl=N" options (after the '?'), '&'-separated. */
-static kvc_status parse_query(const char *q, long *ttl) {
-    KVC_CHECK(*q, "redis tier URL: empty query after '?' (known option: ttl=SECONDS)");
+/* "?ttl=N&db=N" options (after the '?'), '&'-separated. */
+static kvc_status parse_query(const char *q, long *ttl, long *db) {
+    KVC_CHECK(*q, "redis tier URL: empty query after '?' (known options: ttl=SECONDS, db=N)");
     while (*q) {
         size_t len = strcspn(q, "&");
         if (len >= 4 && !strncmp(q, "ttl=", 4)) {
             *ttl = parse_pos(q + 4, len - 4, INT_MAX);
             KVC_CHECK(*ttl > 0, "redis tier URL: ttl \"%.*s\" is not a positive integer of "
                       "seconds", (int)(len - 4), q + 4);
+        } else if (len >= 3 && !strncmp(q, "db=", 3)) {
+            *db = parse_num(q + 3, len - 3, 0, INT_MAX);
+            KVC_CHECK(*db >= 0, "redis tier URL: db \"%.*s\" is not a database number (0, 1, "
+                      "...)", (int)(len - 3), q + 3);
         } else {
             return kvc__error(KVC_ERR_INVALID_ARG, "redis tier URL: unknown option \"%.*s\" "
-                              "(known: ttl=SECONDS)", (int)len, q);
+                              "(known: ttl=SECONDS, db=N)", (int)len, q);
         }
         q += len;
         if (*q == '&') q++;
@@ -702,7 +859,8 @@ static kvc_status parse_query(const char *q, long *ttl) {
 static kvc_status parse_url(const char *url, redis_tier *rt) {
     KVC_CHECK(url && *url, "redis tier: empty URL (want " URL_FORMS ")");
     size_t list_len = strcspn(url, "?");
-    if (url[list_len] == '?') KVC_TRY(parse_query(url + list_len + 1, &rt->ttl));
+    rt->db = -1;
+    if (url[list_len] == '?') KVC_TRY(parse_query(url + list_len + 1, &rt->ttl, &rt->db));
     int n = 1;
     for (size_t i = 0; i < list_len; i++) n += url[i] == ',';
     KVC_CHECK(n <= MAX_SERVERS, "redis tier URL: %d servers, at most %d", n, MAX_SERVERS);
@@ -717,7 +875,13 @@ static kvc_status parse_url(const char *url, redis_tier *rt) {
             cs[k]->backoff_ms = BACKOFF_MIN_MS;
             cs[k]->tier = &rt->base;
         }
+        sv->db = -1;
         KVC_TRY(parse_server(s, len, sv));
+        if (rt->db >= 0) {
+            KVC_CHECK(sv->db < 0, "redis tier URL: server %s has a /DB and the URL ?db=N too",
+                      sv->url);
+            sv->db = rt->db;
+        }
         for (int k = 0; k < rt->n_srv - 1; k++)
             KVC_CHECK(strcmp(rt->srv[k].url, sv->url), "redis tier URL: server %s listed twice",
                       sv->url);
@@ -738,13 +902,16 @@ kvc_status kvc__tier_redis_open(const char *url, kvc_tier **out) {
     }
     rt->base.ops = &redis_ops;
     snprintf(rt->base.kind, sizeof rt->base.kind, "redis");
-    size_t len = strlen(url);
-    if (len < sizeof rt->base.name) {
-        memcpy(rt->base.name, url, len + 1);
-    } else { /* cut, and say so */
-        memcpy(rt->base.name, url, sizeof rt->base.name - 4);
-        memcpy(rt->base.name + sizeof rt->base.name - 4, "...", 4);
-    }
+    /* the name: the URL less credentials */
+    char *name = rt->base.name;
+    const size_t cap = sizeof rt->base.name;
+    size_t len = 0;
+    for (int i = 0; i < rt->n_srv; i++)
+        len += (size_t)snprintf(name + (len < cap ? len : cap), len < cap ? cap - len : 0, "%s%s",
+                                i ? "," : "", rt->srv[i].url);
+    const char *q = strchr(url, '?');
+    if (q) len += (size_t)snprintf(name + (len < cap ? len : cap), len < cap ? cap - len : 0, "%s", q);
+    if (len >= cap) memcpy(name + cap - 4, "...", 4); /* cut, and say so */
     /* Connections are made on first use: a server down now is retried then. */
     *out = &rt->base;
     return KVC_OK;

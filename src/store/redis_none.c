@@ -3,8 +3,9 @@
 #include "tier.h"
 
 kvc_status kvc__tier_redis_open(const char *url, kvc_tier **out) {
+    (void)url; /* not echoed: it may hold a password */
     if (out) *out = NULL;
     return kvc__error(KVC_ERR_UNSUPPORTED,
-                      "redis tier \"%s\": kvcache was built without hiredis (Debian: "
-                      "libhiredis-dev; scripts/setup.sh installs it)", url ? url : "");
+                      "redis tier: kvcache was built without hiredis (Debian: "
+                      "libhiredis-dev; scripts/setup.sh installs it)");
 }

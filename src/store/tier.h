@@ -109,9 +109,12 @@ struct kvc_tier {
  * 2^20, 2^30 allowed; default: no budget). Creates PATH if missing. */
 kvc_status kvc__tier_dir_open(const char *url, kvc_tier **out);
 
-/* One or more comma-separated server URLs, "redis://HOST:PORT" or
- * "unix:///PATH/TO/SOCKET", with one optional "?ttl=SECONDS" at the very
- * end applying to all (default: no expiry). KVC_ERR_UNSUPPORTED when the
+/* One or more comma-separated server URLs,
+ * "redis://[[USER]:PASSWORD@]HOST:PORT[/DB]" or
+ * "unix://[[USER]:PASSWORD@]/PATH/TO/SOCKET" (credentials %-encoded; sent
+ * with AUTH, the database with SELECT, on each connect), with one optional
+ * "?ttl=SECONDS&db=N" at the very end applying to all (default: no expiry,
+ * database 0; db= for the servers without /DB). KVC_ERR_UNSUPPORTED when the
  * library was built without hiredis. Connects lazily or at open (an
  * unreachable server at open is not an error: it counts as down and is
  * retried with back-off). */

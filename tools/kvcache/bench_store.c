@@ -167,22 +167,57 @@ static void shell_quote(char *dst, size_t cap, const char *s, size_t n) {
     dst[o] = 0;
 }
 
+/* s[0..n) with %XX decoded, shell-quoted into dst ("" if it does not fit). */
+static void quote_decoded(char *dst, size_t cap, const char *s, size_t n) {
+    char d[256];
+    size_t o = 0;
+    for (size_t i = 0; i < n && o + 1 < sizeof d; i++) {
+        unsigned v;
+        if (s[i] == '%' && i + 2 < n && sscanf(s + i + 1, "%2x", &v) == 1) {
+            d[o++] = (char)v;
+            i += 2;
+        } else {
+            d[o++] = s[i];
+        }
+    }
+    shell_quote(dst, cap, d, o);
+}
+
 /* requests/s of redis-benchmark's SET and GET (value bytes, pipeline 32)
- * against url's first server; 0 when it cannot run. The host or socket
- * path goes to the shell quoted. */
+ * against url's first server (its credentials and database too); 0 when it
+ * cannot run. The host or socket path goes to the shell quoted. */
 static void redis_benchmark(const char *url, size_t value, int64_t n, double *set_rps,
                             double *get_rps) {
     *set_rps = *get_rps = 0;
-    char target[560], q[520], cmd[1100];
+    char target[1400], q[520], cmd[1600], user[300] = "", pass[300] = "";
+    const size_t len = strcspn(url, ",?");
+    const char *cred, *id = cli_store_url_after_cred(url, len, &cred), *end = url + len;
+    if (cred) { /* USER:PASSWORD@ (checked by cli_store_url_problem) */
+        const char *colon = memchr(cred, ':', (size_t)(id - 1 - cred));
+        if (colon > cred) quote_decoded(user, sizeof user, cred, (size_t)(colon - cred));
+        quote_decoded(pass, sizeof pass, colon + 1, (size_t)(id - 2 - colon));
+        if (!pass[0] || (colon > cred && !user[0])) return;
+    }
+    const char *qdb = strstr(url + len, "db="), *slash = NULL;
     if (!strncmp(url, "unix://", 7)) {
-        shell_quote(q, sizeof q, url + 7, strcspn(url + 7, ",?"));
+        shell_quote(q, sizeof q, id, (size_t)(end - id));
         snprintf(target, sizeof target, "-s %s", q);
     } else {
-        const char *h = url + 8; /* redis:// */
-        size_t hl = strcspn(h, ":,?");
-        shell_quote(q, sizeof q, h, hl);
-        snprintf(target, sizeof target, "-h %s -p %d", q, h[hl] == ':' ? atoi(h + hl + 1) : 6379);
+        const char *h = id; /* HOST:PORT or [ADDR]:PORT */
+        const char *hend = memchr(h, *h == '[' ? ']' : ':', (size_t)(end - h));
+        if (!hend) return;
+        if (*h == '[') h++;
+        const char *port = strchr(hend, ':');
+        slash = memchr(hend, '/', (size_t)(end - hend));
+        shell_quote(q, sizeof q, h, (size_t)(hend - h));
+        snprintf(target, sizeof target, "-h %s -p %d", q, port ? atoi(port + 1) : 6379);
     }
+    const long db = slash                                          ? atol(slash + 1)
+                    : qdb && (qdb[-1] == '?' || qdb[-1] == '&') ? atol(qdb + 3)
+                                                                  : 0;
+    const size_t tl = strlen(target);
+    snprintf(target + tl, sizeof target - tl, "%s%s%s%s --dbnum %ld", user[0] ? " --user " : "",
+             user, pass[0] ? " -a " : "", pass, db);
     if (!q[0]) return;
     snprintf(cmd, sizeof cmd, "redis-benchmark %s -c 1 -t set,get -d %zu -P 32 -n %lld -r %lld "
              "--csv 2>/dev/null", target, value, (long long)(n * 4), (long long)n);
@@ -246,8 +281,7 @@ int bench_store(int argc, char **argv) {
         } else if (!strcmp(a, "--kv-store")) {
             if (n_urls == 16) return cli_usage_error(cmd, "at most 16 --kv-store");
             const char *why = cli_store_url_problem(v);
-            if (why) return cli_usage_error(cmd, "--kv-store '%.200s': %s (" CLI_STORE_URL_FORMS
-                                            ")", v, why);
+            if (why) return cli_store_url_usage(cmd, v, why);
             urls[n_urls++] = v;
         } else if (!strcmp(a, "--time")) {
             if (cli_parse_seconds(v, 600, &budget))
@@ -353,17 +387,19 @@ int bench_store(int argc, char **argv) {
         kvc_store_get_stats(g_store, &st);
         kvc_store_close(g_store);
         g_store = NULL;
+        char shown[1200]; /* no password in the output */
+        cli_store_url_shown(urls[u], shown, sizeof shown);
         if (put < 0 || get < 0 || st.errors || st.writes_failed || st.writes_dropped) {
             fprintf(stderr, "kvcache: %s: %s: errors %lld, failed %lld, dropped %lld writes\n",
-                    cmd, urls[u], (long long)st.errors, (long long)st.writes_failed,
+                    cmd, shown, (long long)st.errors, (long long)st.writes_failed,
                     (long long)st.writes_dropped);
             goto out;
         }
         const double ref_set = median(set_rps, ROUNDS) * (double)b.page_bytes / 1e9,
                      ref_get = median(get_rps, ROUNDS) * (double)b.page_bytes / 1e9;
-        report(json, "put", urls[u], put, ref_set > 0 ? ref_set : mc,
+        report(json, "put", shown, put, ref_set > 0 ? ref_set : mc,
                ref_set > 0 ? "redis-benchmark" : "memcpy");
-        report(json, "get", urls[u], get, ref_get > 0 ? ref_get : mc,
+        report(json, "get", shown, get, ref_get > 0 ? ref_get : mc,
                ref_get > 0 ? "redis-benchmark" : "memcpy");
     }
     rc = CLI_EXIT_OK;

@@ -13,8 +13,11 @@
 const char cli_store_opts_help[] =
     "  --kv-store URL      keep K/V pages beyond this process, looked up in the order\n"
     "                      given (repeatable): dir:PATH[?max_bytes=N],\n"
-    "                      redis://HOST:PORT or unix:///PATH/TO/SOCKET [?ttl=SECONDS]\n"
-    "                      (several Redis servers: a comma-separated list);\n"
+    "                      redis://[[USER]:PASSWORD@]HOST:PORT[/DB] or\n"
+    "                      unix://[[USER]:PASSWORD@]/PATH/TO/SOCKET [?ttl=SECONDS&db=N]\n"
+    "                      (several Redis servers: a comma-separated list; %-encode\n"
+    "                      @ : / , ? & % in a password, which others on this machine\n"
+    "                      can read in the process list);\n"
     "                      a tier's own write policy: ?write=P (&write=P after\n"
     "                      another option)\n"
     "  --kv-store-write P  the other tiers': through (default: when a page is full),\n"
@@ -49,6 +52,18 @@ static int64_t url_count(const char *s, size_t n, int64_t max, size_t max_len) {
     return v >= 1 ? v : -1;
 }
 
+/* s[0..n) as a number in [0, INT32_MAX] of 1 to 10 digits: 0 or -1 (a
+ * Redis database, as the store reads it). */
+static int url_db(const char *s, size_t n) {
+    int64_t v = 0;
+    if (n == 0 || n > 10) return -1;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9') return -1;
+        v = v * 10 + (s[i] - '0');
+    }
+    return v <= INT32_MAX ? 0 : -1;
+}
+
 /* "write=P" (v: the text after "write=", n bytes): 0 or -1. */
 static int url_policy(const char *v, size_t n) {
     if ((n == 7 && !strncmp(v, "through", 7)) || (n == 4 && !strncmp(v, "back", 4))) return 0;
@@ -58,18 +73,68 @@ static int url_policy(const char *v, size_t n) {
                : -1;
 }
 
-/* One Redis server, s[0..n): redis://HOST:PORT, redis://[ADDR]:PORT or
- * unix:///PATH. NULL if fine, else why not (static text). */
-static const char *url_server(const char *s, size_t n) {
+static int hex_digit(char c) {
+    return (c >= '0' && c <= '9') || ((c | 32) >= 'a' && (c | 32) <= 'f');
+}
+
+/* USER:PASSWORD or :PASSWORD, s[0..n) as written: NULL if fine. */
+static const char *url_userinfo(const char *s, size_t n) {
+    const char *colon = memchr(s, ':', n);
+    if (!colon) return "a user name needs a password (USER:PASSWORD@ or :PASSWORD@)";
+    if (colon + 1 == s + n) return "empty password";
+    for (size_t i = 0; i < n; i++)
+        if (s[i] == '%' && (i + 2 >= n || !hex_digit(s[i + 1]) || !hex_digit(s[i + 2]) ||
+                            (s[i + 1] == '0' && s[i + 2] == '0')))
+            return "a bad %-escape in the credentials (want %XX, not %00)";
+    return NULL;
+}
+
+/* Where server s[0..n)'s identity (what follows its credentials) starts:
+ * past "USER:PASSWORD@" if any, else past the scheme; *cred the
+ * credentials' start (NULL: none). As the store: for unix:// up to the
+ * first "@/", for redis:// up to the last '@' before the first '/'. */
+const char *cli_store_url_after_cred(const char *s, size_t n, const char **cred) {
+    const int is_unix = n >= 7 && !strncmp(s, "unix://", 7);
+    const char *rest = s + (is_unix ? 7 : 8), *end = s + n, *at = NULL;
+    *cred = NULL;
+    if (n < 8 && !is_unix) return s + n;
+    if (is_unix) {
+        if (rest < end && *rest != '/')
+            for (const char *p = rest; p + 1 < end; p++)
+                if (p[0] == '@' && p[1] == '/') {
+                    at = p;
+                    break;
+                }
+    } else {
+        for (const char *p = rest; p < end && *p != '/'; p++)
+            if (*p == '@') at = p;
+    }
+    if (!at) return rest;
+    *cred = rest;
+    return at + 1;
+}
+
+/* One Redis server, s[0..n): redis://[[USER]:PASSWORD@]HOST:PORT[/DB],
+ * redis://...[ADDR]:PORT[/DB] or unix://[[USER]:PASSWORD@]/PATH; *has_db
+ * set when it names a /DB. NULL if fine, else why not (static text). */
+static const char *url_server(const char *s, size_t n, int *has_db) {
+    *has_db = 0;
     if (n == 0) return "an empty server in the list";
-    if (n >= 7 && !strncmp(s, "unix://", 7)) {
-        if (n == 7 || s[7] != '/') return "unix:// needs an absolute path (unix:///PATH)";
-        if (n - 7 >= 108) return "the socket path is longer than 107 bytes";
+    if (n >= 9 && !strncmp(s, "rediss://", 9)) return "rediss:// (TLS) is not supported";
+    const int is_unix = n >= 7 && !strncmp(s, "unix://", 7);
+    if (!is_unix && (n < 8 || strncmp(s, "redis://", 8)))
+        return "a server is redis://HOST:PORT or unix:///PATH";
+    const char *cred, *h = cli_store_url_after_cred(s, n, &cred), *end = s + n, *colon;
+    if (cred) {
+        const char *why = url_userinfo(cred, (size_t)(h - 1 - cred));
+        if (why) return why;
+    }
+    if (is_unix) {
+        if (h == end || *h != '/') return "unix:// needs an absolute path (unix:///PATH)";
+        if (end - h >= 108) return "the socket path is longer than 107 bytes";
         return NULL;
     }
-    if (n < 8 || strncmp(s, "redis://", 8)) return "a server is redis://HOST:PORT or unix:///PATH";
-    const char *h = s + 8, *end = s + n, *colon;
-    if (memchr(h, '@', (size_t)(end - h))) return "credentials are not supported";
+    if (memchr(h, '@', (size_t)(end - h))) return "bad host";
     size_t hlen;
     if (*h == '[') { /* [IPv6]:PORT */
         const char *close = memchr(h, ']', (size_t)(end - h));
@@ -83,8 +148,15 @@ static const char *url_server(const char *s, size_t n) {
         hlen = (size_t)(colon - h);
     }
     if (hlen == 0 || memchr(h, '/', hlen)) return "bad host";
-    if (url_count(colon + 1, (size_t)(end - colon - 1), 65535, 10) < 0)
-        return "the port must be a number in [1, 65535] (no /DB)";
+    const char *slash = memchr(colon + 1, '/', (size_t)(end - colon - 1));
+    if (url_count(colon + 1, (size_t)((slash ? slash : end) - colon - 1), 65535, 10) < 0)
+        return "the port must be a number in [1, 65535]";
+    if (slash) {
+        const size_t dn = (size_t)(end - slash - 1);
+        if (url_db(slash + 1, dn) < 0)
+            return "a database is /N, N a number from 0";
+        *has_db = 1;
+    }
     return NULL;
 }
 
@@ -106,14 +178,22 @@ static const char *url_tier_problem(const char *u) {
                    "(e.g. max_bytes=512M), and nothing after it";
         return NULL;
     }
+    if (!strncmp(u, "rediss://", 9)) return "rediss:// (TLS) is not supported";
     if (strncmp(u, "redis://", 8) && strncmp(u, "unix://", 7)) return "unknown scheme";
     const size_t list_len = strcspn(u, "?");
-    if (u[list_len] == '?') { /* ttl=SECONDS, '&'-separated */
+    int query_db = 0;
+    if (u[list_len] == '?') { /* ttl=SECONDS, db=N, '&'-separated */
         const char *q = u + list_len + 1;
         do {
             const size_t n = strcspn(q, "&");
-            if (n < 4 || strncmp(q, "ttl=", 4) || url_count(q + 4, n - 4, INT32_MAX, 10) < 0)
-                return "a Redis tier's only option is ttl=SECONDS (a positive integer)";
+            if (n >= 3 && !strncmp(q, "db=", 3)) {
+                if (url_db(q + 3, n - 3) < 0)
+                    return "db= takes a database number (0, 1, ...)";
+                query_db = 1;
+            } else if (n < 4 || strncmp(q, "ttl=", 4) ||
+                       url_count(q + 4, n - 4, INT32_MAX, 10) < 0) {
+                return "a Redis tier's options are ttl=SECONDS (a positive integer) and db=N";
+            }
             q += n;
         } while (*q++ == '&');
     }
@@ -122,10 +202,18 @@ static const char *url_tier_problem(const char *u) {
     if (n_srv > 64) return "more than 64 servers";
     for (const char *s = u;; s++) { /* each server, s[0..len) */
         const size_t len = strcspn(s, ",?");
-        const char *why = url_server(s, len);
+        int has_db;
+        const char *why = url_server(s, len, &has_db);
         if (why) return why;
-        for (const char *t = u; t < s; t += strcspn(t, ",?") + 1) /* the same server twice */
-            if (strcspn(t, ",?") == len && !strncmp(t, s, len)) return "a server listed twice";
+        if (has_db && query_db) return "a server has a /DB and the URL ?db=N too";
+        const char *cred, *id = cli_store_url_after_cred(s, len, &cred);
+        for (const char *t = u; t < s; t += strcspn(t, ",?") + 1) { /* the same server twice */
+            const size_t tn = strcspn(t, ",?");
+            const char *tid = cli_store_url_after_cred(t, tn, &cred);
+            if (tid - t >= 7 && id - s >= 7 && t[0] == s[0] && /* same scheme, same rest */
+                (size_t)(t + tn - tid) == (size_t)(s + len - id) && !strncmp(tid, id, s + len - id))
+                return "a server listed twice";
+        }
         s += len;
         if (*s != ',') break;
         if (s + 1 == u + list_len) return "an empty server in the list"; /* a trailing ',' */
@@ -168,6 +256,35 @@ const char *cli_store_url_problem(const char *url) {
 
 #define URL_SHOW 200 /* characters of a URL quoted in a message */
 
+void cli_store_url_shown(const char *url, char *out, size_t cap) {
+    size_t o = 0;
+    const char *s = url;
+    if (!strncmp(url, "redis://", 8) || !strncmp(url, "unix://", 7)) {
+        const size_t list_len = strcspn(url, "?");
+        while (s < url + list_len) { /* each server: the scheme, then past USER:PASSWORD@ */
+            const size_t n = strcspn(s, ",?");
+            const char *cred, *id = cli_store_url_after_cred(s, n, &cred);
+            const size_t pre = cred ? (size_t)(cred - s) : n, rest = cred ? (size_t)(s + n - id) : 0;
+            if (o + pre + rest + 1 < cap) {
+                memcpy(out + o, s, pre);
+                memcpy(out + o + pre, id, rest);
+                o += pre + rest;
+                if (s[n] == ',') out[o++] = ',';
+            }
+            s += n + (s[n] == ',');
+        }
+    }
+    snprintf(out + o, cap - o, "%s", s);
+}
+
+int cli_store_url_usage(const char *cmd, const char *url, const char *why) {
+    if (strchr(url, '@')) /* it may hold a password */
+        return cli_usage_error(cmd, "--kv-store (the URL is not shown: it has an '@'): %s ("
+                               CLI_STORE_URL_FORMS ")", why);
+    return cli_usage_error(cmd, "--kv-store '%.*s': %s (" CLI_STORE_URL_FORMS ")", URL_SHOW, url,
+                           why);
+}
+
 void cli_store_opts_default(cli_store_opts *o) {
     memset(o, 0, sizeof *o);
     o->hits = 2;
@@ -189,8 +306,7 @@ int cli_store_opts_parse(const char *cmd, int argc, char **argv, int *i, cli_sto
         if (o->n_urls == CLI_STORE_MAX)
             return cli_usage_error(cmd, "--kv-store: at most %d stores", CLI_STORE_MAX);
         const char *why = cli_store_url_problem(v);
-        if (why) return cli_usage_error(cmd, "--kv-store '%.*s': %s (" CLI_STORE_URL_FORMS ")",
-                                        URL_SHOW, v, why);
+        if (why) return cli_store_url_usage(cmd, v, why);
         o->urls[o->n_urls++] = v;
     } else if (!strcmp(a, "--salt")) {
         o->salt = v;

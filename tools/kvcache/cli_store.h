@@ -34,8 +34,20 @@ extern const char cli_store_opts_help[];
  * Opening the store may still fail (a directory that cannot be made). */
 const char *cli_store_url_problem(const char *url);
 #define CLI_STORE_URL_FORMS                                                                        \
-    "a tier is dir:PATH[?max_bytes=N], redis://HOST:PORT or unix:///PATH[?ttl=SECONDS], with "  \
-    "?write=P or &write=P"
+    "a tier is dir:PATH[?max_bytes=N], redis://[[USER]:PASSWORD@]HOST:PORT[/DB] or "            \
+    "unix://[[USER]:PASSWORD@]/PATH[?ttl=SECONDS&db=N], with ?write=P or &write=P"
+
+/* Where Redis server URL s[0..n)'s part after "USER:PASSWORD@" starts (past
+ * the scheme when it has none); *cred: the credentials as written, or NULL. */
+const char *cli_store_url_after_cred(const char *s, size_t n, const char **cred);
+
+/* url less the credentials of its Redis servers, into out (cap bytes): for
+ * messages and reports. */
+void cli_store_url_shown(const char *url, char *out, size_t cap);
+
+/* A usage error for --kv-store URL (exit 2), the URL quoted unless it may
+ * hold a password. */
+int cli_store_url_usage(const char *cmd, const char *url, const char *why);
 
 void cli_store_opts_default(cli_store_opts *o);
 /* As cli_gen_opts_parse: 1 parsed, 0 not a store option, CLI_EXIT_USAGE. */
