@@ -887,6 +887,7 @@ TEST(bad_urls_rejected) {
         {"unix:///tmp/x.sock?db=", "database number"},
         {"unix:///tmp/x.sock?dbx=1", "unknown option"},
         {"unix://:pw@relative.sock", "absolute path"},
+        {"redis://u:pa?ss@h:1", "'@' after the '?'"}, /* not "unknown option ss@h:1" */
         {"unix:///tmp/x.sock?", "empty query"},
         {"unix:///tmp/x.sock?ttl=5&", "empty option"},
         {"redis://a:1,,redis://b:2", "empty server"},

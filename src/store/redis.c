@@ -787,7 +787,7 @@ static kvc_status parse_server(const char *s, size_t len, server *sv) {
     memcpy(sv->url, given, pre);
     strcpy(sv->url + pre, after);
     const char *u = sv->url;
-    if (at) st = parse_userinfo(rest, (size_t)(at - rest), sv, u);
+    if (at) st = parse_userinfo(rest, (size_t)(at - rest), sv, shown(u));
     free(given);
     KVC_TRY(st);
     if (is_unix) {
@@ -835,6 +835,9 @@ static kvc_status parse_server(const char *s, size_t len, server *sv) {
 /* "?ttl=N&db=N" options (after the '?'), '&'-separated. */
 static kvc_status parse_query(const char *q, long *ttl, long *db) {
     KVC_CHECK(*q, "redis tier URL: empty query after '?' (known options: ttl=SECONDS, db=N)");
+    /* an '@' here is a password's '?' left unencoded: not echoed */
+    KVC_CHECK(!strchr(q, '@'), "redis tier URL: an '@' after the '?' (a '?' in a password "
+              "must be written %%3F)");
     while (*q) {
         size_t len = strcspn(q, "&");
         if (len >= 4 && !strncmp(q, "ttl=", 4)) {
