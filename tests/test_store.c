@@ -2007,6 +2007,86 @@ TEST(failed_reattach_keeps_the_attachment) {
     return 0;
 }
 
+/* kvc_store_save_run queues the whole run or nothing: a page that cannot be
+ * serialized, a queue too small for the run, or an allocation that fails
+ * leaves the queue and the tier as they were (the writes counted dropped).
+ * (It used to queue the pages before the failing one and return the error.) */
+TEST(failed_save_run_queues_nothing) {
+    char dir[] = "/tmp/kvc_store_XXXXXX", url[64];
+    ASSERT_TRUE(mkdtemp(dir) != NULL);
+    snprintf(url, sizeof url, "dir:%s", dir);
+    const char *u = url;
+    enum { P = 16, N = 8 };
+    kvc_cache *c = make_cache(KVC_F16, KVC_KVFMT_NONE, P, N);
+    ASSERT_TRUE(c != NULL);
+    int32_t ids[N], bad[N], tok[N * P];
+    kvc_seq_id sq;
+    ASSERT_EQ_I64(fill_seq(c, N * P, 100, 7, ids, N, &sq), N);
+    for (int i = 0; i < N * P; i++) tok[i] = 100 + i;
+    memcpy(bad, ids, sizeof bad);
+    bad[5] = N; /* no such page: the sixth page cannot be serialized */
+    const kvc_store_key ns = key_of(12);
+    kvc_store_params sp = kvc_store_default_params();
+    sp.object_pool_bytes = 0; /* every object buffer a fresh allocation (the OOM loop) */
+    kvc_store *s = NULL;
+    kvc_store_stats st;
+    ASSERT_OK(kvc_store_open(&u, 1, &sp, &s));
+    ASSERT_STATUS(kvc_store_save_run(s, c, &ns, tok, 0, N, bad), KVC_ERR_INVALID_ARG);
+    ASSERT_OK(kvc_store_flush(s, -1));
+    ASSERT_OK(kvc_store_get_stats(s, &st));
+    ASSERT_EQ_I64(st.writes_queued, 0);
+    ASSERT_EQ_I64(st.writes_dropped, N);
+    ASSERT_EQ_I64(count_objects(dir), 0);
+    kvc_store_close(s);
+    /* a queue of 3 objects cannot take a run of 8, even while it drains */
+    sp.queue_objects = 3;
+    ASSERT_OK(kvc_store_open(&u, 1, &sp, &s));
+    ASSERT_STATUS(kvc_store_save_run(s, c, &ns, tok, 0, N, ids), KVC_ERR_NO_SPACE);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "nothing queued");
+    ASSERT_OK(kvc_store_flush(s, -1));
+    ASSERT_OK(kvc_store_get_stats(s, &st));
+    ASSERT_EQ_I64(st.writes_queued, 0);
+    ASSERT_EQ_I64(st.writes_dropped, N);
+    ASSERT_EQ_I64(count_objects(dir), 0);
+    kvc_store_close(s);
+    /* every allocation of the call failed in turn: all queued, or none */
+    sp.queue_objects = 4096;
+    ASSERT_OK(kvc_store_open(&u, 1, &sp, &s));
+    if (test_oom_available()) {
+        int failures = 0;
+        for (long k = 1;; k++) {
+            kvc_store_stats s0;
+            ASSERT_OK(kvc_store_flush(s, -1)); /* the writer idle: its allocations not counted */
+            ASSERT_OK(kvc_store_get_stats(s, &s0));
+            test_oom_arm(k, 0);
+            const kvc_status r = kvc_store_save_run(s, c, &ns, tok, 0, N, ids);
+            const long failed = test_oom_disarm();
+            ASSERT_OK(kvc_store_flush(s, -1));
+            ASSERT_OK(kvc_store_get_stats(s, &st));
+            if (r == KVC_OK) {
+                ASSERT_EQ_I64(st.writes_queued - s0.writes_queued, N);
+                ASSERT_EQ_I64(st.writes_dropped - s0.writes_dropped, 0);
+            } else {
+                failures++;
+                ASSERT_EQ_I64(r, KVC_ERR_NOMEM);
+                ASSERT_EQ_I64(st.writes_queued - s0.writes_queued, 0);
+                ASSERT_EQ_I64(st.writes_dropped - s0.writes_dropped, N);
+                kvc_clear_error();
+            }
+            if (failed == 0) break;
+        }
+        ASSERT_TRUE(failures > N); /* at least each page's buffer */
+    } else {
+        ASSERT_OK(kvc_store_save_run(s, c, &ns, tok, 0, N, ids));
+    }
+    ASSERT_OK(kvc_store_flush(s, -1));
+    ASSERT_EQ_I64(count_objects(dir), N);
+    kvc_store_close(s);
+    kvc_cache_destroy(c);
+    rm_rf(dir);
+    return 0;
+}
+
 const char *test_suite_name = "store";
 const test_case test_suite[] = {
     TEST_ENTRY(page_keys_match_independent_xxh3),
@@ -2035,5 +2115,6 @@ const test_case test_suite[] = {
     TEST_ENTRY(write_policies_per_tier),
     TEST_ENTRY(restored_pages_are_promoted_to_earlier_tiers),
     TEST_ENTRY(restored_pages_are_reported_in_the_cache_events),
+    TEST_ENTRY(failed_save_run_queues_nothing),
     {0, 0},
 };

@@ -262,9 +262,13 @@ KVC_API kvc_status kvc_store_restore_run(kvc_store *store, kvc_cache *cache,
 /* Serializes pages [first_page, first_page + n_pages) of tokens (page ids
  * page_ids[0..n_pages)) and queues them (kvc_store_put). tokens holds
  * (first_page + n_pages) * page_size ids (the keys chain from page 0);
- * first_page and n_pages are whole units (kvc_store_page_keys). A page that
- * fails to serialize or queue is dropped (counted) and the others are still
- * queued: the first failure is returned. */
+ * first_page and n_pages are whole units (kvc_store_page_keys). All or
+ * nothing: every page is serialized before any is queued, and the run is
+ * queued at once only if the queue has room for all of it; otherwise
+ * nothing is queued and the n_pages writes count as dropped (KVC_ERR_NO_SPACE
+ * for a queue without room, so a run over queue_objects or queue_bytes
+ * never fits; the serialization's error for a page that cannot be read,
+ * e.g. KVC_ERR_INVALID_ARG for a bad page id; KVC_ERR_NOMEM). */
 KVC_API kvc_status kvc_store_save_run(kvc_store *store, const kvc_cache *cache,
                                       const kvc_store_key *ns, const int32_t *tokens,
                                       int64_t first_page, int64_t n_pages,

@@ -790,8 +790,10 @@ class PagedKVCache(_lib.NoCopy):
         None: every whole page of tokens the sequence holds from first_page.
         The caller vouches that those pages hold the K/V of those tokens
         (written, and for a compressed format their K groups complete).
-        Returns the number of pages queued (writes never wait: a full queue
-        drops them, counted in the store's stats)."""
+        Returns the number of pages queued: all of them, or none and an
+        error (writes never wait: a queue without room for the whole run
+        raises :class:`kvcache.NoSpaceError`, the pages counted dropped in
+        the store's stats)."""
         from .store import _tokens
 
         t = _tokens(tokens)

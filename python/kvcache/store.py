@@ -985,7 +985,9 @@ class KVStore(_lib.NoCopy):
 
     def save_run(self, cache, ns, tokens, first_page, n_pages, page_ids) -> None:
         """kvc_store_save_run: serializes pages [first_page, first_page +
-        n_pages) of tokens (page ids page_ids) and queues them."""
+        n_pages) of tokens (page ids page_ids) and queues them, all or none:
+        on an error (:class:`kvcache.NoSpaceError` for a write queue without
+        room for the whole run) nothing is queued."""
         c = _cache_of(cache)
         t = _tokens(tokens)
         ids = _lib.int32_array(page_ids, "page_ids").reshape(-1)

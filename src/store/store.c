@@ -1027,6 +1027,58 @@ kvc_status kvc__store_save_page(kvc_store *s, const kvc_cache *cache, int32_t pa
     return st;
 }
 
+/* Queues objs[0..n) (malloc'd or pooled, sizes[i] bytes) under (ns, keys[i])
+ * for every tier, all or none: on a failure every object is freed and the n
+ * writes are counted as dropped, so a failed save_run leaves the queue as it
+ * was (a run cut short would keep the prefix's first pages and lose the
+ * rest, a state the caller cannot see). */
+static kvc_status put_owned_all(kvc_store *s, const kvc_store_key *ns, const kvc_store_key *keys,
+                                void **objs, const size_t *sizes, int64_t n) {
+    const uint32_t tiers = kvc__store_all_tiers(s);
+    item **its = calloc((size_t)n, sizeof *its);
+    int64_t bytes = 0, i = 0;
+    for (; its && i < n && (its[i] = malloc(sizeof **its)); i++) {
+        its[i]->next = NULL;
+        its[i]->ns = *ns;
+        its[i]->key = keys[i];
+        its[i]->obj = objs[i];
+        its[i]->size = sizes[i];
+        its[i]->tiers = tiers;
+        bytes += (int64_t)sizes[i];
+    }
+    kvc_status st = KVC_OK;
+    pthread_mutex_lock(&s->mu);
+    if (i < n) {
+        s->st.writes_dropped += n;
+        st = kvc__error(KVC_ERR_NOMEM, "kvc_store_save_run: out of memory: nothing queued");
+    } else if (s->q_n + n > s->p.queue_objects || s->q_bytes + bytes > s->p.queue_bytes) {
+        s->st.writes_dropped += n;
+        st = kvc__error(KVC_ERR_NO_SPACE, "kvc_store_save_run: %lld objects (%lld bytes) do not "
+                        "fit in the write queue (%lld of %d objects, %lld of %lld bytes taken): "
+                        "nothing queued", (long long)n, (long long)bytes, (long long)s->q_n,
+                        (int)s->p.queue_objects, (long long)s->q_bytes,
+                        (long long)s->p.queue_bytes);
+    } else {
+        for (int64_t k = 0; k < n; k++) {
+            if (s->tail) s->tail->next = its[k];
+            else s->head = its[k];
+            s->tail = its[k];
+        }
+        s->q_n += n;
+        s->q_bytes += bytes;
+        s->enq += n;
+        s->st.writes_queued += n;
+        pthread_cond_signal(&s->cv_work);
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (st != KVC_OK) {
+        for (int64_t k = 0; k < n; k++) kvc__objpool_put(s->pool, objs[k], sizes[k]);
+        for (int64_t k = 0; its && k < i; k++) free(its[k]);
+    }
+    free(its);
+    return st;
+}
+
 kvc_status kvc_store_save_run(kvc_store *s, const kvc_cache *cache, const kvc_store_key *ns,
                               const int32_t *tokens, int64_t first, int64_t n,
                               const int32_t *page_ids) {
@@ -1044,9 +1096,20 @@ kvc_status kvc_store_save_run(kvc_store *s, const kvc_cache *cache, const kvc_st
               (int)u);
     if (s->n_tiers == 0) return KVC_OK; /* nowhere to write: nothing to serialize */
     kvc_store_key *k;
-    KVC_TRY(keys_of(ns, tokens, first, n, P, u, &k));
-    kvc_status ret = KVC_OK;
-    for (int64_t i = 0; i < n; i++) {
+    kvc_status st = keys_of(ns, tokens, first, n, P, u, &k);
+    if (st != KVC_OK) {
+        if (st == KVC_ERR_NOMEM) { /* writes lost to memory are drops; bad runs are not */
+            pthread_mutex_lock(&s->mu);
+            s->st.writes_dropped += n;
+            pthread_mutex_unlock(&s->mu);
+        }
+        return st;
+    }
+    /* every page serialized before any is queued: all or none */
+    void **objs = calloc((size_t)n, sizeof *objs);
+    size_t *sizes = calloc((size_t)n, sizeof *sizes);
+    st = objs && sizes ? KVC_OK : kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+    for (int64_t i = 0; i < n && st == KVC_OK; i++) {
         const int64_t pg = first + i;
         kvc_store_expect e;
         e.ns = *ns;
@@ -1054,9 +1117,23 @@ kvc_status kvc_store_save_run(kvc_store *s, const kvc_cache *cache, const kvc_st
         e.parent = pg > 0 ? k[pg - 1] : *ns;
         e.position = pg * P;
         e.tokens = tokens + pg * P;
-        kvc_status st = kvc__store_save_page(s, cache, page_ids[i], &e, kvc__store_all_tiers(s));
-        if (st != KVC_OK && ret == KVC_OK) ret = st;
+        sizes[i] = kvc__store_object_size(cache, e.position, s->has_auth);
+        objs[i] = kvc__objpool_get(s->pool, sizes[i]);
+        st = objs[i] ? kvc_store_serialize_page(cache, page_ids[i], &e, kvc__store_auth_key(s),
+                                                objs[i], sizes[i], NULL)
+                     : kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
     }
+    if (st == KVC_OK) {
+        st = put_owned_all(s, ns, k + first, objs, sizes, n); /* takes objs */
+    } else {
+        for (int64_t i = 0; objs && sizes && i < n; i++)
+            kvc__objpool_put(s->pool, objs[i], sizes[i]);
+        pthread_mutex_lock(&s->mu);
+        s->st.writes_dropped += n;
+        pthread_mutex_unlock(&s->mu);
+    }
+    free(objs);
+    free(sizes);
     free(k);
-    return ret;
+    return st;
 }
