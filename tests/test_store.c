@@ -2087,6 +2087,70 @@ TEST(failed_save_run_queues_nothing) {
     return 0;
 }
 
+/* A background load's pages count as hits when they are written into the
+ * cache (kvc__store_load_finish), not when they are read: pages the engine
+ * drops (a request cancelled, pages its prefix cache gained meanwhile) are
+ * misses. (Every verified page used to count as a hit when read.) */
+TEST(load_hits_count_pages_restored) {
+    char dir[] = "/tmp/kvc_store_XXXXXX", url[64];
+    ASSERT_TRUE(mkdtemp(dir) != NULL);
+    snprintf(url, sizeof url, "dir:%s", dir);
+    const char *u = url;
+    enum { P = 16, N = 8 };
+    kvc_cache *src = make_cache(KVC_F16, KVC_KVFMT_NONE, P, N),
+              *dst = make_cache(KVC_F16, KVC_KVFMT_NONE, P, N);
+    ASSERT_TRUE(src && dst);
+    int32_t ids[N], dids[N], tok[N * P];
+    kvc_seq_id sq, dq;
+    ASSERT_EQ_I64(fill_seq(src, N * P, 100, 7, ids, N, &sq), N);
+    ASSERT_EQ_I64(fill_seq(dst, N * P, 100, 99, dids, N, &dq), N);
+    for (int i = 0; i < N * P; i++) tok[i] = 100 + i;
+    const kvc_store_key ns = key_of(13);
+    kvc_store *s = NULL;
+    ASSERT_OK(kvc_store_open(&u, 1, NULL, &s));
+    ASSERT_OK(kvc_store_save_run(s, src, &ns, tok, 0, 6, ids)); /* pages 6, 7: absent */
+    ASSERT_OK(kvc_store_flush(s, -1));
+    kvc_store_stats st;
+    /* read, then dropped unused (the request left) */
+    kvc__store_load *l = kvc__store_load_start(s, dst, &ns, tok, 0, N);
+    ASSERT_TRUE(l != NULL);
+    int64_t ready = -1;
+    ASSERT_TRUE(kvc__store_load_poll(l, 1, &ready));
+    ASSERT_EQ_I64(ready, 6);
+    ASSERT_OK(kvc_store_get_stats(s, &st));
+    ASSERT_EQ_I64(st.hit_pages, 0); /* read, not restored yet */
+    ASSERT_TRUE(st.bytes_read > 0);
+    kvc__store_load_finish(l, NULL, 0, NULL, 0);
+    ASSERT_OK(kvc_store_get_stats(s, &st));
+    ASSERT_EQ_I64(st.hit_pages, 0);
+    ASSERT_EQ_I64(st.miss_pages, N);
+    ASSERT_EQ_I64(st.misses[KVC_STORE_MISS_ABSENT], N);
+    /* read, then 3 of the 6 written (2 in the prefix cache by then, the
+     * sixth past the pages reserved) */
+    l = kvc__store_load_start(s, dst, &ns, tok, 0, N);
+    ASSERT_TRUE(l != NULL);
+    ASSERT_TRUE(kvc__store_load_poll(l, 1, &ready));
+    kvc__store_load_finish(l, dst, 2, dids + 2, 3);
+    ASSERT_OK(kvc_store_get_stats(s, &st));
+    ASSERT_EQ_I64(st.hit_pages, 3);
+    ASSERT_EQ_I64(st.miss_pages, 2 * N - 3);
+    ASSERT_EQ_I64(st.misses[KVC_STORE_MISS_ABSENT], 2 * N - 3);
+    ASSERT_EQ_I64(st.verify_failures, 0);
+    const size_t pb = kvc_cache_page_bytes(src);
+    unsigned char *a = malloc(pb), *b = malloc(pb);
+    for (int pg = 0; pg < N; pg++) { /* pages 2..4 restored, the others untouched */
+        ASSERT_OK(kvc_cache_read_page(src, ids[pg], a, pb));
+        ASSERT_OK(kvc_cache_read_page(dst, dids[pg], b, pb));
+        ASSERT_TRUE((memcmp(a, b, pb) == 0) == (pg >= 2 && pg < 5));
+    }
+    free(a), free(b);
+    kvc_store_close(s);
+    kvc_cache_destroy(src);
+    kvc_cache_destroy(dst);
+    rm_rf(dir);
+    return 0;
+}
+
 const char *test_suite_name = "store";
 const test_case test_suite[] = {
     TEST_ENTRY(page_keys_match_independent_xxh3),
@@ -2116,5 +2180,6 @@ const test_case test_suite[] = {
     TEST_ENTRY(restored_pages_are_promoted_to_earlier_tiers),
     TEST_ENTRY(restored_pages_are_reported_in_the_cache_events),
     TEST_ENTRY(failed_save_run_queues_nothing),
+    TEST_ENTRY(load_hits_count_pages_restored),
     {0, 0},
 };

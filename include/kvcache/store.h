@@ -275,10 +275,15 @@ KVC_API kvc_status kvc_store_save_run(kvc_store *store, const kvc_cache *cache,
                                       const int32_t *page_ids);
 
 typedef struct kvc_store_stats {
-    int64_t hit_pages, miss_pages;    /* pages restored; pages looked up and not restored */
+    /* pages restored into a cache; pages looked up and not restored. An
+     * engine's background load counts when the engine takes its pages:
+     * those it reads but does not write into the cache (the request left,
+     * its prefix cache had them by then) are misses. */
+    int64_t hit_pages, miss_pages;
     int64_t verify_failures;          /* objects read but refused (sum of misses[1..]) */
     int64_t misses[KVC_STORE_MISS_COUNT]; /* by reason; [ABSENT]: miss_pages not refused
-                                             (absent, unreachable, past the timeout) */
+                                             (absent, unreachable, past the timeout, or
+                                             read by a load and not used) */
     int64_t errors;                   /* tier calls that failed (I/O, server down) */
     int64_t bytes_read;               /* object bytes read from the tiers */
     int64_t bytes_written;            /* object bytes stored, summed over the tiers */

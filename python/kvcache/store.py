@@ -876,7 +876,8 @@ class KVStore(_lib.NoCopy):
         _lib.check(st)
 
     def stats(self) -> dict:
-        """Counters: hit_pages, miss_pages, verify_failures, misses (a dict by
+        """Counters: hit_pages (pages restored into a cache; an engine's
+        load counts those it used), miss_pages, verify_failures, misses (a dict by
         reason name: "absent", "truncated", ...), errors, bytes_read,
         bytes_written, writes_queued, writes_done, writes_dropped,
         writes_failed, timeouts. Writes count objects, once each whatever

@@ -698,6 +698,7 @@ typedef struct restore_ctx {
     int64_t good;  /* run pages verified (and written) */
     int failed;    /* a refused object: batches after it are dropped */
     int64_t bytes, errors, misses[KVC_STORE_MISS_COUNT];
+    int64_t refused; /* keep mode: objects refused (counted), for the misses at finish */
 } restore_ctx;
 
 /* Promotion: a page verified from tier t > 0 is queued for tiers [0, t)
@@ -863,7 +864,12 @@ static int64_t restore_pipeline(restore_ctx *r) {
     pthread_cond_signal(&r->cv);
     pthread_mutex_unlock(&r->mu);
     pthread_join(worker, NULL);
-    add_stats(s, pos, r->max - pos, errors + r->errors, r->bytes, r->misses, timeouts);
+    if (r->wcache) {
+        add_stats(s, pos, r->max - pos, errors + r->errors, r->bytes, r->misses, timeouts);
+    } else { /* a load: its pages count as hits or misses when the engine uses them or not */
+        add_stats(s, 0, 0, errors + r->errors, r->bytes, r->misses, timeouts);
+        for (int m = 1; m < KVC_STORE_MISS_COUNT; m++) r->refused += r->misses[m];
+    }
     return pos;
 }
 
@@ -1000,11 +1006,23 @@ void kvc__store_load_finish(kvc__store_load *l, kvc_cache *cache, int64_t skip,
     }
     pthread_join(l->thr, NULL);
     if (n > l->ready - skip) n = l->ready - skip;
+    int64_t applied = 0;
     if (cache && skip >= 0) {
         for (int64_t i = 0; i < n; i++) /* verified whole: the write cannot be refused */
             if (kvc__store_apply_payload(cache, page_ids[i], l->r.kept[skip + i]) != KVC_OK)
                 kvc_clear_error();
+            else
+                applied++;
     }
+    /* hits are the pages restored into the cache, not the ones read: pages
+     * the engine drops (the request left, its prefix cache had them by now,
+     * past the pages it reserved) are misses like the ones never found */
+    pthread_mutex_lock(&l->r.s->mu);
+    l->r.s->st.hit_pages += applied;
+    l->r.s->st.miss_pages += l->r.max - applied;
+    l->r.s->st.misses[KVC_STORE_MISS_ABSENT] +=
+        l->r.max - applied > l->r.refused ? l->r.max - applied - l->r.refused : 0;
+    pthread_mutex_unlock(&l->r.s->mu);
     for (int64_t i = 0; i < l->r.max; i++)
         kvc__objpool_put(l->r.s->pool, l->r.kept[i], l->r.kept_lens[i]);
     pthread_cond_destroy(&l->r.cv);
