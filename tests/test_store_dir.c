@@ -798,7 +798,7 @@ static void *th_reader(void *arg) {
                 atomic_fetch_add(&c->bad, 1);
             free(objs[j]);
         }
-        if (round % 16 == 0 && c->t->ops->invalidate(c->t, &other) != KVC_OK)
+        if (round % 16 == 0 && c->t->ops->invalidate(c->t, &other, NULL) != KVC_OK)
             atomic_fetch_add(&c->bad, 1);
     }
     return NULL;
@@ -860,7 +860,7 @@ TEST(invalidate_while_the_namespace_comes_and_goes) {
     pthread_t th;
     ASSERT_TRUE(pthread_create(&th, NULL, flip_ns_dir, &f) == 0);
     int bad = 0;
-    for (int i = 0; i < 20000 && !bad; i++) bad = t->ops->invalidate(t, &ns) != KVC_OK;
+    for (int i = 0; i < 20000 && !bad; i++) bad = t->ops->invalidate(t, &ns, NULL) != KVC_OK;
     atomic_store(&f.stop, 1);
     pthread_join(th, NULL);
     ASSERT_EQ_I64(bad, 0);
@@ -883,7 +883,7 @@ TEST(invalidate_one_namespace) {
         ASSERT_OK(put1(t, &ns1, &k, 1000));
         ASSERT_OK(put1(t, &ns2, &k, 1000));
     }
-    ASSERT_OK(t->ops->invalidate(t, &ns1));
+    ASSERT_OK(t->ops->invalidate(t, &ns1, NULL));
     char nh[33];
     kvc__store_key_hex(&ns1, nh);
     snprintf(p, sizeof p, "%s/%s", dir, nh);
@@ -905,7 +905,7 @@ TEST(invalidate_one_namespace) {
     ASSERT_EQ_I64(log.n, 0);
     /* An unknown namespace is fine; writing ns1 again works. */
     kvc_store_key ns3 = mk(3, 0x20);
-    ASSERT_OK(t->ops->invalidate(t, &ns3));
+    ASSERT_OK(t->ops->invalidate(t, &ns3, NULL));
     ASSERT_OK(put1(t, &ns1, &keys[0], 10));
     ASSERT_EQ_I64(get1(t, &ns1, &keys[0], 10), 1);
     ASSERT_EQ_I64(log.n, 1); /* 10010 > 10000: ns2's oldest went */
@@ -914,7 +914,7 @@ TEST(invalidate_one_namespace) {
      * failed with ENOENT, taken for "no such namespace": nothing removed) */
     snprintf(p, sizeof p, "%s/tmp", dir);
     ASSERT_TRUE(rmdir(p) == 0);
-    ASSERT_OK(t->ops->invalidate(t, &ns2));
+    ASSERT_OK(t->ops->invalidate(t, &ns2, NULL));
     ASSERT_OK(t->ops->probe(t, &ns2, keys, 5, &np));
     ASSERT_EQ_I64(np, 0);
     kvc__store_key_hex(&ns2, nh);
@@ -948,7 +948,7 @@ TEST(failed_invalidate_keeps_the_index) {
     FILE *f;
     ASSERT_TRUE(rmdir(tmpd) == 0 && (f = fopen(tmpd, "w")) != NULL);
     fclose(f);
-    ASSERT_STATUS(t->ops->invalidate(t, &ns1), KVC_ERR_IO);
+    ASSERT_STATUS(t->ops->invalidate(t, &ns1, NULL), KVC_ERR_IO);
     ASSERT_STR_CONTAINS(kvc_last_error(), "cannot rename");
     ASSERT_TRUE(unlink(tmpd) == 0 && mkdir(tmpd, 0755) == 0);
     int64_t np = -1;
@@ -989,7 +989,7 @@ TEST(invalidate_past_the_rename_succeeds) {
         len += snprintf(p + len, sizeof p - (size_t)len, "/d");
         ASSERT_TRUE(mkdir(p, 0755) == 0);
     }
-    ASSERT_OK(t->ops->invalidate(t, &ns1));
+    ASSERT_OK(t->ops->invalidate(t, &ns1, NULL));
     int64_t np = -1;
     ASSERT_OK(t->ops->probe(t, &ns1, k, 3, &np));
     ASSERT_EQ_I64(np, 0);

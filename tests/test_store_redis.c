@@ -414,7 +414,7 @@ TEST(absent_keys_and_empty_batches) {
     size_t zero = 0;
     const void *one[1] = {"x"};
     ASSERT_STATUS(t->ops->put(t, &ns, keys, one, &zero, 1, &written), KVC_ERR_INVALID_ARG);
-    ASSERT_OK(t->ops->invalidate(t, &ns)); /* nothing there */
+    ASSERT_OK(t->ops->invalidate(t, &ns, NULL)); /* nothing there */
     t->ops->close(t);
     return 0;
 }
@@ -479,12 +479,12 @@ TEST(invalidate_removes_only_its_namespace) {
     ASSERT_OK(put_keys(t, &b, ka, 10, &written)); /* same keys, namespace b */
     kvc_status st;
     ASSERT_EQ_I64(get_keys(t, &a, ka, NA, &st), NA);
-    ASSERT_OK(t->ops->invalidate(t, &a));
+    ASSERT_OK(t->ops->invalidate(t, &a, NULL));
     ASSERT_EQ_I64(get_keys(t, &a, ka, NA, &st), 0);
     ASSERT_OK(st);
     ASSERT_EQ_I64(get_keys(t, &b, kb, NB, &st), NB);
     ASSERT_EQ_I64(get_keys(t, &b, ka, 10, &st), 10);
-    ASSERT_OK(t->ops->invalidate(t, &b));
+    ASSERT_OK(t->ops->invalidate(t, &b, NULL));
     ASSERT_EQ_I64(get_keys(t, &b, kb, NB, &st), 0);
     free(ka);
     t->ops->close(t);
@@ -530,7 +530,7 @@ TEST(two_servers_spread_and_stable) {
     ASSERT_OK(kvc__tier_redis_open(u21, &t));
     kvc_status st;
     ASSERT_EQ_I64(get_keys(t, &ns, keys, N, &st), N);
-    ASSERT_OK(t->ops->invalidate(t, &ns));
+    ASSERT_OK(t->ops->invalidate(t, &ns, NULL));
     ASSERT_OK(put_keys(t, &ns, keys, N, &written));
     for (int i = 0; i < N; i++)
         ASSERT_EQ_I64(raw_int(where[i] == 1 ? c1 : c2, "EXISTS", &ns, &keys[i]), 1);
@@ -590,7 +590,7 @@ TEST(error_reply_keeps_connection_in_step) {
     kvc_store_key ends[3] = {keys[0], keys[2], keys[4]};
     ASSERT_EQ_I64(get_keys(t, &ns, ends, 3, &st), 3);
     ASSERT_OK(st);
-    ASSERT_OK(t->ops->invalidate(t, &ns));
+    ASSERT_OK(t->ops->invalidate(t, &ns, NULL));
     ASSERT_EQ_I64(raw_int(c, "EXISTS", &ns, &keys[1]), 0);
     redisFree(c);
     t->ops->close(t);
@@ -776,7 +776,7 @@ TEST(unreachable_server_at_open) {
         ASSERT_EQ_I64(run, 0);
         ASSERT_STATUS(put_keys(t, &ns, keys, 3, &written), KVC_ERR_IO);
         ASSERT_EQ_I64(written, 0);
-        ASSERT_STATUS(t->ops->invalidate(t, &ns), KVC_ERR_IO);
+        ASSERT_STATUS(t->ops->invalidate(t, &ns, NULL), KVC_ERR_IO);
         ASSERT_TRUE(now_s() - t0 < 5.0);
         t->ops->close(t);
     }
@@ -841,7 +841,7 @@ TEST(concurrent_put_and_get) {
     ASSERT_TRUE(c->reads > 0);
     kvc_status st;
     ASSERT_EQ_I64(get_keys(c->t, &c->ns, c->keys, 256, &st), 256);
-    ASSERT_OK(c->t->ops->invalidate(c->t, &c->ns));
+    ASSERT_OK(c->t->ops->invalidate(c->t, &c->ns, NULL));
     c->t->ops->close(c->t);
     pthread_mutex_destroy(&c->mu);
     free(c);
@@ -1079,7 +1079,7 @@ TEST(tcp_url) {
     ASSERT_OK(st);
     ASSERT_OK(t->ops->probe(t, &ns, keys, N, &run));
     ASSERT_EQ_I64(run, N);
-    ASSERT_OK(t->ops->invalidate(t, &ns));
+    ASSERT_OK(t->ops->invalidate(t, &ns, NULL));
     ASSERT_OK(t->ops->probe(t, &ns, keys, N, &run));
     ASSERT_EQ_I64(run, 0);
     t->ops->close(t);
@@ -1312,6 +1312,55 @@ TEST(trickling_server_is_cut_at_load_timeout) {
     return 0;
 }
 
+static int n_cleared;
+static void count_cleared(void *user, const kvc_store_event *ev) {
+    (void)user;
+    if (ev->kind == KVC_STORE_EVENT_CLEARED && ev->tier == 0) n_cleared++;
+}
+
+/* An invalidate that fails on one server after the others removed their
+ * keys still announces the namespace cleared (and returns the error): a
+ * router must not keep routing to the removed pages. One that removed
+ * nothing (every server down, or none held a key) announces nothing.
+ * (A failed invalidate used to send no event at all.) */
+TEST(partly_failed_invalidate_still_announces_the_clear) {
+    NEED_ENV("KVC_TEST_REDIS", url1);
+    NEED_ENV("KVC_TEST_REDIS_DIR", dir);
+    char dead[512], u[1100];
+    snprintf(dead, sizeof dead, "unix://%s/nobody.sock", dir);
+    redisContext *c = raw_connect(url1);
+    ASSERT_TRUE(c && !c->err);
+    enum { N = 20 };
+    for (int round = 0; round < 4; round++) { /* the dead server last, first; alone; no keys */
+        if (round == 1) snprintf(u, sizeof u, "%s,%s", dead, url1);
+        else if (round == 2) snprintf(u, sizeof u, "%s", dead);
+        else snprintf(u, sizeof u, "%s,%s", url1, dead);
+        kvc_store_key ns, keys[N];
+        rand_key(&ns);
+        for (int i = 0; i < N; i++) rand_key(&keys[i]);
+        char nsh[33], kh[33];
+        kvc__store_key_hex(&ns, nsh);
+        for (int i = 0; round < 2 && i < N; i++) { /* on the live server */
+            kvc__store_key_hex(&keys[i], kh);
+            redisReply *r = redisCommand(c, "SET kvc:%s:%s x", nsh, kh);
+            ASSERT_TRUE(r && r->type == REDIS_REPLY_STATUS);
+            freeReplyObject(r);
+        }
+        const char *urls[1] = {u};
+        kvc_store *s = NULL;
+        ASSERT_OK(kvc_store_open(urls, 1, NULL, &s));
+        ASSERT_OK(kvc_store_set_event_callback(s, count_cleared, NULL));
+        n_cleared = 0;
+        ASSERT_STATUS(kvc_store_invalidate(s, &ns), KVC_ERR_IO);
+        ASSERT_STR_CONTAINS(kvc_last_error(), "nobody.sock");
+        ASSERT_EQ_I64(n_cleared, round < 2 ? 1 : 0);
+        for (int i = 0; i < N; i++) ASSERT_EQ_I64(raw_int(c, "EXISTS", &ns, &keys[i]), 0);
+        kvc_store_close(s);
+    }
+    redisFree(c);
+    return 0;
+}
+
 const char *test_suite_name = "store_redis";
 const test_case test_suite[] = {
     TEST_ENTRY(put_get_roundtrip_binary),
@@ -1333,6 +1382,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(engine_restores_from_redis_and_survives_a_killed_server),
     TEST_ENTRY(silent_server_costs_at_most_load_timeout),
     TEST_ENTRY(trickling_server_is_cut_at_load_timeout),
+    TEST_ENTRY(partly_failed_invalidate_still_announces_the_clear),
     {0, 0},
 };
 

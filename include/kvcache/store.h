@@ -234,7 +234,12 @@ KVC_API kvc_status kvc_store_flush(kvc_store *store, double timeout_s);
 /* Removes every object of namespace ns from every tier, after waiting (30 s
  * at most: KVC_ERR_IO past it, nothing removed) for the queued writes, which
  * could bring pages back. A tier that fails does not stop the others: the
- * first failure is returned, and the tiers that succeeded are cleared. */
+ * first failure is returned, and the tiers that succeeded are cleared. A
+ * CLEARED event goes out for each tier that succeeded and for each that
+ * failed after it may have removed objects (a Redis tier one of whose
+ * servers failed while the others removed their keys), since subscribers
+ * must not keep pages that are gone; not for a tier that removed nothing
+ * (a dir tier's failed rename, every Redis server down). */
 KVC_API kvc_status kvc_store_invalidate(kvc_store *store, const kvc_store_key *ns);
 
 /* Queues a copy of obj (size bytes) under (ns, key) for every tier. Never
@@ -301,7 +306,8 @@ KVC_API kvc_status kvc_store_get_stats(kvc_store *store, kvc_store_stats *out);
 
 /* Events for cache-aware routers: pages stored, removed or all cleared.
  * tier >= 0 is a tier (index in the urls of kvc_store_open): stored after
- * the write, removed by its budget, cleared by kvc_store_invalidate.
+ * the write, removed by its budget, cleared by kvc_store_invalidate
+ * (also when it failed after removing some objects).
  * tier KVC_STORE_TIER_CACHE is the cache of an attached engine: stored when
  * a page becomes final there or is restored into it from a tier, removed
  * when the cache evicts it. Called from the writer thread or the engine's;

@@ -895,7 +895,9 @@ class KVStore(_lib.NoCopy):
         return out
 
     def invalidate(self, ns) -> None:
-        """Removes every object of namespace ns from every tier."""
+        """Removes every object of namespace ns from every tier
+        (kvc_store_invalidate: a tier that fails does not stop the others;
+        its cleared event still goes out when it may have removed some)."""
         k = _key(ns, "ns")
         with self._use():
             _lib.check(self._lib.kvc_store_invalidate(self._ptr, ctypes.byref(k)))

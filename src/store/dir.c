@@ -26,8 +26,8 @@
  * objects (ties: by namespace, then key) until the total fits. Without a
  * budget there is no index and no listing: open stays cheap on big trees.
  *
- * Threads (tier.h: probe/get/invalidate on one thread, put on another): the
- * index sits under one mutex; file I/O runs outside it.
+ * Threads (tier.h: probe/get/invalidate from any threads, put from the
+ * writer's): the index sits under one mutex; file I/O runs outside it.
  */
 #define _POSIX_C_SOURCE 200809L /* openat, fdopendir, futimens, st_mtim */
 #include <dirent.h>
@@ -672,8 +672,9 @@ static kvc_status dir_put(kvc_tier *t, const kvc_store_key *ns, const kvc_store_
  * namespace cleared). A failed rename removed nothing: the call fails and
  * the index keeps the namespace's objects (they still count in the budget
  * and can be evicted). */
-static kvc_status dir_invalidate(kvc_tier *t, const kvc_store_key *ns) {
+static kvc_status dir_invalidate(kvc_tier *t, const kvc_store_key *ns, int *removed) {
     dir_tier *d = (dir_tier *)t;
+    if (removed) *removed = 0;
     KVC_CHECK(ns, "dir tier invalidate: ns is NULL");
     /* Rename the namespace away first: its objects vanish at once for every
      * reader, and writers racing us start a fresh directory. */
@@ -696,6 +697,7 @@ static kvc_status dir_invalidate(kvc_tier *t, const kvc_store_key *ns) {
     if (rc < 0)
         return kvc__error(KVC_ERR_IO, "dir tier: cannot rename %.200s to %.200s: %s", src, dst,
                           strerror(errno));
+    if (removed) *removed = rc == 0;
     if (rc == 0) (void)rm_tree(AT_FDCWD, dst, 0); /* failed: the next open retries it */
     if (d->max_bytes) {
         pthread_mutex_lock(&d->mu);

@@ -3,9 +3,10 @@
  * "kvc:<ns hex>:<key hex>", spread over one or more servers by rendezvous
  * hashing, so that adding or losing a server moves or costs only its keys.
  *
- * Each server has two connections, one per caller role (tier.h: the engine
- * thread probes, gets and invalidates; the writer thread puts), each behind
- * its own mutex, so that a read never waits behind a large write. Every call
+ * Each server has two connections, one per caller role (tier.h: readers
+ * probe, get and invalidate; the writer thread puts), each behind its own
+ * mutex, so that a read never waits behind a large write (readers on
+ * several threads take the read connection in turn). Every call
  * pipelines: all commands for a server are appended, then all replies read
  * (one round trip per server per call).
  *
@@ -573,8 +574,10 @@ static kvc_status redis_put(kvc_tier *t, const kvc_store_key *ns, const kvc_stor
     return batch_run(&b);
 }
 
-/* SCAN for ns's keys on server s and UNLINK them, batch by batch. */
-static kvc_status invalidate_server(server *sv, const char *pattern) {
+/* SCAN for ns's keys on server s and UNLINK them, batch by batch; *removed
+ * set to 1 once UNLINKs went out (some keys may be gone, whatever fails
+ * after). */
+static kvc_status invalidate_server(server *sv, const char *pattern, int *removed) {
     pipe_guard g;
     conn *c = &sv->rd;
     KVC_TRY(conn_acquire(sv, c, 0, &g));
@@ -610,6 +613,7 @@ static kvc_status invalidate_server(server *sv, const char *pattern) {
             queued++;
         }
         freeReplyObject(r);
+        if (queued) *removed = 1;
         for (size_t k = 0; k < queued && c->ctx; k++) { /* all of them: stay in step */
             kvc_status st_r = conn_reply(sv, c, &r);
             if (st_r == KVC_OK && r->type == REDIS_REPLY_ERROR)
@@ -625,17 +629,20 @@ static kvc_status invalidate_server(server *sv, const char *pattern) {
     return st;
 }
 
-static kvc_status redis_invalidate(kvc_tier *t, const kvc_store_key *ns) {
+static kvc_status redis_invalidate(kvc_tier *t, const kvc_store_key *ns, int *removed) {
     redis_tier *rt = (redis_tier *)t;
+    int any = 0;
+    if (removed) *removed = 0;
     KVC_CHECK(ns, "redis tier invalidate: ns is NULL");
     char pattern[4 + 32 + 3] = "kvc:";
     kvc__store_key_hex(ns, pattern + 4);
     memcpy(pattern + 36, ":*", 3); /* hex digits: no glob characters to escape */
     kvc_status st = KVC_OK;
-    for (int s = 0; s < rt->n_srv; s++) {
-        kvc_status st_s = invalidate_server(&rt->srv[s], pattern);
+    for (int s = 0; s < rt->n_srv; s++) { /* a failed server does not stop the others */
+        kvc_status st_s = invalidate_server(&rt->srv[s], pattern, &any);
         if (st == KVC_OK) st = st_s;
     }
+    if (removed) *removed = any;
     return st;
 }
 

@@ -5,9 +5,12 @@
  * verifies every object it reads). Implementations: dir.c (a directory, one
  * file per page), redis.c (Redis/Valkey servers through hiredis).
  *
- * Threads: the store calls a tier from two threads at once at most: the
- * engine's (probe, get, invalidate) and its writer thread (put). A tier
- * makes that safe (its own locks or one connection per caller thread).
+ * Threads: the store calls a tier from any number of threads at once: its
+ * writer thread (put) and every thread that uses the store (probe, get,
+ * invalidate): each engine's, each engine's background loads (one thread
+ * per load), callers of kvc_store_restore_run and kvc_store_invalidate. A
+ * tier makes that safe with its own locks (dir.c: a mutex; redis.c: one
+ * connection for put and one for the rest, each behind its mutex).
  *
  * Errors: return kvc_status with kvc__error's message. A key that is absent
  * is not an error (probe counts it, get leaves its slot NULL), nor is one
@@ -67,8 +70,11 @@ typedef struct kvc_tier_ops {
      * tier fails only when it removed nothing (the namespace's rename);
      * space it could not reclaim after that is a later open's clean-up, not
      * an error (the objects are gone). A Redis tier may have removed some
-     * objects when it fails (an error reply or a lost server midway). */
-    kvc_status (*invalidate)(kvc_tier *t, const kvc_store_key *ns);
+     * objects when it fails (an error reply or a lost server midway).
+     * removed (may be NULL): set to 1 when the call may have removed
+     * objects, failed or not (the store then announces the namespace
+     * cleared: a router must not keep routing to removed pages), else 0. */
+    kvc_status (*invalidate)(kvc_tier *t, const kvc_store_key *ns, int *removed);
     void (*close)(kvc_tier *t); /* frees t */
     /* May be NULL. Before close, when the store's open failed after this
      * tier's: removes what the tier's open created (a dir tier's new
