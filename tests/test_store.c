@@ -8,6 +8,7 @@
 #define _XOPEN_SOURCE 700
 #include <dirent.h>
 #include <ftw.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -2151,6 +2152,121 @@ TEST(load_hits_count_pages_restored) {
     return 0;
 }
 
+/* One store, two engines stepped on two threads at once (store.h: the
+ * handle is safe to share). Each runs the same prompts (the other thread's
+ * in reverse order), so one engine's background loads and in-line restores
+ * read what the other's writer just wrote, while the main thread reads the
+ * stats and events flow through one callback. Run under ThreadSanitizer by
+ * .ci/run (c_store). */
+enum { SH_PROMPTS = 4, SH_N = 100, SH_GEN = 4 };
+typedef struct share_ctx {
+    const kvc_model *m;
+    kvc_store *s;
+    kvc_store_key ns;
+    kvc_engine_params ep;
+    const int32_t *prompts[SH_PROMPTS];
+    int reverse;
+    int32_t out[SH_PROMPTS * SH_GEN];
+    int failed;
+    char why[160];
+} share_ctx;
+
+static int share_run(share_ctx *c) {
+    kvc_engine *e = NULL;
+    ASSERT_OK(kvc_engine_create(c->m, &c->ep, &e));
+    ASSERT_OK(kvc_store_attach_engine(c->s, e, &c->ns));
+    int64_t ids[SH_PROMPTS];
+    for (int k = 0; k < SH_PROMPTS; k++) { /* all queued: later ones load while others run */
+        const int p = c->reverse ? SH_PROMPTS - 1 - k : k;
+        ASSERT_OK(kvc_engine_add_request(e, c->prompts[p], SH_N, SH_GEN, NULL, 1, &ids[p]));
+    }
+    int got[SH_PROMPTS] = {0};
+    while (kvc_engine_pending(e) > 0) {
+        kvc_engine_event ev[8];
+        int64_t ne = 0;
+        ASSERT_OK(kvc_engine_step(e, ev, 8, &ne));
+        ASSERT_OK(kvc_cache_check(kvc_engine_cache(e)));
+        for (int64_t i = 0; i < ne; i++)
+            for (int p = 0; p < SH_PROMPTS; p++)
+                if (ev[i].request_id == ids[p]) c->out[p * SH_GEN + got[p]++] = ev[i].token;
+    }
+    for (int p = 0; p < SH_PROMPTS; p++) ASSERT_EQ_I64(got[p], SH_GEN);
+    ASSERT_OK(kvc_store_detach_engine(c->s, e));
+    kvc_engine_destroy(e);
+    return 0;
+}
+
+static void *share_thread(void *arg) {
+    share_ctx *c = arg;
+    c->failed = share_run(c);
+    if (c->failed) snprintf(c->why, sizeof c->why, "%s", kvc_last_error());
+    return NULL;
+}
+
+static int64_t share_events;
+static void share_count(void *user, const kvc_store_event *ev) {
+    (void)user, (void)ev;
+    share_events++; /* calls are serialized (store.h) */
+}
+
+TEST(engines_on_two_threads_share_one_store) {
+    NEED_TINY(m);
+    kvc_model_info in;
+    ASSERT_OK(kvc_model_get_info(m, &in));
+    int32_t pr[SH_PROMPTS][SH_N], ref[SH_PROMPTS * SH_GEN];
+    const int32_t *pp[SH_PROMPTS];
+    int lens[SH_PROMPTS];
+    for (int p = 0; p < SH_PROMPTS; p++) {
+        random_prompt(pr[p], SH_N, test_seed + 40 + (uint64_t)p, in.n_vocab);
+        /* a shared first page: the engines' keys chain from the same parents */
+        if (p > 0) memcpy(pr[p], pr[0], 16 * sizeof(int32_t));
+        pp[p] = pr[p];
+        lens[p] = SH_N;
+    }
+    srun r = srun_default();
+    if (srun_go(m, tiny_path, &r, SH_PROMPTS, pp, lens, SH_GEN, ref, NULL, NULL)) return 1;
+    char dir[] = "/tmp/kvc_store_XXXXXX", url[64];
+    ASSERT_TRUE(mkdtemp(dir) != NULL);
+    snprintf(url, sizeof url, "dir:%s", dir);
+    const char *u = url;
+    kvc_store *s = NULL;
+    ASSERT_OK(kvc_store_open(&u, 1, NULL, &s));
+    ASSERT_OK(kvc_store_set_event_callback(s, share_count, NULL));
+    share_events = 0;
+    share_ctx c[2];
+    memset(c, 0, sizeof c);
+    for (int k = 0; k < 2; k++) {
+        c[k].m = m;
+        c[k].s = s;
+        c[k].ep = srun_engine_params(&r);
+        c[k].ep.n_threads = 1;
+        c[k].reverse = k;
+        memcpy(c[k].prompts, pp, sizeof pp);
+        ASSERT_OK(srun_ns(m, tiny_path, &r, &c[k].ns));
+    }
+    for (int round = 0; round < 2; round++) { /* an empty store, then a full one */
+        pthread_t th[2];
+        for (int k = 0; k < 2; k++) ASSERT_TRUE(pthread_create(&th[k], NULL, share_thread, &c[k]) == 0);
+        kvc_store_stats st;
+        for (int i = 0; i < 50; i++) ASSERT_OK(kvc_store_get_stats(s, &st));
+        for (int k = 0; k < 2; k++) pthread_join(th[k], NULL);
+        for (int k = 0; k < 2; k++) {
+            if (c[k].failed) TEST_FAIL_("engine %d, round %d: %s", k, round, c[k].why);
+            ASSERT_MEM_EQ(c[k].out, ref, sizeof ref);
+        }
+        ASSERT_OK(kvc_store_flush(s, -1));
+        ASSERT_OK(kvc_store_get_stats(s, &st));
+        ASSERT_EQ_I64(st.writes_done, st.writes_queued);
+        ASSERT_EQ_I64(st.verify_failures, 0);
+        if (round == 1) ASSERT_TRUE(st.hit_pages > 0);
+    }
+    ASSERT_TRUE(share_events > 0);
+    kvc_store_close(s);
+    rm_rf(dir);
+    kvc_model_destroy(m);
+    return 0;
+}
+
 const char *test_suite_name = "store";
 const test_case test_suite[] = {
     TEST_ENTRY(page_keys_match_independent_xxh3),
@@ -2181,5 +2297,6 @@ const test_case test_suite[] = {
     TEST_ENTRY(restored_pages_are_reported_in_the_cache_events),
     TEST_ENTRY(failed_save_run_queues_nothing),
     TEST_ENTRY(load_hits_count_pages_restored),
+    TEST_ENTRY(engines_on_two_threads_share_one_store),
     {0, 0},
 };
