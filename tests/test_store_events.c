@@ -471,6 +471,43 @@ TEST(dropped_event_leaves_a_gap) {
     return 0;
 }
 
+/* Events dropped after the last batch, with none after them: close sends
+ * one more batch, with no events, past a skipped number, so the gap shows.
+ * (Before, close sent nothing and the loss stayed invisible.) */
+TEST(drop_after_the_last_batch_shows_at_close) {
+    if (!test_oom_available()) SKIP("allocation failures need the linker's --wrap");
+    fixture fx;
+    ASSERT_OK(fixture_open(&fx));
+    kvc_store_events *ev = NULL;
+    ASSERT_OK(kvc_store_events_open(fx.st, fx.ep, &ev));
+    sub s;
+    ASSERT_TRUE(sub_open(&s, fx.ep) == 0);
+    const int32_t toks[P] = {11, 12, 13, 14};
+    kvc_store_key ns = mk(8, 0xcd), k[2];
+    for (uint32_t i = 0; i < 2; i++) k[i] = mk(i, 0xcd);
+    uint64_t seq = 99;
+    msgpack_unpacked u;
+    void *buf = NULL;
+    kvc__store_emit_page(fx.st, KVC_STORE_EVENT_STORED, 0, &ns, &k[0], &ns, toks, P);
+    ASSERT_TRUE(sub_recv(&s, &seq, &u, &buf) == 0);
+    ASSERT_EQ_I64((int64_t)seq, 0);
+    msgpack_unpacked_destroy(&u);
+    free(buf);
+    test_oom_arm(1, 0); /* the event's copy of its ids */
+    kvc__store_emit_page(fx.st, KVC_STORE_EVENT_STORED, 0, &ns, &k[1], &k[0], toks, P);
+    ASSERT_EQ_I64(test_oom_disarm(), 1);
+    kvc_store_events_close(ev);
+    ASSERT_TRUE(sub_recv(&s, &seq, &u, &buf) == 0);
+    ASSERT_EQ_I64((int64_t)seq, 2); /* 1 is the gap */
+    ASSERT_EQ_I64((int64_t)u.data.via.array.size, 3);
+    ASSERT_EQ_I64((int64_t)u.data.via.array.ptr[1].via.array.size, 0);
+    msgpack_unpacked_destroy(&u);
+    free(buf);
+    sub_close(&s);
+    fixture_close(&fx);
+    return 0;
+}
+
 /* A second publisher replaces the first as the store's callback; closing
  * the first then leaves the second's in place (it once cleared whatever was
  * installed, and the second went silent). */
@@ -504,5 +541,6 @@ const test_case test_suite[] = {
     TEST_ENTRY(bad_args),
     TEST_ENTRY(closing_a_replaced_publisher_keeps_the_new_one),
     TEST_ENTRY(dropped_event_leaves_a_gap),
+    TEST_ENTRY(drop_after_the_last_batch_shows_at_close),
     {0, 0},
 };

@@ -374,7 +374,10 @@ KVC_API kvc_status kvc_store_events_open_with(kvc_store *store, const char *endp
                                               const kvc_store_events_params *params,
                                               kvc_store_events **out);
 /* Uninstalls the callback, sends what is queued, and closes (waiting at
- * most ~1 s for subscribers to take the last batches). NULL is a no-op. */
+ * most ~1 s for subscribers to take the last batches). When events were
+ * lost after the last batch (or its send failed), one more batch with no
+ * events goes out, past a skipped sequence number, so subscribers see the
+ * gap. NULL is a no-op. */
 KVC_API void kvc_store_events_close(kvc_store_events *ev);
 
 typedef struct kvc_store_events_stats {
