@@ -310,8 +310,10 @@ KVC_API kvc_status kvc_store_get_stats(kvc_store *store, kvc_store_stats *out);
  * (also when it failed after removing some objects).
  * tier KVC_STORE_TIER_CACHE is the cache of an attached engine: stored when
  * a page becomes final there or is restored into it from a tier, removed
- * when the cache evicts it. Called from the writer thread or the engine's;
- * must not call back into the store.
+ * when the cache evicts it. Called from the writer thread, the threads
+ * that step attached engines, and callers of kvc_store_invalidate and
+ * kvc_store_detach_engine (one call at a time); must not call back into
+ * the store.
  * tokens: the page's ids (NULL for removals and clears). */
 #define KVC_STORE_TIER_CACHE (-1)
 typedef enum kvc_store_event_kind {
