@@ -1005,7 +1005,7 @@ TEST(credentials_and_database) {
         ASSERT_EQ_I64(run, N);
         ASSERT_EQ_I64(raw_exists_in(raw[k], db[k], &ns, &keys[0]), 1);
         ASSERT_EQ_I64(raw_exists_in(raw[k], 0, &ns, &keys[0]), 0);
-        ASSERT_OK(t->ops->invalidate(t, &ns));
+        ASSERT_OK(t->ops->invalidate(t, &ns, NULL));
         ASSERT_EQ_I64(raw_exists_in(raw[k], db[k], &ns, &keys[0]), 0);
         t->ops->close(t);
 
