@@ -59,8 +59,8 @@ dir_full)
         fail "full: exit status $?"
     cmp -s "$tmp/ref.out" "$tmp/full.out" || fail "output with a full disk differs"
     [ "$(stat_of full store_errors)" -gt 0 ] || fail "no store errors counted"
-    grep -q "^kvcache: run: warning: --kv-store: [1-9][0-9]* tier calls failed" "$tmp/full.err" ||
-        fail "the failed writes were not warned about"
+    grep -q "^kvcache: run: warning: --kv-store: [1-9][0-9]* tier calls failed (the last: dir tier.*[Ff]ile too large)" "$tmp/full.err" ||
+        fail "the failed writes were not warned about with their reason: $(cat "$tmp/full.err")"
     [ "$(stat_of full store_bytes_written)" -eq 0 ] || fail "bytes written to a full disk"
     find "$tmp/full" -name '*.kvp' | grep -q . && fail "an object is visible"
     find "$tmp/full/tmp" -type f | grep -q . && fail "a temporary file is left"

@@ -1023,6 +1023,43 @@ TEST(credentials_and_database) {
     return 0;
 }
 
+/* A tier that fails on the writer thread (a refused password) is counted in
+ * the store's errors, and kvc_store_last_tier_error says why (the caller's
+ * own kvc_last_error never sees it). */
+TEST(store_says_why_a_tier_failed) {
+    NEED_ENV("KVC_TEST_REDIS", ux);
+    ASSERT_TRUE(acl_user(ux, "right-pw") == 0);
+    char url[512], why[256];
+    snprintf(url, sizeof url, "unix://kvctest:wrong-pw@%s", ux + 7);
+    const char *urls[1] = {url};
+    kvc_store_params p = kvc_store_default_params();
+    kvc_store *s = NULL;
+    ASSERT_OK(kvc_store_open(urls, 1, &p, &s));
+    memset(why, 'x', sizeof why);
+    ASSERT_OK(kvc_store_last_tier_error(s, why, sizeof why));
+    ASSERT_EQ_I64(strlen(why), 0);
+    kvc_store_key ns, key;
+    rand_key(&ns);
+    rand_key(&key);
+    ASSERT_OK(kvc_store_put(s, &ns, &key, "object", 6));
+    ASSERT_OK(kvc_store_flush(s, 10.0));
+    kvc_clear_error();
+    kvc_store_stats st;
+    ASSERT_OK(kvc_store_get_stats(s, &st));
+    ASSERT_EQ_I64(st.errors, 1);
+    ASSERT_EQ_I64(st.writes_failed, 1);
+    ASSERT_OK(kvc_store_last_tier_error(s, why, sizeof why));
+    ASSERT_STR_CONTAINS(why, "AUTH refused: WRONGPASS");
+    ASSERT_TRUE(!strstr(why, "wrong-pw") && !strstr(why, "kvctest"));
+    char small[8];
+    ASSERT_OK(kvc_store_last_tier_error(s, small, sizeof small)); /* cut, terminated */
+    ASSERT_EQ_I64(strlen(small), 7);
+    ASSERT_STATUS(kvc_store_last_tier_error(s, small, 0), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc_store_last_tier_error(NULL, small, 8), KVC_ERR_INVALID_ARG);
+    kvc_store_close(s);
+    return 0;
+}
+
 /* A server with requirepass: AUTH PASSWORD (no user) from redis://:PW@;
  * without it the error says a password is wanted. */
 TEST(requirepass_server) {
@@ -1379,6 +1416,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(tcp_url),
     TEST_ENTRY(credentials_and_database),
     TEST_ENTRY(requirepass_server),
+    TEST_ENTRY(store_says_why_a_tier_failed),
     TEST_ENTRY(engine_restores_from_redis_and_survives_a_killed_server),
     TEST_ENTRY(silent_server_costs_at_most_load_timeout),
     TEST_ENTRY(trickling_server_is_cut_at_load_timeout),

@@ -304,6 +304,13 @@ typedef struct kvc_store_stats {
 
 KVC_API kvc_status kvc_store_get_stats(kvc_store *store, kvc_store_stats *out);
 
+/* The message of the most recent failed tier call counted in
+ * kvc_store_stats.errors ("" while none failed), into buf (cap > 0 bytes,
+ * cut to fit, NUL-terminated). Those failures happen on the writer thread
+ * or inside a restore and cost only misses, so kvc_last_error never shows
+ * them: this says why (a server down, a refused password, a full disk). */
+KVC_API kvc_status kvc_store_last_tier_error(kvc_store *store, char *buf, size_t cap);
+
 /* Events for cache-aware routers: pages stored, removed or all cleared.
  * tier >= 0 is a tier (index in the urls of kvc_store_open): stored after
  * the write, removed by its budget, cleared by kvc_store_invalidate

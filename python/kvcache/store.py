@@ -242,6 +242,7 @@ _PROTOS = {
                               _i32p, _i64p),
     "kvc_store_save_run": (_c_int, _vp, _vp, _KP, _i32p, ctypes.c_int64, ctypes.c_int64, _i32p),
     "kvc_store_get_stats": (_c_int, _vp, ctypes.POINTER(StoreStats)),
+    "kvc_store_last_tier_error": (_c_int, _vp, ctypes.c_char_p, ctypes.c_size_t),
     "kvc_store_set_event_callback": (_c_int, _vp, EVENT_FN, _vp),
     "kvc_store_attach_engine": (_c_int, _vp, _vp, _KP),
     "kvc_store_detach_engine": (_c_int, _vp, _vp),
@@ -893,6 +894,15 @@ class KVStore(_lib.NoCopy):
             else:
                 out[f] = int(getattr(s, f))
         return out
+
+    def last_tier_error(self) -> str:
+        """The message of the most recent failed tier call counted in
+        stats()["errors"] ("" while none failed): why a tier failed on the
+        writer thread or in a restore (kvc_store_last_tier_error)."""
+        buf = ctypes.create_string_buffer(512)
+        with self._use():
+            _lib.check(self._lib.kvc_store_last_tier_error(self._ptr, buf, len(buf)))
+        return buf.value.decode("utf-8", "replace")
 
     def invalidate(self, ns) -> None:
         """Removes every object of namespace ns from every tier

@@ -396,6 +396,20 @@ def test_passwords_stay_out_of_repr_and_errors():
         assert "s3cr3t" not in str(e.value), str(e.value)
 
 
+def test_last_tier_error_says_why_writes_failed(tmp_path):
+    try:
+        st = kvcache.KVStore(f"unix://:pw@{tmp_path}/nobody.sock")
+    except kvcache.UnsupportedError:
+        pytest.fail("this build has no Redis tier (scripts/setup.sh installs libhiredis-dev)")
+    with st:
+        assert st.last_tier_error() == ""
+        st.put(bytes(16), bytes(range(16)), b"object")
+        st.flush()
+        assert st.stats()["errors"] == 1
+        why = st.last_tier_error()
+        assert "nobody.sock" in why and "cannot connect" in why and ":pw@" not in why, why
+
+
 def _run_py(code: str, env_over: dict, timeout=120):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(PYDIR) + os.pathsep + env.get("PYTHONPATH", "")

@@ -14,6 +14,7 @@
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -61,12 +62,23 @@ struct kvc_store {
     int stop;
     pthread_t thr;
     kvc_store_stats st;
+    char last_err[256]; /* the last failed tier call's message (under mu) */
     kvc_store_event_fn ev_fn;
     void *ev_user;
     kvc__objpool *pool; /* object buffers of the tiers' gets, restores and writes */
     kvc__store_attached *attached; /* kvc_store_attach_engine's, freed at detach or close */
     int64_t n_attached;
 };
+
+/* Keeps the message of a tier call that just failed on this thread (for
+ * kvc_store_last_tier_error), then clears it: the failure is counted, not
+ * the caller's error. */
+static void tier_failed(kvc_store *s) {
+    pthread_mutex_lock(&s->mu);
+    snprintf(s->last_err, sizeof s->last_err, "%s", kvc_last_error());
+    pthread_mutex_unlock(&s->mu);
+    kvc_clear_error();
+}
 
 kvc_store_params kvc_store_default_params(void) {
     kvc_store_params p;
@@ -232,7 +244,7 @@ static void *writer(void *arg) {
                                                       j - i, w);
                 if (st != KVC_OK) {
                     errors++;
-                    kvc_clear_error();
+                    tier_failed(s);
                 }
                 for (int k = 0; k < j - i; k++) {
                     if (!w[k]) {
@@ -572,6 +584,15 @@ void *kvc__store_attach_take(kvc_store *s, const void *engine, const void *skip)
     return a;
 }
 
+kvc_status kvc_store_last_tier_error(kvc_store *s, char *buf, size_t cap) {
+    KVC_CHECK(s != NULL && buf != NULL && cap > 0,
+              "kvc_store_last_tier_error: store and buf must not be NULL, cap > 0");
+    pthread_mutex_lock(&s->mu);
+    snprintf(buf, cap, "%s", s->last_err);
+    pthread_mutex_unlock(&s->mu);
+    return KVC_OK;
+}
+
 kvc_status kvc_store_get_stats(kvc_store *s, kvc_store_stats *out) {
     KVC_CHECK(s != NULL && out != NULL, "kvc_store_get_stats: store and out must not be NULL");
     pthread_mutex_lock(&s->mu);
@@ -658,7 +679,7 @@ kvc_status kvc__store_probe_run(kvc_store *s, const kvc_store_key *ns, const int
         int64_t n = 0;
         if (s->tiers[t]->ops->probe(s->tiers[t], ns, k + first + pos, max - pos, &n) != KVC_OK) {
             errors++;
-            kvc_clear_error();
+            tier_failed(s);
             continue;
         }
         pos += n;
@@ -754,8 +775,9 @@ static void *restore_worker(void *arg) {
                           : kvc_store_verify_object(r->cache, b->objs[ok], b->lens[ok], &e, auth,
                                                     &m);
             if (st != KVC_OK) {
-                kvc_clear_error();
                 werr = m == KVC_STORE_MISS_COUNT; /* the cache refused the write */
+                if (werr) tier_failed(r->s); /* counted in errors too */
+                else kvc_clear_error();
                 break;
             }
             if (b->tier > 0 && r->s->p.promote)
@@ -838,7 +860,7 @@ static int64_t restore_pipeline(restore_ctx *r) {
             if (s->tiers[t]->ops->get(s->tiers[t], &r->ns, r->keys + r->first + fetched, n,
                                       max_len, deadline_ns, objs, b->lens) != KVC_OK) {
                 errors++;
-                kvc_clear_error();
+                tier_failed(s);
                 free(b);
                 break; /* the next tier from where the verified run ends */
             }

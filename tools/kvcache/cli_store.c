@@ -442,10 +442,13 @@ void cli_store_finish(const char *cmd, const cli_store_opts *o, kvc_store *store
     if (!store || kvc_store_get_stats(store, &ss) != KVC_OK) memset(&b, 0, sizeof b);
     /* a tier that fails (a server down, a full disk) costs the run nothing
      * but the pages it would have served or kept: said, not silent */
-    if (ss.errors > b.errors)
-        fprintf(stderr, "kvcache: %s: warning: --kv-store: %lld tier calls failed (a server "
-                "down, a full disk?): their pages were computed or not stored\n", cmd,
-                (long long)(ss.errors - b.errors));
+    if (ss.errors > b.errors) {
+        char why[256] = "";
+        if (kvc_store_last_tier_error(store, why, sizeof why) != KVC_OK) kvc_clear_error();
+        fprintf(stderr, "kvcache: %s: warning: --kv-store: %lld tier calls failed (the last: "
+                "%s): their pages were computed or not stored\n", cmd,
+                (long long)(ss.errors - b.errors), why[0] ? why : "no message");
+    }
     if (!o->json_stats) return;
     print_json_stats(eng, o->n_urls > 0, ss.verify_failures - b.verify_failures,
                      ss.errors - b.errors, ss.bytes_read - b.bytes_read,
