@@ -555,6 +555,177 @@ TEST(attention_params_checked_as_elsewhere) {
     return 0;
 }
 
+/* ---- outputs laid over the index inputs (core.h: undefined, in bounds) ----
+ * Two sequences, a format whose groups the SIMD kernels take (G = P = Dh =
+ * gv = 16, sink 1): sequence 0 stores positions 0..19 (group 0 completes:
+ * pages and sink written), sequence 1 position 17 (straight into its tail
+ * ring); four query rows, two per sequence. Every index input (seqs, each
+ * sequence's page ids, row_indptr, q_seq, q_pos, the format) is laid at
+ * every aligned offset of every output of each entry point. The values
+ * written (about 1e4 as float16/float32, codes, log2 sums) read as indices
+ * are far out of range: the old code, reading the inputs again after its
+ * first writes, went out of bounds or crashed. Guard bytes after each
+ * buffer catch stray writes (ASan builds any stray access). */
+enum { OV_NQ = 4, OV_HQ = 2, OV_D = 16, OV_N0 = 20, OV_N1 = 18, OV_NNZ = 21 };
+enum { OV_PAGES, OV_TAIL0, OV_TAIL1, OV_SINK0, OV_SINK1, OV_OUT, OV_LSE, OV_NOUT };
+enum { OV_SEQS, OV_IDS0, OV_IDS1, OV_INDPTR, OV_QSEQ, OV_QPOS, OV_FMT, OV_NIN };
+enum { OV_APPEND, OV_ATTENTION, OV_APPEND_ATTENTION };
+static const char *const ov_out_name[OV_NOUT] = {"pages", "tail 0", "tail 1", "sink 0",
+                                                 "sink 1", "out", "lse"};
+static const char *const ov_in_name[OV_NIN] = {"seqs", "page ids 0", "page ids 1", "row_indptr",
+                                               "q_seq", "q_pos", "format"};
+static const char *const ov_entry_name[3] = {"append", "attention", "append_attention"};
+
+static int ov_outputs(int entry, int o) {
+    if (entry == OV_ATTENTION) return o == OV_OUT || o == OV_LSE;
+    if (entry == OV_APPEND) return o != OV_OUT && o != OV_LSE;
+    return 1;
+}
+static int ov_inputs(int entry, int i) {
+    if (entry == OV_ATTENTION) return i != OV_INDPTR;
+    if (entry == OV_APPEND) return i != OV_QSEQ && i != OV_QPOS;
+    return 1;
+}
+
+/* One call of entry with input in laid at byte off of output o (o < 0: no
+ * overlap). 1 when it stayed in its buffers, else 0 (with a message). */
+static int ov_call(const kvc_kvfmt *f0, int entry, int o, int in, size_t off) {
+    const int64_t H = f0->num_kv_heads, D = f0->head_dim, HD = H * D;
+    const size_t pb = kvc_kvfmt_page_bytes(f0), tb = kvc_kvfmt_tail_bytes(f0);
+    const size_t sb = kvc_kvfmt_sink_bytes(f0);
+    const size_t osz[OV_NOUT] = {4 * pb, tb, tb, sb, sb, OV_NQ * OV_HQ * OV_D * 4,
+                                 OV_NQ * OV_HQ * 4};
+    const size_t isz[OV_NIN] = {2 * sizeof(kvc_kvfmt_seq), 8, 8, 3 * 8, OV_NQ * 4, OV_NQ * 4,
+                                sizeof(kvc_kvfmt)};
+    unsigned char *ob[OV_NOUT], *ib[OV_NIN] = {0};
+    int ok = 1;
+    for (int i = 0; i < OV_NOUT; i++) ok &= (ob[i] = test_guarded(osz[i])) != NULL;
+    float *k = malloc(OV_NNZ * HD * 4), *q = malloc(OV_NQ * OV_HQ * OV_D * 4);
+    if (!ok || !k || !q) {
+        fprintf(stderr, "  out of memory\n");
+        return 0;
+    }
+    /* large finite values (rotated V stays within float16's range) */
+    for (int64_t i = 0; i < OV_NNZ * HD; i++)
+        k[i] = (i % 3 ? 1.0f : -1.0f) * (8000.0f + (float)(i % 29) * 50.0f);
+    for (int i = 0; i < OV_NQ * OV_HQ * OV_D; i++) q[i] = 0.001f * (float)(i % 5);
+    uint16_t *tail[2] = {(uint16_t *)(void *)ob[OV_TAIL0], (uint16_t *)(void *)ob[OV_TAIL1]};
+    uint16_t *sink[2] = {(uint16_t *)(void *)ob[OV_SINK0], (uint16_t *)(void *)ob[OV_SINK1]};
+    int64_t psh[2] = {4, (int64_t)pb}, ksh[3] = {OV_NNZ, H, D}, qsh[3] = {OV_NQ, OV_HQ, OV_D};
+    int64_t lsh[2] = {OV_NQ, OV_HQ}, k17[3] = {17, H, D};
+    kvc_tensor tp = kvc_tensor_make(ob[OV_PAGES], KVC_U8, 2, psh);
+    kvc_tensor tk = kvc_tensor_make(k, KVC_F32, 3, ksh), tk17 = kvc_tensor_make(k, KVC_F32, 3, k17);
+    kvc_tensor tq = kvc_tensor_make(q, KVC_F32, 3, qsh);
+    kvc_tensor to = kvc_tensor_make(ob[OV_OUT], KVC_F32, 3, qsh);
+    kvc_tensor tl = kvc_tensor_make(ob[OV_LSE], KVC_F32, 2, lsh);
+    /* clean set-up: sequence 1's positions 0..16; for attention also the
+     * append the other entries make */
+    int32_t ids[2][2] = {{0, 1}, {2, 3}};
+    kvc_kvfmt_seq clean[2] = {{ids[0], 0, tail[0], sink[0]}, {ids[1], 17, tail[1], sink[1]}};
+    int64_t ip17[3] = {0, 0, 17}, ip[3] = {0, OV_N0, OV_NNZ};
+    if (kvc_kvfmt_append(f0, &tp, clean, 2, ip17, &tk17, &tk17, NULL) != KVC_OK) ok = 0;
+    clean[0].n_kv = OV_N0, clean[1].n_kv = OV_N1;
+    if (entry == OV_ATTENTION && kvc_kvfmt_append(f0, &tp, clean, 2, ip, &tk, &tk, NULL) != KVC_OK)
+        ok = 0;
+    if (!ok) {
+        fprintf(stderr, "  set-up failed: %s\n", kvc_last_error());
+        return 0;
+    }
+    for (int i = 0; i < OV_NIN; i++) {
+        ib[i] = i == in && o >= 0 ? ob[o] + off : test_guarded(isz[i]);
+        if (!ib[i]) return 0;
+    }
+    /* the inputs, valid when the call starts */
+    int32_t *id0 = (int32_t *)(void *)ib[OV_IDS0], *id1 = (int32_t *)(void *)ib[OV_IDS1];
+    id0[0] = 0, id0[1] = 1, id1[0] = 2, id1[1] = 3;
+    kvc_kvfmt_seq *seqs = (kvc_kvfmt_seq *)(void *)ib[OV_SEQS];
+    seqs[0] = (kvc_kvfmt_seq){id0, OV_N0, tail[0], sink[0]};
+    seqs[1] = (kvc_kvfmt_seq){id1, OV_N1, tail[1], sink[1]};
+    int64_t *indptr = (int64_t *)(void *)ib[OV_INDPTR];
+    indptr[0] = 0, indptr[1] = OV_N0, indptr[2] = OV_NNZ;
+    int32_t *qseq = (int32_t *)(void *)ib[OV_QSEQ], *qpos = (int32_t *)(void *)ib[OV_QPOS];
+    /* attention alone: positions from floor(n_kv / G) * G - 1 */
+    const int32_t pos[2][OV_NQ] = {{19, 17, 3, 16}, {19, 17, 16, 15}};
+    for (int i = 0; i < OV_NQ; i++) qseq[i] = i % 2, qpos[i] = pos[entry == OV_ATTENTION][i];
+    kvc_kvfmt *f = (kvc_kvfmt *)(void *)ib[OV_FMT];
+    *f = *f0;
+    /* the rows: sequence 0's 20, then sequence 1's position 17 */
+    kvc_tensor trows = tk;
+    trows.data = k + 0;
+    kvc_status st;
+    if (entry == OV_APPEND)
+        st = kvc_kvfmt_append(f, &tp, seqs, 2, indptr, &trows, &trows, NULL);
+    else if (entry == OV_ATTENTION)
+        st = kvc_kvfmt_attention(f, &tp, seqs, 2, &tq, qseq, qpos, NULL, &to, &tl, NULL);
+    else
+        st = kvc_kvfmt_append_attention(f, &tp, seqs, 2, indptr, &trows, &trows, &tq, qseq, qpos,
+                                        NULL, &to, &tl, NULL);
+    if (o < 0 && st != KVC_OK) { /* without overlap the call must work */
+        fprintf(stderr, "  %s: %s\n", ov_entry_name[entry], kvc_last_error());
+        ok = 0;
+    }
+    for (int i = 0; i < OV_NOUT; i++)
+        if (!test_guard_ok(ob[i], osz[i])) {
+            fprintf(stderr, "  %s: %s over %s at byte %zu: wrote past %s\n", ov_entry_name[entry],
+                    ov_in_name[in], o >= 0 ? ov_out_name[o] : "nothing", off, ov_out_name[i]);
+            ok = 0;
+        }
+    for (int i = 0; i < OV_NIN; i++) {
+        if (i == in && o >= 0) continue;
+        if (!test_guard_ok(ib[i], isz[i])) {
+            fprintf(stderr, "  %s: %s over %s at byte %zu: wrote past %s\n", ov_entry_name[entry],
+                    ov_in_name[in], o >= 0 ? ov_out_name[o] : "nothing", off, ov_in_name[i]);
+            ok = 0;
+        }
+        free(ib[i]);
+    }
+    for (int i = 0; i < OV_NOUT; i++) free(ob[i]);
+    free(k);
+    free(q);
+    return ok;
+}
+
+TEST(outputs_over_index_inputs_stay_in_bounds) {
+    kvc_kvfmt fm[2];
+    for (int b = 0; b < 2; b++) { /* kivi8 and kivi4 with G = P = gv = 16 */
+        ASSERT_OK(kvc_kvfmt_make(b ? KVC_KVFMT_KIVI4 : KVC_KVFMT_KIVI8, 1, OV_D, 16, &fm[b]));
+        fm[b].id = KVC_KVFMT_NONE;
+        fm[b].group = 16, fm[b].v_group = 16, fm[b].sink = 1, fm[b].window = 0;
+        ASSERT_OK(kvc_kvfmt_check(&fm[b]));
+    }
+    const size_t align[OV_NIN] = {8, 4, 4, 8, 4, 4, 4};
+    const size_t isz[OV_NIN] = {2 * sizeof(kvc_kvfmt_seq), 8, 8, 3 * 8, OV_NQ * 4, OV_NQ * 4,
+                                sizeof(kvc_kvfmt)};
+    /* the filter of a single case when looking into one: KVC_TEST_OV=entry,out,in */
+    const char *only = getenv("KVC_TEST_OV");
+    int oe = -1, oo = -1, oi = -1;
+    if (only && sscanf(only, "%d,%d,%d", &oe, &oo, &oi) != 3) oe = oo = oi = -1;
+    FOR_EACH_ISA({
+        for (int b = 0; b < 2; b++) {
+            const kvc_kvfmt *f = &fm[b];
+            const size_t pb = kvc_kvfmt_page_bytes(f), tb = kvc_kvfmt_tail_bytes(f);
+            const size_t sb = kvc_kvfmt_sink_bytes(f);
+            const size_t osz[OV_NOUT] = {4 * pb, tb, tb, sb, sb, OV_NQ * OV_HQ * OV_D * 4,
+                                         OV_NQ * OV_HQ * 4};
+            for (int e = 0; e < 3; e++) {
+                ASSERT_TRUE(ov_call(f, e, -1, 0, 0)); /* no overlap: the set-up works */
+                for (int o = 0; o < OV_NOUT; o++)
+                    for (int i = 0; i < OV_NIN; i++) {
+                        if (!ov_outputs(e, o) || !ov_inputs(e, i)) continue;
+                        if (oe >= 0 && (e != oe || o != oo || i != oi)) continue;
+                        for (size_t off = 0; off + isz[i] <= osz[o]; off += align[i])
+                            if (!ov_call(f, e, o, i, off)) {
+                                fprintf(stderr, "  format %s isa %s\n", b ? "kivi4" : "kivi8",
+                                        kvc_isa_name(kvc_get_isa()));
+                                return 1;
+                            }
+                    }
+            }
+        }
+    });
+    return 0;
+}
+
 const char *test_suite_name = "kvfmt";
 const test_case test_suite[] = {
     TEST_ENTRY(attention_grid),
@@ -562,5 +733,6 @@ const test_case test_suite[] = {
     TEST_ENTRY(attention_chunks),
     TEST_ENTRY(attention_rows_same_in_any_call),
     TEST_ENTRY(attention_params_checked_as_elsewhere),
+    TEST_ENTRY(outputs_over_index_inputs_stay_in_bounds),
     {0, 0},
 };

@@ -218,6 +218,71 @@ kvc__kvfmt_win kvc__kvfmt_tail_win(const kvc_kvfmt *f, const kvc_kvfmt_seq *s) {
     return w;
 }
 
+/* Page ids a query at p reads: those of its quantized groups. */
+static int64_t query_pages(const kvc_kvfmt *f, int32_t p) {
+    return (kvc__kvfmt_f16_from(f, p) + f->page_size - 1) / f->page_size;
+}
+
+static int has_rows(const int64_t *row_indptr, int64_t b) {
+    return row_indptr && row_indptr[b + 1] > row_indptr[b];
+}
+
+size_t kvc__kvfmt_idx_bytes(const kvc_kvfmt *f, const kvc_kvfmt_seq *seqs, int64_t n_seqs,
+                            const int64_t *row_indptr, int64_t nq, const int32_t *q_seq,
+                            const int32_t *q_pos) {
+    const int64_t P = f->page_size;
+    int64_t ids = 0;
+    for (int64_t b = 0; b < n_seqs; b++)
+        if (has_rows(row_indptr, b)) ids += (seqs[b].n_kv + P - 1) / P;
+    /* a sequence without rows: the most its queries read, once per run of
+     * them in q_seq (exact for a decode or a prefill, whose rows of a
+     * sequence come together; more room than needed otherwise) */
+    for (int64_t i = 0; i < nq;) {
+        const int32_t b = q_seq[i];
+        int64_t most = 0;
+        for (; i < nq && q_seq[i] == b; i++) {
+            const int64_t np = query_pages(f, q_pos[i]);
+            most = np > most ? np : most;
+        }
+        if (!has_rows(row_indptr, b)) ids += most;
+    }
+    const size_t n = (size_t)n_seqs * (sizeof(kvc_kvfmt_seq) + 8) +
+                     (row_indptr ? (size_t)(n_seqs + 1) * 8 : 0) + (size_t)nq * 8 +
+                     (size_t)ids * 4;
+    return (n + 63) / 64 * 64;
+}
+
+void kvc__kvfmt_idx_copy(const kvc_kvfmt *f, const kvc_kvfmt_seq *seqs, int64_t n_seqs,
+                         const int64_t *row_indptr, int64_t nq, const int32_t *q_seq,
+                         const int32_t *q_pos, void *mem, kvc__kvfmt_idx *out) {
+    const int64_t P = f->page_size;
+    kvc_kvfmt_seq *s = mem;
+    int64_t *need = (int64_t *)(s + n_seqs); /* page ids read, per sequence */
+    int64_t *ip = need + n_seqs;
+    int32_t *qs = (int32_t *)(ip + (row_indptr ? n_seqs + 1 : 0)), *qp = qs + nq, *ids = qp + nq;
+    if (n_seqs > 0) memcpy(s, seqs, (size_t)n_seqs * sizeof *s);
+    if (row_indptr) memcpy(ip, row_indptr, (size_t)(n_seqs + 1) * sizeof *ip);
+    if (nq > 0) {
+        memcpy(qs, q_seq, (size_t)nq * sizeof *qs);
+        memcpy(qp, q_pos, (size_t)nq * sizeof *qp);
+    }
+    for (int64_t b = 0; b < n_seqs; b++)
+        need[b] = has_rows(row_indptr ? ip : NULL, b) ? (s[b].n_kv + P - 1) / P : 0;
+    for (int64_t i = 0; i < nq; i++) { /* with rows: q_pos < n_kv reads no more */
+        const int64_t np = query_pages(f, qp[i]);
+        need[qs[i]] = np > need[qs[i]] ? np : need[qs[i]];
+    }
+    for (int64_t b = 0; b < n_seqs; b++) {
+        if (need[b] > 0) memcpy(ids, s[b].pages, (size_t)need[b] * sizeof *ids);
+        s[b].pages = ids;
+        ids += need[b];
+    }
+    out->seqs = s;
+    out->row_indptr = row_indptr ? ip : NULL;
+    out->q_seq = qs;
+    out->q_pos = qp;
+}
+
 kvc_status kvc__kvfmt_attn_check(const char *fn, const kvc_kvfmt *f, const kvc_tensor *pages,
                                  const kvc_kvfmt_seq *seqs, int64_t n_seqs, const int64_t *lo,
                                  const kvc_tensor *q, const int32_t *q_seq, const int32_t *q_pos,
@@ -325,12 +390,22 @@ kvc_status kvc_kvfmt_attention(const kvc_kvfmt *f, const kvc_tensor *pages,
     float sm;
     kvc_status st = kvc__kvfmt_attn_check(fn, f, pages, seqs, n_seqs, lo, q, q_seq, q_pos,
                                           params, out, lse, &sm);
-    if (st == KVC_OK) {
+    if (st == KVC_OK && nq > 0) {
+        /* the inputs read while out and lse are written, copied first (the
+         * format and the tensors' descriptions too) */
+        const kvc_kvfmt fc = *f;
+        kvc_tensor pc = *pages, qc = *q, oc = *out, lc = lse ? *lse : *out;
+        const size_t cb = kvc__kvfmt_idx_bytes(f, seqs, n_seqs, NULL, nq, q_seq, q_pos);
         const size_t sb = kvc__kvfmt_simd_bytes(f, nq, q->shape[1], q_seq, q_pos);
-        if (sb && !(mem = malloc(sb))) st = kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+        if (!(mem = malloc(cb + sb))) {
+            st = kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+        } else {
+            kvc__kvfmt_idx ix;
+            kvc__kvfmt_idx_copy(&fc, seqs, n_seqs, NULL, nq, q_seq, q_pos, mem, &ix);
+            kvc__kvfmt_attend(&fc, &pc, ix.seqs, wins, &qc, ix.q_seq, ix.q_pos, sm, &oc,
+                              lse ? &lc : NULL, pool, sb ? (char *)mem + cb : NULL);
+        }
     }
-    if (st == KVC_OK)
-        kvc__kvfmt_attend(f, pages, seqs, wins, q, q_seq, q_pos, sm, out, lse, pool, mem);
     free(mem);
     free(lo);
     return st;

@@ -90,6 +90,29 @@ int kvc__kvfmt_attend_simd(const kvc_kvfmt *f, const kvc_tensor *pages,
                            float sm, kvc_tensor *out, kvc_tensor *lse, kvc_threadpool *pool,
                            void *mem);
 
+/* Copies of the index inputs the kernels read while they write pages,
+ * tails, sinks, out and lse: an output laid over one of them (core.h:
+ * undefined) must not send later reads out of bounds. Taken into the
+ * call's scratch after the checks and before the first write; every read
+ * after that uses them. */
+typedef struct kvc__kvfmt_idx {
+    kvc_kvfmt_seq *seqs;  /* pages pointing at the copied ids */
+    int64_t *row_indptr;  /* NULL for attention alone */
+    int32_t *q_seq, *q_pos;
+} kvc__kvfmt_idx;
+
+/* Bytes of the copies of checked arguments (row_indptr NULL: attention
+ * alone): the sequences, row_indptr, q_seq, q_pos, and the page ids read:
+ * ceil(n_kv / P) of a sequence with rows, those of its queries' quantized
+ * groups otherwise. A multiple of 64, O(n_seqs + nq + pages). */
+size_t kvc__kvfmt_idx_bytes(const kvc_kvfmt *f, const kvc_kvfmt_seq *seqs, int64_t n_seqs,
+                            const int64_t *row_indptr, int64_t nq, const int32_t *q_seq,
+                            const int32_t *q_pos);
+/* Takes the copies into mem (kvc__kvfmt_idx_bytes, 8-byte aligned). */
+void kvc__kvfmt_idx_copy(const kvc_kvfmt *f, const kvc_kvfmt_seq *seqs, int64_t n_seqs,
+                         const int64_t *row_indptr, int64_t nq, const int32_t *q_seq,
+                         const int32_t *q_pos, void *mem, kvc__kvfmt_idx *out);
+
 /* The pool scratch kvc_kvfmt_append_attention takes (a caller that must not
  * fail half way reserves it first): rows row_indptr of sequences of
  * lengths seqs[b].n_kv, queries (nq, Hq) at q_seq/q_pos (nq 0: a store). */

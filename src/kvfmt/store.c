@@ -298,7 +298,7 @@ static size_t scratch_bytes(const kvc_kvfmt *f, int64_t nnz, int64_t n_seqs, int
                             int64_t n_tasks) {
     const int64_t n_conv = (nnz + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     const int64_t HD = (int64_t)f->num_kv_heads * f->head_dim;
-    return (size_t)n_rows * 4 * (size_t)HD + (size_t)(n_tasks * 2 + nnz + n_seqs * 3) * 8 +
+    return (size_t)n_rows * 4 * (size_t)HD + (size_t)(n_tasks * 2 + nnz + n_seqs * 2) * 8 +
            (size_t)n_seqs * sizeof(kvc__kvfmt_win) + (size_t)n_conv + 64;
 }
 
@@ -319,7 +319,8 @@ size_t kvc__kvfmt_step_scratch_bytes(const kvc_kvfmt *f, const kvc_kvfmt_seq *se
                                      int64_t Hq, const int32_t *q_seq, const int32_t *q_pos) {
     int64_t n_rows, n_tasks;
     count_work(f, seqs, n_seqs, row_indptr, &n_rows, &n_tasks);
-    return scratch_bytes(f, row_indptr[n_seqs], n_seqs, n_rows, n_tasks) +
+    return kvc__kvfmt_idx_bytes(f, seqs, n_seqs, row_indptr, nq, q_seq, q_pos) +
+           scratch_bytes(f, row_indptr[n_seqs], n_seqs, n_rows, n_tasks) +
            kvc__kvfmt_simd_bytes(f, nq, Hq, q_seq, q_pos);
 }
 
@@ -382,26 +383,51 @@ static kvc_status append_attend(const char *fn, const kvc_kvfmt *f, kvc_tensor *
     count_work(f, seqs, n_seqs, row_indptr, &n_rows, &n_tasks);
     float sm = 0;
     size_t simd_bytes = 0;
-    if (q) { /* all but the lower bound of q_pos, checked below */
+    if (q) {
         KVC_TRY(kvc__kvfmt_attn_check(fn, f, pages, seqs, n_seqs, NULL, q, q_seq, q_pos, params,
                                       out, lse, &sm));
+        /* per sequence: q_pos + 1 >= floor(pos0 / G) * G, the staging's reach */
+        for (int64_t i = 0; i < q->shape[0]; i++) {
+            const int64_t b = q_seq[i], cnt = row_indptr[b + 1] - row_indptr[b];
+            const int64_t g0 = (seqs[b].n_kv - cnt) / G * G, lo = g0 > 0 ? g0 - 1 : 0;
+            KVC_CHECK(q_pos[i] >= lo, "%s: q_pos[%lld] = %d below %lld: the float16 values it "
+                      "reads are gone from the tail", fn, (long long)i, (int)q_pos[i],
+                      (long long)lo);
+        }
         simd_bytes = kvc__kvfmt_simd_bytes(f, q->shape[0], q->shape[1], q_seq, q_pos);
     }
     if (nnz == 0 && !q) return KVC_OK;
+    const int64_t nq = q ? q->shape[0] : 0;
+
+    const int64_t n_conv = (nnz + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    const size_t cb = kvc__kvfmt_idx_bytes(f, seqs, n_seqs, row_indptr, nq, q_seq, q_pos);
+    const size_t own = scratch_bytes(f, nnz, n_seqs, n_rows, n_tasks);
+    unsigned char *const block = kvc__scratch_get(pool, cb + own + simd_bytes);
+    if (!block) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
+    /* From here on the inputs read while pages, tails, sinks, out and lse
+     * are written are the copies (an output laid over one must not send
+     * the reads out of bounds): the index arrays, the format and the
+     * tensors' descriptions. */
+    kvc__kvfmt_idx ix;
+    kvc__kvfmt_idx_copy(f, seqs, n_seqs, row_indptr, nq, q_seq, q_pos, block, &ix);
+    seqs = ix.seqs, row_indptr = ix.row_indptr, q_seq = ix.q_seq, q_pos = ix.q_pos;
+    const kvc_kvfmt fc = *f;
+    kvc_tensor pc = *pages, qc, oc, lc;
+    f = &fc, pages = &pc;
+    if (q) {
+        qc = *q, oc = *out, q = &qc, out = &oc;
+        if (lse) lc = *lse, lse = &lc;
+    }
+    unsigned char *const mem = block + cb;
 
     store_ctx c;
     memset(&c, 0, sizeof c);
     c.f = f, c.l = l, c.pages = pages, c.key = key, c.value = value, c.seqs = seqs;
     c.row_indptr = row_indptr, c.n_seqs = n_seqs, c.nnz = nnz, c.HD = HD;
-    const int64_t n_conv = (nnz + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-    const size_t own = scratch_bytes(f, nnz, n_seqs, n_rows, n_tasks);
-    unsigned char *mem = kvc__scratch_get(pool, own + simd_bytes);
-    if (!mem) return kvc__error(KVC_ERR_NOMEM, "%s: out of memory", fn);
     kvc__kvfmt_win *wins = (kvc__kvfmt_win *)mem; /* 8-byte members: first */
     c.w0 = (int64_t *)(wins + n_seqs);
     c.off = c.w0 + n_seqs;
-    int64_t *qlo = c.off + n_seqs; /* per sequence: the lowest position a query may take */
-    c.dst = qlo + n_seqs;
+    c.dst = c.off + n_seqs;
     c.task_seq = c.dst + nnz;
     c.task_grp = c.task_seq + n_tasks;
     c.st = (uint16_t *)(c.task_grp + n_tasks);
@@ -437,20 +463,7 @@ static kvc_status append_attend(const char *fn, const kvc_kvfmt *f, kvc_tensor *
         wins[b].mod = 0;
     }
     kvc_status st = KVC_OK;
-    if (q) {
-        /* per sequence: q_pos + 1 >= floor(pos0 / G) * G, the staging's reach */
-        for (int64_t b = 0; b < n_seqs; b++) {
-            const int64_t cnt = row_indptr[b + 1] - row_indptr[b];
-            const int64_t g0 = (seqs[b].n_kv - cnt) / G * G;
-            qlo[b] = g0 > 0 ? g0 - 1 : 0;
-        }
-        for (int64_t i = 0; i < q->shape[0] && st == KVC_OK; i++)
-            if (q_pos[i] < qlo[q_seq[i]])
-                st = kvc__error(KVC_ERR_INVALID_ARG, "%s: q_pos[%lld] = %d below %lld: the "
-                                "float16 values it reads are gone from the tail", fn,
-                                (long long)i, (int)q_pos[i], (long long)qlo[q_seq[i]]);
-    }
-    if (st == KVC_OK && nnz > 0) {
+    if (nnz > 0) {
         kvc__parallel_for(pool, n_conv, convert_task, &c);
         for (int64_t i = 0; i < n_conv && st == KVC_OK; i++)
             if (c.bad[i])
@@ -460,7 +473,7 @@ static kvc_status append_attend(const char *fn, const kvc_kvfmt *f, kvc_tensor *
                                 (long long)((i + 1) * ROWS_PER_TASK - 1));
     }
     if (st != KVC_OK) {
-        kvc__scratch_release(pool, mem);
+        kvc__scratch_release(pool, block);
         return st;
     }
     /* quantize the complete groups, write the sink rows and the rows that go
@@ -490,7 +503,7 @@ static kvc_status append_attend(const char *fn, const kvc_kvfmt *f, kvc_tensor *
         if (cnt > 0 && !ring_direct(f, s->n_kv, cnt))
             write_tail(&c, b, stage_w0(f, s->n_kv)); /* what the tail holds */
     }
-    kvc__scratch_release(pool, mem);
+    kvc__scratch_release(pool, block);
     return KVC_OK;
 }
 
