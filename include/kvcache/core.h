@@ -14,8 +14,7 @@
  *   - An output must not share memory with an input or another output unless
  *     its operator says so (caches updated in place are inputs and outputs
  *     by design). Overlap is not detected: like memcpy's, such a call's
- *     result is undefined, though nothing is read or written out of bounds
- *     (except in kvfmt.h's kernels, which say so).
+ *     result is undefined, though nothing is read or written out of bounds.
  *     Nor may a tensor the call writes overlap itself: one with stride 0
  *     over a dimension of size > 1 (a broadcast view) is refused
  *     (KVC_ERR_INVALID_ARG); other self-overlapping strides are not detected.

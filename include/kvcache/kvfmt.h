@@ -27,12 +27,6 @@
  *
  * The bytes written depend only on the tokens' float16 K/V: not on the
  * batch, the number of tokens per call, the thread count or the ISA.
- *
- * Overlap: core.h's promise that an output overlapping an input stays in
- * bounds does not hold here yet. The kernels read the seqs array, each
- * sequence's page ids, row_indptr, q_seq and q_pos while they write pages,
- * tails, sinks, out and lse, so an output laid over one of those can send
- * them out of bounds (out over a page-id array crashes): keep them apart.
  */
 #ifndef KVCACHE_KVFMT_H
 #define KVCACHE_KVFMT_H
