@@ -66,6 +66,10 @@ size_t bench_mem_limit(const bench_opts *o);
  * 6 GiB (256 MiB with --quick); lower OPTS" on stderr, before any case runs;
  * returns CLI_EXIT_USAGE. */
 int bench_refuse_size(const bench_opts *o, const char *target, double need, const char *opts);
+/* The same guard for a command with options of its own (bench store,
+ * bench-serve): "kvcache: CMD: these sizes need about ..." against the limit
+ * bench_mem_limit gives for quick; CLI_EXIT_USAGE if need passes it, else 0. */
+int bench_check_size(const char *cmd, int quick, double need, const char *opts);
 
 /* ---- timing ------------------------------------------------------------ */
 

@@ -291,16 +291,14 @@ int bench_store(int argc, char **argv) {
         }
     }
     /* every page lives five times (two caches, the objects, two flat copies)
-     * at 4 bytes per element (float16 K and V): sizes past 6 GiB are refused
-     * before any allocation, as bench pmx does, rather than left to fail or
-     * to the OOM killer once the buffers are filled (double: the product of
-     * the options can pass int64) */
+     * at 4 bytes per element (float16 K and V): sizes past the limit are
+     * refused before any allocation by the guard every bench target shares,
+     * rather than left to fail or to the OOM killer once the buffers are
+     * filled (double: the product of the options can pass int64) */
     const double need = 5.0 * 4.0 * (double)pages * (double)layers * (double)heads * (double)dh *
                         (double)ps;
-    if (need > (double)((int64_t)6 << 30))
-        return cli_usage_error(cmd, "these sizes need about %.1f GiB (limit 6 GiB); "
-                               "lower --pages, --layers, --heads, --head-dim or --page-size",
-                               need / (1 << 30));
+    if (bench_check_size(cmd, 0, need, "--pages, --layers, --heads, --head-dim or --page-size"))
+        return CLI_EXIT_USAGE;
     bs b;
     memset(&b, 0, sizeof b);
     int rc = CLI_EXIT_FAIL;

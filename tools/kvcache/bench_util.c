@@ -389,9 +389,20 @@ size_t bench_mem_limit(const bench_opts *o) {
     return o->quick ? BENCH_QUICK_MEM_LIMIT : BENCH_MEM_LIMIT;
 }
 
-int bench_refuse_size(const bench_opts *o, const char *target, double need, const char *opts) {
-    fprintf(stderr, "kvcache: bench %s: these sizes need about %.4g GiB per case, over the limit "
-            "of %s; lower %s\n", target, need / (1 << 30),
-            o->quick ? "256 MiB with --quick" : "6 GiB", opts);
+static int refuse(const char *cmd, int quick, double need, const char *opts) {
+    fprintf(stderr, "kvcache: %s: these sizes need about %.4g GiB per case, over the limit "
+            "of %s; lower %s\n", cmd, need / (1 << 30), quick ? "256 MiB with --quick" : "6 GiB",
+            opts);
     return CLI_EXIT_USAGE;
+}
+
+int bench_refuse_size(const bench_opts *o, const char *target, double need, const char *opts) {
+    char cmd[64];
+    snprintf(cmd, sizeof cmd, "bench %s", target);
+    return refuse(cmd, o->quick, need, opts);
+}
+
+int bench_check_size(const char *cmd, int quick, double need, const char *opts) {
+    const size_t limit = quick ? BENCH_QUICK_MEM_LIMIT : BENCH_MEM_LIMIT;
+    return need > (double)limit ? refuse(cmd, quick, need, opts) : 0;
 }

@@ -71,7 +71,11 @@ static const char serve_usage[] =
     "phase 2 time (S_TG); dec_B is B.\n"
     "\n"
     "KV B/token: cache bytes per token slot over all layers (K, V and scales);\n"
-    "cached: prompt tokens served from the prefix cache.\n";
+    "cached: prompt tokens served from the prefix cache.\n"
+    "\n"
+    "Exit status 2 (before any case runs) for a bad command line, a prompt past the\n"
+    "model's context, or a case past the bench memory limit (6 GiB, 256 MiB with\n"
+    "--quick: cache, forward rows and logits, estimated from the model once loaded).\n";
 
 /* Splits a comma-separated list into items of fewer than 32 characters:
  * calls item(buf, i, ctx) for each; -1 for an empty list or item (",", "1,")
@@ -183,6 +187,36 @@ out:
     free(out);
     free(n_out);
     return ok ? 0 : -1;
+}
+
+/* Bytes of a cache token slot for KV code kv (K, V and scales over all
+ * layers), from a one-page cache of the model's geometry; the float32 size
+ * if even that cannot be made (an estimate on the safe side). */
+static double kv_token_bytes(const kvc_model *model, const kvc_model_info *in, int kv) {
+    kvc_cache_params cp = kvc_model_cache_params(model, cli_kv_dtype(kv), 1);
+    cp.kv_format = cli_kv_format(kv);
+    cp.quant_group = kvc_engine_default_params().quant_group; /* as the engine's cache */
+    kvc_cache *c = NULL;
+    if (kvc_cache_create(&cp, &c) != KVC_OK) {
+        kvc_clear_error();
+        return 2.0 * 4.0 * in->n_layer * in->n_head_kv * in->head_dim;
+    }
+    const double b = (double)kvc_cache_bytes_per_token(c);
+    kvc_cache_destroy(c);
+    return b;
+}
+
+/* About the bytes the largest case takes: its cache (B * (prompt + gen) token
+ * slots and a page each), the forward pass's rows (a step's rows plus one a
+ * sequence) and B rows of logits; --sync also keeps every prompt. */
+static double serve_case_bytes(const kvc_model *model, const kvc_model_info *in, int64_t B,
+                               int kv, int64_t prompt_len, int64_t gen, int64_t step_tokens) {
+    const double E = in->n_embd, QD = (double)in->n_head * in->head_dim,
+                 KD = (double)in->n_head_kv * in->head_dim, F = in->n_ff;
+    const double row = 4.0 * (3 * E + 2 * QD + 2 * KD + 2 * F);
+    return kv_token_bytes(model, in, kv) * (double)B * (double)(prompt_len + gen + 16) +
+           row * (double)(step_tokens + B) + 4.0 * (double)(B + 16) * in->n_vocab +
+           4.0 * (double)B * (double)prompt_len;
 }
 
 int cmd_bench_serve(int argc, char **argv) {
@@ -311,6 +345,20 @@ int cmd_bench_serve(int argc, char **argv) {
         rc = cli_usage_error(cmd, "--prompt-len %lld + --gen %lld exceed the model's trained "
                              "context of %d tokens", (long long)prompt_len, (long long)gen,
                              (int)info.n_ctx);
+        goto done;
+    }
+    /* the cases' memory is checked before the first is made (a batch of 1024
+     * prompts of 8000 tokens, 190 GB of cache, failed after the load and
+     * the header, out of memory, exit 1) */
+    double need = 0;
+    for (int di = 0; di < n_dtypes; di++)
+        for (int bi = 0; bi < n_batches; bi++) {
+            const double b = serve_case_bytes(model, &info, batches[bi], dtypes[di], prompt_len,
+                                              gen, step_tokens);
+            if (b > need) need = b;
+        }
+    if (bench_check_size(cmd, quick, need, "--batch, --prompt-len, --gen or --step-tokens")) {
+        rc = CLI_EXIT_USAGE;
         goto done;
     }
     char cpu[128];
