@@ -79,6 +79,13 @@ int cli_opt_i64(const char *cmd, const char *opt, const char *v, int64_t lo, int
  * variable) would fail later as "cannot load : : cannot open". */
 int cli_opt_path(const char *cmd, const char *opt, const char *v);
 
+/* 1 if reading the file option's value path takes bytes from standard
+ * input: "-", or a name of the stream open on fd 0 (/dev/stdin,
+ * /proc/self/fd/0, the tty or fifo itself), found by st_dev and st_ino, not
+ * by the name. A regular file on fd 0 opened again by name is read from its
+ * start, apart from standard input: 0. */
+int cli_is_stdin(const char *path);
+
 /* A positive decimal number (e.g. "0.3") in (0, hi]; 0 or -1. */
 int cli_parse_seconds(const char *s, double hi, double *out);
 

@@ -177,7 +177,7 @@ int cmd_chat(int argc, char **argv) {
     }
     if (cli_store_opts_check(cmd, &so)) return CLI_EXIT_USAGE;
     if (system && system_file) return cli_usage_error(cmd, "give --system or --system-file");
-    if ((system_file && !strcmp(system_file, "-")) || (tmpl_file && !strcmp(tmpl_file, "-")))
+    if ((system_file && cli_is_stdin(system_file)) || (tmpl_file && cli_is_stdin(tmpl_file)))
         return cli_usage_error(cmd, "standard input carries the messages: name a file");
 
     int rc = CLI_EXIT_FAIL;

@@ -94,7 +94,7 @@ int cmd_run(int argc, char **argv) {
         return cli_usage_error(cmd, "a prompt is required (-p TEXT or -f FILE)");
     if (system && !chat) return cli_usage_error(cmd, "--system needs --chat");
     if (tmpl_file && !chat) return cli_usage_error(cmd, "--chat-template needs --chat");
-    if (prompt_file && tmpl_file && !strcmp(prompt_file, "-") && !strcmp(tmpl_file, "-"))
+    if (prompt_file && tmpl_file && cli_is_stdin(prompt_file) && cli_is_stdin(tmpl_file))
         return cli_usage_error(cmd, "-f and --chat-template cannot both read standard input");
 
     int rc = CLI_EXIT_FAIL;

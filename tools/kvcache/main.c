@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "cli.h"
@@ -124,6 +125,15 @@ int cli_opt_i64(const char *cmd, const char *opt, const char *v, int64_t lo, int
 int cli_opt_path(const char *cmd, const char *opt, const char *v) {
     if (v[0] != '\0') return 0;
     return cli_usage_error(cmd, "%s: expected a file name, got ''", opt);
+}
+
+int cli_is_stdin(const char *path) {
+    if (strcmp(path, "-") == 0) return 1;
+    struct stat in, st;
+    /* a pipe, a terminal or a socket has one read position, which both
+     * readers would take from */
+    return fstat(0, &in) == 0 && !S_ISREG(in.st_mode) && stat(path, &st) == 0 &&
+           st.st_dev == in.st_dev && st.st_ino == in.st_ino;
 }
 
 int cli_online_cpus(void) { return kvc_cpu_count(); }
