@@ -71,7 +71,9 @@ int cmd_run(int argc, char **argv) {
                                                                         : NULL;
         if (dst) {
             if (!v) return cli_usage_error(cmd, "%s needs a value", a);
-            if (dst != &system && cli_opt_path(cmd, a, v)) return CLI_EXIT_USAGE;
+            /* -p and --system are text: '' is an empty one, not a file name */
+            if (dst != &system && dst != &prompt && cli_opt_path(cmd, a, v))
+                return CLI_EXIT_USAGE;
             *dst = v;
             i++;
         } else if (!strcmp(a, "--chat")) {
