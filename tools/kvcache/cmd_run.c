@@ -35,7 +35,10 @@ static const char run_usage_tail[] =
     "  -c, --ctx-size N    context limit in tokens (default 0: the model's trained\n"
     "                      context, e.g. 8192; past it RoPE positions were never trained)\n"
     "  -q, --quiet         no load progress, prompt progress or timings on stderr\n"
-    "  -h, --help          this text\n";
+    "  -h, --help          this text\n"
+    "\n"
+    "Exit status: 0, 1 when the generation fails, 2 for a bad command line or a\n"
+    "prompt that does not fit the context (-c), found once the model is loaded.\n";
 
 int cmd_run(int argc, char **argv) {
     const char *cmd = "run";
@@ -127,8 +130,10 @@ int cmd_run(int argc, char **argv) {
                             &n_ids) != KVC_OK) {
         goto fail;
     }
+    /* the prompt does not fit the options (-c), as bench-serve and
+     * perplexity say: a command-line error, found once the model is loaded */
     if (n_ids == 0) {
-        fprintf(stderr, "kvcache: run: the prompt has no tokens\n");
+        rc = cli_usage_error(cmd, "the prompt has no tokens");
         goto done;
     }
     /* the context limit (the model's trained context unless -c): the library
@@ -136,8 +141,8 @@ int cmd_run(int argc, char **argv) {
     kvc_model_info info;
     if (kvc_model_get_info(model, &info) != KVC_OK) goto fail;
     if (n_ids >= info.n_ctx) {
-        fprintf(stderr, "kvcache: run: the prompt has %lld tokens; the context is %d (-c to "
-                "change it)\n", (long long)n_ids, (int)info.n_ctx);
+        rc = cli_usage_error(cmd, "the prompt has %lld tokens; the context is %d (-c to change "
+                             "it)", (long long)n_ids, (int)info.n_ctx);
         goto done;
     }
     if (n_ids + o.n_predict > info.n_ctx) {

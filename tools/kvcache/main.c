@@ -10,7 +10,9 @@
  *   kvcache run, bench-serve, perplexity: a GGUF model through the cache
  *
  * Exit status: 0 success, 1 the work failed (stdout that cannot be written
- * included: SIGPIPE is ignored), 2 bad command line.
+ * included: SIGPIPE is ignored), 2 bad command line (options whose numbers
+ * do not fit the loaded model included: a prompt past -c, bench-serve's
+ * sizes past the bench memory limit).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
@@ -40,7 +42,13 @@ static const char usage_text[] =
     "  help [COMMAND]   this text, or the help of COMMAND\n"
     "  version          print the library version\n"
     "\n"
-    "Run 'kvcache <command> --help' for the options of a command.\n";
+    "Run 'kvcache <command> --help' for the options of a command. An option that\n"
+    "takes one value keeps the last one given (-c 512 -c 1024 is -c 1024), as in\n"
+    "llama.cpp; --kv-store is repeatable, and options that would contradict each\n"
+    "other (-p with -f, --system with --system-file) are refused.\n"
+    "\n"
+    "Exit status: 0 success; 1 the work failed; 2 a bad command line, numbers that\n"
+    "do not fit the model included (a prompt past the context, sizes past a limit).\n";
 
 /* ---- shared helpers ---------------------------------------------------- */
 
