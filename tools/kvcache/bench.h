@@ -70,6 +70,8 @@ int bench_refuse_size(const bench_opts *o, const char *target, double need, cons
  * bench-serve): "kvcache: CMD: these sizes need about ..." against the limit
  * bench_mem_limit gives for quick; CLI_EXIT_USAGE if need passes it, else 0. */
 int bench_check_size(const char *cmd, int quick, double need, const char *opts);
+/* bench-serve's: 80% of the machine's physical memory (256 MiB with --quick). */
+int bench_check_serve_size(const char *cmd, int quick, double need, const char *opts);
 
 /* ---- timing ------------------------------------------------------------ */
 

@@ -402,6 +402,20 @@ int bench_refuse_size(const bench_opts *o, const char *target, double need, cons
     return refuse(cmd, o->quick, need, opts);
 }
 
+int bench_check_serve_size(const char *cmd, int quick, double need, const char *opts) {
+    if (quick) return bench_check_size(cmd, quick, need, opts);
+    /* a real model's cases scale with it (an 8B model at batch 16 x 4096
+     * needs ~8 GiB): the limit is the machine's, not the kernels' 6 GiB */
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    if (pages <= 0 || page <= 0) return bench_check_size(cmd, quick, need, opts);
+    const double limit = 0.8 * (double)pages * (double)page;
+    if (need <= limit) return 0;
+    fprintf(stderr, "kvcache: %s: these sizes need about %.4g GiB per case, over 80%% of this "
+            "machine's memory (%.4g GiB); lower %s\n", cmd, need / (1 << 30),
+            (double)pages * (double)page / (1 << 30), opts);
+    return CLI_EXIT_USAGE;
+}
+
 int bench_check_size(const char *cmd, int quick, double need, const char *opts) {
     const size_t limit = quick ? BENCH_QUICK_MEM_LIMIT : BENCH_MEM_LIMIT;
     return need > (double)limit ? refuse(cmd, quick, need, opts) : 0;

@@ -74,7 +74,7 @@ static const char serve_usage[] =
     "cached: prompt tokens served from the prefix cache.\n"
     "\n"
     "Exit status 2 (before any case runs) for a bad command line, a prompt past the\n"
-    "model's context, or a case past the bench memory limit (6 GiB, 256 MiB with\n"
+    "model's context, or a case past 80% of the machine's memory (256 MiB with\n"
     "--quick: cache, forward rows and logits, estimated from the model once loaded).\n";
 
 /* Splits a comma-separated list into items of fewer than 32 characters:
@@ -357,7 +357,8 @@ int cmd_bench_serve(int argc, char **argv) {
                                               gen, step_tokens);
             if (b > need) need = b;
         }
-    if (bench_check_size(cmd, quick, need, "--batch, --prompt-len, --gen or --step-tokens")) {
+    if (bench_check_serve_size(cmd, quick, need,
+                               "--batch, --prompt-len, --gen, --step-tokens or --kv-dtype")) {
         rc = CLI_EXIT_USAGE;
         goto done;
     }
