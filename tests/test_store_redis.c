@@ -1060,6 +1060,25 @@ TEST(store_says_why_a_tier_failed) {
     return 0;
 }
 
+/* kvc_store_invalidate over two failing tiers returns the first's status and
+ * message (the second's used to overwrite it). */
+TEST(invalidate_reports_the_first_failing_tier) {
+    NEED_ENV("KVC_TEST_REDIS_DIR", dir);
+    char a[512], b[512];
+    snprintf(a, sizeof a, "unix://%s/first-missing.sock", dir);
+    snprintf(b, sizeof b, "unix://%s/second-missing.sock", dir);
+    const char *urls[2] = {a, b};
+    kvc_store_params p = kvc_store_default_params();
+    kvc_store *s = NULL;
+    ASSERT_OK(kvc_store_open(urls, 2, &p, &s));
+    kvc_store_key ns;
+    rand_key(&ns);
+    ASSERT_STATUS(kvc_store_invalidate(s, &ns), KVC_ERR_IO);
+    ASSERT_STR_CONTAINS(kvc_last_error(), "first-missing.sock");
+    kvc_store_close(s);
+    return 0;
+}
+
 /* A server with requirepass: AUTH PASSWORD (no user) from redis://:PW@;
  * without it the error says a password is wanted. */
 TEST(requirepass_server) {
@@ -1417,6 +1436,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(credentials_and_database),
     TEST_ENTRY(requirepass_server),
     TEST_ENTRY(store_says_why_a_tier_failed),
+    TEST_ENTRY(invalidate_reports_the_first_failing_tier),
     TEST_ENTRY(engine_restores_from_redis_and_survives_a_killed_server),
     TEST_ENTRY(silent_server_costs_at_most_load_timeout),
     TEST_ENTRY(trickling_server_is_cut_at_load_timeout),

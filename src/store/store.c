@@ -607,17 +607,21 @@ kvc_status kvc_store_invalidate(kvc_store *s, const kvc_store_key *ns) {
     kvc_status fl = kvc_store_flush(s, 30.0);
     if (fl != KVC_OK) return fl;
     kvc_status st = KVC_OK;
+    char first[512] = ""; /* the first failure's message: a later tier's would overwrite it */
     for (int32_t t = 0; t < s->n_tiers; t++) {
         int removed = 0;
         kvc_status r = s->tiers[t]->ops->invalidate(s->tiers[t], ns, &removed);
-        if (r != KVC_OK && st == KVC_OK) st = r; /* keep the first message */
+        if (r != KVC_OK && st == KVC_OK) {
+            st = r;
+            snprintf(first, sizeof first, "%s", kvc_last_error());
+        }
         /* also after a failure that removed some (a Redis server lost midway,
          * the others cleared): subscribers must not keep the removed pages,
          * and forgetting some still there only costs them routing hits */
         if (r == KVC_OK || removed)
             kvc__store_emit_page(s, KVC_STORE_EVENT_CLEARED, t, ns, NULL, NULL, NULL, 0);
     }
-    return st;
+    return st == KVC_OK ? KVC_OK : kvc__error(st, "%s", first);
 }
 
 /* ---- reads ------------------------------------------------------------------------ */
