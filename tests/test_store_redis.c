@@ -1119,6 +1119,130 @@ TEST(requirepass_server) {
     return 0;
 }
 
+/* Kills cs and starts it again (empty) while a tier opened on url is in
+ * use: after the back-off, puts and gets work again, which they can only
+ * if both connections (writer, reader) send AUTH (and SELECT) again on
+ * reconnecting. acl_pw: the ACL user to create on each fresh server (NULL:
+ * none); db: the database the keys must land in (0: not checked). */
+static int reconnect_body(child_server *cs, const char *url, const char *acl_pw, int db) {
+    if (acl_pw) ASSERT_TRUE(acl_user(cs->url, acl_pw) == 0);
+    kvc_tier *t;
+    ASSERT_OK(kvc__tier_redis_open(url, &t));
+    enum { N = 8 };
+    kvc_store_key ns, keys[N];
+    rand_key(&ns);
+    for (int i = 0; i < N; i++) rand_key(&keys[i]);
+    int64_t written, good;
+    kvc_status st;
+    for (int round = 0; round < 2; round++) {
+        if (round) {
+            child_stop(cs);
+            ASSERT_EQ_I64(get_keys(t, &ns, keys, N, &st), 0);
+            ASSERT_STATUS(st, KVC_ERR_IO);
+            ASSERT_STATUS(put_keys(t, &ns, keys, N, &written), KVC_ERR_IO);
+            ASSERT_TRUE(child_start(cs) == 0);
+            if (acl_pw) ASSERT_TRUE(acl_user(cs->url, acl_pw) == 0);
+        }
+        const double t0 = now_s();
+        while ((st = put_keys(t, &ns, keys, N, &written)) != KVC_OK && now_s() - t0 < 10)
+            sleep_ms(20);
+        if (st != KVC_OK) TEST_FAIL_("round %d: put: %s", round, kvc_last_error());
+        ASSERT_EQ_I64(written, N);
+        while ((good = get_keys(t, &ns, keys, N, &st)) != N && now_s() - t0 < 10) sleep_ms(20);
+        if (good != N) TEST_FAIL_("round %d: get: %lld of %d: %s", round, (long long)good, N,
+                                  kvc_last_error());
+        if (db) { /* SELECT came again: the keys are in db, not in 0 */
+            ASSERT_EQ_I64(raw_exists_in(cs->url, db, &ns, &keys[0]), 1);
+            ASSERT_EQ_I64(raw_exists_in(cs->url, 0, &ns, &keys[0]), 0);
+        }
+    }
+    t->ops->close(t);
+    return 0;
+}
+
+static void child_cleanup(child_server *cs) {
+    child_stop(cs);
+    char sock[300];
+    snprintf(sock, sizeof sock, "%s/r.sock", cs->dir);
+    unlink(sock);
+    rmdir(cs->dir);
+}
+
+/* A restarted server gets the credentials again: AUTH PASSWORD (requirepass,
+ * a 600-byte password, partly %-encoded) and AUTH USER PASSWORD + SELECT
+ * (an ACL user whose password has spaces and UTF-8 bytes, ?db=3). */
+TEST(reconnect_sends_credentials_again) {
+    NEED_ENV("KVC_TEST_REDIS_SERVER", bin);
+    (void)bin;
+    char pw[601], pw_enc[3 * 600 + 1];
+    size_t e = 0;
+    for (int i = 0; i < 600; i++) {
+        pw[i] = i % 50 == 7 ? '@' : (char)('a' + i % 26);
+        e += (size_t)(pw[i] == '@' ? snprintf(pw_enc + e, 4, "%%40")
+                                   : snprintf(pw_enc + e, 2, "%c", pw[i]));
+    }
+    pw[600] = 0;
+    child_server cs = {0};
+    cs.requirepass = pw;
+    ASSERT_TRUE(child_start(&cs) == 0);
+    char url[2400];
+    snprintf(url, sizeof url, "unix://:%s@%s", pw_enc, cs.url + 7);
+    int rc = reconnect_body(&cs, url, NULL, 0);
+    child_cleanup(&cs);
+    if (rc) return rc;
+
+    child_server acl = {0};
+    ASSERT_TRUE(child_start(&acl) == 0);
+    snprintf(url, sizeof url, "unix://kvctest:pass%%20w%%C3%%B6rd%%20%%E2%%82%%AC@%s?db=3",
+             acl.url + 7);
+    rc = reconnect_body(&acl, url, "pass w\xc3\xb6rd \xe2\x82\xac", 3);
+    child_cleanup(&acl);
+    return rc;
+}
+
+/* Long passwords and ones with spaces and UTF-8 bytes (%-encoded or, for
+ * spaces, not) reach the server whole: an ACL user with each. */
+TEST(long_and_non_ascii_passwords) {
+    NEED_ENV("KVC_TEST_REDIS", ux);
+    NEED_ENV("KVC_TEST_REDIS_TCP", tcp);
+    char long_pw[1025];
+    for (int i = 0; i < 1024; i++) long_pw[i] = (char)('A' + i % 26);
+    long_pw[1024] = 0;
+    static const struct {
+        const char *pw, *enc;
+    } cases[] = {
+        {"two words", "two%20words"},
+        {"two words", "two words"},
+        {"\xc3\xa9t\xc3\xa9 \xe2\x82\xac\xf0\x9f\x94\x91", "%C3%A9t%c3%a9%20%E2%82%AC%F0%9F%94%91"},
+        {NULL, NULL}, /* long_pw */
+    };
+    enum { N = 4 };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        const char *pw = cases[k].pw ? cases[k].pw : long_pw;
+        const char *enc = cases[k].enc ? cases[k].enc : long_pw;
+        for (int srv = 0; srv < 2; srv++) {
+            const char *raw = srv ? tcp : ux;
+            ASSERT_TRUE(acl_user(raw, pw) == 0);
+            char url[1400];
+            snprintf(url, sizeof url, "%s://kvctest:%s@%s", srv ? "redis" : "unix", enc,
+                     raw + (srv ? 8 : 7));
+            kvc_tier *t;
+            ASSERT_OK(kvc__tier_redis_open(url, &t));
+            ASSERT_TRUE(!strstr(t->name, "kvctest") && !strstr(t->name, enc));
+            kvc_store_key ns, keys[N];
+            rand_key(&ns);
+            for (int i = 0; i < N; i++) rand_key(&keys[i]);
+            int64_t written;
+            kvc_status st;
+            if (put_keys(t, &ns, keys, N, &written) != KVC_OK || written != N ||
+                get_keys(t, &ns, keys, N, &st) != N)
+                TEST_FAIL_("case %zu, %s: %s", k, srv ? "tcp" : "unix", kvc_last_error());
+            t->ops->close(t);
+        }
+    }
+    return 0;
+}
+
 TEST(tcp_url) {
     NEED_ENV("KVC_TEST_REDIS_TCP", url);
     kvc_tier *t;
@@ -1435,6 +1559,8 @@ const test_case test_suite[] = {
     TEST_ENTRY(tcp_url),
     TEST_ENTRY(credentials_and_database),
     TEST_ENTRY(requirepass_server),
+    TEST_ENTRY(reconnect_sends_credentials_again),
+    TEST_ENTRY(long_and_non_ascii_passwords),
     TEST_ENTRY(store_says_why_a_tier_failed),
     TEST_ENTRY(invalidate_reports_the_first_failing_tier),
     TEST_ENTRY(engine_restores_from_redis_and_survives_a_killed_server),
