@@ -1243,6 +1243,60 @@ TEST(long_and_non_ascii_passwords) {
     return 0;
 }
 
+/* A load's deadline holds through the handshake: a server that accepts but
+ * never answers AUTH, or trickles its "+OK" (a byte every 150 ms: no socket
+ * wait times out) and then never answers SELECT, costs a get with a
+ * deadline no more than the deadline, not the connect and command timeouts
+ * (200 ms, 2 s) step after step. */
+TEST(handshake_keeps_the_load_deadline) {
+    NEED_ENV("KVC_TEST_REDIS_DIR", dir);
+    static const struct {
+        const char *script;
+        size_t prompt;
+        int gap_ms;
+        int64_t deadline_ms;
+    } cases[] = {
+        {"", 0, 0, 120},        /* AUTH never answered */
+        {"+OK\r\n", 1, 150, 300}, /* AUTH answered by 600 ms, SELECT never */
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        fake_server f = {.want = 1, .cmd = "AUTH", .script = cases[k].script,
+                         .len = strlen(cases[k].script), .prompt = cases[k].prompt, .chunk = 1,
+                         .gap_ms = cases[k].gap_ms};
+        ASSERT_TRUE(fake_start(&f, dir, "mute-auth") == 0);
+        char url[400];
+        snprintf(url, sizeof url, "unix://user:pw@%s?db=2", f.path);
+        kvc_tier *t;
+        ASSERT_OK(kvc__tier_redis_open(url, &t));
+        kvc_store_key ns, key;
+        rand_key(&ns);
+        rand_key(&key);
+        void *obj = NULL;
+        size_t len = 0;
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        const int64_t start = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+        const double t0 = now_s();
+        kvc_status st = t->ops->get(t, &ns, &key, 1, SIZE_MAX,
+                                    start + cases[k].deadline_ms * 1000000, &obj, &len);
+        const double took_ms = (now_s() - t0) * 1e3;
+        fprintf(stderr, "  [case %zu: %s after %.0f ms, deadline %lld ms: %s]\n", k,
+                st == KVC_OK ? "ok" : "failed", took_ms, (long long)cases[k].deadline_ms,
+                kvc_last_error());
+        ASSERT_STATUS(st, KVC_ERR_IO);
+        ASSERT_TRUE(obj == NULL && len == 0);
+        ASSERT_TRUE(!strstr(kvc_last_error(), "pw@"));
+        t->ops->close(t); /* the fake sees the close and ends */
+        fake_stop(&f);
+        /* slack for a loaded machine; the old code took 200 ms (case 0) and
+         * ~800 ms (case 1) */
+        if (took_ms > (double)cases[k].deadline_ms + 60)
+            TEST_FAIL_("case %zu: the get took %.0f ms, past its %lld ms deadline", k, took_ms,
+                       (long long)cases[k].deadline_ms);
+    }
+    return 0;
+}
+
 TEST(tcp_url) {
     NEED_ENV("KVC_TEST_REDIS_TCP", url);
     kvc_tier *t;
@@ -1561,6 +1615,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(requirepass_server),
     TEST_ENTRY(reconnect_sends_credentials_again),
     TEST_ENTRY(long_and_non_ascii_passwords),
+    TEST_ENTRY(handshake_keeps_the_load_deadline),
     TEST_ENTRY(store_says_why_a_tier_failed),
     TEST_ENTRY(invalidate_reports_the_first_failing_tier),
     TEST_ENTRY(engine_restores_from_redis_and_survives_a_killed_server),

@@ -164,22 +164,39 @@ static int conn_timeout(conn *c, int64_t ms) {
     return 0;
 }
 
-/* AUTH and SELECT on a fresh connection (c->mu held, SIGPIPE blocked):
- * 0 done, 1 no reply (the caller fails it as a connect), -1 the server
- * refused: c is dropped with back-off (wrong credentials or database do not
- * fix themselves; retrying at once would only hammer the server) and the
- * error set. */
-static int conn_handshake(server *sv, conn *c) {
+static kvc_status conn_reply_by(server *sv, conn *c, int64_t deadline_ns, redisReply **out);
+
+/* AUTH and SELECT on a fresh connection (c->mu held, SIGPIPE blocked), by
+ * deadline_ns when not 0 (each reply read as a deadline-bound GET's is: a
+ * server that answers late or trickles cannot hold a load past it): 0
+ * done, 1 no reply (the caller fails it as a connect), -1 the server
+ * refused or the deadline passed: c is dropped (a refusal with back-off:
+ * wrong credentials or database do not fix themselves; retrying at once
+ * would only hammer the server) and the error set. */
+static int conn_handshake(server *sv, conn *c, int64_t deadline_ns) {
     for (int step = 0; step < 2; step++) {
-        redisReply *r;
+        int rc;
         if (step == 0 && sv->pass)
-            r = sv->user ? redisCommand(c->ctx, "AUTH %s %s", sv->user, sv->pass)
-                         : redisCommand(c->ctx, "AUTH %s", sv->pass);
+            rc = sv->user ? redisAppendCommand(c->ctx, "AUTH %s %s", sv->user, sv->pass)
+                          : redisAppendCommand(c->ctx, "AUTH %s", sv->pass);
         else if (step == 1 && sv->db > 0)
-            r = redisCommand(c->ctx, "SELECT %ld", sv->db);
+            rc = redisAppendCommand(c->ctx, "SELECT %ld", sv->db);
         else
             continue;
-        if (!r) return 1;
+        redisReply *r = NULL;
+        if (rc != REDIS_OK) return 1;
+        if (!deadline_ns) {
+            if (redisGetReply(c->ctx, (void **)&r) != REDIS_OK || !r) {
+                if (r) freeReplyObject(r);
+                return 1;
+            }
+        } else if (conn_reply_by(sv, c, deadline_ns, &r) != KVC_OK) {
+            return -1; /* dropped, with back-off */
+        } else if (!r) { /* past the deadline: dropped, no back-off (it was answering) */
+            kvc__error(KVC_ERR_IO, "redis tier: server %s: no reply to %s by the load's deadline",
+                       sv->url, step ? "SELECT" : "AUTH");
+            return -1;
+        }
         if (r->type == REDIS_REPLY_STATUS) {
             freeReplyObject(r);
             continue;
@@ -225,7 +242,7 @@ static kvc_status conn_acquire(server *sv, conn *c, int64_t deadline_ns, pipe_gu
         /* the handshake waits no longer than the connect may */
         int hs = !c->ctx || c->ctx->err || conn_timeout(c, conn_ms < cmd_ms ? conn_ms : cmd_ms)
                      ? 1
-                     : conn_handshake(sv, c);
+                     : conn_handshake(sv, c, deadline_ns);
         if (hs == 0 && conn_timeout(c, cmd_ms) != 0) hs = 1;
         if (hs != 0) {
             kvc_status st = KVC_ERR_IO; /* hs < 0: conn_handshake set the error */
