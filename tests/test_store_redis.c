@@ -936,10 +936,26 @@ TEST(bad_urls_rejected) {
         "redis://:s3cr3t@h",          "redis://u:s3cr3t@h:99999", "redis://u:s3cr3t@h:1/x",
         "unix://:s3cr3t@rel.sock",    "unix://u:s3cr3t@",         "redis://u:s3cr3t@h:1/@x",
         "ftp://u:s3cr3t@h:1",         "redis://u:s3cr3t@h:1?db=q",
+        /* an unencoded ',' splits the password: the server before it ends in it */
+        "redis://u:s3cr3t,x@h:1",     "unix://u:s3cr3t,x@/x.sock", "redis://h:1,redis://:s3cr3t,@h:2",
     };
     for (size_t i = 0; i < sizeof secret / sizeof secret[0]; i++) {
         ASSERT_STATUS(kvc__tier_redis_open(secret[i], &t), KVC_ERR_INVALID_ARG);
         if (strstr(kvc_last_error(), "s3cr3t")) TEST_FAIL_("%s: %s", secret[i], kvc_last_error());
+    }
+    /* nor in kvc_store_open's own messages (write=, the scheme), which see
+     * the URL before the tier does */
+    static const char *const store_secret[] = {
+        "redis://:s3cr3t@h:1?write=bogus", "redis://:s3cr3t@h:1?write=back&write=back",
+        "rediss://:s3cr3t@h:1",            "Redis://:s3cr3t@h:1",
+        "redis://u:s3cr3t,x@h:1?write=back", "redis://:pw?write=s3cr3t@h:1",
+    };
+    for (size_t i = 0; i < sizeof store_secret / sizeof store_secret[0]; i++) {
+        kvc_store *s = NULL;
+        ASSERT_STATUS(kvc_store_open(&store_secret[i], 1, NULL, &s), KVC_ERR_INVALID_ARG);
+        ASSERT_TRUE(s == NULL);
+        if (strstr(kvc_last_error(), "s3cr3t"))
+            TEST_FAIL_("%s: %s", store_secret[i], kvc_last_error());
     }
     ASSERT_OK(kvc__tier_redis_open("redis://user:s3cr3t@h:1/2,unix://:p%2C%40w@/x.sock?ttl=5", &t));
     if (strcmp(t->name, "redis://h:1/2,unix:///x.sock?ttl=5")) TEST_FAIL_("name %s", t->name);

@@ -891,6 +891,17 @@ static kvc_status parse_url(const char *url, redis_tier *rt) {
     int n = 1;
     for (size_t i = 0; i < list_len; i++) n += url[i] == ',';
     KVC_CHECK(n <= MAX_SERVERS, "redis tier URL: %d servers, at most %d", n, MAX_SERVERS);
+    /* A server with an '@' but no scheme is the rest of a password that an
+     * unencoded ',' split: refused before any server is parsed, since the
+     * one before it ends in the password's start (its message would quote it). */
+    for (const char *s = url; s < url + list_len;) {
+        const size_t len = strcspn(s, ",?");
+        KVC_CHECK(!memchr(s, '@', len) || !strncmp(s, "redis://", 8) ||
+                      !strncmp(s, "unix://", 7) || !strncmp(s, "rediss://", 9),
+                  "redis tier URL: a server has an '@' but no redis:// or unix:// (a ',' in a "
+                  "password must be written %%2C)");
+        s += len + 1;
+    }
     if (!(rt->srv = calloc((size_t)n, sizeof *rt->srv)))
         return kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory");
     for (const char *s = url; rt->n_srv < n;) {

@@ -369,6 +369,12 @@ kvc_status kvc_store_flush(kvc_store *s, double timeout_s) {
 
 /* ---- open / close -------------------------------------------------------------- */
 
+/* url for a message: one that may hold a password (not dir:, with an '@':
+ * Redis credentials) is not quoted, as the Redis tier's own messages. */
+static const char *url_shown(const char *url) {
+    return strncmp(url, "dir:", 4) && strchr(url, '@') ? "(not shown: it has an '@')" : url;
+}
+
 /* "write=through|back|selective:N" (v: the text after "write="). */
 static kvc_status parse_policy(const char *url, const char *v, size_t n,
                                kvc_store_write_policy *policy, int32_t *hits) {
@@ -391,8 +397,9 @@ static kvc_status parse_policy(const char *url, const char *v, size_t n,
         return KVC_OK;
     }
     return kvc__error(KVC_ERR_INVALID_ARG, "kvc_store_open: \"%.200s\": write= takes through, "
-                      "back or selective:N (1 <= N <= 1048576), got \"%.*s\"", url,
-                      (int)(n < 40 ? n : 40), v);
+                      "back or selective:N (1 <= N <= 1048576), got \"%.*s\"", url_shown(url),
+                      memchr(v, '@', n) ? 3 : (int)(n < 40 ? n : 40),
+                      memchr(v, '@', n) ? "..." : v); /* '@': a password's '?' unencoded */
 }
 
 /* Takes a "write=POLICY" option out of url's query (after its last '?',
@@ -417,7 +424,8 @@ static kvc_status take_write_option(const char *url, char **clean,
         const size_t n = e ? (size_t)(e - p) : strlen(p);
         if (n >= 6 && !strncmp(p, "write=", 6)) {
             kvc_status st = seen ? kvc__error(KVC_ERR_INVALID_ARG, "kvc_store_open: "
-                                              "\"%.200s\": write= given twice", url)
+                                              "\"%.200s\": write= given twice",
+                                              url_shown(url))
                                  : parse_policy(url, p + 6, n - 6, policy, hits);
             if (st != KVC_OK) {
                 free(out);
@@ -522,7 +530,7 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
             st = kvc__tier_redis_open(u, &s->tiers[i]);
         else if (st == KVC_OK)
             st = kvc__error(KVC_ERR_INVALID_ARG, "%s: \"%s\": a tier is dir:PATH, "
-                            "redis://HOST:PORT or unix:///PATH", fn, u);
+                            "redis://HOST:PORT or unix:///PATH", fn, url_shown(u));
         free(u);
         if (st == KVC_OK) {
             s->tiers[i]->removed = tier_removed;
