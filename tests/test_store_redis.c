@@ -1313,6 +1313,46 @@ TEST(handshake_keeps_the_load_deadline) {
     return 0;
 }
 
+/* A refused AUTH shows the server's words, but never the password: Redis
+ * quotes a command's arguments when it does not know the command (AUTH
+ * renamed away), and a server may echo it otherwise. */
+TEST(auth_refusal_never_quotes_the_password) {
+    NEED_ENV("KVC_TEST_REDIS_DIR", dir);
+    static const struct {
+        const char *reply, *says;
+    } cases[] = {
+        {"-ERR unknown command 'AUTH', with args beginning with: 'kvctest' 's3cr3t' \r\n",
+         "AUTH refused: ERR unknown command"},
+        {"-ERR unknown command `AUTH`, with args beginning with: `kvctest`, `s3cr3t`, \r\n",
+         "AUTH refused: ERR unknown command"},
+        {"-ERR s3cr3t is not the password\r\n", "AUTH refused: (not shown"},
+        {"-WRONGPASS invalid username-password pair or user is disabled.\r\n",
+         "AUTH refused: WRONGPASS invalid username-password pair or user is disabled."},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        fake_server f = {.want = 1, .cmd = "AUTH", .script = cases[k].reply,
+                         .len = strlen(cases[k].reply), .prompt = strlen(cases[k].reply)};
+        ASSERT_TRUE(fake_start(&f, dir, "auth-echo") == 0);
+        char url[400];
+        snprintf(url, sizeof url, "unix://kvctest:s3cr3t@%s", f.path);
+        kvc_tier *t;
+        ASSERT_OK(kvc__tier_redis_open(url, &t));
+        kvc_store_key ns, key;
+        rand_key(&ns);
+        rand_key(&key);
+        kvc_status st;
+        ASSERT_EQ_I64(get_keys(t, &ns, &key, 1, &st), 0);
+        ASSERT_STATUS(st, KVC_ERR_IO);
+        char why[512];
+        snprintf(why, sizeof why, "%s", kvc_last_error());
+        t->ops->close(t);
+        fake_stop(&f);
+        if (strstr(why, "s3cr3t") || !strstr(why, cases[k].says))
+            TEST_FAIL_("case %zu: %s", k, why);
+    }
+    return 0;
+}
+
 TEST(tcp_url) {
     NEED_ENV("KVC_TEST_REDIS_TCP", url);
     kvc_tier *t;
@@ -1632,6 +1672,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(reconnect_sends_credentials_again),
     TEST_ENTRY(long_and_non_ascii_passwords),
     TEST_ENTRY(handshake_keeps_the_load_deadline),
+    TEST_ENTRY(auth_refusal_never_quotes_the_password),
     TEST_ENTRY(store_says_why_a_tier_failed),
     TEST_ENTRY(invalidate_reports_the_first_failing_tier),
     TEST_ENTRY(engine_restores_from_redis_and_survives_a_killed_server),

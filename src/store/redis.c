@@ -201,10 +201,19 @@ static int conn_handshake(server *sv, conn *c, int64_t deadline_ns) {
             freeReplyObject(r);
             continue;
         }
-        /* the server's words (never the password: Redis does not echo it) */
+        /* the server's words, up to a quote: Redis quotes the arguments of a
+         * command it does not know (AUTH renamed away), the password among
+         * them; any other words that hold it are not shown at all */
+        const char *words = r->type == REDIS_REPLY_ERROR && r->str ? r->str : "unexpected reply";
+        size_t wlen = strcspn(words, "'`\"");
+        if (wlen > 100) wlen = 100;
+        const char *hit = sv->pass ? strstr(words, sv->pass) : NULL;
+        if (hit && (size_t)(hit - words) < wlen) {
+            words = "(not shown: it quotes the password)";
+            wlen = strlen(words);
+        }
         char why[160];
-        snprintf(why, sizeof why, "%s refused: %.100s", step ? "SELECT" : "AUTH",
-                 r->type == REDIS_REPLY_ERROR && r->str ? r->str : "unexpected reply");
+        snprintf(why, sizeof why, "%s refused: %.*s", step ? "SELECT" : "AUTH", (int)wlen, words);
         freeReplyObject(r);
         conn_drop(c, 1, why);
         kvc__error(KVC_ERR_IO, "redis tier: server %s: %s", sv->url, why);
