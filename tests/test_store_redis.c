@@ -1032,6 +1032,11 @@ TEST(credentials_and_database) {
         ASSERT_STR_CONTAINS(kvc_last_error(), k ? "SELECT refused" : "AUTH refused");
         ASSERT_STR_CONTAINS(kvc_last_error(), k ? "out of range" : "WRONGPASS");
         ASSERT_TRUE(!strstr(kvc_last_error(), "wrong-pw") && !strstr(kvc_last_error(), "p%40"));
+        /* a refusal backs off: the next read does not connect again, it says why */
+        ASSERT_EQ_I64(get_keys(t, &ns, keys, N, &st), 0);
+        ASSERT_STATUS(st, KVC_ERR_IO);
+        ASSERT_STR_CONTAINS(kvc_last_error(), "is down (");
+        ASSERT_STR_CONTAINS(kvc_last_error(), k ? "SELECT refused" : "AUTH refused");
         ASSERT_STATUS(put_keys(t, &ns, keys, N, &written), KVC_ERR_IO);
         ASSERT_EQ_I64(written, 0);
         t->ops->close(t);
