@@ -226,7 +226,7 @@ static void child_stop(child_server *cs) {
  * real server gives (or not in time): it accepts one connection, reads
  * until `want` commands `cmd` (NULL: GETRANGE) came, sends the first `prompt` bytes of
  * script at once and the rest `chunk` bytes every `gap_ms` ms, then holds
- * the connection until the client closes it. Every wait is bounded (10 s),
+ * the connection until the client closes it (hang_up: closes it at once). Every wait is bounded (10 s),
  * so a test that fails never hangs. */
 typedef struct fake_server {
     char path[300], url[320];
@@ -235,6 +235,7 @@ typedef struct fake_server {
     const char *script;
     size_t len, prompt, chunk;
     size_t sent;  /* script bytes the client took before closing */
+    int hang_up;  /* close at once after the script, not when the client does */
     pthread_t thr;
 } fake_server;
 
@@ -271,7 +272,7 @@ static void *fake_main(void *arg) {
             break;
     }
     struct pollfd pe = {fd, POLLIN, 0};
-    while (poll(&pe, 1, 10000) == 1 && read(fd, buf, sizeof buf) > 0) {
+    while (!f->hang_up && poll(&pe, 1, 10000) == 1 && read(fd, buf, sizeof buf) > 0) {
     }
     close(fd);
     return NULL;
@@ -1358,6 +1359,33 @@ TEST(auth_refusal_never_quotes_the_password) {
     return 0;
 }
 
+/* The handshake writes with SIGPIPE blocked too: a server that answers AUTH
+ * and hangs up makes the SELECT a write to a closed socket, which must
+ * fail the call, not kill the process (the write races the server's close:
+ * 20 rounds). */
+TEST(server_hanging_up_in_the_handshake_is_no_sigpipe) {
+    NEED_ENV("KVC_TEST_REDIS_DIR", dir);
+    int failed = 0;
+    for (int k = 0; k < 20; k++) {
+        fake_server f = {.want = 1, .cmd = "AUTH", .script = "+OK\r\n", .len = 5, .prompt = 5,
+                         .hang_up = 1};
+        ASSERT_TRUE(fake_start(&f, dir, "hang-up") == 0);
+        char url[400];
+        snprintf(url, sizeof url, "unix://:pw@%s?db=1", f.path);
+        kvc_tier *t;
+        ASSERT_OK(kvc__tier_redis_open(url, &t));
+        kvc_store_key ns, key;
+        rand_key(&ns);
+        rand_key(&key);
+        int64_t written;
+        failed += put_keys(t, &ns, &key, 1, &written) == KVC_ERR_IO;
+        t->ops->close(t);
+        fake_stop(&f);
+    }
+    ASSERT_EQ_I64(failed, 20);
+    return 0;
+}
+
 TEST(tcp_url) {
     NEED_ENV("KVC_TEST_REDIS_TCP", url);
     kvc_tier *t;
@@ -1678,6 +1706,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(long_and_non_ascii_passwords),
     TEST_ENTRY(handshake_keeps_the_load_deadline),
     TEST_ENTRY(auth_refusal_never_quotes_the_password),
+    TEST_ENTRY(server_hanging_up_in_the_handshake_is_no_sigpipe),
     TEST_ENTRY(store_says_why_a_tier_failed),
     TEST_ENTRY(invalidate_reports_the_first_failing_tier),
     TEST_ENTRY(engine_restores_from_redis_and_survives_a_killed_server),
