@@ -14,6 +14,8 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
 
 #define XXH_INLINE_ALL
 #include <xxhash.h>
@@ -152,6 +154,7 @@ typedef struct child_server {
     char dir[200];
     char url[256];
     const char *requirepass; /* NULL: none */
+    int tcp_port;            /* 127.0.0.1:tcp_port too (0: the socket only) */
 } child_server;
 
 /* Servers still running when the process exits (a test that failed between
@@ -186,6 +189,8 @@ static int child_start(child_server *cs) {
         if (!mkdtemp(cs->dir)) return -1;
         snprintf(cs->url, sizeof cs->url, "unix://%s/r.sock", cs->dir);
     }
+    char port[16];
+    snprintf(port, sizeof port, "%d", cs->tcp_port);
     cs->pid = fork();
     if (cs->pid < 0) return -1;
     if (cs->pid == 0) {
@@ -194,7 +199,7 @@ static int child_start(child_server *cs) {
             dup2(fd, 1);
             dup2(fd, 2);
         }
-        execl(bin, bin, "--unixsocket", cs->url + 7, "--unixsocketperm", "700", "--port", "0",
+        execl(bin, bin, "--unixsocket", cs->url + 7, "--unixsocketperm", "700", "--port", port,
               "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", cs->dir,
               cs->requirepass ? "--requirepass" : (char *)NULL, cs->requirepass, (char *)NULL);
         _exit(127);
@@ -211,6 +216,18 @@ static int child_start(child_server *cs) {
         sleep_ms(50);
     }
     return -1;
+}
+
+/* A TCP port of 127.0.0.1 free now (the kernel's pick), or 0. */
+static int free_tcp_port(void) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0), port = 0;
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof sa;
+    if (fd >= 0 && bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0 &&
+        getsockname(fd, (struct sockaddr *)&sa, &len) == 0)
+        port = ntohs(sa.sin_port);
+    if (fd >= 0) close(fd);
+    return port;
 }
 
 static void child_stop(child_server *cs) {
@@ -1192,7 +1209,8 @@ static void child_cleanup(child_server *cs) {
 
 /* A restarted server gets the credentials again: AUTH PASSWORD (requirepass,
  * a 600-byte password, partly %-encoded) and AUTH USER PASSWORD + SELECT
- * (an ACL user whose password has spaces and UTF-8 bytes, ?db=3). */
+ * (an ACL user whose password has spaces and UTF-8 bytes, over unix://
+ * with ?db=3 and over redis://127.0.0.1:PORT/4). */
 TEST(reconnect_sends_credentials_again) {
     NEED_ENV("KVC_TEST_REDIS_SERVER", bin);
     (void)bin;
@@ -1219,6 +1237,14 @@ TEST(reconnect_sends_credentials_again) {
              acl.url + 7);
     rc = reconnect_body(&acl, url, "pass w\xc3\xb6rd \xe2\x82\xac", 3);
     child_cleanup(&acl);
+    if (rc) return rc;
+
+    child_server tcp = {.tcp_port = free_tcp_port()};
+    ASSERT_TRUE(tcp.tcp_port > 0 && child_start(&tcp) == 0);
+    snprintf(url, sizeof url, "redis://kvctest:pass%%20w%%C3%%B6rd%%20%%E2%%82%%AC@127.0.0.1:%d/4",
+             tcp.tcp_port);
+    rc = reconnect_body(&tcp, url, "pass w\xc3\xb6rd \xe2\x82\xac", 4);
+    child_cleanup(&tcp);
     return rc;
 }
 
