@@ -67,6 +67,7 @@ typedef struct call {
     int64_t prior[MAX_SEQS], rows[MAX_SEQS];
     int64_t indptr[MAX_SEQS + 1];
     float *key, *value, *q, *out, *lse;
+    kvc_dtype kv_dtype; /* what key and value hold (tk.dtype may be corrupted) */
     kvc_tensor tk, tv, tq, to, tl, tp;
     int32_t qseq[MAX_ROWS], qpos[MAX_ROWS];
     int64_t nq;
@@ -171,6 +172,7 @@ static void gen_call(reader *r, call *c) {
     const int64_t n = c->indptr[c->n_seqs];
     const kvc_dtype kd = pick(r, 3) == 2 ? KVC_F16 : KVC_F32;
     const size_t es = kd == KVC_F16 ? 2 : 4;
+    c->kv_dtype = kd;
     c->key = malloc((size_t)(n * row) * es + 4), c->value = malloc((size_t)(n * row) * es + 4);
     CHECK(c->key && c->value);
     for (int64_t i = 0; i < n * row; i++) {
@@ -245,7 +247,7 @@ static void corrupt(reader *r, call *c) {
         const int64_t i = (int64_t)(rnd() % (uint64_t)(nrows * c->f.num_kv_heads * c->f.head_dim));
         void *t = pick(r, 2) ? (void *)c->key : (void *)c->value;
         const float x = pick(r, 2) ? NAN : -INFINITY;
-        if (c->tk.dtype == KVC_F16) ((uint16_t *)t)[i] = kvc_f32_to_f16(x);
+        if (c->kv_dtype == KVC_F16) ((uint16_t *)t)[i] = kvc_f32_to_f16(x);
         else ((float *)t)[i] = x;
         c->expect = EXP_FAIL;
         return;
