@@ -844,7 +844,8 @@ static kvc_status parse_server(const char *s, size_t len, server *sv) {
             colon = close + 1;
         } else {
             colon = strchr(h, ':');
-            KVC_CHECK(colon, "redis tier URL \"%s\": missing :PORT (want redis://HOST:PORT)", shown(u));
+            KVC_CHECK(colon, "redis tier URL \"%s\": missing :PORT (want redis://HOST:PORT)",
+                      shown(u));
             hlen = (size_t)(colon - h);
         }
         KVC_CHECK(hlen > 0 && !memchr(h, '/', hlen), "redis tier URL \"%s\": bad host", shown(u));
@@ -957,7 +958,9 @@ kvc_status kvc__tier_redis_open(const char *url, kvc_tier **out) {
         len += (size_t)snprintf(name + (len < cap ? len : cap), len < cap ? cap - len : 0, "%s%s",
                                 i ? "," : "", rt->srv[i].url);
     const char *q = strchr(url, '?');
-    if (q) len += (size_t)snprintf(name + (len < cap ? len : cap), len < cap ? cap - len : 0, "%s", q);
+    if (q)
+        len += (size_t)snprintf(name + (len < cap ? len : cap), len < cap ? cap - len : 0, "%s",
+                                q);
     if (len >= cap) memcpy(name + cap - 4, "...", 4); /* cut, and say so */
     /* Connections are made on first use: a server down now is retried then. */
     *out = &rt->base;
