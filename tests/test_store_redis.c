@@ -148,6 +148,20 @@ static long long raw_int(redisContext *c, const char *cmd, const kvc_store_key *
     return v;
 }
 
+/* keys[0..n) put, then all got back and all found by a probe. */
+static int put_get_probe(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *keys,
+                         int64_t n) {
+    int64_t written, run;
+    ASSERT_OK(put_keys(t, ns, keys, n, &written));
+    ASSERT_EQ_I64(written, n);
+    kvc_status st;
+    ASSERT_EQ_I64(get_keys(t, ns, keys, n, &st), n);
+    ASSERT_OK(st);
+    ASSERT_OK(t->ops->probe(t, ns, keys, n, &run));
+    ASSERT_EQ_I64(run, n);
+    return 0;
+}
+
 /* A redis-server of the test's own, to kill and restart. */
 typedef struct child_server {
     pid_t pid;
@@ -1029,14 +1043,9 @@ TEST(credentials_and_database) {
         kvc_store_key ns, keys[N];
         rand_key(&ns);
         for (int i = 0; i < N; i++) rand_key(&keys[i]);
-        int64_t written, run;
-        ASSERT_OK(put_keys(t, &ns, keys, N, &written));
-        ASSERT_EQ_I64(written, N);
+        if (put_get_probe(t, &ns, keys, N)) return 1;
+        int64_t written;
         kvc_status st;
-        ASSERT_EQ_I64(get_keys(t, &ns, keys, N, &st), N);
-        ASSERT_OK(st);
-        ASSERT_OK(t->ops->probe(t, &ns, keys, N, &run));
-        ASSERT_EQ_I64(run, N);
         ASSERT_EQ_I64(raw_exists_in(raw[k], db[k], &ns, &keys[0]), 1);
         ASSERT_EQ_I64(raw_exists_in(raw[k], 0, &ns, &keys[0]), 0);
         ASSERT_OK(t->ops->invalidate(t, &ns, NULL));
@@ -1420,14 +1429,8 @@ TEST(tcp_url) {
     kvc_store_key ns, keys[N];
     rand_key(&ns);
     for (int i = 0; i < N; i++) rand_key(&keys[i]);
-    int64_t written, run;
-    ASSERT_OK(put_keys(t, &ns, keys, N, &written));
-    ASSERT_EQ_I64(written, N);
-    kvc_status st;
-    ASSERT_EQ_I64(get_keys(t, &ns, keys, N, &st), N);
-    ASSERT_OK(st);
-    ASSERT_OK(t->ops->probe(t, &ns, keys, N, &run));
-    ASSERT_EQ_I64(run, N);
+    if (put_get_probe(t, &ns, keys, N)) return 1;
+    int64_t run;
     ASSERT_OK(t->ops->invalidate(t, &ns, NULL));
     ASSERT_OK(t->ops->probe(t, &ns, keys, N, &run));
     ASSERT_EQ_I64(run, 0);
