@@ -283,7 +283,8 @@ typedef struct kvc_store_stats {
     /* pages restored into a cache; pages looked up and not restored. An
      * engine's background load counts when the engine takes its pages:
      * those it reads but does not write into the cache (the request left,
-     * its prefix cache had them by then) are misses. */
+     * its prefix cache had them by then) are misses, and so are the pages
+     * kvc_store_restore_run writes of a unit it cut (computed again). */
     int64_t hit_pages, miss_pages;
     int64_t verify_failures;          /* objects read but refused (sum of misses[1..]) */
     int64_t misses[KVC_STORE_MISS_COUNT]; /* by reason; [ABSENT]: miss_pages not refused

@@ -725,6 +725,7 @@ typedef struct restore_ctx {
     const int32_t *tokens, *page_ids;
     int64_t first, max;
     int32_t P;
+    int32_t unit;                   /* pages a K group spans (kvc_store_page_keys) */
     void **kept;                    /* keep mode: max verified objects */
     size_t *kept_lens;              /* and their sizes */
     pthread_mutex_t mu;
@@ -902,8 +903,9 @@ static int64_t restore_pipeline(restore_ctx *r) {
     pthread_cond_signal(&r->cv);
     pthread_mutex_unlock(&r->mu);
     pthread_join(worker, NULL);
-    if (r->wcache) {
-        add_stats(s, pos, r->max - pos, errors + r->errors, r->bytes, r->misses, timeouts);
+    if (r->wcache) { /* a cut inside a unit: its pages are computed again (store.h) */
+        const int64_t hit = pos / r->unit * r->unit;
+        add_stats(s, hit, r->max - hit, errors + r->errors, r->bytes, r->misses, timeouts);
     } else { /* a load: its pages count as hits or misses when the engine uses them or not */
         add_stats(s, 0, 0, errors + r->errors, r->bytes, r->misses, timeouts);
         for (int m = 1; m < KVC_STORE_MISS_COUNT; m++) r->refused += r->misses[m];
@@ -938,6 +940,7 @@ kvc_status kvc_store_restore_run(kvc_store *s, kvc_cache *cache, const kvc_store
     r.first = first;
     r.max = max;
     r.P = cp.page_size;
+    r.unit = u;
     pthread_mutex_init(&r.mu, NULL);
     pthread_cond_init(&r.cv, NULL);
     const int64_t pos = restore_pipeline(&r);
