@@ -918,6 +918,8 @@ TEST(bad_urls_rejected) {
         {"unix:///tmp/x.sock?db=-1", "database number"},
         {"unix:///tmp/x.sock?db=", "database number"},
         {"unix:///tmp/x.sock?dbx=1", "unknown option"},
+        {"unix:///tmp/x.sock?ttl=5&ttl=6", "ttl= is given twice"}, /* not: the last wins */
+        {"unix:///tmp/x.sock?db=1&ttl=3&db=1", "db= is given twice"},
         {"unix://:pw@relative.sock", "absolute path"},
         {"redis://u:pa?ss@h:1", "'@' after the '?'"}, /* not "unknown option ss@h:1" */
         {"unix:///tmp/x.sock?", "empty query"},

@@ -85,6 +85,7 @@ def test_kv_store_url_syntax_is_the_stores(tmp_path):
         "redis://h:1/0?db=1", "redis://h:1,redis://h:2/3?db=1", "redis://h:1,redis://h:2?db=1",
         "redis://h:1?db=0", "redis://h:1?db=00", "redis://h:1?db=2147483648", "redis://h:1?db=",
         "redis://h:1?db=x", "redis://h:1?ttl=5&db=2&write=back", "redis://h:1?db=+1",
+        "redis://h:1?db=1&db=2", "redis://h:1?db=1&ttl=3&db=1", "redis://h:1?ttl=3&db=1",
         "redis://:pw@h:1", "redis://u:pw@h:1/2", "redis://u@h:1", "redis://u:@h:1",
         "redis://:@h:1", "redis://:p%41@h:1", "redis://:p%4@h:1", "redis://:p%@h:1",
         "redis://:p%00@h:1", "redis://:p%zz@h:1", "redis://%00:p@h:1", "redis://:a@b@h:1",

@@ -875,10 +875,12 @@ static kvc_status parse_query(const char *q, long *ttl, long *db) {
     while (*q) {
         size_t len = strcspn(q, "&");
         if (len >= 4 && !strncmp(q, "ttl=", 4)) {
+            KVC_CHECK(*ttl == 0, "redis tier URL: ttl= is given twice");
             *ttl = parse_pos(q + 4, len - 4, INT_MAX);
             KVC_CHECK(*ttl > 0, "redis tier URL: ttl \"%.*s\" is not a positive integer of "
                       "seconds", (int)(len - 4), q + 4);
         } else if (len >= 3 && !strncmp(q, "db=", 3)) {
+            KVC_CHECK(*db < 0, "redis tier URL: db= is given twice");
             *db = parse_num(q + 3, len - 3, 0, INT_MAX);
             KVC_CHECK(*db >= 0, "redis tier URL: db \"%.*s\" is not a database number (0, 1, "
                       "...)", (int)(len - 3), q + 3);

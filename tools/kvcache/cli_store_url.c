@@ -155,7 +155,7 @@ static const char *url_tier_problem(const char *u) {
     if (!strncmp(u, "rediss://", 9)) return "rediss:// (TLS) is not supported";
     if (strncmp(u, "redis://", 8) && strncmp(u, "unix://", 7)) return "unknown scheme";
     const size_t list_len = strcspn(u, "?");
-    int query_db = 0;
+    int query_db = 0, query_ttl = 0;
     if (u[list_len] == '?') { /* ttl=SECONDS, db=N, '&'-separated */
         const char *q = u + list_len + 1;
         do {
@@ -163,10 +163,12 @@ static const char *url_tier_problem(const char *u) {
             if (n >= 3 && !strncmp(q, "db=", 3)) {
                 if (url_db(q + 3, n - 3) < 0)
                     return "db= takes a database number (0, 1, ...)";
-                query_db = 1;
+                if (query_db++) return "db= is given twice";
             } else if (n < 4 || strncmp(q, "ttl=", 4) ||
                        url_count(q + 4, n - 4, INT32_MAX, 10) < 0) {
                 return "a Redis tier's options are ttl=SECONDS (a positive integer) and db=N";
+            } else if (query_ttl++) {
+                return "ttl= is given twice";
             }
             q += n;
         } while (*q++ == '&');
