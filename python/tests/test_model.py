@@ -18,7 +18,13 @@ max|c - ref| over a step's logits divided by that step's logit range
   trip (kvc_reference.quantize, group 8, float16 scales): measured < 5e-6
   (float weights) and <= 2.2e-4 (quantized weights) for every storage type;
   the TOL above applies. A decode kernel whose int8/int4 scales are 5% off
-  (tried) gives 0.02-0.05.
+  (tried) gives 0.02-0.05. Coarse storage is the exception: K/V are ~1e-5
+  (quantized weights) or ~1e-7 (float weights) off numpy's, so a value that
+  close to a rounding boundary takes the other code (seen: a ratio 3.4e-5
+  from 0.5, one value of 1,920 in layer 0) and everything after it moves.
+  Over 40 generator seeds max|c - ref| / max|ref| reached 0.11% (int8) and
+  1.1% (int4) with quantized weights, 0.031% (int4) and 0.035% (bfloat16)
+  with float weights: checked at 5e-3, 3e-2, 2e-3 and 1e-3 (GRID_SIM_TOL).
 - tiny models against float32 storage: measured float16 2e-4, bfloat16 1e-3,
   int8 3.3e-3, int4 5.4e-2 (max over steps); checked at 1e-3, 4e-3, 1e-2, 0.1,
   with the same arg-max at every step.
@@ -238,6 +244,12 @@ def _step_errors(c, ref):
     return err, c.argmax(-1) == ref.argmax(-1)
 
 
+# max|c - ref| / max|ref| allowed against the numpy llama's storage round
+# trip where a rounding flip moves more than TOL allows, by (quantized
+# weights, storage) (module docstring)
+GRID_SIM_TOL = {(True, "int8"): 5e-3, (True, "int4"): 3e-2, (False, "int4"): 2e-3,
+                (False, "bfloat16"): 1e-3}
+
 # max error against float32 storage per step, relative to the logit range
 # (measured 2e-4, 1e-3, 3.3e-3, 5.4e-2: module docstring)
 TINY_STORAGE_TOL = {"float16": 1e-3, "bfloat16": 4e-3, "int8": 1e-2, "int4": 0.1}
@@ -261,7 +273,9 @@ def test_tiny_cache_quantized_storage_close(tiny, kv_dtype):
                    decode_from=[len(prompt)])
     assert lg.shape == ref_lg.shape == (8, m.n_vocab)
     sim = ref.logits(allt, kv_store=_storage_round_trip(kv_dtype))[len(prompt) - 1:]
-    _check_logits(lg, sim, _tol(_types_of(cfg)))
+    types = _types_of(cfg)
+    quantized_weights = not types <= set(FLOAT_TYPES)
+    _check_logits(lg, sim, GRID_SIM_TOL.get((quantized_weights, kv_dtype), _tol(types)))
     err, same = _step_errors(lg, ref_lg)
     assert err.max() <= TINY_STORAGE_TOL[kv_dtype], (name, kv_dtype, err)
     # The arg-max may differ only at a near tie: where the float32 run's top
@@ -271,7 +285,9 @@ def test_tiny_cache_quantized_storage_close(tiny, kv_dtype):
     for i in np.flatnonzero(~same):
         margin = r64[i].max() - r64[i, c64[i].argmax()]
         assert margin <= 2 * np.abs(c64[i] - r64[i]).max(), (name, kv_dtype, i, margin)
-    assert same.mean() >= 0.75, (name, kv_dtype, same)
+    # int4 moves this random model's near ties often: 5 of 8 steps agreed for
+    # 3 of 40 generator seeds (each miss a near tie, as checked above)
+    assert same.mean() >= (0.5 if kv_dtype == "int4" else 0.75), (name, kv_dtype, same)
 
 
 def test_tiny_batched_equals_alone(tiny):
