@@ -168,7 +168,10 @@ def test_attention_reference_close_to_float(name):
         sc = k[:, i // 2, :].astype(F64) @ q[i] / 8
         p = np.exp(sc - sc.max())
         exact[i] = (p / p.sum()) @ v[:, i // 2, :]
-    tol = 0.06 if name == "kivi4" else 0.005
+    # the quantization error of random data: over 60 seeds of this draw the
+    # largest output error was 0.100 (kivi4; median 0.050) and 0.0060 (kivi8;
+    # median 0.0029), so 0.06 / 0.005 held only for some seeds
+    tol = 0.15 if name == "kivi4" else 0.01
     assert np.abs(out - exact).max() < tol
     # the dequantized values are what attention sees; tail tokens are float16 as stored
     kk, vv = s.values()
