@@ -420,7 +420,7 @@ static kvc_status pack_masks(const char *fn, const kvc_tensor *mask, const kvc_t
     const kvc_tensor *t = mask ? mask : packed;
     const char *name = mask ? "custom_mask" : "packed_custom_mask";
     KVC_TRY(kvc__check_tensor(t, name, 0));
-    KVC_CHECK(is_mask_dtype(t->dtype), "%s: %s must be uint8, not %s", fn, name,
+    KVC_CHECK(is_mask_dtype(t->dtype), "%s: %s must be uint8 or int8, not %s", fn, name,
               kvc_dtype_name(t->dtype));
     const int two_d = mask && B == 1 && t->ndim == 2;
     if (two_d) {
