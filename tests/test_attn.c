@@ -24,45 +24,10 @@ typedef struct ref_in {
     const float *sinks; /* (Hq) natural-unit sink logits or NULL */
 } ref_in;
 
-/* out (Hq, D), lse (Hq) base 2 */
-static void ref_decode(const ref_in *r, double *out, double *lse) {
-    double sc = r->sm_scale > 0 ? r->sm_scale : 1.0 / sqrt((double)r->D);
-    int64_t G = r->Hq / r->H;
-    int64_t a = 0;
-    if (r->window >= 0 && r->L - 1 - r->window > 0) a = r->L - 1 - r->window;
-    double *s = malloc(sizeof(double) * (size_t)(r->L + 1));
-    for (int64_t hq = 0; hq < r->Hq; hq++) {
-        int64_t h = hq / G;
-        double mx = -INFINITY;
-        for (int64_t j = a; j < r->L; j++) {
-            double x = 0;
-            for (int64_t d = 0; d < r->D; d++)
-                x += (double)r->q[hq * r->D + d] * r->k[(j * r->H + h) * r->D + d];
-            x *= sc;
-            if (r->cap > 0) x = r->cap * tanh(x / r->cap);
-            s[j] = x;
-            if (x > mx) mx = x;
-        }
-        /* a sink: one more logit in the softmax, with no value row */
-        const double t = r->sinks ? (double)r->sinks[hq] : -INFINITY;
-        if (t > mx) mx = t;
-        double sum = t > -INFINITY ? exp(t - mx) : 0.0;
-        for (int64_t j = a; j < r->L; j++) sum += exp(s[j] - mx);
-        for (int64_t d = 0; d < r->D; d++) {
-            double o = 0;
-            for (int64_t j = a; j < r->L; j++) o += exp(s[j] - mx) * r->v[(j * r->H + h) * r->D + d];
-            out[hq * r->D + d] = sum > 0 ? o / sum : 0.0;
-        }
-        lse[hq] = sum > 0 ? (mx + log(sum)) / log(2.0) : -INFINITY;
-    }
-    free(s);
-}
-
-static int is_quant(kvc_dtype dt) { return dt == KVC_I8 || dt == KVC_I4; }
-
-/* What float32 scores cannot hold: a score is a sum of D products rounded
- * as it accumulates, so key j's is off by about e_j = 2 roundings of 2^-24
- * times sm_scale * sum_d |q_d k_jd| (the roundings of random partial sums
+/* out (Hq, D), lse (Hq) base 2; slack (Hq * D) and lse_slack (Hq), unless
+ * NULL, receive what float32 scores cannot hold. A score is a sum of D
+ * products rounded as it accumulates, so key j's is off by about e_j = 2
+ * roundings of 2^-24 times sm_scale * sum_d |q_d k_jd| (the roundings of random partial sums
  * add up like a random walk, to under one such rounding; two for margin;
  * the worst case is D of them). To first order, errors delta_j move output
  * d by sum_j w_j (delta_j - mean_w delta) (v_jd - o_d), at most
@@ -71,20 +36,21 @@ static int is_quant(kvc_dtype dt) { return dt == KVC_I8 || dt == KVC_I4; }
  * data: ~1e-7, far under the flat tolerances. Scores in the thousands (the
  * large-logit cases) are off by ~1e-4 in float32 alone, and outputs near 1
  * by up to 2e-4 (25 seeds, every ISA): a flat 1e-5 passed only for lucky
- * seeds (4 of 7 others failed). slack (Hq * D) and lse_slack (Hq) receive
- * them. */
-static void score_slack(const ref_in *r, double *slack, double *lse_slack) {
-    const double sc = r->sm_scale > 0 ? r->sm_scale : 1.0 / sqrt((double)r->D);
-    const int64_t G = r->Hq / r->H, D = r->D;
-    const int64_t a = r->window >= 0 && r->L - 1 - r->window > 0 ? r->L - 1 - r->window : 0;
+ * seeds (4 of 7 others failed). */
+static void ref_decode(const ref_in *r, double *out, double *lse, double *slack,
+                       double *lse_slack) {
+    double sc = r->sm_scale > 0 ? r->sm_scale : 1.0 / sqrt((double)r->D);
+    int64_t G = r->Hq / r->H;
+    int64_t a = 0;
+    if (r->window >= 0 && r->L - 1 - r->window > 0) a = r->L - 1 - r->window;
     double *s = malloc(sizeof(double) * (size_t)(2 * r->L + 1)), *e = s + r->L;
     for (int64_t hq = 0; hq < r->Hq; hq++) {
-        const int64_t h = hq / G;
-        double mx = r->sinks ? (double)r->sinks[hq] : -INFINITY, emax = 0.0;
+        int64_t h = hq / G;
+        double mx = -INFINITY, emax = 0.0;
         for (int64_t j = a; j < r->L; j++) {
-            double x = 0.0, ab = 0.0;
-            for (int64_t d = 0; d < D; d++) {
-                const double p = (double)r->q[hq * D + d] * r->k[(j * r->H + h) * D + d];
+            double x = 0, ab = 0;
+            for (int64_t d = 0; d < r->D; d++) {
+                const double p = (double)r->q[hq * r->D + d] * r->k[(j * r->H + h) * r->D + d];
                 x += p;
                 ab += fabs(p);
             }
@@ -92,28 +58,39 @@ static void score_slack(const ref_in *r, double *slack, double *lse_slack) {
             if (r->cap > 0) x = r->cap * tanh(x / r->cap);
             s[j] = x;
             e[j] = 2.0 * 0x1p-24 * sc * ab;
-            mx = fmax(mx, x);
+            if (x > mx) mx = x;
             emax = fmax(emax, e[j]);
         }
-        double sum = r->sinks && r->sinks[hq] > -INFINITY ? exp((double)r->sinks[hq] - mx) : 0.0;
+        /* a sink: one more logit in the softmax, with no value row */
+        const double t = r->sinks ? (double)r->sinks[hq] : -INFINITY;
+        if (t > mx) mx = t;
+        double sum = t > -INFINITY ? exp(t - mx) : 0.0;
         for (int64_t j = a; j < r->L; j++) sum += exp(s[j] - mx);
+        for (int64_t j = a; j < r->L; j++) /* the weights */
+            s[j] = sum > 0 ? exp(s[j] - mx) / sum : 0.0;
         double le = 0.0;
-        for (int64_t d = 0; d < D; d++) {
-            double o = 0.0, sl = 0.0;
-            for (int64_t j = a; j < r->L; j++) o += exp(s[j] - mx) / sum * r->v[(j * r->H + h) * D + d];
+        for (int64_t j = a; j < r->L; j++) le += s[j] * e[j];
+        for (int64_t d = 0; d < r->D; d++) {
+            double o = 0;
+            for (int64_t j = a; j < r->L; j++) o += s[j] * r->v[(j * r->H + h) * r->D + d];
+            out[hq * r->D + d] = o;
+            if (!slack) continue;
+            double sl = 0.0;
             for (int64_t j = a; j < r->L; j++)
-                sl += exp(s[j] - mx) / sum * (e[j] + emax) * fabs(r->v[(j * r->H + h) * D + d] - o);
-            slack[hq * D + d] = sum > 0 ? sl : 0.0;
+                sl += s[j] * (e[j] + emax) * fabs(r->v[(j * r->H + h) * r->D + d] - o);
+            slack[hq * r->D + d] = sl;
         }
-        for (int64_t j = a; j < r->L; j++) le += exp(s[j] - mx) / sum * e[j];
-        lse_slack[hq] = sum > 0 ? 1.4426950408889634 * le : 0.0;
+        lse[hq] = sum > 0 ? (mx + log(sum)) / log(2.0) : -INFINITY;
+        if (lse_slack) lse_slack[hq] = 1.4426950408889634 * le;
     }
     free(s);
 }
 
+static int is_quant(kvc_dtype dt) { return dt == KVC_I8 || dt == KVC_I4; }
+
 /* Compares out (Hq, D) of dtype od and lse with the reference: within tol
  * relative (to 1 + |ref|) plus the absolute slack of each element
- * (score_slack; NULL: none). */
+ * (ref_decode's; NULL: none). */
 static int compare(const void *out, kvc_dtype od, const float *lse, const double *ro,
                    const double *rl, int64_t Hq, int64_t D, double tol, const double *slack,
                    const double *lse_slack, const char *what) {
@@ -210,7 +187,8 @@ static int run_single(const sd_case *c, uint64_t seed) {
             }
     }
     ref_in ri = {Hq, H, D, L, qf, kr, vr, c->sm_scale, c->cap, c->window, c->sinks};
-    ref_decode(&ri, ro, rl);
+    double *slack = calloc((size_t)(Hq * D + Hq), sizeof(double));
+    ref_decode(&ri, ro, rl, slack, slack + Hq * D);
     const int int16 = c->kd == KVC_F16 || c->kd == KVC_BF16 || c->qd != KVC_F32 || c->od != KVC_F32;
     double tol = (c->kd == KVC_BF16 || c->qd == KVC_BF16 || c->od == KVC_BF16) ? 1e-2
                  : int16                                                        ? 1e-3
@@ -253,10 +231,7 @@ static int run_single(const sd_case *c, uint64_t seed) {
         fprintf(stderr, "  %s: %s\n", what, kvc_last_error());
         rc = 1;
     }
-    double *slack = calloc((size_t)(Hq * D + Hq), sizeof(double));
-    score_slack(&ri, slack, slack + Hq * D);
     if (!rc) rc = compare(ob, c->od, lse, ro, rl, Hq, D, tol, slack, slack + Hq * D, what);
-    free(slack);
     if (!rc) {
         st = kvc_single_decode(&tq, &tk, &tv, q8 ? &tks : NULL, q8 ? &tvs : NULL, c->group,
                                c->layout, &p, &to2, &tl2, test_pool(2));
@@ -269,7 +244,7 @@ static int run_single(const sd_case *c, uint64_t seed) {
 #undef SOFF
 #undef SCOFF
     free(kb), free(vb), free(ksb), free(vsb), free(qb), free(qf), free(kr), free(vr);
-    free(ro), free(rl), free(ob), free(ob2), free(lse), free(lse2);
+    free(ro), free(rl), free(slack), free(ob), free(ob2), free(lse), free(lse2);
     return rc;
 }
 
@@ -471,7 +446,7 @@ TEST(single_large_scores_exact) {
             kvc_attn_params p = kvc_attn_default_params();
             p.sm_scale = scales[si];
             ref_in r = {Hq, 1, D, L, q, kd, vd, scales[si], 0.0, -1, NULL};
-            ref_decode(&r, ro, rl);
+            ref_decode(&r, ro, rl, NULL, NULL);
             kvc_tensor tq = kvc_tensor_make(q, KVC_F32, 2, qsh),
                        tk = kvc_tensor_make(k, KVC_F32, 3, ksh),
                        tv = kvc_tensor_make(v, KVC_F32, 3, ksh),
@@ -479,13 +454,16 @@ TEST(single_large_scores_exact) {
                        tl = kvc_tensor_make(lse, KVC_F32, 1, lsh);
             ASSERT_OK(kvc_single_decode(&tq, &tk, &tv, NULL, NULL, 0, KVC_NHD, &p, &to, &tl,
                                         test_pool(1)));
-            if (compare(out, KVC_F32, lse, ro, rl, Hq, D, 1e-5, NULL, NULL, "large scores, decode")) return 1;
+            if (compare(out, KVC_F32, lse, ro, rl, Hq, D, 1e-5, NULL, NULL,
+                        "large scores, decode"))
+                return 1;
             kvc_tensor tq3 = kvc_tensor_make(q, KVC_F32, 3, qsh3),
                        to3 = kvc_tensor_make(out, KVC_F32, 3, qsh3),
                        tl2 = kvc_tensor_make(lse, KVC_F32, 2, lsh2);
             ASSERT_OK(kvc_single_prefill(&tq3, &tk, &tv, NULL, NULL, 0, KVC_NHD, 0, NULL, NULL,
                                          &p, &to3, &tl2, test_pool(1)));
-            if (compare(out, KVC_F32, lse, ro, rl, Hq, D, 1e-5, NULL, NULL, "large scores, prefill"))
+            if (compare(out, KVC_F32, lse, ro, rl, Hq, D, 1e-5, NULL, NULL,
+                        "large scores, prefill"))
                 return 1;
         }
     });
@@ -554,7 +532,7 @@ TEST(single_int8_query_precision) {
                         bound = fmax(bound, sm * k1 * qm * half_step);
                     }
                 ref_in r = {Hq, 1, D, Ln, qf, kd, vd, 0.0, 0.0, -1, NULL};
-                ref_decode(&r, ro, rl);
+                ref_decode(&r, ro, rl, NULL, NULL);
                 int64_t qsh[2] = {Hq, D}, ksh[3] = {Ln, 1, D}, ssh[3] = {Ln, 1, ng}, lsh[1] = {Hq};
                 kvc_tensor tq = kvc_tensor_make(qds[qi] == KVC_F16 ? (void *)q16 : (void *)qf,
                                                 qds[qi], 2, qsh),
@@ -866,10 +844,9 @@ static int run_paged_g(kvc_dtype kd, kvc_dtype sd, kvc_kv_layout layout, int64_t
     off = 0;
     for (int b = 0; b < B && !rc; b++) {
         ref_in ri = {Hq, H, D, lens[b], q + b * Hq * D, kr + off * H * D, vr + off * H * D, 0, cap, window, NULL};
-        ref_decode(&ri, ro, rl);
-        double tol = kd == KVC_BF16 ? 1e-2 : kd == KVC_F16 ? 1e-3 : 1e-5;
         double *slack = calloc((size_t)(Hq * D + Hq), sizeof(double));
-        score_slack(&ri, slack, slack + Hq * D);
+        ref_decode(&ri, ro, rl, slack, slack + Hq * D);
+        double tol = kd == KVC_BF16 ? 1e-2 : kd == KVC_F16 ? 1e-3 : 1e-5;
         rc = compare(out + b * Hq * D, KVC_F32, lse + b * Hq, ro, rl, Hq, D, tol, slack,
                      slack + Hq * D, what);
         free(slack);
