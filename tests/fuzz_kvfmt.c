@@ -279,8 +279,10 @@ static void corrupt(reader *r, call *c) {
         case 0: if (!app) return; c->tk.dtype = KVC_I32; break;
         case 1: if (!app) return; c->tv.shape[2] += 1; break;
         case 2: /* Hq - 1 query heads (a view inside the buffers): refused
-                 * unless it is still a positive multiple of H */
-            if (!attn) return;
+                 * unless it is still a positive multiple of H. Once per
+                 * call: a second Hq - 1 may make a refused count valid
+                 * again (4 -> 3 -> 2 with H = 2) */
+            if (!attn || c->tq.shape[1] != c->Hq) return;
             c->tq.shape[1] -= 1, c->to.shape[1] -= 1, c->tl.shape[1] -= 1;
             if (c->tq.shape[1] >= 1 && c->tq.shape[1] % c->f.num_kv_heads == 0) {
                 if (c->expect != EXP_FAIL) c->expect = EXP_MAY;
