@@ -568,6 +568,45 @@ TEST(lru_keeps_recently_read) {
     return 0;
 }
 
+/* Another process's hit moves an object up in this process's LRU order at
+ * its next eviction, without waiting for a listing (RESCAN_S): the victim's
+ * file is newer than the index says, so it goes back in line at its file's
+ * time and the next oldest goes instead. (Before: the other process's hot
+ * object was removed.) */
+TEST(evict_spares_what_another_process_used) {
+    char dir[64], p[256];
+    ASSERT_TRUE(make_tmpdir(dir) == 0);
+    kvc_store_key ns = mk(9, 0xe0), k[6];
+    for (uint32_t i = 0; i < 6; i++) k[i] = mk(i, 0xe0);
+    removed_log log = {0};
+    kvc_tier *a = NULL, *b = NULL;
+    ASSERT_OK(open_at(dir, "?max_bytes=3000", &a));
+    ASSERT_OK(open_at(dir, "?max_bytes=3000", &b)); /* "the other process" */
+    a->removed = on_removed;
+    a->removed_user = &log;
+    for (int i = 0; i < 3; i++) ASSERT_OK(put1(a, &ns, &k[i], 1000));
+    sleep_us(30000); /* past the file system's timestamp granularity */
+    ASSERT_EQ_I64(get1(b, &ns, &k[0], 1000), 1); /* k[0]'s mtime: now */
+    sleep_us(30000);
+    ASSERT_OK(put1(a, &ns, &k[3], 1000));
+    ASSERT_EQ_I64(log.n, 1);
+    ASSERT_TRUE(same_key(&log.key[0], &k[1]));
+    obj_file(dir, &ns, &k[0], p);
+    ASSERT_TRUE(exists(p));
+    /* k[0] now sits at its hit's time: after k[2], before k[3]. */
+    ASSERT_OK(put1(a, &ns, &k[4], 1000));
+    ASSERT_OK(put1(a, &ns, &k[5], 1000));
+    ASSERT_EQ_I64(log.n, 3);
+    ASSERT_TRUE(same_key(&log.key[1], &k[2]));
+    ASSERT_TRUE(same_key(&log.key[2], &k[0]));
+    ASSERT_TRUE(!exists(p));
+    for (int i = 3; i < 6; i++) ASSERT_EQ_I64(get1(a, &ns, &k[i], 1000), 1);
+    b->ops->close(b);
+    a->ops->close(a);
+    rm_rf(dir);
+    return 0;
+}
+
 /* In a child: files may not grow past 64 KiB (RLIMIT_FSIZE), so a 1 MiB
  * write fails with EFBIG as a full disk would with ENOSPC. */
 static int enospc_child(const char *dir) {
@@ -1082,6 +1121,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(evict_keeps_an_object_it_cannot_remove),
     TEST_ENTRY(reopen_rebuilds_index),
     TEST_ENTRY(lru_keeps_recently_read),
+    TEST_ENTRY(evict_spares_what_another_process_used),
     TEST_ENTRY(write_error_leaves_nothing),
     TEST_ENTRY(killed_writer_leaves_whole_objects),
     TEST_ENTRY(two_processes_same_keys),

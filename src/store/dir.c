@@ -23,7 +23,8 @@
  * file's mtime: a hit sets it to now (atime would do, but noatime mounts
  * disable it), and a write sets it anyway, so LRU order is "last read or
  * written" for every process. Eviction drops the least recently used
- * objects (ties: by namespace, then key) until the total fits. Without a
+ * objects (ties: by namespace, then key) until the total fits, after
+ * checking each victim's mtime (evict). Without a
  * budget there is no index and no listing: open stays cheap on big trees.
  *
  * Threads (tier.h: probe/get/invalidate from any threads, put from the
@@ -379,6 +380,23 @@ static void clean_tmp(const dir_tier *d) {
     closedir(dir);
 }
 
+/* Adds e (not in ix) at its place in the LRU list by last use (evict's
+ * refreshed victims: usually near the tail, so the walk is short). */
+static void idx_add_sorted(dindex *ix, ent *e) {
+    if (idx_add(ix, e)) { /* out of memory: the budget counts low until a listing */
+        free(e);
+        return;
+    }
+    while (e->prev && ent_cmp(&e->prev, &e) > 0) {
+        ent *p = e->prev;
+        lru_unlink(ix, e);
+        e->prev = p->prev, e->next = p; /* e goes just before p */
+        if (p->prev) p->prev->next = e;
+        else ix->head = e;
+        p->prev = e;
+    }
+}
+
 /* Puts e, taken out of ix by evict, back at the LRU head (least recently
  * used: the next eviction tries it first). */
 static void idx_put_back(dindex *ix, ent *e) {
@@ -400,6 +418,14 @@ static void idx_put_back(dindex *ix, ent *e) {
  * keys[0..n) of ns (the put call's objects so far) gets written[j] = 0: the
  * store announces an object stored after put returns, which for an object
  * already gone would follow its removal and outlive it at the subscriber.
+ * A victim whose file is newer than the index says (its mtime: another
+ * process read or rewrote it since this index learned of it) is no victim
+ * yet: it takes its file's time and size and goes back into the index at its
+ * place by last use, so two processes sharing the directory do not evict
+ * each other's hot objects between listings. A call spares at most as many
+ * victims as its index held, which bounds the loop. The check and the
+ * unlink are not atomic: a use in between still loses that object (a
+ * future miss, never wrong K/V).
  * A victim whose file cannot be removed (unlink fails, e.g. EIO, EROFS, an
  * immutable file) is still there: it gets no removed callback, stays
  * written, goes back into the index at the LRU head (its bytes still count,
@@ -416,6 +442,7 @@ static void evict(dir_tier *d, const kvc_store_key *ns, const kvc_store_key *key
     uint64_t stuck_bytes = 0;
     pthread_mutex_lock(&d->mu);
     const uint64_t gen = d->inval_gen;
+    size_t refresh = d->idx.n; /* mtime checks that may spare a victim: ends the loop */
     pthread_mutex_unlock(&d->mu);
     char p[PATH_BUF];
     for (;;) {
@@ -429,9 +456,21 @@ static void evict(dir_tier *d, const kvc_store_key *ns, const kvc_store_key *key
         }
         pthread_mutex_unlock(&d->mu);
         if (!victims) break;
+        ent *fresh = NULL; /* victims another process used since: back in line */
         for (ent *e = victims, *nx; e; e = nx) {
             nx = e->next;
             obj_path(d, &e->ns, &e->key, 2, p);
+            struct stat st;
+            if (refresh > 0 && stat(p, &st) == 0 && S_ISREG(st.st_mode)) {
+                const int64_t m = (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
+                if (m > e->used) {
+                    refresh--;
+                    e->used = m, e->size = (uint64_t)st.st_size;
+                    e->next = fresh;
+                    fresh = e;
+                    continue;
+                }
+            }
             if (unlink(p) != 0 && errno != ENOENT) {
                 e->next = stuck;
                 stuck = e;
@@ -444,6 +483,14 @@ static void evict(dir_tier *d, const kvc_store_key *ns, const kvc_store_key *key
             if (d->base.removed) d->base.removed(d->base.removed_user, &e->ns, &e->key);
             free(e);
         }
+        pthread_mutex_lock(&d->mu);
+        for (ent *e = fresh, *nx; e; e = nx) {
+            nx = e->next;
+            e->prev = e->next = NULL;
+            if (d->inval_gen == gen && !idx_find(&d->idx, &e->ns, &e->key)) idx_add_sorted(&d->idx, e);
+            else free(e);
+        }
+        pthread_mutex_unlock(&d->mu);
     }
     /* Newest first onto the head: the oldest ends up first, as before. An
      * invalidate meanwhile may have taken a stuck object's namespace (its
