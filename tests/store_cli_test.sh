@@ -2,7 +2,8 @@
 # Two processes sharing a KV store through the CLI, on the default model:
 #   store_cli_test.sh CASE KVCACHE_BINARY MODEL
 # Cases: dir (f16 and int4 = kivi4), redis (KVC_TEST_REDIS: run through
-# tests/with_redis.sh), dir_full (every write fails: the file size limit),
+# tests/with_redis.sh), redis_auth (a server of its own with a password,
+# given in the environment: KVCACHE_REDIS_PASSWORD), dir_full (every write fails: the file size limit),
 # events_fail (--kv-events cannot bind: the store's directory is not left).
 # The second process must restore the prompt (--json-stats) and print
 # exactly what a process without a store prints (greedy decoding).
@@ -49,6 +50,36 @@ redis)
     [ -n "${KVC_TEST_REDIS:-}" ] || fail "KVC_TEST_REDIS is not set: run through tests/with_redis.sh"
     two_runs "$KVC_TEST_REDIS"
     two_runs "$KVC_TEST_REDIS" --kv-dtype int8
+    ;;
+redis_auth)
+    [ -n "${KVC_TEST_REDIS_SERVER:-}" ] ||
+        fail "KVC_TEST_REDIS_SERVER is not set: run through tests/with_redis.sh"
+    pw='env pw :@/%,?&' sock=$tmp/auth.sock
+    "$KVC_TEST_REDIS_SERVER" --port 0 --unixsocket "$sock" --unixsocketperm 700 --save '' \
+        --appendonly no --daemonize no --dir "$tmp" --logfile "$tmp/auth.log" \
+        --requirepass "$pw" &
+    srv=$!
+    trap 'kill $srv 2>/dev/null; wait $srv 2>/dev/null; rm -rf "$tmp"' EXIT
+    i=0; while [ ! -S "$sock" ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
+    [ -S "$sock" ] || fail "redis-server with a password did not start"
+    # without the password: the run goes on, its writes fail and it says why
+    run noauth --kv-store "unix://$sock"
+    [ "$(stat_of noauth store_errors)" -gt 0 ] || fail "no store errors without the password"
+    grep -Eq "(NOAUTH|unauthenticated).*KVCACHE_REDIS_PASSWORD" "$tmp/noauth.err" ||
+        fail "the error does not say how to give the password: $(cat "$tmp/noauth.err")"
+    # set but empty: refused before the model loads
+    KVCACHE_REDIS_PASSWORD= "$kv" run -m "$model" -p hi -n 1 -q --kv-store "unix://$sock" \
+        > "$tmp/empty.out" 2> "$tmp/empty.err" && fail "an empty KVCACHE_REDIS_PASSWORD passed"
+    grep -q "KVCACHE_REDIS_PASSWORD is set but empty" "$tmp/empty.err" ||
+        fail "empty password: $(cat "$tmp/empty.err")"
+    # the password as is (no %-encoding), for the server whose URL gives none
+    export KVCACHE_REDIS_PASSWORD="$pw"
+    two_runs "unix://$sock"
+    [ "$(stat_of second store_errors)" -eq 0 ] || fail "store errors with the password"
+    # a URL's own (wrong) password wins over the environment's
+    run own --kv-store "unix://:wrong@$sock"
+    [ "$(stat_of own store_errors)" -gt 0 ] || fail "the URL's wrong password was not used"
+    unset KVCACHE_REDIS_PASSWORD
     ;;
 dir_full)
     # files may hold 64 KiB, a page object 368 KiB: every write fails

@@ -1073,6 +1073,52 @@ TEST(credentials_and_database) {
     return 0;
 }
 
+/* kvc_store_params.redis_user / redis_password: AUTH USER PASSWORD for the
+ * servers whose URL gives none (the password as is: no %-decoding), a
+ * URL's own credentials winning; a user without a password, or an empty
+ * one, is refused at open. */
+TEST(store_credentials_from_params) {
+    NEED_ENV("KVC_TEST_REDIS", ux);
+    static const char pw[] = "p%41 ss:@/,?&"; /* "%41" stays three characters */
+    ASSERT_TRUE(acl_user(ux, pw) == 0);
+    char own[512];
+    snprintf(own, sizeof own, "unix://kvctest:wrong-pw@%s", ux + 7);
+    const char *urls[2] = {ux, own};
+    for (int k = 0; k < 2; k++) {
+        kvc_store_params p = kvc_store_default_params();
+        p.redis_user = "kvctest";
+        p.redis_password = pw;
+        kvc_store *s = NULL;
+        ASSERT_OK(kvc_store_open(&urls[k], 1, &p, &s));
+        kvc_store_key ns, key;
+        rand_key(&ns);
+        rand_key(&key);
+        ASSERT_OK(kvc_store_put(s, &ns, &key, "object", 6));
+        ASSERT_OK(kvc_store_flush(s, 10.0));
+        kvc_store_stats st;
+        ASSERT_OK(kvc_store_get_stats(s, &st));
+        ASSERT_EQ_I64(st.errors, k); /* the URL's wrong password was the one sent */
+        ASSERT_EQ_I64(st.writes_failed, k);
+        ASSERT_EQ_I64(raw_exists_in(ux, 0, &ns, &key), 1 - k);
+        kvc_store_close(s);
+    }
+    static const struct {
+        const char *user, *pass, *why;
+    } bad[] = {{"kvctest", NULL, "redis_user needs redis_password"},
+               {NULL, "", "redis_password is empty"},
+               {"", pw, "redis_user is empty"}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kvc_store_params p = kvc_store_default_params();
+        p.redis_user = bad[i].user;
+        p.redis_password = bad[i].pass;
+        kvc_store *s = (kvc_store *)&p; /* set to NULL on failure */
+        ASSERT_STATUS(kvc_store_open(urls, 1, &p, &s), KVC_ERR_INVALID_ARG);
+        ASSERT_TRUE(s == NULL);
+        ASSERT_STR_CONTAINS(kvc_last_error(), bad[i].why);
+    }
+    return 0;
+}
+
 /* A tier that fails on the writer thread (a refused password) is counted in
  * the store's errors, and kvc_store_last_tier_error says why (the caller's
  * own kvc_last_error never sees it). */
@@ -1129,8 +1175,22 @@ TEST(invalidate_reports_the_first_failing_tier) {
     return 0;
 }
 
-/* A server with requirepass: AUTH PASSWORD (no user) from redis://:PW@;
- * without it the error says a password is wanted. */
+/* Writes one object of len bytes under key; its status. */
+static kvc_status put_big(kvc_tier *t, const kvc_store_key *ns, const kvc_store_key *key,
+                          size_t len) {
+    void *obj = calloc(1, len);
+    unsigned char w = 2;
+    const void *objs[1] = {obj};
+    kvc_status st = obj ? t->ops->put(t, ns, key, objs, &len, 1, &w) : KVC_ERR_NOMEM;
+    free(obj);
+    return st;
+}
+
+/* A server with requirepass: AUTH PASSWORD (no user) from redis://:PW@ or
+ * from the store's redis_password (kvc__tier_redis_open_as), where a URL's
+ * own password wins; without one the error says a password is wanted, for
+ * a large write too (the server closes the connection: its last words
+ * are shown). */
 TEST(requirepass_server) {
     NEED_ENV("KVC_TEST_REDIS_SERVER", bin);
     (void)bin;
@@ -1142,8 +1202,9 @@ TEST(requirepass_server) {
     snprintf(with, sizeof with, "unix://:only-pw@%s", cs.url + 7);
     snprintf(without, sizeof without, "%s", cs.url);
     kvc_tier *t = NULL, *t2 = NULL;
-    kvc_store_key ns, keys[4];
+    kvc_store_key ns, keys[4], big;
     rand_key(&ns);
+    rand_key(&big);
     for (int i = 0; i < 4; i++) rand_key(&keys[i]);
     int64_t written;
     kvc_status st;
@@ -1153,10 +1214,36 @@ TEST(requirepass_server) {
     } else if (kvc__tier_redis_open(without, &t2) != KVC_OK ||
                get_keys(t2, &ns, keys, 4, &st) != 0 || st != KVC_ERR_IO ||
                !strstr(kvc_last_error(), "NOAUTH") ||
-               !strstr(kvc_last_error(), "password in the URL")) {
+               !strstr(kvc_last_error(), "password in the URL") ||
+               !strstr(kvc_last_error(), "redis_password")) {
         fprintf(stderr, "without the password: %s\n", kvc_last_error());
+    } else if (put_big(t2, &ns, &big, 1 << 20) != KVC_ERR_IO ||
+               !strstr(kvc_last_error(), "the server said: ERR Protocol error: unauthenticated") ||
+               !strstr(kvc_last_error(), "redis_password")) {
+        fprintf(stderr, "a large write without the password: %s\n", kvc_last_error());
     } else {
         rc = 0;
+    }
+    if (t) t->ops->close(t);
+    if (t2) t2->ops->close(t2);
+    t = t2 = NULL;
+    /* the store's password, for a URL that gives none; a URL's own wins */
+    char wrong[400];
+    snprintf(wrong, sizeof wrong, "unix://:wrong-pw@%s", cs.url + 7);
+    if (rc) {
+    } else if (kvc__tier_redis_open_as(without, NULL, "only-pw", &t) != KVC_OK ||
+               put_big(t, &ns, &big, 1 << 20) != KVC_OK ||
+               get_keys(t, &ns, keys, 4, &st) != 4 || st != KVC_OK) {
+        fprintf(stderr, "with the store's password: %s\n", kvc_last_error());
+        rc = 1;
+    } else if (strstr(t->name, "only-pw")) {
+        fprintf(stderr, "the tier's name shows the password: %s\n", t->name);
+        rc = 1;
+    } else if (kvc__tier_redis_open_as(wrong, NULL, "only-pw", &t2) != KVC_OK ||
+               get_keys(t2, &ns, keys, 4, &st) != 0 || st != KVC_ERR_IO ||
+               !strstr(kvc_last_error(), "AUTH refused")) {
+        fprintf(stderr, "a URL's own password did not win: %s\n", kvc_last_error());
+        rc = 1;
     }
     if (t) t->ops->close(t);
     if (t2) t2->ops->close(t2);
@@ -1733,6 +1820,7 @@ const test_case test_suite[] = {
     TEST_ENTRY(tcp_url),
     TEST_ENTRY(credentials_and_database),
     TEST_ENTRY(requirepass_server),
+    TEST_ENTRY(store_credentials_from_params),
     TEST_ENTRY(reconnect_sends_credentials_again),
     TEST_ENTRY(long_and_non_ascii_passwords),
     TEST_ENTRY(handshake_keeps_the_load_deadline),

@@ -201,6 +201,12 @@ typedef struct kvc_store_params {
                                     written (default 64 MiB, 0: none): a fresh buffer the
                                     size of a page object is faulted in and zeroed by the
                                     kernel as it is filled */
+    /* AUTH credentials for the Redis servers whose URL gives none (NULL: none, the
+     * default): a password kept out of URLs, which process lists and logs show. A URL's
+     * own credentials win, as with redis-py's from_url(url, password=...). A user needs
+     * a password; an empty one (or user) is refused. Copied at open, the copies zeroed at close. */
+    const char *redis_user;
+    const char *redis_password;
 } kvc_store_params;
 
 KVC_API kvc_store_params kvc_store_default_params(void);

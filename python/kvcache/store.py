@@ -168,6 +168,8 @@ class StoreParams(ctypes.Structure):
         ("writer_nice", ctypes.c_int32),
         ("promote", ctypes.c_int32),
         ("object_pool_bytes", ctypes.c_int64),
+        ("redis_user", ctypes.c_char_p),
+        ("redis_password", ctypes.c_char_p),
     ]
 
 
@@ -744,6 +746,19 @@ def _shown(url: str) -> str:
     return ",".join(out) + q + rest
 
 
+def _credential(v, name):
+    """None, or v (str or bytes) as bytes for C: no NUL, which would cut it."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        v = v.encode("utf-8")
+    if not isinstance(v, bytes):
+        raise InvalidArgumentError(f"{name} must be str or bytes, not {type(v).__name__}")
+    if b"\0" in v:
+        raise InvalidArgumentError(f"{name} holds a NUL byte")
+    return v
+
+
 class KVStore(_lib.NoCopy):
     """A KV store (C: kvc_store): tiers looked up in the order of ``urls``,
     written by a background thread through a bounded queue.
@@ -773,6 +788,10 @@ class KVStore(_lib.NoCopy):
         object_pool_bytes: object buffers kept for reuse (None: the C
             default, 64 MiB; 0: none); fresh ones cost the kernel's page
             faults as they are filled.
+        redis_user, redis_password: AUTH credentials (str or bytes) for the
+            Redis servers whose URL gives none, as with redis-py's
+            ``from_url(url, password=...)``: a password kept out of URLs,
+            which logs and process lists show. A URL's own credentials win.
 
     A Redis server that does not answer is not an error (retried with
     back-off); a bad URL or an unusable directory is (InvalidArgumentError,
@@ -783,7 +802,7 @@ class KVStore(_lib.NoCopy):
 
     def __init__(self, urls, *, queue_objects=None, queue_bytes=None, auth_key=None,
                  load_timeout_s=2.0, write_policy="through", writer_nice=None,
-                 promote=True, object_pool_bytes=None):
+                 promote=True, object_pool_bytes=None, redis_user=None, redis_password=None):
         self._ptr = None
         self._life = _lib.Lifetime("the KV store")
         self._callbacks = []  # every ctypes callback ever set: C may still be in one
@@ -809,6 +828,9 @@ class KVStore(_lib.NoCopy):
         p.promote = 1 if promote else 0
         if object_pool_bytes is not None:
             p.object_pool_bytes = _int(object_pool_bytes, "object_pool_bytes", -(2**63))
+        creds = [_credential(redis_user, "redis_user"),
+                 _credential(redis_password, "redis_password")]
+        p.redis_user, p.redis_password = creds  # the C library copies them
         arr = (ctypes.c_char_p * max(len(urls), 1))(*[u.encode("utf-8") for u in urls])
         h = _vp()
         _lib.check(sl.kvc_store_open(arr, len(urls), ctypes.byref(p), ctypes.byref(h)))

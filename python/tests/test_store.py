@@ -12,6 +12,7 @@ failure naming what installs it (scripts/setup.sh).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -659,8 +660,9 @@ def test_engine_attach_detach_and_events(tiny_path, tmp_path):
 # ---- Redis ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def redis_url(tmp_path):
+@contextlib.contextmanager
+def _redis_server(tmp_path, *extra):
+    """A throw-away redis-server on a Unix socket (extra: its options); its URL."""
     server = shutil.which("redis-server")
     if server is None:
         pytest.fail("redis-server not found on PATH (Debian package: redis-server; "
@@ -672,7 +674,7 @@ def redis_url(tmp_path):
     proc = subprocess.Popen([server, "--port", "0", "--unixsocket", str(sock),
                              "--unixsocketperm", "700", "--save", "", "--appendonly", "no",
                              "--daemonize", "no", "--dir", str(d), "--logfile",
-                             str(d / "redis.log")],
+                             str(d / "redis.log"), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 10
@@ -684,7 +686,7 @@ def redis_url(tmp_path):
                 with socket.socket(socket.AF_UNIX) as s:
                     s.connect(str(sock))
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):
                         break
             except OSError:
                 pass
@@ -697,6 +699,46 @@ def redis_url(tmp_path):
         proc.wait()
         if d != tmp_path:
             shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    with _redis_server(tmp_path) as url:
+        yield url
+
+
+def test_redis_password_outside_the_url(tiny_path, tmp_path):
+    pw = "py pw:@/%,?&"  # as is: no %-encoding outside a URL
+    kw = dict(kv_dtype="float16", page_size=16, ignore_eos=True)
+    with _redis_server(tmp_path, "--requirepass", pw) as url, Model(tiny_path) as m:
+        prompts = _prompts(m.n_vocab)
+        ref = m.generate(prompts, 8, **kw)
+        with kvcache.KVStore(url, redis_password=pw) as st:
+            assert pw not in repr(st)
+            assert m.generate(prompts, 8, kv_store=st, salt=b"pw", **kw) == ref
+            st.flush(60)
+            s = st.stats()
+            assert s["writes_done"] > 0 and s["errors"] == 0, s
+        with kvcache.KVStore(url, redis_password=pw.encode()) as st:
+            again = m.generate(prompts, 8, kv_store=st, salt=b"pw", **kw)
+            assert again == ref and again.external_tokens > 0
+        # without it, or with a URL's own wrong one (which wins): misses, and why
+        for st in (kvcache.KVStore(url), kvcache.KVStore(url.replace("unix://", "unix://:x@"),
+                                                          redis_password=pw)):
+            with st:
+                out = m.generate(prompts, 8, kv_store=st, salt=b"pw", **kw)
+                assert out == ref and out.external_tokens == 0
+                st.flush(60)
+                assert st.stats()["errors"] > 0
+                why = st.last_tier_error()
+                assert ("NOAUTH" in why or "unauthenticated" in why or "WRONGPASS" in why), why
+                assert pw not in why
+    for bad, msg in (({"redis_user": "u"}, "needs redis_password"),
+                     ({"redis_password": ""}, "empty"),
+                     ({"redis_password": "a\0b"}, "NUL"),
+                     ({"redis_password": 5}, "str or bytes")):
+        with pytest.raises(kvcache.InvalidArgumentError, match=msg):
+            kvcache.KVStore("unix:///nonexistent.sock", **bad)
 
 
 _CHILD = """

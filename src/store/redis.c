@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/un.h>
 #include <time.h>
@@ -54,7 +55,7 @@ typedef struct conn {
     int64_t cmd_ms, cur_ms; /* socket timeout: the connection's own, the one set now */
     int64_t retry_at_ns; /* while down: no connect attempt before this */
     int64_t backoff_ms;  /* the next back-off */
-    char why[160];       /* the last failure, for messages while down */
+    char why[448];       /* the last failure, for messages while down */
     char distrust[96];   /* a reply of the wrong type came: drop at release ("": none) */
 } conn;
 
@@ -147,11 +148,49 @@ static void conn_drop(conn *c, int down, const char *why) {
     c->backoff_ms = c->backoff_ms * 2 > BACKOFF_MAX_MS ? BACKOFF_MAX_MS : c->backoff_ms * 2;
 }
 
+/* The server's words (an error reply's text) as a message may show them:
+ * up to a quote, since Redis quotes the arguments of a command it does not
+ * know (AUTH renamed away), the password among them; words that hold the
+ * password before that are not shown at all. At most 100 bytes. */
+static void server_words(const server *sv, const char *words, char out[128]) {
+    size_t wlen = strcspn(words, "'`\"\r\n");
+    if (wlen > 100) wlen = 100;
+    const char *hit = sv->pass ? strstr(words, sv->pass) : NULL;
+    if (hit && (size_t)(hit - words) < wlen) {
+        words = "(not shown: it quotes the password)";
+        wlen = strlen(words);
+    }
+    snprintf(out, 128, "%.*s", (int)wlen, words);
+}
+
+/* The error reply a server sent before it closed the connection, which a
+ * failed write leaves unread: Redis answers an unauthenticated client's
+ * large request ("unauthenticated bulk length") or a client past maxclients
+ * that way, and the write then fails with EPIPE. Best effort (a
+ * non-blocking read of what has arrived); "" when there is none. */
+static void last_words(const server *sv, const conn *c, char out[128]) {
+    out[0] = 0;
+    if (!c->ctx || c->ctx->fd < 0 || (c->ctx->err != REDIS_ERR_IO && c->ctx->err != REDIS_ERR_EOF))
+        return;
+    char buf[256];
+    const ssize_t n = recv(c->ctx->fd, buf, sizeof buf - 1, MSG_DONTWAIT);
+    if (n < 2 || buf[0] != '-') return;
+    buf[n] = 0;
+    server_words(sv, buf + 1, out);
+}
+
 /* An I/O or protocol failure on c (c->mu held): drop, back off, report. */
 static kvc_status conn_fail(server *sv, conn *c, const char *what) {
-    char why[160];
-    snprintf(why, sizeof why, "%.40s: %.100s", what,
-             c->ctx && c->ctx->errstr[0] ? c->ctx->errstr : "connection lost");
+    char why[448], said[128];
+    last_words(sv, c, said);
+    const int auth = !sv->pass && (strstr(said, "NOAUTH") || strstr(said, "unauthenticated"));
+    snprintf(why, sizeof why, "%.40s: %.100s%s%s%s%s", what,
+             c->ctx && c->ctx->errstr[0] ? c->ctx->errstr : "connection lost",
+             said[0] ? " (the server said: " : "", said,
+             auth ? "; give the password in the URL or as the store's redis_password, "
+                    "kvcache CLI: KVCACHE_REDIS_PASSWORD"
+                  : "",
+             said[0] ? ")" : "");
     conn_drop(c, 1, why);
     return kvc__error(KVC_ERR_IO, "redis tier: server %s: %s", sv->url, why);
 }
@@ -201,19 +240,10 @@ static int conn_handshake(server *sv, conn *c, int64_t deadline_ns) {
             freeReplyObject(r);
             continue;
         }
-        /* the server's words, up to a quote: Redis quotes the arguments of a
-         * command it does not know (AUTH renamed away), the password among
-         * them; any other words that hold it are not shown at all */
-        const char *words = r->type == REDIS_REPLY_ERROR && r->str ? r->str : "unexpected reply";
-        size_t wlen = strcspn(words, "'`\"");
-        if (wlen > 100) wlen = 100;
-        const char *hit = sv->pass ? strstr(words, sv->pass) : NULL;
-        if (hit && (size_t)(hit - words) < wlen) {
-            words = "(not shown: it quotes the password)";
-            wlen = strlen(words);
-        }
-        char why[160];
-        snprintf(why, sizeof why, "%s refused: %.*s", step ? "SELECT" : "AUTH", (int)wlen, words);
+        char words[128], why[160];
+        server_words(sv, r->type == REDIS_REPLY_ERROR && r->str ? r->str : "unexpected reply",
+                     words);
+        snprintf(why, sizeof why, "%s refused: %s", step ? "SELECT" : "AUTH", words);
         freeReplyObject(r);
         conn_drop(c, 1, why);
         kvc__error(KVC_ERR_IO, "redis tier: server %s: %s", sv->url, why);
@@ -375,8 +405,10 @@ static kvc_status reply_error(server *sv, const char *cmd, redisReply *r) {
     const int noauth = r->str && !strncmp(r->str, "NOAUTH", 6);
     kvc_status st = kvc__error(KVC_ERR_IO, "redis tier: server %s: %s: %.*s%s", sv->url, cmd,
                                r->len > 200 ? 200 : (int)r->len, r->str ? r->str : "",
-                               noauth ? " (give the password in the URL: "
-                                        "redis://[USER]:PASSWORD@HOST:PORT)"
+                               noauth ? " (give the password in the URL, "
+                                        "redis://[USER]:PASSWORD@HOST:PORT, or as the "
+                                        "store's redis_password; kvcache CLI: "
+                                        "KVCACHE_REDIS_PASSWORD)"
                                       : "");
     freeReplyObject(r);
     return st;
@@ -686,11 +718,7 @@ static void redis_close(kvc_tier *t) {
         free(sv->host);
         free(sv->path);
         free(sv->user);
-        if (sv->pass) { /* not left in freed memory */
-            volatile char *p = sv->pass;
-            while (*p) *p++ = 0;
-            free(sv->pass);
-        }
+        kvc__free_secret(sv->pass); /* not left in freed memory */
     }
     free(rt->srv);
     free(rt);
@@ -748,7 +776,8 @@ static kvc_status url_decode(const char *s, size_t n, const char *what, const ch
         const int hi = i + 2 < n ? hex_val(s[i + 1]) : -1;
         const int lo = hi >= 0 ? hex_val(s[i + 2]) : -1;
         if (lo < 0 || (hi | lo) == 0) {
-            free(d);
+            *o = 0;
+            kvc__free_secret(d);
             return kvc__error(KVC_ERR_INVALID_ARG, "redis tier URL \"%s\": the %s has a bad "
                               "%%-escape (want %%XX, two hex digits, not %%00)", url, what);
         }
@@ -781,7 +810,8 @@ static const char *shown(const char *u) {
  * credentials: the server's identity (hashing, "listed twice", messages,
  * the tier's name), so that a password never shows and changing one does
  * not move keys. */
-static kvc_status parse_server(const char *s, size_t len, server *sv) {
+static kvc_status parse_server(const char *s, size_t len, server *sv, const char *duser,
+                               const char *dpass) {
     KVC_CHECK(len > 0, "redis tier URL: empty server in the list (want " URL_FORMS ")");
     char *given = dup_n(s, len); /* for messages until sv->url exists: redact first */
     if (!given) return kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory");
@@ -794,7 +824,7 @@ static kvc_status parse_server(const char *s, size_t len, server *sv) {
                               "supported (want " URL_FORMS ")")
                  : kvc__error(KVC_ERR_INVALID_ARG, "redis tier URL \"%.200s\": unknown scheme "
                               "(want " URL_FORMS ")", strchr(given, '@') ? "..." : given);
-        free(given);
+        kvc__free_secret(given);
         return st;
     }
     /* credentials: up to the first "@/" for unix:// (the path follows),
@@ -814,15 +844,21 @@ static kvc_status parse_server(const char *s, size_t len, server *sv) {
     const char *after = at ? at + 1 : rest;
     sv->url = malloc(pre + strlen(after) + 1);
     if (!sv->url) {
-        free(given);
+        kvc__free_secret(given);
         return kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory");
     }
     memcpy(sv->url, given, pre);
     strcpy(sv->url + pre, after);
     const char *u = sv->url;
     if (at) st = parse_userinfo(rest, (size_t)(at - rest), sv, shown(u));
-    free(given);
+    kvc__free_secret(given);
     KVC_TRY(st);
+    if (!at && dpass) { /* the store's credentials: a URL's own win (as redis-py's from_url) */
+        sv->pass = dup_n(dpass, strlen(dpass));
+        sv->user = duser ? dup_n(duser, strlen(duser)) : NULL;
+        if (!sv->pass || (duser && !sv->user))
+            return kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory");
+    }
     if (is_unix) {
         const char *p = u + 7;
         KVC_CHECK(p[0] == '/', "redis tier URL \"%s\": unix:// needs an absolute path "
@@ -895,7 +931,8 @@ static kvc_status parse_query(const char *q, long *ttl, long *db) {
     return KVC_OK;
 }
 
-static kvc_status parse_url(const char *url, redis_tier *rt) {
+static kvc_status parse_url(const char *url, redis_tier *rt, const char *user,
+                            const char *pass) {
     KVC_CHECK(url && *url, "redis tier: empty URL (want " URL_FORMS ")");
     size_t list_len = strcspn(url, "?");
     rt->db = -1;
@@ -926,7 +963,7 @@ static kvc_status parse_url(const char *url, redis_tier *rt) {
             cs[k]->tier = &rt->base;
         }
         sv->db = -1;
-        KVC_TRY(parse_server(s, len, sv));
+        KVC_TRY(parse_server(s, len, sv, user, pass));
         if (rt->db >= 0) {
             KVC_CHECK(sv->db < 0, "redis tier URL: server %s has a /DB and the URL ?db=N too",
                       sv->url);
@@ -941,11 +978,16 @@ static kvc_status parse_url(const char *url, redis_tier *rt) {
 }
 
 kvc_status kvc__tier_redis_open(const char *url, kvc_tier **out) {
+    return kvc__tier_redis_open_as(url, NULL, NULL, out);
+}
+
+kvc_status kvc__tier_redis_open_as(const char *url, const char *user, const char *pass,
+                                   kvc_tier **out) {
     KVC_CHECK(out, "redis tier: out is NULL");
     *out = NULL;
     redis_tier *rt = calloc(1, sizeof *rt);
     if (!rt) return kvc__error(KVC_ERR_NOMEM, "redis tier: out of memory");
-    kvc_status st = parse_url(url, rt);
+    kvc_status st = parse_url(url, rt, user, pass);
     if (st != KVC_OK) {
         redis_close(&rt->base);
         return st;

@@ -496,6 +496,10 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
               "%s: queue_objects, queue_bytes, load_timeout_s and selective_hits must be > 0, "
               "writer_nice in [0, 39], promote 0 or 1, object_pool_bytes >= 0 and write_policy "
               "one of kvc_store_write_policy", fn);
+    KVC_CHECK(!p.redis_user || p.redis_password,
+              "%s: redis_user needs redis_password (AUTH USER PASSWORD)", fn);
+    KVC_CHECK(!p.redis_password || p.redis_password[0], "%s: redis_password is empty", fn);
+    KVC_CHECK(!p.redis_user || p.redis_user[0], "%s: redis_user is empty", fn);
 #ifndef KVC_HAVE_SODIUM
     if (p.auth_key)
         return kvc__error(KVC_ERR_UNSUPPORTED, "%s: authentication needs libsodium (Debian: "
@@ -507,7 +511,9 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
         memcpy(s->auth, p.auth_key, KVC_STORE_AUTH_KEY_BYTES);
         s->has_auth = 1;
     }
-    p.auth_key = NULL; /* the copy above is the store's */
+    kvc_store_params given = p;
+    p.auth_key = NULL; /* the copy above is the store's; the tiers copy the credentials */
+    p.redis_user = p.redis_password = NULL;
     s->p = p;
     if (p.object_pool_bytes > 0 &&
         !(s->pool = kvc__objpool_create((uint64_t)p.object_pool_bytes > SIZE_MAX
@@ -527,11 +533,11 @@ kvc_status kvc_store_open(const char *const *urls, int32_t n_urls, const kvc_sto
         if (st == KVC_OK && strncmp(u, "dir:", 4) == 0)
             st = kvc__tier_dir_open(u, &s->tiers[i]);
         else if (st == KVC_OK && (strncmp(u, "redis://", 8) == 0 || strncmp(u, "unix://", 7) == 0))
-            st = kvc__tier_redis_open(u, &s->tiers[i]);
+            st = kvc__tier_redis_open_as(u, given.redis_user, given.redis_password, &s->tiers[i]);
         else if (st == KVC_OK)
             st = kvc__error(KVC_ERR_INVALID_ARG, "%s: \"%s\": a tier is dir:PATH, "
                             "redis://HOST:PORT or unix:///PATH", fn, url_shown(u));
-        free(u);
+        kvc__free_secret(u); /* a copy of the URL: it may hold a password */
         if (st == KVC_OK) {
             s->tiers[i]->removed = tier_removed;
             s->tier_ctx[i].s = s;

@@ -24,6 +24,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "kvcache/store.h"
 
@@ -125,6 +126,20 @@ kvc_status kvc__tier_dir_open(const char *url, kvc_tier **out);
  * unreachable server at open is not an error: it counts as down and is
  * retried with back-off). */
 kvc_status kvc__tier_redis_open(const char *url, kvc_tier **out);
+/* The same with credentials for the servers whose URL gives none
+ * (kvc_store_params.redis_user / redis_password, already checked: pass
+ * non-empty, or both NULL); copied. */
+kvc_status kvc__tier_redis_open_as(const char *url, const char *user, const char *pass,
+                                   kvc_tier **out);
+
+/* Zeroes then frees a string that may hold a password (a URL, a copy of
+ * one): volatile stores, which the compiler cannot drop as dead. NULL is a
+ * no-op. */
+static inline void kvc__free_secret(char *s) {
+    if (!s) return;
+    for (volatile char *p = s; *p; p++) *p = 0;
+    free(s);
+}
 
 /* 32 lower-case hex digits and a NUL into out (33 bytes). */
 void kvc__store_key_hex(const kvc_store_key *k, char out[33]);

@@ -17,7 +17,9 @@ const char cli_store_opts_help[] =
     "                      unix://[[USER]:PASSWORD@]/PATH/TO/SOCKET [?ttl=SECONDS&db=N]\n"
     "                      (several Redis servers: a comma-separated list; %-encode\n"
     "                      @ : / , ? & % in a password, which others on this machine\n"
-    "                      can read in the process list);\n"
+    "                      can read in the process list: $KVCACHE_REDIS_PASSWORD\n"
+    "                      (and $KVCACHE_REDIS_USER) in the environment, unencoded,\n"
+    "                      is used for the servers whose URL gives none);\n"
     "                      a tier's own write policy: ?write=P (&write=P after\n"
     "                      another option)\n"
     "  --kv-store-write P  the other tiers': through (default: when a page is full),\n"
@@ -150,6 +152,24 @@ static int open_store(const char *cmd, const cli_store_opts *o, kvc_store **stor
     kvc_store_params sp = kvc_store_default_params();
     sp.write_policy = (kvc_store_write_policy)o->policy;
     sp.selective_hits = o->hits;
+    /* the environment keeps a password out of the process list (redis-cli's
+     * REDISCLI_AUTH does the same), read when a Redis tier is given; set but
+     * empty is refused, not ignored */
+    int redis = 0;
+    for (int i = 0; i < o->n_urls; i++)
+        redis |= !strncmp(o->urls[i], "redis://", 8) || !strncmp(o->urls[i], "unix://", 7);
+    sp.redis_user = redis ? getenv("KVCACHE_REDIS_USER") : NULL;
+    sp.redis_password = redis ? getenv("KVCACHE_REDIS_PASSWORD") : NULL;
+    const char *bad_env = sp.redis_password && !sp.redis_password[0]
+                              ? "KVCACHE_REDIS_PASSWORD is set but empty"
+                          : sp.redis_user && !sp.redis_password
+                              ? "KVCACHE_REDIS_USER is set without KVCACHE_REDIS_PASSWORD"
+                          : sp.redis_user && !sp.redis_user[0] ? "KVCACHE_REDIS_USER is set but empty"
+                                                               : NULL;
+    if (bad_env) {
+        fprintf(stderr, "kvcache: %s: --kv-store: %s\n", cmd, bad_env);
+        return -1;
+    }
     if (kvc_store_open(o->urls, o->n_urls, &sp, store) != KVC_OK) {
         fprintf(stderr, "kvcache: %s: --kv-store: %s\n", cmd, kvc_last_error());
         return -1;

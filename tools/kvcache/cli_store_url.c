@@ -226,6 +226,7 @@ const char *cli_store_url_problem(const char *url) {
         *o = '\0';
     }
     if (!why) why = url_tier_problem(u);
+    for (volatile char *p = u; *p; p++) *p = 0; /* a copy of the URL: it may hold a password */
     free(u);
     return why;
 }
