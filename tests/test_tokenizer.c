@@ -785,8 +785,8 @@ TEST(chat_errors) {
                              "{{ 'x'|trim(foo='x') }}", "{{ 'x'|replace('x') }}",
                              "{{ 'x'|d('a', boolean=true, default_value='b') }}",
                              /* 100k nested lists overflowed the stack when printed */
-                             "{% set ns = namespace(x=[]) %}{% for i in range(100000) %}"
-                             "{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x }}"};
+                             ("{% set ns = namespace(x=[]) %}{% for i in range(100000) %}"
+                              "{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x }}")};
     for (size_t i = 0; i < sizeof invalid / sizeof invalid[0]; i++) {
         kvc_status st = kvc_chat_apply_template(NULL, invalid[i], m, 1, 1, buf, sizeof buf, &len);
         if (st != KVC_ERR_INVALID_ARG)
@@ -812,8 +812,8 @@ TEST(chat_errors) {
      * a string past it, and a list whose items pass it */
     const char *big[] = {"a\n{{ 'x' * 300000000 }}",
                          "a\n{% set s = 'y' * 200000000 %}{{ (s ~ s)|length }}",
-                         "a\n{% set ns = namespace(l=[]) %}{% for i in range(999999) %}"
-                         "{% set ns.l = ns.l + [i] %}{% endfor %}"};
+                         ("a\n{% set ns = namespace(l=[]) %}{% for i in range(999999) %}"
+                          "{% set ns.l = ns.l + [i] %}{% endfor %}")};
     for (size_t i = 0; i < sizeof big / sizeof big[0]; i++) {
         ASSERT_STATUS(kvc_chat_apply_template(NULL, big[i], m, 1, 1, buf, sizeof buf, &len),
                       KVC_ERR_INVALID_ARG);
