@@ -411,6 +411,20 @@ static void idx_put_back(dindex *ix, ent *e) {
     ix->head = e;
 }
 
+/* Puts evict's spared victims (a list through next) back into the index
+ * with put. An invalidate meanwhile may have taken their namespace (its
+ * entries left the index then): those wait for the next listing. */
+static void reinsert(dir_tier *d, ent *list, uint64_t gen, void (*put)(dindex *, ent *)) {
+    pthread_mutex_lock(&d->mu);
+    for (ent *e = list, *nx; e; e = nx) {
+        nx = e->next;
+        e->prev = e->next = NULL;
+        if (d->inval_gen == gen && !idx_find(&d->idx, &e->ns, &e->key)) put(&d->idx, e);
+        else free(e);
+    }
+    pthread_mutex_unlock(&d->mu);
+}
+
 /* After a write: re-lists the directory once the index is RESCAN_S old
  * (other processes' writes count towards the budget too), then drops least
  * recently used objects until the budget holds. The victims leave the index
@@ -483,26 +497,10 @@ static void evict(dir_tier *d, const kvc_store_key *ns, const kvc_store_key *key
             if (d->base.removed) d->base.removed(d->base.removed_user, &e->ns, &e->key);
             free(e);
         }
-        pthread_mutex_lock(&d->mu);
-        for (ent *e = fresh, *nx; e; e = nx) {
-            nx = e->next;
-            e->prev = e->next = NULL;
-            if (d->inval_gen == gen && !idx_find(&d->idx, &e->ns, &e->key)) idx_add_sorted(&d->idx, e);
-            else free(e);
-        }
-        pthread_mutex_unlock(&d->mu);
+        reinsert(d, fresh, gen, idx_add_sorted);
     }
-    /* Newest first onto the head: the oldest ends up first, as before. An
-     * invalidate meanwhile may have taken a stuck object's namespace (its
-     * entries left the index then): those wait for the next listing. */
-    pthread_mutex_lock(&d->mu);
-    for (ent *e = stuck, *nx; e; e = nx) {
-        nx = e->next;
-        e->prev = e->next = NULL;
-        if (d->inval_gen == gen && !idx_find(&d->idx, &e->ns, &e->key)) idx_put_back(&d->idx, e);
-        else free(e);
-    }
-    pthread_mutex_unlock(&d->mu);
+    /* Newest first onto the head: the oldest ends up first, as before. */
+    reinsert(d, stuck, gen, idx_put_back);
 }
 
 /* ---- operations ----------------------------------------------------------- */

@@ -160,12 +160,13 @@ static int open_store(const char *cmd, const cli_store_opts *o, kvc_store **stor
         redis |= !strncmp(o->urls[i], "redis://", 8) || !strncmp(o->urls[i], "unix://", 7);
     sp.redis_user = redis ? getenv("KVCACHE_REDIS_USER") : NULL;
     sp.redis_password = redis ? getenv("KVCACHE_REDIS_PASSWORD") : NULL;
-    const char *bad_env = sp.redis_password && !sp.redis_password[0]
-                              ? "KVCACHE_REDIS_PASSWORD is set but empty"
-                          : sp.redis_user && !sp.redis_password
-                              ? "KVCACHE_REDIS_USER is set without KVCACHE_REDIS_PASSWORD"
-                          : sp.redis_user && !sp.redis_user[0] ? "KVCACHE_REDIS_USER is set but empty"
-                                                               : NULL;
+    const char *bad_env = NULL;
+    if (sp.redis_password && !sp.redis_password[0])
+        bad_env = "KVCACHE_REDIS_PASSWORD is set but empty";
+    else if (sp.redis_user && !sp.redis_password)
+        bad_env = "KVCACHE_REDIS_USER is set without KVCACHE_REDIS_PASSWORD";
+    else if (sp.redis_user && !sp.redis_user[0])
+        bad_env = "KVCACHE_REDIS_USER is set but empty";
     if (bad_env) {
         fprintf(stderr, "kvcache: %s: --kv-store: %s\n", cmd, bad_env);
         return -1;
