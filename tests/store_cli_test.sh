@@ -67,11 +67,15 @@ redis_auth)
     [ "$(stat_of noauth store_errors)" -gt 0 ] || fail "no store errors without the password"
     grep -Eq "(NOAUTH|unauthenticated).*KVCACHE_REDIS_PASSWORD" "$tmp/noauth.err" ||
         fail "the error does not say how to give the password: $(cat "$tmp/noauth.err")"
-    # set but empty: refused before the model loads
+    # set but empty, or a user without a password: the run fails
     KVCACHE_REDIS_PASSWORD= "$kv" run -m "$model" -p hi -n 1 -q --kv-store "unix://$sock" \
         > "$tmp/empty.out" 2> "$tmp/empty.err" && fail "an empty KVCACHE_REDIS_PASSWORD passed"
     grep -q "KVCACHE_REDIS_PASSWORD is set but empty" "$tmp/empty.err" ||
         fail "empty password: $(cat "$tmp/empty.err")"
+    KVCACHE_REDIS_USER=u "$kv" run -m "$model" -p hi -n 1 -q --kv-store "unix://$sock" \
+        > "$tmp/user.out" 2> "$tmp/user.err" && fail "KVCACHE_REDIS_USER alone passed"
+    grep -q "KVCACHE_REDIS_USER is set without KVCACHE_REDIS_PASSWORD" "$tmp/user.err" ||
+        fail "a user without a password: $(cat "$tmp/user.err")"
     # the password as is (no %-encoding), for the server whose URL gives none
     export KVCACHE_REDIS_PASSWORD="$pw"
     two_runs "unix://$sock"
