@@ -204,7 +204,8 @@ typedef struct kvc_store_params {
     /* AUTH credentials for the Redis servers whose URL gives none (NULL: none, the
      * default): a password kept out of URLs, which process lists and logs show. A URL's
      * own credentials win, as with redis-py's from_url(url, password=...). A user needs
-     * a password; an empty one (or user) is refused. Copied at open, the copies zeroed at close. */
+     * a password; an empty user or password is refused. Copied at open, the copies
+     * zeroed at close. */
     const char *redis_user;
     const char *redis_password;
 } kvc_store_params;

@@ -475,7 +475,7 @@ static void evict(dir_tier *d, const kvc_store_key *ns, const kvc_store_key *key
             nx = e->next;
             obj_path(d, &e->ns, &e->key, 2, p);
             struct stat st;
-            if (refresh > 0 && stat(p, &st) == 0 && S_ISREG(st.st_mode)) {
+            if (refresh > 0 && lstat(p, &st) == 0 && S_ISREG(st.st_mode)) {
                 const int64_t m = (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
                 if (m > e->used) {
                     refresh--;
