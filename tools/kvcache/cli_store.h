@@ -42,8 +42,10 @@ const char *cli_store_url_problem(const char *url);
 const char *cli_store_url_after_cred(const char *s, size_t n, const char **cred);
 
 /* url less the credentials of its Redis servers, into out (cap bytes): for
- * messages and reports. */
-void cli_store_url_shown(const char *url, char *out, size_t cap);
+ * messages and reports. Returns the length of the whole (as snprintf): a
+ * result >= cap was cut, at the end of the last server that fit (or inside
+ * the options). */
+size_t cli_store_url_shown(const char *url, char *out, size_t cap);
 
 /* A usage error for --kv-store URL (exit 2), the URL quoted unless it may
  * hold a password. */

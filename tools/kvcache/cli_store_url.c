@@ -231,8 +231,9 @@ const char *cli_store_url_problem(const char *url) {
     return why;
 }
 
-void cli_store_url_shown(const char *url, char *out, size_t cap) {
-    size_t o = 0;
+size_t cli_store_url_shown(const char *url, char *out, size_t cap) {
+    size_t o = 0, need = 0;
+    int full = cap == 0; /* once a piece does not fit, nothing after it is written */
     const char *s = url;
     if (!strncmp(url, "redis://", 8) || !strncmp(url, "unix://", 7)) {
         const size_t list_len = strcspn(url, "?");
@@ -240,14 +241,21 @@ void cli_store_url_shown(const char *url, char *out, size_t cap) {
             const size_t n = strcspn(s, ",?");
             const char *cred, *id = cli_store_url_after_cred(s, n, &cred);
             const size_t pre = cred ? (size_t)(cred - s) : n, rest = cred ? (size_t)(s + n - id) : 0;
-            if (o + pre + rest + 1 < cap) {
+            const size_t len = pre + rest + (s[n] == ',');
+            if (!full && o + len < cap) {
                 memcpy(out + o, s, pre);
                 memcpy(out + o + pre, id, rest);
                 o += pre + rest;
                 if (s[n] == ',') out[o++] = ',';
+            } else {
+                full = 1;
             }
+            need += len;
             s += n + (s[n] == ',');
         }
     }
-    snprintf(out + o, cap - o, "%s", s);
+    const size_t tail = strlen(s); /* the options */
+    if (!full) snprintf(out + o, cap - o, "%s", s);
+    else if (cap) out[o] = '\0';
+    return need + tail;
 }
