@@ -55,6 +55,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
                     shown);
             __builtin_trap();
         }
+        /* the CLI's form: its length is the whole's, and a cut one is the
+         * whole's start (an input is at most 4096 bytes: whole here) */
+        static char whole[4200];
+        if (cli_store_url_shown(u, whole, sizeof whole) != need || strlen(whole) != need ||
+            strncmp(whole, shown, strlen(shown)) || (need < sizeof shown) != !strcmp(whole, shown)) {
+            fprintf(stderr, "CLI form of \"%s\": \"%s\" (%zu) cut to \"%s\"\n", u, whole, need,
+                    shown);
+            __builtin_trap();
+        }
         t->ops->close(t);
     }
     kvc_clear_error();
