@@ -821,7 +821,8 @@ static kvc_status parse_server(const char *s, size_t len, server *sv, const char
     if (!pre) {
         st = !strncmp(given, "rediss://", 9)
                  ? kvc__error(KVC_ERR_INVALID_ARG, "redis tier URL: rediss:// (TLS) is not "
-                              "supported (want " URL_FORMS ")")
+                              "supported (this hiredis has no TLS: reach the server through "
+                              "a TLS tunnel to a local socket; want " URL_FORMS ")")
                  : kvc__error(KVC_ERR_INVALID_ARG, "redis tier URL \"%.200s\": unknown scheme "
                               "(want " URL_FORMS ")", strchr(given, '@') ? "..." : given);
         kvc__free_secret(given);

@@ -8,6 +8,10 @@
 
 #include "cli_store.h"
 
+/* Debian 12's hiredis (0.14) has no TLS (docs/KV_STORE.md section 5) */
+#define NO_TLS                                                                                     \
+    "rediss:// (TLS) is not supported (reach the server through a TLS tunnel to a local socket)"
+
 /* ---- URL syntax (docs/KV_STORE.md section 5) ------------------------------
  * The grammar kvc_store_open parses, checked here so that a mistyped URL is
  * a command-line error (exit 2) before the model loads, not a failure after
@@ -94,7 +98,7 @@ const char *cli_store_url_after_cred(const char *s, size_t n, const char **cred)
 static const char *url_server(const char *s, size_t n, int *has_db) {
     *has_db = 0;
     if (n == 0) return "an empty server in the list";
-    if (n >= 9 && !strncmp(s, "rediss://", 9)) return "rediss:// (TLS) is not supported";
+    if (n >= 9 && !strncmp(s, "rediss://", 9)) return NO_TLS;
     const int is_unix = n >= 7 && !strncmp(s, "unix://", 7);
     if (!is_unix && (n < 8 || strncmp(s, "redis://", 8)))
         return "a server is redis://HOST:PORT or unix:///PATH";
@@ -152,7 +156,7 @@ static const char *url_tier_problem(const char *u) {
                    "(e.g. max_bytes=512M), and nothing after it";
         return NULL;
     }
-    if (!strncmp(u, "rediss://", 9)) return "rediss:// (TLS) is not supported";
+    if (!strncmp(u, "rediss://", 9)) return NO_TLS;
     if (strncmp(u, "redis://", 8) && strncmp(u, "unix://", 7)) return "unknown scheme";
     const size_t list_len = strcspn(u, "?");
     int query_db = 0, query_ttl = 0;
