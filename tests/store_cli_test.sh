@@ -3,8 +3,9 @@
 #   store_cli_test.sh CASE KVCACHE_BINARY MODEL
 # Cases: dir (f16 and int4 = kivi4), redis (KVC_TEST_REDIS: run through
 # tests/with_redis.sh), redis_auth (a server of its own with a password,
-# given in the environment: KVCACHE_REDIS_PASSWORD), dir_full (every write fails: the file size limit),
-# events_fail (--kv-events cannot bind: the store's directory is not left).
+# given in the environment: KVCACHE_REDIS_PASSWORD; through with_redis.sh
+# too, for KVC_TEST_REDIS_SERVER), dir_full (every write fails: the file
+# size limit), events_fail (--kv-events cannot bind: the store's directory is not left).
 # The second process must restore the prompt (--json-stats) and print
 # exactly what a process without a store prints (greedy decoding).
 # Exit 0 pass, 1 fail (with the reason), 77 skip (the model is absent).

@@ -127,8 +127,8 @@ kvc_status kvc__tier_dir_open(const char *url, kvc_tier **out);
  * retried with back-off). */
 kvc_status kvc__tier_redis_open(const char *url, kvc_tier **out);
 /* The same with credentials for the servers whose URL gives none
- * (kvc_store_params.redis_user / redis_password, already checked: pass
- * non-empty, or both NULL); copied. */
+ * (kvc_store_params.redis_user / redis_password, as the store checked
+ * them: each NULL or non-empty, no user without a password); copied. */
 kvc_status kvc__tier_redis_open_as(const char *url, const char *user, const char *pass,
                                    kvc_tier **out);
 
