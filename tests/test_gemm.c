@@ -10,7 +10,7 @@
  *     32767, the default) and int8 (Q = 127, kvc__gemm_set_act_bits(8));
  *   - the exact reference of the integer paths: per block the integer dot
  *     product of the weight integers with the quantized activations, times
- *     d_w * d_x (+ m_w * d_x * sum q for Q4_1), summed in double; K-quants:
+ *     d_w * d_x (+ m_w * d_x * sum q for Q4_1, Q5_1), summed in double; K-quants:
  *     integers and scales decoded as ggml's dequantize_row_q*_K loops walk
  *     them (kq_ref_ints), per 32-element sub-block d sc d_x isum - dmin m
  *     d_x sum q (Q4_K/Q5_K) or per 16-element half d sc_h d_x isum_h (Q6_K).
@@ -21,7 +21,7 @@
  * 1280, 1536}: 1, 2, 3, 5, 6 super-blocks, odd counts ending in half an
  * AVX-512 group) x n {1, 2, 5, 16, 33}:
  *   tight: |Y - exact| <= (2 nb + 8) 2^-24 sum_b |term_b| for the integer
- *     paths (nb block terms, Q4_1 and K-quants twice as many; every float32
+ *     paths (nb block terms, Q4_1, Q5_1 and K-quants twice as many; every float32
  *     rounding of a term, float(isum) included (int16: |isum| up to 2^27), and every
  *     addition costs at most 2^-24 of the absolute sum), and |Y - ref| <=
  *     (cols + 4) 2^-24 sum_c |w_c x_c| for float weights;
@@ -67,7 +67,7 @@ static const tinfo types_all[] = {
     {KVC_GGML_Q6_K, "Q6_K", 256, 210}, {KVC_GGML_Q5_0, "Q5_0", 32, 22},
     {KVC_GGML_Q5_1, "Q5_1", 32, 24},
 };
-#define N_GEMM_TYPES 9 /* the first 9 go through kvc__gemm */
+#define N_GEMM_TYPES 11 /* all of them go through kvc__gemm */
 #define N_TYPES (sizeof types_all / sizeof types_all[0])
 
 static int is_quant(int32_t t) { return t != KVC_GGML_F32 && t != KVC_GGML_F16 && t != KVC_GGML_BF16; }
@@ -120,12 +120,17 @@ static uint8_t *make_w(const tinfo *ti, int64_t rows, int64_t cols, uint64_t *rn
 
 /* ---- reference dequantization (from the block formats) ------------------------- */
 
-/* Integer value and scale of element e of a Q8_0/Q4_0/Q4_1 block: x = d q + m. */
+/* Integer value of element e of a Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 block: x = d q + m
+ * (Q5: bit 4 is bit e of the little-endian qh word before the nibbles). */
 static int qint(int32_t t, const uint8_t *blk, int e) {
+    const int nib = e < 16 ? 0x0f : 0xf0, sh = e < 16 ? 0 : 4;
     switch (t) {
     case KVC_GGML_Q8_0: return (int8_t)blk[2 + e];
-    case KVC_GGML_Q4_0: return (e < 16 ? blk[2 + e] & 0x0f : blk[2 + e - 16] >> 4) - 8;
-    default: return e < 16 ? blk[4 + e] & 0x0f : blk[4 + e - 16] >> 4;
+    case KVC_GGML_Q4_0: return ((blk[2 + e % 16] & nib) >> sh) - 8;
+    case KVC_GGML_Q4_1: return (blk[4 + e % 16] & nib) >> sh;
+    case KVC_GGML_Q5_0:
+        return (((blk[6 + e % 16] & nib) >> sh) | ((blk[2 + e / 8] >> (e % 8)) & 1) << 4) - 16;
+    default: return ((blk[8 + e % 16] & nib) >> sh) | ((blk[4 + e / 8] >> (e % 8)) & 1) << 4;
     }
 }
 
@@ -416,7 +421,7 @@ static void make_refs(const tinfo *ti, const uint8_t *W, int64_t rows, int64_t c
                 const double t1 = d * dxb * (double)isum;
                 exact += t1;
                 terms += fabs(t1);
-                if (ti->t == KVC_GGML_Q4_1) {
+                if (ti->t == KVC_GGML_Q4_1 || ti->t == KVC_GGML_Q5_1) {
                     const double t2 = get_f16(blk + 2) * dxb * (double)qsum;
                     exact += t2;
                     terms += fabs(t2);
@@ -515,6 +520,8 @@ TEST(grid_q4_1) { return grid_type(&types_all[5]); }
 TEST(grid_q4_k) { return grid_type(&types_all[6]); }
 TEST(grid_q5_k) { return grid_type(&types_all[7]); }
 TEST(grid_q6_k) { return grid_type(&types_all[8]); }
+TEST(grid_q5_0) { return grid_type(&types_all[9]); }
+TEST(grid_q5_1) { return grid_type(&types_all[10]); }
 
 /* Float weights accept any cols: tails of every length below 16. */
 TEST(float_odd_cols) {
@@ -649,9 +656,9 @@ TEST(strided) {
 /* ---- errors -------------------------------------------------------------------- */
 
 TEST(errors) {
-    float X[64] = {0}, Y[4] = {1, 2, 3, 4};
+    float X[256] = {0}, Y[4] = {1, 2, 3, 4};
     uint8_t W[4 * 40] = {0};
-    ASSERT_STATUS(kvc__gemm(KVC_GGML_Q5_0, W, 1, 32, X, 32, 1, Y, 1, NULL), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc__gemm(KVC_GGML_Q3_K, W, 1, 256, X, 256, 1, Y, 1, NULL), KVC_ERR_INVALID_ARG);
     ASSERT_STR_CONTAINS(kvc_last_error(), "not supported");
     ASSERT_STATUS(kvc__gemm(KVC_GGML_Q6_K, W, 1, 32, X, 32, 1, Y, 1, NULL), KVC_ERR_INVALID_ARG);
     ASSERT_STR_CONTAINS(kvc_last_error(), "multiple");
@@ -817,17 +824,20 @@ TEST(act_bits) {
     return 0;
 }
 
-/* K-quant integer sums at their bounds, every kernel set and width: Q5_K
- * with q = 31 and sc = 63 everywhere against activations at +-Q (|isum| =
- * 32 * 31 * 32767 > 2^24: float(isum) rounds), Q6_K with q - 32 = -32 and
- * scale -128 (a half sums to 16 * 32 * 32767; with the scales folded in a
- * block would pass 2^31), Q4_K likewise; each against the exact reference. */
+/* Integer sums at their bounds, every kernel set and width: Q5_K with q =
+ * 31 and sc = 63 everywhere against activations at +-Q (|isum| = 32 * 31 *
+ * 32767 > 2^24: float(isum) rounds), Q6_K with q - 32 = -32 and scale -128
+ * (a half sums to 16 * 32 * 32767; with the scales folded in a block would
+ * pass 2^31), Q4_K likewise; Q5_0 / Q5_1 with every code 31 (Q5_0: 15) or,
+ * every other block, 0 (Q5_0: -16; int8 activations: the AVX2 pair sums of
+ * 31 * 127 added in int16 at their largest); each against the exact
+ * reference. */
 TEST(kq_extremes) {
     const int64_t rows = 3, cols = 768, n = 2;
     int rc = 0;
-    for (int ti = 6; ti <= 8 && !rc; ti++) {
+    for (int ti = 6; ti <= 10 && !rc; ti++) {
         const tinfo *t = &types_all[ti];
-        const int64_t nsb = rows * cols / 256;
+        const int64_t nsb = rows * cols / t->block;
         uint8_t *W = xmalloc((size_t)(nsb * t->bytes));
         for (int64_t b = 0; b < nsb; b++) {
             uint8_t *p = W + b * t->bytes;
@@ -835,6 +845,10 @@ TEST(kq_extremes) {
                 memset(p, 0, 192);                    /* q = 0: q - 32 = -32 */
                 memset(p + 192, 0x80, 16);            /* scales -128 */
                 put16(p + 208, kvc_f32_to_f16(b % 2 ? 1e-3f : -1e-3f));
+            } else if (t->block == 32) { /* Q5_0 / Q5_1 */
+                memset(p, b % 2 ? 0x00 : 0xff, (size_t)t->bytes);
+                put16(p, kvc_f32_to_f16(b % 3 ? 1e-3f : -1e-3f));
+                if (t->t == KVC_GGML_Q5_1) put16(p + 2, kvc_f32_to_f16(b % 3 ? 5e-4f : 0.0f));
             } else {
                 memset(p, 0xff, (size_t)t->bytes); /* q = 15 / 31, sc = m = 63 */
                 put16(p, kvc_f32_to_f16(1e-3f));
@@ -891,5 +905,6 @@ const test_case test_suite[] = {
     TEST_ENTRY(strided),          TEST_ENTRY(row_independence), TEST_ENTRY(grid_f32),
     TEST_ENTRY(grid_f16),         TEST_ENTRY(grid_bf16),    TEST_ENTRY(grid_q8_0),
     TEST_ENTRY(grid_q4_0),        TEST_ENTRY(grid_q4_1),    TEST_ENTRY(grid_q4_k),
-    TEST_ENTRY(grid_q5_k),        TEST_ENTRY(grid_q6_k),    TEST_ENTRY(kq_extremes),
+    TEST_ENTRY(grid_q5_k),        TEST_ENTRY(grid_q6_k),    TEST_ENTRY(grid_q5_0),
+    TEST_ENTRY(grid_q5_1),        TEST_ENTRY(kq_extremes),
     {0, 0}};

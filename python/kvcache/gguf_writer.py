@@ -23,15 +23,20 @@ type   bytes  layout, value of element j
 Q8_0   34     f16 d, int8 q[32];            x_j = d * q[j]
 Q4_0   18     f16 d, u8 qs[16];             x_j = d * (nib_j - 8)
 Q4_1   20     f16 d, f16 m, u8 qs[16];      x_j = d * nib_j + m
+Q5_0   22     f16 d, u32 qh, u8 qs[16];     x_j = d * (q_j - 16)
+Q5_1   24     f16 d, f16 m, u32 qh, u8 qs[16];  x_j = d * q_j + m
 =====  =====  ==========================================================
 
 where nib_j is the low nibble of qs[j] for j < 16 and the high nibble of
-qs[j - 16] for j >= 16. Quantization (what ggml's reference quantizers do):
+qs[j - 16] for j >= 16, and q_j = nib_j + 16 * (bit j of the little-endian
+qh). Quantization (what ggml's reference quantizers do):
 
 * Q8_0: d = max|x| / 127, q = round-half-away(x / d).
 * Q4_0: m = the element of largest magnitude (sign kept), d = m / -8,
   q = min(15, trunc(x / d + 8.5)).
 * Q4_1: lo = min, hi = max, d = (hi - lo) / 15, q = min(15, trunc((x - lo) / d + 0.5)).
+* Q5_0: as Q4_0 with d = m / -16, q = min(31, trunc(x / d + 16.5)).
+* Q5_1: as Q4_1 with d = (hi - lo) / 31, q = min(31, trunc((x - lo) / d + 0.5)).
 
 A zero scale gives q = 0 (Q4_0: nibble 8). Scales are stored as float16; the
 codes are computed with the unrounded scale, as ggml does.
@@ -139,13 +144,16 @@ class GGMLType:
     F16 = 1
     Q4_0 = 2
     Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
     Q8_0 = 8
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
     BF16 = 30
 
-    NAMES: ClassVar[dict[int, str]] = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0",
+    NAMES: ClassVar[dict[int, str]] = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0",
+                                       7: "Q5_1", 8: "Q8_0",
                                        12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
 
     @classmethod
@@ -165,7 +173,7 @@ class GGMLType:
 
 # (elements per block, bytes per block)
 BLOCK_SIZES = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 2: (32, 18), 3: (32, 20),
-               12: (256, 144), 13: (256, 176), 14: (256, 210)}
+               6: (32, 22), 7: (32, 24), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 
 
 # ---------------------------------------------------------------------------
@@ -203,6 +211,19 @@ def _pack_nibbles(q: np.ndarray) -> np.ndarray:
 
 def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
+
+
+def _pack_q5(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(n, 32) codes 0..31 -> (n, 4) qh bytes (bit j: bit 4 of element j), (n, 16) qs."""
+    q = q.astype(np.uint32)
+    qh = (((q >> 4) & 1) << np.arange(32, dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
+    return qh.astype("<u4").view(np.uint8).reshape(-1, 4), _pack_nibbles(q & 15)
+
+
+def _unpack_q5(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    h = qh.copy().view("<u4").astype(np.uint32)  # (n, 1)
+    bits = (h >> np.arange(32, dtype=np.uint32)) & 1
+    return _unpack_nibbles(qs) + 16.0 * bits.astype(np.float32)
 
 
 def _inv(d: np.ndarray) -> np.ndarray:
@@ -341,6 +362,25 @@ def quantize(x, ggml_type) -> bytes:
         out[:, 2:4] = lo.astype("<f2").view(np.uint8).reshape(n, 2)
         out[:, 4:] = _pack_nibbles(q)
         return out.tobytes()
+    if t == GGMLType.Q5_0:
+        idx = np.abs(b).argmax(axis=1)
+        m = b[np.arange(n), idx]
+        d = (m / -16.0).astype(np.float32)
+        q = np.clip(np.minimum(31, np.trunc(b * _inv(d)[:, None] + 16.5)), 0, 31)
+        out = np.zeros((n, 22), np.uint8)
+        out[:, 0:2] = d.astype("<f2").view(np.uint8).reshape(n, 2)
+        out[:, 2:6], out[:, 6:] = _pack_q5(q)
+        return out.tobytes()
+    if t == GGMLType.Q5_1:
+        lo = b.min(axis=1)
+        hi = b.max(axis=1)
+        d = ((hi - lo) / 31.0).astype(np.float32)
+        q = np.clip(np.trunc((b - lo[:, None]) * _inv(d)[:, None] + 0.5), 0, 31)
+        out = np.zeros((n, 24), np.uint8)
+        out[:, 0:2] = d.astype("<f2").view(np.uint8).reshape(n, 2)
+        out[:, 2:4] = lo.astype("<f2").view(np.uint8).reshape(n, 2)
+        out[:, 4:8], out[:, 8:] = _pack_q5(q)
+        return out.tobytes()
     raise AssertionError(t)
 
 
@@ -372,6 +412,11 @@ def dequantize(data, ggml_type, shape) -> np.ndarray:
     if t == GGMLType.Q4_1:
         m = blk[:, 2:4].copy().view("<f2").astype(np.float32)
         return (d * _unpack_nibbles(blk[:, 4:]) + m).reshape(shape)
+    if t == GGMLType.Q5_0:
+        return (d * (_unpack_q5(blk[:, 2:6], blk[:, 6:]) - 16.0)).reshape(shape)
+    if t == GGMLType.Q5_1:
+        m = blk[:, 2:4].copy().view("<f2").astype(np.float32)
+        return (d * _unpack_q5(blk[:, 4:8], blk[:, 8:]) + m).reshape(shape)
     raise AssertionError(t)
 
 

@@ -32,7 +32,7 @@ V = W.ValueType
 REPO = Path(__file__).resolve().parents[2]
 REAL_MODEL = Path(os.environ.get("KVC_GGUF_MODEL",
                                  REPO / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
-WRITER_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
+WRITER_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 
 # ---------------------------------------------------------------------------
@@ -111,7 +111,7 @@ def all_types_writer(version=3, alignment=None):
 def add_tensors(w, rng):
     """Tensors of every writer type and several ranks; returns name -> (type, array)."""
     shapes = {"F32": (3, 5), "F16": (7,), "BF16": (2, 2, 3), "Q8_0": (4, 64),
-              "Q4_0": (2, 1, 32), "Q4_1": (1, 1, 3, 96)}
+              "Q4_0": (2, 1, 32), "Q4_1": (1, 1, 3, 96), "Q5_0": (3, 64), "Q5_1": (2, 1, 96)}
     out = {}
     for t in WRITER_TYPES:
         x = (rng.standard_normal(shapes[t]) * 3).astype(np.float32)
@@ -142,21 +142,21 @@ def test_quantizers_match_gguf_package(t, rng):
     assert len(ours) == x.size // bs * bb
 
 
-@pytest.mark.parametrize("t", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("t", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_quantization_error_bounds(t, rng):
     x = rng.standard_normal((8, 256)).astype(np.float32)
     deq = W.dequantize(W.quantize(x, t), t, x.shape).reshape(-1, 32)
     b = x.reshape(-1, 32)
     if t == "Q8_0":
         step = np.abs(b).max(1) / 127
-    elif t == "Q4_0":
-        step = np.abs(b).max(1) / 8
+    elif t in ("Q4_0", "Q5_0"):
+        step = np.abs(b).max(1) / (8 if t == "Q4_0" else 16)
     else:
-        step = (b.max(1) - b.min(1)) / 15
-    # half a step, plus slack for the float16 scale (and min for Q4_1); Q4_0's
-    # codes span [-8, 7]: the side opposite the largest magnitude clips by up
-    # to one step.
-    half = 1.0 if t == "Q4_0" else 0.5
+        step = (b.max(1) - b.min(1)) / (15 if t == "Q4_1" else 31)
+    # half a step, plus slack for the float16 scale (and min for Q4_1, Q5_1);
+    # Q4_0's codes span [-8, 7] (Q5_0's [-16, 15]): the side opposite the
+    # largest magnitude clips by up to one step.
+    half = 1.0 if t in ("Q4_0", "Q5_0") else 0.5
     err = np.abs(deq - b).max(1)
     assert np.all(err <= half * step * 1.01 + 2e-3 * np.abs(b).max(1)), (err / step).max()
 

@@ -15,7 +15,10 @@
   ISA, and the cache exactness of seed 001.
 * Real weights: the default model with its ffn_down matrices re-encoded as
   Q4_K (measured 2.5e-4 of the logit range off the float32 reference, 5e-3
-  allowed as for the Q4_1 file; still answers "Paris").
+  allowed as for the Q4_1 file; still answers "Paris"), and with its
+  embedding (tied: also the output matrix, 49,152 x 576) re-encoded as Q5_0
+  or Q5_1, the types llama.cpp's Q4_K_M / Q5_K_M files give matrices whose
+  input dimension (576 here) is not a multiple of 256.
 """
 
 from __future__ import annotations
@@ -179,6 +182,24 @@ def test_kq_model_logits_match_numpy_reference(kq_model):
             _check_logits(m.eval(toks, kv_dtype="float32", num_threads=2), want, 1e-3)
 
 
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K"])
+def test_model_refuses_a_weight_type_it_cannot_multiply(kq_model, tmp_path, name):
+    """A matrix in a type the products do not implement (Q4_K patched to
+    Q2_K / Q3_K, whose blocks are smaller): the load fails naming the
+    tensor and the type, and the types that are supported."""
+    path = tmp_path / f"tiny_{name}.gguf"
+    shutil.copyfile(kq_model[0], path)
+    r = gguf.GGUFReader(path, "r+")
+    (t,) = [t for t in r.tensors if t.name == "blk.1.ffn_up.weight"]
+    assert t.tensor_type == gguf.GGMLQuantizationType.Q4_K
+    t.field.parts[-2][0] = int(_qtype(name))
+    r.data.flush()
+    del r
+    with pytest.raises(kvcache.UnsupportedError,
+                       match=rf"blk\.1\.ffn_up\.weight has weight type {name} .*Q5_0, Q5_1"):
+        Model(path)
+
+
 def test_kq_model_cache_is_exact_float32(kq_model):
     _, m, _ = kq_model
     _check_exact(m, [3, 1, 4, 1, 5, 9, 2, 6], 24, 16)  # eval pages hold 16 tokens too
@@ -229,3 +250,56 @@ def test_default_model_with_q4_k_ffn_down(tmp_path):
         p = tok.encode(tok.apply_chat_template(q, add_generation_prompt=True))
         text = tok.decode(m.generate([p], 12, num_threads=2)[0])
         assert "Paris" in text, text
+
+
+@pytest.mark.skipif(not DEFAULT_MODEL.exists(),
+                    reason=f"{DEFAULT_MODEL} absent (bash scripts/fetch_model.sh)")
+@pytest.mark.parametrize("name", ["Q5_0", "Q5_1"])
+def test_default_model_with_q5_embedding(tmp_path, name):
+    """Real weights: the Q8_0 token embedding, which the model ties to its
+    output, re-encoded in place as Q5_0 / Q5_1 (18 blocks of 22 / 24 bytes a
+    row fit in Q8_0's 612): the embedding lookup and the largest matrix
+    product take the Q5 kernels. Against the float32 numpy reference of the
+    patched file, every ISA, and the greedy answer."""
+    path = tmp_path / f"smol_{name}.gguf"
+    shutil.copyfile(DEFAULT_MODEL, path)
+    r = gguf.GGUFReader(path, "r+")
+    (t,) = [t for t in r.tensors if t.name == "token_embd.weight"]
+    assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    x = gguf.quants.dequantize(t.data, t.tensor_type)
+    q = np.frombuffer(W.quantize(x, name), np.uint8)
+    flat = t.data.reshape(-1)
+    assert q.size == x.size // 32 * BLOCKS[name][1] < flat.size
+    flat[:q.size] = q
+    type_part = t.field.parts[-2]
+    assert type_part.dtype == np.uint32 and int(type_part[0]) == 8
+    type_part[0] = int(_qtype(name))
+    r.data.flush()
+    del r
+    with GGUFFile(path) as f:
+        assert {u.type_name for u in f.tensors if u.name == "token_embd.weight"} == {name}
+        assert "output.weight" not in {u.name for u in f.tensors}
+    with Model(path) as m:
+        ref = LlamaReference(str(path), dtype=np.float32)
+        toks = [1, 504, 3458, 282, 4649, 314, 30, 3]
+        want = ref.logits(toks).astype(np.float64)
+        for isa in kvcache.supported_isas():
+            with _isa(isa):
+                _check_logits(m.eval(toks, num_threads=2), want, 5e-3)
+        # generated tokens against the reference's choice wherever it is
+        # clear (re-encoded as Q5_0 the model answers "La femme de France",
+        # and the reference does too: the answer is the weights')
+        tok = kvcache.Tokenizer.from_gguf(path)
+        qn = [{"role": "user", "content": "What is the capital of France?"}]
+        p = list(tok.encode(tok.apply_chat_template(qn, add_generation_prompt=True)))
+        out = [int(v) for v in m.generate([p], 4, num_threads=2)[0]]
+        clear = 0
+        for i in range(len(out)):
+            want = ref.logits(p + out[:i])[-1].astype(np.float64)
+            got = m.eval(p + out[:i], num_threads=2)[-1]
+            _check_logits(got, want, 5e-3)
+            top2 = np.sort(want)[-2:]
+            if top2[1] - top2[0] > 4 * np.abs(got - want).max():
+                assert out[i] == int(np.argmax(want)), (i, out, tok.decode(out))
+                clear += 1
+        assert clear >= 2, (clear, out)

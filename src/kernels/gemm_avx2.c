@@ -12,7 +12,10 @@
  * int16) then vpmaddwd with ones (-> int32):
  *   Q4_0/Q4_1: nibbles (0..15) are the unsigned operand; lo and hi products
  *     (each pair |sum| <= 2 * 15 * 127) are added in int16 before vpmaddwd;
- *     Q4_0 subtracts 8 * qsum after.
+ *     Q4_0 subtracts 8 * qsum after. Q5_0/Q5_1 the same with the fifth bit
+ *     OR-ed in (0..31, pairs <= 2 * 31 * 127, lo + hi < 2^14); Q5_0
+ *     subtracts 16 * qsum. (int16 activations: Q5 codes as bytes first,
+ *     then even / odd bytes widened.)
  *   Q8_0: the sign trick, |w| (u8, 0..128) times x carrying w's sign
  *     (vpsignb), pair sums <= 2 * 128 * 127 < 32768, no saturation; lo and hi
  *     go through vpmaddwd separately (their sum could exceed int16).
@@ -35,7 +38,24 @@
 #define GBLK 8 /* blocks per group */
 
 static int64_t block_bytes(int32_t wt) {
-    return wt == KVC_GGML_Q8_0 ? 34 : wt == KVC_GGML_Q4_0 ? 18 : 20;
+    return wt == KVC_GGML_Q8_0   ? 34
+           : wt == KVC_GGML_Q4_0 ? 18
+           : wt == KVC_GGML_Q4_1 ? 20
+           : wt == KVC_GGML_Q5_0 ? 22
+                                 : 24;
+}
+
+/* Q5_0 / Q5_1: the fifth bits of one nibble vector, 16 (0 or 16 each) per
+ * lane: byte e of lane k gets bit e (half 0) or 16 + e (half 1) of the
+ * dword at the start of lane k of h (the block's qh). */
+AI __m256i fifth_bits(__m256i h, int half) {
+    const __m256i sel = half ? _mm256_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)
+                             : _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201ll);
+    const __m256i t = _mm256_and_si256(_mm256_shuffle_epi8(h, sel), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(t, bit), _mm256_set1_epi8(16));
 }
 
 /* Sum of the 8 lanes in a fixed order. */
@@ -104,6 +124,24 @@ AI void load_group(const int32_t wt, const int bits, const uint8_t *w, int nblk,
                 g->v[j][2] = _mm256_srai_epi16(_mm256_slli_epi16(hi, 8), 8);
                 g->v[j][3] = _mm256_srai_epi16(hi, 8);
             }
+        } else if (wt == KVC_GGML_Q5_0 || wt == KVC_GGML_Q5_1) {
+            /* nibbles plus fifth bits as bytes (0..31), then (int16)
+             * even / odd bytes: the activation layout's part order */
+            const int qh = wt == KVC_GGML_Q5_0 ? 2 : 4;
+            const __m256i v = load2(w + qh + 4, bb, j, nblk), h = load2(w + qh, bb, j, nblk);
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, m4), fifth_bits(h, 0));
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                                               fifth_bits(h, 1));
+            if (bits == 8) {
+                g->v[j][0] = lo;
+                g->v[j][1] = hi;
+            } else {
+                const __m256i m255 = _mm256_set1_epi16(255);
+                g->v[j][0] = _mm256_and_si256(lo, m255);
+                g->v[j][1] = _mm256_srli_epi16(lo, 8);
+                g->v[j][2] = _mm256_and_si256(hi, m255);
+                g->v[j][3] = _mm256_srli_epi16(hi, 8);
+            }
         } else {
             const __m256i v = load2(w + (wt == KVC_GGML_Q4_1 ? 4 : 2), bb, j, nblk);
             if (bits == 8) {
@@ -127,7 +165,7 @@ AI void load_group(const int32_t wt, const int bits, const uint8_t *w, int nblk,
                                         idx, m, 1);
     }
     g->dw = f16_dwords(h, 0);
-    if (wt == KVC_GGML_Q4_1) g->mw = f16_dwords(h, 1);
+    if (wt == KVC_GGML_Q4_1 || wt == KVC_GGML_Q5_1) g->mw = f16_dwords(h, 1);
 }
 
 AI __m256i reduce4(__m256i a, __m256i b, __m256i c, __m256i d) {
@@ -170,14 +208,15 @@ AI __m256 row_group(const int32_t wt, const int bits, const wgroup *g, int nz, c
 #undef XL
     }
     __m256i isum = reduce4(a[0], a[1], a[2], a[3]);
-    if (wt == KVC_GGML_Q4_0) { /* nibbles were used as 0..15: subtract 8 sum q */
+    if (wt == KVC_GGML_Q4_0 || wt == KVC_GGML_Q5_0) {
+        /* codes were used as 0..15 / 0..31: subtract 8 / 16 sum q */
         const __m256i qs =
             _mm256_loadu_si256((const __m256i *)(const void *)(xg + qbytes + 16 * L));
-        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(qs, 3));
+        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(qs, wt == KVC_GGML_Q4_0 ? 3 : 4));
     }
     const __m256 dx = _mm256_loadu_ps((const float *)(const void *)(xg + qbytes));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(g->dw, dx), acc);
-    if (wt == KVC_GGML_Q4_1)
+    if (wt == KVC_GGML_Q4_1 || wt == KVC_GGML_Q5_1)
         acc = _mm256_fmadd_ps(
             g->mw, _mm256_loadu_ps((const float *)(const void *)(xg + qbytes + 32 * L)), acc);
     return acc;
@@ -232,7 +271,13 @@ static void gemm_q8_avx2(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_
     case KVC_GGML_Q4_0:
         q_rows(KVC_GGML_Q4_0, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
         break;
-    default: q_rows(KVC_GGML_Q4_1, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
+    case KVC_GGML_Q4_1:
+        q_rows(KVC_GGML_Q4_1, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_Q5_0:
+        q_rows(KVC_GGML_Q5_0, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    default: q_rows(KVC_GGML_Q5_1, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
     }
 }
 
@@ -246,7 +291,13 @@ static void gemm_q16_avx2(int32_t wt, const uint8_t *W, int64_t row_bytes, int64
     case KVC_GGML_Q4_0:
         q_rows(KVC_GGML_Q4_0, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
         break;
-    default: q_rows(KVC_GGML_Q4_1, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
+    case KVC_GGML_Q4_1:
+        q_rows(KVC_GGML_Q4_1, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_Q5_0:
+        q_rows(KVC_GGML_Q5_0, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    default: q_rows(KVC_GGML_Q5_1, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
     }
 }
 

@@ -20,6 +20,9 @@
  *     weights are made unsigned by w ^ 0x80 = w + 128 and 128 * qsum is
  *     subtracted after; 2 per register j;
  *   - Q4_0 uses its nibbles as 0..15 and subtracts 8 * qsum after;
+ *   - Q5_0 / Q5_1: the nibbles plus their fifth bits (qh: a byte shuffle
+ *     and a bit test per lane) as bytes 0..31, widened like Q8_0's bytes
+ *     for int16 activations (zero-extended); Q5_0 subtracts 16 * qsum;
  *   - each lane then holds 4 int32 partial sums of one block; reduce4 turns
  *     4 registers into one vector of 16 block sums, block b(p) = 4 (p % 4)
  *     + p / 4 at position p (the activation layout stores dx/qsum/sx in that
@@ -59,7 +62,23 @@ typedef struct wgroup {
 } wgroup;
 
 static int64_t block_bytes(int32_t wt) {
-    return wt == KVC_GGML_Q8_0 ? 34 : wt == KVC_GGML_Q4_0 ? 18 : 20;
+    return wt == KVC_GGML_Q8_0   ? 34
+           : wt == KVC_GGML_Q4_0 ? 18
+           : wt == KVC_GGML_Q4_1 ? 20
+           : wt == KVC_GGML_Q5_0 ? 22
+                                 : 24;
+}
+
+/* Q5_0 / Q5_1: nibble vector q (bytes 0..15) with its fifth bits added:
+ * byte e of lane k gets bit e (half 0) or 16 + e (half 1) of the dword at
+ * the start of lane k of h (the block's qh) as 16. */
+AI __m512i add_fifth_bits(__m512i q, __m512i h, int half) {
+    const __m512i idx = _mm512_broadcast_i32x4(
+        half ? _mm_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)
+             : _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    const __mmask64 set = _mm512_test_epi8_mask(_mm512_shuffle_epi8(h, idx),
+                                                _mm512_set1_epi64(0x8040201008040201ll));
+    return _mm512_mask_add_epi8(q, set, q, _mm512_set1_epi8(16));
 }
 
 /* Register j of a group: lane k = 16 bytes at p + (4 j + k) * bb, lanes of
@@ -113,7 +132,8 @@ AI void load_scales(const int32_t wt, const uint8_t *w, int nblk, __m512i idx, _
         h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, (const void *)w, 1);
     }
     *dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
-    if (wt == KVC_GGML_Q4_1) *mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+    if (wt == KVC_GGML_Q4_1 || wt == KVC_GGML_Q5_1)
+        *mw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
 }
 
 /* Loads and unpacks the nblk (<= 16) blocks at w for bits-wide activations. */
@@ -138,6 +158,23 @@ AI void load_group(const int32_t wt, const int bits, const uint8_t *w, int nblk,
                 g->v[j][1] = _mm512_srai_epi16(lo, 8);
                 g->v[j][2] = _mm512_srai_epi16(_mm512_slli_epi16(hi, 8), 8);
                 g->v[j][3] = _mm512_srai_epi16(hi, 8);
+            }
+        } else if (wt == KVC_GGML_Q5_0 || wt == KVC_GGML_Q5_1) {
+            /* codes as bytes (0..31), then (int16) even / odd bytes: the
+             * activation layout's part order */
+            const int qh = wt == KVC_GGML_Q5_0 ? 2 : 4;
+            const __m512i v = load4(w + qh + 4, bb, j, nblk), h = load4(w + qh, bb, j, nblk);
+            const __m512i lo = add_fifth_bits(_mm512_and_si512(v, m4), h, 0);
+            const __m512i hi = add_fifth_bits(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), h, 1);
+            if (bits == 8) {
+                g->v[j][0] = lo;
+                g->v[j][1] = hi;
+            } else {
+                const __m512i m255 = _mm512_set1_epi16(255);
+                g->v[j][0] = _mm512_and_si512(lo, m255);
+                g->v[j][1] = _mm512_srli_epi16(lo, 8);
+                g->v[j][2] = _mm512_and_si512(hi, m255);
+                g->v[j][3] = _mm512_srli_epi16(hi, 8);
             }
         } else {
             const __m512i v = load4(w + (wt == KVC_GGML_Q4_1 ? 4 : 2), bb, j, nblk);
@@ -193,11 +230,13 @@ AI __m512 row_group(const int32_t wt, const int bits, const wgroup *g, int nz, c
     const __m512i qs = _mm512_loadu_si512((const void *)(xg + qbytes + 16 * L));
     if (wt == KVC_GGML_Q4_0) /* nibbles were used as 0..15: subtract 8 sum q */
         isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(qs, 3));
+    if (wt == KVC_GGML_Q5_0) /* codes were used as 0..31: subtract 16 sum q */
+        isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(qs, 4));
     if (wt == KVC_GGML_Q8_0 && bits == 8) /* weights were used as w + 128 */
         isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(qs, 7));
     const __m512 dx = _mm512_loadu_ps((const void *)(xg + qbytes));
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(g->dw, dx), acc);
-    if (wt == KVC_GGML_Q4_1)
+    if (wt == KVC_GGML_Q4_1 || wt == KVC_GGML_Q5_1)
         acc = _mm512_fmadd_ps(g->mw, _mm512_loadu_ps((const void *)(xg + qbytes + 32 * L)), acc);
     return acc;
 }
@@ -255,7 +294,13 @@ static void gemm_q8_avx512(int32_t wt, const uint8_t *W, int64_t row_bytes, int6
     case KVC_GGML_Q4_0:
         q_rows(KVC_GGML_Q4_0, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
         break;
-    default: q_rows(KVC_GGML_Q4_1, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
+    case KVC_GGML_Q4_1:
+        q_rows(KVC_GGML_Q4_1, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_Q5_0:
+        q_rows(KVC_GGML_Q5_0, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    default: q_rows(KVC_GGML_Q5_1, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
     }
 }
 
@@ -269,7 +314,13 @@ static void gemm_q16_avx512(int32_t wt, const uint8_t *W, int64_t row_bytes, int
     case KVC_GGML_Q4_0:
         q_rows(KVC_GGML_Q4_0, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
         break;
-    default: q_rows(KVC_GGML_Q4_1, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
+    case KVC_GGML_Q4_1:
+        q_rows(KVC_GGML_Q4_1, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_Q5_0:
+        q_rows(KVC_GGML_Q5_0, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    default: q_rows(KVC_GGML_Q5_1, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
     }
 }
 

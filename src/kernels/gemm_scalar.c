@@ -5,6 +5,7 @@
  *   float weights:  acc = acc + w[c] * x[c], c = 0, 1, ...
  *   quantized:      per block b: isum = sum_e qw[e] * qx[e] (int32, exact),
  *                   acc = acc + (dw * dx) * float(isum)  [acc = acc + mw * sx]
+ *                   (Q5_0, Q5_1: qw with its fifth bit from qh; Q5_0 qw - 16)
  *
  * Activations use the layout with L = 1 (natural order: block b's 32 int8 or
  * int16 values at 32 b within its group of 4, then dx/qsum/sx of the 4
@@ -75,10 +76,30 @@ static float block_dot(int32_t wt, const uint8_t *wb, const uint8_t *xq, int64_t
             isum += ((wb[2 + e] >> 4) - 8) * qx[e + 16];
         }
         return (f16_at(wb) * dx) * (float)isum;
-    default: { /* Q4_1: f16 d, f16 m, nibbles; x = d q + m */
+    case KVC_GGML_Q4_1: { /* f16 d, f16 m, nibbles; x = d q + m */
         for (int e = 0; e < 16; e++) {
             isum += (wb[4 + e] & 15) * qx[e];
             isum += (wb[4 + e] >> 4) * qx[e + 16];
+        }
+        const float acc = (f16_at(wb) * dx) * (float)isum;
+        return acc + f16_at(wb + 2) * sx;
+    }
+    case KVC_GGML_Q5_0: { /* f16 d, qh[4], nibbles: bit 4 of element e is bit e of qh;
+                           * x = d (q - 16) */
+        const uint32_t qh = (uint32_t)wb[2] | (uint32_t)wb[3] << 8 | (uint32_t)wb[4] << 16 |
+                            (uint32_t)wb[5] << 24;
+        for (int e = 0; e < 16; e++) {
+            isum += ((int32_t)((wb[6 + e] & 15) | ((qh >> e) & 1) << 4) - 16) * qx[e];
+            isum += ((int32_t)((wb[6 + e] >> 4) | ((qh >> (e + 16)) & 1) << 4) - 16) * qx[e + 16];
+        }
+        return (f16_at(wb) * dx) * (float)isum;
+    }
+    default: { /* Q5_1: f16 d, f16 m, qh[4], nibbles; x = d q + m */
+        const uint32_t qh = (uint32_t)wb[4] | (uint32_t)wb[5] << 8 | (uint32_t)wb[6] << 16 |
+                            (uint32_t)wb[7] << 24;
+        for (int e = 0; e < 16; e++) {
+            isum += (int32_t)((wb[8 + e] & 15) | ((qh >> e) & 1) << 4) * qx[e];
+            isum += (int32_t)((wb[8 + e] >> 4) | ((qh >> (e + 16)) & 1) << 4) * qx[e + 16];
         }
         const float acc = (f16_at(wb) * dx) * (float)isum;
         return acc + f16_at(wb + 2) * sx;
@@ -89,7 +110,11 @@ static float block_dot(int32_t wt, const uint8_t *wb, const uint8_t *xq, int64_t
 static void gemm_q_scalar(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t r1,
                           int64_t nb, const uint8_t *xq, int64_t xq_stride, int64_t n, float *Y,
                           int64_t ldy, int bits) {
-    const int64_t bb = wt == KVC_GGML_Q8_0 ? 34 : wt == KVC_GGML_Q4_0 ? 18 : 20;
+    const int64_t bb = wt == KVC_GGML_Q8_0   ? 34
+                       : wt == KVC_GGML_Q4_0 ? 18
+                       : wt == KVC_GGML_Q4_1 ? 20
+                       : wt == KVC_GGML_Q5_0 ? 22
+                                             : 24;
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *x = xq + i * xq_stride;
         for (int64_t r = r0; r < r1; r++) {

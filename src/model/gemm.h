@@ -17,12 +17,12 @@
  *
  * What the kernels compute (src/kernels/gemm_kernels.h has the details):
  *   F32, F16, BF16: float32 products and sums.
- *   Q8_0, Q4_0, Q4_1: each X row is quantized per 32-element block to
+ *   Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: each X row is quantized per 32-element block to
  *       integers of B bits, Q = 2^(B-1) - 1 (B = 16 by default, Q = 32767;
  *       B = 8, Q = 127 through kvc__gemm_set_act_bits), with d = amax / Q,
  *       q = round_half_even(x * Q / amax) (blocks with amax < 2^-120 become
  *       zero), then per weight block the exact integer dot product of the
- *       block's integer weights with q is scaled by d_w * d_x (Q4_1 adds
+ *       block's integer weights with q is scaled by d_w * d_x (Q4_1, Q5_1 add
  *       m_w * d_x * sum q) and summed in float32. The error against the
  *       exact product is at most sum_blocks (d_x / 2) * sum |w| plus float32
  *       rounding.
@@ -64,12 +64,11 @@
 #include "kvcache/gguf.h"
 
 /* 1 if kvc__gemm supports weight type wt (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
- * Q4_K, Q5_K, Q6_K). */
+ * Q5_0, Q5_1, Q4_K, Q5_K, Q6_K). */
 int kvc__gemm_supported(int32_t wt);
 
 /* Bytes of one row of cols elements of type wt (0 if cols is not a whole
- * number of blocks or wt is unknown). Knows the gemm types plus Q5_0 and
- * Q5_1. */
+ * number of blocks or wt is unknown). Knows the gemm types. */
 int64_t kvc__ggml_row_bytes(int32_t wt, int64_t cols);
 
 /* KVC_ERR_INVALID_ARG for an unsupported type, cols not a multiple of the
@@ -88,7 +87,7 @@ kvc_status kvc__gemm(int32_t wt, const void *W, int64_t rows, int64_t cols, cons
 size_t kvc__gemm_scratch_bytes(int32_t wt, int64_t cols, int64_t n);
 
 /* One row of n elements of type t to float32 (embedding lookups):
- * kvc_ggml_dequantize (gguf.h), the gemm types plus Q5_0 and Q5_1. */
+ * kvc_ggml_dequantize (gguf.h), the gemm types. */
 kvc_status kvc__ggml_dequant_row(int32_t t, const void *src, int64_t n, float *dst);
 
 /* Name of the kernel set kvc__gemm uses now for weight type wt ("scalar",
