@@ -20,8 +20,8 @@
  *     weights are made unsigned by w ^ 0x80 = w + 128 and 128 * qsum is
  *     subtracted after; 2 per register j;
  *   - Q4_0 uses its nibbles as 0..15 and subtracts 8 * qsum after;
- *   - Q5_0 / Q5_1: the nibbles plus their fifth bits (qh: a byte shuffle
- *     and a bit test per lane) as bytes 0..31, widened like Q8_0's bytes
+ *   - Q5_0 / Q5_1: the nibbles plus their fifth bits (qh words read as
+ *     scalars into byte masks, a masked add) as bytes 0..31, widened like Q8_0's bytes
  *     for int16 activations (zero-extended); Q5_0 subtracts 16 * qsum;
  *   - each lane then holds 4 int32 partial sums of one block; reduce4 turns
  *     4 registers into one vector of 16 block sums, block b(p) = 4 (p % 4)
@@ -69,16 +69,23 @@ static int64_t block_bytes(int32_t wt) {
                                  : 24;
 }
 
-/* Q5_0 / Q5_1: nibble vector q (bytes 0..15) with its fifth bits added:
- * byte e of lane k gets bit e (half 0) or 16 + e (half 1) of the dword at
- * the start of lane k of h (the block's qh) as 16. */
-AI __m512i add_fifth_bits(__m512i q, __m512i h, int half) {
-    const __m512i idx = _mm512_broadcast_i32x4(
-        half ? _mm_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)
-             : _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
-    const __mmask64 set = _mm512_test_epi8_mask(_mm512_shuffle_epi8(h, idx),
-                                                _mm512_set1_epi64(0x8040201008040201ll));
-    return _mm512_mask_add_epi8(q, set, q, _mm512_set1_epi8(16));
+/* Q5_0 / Q5_1: the fifth bits of register j's blocks (qh words at qh + b
+ * bb) as byte masks: bit 16 k + e of *lo (*hi) is bit e (16 + e) of block
+ * 4 j + k's word; blocks >= nblk give 0 and are not read. Scalar loads and
+ * shifts: the shuffle port is busy with the lane inserts of load4. */
+AI void fifth_masks(const uint8_t *qh, int64_t bb, int j, int nblk, __mmask64 *lo,
+                    __mmask64 *hi) {
+    uint64_t l = 0, h = 0;
+    UNROLL
+    for (int k = 0; k < 4; k++) {
+        if (4 * j + k >= nblk) break;
+        uint32_t v;
+        memcpy(&v, qh + (4 * j + k) * bb, 4);
+        l |= (uint64_t)(v & 0xffff) << (16 * k);
+        h |= (uint64_t)(v >> 16) << (16 * k);
+    }
+    *lo = _cvtu64_mask64(l);
+    *hi = _cvtu64_mask64(h);
 }
 
 /* Register j of a group: lane k = 16 bytes at p + (4 j + k) * bb, lanes of
@@ -163,9 +170,13 @@ AI void load_group(const int32_t wt, const int bits, const uint8_t *w, int nblk,
             /* codes as bytes (0..31), then (int16) even / odd bytes: the
              * activation layout's part order */
             const int qh = wt == KVC_GGML_Q5_0 ? 2 : 4;
-            const __m512i v = load4(w + qh + 4, bb, j, nblk), h = load4(w + qh, bb, j, nblk);
-            const __m512i lo = add_fifth_bits(_mm512_and_si512(v, m4), h, 0);
-            const __m512i hi = add_fifth_bits(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), h, 1);
+            const __m512i v = load4(w + qh + 4, bb, j, nblk), x16 = _mm512_set1_epi8(16);
+            __mmask64 mlo, mhi;
+            fifth_masks(w + qh, bb, j, nblk, &mlo, &mhi);
+            __m512i lo = _mm512_and_si512(v, m4);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            lo = _mm512_mask_add_epi8(lo, mlo, lo, x16);
+            hi = _mm512_mask_add_epi8(hi, mhi, hi, x16);
             if (bits == 8) {
                 g->v[j][0] = lo;
                 g->v[j][1] = hi;
