@@ -260,7 +260,8 @@ def test_default_model_with_q5_embedding(tmp_path, name):
     output, re-encoded in place as Q5_0 / Q5_1 (18 blocks of 22 / 24 bytes a
     row fit in Q8_0's 612): the embedding lookup and the largest matrix
     product take the Q5 kernels. Against the float32 numpy reference of the
-    patched file, every ISA, and the greedy answer."""
+    patched file, every ISA, and generated tokens against the reference's
+    choices where they are clear."""
     path = tmp_path / f"smol_{name}.gguf"
     shutil.copyfile(DEFAULT_MODEL, path)
     r = gguf.GGUFReader(path, "r+")
