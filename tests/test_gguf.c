@@ -286,6 +286,20 @@ TEST(type_table) {
         {KVC_GGML_Q4_K, "Q4_K", 256, 144}, {KVC_GGML_Q5_K, "Q5_K", 256, 176},
         {KVC_GGML_Q6_K, "Q6_K", 256, 210}, {KVC_GGML_Q8_K, "Q8_K", 256, 292},
         {KVC_GGML_BF16, "BF16", 1, 2},
+        /* named and sized only (ggml's ggml-common.h: IQ2_XXS d + 32 u16, IQ4_NL
+         * d + 16 nibbles, IQ4_XS d, scales_h, 4 scales_l, 128 nibbles, MXFP4 an
+         * e8m0 byte + 16 nibbles, NVFP4 4 e4m3 scales + 32 nibbles per 64, Q1_0
+         * d + 16 bytes of bits per 128, Q2_0 d + 16 bytes per 64, ...) */
+        {16, "IQ2_XXS", 256, 66},          {17, "IQ2_XS", 256, 74},
+        {18, "IQ3_XXS", 256, 98},          {19, "IQ1_S", 256, 50},
+        {20, "IQ4_NL", 32, 18},            {21, "IQ3_S", 256, 110},
+        {22, "IQ2_S", 256, 82},            {23, "IQ4_XS", 256, 136},
+        {24, "I8", 1, 1},                  {25, "I16", 1, 2},
+        {26, "I32", 1, 4},                 {27, "I64", 1, 8},
+        {28, "F64", 1, 8},                 {29, "IQ1_M", 256, 56},
+        {34, "TQ1_0", 256, 54},            {35, "TQ2_0", 256, 66},
+        {39, "MXFP4", 32, 17},             {40, "NVFP4", 64, 36},
+        {41, "Q1_0", 128, 18},             {42, "Q2_0", 64, 18},
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         const char *name = kvc_ggml_type_name(want[i].type);
@@ -294,7 +308,9 @@ TEST(type_table) {
         ASSERT_EQ_I64(kvc_ggml_block_size(want[i].type), want[i].bs);
         ASSERT_EQ_I64(kvc_ggml_block_bytes(want[i].type), want[i].bb);
     }
-    static const int32_t unknown[] = {-1, 4, 5, 16, 17, 29, 31, 1000, INT32_MIN, INT32_MAX};
+    /* 4, 5 and 31-33, 36-38: types ggml removed; 43: past the last */
+    static const int32_t unknown[] = {-1, 4,  5,    31,        32,       33, 36,
+                                      37, 38, 43, 1000, INT32_MIN, INT32_MAX};
     for (size_t i = 0; i < sizeof unknown / sizeof unknown[0]; i++) {
         ASSERT_TRUE(kvc_ggml_type_name(unknown[i]) == NULL);
         ASSERT_EQ_I64(kvc_ggml_block_size(unknown[i]), 0);
@@ -780,12 +796,12 @@ TEST(bad_dims) {
 }
 
 TEST(bad_tensor_types) {
-    static const uint32_t unknown[] = {4, 5, 16, 29, 31, 1000, UINT32_MAX};
+    static const uint32_t unknown[] = {4, 5, 31, 36, 43, 1000, UINT32_MAX};
     for (size_t i = 0; i < sizeof unknown / sizeof unknown[0]; i++)
         EXPECT_PATCHED(3, 0, patch_le(&s->b, s->t_type_at[1], unknown[i], 4),
                        KVC_ERR_UNSUPPORTED, "tensor 'b', byte");
-    EXPECT_PATCHED(3, 0, patch_le(&s->b, s->t_type_at[1], 16, 4), KVC_ERR_UNSUPPORTED,
-                   "unknown ggml tensor type 16");
+    EXPECT_PATCHED(3, 0, patch_le(&s->b, s->t_type_at[1], 31, 4), KVC_ERR_UNSUPPORTED,
+                   "unknown ggml tensor type 31");
     /* a: ne[0] = 4 is no multiple of 32 */
     EXPECT_PATCHED(3, 0, patch_le(&s->b, s->t_type_at[0], KVC_GGML_Q8_0, 4), KVC_ERR_CORRUPT,
                    "ne[0] = 4 is not a multiple of the Q8_0 block size 32");

@@ -99,7 +99,11 @@ typedef enum kvc_ggml_type {
 /* Name ("Q4_1", as ggml spells it), or NULL for a type this library does
  * not know. */
 KVC_API const char *kvc_ggml_type_name(int32_t type);
-/* Elements per block (1 for F32/F16/BF16, 32, 256), 0 if unknown. */
+/* Elements per block (1 for F32/F16/BF16, 32, 256; 64 or 128 for some
+ * newer ggml types), 0 if unknown. The name and block of every ggml type up
+ * to Q2_0 (42) are known (the IQ, TQ and FP4 types by number, outside the
+ * enum), so a GGUF holding any of them opens; kvc_ggml_dequantize and the
+ * model say which types they do not decode. */
 KVC_API int64_t kvc_ggml_block_size(int32_t type);
 /* Bytes per block, 0 if unknown. */
 KVC_API int64_t kvc_ggml_block_bytes(int32_t type);

@@ -282,7 +282,11 @@ def test_keys_that_are_not_utf8_round_trip():
 
 
 def test_type_table_matches_gguf_package():
-    for t in [0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 15, 30]:
+    # every type the package knows (the IQ, TQ and FP4 ones too: named and
+    # sized, so a file holding them opens)
+    types = [int(t) for t in QT if int(t) != 9]
+    assert {16, 20, 23, 29, 34, 39} <= set(types)
+    for t in types:
         bs, bb = gguf.constants.GGML_QUANT_SIZES[QT(t)]
         assert (ggml_block_size(t), ggml_block_bytes(t)) == (bs, bb), t
         assert ggml_type_name(t) == QT(t).name
@@ -290,6 +294,7 @@ def test_type_table_matches_gguf_package():
     # still lists the old {f32, f32} layout (40). It never appears in model files.
     assert (ggml_block_size(9), ggml_block_bytes(9)) == (32, 36)
     assert ggml_type_name(4) is None and ggml_block_size(4) == 0
+    assert ggml_type_name(31) is None and ggml_block_bytes(43) == 0  # removed; past the last
 
 
 # ---------------------------------------------------------------------------

@@ -119,6 +119,8 @@ def test_dequantize_errors():
         ggml_dequantize(bytes(32), 99)
     with pytest.raises(kvcache.UnsupportedError, match="Q2_K"):
         ggml_dequantize(bytes(84), int(_qtype("Q2_K")))
+    with pytest.raises(kvcache.UnsupportedError, match="IQ4_NL"):  # known by size only
+        ggml_dequantize(bytes(18), int(_qtype("IQ4_NL")))
     assert ggml_dequantize(b"", q4k).shape == (0,)
 
 
@@ -182,11 +184,12 @@ def test_kq_model_logits_match_numpy_reference(kq_model):
             _check_logits(m.eval(toks, kv_dtype="float32", num_threads=2), want, 1e-3)
 
 
-@pytest.mark.parametrize("name", ["Q2_K", "Q3_K"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"])
 def test_model_refuses_a_weight_type_it_cannot_multiply(kq_model, tmp_path, name):
     """A matrix in a type the products do not implement (Q4_K patched to
-    Q2_K / Q3_K, whose blocks are smaller): the load fails naming the
-    tensor and the type, and the types that are supported."""
+    Q2_K / Q3_K / IQ4_NL / IQ4_XS, whose rows are no larger): the file opens,
+    the load fails naming the tensor and the type, and the types that are
+    supported."""
     path = tmp_path / f"tiny_{name}.gguf"
     shutil.copyfile(kq_model[0], path)
     r = gguf.GGUFReader(path, "r+")
@@ -195,6 +198,8 @@ def test_model_refuses_a_weight_type_it_cannot_multiply(kq_model, tmp_path, name
     t.field.parts[-2][0] = int(_qtype(name))
     r.data.flush()
     del r
+    with GGUFFile(path) as f:
+        assert {t.name: t.type_name for t in f.tensors}["blk.1.ffn_up.weight"] == name
     with pytest.raises(kvcache.UnsupportedError,
                        match=rf"blk\.1\.ffn_up\.weight has weight type {name} .*Q5_0, Q5_1"):
         Model(path)

@@ -71,6 +71,16 @@ static const ggml_type_info ggml_types[] = {
     [KVC_GGML_Q4_K] = {"Q4_K", 256, 144},  [KVC_GGML_Q5_K] = {"Q5_K", 256, 176},
     [KVC_GGML_Q6_K] = {"Q6_K", 256, 210},  [KVC_GGML_Q8_K] = {"Q8_K", 256, 292},
     [KVC_GGML_BF16] = {"BF16", 1, 2},
+    /* known by name and size only (ggml 0a50d99's ggml.h / ggml-common.h): a
+     * file holding them opens, and whatever needs their values says which
+     * type it does not decode */
+    [16] = {"IQ2_XXS", 256, 66}, [17] = {"IQ2_XS", 256, 74},  [18] = {"IQ3_XXS", 256, 98},
+    [19] = {"IQ1_S", 256, 50},   [20] = {"IQ4_NL", 32, 18},   [21] = {"IQ3_S", 256, 110},
+    [22] = {"IQ2_S", 256, 82},   [23] = {"IQ4_XS", 256, 136}, [24] = {"I8", 1, 1},
+    [25] = {"I16", 1, 2},        [26] = {"I32", 1, 4},        [27] = {"I64", 1, 8},
+    [28] = {"F64", 1, 8},        [29] = {"IQ1_M", 256, 56},   [34] = {"TQ1_0", 256, 54},
+    [35] = {"TQ2_0", 256, 66},   [39] = {"MXFP4", 32, 17},    [40] = {"NVFP4", 64, 36},
+    [41] = {"Q1_0", 128, 18},    [42] = {"Q2_0", 64, 18},
 };
 
 static const ggml_type_info *ggml_type_lookup(int64_t type) {
