@@ -65,9 +65,13 @@ static const tinfo types_all[] = {
     {KVC_GGML_Q4_0, "Q4_0", 32, 18},   {KVC_GGML_Q4_1, "Q4_1", 32, 20},
     {KVC_GGML_Q4_K, "Q4_K", 256, 144}, {KVC_GGML_Q5_K, "Q5_K", 256, 176},
     {KVC_GGML_Q6_K, "Q6_K", 256, 210}, {KVC_GGML_Q5_0, "Q5_0", 32, 22},
-    {KVC_GGML_Q5_1, "Q5_1", 32, 24},
+    {KVC_GGML_Q5_1, "Q5_1", 32, 24},   {KVC_GGML_IQ4_NL, "IQ4_NL", 32, 18},
 };
-#define N_GEMM_TYPES 11 /* all of them go through kvc__gemm */
+#define N_GEMM_TYPES 12 /* all of them go through kvc__gemm */
+
+/* IQ4_NL's values (ggml-common.h kvalues_iq4nl; the gguf package's IQ4_NL.kvalues) */
+static const int iq4nl_ref[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                  1,    13,   25,  38,  53,  69,  89,  113};
 #define N_TYPES (sizeof types_all / sizeof types_all[0])
 
 static int is_quant(int32_t t) { return t != KVC_GGML_F32 && t != KVC_GGML_F16 && t != KVC_GGML_BF16; }
@@ -103,7 +107,8 @@ static uint8_t *make_w(const tinfo *ti, int64_t rows, int64_t cols, uint64_t *rn
         case KVC_GGML_BF16: put16(p, kvc_f32_to_bf16(test_rng_f32(rng))); break;
         case KVC_GGML_Q8_0:
         case KVC_GGML_Q4_0:
-        case KVC_GGML_Q5_0: put16(p, kvc_f32_to_f16(d)); break;
+        case KVC_GGML_Q5_0:
+        case KVC_GGML_IQ4_NL: put16(p, kvc_f32_to_f16(d)); break;
         case KVC_GGML_Q4_1:
         case KVC_GGML_Q5_1:
         case KVC_GGML_Q4_K:
@@ -120,14 +125,16 @@ static uint8_t *make_w(const tinfo *ti, int64_t rows, int64_t cols, uint64_t *rn
 
 /* ---- reference dequantization (from the block formats) ------------------------- */
 
-/* Integer value of element e of a Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 block: x = d q + m
- * (Q5: bit 4 is bit e of the little-endian qh word before the nibbles). */
+/* Integer value of element e of a Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL block: x = d q
+ * + m (Q5: bit 4 is bit e of the little-endian qh word before the nibbles;
+ * IQ4_NL: the table entry its nibble selects). */
 static int qint(int32_t t, const uint8_t *blk, int e) {
     const int nib = e < 16 ? 0x0f : 0xf0, sh = e < 16 ? 0 : 4;
     switch (t) {
     case KVC_GGML_Q8_0: return (int8_t)blk[2 + e];
     case KVC_GGML_Q4_0: return ((blk[2 + e % 16] & nib) >> sh) - 8;
     case KVC_GGML_Q4_1: return (blk[4 + e % 16] & nib) >> sh;
+    case KVC_GGML_IQ4_NL: return iq4nl_ref[(blk[2 + e % 16] & nib) >> sh];
     case KVC_GGML_Q5_0:
         return (((blk[6 + e % 16] & nib) >> sh) | ((blk[2 + e / 8] >> (e % 8)) & 1) << 4) - 16;
     default: return ((blk[8 + e % 16] & nib) >> sh) | ((blk[4 + e / 8] >> (e % 8)) & 1) << 4;
@@ -156,8 +163,8 @@ static void ref_dequant(int32_t t, const uint8_t *row, int64_t cols, double *out
         return;
     default: break;
     }
-    if (t == KVC_GGML_Q8_0 || t == KVC_GGML_Q4_0 || t == KVC_GGML_Q4_1) {
-        const int64_t bb = t == KVC_GGML_Q8_0 ? 34 : t == KVC_GGML_Q4_0 ? 18 : 20;
+    if (t == KVC_GGML_Q8_0 || t == KVC_GGML_Q4_0 || t == KVC_GGML_Q4_1 || t == KVC_GGML_IQ4_NL) {
+        const int64_t bb = t == KVC_GGML_Q8_0 ? 34 : t == KVC_GGML_Q4_1 ? 20 : 18;
         for (int64_t b = 0; b < cols / 32; b++) {
             const uint8_t *blk = row + b * bb;
             const double d = get_f16(blk), m = t == KVC_GGML_Q4_1 ? get_f16(blk + 2) : 0.0;
@@ -522,6 +529,7 @@ TEST(grid_q5_k) { return grid_type(&types_all[7]); }
 TEST(grid_q6_k) { return grid_type(&types_all[8]); }
 TEST(grid_q5_0) { return grid_type(&types_all[9]); }
 TEST(grid_q5_1) { return grid_type(&types_all[10]); }
+TEST(grid_iq4_nl) { return grid_type(&types_all[11]); }
 
 /* Float weights accept any cols: tails of every length below 16. */
 TEST(float_odd_cols) {
@@ -830,12 +838,13 @@ TEST(act_bits) {
  * (a half sums to 16 * 32 * 32767; with the scales folded in a block would
  * pass 2^31), Q4_K likewise; Q5_0 / Q5_1 with every code 31 (Q5_0: 15) or,
  * every other block, 0 (Q5_0: -16; int8 activations: the AVX2 pair sums of
- * 31 * 127 added in int16 at their largest); each against the exact
- * reference. */
+ * 31 * 127 added in int16 at their largest); IQ4_NL likewise (nibble 15:
+ * 113, nibble 0: -127, the AVX2 sign trick's pair sums at 2 * 127 * 127);
+ * each against the exact reference. */
 TEST(kq_extremes) {
     const int64_t rows = 3, cols = 768, n = 2;
     int rc = 0;
-    for (int ti = 6; ti <= 10 && !rc; ti++) {
+    for (int ti = 6; ti <= 11 && !rc; ti++) {
         const tinfo *t = &types_all[ti];
         const int64_t nsb = rows * cols / t->block;
         uint8_t *W = xmalloc((size_t)(nsb * t->bytes));
@@ -845,7 +854,7 @@ TEST(kq_extremes) {
                 memset(p, 0, 192);                    /* q = 0: q - 32 = -32 */
                 memset(p + 192, 0x80, 16);            /* scales -128 */
                 put16(p + 208, kvc_f32_to_f16(b % 2 ? 1e-3f : -1e-3f));
-            } else if (t->block == 32) { /* Q5_0 / Q5_1 */
+            } else if (t->block == 32) { /* Q5_0 / Q5_1 / IQ4_NL */
                 memset(p, b % 2 ? 0x00 : 0xff, (size_t)t->bytes);
                 put16(p, kvc_f32_to_f16(b % 3 ? 1e-3f : -1e-3f));
                 if (t->t == KVC_GGML_Q5_1) put16(p + 2, kvc_f32_to_f16(b % 3 ? 5e-4f : 0.0f));
@@ -906,5 +915,5 @@ const test_case test_suite[] = {
     TEST_ENTRY(grid_f16),         TEST_ENTRY(grid_bf16),    TEST_ENTRY(grid_q8_0),
     TEST_ENTRY(grid_q4_0),        TEST_ENTRY(grid_q4_1),    TEST_ENTRY(grid_q4_k),
     TEST_ENTRY(grid_q5_k),        TEST_ENTRY(grid_q6_k),    TEST_ENTRY(grid_q5_0),
-    TEST_ENTRY(grid_q5_1),        TEST_ENTRY(kq_extremes),
+    TEST_ENTRY(grid_q5_1),        TEST_ENTRY(grid_iq4_nl),  TEST_ENTRY(kq_extremes),
     {0, 0}};

@@ -77,7 +77,9 @@ typedef enum kvc_gguf_type {
  *   Q5_K: as Q4_K with 32 bytes of high bits (bit j of byte l: element l of
  *         sub-block j) before the nibbles
  *   Q6_K: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, int8
- *         scales[16], f16 d; x = d scales[e / 16] (q - 32) F32 4 bytes, F16/BF16 2 bytes per element. */
+ *         scales[16], f16 d; x = d scales[e / 16] (q - 32)
+ *   IQ4_NL: as Q4_0 with x = d * KVC_GGML_IQ4_NL_VALUES[q] (below)
+ * F32 4 bytes, F16/BF16 2 bytes per element. */
 typedef enum kvc_ggml_type {
     KVC_GGML_F32 = 0,
     KVC_GGML_F16 = 1,
@@ -93,16 +95,21 @@ typedef enum kvc_ggml_type {
     KVC_GGML_Q5_K = 13,
     KVC_GGML_Q6_K = 14,
     KVC_GGML_Q8_K = 15,
+    KVC_GGML_IQ4_NL = 20,
     KVC_GGML_BF16 = 30
 } kvc_ggml_type;
+
+/* The 16 int8 values IQ4_NL's nibbles select (ggml's kvalues_iq4nl). */
+#define KVC_GGML_IQ4_NL_VALUES \
+    {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113}
 
 /* Name ("Q4_1", as ggml spells it), or NULL for a type this library does
  * not know. */
 KVC_API const char *kvc_ggml_type_name(int32_t type);
 /* Elements per block (1 for F32/F16/BF16, 32, 256; 64 or 128 for some
  * newer ggml types), 0 if unknown. The name and block of every ggml type up
- * to Q2_0 (42) are known (the IQ, TQ and FP4 types by number, outside the
- * enum), so a GGUF holding any of them opens; kvc_ggml_dequantize and the
+ * to Q2_0 (42) are known (the other IQ, TQ and FP4 types by number,
+ * outside the enum), so a GGUF holding any of them opens; kvc_ggml_dequantize and the
  * model say which types they do not decode. */
 KVC_API int64_t kvc_ggml_block_size(int32_t type);
 /* Bytes per block, 0 if unknown. */
@@ -114,10 +121,10 @@ KVC_API int64_t kvc_ggml_block_bytes(int32_t type);
  * float32 at dst, with the float32 operations of ggml's reference
  * dequantization in its order, so the result is bitwise what ggml (and the
  * gguf Python package's gguf.quants.dequantize) computes. Decoded types:
- * F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K.
+ * F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K.
  * KVC_ERR_INVALID_ARG for an unknown type, n < 0 or not a multiple of the
  * block size, or a NULL pointer with n > 0; KVC_ERR_UNSUPPORTED for a known
- * type not decoded here (Q8_1, Q2_K, Q3_K, Q8_K). dst is written only on
+ * type not decoded here (Q8_1, Q2_K, Q3_K, Q8_K, the other IQ types, ...). dst is written only on
  * success; src and dst must not overlap.
  */
 KVC_API kvc_status kvc_ggml_dequantize(int32_t type, const void *src, int64_t n, float *dst);

@@ -25,6 +25,7 @@ Q4_0   18     f16 d, u8 qs[16];             x_j = d * (nib_j - 8)
 Q4_1   20     f16 d, f16 m, u8 qs[16];      x_j = d * nib_j + m
 Q5_0   22     f16 d, u32 qh, u8 qs[16];     x_j = d * (q_j - 16)
 Q5_1   24     f16 d, f16 m, u32 qh, u8 qs[16];  x_j = d * q_j + m
+IQ4_NL 18     f16 d, u8 qs[16];             x_j = d * IQ4_NL_VALUES[nib_j]
 =====  =====  ==========================================================
 
 where nib_j is the low nibble of qs[j] for j < 16 and the high nibble of
@@ -37,6 +38,8 @@ qh). Quantization (what ggml's reference quantizers do):
 * Q4_1: lo = min, hi = max, d = (hi - lo) / 15, q = min(15, trunc((x - lo) / d + 0.5)).
 * Q5_0: as Q4_0 with d = m / -16, q = min(31, trunc(x / d + 16.5)).
 * Q5_1: as Q4_1 with d = (hi - lo) / 31, q = min(31, trunc((x - lo) / d + 0.5)).
+* IQ4_NL (simpler than ggml's, which searches scales): d = m / -127 (m as for
+  Q4_0), each element the nearest value (ties to the lower index).
 
 A zero scale gives q = 0 (Q4_0: nibble 8). Scales are stored as float16; the
 codes are computed with the unrounded scale, as ggml does.
@@ -146,6 +149,7 @@ class GGMLType:
     Q4_1 = 3
     Q5_0 = 6
     Q5_1 = 7
+    IQ4_NL = 20
     Q8_0 = 8
     Q4_K = 12
     Q5_K = 13
@@ -153,7 +157,7 @@ class GGMLType:
     BF16 = 30
 
     NAMES: ClassVar[dict[int, str]] = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0",
-                                       7: "Q5_1", 8: "Q8_0",
+                                       7: "Q5_1", 8: "Q8_0", 20: "IQ4_NL",
                                        12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
 
     @classmethod
@@ -173,7 +177,12 @@ class GGMLType:
 
 # (elements per block, bytes per block)
 BLOCK_SIZES = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 2: (32, 18), 3: (32, 20),
-               6: (32, 22), 7: (32, 24), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+               6: (32, 22), 7: (32, 24), 20: (32, 18), 12: (256, 144), 13: (256, 176),
+               14: (256, 210)}
+
+# IQ4_NL's 16 values (ggml's kvalues_iq4nl)
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                          113], dtype=np.int8)
 
 
 # ---------------------------------------------------------------------------
@@ -381,6 +390,15 @@ def quantize(x, ggml_type) -> bytes:
         out[:, 2:4] = lo.astype("<f2").view(np.uint8).reshape(n, 2)
         out[:, 4:8], out[:, 8:] = _pack_q5(q)
         return out.tobytes()
+    if t == GGMLType.IQ4_NL:
+        idx = np.abs(b).argmax(axis=1)
+        d = (b[np.arange(n), idx] / -127.0).astype(np.float32)
+        y = b * _inv(d)[:, None]
+        q = np.abs(y[:, :, None] - IQ4_NL_VALUES.astype(np.float32)).argmin(axis=2)
+        out = np.zeros((n, 18), np.uint8)
+        out[:, 0:2] = d.astype("<f2").view(np.uint8).reshape(n, 2)
+        out[:, 2:] = _pack_nibbles(q)
+        return out.tobytes()
     raise AssertionError(t)
 
 
@@ -417,6 +435,9 @@ def dequantize(data, ggml_type, shape) -> np.ndarray:
     if t == GGMLType.Q5_1:
         m = blk[:, 2:4].copy().view("<f2").astype(np.float32)
         return (d * _unpack_q5(blk[:, 4:8], blk[:, 8:]) + m).reshape(shape)
+    if t == GGMLType.IQ4_NL:
+        q = _unpack_nibbles(blk[:, 2:]).astype(np.int64)
+        return (d * IQ4_NL_VALUES[q].astype(np.float32)).reshape(shape)
     raise AssertionError(t)
 
 

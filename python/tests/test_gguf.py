@@ -161,6 +161,24 @@ def test_quantization_error_bounds(t, rng):
     assert np.all(err <= half * step * 1.01 + 2e-3 * np.abs(b).max(1)), (err / step).max()
 
 
+def test_iq4_nl_writer_decodes_as_the_gguf_package(rng):
+    """The writer's IQ4_NL (the package has no quantizer for it): bytes that
+    the package decodes bitwise as we do, each element within 14 of the
+    block's 127 steps (the largest magnitude maps to -127; the other side
+    ends at 113: half the widest gap, 24, is less)."""
+    x = (rng.standard_normal((8, 128)) * rng.uniform(0.01, 10, (8, 1))).astype(np.float32)
+    x[0, :32] = 0.0
+    raw = W.quantize(x, "IQ4_NL")
+    assert len(raw) == x.size // 32 * 18
+    ours = W.dequantize(raw, "IQ4_NL", x.shape)
+    ref = gguf.quants.dequantize(np.frombuffer(raw, np.uint8).reshape(8, -1), QT.IQ4_NL)
+    np.testing.assert_array_equal(ours, ref.reshape(x.shape))
+    assert not ours[0, :32].any()
+    b, deq = x.reshape(-1, 32), ours.reshape(-1, 32)
+    step = np.abs(b).max(1) / 127
+    assert np.all(np.abs(deq - b).max(1) <= 14 * step * 1.01 + 2e-3 * np.abs(b).max(1))
+
+
 def test_q4_nibble_order_and_formulas():
     x = np.arange(32, dtype=np.float32) - 8  # -8..23
     raw = np.frombuffer(W.quantize(x, "Q4_0"), np.uint8)

@@ -18,7 +18,7 @@
   allowed as for the Q4_1 file; still answers "Paris"), and with its
   embedding (tied: also the output matrix, 49,152 x 576) re-encoded as Q5_0
   or Q5_1, the types llama.cpp's Q4_K_M / Q5_K_M files give matrices whose
-  input dimension (576 here) is not a multiple of 256.
+  input dimension (576 here) is not a multiple of 256, or as IQ4_NL.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from test_model import _check_exact, _check_logits, _isa  # noqa: E402
 # ggml type -> (block elements, block bytes, offsets of float16 fields)
 BLOCKS = {
     "Q8_0": (32, 34, (0,)), "Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)),
-    "Q5_0": (32, 22, (0,)), "Q5_1": (32, 24, (0, 2)), "Q4_K": (256, 144, (0, 2)),
+    "Q5_0": (32, 22, (0,)), "Q5_1": (32, 24, (0, 2)), "IQ4_NL": (32, 18, (0,)),
+    "Q4_K": (256, 144, (0, 2)),
     "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
 }
 
@@ -119,8 +120,8 @@ def test_dequantize_errors():
         ggml_dequantize(bytes(32), 99)
     with pytest.raises(kvcache.UnsupportedError, match="Q2_K"):
         ggml_dequantize(bytes(84), int(_qtype("Q2_K")))
-    with pytest.raises(kvcache.UnsupportedError, match="IQ4_NL"):  # known by size only
-        ggml_dequantize(bytes(18), int(_qtype("IQ4_NL")))
+    with pytest.raises(kvcache.UnsupportedError, match="IQ4_XS"):  # known by size only
+        ggml_dequantize(bytes(136), int(_qtype("IQ4_XS")))
     assert ggml_dequantize(b"", q4k).shape == (0,)
 
 
@@ -184,10 +185,10 @@ def test_kq_model_logits_match_numpy_reference(kq_model):
             _check_logits(m.eval(toks, kv_dtype="float32", num_threads=2), want, 1e-3)
 
 
-@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "IQ4_XS", "IQ2_XXS"])
 def test_model_refuses_a_weight_type_it_cannot_multiply(kq_model, tmp_path, name):
     """A matrix in a type the products do not implement (Q4_K patched to
-    Q2_K / Q3_K / IQ4_NL / IQ4_XS, whose rows are no larger): the file opens,
+    Q2_K / Q3_K / IQ4_XS / IQ2_XXS, whose rows are no larger): the file opens,
     the load fails naming the tensor and the type, and the types that are
     supported."""
     path = tmp_path / f"tiny_{name}.gguf"
@@ -259,12 +260,12 @@ def test_default_model_with_q4_k_ffn_down(tmp_path):
 
 @pytest.mark.skipif(not DEFAULT_MODEL.exists(),
                     reason=f"{DEFAULT_MODEL} absent (bash scripts/fetch_model.sh)")
-@pytest.mark.parametrize("name", ["Q5_0", "Q5_1"])
-def test_default_model_with_q5_embedding(tmp_path, name):
+@pytest.mark.parametrize("name", ["Q5_0", "Q5_1", "IQ4_NL"])
+def test_default_model_with_a_q5_or_iq4_nl_embedding(tmp_path, name):
     """Real weights: the Q8_0 token embedding, which the model ties to its
-    output, re-encoded in place as Q5_0 / Q5_1 (18 blocks of 22 / 24 bytes a
-    row fit in Q8_0's 612): the embedding lookup and the largest matrix
-    product take the Q5 kernels. Against the float32 numpy reference of the
+    output, re-encoded in place as Q5_0 / Q5_1 / IQ4_NL (18 blocks of 22 /
+    24 / 18 bytes a row fit in Q8_0's 612): the embedding lookup and the
+    largest matrix product take those types' kernels. Against the float32 numpy reference of the
     patched file, every ISA, and generated tokens against the reference's
     choices where they are clear."""
     path = tmp_path / f"smol_{name}.gguf"

@@ -2,7 +2,7 @@
 (llama_reference.py, weights dequantized by the `gguf` package), the cache
 exactness of seed 001, and continuous batching.
 
-Tolerances. For quantized weights (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1) the C matrix kernels
+Tolerances. For quantized weights (Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL) the C matrix kernels
 quantize activations to int16 per 32-element block (an error of at most
 amax/65534 per element; int8, as llama.cpp uses, flipped greedy tokens of the
 default model); float weights use float32 products. Logits are compared as
@@ -97,11 +97,12 @@ TINY_CONFIGS = {
     "tied_gqa": dict(weight_types=_types("Q4_1", token_embd="Q8_0"), tied_output=True,
                      n_head=6, n_head_kv=2),
     # Q5_0 / Q5_1 (what llama.cpp's Q4_K_M / Q5_K_M files use for matrices
-    # whose input dimension is not a multiple of 256); tied: the output
-    # product reads the Q5_0 embedding
-    "q5_tied": dict(weight_types=_types("Q5_1", attn_q="Q5_0", attn_v="Q5_0", ffn_down="Q5_0",
-                                        token_embd="Q5_0"), tied_output=True,
-                    n_head=4, n_head_kv=2),
+    # whose input dimension is not a multiple of 256) and IQ4_NL; tied: the
+    # output product reads the Q5_0 embedding
+    "q5_iq4nl_tied": dict(weight_types=_types("Q5_1", attn_q="Q5_0", attn_v="Q5_0",
+                                              ffn_down="Q5_0", attn_k="IQ4_NL",
+                                              ffn_up="IQ4_NL", token_embd="Q5_0"),
+                          tied_output=True, n_head=4, n_head_kv=2),
     "float_gqa": dict(weight_types=_types("F16", ffn_up="BF16", token_embd="F32"),
                       tied_output=True, n_head=4, n_head_kv=1),
     # the variants: qwen2 (q/k/v biases, NEOX rope), and a llama with every

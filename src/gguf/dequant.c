@@ -67,6 +67,12 @@ static void dequant_block(int32_t t, const uint8_t *b, float *y) {
             y[e] = d * (float)(nib(b + 8, e) | (int)((qh >> e) & 1) << 4) + m;
         break;
     }
+    case KVC_GGML_IQ4_NL: { /* f16 d, qs[16]: x = d kvalues[q] */
+        static const int8_t kv[16] = KVC_GGML_IQ4_NL_VALUES;
+        const float d = f16_at(b);
+        for (int e = 0; e < 32; e++) y[e] = d * (float)kv[nib(b + 2, e)];
+        break;
+    }
     case KVC_GGML_Q4_K:   /* f16 d, f16 dmin, scales[12], qs[128] */
     case KVC_GGML_Q5_K: { /* f16 d, f16 dmin, scales[12], qh[32], qs[128] */
         /* 8 sub-blocks j of 32: x = (d sc_j) q - (dmin m_j); element l of
@@ -114,6 +120,7 @@ static int decodable(int32_t t) {
     case KVC_GGML_Q4_1:
     case KVC_GGML_Q5_0:
     case KVC_GGML_Q5_1:
+    case KVC_GGML_IQ4_NL:
     case KVC_GGML_Q4_K:
     case KVC_GGML_Q5_K:
     case KVC_GGML_Q6_K: return 1;

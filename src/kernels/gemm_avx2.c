@@ -19,6 +19,7 @@
  *   Q8_0: the sign trick, |w| (u8, 0..128) times x carrying w's sign
  *     (vpsignb), pair sums <= 2 * 128 * 127 < 32768, no saturation; lo and hi
  *     go through vpmaddwd separately (their sum could exceed int16).
+ *     IQ4_NL the same, its int8 values looked up from the nibbles (vpshufb).
  * reduce4 yields 8 block sums, block b(p) = 2 (p % 4) + p / 4 at position p.
  *
  * float path: tiles of up to 4 X rows x 2 W rows (1 x 4 for matrix-vector),
@@ -37,9 +38,11 @@
 #define L 2    /* 128-bit lanes per register */
 #define GBLK 8 /* blocks per group */
 
+static const int8_t iq4nl_values[16] = KVC_GGML_IQ4_NL_VALUES;
+
 static int64_t block_bytes(int32_t wt) {
-    return wt == KVC_GGML_Q8_0   ? 34
-           : wt == KVC_GGML_Q4_0 ? 18
+    return wt == KVC_GGML_Q8_0                              ? 34
+           : wt == KVC_GGML_Q4_0 || wt == KVC_GGML_IQ4_NL ? 18
            : wt == KVC_GGML_Q4_1 ? 20
            : wt == KVC_GGML_Q5_0 ? 22
                                  : 24;
@@ -111,8 +114,18 @@ AI void load_group(const int32_t wt, const int bits, const uint8_t *w, int nblk,
             g->v[j][0] = g->v[j][1] = g->v[j][2] = g->v[j][3] = _mm256_setzero_si256();
             continue;
         }
-        if (wt == KVC_GGML_Q8_0) {
-            const __m256i lo = load2(w + 2, bb, j, nblk), hi = load2(w + 18, bb, j, nblk);
+        if (wt == KVC_GGML_Q8_0 || wt == KVC_GGML_IQ4_NL) {
+            __m256i lo, hi; /* int8 weights: Q8_0's, or IQ4_NL's looked up (vpshufb) */
+            if (wt == KVC_GGML_Q8_0) {
+                lo = load2(w + 2, bb, j, nblk);
+                hi = load2(w + 18, bb, j, nblk);
+            } else {
+                const __m256i tbl = _mm256_broadcastsi128_si256(
+                    _mm_loadu_si128((const __m128i *)(const void *)iq4nl_values));
+                const __m256i v = load2(w + 2, bb, j, nblk);
+                lo = _mm256_shuffle_epi8(tbl, _mm256_and_si256(v, m4));
+                hi = _mm256_shuffle_epi8(tbl, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+            }
             if (bits == 8) {
                 g->v[j][0] = _mm256_abs_epi8(lo);
                 g->v[j][1] = _mm256_abs_epi8(hi);
@@ -192,7 +205,7 @@ AI __m256 row_group(const int32_t wt, const int bits, const wgroup *g, int nz, c
             const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(g->v[j][2], XL(4 * j + 2)),
                                                 _mm256_madd_epi16(g->v[j][3], XL(4 * j + 3)));
             a[j] = _mm256_add_epi32(p0, p1);
-        } else if (wt == KVC_GGML_Q8_0) {
+        } else if (wt == KVC_GGML_Q8_0 || wt == KVC_GGML_IQ4_NL) {
             const __m256i pl = _mm256_madd_epi16(
                 _mm256_maddubs_epi16(g->v[j][0], _mm256_sign_epi8(XL(2 * j), g->v[j][2])), ones);
             const __m256i ph = _mm256_madd_epi16(
@@ -277,6 +290,9 @@ static void gemm_q8_avx2(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_
     case KVC_GGML_Q5_0:
         q_rows(KVC_GGML_Q5_0, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
         break;
+    case KVC_GGML_IQ4_NL:
+        q_rows(KVC_GGML_IQ4_NL, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
     default: q_rows(KVC_GGML_Q5_1, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
     }
 }
@@ -296,6 +312,9 @@ static void gemm_q16_avx2(int32_t wt, const uint8_t *W, int64_t row_bytes, int64
         break;
     case KVC_GGML_Q5_0:
         q_rows(KVC_GGML_Q5_0, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_IQ4_NL:
+        q_rows(KVC_GGML_IQ4_NL, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
         break;
     default: q_rows(KVC_GGML_Q5_1, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
     }

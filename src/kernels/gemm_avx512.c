@@ -20,6 +20,8 @@
  *     weights are made unsigned by w ^ 0x80 = w + 128 and 128 * qsum is
  *     subtracted after; 2 per register j;
  *   - Q4_0 uses its nibbles as 0..15 and subtracts 8 * qsum after;
+ *   - IQ4_NL: its nibbles select int8 values (vpshufb on a 16-byte table),
+ *     then as Q8_0's bytes;
  *   - Q5_0 / Q5_1: the nibbles plus their fifth bits (qh words read as
  *     scalars into byte masks, a masked add) as bytes 0..31, widened like Q8_0's bytes
  *     for int16 activations (zero-extended); Q5_0 subtracts 16 * qsum;
@@ -61,9 +63,11 @@ typedef struct wgroup {
     __m512 dw, mw; /* scale and offset of block b(p) at position p */
 } wgroup;
 
+static const int8_t iq4nl_values[16] = KVC_GGML_IQ4_NL_VALUES;
+
 static int64_t block_bytes(int32_t wt) {
-    return wt == KVC_GGML_Q8_0   ? 34
-           : wt == KVC_GGML_Q4_0 ? 18
+    return wt == KVC_GGML_Q8_0                              ? 34
+           : wt == KVC_GGML_Q4_0 || wt == KVC_GGML_IQ4_NL ? 18
            : wt == KVC_GGML_Q4_1 ? 20
            : wt == KVC_GGML_Q5_0 ? 22
                                  : 24;
@@ -155,8 +159,18 @@ AI void load_group(const int32_t wt, const int bits, const uint8_t *w, int nblk,
             g->v[j][0] = g->v[j][1] = g->v[j][2] = g->v[j][3] = _mm512_setzero_si512();
             continue;
         }
-        if (wt == KVC_GGML_Q8_0) {
-            const __m512i lo = load4(w + 2, bb, j, nblk), hi = load4(w + 18, bb, j, nblk);
+        if (wt == KVC_GGML_Q8_0 || wt == KVC_GGML_IQ4_NL) {
+            __m512i lo, hi; /* int8 weights: Q8_0's, or IQ4_NL's looked up (vpshufb) */
+            if (wt == KVC_GGML_Q8_0) {
+                lo = load4(w + 2, bb, j, nblk);
+                hi = load4(w + 18, bb, j, nblk);
+            } else {
+                const __m512i tbl = _mm512_broadcast_i32x4(
+                    _mm_loadu_si128((const __m128i *)(const void *)iq4nl_values));
+                const __m512i v = load4(w + 2, bb, j, nblk);
+                lo = _mm512_shuffle_epi8(tbl, _mm512_and_si512(v, m4));
+                hi = _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+            }
             if (bits == 8) {
                 g->v[j][0] = _mm512_xor_si512(lo, x80);
                 g->v[j][1] = _mm512_xor_si512(hi, x80);
@@ -243,7 +257,7 @@ AI __m512 row_group(const int32_t wt, const int bits, const wgroup *g, int nz, c
         isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(qs, 3));
     if (wt == KVC_GGML_Q5_0) /* codes were used as 0..31: subtract 16 sum q */
         isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(qs, 4));
-    if (wt == KVC_GGML_Q8_0 && bits == 8) /* weights were used as w + 128 */
+    if ((wt == KVC_GGML_Q8_0 || wt == KVC_GGML_IQ4_NL) && bits == 8) /* used as w + 128 */
         isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(qs, 7));
     const __m512 dx = _mm512_loadu_ps((const void *)(xg + qbytes));
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(g->dw, dx), acc);
@@ -311,6 +325,9 @@ static void gemm_q8_avx512(int32_t wt, const uint8_t *W, int64_t row_bytes, int6
     case KVC_GGML_Q5_0:
         q_rows(KVC_GGML_Q5_0, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
         break;
+    case KVC_GGML_IQ4_NL:
+        q_rows(KVC_GGML_IQ4_NL, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
     default: q_rows(KVC_GGML_Q5_1, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
     }
 }
@@ -330,6 +347,9 @@ static void gemm_q16_avx512(int32_t wt, const uint8_t *W, int64_t row_bytes, int
         break;
     case KVC_GGML_Q5_0:
         q_rows(KVC_GGML_Q5_0, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_IQ4_NL:
+        q_rows(KVC_GGML_IQ4_NL, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
         break;
     default: q_rows(KVC_GGML_Q5_1, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
     }

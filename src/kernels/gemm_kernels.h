@@ -8,13 +8,14 @@
  *   float weights (F32, F16, BF16): Y[i][r] = sum_c X[i][c] * W[r][c] with
  *   float32 products and sums (each ISA its own, fixed, order).
  *
- *   quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): every activation row is first
+ *   quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL): every activation row is first
  *   quantized per 32-element block to int16 (the default) or int8
  *   (kvc__gemm_quantize_x below), then per weight block b of row r
  *       isum_b = sum_{e<32} qw[e] * qx[e]           (exact, int32)
  *       Y[i][r] += (dw_b * dx_b) * float(isum_b)  [+ mw_b * sx_b for Q4_1, Q5_1]
  *   with qw the block's integer weights (Q8_0: int8, Q4_0: nibble - 8,
- *   Q4_1: nibble, Q5_0: nibble + 16 qh bit - 16, Q5_1: nibble + 16 qh bit),
+ *   Q4_1: nibble, Q5_0: nibble + 16 qh bit - 16, Q5_1: nibble + 16 qh bit,
+ *   IQ4_NL: KVC_GGML_IQ4_NL_VALUES[nibble]),
  *   dw/mw its float16 scale/offset, dx_b, sx_b = dx_b * sum(qx) of the
  *   activation block; float accumulation in an ISA-fixed order. int16:
  *   |isum| <= 32 * 128 * 32767 < 2^28 (no overflow; float(isum) may round,
@@ -112,7 +113,7 @@ void kvc__gemm_quantize_x(const float *x, int64_t cols, int L, int bits, void *x
 
 /* ---- kernels --------------------------------------------------------------- */
 
-/* Quantized weights (wt in Q8_0/Q4_0/Q4_1/Q5_0/Q5_1; the kq kernels
+/* Quantized weights (wt in Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL; the kq kernels
  * Q4_K/Q5_K/Q6_K): rows [r0, r1) of W (row r at
  * W + r * row_bytes), cols = 32 nb, activation rows i < n at xq + i *
  * xq_stride bytes (layout above, the table's lanes); Y[i][r] at Y + i * ldy

@@ -5,7 +5,8 @@
  *   float weights:  acc = acc + w[c] * x[c], c = 0, 1, ...
  *   quantized:      per block b: isum = sum_e qw[e] * qx[e] (int32, exact),
  *                   acc = acc + (dw * dx) * float(isum)  [acc = acc + mw * sx]
- *                   (Q5_0, Q5_1: qw with its fifth bit from qh; Q5_0 qw - 16)
+ *                   (Q5_0, Q5_1: qw with its fifth bit from qh; Q5_0 qw - 16;
+ *                   IQ4_NL: qw = kvalues[nibble])
  *
  * Activations use the layout with L = 1 (natural order: block b's 32 int8 or
  * int16 values at 32 b within its group of 4, then dx/qsum/sx of the 4
@@ -94,6 +95,14 @@ static float block_dot(int32_t wt, const uint8_t *wb, const uint8_t *xq, int64_t
         }
         return (f16_at(wb) * dx) * (float)isum;
     }
+    case KVC_GGML_IQ4_NL: { /* f16 d, nibbles as Q4_0: x = d kvalues[q] */
+        static const int8_t kv[16] = KVC_GGML_IQ4_NL_VALUES;
+        for (int e = 0; e < 16; e++) {
+            isum += kv[wb[2 + e] & 15] * qx[e];
+            isum += kv[wb[2 + e] >> 4] * qx[e + 16];
+        }
+        return (f16_at(wb) * dx) * (float)isum;
+    }
     default: { /* Q5_1: f16 d, f16 m, qh[4], nibbles; x = d q + m */
         const uint32_t qh = (uint32_t)wb[4] | (uint32_t)wb[5] << 8 | (uint32_t)wb[6] << 16 |
                             (uint32_t)wb[7] << 24;
@@ -110,8 +119,8 @@ static float block_dot(int32_t wt, const uint8_t *wb, const uint8_t *xq, int64_t
 static void gemm_q_scalar(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t r1,
                           int64_t nb, const uint8_t *xq, int64_t xq_stride, int64_t n, float *Y,
                           int64_t ldy, int bits) {
-    const int64_t bb = wt == KVC_GGML_Q8_0   ? 34
-                       : wt == KVC_GGML_Q4_0 ? 18
+    const int64_t bb = wt == KVC_GGML_Q8_0                              ? 34
+                       : wt == KVC_GGML_Q4_0 || wt == KVC_GGML_IQ4_NL ? 18
                        : wt == KVC_GGML_Q4_1 ? 20
                        : wt == KVC_GGML_Q5_0 ? 22
                                              : 24;

@@ -63,6 +63,7 @@ static const gemm_type g_types[] = {
     {KVC_GGML_BF16, "BF16", 1, 2, 1},    {KVC_GGML_Q8_0, "Q8_0", 32, 34, 1},
     {KVC_GGML_Q4_0, "Q4_0", 32, 18, 1},  {KVC_GGML_Q4_1, "Q4_1", 32, 20, 1},
     {KVC_GGML_Q5_0, "Q5_0", 32, 22, 1},  {KVC_GGML_Q5_1, "Q5_1", 32, 24, 1},
+    {KVC_GGML_IQ4_NL, "IQ4_NL", 32, 18, 1},
     {KVC_GGML_Q4_K, "Q4_K", 256, 144, 1}, {KVC_GGML_Q5_K, "Q5_K", 256, 176, 1},
     {KVC_GGML_Q6_K, "Q6_K", 256, 210, 1},
 };

@@ -17,7 +17,7 @@
  *
  * What the kernels compute (src/kernels/gemm_kernels.h has the details):
  *   F32, F16, BF16: float32 products and sums.
- *   Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: each X row is quantized per 32-element block to
+ *   Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL: each X row is quantized per 32-element block to
  *       integers of B bits, Q = 2^(B-1) - 1 (B = 16 by default, Q = 32767;
  *       B = 8, Q = 127 through kvc__gemm_set_act_bits), with d = amax / Q,
  *       q = round_half_even(x * Q / amax) (blocks with amax < 2^-120 become
@@ -64,7 +64,7 @@
 #include "kvcache/gguf.h"
 
 /* 1 if kvc__gemm supports weight type wt (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
- * Q5_0, Q5_1, Q4_K, Q5_K, Q6_K). */
+ * Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K). */
 int kvc__gemm_supported(int32_t wt);
 
 /* Bytes of one row of cols elements of type wt (0 if cols is not a whole

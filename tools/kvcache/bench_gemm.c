@@ -3,7 +3,7 @@
  * gemm.h) on SmolLM2-135M's shapes (rows x cols of W): 576x576 (attention
  * q/o), 192x576 (k/v), 1536x576 (ffn gate/up), 576x1536 (ffn down), and the
  * 49152x576 Q8_0 output head, plus 2048x2048 (a 1B model's attention q/o);
- * weights Q4_1, Q8_0, F16, Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K (these on the
+ * weights Q4_1, Q8_0, F16, Q5_0, Q5_1, IQ4_NL and the K-quants Q4_K, Q5_K, Q6_K (these on the
  * shapes whose cols is a multiple of their 256-element super-block:
  * 576x1536 and 2048x2048; --quick: 576x576, 192x576 and 576x1536).
  *
@@ -298,8 +298,8 @@ int bench_gemm(const bench_opts *o) {
     static const gm_shape shapes_quick[] = {
         {576, 576, "attn q/o"}, {192, 576, "attn k/v"}, {576, 1536, "ffn down"}};
     static const int32_t types[] = {KVC_GGML_Q4_1, KVC_GGML_Q8_0, KVC_GGML_F16,
-                                    KVC_GGML_Q5_0, KVC_GGML_Q5_1, KVC_GGML_Q4_K,
-                                    KVC_GGML_Q5_K, KVC_GGML_Q6_K};
+                                    KVC_GGML_Q5_0, KVC_GGML_Q5_1, KVC_GGML_IQ4_NL,
+                                    KVC_GGML_Q4_K, KVC_GGML_Q5_K, KVC_GGML_Q6_K};
     const int n_types = (int)(sizeof types / sizeof types[0]);
     static const int64_t ns_full[] = {1, 16, 128}, ns_quick[] = {1, 16};
     const gm_shape *shapes = o->quick ? shapes_quick : shapes_full;
