@@ -309,50 +309,34 @@ AI void q_rows(const int32_t wt, const int bits, const uint8_t *W, int64_t row_b
             q_tile(wt, bits, 1, W + r * row_bytes, nb, xq + i * xs, xs, Y + i * ldy + r, ldy);
 }
 
+/* One switch for both widths: q_rows specialized per type (bits is a
+ * constant in each caller). */
+AI void q_types(const int bits, int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0,
+                int64_t r1, int64_t nb, const uint8_t *xq, int64_t xs, int64_t n, float *Y,
+                int64_t ldy) {
+#define Q_CASE(t) \
+    case t: q_rows(t, bits, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break
+    switch (wt) {
+    Q_CASE(KVC_GGML_Q8_0);
+    Q_CASE(KVC_GGML_Q4_0);
+    Q_CASE(KVC_GGML_Q4_1);
+    Q_CASE(KVC_GGML_Q5_0);
+    Q_CASE(KVC_GGML_IQ4_NL);
+    default: q_rows(KVC_GGML_Q5_1, bits, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
+    }
+#undef Q_CASE
+}
+
 static void gemm_q8_avx512(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0,
                            int64_t r1, int64_t nb, const uint8_t *xq, int64_t xs, int64_t n,
                            float *Y, int64_t ldy) {
-    switch (wt) {
-    case KVC_GGML_Q8_0:
-        q_rows(KVC_GGML_Q8_0, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    case KVC_GGML_Q4_0:
-        q_rows(KVC_GGML_Q4_0, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    case KVC_GGML_Q4_1:
-        q_rows(KVC_GGML_Q4_1, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    case KVC_GGML_Q5_0:
-        q_rows(KVC_GGML_Q5_0, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    case KVC_GGML_IQ4_NL:
-        q_rows(KVC_GGML_IQ4_NL, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    default: q_rows(KVC_GGML_Q5_1, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
-    }
+    q_types(8, wt, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
 }
 
 static void gemm_q16_avx512(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0,
                             int64_t r1, int64_t nb, const uint8_t *xq, int64_t xs, int64_t n,
                             float *Y, int64_t ldy) {
-    switch (wt) {
-    case KVC_GGML_Q8_0:
-        q_rows(KVC_GGML_Q8_0, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    case KVC_GGML_Q4_0:
-        q_rows(KVC_GGML_Q4_0, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    case KVC_GGML_Q4_1:
-        q_rows(KVC_GGML_Q4_1, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    case KVC_GGML_Q5_0:
-        q_rows(KVC_GGML_Q5_0, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    case KVC_GGML_IQ4_NL:
-        q_rows(KVC_GGML_IQ4_NL, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    default: q_rows(KVC_GGML_Q5_1, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
-    }
+    q_types(16, wt, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
 }
 
 /* ---- float path --------------------------------------------------------------- */
