@@ -217,7 +217,8 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "SmolLM2-135M-I
 
 
 @pytest.mark.skipif(not DEFAULT_MODEL.exists(),
-                    reason=f"{DEFAULT_MODEL} absent (bash scripts/fetch_model.sh)")
+                    reason=f"the default model is absent ({DEFAULT_MODEL}): "
+                           "bash scripts/fetch_model.sh")
 def test_default_model_with_q4_k_ffn_down(tmp_path):
     """Real weights: SmolLM2's 30 ffn_down matrices (576 x 1536, the only
     ones whose input dimension is a multiple of 256) re-encoded as Q4_K in
@@ -259,7 +260,8 @@ def test_default_model_with_q4_k_ffn_down(tmp_path):
 
 
 @pytest.mark.skipif(not DEFAULT_MODEL.exists(),
-                    reason=f"{DEFAULT_MODEL} absent (bash scripts/fetch_model.sh)")
+                    reason=f"the default model is absent ({DEFAULT_MODEL}): "
+                           "bash scripts/fetch_model.sh")
 @pytest.mark.parametrize("name", ["Q5_0", "Q5_1", "IQ4_NL"])
 def test_default_model_with_a_q5_or_iq4_nl_embedding(tmp_path, name):
     """Real weights: the Q8_0 token embedding, which the model ties to its

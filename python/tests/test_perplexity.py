@@ -318,7 +318,7 @@ def test_help_lists_the_command():
     assert r.returncode == 0 and r.stdout.startswith("usage: kvcache perplexity")
 
 
-@pytest.mark.skipif(not DEFAULT_MODEL.exists(), reason="default model not fetched "
+@pytest.mark.skipif(not DEFAULT_MODEL.exists(), reason="the default model is absent "
                     "(bash scripts/fetch_model.sh)")
 def test_default_model(tmp_path):
     text = tmp_path / "text.txt"
