@@ -66,8 +66,10 @@ static const tinfo types_all[] = {
     {KVC_GGML_Q4_K, "Q4_K", 256, 144}, {KVC_GGML_Q5_K, "Q5_K", 256, 176},
     {KVC_GGML_Q6_K, "Q6_K", 256, 210}, {KVC_GGML_Q5_0, "Q5_0", 32, 22},
     {KVC_GGML_Q5_1, "Q5_1", 32, 24},   {KVC_GGML_IQ4_NL, "IQ4_NL", 32, 18},
+    {KVC_GGML_Q2_K, "Q2_K", 256, 84},  {KVC_GGML_Q3_K, "Q3_K", 256, 110},
+    {KVC_GGML_IQ4_XS, "IQ4_XS", 256, 136},
 };
-#define N_GEMM_TYPES 12 /* all of them go through kvc__gemm */
+#define N_GEMM_TYPES 15 /* all of them go through kvc__gemm */
 
 /* IQ4_NL's values (ggml-common.h kvalues_iq4nl; the gguf package's IQ4_NL.kvalues) */
 static const int iq4nl_ref[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -75,7 +77,15 @@ static const int iq4nl_ref[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
 #define N_TYPES (sizeof types_all / sizeof types_all[0])
 
 static int is_quant(int32_t t) { return t != KVC_GGML_F32 && t != KVC_GGML_F16 && t != KVC_GGML_BF16; }
-static int is_kq(int32_t t) { return t == KVC_GGML_Q4_K || t == KVC_GGML_Q5_K || t == KVC_GGML_Q6_K; }
+static int is_kq(int32_t t) {
+    return t == KVC_GGML_Q2_K || t == KVC_GGML_Q3_K || t == KVC_GGML_Q4_K || t == KVC_GGML_Q5_K ||
+           t == KVC_GGML_Q6_K || t == KVC_GGML_IQ4_XS;
+}
+
+/* Scales per 16 elements (two integer sums per 32-element sub-block). */
+static int kq_halves(int32_t t) {
+    return t == KVC_GGML_Q2_K || t == KVC_GGML_Q3_K || t == KVC_GGML_Q6_K;
+}
 
 static void put16(uint8_t *p, uint16_t v) {
     p[0] = (uint8_t)v;
@@ -117,6 +127,12 @@ static uint8_t *make_w(const tinfo *ti, int64_t rows, int64_t cols, uint64_t *rn
             put16(p + 2, kvc_f32_to_f16(is_kq(ti->t) ? fabsf(m) * 0.1f : m));
             break;
         case KVC_GGML_Q6_K: put16(p + 208, kvc_f32_to_f16(d * 0.05f)); break;
+        case KVC_GGML_Q3_K: put16(p + 108, kvc_f32_to_f16(d * 0.05f)); break;
+        case KVC_GGML_IQ4_XS: put16(p, kvc_f32_to_f16(d * 0.01f)); break;
+        case KVC_GGML_Q2_K:
+            put16(p + 80, kvc_f32_to_f16(fabsf(d) * 0.1f));
+            put16(p + 82, kvc_f32_to_f16(fabsf(m) * 0.1f));
+            break;
         default: break;
         }
     }
@@ -124,6 +140,8 @@ static uint8_t *make_w(const tinfo *ti, int64_t rows, int64_t cols, uint64_t *rn
 }
 
 /* ---- reference dequantization (from the block formats) ------------------------- */
+
+static void kq_ref_ints(int32_t t, const uint8_t *blk, int q[256], double dw[16], double mw[16]);
 
 /* Integer value of element e of a Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL block: x = d q
  * + m (Q5: bit 4 is bit e of the little-endian qh word before the nibbles;
@@ -212,6 +230,17 @@ static void ref_dequant(int32_t t, const uint8_t *row, int64_t cols, double *out
                         out[256 * b + 32 * sub + l] = d * sc[sub] * q - dmin * mn[sub];
                     }
         }
+    } else if (t == KVC_GGML_Q2_K || t == KVC_GGML_Q3_K || t == KVC_GGML_IQ4_XS) {
+        /* from the integers and factors kq_ref_ints decodes (below): exact */
+        const int64_t bb = t == KVC_GGML_Q2_K ? 84 : t == KVC_GGML_Q3_K ? 110 : 136;
+        for (int64_t b = 0; b < cols / 256; b++) {
+            int q[256];
+            double dw[16], mw[16];
+            kq_ref_ints(t, row + b * bb, q, dw, mw);
+            for (int e = 0; e < 256; e++)
+                out[256 * b + e] = t == KVC_GGML_IQ4_XS ? dw[e / 32] * q[e]
+                                                        : dw[e / 16] * q[e] + mw[e / 16];
+        }
     } else if (t == KVC_GGML_Q6_K) {
         /* ql[128] qh[64] scales[16] d: halves a of 128; in a half, ql byte k
          * (64) gives elements k (low nibble) and 64 + k (high), qh byte l (32)
@@ -238,9 +267,54 @@ static void ref_dequant(int32_t t, const uint8_t *row, int64_t cols, double *out
 /* Integers and scales of one K-quant super-block, the way ggml's
  * dequantize_row_q*_K loops walk it: Q4_K/Q5_K q[e] (0..15 / 0..31), dw[j]
  * = d sc_j, mw[j] = -dmin m_j per 32 elements; Q6_K q[e] - 32, dw[k] = d
- * scales[k] per 16 elements (mw unused). Every product is exact in double
+ * scales[k] per 16 elements (mw unused); Q3_K q[e] - 4, dw[k] = d (sc_k -
+ * 32) and Q2_K q[e], dw[k] = d sc_k, mw[k] = -dmin m_k per 16 elements;
+ * IQ4_XS q[e] the table value, dw[j] = d (ls_j - 32) per 32. Every product is exact in double
  * and in float32 (an 11-bit f16 mantissa times <= 8 bits). */
-static void kq_ref_ints(int32_t t, const uint8_t *blk, int q[256], double dw[16], double mw[8]) {
+static void kq_ref_ints(int32_t t, const uint8_t *blk, int q[256], double dw[16], double mw[16]) {
+    if (t == KVC_GGML_Q2_K || t == KVC_GGML_Q3_K) {
+        /* dequantize_row_q2_K / q3_K: halves n of 128, shifts j of 2 bits,
+         * 16 elements per scale (is counts them); Q3_K's high bit m walks the
+         * 8 bits of hmask, its 6-bit scales unpacked with ggml's kmask1/kmask2 */
+        const int three = t == KVC_GGML_Q3_K;
+        const uint8_t *qs = blk + (three ? 32 : 16), *hm = blk;
+        const double d = get_f16(blk + (three ? 108 : 80)), dmin = three ? 0 : get_f16(blk + 82);
+        int sc[16];
+        if (three) {
+            uint32_t aux[4];
+            memcpy(aux, blk + 96, 12);
+            const uint32_t tmp = aux[2], km1 = 0x03030303u, km2 = 0x0f0f0f0fu;
+            aux[2] = ((aux[0] >> 4) & km2) | (((tmp >> 4) & km1) << 4);
+            aux[3] = ((aux[1] >> 4) & km2) | (((tmp >> 6) & km1) << 4);
+            aux[0] = (aux[0] & km2) | (((tmp >> 0) & km1) << 4);
+            aux[1] = (aux[1] & km2) | (((tmp >> 2) & km1) << 4);
+            for (int k = 0; k < 16; k++) sc[k] = (int8_t)((const uint8_t *)aux)[k] - 32;
+        }
+        int is = 0, y = 0, m = 1;
+        for (int n = 0; n < 256; n += 128, qs += 32)
+            for (int shift = 0; shift < 8; shift += 2, m <<= 1)
+                for (int h = 0; h < 2; h++, is++) {
+                    dw[is] = three ? d * sc[is] : d * (blk[is] & 15);
+                    mw[is] = three ? 0.0 : -dmin * (blk[is] >> 4);
+                    for (int l = 16 * h; l < 16 * h + 16; l++)
+                        q[y++] = ((qs[l] >> shift) & 3) - (three && !(hm[l] & m) ? 4 : 0);
+                }
+        return;
+    }
+    if (t == KVC_GGML_IQ4_XS) { /* dequantize_row_iq4_xs: ls 6 bits, d (ls - 32) per 32 */
+        const double d = get_f16(blk);
+        const int sh = blk[2] | blk[3] << 8;
+        for (int ib = 0; ib < 8; ib++) {
+            const int ls =
+                ((blk[4 + ib / 2] >> (4 * (ib % 2))) & 0xf) | (((sh >> (2 * ib)) & 3) << 4);
+            dw[ib] = d * (ls - 32);
+            for (int j = 0; j < 16; j++) {
+                q[32 * ib + j] = iq4nl_ref[blk[8 + 16 * ib + j] & 0xf];
+                q[32 * ib + j + 16] = iq4nl_ref[blk[8 + 16 * ib + j] >> 4];
+            }
+        }
+        return;
+    }
     if (t == KVC_GGML_Q6_K) {
         const uint8_t *ql = blk, *qh = blk + 128;
         const double d = get_f16(blk + 208);
@@ -386,7 +460,7 @@ static void make_refs(const tinfo *ti, const uint8_t *W, int64_t rows, int64_t c
             }
             double exact = 0, terms = 0, qerr = 0;
             int kq[256];
-            double kdw[16], kmw[8];
+            double kdw[16], kmw[16];
             for (int64_t b = 0; b < nb; b++) {
                 if (is_kq(ti->t)) { /* per sub-block b % 8 (Q6_K: per half) */
                     const int j = (int)(b % 8);
@@ -401,16 +475,24 @@ static void make_refs(const tinfo *ti, const uint8_t *W, int64_t rows, int64_t c
                         wabs += fabs(wd[32 * b + e]);
                         amax = fmax(amax, fabs((double)x[32 * b + e]));
                     }
-                    double t1, t2;
-                    if (ti->t == KVC_GGML_Q6_K) {
+                    double t1, t2, t3 = 0;
+                    if (kq_halves(ti->t)) {
+                        long hs[2] = {0, 0}; /* Q2_K's mins: per half sums of q */
+                        for (int e = 0; e < 32; e++) hs[e / 16] += q[e];
                         t1 = kdw[2 * j] * dxb * (double)is[0];
                         t2 = kdw[2 * j + 1] * dxb * (double)is[1];
+                        if (ti->t == KVC_GGML_Q2_K)
+                            t3 = (kmw[2 * j] * (double)hs[0] + kmw[2 * j + 1] * (double)hs[1]) *
+                                 dxb;
+                    } else if (ti->t == KVC_GGML_IQ4_XS) {
+                        t1 = kdw[j] * dxb * (double)(is[0] + is[1]);
+                        t2 = 0;
                     } else {
                         t1 = kdw[j] * dxb * (double)(is[0] + is[1]);
                         t2 = kmw[j] * dxb * (double)qsum;
                     }
-                    exact += t1 + t2;
-                    terms += fabs(t1) + fabs(t2);
+                    exact += t1 + t2 + t3; /* Q2_K's integer sum of mins is exact */
+                    terms += fabs(t1) + fabs(t2) + fabs(t3);
                     qerr += (dxb / 2 + 0x1p-22 * amax) * wabs;
                     continue;
                 }
@@ -436,7 +518,9 @@ static void make_refs(const tinfo *ti, const uint8_t *W, int64_t rows, int64_t c
                 qerr += (dxb / 2 + 0x1p-22 * amax) * wabs;
             }
             out->exact[o] = exact;
-            out->tight[o] = (double)(2 * nb + 8) * 0x1p-24 * terms + 1e-30;
+            /* Q2_K: three terms per block */
+            const int per_block = ti->t == KVC_GGML_Q2_K ? 3 : 2;
+            out->tight[o] = (double)(per_block * nb + 8) * 0x1p-24 * terms + 1e-30;
             out->loose[o] = out->tight[o] + qerr;
         }
     }
@@ -530,6 +614,9 @@ TEST(grid_q6_k) { return grid_type(&types_all[8]); }
 TEST(grid_q5_0) { return grid_type(&types_all[9]); }
 TEST(grid_q5_1) { return grid_type(&types_all[10]); }
 TEST(grid_iq4_nl) { return grid_type(&types_all[11]); }
+TEST(grid_q2_k) { return grid_type(&types_all[12]); }
+TEST(grid_q3_k) { return grid_type(&types_all[13]); }
+TEST(grid_iq4_xs) { return grid_type(&types_all[14]); }
 
 /* Float weights accept any cols: tails of every length below 16. */
 TEST(float_odd_cols) {
@@ -666,7 +753,7 @@ TEST(strided) {
 TEST(errors) {
     float X[256] = {0}, Y[4] = {1, 2, 3, 4};
     uint8_t W[4 * 40] = {0};
-    ASSERT_STATUS(kvc__gemm(KVC_GGML_Q3_K, W, 1, 256, X, 256, 1, Y, 1, NULL), KVC_ERR_INVALID_ARG);
+    ASSERT_STATUS(kvc__gemm(KVC_GGML_Q8_K, W, 1, 256, X, 256, 1, Y, 1, NULL), KVC_ERR_INVALID_ARG);
     ASSERT_STR_CONTAINS(kvc_last_error(), "not supported");
     ASSERT_STATUS(kvc__gemm(KVC_GGML_Q6_K, W, 1, 32, X, 32, 1, Y, 1, NULL), KVC_ERR_INVALID_ARG);
     ASSERT_STR_CONTAINS(kvc_last_error(), "multiple");
@@ -695,7 +782,8 @@ TEST(errors) {
         ASSERT_EQ_I64(kvc__ggml_row_bytes(types_all[i].t, 512),
                       512 / types_all[i].block * types_all[i].bytes);
     }
-    ASSERT_EQ_I64(kvc__gemm_supported(KVC_GGML_Q3_K), 0);
+    ASSERT_EQ_I64(kvc__gemm_supported(KVC_GGML_Q8_K), 0);
+    ASSERT_EQ_I64(kvc__gemm_supported(21), 0); /* IQ3_S */
     ASSERT_EQ_I64(kvc__ggml_row_bytes(KVC_GGML_Q5_K, 128), 0);
     ASSERT_EQ_I64(kvc__ggml_row_bytes(KVC_GGML_Q4_1, 33), 0);
     ASSERT_EQ_I64(kvc__ggml_row_bytes(KVC_GGML_Q8_K, 256), 0);
@@ -737,7 +825,7 @@ TEST(dequant_row) {
         free(out);
     }
     float o[32];
-    ASSERT_STATUS(kvc__ggml_dequant_row(KVC_GGML_Q2_K, o, 256, o), KVC_ERR_UNSUPPORTED);
+    ASSERT_STATUS(kvc__ggml_dequant_row(KVC_GGML_Q8_K, o, 256, o), KVC_ERR_UNSUPPORTED);
     ASSERT_STATUS(kvc__ggml_dequant_row(99, o, 32, o), KVC_ERR_INVALID_ARG);
     ASSERT_STATUS(kvc__ggml_dequant_row(KVC_GGML_Q8_0, NULL, 32, o), KVC_ERR_INVALID_ARG);
     ASSERT_OK(kvc__ggml_dequant_row(KVC_GGML_Q8_0, NULL, 0, NULL));
@@ -840,17 +928,30 @@ TEST(act_bits) {
  * every other block, 0 (Q5_0: -16; int8 activations: the AVX2 pair sums of
  * 31 * 127 added in int16 at their largest); IQ4_NL likewise (nibble 15:
  * 113, nibble 0: -127, the AVX2 sign trick's pair sums at 2 * 127 * 127);
- * each against the exact reference. */
+ * Q2_K with q = 3 and sc = m = 15 (its sum of mins at 32 * 15 * 32767);
+ * Q3_K with q - 4 = -4 and scale -32 or q = 3 and scale 31; IQ4_XS with -127
+ * and scale -32 or 113 and 31 (|isum| = 32 * 127 * 32767 > 2^27; int8: the
+ * table + 128 at 241); each against the exact reference. */
 TEST(kq_extremes) {
     const int64_t rows = 3, cols = 768, n = 2;
     int rc = 0;
-    for (int ti = 6; ti <= 11 && !rc; ti++) {
+    for (int ti = 6; ti <= 14 && !rc; ti++) {
         const tinfo *t = &types_all[ti];
         const int64_t nsb = rows * cols / t->block;
         uint8_t *W = xmalloc((size_t)(nsb * t->bytes));
         for (int64_t b = 0; b < nsb; b++) {
             uint8_t *p = W + b * t->bytes;
-            if (t->t == KVC_GGML_Q6_K) {
+            if (t->t == KVC_GGML_Q2_K) { /* q = 3, sc = m = 15 */
+                memset(p, 0xff, 80);
+                put16(p + 80, kvc_f32_to_f16(1e-3f));
+                put16(p + 82, kvc_f32_to_f16(b % 3 ? 5e-4f : 0.0f));
+            } else if (t->t == KVC_GGML_Q3_K) { /* q - 4 = -4 with scale -32, or 3 with 31 */
+                memset(p, b % 2 ? 0x00 : 0xff, 108);
+                put16(p + 108, kvc_f32_to_f16(b % 3 ? 1e-3f : -1e-3f));
+            } else if (t->t == KVC_GGML_IQ4_XS) { /* values -127 with scale -32, or 113 with 31 */
+                memset(p, b % 2 ? 0x00 : 0xff, 136);
+                put16(p, kvc_f32_to_f16(b % 3 ? 1e-3f : -1e-3f));
+            } else if (t->t == KVC_GGML_Q6_K) {
                 memset(p, 0, 192);                    /* q = 0: q - 32 = -32 */
                 memset(p + 192, 0x80, 16);            /* scales -128 */
                 put16(p + 208, kvc_f32_to_f16(b % 2 ? 1e-3f : -1e-3f));
@@ -915,5 +1016,6 @@ const test_case test_suite[] = {
     TEST_ENTRY(grid_f16),         TEST_ENTRY(grid_bf16),    TEST_ENTRY(grid_q8_0),
     TEST_ENTRY(grid_q4_0),        TEST_ENTRY(grid_q4_1),    TEST_ENTRY(grid_q4_k),
     TEST_ENTRY(grid_q5_k),        TEST_ENTRY(grid_q6_k),    TEST_ENTRY(grid_q5_0),
-    TEST_ENTRY(grid_q5_1),        TEST_ENTRY(grid_iq4_nl),  TEST_ENTRY(kq_extremes),
+    TEST_ENTRY(grid_q5_1),        TEST_ENTRY(grid_iq4_nl),  TEST_ENTRY(grid_q2_k),
+    TEST_ENTRY(grid_q3_k),        TEST_ENTRY(grid_iq4_xs),  TEST_ENTRY(kq_extremes),
     {0, 0}};

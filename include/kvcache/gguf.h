@@ -78,7 +78,19 @@ typedef enum kvc_gguf_type {
  *         sub-block j) before the nibbles
  *   Q6_K: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, int8
  *         scales[16], f16 d; x = d scales[e / 16] (q - 32)
+ *   Q2_K: 16 bytes of scales (low nibble sc, high nibble m, one per 16
+ *         elements), 64 bytes of 2-bit codes, f16 d, f16 dmin;
+ *         x = d sc[e / 16] q - dmin m[e / 16]
+ *   Q3_K: 32 bytes of high bits, 64 bytes of 2-bit codes, 12 bytes of 6-bit
+ *         scales (16, stored + 32), f16 d; x = d (sc[e / 16] - 32) (q - 4)
+ *         with q the 2 low bits | high bit << 2
+ *   (Q2_K/Q3_K element e = 128 n + 32 j + l: low bits (qs[32 n + l] >> 2 j) & 3,
+ *   Q3_K high bit = bit 4 n + j of hmask[l])
  *   IQ4_NL: as Q4_0 with x = d * KVC_GGML_IQ4_NL_VALUES[q] (below)
+ *   IQ4_XS: 256 elements = f16 d, u16 scales_h, 4 bytes scales_l, 128 bytes
+ *         of nibbles; sub-block j of 32 laid out as an IQ4_NL block's codes,
+ *         x = d (ls_j - 32) KVC_GGML_IQ4_NL_VALUES[q], ls_j 6 bits (nibble j % 2
+ *         of scales_l[j / 2] | bits 2 j, 2 j + 1 of scales_h << 4)
  * F32 4 bytes, F16/BF16 2 bytes per element. */
 typedef enum kvc_ggml_type {
     KVC_GGML_F32 = 0,
@@ -96,6 +108,7 @@ typedef enum kvc_ggml_type {
     KVC_GGML_Q6_K = 14,
     KVC_GGML_Q8_K = 15,
     KVC_GGML_IQ4_NL = 20,
+    KVC_GGML_IQ4_XS = 23,
     KVC_GGML_BF16 = 30
 } kvc_ggml_type;
 
@@ -121,10 +134,11 @@ KVC_API int64_t kvc_ggml_block_bytes(int32_t type);
  * float32 at dst, with the float32 operations of ggml's reference
  * dequantization in its order, so the result is bitwise what ggml (and the
  * gguf Python package's gguf.quants.dequantize) computes. Decoded types:
- * F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K.
- * KVC_ERR_INVALID_ARG for an unknown type, n < 0 or not a multiple of the
- * block size, or a NULL pointer with n > 0; KVC_ERR_UNSUPPORTED for a known
- * type not decoded here (Q8_1, Q2_K, Q3_K, Q8_K, the other IQ types, ...). dst is written only on
+ * F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K,
+ * Q4_K, Q5_K, Q6_K. KVC_ERR_INVALID_ARG for an unknown type, n < 0 or not a
+ * multiple of the block size, or a NULL pointer with n > 0;
+ * KVC_ERR_UNSUPPORTED for a known type not decoded here (Q8_1, Q8_K, the
+ * other IQ types, TQ*, MXFP4, ...). dst is written only on
  * success; src and dst must not overlap.
  */
 KVC_API kvc_status kvc_ggml_dequantize(int32_t type, const void *src, int64_t n, float *dst);

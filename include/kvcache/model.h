@@ -20,9 +20,10 @@
  * scaling factor (<arch>.rope.scaling.factor with type linear, or without
  * that key the older rope.scale_linear; 1 when absent or 0), freq_factor
  * the rope_freqs.weight tensor of Llama 3.1+ (1 when absent). Weights F32,
- * F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and the K-quants Q4_K, Q5_K, Q6_K
- * (what a Q4_K_M / Q5_K_M / Q6_K file mixes: llama.cpp stores a matrix whose
- * input dimension is not a multiple of 256 as Q5_0, Q5_1 or Q8_0 instead)
+ * F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS and the K-quants Q2_K,
+ * Q3_K, Q4_K, Q5_K, Q6_K (what llama.cpp's Q2_K .. Q6_K and IQ4_XS files mix:
+ * it stores a matrix whose input dimension is not a multiple of 256 as
+ * IQ4_NL, Q5_0, Q5_1 or Q8_0 instead)
  * are read in place from the mapped file.
  *
  * Loading refuses, naming it, whatever it would not follow: a tensor the

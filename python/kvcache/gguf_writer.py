@@ -44,29 +44,48 @@ qh). Quantization (what ggml's reference quantizers do):
 A zero scale gives q = 0 (Q4_0: nibble 8). Scales are stored as float16; the
 codes are computed with the unrounded scale, as ggml does.
 
-K-quants pack 256 consecutive elements (a super-block) of a row:
+K-quants and IQ4_XS pack 256 consecutive elements (a super-block) of a row:
 
-=====  =====  ==========================================================
-type   bytes  layout, value of element e = 32 j + l (sub-block j)
-=====  =====  ==========================================================
-Q4_K   144    f16 d, f16 dmin, u8 scales[12], u8 qs[128];
-              x_e = (d * sc_j) * q_e - dmin * m_j
-Q5_K   176    f16 d, f16 dmin, u8 scales[12], u8 qh[32], u8 qs[128];
-              as Q4_K with bit j of qh[l] as bit 4 of q_e
-Q6_K   210    u8 ql[128], u8 qh[64], int8 scales[16], f16 d;
-              x_e = (d * scales[e // 16]) * (q_e - 32)
-=====  =====  ==========================================================
+======  =====  =========================================================
+type    bytes  layout, value of element e = 32 j + l (sub-block j)
+======  =====  =========================================================
+Q2_K    84     u8 scales[16], u8 qs[64], f16 d, f16 dmin;
+               x_e = (d * sc) * q_e - dmin * m, sc | m << 4 = scales[e // 16]
+Q3_K    110    u8 hmask[32], u8 qs[64], u8 scales[12], f16 d;
+               x_e = (d * (sc_{e // 16} - 32)) * q_e, q_e in -4..3
+Q4_K    144    f16 d, f16 dmin, u8 scales[12], u8 qs[128];
+               x_e = (d * sc_j) * q_e - dmin * m_j
+Q5_K    176    f16 d, f16 dmin, u8 scales[12], u8 qh[32], u8 qs[128];
+               as Q4_K with bit j of qh[l] as bit 4 of q_e
+Q6_K    210    u8 ql[128], u8 qh[64], int8 scales[16], f16 d;
+               x_e = (d * scales[e // 16]) * (q_e - 32)
+IQ4_XS  136    f16 d, u16 scales_h, u8 scales_l[4], u8 qs[128];
+               x_e = (d * (ls_j - 32)) * IQ4_NL_VALUES[nib_e]
+======  =====  =========================================================
 
+Q2_K/Q3_K: element e = 128 h + 32 i + l takes its 2 low bits from bits
+2 i of qs[32 h + l]; Q3_K's bit 2 is bit 4 h + i of hmask[l] (clear: q_e is
+4 less), and its 6-bit sc_k has the low nibble of scales[k % 8] (high nibble
+for k >= 8) and bits 4-5 from bits 2 (k // 4) of scales[8 + k % 4].
 Q4_K/Q5_K: q_e is nibble j % 2 of qs[32 (j // 2) + l]; sc_j, m_j are 6-bit,
 j < 4 in the low 6 bits of scales[j] / scales[j + 4], j >= 4 in the nibbles
 of scales[j + 4] (low: sc, high: m) with their top 2 bits in bits 6-7 of
 scales[j - 4] / scales[j]. Q6_K: element e = 128 h + r takes its low 4 bits
 from ql[64 h + r % 64] (high nibble when r >= 64) and bits 4-5 from bits
-2 (r // 32) of qh[32 h + r % 32]. The quantizers here are simple (one pass,
-no search like ggml's): per sub-block Q4_K/Q5_K take the range [min(x, 0),
-max x] and Q6_K max|x| / 31; the sub-block scales are then quantized against
-d = max scale / 63 (Q6_K: / 127), and the codes computed with the stored
-(float16 d times integer scale) factors, so they always decode in range.
+2 (r // 32) of qh[32 h + r % 32]. IQ4_XS: ls_j is nibble j % 2 of
+scales_l[j // 2] with bits 2 j, 2 j + 1 of scales_h as bits 4-5; sub-block j
+is packed as an IQ4_NL block's qs at qs[16 j].
+
+The quantizers here are simple (one pass, no search like ggml's). Per
+sub-block, Q2_K/Q4_K/Q5_K take the range [min(x, 0), max x], Q6_K max|x| / 31,
+Q3_K m / -4 and IQ4_XS m / -127 (m: the element of largest magnitude, sign
+kept; it decodes as -4 / -127, the other sign clips at 3 / 113). The
+sub-block scales are then quantized against d = max scale / 63 (Q2_K: / 15,
+dmin likewise; Q6_K: / 127; Q3_K/IQ4_XS, signed: the scale of largest
+magnitude / -32, the other sign clipping at 31), and the codes computed with
+the stored (float16 d times integer scale) factors, so they always decode in
+range. (Below max|x| ~ 3e-3 a row's Q6_K / IQ4_XS d is a coarse float16
+subnormal, and the error grows.)
 """
 
 from __future__ import annotations
@@ -151,14 +170,18 @@ class GGMLType:
     Q5_1 = 7
     IQ4_NL = 20
     Q8_0 = 8
+    Q2_K = 10
+    Q3_K = 11
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ4_XS = 23
     BF16 = 30
 
     NAMES: ClassVar[dict[int, str]] = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0",
-                                       7: "Q5_1", 8: "Q8_0", 20: "IQ4_NL",
-                                       12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
+                                       7: "Q5_1", 8: "Q8_0", 20: "IQ4_NL", 10: "Q2_K",
+                                       11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K",
+                                       23: "IQ4_XS", 30: "BF16"}
 
     @classmethod
     def parse(cls, t) -> int:
@@ -177,8 +200,12 @@ class GGMLType:
 
 # (elements per block, bytes per block)
 BLOCK_SIZES = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 2: (32, 18), 3: (32, 20),
-               6: (32, 22), 7: (32, 24), 20: (32, 18), 12: (256, 144), 13: (256, 176),
-               14: (256, 210)}
+               6: (32, 22), 7: (32, 24), 20: (32, 18), 10: (256, 84), 11: (256, 110),
+               12: (256, 144), 13: (256, 176), 14: (256, 210), 23: (256, 136)}
+
+# the types packed in 256-element super-blocks (_quantize_k / _dequantize_k)
+_SUPER_BLOCK_TYPES = (GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K,
+                      GGMLType.Q6_K, GGMLType.IQ4_XS)
 
 # IQ4_NL's 16 values (ggml's kvalues_iq4nl)
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
@@ -245,12 +272,93 @@ def _f16_bytes(v: np.ndarray) -> np.ndarray:
     return v.astype("<f2").view(np.uint8).reshape(-1, 2)
 
 
+def _signed_absmax(s: np.ndarray) -> np.ndarray:
+    """The element of largest magnitude along the last axis, sign kept."""
+    return np.take_along_axis(s, np.abs(s).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+
+
+def _signed_scales6(sub: np.ndarray):
+    """(n, k) signed sub-block scales -> float16 d, 6-bit integer scales
+    sc (-32..31) and the decoded factors d * sc; as ggml's Q3_K / IQ4_XS, the
+    scale of largest magnitude is -32 d (the other sign clips at 31)."""
+    d16 = (_signed_absmax(sub) / -32.0).astype(np.float16)
+    d = d16.astype(np.float32)
+    sc = np.clip(_round_half_away(sub * _inv(d)[:, None]), -32, 31).astype(np.int32)
+    return d16, sc, (d[:, None] * sc.astype(np.float32)).astype(np.float32)
+
+
+def _pack_2bit(q: np.ndarray) -> np.ndarray:
+    """(n, 256) codes 0..3 -> (n, 64) bytes: element 128 h + 32 j + l in bits
+    2 j of byte 32 h + l (Q2_K / Q3_K)."""
+    q = q.astype(np.int32).reshape(-1, 2, 4, 32)
+    return (q[:, :, 0] | q[:, :, 1] << 2 | q[:, :, 2] << 4 | q[:, :, 3] << 6).reshape(-1, 64)
+
+
+def _unpack_2bit(qs: np.ndarray) -> np.ndarray:
+    """(n, 64) bytes -> (n, 256) codes 0..3 (the inverse of _pack_2bit)."""
+    qs = qs.astype(np.int32).reshape(-1, 2, 1, 32)
+    return ((qs >> 2 * np.arange(4).reshape(1, 1, 4, 1)) & 3).reshape(-1, 256)
+
+
 def _quantize_k(x: np.ndarray, t: int) -> bytes:
     if x.ndim == 0 or x.shape[-1] % 256:
         raise ValueError(f"quantize: the last dimension ({x.shape[-1] if x.ndim else 0}) must "
                          f"be a multiple of 256 for {GGMLType.NAMES[t]}")
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, 256)
     n = x.shape[0]
+    if t == GGMLType.Q2_K:
+        s = x.reshape(n, 16, 16)
+        mn = np.minimum(s.min(axis=-1), 0.0)  # x = scale q - min: min <= 0
+        scale = (s.max(axis=-1) - mn) / 3.0
+        d16 = (scale.max(axis=-1) / 15.0).astype(np.float16)
+        dmin16 = (-mn.min(axis=-1) / 15.0).astype(np.float16)
+        d, dmin = d16.astype(np.float32), dmin16.astype(np.float32)
+        sc = np.clip(_round_half_away(scale * _inv(d)[:, None]), 0, 15).astype(np.int32)
+        m = np.clip(_round_half_away(-mn * _inv(dmin)[:, None]), 0, 15).astype(np.int32)
+        dj = (d[:, None] * sc.astype(np.float32)).astype(np.float32)
+        mj = (dmin[:, None] * m.astype(np.float32)).astype(np.float32)
+        q = np.clip(_round_half_away((s + mj[:, :, None]) * _inv(dj)[:, :, None]), 0, 3)
+        out = np.zeros((n, 84), np.uint8)
+        out[:, 0:16] = sc | m << 4
+        out[:, 16:80] = _pack_2bit(q)
+        out[:, 80:82] = _f16_bytes(d16)
+        out[:, 82:84] = _f16_bytes(dmin16)
+        return out.tobytes()
+    if t == GGMLType.Q3_K:
+        s = x.reshape(n, 16, 16)
+        # ggml's make_q3_quants without its search: the element of largest
+        # magnitude decodes as -4 (the other sign clips at +3)
+        d16, sc, eff = _signed_scales6(_signed_absmax(s) / -4.0)
+        q = np.clip(_round_half_away(s * _inv(eff)[:, :, None]), -4, 3).astype(np.int32) + 4
+        u = sc + 32  # stored 6-bit scales
+        scales = np.zeros((n, 12), np.int32)
+        scales[:, 0:8] = (u[:, 0:8] & 15) | (u[:, 8:16] & 15) << 4
+        for g in range(4):  # bits 4-5 of scale 4 g + i in bits 2 g of byte 8 + i
+            scales[:, 8:12] |= (u[:, 4 * g:4 * g + 4] >> 4) << 2 * g
+        hm = (q >> 2).reshape(n, 2, 4, 32)  # (h, i, l): bit 4 h + i of hmask[l]
+        hmask = np.zeros((n, 32), np.int32)
+        for h in range(2):
+            for i in range(4):
+                hmask |= hm[:, h, i] << (4 * h + i)
+        out = np.zeros((n, 110), np.uint8)
+        out[:, 0:32] = hmask
+        out[:, 32:96] = _pack_2bit(q & 3)
+        out[:, 96:108] = scales
+        out[:, 108:110] = _f16_bytes(d16)
+        return out.tobytes()
+    if t == GGMLType.IQ4_XS:
+        s = x.reshape(n, 8, 32)
+        d16, sc, eff = _signed_scales6(_signed_absmax(s) / -127.0)  # IQ4_NL's block scale
+        y = s * _inv(eff)[:, :, None]
+        q = np.abs(y[..., None] - IQ4_NL_VALUES.astype(np.float32)).argmin(axis=-1)
+        u = (sc + 32).astype(np.uint32)
+        scales_h = (((u >> 4) & 3) << (2 * np.arange(8, dtype=np.uint32))).sum(axis=1)
+        out = np.zeros((n, 136), np.uint8)
+        out[:, 0:2] = _f16_bytes(d16)
+        out[:, 2:4] = scales_h.astype("<u2").view(np.uint8).reshape(n, 2)
+        out[:, 4:8] = (u[:, 0::2] & 15) | (u[:, 1::2] & 15) << 4
+        out[:, 8:136] = _pack_nibbles(q.reshape(n * 8, 32)).reshape(n, 128)
+        return out.tobytes()
     if t == GGMLType.Q6_K:
         s = x.reshape(n, 16, 16)
         sub = np.abs(s).max(axis=-1) / 31.0  # (n, 16) sub-block scales
@@ -301,9 +409,37 @@ def _quantize_k(x: np.ndarray, t: int) -> bytes:
 
 
 def _dequantize_k(blk: np.ndarray, t: int) -> np.ndarray:
-    """(n, block bytes) K-quant super-blocks -> (n, 256) float32, ggml's order
-    of float32 operations."""
+    """(n, block bytes) super-blocks (K-quants, IQ4_XS) -> (n, 256) float32,
+    ggml's order of float32 operations."""
     n = blk.shape[0]
+    if t == GGMLType.Q2_K:
+        d = blk[:, 80:82].copy().view("<f2").astype(np.float32)  # (n, 1)
+        dmin = blk[:, 82:84].copy().view("<f2").astype(np.float32)
+        sc = blk[:, 0:16].astype(np.int32)
+        dl = d * (sc & 15).astype(np.float32)  # (n, 16)
+        ml = dmin * (sc >> 4).astype(np.float32)
+        q = _unpack_2bit(blk[:, 16:80]).astype(np.float32).reshape(n, 16, 16)
+        return (dl[:, :, None] * q - ml[:, :, None]).reshape(n, 256)
+    if t == GGMLType.Q3_K:
+        d = blk[:, 108:110].copy().view("<f2").astype(np.float32)
+        s = blk[:, 96:108].astype(np.int32)
+        j = np.arange(16)
+        sc = ((s[:, j % 8] >> 4 * (j // 8)) & 15) | ((s[:, 8 + j % 4] >> 2 * (j // 4)) & 3) << 4
+        dl = d * (sc - 32).astype(np.float32)
+        hm = blk[:, 0:32].astype(np.int32).reshape(n, 1, 1, 32)
+        hbit = (hm >> np.arange(8).reshape(1, 2, 4, 1)) & 1  # bit 4 h + j of hmask[l]
+        q = _unpack_2bit(blk[:, 32:96]) - 4 * (1 - hbit.reshape(n, 256))
+        return (dl[:, :, None] * q.astype(np.float32).reshape(n, 16, 16)).reshape(n, 256)
+    if t == GGMLType.IQ4_XS:
+        d = blk[:, 0:2].copy().view("<f2").astype(np.float32)
+        sh = blk[:, 2:4].copy().view("<u2").astype(np.int32)  # (n, 1)
+        ib = np.arange(8)
+        sl = blk[:, 4 + ib // 2].astype(np.int32)
+        ls = ((sl >> 4 * (ib % 2)) & 15) | ((sh >> 2 * ib) & 3) << 4
+        dl = d * (ls - 32).astype(np.float32)  # (n, 8)
+        q = _unpack_nibbles(blk[:, 8:136].reshape(n * 8, 16)).astype(np.int64)
+        v = IQ4_NL_VALUES[q].astype(np.float32).reshape(n, 8, 32)
+        return (dl[:, :, None] * v).reshape(n, 256)
     if t == GGMLType.Q6_K:
         d = blk[:, 208:210].copy().view("<f2").astype(np.float32)  # (n, 1)
         sc = blk[:, 192:208].copy().view(np.int8).astype(np.float32)  # (n, 16)
@@ -339,7 +475,7 @@ def quantize(x, ggml_type) -> bytes:
         return np.ascontiguousarray(x, dtype="<f2").tobytes()
     if t == GGMLType.BF16:
         return _f32_to_bf16_bits(x).astype("<u2").tobytes()
-    if t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K):
+    if t in _SUPER_BLOCK_TYPES:
         return _quantize_k(x, t)
     b = _blocks(x, "quantize")
     n = b.shape[0]
@@ -419,7 +555,7 @@ def dequantize(data, ggml_type, shape) -> np.ndarray:
     if t == GGMLType.BF16:
         return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32).reshape(shape)
     blk = raw.reshape(-1, bb)
-    if t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K):
+    if t in _SUPER_BLOCK_TYPES:
         return _dequantize_k(blk, t).reshape(shape)
     d = blk[:, 0:2].copy().view("<f2").astype(np.float32)  # (n, 1)
     if t == GGMLType.Q8_0:

@@ -1,21 +1,25 @@
-"""K-quant weights (Q4_K, Q5_K, Q6_K) and ggml block decoding.
+"""K-quant and IQ4_XS weights (Q2_K .. Q6_K, IQ4_XS) and ggml block decoding.
 
 * kvc_ggml_dequantize (kvcache.gguf.ggml_dequantize) against the `gguf`
   package's gguf.quants.dequantize, bitwise (float32 bit patterns equal), for
   every type it decodes: random bytes with the float16 scale fields set to
   finite values of every magnitude class (normal, subnormal, zero, both
   signs), so every code, 6-bit scale / min and sign path is hit.
-* The writer's K-quant encoder/decoder (kvcache.gguf_writer) against the same
-  package, and its error against the float input.
-* A tiny random llama whose matrices mix Q4_K, Q5_K and Q6_K (as a Q4_K_M
-  file does) against the numpy float64 reference (llama_reference.py, which
-  dequantizes with the gguf package): same tolerance as test_model.py's
-  quantized models (int16 activations: the weights' own quantization is the
-  reference's, so only activation rounding and float32 sums remain), every
-  ISA, and the cache exactness of seed 001.
+* The writer's super-block encoders/decoders (kvcache.gguf_writer) against
+  the same package, and their error against the float input.
+* Tiny random llamas whose matrices mix Q4_K, Q5_K and Q6_K (as a Q4_K_M
+  file does), or Q2_K, Q3_K and IQ4_XS, against the numpy float64 reference
+  (llama_reference.py, which dequantizes with the gguf package): same
+  tolerance as test_model.py's quantized models (int16 activations: the
+  weights' own quantization is the reference's, so only activation rounding
+  and float32 sums remain), every ISA, and the cache exactness of seed 001.
+  A type the products do not implement (IQ2_XXS, IQ3_S, TQ2_0, IQ1_S) is
+  refused at load.
 * Real weights: the default model with its ffn_down matrices re-encoded as
-  Q4_K (measured 2.5e-4 of the logit range off the float32 reference, 5e-3
-  allowed as for the Q4_1 file; still answers "Paris"), and with its
+  Q4_K, Q2_K, Q3_K or IQ4_XS (measured 3.3e-4, 6.1e-4, 4.0e-4, 2.8e-4 of the
+  logit range off the float32 reference, 5e-3 allowed as for the Q4_1 file;
+  generated tokens follow the reference's clear choices; Q4_K still answers
+  "Paris", the writer's one-pass Q2_K and IQ4_XS do not), and with its
   embedding (tied: also the output matrix, 49,152 x 576) re-encoded as Q5_0
   or Q5_1, the types llama.cpp's Q4_K_M / Q5_K_M files give matrices whose
   input dimension (576 here) is not a multiple of 256, or as IQ4_NL.
@@ -42,8 +46,8 @@ from test_model import _check_exact, _check_logits, _isa  # noqa: E402
 BLOCKS = {
     "Q8_0": (32, 34, (0,)), "Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)),
     "Q5_0": (32, 22, (0,)), "Q5_1": (32, 24, (0, 2)), "IQ4_NL": (32, 18, (0,)),
-    "Q4_K": (256, 144, (0, 2)),
-    "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
+    "Q2_K": (256, 84, (80, 82)), "Q3_K": (256, 110, (108,)), "Q4_K": (256, 144, (0, 2)),
+    "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)), "IQ4_XS": (256, 136, (0,)),
 }
 
 
@@ -118,14 +122,14 @@ def test_dequantize_errors():
         ggml_dequantize(bytes(144), q4k, 512)  # more than the data holds
     with pytest.raises(kvcache.InvalidArgumentError):
         ggml_dequantize(bytes(32), 99)
-    with pytest.raises(kvcache.UnsupportedError, match="Q2_K"):
-        ggml_dequantize(bytes(84), int(_qtype("Q2_K")))
-    with pytest.raises(kvcache.UnsupportedError, match="IQ4_XS"):  # known by size only
-        ggml_dequantize(bytes(136), int(_qtype("IQ4_XS")))
+    with pytest.raises(kvcache.UnsupportedError, match="IQ2_XXS"):  # known by size only
+        ggml_dequantize(bytes(66), int(_qtype("IQ2_XXS")))
+    with pytest.raises(kvcache.UnsupportedError, match="TQ2_0"):
+        ggml_dequantize(bytes(66), int(_qtype("TQ2_0")))
     assert ggml_dequantize(b"", q4k).shape == (0,)
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
 def test_writer_k_quants_match_gguf(name):
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((6, 768)) * np.exp(rng.uniform(-3, 1, (6, 1)))).astype(np.float32)
@@ -139,42 +143,56 @@ def test_writer_k_quants_match_gguf(name):
     assert _bitwise_equal(ours, ref)
     assert _bitwise_equal(ggml_dequantize(data, code), ref)
     assert not ours[1, :256].any()
-    # one pass, no search: the error of a plain 4/5/6-bit grid (plus 6/8-bit scales)
-    rel = {"Q4_K": 0.09, "Q5_K": 0.045, "Q6_K": 0.03}[name]
+    # one pass, no search: the error of a plain 4/5/6-bit grid (plus 6/8-bit
+    # scales). The low-bit types, worst over 200 varied inputs / by
+    # construction, of max|x|: Q2_K 0.333 / 1/3 (half a 2-bit step over
+    # [min(x, 0), max x]); Q3_K 0.271 / 0.273 (the other sign than the
+    # sub-block's largest element, which decodes as -4, clips at +3: 1/4, or
+    # 1 - 3/4 * 31/32 where the 6-bit scale clips at 31); IQ4_XS 0.137 / 0.137
+    # (likewise 127 -> 113: 14/127, or 18/127 * 31/32)
+    rel = {"Q2_K": 0.35, "Q3_K": 0.3, "Q4_K": 0.09, "Q5_K": 0.045, "Q6_K": 0.03,
+           "IQ4_XS": 0.15}[name]
     for r in range(x.shape[0]):
         assert np.abs(ours[r] - x[r]).max() <= rel * np.abs(x[r]).max() + 1e-30
 
 
-# -- a tiny llama with mixed K-quant matrices ----------------------------------------
+# -- tiny llamas with mixed super-block matrices ------------------------------------
 
-KQ_TYPES = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K",
-            "attn_output": "Q4_K", "ffn_gate": "Q5_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K",
-            "output": "Q6_K"}
+# weight types by short name: as a Q4_K_M file mixes them, and the low-bit
+# types of Q2_K / Q3_K_M / IQ4_XS files (token_embd in Q3_K: its lookup decodes
+# rows of the new types too)
+KQ_MIXES = {
+    "q456": {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q5_K", "attn_v": "Q6_K",
+             "attn_output": "Q4_K", "ffn_gate": "Q5_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K",
+             "output": "Q6_K"},
+    "q23_iq4xs": {"token_embd": "Q3_K", "attn_q": "Q2_K", "attn_k": "IQ4_XS", "attn_v": "Q3_K",
+                  "attn_output": "IQ4_XS", "ffn_gate": "Q2_K", "ffn_up": "IQ4_XS",
+                  "ffn_down": "Q3_K", "output": "Q2_K"},
+}
 
 
-@pytest.fixture(scope="module")
-def kq_model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("kq") / "tiny_kq.gguf"
+@pytest.fixture(scope="module", params=sorted(KQ_MIXES))
+def kq_model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("kq") / f"tiny_{request.param}.gguf"
     # every matrix's input dimension a multiple of 256 (the super-block)
     W.write_tiny_llama(path, n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, seed=11,
-                       weight_types=KQ_TYPES, tied_output=False, attn_gain=2.0)
+                       weight_types=KQ_MIXES[request.param], tied_output=False, attn_gain=2.0)
     m = Model(path)
-    yield path, m, LlamaReference(str(path))
+    yield path, m, LlamaReference(str(path)), KQ_MIXES[request.param]
     m.close()
 
 
 def test_kq_model_stores_the_k_quant_types(kq_model):
-    path, _, _ = kq_model
+    path, _, _, mix = kq_model
     with GGUFFile(path) as f:
         types = {t.name: t.type_name for t in f.tensors}
-    assert types["blk.1.attn_k.weight"] == "Q5_K"
-    assert types["blk.0.ffn_down.weight"] == "Q6_K"
-    assert types["output.weight"] == "Q6_K"
-    assert {"Q4_K", "Q5_K", "Q6_K"} <= set(types.values())
+    for name in ("blk.1.attn_k", "blk.0.ffn_down", "blk.1.ffn_up", "token_embd", "output"):
+        assert types[name + ".weight"] == mix[name.split(".")[-1]]
+    assert set(types.values()) == set(mix.values()) | {"F32"}  # F32: the norms
 
 
 def test_kq_model_logits_match_numpy_reference(kq_model):
-    _, m, ref = kq_model
+    _, m, ref, _ = kq_model
     rng = np.random.default_rng(2)
     toks = rng.integers(0, m.n_vocab, size=29)
     want = ref.logits(toks)
@@ -185,12 +203,15 @@ def test_kq_model_logits_match_numpy_reference(kq_model):
             _check_logits(m.eval(toks, kv_dtype="float32", num_threads=2), want, 1e-3)
 
 
-@pytest.mark.parametrize("name", ["Q2_K", "Q3_K", "IQ4_XS", "IQ2_XXS"])
+@pytest.mark.parametrize("kq_model", ["q456"], indirect=True)
+@pytest.mark.parametrize("name", ["IQ2_XXS", "IQ3_S", "TQ2_0", "IQ1_S"])
 def test_model_refuses_a_weight_type_it_cannot_multiply(kq_model, tmp_path, name):
     """A matrix in a type the products do not implement (Q4_K patched to
-    Q2_K / Q3_K / IQ4_XS / IQ2_XXS, whose rows are no larger): the file opens,
-    the load fails naming the tensor and the type, and the types that are
-    supported."""
+    IQ2_XXS / IQ3_S / TQ2_0 / IQ1_S, whose rows are no larger): the file
+    opens, the load fails naming the tensor and the type, and the types that
+    are supported."""
+    bs, bb = gguf.GGML_QUANT_SIZES[_qtype(name)]
+    assert bs == 256 and 0 < bb <= BLOCKS["Q4_K"][1]
     path = tmp_path / f"tiny_{name}.gguf"
     shutil.copyfile(kq_model[0], path)
     r = gguf.GGUFReader(path, "r+")
@@ -207,11 +228,11 @@ def test_model_refuses_a_weight_type_it_cannot_multiply(kq_model, tmp_path, name
 
 
 def test_kq_model_cache_is_exact_float32(kq_model):
-    _, m, _ = kq_model
+    _, m, _, _ = kq_model
     _check_exact(m, [3, 1, 4, 1, 5, 9, 2, 6], 24, 16)  # eval pages hold 16 tokens too
 
 
-# -- the default model with its ffn_down matrices in Q4_K ------------------------------
+# -- the default model with its ffn_down matrices in K-quants and IQ4_XS -------------
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -219,13 +240,16 @@ DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "SmolLM2-135M-I
 @pytest.mark.skipif(not DEFAULT_MODEL.exists(),
                     reason=f"the default model is absent ({DEFAULT_MODEL}): "
                            "bash scripts/fetch_model.sh")
-def test_default_model_with_q4_k_ffn_down(tmp_path):
+@pytest.mark.parametrize("name", ["Q4_K", "Q2_K", "Q3_K", "IQ4_XS"])
+def test_default_model_with_k_quant_ffn_down(tmp_path, name):
     """Real weights: SmolLM2's 30 ffn_down matrices (576 x 1536, the only
-    ones whose input dimension is a multiple of 256) re-encoded as Q4_K in
-    place (864 bytes a row fit in the Q4_1 row's 960; the tensor type is
-    patched), against the float32 numpy reference of the patched file with
-    test_model.py's default-model tolerance, and the greedy answer."""
-    path = tmp_path / "smol_q4k.gguf"
+    ones whose input dimension is a multiple of 256) re-encoded as Q4_K,
+    Q2_K, Q3_K or IQ4_XS in place (864 / 504 / 660 / 816 bytes a row fit in
+    the Q4_1 row's 960; the tensor type is patched), against the float32
+    numpy reference of the patched file with test_model.py's default-model
+    tolerance on every ISA, and generated tokens against the reference's
+    choices where they are clear (Q4_K still answers "Paris")."""
+    path = tmp_path / f"smol_{name}.gguf"
     shutil.copyfile(DEFAULT_MODEL, path)
     r = gguf.GGUFReader(path, "r+")
     n = 0
@@ -234,29 +258,43 @@ def test_default_model_with_q4_k_ffn_down(tmp_path):
             continue
         assert t.tensor_type == gguf.GGMLQuantizationType.Q4_1
         x = gguf.quants.dequantize(t.data, t.tensor_type)
-        q = np.frombuffer(W.quantize(x, "Q4_K"), np.uint8)
+        q = np.frombuffer(W.quantize(x, name), np.uint8)
         flat = t.data.reshape(-1)
-        assert q.size < flat.size
+        assert q.size == x.size // 256 * BLOCKS[name][1] < flat.size
         flat[:q.size] = q
         # tensor info parts: name length, name, n_dims, dims, type, offset
         type_part = t.field.parts[-2]
         assert type_part.dtype == np.uint32 and int(type_part[0]) == 3
-        type_part[0] = int(gguf.GGMLQuantizationType.Q4_K)
+        type_part[0] = int(_qtype(name))
         n += 1
     r.data.flush()
     del r
     assert n == 30
     with GGUFFile(path) as f:
-        assert {t.type_name for t in f.tensors if "ffn_down" in t.name} == {"Q4_K"}
+        assert {t.type_name for t in f.tensors if "ffn_down" in t.name} == {name}
     with Model(path) as m:
         ref = LlamaReference(str(path), dtype=np.float32)
         toks = [1, 504, 3458, 282, 4649, 314, 30, 3]
-        _check_logits(m.eval(toks, num_threads=2), ref.logits(toks).astype(np.float64), 5e-3)
+        want = ref.logits(toks).astype(np.float64)
+        for isa in kvcache.supported_isas():
+            with _isa(isa):
+                _check_logits(m.eval(toks, num_threads=2), want, 5e-3)
         tok = kvcache.Tokenizer.from_gguf(path)
-        q = [{"role": "user", "content": "What is the capital of France?"}]
-        p = tok.encode(tok.apply_chat_template(q, add_generation_prompt=True))
-        text = tok.decode(m.generate([p], 12, num_threads=2)[0])
-        assert "Paris" in text, text
+        qn = [{"role": "user", "content": "What is the capital of France?"}]
+        p = list(tok.encode(tok.apply_chat_template(qn, add_generation_prompt=True)))
+        out = [int(v) for v in m.generate([p], 12, num_threads=2)[0]]
+        if name == "Q4_K":
+            assert "Paris" in tok.decode(out), tok.decode(out)
+        clear = 0
+        for i in range(4):
+            want = ref.logits(p + out[:i])[-1].astype(np.float64)
+            got = m.eval(p + out[:i], num_threads=2)[-1]
+            _check_logits(got, want, 5e-3)
+            top2 = np.sort(want)[-2:]
+            if top2[1] - top2[0] > 4 * np.abs(got - want).max():
+                assert out[i] == int(np.argmax(want)), (i, out, tok.decode(out))
+                clear += 1
+        assert clear >= 2, (clear, out)
 
 
 @pytest.mark.skipif(not DEFAULT_MODEL.exists(),

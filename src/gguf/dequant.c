@@ -36,6 +36,22 @@ static void kq_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
+/* Q3_K's 16 6-bit scales (stored + 32) from 12 bytes, as ggml unpacks them:
+ * low nibble from byte j % 8 (its high nibble for j >= 8), bits 4..5 from
+ * the 2-bit pair j / 4 of byte 8 + j % 4. */
+static void q3k_scales(const uint8_t *s, int sc[16]) {
+    for (int j = 0; j < 16; j++)
+        sc[j] = (((s[j % 8] >> (4 * (j / 8))) & 15) | ((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4) -
+                32;
+}
+
+/* IQ4_XS's 6-bit scale of sub-block j (0..7), minus 32: nibble j % 2 of
+ * scales_l[j / 2], bits 2 j, 2 j + 1 of scales_h as bits 4, 5. */
+static int iq4xs_scale(const uint8_t *b, int j) {
+    const int hi = ((b[2] | b[3] << 8) >> (2 * j)) & 3;
+    return (((b[4 + j / 2] >> (4 * (j % 2))) & 15) | hi << 4) - 32;
+}
+
 static void dequant_block(int32_t t, const uint8_t *b, float *y) {
     switch (t) {
     case KVC_GGML_Q8_0: { /* f16 d, int8 q[32]: x = d q */
@@ -106,6 +122,38 @@ static void dequant_block(int32_t t, const uint8_t *b, float *y) {
         }
         break;
     }
+    case KVC_GGML_Q2_K: { /* scales[16], qs[64], f16 d, f16 dmin: x = (d sc) q - dmin m
+                           * per 16 elements (sc, m: low, high nibble of scales[e / 16]) */
+        const float d = f16_at(b + 80), dmin = f16_at(b + 82);
+        for (int e = 0; e < 256; e++) {
+            const int q = (b[16 + 32 * (e / 128) + e % 32] >> (2 * (e % 128 / 32))) & 3;
+            const uint8_t sc = b[e / 16];
+            y[e] = d * (float)(sc & 15) * (float)q - dmin * (float)(sc >> 4);
+        }
+        break;
+    }
+    case KVC_GGML_Q3_K: { /* hmask[32], qs[64], scales[12], f16 d: x = (d (sc - 32)) (q - 4) */
+        const float d = f16_at(b + 108);
+        int sc[16];
+        q3k_scales(b + 96, sc);
+        for (int e = 0; e < 256; e++) {
+            const int l = e % 32, j = e / 32; /* j = 4 n + shift / 2 */
+            const int q = ((b[32 + 32 * (j / 4) + l] >> (2 * (j % 4))) & 3) - 4 +
+                          4 * ((b[l] >> j) & 1);
+            y[e] = d * (float)sc[e / 16] * (float)q;
+        }
+        break;
+    }
+    case KVC_GGML_IQ4_XS: { /* f16 d, u16 scales_h, scales_l[4], qs[128]:
+                             * x = (d (ls - 32)) kvalues[q] per 32 */
+        static const int8_t kv[16] = KVC_GGML_IQ4_NL_VALUES;
+        const float d = f16_at(b);
+        for (int j = 0; j < 8; j++) {
+            const float dl = d * (float)iq4xs_scale(b, j);
+            for (int e = 0; e < 32; e++) y[32 * j + e] = dl * (float)kv[nib(b + 8 + 16 * j, e)];
+        }
+        break;
+    }
     default: break;
     }
 }
@@ -121,6 +169,9 @@ static int decodable(int32_t t) {
     case KVC_GGML_Q5_0:
     case KVC_GGML_Q5_1:
     case KVC_GGML_IQ4_NL:
+    case KVC_GGML_IQ4_XS:
+    case KVC_GGML_Q2_K:
+    case KVC_GGML_Q3_K:
     case KVC_GGML_Q4_K:
     case KVC_GGML_Q5_K:
     case KVC_GGML_Q6_K: return 1;

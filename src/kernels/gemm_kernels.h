@@ -21,23 +21,32 @@
  *   |isum| <= 32 * 128 * 32767 < 2^28 (no overflow; float(isum) may round,
  *   the same way on every ISA); int8: |isum| < 2^20 (exact).
  *
- *   K-quant weights (Q4_K, Q5_K, Q6_K): the same activations (cols is a
- *   multiple of 256, so a super-block is 8 activation blocks); per
- *   32-element sub-block b of a super-block with f16 d (and dmin):
+ *   K-quant weights (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and IQ4_XS: the same
+ *   activations (cols is a multiple of 256, so a super-block is 8 activation
+ *   blocks); per 32-element sub-block b of a super-block with f16 d (and
+ *   dmin), float32 products of the dequantization's own factors:
  *     Q4_K, Q5_K: q unsigned (0..15, 0..31), sc_b / m_b the 6-bit scale /
- *       min, dw_b = d * sc_b, mw_b = -(dmin * m_b) (float32 products, the
- *       dequantization's own factors: x = dw_b q + mw_b):
+ *       min, dw_b = d * sc_b, mw_b = -(dmin * m_b) (x = dw_b q + mw_b):
  *         isum_b = sum_{e<32} q[e] * qx[e]
  *         Y[i][r] += (dw_b * dx_b) * float(isum_b) + mw_b * sx_b
- *     Q6_K: q - 32 signed (-32..31), one int8 scale per 16 elements: per
- *       half h (elements 16 h .. 16 h + 15) dw_bh = d * sc_{2b+h}:
- *         isum_bh = sum_{e<16} (q[16 h + e] - 32) * qx[16 h + e]
+ *     IQ4_XS: q = KVC_GGML_IQ4_NL_VALUES[nibble] (signed), dw_b = d * (ls_b
+ *       - 32): Y[i][r] += (dw_b * dx_b) * float(isum_b)
+ *     Q6_K, Q3_K: q signed (Q6_K: 0..63 - 32; Q3_K: 2 low bits | high bit
+ *       << 2, minus 4), one scale per 16 elements: per half h (elements
+ *       16 h .. 16 h + 15) dw_bh = d * sc_{2b+h} (Q3_K: sc - 32):
+ *         isum_bh = sum_{e<16} q[16 h + e] * qx[16 h + e]
  *         Y[i][r] += (dw_b0 * dx_b) * float(isum_b0) + (dw_b1 * dx_b) * float(isum_b1)
- *   int16: |isum| <= 32 * 31 * 32767 < 2^25 (Q5_K; float(isum) may round,
- *   the same way on every ISA), < 2^24 for Q4_K and each Q6_K half (exact);
+ *     Q2_K: q unsigned 0..3, per half dw_bh = d * sc_{2b+h} and a 4-bit min
+ *       m_{2b+h}; the mins go through one integer sum per sub-block:
+ *         msum_b = sum_h m_{2b+h} * sum_{e<16} qx[16 h + e]
+ *         Y[i][r] += (dw_b0 * dx_b) * float(isum_b0) + (dw_b1 * dx_b) * float(isum_b1)
+ *                    + (-dmin * dx_b) * float(msum_b)
+ *   int16: |isum| <= 32 * 31 * 32767 < 2^25 (Q5_K) and 32 * 127 * 32767 <
+ *   2^28 (IQ4_XS) (float(isum) may round, the same way on every ISA), <
+ *   2^24 for Q4_K, each half of Q6_K / Q3_K / Q2_K and Q2_K's msum (exact);
  *   int8: exact. (A Q6_K block sum with the int8 scales folded in would
  *   reach 2^32 with int16 activations: hence the two halves.)
- *
+
  * Row independence: a kernel computes each Y[i][r] with one fixed sequence
  * of operations that depends only on (X row i, W row r, cols, type, ISA,
  * activation bits), whatever the tile that row lands in, so Y[i] does not
@@ -114,7 +123,7 @@ void kvc__gemm_quantize_x(const float *x, int64_t cols, int L, int bits, void *x
 /* ---- kernels --------------------------------------------------------------- */
 
 /* Quantized weights (wt in Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL; the kq kernels
- * Q4_K/Q5_K/Q6_K): rows [r0, r1) of W (row r at
+ * Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_XS): rows [r0, r1) of W (row r at
  * W + r * row_bytes), cols = 32 nb, activation rows i < n at xq + i *
  * xq_stride bytes (layout above, the table's lanes); Y[i][r] at Y + i * ldy
  * + r. */
@@ -127,7 +136,7 @@ typedef struct kvc__gemm_kernels {
     int lanes; /* L of the activation layout the int kernels read */
     kvc__gemm_q_fn gemm_q8;  /* int8 activations */
     kvc__gemm_q_fn gemm_q16; /* int16 activations */
-    kvc__gemm_q_fn gemm_kq8;  /* K-quant weights (nb a multiple of 8), int8 activations */
+    kvc__gemm_q_fn gemm_kq8;  /* K-quant, IQ4_XS weights (nb a multiple of 8), int8 activations */
     kvc__gemm_q_fn gemm_kq16; /* and int16 activations */
     /* Float weights (wt in F32/F16/BF16): X row i at X + i * ldx. */
     void (*gemm_f)(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t r1,
@@ -135,6 +144,18 @@ typedef struct kvc__gemm_kernels {
 } kvc__gemm_kernels;
 
 /* K-quant kernels of the SIMD tables (gemm_kq_avx2.c, gemm_kq_avx512.c). */
+/* Bytes of one super-block of a kq type. */
+static inline int64_t kvc__kq_bytes(int32_t wt) {
+    switch (wt) {
+    case KVC_GGML_Q2_K: return 84;
+    case KVC_GGML_Q3_K: return 110;
+    case KVC_GGML_Q4_K: return 144;
+    case KVC_GGML_Q5_K: return 176;
+    case KVC_GGML_IQ4_XS: return 136;
+    default: return 210; /* Q6_K */
+    }
+}
+
 void kvc__gemm_kq8_avx2(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t r1,
                         int64_t nb, const uint8_t *xq, int64_t xs, int64_t n, float *Y,
                         int64_t ldy);

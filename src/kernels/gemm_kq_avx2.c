@@ -38,13 +38,21 @@
 #define L 2 /* 128-bit lanes per register */
 
 typedef struct kgroup {
-    __m256i v[4][4]; /* int8: v[j][0] lo, v[j][1] hi bytes; int16: v[j][s] part s */
-    __m256 dw, mw;   /* position order; Q6_K: scales of half 0 and half 1 */
+    __m256i v[4][4]; /* int8: v[j][0] lo, v[j][1] hi bytes (IQ4_XS: |q|, then q in
+                      * v[j][2], v[j][3] for the signs); int16: v[j][s] part s */
+    __m256 dw, mw;   /* position order; halves types: scales of half 0 and half 1 */
+    __m256i mv[4][2]; /* Q2_K: min of half h of each lane's sub-block (int8: bytes, int16: words) */
+    __m256 dm;       /* Q2_K: -dmin */
 } kgroup;
 
-static int64_t kq_bytes(int32_t wt) {
-    return wt == KVC_GGML_Q4_K ? 144 : wt == KVC_GGML_Q5_K ? 176 : 210;
+#define kq_bytes kvc__kq_bytes
+
+/* Types whose scales cover 16 elements (two sums per sub-block), and the
+ * offset their codes carry (q = u - off, u unsigned). */
+AI int halves(int32_t wt) {
+    return wt == KVC_GGML_Q6_K || wt == KVC_GGML_Q3_K || wt == KVC_GGML_Q2_K;
 }
+AI int code_off(int32_t wt) { return wt == KVC_GGML_Q6_K ? 32 : wt == KVC_GGML_Q3_K ? 4 : 0; }
 
 AI __m256i bcast(const uint8_t *p) {
     return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)p));
@@ -54,6 +62,28 @@ AI float f16_at(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
+}
+
+/* The 16 bytes at p in both lanes, shifted right by cnt (per 32-bit word), masked. */
+AI __m256i bits_at(const uint8_t *p, __m256i cnt, __m256i mask) {
+    return _mm256_and_si256(_mm256_srlv_epi32(bcast(p), cnt), mask);
+}
+
+/* Q3_K's 16 scales minus 32 as int8 (ggml's unpacking of the 12 bytes). */
+AI __m128i q3k_scales(const uint8_t *s) {
+    uint32_t u[3];
+    memcpy(u, s, 12);
+    const uint32_t a0 = (u[0] & 0x0f0f0f0fu) | (u[2] & 0x03030303u) << 4;
+    const uint32_t a1 = (u[1] & 0x0f0f0f0fu) | ((u[2] >> 2) & 0x03030303u) << 4;
+    const uint32_t a2 = ((u[0] >> 4) & 0x0f0f0f0fu) | ((u[2] >> 4) & 0x03030303u) << 4;
+    const uint32_t a3 = ((u[1] >> 4) & 0x0f0f0f0fu) | ((u[2] >> 6) & 0x03030303u) << 4;
+    return _mm_sub_epi8(_mm_setr_epi32((int)a0, (int)a1, (int)a2, (int)a3), _mm_set1_epi8(32));
+}
+
+/* IQ4_XS's scale of sub-block j, minus 32. */
+AI int iq4xs_scale(const uint8_t *b, int j) {
+    const int hi = ((b[2] | b[3] << 8) >> (2 * j)) & 3;
+    return (((b[4 + j / 2] >> (4 * (j % 2))) & 15) | hi << 4) - 32;
 }
 
 /* Scales and mins of a Q4_K/Q5_K super-block as bytes sc[0..7] | m[0..7]. */
@@ -104,6 +134,68 @@ AI void load_kgroup(const int32_t wt, const int bits, const uint8_t *w, kgroup *
             _mm_setr_epi8(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15));
         g->dw = _mm256_mul_ps(_mm256_set1_ps(d), bytes_ps(s, 1));
         g->mw = _mm256_mul_ps(_mm256_set1_ps(d), bytes_ps(_mm_srli_si128(s, 8), 1));
+    } else if (wt == KVC_GGML_Q2_K || wt == KVC_GGML_Q3_K) {
+        /* sub-block s = 2 j + k: 2 bits (qs[32 (j / 2) + l] >> 2 (s % 4)) & 3;
+         * Q3_K: bit s of hmask[l] as bit 2 */
+        const int three = wt == KVC_GGML_Q3_K;
+        const uint8_t *qs = w + (three ? 32 : 16);
+        const __m256i m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
+        UNROLL
+        for (int j = 0; j < 4; j++) {
+            const int c = 4 * (j % 2);
+            const __m256i cnt = _mm256_setr_epi32(c, c, c, c, c + 2, c + 2, c + 2, c + 2);
+            lo[j] = bits_at(qs + 32 * (j / 2), cnt, m3);
+            hi[j] = bits_at(qs + 32 * (j / 2) + 16, cnt, m3);
+            if (three) {
+                const int b = 2 * j;
+                const __m256i hc = _mm256_setr_epi32(b, b, b, b, b + 1, b + 1, b + 1, b + 1);
+                lo[j] = _mm256_or_si256(lo[j], _mm256_slli_epi16(bits_at(w, hc, m1), 2));
+                hi[j] = _mm256_or_si256(hi[j], _mm256_slli_epi16(bits_at(w + 16, hc, m1), 2));
+            }
+        }
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(const void *)w);
+        const __m128i k15 = _mm_set1_epi8(15);
+        const __m128i s16 = three ? q3k_scales(w + 96) : _mm_and_si128(raw, k15);
+        const float d = f16_at(w + (three ? 108 : 80));
+        /* scale 2 b(p) + h at position p: b(p) = 0, 2, 4, 6, 1, 3, 5, 7 */
+        const __m128i s = _mm_shuffle_epi8(
+            s16, _mm_setr_epi8(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15));
+        g->dw = _mm256_mul_ps(_mm256_set1_ps(d), bytes_ps(s, three));
+        g->mw = _mm256_mul_ps(_mm256_set1_ps(d), bytes_ps(_mm_srli_si128(s, 8), three));
+        if (!three) { /* mins: lane k of register j has scale 4 j + 2 k + h */
+            const __m256i mm =
+                _mm256_broadcastsi128_si256(_mm_and_si128(_mm_srli_epi16(raw, 4), k15));
+            g->dm = _mm256_set1_ps(-f16_at(w + 82));
+            UNROLL
+            for (int j = 0; j < 4; j++)
+                for (int h = 0; h < 2; h++) {
+                    const int i0 = 4 * j + h, i1 = 4 * j + 2 + h;
+                    /* int8: the index in every byte; int16: in the low byte of every word */
+                    const __m256i idx =
+                        bits == 8
+                            ? _mm256_set_m128i(_mm_set1_epi8((char)i1), _mm_set1_epi8((char)i0))
+                            : _mm256_set_m128i(_mm_set1_epi16((short)(0x8000 | i1)),
+                                               _mm_set1_epi16((short)(0x8000 | i0)));
+                    g->mv[j][h] = _mm256_shuffle_epi8(mm, idx);
+                }
+        }
+    } else if (wt == KVC_GGML_IQ4_XS) {
+        /* sub-block s = 2 j + k: 16 bytes at 8 + 16 s, low nibbles elements
+         * 0..15, high nibbles 16..31, each a table value */
+        const __m256i tbl = _mm256_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38,
+                                             53, 69, 89, 113, -127, -104, -83, -65, -49, -35, -22,
+                                             -10, 1, 13, 25, 38, 53, 69, 89, 113);
+        UNROLL
+        for (int j = 0; j < 4; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(w + 8 + 32 * j));
+            lo[j] = _mm256_shuffle_epi8(tbl, _mm256_and_si256(v, m4));
+            hi[j] = _mm256_shuffle_epi8(tbl, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+        }
+        int8_t ls[16] = {0};
+        for (int p = 0; p < 8; p++) ls[p] = (int8_t)iq4xs_scale(w, 2 * (p % 4) + p / 4);
+        g->dw = _mm256_mul_ps(_mm256_set1_ps(f16_at(w)),
+                              bytes_ps(_mm_loadu_si128((const __m128i *)(const void *)ls), 1));
+        g->mw = _mm256_setzero_ps();
     } else {
         const int five = wt == KVC_GGML_Q5_K;
         const uint8_t *qh = w + 16, *qs = w + (five ? 48 : 16);
@@ -136,12 +228,18 @@ AI void load_kgroup(const int32_t wt, const int bits, const uint8_t *w, kgroup *
     }
     UNROLL
     for (int j = 0; j < 4; j++) {
-        if (bits == 8) {
+        if (bits == 8 && wt == KVC_GGML_IQ4_XS) { /* |q| u8 with the sign moved to x */
+            g->v[j][0] = _mm256_abs_epi8(lo[j]);
+            g->v[j][1] = _mm256_abs_epi8(hi[j]);
+            g->v[j][2] = lo[j];
+            g->v[j][3] = hi[j];
+        } else if (bits == 8) {
             g->v[j][0] = lo[j];
             g->v[j][1] = hi[j];
-        } else if (wt == KVC_GGML_Q6_K) { /* q - 32, sign-extended even / odd bytes */
-            const __m256i c32 = _mm256_set1_epi8(32);
-            const __m256i a = _mm256_sub_epi8(lo[j], c32), b = _mm256_sub_epi8(hi[j], c32);
+        } else if (halves(wt) || wt == KVC_GGML_IQ4_XS) {
+            /* q - off, sign-extended even / odd bytes */
+            const __m256i c = _mm256_set1_epi8((char)code_off(wt));
+            const __m256i a = _mm256_sub_epi8(lo[j], c), b = _mm256_sub_epi8(hi[j], c);
             g->v[j][0] = _mm256_srai_epi16(_mm256_slli_epi16(a, 8), 8);
             g->v[j][1] = _mm256_srai_epi16(a, 8);
             g->v[j][2] = _mm256_srai_epi16(_mm256_slli_epi16(b, 8), 8);
@@ -166,31 +264,50 @@ AI __m256i reduce4(__m256i a, __m256i b, __m256i c, __m256i d) {
 AI __m256 row_kgroup(const int32_t wt, const int bits, const kgroup *g, const uint8_t *xg,
                      __m256 acc) {
     const int64_t qbytes = (bits == 16 ? 256 : 128) * L;
-    const __m256i ones = _mm256_set1_epi16(1), c32 = _mm256_set1_epi8(32);
-    const int six = wt == KVC_GGML_Q6_K;
-    __m256i a[4], b[4]; /* Q6_K: half 0 / half 1; else a only */
+    const __m256i ones = _mm256_set1_epi16(1), coff = _mm256_set1_epi8((char)code_off(wt));
+    const int two = halves(wt), q2k = wt == KVC_GGML_Q2_K;
+    __m256i a[4], b[4], c[4]; /* halves: half 0 / half 1; else a only; Q2_K: c the mins */
 #define XL(r) _mm256_loadu_si256((const __m256i *)(const void *)(xg + (r) * 16 * L))
     UNROLL
     for (int j = 0; j < 4; j++) {
         if (bits == 16) {
-            const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(g->v[j][0], XL(4 * j)),
-                                                _mm256_madd_epi16(g->v[j][1], XL(4 * j + 1)));
-            const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(g->v[j][2], XL(4 * j + 2)),
-                                                _mm256_madd_epi16(g->v[j][3], XL(4 * j + 3)));
-            if (six) {
+            const __m256i x0 = XL(4 * j), x1 = XL(4 * j + 1);
+            const __m256i x2 = XL(4 * j + 2), x3 = XL(4 * j + 3);
+            const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(g->v[j][0], x0),
+                                                _mm256_madd_epi16(g->v[j][1], x1));
+            const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(g->v[j][2], x2),
+                                                _mm256_madd_epi16(g->v[j][3], x3));
+            if (two) {
                 a[j] = p0;
                 b[j] = p1;
             } else {
                 a[j] = _mm256_add_epi32(p0, p1);
             }
-        } else if (six) {
+            if (q2k)
+                c[j] = _mm256_add_epi32(
+                    _mm256_add_epi32(_mm256_madd_epi16(g->mv[j][0], x0),
+                                     _mm256_madd_epi16(g->mv[j][0], x1)),
+                    _mm256_add_epi32(_mm256_madd_epi16(g->mv[j][1], x2),
+                                     _mm256_madd_epi16(g->mv[j][1], x3)));
+        } else if (two) {
             const __m256i x0 = XL(2 * j), x1 = XL(2 * j + 1);
-            a[j] = _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(g->v[j][0], x0),
-                                                      _mm256_maddubs_epi16(c32, x0)),
-                                     ones);
-            b[j] = _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(g->v[j][1], x1),
-                                                      _mm256_maddubs_epi16(c32, x1)),
-                                     ones);
+            __m256i s0 = _mm256_maddubs_epi16(g->v[j][0], x0);
+            __m256i s1 = _mm256_maddubs_epi16(g->v[j][1], x1);
+            if (code_off(wt)) { /* pairs of (q - off) x, |.| <= 8128 */
+                s0 = _mm256_sub_epi16(s0, _mm256_maddubs_epi16(coff, x0));
+                s1 = _mm256_sub_epi16(s1, _mm256_maddubs_epi16(coff, x1));
+            }
+            a[j] = _mm256_madd_epi16(s0, ones);
+            b[j] = _mm256_madd_epi16(s1, ones);
+            if (q2k) /* pair sums <= 2 * 15 * 127 */
+                c[j] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(g->mv[j][0], x0),
+                                                          _mm256_maddubs_epi16(g->mv[j][1], x1)),
+                                         ones);
+        } else if (wt == KVC_GGML_IQ4_XS) { /* pair sums <= 2 * 127 * 127: one madd each */
+            const __m256i x0 = XL(2 * j), x1 = XL(2 * j + 1);
+            const __m256i s0 = _mm256_maddubs_epi16(g->v[j][0], _mm256_sign_epi8(x0, g->v[j][2]));
+            const __m256i s1 = _mm256_maddubs_epi16(g->v[j][1], _mm256_sign_epi8(x1, g->v[j][3]));
+            a[j] = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
         } else {
             a[j] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(g->v[j][0], XL(2 * j)),
                                                       _mm256_maddubs_epi16(g->v[j][1],
@@ -202,10 +319,14 @@ AI __m256 row_kgroup(const int32_t wt, const int bits, const kgroup *g, const ui
     const __m256 dx = _mm256_loadu_ps((const float *)(const void *)(xg + qbytes));
     const __m256i i0 = reduce4(a[0], a[1], a[2], a[3]);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(g->dw, dx), acc);
-    if (six) {
+    if (two) {
         const __m256i i1 = reduce4(b[0], b[1], b[2], b[3]);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(g->mw, dx), acc);
-    } else {
+        if (q2k) {
+            const __m256i i2 = reduce4(c[0], c[1], c[2], c[3]);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i2), _mm256_mul_ps(g->dm, dx), acc);
+        }
+    } else if (wt != KVC_GGML_IQ4_XS) {
         acc = _mm256_fmadd_ps(
             g->mw, _mm256_loadu_ps((const float *)(const void *)(xg + qbytes + 32 * L)), acc);
     }
@@ -258,6 +379,15 @@ void kvc__gemm_kq8_avx2(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t
     case KVC_GGML_Q5_K:
         kq_rows(KVC_GGML_Q5_K, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
         break;
+    case KVC_GGML_Q2_K:
+        kq_rows(KVC_GGML_Q2_K, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_Q3_K:
+        kq_rows(KVC_GGML_Q3_K, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_IQ4_XS:
+        kq_rows(KVC_GGML_IQ4_XS, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
     default: kq_rows(KVC_GGML_Q6_K, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
     }
 }
@@ -271,6 +401,15 @@ void kvc__gemm_kq16_avx2(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_
         break;
     case KVC_GGML_Q5_K:
         kq_rows(KVC_GGML_Q5_K, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_Q2_K:
+        kq_rows(KVC_GGML_Q2_K, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_Q3_K:
+        kq_rows(KVC_GGML_Q3_K, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_IQ4_XS:
+        kq_rows(KVC_GGML_IQ4_XS, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
         break;
     default: kq_rows(KVC_GGML_Q6_K, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
     }

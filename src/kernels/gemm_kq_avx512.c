@@ -37,12 +37,19 @@
 
 typedef struct kgroup {
     __m512i v[4][4]; /* int8: v[j][0] lo, v[j][1] hi bytes; int16: v[j][s] part s */
-    __m512 dw, mw;   /* position order; Q6_K: scales of half 0 and half 1 */
+    __m512 dw, mw;   /* position order; halves types: scales of half 0 and half 1 */
+    __m512i mv[4][2]; /* Q2_K: min of half h of each lane's sub-block (int8: bytes, int16: words) */
+    __m512 dm;       /* Q2_K: -dmin of each position's super-block */
 } kgroup;
 
-static int64_t kq_bytes(int32_t wt) {
-    return wt == KVC_GGML_Q4_K ? 144 : wt == KVC_GGML_Q5_K ? 176 : 210;
+#define kq_bytes kvc__kq_bytes
+
+/* Types whose scales cover 16 elements (two sums per sub-block), and the
+ * offset their codes carry (q = u - off, u unsigned). */
+AI int halves(int32_t wt) {
+    return wt == KVC_GGML_Q6_K || wt == KVC_GGML_Q3_K || wt == KVC_GGML_Q2_K;
 }
+AI int code_off(int32_t wt) { return wt == KVC_GGML_Q6_K ? 32 : wt == KVC_GGML_Q3_K ? 4 : 0; }
 
 AI __m128i ld16(const uint8_t *p) { return _mm_loadu_si128((const __m128i *)(const void *)p); }
 
@@ -56,6 +63,39 @@ AI float f16_at(const uint8_t *p) {
 AI __m512i aabb(const uint8_t *a, const uint8_t *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(ld16(a))),
                               _mm256_broadcastsi128_si256(ld16(b)), 1);
+}
+
+/* Lane k of the result holds 32-bit value a_k in all four words. */
+AI __m512i rep4(int a0, int a1, int a2, int a3) {
+    return _mm512_setr_epi32(a0, a0, a0, a0, a1, a1, a1, a1, a2, a2, a2, a2, a3, a3, a3, a3);
+}
+
+/* The 16 bytes at p in every lane, lane k shifted right by cnt's k (per
+ * 32-bit word), masked. */
+AI __m512i bits_at(const uint8_t *p, __m512i cnt, __m512i mask) {
+    return _mm512_and_si512(_mm512_srlv_epi32(_mm512_broadcast_i32x4(ld16(p)), cnt), mask);
+}
+
+/* Q3_K's 16 scales minus 32 as int8 (ggml's unpacking of the 12 bytes). */
+AI __m128i q3k_scales(const uint8_t *s) {
+    uint32_t u[3];
+    memcpy(u, s, 12);
+    const uint32_t a0 = (u[0] & 0x0f0f0f0fu) | (u[2] & 0x03030303u) << 4;
+    const uint32_t a1 = (u[1] & 0x0f0f0f0fu) | ((u[2] >> 2) & 0x03030303u) << 4;
+    const uint32_t a2 = ((u[0] >> 4) & 0x0f0f0f0fu) | ((u[2] >> 4) & 0x03030303u) << 4;
+    const uint32_t a3 = ((u[1] >> 4) & 0x0f0f0f0fu) | ((u[2] >> 6) & 0x03030303u) << 4;
+    return _mm_sub_epi8(_mm_setr_epi32((int)a0, (int)a1, (int)a2, (int)a3), _mm_set1_epi8(32));
+}
+
+/* IQ4_XS's 8 scales of a super-block, minus 32, as int8 in the low 8 bytes. */
+AI __m128i iq4xs_scales(const uint8_t *b) {
+    const unsigned sh = (unsigned)(b[2] | b[3] << 8);
+    uint64_t v = 0;
+    for (int j = 0; j < 8; j++) {
+        const unsigned ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 15u) | ((sh >> (2 * j)) & 3u) << 4;
+        v |= (uint64_t)(uint8_t)(ls - 32) << (8 * j);
+    }
+    return _mm_cvtsi64_si128((long long)v);
 }
 
 /* Scales and mins of a Q4_K/Q5_K super-block as bytes sc[0..7] | m[0..7]. */
@@ -86,7 +126,34 @@ AI void load_kgroup(const int32_t wt, const int bits, const uint8_t *w, int nsb,
             lo[j] = hi[j] = _mm512_setzero_si512();
             continue;
         }
-        if (wt == KVC_GGML_Q6_K) {
+        if (wt == KVC_GGML_Q2_K || wt == KVC_GGML_Q3_K) {
+            /* sub-block s = 4 jj + k: 2 bits (qs[32 jj + l] >> 2 k) & 3; Q3_K:
+             * bit s of hmask[l] as bit 2 */
+            const uint8_t *qs = sbp + (wt == KVC_GGML_Q3_K ? 32 : 16) + 32 * jj;
+            const __m512i cnt = rep4(0, 2, 4, 6);
+            const __m512i m3 = _mm512_set1_epi8(3), m1 = _mm512_set1_epi8(1);
+            lo[j] = bits_at(qs, cnt, m3);
+            hi[j] = bits_at(qs + 16, cnt, m3);
+            if (wt == KVC_GGML_Q3_K) {
+                const __m512i hc = rep4(4 * jj, 4 * jj + 1, 4 * jj + 2, 4 * jj + 3);
+                lo[j] = _mm512_or_si512(lo[j], _mm512_slli_epi16(bits_at(sbp, hc, m1), 2));
+                hi[j] = _mm512_or_si512(hi[j], _mm512_slli_epi16(bits_at(sbp + 16, hc, m1), 2));
+            }
+        } else if (wt == KVC_GGML_IQ4_XS) {
+            /* sub-block s = 4 jj + k: 16 bytes at 8 + 16 s (64 in a row), low
+             * nibbles elements 0..15, high 16..31; int8 activations take the
+             * table + 128 (unsigned for vpdpbusd; 128 qsum comes off after) */
+            const __m512i tbl = bits == 8 ? _mm512_broadcast_i32x4(_mm_setr_epi8(
+                                                1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141,
+                                                (char)153, (char)166, (char)181, (char)197, (char)217,
+                                                (char)241))
+                                          : _mm512_broadcast_i32x4(_mm_setr_epi8(
+                                                -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25,
+                                                38, 53, 69, 89, 113));
+            const __m512i v = _mm512_loadu_si512((const void *)(sbp + 8 + 64 * jj));
+            lo[j] = _mm512_shuffle_epi8(tbl, _mm512_and_si512(v, m4));
+            hi[j] = _mm512_shuffle_epi8(tbl, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+        } else if (wt == KVC_GGML_Q6_K) {
             const uint8_t *ql = sbp + 64 * jj, *qh = sbp + 128 + 32 * jj;
             const __m512i a = _mm512_broadcast_i64x4(
                 _mm256_inserti128_si256(_mm256_castsi128_si256(ld16(ql)), ld16(ql + 32), 1));
@@ -126,17 +193,53 @@ AI void load_kgroup(const int32_t wt, const int bits, const uint8_t *w, int nsb,
     }
     /* position p holds block 4 (p % 4) + p / 4: super-block 1 where p % 4 >= 2 */
     const __mmask16 sb1 = 0xCCCC;
-    if (wt == KVC_GGML_Q6_K) {
-        for (int s = 0; s < nsb; s++) d[s] = f16_at(w + s * bb + 208);
-        const __m128i s0 = ld16(w + 192), s1 = nsb > 1 ? ld16(w + bb + 192) : _mm_setzero_si128();
+    if (halves(wt)) {
+        const int six = wt == KVC_GGML_Q6_K, three = wt == KVC_GGML_Q3_K;
+        const int doff = six ? 208 : three ? 108 : 80;
+        const __m128i k15 = _mm_set1_epi8(15);
+        __m128i sc[2] = {_mm_setzero_si128(), _mm_setzero_si128()};
+        for (int s = 0; s < nsb; s++) {
+            const uint8_t *b = w + s * bb;
+            d[s] = f16_at(b + doff);
+            sc[s] = six ? ld16(b + 192) : three ? q3k_scales(b + 96) : _mm_and_si128(ld16(b), k15);
+        }
+        const __m128i s0 = sc[0], s1 = sc[1];
         /* half h of block 4 j + k: scale 8 (j % 2) + 2 k + h of super-block j / 2 */
         const __m128i i0 = _mm_setr_epi8(0, 8, 0, 8, 2, 10, 2, 10, 4, 12, 4, 12, 6, 14, 6, 14);
         const __m128i i1 = _mm_add_epi8(i0, _mm_set1_epi8(1));
         const __m128i h0 = _mm_mask_blend_epi8(sb1, _mm_shuffle_epi8(s0, i0), _mm_shuffle_epi8(s1, i0));
         const __m128i h1 = _mm_mask_blend_epi8(sb1, _mm_shuffle_epi8(s0, i1), _mm_shuffle_epi8(s1, i1));
         const __m512 dv = _mm512_mask_blend_ps(sb1, _mm512_set1_ps(d[0]), _mm512_set1_ps(d[1]));
-        g->dw = _mm512_mul_ps(dv, bytes_ps(h0, 1));
-        g->mw = _mm512_mul_ps(dv, bytes_ps(h1, 1));
+        g->dw = _mm512_mul_ps(dv, bytes_ps(h0, wt != KVC_GGML_Q2_K));
+        g->mw = _mm512_mul_ps(dv, bytes_ps(h1, wt != KVC_GGML_Q2_K));
+        if (wt == KVC_GGML_Q2_K) {
+            /* mins: lane k of register j has scale 8 (j % 2) + 2 k + h of super-block j / 2 */
+            for (int s = 0; s < nsb; s++) dmin[s] = -f16_at(w + s * bb + 82);
+            g->dm = _mm512_mask_blend_ps(sb1, _mm512_set1_ps(dmin[0]), _mm512_set1_ps(dmin[1]));
+            UNROLL
+            for (int j = 0; j < 4; j++) {
+                const __m512i mm = j / 2 < nsb ? _mm512_broadcast_i32x4(_mm_and_si128(
+                                                     _mm_srli_epi16(ld16(w + (j / 2) * bb), 4), k15))
+                                               : _mm512_setzero_si512();
+                for (int h = 0; h < 2; h++) {
+                    /* int8: the index in every byte; int16: in the low byte of every word */
+                    const int i = 8 * (j % 2) + h;
+                    const unsigned rep = bits == 8 ? 0x01010101u : 0x00010001u;
+                    const unsigned hb = bits == 8 ? 0 : 0x80008000u;
+                    const __m512i idx = rep4((int)(i * rep | hb), (int)((i + 2) * rep | hb),
+                                             (int)((i + 4) * rep | hb), (int)((i + 6) * rep | hb));
+                    g->mv[j][h] = _mm512_shuffle_epi8(mm, idx);
+                }
+            }
+        }
+    } else if (wt == KVC_GGML_IQ4_XS) {
+        for (int s = 0; s < nsb; s++) d[s] = f16_at(w + s * bb);
+        const __m128i c0 = iq4xs_scales(w);
+        const __m128i c1 = nsb > 1 ? iq4xs_scales(w + bb) : _mm_setzero_si128();
+        const __m128i perm = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        const __m512 dv = _mm512_mask_blend_ps(sb1, _mm512_set1_ps(d[0]), _mm512_set1_ps(d[1]));
+        g->dw = _mm512_mul_ps(dv, bytes_ps(_mm_shuffle_epi8(_mm_unpacklo_epi64(c0, c1), perm), 1));
+        g->mw = _mm512_setzero_ps();
     } else {
         for (int s = 0; s < nsb; s++) {
             d[s] = f16_at(w + s * bb);
@@ -157,9 +260,10 @@ AI void load_kgroup(const int32_t wt, const int bits, const uint8_t *w, int nsb,
         if (bits == 8) {
             g->v[j][0] = lo[j];
             g->v[j][1] = hi[j];
-        } else if (wt == KVC_GGML_Q6_K) { /* q - 32, sign-extended even / odd bytes */
-            const __m512i c32 = _mm512_set1_epi8(32);
-            const __m512i a = _mm512_sub_epi8(lo[j], c32), b = _mm512_sub_epi8(hi[j], c32);
+        } else if (halves(wt) || wt == KVC_GGML_IQ4_XS) {
+            /* q - off, sign-extended even / odd bytes */
+            const __m512i c = _mm512_set1_epi8((char)code_off(wt));
+            const __m512i a = _mm512_sub_epi8(lo[j], c), b = _mm512_sub_epi8(hi[j], c);
             g->v[j][0] = _mm512_srai_epi16(_mm512_slli_epi16(a, 8), 8);
             g->v[j][1] = _mm512_srai_epi16(a, 8);
             g->v[j][2] = _mm512_srai_epi16(_mm512_slli_epi16(b, 8), 8);
@@ -185,33 +289,44 @@ AI __m512i reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
 AI __m512 row_kgroup(const int32_t wt, const int bits, const kgroup *g, int nz,
                      const uint8_t *xg, __m512 acc) {
     const int64_t qbytes = (bits == 16 ? 256 : 128) * L;
-    const __m512i c32 = _mm512_set1_epi8(32), z = _mm512_setzero_si512();
-    const int six = wt == KVC_GGML_Q6_K;
-    __m512i a[4], b[4]; /* Q6_K: half 0 / half 1; else a only */
+    const __m512i coff = _mm512_set1_epi8((char)code_off(wt)), z = _mm512_setzero_si512();
+    const int two = halves(wt), q2k = wt == KVC_GGML_Q2_K;
+    __m512i a[4], b[4], c[4]; /* halves: half 0 / half 1; else a only; Q2_K: c the mins */
 #define XL(r) _mm512_loadu_si512((const void *)(xg + (r) * 16 * L))
     UNROLL
     for (int j = 0; j < 4; j++) {
         if (j >= nz) {
-            a[j] = b[j] = z;
+            a[j] = b[j] = c[j] = z;
             continue;
         }
         if (bits == 16) {
-            const __m512i p0 = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(z, g->v[j][0], XL(4 * j)),
-                                                   g->v[j][1], XL(4 * j + 1));
-            if (six) {
+            const __m512i x0 = XL(4 * j), x1 = XL(4 * j + 1);
+            const __m512i x2 = XL(4 * j + 2), x3 = XL(4 * j + 3);
+            const __m512i p0 =
+                _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(z, g->v[j][0], x0), g->v[j][1], x1);
+            if (two) {
                 a[j] = p0;
-                b[j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(z, g->v[j][2], XL(4 * j + 2)),
-                                           g->v[j][3], XL(4 * j + 3));
+                b[j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(z, g->v[j][2], x2), g->v[j][3], x3);
             } else {
-                a[j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(p0, g->v[j][2], XL(4 * j + 2)),
-                                           g->v[j][3], XL(4 * j + 3));
+                a[j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(p0, g->v[j][2], x2), g->v[j][3], x3);
             }
-        } else if (six) {
+            if (q2k)
+                c[j] = _mm512_dpwssd_epi32(
+                    _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_dpwssd_epi32(z, g->mv[j][0], x0),
+                                                            g->mv[j][0], x1),
+                                        g->mv[j][1], x2),
+                    g->mv[j][1], x3);
+        } else if (two) {
             const __m512i x0 = XL(2 * j), x1 = XL(2 * j + 1);
-            a[j] = _mm512_sub_epi32(_mm512_dpbusd_epi32(z, g->v[j][0], x0),
-                                    _mm512_dpbusd_epi32(z, c32, x0));
-            b[j] = _mm512_sub_epi32(_mm512_dpbusd_epi32(z, g->v[j][1], x1),
-                                    _mm512_dpbusd_epi32(z, c32, x1));
+            a[j] = _mm512_dpbusd_epi32(z, g->v[j][0], x0);
+            b[j] = _mm512_dpbusd_epi32(z, g->v[j][1], x1);
+            if (code_off(wt)) {
+                a[j] = _mm512_sub_epi32(a[j], _mm512_dpbusd_epi32(z, coff, x0));
+                b[j] = _mm512_sub_epi32(b[j], _mm512_dpbusd_epi32(z, coff, x1));
+            }
+            if (q2k)
+                c[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, g->mv[j][0], x0), g->mv[j][1],
+                                           x1);
         } else {
             a[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, g->v[j][0], XL(2 * j)), g->v[j][1],
                                        XL(2 * j + 1));
@@ -219,12 +334,19 @@ AI __m512 row_kgroup(const int32_t wt, const int bits, const kgroup *g, int nz,
     }
 #undef XL
     const __m512 dx = _mm512_loadu_ps((const void *)(xg + qbytes));
-    const __m512i i0 = reduce4(a[0], a[1], a[2], a[3]);
+    __m512i i0 = reduce4(a[0], a[1], a[2], a[3]);
+    if (bits == 8 && wt == KVC_GGML_IQ4_XS) /* the table's + 128 */
+        i0 = _mm512_sub_epi32(
+            i0, _mm512_slli_epi32(_mm512_loadu_si512((const void *)(xg + qbytes + 16 * L)), 7));
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(g->dw, dx), acc);
-    if (six) {
+    if (two) {
         const __m512i i1 = reduce4(b[0], b[1], b[2], b[3]);
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(g->mw, dx), acc);
-    } else {
+        if (q2k) {
+            const __m512i i2 = reduce4(c[0], c[1], c[2], c[3]);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i2), _mm512_mul_ps(g->dm, dx), acc);
+        }
+    } else if (wt != KVC_GGML_IQ4_XS) {
         acc = _mm512_fmadd_ps(g->mw, _mm512_loadu_ps((const void *)(xg + qbytes + 32 * L)), acc);
     }
     return acc;
@@ -278,6 +400,15 @@ void kvc__gemm_kq8_avx512(int32_t wt, const uint8_t *W, int64_t row_bytes, int64
     case KVC_GGML_Q5_K:
         kq_rows(KVC_GGML_Q5_K, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
         break;
+    case KVC_GGML_Q2_K:
+        kq_rows(KVC_GGML_Q2_K, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_Q3_K:
+        kq_rows(KVC_GGML_Q3_K, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_IQ4_XS:
+        kq_rows(KVC_GGML_IQ4_XS, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
     default: kq_rows(KVC_GGML_Q6_K, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
     }
 }
@@ -291,6 +422,15 @@ void kvc__gemm_kq16_avx512(int32_t wt, const uint8_t *W, int64_t row_bytes, int6
         break;
     case KVC_GGML_Q5_K:
         kq_rows(KVC_GGML_Q5_K, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_Q2_K:
+        kq_rows(KVC_GGML_Q2_K, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_Q3_K:
+        kq_rows(KVC_GGML_Q3_K, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
+        break;
+    case KVC_GGML_IQ4_XS:
+        kq_rows(KVC_GGML_IQ4_XS, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
         break;
     default: kq_rows(KVC_GGML_Q6_K, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
     }

@@ -8,6 +8,8 @@
  *                   (Q5_0, Q5_1: qw with its fifth bit from qh; Q5_0 qw - 16;
  *                   IQ4_NL: qw = kvalues[nibble])
  *
+ * K-quants and IQ4_XS: gemm_kernels.h's per-sub-block and per-half sums.
+ *
  * Activations use the layout with L = 1 (natural order: block b's 32 int8 or
  * int16 values at 32 b within its group of 4, then dx/qsum/sx of the 4
  * blocks). One block_dot for both widths: the activation integers are read
@@ -170,10 +172,14 @@ static void act_block(const uint8_t *xq, int64_t b, int bits, int32_t qx[32], fl
 
 /* Integers and float scales of one super-block (layouts: gguf.h,
  * src/gguf/dequant.c): Q4_K/Q5_K q[e] unsigned, dw[j] = d sc_j, mw[j] =
- * -(dmin m_j) per sub-block j of 32; Q6_K q[e] - 32, dw[h] = d sc_h per 16
- * elements. */
-static void kq_unpack(int32_t wt, const uint8_t *b, int32_t q[256], float dw[16], float mw[8]) {
-    if (wt == KVC_GGML_Q6_K) {
+ * -(dmin m_j) per sub-block j of 32; IQ4_XS q[e] = kvalues[nibble], dw[j] =
+ * d (ls_j - 32); per 16 elements h: Q6_K q[e] - 32, dw[h] = d sc_h; Q3_K
+ * q[e] - 4, dw[h] = d (sc_h - 32); Q2_K q[e] unsigned, dw[h] = d sc_h, mn[h]
+ * the 4-bit min, mw[0] = -dmin. */
+static void kq_unpack(int32_t wt, const uint8_t *b, int32_t q[256], float dw[16], float mw[8],
+                      int32_t mn[16]) {
+    switch (wt) {
+    case KVC_GGML_Q6_K: {
         const float d = f16_at(b + 208);
         for (int e = 0; e < 256; e++) {
             const int h = e / 128, r = e % 128;
@@ -184,20 +190,61 @@ static void kq_unpack(int32_t wt, const uint8_t *b, int32_t q[256], float dw[16]
         for (int h = 0; h < 16; h++) dw[h] = d * (float)(int8_t)b[192 + h];
         return;
     }
+    case KVC_GGML_Q2_K:
+    case KVC_GGML_Q3_K: {
+        /* element e: 2 bits (qs[32 (e / 128) + e % 32] >> 2 (e / 32 % 4)) & 3;
+         * Q3_K: high bit e / 32 of hmask[e % 32], scales 6-bit (+ 32) */
+        const int three = wt == KVC_GGML_Q3_K;
+        const uint8_t *qs = b + (three ? 32 : 16), *s = b + 96;
+        const float d = f16_at(b + (three ? 108 : 80));
+        for (int e = 0; e < 256; e++) {
+            const int j = e / 32, l = e % 32;
+            q[e] = (qs[32 * (j / 4) + l] >> (2 * (j % 4))) & 3;
+            if (three) q[e] += 4 * ((b[l] >> j) & 1) - 4;
+        }
+        for (int h = 0; h < 16; h++) {
+            if (three) {
+                const int sc = ((s[h % 8] >> (4 * (h / 8))) & 15) |
+                               ((s[8 + h % 4] >> (2 * (h / 4))) & 3) << 4;
+                dw[h] = d * (float)(sc - 32);
+            } else {
+                dw[h] = d * (float)(b[h] & 15);
+                mn[h] = b[h] >> 4;
+            }
+        }
+        mw[0] = -f16_at(b + 82);
+        return;
+    }
+    case KVC_GGML_IQ4_XS: {
+        static const int8_t kv[16] = KVC_GGML_IQ4_NL_VALUES;
+        const float d = f16_at(b);
+        const int sh = b[2] | b[3] << 8;
+        for (int j = 0; j < 8; j++) {
+            const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 15) | ((sh >> (2 * j)) & 3) << 4;
+            dw[j] = d * (float)(ls - 32);
+            for (int l = 0; l < 16; l++) {
+                q[32 * j + l] = kv[b[8 + 16 * j + l] & 15];
+                q[32 * j + 16 + l] = kv[b[8 + 16 * j + l] >> 4];
+            }
+        }
+        return;
+    }
+    default: break;
+    }
     const int five = wt == KVC_GGML_Q5_K;
     const uint8_t *s = b + 4, *qh = b + 16, *qs = b + (five ? 48 : 16);
     const float d = f16_at(b), dmin = f16_at(b + 2);
     for (int j = 0; j < 8; j++) {
-        int sc, mn;
+        int sc, m;
         if (j < 4) {
             sc = s[j] & 63;
-            mn = s[j + 4] & 63;
+            m = s[j + 4] & 63;
         } else {
             sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
-            mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+            m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
         }
         dw[j] = d * (float)sc;
-        mw[j] = -(dmin * (float)mn);
+        mw[j] = -(dmin * (float)m);
         for (int l = 0; l < 32; l++) {
             int v = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
             if (five) v |= ((qh[l] >> j) & 1) << 4;
@@ -209,34 +256,39 @@ static void kq_unpack(int32_t wt, const uint8_t *b, int32_t q[256], float dw[16]
 static void gemm_kq_scalar(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0,
                            int64_t r1, int64_t nb, const uint8_t *xq, int64_t xq_stride,
                            int64_t n, float *Y, int64_t ldy, int bits) {
-    const int64_t bb = wt == KVC_GGML_Q4_K ? 144 : wt == KVC_GGML_Q5_K ? 176 : 210;
+    const int64_t bb = kvc__kq_bytes(wt);
+    const int halves = wt == KVC_GGML_Q6_K || wt == KVC_GGML_Q3_K || wt == KVC_GGML_Q2_K;
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *x = xq + i * xq_stride;
         for (int64_t r = r0; r < r1; r++) {
             const uint8_t *w = W + r * row_bytes;
             float acc = 0.0f;
             for (int64_t sb = 0; sb < nb / 8; sb++) {
-                int32_t q[256];
+                int32_t q[256], mn[16];
                 float dw[16], mw[8];
-                kq_unpack(wt, w + sb * bb, q, dw, mw);
+                kq_unpack(wt, w + sb * bb, q, dw, mw, mn);
                 for (int j = 0; j < 8; j++) {
                     int32_t qx[32];
                     float dx, sx;
                     act_block(x, 8 * sb + j, bits, qx, &dx, &sx);
                     const int32_t *qw = q + 32 * j;
-                    if (wt == KVC_GGML_Q6_K) {
-                        int32_t i0 = 0, i1 = 0;
+                    if (halves) {
+                        int32_t i0 = 0, i1 = 0, s0 = 0, s1 = 0;
                         for (int e = 0; e < 16; e++) {
                             i0 += qw[e] * qx[e];
                             i1 += qw[16 + e] * qx[16 + e];
+                            s0 += qx[e];
+                            s1 += qx[16 + e];
                         }
                         acc = acc + (dw[2 * j] * dx) * (float)i0;
                         acc = acc + (dw[2 * j + 1] * dx) * (float)i1;
+                        if (wt == KVC_GGML_Q2_K)
+                            acc = acc + (mw[0] * dx) * (float)(mn[2 * j] * s0 + mn[2 * j + 1] * s1);
                     } else {
                         int32_t isum = 0;
                         for (int e = 0; e < 32; e++) isum += qw[e] * qx[e];
                         acc = acc + (dw[j] * dx) * (float)isum;
-                        acc = acc + mw[j] * sx;
+                        if (wt != KVC_GGML_IQ4_XS) acc = acc + mw[j] * sx;
                     }
                 }
             }

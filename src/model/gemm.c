@@ -65,13 +65,16 @@ static const gemm_type g_types[] = {
     {KVC_GGML_Q5_0, "Q5_0", 32, 22, 1},  {KVC_GGML_Q5_1, "Q5_1", 32, 24, 1},
     {KVC_GGML_IQ4_NL, "IQ4_NL", 32, 18, 1},
     {KVC_GGML_Q4_K, "Q4_K", 256, 144, 1}, {KVC_GGML_Q5_K, "Q5_K", 256, 176, 1},
-    {KVC_GGML_Q6_K, "Q6_K", 256, 210, 1},
+    {KVC_GGML_Q6_K, "Q6_K", 256, 210, 1}, {KVC_GGML_Q2_K, "Q2_K", 256, 84, 1},
+    {KVC_GGML_Q3_K, "Q3_K", 256, 110, 1}, {KVC_GGML_IQ4_XS, "IQ4_XS", 256, 136, 1},
 };
 
-/* K-quants: 256-element super-blocks of 32-element sub-blocks (16 for Q6_K's
- * scales), their own kernels (gemm_kernels.h). */
+/* K-quants (and IQ4_XS): 256-element super-blocks of 32-element sub-blocks
+ * (16 for the scales of Q2_K, Q3_K, Q6_K), their own kernels
+ * (gemm_kernels.h). */
 static int is_kquant(int32_t t) {
-    return t == KVC_GGML_Q4_K || t == KVC_GGML_Q5_K || t == KVC_GGML_Q6_K;
+    return t == KVC_GGML_Q2_K || t == KVC_GGML_Q3_K || t == KVC_GGML_Q4_K ||
+           t == KVC_GGML_Q5_K || t == KVC_GGML_Q6_K || t == KVC_GGML_IQ4_XS;
 }
 
 static const gemm_type *find_type(int32_t t) {

@@ -26,12 +26,13 @@
  *       m_w * d_x * sum q) and summed in float32. The error against the
  *       exact product is at most sum_blocks (d_x / 2) * sum |w| plus float32
  *       rounding.
- *   Q4_K, Q5_K, Q6_K (cols a multiple of 256): the same activation blocks;
- *       per 32-element sub-block the integer dot product with the
- *       sub-block's integers is scaled by (d * sc) * d_x (Q4_K/Q5_K add
- *       -(dmin * m) * d_x * sum q); Q6_K's int8 scales cover 16 elements,
- *       so each half block is its own integer sum and term. Same error
- *       bound.
+ *   Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS (cols a multiple of 256): the
+ *       same activation blocks; per 32-element sub-block the integer dot
+ *       product with the sub-block's integers is scaled by (d * sc) * d_x
+ *       (Q4_K/Q5_K add -(dmin * m) * d_x * sum q); the scales of Q2_K,
+ *       Q3_K and Q6_K cover 16 elements, so each half block is its own
+ *       integer sum and term (Q2_K's mins one more integer sum). Same
+ *       error bound.
  *
  * Activation width, the precision trade-off: per element the activation
  * moves by at most d_x / 2 = amax / (2 Q) of its block: amax / 254 for int8
@@ -64,7 +65,7 @@
 #include "kvcache/gguf.h"
 
 /* 1 if kvc__gemm supports weight type wt (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
- * Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K). */
+ * Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K). */
 int kvc__gemm_supported(int32_t wt);
 
 /* Bytes of one row of cols elements of type wt (0 if cols is not a whole

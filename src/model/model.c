@@ -113,8 +113,8 @@ static kvc_status load_weight(kvc_model *m, const char *name, int64_t cols, int6
     if (!kvc__gemm_supported(t.type)) {
         const char *tn = kvc_ggml_type_name(t.type);
         return kvc__error(KVC_ERR_UNSUPPORTED, "model: tensor %s has weight type %s (%d), not "
-                          "supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q4_K, "
-                          "Q5_K, Q6_K are)",
+                          "supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, "
+                          "IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K are)",
                           name, tn ? tn : "unknown", (int)t.type);
     }
     w->type = t.type;

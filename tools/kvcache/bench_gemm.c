@@ -3,8 +3,8 @@
  * gemm.h) on SmolLM2-135M's shapes (rows x cols of W): 576x576 (attention
  * q/o), 192x576 (k/v), 1536x576 (ffn gate/up), 576x1536 (ffn down), and the
  * 49152x576 Q8_0 output head, plus 2048x2048 (a 1B model's attention q/o);
- * weights Q4_1, Q8_0, F16, Q5_0, Q5_1, IQ4_NL and the K-quants Q4_K, Q5_K, Q6_K (these on the
- * shapes whose cols is a multiple of their 256-element super-block:
+ * weights Q4_1, Q8_0, F16, Q5_0, Q5_1, IQ4_NL, the K-quants Q4_K, Q5_K, Q6_K, Q2_K, Q3_K and
+ * IQ4_XS (these on the shapes whose cols is a multiple of their 256-element super-block:
  * 576x1536 and 2048x2048; --quick: 576x576, 192x576 and 576x1536).
  *
  * n = 1 (decode at batch 1) is a weight stream: the case cycles through
@@ -253,20 +253,22 @@ static void fill_w(int32_t wt, uint8_t *w, int64_t bytes) {
         const uint64_t r = bench_mix64((uint64_t)i);
         memcpy(w + i, &r, bytes - i < 8 ? (size_t)(bytes - i) : 8);
     }
-    const int kq = wt == KVC_GGML_Q4_K || wt == KVC_GGML_Q5_K || wt == KVC_GGML_Q6_K;
+    const int kq = kvc_ggml_block_size(wt) == 256;
     const int64_t bb = kvc_ggml_block_bytes(wt);
-    const int64_t d_at = wt == KVC_GGML_Q6_K ? 208 : 0; /* Q6_K: d last */
+    /* where d sits: Q6_K, Q3_K, Q2_K put it after the codes */
+    const int64_t d_at = wt == KVC_GGML_Q6_K ? 208 : wt == KVC_GGML_Q3_K ? 108
+                       : wt == KVC_GGML_Q2_K ? 80 : 0;
     const int has_m = wt == KVC_GGML_Q4_1 || wt == KVC_GGML_Q5_1 || wt == KVC_GGML_Q4_K ||
-                      wt == KVC_GGML_Q5_K;
+                      wt == KVC_GGML_Q5_K || wt == KVC_GGML_Q2_K;
     for (int64_t b = 0; b + bb <= bytes; b += bb) {
         const uint64_t r = bench_mix64((uint64_t)b * 7 + 1);
         const float dv = 0.002f + 0.018f * (float)(r & 1023) / 1024.0f;
         uint16_t d = kvc_f32_to_f16(kq ? dv * 0.02f : dv);
         memcpy(w + b + d_at, &d, 2);
-        if (has_m) { /* Q4_1/Q5_1 m (an offset), Q4_K/Q5_K dmin (subtracted) */
+        if (has_m) { /* Q4_1/Q5_1 m (an offset), K-quant dmin (subtracted) */
             const float mv = 0.05f * (float)((r >> 10) & 1023) / 1024.0f;
             d = kvc_f32_to_f16(kq ? mv * 0.02f : -mv);
-            memcpy(w + b + 2, &d, 2);
+            memcpy(w + b + d_at + 2, &d, 2);
         }
     }
 }
@@ -297,9 +299,9 @@ int bench_gemm(const bench_opts *o) {
                                            {49152, 576, "output"},   {2048, 2048, "1B q/o"}};
     static const gm_shape shapes_quick[] = {
         {576, 576, "attn q/o"}, {192, 576, "attn k/v"}, {576, 1536, "ffn down"}};
-    static const int32_t types[] = {KVC_GGML_Q4_1, KVC_GGML_Q8_0, KVC_GGML_F16,
-                                    KVC_GGML_Q5_0, KVC_GGML_Q5_1, KVC_GGML_IQ4_NL,
-                                    KVC_GGML_Q4_K, KVC_GGML_Q5_K, KVC_GGML_Q6_K};
+    static const int32_t types[] = {KVC_GGML_Q4_1, KVC_GGML_Q8_0, KVC_GGML_F16,   KVC_GGML_Q5_0,
+                                    KVC_GGML_Q5_1, KVC_GGML_IQ4_NL, KVC_GGML_Q4_K, KVC_GGML_Q5_K,
+                                    KVC_GGML_Q6_K, KVC_GGML_Q2_K,   KVC_GGML_Q3_K, KVC_GGML_IQ4_XS};
     const int n_types = (int)(sizeof types / sizeof types[0]);
     static const int64_t ns_full[] = {1, 16, 128}, ns_quick[] = {1, 16};
     const gm_shape *shapes = o->quick ? shapes_quick : shapes_full;
