@@ -1,6 +1,6 @@
 /*
- * AVX2 (+FMA, F16C) kernels of kvc__gemm for K-quant weights (Q4_K, Q5_K,
- * Q6_K; formulas in gemm_kernels.h). Also the K-quant kernels of the avx512
+ * AVX2 (+FMA, F16C) kernels of kvc__gemm for K-quant weights (Q2_K, Q3_K,
+ * Q4_K, Q5_K, Q6_K) and IQ4_XS (formulas in gemm_kernels.h). Also the K-quant kernels of the avx512
  * ISA on CPUs without AVX512_VNNI.
  *
  * One activation group (8 blocks, L = 2 lanes) is one weight super-block:
@@ -13,19 +13,27 @@
  *     (and + cmpeq against the lane's bit);
  *   Q6_K: sub-block s = 2 j + k takes ql[64 (j / 2) + 32 k + l] (nibble
  *     j % 2) and bits 2 (s % 4) of qh[32 (j / 2) + l] (per-lane vpsrlvd),
- *     giving q = 0..63.
+ *     giving q = 0..63;
+ *   Q2_K, Q3_K: sub-block s takes bits 2 (s % 4) of qs[32 (j / 2) + l]
+ *     (vpsrlvd), Q3_K bit s of hmask[l] as bit 2: 0..7;
+ *   IQ4_XS: the 32 bytes of sub-blocks 2 j, 2 j + 1 in one load, each nibble
+ *     through a vpshufb table.
  * Scales: Q4_K/Q5_K's 6-bit scales and mins unpacked with 32-bit masks (the
  * 12 bytes as three words), then permuted into the position order of the
  * block sums (block b(p) = 2 (p % 4) + p / 4 at position p) and converted:
- * dw = d * sc, mw = -(dmin * m); Q6_K's int8 scales of half 0 and half 1 of
- * each sub-block likewise (dw, mw hold the two halves).
+ * dw = d * sc, mw = -(dmin * m); Q6_K's int8 scales (Q3_K's 6-bit ones
+ * minus 32, Q2_K's low nibbles) of half 0 and half 1 of each sub-block
+ * likewise (dw, mw hold the two halves); IQ4_XS's 6-bit scales minus 32.
  * Products: int16 activations widen the bytes to int16 (zero- or, for
  * Q6_K's q - 32, sign-extension: even / odd bytes, the activation parts'
  * order) for vpmaddwd; int8 activations use vpmaddubsw (u8 q x s8 x, pair
  * sums <= 2 * 63 * 127: no saturation) and vpmaddwd with ones; Q6_K
  * subtracts vpmaddubsw(32, x) in int16 first (pairs of (q - 32) x, |.| <=
- * 8128). Q6_K keeps its two halves apart (two reduce4), the others add lo
- * and hi in each lane.
+ * 8128; Q3_K likewise with 4). IQ4_XS, signed values, moves their signs to
+ * x (vpsignb; pair sums <= 2 * 127 * 127, one vpmaddwd each). Q6_K, Q3_K,
+ * Q2_K keep their two halves apart (two reduce4; Q2_K a third for its mins,
+ * the min of each element's half times x), the others add lo and hi in
+ * each lane.
  */
 #include <immintrin.h>
 #include <string.h>

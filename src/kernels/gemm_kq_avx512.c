@@ -1,6 +1,6 @@
 /*
- * AVX-512 VNNI kernels of kvc__gemm for K-quant weights (Q4_K, Q5_K, Q6_K;
- * formulas in gemm_kernels.h). Compiled with -mavx512vnni; gemm.c calls
+ * AVX-512 VNNI kernels of kvc__gemm for K-quant weights (Q2_K, Q3_K, Q4_K,
+ * Q5_K, Q6_K) and IQ4_XS (formulas in gemm_kernels.h). Compiled with -mavx512vnni; gemm.c calls
  * them only when the CPU has AVX512_VNNI (the AVX2 K-quant kernels run
  * otherwise).
  *
@@ -14,16 +14,23 @@
  *     shifted by 4 (masked vpsrlw), masked; Q5_K adds 16 where bit s of
  *     qh[l] is set (vptestmb + masked add);
  *   Q6_K: lane k takes ql[64 (j % 2) + 32 (k % 2) + l] (nibble k / 2) and
- *     bits 2 k of qh[32 (j % 2) + l] (vpsrlvd), q = 0..63.
+ *     bits 2 k of qh[32 (j % 2) + l] (vpsrlvd), q = 0..63;
+ *   Q2_K, Q3_K: lane k takes bits 2 k of qs[32 (j % 2) + l] (vpsrlvd); Q3_K
+ *     adds 4 where bit s of hmask[l] is set (vptestmb + masked add): 0..7;
+ *   IQ4_XS: the 64 bytes of sub-blocks 4 (j % 2) .. + 3 in one load, each
+ *     nibble through a vpshufb table (int8 activations: the values + 128).
  * Scales: as gemm_kq_avx2.c, 16 blocks at once: the two super-blocks'
  * bytes side by side, one vpshufb into the position order of the block sums
  * (block 4 (p % 4) + p / 4 at position p), times d of the position's
  * super-block.
  * Products as gemm_avx512.c: int16 activations vpdpwssd on the bytes
- * widened to int16 (Q6_K: q - 32 sign-extended); int8 activations vpdpbusd
- * (u8 q x s8 x); Q6_K subtracts vpdpbusd(32, x) per half (its halves have
- * their own scales, so no per-block qsum fixes it). Q6_K keeps its two
- * halves apart (two reduce4); the others sum lo and hi in one chain.
+ * widened to int16 (Q6_K, Q3_K: q - 32, q - 4 sign-extended); int8
+ * activations vpdpbusd (u8 q x s8 x); Q6_K / Q3_K subtract vpdpbusd(32 / 4,
+ * x) per half (its halves have their own scales, so no per-block qsum fixes
+ * it), IQ4_XS 128 qsum per block. Q6_K, Q3_K, Q2_K keep their two halves
+ * apart (two reduce4; Q2_K a third for its mins: vpdpwssd / vpdpbusd of the
+ * min of each element's half, per lane from a vpshufb of the min nibbles,
+ * with x); the others sum lo and hi in one chain.
  */
 #include <immintrin.h>
 #include <string.h>
@@ -131,13 +138,19 @@ AI void load_kgroup(const int32_t wt, const int bits, const uint8_t *w, int nsb,
              * bit s of hmask[l] as bit 2 */
             const uint8_t *qs = sbp + (wt == KVC_GGML_Q3_K ? 32 : 16) + 32 * jj;
             const __m512i cnt = rep4(0, 2, 4, 6);
-            const __m512i m3 = _mm512_set1_epi8(3), m1 = _mm512_set1_epi8(1);
+            const __m512i m3 = _mm512_set1_epi8(3);
             lo[j] = bits_at(qs, cnt, m3);
             hi[j] = bits_at(qs + 16, cnt, m3);
-            if (wt == KVC_GGML_Q3_K) {
-                const __m512i hc = rep4(4 * jj, 4 * jj + 1, 4 * jj + 2, 4 * jj + 3);
-                lo[j] = _mm512_or_si512(lo[j], _mm512_slli_epi16(bits_at(sbp, hc, m1), 2));
-                hi[j] = _mm512_or_si512(hi[j], _mm512_slli_epi16(bits_at(sbp + 16, hc, m1), 2));
+            if (wt == KVC_GGML_Q3_K) { /* bit 4 jj + k of hmask[l] -> +4 (vptestmb + masked add) */
+                const int b = 4 * jj;
+                const __m512i bit = rep4(0x01010101 << b, 0x01010101 << (b + 1),
+                                         0x01010101 << (b + 2), 0x01010101 << (b + 3));
+                const __m512i c4 = _mm512_set1_epi8(4);
+                const __mmask64 ka = _mm512_test_epi8_mask(_mm512_broadcast_i32x4(ld16(sbp)), bit);
+                const __mmask64 kb =
+                    _mm512_test_epi8_mask(_mm512_broadcast_i32x4(ld16(sbp + 16)), bit);
+                lo[j] = _mm512_mask_add_epi8(lo[j], ka, lo[j], c4);
+                hi[j] = _mm512_mask_add_epi8(hi[j], kb, hi[j], c4);
             }
         } else if (wt == KVC_GGML_IQ4_XS) {
             /* sub-block s = 4 jj + k: 16 bytes at 8 + 16 s (64 in a row), low
