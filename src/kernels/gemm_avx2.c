@@ -237,7 +237,7 @@ AI __m256 row_group(const int32_t wt, const int bits, const wgroup *g, int nz, c
 
 AI void q_tile(const int32_t wt, const int bits, const int nr, const uint8_t *w, int64_t nb,
                const uint8_t *x, int64_t xs, float *y, int64_t ldy) {
-    const int64_t bb = block_bytes(wt), gbytes = (bits == 16 ? 304 : 176) * L;
+    const int64_t bb = block_bytes(wt), gbytes = kvc__gemm_group_bytes(L, bits);
     const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7),
                                            _mm256_set1_epi32((int)bb));
     __m256 acc[4];

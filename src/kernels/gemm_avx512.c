@@ -269,7 +269,7 @@ AI __m512 row_group(const int32_t wt, const int bits, const wgroup *g, int nz, c
 /* nr (1..4) activation rows (row i at x + i * xs) times W row w: y[i * ldy]. */
 AI void q_tile(const int32_t wt, const int bits, const int nr, const uint8_t *w, int64_t nb,
                const uint8_t *x, int64_t xs, float *y, int64_t ldy) {
-    const int64_t bb = block_bytes(wt), gbytes = (bits == 16 ? 304 : 176) * L;
+    const int64_t bb = block_bytes(wt), gbytes = kvc__gemm_group_bytes(L, bits);
     const __m512i idx = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
         _mm512_set1_epi32((int)bb));

@@ -67,10 +67,10 @@
  * past nb are zero). A group is laid out the way the SIMD kernels consume it:
  * block b of the group sits in "register" j = b / L, 128-bit lane k = b % L.
  *
- * int8 (bits = 8), 176 L bytes:
+ * int8 (bits = 8), 192 L bytes:
  *   int8 q[4][2][L][16]   q[j][0][k] = elements 0..15 of block L j + k,
  *                         q[j][1][k] = elements 16..31 (the Q4 nibble halves)
- * int16 (bits = 16), 304 L bytes:
+ * int16 (bits = 16), 320 L bytes:
  *   int16 q[4][4][L][8]   q[j][s][k] = part s of block L j + k, 8 elements:
  *                         s = 0: 0, 2, .., 14    s = 1: 1, 3, .., 15
  *                         s = 2: 16, 18, .., 30  s = 3: 17, 19, .., 31
@@ -82,6 +82,9 @@
  *   float dx[G]           scale of block b(p) at position p (below)
  *   int32 qsum[G]         sum of the block's 32 integer values
  *   float sx[G]           dx * qsum (float32 product), Q4_1's offset term
+ *   int32 qsum0[G]        sum of the block's first 16 integer values (the
+ *                         halves of Q2_K's mins and of the code offsets of
+ *                         Q6_K, Q3_K: half 1 sums to qsum - qsum0)
  *
  * Positions p = 4 k + j hold block b(p) = L (p % 4) + p / 4: that is the
  * order in which the kernels' 4-register reduction delivers block sums. For
@@ -104,9 +107,10 @@ static inline int64_t kvc__gemm_group_qbytes(int L, int bits) {
     return (int64_t)L * (bits == 16 ? 256 : 128);
 }
 
-/* Bytes of one group for lane count L: the integers, then dx, qsum, sx. */
+/* Bytes of one group for lane count L: the integers, then dx, qsum, sx,
+ * qsum0. */
 static inline int64_t kvc__gemm_group_bytes(int L, int bits) {
-    return kvc__gemm_group_qbytes(L, bits) + (int64_t)L * 48;
+    return kvc__gemm_group_qbytes(L, bits) + (int64_t)L * 64;
 }
 
 /* Bytes of one quantized activation row (multiple of 64 for L = 4). */

@@ -27,13 +27,13 @@
  * Products: int16 activations widen the bytes to int16 (zero- or, for
  * Q6_K's q - 32, sign-extension: even / odd bytes, the activation parts'
  * order) for vpmaddwd; int8 activations use vpmaddubsw (u8 q x s8 x, pair
- * sums <= 2 * 63 * 127: no saturation) and vpmaddwd with ones; Q6_K
- * subtracts vpmaddubsw(32, x) in int16 first (pairs of (q - 32) x, |.| <=
- * 8128; Q3_K likewise with 4). IQ4_XS, signed values, moves their signs to
- * x (vpsignb; pair sums <= 2 * 127 * 127, one vpmaddwd each). Q6_K, Q3_K,
- * Q2_K keep their two halves apart (two reduce4; Q2_K a third for its mins,
- * the min of each element's half times x), the others add lo and hi in
- * each lane.
+ * sums <= 2 * 63 * 127: no saturation) and vpmaddwd with ones; Q6_K / Q3_K
+ * then subtract 32 / 4 times each half's activation sum (qsum0, qsum - qsum0
+ * of the activation layout). IQ4_XS, signed values, moves their signs to x
+ * (vpsignb; pair sums <= 2 * 127 * 127, one vpmaddwd each). Q6_K, Q3_K, Q2_K
+ * keep their two halves apart (two reduce4); Q2_K's mins meet the same half
+ * sums: m0 qsum0 + m1 (qsum - qsum0) in float (exact: an integer below
+ * 2^24). The others add lo and hi in each lane.
  */
 #include <immintrin.h>
 #include <string.h>
@@ -49,8 +49,7 @@ typedef struct kgroup {
     __m256i v[4][4]; /* int8: v[j][0] lo, v[j][1] hi bytes (IQ4_XS: |q|, then q in
                       * v[j][2], v[j][3] for the signs); int16: v[j][s] part s */
     __m256 dw, mw;   /* position order; halves types: scales of half 0 and half 1 */
-    __m256i mv[4][2]; /* Q2_K: min of half h of each lane's sub-block (int8: bytes, int16: words) */
-    __m256 dm;       /* Q2_K: -dmin */
+    __m256 m0, m1, dm; /* Q2_K: mins of half 0 and half 1 (position order), -dmin */
 } kgroup;
 
 #define kq_bytes kvc__kq_bytes
@@ -170,22 +169,13 @@ AI void load_kgroup(const int32_t wt, const int bits, const uint8_t *w, kgroup *
             s16, _mm_setr_epi8(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15));
         g->dw = _mm256_mul_ps(_mm256_set1_ps(d), bytes_ps(s, three));
         g->mw = _mm256_mul_ps(_mm256_set1_ps(d), bytes_ps(_mm_srli_si128(s, 8), three));
-        if (!three) { /* mins: lane k of register j has scale 4 j + 2 k + h */
-            const __m256i mm =
-                _mm256_broadcastsi128_si256(_mm_and_si128(_mm_srli_epi16(raw, 4), k15));
+        if (!three) { /* the mins (high nibbles) the same way */
+            const __m128i m = _mm_shuffle_epi8(
+                _mm_and_si128(_mm_srli_epi16(raw, 4), k15),
+                _mm_setr_epi8(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15));
+            g->m0 = bytes_ps(m, 0);
+            g->m1 = bytes_ps(_mm_srli_si128(m, 8), 0);
             g->dm = _mm256_set1_ps(-f16_at(w + 82));
-            UNROLL
-            for (int j = 0; j < 4; j++)
-                for (int h = 0; h < 2; h++) {
-                    const int i0 = 4 * j + h, i1 = 4 * j + 2 + h;
-                    /* int8: the index in every byte; int16: in the low byte of every word */
-                    const __m256i idx =
-                        bits == 8
-                            ? _mm256_set_m128i(_mm_set1_epi8((char)i1), _mm_set1_epi8((char)i0))
-                            : _mm256_set_m128i(_mm_set1_epi16((short)(0x8000 | i1)),
-                                               _mm_set1_epi16((short)(0x8000 | i0)));
-                    g->mv[j][h] = _mm256_shuffle_epi8(mm, idx);
-                }
         }
     } else if (wt == KVC_GGML_IQ4_XS) {
         /* sub-block s = 2 j + k: 16 bytes at 8 + 16 s, low nibbles elements
@@ -272,45 +262,26 @@ AI __m256i reduce4(__m256i a, __m256i b, __m256i c, __m256i d) {
 AI __m256 row_kgroup(const int32_t wt, const int bits, const kgroup *g, const uint8_t *xg,
                      __m256 acc) {
     const int64_t qbytes = (bits == 16 ? 256 : 128) * L;
-    const __m256i ones = _mm256_set1_epi16(1), coff = _mm256_set1_epi8((char)code_off(wt));
+    const __m256i ones = _mm256_set1_epi16(1);
     const int two = halves(wt), q2k = wt == KVC_GGML_Q2_K;
-    __m256i a[4], b[4], c[4]; /* halves: half 0 / half 1; else a only; Q2_K: c the mins */
+    __m256i a[4], b[4]; /* halves: half 0 / half 1; else a only */
 #define XL(r) _mm256_loadu_si256((const __m256i *)(const void *)(xg + (r) * 16 * L))
     UNROLL
     for (int j = 0; j < 4; j++) {
         if (bits == 16) {
-            const __m256i x0 = XL(4 * j), x1 = XL(4 * j + 1);
-            const __m256i x2 = XL(4 * j + 2), x3 = XL(4 * j + 3);
-            const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(g->v[j][0], x0),
-                                                _mm256_madd_epi16(g->v[j][1], x1));
-            const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(g->v[j][2], x2),
-                                                _mm256_madd_epi16(g->v[j][3], x3));
+            const __m256i p0 = _mm256_add_epi32(_mm256_madd_epi16(g->v[j][0], XL(4 * j)),
+                                                _mm256_madd_epi16(g->v[j][1], XL(4 * j + 1)));
+            const __m256i p1 = _mm256_add_epi32(_mm256_madd_epi16(g->v[j][2], XL(4 * j + 2)),
+                                                _mm256_madd_epi16(g->v[j][3], XL(4 * j + 3)));
             if (two) {
                 a[j] = p0;
                 b[j] = p1;
             } else {
                 a[j] = _mm256_add_epi32(p0, p1);
             }
-            if (q2k)
-                c[j] = _mm256_add_epi32(
-                    _mm256_add_epi32(_mm256_madd_epi16(g->mv[j][0], x0),
-                                     _mm256_madd_epi16(g->mv[j][0], x1)),
-                    _mm256_add_epi32(_mm256_madd_epi16(g->mv[j][1], x2),
-                                     _mm256_madd_epi16(g->mv[j][1], x3)));
-        } else if (two) {
-            const __m256i x0 = XL(2 * j), x1 = XL(2 * j + 1);
-            __m256i s0 = _mm256_maddubs_epi16(g->v[j][0], x0);
-            __m256i s1 = _mm256_maddubs_epi16(g->v[j][1], x1);
-            if (code_off(wt)) { /* pairs of (q - off) x, |.| <= 8128 */
-                s0 = _mm256_sub_epi16(s0, _mm256_maddubs_epi16(coff, x0));
-                s1 = _mm256_sub_epi16(s1, _mm256_maddubs_epi16(coff, x1));
-            }
-            a[j] = _mm256_madd_epi16(s0, ones);
-            b[j] = _mm256_madd_epi16(s1, ones);
-            if (q2k) /* pair sums <= 2 * 15 * 127 */
-                c[j] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(g->mv[j][0], x0),
-                                                          _mm256_maddubs_epi16(g->mv[j][1], x1)),
-                                         ones);
+        } else if (two) { /* pair sums <= 2 * 63 * 127 */
+            a[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(g->v[j][0], XL(2 * j)), ones);
+            b[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(g->v[j][1], XL(2 * j + 1)), ones);
         } else if (wt == KVC_GGML_IQ4_XS) { /* pair sums <= 2 * 127 * 127: one madd each */
             const __m256i x0 = XL(2 * j), x1 = XL(2 * j + 1);
             const __m256i s0 = _mm256_maddubs_epi16(g->v[j][0], _mm256_sign_epi8(x0, g->v[j][2]));
@@ -325,18 +296,31 @@ AI __m256 row_kgroup(const int32_t wt, const int bits, const kgroup *g, const ui
     }
 #undef XL
     const __m256 dx = _mm256_loadu_ps((const float *)(const void *)(xg + qbytes));
-    const __m256i i0 = reduce4(a[0], a[1], a[2], a[3]);
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(g->dw, dx), acc);
+    __m256i i0 = reduce4(a[0], a[1], a[2], a[3]);
     if (two) {
-        const __m256i i1 = reduce4(b[0], b[1], b[2], b[3]);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(g->mw, dx), acc);
-        if (q2k) {
-            const __m256i i2 = reduce4(c[0], c[1], c[2], c[3]);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i2), _mm256_mul_ps(g->dm, dx), acc);
+        /* the activation sums: of the block (qsum) and of its first half (qsum0) */
+        const __m256i qs = _mm256_loadu_si256((const __m256i *)(const void *)(xg + qbytes + 16 * L));
+        const __m256i qs0 =
+            _mm256_loadu_si256((const __m256i *)(const void *)(xg + qbytes + 48 * L));
+        __m256i i1 = reduce4(b[0], b[1], b[2], b[3]);
+        if (bits == 8 && code_off(wt)) { /* sum (u - off) x = sum u x - off sum x, per half */
+            const int sh = wt == KVC_GGML_Q6_K ? 5 : 2;
+            i0 = _mm256_sub_epi32(i0, _mm256_slli_epi32(qs0, sh));
+            i1 = _mm256_sub_epi32(i1, _mm256_slli_epi32(_mm256_sub_epi32(qs, qs0), sh));
         }
-    } else if (wt != KVC_GGML_IQ4_XS) {
-        acc = _mm256_fmadd_ps(
-            g->mw, _mm256_loadu_ps((const float *)(const void *)(xg + qbytes + 32 * L)), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(g->dw, dx), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(g->mw, dx), acc);
+        if (q2k) { /* m0 qsum0 + m1 (qsum - qsum0): an integer < 2^24, exact in float */
+            const __m256 t = _mm256_fmadd_ps(
+                g->m1, _mm256_cvtepi32_ps(_mm256_sub_epi32(qs, qs0)),
+                _mm256_mul_ps(g->m0, _mm256_cvtepi32_ps(qs0)));
+            acc = _mm256_fmadd_ps(t, _mm256_mul_ps(g->dm, dx), acc);
+        }
+    } else {
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(g->dw, dx), acc);
+        if (wt != KVC_GGML_IQ4_XS)
+            acc = _mm256_fmadd_ps(
+                g->mw, _mm256_loadu_ps((const float *)(const void *)(xg + qbytes + 32 * L)), acc);
     }
     return acc;
 }
@@ -351,7 +335,7 @@ AI float hsum8(__m256 v) {
 /* nr (1..4) activation rows times W row w: y[i * ldy]. */
 AI void kq_tile(const int32_t wt, const int bits, const int nr, const uint8_t *w, int64_t nb,
                 const uint8_t *x, int64_t xs, float *y, int64_t ldy) {
-    const int64_t bb = kq_bytes(wt), gbytes = (bits == 16 ? 304 : 176) * L;
+    const int64_t bb = kq_bytes(wt), gbytes = kvc__gemm_group_bytes(L, bits);
     __m256 acc[4];
     UNROLL
     for (int i = 0; i < nr; i++) acc[i] = _mm256_setzero_ps();

@@ -25,12 +25,12 @@
  * super-block.
  * Products as gemm_avx512.c: int16 activations vpdpwssd on the bytes
  * widened to int16 (Q6_K, Q3_K: q - 32, q - 4 sign-extended); int8
- * activations vpdpbusd (u8 q x s8 x); Q6_K / Q3_K subtract vpdpbusd(32 / 4,
- * x) per half (its halves have their own scales, so no per-block qsum fixes
- * it), IQ4_XS 128 qsum per block. Q6_K, Q3_K, Q2_K keep their two halves
- * apart (two reduce4; Q2_K a third for its mins: vpdpwssd / vpdpbusd of the
- * min of each element's half, per lane from a vpshufb of the min nibbles,
- * with x); the others sum lo and hi in one chain.
+ * activations vpdpbusd (u8 q x s8 x); Q6_K / Q3_K then subtract 32 / 4
+ * times each half's activation sum (qsum0, qsum - qsum0 of the activation
+ * layout), IQ4_XS 128 qsum per block. Q6_K, Q3_K, Q2_K keep their two
+ * halves apart (two reduce4); Q2_K's mins meet the same half sums: m0 qsum0
+ * + m1 (qsum - qsum0) in float (exact: an integer below 2^24). The others
+ * sum lo and hi in one chain.
  */
 #include <immintrin.h>
 #include <string.h>
@@ -45,8 +45,7 @@
 typedef struct kgroup {
     __m512i v[4][4]; /* int8: v[j][0] lo, v[j][1] hi bytes; int16: v[j][s] part s */
     __m512 dw, mw;   /* position order; halves types: scales of half 0 and half 1 */
-    __m512i mv[4][2]; /* Q2_K: min of half h of each lane's sub-block (int8: bytes, int16: words) */
-    __m512 dm;       /* Q2_K: -dmin of each position's super-block */
+    __m512 m0, m1, dm; /* Q2_K: mins of half 0 and half 1 (position order), -dmin */
 } kgroup;
 
 #define kq_bytes kvc__kq_bytes
@@ -225,25 +224,17 @@ AI void load_kgroup(const int32_t wt, const int bits, const uint8_t *w, int nsb,
         const __m512 dv = _mm512_mask_blend_ps(sb1, _mm512_set1_ps(d[0]), _mm512_set1_ps(d[1]));
         g->dw = _mm512_mul_ps(dv, bytes_ps(h0, wt != KVC_GGML_Q2_K));
         g->mw = _mm512_mul_ps(dv, bytes_ps(h1, wt != KVC_GGML_Q2_K));
-        if (wt == KVC_GGML_Q2_K) {
-            /* mins: lane k of register j has scale 8 (j % 2) + 2 k + h of super-block j / 2 */
-            for (int s = 0; s < nsb; s++) dmin[s] = -f16_at(w + s * bb + 82);
-            g->dm = _mm512_mask_blend_ps(sb1, _mm512_set1_ps(dmin[0]), _mm512_set1_ps(dmin[1]));
-            UNROLL
-            for (int j = 0; j < 4; j++) {
-                const __m512i mm = j / 2 < nsb ? _mm512_broadcast_i32x4(_mm_and_si128(
-                                                     _mm_srli_epi16(ld16(w + (j / 2) * bb), 4), k15))
-                                               : _mm512_setzero_si512();
-                for (int h = 0; h < 2; h++) {
-                    /* int8: the index in every byte; int16: in the low byte of every word */
-                    const int i = 8 * (j % 2) + h;
-                    const unsigned rep = bits == 8 ? 0x01010101u : 0x00010001u;
-                    const unsigned hb = bits == 8 ? 0 : 0x80008000u;
-                    const __m512i idx = rep4((int)(i * rep | hb), (int)((i + 2) * rep | hb),
-                                             (int)((i + 4) * rep | hb), (int)((i + 6) * rep | hb));
-                    g->mv[j][h] = _mm512_shuffle_epi8(mm, idx);
-                }
+        if (wt == KVC_GGML_Q2_K) { /* the mins (high nibbles) the same way */
+            __m128i mn[2] = {_mm_setzero_si128(), _mm_setzero_si128()};
+            for (int s = 0; s < nsb; s++) {
+                dmin[s] = -f16_at(w + s * bb + 82);
+                mn[s] = _mm_and_si128(_mm_srli_epi16(ld16(w + s * bb), 4), k15);
             }
+            g->dm = _mm512_mask_blend_ps(sb1, _mm512_set1_ps(dmin[0]), _mm512_set1_ps(dmin[1]));
+            g->m0 = bytes_ps(_mm_mask_blend_epi8(sb1, _mm_shuffle_epi8(mn[0], i0),
+                                                 _mm_shuffle_epi8(mn[1], i0)), 0);
+            g->m1 = bytes_ps(_mm_mask_blend_epi8(sb1, _mm_shuffle_epi8(mn[0], i1),
+                                                 _mm_shuffle_epi8(mn[1], i1)), 0);
         }
     } else if (wt == KVC_GGML_IQ4_XS) {
         for (int s = 0; s < nsb; s++) d[s] = f16_at(w + s * bb);
@@ -302,14 +293,14 @@ AI __m512i reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
 AI __m512 row_kgroup(const int32_t wt, const int bits, const kgroup *g, int nz,
                      const uint8_t *xg, __m512 acc) {
     const int64_t qbytes = (bits == 16 ? 256 : 128) * L;
-    const __m512i coff = _mm512_set1_epi8((char)code_off(wt)), z = _mm512_setzero_si512();
+    const __m512i z = _mm512_setzero_si512();
     const int two = halves(wt), q2k = wt == KVC_GGML_Q2_K;
-    __m512i a[4], b[4], c[4]; /* halves: half 0 / half 1; else a only; Q2_K: c the mins */
+    __m512i a[4], b[4]; /* halves: half 0 / half 1; else a only */
 #define XL(r) _mm512_loadu_si512((const void *)(xg + (r) * 16 * L))
     UNROLL
     for (int j = 0; j < 4; j++) {
         if (j >= nz) {
-            a[j] = b[j] = c[j] = z;
+            a[j] = b[j] = z;
             continue;
         }
         if (bits == 16) {
@@ -323,23 +314,9 @@ AI __m512 row_kgroup(const int32_t wt, const int bits, const kgroup *g, int nz,
             } else {
                 a[j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(p0, g->v[j][2], x2), g->v[j][3], x3);
             }
-            if (q2k)
-                c[j] = _mm512_dpwssd_epi32(
-                    _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_dpwssd_epi32(z, g->mv[j][0], x0),
-                                                            g->mv[j][0], x1),
-                                        g->mv[j][1], x2),
-                    g->mv[j][1], x3);
         } else if (two) {
-            const __m512i x0 = XL(2 * j), x1 = XL(2 * j + 1);
-            a[j] = _mm512_dpbusd_epi32(z, g->v[j][0], x0);
-            b[j] = _mm512_dpbusd_epi32(z, g->v[j][1], x1);
-            if (code_off(wt)) {
-                a[j] = _mm512_sub_epi32(a[j], _mm512_dpbusd_epi32(z, coff, x0));
-                b[j] = _mm512_sub_epi32(b[j], _mm512_dpbusd_epi32(z, coff, x1));
-            }
-            if (q2k)
-                c[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, g->mv[j][0], x0), g->mv[j][1],
-                                           x1);
+            a[j] = _mm512_dpbusd_epi32(z, g->v[j][0], XL(2 * j));
+            b[j] = _mm512_dpbusd_epi32(z, g->v[j][1], XL(2 * j + 1));
         } else {
             a[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, g->v[j][0], XL(2 * j)), g->v[j][1],
                                        XL(2 * j + 1));
@@ -347,20 +324,32 @@ AI __m512 row_kgroup(const int32_t wt, const int bits, const kgroup *g, int nz,
     }
 #undef XL
     const __m512 dx = _mm512_loadu_ps((const void *)(xg + qbytes));
+    /* the activation sums: of the block (qsum) and of its first half (qsum0) */
+    const __m512i qs = _mm512_loadu_si512((const void *)(xg + qbytes + 16 * L));
+    const __m512i qs0 = _mm512_loadu_si512((const void *)(xg + qbytes + 48 * L));
     __m512i i0 = reduce4(a[0], a[1], a[2], a[3]);
     if (bits == 8 && wt == KVC_GGML_IQ4_XS) /* the table's + 128 */
-        i0 = _mm512_sub_epi32(
-            i0, _mm512_slli_epi32(_mm512_loadu_si512((const void *)(xg + qbytes + 16 * L)), 7));
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(g->dw, dx), acc);
+        i0 = _mm512_sub_epi32(i0, _mm512_slli_epi32(qs, 7));
     if (two) {
-        const __m512i i1 = reduce4(b[0], b[1], b[2], b[3]);
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(g->mw, dx), acc);
-        if (q2k) {
-            const __m512i i2 = reduce4(c[0], c[1], c[2], c[3]);
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i2), _mm512_mul_ps(g->dm, dx), acc);
+        __m512i i1 = reduce4(b[0], b[1], b[2], b[3]);
+        if (bits == 8 && code_off(wt)) { /* sum (u - off) x = sum u x - off sum x, per half */
+            const int sh = wt == KVC_GGML_Q6_K ? 5 : 2;
+            i0 = _mm512_sub_epi32(i0, _mm512_slli_epi32(qs0, sh));
+            i1 = _mm512_sub_epi32(i1, _mm512_slli_epi32(_mm512_sub_epi32(qs, qs0), sh));
         }
-    } else if (wt != KVC_GGML_IQ4_XS) {
-        acc = _mm512_fmadd_ps(g->mw, _mm512_loadu_ps((const void *)(xg + qbytes + 32 * L)), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(g->dw, dx), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(g->mw, dx), acc);
+        if (q2k) { /* m0 qsum0 + m1 (qsum - qsum0): an integer < 2^24, exact in float */
+            const __m512 t = _mm512_fmadd_ps(
+                g->m1, _mm512_cvtepi32_ps(_mm512_sub_epi32(qs, qs0)),
+                _mm512_mul_ps(g->m0, _mm512_cvtepi32_ps(qs0)));
+            acc = _mm512_fmadd_ps(t, _mm512_mul_ps(g->dm, dx), acc);
+        }
+    } else {
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(g->dw, dx), acc);
+        if (wt != KVC_GGML_IQ4_XS)
+            acc = _mm512_fmadd_ps(g->mw, _mm512_loadu_ps((const void *)(xg + qbytes + 32 * L)),
+                                  acc);
     }
     return acc;
 }
@@ -368,7 +357,7 @@ AI __m512 row_kgroup(const int32_t wt, const int bits, const kgroup *g, int nz,
 /* nr (1..4) activation rows times W row w: y[i * ldy]. */
 AI void kq_tile(const int32_t wt, const int bits, const int nr, const uint8_t *w, int64_t nb,
                 const uint8_t *x, int64_t xs, float *y, int64_t ldy) {
-    const int64_t bb = kq_bytes(wt), gbytes = (bits == 16 ? 304 : 176) * L;
+    const int64_t bb = kq_bytes(wt), gbytes = kvc__gemm_group_bytes(L, bits);
     const int64_t nsb = nb / 8;
     __m512 acc[4];
     UNROLL

@@ -161,9 +161,12 @@ void kvc__gemm_quantize_x(const float *x, int64_t cols, int L, int bits, void *x
             }
         }
         const float sx = d * (float)qsum;
+        int32_t qsum0 = 0;
+        for (int e = 0; e < KVC_GEMM_QK / 2; e++) qsum0 += q[e];
         memcpy(grp + qbytes + 4 * p, &d, 4);
         memcpy(grp + qbytes + 16 * L + 4 * p, &qsum, 4);
         memcpy(grp + qbytes + 32 * L + 4 * p, &sx, 4);
+        memcpy(grp + qbytes + 48 * L + 4 * p, &qsum0, 4);
     }
 }
 
