@@ -13,7 +13,8 @@
  *     d_w * d_x (+ m_w * d_x * sum q for Q4_1, Q5_1), summed in double; K-quants:
  *     integers and scales decoded as ggml's dequantize_row_q*_K loops walk
  *     them (kq_ref_ints), per 32-element sub-block d sc d_x isum - dmin m
- *     d_x sum q (Q4_K/Q5_K) or per 16-element half d sc_h d_x isum_h (Q6_K).
+ *     d_x sum q (Q4_K/Q5_K; IQ4_XS without the min) or per 16-element half
+ *     d sc_h d_x isum_h (Q6_K, Q3_K; Q2_K - dmin m_h d_x sum_h q).
  * Checks, every type x every kernel set (scalar, avx2, avx512 with and
  * without VNNI) x activation width {16, 8} (quantized types) x rows {1, 7,
  * 64, 576, 1537} x cols {32, 64, 352, 576, 1536} (1, 2, 11, 18, 48 blocks:
@@ -21,7 +22,8 @@
  * 1280, 1536}: 1, 2, 3, 5, 6 super-blocks, odd counts ending in half an
  * AVX-512 group) x n {1, 2, 5, 16, 33}:
  *   tight: |Y - exact| <= (2 nb + 8) 2^-24 sum_b |term_b| for the integer
- *     paths (nb block terms, Q4_1, Q5_1 and K-quants twice as many; every float32
+ *     paths (nb block terms, Q4_1, Q5_1 and K-quants twice as many, Q2_K three
+ *     times as many with (3 nb + 8); every float32
  *     rounding of a term, float(isum) included (int16: |isum| up to 2^27), and every
  *     addition costs at most 2^-24 of the absolute sum), and |Y - ref| <=
  *     (cols + 4) 2^-24 sum_c |w_c x_c| for float weights;

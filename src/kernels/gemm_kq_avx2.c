@@ -1,7 +1,7 @@
 /*
  * AVX2 (+FMA, F16C) kernels of kvc__gemm for K-quant weights (Q2_K, Q3_K,
- * Q4_K, Q5_K, Q6_K) and IQ4_XS (formulas in gemm_kernels.h). Also the K-quant kernels of the avx512
- * ISA on CPUs without AVX512_VNNI.
+ * Q4_K, Q5_K, Q6_K) and IQ4_XS (formulas in gemm_kernels.h). Also the
+ * K-quant kernels of the avx512 ISA on CPUs without AVX512_VNNI.
  *
  * One activation group (8 blocks, L = 2 lanes) is one weight super-block:
  * register j (0..3) lane k (0..1) = sub-block 2 j + k, as in gemm_avx2.c.
