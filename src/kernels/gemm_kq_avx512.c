@@ -141,9 +141,8 @@ AI void load_kgroup(const int32_t wt, const int bits, const uint8_t *w, int nsb,
             lo[j] = bits_at(qs, cnt, m3);
             hi[j] = bits_at(qs + 16, cnt, m3);
             if (wt == KVC_GGML_Q3_K) { /* bit 4 jj + k of hmask[l] -> +4 (vptestmb + masked add) */
-                const int b = 4 * jj;
-                const __m512i bit = rep4(0x01010101 << b, 0x01010101 << (b + 1),
-                                         0x01010101 << (b + 2), 0x01010101 << (b + 3));
+                const unsigned b0 = 0x01010101u << (4 * jj);
+                const __m512i bit = rep4((int)b0, (int)(b0 << 1), (int)(b0 << 2), (int)(b0 << 3));
                 const __m512i c4 = _mm512_set1_epi8(4);
                 const __mmask64 ka = _mm512_test_epi8_mask(_mm512_broadcast_i32x4(ld16(sbp)), bit);
                 const __mmask64 kb =
