@@ -237,6 +237,29 @@ def test_kq_model_cache_is_exact_float32(kq_model):
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def _generate_against_reference(m, ref, path, n_gen, n_check=4):
+    """Greedy reply to "What is the capital of France?" (n_gen tokens): the
+    first n_check tokens' logits against the reference, and each token equal
+    to the reference's choice wherever that choice is clear (its top-2 gap
+    above 4 times the logit error), at least twice. Returns (tokenizer,
+    tokens)."""
+    tok = kvcache.Tokenizer.from_gguf(path)
+    qn = [{"role": "user", "content": "What is the capital of France?"}]
+    p = list(tok.encode(tok.apply_chat_template(qn, add_generation_prompt=True)))
+    out = [int(v) for v in m.generate([p], n_gen, num_threads=2)[0]]
+    clear = 0
+    for i in range(min(n_check, len(out))):
+        want = ref.logits(p + out[:i])[-1].astype(np.float64)
+        got = m.eval(p + out[:i], num_threads=2)[-1]
+        _check_logits(got, want, 5e-3)
+        top2 = np.sort(want)[-2:]
+        if top2[1] - top2[0] > 4 * np.abs(got - want).max():
+            assert out[i] == int(np.argmax(want)), (i, out, tok.decode(out))
+            clear += 1
+    assert clear >= 2, (clear, out)
+    return tok, out
+
+
 @pytest.mark.skipif(not DEFAULT_MODEL.exists(),
                     reason=f"the default model is absent ({DEFAULT_MODEL}): "
                            "bash scripts/fetch_model.sh")
@@ -279,22 +302,9 @@ def test_default_model_with_k_quant_ffn_down(tmp_path, name):
         for isa in kvcache.supported_isas():
             with _isa(isa):
                 _check_logits(m.eval(toks, num_threads=2), want, 5e-3)
-        tok = kvcache.Tokenizer.from_gguf(path)
-        qn = [{"role": "user", "content": "What is the capital of France?"}]
-        p = list(tok.encode(tok.apply_chat_template(qn, add_generation_prompt=True)))
-        out = [int(v) for v in m.generate([p], 12, num_threads=2)[0]]
+        tok, out = _generate_against_reference(m, ref, path, 12)
         if name == "Q4_K":
             assert "Paris" in tok.decode(out), tok.decode(out)
-        clear = 0
-        for i in range(4):
-            want = ref.logits(p + out[:i])[-1].astype(np.float64)
-            got = m.eval(p + out[:i], num_threads=2)[-1]
-            _check_logits(got, want, 5e-3)
-            top2 = np.sort(want)[-2:]
-            if top2[1] - top2[0] > 4 * np.abs(got - want).max():
-                assert out[i] == int(np.argmax(want)), (i, out, tok.decode(out))
-                clear += 1
-        assert clear >= 2, (clear, out)
 
 
 @pytest.mark.skipif(not DEFAULT_MODEL.exists(),
@@ -336,17 +346,4 @@ def test_default_model_with_a_q5_or_iq4_nl_embedding(tmp_path, name):
         # generated tokens against the reference's choice wherever it is
         # clear (re-encoded as Q5_0 the model answers "La femme de France",
         # and the reference does too: the answer is the weights')
-        tok = kvcache.Tokenizer.from_gguf(path)
-        qn = [{"role": "user", "content": "What is the capital of France?"}]
-        p = list(tok.encode(tok.apply_chat_template(qn, add_generation_prompt=True)))
-        out = [int(v) for v in m.generate([p], 4, num_threads=2)[0]]
-        clear = 0
-        for i in range(len(out)):
-            want = ref.logits(p + out[:i])[-1].astype(np.float64)
-            got = m.eval(p + out[:i], num_threads=2)[-1]
-            _check_logits(got, want, 5e-3)
-            top2 = np.sort(want)[-2:]
-            if top2[1] - top2[0] > 4 * np.abs(got - want).max():
-                assert out[i] == int(np.argmax(want)), (i, out, tok.decode(out))
-                clear += 1
-        assert clear >= 2, (clear, out)
+        _generate_against_reference(m, ref, path, 4)

@@ -361,48 +361,32 @@ AI void kq_rows(const int32_t wt, const int bits, const uint8_t *W, int64_t row_
             kq_tile(wt, bits, 1, W + r * row_bytes, nb, xq + i * xs, xs, Y + i * ldy + r, ldy);
 }
 
+/* One switch for both widths: kq_rows specialized per type (bits is a
+ * constant in each caller). */
+AI void kq_types(const int bits, int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0,
+                 int64_t r1, int64_t nb, const uint8_t *xq, int64_t xs, int64_t n, float *Y,
+                 int64_t ldy) {
+#define KQ_CASE(t) \
+    case t: kq_rows(t, bits, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break
+    switch (wt) {
+    KQ_CASE(KVC_GGML_Q4_K);
+    KQ_CASE(KVC_GGML_Q5_K);
+    KQ_CASE(KVC_GGML_Q2_K);
+    KQ_CASE(KVC_GGML_Q3_K);
+    KQ_CASE(KVC_GGML_IQ4_XS);
+    default: kq_rows(KVC_GGML_Q6_K, bits, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
+    }
+#undef KQ_CASE
+}
+
 void kvc__gemm_kq8_avx2(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0, int64_t r1,
                         int64_t nb, const uint8_t *xq, int64_t xs, int64_t n, float *Y,
                         int64_t ldy) {
-    switch (wt) {
-    case KVC_GGML_Q4_K:
-        kq_rows(KVC_GGML_Q4_K, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    case KVC_GGML_Q5_K:
-        kq_rows(KVC_GGML_Q5_K, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    case KVC_GGML_Q2_K:
-        kq_rows(KVC_GGML_Q2_K, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    case KVC_GGML_Q3_K:
-        kq_rows(KVC_GGML_Q3_K, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    case KVC_GGML_IQ4_XS:
-        kq_rows(KVC_GGML_IQ4_XS, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    default: kq_rows(KVC_GGML_Q6_K, 8, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
-    }
+    kq_types(8, wt, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
 }
 
 void kvc__gemm_kq16_avx2(int32_t wt, const uint8_t *W, int64_t row_bytes, int64_t r0,
                          int64_t r1, int64_t nb, const uint8_t *xq, int64_t xs, int64_t n,
                          float *Y, int64_t ldy) {
-    switch (wt) {
-    case KVC_GGML_Q4_K:
-        kq_rows(KVC_GGML_Q4_K, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    case KVC_GGML_Q5_K:
-        kq_rows(KVC_GGML_Q5_K, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    case KVC_GGML_Q2_K:
-        kq_rows(KVC_GGML_Q2_K, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    case KVC_GGML_Q3_K:
-        kq_rows(KVC_GGML_Q3_K, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    case KVC_GGML_IQ4_XS:
-        kq_rows(KVC_GGML_IQ4_XS, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
-        break;
-    default: kq_rows(KVC_GGML_Q6_K, 16, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy); break;
-    }
+    kq_types(16, wt, W, row_bytes, r0, r1, nb, xq, xs, n, Y, ldy);
 }
