@@ -38,7 +38,7 @@
 #include <immintrin.h>
 #include <string.h>
 
-#include "gemm_kernels.h"
+#include "gemm_kq_common.h"
 
 #define AI static inline __attribute__((always_inline))
 #define UNROLL _Pragma("GCC unroll 4")
@@ -54,12 +54,8 @@ typedef struct kgroup {
 
 #define kq_bytes kvc__kq_bytes
 
-/* Types whose scales cover 16 elements (two sums per sub-block), and the
- * offset their codes carry (q = u - off, u unsigned). */
-AI int halves(int32_t wt) {
-    return wt == KVC_GGML_Q6_K || wt == KVC_GGML_Q3_K || wt == KVC_GGML_Q2_K;
-}
-AI int code_off(int32_t wt) { return wt == KVC_GGML_Q6_K ? 32 : wt == KVC_GGML_Q3_K ? 4 : 0; }
+#define halves kq_halves
+#define code_off kq_code_off
 
 AI __m256i bcast(const uint8_t *p) {
     return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)p));
@@ -76,32 +72,8 @@ AI __m256i bits_at(const uint8_t *p, __m256i cnt, __m256i mask) {
     return _mm256_and_si256(_mm256_srlv_epi32(bcast(p), cnt), mask);
 }
 
-/* Q3_K's 16 scales minus 32 as int8 (ggml's unpacking of the 12 bytes). */
-AI __m128i q3k_scales(const uint8_t *s) {
-    uint32_t u[3];
-    memcpy(u, s, 12);
-    const uint32_t a0 = (u[0] & 0x0f0f0f0fu) | (u[2] & 0x03030303u) << 4;
-    const uint32_t a1 = (u[1] & 0x0f0f0f0fu) | ((u[2] >> 2) & 0x03030303u) << 4;
-    const uint32_t a2 = ((u[0] >> 4) & 0x0f0f0f0fu) | ((u[2] >> 4) & 0x03030303u) << 4;
-    const uint32_t a3 = ((u[1] >> 4) & 0x0f0f0f0fu) | ((u[2] >> 6) & 0x03030303u) << 4;
-    return _mm_sub_epi8(_mm_setr_epi32((int)a0, (int)a1, (int)a2, (int)a3), _mm_set1_epi8(32));
-}
 
-/* IQ4_XS's scale of sub-block j, minus 32. */
-AI int iq4xs_scale(const uint8_t *b, int j) {
-    const int hi = ((b[2] | b[3] << 8) >> (2 * j)) & 3;
-    return (((b[4 + j / 2] >> (4 * (j % 2))) & 15) | hi << 4) - 32;
-}
 
-/* Scales and mins of a Q4_K/Q5_K super-block as bytes sc[0..7] | m[0..7]. */
-AI __m128i kq_scales(const uint8_t *s) {
-    uint32_t u[3];
-    memcpy(u, s, 12);
-    const uint32_t sc_lo = u[0] & 0x3f3f3f3fu, m_lo = u[1] & 0x3f3f3f3fu;
-    const uint32_t sc_hi = (u[2] & 0x0f0f0f0fu) | ((u[0] >> 6) & 0x03030303u) << 4;
-    const uint32_t m_hi = ((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 6) & 0x03030303u) << 4;
-    return _mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)m_lo, (int)m_hi);
-}
 
 AI __m256 bytes_ps(__m128i b, int sign) {
     return _mm256_cvtepi32_ps(sign ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
@@ -189,10 +161,10 @@ AI void load_kgroup(const int32_t wt, const int bits, const uint8_t *w, kgroup *
             lo[j] = _mm256_shuffle_epi8(tbl, _mm256_and_si256(v, m4));
             hi[j] = _mm256_shuffle_epi8(tbl, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
         }
-        int8_t ls[16] = {0};
-        for (int p = 0; p < 8; p++) ls[p] = (int8_t)iq4xs_scale(w, 2 * (p % 4) + p / 4);
-        g->dw = _mm256_mul_ps(_mm256_set1_ps(f16_at(w)),
-                              bytes_ps(_mm_loadu_si128((const __m128i *)(const void *)ls), 1));
+        /* block b(p) = 0, 2, 4, 6, 1, 3, 5, 7 at position p */
+        const __m128i ls = _mm_shuffle_epi8(
+            iq4xs_scales(w), _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 8, 8, 8, 8, 8, 8, 8));
+        g->dw = _mm256_mul_ps(_mm256_set1_ps(f16_at(w)), bytes_ps(ls, 1));
         g->mw = _mm256_setzero_ps();
     } else {
         const int five = wt == KVC_GGML_Q5_K;
