@@ -212,7 +212,7 @@ static void kq_unpack(int32_t wt, const uint8_t *b, int32_t q[256], float dw[16]
                 mn[h] = b[h] >> 4;
             }
         }
-        mw[0] = -f16_at(b + 82);
+        if (!three) mw[0] = -f16_at(b + 82);
         return;
     }
     case KVC_GGML_IQ4_XS: {
